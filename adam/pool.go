@@ -1,0 +1,187 @@
+package adam
+
+import (
+	"runtime"
+	"sync"
+)
+
+// MinChunk is the smallest number of elements a Pool gives one goroutine:
+// below it, the cost of waking a worker exceeds the work.
+const MinChunk = 1 << 15
+
+// Chunk boundaries fall on multiples of MinChunk elements. That keeps two
+// goroutines off each other's cache lines of p, m and v, and lets
+// SumSquares add per-MinChunk partial sums in one fixed order, so its result
+// does not depend on the thread count.
+
+type taskKind uint8
+
+const (
+	taskStep taskKind = iota
+	taskFinite
+	taskSumSq
+)
+
+type task struct {
+	kind    taskKind
+	c       Coeffs
+	s       State
+	g       Grad
+	out     Copy16
+	unscale float32
+	slot    int
+	lo      int // first element of this chunk in the whole buffer
+}
+
+// slot holds one worker's reduction result, padded to its own cache lines.
+type slot struct {
+	finite bool
+	_      [127]byte
+}
+
+// Pool runs Step, AllFinite and SumSquares over large subgroups by splitting
+// them into contiguous chunks of at least MinChunk elements, one per
+// goroutine, the calling goroutine included. Workers are started once, by
+// NewPool; a call allocates nothing.
+//
+// A Pool's methods serialize with each other (one operation at a time);
+// they are safe to call from several goroutines.
+type Pool struct {
+	mu      sync.Mutex
+	threads int
+	tasks   chan task
+	wg      sync.WaitGroup
+	slots   []slot
+	partial []float64 // SumSquares partial sums, one per MinChunk block
+	closed  bool
+}
+
+// NewPool starts a pool of threads goroutines in all (threads-1 workers plus
+// the caller). threads <= 0 means runtime.GOMAXPROCS(0).
+func NewPool(threads int) *Pool {
+	if threads <= 0 {
+		threads = runtime.GOMAXPROCS(0)
+	}
+	p := &Pool{threads: threads, tasks: make(chan task, threads), slots: make([]slot, threads)}
+	for i := 1; i < threads; i++ {
+		go p.worker()
+	}
+	return p
+}
+
+// Threads returns the number of goroutines a call may use.
+func (p *Pool) Threads() int { return p.threads }
+
+// Close stops the workers. The Pool must not be used afterwards.
+func (p *Pool) Close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.closed {
+		p.closed = true
+		close(p.tasks)
+	}
+}
+
+func (p *Pool) worker() {
+	for t := range p.tasks {
+		p.run(&t)
+		p.wg.Done()
+	}
+}
+
+func (p *Pool) run(t *task) {
+	switch t.kind {
+	case taskStep:
+		Step(&t.c, t.s, t.g, t.out)
+	case taskFinite:
+		p.slots[t.slot].finite = AllFinite(t.g)
+	case taskSumSq:
+		sumSquaresBlocks(p.partial[t.lo/MinChunk:], t.g, t.unscale)
+	}
+}
+
+// split returns the number of chunks for n elements and the chunk size.
+func (p *Pool) split(n int) (chunks, size int) {
+	chunks = min(p.threads, (n+MinChunk-1)/MinChunk)
+	if chunks <= 1 {
+		return 1, n
+	}
+	size = (n + chunks - 1) / chunks
+	size = (size + MinChunk - 1) / MinChunk * MinChunk
+	chunks = (n + size - 1) / size
+	return chunks, size
+}
+
+// dispatch runs t over [0, n) in chunks; t.s, t.g and t.out are sliced.
+func (p *Pool) dispatch(t task, n int) int {
+	chunks, size := p.split(n)
+	if chunks > 1 {
+		p.wg.Add(chunks - 1)
+		for i := 1; i < chunks; i++ {
+			lo, hi := i*size, min((i+1)*size, n)
+			c := t
+			c.slot = i
+			c.lo = lo
+			if t.kind == taskStep {
+				c.s = t.s.Slice(lo, hi)
+				c.out = t.out.Slice(lo, hi)
+			}
+			c.g = t.g.Slice(lo, hi)
+			p.tasks <- c
+		}
+	}
+	first := t
+	first.slot = 0
+	hi := min(size, n)
+	if t.kind == taskStep {
+		first.s = t.s.Slice(0, hi)
+		first.out = t.out.Slice(0, hi)
+	}
+	first.g = t.g.Slice(0, hi)
+	p.run(&first)
+	if chunks > 1 {
+		p.wg.Wait()
+	}
+	return chunks
+}
+
+// Step is the parallel form of the package-level Step, with the same
+// arguments, semantics and panics; results are bitwise identical to it.
+func (p *Pool) Step(c *Coeffs, s State, g Grad, out Copy16) {
+	checkLens(c, s, g, out)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.dispatch(task{kind: taskStep, c: *c, s: s, g: g, out: out}, len(s.Param))
+}
+
+// AllFinite is the parallel form of the package-level AllFinite.
+func (p *Pool) AllFinite(g Grad) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	chunks := p.dispatch(task{kind: taskFinite, g: g}, g.Len())
+	for i := 0; i < chunks; i++ {
+		if !p.slots[i].finite {
+			return false
+		}
+	}
+	return true
+}
+
+// SumSquares is the parallel form of the package-level SumSquares, bitwise
+// equal to it whatever the thread count. It allocates only when g is longer
+// than any gradient it has seen.
+func (p *Pool) SumSquares(g Grad, unscale float32) float64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	blocks := (g.Len() + MinChunk - 1) / MinChunk
+	if cap(p.partial) < blocks {
+		p.partial = make([]float64, blocks)
+	}
+	p.partial = p.partial[:blocks]
+	p.dispatch(task{kind: taskSumSq, g: g, unscale: unscale}, g.Len())
+	var s float64
+	for _, x := range p.partial {
+		s += x
+	}
+	return s
+}

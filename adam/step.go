@@ -1,0 +1,283 @@
+package adam
+
+import (
+	"fmt"
+	"math"
+)
+
+// State is the optimizer state of n parameters: fp32 master weights and the
+// moments, each of length n. MaxExpAvgSq is used only with amsgrad and must
+// then have length n too.
+type State struct {
+	Param       []float32 // master weights, p
+	ExpAvg      []float32 // first moment, m
+	ExpAvgSq    []float32 // second moment, v
+	MaxExpAvgSq []float32 // running max of v (amsgrad), or nil
+}
+
+// Len returns the number of parameters, len(Param).
+func (s State) Len() int { return len(s.Param) }
+
+// Slice returns the state of elements [lo, hi). Panics out of range.
+func (s State) Slice(lo, hi int) State {
+	out := State{Param: s.Param[lo:hi], ExpAvg: s.ExpAvg[lo:hi], ExpAvgSq: s.ExpAvgSq[lo:hi]}
+	if s.MaxExpAvgSq != nil {
+		out.MaxExpAvgSq = s.MaxExpAvgSq[lo:hi]
+	}
+	return out
+}
+
+// Grad is a gradient of n elements in one of three dtypes: F32 uses F32,
+// BF16 and F16 use U16 (bit patterns).
+type Grad struct {
+	DType DType
+	F32   []float32
+	U16   []uint16
+}
+
+// GradF32 wraps an fp32 gradient.
+func GradF32(g []float32) Grad { return Grad{DType: F32, F32: g} }
+
+// Grad16 wraps a bf16 or fp16 gradient given as bit patterns.
+func Grad16(d DType, g []uint16) Grad { return Grad{DType: d, U16: g} }
+
+// Len returns the number of elements.
+func (g Grad) Len() int {
+	if g.DType == F32 {
+		return len(g.F32)
+	}
+	return len(g.U16)
+}
+
+// Slice returns elements [lo, hi). Panics out of range.
+func (g Grad) Slice(lo, hi int) Grad {
+	if g.DType == F32 {
+		return Grad{DType: F32, F32: g.F32[lo:hi]}
+	}
+	return Grad{DType: g.DType, U16: g.U16[lo:hi]}
+}
+
+// Copy16 is the optional 16-bit working copy that a step writes: the new
+// master weights rounded to DType (BF16 or F16). A zero Copy16 writes
+// nothing.
+type Copy16 struct {
+	DType DType
+	Data  []uint16
+}
+
+// Slice returns elements [lo, hi) of a non-empty copy; a zero Copy16 stays
+// zero. Panics out of range.
+func (c Copy16) Slice(lo, hi int) Copy16 {
+	if c.DType == 0 {
+		return c
+	}
+	return Copy16{DType: c.DType, Data: c.Data[lo:hi]}
+}
+
+// block is how many elements the reference loop stages at a time: the
+// gradient is upcast, unscaled and clipped into a stack buffer of this many
+// fp32 values, then the moments and master weights are updated.
+const block = 256
+
+func checkLens(c *Coeffs, s State, g Grad, out Copy16) {
+	n := len(s.Param)
+	if len(s.ExpAvg) != n || len(s.ExpAvgSq) != n || g.Len() != n {
+		panic(fmt.Sprintf("adam: length mismatch: param %d, exp_avg %d, exp_avg_sq %d, grad %d",
+			n, len(s.ExpAvg), len(s.ExpAvgSq), g.Len()))
+	}
+	if c.AMSGrad && len(s.MaxExpAvgSq) != n {
+		panic(fmt.Sprintf("adam: amsgrad needs max_exp_avg_sq of length %d, have %d", n, len(s.MaxExpAvgSq)))
+	}
+	if out.DType != 0 && len(out.Data) != n {
+		panic(fmt.Sprintf("adam: 16-bit copy has length %d, want %d", len(out.Data), n))
+	}
+	switch g.DType {
+	case F32, BF16, F16:
+	default:
+		panic(fmt.Sprintf("adam: gradient dtype %v", g.DType))
+	}
+	switch out.DType {
+	case 0, BF16, F16:
+	default:
+		panic(fmt.Sprintf("adam: 16-bit copy dtype %v", out.DType))
+	}
+}
+
+// Step applies one AdamW step with the scalars c to the state s, reading the
+// gradient g and writing the 16-bit copy out when out.DType is set. All
+// lengths must be equal: this is the scalar reference, on the calling
+// goroutine. See the package doc for the arithmetic; it follows
+// torch.optim.AdamW / torch.optim.Adam with foreach=False.
+//
+// Step allocates nothing. It panics on a length or dtype mismatch.
+func Step(c *Coeffs, s State, g Grad, out Copy16) {
+	checkLens(c, s, g, out)
+	var gb [block]float32
+	n := len(s.Param)
+	for lo := 0; lo < n; lo += block {
+		hi := min(lo+block, n)
+		gs := gb[:hi-lo]
+		loadGrad(c, gs, g, lo)
+		var vmax []float32
+		if c.AMSGrad {
+			vmax = s.MaxExpAvgSq[lo:hi]
+		}
+		update(c, s.Param[lo:hi], s.ExpAvg[lo:hi], s.ExpAvgSq[lo:hi], vmax, gs)
+		if out.DType != 0 {
+			storeCopy(out.DType, out.Data[lo:hi], s.Param[lo:hi])
+		}
+	}
+}
+
+// loadGrad writes into dst the fp32 gradient elements [lo, lo+len(dst)) of
+// g, multiplied by c.Unscale and c.Clip and negated under maximize.
+func loadGrad(c *Coeffs, dst []float32, g Grad, lo int) {
+	switch g.DType {
+	case F32:
+		copy(dst, g.F32[lo:lo+len(dst)])
+	case BF16:
+		for i, h := range g.U16[lo : lo+len(dst)] {
+			dst[i] = BF16ToF32(h)
+		}
+	case F16:
+		for i, h := range g.U16[lo : lo+len(dst)] {
+			dst[i] = F16ToF32(h)
+		}
+	}
+	if c.Unscale != 1 {
+		for i := range dst {
+			dst[i] = float32(dst[i] * c.Unscale)
+		}
+	}
+	if c.Clip != 1 {
+		for i := range dst {
+			dst[i] = float32(dst[i] * c.Clip)
+		}
+	}
+	if c.Maximize {
+		for i := range dst {
+			dst[i] = -dst[i]
+		}
+	}
+}
+
+// update is the element-wise core on fp32 gradients g (already unscaled,
+// clipped and signed). Every intermediate is rounded to fp32: the explicit
+// conversions keep the compiler from fusing multiply-adds.
+func update(c *Coeffs, p, m, v, vmax, g []float32) {
+	p = p[:len(g)]
+	m = m[:len(g)]
+	v = v[:len(g)]
+	w := c.Beta1Weight
+	smallW := w < 0.5 // ATen's lerp picks its formula by |weight| < 0.5
+	oneMinusW := float32(1 - w)
+	for i, gi := range g {
+		pi := p[i]
+		if c.Decay != 1 {
+			pi = float32(pi * c.Decay)
+		}
+		if c.L2 != 0 {
+			gi = gi + float32(c.L2*pi)
+		}
+		mi := m[i]
+		if smallW {
+			mi = mi + float32(w*float32(gi-mi))
+		} else {
+			mi = gi - float32(float32(gi-mi)*oneMinusW)
+		}
+		vi := float32(v[i]*c.Beta2) + float32(float32(c.OneMinusB2*gi)*gi)
+		vd := vi
+		if vmax != nil {
+			// torch.maximum: NaN propagates.
+			if vmax[i] > vd || vmax[i] != vmax[i] {
+				vd = vmax[i]
+			}
+			vmax[i] = vd
+		}
+		denom := float32(float32(math.Sqrt(float64(vd)))/c.BC2Sqrt) + c.Eps
+		p[i] = pi + float32(float32(c.NegStepSize*mi)/denom)
+		m[i] = mi
+		v[i] = vi
+	}
+}
+
+// storeCopy rounds src to the 16-bit dtype d into dst.
+func storeCopy(d DType, dst []uint16, src []float32) {
+	dst = dst[:len(src)]
+	if d == BF16 {
+		for i, f := range src {
+			dst[i] = F32ToBF16(f)
+		}
+		return
+	}
+	for i, f := range src {
+		dst[i] = F32ToF16(f)
+	}
+}
+
+// AllFinite reports whether every element of g is finite (no Inf, no NaN),
+// as torch.amp's _amp_foreach_non_finite_check_and_unscale_ decides whether
+// to skip a step.
+func AllFinite(g Grad) bool {
+	if g.DType == F32 {
+		for _, f := range g.F32 {
+			if math.Float32bits(f)&0x7f800000 == 0x7f800000 {
+				return false
+			}
+		}
+		return true
+	}
+	mask := uint16(0x7c00) // F16 exponent
+	if g.DType == BF16 {
+		mask = 0x7f80
+	}
+	for _, h := range g.U16 {
+		if h&mask == mask {
+			return false
+		}
+	}
+	return true
+}
+
+// SumSquares returns the sum over g of (float32(g_i)*unscale)^2: each
+// unscaled element is rounded to fp32, then squared and summed in float64,
+// block by block of MinChunk elements, the block sums added in order. Its
+// square root over all subgroups is the global L2 norm that
+// torch.nn.utils.clip_grad_norm_ computes on unscaled gradients.
+func SumSquares(g Grad, unscale float32) float64 {
+	var s float64
+	for lo := 0; lo < g.Len(); lo += MinChunk {
+		s += sumSquares(g.Slice(lo, min(lo+MinChunk, g.Len())), unscale)
+	}
+	return s
+}
+
+// sumSquaresBlocks writes the sum of squares of each MinChunk block of g
+// into dst[0], dst[1], ...
+func sumSquaresBlocks(dst []float64, g Grad, unscale float32) {
+	for i, lo := 0, 0; lo < g.Len(); i, lo = i+1, lo+MinChunk {
+		dst[i] = sumSquares(g.Slice(lo, min(lo+MinChunk, g.Len())), unscale)
+	}
+}
+
+func sumSquares(g Grad, unscale float32) float64 {
+	var s float64
+	switch g.DType {
+	case F32:
+		for _, f := range g.F32 {
+			x := float64(float32(f * unscale))
+			s += x * x
+		}
+	case BF16:
+		for _, h := range g.U16 {
+			x := float64(float32(BF16ToF32(h) * unscale))
+			s += x * x
+		}
+	case F16:
+		for _, h := range g.U16 {
+			x := float64(float32(F16ToF32(h) * unscale))
+			s += x * x
+		}
+	}
+	return s
+}

@@ -1,0 +1,3 @@
+module github.com/deepstates/dos
+
+go 1.26
