@@ -39,13 +39,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import struct
 import sys
 import zlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 
 FORMAT = "adam-case/v1"
 F64_TOLERANCE = 7e-6  # the schema's bound for a float64 recomputation
@@ -83,6 +86,9 @@ class Case:
     # decades with random signs ("logspread": param_scale * 10**U(-15, 1)).
     param_kind: str = "normal"
     param_scale: float = 1.0
+    # "f16" or "extreme": lead the params with values on the 16-bit rounding edges,
+    # whose gradients are always zero (see _special_params).
+    special_params: str = ""
     # Gradient scale per call: grad_scales[(t-1) % len] when given, else
     # grad_base * 10**U(-grad_span, grad_span) drawn per call.
     grad_scales: tuple[float, ...] | None = None
@@ -132,9 +138,12 @@ def _cases() -> list[Case]:
              grad_scales=(1e-19, 1e-20, 1e-17, 1e-30, 1e-21, 1e-18), copies=("bf16",)),
         Case("huge", 64, 5, "params ~1e30, grads ~1e15 (grad^2 ~1e30); fp16 copy overflows to inf",
              param_scale=1e30, grad_base=1e15, grad_span=0.3, weight_decay=0.1, copies=("bf16", "fp16")),
-        Case("f16_range", 2000, 3, "params over 16 decades, for the 16-bit roundings (subnormal, overflow)",
-             param_kind="logspread", param_scale=1e6, grad_base=1e-3, copies=("bf16", "fp16")),
-        Case("long", 64, 1000, "1000 calls, state kept every 250", save_every=250, copies=("bf16",)),
+        Case("f16_range", 2000, 3, "16-bit rounding edges (frozen by zero grads), then params over 16 decades",
+             param_kind="logspread", param_scale=1e6, special_params="f16", copies=("bf16", "fp16")),
+        Case("extreme_edges", 32, 2, "fp32 extremes for the 16-bit roundings: FLT_MAX, bf16 max, denormals",
+             special_params="extreme", copies=("bf16", "fp16")),
+        Case("long", 64, 1000, "1000 calls, state kept every 250", grad_span=0.5, save_every=250,
+             copies=("bf16",)),
         # Over 1000 calls the fp32 rounding of the decay factor 1-lr*wd alone moves the
         # params by ~1e-5 relative: this case needs the factor rounded as PyTorch does.
         Case("long_wd", 16, 1000, "1000 calls with decoupled weight decay, state kept every 250",
@@ -151,14 +160,75 @@ def _cases() -> list[Case]:
 # --------------------------------------------------------------------------- inputs
 
 
+def _f32_from_bits(bits: list[int]) -> torch.Tensor:
+    """fp32 values from their bit patterns (sign bit clear)."""
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+
+
+def _ties(gen: torch.Generator, count: int, low_bits: int, exponents: tuple[int, int]) -> torch.Tensor:
+    """Random fp32 values exactly halfway between two neighbours with low_bits fewer
+    mantissa bits (16: bfloat16, 13: float16), biased exponents in [lo, hi), random signs."""
+    exponent = torch.randint(exponents[0], exponents[1], (count,), generator=gen, dtype=torch.int32)
+    mantissa = torch.randint(0, 1 << (23 - low_bits), (count,), generator=gen, dtype=torch.int32) << low_bits
+    values = ((exponent << 23) | mantissa | (1 << (low_bits - 1))).view(torch.float32)
+    sign = torch.where(torch.rand(count, generator=gen) < 0.5, -1.0, 1.0)
+    return values * sign
+
+
+def _special_params(kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Parameters on the edges of the fp32 -> 16-bit roundings (they get zero gradients,
+    so with weight_decay 0 they stay exactly as they are)."""
+    if kind == "f16":
+        values = [
+            65504.0, 65519.99609375, 65520.0, -65520.0, 65536.0, -1e6,  # fp16 max, overflow edge
+            1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 2049.0, 2051.0,  # fp16 ties to even
+            2**-24, 2**-25, -(2**-25), 3 * 2**-25, 2**-26, 1.5 * 2**-24,  # fp16 subnormal, underflow
+            2**-14, 2**-14 - 2**-25, 2**-14 - 2**-24, 1e-9,  # fp16 min normal, neighbours
+            1 + 2**-8, 1 + 3 * 2**-8, 257.0, 259.0, -259.0,  # bf16 ties to even
+        ]
+        return torch.cat([
+            torch.tensor(values, dtype=torch.float32),
+            _ties(gen, 16, 13, (113, 142)),  # fp16 normal range
+            _ties(gen, 16, 16, (110, 147)),  # up to 1e6
+        ])
+    if kind == "extreme":
+        head = _f32_from_bits([
+            0x7F7FFFFF,  # FLT_MAX: bf16 rounds up to inf
+            0x7F7F0000,  # bf16 max
+            0x7F7F8000,  # halfway between bf16 max and inf: inf (even)
+            0x7F7E8000,  # tie below bf16 max: 0x7F7E (even)
+            0x7F7F7FFF,  # just under the halfway point: bf16 max
+            0x00800000,  # FLT_MIN
+            0x00000001,  # smallest fp32 denormal: bf16 0
+            0x00008000,  # denormal tie: bf16 0 (even)
+            0x00018000,  # denormal tie: bf16 0x0002 (even)
+            0x0000C000,  # denormal above the tie: bf16 0x0001
+            0x007FFFFF,  # largest denormal: rounds up to FLT_MIN in bf16
+            0x00400000,  # a denormal that bf16 holds exactly
+        ])
+        return torch.cat([head, -head[:6], -head[6:]])
+    raise ValueError(f"unknown special_params {kind!r}")
+
+
 def _initial_params(case: Case, gen: torch.Generator) -> torch.Tensor:
+    head = _special_params(case.special_params, gen) if case.special_params else torch.empty(0)
+    n = case.n - head.numel()
+    if n < 0:
+        raise ValueError(f"{case.name}: n={case.n} is smaller than its {head.numel()} special params")
     if case.param_kind == "normal":
-        return torch.randn(case.n, generator=gen) * case.param_scale
-    if case.param_kind == "logspread":
-        exponent = torch.rand(case.n, generator=gen, dtype=torch.float64) * 16.0 - 15.0
-        sign = torch.where(torch.rand(case.n, generator=gen) < 0.5, -1.0, 1.0).double()
-        return (sign * case.param_scale * torch.pow(10.0, exponent)).float()
-    raise ValueError(f"{case.name}: unknown param_kind {case.param_kind!r}")
+        rest = torch.randn(n, generator=gen) * case.param_scale
+    elif case.param_kind == "logspread":
+        exponent = torch.rand(n, generator=gen, dtype=torch.float64) * 16.0 - 15.0
+        sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+        rest = (sign * case.param_scale * torch.pow(10.0, exponent)).float()
+    else:
+        raise ValueError(f"{case.name}: unknown param_kind {case.param_kind!r}")
+    return torch.cat([head, rest])
+
+
+def _frozen(case: Case) -> int:
+    """How many leading elements are special params, which always get zero gradients."""
+    return _special_params(case.special_params, torch.Generator()).numel() if case.special_params else 0
 
 
 def _grad_scale_at(case: Case, t: int, gen: torch.Generator) -> float:
@@ -180,6 +250,7 @@ def _true_grad(case: Case, t: int, gen: torch.Generator) -> torch.Tensor:
     else:  # heavy-tailed, with an offset
         g = torch.randn(n, generator=gen) * torch.exp(0.75 * torch.randn(n, generator=gen)) + 0.25
     g = g * scale
+    g[:_frozen(case)] = 0.0
     for zt, fraction in case.zero_at:
         if zt == t:
             mask = torch.rand(n, generator=gen) < fraction if fraction < 1.0 else torch.ones(n, dtype=torch.bool)
@@ -396,6 +467,31 @@ def _normal(ours: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
     return both_normal | both_zero
 
 
+# --------------------------------------------------------------------------- writing
+
+
+def write_case(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Save with safetensors, with the metadata in a fixed order so that the bytes are
+    reproducible (safetensors writes `__metadata__` in hash-map order), then read back."""
+    blob = save(tensors, metadata=metadata)
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + header_len])
+    header.pop("__metadata__", None)
+    text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned, as safetensors does
+    path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + header_len :])
+
+    with safe_open(str(path), framework="pt") as f:
+        if f.metadata() != metadata:
+            raise AssertionError(f"{path}: metadata did not round-trip")
+    back = load_file(str(path))
+    for name, value in tensors.items():
+        if back[name].dtype != value.dtype or not torch.equal(back[name].view(torch.uint8), value.view(torch.uint8)):
+            raise AssertionError(f"{path}: {name} did not round-trip")
+    if back.keys() != tensors.keys():
+        raise AssertionError(f"{path}: tensor names did not round-trip")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -429,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         err = float64_check(case, tensors)
         err_scalars = float64_check(case, tensors, torch_scalars=True)
         path = args.out / f"{case.name}.safetensors"
-        save_file(tensors, str(path), metadata=_metadata(case, final_step, torch_version))
+        write_case(path, tensors, _metadata(case, final_step, torch_version))
         total_bytes += path.stat().st_size
         note = ""
         if min(err, err_scalars) > BUG_TOLERANCE:

@@ -1,0 +1,351 @@
+package offload
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// Param names one parameter tensor: its name (GPT-2 / Megatron style, such as
+// "h.0.attn.c_attn.weight") and its row-major shape in elements.
+type Param struct {
+	Name  string
+	Shape []int
+}
+
+// ParamInfo is a Param with its place in the flat parameter space.
+type ParamInfo struct {
+	Param
+	Offset int // first element in the flat space
+	Len    int // number of elements, the product of Shape
+}
+
+// Subgroup is one ZeRO-3 subgroup: elements [Offset, Offset+Len) of the flat
+// parameter space.
+type Subgroup struct {
+	Index  int
+	Offset int
+	Len    int
+}
+
+// Tensor is one parameter's buffer owned by the Optimizer: a gradient the
+// trainer writes, or a working copy it reads. It is a view: it stays valid
+// for the Optimizer's life, and its contents change with Step.
+//
+// Today every Tensor lives in host memory; Float32 and Uint16 give the host
+// view. A trainer that asks the Optimizer for its buffers, rather than
+// handing it slices of its own, keeps working when the Optimizer places them
+// elsewhere.
+type Tensor struct {
+	Name  string
+	Shape []int
+	DType adam.DType
+	f32   []float32
+	u16   []uint16
+}
+
+// Len returns the number of elements.
+func (t Tensor) Len() int {
+	if t.DType == adam.F32 {
+		return len(t.f32)
+	}
+	return len(t.u16)
+}
+
+// Float32 returns the host view of an F32 tensor. Panics for another dtype.
+func (t Tensor) Float32() []float32 {
+	if t.DType != adam.F32 {
+		panic(fmt.Sprintf("offload: tensor %q is %v, not float32", t.Name, t.DType))
+	}
+	return t.f32
+}
+
+// Uint16 returns the host view of a BF16 or F16 tensor as bit patterns.
+// Panics for F32.
+func (t Tensor) Uint16() []uint16 {
+	if t.DType == adam.F32 {
+		panic(fmt.Sprintf("offload: tensor %q is float32, not 16-bit", t.Name))
+	}
+	return t.u16
+}
+
+// StepArgs are the per-step inputs of Step.
+type StepArgs struct {
+	// LossScale S: the gradients hold S times the true gradient and are
+	// multiplied by 1/S (torch.amp.GradScaler.unscale_). 0 or 1 mean none.
+	LossScale float64
+}
+
+// StepResult reports what Step did.
+type StepResult struct {
+	Step     int64         // the step counter after Step (unchanged if skipped)
+	Skipped  bool          // a gradient held Inf or NaN: nothing changed
+	GradNorm float64       // global L2 norm of the unscaled gradients, before clipping; 0 when clipping is off
+	ClipCoef float64       // the factor the gradients were multiplied by (1 when not clipped)
+	Elapsed  time.Duration // wall time of the update phase
+}
+
+// ErrClosed is returned by methods of a closed Optimizer.
+var ErrClosed = errors.New("offload: optimizer is closed")
+
+// Optimizer is AdamW with the state in host memory, cut into subgroups.
+// Its methods must not be called concurrently.
+type Optimizer struct {
+	opts      Options
+	params    []ParamInfo
+	byName    map[string]int
+	subgroups []Subgroup
+	total     int
+
+	step  int64
+	state adam.State // flat, total elements each
+	grad  adam.Grad  // flat gradient, total elements
+	work  adam.Copy16
+	pool  *adam.Pool
+}
+
+// New builds an Optimizer over params, in order, with options opts (zero
+// fields take their defaults). The master weights start at zero: set them
+// with SetParam.
+//
+// Errors: no parameters, an empty or duplicate name, a negative dimension, a
+// total over 2^40 elements, or invalid options.
+func New(params []Param, opts Options) (*Optimizer, error) {
+	opts.EnsureDefaults()
+	if err := opts.Validate(); err != nil {
+		return nil, err
+	}
+	if len(params) == 0 {
+		return nil, errors.New("offload: no parameters")
+	}
+	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params))}
+	for i, p := range params {
+		if p.Name == "" {
+			return nil, fmt.Errorf("offload: parameter %d has an empty name", i)
+		}
+		if _, dup := o.byName[p.Name]; dup {
+			return nil, fmt.Errorf("offload: duplicate parameter name %q", p.Name)
+		}
+		n := 1
+		for _, d := range p.Shape {
+			if d < 0 {
+				return nil, fmt.Errorf("offload: parameter %q: negative dimension in shape %v", p.Name, p.Shape)
+			}
+			if d > 0 && n > (1<<40)/d {
+				return nil, fmt.Errorf("offload: parameter %q: shape %v is too large", p.Name, p.Shape)
+			}
+			n *= d
+		}
+		o.byName[p.Name] = i
+		o.params = append(o.params, ParamInfo{Param: Param{Name: p.Name, Shape: append([]int(nil), p.Shape...)}, Offset: o.total, Len: n})
+		o.total += n
+		if o.total > 1<<40 {
+			return nil, fmt.Errorf("offload: more than 2^40 parameters")
+		}
+	}
+	for off := 0; off < o.total; off += opts.SubgroupSize {
+		o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: off, Len: min(opts.SubgroupSize, o.total-off)})
+	}
+	o.state = adam.State{Param: make([]float32, o.total), ExpAvg: make([]float32, o.total), ExpAvgSq: make([]float32, o.total)}
+	if opts.Hyper.AMSGrad {
+		o.state.MaxExpAvgSq = make([]float32, o.total)
+	}
+	if opts.GradDType == adam.F32 {
+		o.grad = adam.GradF32(make([]float32, o.total))
+	} else {
+		o.grad = adam.Grad16(opts.GradDType, make([]uint16, o.total))
+	}
+	if opts.WorkingDType != 0 {
+		o.work = adam.Copy16{DType: opts.WorkingDType, Data: make([]uint16, o.total)}
+	}
+	o.pool = adam.NewPool(opts.Threads)
+	return o, nil
+}
+
+// Close stops the worker goroutines. The Optimizer must not be used after.
+func (o *Optimizer) Close() {
+	if o.pool != nil {
+		o.pool.Close()
+		o.pool = nil
+	}
+}
+
+// Options returns the options in effect, defaults filled in.
+func (o *Optimizer) Options() Options { return o.opts }
+
+// Params returns the parameters with their offsets, in order. The slice is
+// shared: do not modify it.
+func (o *Optimizer) Params() []ParamInfo { return o.params }
+
+// Subgroups returns the subgroups, in order. The slice is shared.
+func (o *Optimizer) Subgroups() []Subgroup { return o.subgroups }
+
+// NumParams returns the total number of parameters (elements).
+func (o *Optimizer) NumParams() int { return o.total }
+
+// StepCount returns the step counter: the number of steps taken, skipped
+// steps excluded.
+func (o *Optimizer) StepCount() int64 { return o.step }
+
+// SetLR sets the learning rate for the next steps, as assigning
+// param_groups[0]["lr"] does in PyTorch (for schedules).
+//
+// Errors: lr negative or not finite.
+func (o *Optimizer) SetLR(lr float64) error {
+	h := o.opts.Hyper
+	h.LR = lr
+	if err := h.Validate(); err != nil {
+		return fmt.Errorf("offload: SetLR: %w", err)
+	}
+	o.opts.Hyper.LR = lr
+	return nil
+}
+
+// Index returns the position of the parameter named name, or an error naming
+// it when there is none.
+func (o *Optimizer) Index(name string) (int, error) {
+	i, ok := o.byName[name]
+	if !ok {
+		return 0, fmt.Errorf("offload: no parameter named %q", name)
+	}
+	return i, nil
+}
+
+func (o *Optimizer) span(i int) (lo, hi int) {
+	p := o.params[i]
+	return p.Offset, p.Offset + p.Len
+}
+
+// Grad returns the gradient buffer of parameter i (in New's order), of
+// Options.GradDType. The trainer writes the gradient there before Step.
+// Panics if i is out of range.
+func (o *Optimizer) Grad(i int) Tensor {
+	lo, hi := o.span(i)
+	t := Tensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: o.grad.DType}
+	if t.DType == adam.F32 {
+		t.f32 = o.grad.F32[lo:hi:hi]
+	} else {
+		t.u16 = o.grad.U16[lo:hi:hi]
+	}
+	return t
+}
+
+// Working returns the working copy of parameter i that forward and backward
+// read: the 16-bit copy when Options.WorkingDType is set, else the fp32
+// master weights themselves (read-only by convention: write with SetParam).
+// Panics if i is out of range.
+func (o *Optimizer) Working(i int) Tensor {
+	lo, hi := o.span(i)
+	if o.work.DType == 0 {
+		return Tensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: adam.F32, f32: o.state.Param[lo:hi:hi]}
+	}
+	return Tensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: o.work.DType, u16: o.work.Data[lo:hi:hi]}
+}
+
+// Master returns a copy of the fp32 master weights of parameter i.
+// Panics if i is out of range.
+func (o *Optimizer) Master(i int) []float32 {
+	lo, hi := o.span(i)
+	return append([]float32(nil), o.state.Param[lo:hi]...)
+}
+
+// SetParam sets the master weights of the parameter named name to values and
+// refreshes its working copy. The optimizer state is not touched.
+//
+// Errors: no such parameter, or len(values) differs from its size.
+func (o *Optimizer) SetParam(name string, values []float32) error {
+	i, err := o.Index(name)
+	if err != nil {
+		return err
+	}
+	lo, hi := o.span(i)
+	if len(values) != hi-lo {
+		return fmt.Errorf("offload: SetParam %q: %d values for shape %v (%d elements)", name, len(values), o.params[i].Shape, hi-lo)
+	}
+	copy(o.state.Param[lo:hi], values)
+	o.refreshWorking(lo, hi)
+	return nil
+}
+
+func (o *Optimizer) refreshWorking(lo, hi int) {
+	if o.work.DType == 0 {
+		return
+	}
+	dst := o.work.Data[lo:hi]
+	for j, f := range o.state.Param[lo:hi] {
+		if o.work.DType == adam.BF16 {
+			dst[j] = adam.F32ToBF16(f)
+		} else {
+			dst[j] = adam.F32ToF16(f)
+		}
+	}
+}
+
+// ZeroGrad sets every gradient to zero (optimizer.zero_grad(set_to_none=False)).
+func (o *Optimizer) ZeroGrad() {
+	clear(o.grad.F32)
+	clear(o.grad.U16)
+}
+
+// Step runs one update phase over every subgroup: the global non-finite
+// check, the optional global norm clipping, one advance of the step counter,
+// and the AdamW update of every subgroup with the same bias corrections
+// (package doc). It allocates nothing.
+//
+// Errors: ErrClosed, or a LossScale that is negative or not finite. A
+// skipped step is not an error: it is reported in StepResult.Skipped.
+func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
+	start := time.Now()
+	if o.pool == nil {
+		return StepResult{}, ErrClosed
+	}
+	unscale := float32(1)
+	switch s := args.LossScale; {
+	case s == 0 || s == 1:
+	case s > 0 && !math.IsInf(s, 0):
+		unscale = float32(1 / s)
+	default:
+		return StepResult{}, fmt.Errorf("offload: LossScale %v: want a finite value > 0", s)
+	}
+	res := StepResult{Step: o.step, ClipCoef: 1}
+	for _, sg := range o.subgroups {
+		if !o.pool.AllFinite(o.grad.Slice(sg.Offset, sg.Offset+sg.Len)) {
+			res.Skipped = true
+			res.Elapsed = time.Since(start)
+			return res, nil
+		}
+	}
+	clip := float32(1)
+	if o.opts.MaxGradNorm > 0 {
+		var ss float64
+		for _, sg := range o.subgroups {
+			ss += o.pool.SumSquares(o.grad.Slice(sg.Offset, sg.Offset+sg.Len), unscale)
+		}
+		clip, res.GradNorm = clipCoef(ss, o.opts.MaxGradNorm)
+		res.ClipCoef = float64(clip)
+	}
+	o.step++
+	c := o.opts.Hyper.Coeffs(o.step, unscale, clip)
+	for _, sg := range o.subgroups {
+		lo, hi := sg.Offset, sg.Offset+sg.Len
+		o.pool.Step(&c, o.state.Slice(lo, hi), o.grad.Slice(lo, hi), o.work.Slice(lo, hi))
+	}
+	res.Step = o.step
+	res.Elapsed = time.Since(start)
+	return res, nil
+}
+
+// clipCoef follows torch.nn.utils.clip_grad_norm_ in fp32: the total norm is
+// rounded to fp32, clip_coef = max_norm / (total_norm + 1e-6), clamped to 1.
+// It returns the coefficient and the norm.
+func clipCoef(sumSquares, maxNorm float64) (float32, float64) {
+	norm := float32(math.Sqrt(sumSquares))
+	coef := float32(maxNorm) / (norm + float32(1e-6))
+	if coef > 1 {
+		coef = 1
+	}
+	return coef, float64(norm)
+}

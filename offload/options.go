@@ -1,0 +1,85 @@
+package offload
+
+import (
+	"fmt"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// DefaultSubgroupSize is the default Options.SubgroupSize in elements:
+// DeepSpeed's default sub_group_size, 1e9.
+const DefaultSubgroupSize = 1_000_000_000
+
+// Options configures an Optimizer.
+type Options struct {
+	// Hyper are the AdamW hyperparameters (PyTorch's names and defaults).
+	Hyper adam.Hyper `json:"hyper"`
+	// SubgroupSize is the number of elements per subgroup (DeepSpeed's
+	// sub_group_size). 0 means DefaultSubgroupSize.
+	SubgroupSize int `json:"subgroup_size"`
+	// GradDType is the dtype of the gradients the trainer writes: F32, BF16
+	// or F16. 0 means F32.
+	GradDType adam.DType `json:"grad_dtype"`
+	// WorkingDType is the dtype of the working copy forward and backward
+	// read: BF16 or F16 for a 16-bit copy rounded from the master weights
+	// after every step, or 0 (none) to read the fp32 master weights.
+	WorkingDType adam.DType `json:"working_dtype"`
+	// MaxGradNorm enables global gradient-norm clipping with this max_norm
+	// (torch.nn.utils.clip_grad_norm_, L2 norm); 0 disables it.
+	MaxGradNorm float64 `json:"max_grad_norm"`
+	// Threads is the number of CPU goroutines for the update. 0 means
+	// runtime.GOMAXPROCS(0).
+	Threads int `json:"threads"`
+}
+
+// EnsureDefaults fills zero fields with their defaults and returns o.
+// A zero Hyper becomes adam.DefaultHyper().
+func (o *Options) EnsureDefaults() *Options {
+	if o.Hyper == (adam.Hyper{}) {
+		o.Hyper = adam.DefaultHyper()
+	}
+	if o.SubgroupSize == 0 {
+		o.SubgroupSize = DefaultSubgroupSize
+	}
+	if o.GradDType == 0 {
+		o.GradDType = adam.F32
+	}
+	return o
+}
+
+// Validate reports the first invalid option.
+//
+// Errors: the hyperparameters' (wrapping adam.ErrHyper), a SubgroupSize
+// below 1, an unknown dtype, a negative or non-finite MaxGradNorm, or a
+// negative Threads.
+func (o *Options) Validate() error {
+	if err := o.Hyper.Validate(); err != nil {
+		return fmt.Errorf("offload: %w", err)
+	}
+	if o.SubgroupSize < 1 {
+		return fmt.Errorf("offload: SubgroupSize %d: want >= 1 element", o.SubgroupSize)
+	}
+	switch o.GradDType {
+	case adam.F32, adam.BF16, adam.F16:
+	default:
+		return fmt.Errorf("offload: GradDType %v: want float32, bfloat16 or float16", o.GradDType)
+	}
+	switch o.WorkingDType {
+	case 0, adam.BF16, adam.F16:
+	default:
+		return fmt.Errorf("offload: WorkingDType %v: want bfloat16, float16 or none", o.WorkingDType)
+	}
+	if !(o.MaxGradNorm >= 0) || o.MaxGradNorm > 1e38 {
+		return fmt.Errorf("offload: MaxGradNorm %v: want a finite value >= 0 (0 disables clipping)", o.MaxGradNorm)
+	}
+	if o.Threads < 0 {
+		return fmt.Errorf("offload: Threads %d: want >= 0 (0 means GOMAXPROCS)", o.Threads)
+	}
+	return nil
+}
+
+// String formats the options on one line.
+func (o Options) String() string {
+	return fmt.Sprintf("%v subgroup_size=%d grad_dtype=%v working_dtype=%v max_grad_norm=%g threads=%d",
+		o.Hyper, o.SubgroupSize, o.GradDType, o.WorkingDType, o.MaxGradNorm, o.Threads)
+}
