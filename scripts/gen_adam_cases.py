@@ -20,11 +20,15 @@ fused=False, i.e. PyTorch's single-tensor reference implementation. For every ca
     are recorded after the call: every call for short cases, every `save_every`
     calls (and always the last) for long ones.
 
-Every case uses its own fixed seed, so the output is deterministic for a given
-PyTorch version. As a self-check, each case is also recomputed in float64 from the
-stored inputs; the largest relative difference (the schema's metric, ignoring
-exp_avg_sq values in the fp32 denormal range) is printed and a warning is given
-when it exceeds the schema's 7e-6.
+Every case uses its own fixed seed, and the metadata is written in a fixed order,
+so the files are byte-for-byte reproducible for a given PyTorch version. Each file
+is read back after writing. As a self-check, each case is also recomputed in
+float64 from the stored inputs, once with exact constants (f64_err) and once with
+the per-step constants rounded to fp32 as PyTorch's kernels round them
+(f64_err_fp32_scalars); the largest relative difference under the schema's metric
+(ignoring exp_avg_sq values in the fp32 denormal range) is printed. Over the
+schema's 7e-6 is noted (expected for the 1000-step cases); over 1e-4 for both
+means this script is wrong, and the exit status is 1.
 
 PyTorch is not installed on the development machines; run this on the GPU machine,
 whose python3 has torch and safetensors (the GPU itself is not used):
@@ -127,7 +131,7 @@ def _cases() -> list[Case]:
         Case("fp16_scaled", 1500, 6, "fp16 grads, loss scale 65536; call 3 overflows and is skipped",
              grad_dtype="float16", grad_scale=65536.0, grad_base=1e-3, grad_span=0.5, bad_at=((3, "overflow"),),
              copies=("fp16",)),
-        Case("bf16_scaled", 1029, 6, "bf16 grads, loss scale 1024; calls 1 (nan) and 6, the last (inf), skipped",
+        Case("bf16_scaled", 1029, 6, "bf16 grads, loss scale 1024; calls 1 (nan) and 6, the last (-inf), skipped",
              grad_dtype="bfloat16", grad_scale=1024.0, weight_decay=0.01, bad_at=((1, "nan"), (6, "-inf")),
              copies=("bf16",)),
         Case("warm", 777, 5, "warm start at step 3", step0=3, weight_decay=0.01, copies=("bf16", "fp16")),
@@ -145,7 +149,8 @@ def _cases() -> list[Case]:
         Case("long", 64, 1000, "1000 calls, state kept every 250", grad_span=0.5, save_every=250,
              copies=("bf16",)),
         # Over 1000 calls the fp32 rounding of the decay factor 1-lr*wd alone moves the
-        # params by ~1e-5 relative: this case needs the factor rounded as PyTorch does.
+        # params by ~2e-5 relative (over the 1e-5 tolerance): this case passes only
+        # with the factor rounded to fp32 as PyTorch does.
         Case("long_wd", 16, 1000, "1000 calls with decoupled weight decay, state kept every 250",
              weight_decay=0.01, save_every=250, copies=("fp16",)),
         Case("betas", 129, 4, "non-default betas and eps", lr=3e-4, beta1=0.8, beta2=0.95, eps=1e-6,
@@ -182,7 +187,7 @@ def _special_params(kind: str, gen: torch.Generator) -> torch.Tensor:
         values = [
             65504.0, 65519.99609375, 65520.0, -65520.0, 65536.0, -1e6,  # fp16 max, overflow edge
             1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 2049.0, 2051.0,  # fp16 ties to even
-            2**-24, 2**-25, -(2**-25), 3 * 2**-25, 2**-26, 1.5 * 2**-24,  # fp16 subnormal, underflow
+            2**-24, 2**-25, -(2**-25), 3 * 2**-25, 5 * 2**-25, 2**-26,  # fp16 subnormal ties, underflow
             2**-14, 2**-14 - 2**-25, 2**-14 - 2**-24, 1e-9,  # fp16 min normal, neighbours
             1 + 2**-8, 1 + 3 * 2**-8, 257.0, 259.0, -259.0,  # bf16 ties to even
         ]

@@ -10,8 +10,10 @@ package adamcase
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"math"
 	"os"
+	"path"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -61,9 +63,21 @@ func (c *Case) N() int { return len(c.Init.Param) }
 // Errors: I/O errors, safetensors.ErrInvalid, or ErrCase naming the file and
 // the key or tensor at fault. Load never panics on a file's contents.
 func Load(path string) (*Case, error) {
-	f, err := safetensors.ReadFile(path)
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
+	}
+	return Parse(path, b)
+}
+
+// Parse validates the bytes b of a case file; path names it in errors and
+// in Case.Path. The Case does not refer to b afterwards.
+//
+// Errors: as Load.
+func Parse(path string, b []byte) (*Case, error) {
+	f, err := safetensors.Parse(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	c, err := fromFile(f, path)
 	if err != nil {
@@ -305,17 +319,30 @@ func LoadDir(dir string) ([]*Case, error) {
 	if _, err := os.Stat(dir); err != nil {
 		return nil, fmt.Errorf("adamcase: case directory: %w", err)
 	}
-	paths, err := filepath.Glob(filepath.Join(dir, "*.safetensors"))
+	return loadFS(os.DirFS(dir), ".", dir)
+}
+
+// LoadFS is LoadDir on directory dir of fsys (an embedded set of cases, say).
+func LoadFS(fsys fs.FS, dir string) ([]*Case, error) {
+	return loadFS(fsys, dir, dir)
+}
+
+func loadFS(fsys fs.FS, dir, shown string) ([]*Case, error) {
+	names, err := fs.Glob(fsys, path.Join(dir, "*.safetensors"))
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("adamcase: reading %s: %w", shown, err)
 	}
-	if len(paths) == 0 {
-		return nil, fmt.Errorf("adamcase: no *.safetensors case files in %s", dir)
+	if len(names) == 0 {
+		return nil, fmt.Errorf("adamcase: no *.safetensors case files in %s", shown)
 	}
-	sort.Strings(paths)
+	sort.Strings(names)
 	var cases []*Case
-	for _, p := range paths {
-		c, err := Load(p)
+	for _, name := range names {
+		b, err := fs.ReadFile(fsys, name)
+		if err != nil {
+			return nil, fmt.Errorf("adamcase: %w", err)
+		}
+		c, err := Parse(filepath.Join(shown, path.Base(name)), b)
 		if err != nil {
 			return nil, err
 		}

@@ -1,0 +1,52 @@
+# dos — build, test and demo targets. `make help` lists them.
+GO      ?= go
+BIN     ?= bin
+PKGS    := ./...
+
+.PHONY: help test vet fmt-check test-short demo bench gpu-bins gpu-test cases check-ckpt-py clean
+
+help:
+	@echo "make demo       run the main job on its embedded default"
+	@echo "make test       vet, gofmt check, and go test -race ./... (what CI runs)"
+	@echo "make bench      CPU AdamW benchmarks (params/s, GB/s) against copy and the naive loop"
+	@echo "make gpu-bins   build bin/dos and one test binary per package for the GPU machine"
+	@echo "make gpu-test   run bin/test/* with DOS_REQUIRE_GPU=1 (on the GPU machine)"
+
+test: vet fmt-check
+	$(GO) test -race -count=1 $(PKGS)
+
+vet:
+	$(GO) vet $(PKGS)
+
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
+
+test-short:
+	$(GO) test -short $(PKGS)
+
+demo:
+	$(GO) run ./cmd/dos selftest
+	$(GO) run ./examples/quickstart
+
+bench:
+	$(GO) test -run '^$$' -bench . -benchtime 5x ./adam/
+
+# Binaries for the GPU machine, which has no Go toolchain: the CLI and one
+# test binary per package, named after the package path (adam/adamcase ->
+# adam_adamcase.test). scripts/gpu-test.sh runs them there.
+gpu-bins:
+	@mkdir -p $(BIN)/test
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/dos ./cmd/dos
+	@for d in $$($(GO) list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.Dir}}{{end}}' $(PKGS)); do \
+		rel=$${d#$(CURDIR)/}; [ "$$rel" = "$(CURDIR)" ] && rel=.; \
+		name=$$(echo $$rel | tr / _); \
+		echo "CGO_ENABLED=0 go test -c -o $(BIN)/test/$$name.test ./$$rel"; \
+		CGO_ENABLED=0 $(GO) test -c -o $(BIN)/test/$$name.test ./$$rel || exit 1; \
+	done
+
+gpu-test:
+	bash scripts/gpu-test.sh
+
+clean:
+	rm -rf $(BIN)

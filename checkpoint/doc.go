@@ -1,0 +1,93 @@
+// Package checkpoint saves and loads dos's checkpoints: per rank and step,
+// the optimizer state (fp32 master weights, exp_avg, exp_avg_sq...) as one
+// safetensors file, the small objects of the optimizer and the trainer, and
+// a manifest with a CRC32C per tensor, committed so that a crash at any
+// point leaves the previous checkpoint loadable.
+//
+// Save writes synchronously for now. The lazy engine of DataStates-LLM
+// (capture copy-on-write per subgroup, a pinned ring buffer, writer
+// goroutines with O_DIRECT) will reuse the same layout, computed before any
+// byte is written so that tensors can be placed with positioned writes in
+// any order, and the same commit.
+//
+// # Layout on disk
+//
+//	root/
+//	├── latest                        "step-000000020\n": names the committed checkpoint
+//	├── step-000000010/               an older committed checkpoint
+//	├── step-000000020/
+//	│   ├── rank-00000.safetensors    the tensors of rank 0 (see below)
+//	│   ├── index.json                {"metadata": {"total_size": N}, "weight_map": {name: file}}
+//	│   └── manifest.json             written last: format, version, step, rank, world_size,
+//	│                                 created, files, tensors (name, file, dtype, shape,
+//	│                                 offset, bytes, crc32c), objects
+//	└── .tmp-step-000000030-1f2e3d4c/ a save in progress, or left by a crash: ignored
+//
+// The safetensors file, readable by Hugging Face's safetensors package
+// (safe_open), with __metadata__ {"format": "pt", "step": "20", "producer":
+// "dos"}:
+//
+//	offset 0        8                   8+H (a multiple of 8)                      size
+//	       +--------+-------------------+--------------+-----+-------------------+
+//	       | H: u64 | header JSON, H B  | tensor 0     | ... | tensor n-1        |
+//	       +--------+-------------------+--------------+-----+-------------------+
+//	                                    ^ manifest "offset" of tensor 0, "bytes" long
+//
+// Tensors are stored in the order of Snapshot.Tensors, without gaps, each
+// as its little-endian bytes. A manifest offset is absolute (from the start
+// of the file), in bytes. The CRC32C is the Castagnoli CRC-32 of the
+// tensor's bytes, as hash/crc32 computes it with crc32.Castagnoli.
+//
+// One process saves under a root at a time. Each rank of a multi-rank job
+// saves its own directories (so, for now, under its own root): the commit
+// below is per process and does not coordinate ranks.
+//
+// # Commit
+//
+// Save performs these steps, in order, and returns only after the last:
+//
+//  1. Create root if needed (and fsync its parent). Read latest. Remove
+//     stale .tmp-* directories, and a step directory of the same step that
+//     latest does not name (a crash left it uncommitted); refuse to replace
+//     the one latest names.
+//  2. Create the temporary directory root/.tmp-step-%09d-<random>.
+//  3. Create rank-%05d.safetensors in it, write the header, then each
+//     tensor at its precomputed offset with positioned writes (WriteAt),
+//     computing its CRC32C while writing; fsync the file and close it.
+//  4. Write index.json and fsync it.
+//  5. Write manifest.json, last, and fsync it.
+//  6. fsync the temporary directory.
+//  7. Rename the temporary directory to root/step-%09d.
+//  8. fsync root.
+//  9. Write root/latest.tmp holding "step-%09d\n" and fsync it.
+//  10. Rename latest.tmp to latest (atomic).
+//  11. fsync root: the checkpoint is committed.
+//
+// On an error Save removes what it created (best effort) and latest still
+// names the previous checkpoint; when step 11 fails, Save writes the
+// previous latest back. A crash before step 10 leaves latest naming the
+// previous checkpoint; a crash after it leaves a complete new one, since
+// every file and directory it names was fsynced first. A crash between
+// steps 7 and 11 may leave a complete step directory that latest does not
+// name: List and Latest ignore it and the next Save of that step replaces
+// it.
+//
+// # Loading
+//
+// Latest finds the committed directory; Open reads its manifest, index and
+// safetensors header and checks that they agree, without reading tensor
+// data; ReadTensor reads one tensor into the caller's memory and checks its
+// CRC32C; Verify checks them all. Bad contents never panic: they give
+// errors wrapping ErrCorrupt that name the file and the tensor. All I/O
+// goes through the FS interface, so that tests inject a failure at every
+// operation and simulate crashes, in the manner of pebble's errorfs.
+//
+// References:
+//   - Maurya, Underwood, Rafique, Cappello, Nicolae. DataStates-LLM: Lazy
+//     Asynchronous Checkpointing for Large Language Models. HPDC 2024
+//     (state providers, lazy capture, flush, and the commit protocol).
+//   - Hugging Face safetensors format: https://github.com/huggingface/safetensors
+//   - Pillai et al. All File Systems Are Not Created Equal: On the Complexity
+//     of Crafting Crash-Consistent Applications. OSDI 2014 (why the fsyncs of
+//     files and directories around each rename).
+package checkpoint

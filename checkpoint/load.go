@@ -1,0 +1,410 @@
+package checkpoint
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"io/fs"
+	"maps"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/deepstates/dos/safetensors"
+)
+
+// Checkpoint is one rank's opened checkpoint. Its manifest, index and
+// safetensors headers were validated against each other by Open; tensor
+// data is read, and its checksum verified, on demand.
+//
+// ReadTensor, Verify, Entry and Object may be called from several
+// goroutines at once; Close must not run concurrently with them.
+type Checkpoint struct {
+	// Dir is the checkpoint directory, as passed to Open.
+	Dir string
+	// Manifest is the validated contents of manifest.json. Do not modify it.
+	Manifest Manifest
+
+	files  map[string]File // file name → open file
+	byName map[string]int  // tensor name → index in Manifest.Tensors
+}
+
+func corruptf(file, format string, args ...any) error {
+	return fmt.Errorf("%w: %s: %s", ErrCorrupt, file, fmt.Sprintf(format, args...))
+}
+
+// isCorruptRead reports whether err from reading a file means that its
+// contents are bad rather than that the file system failed.
+func isCorruptRead(err error) bool {
+	return errors.Is(err, safetensors.ErrInvalid) || errors.Is(err, io.EOF) ||
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, ErrCorrupt)
+}
+
+// Open opens the checkpoint of rank in dir. It reads and validates
+// manifest.json (format, version, step, rank, names, dtypes, shapes, sizes
+// and offsets), index.json, and the header of every safetensors file, and
+// checks that all three agree: the same tensors with the same dtypes,
+// shapes, sizes in bytes and offsets, exactly covering each file. It does
+// not read tensor data: use ReadTensor or Verify. The caller must Close the
+// Checkpoint.
+//
+// Errors: an error wrapping fs.ErrNotExist when dir has no manifest.json
+// (not a committed checkpoint) or holds another rank's checkpoint; an error
+// wrapping ErrCorrupt that names the file (and the tensor, when one is at
+// fault) for any bad contents, including a missing index or safetensors
+// file; or an I/O error. Open never panics on a file's contents.
+func Open(fsys FS, dir string, rank int) (*Checkpoint, error) {
+	mpath := filepath.Join(dir, ManifestFile)
+	b, err := readSmallFile(fsys, mpath, maxJSONSize)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("checkpoint: %s is not a committed checkpoint: %w", dir, err)
+		}
+		if isCorruptRead(err) {
+			return nil, corruptf(mpath, "%v", err)
+		}
+		return nil, fmt.Errorf("checkpoint: reading %s: %w", mpath, err)
+	}
+	c := &Checkpoint{Dir: dir, files: map[string]File{}}
+	if err := decodeStrict(b, &c.Manifest); err != nil {
+		return nil, corruptf(mpath, "%v", err)
+	}
+	if err := c.checkManifest(mpath); err != nil {
+		return nil, err
+	}
+	if c.Manifest.Rank != rank {
+		return nil, fmt.Errorf("checkpoint: %s holds rank %d, not rank %d: %w", dir, c.Manifest.Rank, rank, fs.ErrNotExist)
+	}
+	for _, name := range c.Manifest.Files {
+		if err := c.openFile(fsys, name); err != nil {
+			c.Close()
+			return nil, err
+		}
+	}
+	if err := c.checkIndex(fsys); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// decodeStrict decodes one JSON value that must fill v's fields only.
+func decodeStrict(b []byte, v any) error {
+	if !json.Valid(b) {
+		return errors.New("not valid JSON")
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	return dec.Decode(v)
+}
+
+// checkManifest validates the manifest on its own.
+func (c *Checkpoint) checkManifest(mpath string) error {
+	m := &c.Manifest
+	if m.Format != Format || m.Version != Version {
+		return corruptf(mpath, "format %.40q version %d, want %q version %d", m.Format, m.Version, Format, Version)
+	}
+	if m.Step < 0 {
+		return corruptf(mpath, "negative step %d", m.Step)
+	}
+	if step, ok := parseStepDirName(filepath.Base(filepath.Clean(c.Dir))); ok && step != m.Step {
+		return corruptf(mpath, "step %d in the directory of step %d", m.Step, step)
+	}
+	if m.WorldSize < 1 || m.Rank < 0 || m.Rank >= m.WorldSize {
+		return corruptf(mpath, "rank %d out of range for world size %d", m.Rank, m.WorldSize)
+	}
+	if m.Created.IsZero() {
+		return corruptf(mpath, "missing creation time")
+	}
+	if len(m.Files) == 0 {
+		return corruptf(mpath, "no files")
+	}
+	files := make(map[string]bool, len(m.Files))
+	for _, f := range m.Files {
+		if f == "" || f != filepath.Base(f) || f == "." || f == ".." || !strings.HasSuffix(f, ".safetensors") || files[f] {
+			return corruptf(mpath, "bad or duplicate file name %.80q", f)
+		}
+		files[f] = true
+	}
+	c.byName = make(map[string]int, len(m.Tensors))
+	for i, t := range m.Tensors {
+		if t.Name == "" || t.Name == "__metadata__" {
+			return corruptf(mpath, "tensor %d: invalid name %.80q", i, t.Name)
+		}
+		if _, dup := c.byName[t.Name]; dup {
+			return corruptf(mpath, "tensor %q: listed twice", t.Name)
+		}
+		c.byName[t.Name] = i
+		if !files[t.File] {
+			return corruptf(mpath, "tensor %q: file %.80q is not among the files", t.Name, t.File)
+		}
+		if t.Shape == nil {
+			return corruptf(mpath, "tensor %q: missing shape", t.Name)
+		}
+		n, ok := tensorBytes(t.DType, t.Shape)
+		if !ok {
+			return corruptf(mpath, "tensor %q: invalid dtype %.20q or shape %v", t.Name, t.DType, t.Shape)
+		}
+		if n != t.Bytes {
+			return corruptf(mpath, "tensor %q: shape %v of %s needs %d bytes, manifest says %d", t.Name, t.Shape, t.DType, n, t.Bytes)
+		}
+		if t.Offset < 0 || t.Offset > math.MaxInt64-t.Bytes {
+			return corruptf(mpath, "tensor %q: bad offset %d", t.Name, t.Offset)
+		}
+	}
+	return nil
+}
+
+// checkIndex reads index.json and checks it against the manifest.
+func (c *Checkpoint) checkIndex(fsys FS) error {
+	ipath := filepath.Join(c.Dir, IndexFile)
+	b, err := readSmallFile(fsys, ipath, maxJSONSize)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) || isCorruptRead(err) {
+			return corruptf(ipath, "%v", err)
+		}
+		return fmt.Errorf("checkpoint: reading %s: %w", ipath, err)
+	}
+	var ix index
+	if err := decodeStrict(b, &ix); err != nil {
+		return corruptf(ipath, "%v", err)
+	}
+	var total int64
+	for _, t := range c.Manifest.Tensors {
+		total += t.Bytes // bounded: the files' headers were checked against the manifest
+		if f, ok := ix.WeightMap[t.Name]; !ok || f != t.File {
+			return corruptf(ipath, "tensor %q: weight_map gives file %.80q, manifest %q", t.Name, f, t.File)
+		}
+	}
+	if len(ix.WeightMap) != len(c.Manifest.Tensors) {
+		return corruptf(ipath, "weight_map has %d tensors, manifest %d", len(ix.WeightMap), len(c.Manifest.Tensors))
+	}
+	if ix.Metadata.TotalSize != total {
+		return corruptf(ipath, "total_size %d, manifest's tensors hold %d bytes", ix.Metadata.TotalSize, total)
+	}
+	return nil
+}
+
+// openFile opens the safetensors file name of the checkpoint, parses its
+// header and checks it against the manifest.
+func (c *Checkpoint) openFile(fsys FS, name string) error {
+	path := filepath.Join(c.Dir, name)
+	f, err := fsys.OpenFile(path, os.O_RDONLY, 0)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return corruptf(path, "missing: %v", err)
+		}
+		return fmt.Errorf("checkpoint: %w", err)
+	}
+	c.files[name] = f // closed by Close, also on error
+	st, err := f.Stat()
+	if err != nil {
+		return fmt.Errorf("checkpoint: %w", err)
+	}
+	h, err := safetensors.ParseHeader(f, st.Size())
+	if err != nil {
+		if isCorruptRead(err) {
+			return fmt.Errorf("%w: %s: %w", ErrCorrupt, path, err)
+		}
+		return fmt.Errorf("checkpoint: %s: %w", path, err)
+	}
+	if want := fileMetadata(c.Manifest.Step); !maps.Equal(h.Metadata, want) {
+		return corruptf(path, "header __metadata__ %.200v, want %v", h.Metadata, want)
+	}
+	var listed int
+	for _, t := range c.Manifest.Tensors {
+		if t.File == name {
+			listed++
+		}
+	}
+	if listed != len(h.Tensors) {
+		return corruptf(path, "header has %d tensors, manifest lists %d for this file", len(h.Tensors), listed)
+	}
+	for _, ht := range h.Tensors {
+		i, ok := c.byName[ht.Name]
+		if !ok || c.Manifest.Tensors[i].File != name {
+			return corruptf(path, "tensor %.80q: in the file but not in the manifest", ht.Name)
+		}
+		t := c.Manifest.Tensors[i]
+		switch {
+		case ht.DType != t.DType:
+			return corruptf(path, "tensor %q: dtype %s in the file, %s in the manifest", t.Name, ht.DType, t.DType)
+		case !slices.Equal(ht.Shape, t.Shape):
+			return corruptf(path, "tensor %q: shape %v in the file, %v in the manifest", t.Name, ht.Shape, t.Shape)
+		case h.DataOffset+ht.Begin != t.Offset || ht.End-ht.Begin != t.Bytes:
+			return corruptf(path, "tensor %q: bytes [%d, %d) in the file, [%d, %d) in the manifest", t.Name,
+				h.DataOffset+ht.Begin, h.DataOffset+ht.End, t.Offset, t.Offset+t.Bytes)
+		}
+	}
+	return nil
+}
+
+// Close closes the checkpoint's files. Reads after Close fail.
+func (c *Checkpoint) Close() error {
+	var errs []error
+	for name, f := range c.files {
+		if err := f.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("checkpoint: closing %s: %w", filepath.Join(c.Dir, name), err))
+		}
+	}
+	c.files = nil
+	return errors.Join(errs...)
+}
+
+// Entry returns the manifest entry of the tensor name and true, or false
+// when the checkpoint holds no such tensor.
+func (c *Checkpoint) Entry(name string) (TensorEntry, bool) {
+	i, ok := c.byName[name]
+	if !ok {
+		return TensorEntry{}, false
+	}
+	return c.Manifest.Tensors[i], true
+}
+
+func (c *Checkpoint) lookup(name string) (TensorEntry, File, error) {
+	t, ok := c.Entry(name)
+	if !ok {
+		return t, nil, fmt.Errorf("checkpoint: %s: no tensor %q: %w", c.Dir, name, fs.ErrNotExist)
+	}
+	f, ok := c.files[t.File]
+	if !ok {
+		return t, nil, fmt.Errorf("checkpoint: %s: reading tensor %q after Close: %w", c.Dir, name, fs.ErrClosed)
+	}
+	return t, f, nil
+}
+
+// ReadTensor reads the bytes of the tensor name into the ranges dst, in
+// order (their concatenation receives the tensor, as Tensor.Data was given
+// to Save), and verifies the tensor's CRC32C. The ranges' total length must
+// equal the tensor's size in bytes (Entry(name).Bytes). On error the
+// contents of dst are unspecified.
+//
+// Errors: an error wrapping fs.ErrNotExist when there is no such tensor; an
+// error when dst's length is wrong; an error wrapping ErrCorrupt, naming the
+// file and the tensor, when the file ends early or the checksum differs; an
+// I/O error.
+func (c *Checkpoint) ReadTensor(name string, dst ...[]byte) error {
+	t, f, err := c.lookup(name)
+	if err != nil {
+		return err
+	}
+	var total int64
+	for _, d := range dst {
+		total += int64(len(d))
+	}
+	if total != t.Bytes {
+		return fmt.Errorf("checkpoint: ReadTensor %q: %d destination bytes, the tensor holds %d", name, total, t.Bytes)
+	}
+	path := filepath.Join(c.Dir, t.File)
+	off := t.Offset
+	var crc uint32
+	for _, d := range dst {
+		if len(d) == 0 {
+			continue
+		}
+		if err := readFullAt(f, d, off); err != nil {
+			return c.readError(path, name, err)
+		}
+		crc = crc32.Update(crc, castagnoli, d)
+		off += int64(len(d))
+	}
+	if crc != t.CRC32C {
+		return corruptf(path, "tensor %q: crc32c %#08x, manifest says %#08x", name, crc, t.CRC32C)
+	}
+	return nil
+}
+
+// verifyChunk is the buffer size of Verify, in bytes.
+const verifyChunk = 4 << 20
+
+// Verify reads every tensor of the checkpoint and checks its CRC32C,
+// without keeping the data.
+//
+// Errors: an error wrapping ErrCorrupt that names the first bad tensor and
+// file and counts the others; an I/O error.
+func (c *Checkpoint) Verify() error {
+	var buf []byte
+	var first error
+	var bad int
+	for _, t := range c.Manifest.Tensors {
+		_, f, err := c.lookup(t.Name)
+		if err != nil {
+			return err
+		}
+		if n := int(min(t.Bytes, verifyChunk)); len(buf) < n {
+			buf = make([]byte, n)
+		}
+		err = c.verifyTensor(f, t, buf)
+		if err == nil {
+			continue
+		}
+		if !errors.Is(err, ErrCorrupt) {
+			return err
+		}
+		if first == nil {
+			first = err
+		}
+		bad++
+	}
+	if bad > 1 {
+		return fmt.Errorf("%w (and %d more corrupt tensors)", first, bad-1)
+	}
+	return first
+}
+
+func (c *Checkpoint) verifyTensor(f File, t TensorEntry, buf []byte) error {
+	path := filepath.Join(c.Dir, t.File)
+	var crc uint32
+	for off, end := t.Offset, t.Offset+t.Bytes; off < end; {
+		b := buf[:min(int64(len(buf)), end-off)]
+		if err := readFullAt(f, b, off); err != nil {
+			return c.readError(path, t.Name, err)
+		}
+		crc = crc32.Update(crc, castagnoli, b)
+		off += int64(len(b))
+	}
+	if crc != t.CRC32C {
+		return corruptf(path, "tensor %q: crc32c %#08x, manifest says %#08x", t.Name, crc, t.CRC32C)
+	}
+	return nil
+}
+
+func (c *Checkpoint) readError(path, name string, err error) error {
+	if isCorruptRead(err) {
+		return corruptf(path, "tensor %q: file ends before the tensor does (%v)", name, err)
+	}
+	return fmt.Errorf("checkpoint: %s: reading tensor %q: %w", path, name, err)
+}
+
+// readFullAt fills b from f at off; a short read returns io.ErrUnexpectedEOF.
+func readFullAt(f File, b []byte, off int64) error {
+	n, err := f.ReadAt(b, off)
+	if n == len(b) {
+		return nil
+	}
+	if err == nil || err == io.EOF {
+		err = io.ErrUnexpectedEOF
+	}
+	return err
+}
+
+// Object decodes the object name of the snapshot (Manifest.Objects[name])
+// into v with json.Unmarshal.
+//
+// Errors: an error wrapping fs.ErrNotExist when there is no such object, or
+// json.Unmarshal's error.
+func (c *Checkpoint) Object(name string, v any) error {
+	raw, ok := c.Manifest.Objects[name]
+	if !ok {
+		return fmt.Errorf("checkpoint: %s: no object %q: %w", c.Dir, name, fs.ErrNotExist)
+	}
+	if err := json.Unmarshal(raw, v); err != nil {
+		return fmt.Errorf("checkpoint: %s: object %q: %w", c.Dir, name, err)
+	}
+	return nil
+}

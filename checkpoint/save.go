@@ -1,0 +1,349 @@
+package checkpoint
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"io/fs"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/deepstates/dos/safetensors"
+)
+
+// Tensor is one tensor to save.
+type Tensor struct {
+	// Name is the tensor's name in the file, unique within a Snapshot and
+	// not "__metadata__".
+	Name  string
+	DType safetensors.DType
+	// Shape is row-major, in elements; nil or [] for a scalar.
+	Shape []int64
+	// Data is the tensor's little-endian bytes as one or more byte ranges
+	// whose concatenation is the tensor: zero-copy views of the caller's
+	// memory, since a parameter may span several optimizer subgroups.
+	// Their total length must be the product of Shape times DType's size
+	// in bytes. Save reads them and never retains them; they must not
+	// change while Save runs.
+	Data [][]byte
+}
+
+// Snapshot is what one rank saves at one step.
+type Snapshot struct {
+	Step int64 // the optimizer step, at least 0; it names the directory
+	// Rank is this process's rank in [0, WorldSize); WorldSize 0 means 1.
+	Rank, WorldSize int
+	// Tensors are written to the safetensors file in this order.
+	Tensors []Tensor
+	// Objects are small serialized objects, stored in the manifest:
+	// "optimizer" (hyperparameters, step counter...), "trainer" (iteration,
+	// data position, RNG state, model configuration). Each must be valid
+	// JSON.
+	Objects map[string]json.RawMessage
+}
+
+// Save writes s as a checkpoint under root and commits it: when Save
+// returns nil, root/latest names the new directory and everything is on
+// stable storage. It returns the new directory, root/step-%09d. The steps,
+// in order, are those of the package documentation. Save is synchronous:
+// it returns after the last fsync.
+//
+// Save removes stale temporary directories (.tmp-*) that crashed saves left
+// in root. A directory for s.Step that exists but is not the one latest
+// names (left by a save that crashed before moving latest) is replaced. One
+// process at a time may save under a root.
+//
+// Errors: an invalid snapshot (negative step, rank out of range, empty or
+// duplicate name, unknown dtype, negative dimension, an object that is not
+// valid JSON); an error wrapping fs.ErrExist when s.Step's directory is the
+// one latest names; or an I/O error. Each error names the step and the
+// operation that failed. On error the temporary directory is removed (best
+// effort) and latest still names the previous checkpoint, which stays
+// loadable: Save restores latest when the final fsync of root fails after
+// latest was moved.
+//
+// Save panics when s is nil or when a tensor's Data does not hold exactly
+// its shape's bytes.
+func Save(fsys FS, root string, s *Snapshot) (dir string, err error) {
+	if s == nil {
+		panic("checkpoint: Save of a nil *Snapshot")
+	}
+	p, err := newPlan(s)
+	if err != nil {
+		return "", fmt.Errorf("checkpoint: save step %d: %w", s.Step, err)
+	}
+	tx, err := begin(fsys, root, p)
+	if err != nil {
+		return "", err
+	}
+	if err := tx.writeRankFile(s.Tensors); err != nil {
+		tx.abort()
+		return "", err
+	}
+	return tx.commit()
+}
+
+// saveTx is one save in progress: steps 1-2 of the commit protocol by begin,
+// step 3 by a writer (writeRankFile), steps 4-12 by commit.
+type saveTx struct {
+	fs    FS
+	root  string
+	p     *plan
+	tmp   string // root/.tmp-step-%09d-<random>
+	final string // root/step-%09d
+
+	prevLatest []byte // contents of latest before this save
+	hadLatest  bool
+}
+
+func (tx *saveTx) fail(op string, err error) error {
+	return fmt.Errorf("checkpoint: save step %d: %s: %w", tx.p.manifest.Step, op, err)
+}
+
+// begin prepares root for the save planned by p: it creates root, reads
+// latest, removes stale temporary directories and a stale directory of the
+// same step, and creates the temporary directory.
+func begin(fsys FS, root string, p *plan) (*saveTx, error) {
+	tx := &saveTx{fs: fsys, root: root, p: p, final: filepath.Join(root, p.dirName)}
+	st, err := fsys.Stat(root)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		if err := fsys.MkdirAll(root, 0o755); err != nil {
+			return nil, tx.fail("create root", err)
+		}
+		// Make root's own entry durable, so a commit can survive a power loss.
+		if err := fsys.SyncDir(filepath.Dir(filepath.Clean(root))); err != nil {
+			return nil, tx.fail("fsync parent of root", err)
+		}
+	case err != nil:
+		return nil, tx.fail("stat root", err)
+	case !st.IsDir():
+		return nil, tx.fail("root", fmt.Errorf("%s is not a directory", root))
+	}
+
+	latest, err := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+	case err != nil:
+		return nil, tx.fail("read latest", err)
+	default:
+		tx.prevLatest, tx.hadLatest = latest, true
+	}
+
+	// Best effort: a leftover temporary directory is never loaded, and a
+	// failure to remove it must not fail this save.
+	if entries, err := fsys.ReadDir(root); err == nil {
+		for _, e := range entries {
+			if strings.HasPrefix(e.Name(), tmpPrefix) {
+				_ = fsys.RemoveAll(filepath.Join(root, e.Name()))
+			}
+		}
+	}
+
+	if _, err := fsys.Stat(tx.final); err == nil {
+		if tx.hadLatest && strings.TrimSpace(string(tx.prevLatest)) == p.dirName {
+			return nil, tx.fail("check", fmt.Errorf("%s is the latest checkpoint; refusing to replace it: %w", tx.final, fs.ErrExist))
+		}
+		// Left by a save that crashed before moving latest: never committed.
+		if err := fsys.RemoveAll(tx.final); err != nil {
+			return nil, tx.fail("remove uncommitted "+p.dirName, err)
+		}
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return nil, tx.fail("stat "+p.dirName, err)
+	}
+
+	tx.tmp = filepath.Join(root, fmt.Sprintf("%s%s-%08x", tmpPrefix, p.dirName, rand.Uint32()))
+	if err := fsys.MkdirAll(tx.tmp, 0o755); err != nil {
+		tx.abort()
+		return nil, tx.fail("create temporary directory", err)
+	}
+	return tx, nil
+}
+
+// abort removes the temporary directory, best effort.
+func (tx *saveTx) abort() { _ = tx.fs.RemoveAll(tx.tmp) }
+
+// writeRankFile writes the safetensors file into the temporary directory:
+// the header, then each tensor's ranges at its planned offset, computing the
+// tensor's CRC32C on the way; then it fsyncs and closes the file.
+func (tx *saveTx) writeRankFile(tensors []Tensor) error {
+	name := tx.p.fileName
+	f, err := tx.fs.OpenFile(filepath.Join(tx.tmp, name), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return tx.fail("create "+name, err)
+	}
+	closed := false
+	defer func() {
+		if !closed {
+			_ = f.Close()
+		}
+	}()
+	if err := writeFullAt(f, tx.p.header, 0); err != nil {
+		return tx.fail("write "+name+" header", err)
+	}
+	entries := tx.p.manifest.Tensors
+	for i, t := range tensors {
+		off := entries[i].Offset
+		var crc uint32
+		for _, r := range t.Data {
+			if len(r) == 0 {
+				continue
+			}
+			if err := writeFullAt(f, r, off); err != nil {
+				return tx.fail(fmt.Sprintf("write tensor %q to %s", t.Name, name), err)
+			}
+			crc = crc32.Update(crc, castagnoli, r)
+			off += int64(len(r))
+		}
+		entries[i].CRC32C = crc
+	}
+	st, err := f.Stat()
+	if err != nil {
+		return tx.fail("stat "+name, err)
+	}
+	if st.Size() != tx.p.fileSize {
+		return tx.fail("write "+name, fmt.Errorf("file holds %d bytes after writing, want %d", st.Size(), tx.p.fileSize))
+	}
+	if err := f.Sync(); err != nil {
+		return tx.fail("fsync "+name, err)
+	}
+	closed = true
+	if err := f.Close(); err != nil {
+		return tx.fail("close "+name, err)
+	}
+	return nil
+}
+
+// commit writes index.json and manifest.json into the temporary directory,
+// renames it into place and moves latest to it.
+func (tx *saveTx) commit() (string, error) {
+	tx.p.manifest.Created = time.Now().UTC().Truncate(time.Second)
+	// Both encodings cannot fail: newPlan checked the objects.
+	index, err := json.MarshalIndent(tx.p.index, "", "  ")
+	if err != nil {
+		tx.abort()
+		return "", tx.fail("encode index", err)
+	}
+	manifest, err := json.MarshalIndent(tx.p.manifest, "", "  ")
+	if err != nil {
+		tx.abort()
+		return "", tx.fail("encode manifest", err)
+	}
+	if err := writeFile(tx.fs, filepath.Join(tx.tmp, IndexFile), append(index, '\n')); err != nil {
+		tx.abort()
+		return "", tx.fail("write "+IndexFile, err)
+	}
+	if err := writeFile(tx.fs, filepath.Join(tx.tmp, ManifestFile), append(manifest, '\n')); err != nil {
+		tx.abort()
+		return "", tx.fail("write "+ManifestFile, err)
+	}
+	if err := tx.fs.SyncDir(tx.tmp); err != nil {
+		tx.abort()
+		return "", tx.fail("fsync temporary directory", err)
+	}
+	if err := tx.fs.Rename(tx.tmp, tx.final); err != nil {
+		tx.abort()
+		return "", tx.fail("rename temporary directory to "+tx.p.dirName, err)
+	}
+	// From here the new directory is complete but not committed: latest
+	// still names the previous one.
+	if err := tx.fs.SyncDir(tx.root); err != nil {
+		_ = tx.fs.RemoveAll(tx.final)
+		return "", tx.fail("fsync root after rename", err)
+	}
+	if err := tx.moveLatest([]byte(tx.p.dirName + "\n")); err != nil {
+		_ = tx.fs.RemoveAll(tx.final)
+		return "", tx.fail("move latest", err)
+	}
+	if err := tx.fs.SyncDir(tx.root); err != nil {
+		// Whether the new latest reached the disk is unknown. Restore the
+		// previous one, so that an error always means "not committed".
+		if rerr := tx.restoreLatest(); rerr != nil {
+			return "", tx.fail("fsync root after moving latest", fmt.Errorf("%w; restoring the previous latest also failed (%v), so latest may name %s or the previous checkpoint", err, rerr, tx.p.dirName))
+		}
+		_ = tx.fs.RemoveAll(tx.final)
+		return "", tx.fail("fsync root after moving latest (previous latest restored)", err)
+	}
+	return tx.final, nil
+}
+
+// moveLatest replaces latest atomically with contents: write latest.tmp,
+// fsync it, rename it over latest. The caller fsyncs root.
+func (tx *saveTx) moveLatest(contents []byte) error {
+	tmp := filepath.Join(tx.root, LatestFile+".tmp")
+	if err := writeFile(tx.fs, tmp, contents); err != nil {
+		_ = tx.fs.RemoveAll(tmp)
+		return err
+	}
+	if err := tx.fs.Rename(tmp, filepath.Join(tx.root, LatestFile)); err != nil {
+		_ = tx.fs.RemoveAll(tmp)
+		return err
+	}
+	return nil
+}
+
+// restoreLatest puts back the latest file that existed before this save
+// (or removes latest when there was none) and fsyncs root.
+func (tx *saveTx) restoreLatest() error {
+	var err error
+	if tx.hadLatest {
+		err = tx.moveLatest(tx.prevLatest)
+	} else {
+		err = tx.fs.RemoveAll(filepath.Join(tx.root, LatestFile))
+	}
+	if err != nil {
+		return err
+	}
+	return tx.fs.SyncDir(tx.root)
+}
+
+// writeFullAt writes all of b at off.
+func writeFullAt(f File, b []byte, off int64) error {
+	n, err := f.WriteAt(b, off)
+	if err == nil && n != len(b) {
+		err = io.ErrShortWrite
+	}
+	return err
+}
+
+// writeFile creates (or truncates) name, writes data, fsyncs and closes it.
+func writeFile(fsys FS, name string, data []byte) error {
+	f, err := fsys.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	if err != nil {
+		return err
+	}
+	n, err := f.Write(data)
+	if err == nil && n != len(data) {
+		err = io.ErrShortWrite
+	}
+	if err == nil {
+		err = f.Sync()
+	}
+	if err != nil {
+		_ = f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// readSmallFile reads all of name, which must hold at most max bytes.
+func readSmallFile(fsys FS, name string, max int64) ([]byte, error) {
+	f, err := fsys.OpenFile(name, os.O_RDONLY, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, max+1))
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(b)) > max {
+		return nil, fmt.Errorf("%s: %w: larger than %d bytes", name, ErrCorrupt, max)
+	}
+	return b, nil
+}

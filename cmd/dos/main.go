@@ -1,0 +1,54 @@
+// Command dos is the command-line tool of the dos optimizer runtime.
+//
+//	dos selftest [--cases DIR]   run the PyTorch reference cases on every backend
+//	dos help                     list the commands
+//
+// Each command prints its own flags with -h.
+package main
+
+import (
+	"fmt"
+	"io"
+	"os"
+)
+
+type command struct {
+	name, summary string
+	run           func(args []string, stdout, stderr io.Writer) int
+}
+
+var commands = []command{
+	{"selftest", "run the PyTorch AdamW reference cases on every optimizer backend of this machine", runSelftest},
+}
+
+func usage(w io.Writer) {
+	fmt.Fprintf(w, "dos: offloaded AdamW optimizer runtime\n\nUsage: dos COMMAND [flags]\n\nCommands:\n")
+	for _, c := range commands {
+		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
+	}
+	fmt.Fprintf(w, "  %-10s %s\n\nRun 'dos COMMAND -h' for a command's flags.\n", "help", "print this list")
+}
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		usage(stderr)
+		return 2
+	}
+	switch args[0] {
+	case "help", "-h", "-help", "--help":
+		usage(stdout)
+		return 0
+	}
+	for _, c := range commands {
+		if c.name == args[0] {
+			return c.run(args[1:], stdout, stderr)
+		}
+	}
+	fmt.Fprintf(stderr, "dos: unknown command %q\n\n", args[0])
+	usage(stderr)
+	return 2
+}

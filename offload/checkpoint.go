@@ -1,0 +1,199 @@
+package offload
+
+import (
+	"encoding/json"
+	"fmt"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/safetensors"
+)
+
+// ObjectName is the key of the optimizer's own object in a checkpoint's
+// manifest; trainers must not use it for theirs.
+const ObjectName = "optimizer"
+
+// objectFormat names the schema of the optimizer object.
+const objectFormat = "dos-offload/v1"
+
+// The suffixes of a parameter's tensors in a checkpoint: NAME.master holds
+// the fp32 master weights, then PyTorch's names of the Adam state.
+var stateSuffixes = [...]string{".master", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"}
+
+// optimizerObject is the optimizer's object in a checkpoint's manifest.
+type optimizerObject struct {
+	Format  string     `json:"format"`
+	Step    int64      `json:"step"`
+	Hyper   adam.Hyper `json:"hyper"`
+	Options Options    `json:"options"`
+	Params  []Param    `json:"params"`
+}
+
+// float32Bytes views v's memory as bytes (little-endian hosts: amd64, arm64).
+func float32Bytes(v []float32) []byte {
+	if len(v) == 0 {
+		return []byte{}
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+}
+
+func (o *Optimizer) stateSlices() [][]float32 {
+	s := [][]float32{o.state.Param, o.state.ExpAvg, o.state.ExpAvgSq}
+	if o.opts.Hyper.AMSGrad {
+		s = append(s, o.state.MaxExpAvgSq)
+	}
+	return s
+}
+
+// Snapshot returns the optimizer's state as a checkpoint snapshot at the
+// current step: for every parameter, NAME.master, NAME.exp_avg,
+// NAME.exp_avg_sq (and NAME.max_exp_avg_sq with amsgrad), fp32 with the
+// parameter's shape, as zero-copy views of the state; plus the "optimizer"
+// object (step, hyperparameters, options, parameter list) and the trainer's
+// objects, each marshalled to JSON. The views are valid until the next Step,
+// SetParam or LoadCheckpoint.
+//
+// Errors: an object named "optimizer", or one that does not marshal.
+func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, error) {
+	snap := &checkpoint.Snapshot{Step: o.step, WorldSize: 1, Objects: map[string]json.RawMessage{}}
+	for k, v := range objects {
+		if k == ObjectName {
+			return nil, fmt.Errorf("offload: object name %q is reserved for the optimizer", k)
+		}
+		b, err := json.Marshal(v)
+		if err != nil {
+			return nil, fmt.Errorf("offload: object %q: %w", k, err)
+		}
+		snap.Objects[k] = b
+	}
+	obj := optimizerObject{Format: objectFormat, Step: o.step, Hyper: o.opts.Hyper, Options: o.opts}
+	for _, p := range o.params {
+		obj.Params = append(obj.Params, p.Param)
+	}
+	b, err := json.Marshal(obj)
+	if err != nil {
+		return nil, fmt.Errorf("offload: optimizer object: %w", err)
+	}
+	snap.Objects[ObjectName] = b
+	for k, buf := range o.stateSlices() {
+		for _, p := range o.params {
+			shape := make([]int64, len(p.Shape))
+			for i, d := range p.Shape {
+				shape[i] = int64(d)
+			}
+			snap.Tensors = append(snap.Tensors, checkpoint.Tensor{
+				Name:  p.Name + stateSuffixes[k],
+				DType: safetensors.F32,
+				Shape: shape,
+				Data:  [][]byte{float32Bytes(buf[p.Offset : p.Offset+p.Len])},
+			})
+		}
+	}
+	return snap, nil
+}
+
+// SaveCheckpoint writes the optimizer's state and the trainer's objects
+// (marshalled to JSON; see Snapshot) as a committed checkpoint under root,
+// synchronously, and returns its directory (checkpoint.Save).
+//
+// Errors: those of Snapshot and of checkpoint.Save; on error the previous
+// checkpoint stays the latest.
+func (o *Optimizer) SaveCheckpoint(fsys checkpoint.FS, root string, objects map[string]any) (string, error) {
+	snap, err := o.Snapshot(objects)
+	if err != nil {
+		return "", err
+	}
+	return checkpoint.Save(fsys, root, snap)
+}
+
+// LoadCheckpoint restores the optimizer from the checkpoint in dir (rank 0):
+// the master weights, exp_avg, exp_avg_sq, max_exp_avg_sq, the step counter
+// and, as torch.optim.Optimizer.load_state_dict does, the hyperparameters
+// (lr, betas, eps, weight_decay, maximize, mode). The working copy is
+// refreshed from the master weights. It returns the checkpoint's objects so
+// the trainer can restore its own.
+//
+// Every tensor is read and checksummed into new buffers before anything
+// changes: on any error the optimizer is untouched.
+//
+// Errors: those of checkpoint.Open and ReadTensor (ErrCorrupt for bad
+// contents); a checkpoint whose parameters (names, shapes) or amsgrad
+// setting differ from this optimizer's, naming the tensor.
+func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, dir string) (map[string]json.RawMessage, error) {
+	c, err := checkpoint.Open(fsys, dir, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	var obj optimizerObject
+	if err := c.Object(ObjectName, &obj); err != nil {
+		return nil, fmt.Errorf("offload: %s: %w", dir, err)
+	}
+	if obj.Format != objectFormat {
+		return nil, fmt.Errorf("offload: %s: optimizer object format %q, want %q", dir, obj.Format, objectFormat)
+	}
+	if err := obj.Hyper.Validate(); err != nil {
+		return nil, fmt.Errorf("offload: %s: %w", dir, err)
+	}
+	if obj.Hyper.AMSGrad != o.opts.Hyper.AMSGrad {
+		return nil, fmt.Errorf("offload: %s was saved with amsgrad=%t; this optimizer has amsgrad=%t", dir, obj.Hyper.AMSGrad, o.opts.Hyper.AMSGrad)
+	}
+	if obj.Step < 0 || obj.Step != c.Manifest.Step {
+		return nil, fmt.Errorf("offload: %s: optimizer step %d disagrees with the manifest's step %d", dir, obj.Step, c.Manifest.Step)
+	}
+	fresh := make([][]float32, len(o.stateSlices()))
+	for k := range fresh {
+		fresh[k] = make([]float32, o.total)
+	}
+	for _, p := range o.params {
+		for k, buf := range fresh {
+			name := p.Name + stateSuffixes[k]
+			e, ok := c.Entry(name)
+			if !ok {
+				return nil, fmt.Errorf("offload: %s: checkpoint has no tensor %q (parameter %q, shape %v)", dir, name, p.Name, p.Shape)
+			}
+			if e.DType != safetensors.F32 || !sameShape(e.Shape, p.Shape) {
+				return nil, fmt.Errorf("offload: %s: tensor %q is %s %v, want F32 %v", dir, name, e.DType, e.Shape, p.Shape)
+			}
+			if err := c.ReadTensor(name, float32Bytes(buf[p.Offset:p.Offset+p.Len])); err != nil {
+				return nil, err
+			}
+		}
+	}
+	for _, e := range c.Manifest.Tensors {
+		if _, ok := o.byName[trimStateSuffix(e.Name)]; !ok {
+			return nil, fmt.Errorf("offload: %s: tensor %q belongs to no parameter of this optimizer", dir, e.Name)
+		}
+	}
+	// Everything read and verified: commit. Copy rather than swap, so the
+	// views that Working handed out stay valid.
+	for k, dst := range o.stateSlices() {
+		copy(dst, fresh[k])
+	}
+	o.step = obj.Step
+	o.opts.Hyper = obj.Hyper
+	o.refreshWorking(0, o.total)
+	return c.Manifest.Objects, nil
+}
+
+func trimStateSuffix(name string) string {
+	for _, s := range stateSuffixes {
+		if len(name) > len(s) && name[len(name)-len(s):] == s {
+			return name[:len(name)-len(s)]
+		}
+	}
+	return name
+}
+
+func sameShape(a []int64, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != int64(b[i]) {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs every test binary that `make gpu-bins` built, on the GPU machine, with
+# DOS_REQUIRE_GPU=1 so that a GPU test that would skip fails instead. Each
+# binary runs in its package's directory (so testdata/ resolves). Full logs go
+# to $OUT (or ./bin/logs) and a table is printed last.
+set -u
+root=$(cd "$(dirname "$0")/.." && pwd)
+logs=${OUT:-$root/bin/logs}
+mkdir -p "$logs"
+export DOS_REQUIRE_GPU=1
+status=0
+table=""
+for bin in "$root"/bin/test/*.test; do
+	[ -e "$bin" ] || { echo "no test binaries in bin/test: run make gpu-bins first"; exit 1; }
+	name=$(basename "$bin" .test)
+	dir="$root/$(echo "$name" | tr _ /)"
+	[ "$name" = "." ] && dir=$root
+	start=$(date +%s)
+	(cd "$dir" && "$bin" -test.count=1 -test.v "$@") >"$logs/$name.log" 2>&1
+	rc=$?
+	secs=$(( $(date +%s) - start ))
+	pass=$(grep -c '^--- PASS' "$logs/$name.log")
+	fail=$(grep -c '^--- FAIL' "$logs/$name.log")
+	skip=$(grep -c '^--- SKIP' "$logs/$name.log")
+	[ $rc -ne 0 ] && status=1
+	table+=$(printf '%-22s rc=%-3s pass=%-4s fail=%-4s skip=%-4s %ss' "$name" "$rc" "$pass" "$fail" "$skip" "$secs")$'\n'
+done
+echo "== GPU machine test binaries (DOS_REQUIRE_GPU=1) =="
+printf '%s' "$table"
+exit $status
