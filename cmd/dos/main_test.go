@@ -1,0 +1,72 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func runCLI(args ...string) (int, string, string) {
+	var out, errb bytes.Buffer
+	rc := run(args, &out, &errb)
+	return rc, out.String(), errb.String()
+}
+
+func TestSelftestEmbedded(t *testing.T) {
+	rc, out, errs := runCLI("selftest")
+	if rc != 0 {
+		t.Fatalf("rc %d\n%s\n%s", rc, out, errs)
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	// A header, one line per case and backend, a summary.
+	pass := strings.Count(out, "\nPASS ")
+	if pass < 2*25 || len(lines) != pass+2 || !strings.Contains(lines[len(lines)-1], "passed, 0 failed") {
+		t.Fatalf("unexpected output (%d PASS lines):\n%s", pass, out)
+	}
+	if !strings.Contains(out, "cpu/scalar") || !strings.Contains(out, "cpu/pool-") {
+		t.Fatalf("backends missing:\n%s", out)
+	}
+}
+
+func TestSelftestErrors(t *testing.T) {
+	empty := t.TempDir()
+	if rc, _, errs := runCLI("selftest", "--cases", empty); rc != 1 || !strings.Contains(errs, "no *.safetensors") {
+		t.Errorf("empty dir: rc %d, %q", rc, errs)
+	}
+	if rc, _, _ := runCLI("selftest", "--cases", filepath.Join(empty, "nope")); rc != 1 {
+		t.Errorf("missing dir: rc %d", rc)
+	}
+	bad := t.TempDir()
+	os.WriteFile(filepath.Join(bad, "junk.safetensors"), []byte("not a safetensors file"), 0o644)
+	if rc, _, errs := runCLI("selftest", "--cases", bad); rc != 1 || !strings.Contains(errs, "junk.safetensors") {
+		t.Errorf("junk file: rc %d, %q", rc, errs)
+	}
+	if rc, _, _ := runCLI("selftest", "--bogus"); rc != 2 {
+		t.Errorf("unknown flag: rc %d", rc)
+	}
+	if rc, _, _ := runCLI("frobnicate"); rc != 2 {
+		t.Errorf("unknown command: rc %d", rc)
+	}
+	if rc, out, _ := runCLI("help"); rc != 0 || !strings.Contains(out, "selftest") {
+		t.Errorf("help: rc %d %q", rc, out)
+	}
+}
+
+// A case whose expectation is wrong makes selftest fail with rc 1 and a FAIL line.
+func TestSelftestFailure(t *testing.T) {
+	src, err := os.ReadFile(filepath.Join("..", "..", "testdata", "adam-cases", "odd_7.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Flip a low mantissa bit of the last fp32 value in the file; the last
+	// tensor of the data section is an expected.* tensor of fp32 or 16-bit.
+	src[len(src)-2] ^= 0x40
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "odd_7.safetensors"), src, 0o644)
+	rc, out, _ := runCLI("selftest", "--cases", dir)
+	if rc != 1 || !strings.Contains(out, "FAIL") || !strings.Contains(out, "0 passed, 2 failed") {
+		t.Fatalf("rc %d\n%s", rc, out)
+	}
+}
