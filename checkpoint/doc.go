@@ -69,8 +69,8 @@
 // previous checkpoint; a crash after it leaves a complete new one, since
 // every file and directory it names was fsynced first. A crash between
 // steps 7 and 11 may leave a complete step directory that latest does not
-// name: List and Latest ignore it and the next Save of that step replaces
-// it.
+// name: Latest ignores it, List leaves it out when its step is above
+// latest's, and the next Save of that step replaces it.
 //
 // # Loading
 //

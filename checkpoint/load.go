@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 
@@ -65,8 +67,8 @@ func Open(fsys FS, dir string, rank int) (*Checkpoint, error) {
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil, fmt.Errorf("checkpoint: %s is not a committed checkpoint: %w", dir, err)
 		}
-		if isCorruptRead(err) {
-			return nil, corruptf(mpath, "%v", err)
+		if errors.Is(err, ErrCorrupt) { // too large
+			return nil, err
 		}
 		return nil, fmt.Errorf("checkpoint: reading %s: %w", mpath, err)
 	}
@@ -93,14 +95,64 @@ func Open(fsys FS, dir string, rank int) (*Checkpoint, error) {
 	return c, nil
 }
 
-// decodeStrict decodes one JSON value that must fill v's fields only.
+// decodeStrict decodes one JSON value into the struct that v points to.
+// Every object key must name a field exactly as its tag spells it:
+// encoding/json alone would also take "Shape" or "STEP", which Python's
+// json readers of the same file would not see.
 func decodeStrict(b []byte, v any) error {
 	if !json.Valid(b) {
 		return errors.New("not valid JSON")
 	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.DisallowUnknownFields()
-	return dec.Decode(v)
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	return checkKeys(b, reflect.TypeOf(v).Elem(), "")
+}
+
+// checkKeys checks the spelling of the keys of the JSON value b, which
+// decoded without error into a value of type t, recursing into structs and
+// slices; where is the JSON path so far, for the error.
+func checkKeys(b []byte, t reflect.Type, where string) error {
+	switch t.Kind() {
+	case reflect.Slice:
+		var elems []json.RawMessage
+		if t.Elem().Kind() != reflect.Struct || json.Unmarshal(b, &elems) != nil {
+			return nil // a null, or elements without keys
+		}
+		for i, e := range elems {
+			if err := checkKeys(e, t.Elem(), fmt.Sprintf("%s[%d]", where, i)); err != nil {
+				return err
+			}
+		}
+	case reflect.Struct:
+		var fields map[string]json.RawMessage
+		if json.Unmarshal(b, &fields) != nil {
+			return nil // a null
+		}
+		for key, raw := range fields {
+			f, ok := fieldByTag(t, key)
+			if !ok {
+				return fmt.Errorf("unknown key %.40q in %s", key, cmp.Or(where, "the top level"))
+			}
+			if err := checkKeys(raw, f.Type, where+"."+key); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// fieldByTag returns the field of struct type t whose json tag is key.
+func fieldByTag(t reflect.Type, key string) (reflect.StructField, bool) {
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name == key {
+			return f, true
+		}
+	}
+	return reflect.StructField{}, false
 }
 
 // checkManifest validates the manifest on its own.
@@ -165,8 +217,11 @@ func (c *Checkpoint) checkIndex(fsys FS) error {
 	ipath := filepath.Join(c.Dir, IndexFile)
 	b, err := readSmallFile(fsys, ipath, maxJSONSize)
 	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) || isCorruptRead(err) {
-			return corruptf(ipath, "%v", err)
+		if errors.Is(err, ErrCorrupt) { // too large
+			return err
+		}
+		if errors.Is(err, fs.ErrNotExist) {
+			return corruptf(ipath, "missing: %v", err)
 		}
 		return fmt.Errorf("checkpoint: reading %s: %w", ipath, err)
 	}
@@ -213,6 +268,9 @@ func (c *Checkpoint) openFile(fsys FS, name string) error {
 		}
 		return fmt.Errorf("checkpoint: %s: %w", path, err)
 	}
+	if err := checkHeaderKeys(f, path, h); err != nil {
+		return err
+	}
 	if want := fileMetadata(c.Manifest.Step); !maps.Equal(h.Metadata, want) {
 		return corruptf(path, "header __metadata__ %.200v, want %v", h.Metadata, want)
 	}
@@ -239,6 +297,35 @@ func (c *Checkpoint) openFile(fsys FS, name string) error {
 		case h.DataOffset+ht.Begin != t.Offset || ht.End-ht.Begin != t.Bytes:
 			return corruptf(path, "tensor %q: bytes [%d, %d) in the file, [%d, %d) in the manifest", t.Name,
 				h.DataOffset+ht.Begin, h.DataOffset+ht.End, t.Offset, t.Offset+t.Bytes)
+		}
+	}
+	return nil
+}
+
+// checkHeaderKeys checks that every tensor entry of the header has exactly
+// the keys that the reference implementation reads, spelled as it spells
+// them: encoding/json, which safetensors.ParseHeader uses, also accepts
+// "Dtype" or "SHAPE", which Python's safetensors rejects.
+func checkHeaderKeys(f File, path string, h *safetensors.Header) error {
+	buf := make([]byte, h.DataOffset-8)
+	if err := readFullAt(f, buf, 8); err != nil {
+		if isCorruptRead(err) {
+			return corruptf(path, "header: %v", err)
+		}
+		return fmt.Errorf("checkpoint: %s: reading header: %w", path, err)
+	}
+	var raw map[string]map[string]json.RawMessage
+	if err := json.Unmarshal(buf, &raw); err != nil {
+		return corruptf(path, "header: %v", err)
+	}
+	for name, entry := range raw {
+		if name == "__metadata__" {
+			continue
+		}
+		for k := range entry {
+			if k != "dtype" && k != "shape" && k != "data_offsets" {
+				return corruptf(path, "tensor %.80q: unknown header key %.40q", name, k)
+			}
 		}
 	}
 	return nil

@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -55,8 +56,11 @@ type Snapshot struct {
 //
 // Save removes stale temporary directories (.tmp-*) that crashed saves left
 // in root. A directory for s.Step that exists but is not the one latest
-// names (left by a save that crashed before moving latest) is replaced. One
-// process at a time may save under a root.
+// names (left by a save that crashed before moving latest, or an older
+// checkpoint of that step) is replaced. latest always names the last
+// successful save, even when its step is lower than a previous one's; List
+// then leaves out the higher steps. One process at a time may save under a
+// root.
 //
 // Errors: an invalid snapshot (negative step, rank out of range, empty or
 // duplicate name, unknown dtype, negative dimension, an object that is not
@@ -88,8 +92,9 @@ func Save(fsys FS, root string, s *Snapshot) (dir string, err error) {
 	return tx.commit()
 }
 
-// saveTx is one save in progress: steps 1-2 of the commit protocol by begin,
-// step 3 by a writer (writeRankFile), steps 4-12 by commit.
+// saveTx is one save in progress: steps 1-2 of the commit protocol (see the
+// package documentation) by begin, step 3 by a writer (writeRankFile here;
+// a lazy engine's writers later), steps 4-11 by commit.
 type saveTx struct {
 	fs    FS
 	root  string
@@ -113,12 +118,8 @@ func begin(fsys FS, root string, p *plan) (*saveTx, error) {
 	st, err := fsys.Stat(root)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		if err := fsys.MkdirAll(root, 0o755); err != nil {
+		if err := createDurably(fsys, root); err != nil {
 			return nil, tx.fail("create root", err)
-		}
-		// Make root's own entry durable, so a commit can survive a power loss.
-		if err := fsys.SyncDir(filepath.Dir(filepath.Clean(root))); err != nil {
-			return nil, tx.fail("fsync parent of root", err)
 		}
 	case err != nil:
 		return nil, tx.fail("stat root", err)
@@ -129,6 +130,11 @@ func begin(fsys FS, root string, p *plan) (*saveTx, error) {
 	latest, err := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
+	case errors.Is(err, ErrCorrupt):
+		// Too long to name a directory: this save replaces it. Should it
+		// have to be restored, an empty latest keeps the root marked as
+		// damaged rather than fresh.
+		tx.hadLatest = true
 	case err != nil:
 		return nil, tx.fail("read latest", err)
 	default:
@@ -163,6 +169,37 @@ func begin(fsys FS, root string, p *plan) (*saveTx, error) {
 		return nil, tx.fail("create temporary directory", err)
 	}
 	return tx, nil
+}
+
+// createDurably creates the directory dir and its missing parents, then
+// fsyncs the parent of each directory it created, so that a commit under
+// dir survives a power loss.
+func createDurably(fsys FS, dir string) error {
+	var missing []string
+	for p := filepath.Clean(dir); ; {
+		_, err := fsys.Stat(p)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
+		missing = append(missing, p)
+		parent := filepath.Dir(p)
+		if parent == p {
+			break
+		}
+		p = parent
+	}
+	if err := fsys.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	for _, p := range slices.Backward(missing) {
+		if err := fsys.SyncDir(filepath.Dir(p)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // abort removes the temporary directory, best effort.
@@ -343,7 +380,7 @@ func readSmallFile(fsys FS, name string, max int64) ([]byte, error) {
 		return nil, err
 	}
 	if int64(len(b)) > max {
-		return nil, fmt.Errorf("%s: %w: larger than %d bytes", name, ErrCorrupt, max)
+		return nil, fmt.Errorf("%w: %s: larger than %d bytes", ErrCorrupt, name, max)
 	}
 	return b, nil
 }
