@@ -31,7 +31,6 @@ import (
 	"math"
 	"os"
 	"sort"
-	"strings"
 )
 
 // ErrInvalid is wrapped by every error that reports a malformed file.
@@ -171,10 +170,8 @@ func parseHeaderJSON(buf []byte, dataOffset, fileSize int64) (*Header, error) {
 			}
 			continue
 		}
-		var e rawEntry
-		dec := json.NewDecoder(strings.NewReader(string(msg)))
-		dec.DisallowUnknownFields()
-		if err := dec.Decode(&e); err != nil {
+		e, err := decodeEntry(msg)
+		if err != nil {
 			return nil, invalid("tensor %q: bad entry: %v", name, err)
 		}
 		t, err := checkEntry(name, e)
@@ -204,6 +201,26 @@ func parseHeaderJSON(buf []byte, dataOffset, fileSize int64) (*Header, error) {
 		return nil, invalid("tensors cover %d bytes but the data section holds %d (truncated or padded file)", at, h.DataSize)
 	}
 	return h, nil
+}
+
+// decodeEntry decodes one tensor's entry with exactly the keys dtype, shape
+// and data_offsets, spelled exactly (encoding/json alone would match keys
+// case-insensitively and accept "Dtype", which the reference rejects).
+func decodeEntry(msg json.RawMessage) (rawEntry, error) {
+	var e rawEntry
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(msg, &fields); err != nil {
+		return e, err
+	}
+	for k := range fields {
+		if k != "dtype" && k != "shape" && k != "data_offsets" {
+			return e, fmt.Errorf("unknown key %q", k)
+		}
+	}
+	if err := json.Unmarshal(msg, &e); err != nil {
+		return e, err
+	}
+	return e, nil
 }
 
 func checkEntry(name string, e rawEntry) (TensorInfo, error) {

@@ -79,6 +79,7 @@ func TestInvalid(t *testing.T) {
 		"offsets 3":  {hdr(`{"x":{"dtype":"U8","shape":[0],"data_offsets":[0,0,0]}}`), "data_offsets"},
 		"reversed":   {hdr(`{"x":{"dtype":"U8","shape":[0],"data_offsets":[2,0]}}`), "bad data_offsets"},
 		"null entry": {hdr(`{"x":null}`), "unknown dtype"},
+		"key case":   {hdr(`{"x":{"Dtype":"U8","shape":[0],"data_offsets":[0,0]}}`), "unknown key"},
 	} {
 		_, err := Parse(tc.b)
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.want) {
