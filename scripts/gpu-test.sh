@@ -5,7 +5,7 @@
 # to $OUT (or ./bin/logs) and a table is printed last.
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
-logs=${OUT:-$root/bin/logs}
+logs=${DOS_TEST_LOGS:-${OUT:-$root/bin/logs}}
 mkdir -p "$logs"
 export DOS_REQUIRE_GPU=1
 status=0
@@ -16,12 +16,12 @@ for bin in "$root"/bin/test/*.test; do
 	dir="$root/$(echo "$name" | tr _ /)"
 	[ "$name" = "." ] && dir=$root
 	start=$(date +%s)
-	(cd "$dir" && "$bin" -test.count=1 -test.v "$@") >"$logs/$name.log" 2>&1
+	(cd "$dir" && "$bin" -test.count=1 -test.v "$@") >"$logs/test_$name.log" 2>&1
 	rc=$?
 	secs=$(( $(date +%s) - start ))
-	pass=$(grep -c '^--- PASS' "$logs/$name.log")
-	fail=$(grep -c '^--- FAIL' "$logs/$name.log")
-	skip=$(grep -c '^--- SKIP' "$logs/$name.log")
+	pass=$(grep -c '^--- PASS' "$logs/test_$name.log")
+	fail=$(grep -c '^--- FAIL' "$logs/test_$name.log")
+	skip=$(grep -c '^--- SKIP' "$logs/test_$name.log")
 	[ $rc -ne 0 ] && status=1
 	table+=$(printf '%-22s rc=%-3s pass=%-4s fail=%-4s skip=%-4s %ss' "$name" "$rc" "$pass" "$fail" "$skip" "$secs")$'\n'
 done

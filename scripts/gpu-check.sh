@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The foundation's checks on the GPU machine (python3 with torch and
+# safetensors there; no Go). Build first, here: make gpu-bins. Then run this
+# there from the repository root. Logs go to $OUT (or bin/out).
+#
+#  1. regenerate the PyTorch reference cases and compare them byte for byte
+#     with testdata/adam-cases;
+#  2. dos selftest on the committed cases and on the regenerated ones;
+#  3. write a checkpoint with the Go code and read it with Python's
+#     safetensors (scripts/check_safetensors.py --expect);
+#  4. every test binary with DOS_REQUIRE_GPU=1 (scripts/gpu-test.sh).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=${OUT:-$root/bin/out}
+mkdir -p "$out"
+work=$(mktemp -d)
+summary=""
+note() { summary+="$1"$'\n'; }
+
+python3 -c 'import torch, safetensors; print("torch", torch.__version__, "safetensors", safetensors.__version__)'
+
+python3 scripts/gen_adam_cases.py --out "$work/cases" >"$out/gen_cases.log" 2>&1
+rc=$?; tail -3 "$out/gen_cases.log"
+diffs=0
+for f in testdata/adam-cases/*.safetensors; do
+	cmp -s "$f" "$work/cases/$(basename "$f")" || { echo "differs: $f"; diffs=$((diffs + 1)); }
+done
+note "gen_adam_cases.py rc=$rc, files differing from testdata: $diffs"
+
+bin/dos selftest >"$out/selftest.log" 2>&1; rc=$?
+note "dos selftest (embedded): rc=$rc $(tail -1 "$out/selftest.log")"
+bin/dos selftest --cases "$work/cases" >"$work/selftest_regen.log" 2>&1; rc=$?
+note "dos selftest (regenerated): rc=$rc $(tail -1 "$work/selftest_regen.log")"
+
+(cd offload && DOS_CKPT_EXPORT="$work/ck" ../bin/test/offload.test -test.run '^TestExportForPython$' -test.v) >"$out/check_safetensors.log" 2>&1
+rc=$?
+ck=$(ls -d "$work"/ck/ckpt/step-* 2>/dev/null | head -1)
+python3 scripts/check_safetensors.py "$ck" --expect "$work/ck/expect.json" >>"$out/check_safetensors.log" 2>&1
+note "checkpoint export rc=$rc; check_safetensors.py rc=$? $(tail -1 "$out/check_safetensors.log")"
+
+DOS_TEST_LOGS="$work/testlogs" bash scripts/gpu-test.sh >"$out/gpu_test.log" 2>&1
+note "test binaries with DOS_REQUIRE_GPU=1: rc=$?"
+tar -C "$work" -czf "$out/test-logs.tar.gz" testlogs
+sed -n '/==/,$p' "$out/gpu_test.log"
+
+# 5. the CPU update rate of the scalar path against PyTorch's CPU AdamW, same call.
+(cd adam && ../bin/test/adam.test -test.run '^$' -test.bench 'BenchmarkStep' -test.benchtime 5x -test.count 3) >"$out/bench.log" 2>&1
+python3 bench/torch_adamw_cpu.py --threads "$(nproc)" >>"$out/bench.log" 2>&1
+grep -E 'Benchmark|torch' "$out/bench.log"
+
+echo "== summary =="
+printf '%s' "$summary"
