@@ -1,6 +1,8 @@
 // Command dos is the command-line tool of the dos optimizer runtime.
 //
 //	dos selftest [--cases DIR]   run the PyTorch reference cases on every backend
+//	dos ckpt ls ROOT             list the committed checkpoints under ROOT
+//	dos ckpt verify DIR          check every tensor's CRC32C of a checkpoint
 //	dos help                     list the commands
 //
 // Each command prints its own flags with -h.
@@ -19,6 +21,7 @@ type command struct {
 
 var commands = []command{
 	{"selftest", "run the PyTorch AdamW reference cases on every optimizer backend of this machine", runSelftest},
+	{"ckpt", "list checkpoints (ls ROOT) or verify one's checksums (verify DIR)", runCkpt},
 }
 
 func usage(w io.Writer) {

@@ -70,3 +70,19 @@ func TestSelftestFailure(t *testing.T) {
 		t.Fatalf("rc %d\n%s", rc, out)
 	}
 }
+
+func TestCkpt(t *testing.T) {
+	root := t.TempDir()
+	if rc, out, _ := runCLI("ckpt", "ls", root); rc != 0 || !strings.Contains(out, "no committed") {
+		t.Errorf("ls of an empty root: rc %d %q", rc, out)
+	}
+	if rc, _, _ := runCLI("ckpt", "verify", root); rc != 1 {
+		t.Errorf("verify of an empty root: rc %d", rc)
+	}
+	if rc, _, _ := runCLI("ckpt", "frob", root); rc != 2 {
+		t.Errorf("unknown subcommand: rc %d", rc)
+	}
+	if rc, _, _ := runCLI("ckpt", "ls"); rc != 2 {
+		t.Errorf("missing argument: rc %d", rc)
+	}
+}
