@@ -18,6 +18,17 @@ type State struct {
 // Len returns the number of parameters, len(Param).
 func (s State) Len() int { return len(s.Param) }
 
+// Clone returns a deep copy of s (nil stays nil).
+func (s State) Clone() State {
+	cp := func(v []float32) []float32 {
+		if v == nil {
+			return nil
+		}
+		return append([]float32(nil), v...)
+	}
+	return State{Param: cp(s.Param), ExpAvg: cp(s.ExpAvg), ExpAvgSq: cp(s.ExpAvgSq), MaxExpAvgSq: cp(s.MaxExpAvgSq)}
+}
+
 // Slice returns the state of elements [lo, hi). Panics out of range.
 func (s State) Slice(lo, hi int) State {
 	out := State{Param: s.Param[lo:hi], ExpAvg: s.ExpAvg[lo:hi], ExpAvgSq: s.ExpAvgSq[lo:hi]}
@@ -124,7 +135,7 @@ func Step(c *Coeffs, s State, g Grad, out Copy16) {
 		}
 		update(c, s.Param[lo:hi], s.ExpAvg[lo:hi], s.ExpAvgSq[lo:hi], vmax, gs)
 		if out.DType != 0 {
-			storeCopy(out.DType, out.Data[lo:hi], s.Param[lo:hi])
+			Round16(out.DType, out.Data[lo:hi], s.Param[lo:hi])
 		}
 	}
 }
@@ -201,8 +212,10 @@ func update(c *Coeffs, p, m, v, vmax, g []float32) {
 	}
 }
 
-// storeCopy rounds src to the 16-bit dtype d into dst.
-func storeCopy(d DType, dst []uint16, src []float32) {
+// Round16 writes into dst the fp32 values src rounded to the 16-bit dtype d
+// (BF16 or F16), to nearest even (F32ToBF16, F32ToF16): the working copy of
+// master weights. Panics if len(dst) < len(src).
+func Round16(d DType, dst []uint16, src []float32) {
 	dst = dst[:len(src)]
 	if d == BF16 {
 		for i, f := range src {

@@ -42,16 +42,6 @@ func randomProblem(n int, gd DType, amsgrad bool, seed uint64) (State, Grad) {
 	return s, GradF32(g32)
 }
 
-func cloneState(s State) State {
-	cp := func(v []float32) []float32 {
-		if v == nil {
-			return nil
-		}
-		return append([]float32(nil), v...)
-	}
-	return State{cp(s.Param), cp(s.ExpAvg), cp(s.ExpAvgSq), cp(s.MaxExpAvgSq)}
-}
-
 func sameBits(t *testing.T, what string, a, b []float32) {
 	t.Helper()
 	for i := range a {
@@ -84,7 +74,7 @@ func TestPoolBitwise(t *testing.T) {
 					hh.Mode, hh.AMSGrad = variant.mode, variant.amsgrad
 					hh.Maximize = variant.amsgrad
 					s, g := randomProblem(n, gd, variant.amsgrad, uint64(n))
-					s2 := cloneState(s)
+					s2 := s.Clone()
 					var o1, o2 Copy16
 					if variant.out != 0 {
 						o1 = Copy16{variant.out, make([]uint16, n)}
@@ -126,7 +116,7 @@ func TestStepFloat64(t *testing.T) {
 		h := Hyper{Mode: mode, LR: 1e-2, Betas: [2]float64{0.9, 0.99}, Eps: 1e-8, WeightDecay: 0.1, AMSGrad: true}
 		n := 1000
 		s, g := randomProblem(n, F32, true, 3)
-		s0 := cloneState(s)
+		s0 := s.Clone()
 		c := h.Coeffs(4, 1, 1)
 		Step(&c, s, g, Copy16{})
 		for i := range n {

@@ -271,16 +271,8 @@ func (o *Optimizer) SetParam(name string, values []float32) error {
 }
 
 func (o *Optimizer) refreshWorking(lo, hi int) {
-	if o.work.DType == 0 {
-		return
-	}
-	dst := o.work.Data[lo:hi]
-	for j, f := range o.state.Param[lo:hi] {
-		if o.work.DType == adam.BF16 {
-			dst[j] = adam.F32ToBF16(f)
-		} else {
-			dst[j] = adam.F32ToF16(f)
-		}
+	if o.work.DType != 0 {
+		adam.Round16(o.work.DType, o.work.Data[lo:hi], o.state.Param[lo:hi])
 	}
 }
 

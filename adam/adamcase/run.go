@@ -138,18 +138,8 @@ func Run(c *Case, b Backend) Result {
 	return r
 }
 
-func clone(s adam.State) adam.State {
-	cp := func(v []float32) []float32 {
-		if v == nil {
-			return nil
-		}
-		return append([]float32(nil), v...)
-	}
-	return adam.State{Param: cp(s.Param), ExpAvg: cp(s.ExpAvg), ExpAvgSq: cp(s.ExpAvgSq), MaxExpAvgSq: cp(s.MaxExpAvgSq)}
-}
-
 func run(c *Case, b Backend, r *Result) error {
-	s := clone(c.Init)
+	s := c.Init.Clone()
 	n := c.N()
 	unscale := float32(1)
 	if c.GradScale != 0 {
@@ -216,13 +206,7 @@ func run(c *Case, b Backend, r *Result) error {
 			}
 			got := out.Data
 			if x.d != out.DType {
-				for j, f := range s.Param {
-					if x.d == adam.BF16 {
-						conv[j] = adam.F32ToBF16(f)
-					} else {
-						conv[j] = adam.F32ToF16(f)
-					}
-				}
+				adam.Round16(x.d, conv, s.Param)
 				got = conv
 			}
 			ulp, err := check16(fmt.Sprintf("%s.%d", x.name, t), got, x.want, s.Param, e.Param)
