@@ -3,7 +3,7 @@ GO      ?= go
 BIN     ?= bin
 PKGS    := ./...
 
-.PHONY: help test vet fmt-check test-short demo bench gpu-bins gpu-test cases check-ckpt-py clean
+.PHONY: help test vet fmt-check test-short demo bench gpu-bins gpu-test gpu-check clean
 
 help:
 	@echo "make demo       run the main job on its embedded default"
@@ -11,6 +11,9 @@ help:
 	@echo "make bench      CPU AdamW benchmarks (params/s, GB/s) against copy and the naive loop"
 	@echo "make gpu-bins   build bin/dos and one test binary per package for the GPU machine"
 	@echo "make gpu-test   run bin/test/* with DOS_REQUIRE_GPU=1 (on the GPU machine)"
+	@echo "make gpu-check  the GPU machine's checks: PyTorch cases, selftest, Python safetensors, tests, bench"
+	@echo "make test-short go test -short, no race detector (quick)"
+	@echo "make clean      remove bin/"
 
 test: vet fmt-check
 	$(GO) test -race -count=1 $(PKGS)
@@ -47,6 +50,9 @@ gpu-bins:
 
 gpu-test:
 	bash scripts/gpu-test.sh
+
+gpu-check:
+	bash scripts/gpu-check.sh
 
 clean:
 	rm -rf $(BIN)

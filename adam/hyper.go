@@ -50,7 +50,7 @@ func (h Hyper) Validate() error {
 	}
 	switch {
 	case h.Mode != AdamW && h.Mode != Adam:
-		return bad("mode %q: want %q or %q", h.Mode, AdamW, Adam)
+		return bad("mode %q: want %q or %q (start from DefaultHyper() to get PyTorch's defaults)", h.Mode, AdamW, Adam)
 	case !(h.LR >= 0) || math.IsInf(h.LR, 0):
 		return bad("lr %v: want a finite value >= 0", h.LR)
 	case !(h.Betas[0] >= 0 && h.Betas[0] < 1):

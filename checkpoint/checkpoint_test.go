@@ -396,3 +396,25 @@ func TestSaveInvalid(t *testing.T) {
 	})
 	checkLatest(t, OS, root, testSnapshot(1))
 }
+
+func TestResolveAndStepDir(t *testing.T) {
+	root := t.TempDir()
+	if _, err := Resolve(OS, filepath.Join(root, "missing")); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("Resolve of a missing path: %v", err)
+	}
+	if got, err := Resolve(OS, root); err != nil || got != root {
+		t.Errorf("Resolve of a root without latest: %q, %v (want the path itself)", got, err)
+	}
+	dir, err := Save(OS, root, &Snapshot{Step: 7, Tensors: []Tensor{{Name: "x", DType: "U8", Shape: []int64{1}, Data: [][]byte{{9}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dir != StepDir(root, 7) {
+		t.Errorf("Save committed %s, StepDir says %s", dir, StepDir(root, 7))
+	}
+	for _, p := range []string{root, dir} {
+		if got, err := Resolve(OS, p); err != nil || got != dir {
+			t.Errorf("Resolve(%s) = %q, %v; want %s", p, got, err, dir)
+		}
+	}
+}

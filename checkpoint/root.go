@@ -105,3 +105,23 @@ func List(fsys FS, root string) ([]string, error) {
 	}
 	return out, nil
 }
+
+// StepDir returns the directory that Save commits step to under root:
+// root/step-%09d.
+func StepDir(root string, step int64) string { return filepath.Join(root, stepDirName(step)) }
+
+// Resolve returns the checkpoint directory that path means: the latest
+// committed checkpoint when path is a root (it holds a latest file), else
+// path itself, a step directory.
+//
+// Errors: those of Latest when path holds a latest file; an error wrapping
+// fs.ErrNotExist when path does not exist.
+func Resolve(fsys FS, path string) (string, error) {
+	if _, err := fsys.Stat(path); err != nil {
+		return "", fmt.Errorf("checkpoint: %w", err)
+	}
+	if _, err := fsys.Stat(filepath.Join(path, LatestFile)); err == nil {
+		return Latest(fsys, path)
+	}
+	return path, nil
+}

@@ -97,9 +97,12 @@ func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 // (marshalled to JSON; see Snapshot) as a committed checkpoint under root,
 // synchronously, and returns its directory (checkpoint.Save).
 //
-// Errors: those of Snapshot and of checkpoint.Save; on error the previous
-// checkpoint stays the latest.
+// Errors: ErrClosed, those of Snapshot and of checkpoint.Save; on error the
+// previous checkpoint stays the latest.
 func (o *Optimizer) SaveCheckpoint(fsys checkpoint.FS, root string, objects map[string]any) (string, error) {
+	if o.pool == nil {
+		return "", ErrClosed
+	}
 	snap, err := o.Snapshot(objects)
 	if err != nil {
 		return "", err
@@ -107,20 +110,36 @@ func (o *Optimizer) SaveCheckpoint(fsys checkpoint.FS, root string, objects map[
 	return checkpoint.Save(fsys, root, snap)
 }
 
-// LoadCheckpoint restores the optimizer from the checkpoint in dir (rank 0):
+// LoadCheckpoint restores the optimizer from the checkpoint at path: a
+// checkpoint root (its latest committed checkpoint is loaded, as
+// checkpoint.Resolve finds it) or one step directory, rank 0. It restores
 // the master weights, exp_avg, exp_avg_sq, max_exp_avg_sq, the step counter
 // and, as torch.optim.Optimizer.load_state_dict does, the hyperparameters
-// (lr, betas, eps, weight_decay, maximize, mode). The working copy is
-// refreshed from the master weights. It returns the checkpoint's objects so
-// the trainer can restore its own.
+// (lr, betas, eps, weight_decay, maximize, mode): call SetLR afterwards to
+// follow a schedule. The other Options (subgroup size, dtypes, clipping,
+// threads) stay this optimizer's. The working copy is refreshed from the
+// master weights. It returns the directory loaded and the checkpoint's
+// objects, so the trainer can restore its own.
 //
 // Every tensor is read and checksummed into new buffers before anything
 // changes: on any error the optimizer is untouched.
 //
-// Errors: those of checkpoint.Open and ReadTensor (ErrCorrupt for bad
-// contents); a checkpoint whose parameters (names, shapes) or amsgrad
-// setting differ from this optimizer's, naming the tensor.
-func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, dir string) (map[string]json.RawMessage, error) {
+// Errors: ErrClosed; those of checkpoint.Resolve, Open and ReadTensor
+// (ErrCorrupt for bad contents); a checkpoint whose parameters (names,
+// shapes) or amsgrad setting differ from this optimizer's, naming the
+// tensor.
+func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string, objects map[string]json.RawMessage, err error) {
+	if o.pool == nil {
+		return "", nil, ErrClosed
+	}
+	if dir, err = checkpoint.Resolve(fsys, path); err != nil {
+		return "", nil, err
+	}
+	objects, err = o.load(fsys, dir)
+	return dir, objects, err
+}
+
+func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMessage, error) {
 	c, err := checkpoint.Open(fsys, dir, 0)
 	if err != nil {
 		return nil, err

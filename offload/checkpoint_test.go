@@ -58,13 +58,13 @@ func TestResumeHelper(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		latest, err := checkpoint.Latest(checkpoint.OS, filepath.Join(dir, "run"))
+		// The root: its latest checkpoint is loaded.
+		loaded, objs, err := o.LoadCheckpoint(checkpoint.OS, filepath.Join(dir, "run"))
 		if err != nil {
 			t.Fatal(err)
 		}
-		objs, err := o.LoadCheckpoint(checkpoint.OS, latest)
-		if err != nil {
-			t.Fatal(err)
+		if loaded != checkpoint.StepDir(filepath.Join(dir, "run"), 5) {
+			t.Fatalf("loaded %s", loaded)
 		}
 		var ts trainerState
 		if err := json.Unmarshal(objs["trainer"], &ts); err != nil || ts.Iteration != 5 || ts.DataPos != 12345 || string(ts.RNG) != "\x01\x02\x03" {
@@ -108,7 +108,7 @@ func TestResumeBitwise(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := resumed.LoadCheckpoint(checkpoint.OS, latest); err != nil {
+	if _, _, err := resumed.LoadCheckpoint(checkpoint.OS, latest); err != nil {
 		t.Fatal(err)
 	}
 	sameState(t, straight, resumed)
@@ -130,7 +130,7 @@ func TestLoadCheckpointMismatch(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer o2.Close()
-	if _, err := o2.LoadCheckpoint(checkpoint.OS, ck); err == nil || !strings.Contains(err.Error(), "h.0.attn.c_attn.weight.master") {
+	if _, _, err := o2.LoadCheckpoint(checkpoint.OS, ck); err == nil || !strings.Contains(err.Error(), "h.0.attn.c_attn.weight.master") {
 		t.Errorf("shape mismatch: %v", err)
 	}
 
@@ -141,7 +141,7 @@ func TestLoadCheckpointMismatch(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer o3.Close()
-	if _, err := o3.LoadCheckpoint(checkpoint.OS, ck); err == nil || !strings.Contains(err.Error(), "amsgrad") {
+	if _, _, err := o3.LoadCheckpoint(checkpoint.OS, ck); err == nil || !strings.Contains(err.Error(), "amsgrad") {
 		t.Errorf("amsgrad mismatch: %v", err)
 	}
 
@@ -158,7 +158,7 @@ func TestLoadCheckpointMismatch(t *testing.T) {
 	if err := os.WriteFile(f, b, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	_, err = victim.LoadCheckpoint(checkpoint.OS, ck)
+	_, _, err = victim.LoadCheckpoint(checkpoint.OS, ck)
 	if !errors.Is(err, checkpoint.ErrCorrupt) || !strings.Contains(err.Error(), ".max_exp_avg_sq") {
 		t.Errorf("flipped bit: %v", err)
 	}
@@ -166,5 +166,29 @@ func TestLoadCheckpointMismatch(t *testing.T) {
 
 	if _, err := o.Snapshot(map[string]any{ObjectName: 1}); err == nil {
 		t.Error("reserved object name accepted")
+	}
+}
+
+func TestClosed(t *testing.T) {
+	o, err := New(testParams, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.Close()
+	o.Close() // idempotent
+	if _, err := o.Step(StepArgs{}); !errors.Is(err, ErrClosed) {
+		t.Errorf("Step: %v", err)
+	}
+	if err := o.SetParam("ln_f.bias", make([]float32, 16)); !errors.Is(err, ErrClosed) {
+		t.Errorf("SetParam: %v", err)
+	}
+	if err := o.SetLR(1); !errors.Is(err, ErrClosed) {
+		t.Errorf("SetLR: %v", err)
+	}
+	if _, err := o.SaveCheckpoint(checkpoint.OS, t.TempDir(), nil); !errors.Is(err, ErrClosed) {
+		t.Errorf("SaveCheckpoint: %v", err)
+	}
+	if _, _, err := o.LoadCheckpoint(checkpoint.OS, t.TempDir()); !errors.Is(err, ErrClosed) {
+		t.Errorf("LoadCheckpoint: %v", err)
 	}
 }

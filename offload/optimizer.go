@@ -165,7 +165,9 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	return o, nil
 }
 
-// Close stops the worker goroutines. The Optimizer must not be used after.
+// Close stops the worker goroutines. Afterwards Step, SetParam, SetLR,
+// SaveCheckpoint and LoadCheckpoint return ErrClosed; views already handed
+// out stay readable.
 func (o *Optimizer) Close() {
 	if o.pool != nil {
 		o.pool.Close()
@@ -193,8 +195,11 @@ func (o *Optimizer) StepCount() int64 { return o.step }
 // SetLR sets the learning rate for the next steps, as assigning
 // param_groups[0]["lr"] does in PyTorch (for schedules).
 //
-// Errors: lr negative or not finite.
+// Errors: ErrClosed, or lr negative or not finite.
 func (o *Optimizer) SetLR(lr float64) error {
+	if o.pool == nil {
+		return ErrClosed
+	}
 	h := o.opts.Hyper
 	h.LR = lr
 	if err := h.Validate(); err != nil {
@@ -255,8 +260,12 @@ func (o *Optimizer) Master(i int) []float32 {
 // SetParam sets the master weights of the parameter named name to values and
 // refreshes its working copy. The optimizer state is not touched.
 //
-// Errors: no such parameter, or len(values) differs from its size.
+// Errors: ErrClosed, no such parameter, or len(values) differs from its
+// size.
 func (o *Optimizer) SetParam(name string, values []float32) error {
+	if o.pool == nil {
+		return ErrClosed
+	}
 	i, err := o.Index(name)
 	if err != nil {
 		return err

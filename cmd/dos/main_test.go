@@ -85,4 +85,19 @@ func TestCkpt(t *testing.T) {
 	if rc, _, _ := runCLI("ckpt", "ls"); rc != 2 {
 		t.Errorf("missing argument: rc %d", rc)
 	}
+	if rc, _, errs := runCLI("ckpt", "ls", root+"/typo"); rc != 1 || !strings.Contains(errs, "no such file") {
+		t.Errorf("missing root: rc %d %q", rc, errs)
+	}
+	if rc, _, _ := runCLI("ckpt", "ls", "--rank", "1", root); rc != 2 {
+		t.Errorf("ls takes no --rank: rc %d", rc)
+	}
+	// Flags after the directory, and -h, for verify.
+	if rc, _, errs := runCLI("ckpt", "verify", root, "--rank", "0"); rc != 1 || strings.Contains(errs, "arguments") {
+		t.Errorf("verify ROOT --rank 0: rc %d %q", rc, errs)
+	}
+	for _, args := range [][]string{{"ckpt", "-h"}, {"ckpt", "verify", "-h"}, {"selftest", "-h"}} {
+		if rc, _, _ := runCLI(args...); rc != 0 {
+			t.Errorf("%v: rc %d, want 0", args, rc)
+		}
+	}
 }

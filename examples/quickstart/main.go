@@ -1,9 +1,10 @@
 // Command quickstart is a complete training loop around offload.Optimizer: it
 // fits a linear layer y = W x + b to a fixed random teacher, reading the bf16
 // working copy for the forward pass, writing fp32 gradients into the
-// optimizer's buffers, clipping, checkpointing every --every steps, and then
-// resuming from the checkpoint in a fresh optimizer to show that the resumed
-// run continues bit for bit.
+// optimizer's buffers, clipping, and checkpointing every --every steps. Then
+// it resumes a fresh optimizer from the checkpoint nearest the middle of the
+// run and shows that the resumed run ends bit for bit where the straight one
+// did. With --dir the checkpoints stay for `dos ckpt ls DIR`.
 //
 //	go run ./examples/quickstart [--steps 200] [--every 50] [--dir DIR]
 package main
@@ -149,7 +150,7 @@ func main() {
 		if t%*every == 0 || t == 1 {
 			fmt.Printf("step %4d  loss %.6f  grad_norm %.4f  clip %.3f\n", t, loss, res.GradNorm, res.ClipCoef)
 		}
-		if t == resumeAt {
+		if t%*every == 0 {
 			ck, err := o.SaveCheckpoint(checkpoint.OS, root, map[string]any{"trainer": map[string]int64{"iteration": t}})
 			if err != nil {
 				fmt.Fprintln(os.Stderr, "quickstart:", err)
@@ -161,14 +162,11 @@ func main() {
 	final := step(o, *steps+1, tw, tb)
 	fmt.Printf("loss %.6f -> %.6f\n", first, final)
 
-	// Resume in a fresh optimizer from the checkpoint and run the rest again.
+	// Resume in a fresh optimizer from the checkpoint of step resumeAt and
+	// run the rest again.
 	o2 := newOptimizer()
 	defer o2.Close()
-	latest, err := checkpoint.Latest(checkpoint.OS, root)
-	if err == nil {
-		_, err = o2.LoadCheckpoint(checkpoint.OS, latest)
-	}
-	if err != nil {
+	if _, _, err := o2.LoadCheckpoint(checkpoint.OS, checkpoint.StepDir(root, resumeAt)); err != nil {
 		fmt.Fprintln(os.Stderr, "quickstart: resume:", err)
 		os.Exit(1)
 	}
