@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -390,4 +391,49 @@ func FuzzOpen(f *testing.F) {
 			t.Fatalf("error neither corrupt nor not-exist: %v", err)
 		}
 	})
+}
+
+func TestObjectChecksum(t *testing.T) {
+	root := t.TempDir()
+	s := &Snapshot{Step: 3, Tensors: []Tensor{{Name: "x", DType: "U8", Shape: []int64{1}, Data: [][]byte{{1}}}},
+		Objects: map[string]json.RawMessage{"optimizer": json.RawMessage(`{"lr": 0.001, "betas": [0.9, 0.999], "rng": 123456789}`)}}
+	dir, err := Save(OS, root, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Reformatting (key order, spacing) keeps the checksum ...
+	editManifest(t, dir, func(m map[string]any) {})
+	c, err := Open(OS, dir, 0)
+	if err != nil {
+		t.Fatalf("reformatted manifest: %v", err)
+	}
+	c.Close()
+	// ... a changed value does not.
+	editManifest(t, dir, func(m map[string]any) {
+		m["objects"].(map[string]any)["optimizer"].(map[string]any)["lr"] = 50
+	})
+	if _, err := Open(OS, dir, 0); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), `object "optimizer"`) {
+		t.Fatalf("edited object: %v", err)
+	}
+}
+
+// Save refuses, before writing, a checkpoint whose manifest Open would
+// refuse to read.
+func TestSaveRefusesOversizedManifest(t *testing.T) {
+	defer func(n int64) { maxJSONSize = n }(maxJSONSize)
+	maxJSONSize = 4096
+	root := t.TempDir()
+	var ts []Tensor
+	for i := range 100 {
+		ts = append(ts, Tensor{Name: fmt.Sprintf("model.layers.%d.weight", i), DType: "U8", Shape: []int64{1}, Data: [][]byte{{1}}})
+	}
+	if _, err := Save(OS, root, &Snapshot{Step: 1, Tensors: ts}); err == nil || !strings.Contains(err.Error(), "manifest would be") {
+		t.Fatalf("oversized manifest: %v", err)
+	}
+	if _, err := Latest(OS, root); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("latest after a refused save: %v", err)
+	}
+	if _, err := Save(OS, root, &Snapshot{Step: 1, Tensors: ts[:3]}); err != nil {
+		t.Fatalf("small checkpoint: %v", err)
+	}
 }

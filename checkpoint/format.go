@@ -1,14 +1,18 @@
 package checkpoint
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/deepstates/dos/safetensors"
 )
@@ -36,7 +40,7 @@ const (
 
 // maxJSONSize bounds the manifest and index read by Open, in bytes, so that
 // a corrupt size never causes a huge allocation.
-const maxJSONSize = 256 << 20
+var maxJSONSize int64 = 256 << 20 // a variable so that tests can lower it
 
 // castagnoli is the CRC32C table (the polynomial of iSCSI, ext4 and
 // RocksDB); hash/crc32 computes it with the SSE4.2 instruction on amd64.
@@ -61,6 +65,31 @@ type Manifest struct {
 	// "optimizer" (hyperparameters) and "trainer" (iteration, data
 	// position, RNG state, model configuration).
 	Objects map[string]json.RawMessage `json:"objects"`
+	// ObjectsCRC32C holds, for every object, the CRC32C of its canonical
+	// JSON (keys sorted, compact, numbers as written), so a damaged object
+	// is caught like a tensor.
+	ObjectsCRC32C map[string]uint32 `json:"objects_crc32c"`
+}
+
+// objectCRC returns the CRC32C of the canonical form of the JSON value v:
+// keys sorted, no insignificant space, numbers as written. Reformatting the
+// manifest (indentation, key order) keeps the checksum; changing a value
+// does not.
+func objectCRC(v json.RawMessage) (uint32, error) {
+	dec := json.NewDecoder(bytes.NewReader(v))
+	dec.UseNumber()
+	var x any
+	if err := dec.Decode(&x); err != nil {
+		return 0, err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return 0, errors.New("trailing data after the JSON value")
+	}
+	b, err := json.Marshal(x)
+	if err != nil {
+		return 0, err
+	}
+	return crc32.Checksum(b, castagnoli), nil
 }
 
 // TensorEntry locates one tensor of a checkpoint and carries its checksum.
@@ -192,10 +221,13 @@ func newPlan(s *Snapshot) (*plan, error) {
 	}
 	p.header, p.fileSize = header, size
 	objects := s.Objects
+	crcs := make(map[string]uint32, len(objects))
 	for name, v := range objects {
-		if !json.Valid(v) {
-			return nil, fmt.Errorf("object %q is not valid JSON", name)
+		crc, err := objectCRC(v)
+		if err != nil || !utf8.ValidString(name) {
+			return nil, fmt.Errorf("object %q is not valid JSON or its name not UTF-8", name)
 		}
+		crcs[name] = crc
 	}
 	if objects == nil {
 		objects = map[string]json.RawMessage{}
@@ -209,6 +241,8 @@ func newPlan(s *Snapshot) (*plan, error) {
 		Files:     []string{p.fileName},
 		Tensors:   make([]TensorEntry, len(infos)),
 		Objects:   objects,
+
+		ObjectsCRC32C: crcs,
 	}
 	p.index = index{WeightMap: make(map[string]string, len(infos))}
 	for i, info := range infos {
@@ -222,6 +256,23 @@ func newPlan(s *Snapshot) (*plan, error) {
 		}
 		p.index.WeightMap[info.Name] = p.fileName
 		p.index.Metadata.TotalSize += info.End - info.Begin
+	}
+	// Refuse, before writing anything, what Open would refuse to read: the
+	// size limits of the header and of the manifest (estimated with every
+	// CRC at its widest and a creation time set).
+	if n := len(header) - 8; n > safetensors.MaxHeaderSize {
+		return nil, fmt.Errorf("the safetensors header would be %d bytes, over the limit of %d: too many tensors (%d)", n, safetensors.MaxHeaderSize, len(infos))
+	}
+	est := p.manifest
+	est.Created = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
+	est.Tensors = slices.Clone(p.manifest.Tensors)
+	for i := range est.Tensors {
+		est.Tensors[i].CRC32C = math.MaxUint32
+	}
+	if b, err := json.MarshalIndent(est, "", "  "); err != nil {
+		return nil, fmt.Errorf("encoding the manifest: %w", err)
+	} else if int64(len(b)+1) > maxJSONSize {
+		return nil, fmt.Errorf("the manifest would be %d bytes, over the limit of %d: too many tensors (%d) or objects too large", len(b)+1, maxJSONSize, len(infos))
 	}
 	return p, nil
 }

@@ -176,6 +176,18 @@ func (c *Checkpoint) checkManifest(mpath string) error {
 	if len(m.Files) == 0 {
 		return corruptf(mpath, "no files")
 	}
+	if len(m.ObjectsCRC32C) != len(m.Objects) {
+		return corruptf(mpath, "%d objects but %d object checksums", len(m.Objects), len(m.ObjectsCRC32C))
+	}
+	for name, v := range m.Objects {
+		want, ok := m.ObjectsCRC32C[name]
+		if !ok {
+			return corruptf(mpath, "object %.80q has no checksum", name)
+		}
+		if crc, err := objectCRC(v); err != nil || crc != want {
+			return corruptf(mpath, "object %.80q: crc32c %#08x, manifest says %#08x", name, crc, want)
+		}
+	}
 	files := make(map[string]bool, len(m.Files))
 	for _, f := range m.Files {
 		if f == "" || f != filepath.Base(f) || f == "." || f == ".." || !strings.HasSuffix(f, ".safetensors") || files[f] {
