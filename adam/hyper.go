@@ -121,7 +121,7 @@ func (h Hyper) Coeffs(t int64, unscale, clip float32) Coeffs {
 		if h.Mode == Adam {
 			c.L2 = float32(h.WeightDecay)
 		} else {
-			c.Decay = float32(1 - h.LR*h.WeightDecay)
+			c.Decay = float32(1 - float64(h.LR*h.WeightDecay)) // no FMA: Python rounds the product
 		}
 	}
 	return c

@@ -72,7 +72,7 @@ func NewPool(threads int) *Pool {
 // Threads returns the number of goroutines a call may use.
 func (p *Pool) Threads() int { return p.threads }
 
-// Close stops the workers. The Pool must not be used afterwards.
+// Close stops the workers. A call after Close panics.
 func (p *Pool) Close() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -113,7 +113,11 @@ func (p *Pool) split(n int) (chunks, size int) {
 }
 
 // dispatch runs t over [0, n) in chunks; t.s, t.g and t.out are sliced.
+// Panics if the pool is closed.
 func (p *Pool) dispatch(t task, n int) int {
+	if p.closed {
+		panic("adam: Pool used after Close")
+	}
 	chunks, size := p.split(n)
 	if chunks > 1 {
 		p.wg.Add(chunks - 1)

@@ -279,17 +279,17 @@ func sumSquares(g Grad, unscale float32) float64 {
 	case F32:
 		for _, f := range g.F32 {
 			x := float64(float32(f * unscale))
-			s += x * x
+			s += float64(x * x) // the conversion forbids fusing into an FMA
 		}
 	case BF16:
 		for _, h := range g.U16 {
 			x := float64(float32(BF16ToF32(h) * unscale))
-			s += x * x
+			s += float64(x * x) // the conversion forbids fusing into an FMA
 		}
 	case F16:
 		for _, h := range g.U16 {
 			x := float64(float32(F16ToF32(h) * unscale))
-			s += x * x
+			s += float64(x * x) // the conversion forbids fusing into an FMA
 		}
 	}
 	return s

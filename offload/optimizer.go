@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"time"
+	"unicode/utf8"
 
 	"github.com/deepstates/dos/adam"
 )
@@ -125,6 +126,9 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	for i, p := range params {
 		if p.Name == "" {
 			return nil, fmt.Errorf("offload: parameter %d has an empty name", i)
+		}
+		if !utf8.ValidString(p.Name) {
+			return nil, fmt.Errorf("offload: parameter %d: name %q is not valid UTF-8 (checkpoints store names as JSON)", i, p.Name)
 		}
 		if _, dup := o.byName[p.Name]; dup {
 			return nil, fmt.Errorf("offload: duplicate parameter name %q", p.Name)
@@ -296,7 +300,8 @@ func (o *Optimizer) ZeroGrad() {
 // and the AdamW update of every subgroup with the same bias corrections
 // (package doc). It allocates nothing.
 //
-// Errors: ErrClosed, or a LossScale that is negative or not finite. A
+// Errors: ErrClosed, or a LossScale that is negative, not finite, or so
+// small or large that 1/LossScale is not a finite, non-zero float32. A
 // skipped step is not an error: it is reported in StepResult.Skipped.
 func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	start := time.Now()
@@ -306,10 +311,10 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	unscale := float32(1)
 	switch s := args.LossScale; {
 	case s == 0 || s == 1:
-	case s > 0 && !math.IsInf(s, 0):
+	case s > 0 && !math.IsInf(s, 0) && !math.IsInf(float64(float32(1/s)), 0) && float32(1/s) != 0:
 		unscale = float32(1 / s)
 	default:
-		return StepResult{}, fmt.Errorf("offload: LossScale %v: want a finite value > 0", s)
+		return StepResult{}, fmt.Errorf("offload: LossScale %v: want a finite value > 0 whose reciprocal is a finite, non-zero float32", s)
 	}
 	res := StepResult{Step: o.step, ClipCoef: 1}
 	for _, sg := range o.subgroups {
@@ -341,10 +346,12 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 
 // clipCoef follows torch.nn.utils.clip_grad_norm_ in fp32: the total norm is
 // rounded to fp32, clip_coef = max_norm / (total_norm + 1e-6), clamped to 1.
-// It returns the coefficient and the norm.
+// PyTorch evaluates float / tensor as tensor.reciprocal() * float
+// (Tensor.__rdiv__), two roundings, and so does this. It returns the
+// coefficient and the norm.
 func clipCoef(sumSquares, maxNorm float64) (float32, float64) {
 	norm := float32(math.Sqrt(sumSquares))
-	coef := float32(maxNorm) / (norm + float32(1e-6))
+	coef := float32(1/(norm+float32(1e-6))) * float32(maxNorm)
 	if coef > 1 {
 		coef = 1
 	}

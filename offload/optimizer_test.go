@@ -134,8 +134,9 @@ func TestClipAcrossSubgroups(t *testing.T) {
 	if res.GradNorm != 5 {
 		t.Errorf("GradNorm %v, want 5", res.GradNorm)
 	}
-	// torch: clip_coef = 1 / (5 + 1e-6) in fp32.
-	coef := float32(1) / (float32(5) + float32(1e-6))
+	// torch: clip_coef = max_norm / (total_norm + 1e-6) in fp32, evaluated
+	// as (total_norm + 1e-6).reciprocal() * max_norm.
+	coef := float32(1/(float32(5)+float32(1e-6))) * float32(1)
 	if float32(res.ClipCoef) != coef {
 		t.Errorf("ClipCoef %v, want %v", res.ClipCoef, coef)
 	}
@@ -214,7 +215,15 @@ func TestNewErrors(t *testing.T) {
 	if err := o.SetParam("ln_f.bias", make([]float32, 3)); err == nil || !strings.Contains(err.Error(), "3 values") {
 		t.Errorf("SetParam with wrong length: %v", err)
 	}
-	if _, err := o.Step(StepArgs{LossScale: -1}); err == nil {
-		t.Error("negative loss scale accepted")
+	for _, s := range []float64{-1, 1e-40, 1e46, math.NaN(), math.Inf(1)} {
+		if _, err := o.Step(StepArgs{LossScale: s}); err == nil || !strings.Contains(err.Error(), "LossScale") {
+			t.Errorf("loss scale %v: %v", s, err)
+		}
+	}
+	if o.StepCount() != 0 {
+		t.Errorf("refused steps advanced the counter to %d", o.StepCount())
+	}
+	if _, err := New([]Param{{Name: "w\xff", Shape: []int{1}}}, Options{}); err == nil || !strings.Contains(err.Error(), "UTF-8") {
+		t.Errorf("invalid UTF-8 name: %v", err)
 	}
 }

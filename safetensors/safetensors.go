@@ -31,6 +31,7 @@ import (
 	"math"
 	"os"
 	"sort"
+	"unicode/utf8"
 )
 
 // ErrInvalid is wrapped by every error that reports a malformed file.
@@ -107,16 +108,18 @@ type Header struct {
 	DataOffset int64
 	// DataSize is the size of the data section in bytes.
 	DataSize int64
+
+	byName map[string]int // index into Tensors, built by ParseHeader
 }
 
-// Find returns the tensor named name and true, or false when absent.
+// Find returns the tensor named name and true, or false when absent (always
+// false for a Header that ParseHeader did not build).
 func (h *Header) Find(name string) (TensorInfo, bool) {
-	for _, t := range h.Tensors {
-		if t.Name == name {
-			return t, true
-		}
+	i, ok := h.byName[name]
+	if !ok {
+		return TensorInfo{}, false
 	}
-	return TensorInfo{}, false
+	return h.Tensors[i], true
 }
 
 type rawEntry struct {
@@ -187,8 +190,10 @@ func parseHeaderJSON(buf []byte, dataOffset, fileSize int64) (*Header, error) {
 		}
 		return a.End < b.End
 	})
+	h.byName = make(map[string]int, len(h.Tensors))
 	var at int64
-	for _, t := range h.Tensors {
+	for i, t := range h.Tensors {
+		h.byName[t.Name] = i
 		if t.Begin != at {
 			if t.Begin < at {
 				return nil, invalid("tensor %q: byte range [%d, %d) overlaps the previous tensor", t.Name, t.Begin, t.End)
@@ -374,8 +379,8 @@ func Layout(metadata map[string]string, specs []Spec) (header []byte, infos []Te
 	infos = make([]TensorInfo, len(specs))
 	var at int64
 	for i, s := range specs {
-		if s.Name == "" || s.Name == "__metadata__" {
-			return nil, nil, 0, fmt.Errorf("safetensors: invalid tensor name %q", s.Name)
+		if s.Name == "" || s.Name == "__metadata__" || !utf8.ValidString(s.Name) {
+			return nil, nil, 0, fmt.Errorf("safetensors: invalid tensor name %q (empty, reserved, or not UTF-8)", s.Name)
 		}
 		if _, dup := entries[s.Name]; dup {
 			return nil, nil, 0, fmt.Errorf("safetensors: duplicate tensor name %q", s.Name)

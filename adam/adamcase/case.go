@@ -63,11 +63,11 @@ func (c *Case) N() int { return len(c.Init.Param) }
 // Errors: I/O errors, safetensors.ErrInvalid, or ErrCase naming the file and
 // the key or tensor at fault. Load never panics on a file's contents.
 func Load(path string) (*Case, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
+	dir, name := filepath.Split(path)
+	if dir == "" {
+		dir = "."
 	}
-	return Parse(path, b)
+	return loadOne(os.DirFS(dir), name, path)
 }
 
 // Parse validates the bytes b of a case file; path names it in errors and
@@ -182,12 +182,16 @@ func fromFile(f *safetensors.File, path string) (*Case, error) {
 	if s, err := get("grad_scale"); err != nil {
 		return nil, err
 	} else if s != "" {
-		if c.GradScale, err = strconv.ParseFloat(s, 64); err != nil || !(c.GradScale > 0) || math.IsInf(c.GradScale, 0) {
-			return nil, bad("grad_scale %q: want empty or a finite number > 0", s)
+		c.GradScale, err = strconv.ParseFloat(s, 64)
+		if inv := float32(1 / c.GradScale); err != nil || !(c.GradScale > 0) || math.IsInf(c.GradScale, 0) || math.IsInf(float64(inv), 0) || inv == 0 {
+			return nil, bad("grad_scale %q: want empty or a finite number > 0 whose reciprocal is a finite, non-zero float32", s)
 		}
 	}
-	if steps > 1<<20 {
-		return nil, bad("steps %d is implausibly large", steps)
+	if steps < 1 || steps > 1<<20 {
+		return nil, bad("steps %d: want 1 to %d", steps, 1<<20)
+	}
+	if c.Step0 > 1<<40 {
+		return nil, bad("step0 %d is implausibly large", c.Step0)
 	}
 
 	if c.Init.Param, err = f32(f, "param", -1); err != nil {
@@ -259,8 +263,21 @@ func fromFile(f *safetensors.File, path string) (*Case, error) {
 		}
 		c.Expected = append(c.Expected, e)
 	}
-	if want := c.Step0 + int64(steps); c.FinalStep > want {
-		return nil, bad("final_step %d exceeds step0 + steps = %d", c.FinalStep, want)
+	if want := c.Step0 + int64(steps); c.FinalStep > want || c.FinalStep < c.Step0 {
+		return nil, bad("final_step %d outside step0 = %d to step0 + steps = %d", c.FinalStep, c.Step0, want)
+	}
+	// The schema stores the state after call T unless T is skipped: a case
+	// that would compare nothing is refused.
+	last := c.Expected[steps-1]
+	if !last.Skipped && (last.Param == nil || last.ExpAvg == nil || last.ExpAvgSq == nil || (h.AMSGrad && last.MaxExpAvgSq == nil)) {
+		return nil, bad("call %d (the last) is not skipped but its expected.param/exp_avg/exp_avg_sq%s are missing", steps, map[bool]string{true: "/max_exp_avg_sq", false: ""}[h.AMSGrad])
+	}
+	compared := false
+	for _, e := range c.Expected {
+		compared = compared || e.Param != nil
+	}
+	if !compared {
+		return nil, bad("no call has expected tensors: the case would compare nothing")
 	}
 	return c, nil
 }
@@ -311,24 +328,32 @@ func trimExt(s string) string {
 	return s
 }
 
+// MaxCaseSize is the largest case file LoadDir and LoadFS read, in bytes.
+const MaxCaseSize = 1 << 30
+
 // LoadDir loads every *.safetensors file in dir, sorted by name.
 //
-// Errors: dir cannot be read, holds no case, or any case fails to load (the
+// Errors: dir cannot be read or is not a directory, holds no case, or a
+// case is not a regular file, is over MaxCaseSize, or fails to load (the
 // error names the file).
 func LoadDir(dir string) ([]*Case, error) {
-	if _, err := os.Stat(dir); err != nil {
+	if info, err := os.Stat(dir); err != nil {
 		return nil, fmt.Errorf("adamcase: case directory: %w", err)
+	} else if !info.IsDir() {
+		return nil, fmt.Errorf("adamcase: case directory %s is not a directory", dir)
 	}
-	return loadFS(os.DirFS(dir), ".", dir)
+	return loadFS(os.DirFS(dir), "*.safetensors", dir)
 }
 
 // LoadFS is LoadDir on directory dir of fsys (an embedded set of cases, say).
 func LoadFS(fsys fs.FS, dir string) ([]*Case, error) {
-	return loadFS(fsys, dir, dir)
+	return loadFS(fsys, path.Join(dir, "*.safetensors"), dir)
 }
 
-func loadFS(fsys fs.FS, dir, shown string) ([]*Case, error) {
-	names, err := fs.Glob(fsys, path.Join(dir, "*.safetensors"))
+// loadFS loads the files of fsys that match pattern; shown names their
+// directory in errors.
+func loadFS(fsys fs.FS, pattern, shown string) ([]*Case, error) {
+	names, err := fs.Glob(fsys, pattern)
 	if err != nil {
 		return nil, fmt.Errorf("adamcase: reading %s: %w", shown, err)
 	}
@@ -338,15 +363,32 @@ func loadFS(fsys fs.FS, dir, shown string) ([]*Case, error) {
 	sort.Strings(names)
 	var cases []*Case
 	for _, name := range names {
-		b, err := fs.ReadFile(fsys, name)
-		if err != nil {
-			return nil, fmt.Errorf("adamcase: %w", err)
-		}
-		c, err := Parse(filepath.Join(shown, path.Base(name)), b)
+		c, err := loadOne(fsys, name, filepath.Join(shown, path.Base(name)))
 		if err != nil {
 			return nil, err
 		}
 		cases = append(cases, c)
 	}
 	return cases, nil
+}
+
+// loadOne loads the case file name of fsys, shown as shown in errors. It
+// reads only a regular file of at most MaxCaseSize bytes, so a FIFO or a
+// device never hangs it.
+func loadOne(fsys fs.FS, name, shown string) (*Case, error) {
+	info, err := fs.Stat(fsys, name)
+	if err != nil {
+		return nil, fmt.Errorf("adamcase: %s: %w", shown, err)
+	}
+	if !info.Mode().IsRegular() {
+		return nil, fmt.Errorf("adamcase: %s is not a regular file (%v)", shown, info.Mode().Type())
+	}
+	if info.Size() > MaxCaseSize {
+		return nil, fmt.Errorf("adamcase: %s is %d bytes, over the limit of %d", shown, info.Size(), int64(MaxCaseSize))
+	}
+	b, err := fs.ReadFile(fsys, name)
+	if err != nil {
+		return nil, fmt.Errorf("adamcase: %s: %w", shown, err)
+	}
+	return Parse(shown, b)
 }

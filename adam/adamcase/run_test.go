@@ -121,3 +121,66 @@ func TestLoadDirErrors(t *testing.T) {
 		t.Error("missing dir: no error")
 	}
 }
+
+// rewrite re-encodes the case file src with its metadata changed by md and
+// the tensors for which keep returns true.
+func rewrite(t *testing.T, src string, md func(map[string]string), keep func(string) bool) []byte {
+	t.Helper()
+	orig, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := safetensors.Parse(orig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	meta := map[string]string{}
+	for k, v := range f.Metadata {
+		meta[k] = v
+	}
+	md(meta)
+	var ts []safetensors.Tensor
+	for _, ti := range f.Tensors {
+		if keep(ti.Name) {
+			_, b, _ := f.Bytes(ti.Name)
+			ts = append(ts, safetensors.Tensor{Spec: safetensors.Spec{Name: ti.Name, DType: ti.DType, Shape: ti.Shape}, Data: b})
+		}
+	}
+	enc, err := safetensors.Encode(meta, ts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return enc
+}
+
+func TestLoadRefusesEmptyComparisons(t *testing.T) {
+	src := filepath.Join("..", "..", "testdata", "adam-cases", "odd_7.safetensors")
+	all := func(string) bool { return true }
+	for name, tc := range map[string]struct {
+		b    []byte
+		want string
+	}{
+		"no expectations": {rewrite(t, src, func(map[string]string) {}, func(n string) bool { return !strings.HasPrefix(n, "expected.") }), "call 5 (the last)"},
+		"last call bare":  {rewrite(t, src, func(map[string]string) {}, func(n string) bool { return n != "expected.param.5" }), "call 5 (the last)"},
+		"zero steps":      {rewrite(t, src, func(m map[string]string) { m["steps"], m["final_step"] = "0", "0" }, all), "steps 0"},
+		"tiny grad_scale": {rewrite(t, src, func(m map[string]string) { m["grad_scale"] = "1e-300" }, all), "grad_scale"},
+		"huge step0":      {rewrite(t, src, func(m map[string]string) { m["step0"] = "9223372036854775807" }, all), "step0"},
+	} {
+		if _, err := Parse(name, tc.b); !errors.Is(err, ErrCase) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want ErrCase containing %q", name, err, tc.want)
+		}
+	}
+}
+
+func TestLoadDirSpecialFiles(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.Symlink("/dev/zero", filepath.Join(dir, "zero.safetensors")); err != nil {
+		t.Skip(err)
+	}
+	if _, err := LoadDir(dir); err == nil || !strings.Contains(err.Error(), "not a regular file") {
+		t.Errorf("symlink to /dev/zero: %v", err)
+	}
+	if _, err := Load(filepath.Join(dir, "zero.safetensors")); err == nil || !strings.Contains(err.Error(), "not a regular file") {
+		t.Errorf("Load of /dev/zero: %v", err)
+	}
+}

@@ -43,6 +43,12 @@ func TestSelftestErrors(t *testing.T) {
 	if rc, _, errs := runCLI("selftest", "--cases", bad); rc != 1 || !strings.Contains(errs, "junk.safetensors") {
 		t.Errorf("junk file: rc %d, %q", rc, errs)
 	}
+	if rc, _, _ := runCLI("selftest", "--cases="); rc != 2 {
+		t.Errorf("empty --cases: rc %d", rc)
+	}
+	if rc, _, errs := runCLI("selftest", "--cases", filepath.Join(bad, "junk.safetensors")); rc != 1 || !strings.Contains(errs, "not a directory") {
+		t.Errorf("--cases FILE: rc %d %q", rc, errs)
+	}
 	if rc, _, _ := runCLI("selftest", "--bogus"); rc != 2 {
 		t.Errorf("unknown flag: rc %d", rc)
 	}

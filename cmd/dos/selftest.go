@@ -36,6 +36,12 @@ func runSelftest(args []string, stdout, stderr io.Writer) int {
 	} else if err != nil {
 		return 2
 	}
+	casesSet := false
+	fs.Visit(func(f *flag.Flag) { casesSet = casesSet || f.Name == "cases" })
+	if casesSet && *dir == "" {
+		fmt.Fprintln(stderr, "dos selftest: --cases is empty; omit it to run the embedded cases")
+		return 2
+	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "dos selftest: unexpected argument %q\n", fs.Arg(0))
 		return 2
