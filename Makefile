@@ -28,9 +28,14 @@ fmt-check:
 test-short:
 	$(GO) test -short $(PKGS)
 
+# The main job: dos train on its embedded default (Newton's Opticks, a 4-layer
+# byte-level GPT-2), checkpointing into bin/demo-ckpt, after the selftest.
 demo:
-	$(GO) run ./cmd/dos selftest
-	$(GO) run ./examples/quickstart
+	$(GO) build -o $(BIN)/dos ./cmd/dos
+	$(BIN)/dos selftest | tail -1
+	rm -rf $(BIN)/demo-ckpt
+	$(BIN)/dos train --ckpt-dir $(BIN)/demo-ckpt --summary-json $(BIN)/demo-summary.json
+	@cat $(BIN)/demo-summary.json
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 5x ./adam/

@@ -20,3 +20,10 @@ var AdamCases embed.FS
 
 // AdamCasesDir is the directory of AdamCases that holds the case files.
 const AdamCasesDir = "testdata/adam-cases"
+
+// Opticks is Isaac Newton's Opticks (4th edition, 1730; public domain, from
+// Project Gutenberg as the Go distribution ships it in src/testdata), the
+// text `dos train` learns by default: 567,198 bytes.
+//
+//go:embed testdata/Isaac.Newton-Opticks.txt
+var Opticks []byte

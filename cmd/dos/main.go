@@ -1,8 +1,11 @@
 // Command dos is the command-line tool of the dos optimizer runtime.
 //
+//	dos train [flags]            train a byte-level GPT-2 with the offloaded optimizer
 //	dos selftest [--cases DIR]   run the PyTorch reference cases on every backend
 //	dos ckpt ls ROOT             list the committed checkpoints under ROOT
 //	dos ckpt verify DIR          check every tensor's CRC32C of a checkpoint
+//	dos export --ckpt P --hf DIR  export a checkpoint as a Hugging Face GPT-2 model
+//	dos eval --ckpt P [--logits F] run a checkpoint's model on a text
 //	dos help                     list the commands
 //
 // Each command prints its own flags with -h.
@@ -20,8 +23,11 @@ type command struct {
 }
 
 var commands = []command{
+	{"train", "train a byte-level GPT-2 on Newton's Opticks with the offloaded optimizer (the main job)", runTrain},
 	{"selftest", "run the PyTorch AdamW reference cases on every optimizer backend of this machine", runSelftest},
 	{"ckpt", "list checkpoints (ls ROOT) or verify one's checksums (verify DIR)", runCkpt},
+	{"export", "export a dos train checkpoint as a Hugging Face GPT-2 model (--hf DIR)", runExport},
+	{"eval", "run a dos train checkpoint on a text and print its loss; --logits saves the logits", runEval},
 }
 
 func usage(w io.Writer) {
@@ -55,3 +61,6 @@ func run(args []string, stdout, stderr io.Writer) int {
 	usage(stderr)
 	return 2
 }
+
+// writeFile writes b to path (mode 0644).
+func writeFile(path string, b []byte) error { return os.WriteFile(path, b, 0o644) }

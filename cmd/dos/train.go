@@ -1,0 +1,120 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+
+	"github.com/deepstates/dos"
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/trainer"
+)
+
+// dtypeFlag is a flag.Value for an adam.DType.
+type dtypeFlag struct{ d *adam.DType }
+
+func (f dtypeFlag) String() string {
+	if f.d == nil {
+		return ""
+	}
+	return f.d.String()
+}
+func (f dtypeFlag) Set(s string) error {
+	d, err := adam.ParseDType(s)
+	if err != nil {
+		return err
+	}
+	*f.d = d
+	return nil
+}
+
+func runTrain(args []string, stdout, stderr io.Writer) int {
+	cfg := trainer.DefaultTrainConfig()
+	fs := flag.NewFlagSet("train", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&cfg.Steps, "steps", cfg.Steps, "train to this iteration (one batch each); a resumed run continues to it")
+	fs.IntVar(&cfg.Model.NLayer, "layers", cfg.Model.NLayer, "transformer blocks")
+	fs.IntVar(&cfg.Model.NHead, "heads", cfg.Model.NHead, "attention heads (must divide --embd)")
+	fs.IntVar(&cfg.Model.NEmbd, "embd", cfg.Model.NEmbd, "embedding width (elements)")
+	fs.IntVar(&cfg.Model.NCtx, "ctx", cfg.Model.NCtx, "context length in tokens (bytes); every sequence is this long")
+	fs.IntVar(&cfg.Batch, "batch", cfg.Batch, "sequences per iteration")
+	fs.Float64Var(&cfg.LR, "lr", cfg.LR, "peak learning rate")
+	fs.Float64Var(&cfg.MinLRRatio, "min-lr-ratio", cfg.MinLRRatio, "the cosine's floor as a fraction of --lr")
+	fs.IntVar(&cfg.WarmupSteps, "warmup", cfg.WarmupSteps, "iterations of linear learning-rate warm-up")
+	fs.IntVar(&cfg.DecaySteps, "decay-steps", cfg.DecaySteps, "iteration where the cosine decay ends (0: --steps); keep it fixed across resumptions")
+	fs.Float64Var(&cfg.WeightDecay, "weight-decay", cfg.WeightDecay, "AdamW weight_decay (decoupled)")
+	fs.Float64Var(&cfg.Betas[0], "beta1", cfg.Betas[0], "AdamW beta1")
+	fs.Float64Var(&cfg.Betas[1], "beta2", cfg.Betas[1], "AdamW beta2")
+	fs.Float64Var(&cfg.Eps, "eps", cfg.Eps, "AdamW eps")
+	fs.Float64Var(&cfg.MaxGradNorm, "clip", cfg.MaxGradNorm, "global gradient-norm clipping max_norm (0: off)")
+	fs.Float64Var(&cfg.LossScale, "loss-scale", cfg.LossScale, "initial dynamic loss scale (0: off); halves on overflow, doubles after 2000 good steps")
+	fs.Var(dtypeFlag{&cfg.GradDType}, "grad-dtype", "gradient dtype handed to the optimizer: float32, bfloat16 or float16")
+	fs.Var(dtypeFlag{&cfg.WorkingDType}, "working-dtype", "dtype of the weights forward reads: none (fp32 master), bfloat16 or float16")
+	fs.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "seed of initialisation and sampling")
+	fs.IntVar(&cfg.SubgroupSize, "subgroup-size", cfg.SubgroupSize, "optimizer subgroup size in elements (0: 1e9)")
+	fs.IntVar(&cfg.Threads, "threads", cfg.Threads, "optimizer worker goroutines (0: GOMAXPROCS)")
+	fs.StringVar(&cfg.CkptDir, "ckpt-dir", cfg.CkptDir, "checkpoint root directory (empty: no checkpoints)")
+	fs.IntVar(&cfg.CkptEvery, "ckpt-every", cfg.CkptEvery, "iterations between checkpoints (a final one is always written)")
+	fs.BoolVar(&cfg.Resume, "resume", cfg.Resume, "continue from the latest checkpoint in --ckpt-dir")
+	fs.IntVar(&cfg.EvalEvery, "eval-every", cfg.EvalEvery, "iterations between validation losses")
+	fs.IntVar(&cfg.EvalBatches, "eval-batches", cfg.EvalBatches, "validation batches per evaluation")
+	fs.IntVar(&cfg.LogEvery, "log-every", cfg.LogEvery, "iterations between progress lines")
+	fs.IntVar(&cfg.SampleBytes, "sample", cfg.SampleBytes, "bytes of text to generate at the end (0: none)")
+	text := fs.String("text", "", "train on this UTF-8/byte text file (default: Newton's Opticks, embedded)")
+	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, steps, params, tokens_per_s} to this `PATH`")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: dos train [flags]\n\n"+
+			"Trains a byte-level GPT-2 on Newton's Opticks with the offloaded AdamW optimizer, checkpointing\n"+
+			"through dos's checkpointer. Losses are in nats per byte.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
+		return 0
+	} else if err != nil {
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "dos train: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	data := dos.Opticks
+	if *text != "" {
+		b, err := os.ReadFile(*text)
+		if err != nil {
+			fmt.Fprintf(stderr, "dos train: --text: %v\n", err)
+			return 1
+		}
+		data = b
+	}
+	if err := cfg.Validate(); err != nil {
+		fmt.Fprintf(stderr, "dos train: %v\n", err)
+		return 2
+	}
+	t, err := trainer.New(cfg, data, stdout)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos train: %v\n", err)
+		return 1
+	}
+	defer t.Close()
+	sum, err := t.Run()
+	if err != nil {
+		fmt.Fprintf(stderr, "dos train: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "done: %d iterations, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
+		sum.Steps, sum.InitialLoss, sum.FinalLoss, sum.InitValLoss, sum.ValLoss, sum.TokensPerS)
+	if *summary != "" {
+		b, err := json.MarshalIndent(sum, "", "  ")
+		if err == nil {
+			err = os.WriteFile(*summary, append(b, '\n'), 0o644)
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "dos train: --summary-json: %v\n", err)
+			return 1
+		}
+	}
+	return 0
+}

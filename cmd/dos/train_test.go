@@ -1,0 +1,118 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/deepstates/dos/trainer"
+)
+
+// TestMain lets the tests run this test binary as the dos command: with
+// DOS_TEST_MAIN=1 it runs the CLI on its arguments and exits.
+func TestMain(m *testing.M) {
+	if os.Getenv("DOS_TEST_MAIN") == "1" {
+		os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+	}
+	os.Exit(m.Run())
+}
+
+// dosCmd returns the dos command line args, run by this test binary.
+func dosCmd(args ...string) *exec.Cmd {
+	cmd := exec.Command(os.Args[0], args...)
+	cmd.Env = append(os.Environ(), "DOS_TEST_MAIN=1")
+	return cmd
+}
+
+// tiny is a model small enough for the race detector.
+var tiny = []string{"--layers", "1", "--heads", "2", "--embd", "16", "--ctx", "16", "--batch", "4",
+	"--eval-batches", "2", "--eval-every", "0", "--sample", "0", "--log-every", "0", "--decay-steps", "40", "--warmup", "4"}
+
+func train(t *testing.T, args ...string) trainer.Summary {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "summary.json")
+	out, err := dosCmd(append(append([]string{"train"}, tiny...), append(args, "--summary-json", path)...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("dos train %v: %v\n%s", args, err, out)
+	}
+	var s trainer.Summary
+	b, err := os.ReadFile(path)
+	if err == nil {
+		err = json.Unmarshal(b, &s)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// TestTrainResumeBitwise: --steps 40 equals --steps 20 then --resume
+// --steps 40, bit for bit.
+func TestTrainResumeBitwise(t *testing.T) {
+	straight := train(t, "--steps", "40", "--ckpt-dir", filepath.Join(t.TempDir(), "a"), "--ckpt-every", "10")
+	dir := filepath.Join(t.TempDir(), "b")
+	half := train(t, "--steps", "20", "--ckpt-dir", dir, "--ckpt-every", "10")
+	resumed := train(t, "--steps", "40", "--ckpt-dir", dir, "--ckpt-every", "10", "--resume")
+	t.Logf("straight %+v\nhalf %+v\nresumed %+v", straight, half, resumed)
+	if resumed.FinalLoss != straight.FinalLoss || resumed.ValLoss != straight.ValLoss || resumed.Steps != 40 {
+		t.Fatalf("resumed final_loss %v val_loss %v (steps %d), straight %v %v",
+			resumed.FinalLoss, resumed.ValLoss, resumed.Steps, straight.FinalLoss, straight.ValLoss)
+	}
+	if resumed.InitialLoss != straight.InitialLoss {
+		t.Errorf("initial_loss %v after resume, %v straight", resumed.InitialLoss, straight.InitialLoss)
+	}
+	if half.FinalLoss == straight.FinalLoss {
+		t.Errorf("20 and 40 iterations give the same loss %v: the comparison cannot fail", half.FinalLoss)
+	}
+}
+
+// TestTrainKilledDuringCheckpoint: SIGKILL while a checkpoint is being
+// written, then --resume, continues from the last complete checkpoint and
+// ends bitwise where an uninterrupted run ends.
+func TestTrainKilledDuringCheckpoint(t *testing.T) {
+	args := []string{"--steps", "40", "--ckpt-every", "1"}
+	straight := train(t, append(args, "--ckpt-dir", filepath.Join(t.TempDir(), "a"))...)
+	dir := filepath.Join(t.TempDir(), "b")
+	cmd := dosCmd(append(append([]string{"train"}, tiny...), append(args, "--ckpt-dir", dir)...)...)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	killed := false
+	for deadline := time.Now().Add(2 * time.Minute); time.Now().Before(deadline) && !killed; {
+		entries, _ := os.ReadDir(dir)
+		steps := 0
+		for _, e := range entries {
+			if strings.HasPrefix(e.Name(), "step-") {
+				steps++
+			}
+		}
+		for _, e := range entries {
+			if strings.HasPrefix(e.Name(), ".tmp-") && steps >= 3 {
+				cmd.Process.Signal(syscall.SIGKILL)
+				killed = true
+				break
+			}
+		}
+	}
+	cmd.Wait()
+	if !killed {
+		t.Fatal("never caught a checkpoint being written")
+	}
+	out, err := dosCmd(append(append([]string{"train"}, tiny...), append(args, "--ckpt-dir", dir, "--resume")...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("resume after SIGKILL: %v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "resume: "+dir+"/step-") {
+		t.Fatalf("did not resume from a checkpoint:\n%s", out)
+	}
+	resumed := train(t, append(args, "--ckpt-dir", dir, "--resume")...) // already at 40: reports the state
+	if resumed.FinalLoss != straight.FinalLoss || resumed.Steps != 40 {
+		t.Fatalf("after SIGKILL and resume: final_loss %v at %d, straight %v", resumed.FinalLoss, resumed.Steps, straight.FinalLoss)
+	}
+	t.Logf("killed during a checkpoint write; %s", strings.SplitN(string(out), "\n", 3)[1])
+}

@@ -1,0 +1,166 @@
+package trainer
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"unsafe"
+
+	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/safetensors"
+)
+
+// LoadWeights reads, from the checkpoint at path (a root, whose latest
+// checkpoint is read, or a step directory) that Train wrote, the model
+// configuration and the fp32 master weights of every parameter, in
+// Config.Params order. It returns the directory read too.
+//
+// Errors: those of checkpoint.Resolve, Open and ReadTensor (checksums are
+// verified); a checkpoint without the trainer's object or a parameter.
+func LoadWeights(path string) (Config, [][]float32, string, error) {
+	dir, err := checkpoint.Resolve(checkpoint.OS, path)
+	if err != nil {
+		return Config{}, nil, "", err
+	}
+	c, err := checkpoint.Open(checkpoint.OS, dir, 0)
+	if err != nil {
+		return Config{}, nil, "", err
+	}
+	defer c.Close()
+	var st trainerState
+	if err := c.Object("trainer", &st); err != nil {
+		return Config{}, nil, "", fmt.Errorf("trainer: %s was not written by dos train: %w", dir, err)
+	}
+	cfg := st.Config.Model
+	if err := cfg.Validate(); err != nil {
+		return Config{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
+	}
+	var weights [][]float32
+	for _, p := range cfg.Params() {
+		n := 1
+		for _, d := range p.Shape {
+			n *= d
+		}
+		w := make([]float32, n)
+		if err := c.ReadTensor(p.Name+".master", f32bytes(w)); err != nil {
+			return Config{}, nil, "", err
+		}
+		weights = append(weights, w)
+	}
+	return cfg, weights, dir, nil
+}
+
+func f32bytes(v []float32) []byte {
+	if len(v) == 0 {
+		return []byte{}
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+}
+
+// hfConfig is Hugging Face's GPT2Config as config.json spells it.
+type hfConfig struct {
+	Architectures     []string `json:"architectures"`
+	ModelType         string   `json:"model_type"`
+	VocabSize         int      `json:"vocab_size"`
+	NPositions        int      `json:"n_positions"`
+	NCtx              int      `json:"n_ctx"`
+	NEmbd             int      `json:"n_embd"`
+	NLayer            int      `json:"n_layer"`
+	NHead             int      `json:"n_head"`
+	NInner            *int     `json:"n_inner"`
+	Activation        string   `json:"activation_function"`
+	LayerNormEpsilon  float64  `json:"layer_norm_epsilon"`
+	ResidPdrop        float64  `json:"resid_pdrop"`
+	EmbdPdrop         float64  `json:"embd_pdrop"`
+	AttnPdrop         float64  `json:"attn_pdrop"`
+	InitializerRange  float64  `json:"initializer_range"`
+	TieWordEmbeddings bool     `json:"tie_word_embeddings"`
+	BOSTokenID        int      `json:"bos_token_id"`
+	EOSTokenID        int      `json:"eos_token_id"`
+	TorchDType        string   `json:"torch_dtype"`
+}
+
+// ExportHF writes the model of the checkpoint at path as a Hugging Face
+// GPT-2 model in outDir: config.json (GPT2Config: gelu_new, layer norm
+// epsilon 1e-5, tied embeddings, no dropout) and model.safetensors holding
+// every parameter in fp32 under its GPT-2 name (wte.weight, h.0.ln_1.weight,
+// ...), which transformers.GPT2LMHeadModel.from_pretrained loads. It
+// returns the checkpoint directory exported.
+//
+// Errors: those of LoadWeights, and I/O errors writing outDir.
+func ExportHF(path, outDir string) (string, error) {
+	cfg, weights, dir, err := LoadWeights(path)
+	if err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(outDir, 0o755); err != nil {
+		return "", err
+	}
+	js, err := json.MarshalIndent(hfConfig{
+		Architectures: []string{"GPT2LMHeadModel"}, ModelType: "gpt2",
+		VocabSize: cfg.VocabSize, NPositions: cfg.NCtx, NCtx: cfg.NCtx, NEmbd: cfg.NEmbd, NLayer: cfg.NLayer, NHead: cfg.NHead,
+		Activation: "gelu_new", LayerNormEpsilon: LayerNormEps, InitializerRange: 0.02, TieWordEmbeddings: true,
+		BOSTokenID: cfg.VocabSize - 1, EOSTokenID: cfg.VocabSize - 1, TorchDType: "float32",
+	}, "", "  ")
+	if err != nil {
+		return "", err
+	}
+	var ts []safetensors.Tensor
+	for i, p := range cfg.Params() {
+		shape := make([]int64, len(p.Shape))
+		for j, d := range p.Shape {
+			shape[j] = int64(d)
+		}
+		ts = append(ts, safetensors.Tensor{Spec: safetensors.Spec{Name: p.Name, DType: safetensors.F32, Shape: shape}, Data: safetensors.Float32Bytes(weights[i])})
+	}
+	file, err := safetensors.Encode(map[string]string{"format": "pt"}, ts)
+	if err != nil {
+		return "", err
+	}
+	if err := os.WriteFile(filepath.Join(outDir, "config.json"), append(js, '\n'), 0o644); err != nil {
+		return "", err
+	}
+	if err := os.WriteFile(filepath.Join(outDir, "model.safetensors"), file, 0o644); err != nil {
+		return "", err
+	}
+	return dir, nil
+}
+
+// Logits runs the model cfg with weights on one sequence of tokens
+// (len(tokens) <= cfg.NCtx) in float64 and returns its logits,
+// [len(tokens) * VocabSize] row-major, and the mean next-token loss over
+// the sequence's first len-1 positions (nats).
+//
+// Panics on a token out of range or a sequence longer than cfg.NCtx.
+func Logits(cfg Config, weights [][]float32, tokens []int32) ([]float64, float64) {
+	T := len(tokens)
+	m := NewModel[float64](cfg, 1, T)
+	params := make([][]float64, len(weights))
+	for i, w := range weights {
+		params[i] = make([]float64, len(w))
+		for j, x := range w {
+			params[i][j] = float64(x)
+		}
+	}
+	m.Forward(params, tokens, nil)
+	logits := append([]float64(nil), m.Logits()...)
+	var loss float64
+	for t := 0; t+1 < T; t++ {
+		row := logits[t*cfg.VocabSize : (t+1)*cfg.VocabSize]
+		mx := row[0]
+		for _, x := range row {
+			mx = max(mx, x)
+		}
+		var z float64
+		for _, x := range row {
+			z += math.Exp(x - mx)
+		}
+		loss += mx + math.Log(z) - row[tokens[t+1]]
+	}
+	if T > 1 {
+		loss /= float64(T - 1)
+	}
+	return logits, loss
+}

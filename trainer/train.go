@@ -1,0 +1,507 @@
+package trainer
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"math"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/offload"
+)
+
+// TrainConfig configures Train. The flags of `dos train` set these fields;
+// the JSON names are theirs too.
+type TrainConfig struct {
+	Model Config `json:"model"`
+	// Steps is the iteration to train to (one batch each). A resumed run
+	// continues from the checkpoint's iteration up to Steps.
+	Steps int `json:"steps"`
+	Batch int `json:"batch"` // sequences per iteration (B); each is Model.NCtx tokens long
+	// LR is the peak learning rate, reached after WarmupSteps of linear
+	// warm-up, then decayed along a cosine to LR*MinLRRatio at DecaySteps
+	// and held there (Megatron's --lr-warmup-iters, --lr-decay-iters,
+	// --min-lr).
+	LR          float64 `json:"lr"`
+	MinLRRatio  float64 `json:"min_lr_ratio"`
+	WarmupSteps int     `json:"warmup_steps"`
+	// DecaySteps is the cosine's horizon in iterations; 0 means Steps. Keep
+	// it fixed across a run and its resumptions so the schedule is the same.
+	DecaySteps  int        `json:"decay_steps"`
+	WeightDecay float64    `json:"weight_decay"`
+	Betas       [2]float64 `json:"betas"`
+	Eps         float64    `json:"eps"`
+	MaxGradNorm float64    `json:"max_grad_norm"` // 0 disables clipping
+	// GradDType is the dtype of the gradients handed to the optimizer;
+	// WorkingDType that of the copy the forward pass reads (0: the fp32
+	// master weights themselves).
+	GradDType    adam.DType `json:"grad_dtype"`
+	WorkingDType adam.DType `json:"working_dtype"`
+	// LossScale, when > 0, is the initial dynamic loss scale: halved on a
+	// step with a non-finite gradient (which the optimizer skips), doubled
+	// after ScaleGrowthInterval good steps (torch.amp.GradScaler).
+	LossScale    float64 `json:"loss_scale"`
+	Seed         uint64  `json:"seed"`
+	SubgroupSize int     `json:"subgroup_size"` // elements; 0: offload's default
+	Threads      int     `json:"threads"`       // optimizer goroutines; 0: GOMAXPROCS
+	CkptDir      string  `json:"ckpt_dir"`      // "" disables checkpoints
+	CkptEvery    int     `json:"ckpt_every"`    // iterations between checkpoints (and one at the end)
+	Resume       bool    `json:"resume"`        // continue from CkptDir's latest checkpoint
+	EvalEvery    int     `json:"eval_every"`    // iterations between validation losses
+	EvalBatches  int     `json:"eval_batches"`  // batches of the validation split per evaluation
+	LogEvery     int     `json:"log_every"`     // iterations between plain progress lines
+	SampleBytes  int     `json:"sample_bytes"`  // bytes of text generated at the end
+	ValFraction  float64 `json:"val_fraction"`  // tail of the text held out for validation
+}
+
+// ScaleGrowthInterval is how many consecutive good steps double the dynamic
+// loss scale (torch.amp.GradScaler's growth_interval).
+const ScaleGrowthInterval = 2000
+
+// DefaultTrainConfig is the main job's default: a 4-layer byte-level GPT
+// that trains on 2 cores in about a minute.
+func DefaultTrainConfig() TrainConfig {
+	return TrainConfig{
+		Model:       Config{VocabSize: VocabSize, NCtx: 64, NLayer: 4, NHead: 4, NEmbd: 128},
+		Steps:       150,
+		Batch:       16,
+		LR:          3e-3,
+		MinLRRatio:  0.1,
+		WarmupSteps: 10,
+		WeightDecay: 0.1,
+		Betas:       [2]float64{0.9, 0.95},
+		Eps:         1e-8,
+		MaxGradNorm: 1,
+		GradDType:   adam.F32,
+		Seed:        1337,
+		CkptEvery:   50,
+		EvalEvery:   25,
+		EvalBatches: 8,
+		LogEvery:    10,
+		SampleBytes: 200,
+		ValFraction: 0.1,
+	}
+}
+
+// Validate reports the first invalid field.
+func (c *TrainConfig) Validate() error {
+	if err := c.Model.Validate(); err != nil {
+		return err
+	}
+	if c.Model.VocabSize != VocabSize {
+		return fmt.Errorf("trainer: vocab_size %d: the byte-level data needs %d", c.Model.VocabSize, VocabSize)
+	}
+	switch {
+	case c.Steps < 1:
+		return fmt.Errorf("trainer: steps %d: want >= 1", c.Steps)
+	case c.Batch < 1:
+		return fmt.Errorf("trainer: batch %d: want >= 1", c.Batch)
+	case !(c.LR > 0) || math.IsInf(c.LR, 0):
+		return fmt.Errorf("trainer: lr %v: want a finite value > 0", c.LR)
+	case !(c.MinLRRatio >= 0 && c.MinLRRatio <= 1):
+		return fmt.Errorf("trainer: min_lr_ratio %v: want [0, 1]", c.MinLRRatio)
+	case c.WarmupSteps < 0 || c.DecaySteps < 0:
+		return fmt.Errorf("trainer: warmup_steps %d, decay_steps %d: want >= 0", c.WarmupSteps, c.DecaySteps)
+	case c.CkptEvery < 0 || c.EvalEvery < 0 || c.LogEvery < 0 || c.EvalBatches < 0 || c.SampleBytes < 0:
+		return errors.New("trainer: ckpt_every, eval_every, log_every, eval_batches and sample_bytes must be >= 0")
+	case c.Resume && c.CkptDir == "":
+		return errors.New("trainer: --resume needs --ckpt-dir")
+	case !(c.LossScale >= 0) || math.IsInf(c.LossScale, 0):
+		return fmt.Errorf("trainer: loss_scale %v: want 0 (off) or a finite initial scale > 0", c.LossScale)
+	}
+	return nil
+}
+
+// LRAt returns the learning rate of iteration it (1-based): linear warm-up
+// over WarmupSteps, cosine decay to LR*MinLRRatio at DecaySteps, then flat.
+func (c *TrainConfig) LRAt(it int) float64 {
+	if c.WarmupSteps > 0 && it <= c.WarmupSteps {
+		return c.LR * float64(it) / float64(c.WarmupSteps)
+	}
+	decay := c.DecaySteps
+	if decay == 0 {
+		decay = c.Steps
+	}
+	min := c.LR * c.MinLRRatio
+	if it >= decay || decay <= c.WarmupSteps {
+		return min
+	}
+	frac := float64(it-c.WarmupSteps) / float64(decay-c.WarmupSteps)
+	return min + 0.5*(c.LR-min)*(1+math.Cos(math.Pi*frac))
+}
+
+// Summary is what `dos train --summary-json` writes.
+type Summary struct {
+	InitialLoss float64 `json:"initial_loss"` // training loss of iteration 1 (nats/token)
+	FinalLoss   float64 `json:"final_loss"`   // training loss of the last iteration
+	ValLoss     float64 `json:"val_loss"`     // validation loss at the end
+	InitValLoss float64 `json:"initial_val_loss"`
+	Steps       int     `json:"steps"`  // iterations done, in all runs
+	Params      int     `json:"params"` // model parameters
+	TokensPerS  float64 `json:"tokens_per_s"`
+	Skipped     int     `json:"skipped_steps"` // optimizer steps skipped for non-finite gradients, this run
+	Sample      string  `json:"sample"`
+}
+
+// trainerState is the trainer's object in a checkpoint's manifest.
+type trainerState struct {
+	Iteration   int         `json:"iteration"`
+	LoaderPos   int64       `json:"loader_pos"`
+	RNG         []byte      `json:"rng"` // math/rand/v2 PCG state, MarshalBinary
+	LossScale   float64     `json:"loss_scale"`
+	GoodSteps   int         `json:"good_steps"`
+	InitialLoss float64     `json:"initial_loss"`
+	InitValLoss float64     `json:"initial_val_loss"`
+	LastLoss    float64     `json:"last_loss"`
+	Config      TrainConfig `json:"config"`
+}
+
+// Trainer is one training run: the model, the data, and the offloaded
+// optimizer that owns the parameters.
+type Trainer struct {
+	cfg    TrainConfig
+	data   *Dataset
+	loader *Loader
+	opt    *offload.Optimizer
+	model  *Model[float32]
+	rng    *rand.PCG
+
+	params, grads [][]float32 // what the model reads and writes
+	own16         bool        // params are fp32 copies of the 16-bit working copy
+	inputs, tgts  []int32
+	state         trainerState
+	out           io.Writer
+	tty           bool
+}
+
+// New builds a trainer over text with cfg: the optimizer with GPT-2's
+// initial weights, or, with cfg.Resume, the state of the latest checkpoint
+// in cfg.CkptDir (a fresh start when there is none). Progress goes to out.
+//
+// Errors: an invalid configuration, a text too short, a checkpoint that
+// cannot be loaded or was made with another model or batch shape.
+func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	data, err := NewDataset(text, cfg.ValFraction, cfg.Model.NCtx)
+	if err != nil {
+		return nil, err
+	}
+	loader, err := NewLoader(data.Train, cfg.Batch, cfg.Model.NCtx)
+	if err != nil {
+		return nil, err
+	}
+	hyper := adam.Hyper{Mode: adam.AdamW, LR: cfg.LR, Betas: cfg.Betas, Eps: cfg.Eps, WeightDecay: cfg.WeightDecay}
+	opt, err := offload.New(cfg.Model.Params(), offload.Options{
+		Hyper: hyper, SubgroupSize: cfg.SubgroupSize, GradDType: cfg.GradDType,
+		WorkingDType: cfg.WorkingDType, MaxGradNorm: cfg.MaxGradNorm, Threads: cfg.Threads,
+	})
+	if err != nil {
+		return nil, err
+	}
+	t := &Trainer{cfg: cfg, data: data, loader: loader, opt: opt, out: out,
+		rng:   rand.NewPCG(cfg.Seed, 0x5eed),
+		state: trainerState{LossScale: cfg.LossScale, InitialLoss: math.NaN(), InitValLoss: math.NaN()},
+	}
+	if f, ok := out.(*os.File); ok {
+		if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
+			t.tty = true
+		}
+	}
+	for i, v := range InitParams(cfg.Model, cfg.Seed) {
+		if err := opt.SetParam(opt.Params()[i].Name, v); err != nil {
+			opt.Close()
+			return nil, err
+		}
+	}
+	if cfg.Resume {
+		if err := t.resume(); err != nil {
+			opt.Close()
+			return nil, err
+		}
+	}
+	t.bind()
+	return t, nil
+}
+
+// bind points the model's parameter and gradient slices at the optimizer's
+// buffers where the dtypes allow (fp32: no copy), else at fp32 buffers the
+// trainer converts from and to.
+func (t *Trainer) bind() {
+	T := t.cfg.Model.NCtx
+	t.model = NewModel[float32](t.cfg.Model, t.cfg.Batch, T)
+	t.inputs = make([]int32, t.cfg.Batch*T)
+	t.tgts = make([]int32, t.cfg.Batch*T)
+	n := len(t.opt.Params())
+	t.params, t.grads = make([][]float32, n), make([][]float32, n)
+	t.own16 = t.cfg.WorkingDType != 0
+	for i, p := range t.opt.Params() {
+		if t.own16 {
+			t.params[i] = make([]float32, p.Len)
+		} else {
+			t.params[i] = t.opt.Working(i).Float32()
+		}
+		if t.cfg.GradDType == adam.F32 {
+			t.grads[i] = t.opt.Grad(i).Float32()
+		} else {
+			t.grads[i] = make([]float32, p.Len)
+		}
+	}
+}
+
+// Close releases the optimizer's workers.
+func (t *Trainer) Close() { t.opt.Close() }
+
+// NumParams returns the model's parameter count.
+func (t *Trainer) NumParams() int { return t.opt.NumParams() }
+
+func (t *Trainer) resume() error {
+	dir, objects, err := t.opt.LoadCheckpoint(checkpoint.OS, t.cfg.CkptDir)
+	if errors.Is(err, fs.ErrNotExist) {
+		fmt.Fprintf(t.out, "resume: no checkpoint in %s; starting at iteration 0\n", t.cfg.CkptDir)
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("trainer: resume from %s: %w", t.cfg.CkptDir, err)
+	}
+	var st trainerState
+	if err := json.Unmarshal(objects["trainer"], &st); err != nil {
+		return fmt.Errorf("trainer: resume from %s: trainer object: %v", dir, err)
+	}
+	if st.Config.Model != t.cfg.Model || st.Config.Batch != t.cfg.Batch {
+		return fmt.Errorf("trainer: resume from %s: it was trained with model %+v and batch %d; this run has model %+v and batch %d",
+			dir, st.Config.Model, st.Config.Batch, t.cfg.Model, t.cfg.Batch)
+	}
+	if err := t.loader.SetPos(st.LoaderPos); err != nil {
+		return fmt.Errorf("trainer: resume from %s: %w", dir, err)
+	}
+	if err := t.rng.UnmarshalBinary(st.RNG); err != nil {
+		return fmt.Errorf("trainer: resume from %s: RNG state: %w", dir, err)
+	}
+	// The optimizer restored the hyperparameters it was saved with; this
+	// run's flags decide them from here on (SetLR each iteration).
+	st.Config = t.cfg
+	t.state = st
+	fmt.Fprintf(t.out, "resume: %s at iteration %d (optimizer step %d)\n", dir, st.Iteration, t.opt.StepCount())
+	return nil
+}
+
+// refresh copies the 16-bit working copy into the model's fp32 parameters.
+func (t *Trainer) refresh() {
+	if !t.own16 {
+		return
+	}
+	for i, dst := range t.params {
+		w := t.opt.Working(i).Uint16()
+		if t.cfg.WorkingDType == adam.BF16 {
+			for j, h := range w {
+				dst[j] = adam.BF16ToF32(h)
+			}
+		} else {
+			for j, h := range w {
+				dst[j] = adam.F16ToF32(h)
+			}
+		}
+	}
+}
+
+// handOver rounds the model's fp32 gradients into the optimizer's 16-bit
+// gradient buffers (an overflow becomes Inf, which skips the step).
+func (t *Trainer) handOver() {
+	if t.cfg.GradDType == adam.F32 {
+		return
+	}
+	for i, g := range t.grads {
+		adam.Round16(t.cfg.GradDType, t.opt.Grad(i).Uint16(), g)
+	}
+}
+
+// Evaluate returns the mean loss over cfg.EvalBatches batches of the
+// validation split, read from its start (the same batches every time).
+func (t *Trainer) Evaluate() float64 {
+	n := max(t.cfg.EvalBatches, 1)
+	l, _ := NewLoader(t.data.Val, t.cfg.Batch, t.cfg.Model.NCtx)
+	t.refresh()
+	var sum float64
+	for range n {
+		l.Next(t.inputs, t.tgts)
+		sum += float64(t.model.Forward(t.params, t.inputs, t.tgts))
+	}
+	return sum / float64(n)
+}
+
+func (t *Trainer) save() error {
+	if t.cfg.CkptDir == "" {
+		return nil
+	}
+	t.state.LoaderPos = t.loader.Pos
+	rng, err := t.rng.MarshalBinary()
+	if err != nil {
+		return err
+	}
+	t.state.RNG = rng
+	t.state.Config = t.cfg
+	dir, err := t.opt.SaveCheckpoint(checkpoint.OS, t.cfg.CkptDir, map[string]any{"trainer": t.state})
+	if err != nil {
+		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", t.state.Iteration, err)
+	}
+	t.logf("checkpoint %s\n", dir)
+	return nil
+}
+
+func (t *Trainer) logf(format string, args ...any) {
+	if t.tty {
+		fmt.Fprint(t.out, "\r\033[K")
+	}
+	fmt.Fprintf(t.out, format, args...)
+}
+
+// Run trains from the current iteration to cfg.Steps and returns the
+// summary. It stops early, with the state of the last completed iteration
+// checkpointed as usual, when the loss is not finite.
+func (t *Trainer) Run() (Summary, error) {
+	cfg := &t.cfg
+	sum := Summary{Params: t.NumParams()}
+	tokens := cfg.Batch * cfg.Model.NCtx
+	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; %v\n",
+		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, t.opt.Options())
+	if math.IsNaN(t.state.InitValLoss) {
+		t.state.InitValLoss = t.Evaluate()
+		t.logf("iter %5d  val_loss %.4f\n", t.state.Iteration, t.state.InitValLoss)
+	}
+	start := time.Now()
+	done := 0
+	for t.state.Iteration < cfg.Steps {
+		it := t.state.Iteration + 1
+		if err := t.opt.SetLR(cfg.LRAt(it)); err != nil {
+			return sum, err
+		}
+		t.loader.Next(t.inputs, t.tgts)
+		t.refresh()
+		scale := float32(1)
+		if t.state.LossScale > 0 {
+			scale = float32(t.state.LossScale)
+		}
+		loss := float64(t.model.Forward(t.params, t.inputs, t.tgts))
+		if math.IsNaN(loss) || math.IsInf(loss, 0) {
+			return sum, fmt.Errorf("trainer: loss %v at iteration %d: diverged", loss, it)
+		}
+		t.model.Backward(t.params, t.grads, scale)
+		t.handOver()
+		res, err := t.opt.Step(offload.StepArgs{LossScale: float64(scale)})
+		if err != nil {
+			return sum, err
+		}
+		if t.state.LossScale > 0 {
+			if res.Skipped {
+				t.state.LossScale /= 2
+				t.state.GoodSteps = 0
+			} else if t.state.GoodSteps++; t.state.GoodSteps == ScaleGrowthInterval {
+				t.state.LossScale *= 2
+				t.state.GoodSteps = 0
+			}
+		}
+		if res.Skipped {
+			sum.Skipped++
+		}
+		t.state.Iteration = it
+		t.state.LastLoss = loss
+		done++
+		if math.IsNaN(t.state.InitialLoss) {
+			t.state.InitialLoss = loss
+		}
+		rate := float64(done*tokens) / time.Since(start).Seconds()
+		if t.tty {
+			fmt.Fprintf(t.out, "\r\033[Kiter %5d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", it, cfg.Steps, loss, cfg.LRAt(it), res.GradNorm, rate)
+		}
+		if cfg.LogEvery > 0 && (it%cfg.LogEvery == 0 || it == cfg.Steps) {
+			skipped := ""
+			if res.Skipped {
+				skipped = fmt.Sprintf("  SKIPPED (loss scale now %g)", t.state.LossScale)
+			}
+			t.logf("iter %5d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s%s\n", it, loss, cfg.LRAt(it), res.GradNorm, rate, skipped)
+		}
+		if cfg.EvalEvery > 0 && it%cfg.EvalEvery == 0 && it != cfg.Steps {
+			t.logf("iter %5d  val_loss %.4f\n", it, t.Evaluate())
+		}
+		if cfg.CkptEvery > 0 && it%cfg.CkptEvery == 0 {
+			if err := t.save(); err != nil {
+				return sum, err
+			}
+		}
+	}
+	if done > 0 {
+		sum.TokensPerS = float64(done*tokens) / time.Since(start).Seconds()
+		if cfg.CkptEvery == 0 || t.state.Iteration%cfg.CkptEvery != 0 {
+			if err := t.save(); err != nil {
+				return sum, err
+			}
+		}
+	}
+	sum.FinalLoss = t.state.LastLoss
+	sum.InitialLoss, sum.InitValLoss = t.state.InitialLoss, t.state.InitValLoss
+	sum.ValLoss = t.Evaluate()
+	sum.Steps = t.state.Iteration
+	t.logf("iter %5d  val_loss %.4f (from %.4f)\n", t.state.Iteration, sum.ValLoss, sum.InitValLoss)
+	if cfg.SampleBytes > 0 {
+		sum.Sample = t.Sample([]byte("\nLight "), cfg.SampleBytes)
+		fmt.Fprintf(t.out, "sample: %q\n", sum.Sample)
+	}
+	return sum, nil
+}
+
+// Sample continues prompt by n bytes drawn from the model's distribution
+// (temperature 1) with the trainer's RNG, and returns the whole text.
+func (t *Trainer) Sample(prompt []byte, n int) string {
+	T := t.cfg.Model.NCtx
+	m := NewModel[float32](t.cfg.Model, 1, T)
+	r := rand.New(t.rng)
+	t.refresh()
+	ctx := append([]byte(nil), prompt...)
+	toks := make([]int32, T)
+	var b strings.Builder
+	b.Write(prompt)
+	for range n {
+		window := ctx[max(0, len(ctx)-T):]
+		for i := range toks {
+			toks[i] = 0
+		}
+		for i, c := range window {
+			toks[i] = int32(c)
+		}
+		m.Forward(t.params, toks, nil)
+		logits := m.Logits()[(len(window)-1)*VocabSize : len(window)*VocabSize]
+		next := sampleLogits(logits, r.Float64())
+		ctx = append(ctx, byte(next))
+		b.WriteByte(byte(next))
+	}
+	return b.String()
+}
+
+// sampleLogits draws an index from softmax(logits) with the uniform u.
+func sampleLogits(logits []float32, u float64) int {
+	mx := math.Inf(-1)
+	for _, l := range logits {
+		mx = math.Max(mx, float64(l))
+	}
+	var z float64
+	for _, l := range logits {
+		z += math.Exp(float64(l) - mx)
+	}
+	acc := 0.0
+	for i, l := range logits {
+		acc += math.Exp(float64(l)-mx) / z
+		if u < acc {
+			return i
+		}
+	}
+	return len(logits) - 1
+}
