@@ -15,6 +15,7 @@ import sys
 
 import torch
 from safetensors.torch import load_file
+import transformers
 from transformers import GPT2LMHeadModel
 
 
@@ -27,9 +28,14 @@ def main():
     ours = load_file(a.logits)
     tokens = ours["tokens"].long().unsqueeze(0)
     want = ours["logits"]
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
     worst = {}
     for dtype in (torch.float32, torch.float64):
-        model = GPT2LMHeadModel.from_pretrained(a.export_dir, torch_dtype=dtype).eval()
+        try:
+            model = GPT2LMHeadModel.from_pretrained(a.export_dir, dtype=dtype)  # transformers >= 4.56
+        except TypeError:
+            model = GPT2LMHeadModel.from_pretrained(a.export_dir, torch_dtype=dtype)
+        model = model.to(dtype).eval()
         with torch.no_grad():
             got = model(tokens).logits[0].double()
         worst[dtype] = (got - want).abs().max().item()

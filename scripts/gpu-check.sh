@@ -8,7 +8,10 @@
 #  2. dos selftest on the committed cases and on the regenerated ones;
 #  3. write a checkpoint with the Go code and read it with Python's
 #     safetensors (scripts/check_safetensors.py --expect);
-#  4. every test binary with DOS_REQUIRE_GPU=1 (scripts/gpu-test.sh).
+#  4. every test binary with DOS_REQUIRE_GPU=1 (scripts/gpu-test.sh);
+#  5. dos train, dos export --hf, and transformers.GPT2LMHeadModel's logits
+#     on the export against dos eval's (scripts/check_hf_export.py);
+#  6. the CPU update rate against PyTorch's CPU AdamW.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -44,6 +47,17 @@ DOS_TEST_LOGS="$work/testlogs" bash scripts/gpu-test.sh >"$out/gpu_test.log" 2>&
 note "test binaries with DOS_REQUIRE_GPU=1: rc=$?"
 tar -C "$work" -czf "$out/test-logs.tar.gz" testlogs
 sed -n '/==/,$p' "$out/gpu_test.log"
+
+# 5b. dos train, export to Hugging Face, and transformers' logits against dos's.
+{
+	bin/dos train --steps 60 --ckpt-dir "$work/train" --sample 0 --log-every 20 --eval-every 0 --summary-json "$work/summary.json" &&
+		cat "$work/summary.json" &&
+		bin/dos export --ckpt "$work/train" --hf "$work/hf" &&
+		bin/dos eval --ckpt "$work/train" --text "Of the Refractions of Light, and their Colours, by Prisms." --logits "$work/logits.safetensors" &&
+		python3 scripts/check_hf_export.py "$work/hf" "$work/logits.safetensors"
+} >"$out/train_export.log" 2>&1
+note "dos train + export + transformers logits: rc=$? $(tail -1 "$out/train_export.log")"
+grep -E 'max \|logit' "$out/train_export.log"
 
 # 5. the CPU update rate of the scalar path against PyTorch's CPU AdamW, same call.
 (cd adam && ../bin/test/adam.test -test.run '^$' -test.bench 'BenchmarkStep' -test.benchtime 5x -test.count 3) >"$out/bench.log" 2>&1
