@@ -143,17 +143,10 @@ func Step(c *Coeffs, s State, g Grad, out Copy16) {
 // loadGrad writes into dst the fp32 gradient elements [lo, lo+len(dst)) of
 // g, multiplied by c.Unscale and c.Clip and negated under maximize.
 func loadGrad(c *Coeffs, dst []float32, g Grad, lo int) {
-	switch g.DType {
-	case F32:
+	if g.DType == F32 {
 		copy(dst, g.F32[lo:lo+len(dst)])
-	case BF16:
-		for i, h := range g.U16[lo : lo+len(dst)] {
-			dst[i] = BF16ToF32(h)
-		}
-	case F16:
-		for i, h := range g.U16[lo : lo+len(dst)] {
-			dst[i] = F16ToF32(h)
-		}
+	} else {
+		Widen16(g.DType, dst, g.U16[lo:lo+len(dst)])
 	}
 	if c.Unscale != 1 {
 		for i := range dst {
@@ -209,6 +202,22 @@ func update(c *Coeffs, p, m, v, vmax, g []float32) {
 		p[i] = pi + float32(float32(c.NegStepSize*mi)/denom)
 		m[i] = mi
 		v[i] = vi
+	}
+}
+
+// Widen16 writes into dst the 16-bit values src of dtype d (BF16 or F16)
+// upcast exactly to fp32 (BF16ToF32, F16ToF32). Panics if len(dst) <
+// len(src).
+func Widen16(d DType, dst []float32, src []uint16) {
+	dst = dst[:len(src)]
+	if d == BF16 {
+		for i, h := range src {
+			dst[i] = BF16ToF32(h)
+		}
+		return
+	}
+	for i, h := range src {
+		dst[i] = F16ToF32(h)
 	}
 }
 

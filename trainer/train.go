@@ -300,16 +300,7 @@ func (t *Trainer) refresh() {
 		return
 	}
 	for i, dst := range t.params {
-		w := t.opt.Working(i).Uint16()
-		if t.cfg.WorkingDType == adam.BF16 {
-			for j, h := range w {
-				dst[j] = adam.BF16ToF32(h)
-			}
-		} else {
-			for j, h := range w {
-				dst[j] = adam.F16ToF32(h)
-			}
-		}
+		adam.Widen16(t.cfg.WorkingDType, dst, t.opt.Working(i).Uint16())
 	}
 }
 
