@@ -46,8 +46,9 @@ func (o *Optimizer) stateSlices() [][]float32 {
 	return s
 }
 
-// Snapshot returns the optimizer's state as a checkpoint snapshot at the
-// current step: for every parameter, NAME.master, NAME.exp_avg,
+// Snapshot returns the optimizer's state as a checkpoint snapshot whose
+// Step is the optimizer's step counter (a caller may raise it to its own
+// iteration count, never lower it): for every parameter, NAME.master, NAME.exp_avg,
 // NAME.exp_avg_sq (and NAME.max_exp_avg_sq with amsgrad), fp32 with the
 // parameter's shape, as zero-copy views of the state; plus the "optimizer"
 // object (step, hyperparameters, options, parameter list) and the trainer's
@@ -95,7 +96,10 @@ func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 
 // SaveCheckpoint writes the optimizer's state and the trainer's objects
 // (marshalled to JSON; see Snapshot) as a committed checkpoint under root,
-// synchronously, and returns its directory (checkpoint.Save).
+// synchronously, and returns its directory (checkpoint.Save). The
+// checkpoint is named by the optimizer's step counter; a trainer that counts
+// iterations, skipped steps included, names it by its iteration instead
+// with Snapshot, setting Snapshot.Step, and checkpoint.Save.
 //
 // Errors: ErrClosed, those of Snapshot and of checkpoint.Save; on error the
 // previous checkpoint stays the latest.
@@ -158,8 +162,8 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 	if obj.Hyper.AMSGrad != o.opts.Hyper.AMSGrad {
 		return nil, fmt.Errorf("offload: %s was saved with amsgrad=%t; this optimizer has amsgrad=%t", dir, obj.Hyper.AMSGrad, o.opts.Hyper.AMSGrad)
 	}
-	if obj.Step < 0 || obj.Step != c.Manifest.Step {
-		return nil, fmt.Errorf("offload: %s: optimizer step %d disagrees with the manifest's step %d", dir, obj.Step, c.Manifest.Step)
+	if obj.Step < 0 || obj.Step > c.Manifest.Step {
+		return nil, fmt.Errorf("offload: %s: optimizer step %d exceeds the checkpoint's step %d", dir, obj.Step, c.Manifest.Step)
 	}
 	fresh := make([][]float32, len(o.stateSlices()))
 	for k := range fresh {

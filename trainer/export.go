@@ -37,10 +37,22 @@ func LoadWeights(path string) (Config, [][]float32, string, error) {
 	if err := cfg.Validate(); err != nil {
 		return Config{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
 	}
+	if cfg.VocabSize != VocabSize {
+		return Config{}, nil, "", fmt.Errorf("trainer: %s: vocab_size %d, but dos train's byte-level models have %d", dir, cfg.VocabSize, VocabSize)
+	}
 	var weights [][]float32
 	for _, p := range cfg.Params() {
+		// Check the entry before allocating: the manifest, not the trainer
+		// object, says how large the tensor is.
+		e, ok := c.Entry(p.Name + ".master")
+		if !ok || e.DType != safetensors.F32 || len(e.Shape) != len(p.Shape) {
+			return Config{}, nil, "", fmt.Errorf("trainer: %s: no F32 tensor %q of shape %v", dir, p.Name+".master", p.Shape)
+		}
 		n := 1
-		for _, d := range p.Shape {
+		for i, d := range p.Shape {
+			if e.Shape[i] != int64(d) {
+				return Config{}, nil, "", fmt.Errorf("trainer: %s: tensor %q has shape %v, the model config says %v", dir, p.Name+".master", e.Shape, p.Shape)
+			}
 			n *= d
 		}
 		w := make([]float32, n)
@@ -131,7 +143,7 @@ func ExportHF(path, outDir string) (string, error) {
 // Logits runs the model cfg with weights on one sequence of tokens
 // (len(tokens) <= cfg.NCtx) in float64 and returns its logits,
 // [len(tokens) * VocabSize] row-major, and the mean next-token loss over
-// the sequence's first len-1 positions (nats).
+// the sequence's first len-1 positions (nats; NaN for a single token).
 //
 // Panics on a token out of range or a sequence longer than cfg.NCtx.
 func Logits(cfg Config, weights [][]float32, tokens []int32) ([]float64, float64) {
@@ -159,8 +171,8 @@ func Logits(cfg Config, weights [][]float32, tokens []int32) ([]float64, float64
 		}
 		loss += mx + math.Log(z) - row[tokens[t+1]]
 	}
-	if T > 1 {
-		loss /= float64(T - 1)
+	if T < 2 {
+		return logits, math.NaN()
 	}
-	return logits, loss
+	return logits, loss / float64(T-1)
 }

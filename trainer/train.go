@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"io/fs"
 	"math"
@@ -44,9 +45,10 @@ type TrainConfig struct {
 	// master weights themselves).
 	GradDType    adam.DType `json:"grad_dtype"`
 	WorkingDType adam.DType `json:"working_dtype"`
-	// LossScale, when > 0, is the initial dynamic loss scale: halved on a
-	// step with a non-finite gradient (which the optimizer skips), doubled
-	// after ScaleGrowthInterval good steps (torch.amp.GradScaler).
+	// LossScale, when > 0, is the initial dynamic loss scale, in [1, 2^64]:
+	// halved on a step with a non-finite gradient (which the optimizer
+	// skips), doubled after ScaleGrowthInterval good steps
+	// (torch.amp.GradScaler), and kept within [1, 2^64].
 	LossScale    float64 `json:"loss_scale"`
 	Seed         uint64  `json:"seed"`
 	SubgroupSize int     `json:"subgroup_size"` // elements; 0: offload's default
@@ -113,10 +115,52 @@ func (c *TrainConfig) Validate() error {
 		return errors.New("trainer: ckpt_every, eval_every, log_every, eval_batches and sample_bytes must be >= 0")
 	case c.Resume && c.CkptDir == "":
 		return errors.New("trainer: --resume needs --ckpt-dir")
-	case !(c.LossScale >= 0) || math.IsInf(c.LossScale, 0):
-		return fmt.Errorf("trainer: loss_scale %v: want 0 (off) or a finite initial scale > 0", c.LossScale)
+	case c.LossScale != 0 && !validScale(c.LossScale):
+		return fmt.Errorf("trainer: loss_scale %v: want 0 (off) or an initial scale in [1, 2^64]", c.LossScale)
+	case c.GradDType == 0:
+		return errors.New("trainer: grad_dtype none: the gradients need a dtype: float32, bfloat16 or float16")
+	case c.SampleBytes > 1<<20 || c.EvalBatches > 1<<16:
+		return fmt.Errorf("trainer: sample_bytes %d (max %d) or eval_batches %d (max %d) too large", c.SampleBytes, 1<<20, c.EvalBatches, 1<<16)
+	}
+	if err := c.optimizerOptions().Validate(); err != nil {
+		return fmt.Errorf("trainer: %w", err)
+	}
+	if need := c.MemoryBytes(); need > MaxMemoryBytes {
+		return fmt.Errorf("trainer: this model and batch need about %.1f GiB of memory (parameters, optimizer state, activations), over the limit of %.0f GiB",
+			need/(1<<30), float64(MaxMemoryBytes)/(1<<30))
 	}
 	return nil
+}
+
+// MaxMemoryBytes bounds MemoryBytes: a configuration that needs more is
+// refused before anything is allocated.
+const MaxMemoryBytes = 64 << 30
+
+// MemoryBytes estimates the bytes a run needs: the parameters with their
+// gradients, fp32 master weights and moments (5 fp32 copies plus 16-bit
+// ones), and the activations of one batch (llm.c's count, about
+// L*(16C + H*T) + 13C + 2V + max(4C, V) floats per position), computed in
+// float64 so that no product overflows.
+func (c *TrainConfig) MemoryBytes() float64 {
+	m := c.Model
+	L, C, H, T, V := float64(m.NLayer), float64(m.NEmbd), float64(m.NHead), float64(m.NCtx), float64(m.VocabSize)
+	params := V*C + T*C + L*(12*C*C+13*C) + 2*C
+	perPos := L*(16*C+H*T) + 13*C + 2*V + math.Max(4*C, V)
+	return 4*(6*params) + 4*perPos*float64(c.Batch)*T
+}
+
+// validScale reports whether s can be a loss scale: within [1, 2^64], so
+// that it and its reciprocal are normal float32 values.
+func validScale(s float64) bool { return s >= 1 && s <= 1<<64 }
+
+// optimizerOptions returns the offload options of c.
+func (c *TrainConfig) optimizerOptions() *offload.Options {
+	o := &offload.Options{
+		Hyper:        adam.Hyper{Mode: adam.AdamW, LR: c.LR, Betas: c.Betas, Eps: c.Eps, WeightDecay: c.WeightDecay},
+		SubgroupSize: c.SubgroupSize, GradDType: c.GradDType, WorkingDType: c.WorkingDType,
+		MaxGradNorm: c.MaxGradNorm, Threads: c.Threads,
+	}
+	return o.EnsureDefaults()
 }
 
 // LRAt returns the learning rate of iteration it (1-based): linear warm-up
@@ -160,6 +204,8 @@ type trainerState struct {
 	InitialLoss float64     `json:"initial_loss"`
 	InitValLoss float64     `json:"initial_val_loss"`
 	LastLoss    float64     `json:"last_loss"`
+	TextCRC     uint32      `json:"text_crc32"` // of the whole training text: resuming on other data is refused
+	TextBytes   int         `json:"text_bytes"`
 	Config      TrainConfig `json:"config"`
 }
 
@@ -183,10 +229,12 @@ type Trainer struct {
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
 // initial weights, or, with cfg.Resume, the state of the latest checkpoint
-// in cfg.CkptDir (a fresh start when there is none). Progress goes to out.
+// in cfg.CkptDir (a fresh start when there is none). Progress goes to out
+// (nil discards it).
 //
-// Errors: an invalid configuration, a text too short, a checkpoint that
-// cannot be loaded or was made with another model or batch shape.
+// Errors: an invalid configuration, a text too short, a CkptDir that already
+// holds checkpoints without cfg.Resume, a checkpoint that cannot be loaded
+// or was made with another model, batch shape or text.
 func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -199,17 +247,21 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 	if err != nil {
 		return nil, err
 	}
-	hyper := adam.Hyper{Mode: adam.AdamW, LR: cfg.LR, Betas: cfg.Betas, Eps: cfg.Eps, WeightDecay: cfg.WeightDecay}
-	opt, err := offload.New(cfg.Model.Params(), offload.Options{
-		Hyper: hyper, SubgroupSize: cfg.SubgroupSize, GradDType: cfg.GradDType,
-		WorkingDType: cfg.WorkingDType, MaxGradNorm: cfg.MaxGradNorm, Threads: cfg.Threads,
-	})
+	if out == nil {
+		out = io.Discard
+	}
+	if cfg.CkptDir != "" && !cfg.Resume {
+		if latest, err := checkpoint.Latest(checkpoint.OS, cfg.CkptDir); err == nil {
+			return nil, fmt.Errorf("trainer: %s already holds checkpoints (latest %s): pass --resume to continue, or choose another --ckpt-dir", cfg.CkptDir, latest)
+		}
+	}
+	opt, err := offload.New(cfg.Model.Params(), *cfg.optimizerOptions())
 	if err != nil {
 		return nil, err
 	}
 	t := &Trainer{cfg: cfg, data: data, loader: loader, opt: opt, out: out,
 		rng:   rand.NewPCG(cfg.Seed, 0x5eed),
-		state: trainerState{LossScale: cfg.LossScale, InitialLoss: math.NaN(), InitValLoss: math.NaN()},
+		state: trainerState{LossScale: cfg.LossScale, InitialLoss: math.NaN(), InitValLoss: math.NaN(), TextCRC: crc32.ChecksumIEEE(text), TextBytes: len(text)},
 	}
 	if f, ok := out.(*os.File); ok {
 		if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
@@ -264,13 +316,21 @@ func (t *Trainer) Close() { t.opt.Close() }
 func (t *Trainer) NumParams() int { return t.opt.NumParams() }
 
 func (t *Trainer) resume() error {
-	dir, objects, err := t.opt.LoadCheckpoint(checkpoint.OS, t.cfg.CkptDir)
-	if errors.Is(err, fs.ErrNotExist) {
-		fmt.Fprintf(t.out, "resume: no checkpoint in %s; starting at iteration 0\n", t.cfg.CkptDir)
+	root := t.cfg.CkptDir
+	if _, err := checkpoint.Latest(checkpoint.OS, root); errors.Is(err, fs.ErrNotExist) {
+		entries, _ := os.ReadDir(root)
+		for _, e := range entries {
+			if strings.HasPrefix(e.Name(), "step-") {
+				return fmt.Errorf("trainer: resume: %s has step directories (%s, ...) but no %s file naming the committed one; pass a step directory's checkpoint explicitly or restore %s",
+					root, e.Name(), checkpoint.LatestFile, checkpoint.LatestFile)
+			}
+		}
+		fmt.Fprintf(t.out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
 		return nil
 	}
+	dir, objects, err := t.opt.LoadCheckpoint(checkpoint.OS, root)
 	if err != nil {
-		return fmt.Errorf("trainer: resume from %s: %w", t.cfg.CkptDir, err)
+		return fmt.Errorf("trainer: resume from %s: %w", root, err)
 	}
 	var st trainerState
 	if err := json.Unmarshal(objects["trainer"], &st); err != nil {
@@ -280,17 +340,45 @@ func (t *Trainer) resume() error {
 		return fmt.Errorf("trainer: resume from %s: it was trained with model %+v and batch %d; this run has model %+v and batch %d",
 			dir, st.Config.Model, st.Config.Batch, t.cfg.Model, t.cfg.Batch)
 	}
+	if st.TextCRC != t.state.TextCRC || st.TextBytes != t.state.TextBytes {
+		return fmt.Errorf("trainer: resume from %s: it was trained on another text (%d bytes, crc32 %#08x; this run: %d bytes, %#08x)",
+			dir, st.TextBytes, st.TextCRC, t.state.TextBytes, t.state.TextCRC)
+	}
+	if st.Iteration < 0 || int64(st.Iteration) < t.opt.StepCount() || (st.LossScale != 0 && !validScale(st.LossScale)) {
+		return fmt.Errorf("trainer: resume from %s: inconsistent trainer state (iteration %d, optimizer step %d, loss scale %v)",
+			dir, st.Iteration, t.opt.StepCount(), st.LossScale)
+	}
 	if err := t.loader.SetPos(st.LoaderPos); err != nil {
 		return fmt.Errorf("trainer: resume from %s: %w", dir, err)
 	}
 	if err := t.rng.UnmarshalBinary(st.RNG); err != nil {
 		return fmt.Errorf("trainer: resume from %s: RNG state: %w", dir, err)
 	}
-	// The optimizer restored the hyperparameters it was saved with; this
-	// run's flags decide them from here on (SetLR each iteration).
+	// The optimizer restored its hyperparameters (PyTorch's load_state_dict)
+	// and the loss scaler continues from its saved state: say so where this
+	// run's flags differ. The learning rate follows this run's schedule.
+	h := t.opt.Options().Hyper
+	old := st.Config
+	for _, d := range []struct {
+		flag      string
+		now, then any
+	}{
+		{"--weight-decay", t.cfg.WeightDecay, h.WeightDecay}, {"--beta1", t.cfg.Betas[0], h.Betas[0]},
+		{"--beta2", t.cfg.Betas[1], h.Betas[1]}, {"--eps", t.cfg.Eps, h.Eps},
+		{"--loss-scale", t.cfg.LossScale, old.LossScale}, {"--seed", t.cfg.Seed, old.Seed},
+	} {
+		if d.now != d.then {
+			fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; the checkpoint's state continues\n", d.flag, d.now, d.then)
+		}
+	}
+	t.cfg.WeightDecay, t.cfg.Betas, t.cfg.Eps = h.WeightDecay, h.Betas, h.Eps
+	t.cfg.LossScale, t.cfg.Seed = old.LossScale, old.Seed
 	st.Config = t.cfg
 	t.state = st
 	fmt.Fprintf(t.out, "resume: %s at iteration %d (optimizer step %d)\n", dir, st.Iteration, t.opt.StepCount())
+	if st.Iteration >= t.cfg.Steps {
+		fmt.Fprintf(t.out, "resume: already at iteration %d, at or past --steps %d: nothing to train\n", st.Iteration, t.cfg.Steps)
+	}
 	return nil
 }
 
@@ -340,7 +428,12 @@ func (t *Trainer) save() error {
 	}
 	t.state.RNG = rng
 	t.state.Config = t.cfg
-	dir, err := t.opt.SaveCheckpoint(checkpoint.OS, t.cfg.CkptDir, map[string]any{"trainer": t.state})
+	snap, err := t.opt.Snapshot(map[string]any{"trainer": t.state})
+	if err != nil {
+		return err
+	}
+	snap.Step = int64(t.state.Iteration) // skipped optimizer steps still count as iterations
+	dir, err := checkpoint.Save(checkpoint.OS, t.cfg.CkptDir, snap)
 	if err != nil {
 		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", t.state.Iteration, err)
 	}
@@ -356,8 +449,8 @@ func (t *Trainer) logf(format string, args ...any) {
 }
 
 // Run trains from the current iteration to cfg.Steps and returns the
-// summary. It stops early, with the state of the last completed iteration
-// checkpointed as usual, when the loss is not finite.
+// summary. A non-finite loss stops it with an error; the last checkpoint
+// written before stays the latest.
 func (t *Trainer) Run() (Summary, error) {
 	cfg := &t.cfg
 	sum := Summary{Params: t.NumParams()}
@@ -393,10 +486,10 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		if t.state.LossScale > 0 {
 			if res.Skipped {
-				t.state.LossScale /= 2
+				t.state.LossScale = max(t.state.LossScale/2, 1) // floor 1: see validScale
 				t.state.GoodSteps = 0
 			} else if t.state.GoodSteps++; t.state.GoodSteps == ScaleGrowthInterval {
-				t.state.LossScale *= 2
+				t.state.LossScale = min(t.state.LossScale*2, 1<<64)
 				t.state.GoodSteps = 0
 			}
 		}

@@ -42,7 +42,7 @@ func runEval(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("eval", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	ckpt := fs.String("ckpt", "", "checkpoint `PATH`: a root (its latest checkpoint) or a step directory written by dos train")
-	text := fs.String("text", "Of the Refractions of Light", "the input, as bytes (at most the model's context length)")
+	text := fs.String("text", "Of the Refractions of Light", "the input, as bytes (at most the model's context length; the default is cut to it)")
 	logits := fs.String("logits", "", "write tokens (I32 [T]) and logits (F64 [T, vocab]) as safetensors to this `FILE`")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: dos eval --ckpt PATH [--text TEXT] [--logits FILE]\n\n"+
@@ -64,6 +64,11 @@ func runEval(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos eval: %v\n", err)
 		return 1
 	}
+	textSet := false
+	fs.Visit(func(f *flag.Flag) { textSet = textSet || f.Name == "text" })
+	if !textSet && len(*text) > cfg.NCtx {
+		*text = (*text)[:cfg.NCtx]
+	}
 	if len(*text) == 0 || len(*text) > cfg.NCtx {
 		fmt.Fprintf(stderr, "dos eval: --text has %d bytes; want 1 to %d (the context length)\n", len(*text), cfg.NCtx)
 		return 2
@@ -73,7 +78,11 @@ func runEval(args []string, stdout, stderr io.Writer) int {
 		tokens[i] = int32((*text)[i])
 	}
 	out, loss := trainer.Logits(cfg, weights, tokens)
-	fmt.Fprintf(stdout, "%s: %d tokens, mean next-byte loss %.6f nats\n", dir, len(tokens), loss)
+	if len(tokens) > 1 {
+		fmt.Fprintf(stdout, "%s: %d tokens, mean next-byte loss %.6f nats\n", dir, len(tokens), loss)
+	} else {
+		fmt.Fprintf(stdout, "%s: 1 token, no next-byte loss to score\n", dir)
+	}
 	if *logits != "" {
 		tb := make([]byte, 4*len(tokens))
 		for i, t := range tokens {

@@ -80,18 +80,24 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos train: unexpected argument %q\n", fs.Arg(0))
 		return 2
 	}
+	if err := cfg.Validate(); err != nil {
+		fmt.Fprintf(stderr, "dos train: %v\n", err)
+		return 2
+	}
 	data := dos.Opticks
 	if *text != "" {
-		b, err := os.ReadFile(*text)
+		b, err := readText(*text)
 		if err != nil {
 			fmt.Fprintf(stderr, "dos train: --text: %v\n", err)
 			return 1
 		}
 		data = b
 	}
-	if err := cfg.Validate(); err != nil {
-		fmt.Fprintf(stderr, "dos train: %v\n", err)
-		return 2
+	if *summary != "" { // fail now, not after training, if it cannot be written
+		if err := writeFile(*summary, []byte("{}\n")); err != nil {
+			fmt.Fprintf(stderr, "dos train: --summary-json: %v\n", err)
+			return 1
+		}
 	}
 	t, err := trainer.New(cfg, data, stdout)
 	if err != nil {
@@ -117,4 +123,22 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	return 0
+}
+
+// maxText is the largest --text file dos train reads, in bytes.
+const maxText = 1 << 30
+
+// readText reads a regular file of at most maxText bytes.
+func readText(path string) ([]byte, error) {
+	info, err := os.Stat(path)
+	if err != nil {
+		return nil, err
+	}
+	if !info.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s is not a regular file", path)
+	}
+	if info.Size() > maxText {
+		return nil, fmt.Errorf("%s is %d bytes, over the limit of %d", path, info.Size(), maxText)
+	}
+	return os.ReadFile(path)
 }

@@ -116,3 +116,48 @@ func TestTrainKilledDuringCheckpoint(t *testing.T) {
 	}
 	t.Logf("killed during a checkpoint write; %s", strings.SplitN(string(out), "\n", 3)[1])
 }
+
+// TestTrainLossScaleSkips: fp16 gradients with a loss scale high enough to
+// overflow skip optimizer steps; checkpoints are named by iteration, so
+// checkpointing every iteration still works, and resume stays bitwise.
+func TestTrainLossScaleSkips(t *testing.T) {
+	args := []string{"--grad-dtype", "float16", "--loss-scale", "1e12", "--ckpt-every", "1"}
+	straight := train(t, append(args, "--steps", "40", "--ckpt-dir", filepath.Join(t.TempDir(), "a"))...)
+	if straight.Skipped == 0 {
+		t.Fatalf("no step was skipped: the test does not exercise the scaler (%+v)", straight)
+	}
+	dir := filepath.Join(t.TempDir(), "b")
+	train(t, append(args, "--steps", "20", "--ckpt-dir", dir)...)
+	resumed := train(t, append(args, "--steps", "40", "--ckpt-dir", dir, "--resume")...)
+	if resumed.FinalLoss != straight.FinalLoss || resumed.ValLoss != straight.ValLoss {
+		t.Fatalf("resumed %v/%v, straight %v/%v", resumed.FinalLoss, resumed.ValLoss, straight.FinalLoss, straight.ValLoss)
+	}
+	t.Logf("skipped %d steps of 40; final loss %v", straight.Skipped, straight.FinalLoss)
+}
+
+func TestTrainRefusals(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "c")
+	train(t, "--steps", "5", "--ckpt-dir", dir)
+	for _, tc := range []struct {
+		args []string
+		rc   int
+		want string
+	}{
+		{[]string{"--steps", "5", "--ckpt-dir", dir}, 1, "pass --resume"},
+		{[]string{"--steps", "9", "--ckpt-dir", dir, "--resume", "--embd", "32"}, 1, "want F32 [256 32]"},
+		{[]string{"--steps", "5", "--grad-dtype", "none"}, 2, "grad_dtype"},
+		{[]string{"--steps", "5", "--ctx", "1000000", "--embd", "1024", "--heads", "1"}, 2, "GiB"},
+		{[]string{"--steps", "5", "--loss-scale", "1e-50"}, 2, "loss_scale"},
+		{[]string{"--steps", "5", "--beta1", "2"}, 2, "beta1"},
+		{[]string{"--steps", "5", "--text", "/dev/zero"}, 1, "not a regular file"},
+	} {
+		out, err := dosCmd(append(append([]string{"train"}, tiny...), tc.args...)...).CombinedOutput()
+		rc := 0
+		if ee, ok := err.(*exec.ExitError); ok {
+			rc = ee.ExitCode()
+		}
+		if rc != tc.rc || !strings.Contains(string(out), tc.want) {
+			t.Errorf("dos train %v: rc %d, want %d with %q:\n%s", tc.args, rc, tc.rc, tc.want, out)
+		}
+	}
+}
