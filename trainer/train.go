@@ -1,7 +1,6 @@
 package trainer
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -56,7 +55,7 @@ type TrainConfig struct {
 	CkptDir      string  `json:"ckpt_dir"`      // "" disables checkpoints
 	CkptEvery    int     `json:"ckpt_every"`    // iterations between checkpoints (and one at the end)
 	Resume       bool    `json:"resume"`        // continue from CkptDir's latest checkpoint
-	EvalEvery    int     `json:"eval_every"`    // iterations between validation losses
+	EvalEvery    int     `json:"eval_every"`    // iterations between validation losses (0: only at the start and the end)
 	EvalBatches  int     `json:"eval_batches"`  // batches of the validation split per evaluation
 	LogEvery     int     `json:"log_every"`     // iterations between plain progress lines
 	SampleBytes  int     `json:"sample_bytes"`  // bytes of text generated at the end
@@ -76,7 +75,7 @@ func DefaultTrainConfig() TrainConfig {
 		Batch:       16,
 		LR:          3e-3,
 		MinLRRatio:  0.1,
-		WarmupSteps: 10,
+		WarmupSteps: 30,
 		WeightDecay: 0.1,
 		Betas:       [2]float64{0.9, 0.95},
 		Eps:         1e-8,
@@ -328,17 +327,28 @@ func (t *Trainer) resume() error {
 		fmt.Fprintf(t.out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
 		return nil
 	}
-	dir, objects, err := t.opt.LoadCheckpoint(checkpoint.OS, root)
+	// Read the trainer's object first, so a different model gets a message
+	// about the model rather than about a tensor.
+	dir, err := checkpoint.Resolve(checkpoint.OS, root)
+	if err != nil {
+		return fmt.Errorf("trainer: resume from %s: %w", root, err)
+	}
+	c, err := checkpoint.Open(checkpoint.OS, dir, 0)
 	if err != nil {
 		return fmt.Errorf("trainer: resume from %s: %w", root, err)
 	}
 	var st trainerState
-	if err := json.Unmarshal(objects["trainer"], &st); err != nil {
-		return fmt.Errorf("trainer: resume from %s: trainer object: %v", dir, err)
+	err = c.Object("trainer", &st)
+	c.Close()
+	if err != nil {
+		return fmt.Errorf("trainer: resume from %s: not a dos train checkpoint: %w", dir, err)
 	}
 	if st.Config.Model != t.cfg.Model || st.Config.Batch != t.cfg.Batch {
 		return fmt.Errorf("trainer: resume from %s: it was trained with model %+v and batch %d; this run has model %+v and batch %d",
 			dir, st.Config.Model, st.Config.Batch, t.cfg.Model, t.cfg.Batch)
+	}
+	if _, _, err := t.opt.LoadCheckpoint(checkpoint.OS, dir); err != nil {
+		return fmt.Errorf("trainer: resume from %s: %w", root, err)
 	}
 	if st.TextCRC != t.state.TextCRC || st.TextBytes != t.state.TextBytes {
 		return fmt.Errorf("trainer: resume from %s: it was trained on another text (%d bytes, crc32 %#08x; this run: %d bytes, %#08x)",
@@ -370,6 +380,24 @@ func (t *Trainer) resume() error {
 		if d.now != d.then {
 			fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; the checkpoint's state continues\n", d.flag, d.now, d.then)
 		}
+	}
+	for _, d := range []struct {
+		flag      string
+		now, then any
+	}{
+		{"--lr", t.cfg.LR, old.LR}, {"--warmup", t.cfg.WarmupSteps, old.WarmupSteps},
+		{"--decay-steps", t.cfg.DecaySteps, old.DecaySteps}, {"--min-lr-ratio", t.cfg.MinLRRatio, old.MinLRRatio},
+		{"--clip", t.cfg.MaxGradNorm, old.MaxGradNorm},
+	} {
+		if d.now != d.then {
+			fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; this run's value applies from here on\n", d.flag, d.now, d.then)
+		}
+	}
+	if t.cfg.DecaySteps == 0 && old.DecaySteps == 0 && t.cfg.Steps != old.Steps {
+		fmt.Fprintf(t.out, "resume: --steps %d differs from the checkpoint's %d and --decay-steps is 0, so the cosine's horizon moves; set --decay-steps to keep the schedule\n", t.cfg.Steps, old.Steps)
+	}
+	if err := t.opt.SetLR(t.cfg.LRAt(max(st.Iteration, 1))); err != nil {
+		return err
 	}
 	t.cfg.WeightDecay, t.cfg.Betas, t.cfg.Eps = h.WeightDecay, h.Betas, h.Eps
 	t.cfg.LossScale, t.cfg.Seed = old.LossScale, old.Seed

@@ -59,12 +59,12 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&cfg.CkptDir, "ckpt-dir", cfg.CkptDir, "checkpoint root directory (empty: no checkpoints)")
 	fs.IntVar(&cfg.CkptEvery, "ckpt-every", cfg.CkptEvery, "iterations between checkpoints (a final one is always written)")
 	fs.BoolVar(&cfg.Resume, "resume", cfg.Resume, "continue from the latest checkpoint in --ckpt-dir")
-	fs.IntVar(&cfg.EvalEvery, "eval-every", cfg.EvalEvery, "iterations between validation losses")
+	fs.IntVar(&cfg.EvalEvery, "eval-every", cfg.EvalEvery, "iterations between validation losses (0: only at the start and the end)")
 	fs.IntVar(&cfg.EvalBatches, "eval-batches", cfg.EvalBatches, "validation batches per evaluation")
 	fs.IntVar(&cfg.LogEvery, "log-every", cfg.LogEvery, "iterations between progress lines")
 	fs.IntVar(&cfg.SampleBytes, "sample", cfg.SampleBytes, "bytes of text to generate at the end (0: none)")
 	text := fs.String("text", "", "train on this UTF-8/byte text file (default: Newton's Opticks, embedded)")
-	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, steps, params, tokens_per_s} to this `PATH`")
+	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, initial_val_loss, steps, params, tokens_per_s, skipped_steps, sample} to this `PATH` (losses in nats per byte; sample bytes that are not UTF-8 become U+FFFD)")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: dos train [flags]\n\n"+
 			"Trains a byte-level GPT-2 on Newton's Opticks with the offloaded AdamW optimizer, checkpointing\n"+

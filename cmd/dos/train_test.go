@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deepstates/dos/safetensors"
 	"github.com/deepstates/dos/trainer"
 )
 
@@ -144,7 +145,7 @@ func TestTrainRefusals(t *testing.T) {
 		want string
 	}{
 		{[]string{"--steps", "5", "--ckpt-dir", dir}, 1, "pass --resume"},
-		{[]string{"--steps", "9", "--ckpt-dir", dir, "--resume", "--embd", "32"}, 1, "want F32 [256 32]"},
+		{[]string{"--steps", "9", "--ckpt-dir", dir, "--resume", "--embd", "32"}, 1, "trained with model"},
 		{[]string{"--steps", "5", "--grad-dtype", "none"}, 2, "grad_dtype"},
 		{[]string{"--steps", "5", "--ctx", "1000000", "--embd", "1024", "--heads", "1"}, 2, "GiB"},
 		{[]string{"--steps", "5", "--loss-scale", "1e-50"}, 2, "loss_scale"},
@@ -159,5 +160,55 @@ func TestTrainRefusals(t *testing.T) {
 		if rc != tc.rc || !strings.Contains(string(out), tc.want) {
 			t.Errorf("dos train %v: rc %d, want %d with %q:\n%s", tc.args, rc, tc.rc, tc.want, out)
 		}
+	}
+}
+
+// TestExportEval: a dos train checkpoint exports as a Hugging Face GPT-2
+// (config.json, every parameter under its GPT-2 name and shape) and dos eval
+// writes logits of the right shape. transformers itself is compared on the
+// GPU machine (scripts/check_hf_export.py).
+func TestExportEval(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "ck")
+	train(t, "--steps", "3", "--ckpt-dir", dir)
+	hf := filepath.Join(t.TempDir(), "hf")
+	if out, err := dosCmd("export", "--ckpt", dir, "--hf", hf).CombinedOutput(); err != nil {
+		t.Fatalf("export: %v\n%s", err, out)
+	}
+	var cfg map[string]any
+	b, err := os.ReadFile(filepath.Join(hf, "config.json"))
+	if err == nil {
+		err = json.Unmarshal(b, &cfg)
+	}
+	if err != nil || cfg["model_type"] != "gpt2" || cfg["n_embd"] != float64(16) || cfg["activation_function"] != "gelu_new" || cfg["vocab_size"] != float64(256) {
+		t.Fatalf("config.json %v, %v", cfg, err)
+	}
+	f, err := safetensors.ReadFile(filepath.Join(hf, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	model := trainer.Config{VocabSize: 256, NCtx: 16, NLayer: 1, NHead: 2, NEmbd: 16}
+	if len(f.Tensors) != len(model.Params()) {
+		t.Fatalf("%d tensors, want %d", len(f.Tensors), len(model.Params()))
+	}
+	for _, p := range model.Params() {
+		ti, ok := f.Find(p.Name)
+		if !ok || ti.DType != safetensors.F32 || len(ti.Shape) != len(p.Shape) || ti.Shape[0] != int64(p.Shape[0]) {
+			t.Fatalf("tensor %s: %+v, want F32 %v", p.Name, ti, p.Shape)
+		}
+	}
+	lf := filepath.Join(t.TempDir(), "logits.safetensors")
+	out, err := dosCmd("eval", "--ckpt", dir, "--text", "Of the Refractio", "--logits", lf).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "16 tokens") {
+		t.Fatalf("eval: %v\n%s", err, out)
+	}
+	g, err := safetensors.ReadFile(lf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ti, ok := g.Find("logits"); !ok || ti.DType != safetensors.F64 || ti.Shape[0] != 16 || ti.Shape[1] != 256 {
+		t.Fatalf("logits %+v", ti)
+	}
+	if out, err := dosCmd("eval", "--ckpt", dir, "--text", "x").CombinedOutput(); err != nil || !strings.Contains(string(out), "no next-byte loss") {
+		t.Fatalf("one-byte eval: %v\n%s", err, out)
 	}
 }
