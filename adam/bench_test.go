@@ -20,8 +20,6 @@ func BenchmarkStep(b *testing.B) {
 	_, g16 := randomProblem(benchN, BF16, false, 1)
 	out := Copy16{BF16, make([]uint16, benchN)}
 	c := DefaultHyper().Coeffs(1, 1, 1)
-	pool := NewPool(0)
-	defer pool.Close()
 	report := func(b *testing.B, bytes int) {
 		b.SetBytes(int64(bytes) * benchN)
 		b.ReportAllocs()
@@ -36,21 +34,38 @@ func BenchmarkStep(b *testing.B) {
 		}
 		report(b, 28)
 	})
-	b.Run(fmt.Sprintf("scalar/grad=f32/n=%dM", benchN>>20), func(b *testing.B) {
+	for _, path := range Paths() {
+		b.Run(fmt.Sprintf("%s/grad=f32/n=%dM", path.Name(), benchN>>20), func(b *testing.B) {
+			for b.Loop() {
+				path.Step(&c, s, g, Copy16{})
+			}
+			report(b, 28)
+		})
+		pool := NewPoolPath(0, path)
+		b.Run(fmt.Sprintf("pool-%d/%s/grad=f32/n=%dM", pool.Threads(), path.Name(), benchN>>20), func(b *testing.B) {
+			for b.Loop() {
+				pool.Step(&c, s, g, Copy16{})
+			}
+			report(b, 28)
+		})
+		b.Run(fmt.Sprintf("pool-%d/%s/grad=bf16/copy=bf16/n=%dM", pool.Threads(), path.Name(), benchN>>20), func(b *testing.B) {
+			for b.Loop() {
+				pool.Step(&c, s, g16, out)
+			}
+			report(b, 28)
+		})
+		pool.Close()
+	}
+	b.Run(fmt.Sprintf("copy-%d/n=%dM", 2, benchN>>20), func(b *testing.B) {
+		src := make([]byte, 14*benchN)
+		dst := make([]byte, 14*benchN)
+		half := len(src) / 2
+		copy(dst, src)
+		done := make(chan struct{})
 		for b.Loop() {
-			Step(&c, s, g, Copy16{})
-		}
-		report(b, 28)
-	})
-	b.Run(fmt.Sprintf("pool-%d/grad=f32/n=%dM", pool.Threads(), benchN>>20), func(b *testing.B) {
-		for b.Loop() {
-			pool.Step(&c, s, g, Copy16{})
-		}
-		report(b, 28)
-	})
-	b.Run(fmt.Sprintf("pool-%d/grad=bf16/copy=bf16/n=%dM", pool.Threads(), benchN>>20), func(b *testing.B) {
-		for b.Loop() {
-			pool.Step(&c, s, g16, out)
+			go func() { copy(dst[half:], src[half:]); done <- struct{}{} }()
+			copy(dst[:half], src[:half])
+			<-done
 		}
 		report(b, 28)
 	})

@@ -53,21 +53,29 @@ type Pool struct {
 	wg      sync.WaitGroup
 	slots   []slot
 	partial []float64 // SumSquares partial sums, one per MinChunk block
+	path    Path
 	closed  bool
 }
 
 // NewPool starts a pool of threads goroutines in all (threads-1 workers plus
-// the caller). threads <= 0 means runtime.GOMAXPROCS(0).
-func NewPool(threads int) *Pool {
+// the caller) that steps on DefaultPath. threads <= 0 means
+// runtime.GOMAXPROCS(0).
+func NewPool(threads int) *Pool { return NewPoolPath(threads, DefaultPath) }
+
+// NewPoolPath is NewPool stepping on path.
+func NewPoolPath(threads int, path Path) *Pool {
 	if threads <= 0 {
 		threads = runtime.GOMAXPROCS(0)
 	}
-	p := &Pool{threads: threads, tasks: make(chan task, threads), slots: make([]slot, threads)}
+	p := &Pool{threads: threads, tasks: make(chan task, threads), slots: make([]slot, threads), path: path}
 	for i := 1; i < threads; i++ {
 		go p.worker()
 	}
 	return p
 }
+
+// Path returns the path the pool steps on.
+func (p *Pool) Path() Path { return p.path }
 
 // Threads returns the number of goroutines a call may use.
 func (p *Pool) Threads() int { return p.threads }
@@ -92,7 +100,7 @@ func (p *Pool) worker() {
 func (p *Pool) run(t *task) {
 	switch t.kind {
 	case taskStep:
-		Step(&t.c, t.s, t.g, t.out)
+		p.path.Step(&t.c, t.s, t.g, t.out)
 	case taskFinite:
 		p.slots[t.slot].finite = AllFinite(t.g)
 	case taskSumSq:

@@ -120,8 +120,12 @@ func checkLens(c *Coeffs, s State, g Grad, out Copy16) {
 // goroutine. See the package doc for the arithmetic; it follows
 // torch.optim.AdamW / torch.optim.Adam with foreach=False.
 //
-// Step allocates nothing. It panics on a length or dtype mismatch.
-func Step(c *Coeffs, s State, g Grad, out Copy16) {
+// Step allocates nothing. It panics on a length or dtype mismatch. It runs
+// on DefaultPath; Path.Step picks another.
+func Step(c *Coeffs, s State, g Grad, out Copy16) { DefaultPath.Step(c, s, g, out) }
+
+// Step is the package-level Step on this path.
+func (path Path) Step(c *Coeffs, s State, g Grad, out Copy16) {
 	checkLens(c, s, g, out)
 	var gb [block]float32
 	n := len(s.Param)
@@ -133,7 +137,7 @@ func Step(c *Coeffs, s State, g Grad, out Copy16) {
 		if c.AMSGrad {
 			vmax = s.MaxExpAvgSq[lo:hi]
 		}
-		update(c, s.Param[lo:hi], s.ExpAvg[lo:hi], s.ExpAvgSq[lo:hi], vmax, gs)
+		path.update(c, s.Param[lo:hi], s.ExpAvg[lo:hi], s.ExpAvgSq[lo:hi], vmax, gs)
 		if out.DType != 0 {
 			Round16(out.DType, out.Data[lo:hi], s.Param[lo:hi])
 		}

@@ -4,8 +4,6 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-
-	"github.com/deepstates/dos/adam"
 )
 
 // caseDirs returns the directories of reference cases to run: the project's
@@ -28,9 +26,9 @@ func caseDirs(t *testing.T) []string {
 }
 
 func backends(t *testing.T) []Backend {
-	p1 := adam.NewPool(3)
-	t.Cleanup(p1.Close)
-	return []Backend{Scalar{}, Pool{P: p1}}
+	bs, release := Backends(3)
+	t.Cleanup(release)
+	return bs
 }
 
 func TestReferenceCases(t *testing.T) {

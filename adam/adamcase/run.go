@@ -226,7 +226,7 @@ func run(c *Case, b Backend, r *Result) error {
 	return nil
 }
 
-// Scalar is the Backend of the scalar reference, adam.Step on the calling
+// Scalar is the Backend of the scalar reference, adam.Generic on the calling
 // goroutine.
 type Scalar struct{}
 
@@ -236,17 +236,33 @@ func (Scalar) Name() string { return "cpu/scalar" }
 // AllFinite calls adam.AllFinite.
 func (Scalar) AllFinite(g adam.Grad) (bool, error) { return adam.AllFinite(g), nil }
 
-// Step calls adam.Step.
+// Step calls adam.Generic.Step.
 func (Scalar) Step(c *adam.Coeffs, s adam.State, g adam.Grad, out adam.Copy16) error {
-	adam.Step(c, s, g, out)
+	adam.Generic.Step(c, s, g, out)
 	return nil
 }
 
-// Pool is the Backend of an adam.Pool (the scalar kernel across goroutines).
+// PathBackend is the Backend of one adam.Path (a SIMD kernel) on the
+// calling goroutine.
+type PathBackend struct{ P adam.Path }
+
+// Name returns "cpu/<path>", e.g. "cpu/avx512".
+func (b PathBackend) Name() string { return "cpu/" + b.P.Name() }
+
+// AllFinite calls adam.AllFinite.
+func (PathBackend) AllFinite(g adam.Grad) (bool, error) { return adam.AllFinite(g), nil }
+
+// Step calls the path's Step.
+func (b PathBackend) Step(c *adam.Coeffs, s adam.State, g adam.Grad, out adam.Copy16) error {
+	b.P.Step(c, s, g, out)
+	return nil
+}
+
+// Pool is the Backend of an adam.Pool (the pool's path across goroutines).
 type Pool struct{ P *adam.Pool }
 
-// Name returns "cpu/pool-<threads>".
-func (p Pool) Name() string { return fmt.Sprintf("cpu/pool-%d", p.P.Threads()) }
+// Name returns "cpu/pool-<threads>/<path>".
+func (p Pool) Name() string { return fmt.Sprintf("cpu/pool-%d/%s", p.P.Threads(), p.P.Path().Name()) }
 
 // AllFinite calls the pool's AllFinite.
 func (p Pool) AllFinite(g adam.Grad) (bool, error) { return p.P.AllFinite(g), nil }
@@ -255,4 +271,16 @@ func (p Pool) AllFinite(g adam.Grad) (bool, error) { return p.P.AllFinite(g), ni
 func (p Pool) Step(c *adam.Coeffs, s adam.State, g adam.Grad, out adam.Copy16) error {
 	p.P.Step(c, s, g, out)
 	return nil
+}
+
+// Backends returns every CPU backend of this machine: the scalar
+// reference, each SIMD path, and a pool of threads goroutines on the
+// default path; release stops the pool.
+func Backends(threads int) (bs []Backend, release func()) {
+	bs = []Backend{Scalar{}}
+	for _, p := range adam.Paths()[1:] {
+		bs = append(bs, PathBackend{P: p})
+	}
+	pool := adam.NewPool(threads)
+	return append(bs, Pool{P: pool}), pool.Close
 }

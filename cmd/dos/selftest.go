@@ -8,15 +8,13 @@ import (
 	"runtime"
 
 	"github.com/deepstates/dos"
-	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/adam/adamcase"
 )
 
 // selftestBackends returns every optimizer backend available on this
 // machine, and a function that releases them.
 func selftestBackends() ([]adamcase.Backend, func()) {
-	pool := adam.NewPool(runtime.GOMAXPROCS(0))
-	return []adamcase.Backend{adamcase.Scalar{}, adamcase.Pool{P: pool}}, pool.Close
+	return adamcase.Backends(runtime.GOMAXPROCS(0))
 }
 
 func runSelftest(args []string, stdout, stderr io.Writer) int {

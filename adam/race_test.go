@@ -1,0 +1,5 @@
+//go:build race
+
+package adam
+
+const raceEnabled = true

@@ -1,0 +1,42 @@
+//go:build !noasm
+
+package adam
+
+import "github.com/klauspost/cpuid/v2"
+
+// updateAVX512 is update (step.go) on 16 lanes; n is a multiple of 16.
+//
+//go:noescape
+func updateAVX512(p, m, v, vmax, grad *float32, n int, k *[9]float32, flags int)
+
+// updateAVX2 is update (step.go) on 8 lanes; n is a multiple of 8.
+//
+//go:noescape
+func updateAVX2(p, m, v, vmax, grad *float32, n int, k *[9]float32, flags int)
+
+var (
+	// AVX2 is the 8-lane path (AVX2; no FMA is used, so that results
+	// stay bitwise equal to the generic path).
+	AVX2 = Path{name: "avx2", lanes: 8}
+	// AVX512 is the 16-lane path (AVX-512F).
+	AVX512 = Path{name: "avx512", lanes: 16}
+)
+
+func simdKernel(lanes int, p, m, v, vmax, g *float32, n int, k *[9]float32, flags int) {
+	if lanes == 16 {
+		updateAVX512(p, m, v, vmax, g, n, k, flags)
+	} else {
+		updateAVX2(p, m, v, vmax, g, n, k, flags)
+	}
+}
+
+func simdPaths() []Path {
+	var ps []Path
+	if cpuid.CPU.Supports(cpuid.AVX, cpuid.AVX2) {
+		ps = append(ps, AVX2)
+	}
+	if cpuid.CPU.Supports(cpuid.AVX512F) {
+		ps = append(ps, AVX512)
+	}
+	return ps
+}
