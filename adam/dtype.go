@@ -87,14 +87,17 @@ func F32ToBF16(f float32) uint16 {
 }
 
 // F16ToF32 upcasts an IEEE binary16 bit pattern to float32 exactly,
-// subnormals, infinities and NaN payloads included.
+// subnormals and infinities included; a NaN keeps its sign and payload and
+// comes out quiet, as the F16C instruction VCVTPH2PS gives it.
 func F16ToF32(h uint16) float32 {
 	sign := uint32(h&0x8000) << 16
 	exp := uint32(h>>10) & 0x1f
 	man := uint32(h & 0x3ff)
 	switch {
-	case exp == 0x1f: // inf or NaN
-		return math.Float32frombits(sign | 0x7f800000 | man<<13)
+	case exp == 0x1f && man == 0: // inf
+		return math.Float32frombits(sign | 0x7f800000)
+	case exp == 0x1f: // NaN, quieted as F16C's VCVTPH2PS and PyTorch's conversion quiet it
+		return math.Float32frombits(sign | 0x7fc00000 | man<<13)
 	case exp != 0: // normal
 		return math.Float32frombits(sign | (exp+112)<<23 | man<<13)
 	case man == 0:

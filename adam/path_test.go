@@ -3,6 +3,7 @@ package adam
 import (
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"testing"
 )
 
@@ -115,3 +116,54 @@ func TestPathByName(t *testing.T) {
 	}
 	t.Logf("paths here: %v; default %v", Paths(), DefaultPath)
 }
+
+// TestPathConversions: every path's Widen16 equals the reference upcast on
+// all 2^16 inputs, and its Round16 equals the reference rounding on random
+// bit patterns, ties, NaN, ±Inf and denormals, at a misaligned start.
+func TestPathConversions(t *testing.T) {
+	all := make([]uint16, 1<<16+3)
+	for i := range all {
+		all[i] = uint16(i)
+	}
+	src := make([]float32, 0, 1<<20)
+	r := newRand(5)
+	for range 1 << 19 {
+		src = append(src, math.Float32frombits(r.Uint32()))
+	}
+	for _, f := range []float32{float32(math.NaN()), float32(math.Inf(1)), float32(math.Inf(-1)), 1e-45, -1e-40, 65504, 65520, 65519.996, 5.9604645e-08, 2.9802322e-08, 3.4028235e38} {
+		src = append(src, f, -f)
+	}
+	for h := range 1 << 16 { // ties of both 16-bit formats
+		bf := math.Float32frombits(uint32(h)<<16 | 0x8000)
+		f16 := F16ToF32(uint16(h))
+		src = append(src, bf, math.Nextafter32(f16, 1e38), f16*(1+1.0/4096))
+	}
+	for _, path := range Paths() {
+		for _, d := range []DType{BF16, F16} {
+			got := make([]float32, len(all)+1)[1:] // misaligned
+			path.Widen16(d, got, all)
+			for i, h := range all {
+				want := BF16ToF32(h)
+				if d == F16 {
+					want = F16ToF32(h)
+				}
+				if math.Float32bits(got[i]) != math.Float32bits(want) {
+					t.Fatalf("%s Widen16 %v %#04x = %#08x, want %#08x", path.Name(), d, h, math.Float32bits(got[i]), math.Float32bits(want))
+				}
+			}
+			out := make([]uint16, len(src)+1)[1:]
+			path.Round16(d, out, src)
+			for i, f := range src {
+				want := F32ToBF16(f)
+				if d == F16 {
+					want = F32ToF16(f)
+				}
+				if out[i] != want {
+					t.Fatalf("%s Round16 %v %g (%#08x) = %#04x, want %#04x", path.Name(), d, f, math.Float32bits(f), out[i], want)
+				}
+			}
+		}
+	}
+}
+
+func newRand(seed uint64) *rand.Rand { return rand.New(rand.NewPCG(seed, 11)) }

@@ -132,25 +132,25 @@ func (path Path) Step(c *Coeffs, s State, g Grad, out Copy16) {
 	for lo := 0; lo < n; lo += block {
 		hi := min(lo+block, n)
 		gs := gb[:hi-lo]
-		loadGrad(c, gs, g, lo)
+		path.loadGrad(c, gs, g, lo)
 		var vmax []float32
 		if c.AMSGrad {
 			vmax = s.MaxExpAvgSq[lo:hi]
 		}
 		path.update(c, s.Param[lo:hi], s.ExpAvg[lo:hi], s.ExpAvgSq[lo:hi], vmax, gs)
 		if out.DType != 0 {
-			Round16(out.DType, out.Data[lo:hi], s.Param[lo:hi])
+			path.Round16(out.DType, out.Data[lo:hi], s.Param[lo:hi])
 		}
 	}
 }
 
 // loadGrad writes into dst the fp32 gradient elements [lo, lo+len(dst)) of
 // g, multiplied by c.Unscale and c.Clip and negated under maximize.
-func loadGrad(c *Coeffs, dst []float32, g Grad, lo int) {
+func (path Path) loadGrad(c *Coeffs, dst []float32, g Grad, lo int) {
 	if g.DType == F32 {
 		copy(dst, g.F32[lo:lo+len(dst)])
 	} else {
-		Widen16(g.DType, dst, g.U16[lo:lo+len(dst)])
+		path.Widen16(g.DType, dst, g.U16[lo:lo+len(dst)])
 	}
 	if c.Unscale != 1 {
 		for i := range dst {
@@ -210,34 +210,48 @@ func update(c *Coeffs, p, m, v, vmax, g []float32) {
 }
 
 // Widen16 writes into dst the 16-bit values src of dtype d (BF16 or F16)
-// upcast exactly to fp32 (BF16ToF32, F16ToF32). Panics if len(dst) <
-// len(src).
-func Widen16(d DType, dst []float32, src []uint16) {
+// upcast exactly to fp32 (BF16ToF32, F16ToF32), on DefaultPath. Panics if
+// len(dst) < len(src).
+func Widen16(d DType, dst []float32, src []uint16) { DefaultPath.Widen16(d, dst, src) }
+
+// Widen16 is the package-level Widen16 on this path.
+func (path Path) Widen16(d DType, dst []float32, src []uint16) {
 	dst = dst[:len(src)]
+	head := len(src) - len(src)%16
+	if !simdWiden(path.lanes, d, dst, src, head) {
+		head = 0
+	}
 	if d == BF16 {
-		for i, h := range src {
-			dst[i] = BF16ToF32(h)
+		for i, h := range src[head:] {
+			dst[head+i] = BF16ToF32(h)
 		}
 		return
 	}
-	for i, h := range src {
-		dst[i] = F16ToF32(h)
+	for i, h := range src[head:] {
+		dst[head+i] = F16ToF32(h)
 	}
 }
 
 // Round16 writes into dst the fp32 values src rounded to the 16-bit dtype d
 // (BF16 or F16), to nearest even (F32ToBF16, F32ToF16): the working copy of
-// master weights. Panics if len(dst) < len(src).
-func Round16(d DType, dst []uint16, src []float32) {
+// master weights. It runs on DefaultPath. Panics if len(dst) < len(src).
+func Round16(d DType, dst []uint16, src []float32) { DefaultPath.Round16(d, dst, src) }
+
+// Round16 is the package-level Round16 on this path.
+func (path Path) Round16(d DType, dst []uint16, src []float32) {
 	dst = dst[:len(src)]
+	head := len(src) - len(src)%16
+	if !simdRound(path.lanes, d, dst, src, head) {
+		head = 0
+	}
 	if d == BF16 {
-		for i, f := range src {
-			dst[i] = F32ToBF16(f)
+		for i, f := range src[head:] {
+			dst[head+i] = F32ToBF16(f)
 		}
 		return
 	}
-	for i, f := range src {
-		dst[i] = F32ToF16(f)
+	for i, f := range src[head:] {
+		dst[head+i] = F32ToF16(f)
 	}
 }
 

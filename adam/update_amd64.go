@@ -40,3 +40,46 @@ func simdPaths() []Path {
 	}
 	return ps
 }
+
+// The 16-bit conversions on 16 lanes (AVX-512F); n is a multiple of 16.
+// Bitwise equal to BF16ToF32, F16ToF32, F32ToBF16 and F32ToF16.
+
+//go:noescape
+func widenBF16AVX512(dst *float32, src *uint16, n int)
+
+//go:noescape
+func widenF16AVX512(dst *float32, src *uint16, n int)
+
+//go:noescape
+func roundBF16AVX512(dst *uint16, src *float32, n int)
+
+//go:noescape
+func roundF16AVX512(dst *uint16, src *float32, n int)
+
+// simdWiden converts the first n (a multiple of 16) elements on the path's
+// kernel and reports whether it did; paths without a conversion kernel
+// (AVX2) return false.
+func simdWiden(lanes int, d DType, dst []float32, src []uint16, n int) bool {
+	if lanes != 16 || n == 0 {
+		return false
+	}
+	if d == BF16 {
+		widenBF16AVX512(&dst[0], &src[0], n)
+	} else {
+		widenF16AVX512(&dst[0], &src[0], n)
+	}
+	return true
+}
+
+// simdRound is simdWiden's counterpart for rounding to 16 bits.
+func simdRound(lanes int, d DType, dst []uint16, src []float32, n int) bool {
+	if lanes != 16 || n == 0 {
+		return false
+	}
+	if d == BF16 {
+		roundBF16AVX512(&dst[0], &src[0], n)
+	} else {
+		roundF16AVX512(&dst[0], &src[0], n)
+	}
+	return true
+}
