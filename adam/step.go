@@ -127,9 +127,29 @@ func Step(c *Coeffs, s State, g Grad, out Copy16) { DefaultPath.Step(c, s, g, ou
 // Step is the package-level Step on this path.
 func (path Path) Step(c *Coeffs, s State, g Grad, out Copy16) {
 	checkLens(c, s, g, out)
-	var gb [block]float32
 	n := len(s.Param)
-	for lo := 0; lo < n; lo += block {
+	// An fp32 gradient that needs no scaling or sign change is used in
+	// place: no staging copy, one kernel call for the whole range, in
+	// blocks so that the 16-bit copy reads p from cache.
+	direct := g.DType == F32 && c.Unscale == 1 && c.Clip == 1 && !c.Maximize
+	step := block
+	if direct {
+		step = 16 * block
+	}
+	var gb [block]float32
+	for lo := 0; lo < n; lo += step {
+		if direct {
+			hi := min(lo+step, n)
+			var vmax []float32
+			if c.AMSGrad {
+				vmax = s.MaxExpAvgSq[lo:hi]
+			}
+			path.update(c, s.Param[lo:hi], s.ExpAvg[lo:hi], s.ExpAvgSq[lo:hi], vmax, g.F32[lo:hi])
+			if out.DType != 0 {
+				path.Round16(out.DType, out.Data[lo:hi], s.Param[lo:hi])
+			}
+			continue
+		}
 		hi := min(lo+block, n)
 		gs := gb[:hi-lo]
 		path.loadGrad(c, gs, g, lo)
