@@ -7,7 +7,7 @@ PKGS    := ./...
 
 help:
 	@echo "make demo       run the main job on its embedded default"
-	@echo "make test       vet, gofmt check, and go test -race ./... (what CI runs)"
+	@echo "make test       vet, gofmt check, go test -race ./..., and the allocation tests without -race (what CI runs)"
 	@echo "make bench      CPU AdamW benchmarks (params/s, GB/s) against copy and the naive loop"
 	@echo "make gpu-bins   build bin/dos and one test binary per package for the GPU machine"
 	@echo "make gpu-test   run bin/test/* with DOS_REQUIRE_GPU=1 (on the GPU machine)"
@@ -17,6 +17,7 @@ help:
 
 test: vet fmt-check
 	$(GO) test -race -count=1 $(PKGS)
+	$(GO) test -count=1 -run 'NoAllocs' $(PKGS)
 
 vet:
 	$(GO) vet $(PKGS)

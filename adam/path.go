@@ -92,6 +92,13 @@ func (path Path) update(c *Coeffs, p, m, v, vmax, g []float32) {
 		if vmax != nil {
 			vm = &vmax[:head][0]
 		}
+		raceRead32(g[:head])
+		raceWrite32(p[:head])
+		raceWrite32(m[:head])
+		raceWrite32(v[:head])
+		if vmax != nil {
+			raceWrite32(vmax[:head])
+		}
 		k, flags := kernelArgs(c)
 		// A direct call (simdKernel switches on lanes): a call through a
 		// func value would make &k escape and allocate.

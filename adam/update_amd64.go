@@ -63,6 +63,8 @@ func simdWiden(lanes int, d DType, dst []float32, src []uint16, n int) bool {
 	if lanes != 16 || n == 0 {
 		return false
 	}
+	raceRead16(src[:n])
+	raceWrite32(dst[:n])
 	if d == BF16 {
 		widenBF16AVX512(&dst[0], &src[0], n)
 	} else {
@@ -76,6 +78,8 @@ func simdRound(lanes int, d DType, dst []uint16, src []float32, n int) bool {
 	if lanes != 16 || n == 0 {
 		return false
 	}
+	raceRead32(src[:n])
+	raceWrite16(dst[:n])
 	if d == BF16 {
 		roundBF16AVX512(&dst[0], &src[0], n)
 	} else {
