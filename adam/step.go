@@ -138,21 +138,14 @@ func (path Path) Step(c *Coeffs, s State, g Grad, out Copy16) {
 	}
 	var gb [block]float32
 	for lo := 0; lo < n; lo += step {
+		hi := min(lo+step, n)
+		gs := g.F32
 		if direct {
-			hi := min(lo+step, n)
-			var vmax []float32
-			if c.AMSGrad {
-				vmax = s.MaxExpAvgSq[lo:hi]
-			}
-			path.update(c, s.Param[lo:hi], s.ExpAvg[lo:hi], s.ExpAvgSq[lo:hi], vmax, g.F32[lo:hi])
-			if out.DType != 0 {
-				path.Round16(out.DType, out.Data[lo:hi], s.Param[lo:hi])
-			}
-			continue
+			gs = gs[lo:hi]
+		} else {
+			gs = gb[:hi-lo]
+			path.loadGrad(c, gs, g, lo)
 		}
-		hi := min(lo+block, n)
-		gs := gb[:hi-lo]
-		path.loadGrad(c, gs, g, lo)
 		var vmax []float32
 		if c.AMSGrad {
 			vmax = s.MaxExpAvgSq[lo:hi]

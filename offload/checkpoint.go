@@ -3,7 +3,6 @@ package offload
 import (
 	"encoding/json"
 	"fmt"
-	"unsafe"
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
@@ -28,14 +27,6 @@ type optimizerObject struct {
 	Hyper   adam.Hyper `json:"hyper"`
 	Options Options    `json:"options"`
 	Params  []Param    `json:"params"`
-}
-
-// float32Bytes views v's memory as bytes (little-endian hosts: amd64, arm64).
-func float32Bytes(v []float32) []byte {
-	if len(v) == 0 {
-		return []byte{}
-	}
-	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
 }
 
 func (o *Optimizer) stateSlices() [][]float32 {
@@ -87,7 +78,7 @@ func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 				Name:  p.Name + stateSuffixes[k],
 				DType: safetensors.F32,
 				Shape: shape,
-				Data:  [][]byte{float32Bytes(buf[p.Offset : p.Offset+p.Len])},
+				Data:  [][]byte{safetensors.Float32View(buf[p.Offset : p.Offset+p.Len])},
 			})
 		}
 	}
@@ -179,7 +170,7 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 			if e.DType != safetensors.F32 || !sameShape(e.Shape, p.Shape) {
 				return nil, fmt.Errorf("offload: %s: tensor %q is %s %v, want F32 %v", dir, name, e.DType, e.Shape, p.Shape)
 			}
-			if err := c.ReadTensor(name, float32Bytes(buf[p.Offset:p.Offset+p.Len])); err != nil {
+			if err := c.ReadTensor(name, safetensors.Float32View(buf[p.Offset:p.Offset+p.Len])); err != nil {
 				return nil, err
 			}
 		}

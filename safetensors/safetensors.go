@@ -32,6 +32,7 @@ import (
 	"os"
 	"sort"
 	"unicode/utf8"
+	"unsafe"
 )
 
 // ErrInvalid is wrapped by every error that reports a malformed file.
@@ -447,6 +448,16 @@ func Encode(metadata map[string]string, tensors []Tensor) ([]byte, error) {
 		copy(out[int64(len(header))+infos[i].Begin:], t.Data)
 	}
 	return out, nil
+}
+
+// Float32View returns v's memory as bytes, without a copy: little-endian
+// fp32 on the little-endian hosts dos runs on (amd64, arm64). The view
+// aliases v.
+func Float32View(v []float32) []byte {
+	if len(v) == 0 {
+		return []byte{}
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
 }
 
 // Float32Bytes encodes v as little-endian bytes (a copy).

@@ -6,7 +6,6 @@ import (
 	"math"
 	"os"
 	"path/filepath"
-	"unsafe"
 
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/safetensors"
@@ -56,19 +55,12 @@ func LoadWeights(path string) (Config, [][]float32, string, error) {
 			n *= d
 		}
 		w := make([]float32, n)
-		if err := c.ReadTensor(p.Name+".master", f32bytes(w)); err != nil {
+		if err := c.ReadTensor(p.Name+".master", safetensors.Float32View(w)); err != nil {
 			return Config{}, nil, "", err
 		}
 		weights = append(weights, w)
 	}
 	return cfg, weights, dir, nil
-}
-
-func f32bytes(v []float32) []byte {
-	if len(v) == 0 {
-		return []byte{}
-	}
-	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
 }
 
 // hfConfig is Hugging Face's GPT2Config as config.json spells it.
