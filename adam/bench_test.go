@@ -10,7 +10,8 @@ const benchN = 16 << 20
 
 // BenchmarkStep measures one AdamW step at 28 B/param (fp32 p, g, m, v read,
 // p, m, v written; a 16-bit gradient moves 2 B less, a 16-bit copy 2 B more).
-// BenchmarkStep/copy moves the same 28 B/param with the built-in copy: the
+// BenchmarkStep/pool-N/PATH/stats reads the gradient once (GradStats: 4 or
+// 2 B/param). BenchmarkStep/copy moves the same 28 B/param with the built-in copy: the
 // memory-bandwidth reference, measured in the same run.
 func BenchmarkStep(b *testing.B) {
 	if testing.Short() {
@@ -53,6 +54,19 @@ func BenchmarkStep(b *testing.B) {
 				pool.Step(&c, s, g16, out)
 			}
 			report(b, 28)
+		})
+		b.Run(fmt.Sprintf("pool-%d/%s/stats/grad=f32/n=%dM", pool.Threads(), path.Name(), benchN>>20), func(b *testing.B) {
+			pool.GradStats(g, 0.5) // sizes the partial sums before timing
+			for b.Loop() {
+				pool.GradStats(g, 0.5)
+			}
+			report(b, 4)
+		})
+		b.Run(fmt.Sprintf("pool-%d/%s/stats/grad=bf16/n=%dM", pool.Threads(), path.Name(), benchN>>20), func(b *testing.B) {
+			for b.Loop() {
+				pool.GradStats(g16, 0.5)
+			}
+			report(b, 2)
 		})
 		pool.Close()
 	}

@@ -8,7 +8,9 @@ import (
 // Path is one implementation of the element-wise core of Step: "generic"
 // (the Go reference loop), "avx2" (8 lanes) or "avx512" (16 lanes). Every
 // path performs the same IEEE operations in the same order, none fused, so
-// all paths give bitwise the same results.
+// all paths give bitwise the same results, except that a NaN result may
+// carry another sign or payload: which NaN an operation on NaNs returns
+// depends on operand order, which IEEE 754 leaves open.
 type Path struct {
 	name  string
 	lanes int // the kernel updates a multiple of lanes elements; 1: no kernel

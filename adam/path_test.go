@@ -30,14 +30,28 @@ func checkGuards(t *testing.T, what string, buf []float32, off, n int) {
 
 // TestPathsBitwise: every SIMD path equals the generic path bit for bit, at
 // sizes around the lane counts, misaligned starts, with guards around every
-// buffer, for both lerp formulas, both weight-decay modes and amsgrad, with
-// special values (NaN, ±Inf, denormals, -0) mixed in.
+// buffer, for both lerp formulas, both weight-decay modes and amsgrad, for
+// fp32 gradients used in place and staged (unscaled, clipped, maximized),
+// 16-bit gradients and 16-bit copies, with special values (NaN, ±Inf,
+// denormals, -0) mixed in.
 func TestPathsBitwise(t *testing.T) {
 	sizes := []int{0, 1, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 255, 256, 257, 1000003}
 	if testing.Short() || raceEnabled {
 		sizes = sizes[:len(sizes)-1]
 	}
 	specials := []float32{float32(math.NaN()), float32(math.Inf(1)), float32(math.Inf(-1)), 1e-40, -1e-42, float32(math.Copysign(0, -1)), 0, 3e38}
+	type gradVariant struct {
+		dtype         DType
+		unscale, clip float32
+		maximize      bool
+		out           DType
+	}
+	gradVariants := []gradVariant{
+		{F32, 1, 1, false, 0},        // in place
+		{F32, 0.5, 0.75, true, BF16}, // staged
+		{BF16, 1, 0.3, false, F16},
+		{F16, 1.0 / 1024, 1, true, BF16},
+	}
 	for _, path := range Paths()[1:] {
 		for _, n := range sizes {
 			for _, hv := range []struct {
@@ -45,63 +59,215 @@ func TestPathsBitwise(t *testing.T) {
 				amsgrad bool
 				beta1   float64
 			}{{AdamW, false, 0.9}, {Adam, true, 0.9}, {AdamW, true, 0.3}} {
-				off := n % 5
-				name := fmt.Sprintf("%s/n=%d/off=%d/%s/amsgrad=%t/beta1=%g", path.Name(), n, off, hv.mode, hv.amsgrad, hv.beta1)
-				t.Run(name, func(t *testing.T) {
-					h := DefaultHyper()
-					h.Mode, h.AMSGrad, h.Betas[0] = hv.mode, hv.amsgrad, hv.beta1
-					s, g := randomProblem(n, F32, true, uint64(n)+7)
-					for i := 0; i < n; i += 37 { // special values, also in the state
-						x := specials[(i/37)%len(specials)]
-						g.F32[i] = x
-						if i%3 == 0 {
-							s.Param[i] = x
-						}
-						if i%5 == 0 {
-							s.MaxExpAvgSq[i] = x
-						}
-					}
-					if !hv.amsgrad {
-						s.MaxExpAvgSq = nil
-					}
-					ref := s.Clone()
-					c := h.Coeffs(3, 1, 1)
-					bufs := make([][]float32, 0, 4)
-					var got State
-					for k, v := range [][]float32{s.Param, s.ExpAvg, s.ExpAvgSq, s.MaxExpAvgSq} {
-						if v == nil {
-							continue
-						}
-						buf, view := guarded(v, off)
-						bufs = append(bufs, buf)
-						switch k {
-						case 0:
-							got.Param = view
-						case 1:
-							got.ExpAvg = view
-						case 2:
-							got.ExpAvgSq = view
-						case 3:
-							got.MaxExpAvgSq = view
-						}
-					}
-					gbuf, gview := guarded(g.F32, off)
-					Generic.Step(&c, ref, g, Copy16{})
-					path.Step(&c, got, GradF32(gview), Copy16{})
-					for _, pair := range [][2][]float32{{ref.Param, got.Param}, {ref.ExpAvg, got.ExpAvg}, {ref.ExpAvgSq, got.ExpAvgSq}, {ref.MaxExpAvgSq, got.MaxExpAvgSq}} {
-						for i := range pair[0] {
-							if math.Float32bits(pair[0][i]) != math.Float32bits(pair[1][i]) {
-								t.Fatalf("element %d: generic %g (%#x), %s %g (%#x)", i, pair[0][i], math.Float32bits(pair[0][i]), path.Name(), pair[1][i], math.Float32bits(pair[1][i]))
+				for _, gv := range gradVariants {
+					off := n % 5
+					name := fmt.Sprintf("%s/n=%d/off=%d/%s/amsgrad=%t/beta1=%g/grad=%v/unscale=%g/clip=%g/maximize=%t/out=%v",
+						path.Name(), n, off, hv.mode, hv.amsgrad, hv.beta1, gv.dtype, gv.unscale, gv.clip, gv.maximize, gv.out)
+					t.Run(name, func(t *testing.T) {
+						h := DefaultHyper()
+						h.Mode, h.AMSGrad, h.Betas[0], h.Maximize = hv.mode, hv.amsgrad, hv.beta1, gv.maximize
+						s, g := randomProblem(n, F32, true, uint64(n)+7)
+						for i := 0; i < n; i += 37 { // special values, also in the state
+							x := specials[(i/37)%len(specials)]
+							g.F32[i] = x
+							if i%3 == 0 {
+								s.Param[i] = x
+							}
+							if i%5 == 0 {
+								s.MaxExpAvgSq[i] = x
 							}
 						}
-					}
-					for _, b := range append(bufs, gbuf) {
-						checkGuards(t, name, b, off, n)
-					}
-				})
+						if !hv.amsgrad {
+							s.MaxExpAvgSq = nil
+						}
+						ref := s.Clone()
+						c := h.Coeffs(3, gv.unscale, gv.clip)
+						bufs := make([][]float32, 0, 4)
+						var got State
+						for k, v := range [][]float32{s.Param, s.ExpAvg, s.ExpAvgSq, s.MaxExpAvgSq} {
+							if v == nil {
+								continue
+							}
+							buf, view := guarded(v, off)
+							bufs = append(bufs, buf)
+							switch k {
+							case 0:
+								got.Param = view
+							case 1:
+								got.ExpAvg = view
+							case 2:
+								got.ExpAvgSq = view
+							case 3:
+								got.MaxExpAvgSq = view
+							}
+						}
+						var refOut, gotOut Copy16
+						var outBuf []uint16
+						if gv.out != 0 {
+							refOut = Copy16{gv.out, make([]uint16, n)}
+							outBuf = make([]uint16, n+off+19)
+							for i := range outBuf {
+								outBuf[i] = 0xbeef
+							}
+							gotOut = Copy16{gv.out, outBuf[off : off+n]}
+						}
+						gbuf, gview := guarded(g.F32, off)
+						refGrad, gotGrad := g, GradF32(gview)
+						var g16buf []uint16
+						if gv.dtype != F32 {
+							u := make([]uint16, n)
+							path.Round16(gv.dtype, u, g.F32)
+							refGrad = Grad16(gv.dtype, u)
+							g16buf = make([]uint16, n+off+19)
+							for i := range g16buf {
+								g16buf[i] = 0xbeef
+							}
+							copy(g16buf[off:], u)
+							gotGrad = Grad16(gv.dtype, g16buf[off:off+n])
+						}
+						Generic.Step(&c, ref, refGrad, refOut)
+						path.Step(&c, got, gotGrad, gotOut)
+						for _, pair := range [][2][]float32{{ref.Param, got.Param}, {ref.ExpAvg, got.ExpAvg}, {ref.ExpAvgSq, got.ExpAvgSq}, {ref.MaxExpAvgSq, got.MaxExpAvgSq}} {
+							for i := range pair[0] {
+								if !sameValue(pair[0][i], pair[1][i]) {
+									t.Fatalf("element %d: generic %g (%#x), %s %g (%#x)", i, pair[0][i], math.Float32bits(pair[0][i]), path.Name(), pair[1][i], math.Float32bits(pair[1][i]))
+								}
+							}
+						}
+						for i := range refOut.Data {
+							if refOut.Data[i] != gotOut.Data[i] && !(isNaN16(gv.out, refOut.Data[i]) && isNaN16(gv.out, gotOut.Data[i])) {
+								t.Fatalf("16-bit copy %d: generic %#04x, %s %#04x", i, refOut.Data[i], path.Name(), gotOut.Data[i])
+							}
+						}
+						for _, b := range append(bufs, gbuf) {
+							checkGuards(t, name, b, off, n)
+						}
+						for _, b := range [][]uint16{outBuf, g16buf} {
+							for i, x := range b {
+								if (i < off || i >= off+n) && x != 0xbeef {
+									t.Fatalf("16-bit guard at %d overwritten (%#04x)", i, x)
+								}
+							}
+						}
+					})
+				}
 			}
 		}
 	}
+}
+
+// TestPathGradStats: every path's one-pass non-finite check and sum of
+// squares equals the generic path's bit for bit (and every pool's, at any
+// thread count), the generic sum agrees with a plain serial float64 sum, and
+// an Inf or NaN is found at every position.
+func TestPathGradStats(t *testing.T) {
+	sizes := []int{0, 1, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 255, 256, 257, MinChunk - 1, MinChunk, MinChunk + 17, 3*MinChunk + 5, 1000003}
+	if testing.Short() || raceEnabled {
+		sizes = sizes[:len(sizes)-1]
+	}
+	for _, gd := range []DType{F32, BF16, F16} {
+		for _, n := range sizes {
+			for _, unscale := range []float32{1, 0.25, 3.0517578e-05} {
+				_, g := randomProblem(n, gd, false, uint64(n)+3)
+				off := n % 3 // misaligned start
+				g = shifted(g, off)
+				wantOK, want := Generic.GradStats(g, unscale)
+				var serial float64
+				for i := range g.Len() {
+					x := float64(float32(gradAt(g, i) * unscale))
+					serial += x * x
+				}
+				if !wantOK || math.Abs(want-serial) > 1e-12*serial {
+					t.Fatalf("%v n=%d: generic GradStats = %v, %g; serial sum %g", gd, n, wantOK, want, serial)
+				}
+				for _, path := range Paths() {
+					if ok, got := path.GradStats(g, unscale); !ok || got != want {
+						t.Fatalf("%s %v n=%d unscale=%g: %v, %v; generic %v", path.Name(), gd, n, unscale, ok, got, want)
+					}
+				}
+				if n < 1000 || n == 3*MinChunk+5 {
+					for _, threads := range []int{1, 2, 3} {
+						p := NewPoolPath(threads, Paths()[len(Paths())-1])
+						ok, got := p.GradStats(g, unscale)
+						p.Close()
+						if !ok || got != want {
+							t.Fatalf("pool-%d %v n=%d: %v, %v; generic %v", threads, gd, n, ok, got, want)
+						}
+					}
+				}
+			}
+		}
+	}
+	bads := []float32{float32(math.Inf(1)), float32(math.Inf(-1)), float32(math.NaN())}
+	for _, gd := range []DType{F32, BF16, F16} {
+		for _, n := range []int{1, 15, 16, 17, 33, 64, 65, 300} {
+			for at := range n {
+				_, g := randomProblem(n, gd, false, 1)
+				bad := bads[at%3]
+				switch gd {
+				case F32:
+					g.F32[at] = bad
+				case BF16:
+					g.U16[at] = F32ToBF16(bad)
+				case F16:
+					g.U16[at] = F32ToF16(bad)
+				}
+				for _, path := range Paths() {
+					if ok, _ := path.GradStats(g, 1); ok {
+						t.Fatalf("%s %v n=%d: %g at %d not found", path.Name(), gd, n, bad, at)
+					}
+				}
+			}
+		}
+		// The largest finite values are finite on every path.
+		g := Grad{DType: gd, F32: make([]float32, 40), U16: make([]uint16, 40)}
+		for i := range 40 {
+			g.F32[i], g.U16[i] = math.MaxFloat32, 0x7bff
+			if gd == BF16 {
+				g.U16[i] = 0x7f7f
+			}
+		}
+		for _, path := range Paths() {
+			if ok, _ := path.GradStats(g, 1); !ok {
+				t.Fatalf("%s %v: the largest finite value reported non-finite", path.Name(), gd)
+			}
+		}
+	}
+}
+
+// sameValue reports whether a and b have the same bits or are both NaN:
+// which NaN an operation on NaNs returns (its sign and payload) depends on
+// operand order, which IEEE 754 leaves open and the Go compiler may change
+// (it does under -race).
+func sameValue(a, b float32) bool {
+	return math.Float32bits(a) == math.Float32bits(b) || (a != a && b != b)
+}
+
+// isNaN16 reports whether h is a NaN of the 16-bit dtype d.
+func isNaN16(d DType, h uint16) bool {
+	if d == BF16 {
+		return h&0x7f80 == 0x7f80 && h&0x7f != 0
+	}
+	return h&0x7c00 == 0x7c00 && h&0x3ff != 0
+}
+
+// shifted returns a copy of g starting off elements into a new buffer.
+func shifted(g Grad, off int) Grad {
+	if g.DType == F32 {
+		return GradF32(append(make([]float32, off, off+len(g.F32)), g.F32...)[off:])
+	}
+	return Grad16(g.DType, append(make([]uint16, off, off+len(g.U16)), g.U16...)[off:])
+}
+
+// gradAt is element i of g in fp32.
+func gradAt(g Grad, i int) float32 {
+	switch g.DType {
+	case BF16:
+		return BF16ToF32(g.U16[i])
+	case F16:
+		return F16ToF32(g.U16[i])
+	}
+	return g.F32[i]
 }
 
 func TestPathByName(t *testing.T) {

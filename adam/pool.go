@@ -11,15 +11,14 @@ const MinChunk = 1 << 15
 
 // Chunk boundaries fall on multiples of MinChunk elements. That keeps two
 // goroutines off each other's cache lines of p, m and v, and lets
-// SumSquares add per-MinChunk partial sums in one fixed order, so its result
+// GradStats add per-MinChunk partial sums in one fixed order, so its result
 // does not depend on the thread count.
 
 type taskKind uint8
 
 const (
 	taskStep taskKind = iota
-	taskFinite
-	taskSumSq
+	taskStats
 )
 
 type task struct {
@@ -39,7 +38,7 @@ type slot struct {
 	_      [127]byte
 }
 
-// Pool runs Step, AllFinite and SumSquares over large subgroups by splitting
+// Pool runs Step and GradStats over large subgroups by splitting
 // them into contiguous chunks of at least MinChunk elements, one per
 // goroutine, the calling goroutine included. Workers are started once, by
 // NewPool; a call allocates nothing.
@@ -52,7 +51,7 @@ type Pool struct {
 	tasks   chan task
 	wg      sync.WaitGroup
 	slots   []slot
-	partial []float64 // SumSquares partial sums, one per MinChunk block
+	partial []float64 // GradStats partial sums, one per MinChunk block
 	path    Path
 	closed  bool
 }
@@ -101,10 +100,14 @@ func (p *Pool) run(t *task) {
 	switch t.kind {
 	case taskStep:
 		p.path.Step(&t.c, t.s, t.g, t.out)
-	case taskFinite:
-		p.slots[t.slot].finite = AllFinite(t.g)
-	case taskSumSq:
-		sumSquaresBlocks(p.partial[t.lo/MinChunk:], t.g, t.unscale)
+	case taskStats:
+		ok := true
+		for i, lo := t.lo/MinChunk, 0; lo < t.g.Len(); i, lo = i+1, lo+MinChunk {
+			var f bool
+			f, p.partial[i] = p.path.blockStats(t.g.Slice(lo, min(lo+MinChunk, t.g.Len())), t.unscale)
+			ok = ok && f
+		}
+		p.slots[t.slot].finite = ok
 	}
 }
 
@@ -166,23 +169,11 @@ func (p *Pool) Step(c *Coeffs, s State, g Grad, out Copy16) {
 	p.dispatch(task{kind: taskStep, c: *c, s: s, g: g, out: out}, len(s.Param))
 }
 
-// AllFinite is the parallel form of the package-level AllFinite.
-func (p *Pool) AllFinite(g Grad) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	chunks := p.dispatch(task{kind: taskFinite, g: g}, g.Len())
-	for i := 0; i < chunks; i++ {
-		if !p.slots[i].finite {
-			return false
-		}
-	}
-	return true
-}
-
-// SumSquares is the parallel form of the package-level SumSquares, bitwise
-// equal to it whatever the thread count. It allocates only when g is longer
-// than any gradient it has seen.
-func (p *Pool) SumSquares(g Grad, unscale float32) float64 {
+// GradStats is the parallel form of Path.GradStats on the pool's path, with
+// the same result bit for bit whatever the thread count: one pass over g
+// for the non-finite check and the sum of squares. It allocates only when g
+// is longer than any gradient it has seen.
+func (p *Pool) GradStats(g Grad, unscale float32) (finite bool, sumSquares float64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	blocks := (g.Len() + MinChunk - 1) / MinChunk
@@ -190,10 +181,25 @@ func (p *Pool) SumSquares(g Grad, unscale float32) float64 {
 		p.partial = make([]float64, blocks)
 	}
 	p.partial = p.partial[:blocks]
-	p.dispatch(task{kind: taskSumSq, g: g, unscale: unscale}, g.Len())
-	var s float64
-	for _, x := range p.partial {
-		s += x
+	chunks := p.dispatch(task{kind: taskStats, g: g, unscale: unscale}, g.Len())
+	finite = true
+	for i := 0; i < chunks; i++ {
+		finite = finite && p.slots[i].finite
 	}
+	for _, x := range p.partial {
+		sumSquares += x
+	}
+	return finite, sumSquares
+}
+
+// AllFinite is GradStats's non-finite check.
+func (p *Pool) AllFinite(g Grad) bool {
+	ok, _ := p.GradStats(g, 1)
+	return ok
+}
+
+// SumSquares is GradStats's sum of squares.
+func (p *Pool) SumSquares(g Grad, unscale float32) float64 {
+	_, s := p.GradStats(g, unscale)
 	return s
 }

@@ -165,21 +165,7 @@ func (path Path) loadGrad(c *Coeffs, dst []float32, g Grad, lo int) {
 	} else {
 		path.Widen16(g.DType, dst, g.U16[lo:lo+len(dst)])
 	}
-	if c.Unscale != 1 {
-		for i := range dst {
-			dst[i] = float32(dst[i] * c.Unscale)
-		}
-	}
-	if c.Clip != 1 {
-		for i := range dst {
-			dst[i] = float32(dst[i] * c.Clip)
-		}
-	}
-	if c.Maximize {
-		for i := range dst {
-			dst[i] = -dst[i]
-		}
-	}
+	path.scale(dst, c.Unscale, c.Clip, scaleFlags(c))
 }
 
 // update is the element-wise core on fp32 gradients g (already unscaled,
@@ -266,71 +252,4 @@ func (path Path) Round16(d DType, dst []uint16, src []float32) {
 	for i, f := range src[head:] {
 		dst[head+i] = F32ToF16(f)
 	}
-}
-
-// AllFinite reports whether every element of g is finite (no Inf, no NaN),
-// as torch.amp's _amp_foreach_non_finite_check_and_unscale_ decides whether
-// to skip a step.
-func AllFinite(g Grad) bool {
-	if g.DType == F32 {
-		for _, f := range g.F32 {
-			if math.Float32bits(f)&0x7f800000 == 0x7f800000 {
-				return false
-			}
-		}
-		return true
-	}
-	mask := uint16(0x7c00) // F16 exponent
-	if g.DType == BF16 {
-		mask = 0x7f80
-	}
-	for _, h := range g.U16 {
-		if h&mask == mask {
-			return false
-		}
-	}
-	return true
-}
-
-// SumSquares returns the sum over g of (float32(g_i)*unscale)^2: each
-// unscaled element is rounded to fp32, then squared and summed in float64,
-// block by block of MinChunk elements, the block sums added in order. Its
-// square root over all subgroups is the global L2 norm that
-// torch.nn.utils.clip_grad_norm_ computes on unscaled gradients.
-func SumSquares(g Grad, unscale float32) float64 {
-	var s float64
-	for lo := 0; lo < g.Len(); lo += MinChunk {
-		s += sumSquares(g.Slice(lo, min(lo+MinChunk, g.Len())), unscale)
-	}
-	return s
-}
-
-// sumSquaresBlocks writes the sum of squares of each MinChunk block of g
-// into dst[0], dst[1], ...
-func sumSquaresBlocks(dst []float64, g Grad, unscale float32) {
-	for i, lo := 0, 0; lo < g.Len(); i, lo = i+1, lo+MinChunk {
-		dst[i] = sumSquares(g.Slice(lo, min(lo+MinChunk, g.Len())), unscale)
-	}
-}
-
-func sumSquares(g Grad, unscale float32) float64 {
-	var s float64
-	switch g.DType {
-	case F32:
-		for _, f := range g.F32 {
-			x := float64(float32(f * unscale))
-			s += float64(x * x) // the conversion forbids fusing into an FMA
-		}
-	case BF16:
-		for _, h := range g.U16 {
-			x := float64(float32(BF16ToF32(h) * unscale))
-			s += float64(x * x) // the conversion forbids fusing into an FMA
-		}
-	case F16:
-		for _, h := range g.U16 {
-			x := float64(float32(F16ToF32(h) * unscale))
-			s += float64(x * x) // the conversion forbids fusing into an FMA
-		}
-	}
-	return s
 }

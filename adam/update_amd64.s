@@ -37,6 +37,10 @@ TEXT ·updateAVX512(SB), NOSPLIT, $0-64
 loop512:
 	CMPQ AX, CX
 	JGE  done512
+	PREFETCHT0 2048(DI)(AX*4) // software prefetch: see pfDist in update_amd64.go
+	PREFETCHT0 2048(BX)(AX*4)
+	PREFETCHT0 2048(SI)(AX*4)
+	PREFETCHT0 2048(DX)(AX*4)
 	VMOVUPS (DI)(AX*4), Z0 // p
 	VMOVUPS (BX)(AX*4), Z1 // g
 	VMOVUPS (SI)(AX*4), Z2 // m
@@ -67,6 +71,7 @@ lerped512:
 	VMOVAPS Z3, Z7
 	BTQ     $2, R10
 	JCC     noams512
+	PREFETCHT0 2048(R9)(AX*4)
 	VMOVUPS (R9)(AX*4), Z8
 	VMAXPS  Z3, Z8, Z7     // vmax > v ? vmax : v
 	VCMPPS  $3, Z8, Z8, K1 // vmax is NaN
@@ -113,6 +118,10 @@ TEXT ·updateAVX2(SB), NOSPLIT, $0-64
 loop256:
 	CMPQ AX, CX
 	JGE  done256
+	PREFETCHT0 2048(DI)(AX*4) // software prefetch: see pfDist in update_amd64.go
+	PREFETCHT0 2048(BX)(AX*4)
+	PREFETCHT0 2048(SI)(AX*4)
+	PREFETCHT0 2048(DX)(AX*4)
 	VMOVUPS (DI)(AX*4), Y0 // p
 	VMOVUPS (BX)(AX*4), Y1 // g
 	VMOVUPS (SI)(AX*4), Y2 // m
@@ -143,6 +152,7 @@ lerped256:
 	VMOVAPS Y3, Y5      // v' = v
 	BTQ     $2, R10
 	JCC     noams256
+	PREFETCHT0 2048(R9)(AX*4)
 	VMOVUPS (R9)(AX*4), Y6
 	VMAXPS  Y3, Y6, Y5        // vmax > v ? vmax : v
 	VCMPPS  $3, Y6, Y6, Y4    // vmax is NaN

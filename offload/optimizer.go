@@ -317,19 +317,20 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 		return StepResult{}, fmt.Errorf("offload: LossScale %v: want a finite value > 0 whose reciprocal is a finite, non-zero float32", s)
 	}
 	res := StepResult{Step: o.step, ClipCoef: 1}
+	// One pass over every gradient: the non-finite check and, when
+	// clipping, the sum of squares (adam.Pool.GradStats).
+	var ss float64
 	for _, sg := range o.subgroups {
-		if !o.pool.AllFinite(o.grad.Slice(sg.Offset, sg.Offset+sg.Len)) {
+		finite, s := o.pool.GradStats(o.grad.Slice(sg.Offset, sg.Offset+sg.Len), unscale)
+		if !finite {
 			res.Skipped = true
 			res.Elapsed = time.Since(start)
 			return res, nil
 		}
+		ss += s
 	}
 	clip := float32(1)
 	if o.opts.MaxGradNorm > 0 {
-		var ss float64
-		for _, sg := range o.subgroups {
-			ss += o.pool.SumSquares(o.grad.Slice(sg.Offset, sg.Offset+sg.Len), unscale)
-		}
 		clip, res.GradNorm = clipCoef(ss, o.opts.MaxGradNorm)
 		res.ClipCoef = float64(clip)
 	}

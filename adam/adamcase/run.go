@@ -233,8 +233,11 @@ type Scalar struct{}
 // Name returns "cpu/scalar".
 func (Scalar) Name() string { return "cpu/scalar" }
 
-// AllFinite calls adam.AllFinite.
-func (Scalar) AllFinite(g adam.Grad) (bool, error) { return adam.AllFinite(g), nil }
+// AllFinite calls adam.Generic.GradStats.
+func (Scalar) AllFinite(g adam.Grad) (bool, error) {
+	ok, _ := adam.Generic.GradStats(g, 1)
+	return ok, nil
+}
 
 // Step calls adam.Generic.Step.
 func (Scalar) Step(c *adam.Coeffs, s adam.State, g adam.Grad, out adam.Copy16) error {
@@ -249,8 +252,11 @@ type PathBackend struct{ P adam.Path }
 // Name returns "cpu/<path>", e.g. "cpu/avx512".
 func (b PathBackend) Name() string { return "cpu/" + b.P.Name() }
 
-// AllFinite calls adam.AllFinite.
-func (PathBackend) AllFinite(g adam.Grad) (bool, error) { return adam.AllFinite(g), nil }
+// AllFinite calls the path's GradStats.
+func (b PathBackend) AllFinite(g adam.Grad) (bool, error) {
+	ok, _ := b.P.GradStats(g, 1)
+	return ok, nil
+}
 
 // Step calls the path's Step.
 func (b PathBackend) Step(c *adam.Coeffs, s adam.State, g adam.Grad, out adam.Copy16) error {
