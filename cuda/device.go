@@ -1,0 +1,146 @@
+package cuda
+
+import (
+	"fmt"
+	"runtime"
+	"sync/atomic"
+)
+
+// Device is one CUDA device with its primary context retained
+// (cuDevicePrimaryCtxRetain), the context every method makes current.
+type Device struct {
+	Ordinal int
+	// Name is the device's name, e.g. "NVIDIA H200" (cuDeviceGetName).
+	Name string
+	// TotalMem is the device memory in bytes (cuDeviceTotalMem).
+	TotalMem int64
+	// Major and Minor are the compute capability, e.g. 9 and 0.
+	Major, Minor int
+	// SMs is the number of multiprocessors.
+	SMs int
+	// PCIBusID is the device's PCI address, domain:bus:device.0 in hex.
+	PCIBusID string
+	// AsyncEngines is the number of copy engines (1: copies in one
+	// direction at a time; 2: H2D and D2H overlap).
+	AsyncEngines int
+
+	dev    uintptr // CUdevice
+	ctx    uintptr // CUcontext, the primary context
+	closed atomic.Bool
+}
+
+// CUdevice_attribute values used here.
+const (
+	attrMultiprocessorCount = 16
+	attrPCIBusID            = 33
+	attrPCIDeviceID         = 34
+	attrAsyncEngineCount    = 40
+	attrPCIDomainID         = 50
+	attrCCMajor             = 75
+	attrCCMinor             = 76
+)
+
+// Open returns device ordinal (0 for the first) with its primary context.
+//
+// Errors: no usable driver (see Available), an ordinal out of range, or a
+// failed driver call.
+func Open(ordinal int) (*Device, error) {
+	n, err := DeviceCount()
+	if err != nil {
+		return nil, err
+	}
+	if ordinal < 0 || ordinal >= n {
+		return nil, fmt.Errorf("cuda: device %d does not exist (%d devices)", ordinal, n)
+	}
+	h, err := outInt32("cuDeviceGet", driver.cuDeviceGet, uintptr(ordinal))
+	if err != nil {
+		return nil, err
+	}
+	d := &Device{Ordinal: ordinal, dev: uintptr(h)}
+	if d.Name, err = deviceName(d.dev); err != nil {
+		return nil, err
+	}
+	mem, err := outU64("cuDeviceTotalMem_v2", driver.cuDeviceTotalMem, d.dev)
+	if err != nil {
+		return nil, err
+	}
+	d.TotalMem = int64(mem)
+	attrs := map[int]*int{attrCCMajor: &d.Major, attrCCMinor: &d.Minor, attrMultiprocessorCount: &d.SMs, attrAsyncEngineCount: &d.AsyncEngines}
+	var dom, bus, slot int
+	attrs[attrPCIDomainID], attrs[attrPCIBusID], attrs[attrPCIDeviceID] = &dom, &bus, &slot
+	for a, p := range attrs {
+		v, err := outInt32("cuDeviceGetAttribute", driver.cuDeviceGetAttribute, uintptr(a), d.dev)
+		if err != nil {
+			return nil, err
+		}
+		*p = int(v)
+	}
+	d.PCIBusID = fmt.Sprintf("%04x:%02x:%02x.0", dom, bus, slot)
+	ctx, err := outU64("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain, d.dev)
+	if err != nil {
+		return nil, err
+	}
+	d.ctx = uintptr(ctx)
+	return d, nil
+}
+
+func deviceName(dev uintptr) (string, error) {
+	driver.mu.Lock()
+	defer driver.mu.Unlock()
+	if r := call(driver.cuDeviceGetName, scratchAddr(), 256, dev); r != 0 {
+		return "", newErrorLocked("cuDeviceGetName", r)
+	}
+	return cString(scratchPtrAt0()), nil
+}
+
+// String describes the device in one line.
+func (d *Device) String() string {
+	return fmt.Sprintf("%s (device %d, sm_%d%d, %d SMs, %.1f GiB, PCI %s, %d copy engines)",
+		d.Name, d.Ordinal, d.Major, d.Minor, d.SMs, float64(d.TotalMem)/(1<<30), d.PCIBusID, d.AsyncEngines)
+}
+
+// enter makes the device's context current on a locked thread; the caller
+// must call runtime.UnlockOSThread afterwards (exit).
+func (d *Device) enter() error {
+	if d.closed.Load() {
+		return ErrFreed
+	}
+	return lockCtx(d.ctx)
+}
+
+func exit() { runtime.UnlockOSThread() }
+
+// MemInfo returns the free and total device memory in bytes
+// (cuMemGetInfo).
+func (d *Device) MemInfo() (free, total int64, err error) {
+	if err := d.enter(); err != nil {
+		return 0, 0, err
+	}
+	defer exit()
+	driver.mu.Lock()
+	defer driver.mu.Unlock()
+	a := scratchAddr()
+	if r := call(driver.cuMemGetInfo, a, a+8); r != 0 {
+		return 0, 0, newErrorLocked("cuMemGetInfo_v2", r)
+	}
+	return int64(scratchU64()), int64(scratchU64At(8)), nil
+}
+
+// Sync waits for all work on the device (cuCtxSynchronize). Not for the hot
+// path: synchronize on events or streams instead.
+func (d *Device) Sync() error {
+	if err := d.enter(); err != nil {
+		return err
+	}
+	defer exit()
+	return check("cuCtxSynchronize", driver.cuCtxSynchronize)
+}
+
+// Close releases the primary context. Memory, streams and modules created
+// on the device must be freed first; they are not tracked.
+func (d *Device) Close() error {
+	if d.closed.Swap(true) {
+		return nil
+	}
+	return check("cuDevicePrimaryCtxRelease", driver.cuDevicePrimaryCtxRelease, d.dev)
+}

@@ -1,0 +1,197 @@
+package cuda
+
+import (
+	"fmt"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Buffer is device memory from cuMemAlloc: Len bytes at device address
+// Ptr, 256-byte aligned.
+type Buffer struct {
+	d     *Device
+	ptr   uint64
+	size  int64
+	freed atomic.Bool
+}
+
+// Alloc allocates bytes (> 0) of device memory (cuMemAlloc_v2).
+//
+// Errors: bytes <= 0, out of memory (IsOutOfMemory reports it), a closed
+// device.
+func (d *Device) Alloc(bytes int64) (*Buffer, error) {
+	if bytes <= 0 {
+		return nil, fmt.Errorf("cuda: Alloc(%d): size must be > 0", bytes)
+	}
+	if err := d.enter(); err != nil {
+		return nil, err
+	}
+	defer exit()
+	p, err := outU64(fmt.Sprintf("cuMemAlloc_v2(%d B)", bytes), driver.cuMemAlloc, uintptr(bytes))
+	if err != nil {
+		return nil, err
+	}
+	return &Buffer{d: d, ptr: p, size: bytes}, nil
+}
+
+// Ptr returns the device address (CUdeviceptr).
+func (b *Buffer) Ptr() uint64 { return b.ptr }
+
+// Len returns the size in bytes.
+func (b *Buffer) Len() int64 { return b.size }
+
+// Free releases the memory (cuMemFree_v2). Later use returns ErrFreed; a
+// second Free does nothing. Work still queued on a stream that uses the
+// buffer must be finished first (synchronize on it).
+func (b *Buffer) Free() error {
+	if b.freed.Swap(true) {
+		return nil
+	}
+	if err := b.d.enter(); err != nil {
+		return err
+	}
+	defer exit()
+	return check("cuMemFree_v2", driver.cuMemFree, uintptr(b.ptr))
+}
+
+// span checks that [off, off+n) lies inside b and that b is live.
+func (b *Buffer) span(what string, off, n int64) error {
+	if b == nil {
+		return fmt.Errorf("cuda: %s: nil buffer", what)
+	}
+	if b.freed.Load() {
+		return fmt.Errorf("cuda: %s: device buffer: %w", what, ErrFreed)
+	}
+	if off < 0 || n < 0 || off > b.size || n > b.size-off {
+		return fmt.Errorf("cuda: %s: range [%d, %d) outside the %d-byte device buffer", what, off, off+n, b.size)
+	}
+	return nil
+}
+
+// HostBuffer is page-locked (pinned) host memory the GPU copies to and from
+// at full PCIe speed: from cuMemHostAlloc, or mmap'd memory registered with
+// cuMemHostRegister. It is never Go heap memory.
+type HostBuffer struct {
+	d          *Device
+	mem        []byte
+	registered bool // mmap + cuMemHostRegister; otherwise cuMemHostAlloc
+	freed      atomic.Bool
+}
+
+// CU_MEMHOSTALLOC_PORTABLE / CU_MEMHOSTREGISTER_PORTABLE: pinned for every
+// context, not only the current one.
+const hostPortable = 1
+
+// HostAlloc allocates bytes (> 0) of pinned host memory (cuMemHostAlloc,
+// portable).
+//
+// Errors: bytes <= 0, the driver refusing (too much pinned memory), a
+// closed device.
+func (d *Device) HostAlloc(bytes int64) (*HostBuffer, error) {
+	if bytes <= 0 {
+		return nil, fmt.Errorf("cuda: HostAlloc(%d): size must be > 0", bytes)
+	}
+	if err := d.enter(); err != nil {
+		return nil, err
+	}
+	defer exit()
+	driver.mu.Lock()
+	defer driver.mu.Unlock()
+	if r := call(driver.cuMemHostAlloc, scratchAddr(), uintptr(bytes), hostPortable); r != 0 {
+		return nil, newErrorLocked(fmt.Sprintf("cuMemHostAlloc(%d B)", bytes), r)
+	}
+	return &HostBuffer{d: d, mem: unsafe.Slice((*byte)(scratchPtr()), bytes)}, nil
+}
+
+// HostRegister maps bytes (> 0, rounded up to whole pages) of anonymous
+// memory with mmap and pins it with cuMemHostRegister (portable). Free
+// unregisters and unmaps it.
+//
+// Errors: bytes <= 0, mmap failing, the driver refusing to pin.
+func (d *Device) HostRegister(bytes int64) (*HostBuffer, error) {
+	if bytes <= 0 {
+		return nil, fmt.Errorf("cuda: HostRegister(%d): size must be > 0", bytes)
+	}
+	page := int64(unix.Getpagesize())
+	mem, err := unix.Mmap(-1, 0, int((bytes+page-1)/page*page), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: HostRegister(%d B): mmap: %w", bytes, err)
+	}
+	if err := d.RegisterHost(mem); err != nil {
+		unix.Munmap(mem)
+		return nil, err
+	}
+	return &HostBuffer{d: d, mem: mem[:bytes], registered: true}, nil
+}
+
+// RegisterHost pins mem, which must not be Go heap memory (mmap'd memory,
+// for one), with cuMemHostRegister (portable); UnregisterHost undoes it.
+// HostRegister is the usual way in.
+func (d *Device) RegisterHost(mem []byte) error {
+	if len(mem) == 0 {
+		return fmt.Errorf("cuda: RegisterHost: empty memory")
+	}
+	if err := d.enter(); err != nil {
+		return err
+	}
+	defer exit()
+	return check(fmt.Sprintf("cuMemHostRegister_v2(%d B)", len(mem)), driver.cuMemHostRegister,
+		uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)), hostPortable)
+}
+
+// UnregisterHost unpins memory pinned by RegisterHost.
+func (d *Device) UnregisterHost(mem []byte) error {
+	if len(mem) == 0 {
+		return nil
+	}
+	if err := d.enter(); err != nil {
+		return err
+	}
+	defer exit()
+	return check("cuMemHostUnregister", driver.cuMemHostUnregister, uintptr(unsafe.Pointer(&mem[0])))
+}
+
+// Bytes returns the memory. It must not be used after Free.
+func (h *HostBuffer) Bytes() []byte { return h.mem }
+
+// Len returns the size in bytes.
+func (h *HostBuffer) Len() int64 { return int64(len(h.mem)) }
+
+// Free releases the memory (cuMemFreeHost, or cuMemHostUnregister and
+// munmap). A second Free does nothing.
+func (h *HostBuffer) Free() error {
+	if h.freed.Swap(true) {
+		return nil
+	}
+	if h.registered {
+		err := h.d.UnregisterHost(h.mem)
+		if uerr := unix.Munmap(h.mem[:cap(h.mem)]); err == nil && uerr != nil {
+			err = fmt.Errorf("cuda: munmap: %w", uerr)
+		}
+		return err
+	}
+	if err := h.d.enter(); err != nil {
+		return err
+	}
+	defer exit()
+	return check("cuMemFreeHost", driver.cuMemFreeHost, uintptr(unsafe.Pointer(&h.mem[0])))
+}
+
+// addr checks [off, off+n) and returns the host address of off.
+func (h *HostBuffer) addr(what string, off, n int64) (uintptr, error) {
+	if h == nil {
+		return 0, fmt.Errorf("cuda: %s: nil host buffer", what)
+	}
+	if h.freed.Load() {
+		return 0, fmt.Errorf("cuda: %s: host buffer: %w", what, ErrFreed)
+	}
+	if off < 0 || n < 0 || off > int64(len(h.mem)) || n > int64(len(h.mem))-off {
+		return 0, fmt.Errorf("cuda: %s: range [%d, %d) outside the %d-byte host buffer", what, off, off+n, len(h.mem))
+	}
+	if n == 0 {
+		return 0, nil
+	}
+	return uintptr(unsafe.Pointer(&h.mem[off])), nil
+}
