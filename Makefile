@@ -46,13 +46,16 @@ bench:
 # adam_adamcase.test). scripts/gpu-test.sh runs them there.
 gpu-bins:
 	@mkdir -p $(BIN)/test
-	CGO_ENABLED=0 $(GO) build -o $(BIN)/dos ./cmd/dos
+	CGO_ENABLED=0 $(GO) build -ldflags='-s -w' -o $(BIN)/dos ./cmd/dos
 	@for d in $$($(GO) list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.Dir}}{{end}}' $(PKGS)); do \
 		rel=$${d#$(CURDIR)/}; [ "$$rel" = "$(CURDIR)" ] && rel=.; \
 		name=$$(echo $$rel | tr / _); \
 		echo "CGO_ENABLED=0 go test -c -o $(BIN)/test/$$name.test ./$$rel"; \
-		CGO_ENABLED=0 $(GO) test -c -o $(BIN)/test/$$name.test ./$$rel || exit 1; \
+		CGO_ENABLED=0 $(GO) test -c -ldflags='-s -w' -o $(BIN)/test/$$name.test ./$$rel || exit 1; \
 	done
+	@echo "CGO_ENABLED=1 go test -race -c -o $(BIN)/race/cuda.test ./cuda (the context rule under the race detector)"
+	@mkdir -p $(BIN)/race
+	CGO_ENABLED=1 $(GO) test -race -c -ldflags='-s -w' -o $(BIN)/race/cuda.test ./cuda
 
 gpu-test:
 	bash scripts/gpu-test.sh

@@ -57,8 +57,8 @@ func (h Hyper) Validate() error {
 		return bad("betas[0] (beta1) %v: want a value in [0, 1)", h.Betas[0])
 	case !(h.Betas[1] >= 0 && h.Betas[1] < 1):
 		return bad("betas[1] (beta2) %v: want a value in [0, 1)", h.Betas[1])
-	case !(h.Eps > 0) || math.IsInf(h.Eps, 0):
-		return bad("eps %v: want a finite value > 0", h.Eps)
+	case !(h.Eps > 0) || math.IsInf(h.Eps, 0) || float32(h.Eps) == 0 || math.IsInf(float64(float32(h.Eps)), 0):
+		return bad("eps %v: want a finite value > 0 that stays so in fp32 (>= 1e-45)", h.Eps)
 	case !(h.WeightDecay >= 0) || math.IsInf(h.WeightDecay, 0):
 		return bad("weight_decay %v: want a finite value >= 0", h.WeightDecay)
 	}

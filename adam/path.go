@@ -40,7 +40,7 @@ func pickDefault() Path {
 	if want := os.Getenv("DOS_ADAM_PATH"); want != "" {
 		p, err := PathByName(want)
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "adam: DOS_ADAM_PATH: %v; using %s\n", err, paths[len(paths)-1].name)
+			fmt.Fprintf(os.Stderr, "adam: DOS_ADAM_PATH=%q is not available here; using %s\n", want, paths[len(paths)-1].name)
 		} else {
 			return p
 		}

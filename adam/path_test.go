@@ -333,3 +333,51 @@ func TestPathConversions(t *testing.T) {
 }
 
 func newRand(seed uint64) *rand.Rand { return rand.New(rand.NewPCG(seed, 11)) }
+
+// TestEdgeAPI: regressions from adversarial testing. A stale
+// max_exp_avg_sq without amsgrad is ignored by Pool.Step as by Path.Step;
+// conversions into a too-short destination panic instead of writing past
+// it; the zero Path runs the generic code.
+func TestEdgeAPI(t *testing.T) {
+	n := 3 * MinChunk
+	s, g := randomProblem(n, F32, false, 1)
+	s.MaxExpAvgSq = make([]float32, 10) // stale, wrong length, amsgrad off
+	c := DefaultHyper().Coeffs(1, 1, 1)
+	p := NewPool(3)
+	defer p.Close()
+	ref := s.Clone()
+	Generic.Step(&c, ref, g, Copy16{})
+	p.Step(&c, s, g, Copy16{})
+	p.Step(&c, ref, g, Copy16{}) // the pool is still usable
+	Generic.Step(&c, s, g, Copy16{})
+	sameBits(t, "param", ref.Param, s.Param)
+
+	backing := make([]float32, 64)
+	for _, path := range Paths() {
+		func() {
+			defer func() {
+				if recover() == nil {
+					t.Errorf("%s: Widen16 into a short destination did not panic", path.Name())
+				}
+			}()
+			path.Widen16(BF16, backing[:5], make([]uint16, 40))
+		}()
+		func() {
+			defer func() {
+				if recover() == nil {
+					t.Errorf("%s: Round16 into a short destination did not panic", path.Name())
+				}
+			}()
+			path.Round16(F16, make([]uint16, 64)[:5], backing[:40])
+		}()
+	}
+	var zero Path
+	got, want := make([]float32, 64), make([]float32, 64)
+	src := make([]uint16, 64)
+	for i := range src {
+		src[i] = uint16(i * 977)
+	}
+	zero.Widen16(F16, got, src)
+	Generic.Widen16(F16, want, src)
+	sameBits(t, "zero-Path Widen16", want, got)
+}

@@ -131,7 +131,6 @@ func (p *Pool) dispatch(t task, n int) int {
 	}
 	chunks, size := p.split(n)
 	if chunks > 1 {
-		p.wg.Add(chunks - 1)
 		for i := 1; i < chunks; i++ {
 			lo, hi := i*size, min((i+1)*size, n)
 			c := t
@@ -142,6 +141,7 @@ func (p *Pool) dispatch(t task, n int) int {
 				c.out = t.out.Slice(lo, hi)
 			}
 			c.g = t.g.Slice(lo, hi)
+			p.wg.Add(1) // after the slicing: nothing left to panic between Add and the send
 			p.tasks <- c
 		}
 	}
@@ -164,6 +164,9 @@ func (p *Pool) dispatch(t task, n int) int {
 // arguments, semantics and panics; results are bitwise identical to it.
 func (p *Pool) Step(c *Coeffs, s State, g Grad, out Copy16) {
 	checkLens(c, s, g, out)
+	if !c.AMSGrad {
+		s.MaxExpAvgSq = nil // unused, as by Path.Step, whatever its length
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.dispatch(task{kind: taskStep, c: *c, s: s, g: g, out: out}, len(s.Param))

@@ -215,6 +215,9 @@ func Widen16(d DType, dst []float32, src []uint16) { DefaultPath.Widen16(d, dst,
 
 // Widen16 is the package-level Widen16 on this path.
 func (path Path) Widen16(d DType, dst []float32, src []uint16) {
+	if len(dst) < len(src) {
+		panic(fmt.Sprintf("adam: Widen16: destination has %d elements, source %d", len(dst), len(src)))
+	}
 	dst = dst[:len(src)]
 	head := len(src) - len(src)%16
 	if !simdWiden(path.lanes, d, dst, src, head) {
@@ -238,6 +241,9 @@ func Round16(d DType, dst []uint16, src []float32) { DefaultPath.Round16(d, dst,
 
 // Round16 is the package-level Round16 on this path.
 func (path Path) Round16(d DType, dst []uint16, src []float32) {
+	if len(dst) < len(src) {
+		panic(fmt.Sprintf("adam: Round16: destination has %d elements, source %d", len(dst), len(src)))
+	}
 	dst = dst[:len(src)]
 	head := len(src) - len(src)%16
 	if !simdRound(path.lanes, d, dst, src, head) {

@@ -80,7 +80,7 @@ func roundF16AVX2(dst *uint16, src *float32, n int)
 // simdWiden converts the first n (a multiple of 16) elements on the path's
 // kernel and reports whether it did (false for the generic path).
 func simdWiden(lanes int, d DType, dst []float32, src []uint16, n int) bool {
-	if lanes == 1 || n == 0 {
+	if lanes < 8 || n == 0 { // the generic path (and the zero Path) has no kernel
 		return false
 	}
 	raceRead16(src[:n])
@@ -100,7 +100,7 @@ func simdWiden(lanes int, d DType, dst []float32, src []uint16, n int) bool {
 
 // simdRound is simdWiden's counterpart for rounding to 16 bits.
 func simdRound(lanes int, d DType, dst []uint16, src []float32, n int) bool {
-	if lanes == 1 || n == 0 {
+	if lanes < 8 || n == 0 {
 		return false
 	}
 	raceRead32(src[:n])

@@ -36,8 +36,21 @@ func TestCallABI(t *testing.T) {
 	if got := string(mem[:n]); got != "1 2 3 4 5 6 7 8" {
 		t.Fatalf("snprintf through call wrote %q", got)
 	}
+}
+
+// TestCallNoAllocs: a call into C allocates nothing (make test runs the
+// NoAllocs tests without -race, whose runtime allocates).
+func TestCallNoAllocs(t *testing.T) {
 	if raceEnabled {
-		return
+		t.Skip("the race runtime allocates")
+	}
+	lib, err := purego.Dlopen("libc.so.6", purego.RTLD_NOW)
+	if err != nil {
+		t.Skipf("no libc.so.6: %v", err)
+	}
+	labs, err := purego.Dlsym(lib, "labs")
+	if err != nil {
+		t.Fatal(err)
 	}
 	if a := testing.AllocsPerRun(100, func() { call(labs, 5) }); a != 0 {
 		t.Errorf("call allocates %v times", a)

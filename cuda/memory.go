@@ -42,6 +42,9 @@ func (b *Buffer) Ptr() uint64 { return b.ptr }
 // Len returns the size in bytes.
 func (b *Buffer) Len() int64 { return b.size }
 
+// Freed reports whether Free was called.
+func (b *Buffer) Freed() bool { return b.freed.Load() }
+
 // Free releases the memory (cuMemFree_v2). Later use returns ErrFreed; a
 // second Free does nothing. Work still queued on a stream that uses the
 // buffer must be finished first (synchronize on it).

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/deepstates/dos/adam"
 )
 
 func runCLI(args ...string) (int, string, string) {
@@ -20,13 +22,32 @@ func TestSelftestEmbedded(t *testing.T) {
 		t.Fatalf("rc %d\n%s\n%s", rc, out, errs)
 	}
 	lines := strings.Split(strings.TrimSpace(out), "\n")
-	// A header, one line per case and backend, a summary.
+	// A header, the reason there is no GPU backend (when there is none), one
+	// line per case and backend, a summary.
 	pass := strings.Count(out, "\nPASS ")
-	if pass < 2*25 || len(lines) != pass+2 || !strings.Contains(lines[len(lines)-1], "passed, 0 failed") {
+	header := 1
+	if strings.Contains(out, "no GPU backend: ") {
+		header = 2
+		if os.Getenv("DOS_REQUIRE_GPU") == "1" {
+			t.Fatalf("DOS_REQUIRE_GPU=1 but selftest has no GPU backend:\n%s", out)
+		}
+	} else if !strings.Contains(out, "PASS cuda/") {
+		t.Fatalf("neither a GPU backend nor the reason for its absence:\n%s", out)
+	}
+	if pass < 2*25 || len(lines) != pass+header+1 || !strings.Contains(lines[len(lines)-1], "passed, 0 failed") {
 		t.Fatalf("unexpected output (%d PASS lines):\n%s", pass, out)
 	}
-	if !strings.Contains(out, "cpu/scalar") || !strings.Contains(out, "cpu/pool-") {
-		t.Fatalf("backends missing:\n%s", out)
+	for _, p := range adam.Paths() {
+		name := "cpu/" + p.Name()
+		if p == adam.Generic {
+			name = "cpu/scalar"
+		}
+		if !strings.Contains(out, "PASS "+name+" ") {
+			t.Errorf("path %s missing:\n%s", name, out)
+		}
+	}
+	if !strings.Contains(out, "cpu/pool-") {
+		t.Fatalf("pool backend missing:\n%s", out)
 	}
 }
 

@@ -9,12 +9,36 @@ import (
 
 	"github.com/deepstates/dos"
 	"github.com/deepstates/dos/adam/adamcase"
+	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/kernels"
 )
 
 // selftestBackends returns every optimizer backend available on this
-// machine, and a function that releases them.
-func selftestBackends() ([]adamcase.Backend, func()) {
-	return adamcase.Backends(runtime.GOMAXPROCS(0))
+// machine (the CPU paths and pools, and the GPU's fused kernel when there
+// is a GPU), a function that releases them, and why the GPU backend is
+// missing ("" when it is there).
+func selftestBackends() ([]adamcase.Backend, func(), string) {
+	bs, release := adamcase.Backends(runtime.GOMAXPROCS(0))
+	if err := cuda.Available(); err != nil {
+		return bs, release, err.Error()
+	}
+	d, err := cuda.Open(0)
+	if err != nil {
+		return bs, release, err.Error()
+	}
+	k, err := kernels.Load(d)
+	if err != nil {
+		d.Close()
+		return bs, release, err.Error()
+	}
+	s, err := d.NewStream()
+	if err != nil {
+		k.Close()
+		d.Close()
+		return bs, release, err.Error()
+	}
+	bs = append(bs, kernels.CaseBackend{K: k, S: s, D: d})
+	return bs, func() { release(); s.Free(); k.Close(); d.Close() }, ""
 }
 
 func runSelftest(args []string, stdout, stderr io.Writer) int {
@@ -57,9 +81,12 @@ func runSelftest(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos selftest: %v\n", err)
 		return 1
 	}
-	backends, release := selftestBackends()
+	backends, release, noGPU := selftestBackends()
 	defer release()
 	fmt.Fprintf(stdout, "dos selftest: %d cases from %s on %d backends\n", len(cases), source, len(backends))
+	if noGPU != "" {
+		fmt.Fprintf(stdout, "dos selftest: no GPU backend: %s\n", noGPU)
+	}
 	passed, failed := 0, 0
 	for _, c := range cases {
 		for _, b := range backends {
@@ -71,7 +98,7 @@ func runSelftest(args []string, stdout, stderr io.Writer) int {
 			} else {
 				passed++
 			}
-			fmt.Fprintf(stdout, "%s %-14s %-24s n=%-7d calls=%-5d step=%d/%d max_err=%.2e ulp16=%d",
+			fmt.Fprintf(stdout, "%s %-18s %-24s n=%-7d calls=%-5d step=%d/%d max_err=%.2e ulp16=%d",
 				status, r.Backend, r.Case, r.N, r.Calls, r.Step, c.FinalStep, r.MaxErr, r.Ulp16)
 			if r.Err != nil {
 				fmt.Fprintf(stdout, "  %v", r.Err)

@@ -1,0 +1,438 @@
+// Package kernels holds dos's CUDA kernels (adamw.cu), their PTX (built by
+// scripts/build-kernels.sh with nvcc on the GPU machine, committed, embedded
+// here) and typed launchers over package cuda.
+//
+// The fused AdamW kernel follows adam.Step exactly: the gradient is upcast
+// in the kernel, multiplied by the loss-scale factor and the clip
+// coefficient, negated under maximize, and the same fp32 operations run in
+// the same order, each rounded, so the GPU result equals the CPU result bit
+// for bit (a NaN result may carry another NaN). Both weight-decay modes,
+// amsgrad and the optional bf16/fp16 copy of the new master weights are
+// kernel variants chosen per launch. Loads and stores are 16 bytes wide when
+// every pointer is 16-byte aligned (8 for 16-bit arrays), grid-stride.
+//
+// A Kernels is safe for concurrent use; launches from several goroutines
+// serialize on a mutex around the argument block (microseconds).
+package kernels
+
+import (
+	"bytes"
+	_ "embed"
+	"fmt"
+	"math"
+	"sync"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/cuda"
+)
+
+//go:embed adamw.ptx
+var adamwPTX []byte
+
+// PTX returns the embedded PTX of adamw.cu.
+func PTX() []byte { return adamwPTX }
+
+// Stamp returns the SHA-256 of adamw.cu recorded on the PTX's first line
+// ("// dos-source-sha256: HEX adamw.cu"), or "" when it is missing.
+func Stamp() string {
+	line, _, _ := bytes.Cut(adamwPTX, []byte("\n"))
+	f := bytes.Fields(line)
+	if len(f) < 3 || string(f[1]) != "dos-source-sha256:" {
+		return ""
+	}
+	return string(f[2])
+}
+
+// Block is the thread-block size of every launch.
+const Block = 256
+
+// Kernels is the loaded module and its functions on one device.
+type Kernels struct {
+	d     *cuda.Device
+	mod   *cuda.Module
+	adamw [3][3]*cuda.Function // [gradient dtype][copy dtype], dtypes indexed by dtypeIndex
+	multi [3][3]*cuda.Function
+	widen [3]*cuda.Function // BF16, F16 at their dtypeIndex
+	round [3]*cuda.Function
+	stats [3]*cuda.Function
+	grid  uint32 // blocks of a grid-stride launch: enough to fill the device
+
+	mu      sync.Mutex
+	args    *cuda.Args
+	partial *cuda.Buffer     // GradStats: per-block sums, then the non-finite flag
+	host    *cuda.HostBuffer // their pinned host copy
+	tables  *cuda.Buffer     // AdamWMulti: tensor and chunk tables
+	hostTab *cuda.HostBuffer
+	tabDone *cuda.Event // the last table upload finished
+}
+
+// dtypeIndex maps F32, BF16, F16 (gradients) and 0, BF16, F16 (copies) to
+// 0, 1, 2, the order of the kernels' GRAD_* and OUT_* constants.
+func dtypeIndex(d adam.DType) (int, bool) {
+	switch d {
+	case adam.F32, 0:
+		return 0, true
+	case adam.BF16:
+		return 1, true
+	case adam.F16:
+		return 2, true
+	}
+	return 0, false
+}
+
+var dtypeSuffix = [3]string{"f32", "bf16", "f16"}
+
+// Load compiles the embedded PTX for d and looks up every kernel.
+//
+// Errors: the driver rejecting the PTX (its log is in the error), a missing
+// kernel, a closed device.
+func Load(d *cuda.Device) (*Kernels, error) {
+	mod, err := d.LoadModule(adamwPTX)
+	if err != nil {
+		return nil, fmt.Errorf("kernels: %w", err)
+	}
+	k := &Kernels{d: d, mod: mod, grid: uint32(d.SMs * 8)}
+	fail := func(err error) (*Kernels, error) {
+		k.Close()
+		return nil, fmt.Errorf("kernels: %w", err)
+	}
+	for gi := range 3 {
+		for oi := range 3 {
+			name := "dos_adamw_" + dtypeSuffix[gi]
+			if oi > 0 {
+				name += "_" + dtypeSuffix[oi]
+			}
+			if k.adamw[gi][oi], err = mod.Function(name); err != nil {
+				return fail(err)
+			}
+			if k.multi[gi][oi], err = mod.Function("dos_adamw_multi_" + name[len("dos_adamw_"):]); err != nil {
+				return fail(err)
+			}
+		}
+		if k.stats[gi], err = mod.Function("dos_grad_stats_" + dtypeSuffix[gi]); err != nil {
+			return fail(err)
+		}
+		if gi > 0 {
+			if k.widen[gi], err = mod.Function("dos_widen_" + dtypeSuffix[gi]); err != nil {
+				return fail(err)
+			}
+			if k.round[gi], err = mod.Function("dos_round_" + dtypeSuffix[gi]); err != nil {
+				return fail(err)
+			}
+		}
+	}
+	if k.args, err = cuda.NewArgs(); err != nil {
+		return fail(err)
+	}
+	if k.tabDone, err = d.NewEvent(false); err != nil {
+		return fail(err)
+	}
+	return k, nil
+}
+
+// Close frees the module and the launchers' buffers.
+func (k *Kernels) Close() error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	var first error
+	keep := func(err error) {
+		if first == nil {
+			first = err
+		}
+	}
+	for _, f := range []func() error{
+		func() error { return freeBuf(k.partial) }, func() error { return freeHost(k.host) },
+		func() error { return freeBuf(k.tables) }, func() error { return freeHost(k.hostTab) },
+	} {
+		if err := f(); err != nil {
+			keep(err)
+		}
+	}
+	if k.tabDone != nil {
+		keep(k.tabDone.Free())
+	}
+	if k.args != nil {
+		keep(k.args.Free())
+	}
+	keep(k.mod.Free())
+	return first
+}
+
+func freeBuf(b *cuda.Buffer) error {
+	if b == nil {
+		return nil
+	}
+	return b.Free()
+}
+
+func freeHost(h *cuda.HostBuffer) error {
+	if h == nil {
+		return nil
+	}
+	return h.Free()
+}
+
+// Vec is N elements in device memory, starting Off elements into Buf; the
+// element size (4 for fp32, 2 for bf16/fp16) comes from where it is used.
+type Vec struct {
+	Buf    *cuda.Buffer
+	Off, N int64
+}
+
+func (v Vec) check(what string, elem int64, n int64) error {
+	if v.Buf == nil {
+		return fmt.Errorf("kernels: %s: no buffer", what)
+	}
+	if v.Buf.Freed() {
+		return fmt.Errorf("kernels: %s: %w", what, cuda.ErrFreed)
+	}
+	if v.N != n {
+		return fmt.Errorf("kernels: %s has %d elements, want %d", what, v.N, n)
+	}
+	if v.Off < 0 || v.N < 0 || (v.Off+v.N)*elem > v.Buf.Len() {
+		return fmt.Errorf("kernels: %s: elements [%d, %d) of %d bytes each outside its %d-byte buffer", what, v.Off, v.Off+v.N, elem, v.Buf.Len())
+	}
+	return nil
+}
+
+// State is a subgroup's fp32 optimizer state on the device: master weights,
+// exp_avg, exp_avg_sq and, with amsgrad only, max_exp_avg_sq.
+type State struct {
+	Param, ExpAvg, ExpAvgSq, MaxExpAvgSq Vec
+}
+
+// Grad is a gradient on the device: fp32, bf16 or fp16 elements.
+type Grad struct {
+	DType adam.DType
+	Vec
+}
+
+// Copy16 is the optional 16-bit copy of the new master weights the kernel
+// writes (DType BF16 or F16; 0 for none).
+type Copy16 struct {
+	DType adam.DType
+	Vec
+}
+
+// Kernel flag bits (adamw.cu).
+const (
+	fL2       = 1
+	fSmallW   = 2
+	fAMSGrad  = 4
+	fMaximize = 8
+	fUnscale  = 16
+	fClip     = 32
+)
+
+func flags(c *adam.Coeffs) int32 {
+	var f int32
+	if c.L2 != 0 {
+		f |= fL2
+	}
+	if c.Beta1Weight < 0.5 {
+		f |= fSmallW
+	}
+	if c.AMSGrad {
+		f |= fAMSGrad
+	}
+	if c.Maximize {
+		f |= fMaximize
+	}
+	if c.Unscale != 1 {
+		f |= fUnscale
+	}
+	if c.Clip != 1 {
+		f |= fClip
+	}
+	return f
+}
+
+// coefArgs appends the scalars of c in the kernels' COEF_PARAMS order.
+func coefArgs(a *cuda.Args, c *adam.Coeffs) {
+	w := c.Beta1Weight
+	a.F32(c.Decay).F32(c.L2).F32(w).F32(float32(1 - w)).F32(c.Beta2).F32(c.OneMinusB2).
+		F32(c.BC2Sqrt).F32(c.Eps).F32(c.NegStepSize).F32(c.Unscale).F32(c.Clip).I32(flags(c))
+}
+
+// AdamW enqueues one fused AdamW step on s over the subgroup st with the
+// scalars c (adam.Hyper.Coeffs), reading g and writing out when out.DType
+// is set. Semantics are adam.Step's. It does not allocate.
+//
+// Errors: lengths that differ, a range outside its buffer, amsgrad without
+// MaxExpAvgSq, a bad dtype, a freed buffer or stream, a launch failure. A
+// fault inside the kernel surfaces from the stream's next Sync.
+func (k *Kernels) AdamW(s *cuda.Stream, c *adam.Coeffs, st State, g Grad, out Copy16) error {
+	n := st.Param.N
+	gi, ok := dtypeIndex(g.DType)
+	if !ok || g.DType == 0 {
+		return fmt.Errorf("kernels: AdamW: gradient dtype %v", g.DType)
+	}
+	oi, ok := dtypeIndex(out.DType)
+	if !ok || out.DType == adam.F32 {
+		return fmt.Errorf("kernels: AdamW: copy dtype %v", out.DType)
+	}
+	if err := checkState(st, c.AMSGrad, n); err != nil {
+		return err
+	}
+	if err := g.check("gradient", elemSize(g.DType), n); err != nil {
+		return err
+	}
+	if out.DType != 0 {
+		if err := out.check("16-bit copy", 2, n); err != nil {
+			return err
+		}
+	}
+	if n == 0 {
+		return nil
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	a := k.args
+	a.Reset()
+	a.Ptr(st.Param.Buf, 4*st.Param.Off).Ptr(st.ExpAvg.Buf, 4*st.ExpAvg.Off).Ptr(st.ExpAvgSq.Buf, 4*st.ExpAvgSq.Off)
+	if c.AMSGrad {
+		a.Ptr(st.MaxExpAvgSq.Buf, 4*st.MaxExpAvgSq.Off)
+	} else {
+		a.U64(0)
+	}
+	a.Ptr(g.Buf, elemSize(g.DType)*g.Off)
+	if out.DType != 0 {
+		a.Ptr(out.Buf, 2*out.Off)
+	} else {
+		a.U64(0)
+	}
+	a.U64(uint64(n))
+	coefArgs(a, c)
+	grid := min(k.grid, uint32((n+4*Block-1)/(4*Block)))
+	return k.adamw[gi][oi].Launch(s, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: Block, Y: 1, Z: 1}, 0, a)
+}
+
+func checkState(st State, amsgrad bool, n int64) error {
+	for _, x := range []struct {
+		name string
+		v    Vec
+	}{{"param", st.Param}, {"exp_avg", st.ExpAvg}, {"exp_avg_sq", st.ExpAvgSq}} {
+		if err := x.v.check(x.name, 4, n); err != nil {
+			return err
+		}
+	}
+	if amsgrad {
+		if err := st.MaxExpAvgSq.check("max_exp_avg_sq (amsgrad)", 4, n); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func elemSize(d adam.DType) int64 {
+	if d == adam.F32 {
+		return 4
+	}
+	return 2
+}
+
+// Widen16 enqueues the exact upcast of the 16-bit src (dtype d, BF16 or
+// F16) into the fp32 dst (adam.BF16ToF32, F16ToF32).
+func (k *Kernels) Widen16(s *cuda.Stream, d adam.DType, dst, src Vec) error {
+	return k.cast(s, d, k.widen, dst, 4, src, 2)
+}
+
+// Round16 enqueues the round-to-nearest-even of the fp32 src into the
+// 16-bit dst (adam.F32ToBF16, F32ToF16).
+func (k *Kernels) Round16(s *cuda.Stream, d adam.DType, dst, src Vec) error {
+	return k.cast(s, d, k.round, dst, 2, src, 4)
+}
+
+func (k *Kernels) cast(s *cuda.Stream, d adam.DType, fs [3]*cuda.Function, dst Vec, dstElem int64, src Vec, srcElem int64) error {
+	i, ok := dtypeIndex(d)
+	if !ok || i == 0 {
+		return fmt.Errorf("kernels: cast: dtype %v is not 16-bit", d)
+	}
+	if err := src.check("source", srcElem, src.N); err != nil {
+		return err
+	}
+	if err := dst.check("destination", dstElem, src.N); err != nil {
+		return err
+	}
+	if src.N == 0 {
+		return nil
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	a := k.args
+	a.Reset()
+	a.Ptr(dst.Buf, dstElem*dst.Off).Ptr(src.Buf, srcElem*src.Off).U64(uint64(src.N))
+	grid := min(k.grid, uint32((src.N+Block-1)/Block))
+	return fs[i].Launch(s, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: Block, Y: 1, Z: 1}, 0, a)
+}
+
+// StatsChunk is how many elements one thread block of GradStats covers;
+// the sum's order depends on it and on nothing else.
+const StatsChunk = 1 << 16
+
+// GradStats returns whether every element of g is finite and the sum of
+// squares of float32(g_i*unscale) in float64, adam.Path.GradStats's
+// quantities on the device: one pass, the partial sums of each StatsChunk
+// block added in a fixed order, so the result is deterministic (not the
+// CPU's order: it may differ from the CPU's sum in the last bits). It
+// enqueues on s and waits for s (a synchronization point).
+func (k *Kernels) GradStats(s *cuda.Stream, g Grad, unscale float32) (finite bool, sumSquares float64, err error) {
+	gi, ok := dtypeIndex(g.DType)
+	if !ok || g.DType == 0 {
+		return false, 0, fmt.Errorf("kernels: GradStats: gradient dtype %v", g.DType)
+	}
+	if err := g.check("gradient", elemSize(g.DType), g.N); err != nil {
+		return false, 0, err
+	}
+	if g.N == 0 {
+		return true, 0, nil
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	blocks := (g.N + StatsChunk - 1) / StatsChunk
+	need := 8*blocks + 8 // partial sums, then the flag
+	if k.partial == nil || k.partial.Len() < need {
+		if err := k.growStats(need); err != nil {
+			return false, 0, err
+		}
+	}
+	flagOff := 8 * blocks
+	if err := s.Memset(k.partial, flagOff, 4, 0); err != nil {
+		return false, 0, err
+	}
+	a := k.args
+	a.Reset()
+	a.Ptr(g.Buf, elemSize(g.DType)*g.Off).U64(uint64(g.N)).F32(unscale).U64(StatsChunk).Ptr(k.partial, 0).Ptr(k.partial, flagOff)
+	if err := k.stats[gi].Launch(s, cuda.Dim3{X: uint32(blocks), Y: 1, Z: 1}, cuda.Dim3{X: Block, Y: 1, Z: 1}, 0, a); err != nil {
+		return false, 0, err
+	}
+	if err := s.CopyDtoH(k.host, 0, k.partial, 0, need); err != nil {
+		return false, 0, err
+	}
+	if err := s.Sync(); err != nil {
+		return false, 0, err
+	}
+	h := k.host.Bytes()
+	for b := range blocks {
+		sumSquares += math.Float64frombits(*(*uint64)(unsafe.Pointer(&h[8*b])))
+	}
+	return *(*int32)(unsafe.Pointer(&h[flagOff])) == 0, sumSquares, nil
+}
+
+func (k *Kernels) growStats(need int64) error {
+	if err := freeBuf(k.partial); err != nil {
+		return err
+	}
+	if err := freeHost(k.host); err != nil {
+		return err
+	}
+	k.partial, k.host = nil, nil
+	need = max(need, 1<<16)
+	var err error
+	if k.partial, err = k.d.Alloc(need); err != nil {
+		return err
+	}
+	k.host, err = k.d.HostAlloc(need)
+	return err
+}
