@@ -28,7 +28,7 @@ type Ring struct {
 	qhead  int
 	qlen   int
 	first  uint64 // id of the oldest outstanding reservation
-	next   uint64  // id of the next reservation
+	next   uint64 // id of the next reservation
 	closed bool
 	wake   chan struct{} // closed and replaced whenever space comes back or the ring closes
 }

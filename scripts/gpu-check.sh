@@ -11,7 +11,8 @@
 #  4. every test binary with DOS_REQUIRE_GPU=1 (scripts/gpu-test.sh);
 #  5. dos train, dos export --hf, and transformers.GPT2LMHeadModel's logits
 #     on the export against dos eval's (scripts/check_hf_export.py);
-#  6. the CPU update rate against PyTorch's CPU AdamW.
+#  6. the CPU update rate against PyTorch's fused CPU AdamW (bench/cpu_adamw.sh)
+#     and the GPU kernels and pinned copies against PyTorch (bench/gpu.sh).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -59,10 +60,12 @@ sed -n '/==/,$p' "$out/gpu_test.log"
 note "dos train + export + transformers logits: rc=$? $(tail -1 "$out/train_export.log")"
 grep -E 'max \|logit' "$out/train_export.log"
 
-# 5. the CPU update rate of the scalar path against PyTorch's CPU AdamW, same call.
-(cd adam && ../bin/test/adam.test -test.run '^$' -test.bench 'BenchmarkStep' -test.benchtime 5x -test.count 3) >"$out/bench.log" 2>&1
-python3 bench/torch_adamw_cpu.py --threads "$(nproc)" >>"$out/bench.log" 2>&1
-grep -E 'Benchmark|torch' "$out/bench.log"
+# 6. the CPU update rate (SIMD paths) against PyTorch's fused CPU AdamW at 1, 2
+#    and all threads, and the GPU kernels and pinned copies against PyTorch.
+bash bench/cpu_adamw.sh >"$out/bench_cpu.log" 2>&1
+sed -n '/^threads/,$p' "$out/bench_cpu.log"
+bash bench/gpu.sh >"$out/bench_gpu.log" 2>&1
+sed -n '/^what/,$p' "$out/bench_gpu.log"
 
 echo "== summary =="
 printf '%s' "$summary"
