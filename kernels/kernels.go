@@ -47,6 +47,10 @@ func Stamp() string {
 // Block is the thread-block size of every launch.
 const Block = 256
 
+// maxGrid is the most blocks a launch's x dimension may have (2^31-1);
+// bigger ranges are covered by the kernels' grid-stride loops.
+const maxGrid = 1<<31 - 1
+
 // Kernels is the loaded module and its functions on one device.
 type Kernels struct {
 	d     *cuda.Device
@@ -304,7 +308,10 @@ func (k *Kernels) AdamW(s *cuda.Stream, c *adam.Coeffs, st State, g Grad, out Co
 	}
 	a.U64(uint64(n))
 	coefArgs(a, c)
-	grid := min(k.grid, uint32((n+4*Block-1)/(4*Block)))
+	// One thread per 4 elements, the whole range in one wave of blocks: on
+	// the H200 this ran at 151.7 Gparam/s against 138-143 for a
+	// grid-stride launch of 4 to 32 blocks per SM (2^28 fp32 elements).
+	grid := uint32(min((n+4*Block-1)/(4*Block), maxGrid))
 	return k.adamw[gi][oi].Launch(s, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: Block, Y: 1, Z: 1}, 0, a)
 }
 
