@@ -110,6 +110,19 @@ func (d *Device) enter() error {
 
 func exit() { runtime.UnlockOSThread() }
 
+// release runs the driver's destroy call fn(h) once: the first call marks
+// freed and destroys; later calls do nothing.
+func (d *Device) release(freed *atomic.Bool, name string, fn, h uintptr) error {
+	if freed.Swap(true) {
+		return nil
+	}
+	if err := d.enter(); err != nil {
+		return err
+	}
+	defer exit()
+	return check(name, fn, h)
+}
+
 // MemInfo returns the free and total device memory in bytes
 // (cuMemGetInfo).
 func (d *Device) MemInfo() (free, total int64, err error) {

@@ -290,22 +290,16 @@ func scratchPtrAt0() unsafe.Pointer { return unsafe.Pointer(&driver.scratch[0]) 
 
 // outInt32 calls fn(&int32, args...) and returns the int32.
 func outInt32(name string, fn uintptr, args ...uintptr) (int32, error) {
-	driver.mu.Lock()
-	defer driver.mu.Unlock()
-	var a [8]uintptr
-	a[0] = scratchAddr()
-	n := copy(a[1:], args)
-	if r := call(fn, a[:n+1]...); r != 0 {
-		return 0, newErrorLocked(name, r)
-	}
-	return *(*int32)(unsafe.Pointer(&driver.scratch[0])), nil
+	v, err := outU64(name, fn, args...)
+	return int32(uint32(v)), err // little-endian: the int32 is the low half
 }
 
-// outU64 calls fn(&uint64, args...) and returns the uint64 (a handle, a
-// device pointer or a size).
+// outU64 calls fn(&out, args...), out being 8 zeroed bytes, and returns
+// them (a handle, a device pointer, a size, or an int32 in the low half).
 func outU64(name string, fn uintptr, args ...uintptr) (uint64, error) {
 	driver.mu.Lock()
 	defer driver.mu.Unlock()
+	*(*uint64)(unsafe.Pointer(&driver.scratch[0])) = 0
 	var a [8]uintptr
 	a[0] = scratchAddr()
 	n := copy(a[1:], args)

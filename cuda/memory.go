@@ -49,14 +49,7 @@ func (b *Buffer) Freed() bool { return b.freed.Load() }
 // second Free does nothing. Work still queued on a stream that uses the
 // buffer must be finished first (synchronize on it).
 func (b *Buffer) Free() error {
-	if b.freed.Swap(true) {
-		return nil
-	}
-	if err := b.d.enter(); err != nil {
-		return err
-	}
-	defer exit()
-	return check("cuMemFree_v2", driver.cuMemFree, uintptr(b.ptr))
+	return b.d.release(&b.freed, "cuMemFree_v2", driver.cuMemFree, uintptr(b.ptr))
 }
 
 // span checks that [off, off+n) lies inside b and that b is live.

@@ -71,14 +71,7 @@ func (d *Device) LoadModule(ptx []byte) (*Module, error) {
 // Free unloads the module (cuModuleUnload); its Functions must not be
 // launched afterwards (Launch returns ErrFreed). A second Free does nothing.
 func (m *Module) Free() error {
-	if m.freed.Swap(true) {
-		return nil
-	}
-	if err := m.d.enter(); err != nil {
-		return err
-	}
-	defer exit()
-	return check("cuModuleUnload", driver.cuModuleUnload, m.h)
+	return m.d.release(&m.freed, "cuModuleUnload", driver.cuModuleUnload, m.h)
 }
 
 // Function is a kernel of a Module.

@@ -31,14 +31,7 @@ func (d *Device) NewStream() (*Stream, error) {
 // Free destroys the stream (cuStreamDestroy_v2) once its work is done. A
 // second Free does nothing.
 func (s *Stream) Free() error {
-	if s.freed.Swap(true) {
-		return nil
-	}
-	if err := s.d.enter(); err != nil {
-		return err
-	}
-	defer exit()
-	return check("cuStreamDestroy_v2", driver.cuStreamDestroy, s.h)
+	return s.d.release(&s.freed, "cuStreamDestroy_v2", driver.cuStreamDestroy, s.h)
 }
 
 func (s *Stream) enter() error {
@@ -186,14 +179,7 @@ func (d *Device) NewEvent(timing bool) (*Event, error) {
 
 // Free destroys the event (cuEventDestroy_v2). A second Free does nothing.
 func (e *Event) Free() error {
-	if e.freed.Swap(true) {
-		return nil
-	}
-	if err := e.d.enter(); err != nil {
-		return err
-	}
-	defer exit()
-	return check("cuEventDestroy_v2", driver.cuEventDestroy, e.h)
+	return e.d.release(&e.freed, "cuEventDestroy_v2", driver.cuEventDestroy, e.h)
 }
 
 // Record captures the work enqueued on s so far (cuEventRecord). It does

@@ -400,7 +400,7 @@ func (k *Kernels) GradStats(s *cuda.Stream, g Grad, unscale float32) (finite boo
 	blocks := (g.N + StatsChunk - 1) / StatsChunk
 	need := 8*blocks + 8 // partial sums, then the flag
 	if k.partial == nil || k.partial.Len() < need {
-		if err := k.growStats(need); err != nil {
+		if err := k.grow(&k.partial, &k.host, need); err != nil {
 			return false, 0, err
 		}
 	}
@@ -427,19 +427,21 @@ func (k *Kernels) GradStats(s *cuda.Stream, g Grad, unscale float32) (finite boo
 	return *(*int32)(unsafe.Pointer(&h[flagOff])) == 0, sumSquares, nil
 }
 
-func (k *Kernels) growStats(need int64) error {
-	if err := freeBuf(k.partial); err != nil {
+// grow replaces a device buffer and its pinned host twin with ones of at
+// least need bytes (64 KiB at least).
+func (k *Kernels) grow(dev **cuda.Buffer, host **cuda.HostBuffer, need int64) error {
+	if err := freeBuf(*dev); err != nil {
 		return err
 	}
-	if err := freeHost(k.host); err != nil {
+	if err := freeHost(*host); err != nil {
 		return err
 	}
-	k.partial, k.host = nil, nil
+	*dev, *host = nil, nil
 	need = max(need, 1<<16)
 	var err error
-	if k.partial, err = k.d.Alloc(need); err != nil {
+	if *dev, err = k.d.Alloc(need); err != nil {
 		return err
 	}
-	k.host, err = k.d.HostAlloc(need)
+	*host, err = k.d.HostAlloc(need)
 	return err
 }

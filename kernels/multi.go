@@ -69,7 +69,7 @@ func (k *Kernels) AdamWMulti(s *cuda.Stream, c *adam.Coeffs, tensors []Tensor, g
 		return err
 	}
 	if k.tables == nil || k.tables.Len() < tabBytes {
-		if err := k.growTables(tabBytes); err != nil {
+		if err := k.grow(&k.tables, &k.hostTab, tabBytes); err != nil {
 			return err
 		}
 	}
@@ -107,21 +107,4 @@ func (k *Kernels) AdamWMulti(s *cuda.Stream, c *adam.Coeffs, tensors []Tensor, g
 	a.Ptr(k.tables, 0).Ptr(k.tables, chunkOff).U64(MultiChunk)
 	coefArgs(a, c)
 	return k.multi[gi][oi].Launch(s, cuda.Dim3{X: uint32(chunks), Y: 1, Z: 1}, cuda.Dim3{X: Block, Y: 1, Z: 1}, 0, a)
-}
-
-func (k *Kernels) growTables(need int64) error {
-	if err := freeBuf(k.tables); err != nil {
-		return err
-	}
-	if err := freeHost(k.hostTab); err != nil {
-		return err
-	}
-	k.tables, k.hostTab = nil, nil
-	need = max(need, 1<<16)
-	var err error
-	if k.tables, err = k.d.Alloc(need); err != nil {
-		return err
-	}
-	k.hostTab, err = k.d.HostAlloc(need)
-	return err
 }
