@@ -38,8 +38,9 @@ type Arena struct {
 	closed bool
 }
 
-// New maps bytes (> 0; rounded up to whole pages) of host memory and pins
-// it on d, or leaves it unpinned when d is nil.
+// New maps bytes (> 0) of host memory and pins it on d, or leaves it
+// unpinned when d is nil. The mapping is rounded up to whole pages; the
+// arena's Len, and what Alloc hands out, is exactly bytes.
 //
 // Errors: bytes <= 0, mmap failing, the driver refusing to pin (for
 // example over the locked-memory limit); the error says which.

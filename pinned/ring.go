@@ -38,7 +38,8 @@ type entry struct {
 	released bool
 }
 
-// Span is one reservation: Len bytes at offset Off of the ring's buffer.
+// Span is one reservation: a Buf of Len bytes inside the ring's buffer;
+// like every Buf its Off counts from the start of the arena.
 type Span struct {
 	Buf
 	id uint64
