@@ -380,3 +380,20 @@ func must(t testing.TB, err error) {
 		t.Fatal(err)
 	}
 }
+
+// TestZeroDevice runs everywhere: a Device not made by Open returns errors.
+func TestZeroDevice(t *testing.T) {
+	var d Device
+	if _, err := d.Alloc(8); err == nil {
+		t.Error("Alloc on a zero Device succeeded")
+	}
+	if err := d.Sync(); err == nil {
+		t.Error("Sync on a zero Device succeeded")
+	}
+	if _, err := d.HostRegister(4096); err == nil {
+		t.Error("HostRegister on a zero Device succeeded")
+	}
+	if err := d.Close(); err == nil {
+		t.Error("Close on a zero Device succeeded")
+	}
+}

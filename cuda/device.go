@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"sync/atomic"
@@ -28,6 +29,8 @@ type Device struct {
 	ctx    uintptr // CUcontext, the primary context
 	closed atomic.Bool
 }
+
+var errNotOpen = errors.New("cuda: the Device was not made by Open")
 
 // CUdevice_attribute values used here.
 const (
@@ -102,6 +105,9 @@ func (d *Device) String() string {
 // enter makes the device's context current on a locked thread; the caller
 // must call runtime.UnlockOSThread afterwards (exit).
 func (d *Device) enter() error {
+	if d.ctx == 0 {
+		return errNotOpen
+	}
 	if d.closed.Load() {
 		return ErrFreed
 	}
@@ -152,6 +158,9 @@ func (d *Device) Sync() error {
 // Close releases the primary context. Memory, streams and modules created
 // on the device must be freed first; they are not tracked.
 func (d *Device) Close() error {
+	if d.ctx == 0 {
+		return errNotOpen
+	}
 	if d.closed.Swap(true) {
 		return nil
 	}

@@ -24,6 +24,11 @@
 // the async copies, Event.Record, Stream.Wait) calls the driver through
 // purego.SyscallN with plain integers and does not allocate.
 //
+// Every object comes from its constructor (Open, Device.Alloc, NewStream,
+// NewArgs, ...); a zero value is not usable and methods on nil objects
+// panic. A zero Device is the exception that returns an error, since its
+// fields are exported.
+//
 // # Errors
 //
 // A failed driver call returns an *Error naming the call and the driver's

@@ -30,8 +30,8 @@ import (
 //go:embed adamw.ptx
 var adamwPTX []byte
 
-// PTX returns the embedded PTX of adamw.cu.
-func PTX() []byte { return adamwPTX }
+// PTX returns a copy of the embedded PTX of adamw.cu.
+func PTX() []byte { return bytes.Clone(adamwPTX) }
 
 // Stamp returns the SHA-256 of adamw.cu recorded on the PTX's first line
 // ("// dos-source-sha256: HEX adamw.cu"), or "" when it is missing.
@@ -194,7 +194,7 @@ func (v Vec) check(what string, elem int64, n int64) error {
 	if v.N != n {
 		return fmt.Errorf("kernels: %s has %d elements, want %d", what, v.N, n)
 	}
-	if v.Off < 0 || v.N < 0 || (v.Off+v.N)*elem > v.Buf.Len() {
+	if max := v.Buf.Len() / elem; v.Off < 0 || v.N < 0 || v.Off > max || v.N > max-v.Off { // no overflow
 		return fmt.Errorf("kernels: %s: elements [%d, %d) of %d bytes each outside its %d-byte buffer", what, v.Off, v.Off+v.N, elem, v.Buf.Len())
 	}
 	return nil

@@ -581,3 +581,21 @@ func TestErrors(t *testing.T) {
 		t.Fatalf("stream unusable after refused launches: %v", err)
 	}
 }
+
+// TestVecCheck runs everywhere: element counts that would overflow the
+// byte arithmetic are refused.
+func TestVecCheck(t *testing.T) {
+	var b cuda.Buffer // zero bytes
+	for _, v := range []Vec{{Buf: &b, N: 1 << 62}, {Buf: &b, N: 1<<62 + 1}, {Buf: &b, Off: 1 << 62, N: 1 << 62}, {Buf: &b, Off: -1}} {
+		for _, elem := range []int64{2, 4} {
+			if err := v.check("x", elem, v.N); err == nil {
+				t.Errorf("Vec{Off %d, N %d} (%d-byte elements) accepted over a 0-byte buffer", v.Off, v.N, elem)
+			}
+		}
+	}
+	p := PTX()
+	p[0] = 'X'
+	if Stamp() == "" {
+		t.Error("PTX() returned the embedded bytes themselves")
+	}
+}

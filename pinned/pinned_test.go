@@ -326,3 +326,27 @@ func TestRingGPU(t *testing.T) {
 		t.Fatal("round trip through the device differs")
 	}
 }
+
+// TestRingForeignSpan: a span from another ring over the same arena is
+// refused, and the ring's own spans stay outstanding.
+func TestRingForeignSpan(t *testing.T) {
+	a, err := New(nil, 200)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Free()
+	b1, _ := a.Alloc(100, 0)
+	b2, _ := a.Alloc(64, 0)
+	r1, r2 := NewRing(b1, false), NewRing(b2, false)
+	s1, _ := r1.Reserve(context.Background(), 60)
+	s2, _ := r2.Reserve(context.Background(), 60)
+	if err := r1.Release(s2); err == nil {
+		t.Fatal("a span of another ring was released")
+	}
+	if r1.InUse() != 60 {
+		t.Fatalf("InUse %d after a refused release", r1.InUse())
+	}
+	if err := r1.Release(s1); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -42,6 +42,7 @@ type entry struct {
 // like every Buf its Off counts from the start of the arena.
 type Span struct {
 	Buf
+	r  *Ring
 	id uint64
 }
 
@@ -96,7 +97,7 @@ func (r *Ring) Reserve(ctx context.Context, n int64) (Span, error) {
 			}
 			r.head += pad + n
 			r.push(entry{end: r.head})
-			s := Span{Buf: r.buf.Slice(pos, pos+n), id: r.next}
+			s := Span{Buf: r.buf.Slice(pos, pos+n), r: r, id: r.next}
 			r.next++
 			r.mu.Unlock()
 			return s, nil
@@ -119,7 +120,7 @@ func (r *Ring) Reserve(ctx context.Context, n int64) (Span, error) {
 func (r *Ring) Release(s Span) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if s.id < r.first || s.id >= r.next || s.a != r.buf.a {
+	if s.r != r || s.id < r.first || s.id >= r.next {
 		return fmt.Errorf("pinned: Release of a span this ring does not hold (id %d)", s.id)
 	}
 	e := r.at(int(s.id - r.first))
