@@ -32,6 +32,13 @@ type Tensor struct {
 	// in bytes. Save reads them and never retains them; they must not
 	// change while Save runs.
 	Data [][]byte
+	// Groups, when not nil, has one entry per Data range: its capture
+	// group, a small integer >= 0 (an optimizer subgroup). The lazy Engine
+	// captures ranges in file order and reports each group's capture
+	// (Handle.WaitGroup), so that the source may change a group's memory
+	// as soon as that group is captured. nil puts every range in group 0.
+	// Save ignores it.
+	Groups []int
 }
 
 // Snapshot is what one rank saves at one step.

@@ -1,0 +1,544 @@
+package checkpoint
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/pinned"
+)
+
+// DirectMode says whether the Engine writes with O_DIRECT.
+type DirectMode int
+
+const (
+	// DirectAuto tries O_DIRECT and falls back to buffered writes where the
+	// file system refuses it with EINVAL (tmpfs, some overlay and network
+	// file systems); Handle.Stats reports which was used.
+	DirectAuto DirectMode = iota
+	// DirectOn requires O_DIRECT: a file system that refuses it fails the
+	// save.
+	DirectOn
+	// DirectOff writes through the page cache.
+	DirectOff
+)
+
+// DirectAlign is the alignment of O_DIRECT writes: file offset, length and
+// memory address are multiples of it (4096 bytes covers the logical block
+// size of every common device).
+const DirectAlign = 4096
+
+// EngineOptions configures an Engine. The zero value is usable.
+type EngineOptions struct {
+	// RingBytes is the staging memory between capture and flush, in bytes
+	// (default 256 MiB, at least 2 chunks): a pinned.Arena, page-locked on
+	// Device when set. A full ring makes capture wait for the writers
+	// (backpressure); it never grows.
+	RingBytes int64
+	// ChunkBytes is the unit of capture and of each positioned write, a
+	// multiple of DirectAlign (default 8 MiB).
+	ChunkBytes int64
+	// Writers is the number of writer goroutines (default 4).
+	Writers int
+	// Direct chooses O_DIRECT (default DirectAuto).
+	Direct DirectMode
+	// Keep is how many committed checkpoints to keep under root, the
+	// newest; older ones are removed after each commit (0: keep all).
+	Keep int
+	// Device, when set, pins the ring on it (cuMemHostRegister), ready for
+	// device-to-host capture.
+	Device *cuda.Device
+}
+
+// Engine is the lazy asynchronous checkpointer of DataStates-LLM (Maurya
+// et al., HPDC 2024, sections 4.2-4.4): Save takes a snapshot whose tensors
+// are views of live state and returns at once. In the background one
+// goroutine captures the file image, in file order, chunk by chunk, into a
+// bounded ring of pinned memory, computing every tensor's CRC32C on the
+// way; writer goroutines write each chunk at its offset with O_DIRECT
+// (fallocated file, exact tail written through the page cache), then the
+// file is synced and committed by the same protocol as Save (manifest last,
+// renames, parent fsyncs, latest moved only after everything is durable).
+// The source learns group by group when its memory may change again
+// (Handle.WaitGroup): the next update of subgroup i waits only for
+// subgroup i's capture, never for the disk unless the ring is full.
+//
+// One save runs at a time: Save waits for the previous one to be durable.
+// An error of a background save is returned by its Handle and, once, by the
+// next Save. Safe for concurrent use.
+type Engine struct {
+	fs    FS
+	root  string
+	opts  EngineOptions
+	arena *pinned.Arena
+	ring  *pinned.Ring
+
+	mu      sync.Mutex
+	cur     *Handle // the save in flight, or the last one
+	pending error   // a background error not yet returned by Save
+	closed  bool
+}
+
+// NewEngine returns an engine that saves under root through fsys.
+//
+// Errors: bad options, or the ring's memory failing to map or pin.
+func NewEngine(fsys FS, root string, opts EngineOptions) (*Engine, error) {
+	if opts.ChunkBytes == 0 {
+		opts.ChunkBytes = 8 << 20
+	}
+	if opts.RingBytes == 0 {
+		opts.RingBytes = 256 << 20
+	}
+	if opts.Writers == 0 {
+		opts.Writers = 4
+	}
+	switch {
+	case opts.ChunkBytes < 0 || opts.ChunkBytes%DirectAlign != 0:
+		return nil, fmt.Errorf("checkpoint: ChunkBytes %d: want a positive multiple of %d", opts.ChunkBytes, DirectAlign)
+	case opts.RingBytes < 2*opts.ChunkBytes:
+		return nil, fmt.Errorf("checkpoint: RingBytes %d: want at least two chunks (%d)", opts.RingBytes, 2*opts.ChunkBytes)
+	case opts.Writers < 0:
+		return nil, fmt.Errorf("checkpoint: Writers %d: want > 0", opts.Writers)
+	case opts.Keep < 0:
+		return nil, fmt.Errorf("checkpoint: Keep %d: want >= 0", opts.Keep)
+	case opts.Direct < DirectAuto || opts.Direct > DirectOff:
+		return nil, fmt.Errorf("checkpoint: Direct %d: unknown mode", opts.Direct)
+	}
+	ringBytes := opts.RingBytes / opts.ChunkBytes * opts.ChunkBytes
+	arena, err := pinned.New(opts.Device, ringBytes+DirectAlign)
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint: staging ring: %w", err)
+	}
+	buf, err := arena.Alloc(ringBytes, DirectAlign)
+	if err != nil {
+		arena.Free()
+		return nil, fmt.Errorf("checkpoint: staging ring: %w", err)
+	}
+	return &Engine{fs: fsys, root: root, opts: opts, arena: arena, ring: pinned.NewRing(buf, true)}, nil
+}
+
+// Stats describes one background save.
+type Stats struct {
+	Step   int64
+	Bytes  int64 // the safetensors file's size
+	Direct bool  // O_DIRECT was used for the full chunks
+	// Captured and Durable are the times from Save's return to the end of
+	// the capture and to the commit.
+	Captured, Durable time.Duration
+}
+
+// Handle is one save handed to the Engine.
+type Handle struct {
+	step     int64
+	start    time.Time
+	captured chan struct{} // closed when every byte was captured (or the save failed)
+	done     chan struct{} // closed when committed (or failed)
+	groups   []chan struct{}
+
+	mu    sync.Mutex
+	err   error
+	dir   string
+	stats Stats
+}
+
+// WaitGroup blocks until capture group g (Tensor.Groups) is captured: from
+// then on the source may change that group's memory. A group the snapshot
+// does not have returns at once. The error is the save's, when it failed
+// (the memory is free then too).
+func (h *Handle) WaitGroup(g int) error {
+	if g >= 0 && g < len(h.groups) {
+		<-h.groups[g]
+	}
+	if isClosed(h.captured) || isClosed(h.done) {
+		return h.Err()
+	}
+	return nil
+}
+
+// WaitCaptured blocks until the whole snapshot is captured (or the save
+// failed): the source may then change any of its memory.
+func (h *Handle) WaitCaptured() error {
+	<-h.captured
+	return h.Err()
+}
+
+// Wait blocks until the checkpoint is committed and durable, and returns
+// its directory, or the save's error.
+func (h *Handle) Wait() (string, error) {
+	<-h.done
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.dir, h.err
+}
+
+// Done reports whether the save has finished, successfully or not.
+func (h *Handle) Done() bool { return isClosed(h.done) }
+
+// Err returns the save's error so far (nil while it runs well).
+func (h *Handle) Err() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.err
+}
+
+// Stats returns the save's figures (complete once Wait returns).
+func (h *Handle) Stats() Stats {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.stats
+}
+
+func isClosed(c chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
+// Save plans s and hands it to the background: it returns once the
+// snapshot is checked and laid out, before any byte is copied. s's memory
+// must stay unchanged until the handle reports its group captured
+// (WaitGroup, WaitCaptured).
+//
+// Save first waits for the previous save to finish. Errors: an invalid
+// snapshot (as Save's), the previous background save's error (once; s is
+// then not saved), ErrClosed... see Engine.Close. Panics as the package
+// Save does.
+func (e *Engine) Save(s *Snapshot) (*Handle, error) {
+	if s == nil {
+		panic("checkpoint: Engine.Save of a nil *Snapshot")
+	}
+	p, err := newPlan(s)
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint: save step %d: %w", s.Step, err)
+	}
+	ngroups := 0
+	for _, t := range s.Tensors {
+		if t.Groups != nil && len(t.Groups) != len(t.Data) {
+			return nil, fmt.Errorf("checkpoint: save step %d: tensor %q has %d groups for %d data ranges", s.Step, t.Name, len(t.Groups), len(t.Data))
+		}
+		for _, g := range t.Groups {
+			if g < 0 {
+				return nil, fmt.Errorf("checkpoint: save step %d: tensor %q: negative group %d", s.Step, t.Name, g)
+			}
+			ngroups = max(ngroups, g+1)
+		}
+	}
+	ngroups = max(ngroups, 1)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return nil, errEngineClosed
+	}
+	if e.cur != nil {
+		<-e.cur.done
+	}
+	if err := e.pending; err != nil {
+		e.pending = nil
+		return nil, fmt.Errorf("checkpoint: the previous save failed, step %d not saved: %w", s.Step, err)
+	}
+	h := &Handle{step: s.Step, start: time.Now(), captured: make(chan struct{}), done: make(chan struct{}), groups: make([]chan struct{}, ngroups)}
+	for i := range h.groups {
+		h.groups[i] = make(chan struct{})
+	}
+	e.cur = h
+	go e.run(h, p, s)
+	return h, nil
+}
+
+var errEngineClosed = errors.New("checkpoint: engine closed")
+
+// Close waits for the save in flight, frees the ring, and returns that
+// save's error if it failed and was not yet reported. Later Saves fail.
+func (e *Engine) Close() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return nil
+	}
+	e.closed = true
+	if e.cur != nil {
+		<-e.cur.done
+	}
+	err := e.pending
+	e.pending = nil
+	e.ring.Close()
+	if ferr := e.arena.Free(); err == nil && ferr != nil {
+		err = ferr
+	}
+	return err
+}
+
+// chunk is a captured piece of the file image on its way to a writer.
+type chunk struct {
+	span pinned.Span
+	off  int64 // file offset
+	n    int64 // bytes of the file in it (the span may be longer)
+}
+
+// piece is one Data range of the snapshot placed in the file.
+type piece struct {
+	data   []byte
+	off    int64 // file offset
+	tensor int
+	group  int
+}
+
+// run is one background save: begin, capture and write concurrently, sync,
+// commit, retention. It closes every channel of h whatever happens.
+func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
+	var once sync.Once
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	fail := func(err error) {
+		once.Do(func() {
+			h.mu.Lock()
+			h.err = err
+			h.mu.Unlock()
+			cancel()
+		})
+	}
+	finish := func(dir string) {
+		h.mu.Lock()
+		if h.err == nil {
+			h.dir = dir
+		}
+		h.stats.Durable = time.Since(h.start)
+		err := h.err
+		h.mu.Unlock()
+		for _, g := range h.groups {
+			if !isClosed(g) {
+				close(g)
+			}
+		}
+		if !isClosed(h.captured) {
+			close(h.captured)
+		}
+		if err != nil {
+			e.mu.Lock()
+			e.pending = err
+			e.mu.Unlock()
+		}
+		close(h.done)
+	}
+	h.stats.Step, h.stats.Bytes = s.Step, p.fileSize
+
+	// Pieces in file order, and how many each group has.
+	var pieces []piece
+	left := make([]int, len(h.groups))
+	for i, t := range s.Tensors {
+		off := p.manifest.Tensors[i].Offset
+		for j, r := range t.Data {
+			g := 0
+			if t.Groups != nil {
+				g = t.Groups[j]
+			}
+			if len(r) > 0 {
+				pieces = append(pieces, piece{data: r, off: off, tensor: i, group: g})
+				left[g]++
+			}
+			off += int64(len(r))
+		}
+	}
+	for g, n := range left {
+		if n == 0 {
+			close(h.groups[g])
+		}
+	}
+
+	tx, err := begin(e.fs, e.root, p)
+	if err != nil {
+		fail(err)
+		finish("")
+		return
+	}
+	f, df, direct, err := e.create(tx)
+	if err != nil {
+		tx.abort()
+		fail(err)
+		finish("")
+		return
+	}
+	h.mu.Lock()
+	h.stats.Direct = direct
+	h.mu.Unlock()
+
+	// Writers.
+	work := make(chan chunk, e.opts.Writers)
+	var wg sync.WaitGroup
+	for range e.opts.Writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for c := range work {
+				if ctx.Err() == nil {
+					w := f
+					if c.n == e.opts.ChunkBytes && df != nil {
+						w = df // a full, aligned chunk
+					}
+					if err := writeFullAt(w, c.span.Bytes()[:c.n], c.off); err != nil {
+						fail(tx.fail(fmt.Sprintf("write %s at %d", tx.p.fileName, c.off), err))
+					}
+				}
+				_ = e.ring.Release(c.span)
+			}
+		}()
+	}
+
+	// Capture, in file order.
+	crcs := make([]uint32, len(s.Tensors))
+	pi := 0 // next piece to copy from
+	var pdone int64
+	for off := int64(0); off < p.fileSize && ctx.Err() == nil; off += e.opts.ChunkBytes {
+		n := min(e.opts.ChunkBytes, p.fileSize-off)
+		span, err := e.ring.Reserve(ctx, e.opts.ChunkBytes)
+		if err != nil {
+			fail(tx.fail("staging ring", err))
+			break
+		}
+		buf := span.Bytes()[:n]
+		end := off + n
+		if off < int64(len(p.header)) {
+			copy(buf, p.header[off:])
+		}
+		// Copy the pieces overlapping [off, end), finishing pieces in order.
+		for pi < len(pieces) && pieces[pi].off < end {
+			pc := &pieces[pi]
+			from := pc.off + pdone // the next byte of the piece to copy
+			k := copy(buf[from-off:], pc.data[pdone:])
+			crcs[pc.tensor] = crc32.Update(crcs[pc.tensor], castagnoli, buf[from-off:from-off+int64(k)])
+			pdone += int64(k)
+			if pdone < int64(len(pc.data)) {
+				break // continues in the next chunk
+			}
+			pdone = 0
+			pi++
+			if left[pc.group]--; left[pc.group] == 0 {
+				close(h.groups[pc.group])
+			}
+		}
+		work <- chunk{span: span, off: off, n: n}
+	}
+	close(work)
+	if ctx.Err() == nil {
+		h.mu.Lock()
+		h.stats.Captured = time.Since(h.start)
+		h.mu.Unlock()
+		close(h.captured)
+	}
+	wg.Wait()
+	if ctx.Err() == nil {
+		for i := range crcs {
+			tx.p.manifest.Tensors[i].CRC32C = crcs[i]
+		}
+		err = e.syncClose(tx, f, df)
+	} else {
+		closeQuiet(f, df)
+		err = h.Err()
+	}
+	if err != nil {
+		tx.abort()
+		fail(err)
+		finish("")
+		return
+	}
+	dir, err := tx.commit()
+	if err != nil {
+		fail(err)
+		finish("")
+		return
+	}
+	if e.opts.Keep > 0 {
+		e.retain(dir)
+	}
+	finish(dir)
+}
+
+// create makes the rank file in the temporary directory, fallocates it
+// when the file system allows, and opens a second, O_DIRECT descriptor for
+// the full chunks (nil when not used).
+func (e *Engine) create(tx *saveTx) (f, df File, direct bool, err error) {
+	name := filepath.Join(tx.tmp, tx.p.fileName)
+	f, err = tx.fs.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return nil, nil, false, tx.fail("create "+tx.p.fileName, err)
+	}
+	if fd, ok := f.(interface{ Fd() uintptr }); ok && tx.p.fileSize > 0 {
+		// Best effort: reserve the blocks up front (ext4, xfs) without
+		// changing the size, so that the size check after writing still
+		// catches a missing write; a file system without fallocate simply
+		// grows the file as it is written.
+		_ = unix.Fallocate(int(fd.Fd()), unix.FALLOC_FL_KEEP_SIZE, 0, tx.p.fileSize)
+	}
+	if e.opts.Direct == DirectOff {
+		return f, nil, false, nil
+	}
+	df, err = tx.fs.OpenFile(name, os.O_WRONLY|syscall.O_DIRECT, 0)
+	if err != nil {
+		if e.opts.Direct == DirectAuto && errors.Is(err, syscall.EINVAL) {
+			return f, nil, false, nil // the file system refuses O_DIRECT: buffered writes
+		}
+		f.Close()
+		return nil, nil, false, tx.fail("open "+tx.p.fileName+" with O_DIRECT", err)
+	}
+	return f, df, true, nil
+}
+
+// syncClose makes the file durable and closes both descriptors.
+func (e *Engine) syncClose(tx *saveTx, f, df File) error {
+	st, err := f.Stat()
+	if err == nil && st.Size() != tx.p.fileSize {
+		err = fmt.Errorf("file holds %d bytes after writing, want %d", st.Size(), tx.p.fileSize)
+	}
+	if err != nil {
+		closeQuiet(f, df)
+		return tx.fail("stat "+tx.p.fileName, err)
+	}
+	if err := f.Sync(); err != nil {
+		closeQuiet(f, df)
+		return tx.fail("fsync "+tx.p.fileName, err)
+	}
+	if df != nil {
+		if err := df.Close(); err != nil {
+			f.Close()
+			return tx.fail("close "+tx.p.fileName, err)
+		}
+	}
+	if err := f.Close(); err != nil {
+		return tx.fail("close "+tx.p.fileName, err)
+	}
+	return nil
+}
+
+func closeQuiet(fs ...File) {
+	for _, f := range fs {
+		if f != nil {
+			_ = f.Close()
+		}
+	}
+}
+
+// retain removes committed checkpoints beyond the newest Keep, never the
+// one just committed. Failures are ignored: retention is housekeeping.
+func (e *Engine) retain(committed string) {
+	dirs, err := List(e.fs, e.root)
+	if err != nil {
+		return
+	}
+	for i, d := range dirs {
+		if i >= e.opts.Keep && d != committed {
+			_ = e.fs.RemoveAll(d)
+		}
+	}
+}

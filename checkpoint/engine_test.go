@@ -1,0 +1,319 @@
+package checkpoint
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/deepstates/dos/safetensors"
+)
+
+// bigSnapshot is a snapshot of several MiB across chunk boundaries, its
+// ranges in groups: tensor i's range j in group (i+j)%groups.
+func bigSnapshot(step int64, groups int) *Snapshot {
+	r := rand.New(rand.NewPCG(uint64(step), 3))
+	s := &Snapshot{Step: step, Objects: map[string]json.RawMessage{"trainer": json.RawMessage(`{"it":1}`)}}
+	for i, n := range []int{1, 4095, 4096, 4097, 300000, 777777, 13, 1 << 20} {
+		v := make([]float32, n)
+		for k := range v {
+			v[k] = float32(r.NormFloat64())
+		}
+		b := safetensors.Float32Bytes(v)
+		t := Tensor{Name: fmt.Sprintf("t%d", i), DType: safetensors.F32, Shape: []int64{int64(n)}}
+		for lo := 0; lo < len(b); lo += 1 << 18 {
+			t.Data = append(t.Data, b[lo:min(lo+1<<18, len(b))])
+			t.Groups = append(t.Groups, (i+len(t.Groups))%groups)
+		}
+		s.Tensors = append(s.Tensors, t)
+	}
+	return s
+}
+
+func engineSave(t testing.TB, e *Engine, s *Snapshot) string {
+	t.Helper()
+	h, err := e.Save(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir, err := h.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// TestEngineMatchesSave: the lazy engine writes the same safetensors file,
+// byte for byte, as the synchronous Save, whatever the chunk size and
+// number of writers, and the checkpoint loads and verifies.
+func TestEngineMatchesSave(t *testing.T) {
+	for _, s := range []*Snapshot{testSnapshot(10), bigSnapshot(11, 3)} {
+		ref := newMemFS()
+		dir := mustSave(t, ref, memRoot, s)
+		want := ref.readFile(filepath.Join(dir, rankFileName(0)))
+		for _, o := range []EngineOptions{{ChunkBytes: 4096, RingBytes: 8192, Writers: 1}, {ChunkBytes: 8192, RingBytes: 1 << 20, Writers: 3}, {}} {
+			mem := newMemFS()
+			e, err := NewEngine(mem, memRoot, o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			dir := engineSave(t, e, s)
+			if got := mem.readFile(filepath.Join(dir, rankFileName(0))); !bytes.Equal(got, want) {
+				t.Fatalf("step %d, %+v: the engine's file (%d bytes) differs from Save's (%d bytes)", s.Step, o, len(got), len(want))
+			}
+			checkLatest(t, mem, memRoot, s)
+			checkLatest(t, mem.crashClone(true), memRoot, s) // durable
+			if err := e.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// TestEngineOS: on the real file system, with O_DIRECT where it is
+// allowed; Python's safetensors reads these files too (GPU machine check).
+func TestEngineOS(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "ckpt")
+	e, err := NewEngine(OS, root, EngineOptions{ChunkBytes: 1 << 16, RingBytes: 1 << 18, Keep: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	var hs []*Handle
+	for step := int64(1); step <= 4; step++ {
+		h, err := e.Save(bigSnapshot(step, 2))
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs = append(hs, h)
+	}
+	for _, h := range hs {
+		if _, err := h.Wait(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st := hs[3].Stats()
+	t.Logf("step %d: %d bytes, O_DIRECT %v, captured in %v, durable in %v", st.Step, st.Bytes, st.Direct, st.Captured, st.Durable)
+	checkLatest(t, OS, root, bigSnapshot(4, 2))
+	dirs, err := List(OS, root)
+	if err != nil || len(dirs) != 2 || filepath.Base(dirs[1]) != stepDirName(3) {
+		t.Fatalf("retention (Keep 2) left %v (%v)", dirs, err)
+	}
+	e2, _ := NewEngine(OS, root, EngineOptions{ChunkBytes: 1 << 16, RingBytes: 1 << 18, Direct: DirectOff})
+	defer e2.Close()
+	h, _ := e2.Save(bigSnapshot(5, 1))
+	if _, err := h.Wait(); err != nil || h.Stats().Direct {
+		t.Fatalf("DirectOff: %v, direct %v", err, h.Stats().Direct)
+	}
+}
+
+// TestEngineFaults fails operation i of a background save, for every i,
+// with EIO and with a torn ENOSPC, on a root that holds a committed step
+// 10: the handle and the next Save report the error, step 10 stays latest
+// and intact, and a retry succeeds. The same with a crash (power loss) at
+// operation i: latest then loads and verifies, old or new.
+func TestEngineFaults(t *testing.T) {
+	old, new := testSnapshot(10), bigSnapshot(20, 2)
+	opts := EngineOptions{ChunkBytes: 1 << 16, RingBytes: 1 << 17, Writers: 2}
+	base := newMemFS()
+	mustSave(t, base, memRoot, old)
+	for _, mode := range []struct {
+		name  string
+		err   error
+		torn  bool
+		crash bool
+	}{{"EIO", syscall.EIO, false, false}, {"ENOSPC-torn", syscall.ENOSPC, true, false}, {"crash", nil, false, true}} {
+		t.Run(mode.name, func(t *testing.T) {
+			for i := 0; ; i++ {
+				if i > 2000 {
+					t.Fatal("the save never succeeded")
+				}
+				mem := base.crashClone(false)
+				efs := newErrorFS(mem)
+				if mode.crash {
+					efs.crashAt = i
+				} else {
+					efs.failAt, efs.injectErr, efs.torn = i, mode.err, mode.torn
+				}
+				e, err := NewEngine(efs, memRoot, opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				h, err := e.Save(new)
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, werr := h.Wait()
+				cerr := e.Close()
+				if mode.crash {
+					after := mem.crashClone(true)
+					dir, err := Latest(after, memRoot)
+					if err != nil {
+						t.Fatalf("crash at op %d: Latest: %v", i, err)
+					}
+					if filepath.Base(dir) == stepDirName(20) {
+						checkMatches(t, after, dir, new)
+					} else {
+						checkMatches(t, after, dir, old)
+					}
+					if werr == nil {
+						t.Logf("the save completed before op %d", i)
+						return
+					}
+					continue
+				}
+				if efs.injected == "" {
+					if werr != nil {
+						t.Fatalf("no failure injected: %v", werr)
+					}
+					checkLatest(t, mem, memRoot, new)
+					t.Logf("the save succeeded after failing each of its %d operations in turn", i)
+					return
+				}
+				if werr == nil {
+					if !bestEffort(efs.injected) {
+						t.Fatalf("op %s failed but the save succeeded", efs.injected)
+					}
+					checkLatest(t, mem, memRoot, new)
+					continue
+				}
+				if !errors.Is(werr, mode.err) || cerr == nil {
+					t.Fatalf("op %s: handle error %v, Close error %v", efs.injected, werr, cerr)
+				}
+				checkLatest(t, mem, memRoot, old)
+				if entries := rootEntries(t, mem, memRoot); len(entries) != 2 {
+					t.Fatalf("op %s: root holds %v after the failure", efs.injected, entries)
+				}
+			}
+		})
+	}
+}
+
+// TestEngineErrorSurfaces: a failed background save is reported once by
+// the next Save, which then does not save.
+func TestEngineErrorSurfaces(t *testing.T) {
+	mem := newMemFS()
+	efs := newErrorFS(mem)
+	efs.failAt, efs.injectErr = 12, syscall.EIO
+	e, _ := NewEngine(efs, memRoot, EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	defer e.Close()
+	h, _ := e.Save(bigSnapshot(1, 1))
+	if _, err := h.Wait(); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("handle: %v", err)
+	}
+	if _, err := e.Save(testSnapshot(2)); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("next Save: %v", err)
+	}
+	engineSave(t, e, testSnapshot(3))
+	checkLatest(t, mem, memRoot, testSnapshot(3))
+}
+
+// slowFS delays every write, so that a flush takes a while.
+type slowFS struct {
+	FS
+	delay time.Duration
+}
+
+type slowFile struct {
+	File
+	delay time.Duration
+}
+
+func (s slowFS) OpenFile(name string, flag int, perm os.FileMode) (File, error) {
+	f, err := s.FS.OpenFile(name, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return slowFile{f, s.delay}, nil
+}
+
+func (f slowFile) WriteAt(p []byte, off int64) (int, error) {
+	time.Sleep(f.delay)
+	return f.File.WriteAt(p, off)
+}
+
+// TestEngineSnapshotIsolation: the source overwrites each group as soon as
+// WaitGroup says it may (steps t+1, t+2 running during a slow flush), and
+// the checkpoint still holds exactly step t's bytes. Run it under -race:
+// the capture reads and the overwrites must be ordered by WaitGroup.
+func TestEngineSnapshotIsolation(t *testing.T) {
+	const groups = 4
+	s := bigSnapshot(7, groups)
+	want := make([][]byte, len(s.Tensors))
+	for i, tn := range s.Tensors {
+		want[i] = concat(tn.Data)
+	}
+	mem := newMemFS()
+	e, _ := NewEngine(slowFS{mem, 2 * time.Millisecond}, memRoot, EngineOptions{ChunkBytes: 1 << 16, RingBytes: 1 << 18, Writers: 2})
+	defer e.Close()
+	h, err := e.Save(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for g := range groups { // the next steps update group after group
+		if err := h.WaitGroup(g); err != nil {
+			t.Fatal(err)
+		}
+		for _, tn := range s.Tensors {
+			for j, r := range tn.Data {
+				if tn.Groups[j] == g {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						for k := range r {
+							r[k] ^= 0xff
+						}
+					}()
+				}
+			}
+		}
+	}
+	wg.Wait()
+	if h.Done() {
+		t.Log("the flush finished before the overwrites: the test proves less")
+	}
+	dir, err := h.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := Open(mem, dir, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for i, tn := range s.Tensors {
+		got := make([]byte, len(want[i]))
+		if err := c.ReadTensor(tn.Name, got); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want[i]) {
+			t.Fatalf("tensor %s holds bytes written after its capture", tn.Name)
+		}
+	}
+}
+
+func TestEngineOptions(t *testing.T) {
+	for _, o := range []EngineOptions{{ChunkBytes: 100}, {ChunkBytes: 4096, RingBytes: 4096}, {Writers: -1}, {Keep: -1}, {Direct: 7}} {
+		if _, err := NewEngine(newMemFS(), memRoot, o); err == nil {
+			t.Errorf("%+v accepted", o)
+		}
+	}
+	e, _ := NewEngine(newMemFS(), memRoot, EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	s := testSnapshot(1)
+	s.Tensors[0].Groups = []int{0}
+	if _, err := e.Save(s); err == nil {
+		t.Error("groups of the wrong length accepted")
+	}
+	e.Close()
+	if _, err := e.Save(testSnapshot(2)); err == nil {
+		t.Error("Save after Close accepted")
+	}
+}
