@@ -19,9 +19,14 @@ import (
 // bigSnapshot is a snapshot of several MiB across chunk boundaries, its
 // ranges in groups: tensor i's range j in group (i+j)%groups.
 func bigSnapshot(step int64, groups int) *Snapshot {
+	return sizedSnapshot(step, groups, 1, 4095, 4096, 4097, 300000, 777777, 13, 1<<20)
+}
+
+// sizedSnapshot is bigSnapshot with tensors of the given element counts.
+func sizedSnapshot(step int64, groups int, sizes ...int) *Snapshot {
 	r := rand.New(rand.NewPCG(uint64(step), 3))
 	s := &Snapshot{Step: step, Objects: map[string]json.RawMessage{"trainer": json.RawMessage(`{"it":1}`)}}
-	for i, n := range []int{1, 4095, 4096, 4097, 300000, 777777, 13, 1 << 20} {
+	for i, n := range sizes {
 		v := make([]float32, n)
 		for k := range v {
 			v[k] = float32(r.NormFloat64())
@@ -120,8 +125,8 @@ func TestEngineOS(t *testing.T) {
 // and intact, and a retry succeeds. The same with a crash (power loss) at
 // operation i: latest then loads and verifies, old or new.
 func TestEngineFaults(t *testing.T) {
-	old, new := testSnapshot(10), bigSnapshot(20, 2)
-	opts := EngineOptions{ChunkBytes: 1 << 16, RingBytes: 1 << 17, Writers: 2}
+	old, new := testSnapshot(10), sizedSnapshot(20, 2, 1, 1023, 1024, 1025, 5000, 13)
+	opts := EngineOptions{ChunkBytes: 4096, RingBytes: 3 * 4096, Writers: 2}
 	base := newMemFS()
 	mustSave(t, base, memRoot, old)
 	for _, mode := range []struct {
