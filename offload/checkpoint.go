@@ -68,21 +68,93 @@ func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 		return nil, fmt.Errorf("offload: optimizer object: %w", err)
 	}
 	snap.Objects[ObjectName] = b
-	for k, buf := range o.stateSlices() {
-		for _, p := range o.params {
-			shape := make([]int64, len(p.Shape))
-			for i, d := range p.Shape {
-				shape[i] = int64(d)
+	// Parameter by parameter, so that the file is in subgroup order: a
+	// lazy engine captures subgroup 0's state first, then subgroup 1's...
+	// Each tensor's data is cut at subgroup boundaries, the pieces tagged
+	// with their subgroup (checkpoint.Tensor.Groups).
+	slices := o.stateSlices()
+	for _, p := range o.params {
+		shape := make([]int64, len(p.Shape))
+		for i, d := range p.Shape {
+			shape[i] = int64(d)
+		}
+		for k, buf := range slices {
+			t := checkpoint.Tensor{Name: p.Name + stateSuffixes[k], DType: safetensors.F32, Shape: shape}
+			for lo := p.Offset; lo < p.Offset+p.Len; {
+				g := o.subgroupOf(lo)
+				hi := min(p.Offset+p.Len, o.subgroups[g].Offset+o.subgroups[g].Len)
+				t.Data = append(t.Data, safetensors.Float32View(buf[lo:hi]))
+				t.Groups = append(t.Groups, g)
+				lo = hi
 			}
-			snap.Tensors = append(snap.Tensors, checkpoint.Tensor{
-				Name:  p.Name + stateSuffixes[k],
-				DType: safetensors.F32,
-				Shape: shape,
-				Data:  [][]byte{safetensors.Float32View(buf[p.Offset : p.Offset+p.Len])},
-			})
+			snap.Tensors = append(snap.Tensors, t)
 		}
 	}
 	return snap, nil
+}
+
+// subgroupOf returns the index of the subgroup holding element i.
+func (o *Optimizer) subgroupOf(i int) int {
+	sz := o.subgroups[0].Len
+	return min(i/sz, len(o.subgroups)-1)
+}
+
+// SaveAsync hands the optimizer's state and the trainer's objects (see
+// Snapshot) to the lazy checkpointer e and returns at once, with the
+// handle of the save; step names the checkpoint (at least the optimizer's
+// step counter: a trainer passes its iteration). Until the state is
+// captured, the next Step waits, subgroup by subgroup, only for the
+// capture of the subgroup it is about to update; SetParam, LoadCheckpoint
+// and Close wait for the whole capture. A failed background save is
+// returned by the handle, by e's next Save and by this optimizer's next
+// Step (once, the step not taken).
+//
+// Errors: ErrClosed, a step below the step counter, the previous
+// background save's error, those of Snapshot and of checkpoint.Engine.Save.
+func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[string]any) (*checkpoint.Handle, error) {
+	if o.pool == nil {
+		return nil, ErrClosed
+	}
+	if step < o.step {
+		return nil, fmt.Errorf("offload: SaveAsync: step %d is below the optimizer's step counter %d", step, o.step)
+	}
+	if err := o.settle(true); err != nil {
+		return nil, err
+	}
+	snap, err := o.Snapshot(objects)
+	if err != nil {
+		return nil, err
+	}
+	snap.Step = step
+	h, err := e.Save(snap)
+	if err != nil {
+		return nil, err
+	}
+	o.pending = h
+	return h, nil
+}
+
+// settle deals with the save in flight: with all, it waits until the whole
+// state is captured; it returns (once) the error of a save that failed.
+func (o *Optimizer) settle(all bool) error {
+	h := o.pending
+	if h == nil {
+		return nil
+	}
+	if all {
+		_ = h.WaitCaptured()
+	}
+	if !h.Done() && !all {
+		return nil
+	}
+	if all && !h.Done() {
+		return nil // captured; the flush goes on, the memory is free
+	}
+	o.pending = nil
+	if _, err := h.Wait(); err != nil {
+		return fmt.Errorf("offload: the checkpoint of step %d failed: %w", h.Stats().Step, err)
+	}
+	return nil
 }
 
 // SaveCheckpoint writes the optimizer's state and the trainer's objects
@@ -128,6 +200,9 @@ func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string,
 		return "", nil, ErrClosed
 	}
 	if dir, err = checkpoint.Resolve(fsys, path); err != nil {
+		return "", nil, err
+	}
+	if err := o.settle(true); err != nil {
 		return "", nil, err
 	}
 	objects, err = o.load(fsys, dir)

@@ -8,6 +8,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
 )
 
 // Param names one parameter tensor: its name (GPT-2 / Megatron style, such as
@@ -106,6 +107,8 @@ type Optimizer struct {
 	grad  adam.Grad  // flat gradient, total elements
 	work  adam.Copy16
 	pool  *adam.Pool
+
+	pending *checkpoint.Handle // the lazy save whose capture may still read the state
 }
 
 // New builds an Optimizer over params, in order, with options opts (zero
@@ -169,10 +172,15 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	return o, nil
 }
 
-// Close stops the worker goroutines. Afterwards Step, SetParam, SetLR,
-// SaveCheckpoint and LoadCheckpoint return ErrClosed; views already handed
-// out stay readable.
+// Close waits until a lazy checkpoint in flight has captured the state (its
+// flush goes on in the engine) and stops the worker goroutines. Afterwards
+// Step, SetParam, SetLR, SaveCheckpoint, SaveAsync and LoadCheckpoint
+// return ErrClosed; views already handed out stay readable.
 func (o *Optimizer) Close() {
+	if o.pending != nil {
+		_ = o.pending.WaitCaptured()
+		o.pending = nil
+	}
 	if o.pool != nil {
 		o.pool.Close()
 		o.pool = nil
@@ -278,6 +286,9 @@ func (o *Optimizer) SetParam(name string, values []float32) error {
 	if len(values) != hi-lo {
 		return fmt.Errorf("offload: SetParam %q: %d values for shape %v (%d elements)", name, len(values), o.params[i].Shape, hi-lo)
 	}
+	if err := o.settle(true); err != nil {
+		return err
+	}
 	copy(o.state.Param[lo:hi], values)
 	o.refreshWorking(lo, hi)
 	return nil
@@ -300,13 +311,21 @@ func (o *Optimizer) ZeroGrad() {
 // and the AdamW update of every subgroup with the same bias corrections
 // (package doc). It allocates nothing.
 //
-// Errors: ErrClosed, or a LossScale that is negative, not finite, or so
-// small or large that 1/LossScale is not a finite, non-zero float32. A
-// skipped step is not an error: it is reported in StepResult.Skipped.
+// While a lazy checkpoint (SaveAsync) is being captured, the update of each
+// subgroup first waits for that subgroup's capture.
+//
+// Errors: ErrClosed; a LossScale that is negative, not finite, or so small
+// or large that 1/LossScale is not a finite, non-zero float32; the failure
+// of the last SaveAsync's background save (reported once; the step is not
+// taken). A skipped step is not an error: it is reported in
+// StepResult.Skipped.
 func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	start := time.Now()
 	if o.pool == nil {
 		return StepResult{}, ErrClosed
+	}
+	if err := o.settle(false); err != nil {
+		return StepResult{}, err
 	}
 	unscale := float32(1)
 	switch s := args.LossScale; {
@@ -338,6 +357,12 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	c := o.opts.Hyper.Coeffs(o.step, unscale, clip)
 	for _, sg := range o.subgroups {
 		lo, hi := sg.Offset, sg.Offset+sg.Len
+		if o.pending != nil {
+			// Copy-on-write: only this subgroup of the snapshot must be
+			// captured. A failed save frees the memory too; its error
+			// comes back from the handle and the next Step.
+			_ = o.pending.WaitGroup(sg.Index)
+		}
 		o.pool.Step(&c, o.state.Slice(lo, hi), o.grad.Slice(lo, hi), o.work.Slice(lo, hi))
 	}
 	res.Step = o.step

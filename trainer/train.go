@@ -54,6 +54,11 @@ type TrainConfig struct {
 	Threads      int     `json:"threads"`       // optimizer goroutines; 0: GOMAXPROCS
 	CkptDir      string  `json:"ckpt_dir"`      // "" disables checkpoints
 	CkptEvery    int     `json:"ckpt_every"`    // iterations between checkpoints (and one at the end)
+	// CkptSync writes checkpoints synchronously (checkpoint.Save) instead
+	// of handing them to the lazy engine (checkpoint.Engine), which
+	// captures the state while training goes on and flushes it in the
+	// background.
+	CkptSync bool `json:"ckpt_sync"`
 	Resume       bool    `json:"resume"`        // continue from CkptDir's latest checkpoint
 	EvalEvery    int     `json:"eval_every"`    // iterations between validation losses (0: only at the start and the end)
 	EvalBatches  int     `json:"eval_batches"`  // batches of the validation split per evaluation
@@ -224,6 +229,9 @@ type Trainer struct {
 	state         trainerState
 	out           io.Writer
 	tty           bool
+
+	engine *checkpoint.Engine // the lazy checkpointer, made at the first save
+	last   *checkpoint.Handle // its last save, reported when it is durable
 }
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
@@ -309,7 +317,13 @@ func (t *Trainer) bind() {
 }
 
 // Close releases the optimizer's workers.
-func (t *Trainer) Close() { t.opt.Close() }
+func (t *Trainer) Close() {
+	t.opt.Close()
+	if t.engine != nil {
+		_ = t.engine.Close()
+		t.engine = nil
+	}
+}
 
 // NumParams returns the model's parameter count.
 func (t *Trainer) NumParams() int { return t.opt.NumParams() }
@@ -456,16 +470,67 @@ func (t *Trainer) save() error {
 	}
 	t.state.RNG = rng
 	t.state.Config = t.cfg
-	snap, err := t.opt.Snapshot(map[string]any{"trainer": t.state})
+	objects := map[string]any{"trainer": t.state}
+	step := int64(t.state.Iteration) // skipped optimizer steps still count as iterations
+	if !t.cfg.CkptSync {
+		return t.saveLazily(step, objects)
+	}
+	snap, err := t.opt.Snapshot(objects)
 	if err != nil {
 		return err
 	}
-	snap.Step = int64(t.state.Iteration) // skipped optimizer steps still count as iterations
+	snap.Step = step
 	dir, err := checkpoint.Save(checkpoint.OS, t.cfg.CkptDir, snap)
 	if err != nil {
 		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", t.state.Iteration, err)
 	}
 	t.logf("checkpoint %s\n", dir)
+	return nil
+}
+
+// saveLazily hands the checkpoint to the lazy engine and returns; the
+// engine's staging ring holds two copies of the state, at most 256 MiB.
+func (t *Trainer) saveLazily(step int64, objects map[string]any) error {
+	if t.engine == nil {
+		const chunk = 8 << 20
+		state := int64(t.opt.NumParams()) * 16 // fp32 master, exp_avg, exp_avg_sq (and max_exp_avg_sq)
+		ring := min(max(2*((state+chunk-1)/chunk*chunk), 2*chunk), 256<<20)
+		e, err := checkpoint.NewEngine(checkpoint.OS, t.cfg.CkptDir, checkpoint.EngineOptions{ChunkBytes: chunk, RingBytes: ring})
+		if err != nil {
+			return fmt.Errorf("trainer: checkpoint engine: %w", err)
+		}
+		t.engine = e
+	}
+	if err := t.reportSave(false); err != nil {
+		return err
+	}
+	h, err := t.opt.SaveAsync(t.engine, step, objects)
+	if err != nil {
+		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", step, err)
+	}
+	t.last = h
+	return nil
+}
+
+// reportSave logs the last lazy save once it is durable (waiting for it
+// with wait) and returns its error.
+func (t *Trainer) reportSave(wait bool) error {
+	h := t.last
+	if h == nil || (!wait && !h.Done()) {
+		return nil
+	}
+	t.last = nil
+	dir, err := h.Wait()
+	if err != nil {
+		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", h.Stats().Step, err)
+	}
+	st := h.Stats()
+	direct := "buffered"
+	if st.Direct {
+		direct = "O_DIRECT"
+	}
+	t.logf("checkpoint %s (%.1f MB, captured in %v, durable in %v, %s)\n", dir, float64(st.Bytes)/1e6,
+		st.Captured.Round(time.Millisecond), st.Durable.Round(time.Millisecond), direct)
 	return nil
 }
 
@@ -557,6 +622,9 @@ func (t *Trainer) Run() (Summary, error) {
 				return sum, err
 			}
 		}
+	}
+	if err := t.reportSave(true); err != nil { // the last checkpoint is durable before Run returns
+		return sum, err
 	}
 	sum.FinalLoss = t.state.LastLoss
 	sum.InitialLoss, sum.InitValLoss = t.state.InitialLoss, t.state.InitValLoss

@@ -1,0 +1,158 @@
+package offload
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
+)
+
+// slowOS delays every positioned write, so that a flush outlasts the steps
+// that follow it.
+type slowOS struct{ checkpoint.FS }
+
+type slowFile struct{ checkpoint.File }
+
+func (s slowOS) OpenFile(name string, flag int, perm os.FileMode) (checkpoint.File, error) {
+	f, err := s.FS.OpenFile(name, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return slowFile{f}, nil
+}
+
+func (f slowFile) WriteAt(p []byte, off int64) (int, error) {
+	time.Sleep(3 * time.Millisecond)
+	return f.File.WriteAt(p, off)
+}
+
+// TestSaveAsyncIsolation: a lazy checkpoint of step t holds exactly step
+// t's state while steps t+1 and t+2 run during its (slow) flush, and equals
+// a synchronous checkpoint of the same state; the training itself is
+// bitwise the same as without checkpoints. Run it under -race: the capture
+// and the next steps' writes are ordered per subgroup.
+func TestSaveAsyncIsolation(t *testing.T) {
+	opts := Options{SubgroupSize: 300, GradDType: adam.BF16, WorkingDType: adam.BF16, MaxGradNorm: 1}
+	a, b := newTest(t, opts), newTest(t, opts)
+	for s := int64(1); s <= 3; s++ {
+		fill(a, s)
+		fill(b, s)
+		mustStep(t, a)
+		mustStep(t, b)
+	}
+	syncDir := filepath.Join(t.TempDir(), "sync")
+	if _, err := a.SaveCheckpoint(checkpoint.OS, syncDir, map[string]any{"it": 3}); err != nil {
+		t.Fatal(err)
+	}
+	root := filepath.Join(t.TempDir(), "async")
+	e, err := checkpoint.NewEngine(slowOS{checkpoint.OS}, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 3 * 4096, Writers: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	h, err := a.SaveAsync(e, 3, map[string]any{"it": 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for s := int64(4); s <= 5; s++ { // run during the flush
+		fill(a, s)
+		fill(b, s)
+		mustStep(t, a)
+		mustStep(t, b)
+	}
+	if h.Done() {
+		t.Log("the flush ended before the steps: the test proves less")
+	}
+	dir, err := h.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Training with and without the checkpoint: bitwise the same.
+	for i := range a.Params() {
+		ma, mb := a.Master(i), b.Master(i)
+		for j := range ma {
+			if ma[j] != mb[j] {
+				t.Fatalf("param %d element %d: %g with a checkpoint, %g without", i, j, ma[j], mb[j])
+			}
+		}
+	}
+	// The lazy checkpoint holds step 3's state: the synchronous one's.
+	want, err := checkpoint.Open(checkpoint.OS, filepath.Join(syncDir, "step-000000003"), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer want.Close()
+	got, err := checkpoint.Open(checkpoint.OS, dir, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer got.Close()
+	if err := got.Verify(); err != nil {
+		t.Fatal(err)
+	}
+	for _, te := range want.Manifest.Tensors {
+		x, y := make([]byte, te.Bytes), make([]byte, te.Bytes)
+		if err := want.ReadTensor(te.Name, x); err != nil {
+			t.Fatal(err)
+		}
+		if err := got.ReadTensor(te.Name, y); err != nil {
+			t.Fatal(err)
+		}
+		if string(x) != string(y) {
+			t.Fatalf("tensor %s differs from the synchronous checkpoint of the same step", te.Name)
+		}
+	}
+	// And it loads: a fresh optimizer resumes from it.
+	c := newTest(t, opts)
+	if _, _, err := c.LoadCheckpoint(checkpoint.OS, root); err != nil {
+		t.Fatal(err)
+	}
+	if c.StepCount() != 3 {
+		t.Fatalf("resumed at step %d", c.StepCount())
+	}
+}
+
+// TestSaveAsyncFailure: a background save that fails is reported by the
+// next Step, once, without taking the step.
+func TestSaveAsyncFailure(t *testing.T) {
+	o := newTest(t, Options{SubgroupSize: 300})
+	fill(o, 1)
+	mustStep(t, o)
+	dir := t.TempDir()
+	// A root that is a file: the save fails in the background.
+	root := filepath.Join(dir, "file")
+	if err := os.WriteFile(root, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	e, _ := checkpoint.NewEngine(checkpoint.OS, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	defer e.Close()
+	h, err := o.SaveAsync(e, 1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Wait(); err == nil {
+		t.Fatal("a save under a file succeeded")
+	}
+	fill(o, 2)
+	if _, err := o.Step(StepArgs{}); err == nil {
+		t.Fatal("Step did not report the failed checkpoint")
+	}
+	if o.StepCount() != 1 {
+		t.Fatalf("the failed checkpoint's Step advanced to %d", o.StepCount())
+	}
+	mustStep(t, o) // reported once
+	if _, err := o.SaveAsync(e, 0, nil); err == nil {
+		t.Error("a step below the counter accepted")
+	}
+}
+
+func mustStep(t *testing.T, o *Optimizer) {
+	t.Helper()
+	res, err := o.Step(StepArgs{})
+	if err != nil || res.Skipped {
+		t.Fatalf("Step: %+v %v", res, err)
+	}
+}
