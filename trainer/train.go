@@ -58,13 +58,13 @@ type TrainConfig struct {
 	// of handing them to the lazy engine (checkpoint.Engine), which
 	// captures the state while training goes on and flushes it in the
 	// background.
-	CkptSync bool `json:"ckpt_sync"`
-	Resume       bool    `json:"resume"`        // continue from CkptDir's latest checkpoint
-	EvalEvery    int     `json:"eval_every"`    // iterations between validation losses (0: only at the start and the end)
-	EvalBatches  int     `json:"eval_batches"`  // batches of the validation split per evaluation
-	LogEvery     int     `json:"log_every"`     // iterations between plain progress lines
-	SampleBytes  int     `json:"sample_bytes"`  // bytes of text generated at the end
-	ValFraction  float64 `json:"val_fraction"`  // tail of the text held out for validation
+	CkptSync    bool    `json:"ckpt_sync"`
+	Resume      bool    `json:"resume"`       // continue from CkptDir's latest checkpoint
+	EvalEvery   int     `json:"eval_every"`   // iterations between validation losses (0: only at the start and the end)
+	EvalBatches int     `json:"eval_batches"` // batches of the validation split per evaluation
+	LogEvery    int     `json:"log_every"`    // iterations between plain progress lines
+	SampleBytes int     `json:"sample_bytes"` // bytes of text generated at the end
+	ValFraction float64 `json:"val_fraction"` // tail of the text held out for validation
 }
 
 // ScaleGrowthInterval is how many consecutive good steps double the dynamic
