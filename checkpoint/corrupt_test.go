@@ -381,6 +381,29 @@ func FuzzOpen(f *testing.F) {
 	f.Add(st[:len(st)/2], man, idx)
 	f.Add(st, man[:len(man)/2], idx)
 	f.Add([]byte("\x02\x00\x00\x00\x00\x00\x00\x00{}"), []byte(`{"format":"dos-checkpoint","version":1,"step":20,"world_size":1,"created":"2026-01-01T00:00:00Z","files":["rank-00000.safetensors"],"tensors":[]}`), []byte(`{"metadata":{"total_size":0},"weight_map":{}}`))
+	// Hostile safetensors files: a huge and a negative header length, a
+	// truncated header, overlapping and out-of-range offsets, a duplicate
+	// name, an unknown dtype, a shape that overflows.
+	stFile := func(header string, data int) []byte {
+		b := make([]byte, 8, 8+len(header)+data)
+		for i := range 8 {
+			b[i] = byte(len(header) >> (8 * i))
+		}
+		return append(append(b, header...), make([]byte, data)...)
+	}
+	for _, bad := range [][]byte{
+		[]byte("\xff\xff\xff\xff\xff\xff\xff\xff{}"),
+		[]byte("\x00\x00\x00\x00\x00\x00\x00\x80{}"),
+		[]byte("\x00\x10\x00\x00\x00\x00\x00\x00{\"a\":"),
+		stFile(`{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}`, 12),
+		stFile(`{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,1000000000]}}`, 8),
+		stFile(`{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}`, 8),
+		stFile(`{"a":{"dtype":"Q7","shape":[1],"data_offsets":[0,4]}}`, 4),
+		stFile(`{"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,4]}}`, 4),
+		stFile(`{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}`, 4),
+	} {
+		f.Add(bad, man, idx)
+	}
 	f.Fuzz(func(t *testing.T, st, man, idx []byte) {
 		m := mem.crashClone(false)
 		m.writeFile(filepath.Join(dir, rank0), st)

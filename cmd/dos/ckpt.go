@@ -1,11 +1,16 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
+	"path/filepath"
+	"slices"
+	"time"
 
 	"github.com/deepstates/dos/checkpoint"
 )
@@ -15,6 +20,10 @@ const ckptUsage = `Usage:
   dos ckpt verify [--rank N] PATH
                                  open the checkpoint at PATH (a step directory, or a root's latest),
                                  check that manifest, index and file agree and every tensor's CRC32C
+  dos ckpt inspect [--rank N] [--tensors] PATH
+                                 describe the checkpoint at PATH without reading tensor data: step,
+                                 files and sizes, tensors by dtype, the optimizer's hyperparameters,
+                                 the trainer's configuration; --tensors lists every tensor
 Exit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usage error.
 `
 
@@ -45,7 +54,7 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(stdout, ckptUsage)
 		return 0
-	case "ls", "verify":
+	case "ls", "verify", "inspect":
 	default:
 		fmt.Fprintf(stderr, "dos ckpt: unknown subcommand %q\n%s", sub, ckptUsage)
 		return 2
@@ -53,13 +62,17 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("dos ckpt "+sub, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	rank := 0
-	if sub == "verify" {
-		fs.IntVar(&rank, "rank", 0, "the `rank` whose files to verify")
+	all := false
+	if sub != "ls" {
+		fs.IntVar(&rank, "rank", 0, "the `rank` whose files to "+sub)
+	}
+	if sub == "inspect" {
+		fs.BoolVar(&all, "tensors", false, "list every tensor (name, dtype, shape, bytes, offset) and print the objects whole")
 	}
 	fs.Usage = func() {
 		fmt.Fprint(stderr, ckptUsage)
-		if sub == "verify" {
-			fmt.Fprintln(stderr, "\nFlags of verify:")
+		if sub != "ls" {
+			fmt.Fprintf(stderr, "\nFlags of %s:\n", sub)
 			fs.PrintDefaults()
 		}
 	}
@@ -79,10 +92,84 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos ckpt %s: %v\n", sub, err)
 		return 1
 	}
-	if sub == "ls" {
+	switch sub {
+	case "ls":
 		return ckptList(path, stdout, stderr)
+	case "inspect":
+		return ckptInspect(path, rank, all, stdout, stderr)
 	}
 	return ckptVerify(path, rank, stdout, stderr)
+}
+
+// ckptInspect prints what a checkpoint holds, from its manifest and
+// header only (Open checks that they agree; no tensor data is read).
+func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int {
+	dir, err := checkpoint.Resolve(checkpoint.OS, path)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos ckpt inspect: %v\n", err)
+		return 1
+	}
+	c, err := checkpoint.Open(checkpoint.OS, dir, rank)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos ckpt inspect: %v\n", err)
+		return 1
+	}
+	defer c.Close()
+	m := c.Manifest
+	fmt.Fprintf(stdout, "%s\n  step %d, rank %d of %d, created %s, %s v%d\n", dir, m.Step, m.Rank, m.WorldSize,
+		m.Created.Format(time.RFC3339), m.Format, m.Version)
+	for _, f := range m.Files {
+		size := "?"
+		if st, err := os.Stat(filepath.Join(dir, f)); err == nil {
+			size = fmt.Sprintf("%d bytes", st.Size())
+		}
+		fmt.Fprintf(stdout, "  file %s: %s\n", f, size)
+	}
+	type agg struct {
+		n     int
+		bytes int64
+	}
+	byDType := map[string]*agg{}
+	var total int64
+	for _, t := range m.Tensors {
+		a := byDType[string(t.DType)]
+		if a == nil {
+			a = &agg{}
+			byDType[string(t.DType)] = a
+		}
+		a.n++
+		a.bytes += t.Bytes
+		total += t.Bytes
+	}
+	fmt.Fprintf(stdout, "  %d tensors, %d bytes", len(m.Tensors), total)
+	for _, d := range slices.Sorted(maps.Keys(byDType)) {
+		fmt.Fprintf(stdout, "; %s: %d tensors, %d bytes", d, byDType[d].n, byDType[d].bytes)
+	}
+	fmt.Fprintln(stdout)
+	for _, name := range slices.Sorted(maps.Keys(m.Objects)) {
+		var v any
+		if err := c.Object(name, &v); err != nil {
+			fmt.Fprintf(stderr, "dos ckpt inspect: %v\n", err)
+			return 1
+		}
+		b, _ := json.Marshal(v)
+		if len(b) > 600 && !all {
+			b = append(b[:600], []byte(" ... (truncated; --tensors prints it whole)")...)
+		}
+		fmt.Fprintf(stdout, "  object %q: %s\n", name, b)
+	}
+	n := len(m.Tensors)
+	if !all {
+		n = min(n, 12)
+	}
+	fmt.Fprintf(stdout, "  tensors (name, dtype, shape, bytes, offset):\n")
+	for _, t := range m.Tensors[:n] {
+		fmt.Fprintf(stdout, "    %-40s %-4s %-16s %12d %12d\n", t.Name, t.DType, fmt.Sprint(t.Shape), t.Bytes, t.Offset)
+	}
+	if n < len(m.Tensors) {
+		fmt.Fprintf(stdout, "    ... %d more (--tensors lists them all)\n", len(m.Tensors)-n)
+	}
+	return 0
 }
 
 func ckptList(root string, stdout, stderr io.Writer) int {
