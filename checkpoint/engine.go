@@ -7,6 +7,9 @@ import (
 	"hash/crc32"
 	"os"
 	"path/filepath"
+	"runtime"
+	"slices"
+	"sort"
 	"sync"
 	"syscall"
 	"time"
@@ -49,6 +52,10 @@ type EngineOptions struct {
 	ChunkBytes int64
 	// Writers is the number of writer goroutines (default 4).
 	Writers int
+	// Copiers is the number of goroutines that copy the snapshot into the
+	// ring (default GOMAXPROCS/2, at least 1, at most 8): the capture runs
+	// at memory speed, not one core's.
+	Copiers int
 	// Direct chooses O_DIRECT (default DirectAuto).
 	Direct DirectMode
 	// Keep is how many committed checkpoints to keep under root, the
@@ -61,10 +68,11 @@ type EngineOptions struct {
 
 // Engine is the lazy asynchronous checkpointer of DataStates-LLM (Maurya
 // et al., HPDC 2024, sections 4.2-4.4): Save takes a snapshot whose tensors
-// are views of live state and returns at once. In the background one
-// goroutine captures the file image, in file order, chunk by chunk, into a
-// bounded ring of pinned memory, computing every tensor's CRC32C on the
-// way; writer goroutines write each chunk at its offset with O_DIRECT
+// are views of live state and returns at once. In the background copier
+// goroutines capture the file image chunk by chunk into a bounded ring of
+// pinned memory (reserved in file order), a checksum stage computes every
+// tensor's CRC32C from the staged bytes in file order, and writer
+// goroutines write each chunk at its offset with O_DIRECT
 // (fallocated file, exact tail written through the page cache), then the
 // file is synced and committed by the same protocol as Save (manifest last,
 // renames, parent fsyncs, latest moved only after everything is durable).
@@ -101,13 +109,16 @@ func NewEngine(fsys FS, root string, opts EngineOptions) (*Engine, error) {
 	if opts.Writers == 0 {
 		opts.Writers = 4
 	}
+	if opts.Copiers == 0 {
+		opts.Copiers = min(max(runtime.GOMAXPROCS(0)/2, 1), 8)
+	}
 	switch {
 	case opts.ChunkBytes < 0 || opts.ChunkBytes%DirectAlign != 0:
 		return nil, fmt.Errorf("checkpoint: ChunkBytes %d: want a positive multiple of %d", opts.ChunkBytes, DirectAlign)
 	case opts.RingBytes < 2*opts.ChunkBytes:
 		return nil, fmt.Errorf("checkpoint: RingBytes %d: want at least two chunks (%d)", opts.RingBytes, 2*opts.ChunkBytes)
-	case opts.Writers < 0:
-		return nil, fmt.Errorf("checkpoint: Writers %d: want > 0", opts.Writers)
+	case opts.Writers < 0 || opts.Copiers < 0:
+		return nil, fmt.Errorf("checkpoint: Writers %d, Copiers %d: want > 0", opts.Writers, opts.Copiers)
 	case opts.Keep < 0:
 		return nil, fmt.Errorf("checkpoint: Keep %d: want >= 0", opts.Keep)
 	case opts.Direct < DirectAuto || opts.Direct > DirectOff:
@@ -334,8 +345,13 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 	}
 	h.stats.Step, h.stats.Bytes = s.Step, p.fileSize
 
-	// Pieces in file order, and how many each group has.
+	// Pieces in file order; for every chunk of the file, the groups it
+	// holds a piece of, and for every group how many chunks hold one: a
+	// group is captured when all its chunks are.
+	C := e.opts.ChunkBytes
+	nchunks := int((p.fileSize + C - 1) / C)
 	var pieces []piece
+	chunkGroups := make([][]int, nchunks)
 	left := make([]int, len(h.groups))
 	for i, t := range s.Tensors {
 		off := p.manifest.Tensors[i].Offset
@@ -346,7 +362,12 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 			}
 			if len(r) > 0 {
 				pieces = append(pieces, piece{data: r, off: off, tensor: i, group: g})
-				left[g]++
+				for k := off / C; k <= (off+int64(len(r))-1)/C; k++ {
+					if !slices.Contains(chunkGroups[k], g) {
+						chunkGroups[k] = append(chunkGroups[k], g)
+						left[g]++
+					}
+				}
 			}
 			off += int64(len(r))
 		}
@@ -374,70 +395,128 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 	h.stats.Direct = direct
 	h.mu.Unlock()
 
-	// Writers.
-	work := make(chan chunk, e.opts.Writers)
-	var wg sync.WaitGroup
+	// Writers: each chunk at its offset, then its span back to the ring.
+	work := make(chan chunk, nchunks)
+	var writers sync.WaitGroup
 	for range e.opts.Writers {
-		wg.Add(1)
+		writers.Add(1)
 		go func() {
-			defer wg.Done()
+			defer writers.Done()
 			for c := range work {
-				if ctx.Err() == nil {
+				if ctx.Err() == nil && c.n > 0 {
 					w := f
-					if c.n == e.opts.ChunkBytes && df != nil {
+					if c.n == C && df != nil {
 						w = df // a full, aligned chunk
 					}
 					if err := writeFullAt(w, c.span.Bytes()[:c.n], c.off); err != nil {
 						fail(tx.fail(fmt.Sprintf("write %s at %d", tx.p.fileName, c.off), err))
 					}
 				}
-				_ = e.ring.Release(c.span)
+				if c.span.Len > 0 {
+					_ = e.ring.Release(c.span)
+				}
 			}
 		}()
 	}
 
-	// Capture, in file order.
+	// Copiers: fill each chunk's span with its part of the file image.
+	type job struct {
+		k    int
+		span pinned.Span
+	}
+	jobs := make(chan job, nchunks)
+	copied := make([]chan pinned.Span, nchunks)
+	for k := range copied {
+		copied[k] = make(chan pinned.Span, 1)
+	}
+	var gmu sync.Mutex
+	var copiers sync.WaitGroup
+	for range e.opts.Copiers {
+		copiers.Add(1)
+		go func() {
+			defer copiers.Done()
+			for j := range jobs {
+				off := int64(j.k) * C
+				n := min(C, p.fileSize-off)
+				buf := j.span.Bytes()[:n]
+				if off < int64(len(p.header)) {
+					copy(buf, p.header[off:])
+				}
+				// The first piece ending after off, then those starting before off+n.
+				i := sort.Search(len(pieces), func(i int) bool { return pieces[i].off+int64(len(pieces[i].data)) > off })
+				for ; i < len(pieces) && pieces[i].off < off+n; i++ {
+					pc := pieces[i]
+					lo := max(off, pc.off)
+					hi := min(off+n, pc.off+int64(len(pc.data)))
+					copy(buf[lo-off:hi-off], pc.data[lo-pc.off:hi-pc.off])
+				}
+				gmu.Lock()
+				for _, g := range chunkGroups[j.k] {
+					if left[g]--; left[g] == 0 {
+						close(h.groups[g])
+					}
+				}
+				gmu.Unlock()
+				copied[j.k] <- j.span
+			}
+		}()
+	}
+
+	// Checksums, in file order (CRC32C is sequential within a tensor),
+	// then on to the writers.
 	crcs := make([]uint32, len(s.Tensors))
-	pi := 0 // next piece to copy from
-	var pdone int64
-	for off := int64(0); off < p.fileSize && ctx.Err() == nil; off += e.opts.ChunkBytes {
-		n := min(e.opts.ChunkBytes, p.fileSize-off)
-		span, err := e.ring.Reserve(ctx, e.opts.ChunkBytes)
+	var crcDone sync.WaitGroup
+	crcDone.Add(1)
+	go func() {
+		defer crcDone.Done()
+		defer close(work)
+		t := 0 // the first tensor that may overlap the chunk
+		for k := range nchunks {
+			span := <-copied[k] // every chunk comes, an empty span after a failure
+			if ctx.Err() != nil || span.Len == 0 {
+				work <- chunk{span: span} // the writers give the span back unwritten
+				continue
+			}
+			off := int64(k) * C
+			n := min(C, p.fileSize-off)
+			buf := span.Bytes()[:n]
+			for ; t < len(crcs); t++ {
+				te := &p.manifest.Tensors[t]
+				lo, hi := max(off, te.Offset), min(off+n, te.Offset+te.Bytes)
+				if lo < hi {
+					crcs[t] = crc32.Update(crcs[t], castagnoli, buf[lo-off:hi-off])
+				}
+				if te.Offset+te.Bytes > off+n {
+					break // continues in the next chunk
+				}
+			}
+			work <- chunk{span: span, off: off, n: n}
+		}
+	}()
+
+	// Reservations, in file order: a full ring waits for the writers.
+	k := 0
+	for ; k < nchunks && ctx.Err() == nil; k++ {
+		span, err := e.ring.Reserve(ctx, C)
 		if err != nil {
 			fail(tx.fail("staging ring", err))
 			break
 		}
-		buf := span.Bytes()[:n]
-		end := off + n
-		if off < int64(len(p.header)) {
-			copy(buf, p.header[off:])
-		}
-		// Copy the pieces overlapping [off, end), finishing pieces in order.
-		for pi < len(pieces) && pieces[pi].off < end {
-			pc := &pieces[pi]
-			from := pc.off + pdone // the next byte of the piece to copy
-			k := copy(buf[from-off:], pc.data[pdone:])
-			crcs[pc.tensor] = crc32.Update(crcs[pc.tensor], castagnoli, buf[from-off:from-off+int64(k)])
-			pdone += int64(k)
-			if pdone < int64(len(pc.data)) {
-				break // continues in the next chunk
-			}
-			pdone = 0
-			pi++
-			if left[pc.group]--; left[pc.group] == 0 {
-				close(h.groups[pc.group])
-			}
-		}
-		work <- chunk{span: span, off: off, n: n}
+		jobs <- job{k, span}
 	}
-	close(work)
+	close(jobs)
+	for ; k < nchunks; k++ { // after a failure: let the checksum stage finish
+		copied[k] <- pinned.Span{}
+	}
+	copiers.Wait()
 	if ctx.Err() == nil {
 		h.mu.Lock()
 		h.stats.Captured = time.Since(h.start)
 		h.mu.Unlock()
 		close(h.captured)
 	}
-	wg.Wait()
+	crcDone.Wait()
+	writers.Wait()
 	if ctx.Err() == nil {
 		for i := range crcs {
 			tx.p.manifest.Tensors[i].CRC32C = crcs[i]
