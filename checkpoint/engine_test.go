@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -320,5 +321,54 @@ func TestEngineOptions(t *testing.T) {
 	e.Close()
 	if _, err := e.Save(testSnapshot(2)); err == nil {
 		t.Error("Save after Close accepted")
+	}
+}
+
+// BenchmarkEngineFlush: one lazy save of DOS_FLUSH_GIB GiB (default 0.25)
+// under DOS_FLUSH_DIR (default a temporary directory) with
+// DOS_FLUSH_WRITERS writers and DOS_FLUSH_CHUNK_MIB-MiB chunks (defaults:
+// the engine's); reports the flush rate (bytes / time to durable).
+func BenchmarkEngineFlush(b *testing.B) {
+	env := func(name string, def float64) float64 {
+		if v, err := strconv.ParseFloat(os.Getenv(name), 64); err == nil && v > 0 {
+			return v
+		}
+		return def
+	}
+	size := int64(env("DOS_FLUSH_GIB", 0.25) * (1 << 30))
+	dir := os.Getenv("DOS_FLUSH_DIR")
+	if dir == "" {
+		dir = b.TempDir()
+	}
+	chunk := int64(env("DOS_FLUSH_CHUNK_MIB", 8)) << 20
+	opts := EngineOptions{ChunkBytes: chunk, RingBytes: (size + 2*chunk) / chunk * chunk, Writers: int(env("DOS_FLUSH_WRITERS", 0))}
+	data := make([]byte, size)
+	for i := range data {
+		data[i] = byte(i)
+	}
+	const tensors = 64
+	s := &Snapshot{Step: 1}
+	per := size / tensors / 4 * 4
+	for i := range tensors {
+		s.Tensors = append(s.Tensors, Tensor{Name: fmt.Sprintf("t%d", i), DType: safetensors.F32, Shape: []int64{per / 4}, Data: [][]byte{data[int64(i)*per : int64(i+1)*per]}})
+	}
+	e, err := NewEngine(OS, filepath.Join(dir, "flush"), opts)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.Close()
+	b.SetBytes(size)
+	for b.Loop() {
+		h, err := e.Save(s)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := h.Wait(); err != nil {
+			b.Fatal(err)
+		}
+		st := h.Stats()
+		fmt.Printf("flush %.2f GiB, %d writers, %d MiB chunks: durable in %v, %.2f GB/s, O_DIRECT %v\n", float64(st.Bytes)/(1<<30), e.opts.Writers, chunk>>20, st.Durable.Round(time.Millisecond), float64(st.Bytes)/st.Durable.Seconds()/1e9, st.Direct)
+		s.Step++
+		os.RemoveAll(filepath.Join(dir, "flush"))
 	}
 }
