@@ -4,11 +4,14 @@
 // a manifest with a CRC32C per tensor, committed so that a crash at any
 // point leaves the previous checkpoint loadable.
 //
-// Save writes synchronously for now. The lazy engine of DataStates-LLM
-// (capture copy-on-write per subgroup, a pinned ring buffer, writer
-// goroutines with O_DIRECT) will reuse the same layout, computed before any
-// byte is written so that tensors can be placed with positioned writes in
-// any order, and the same commit.
+// Save writes synchronously. Engine is the lazy checkpointer of
+// DataStates-LLM: Save hands it a snapshot and returns at once; copier
+// goroutines capture it into a bounded pinned ring, group by group (the
+// source may change a group's memory as soon as the group is captured:
+// copy-on-write per optimizer subgroup), and writer goroutines place the
+// chunks with O_DIRECT. Both use the same layout, computed before any byte
+// is written so that data can be placed with positioned writes in any
+// order, and the same commit; their files are byte for byte the same.
 //
 // # Layout on disk
 //
