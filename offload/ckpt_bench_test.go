@@ -100,7 +100,7 @@ func BenchmarkCheckpointBlocking(b *testing.B) {
 		fmt.Printf("  lazy save: loop blocked %v = %.1f %% of the synchronous save; captured in %v, durable in %v (%.2f GB/s, O_DIRECT %v)\n",
 			(lazy - ref).Round(time.Millisecond), 100*(lazy-ref).Seconds()/syncSave.Seconds(), st.Captured.Round(time.Millisecond),
 			st.Durable.Round(time.Millisecond), float64(st.Bytes)/st.Durable.Seconds()/1e9, st.Direct)
-		b.ReportMetric((lazy - ref).Seconds()/syncSave.Seconds(), "blocked/sync")
+		b.ReportMetric((lazy-ref).Seconds()/syncSave.Seconds(), "blocked/sync")
 		b.ReportMetric(float64(st.Bytes)/st.Durable.Seconds()/1e9, "flush-GB/s")
 	}
 }
