@@ -90,10 +90,13 @@ type Engine struct {
 	arena *pinned.Arena
 	ring  *pinned.Ring
 
-	mu      sync.Mutex
-	cur     *Handle // the save in flight, or the last one
-	pending error   // a background error not yet returned by Save
-	closed  bool
+	mu  sync.Mutex
+	cur *Handle // the save in flight, or the last one
+	// reported tells whether cur's error, if any, was returned by Save or
+	// Close already. The background save never takes mu: Save and Close
+	// wait for it while holding mu.
+	reported bool
+	closed   bool
 }
 
 // NewEngine returns an engine that saves under root through fsys.
@@ -240,8 +243,8 @@ func (e *Engine) Save(s *Snapshot) (*Handle, error) {
 			return nil, fmt.Errorf("checkpoint: save step %d: tensor %q has %d groups for %d data ranges", s.Step, t.Name, len(t.Groups), len(t.Data))
 		}
 		for _, g := range t.Groups {
-			if g < 0 {
-				return nil, fmt.Errorf("checkpoint: save step %d: tensor %q: negative group %d", s.Step, t.Name, g)
+			if g < 0 || g >= MaxGroups {
+				return nil, fmt.Errorf("checkpoint: save step %d: tensor %q: group %d outside [0, %d)", s.Step, t.Name, g, MaxGroups)
 			}
 			ngroups = max(ngroups, g+1)
 		}
@@ -252,20 +255,34 @@ func (e *Engine) Save(s *Snapshot) (*Handle, error) {
 	if e.closed {
 		return nil, errEngineClosed
 	}
-	if e.cur != nil {
-		<-e.cur.done
-	}
-	if err := e.pending; err != nil {
-		e.pending = nil
+	if err := e.waitCur(); err != nil {
 		return nil, fmt.Errorf("checkpoint: the previous save failed, step %d not saved: %w", s.Step, err)
 	}
-	h := &Handle{step: s.Step, start: time.Now(), captured: make(chan struct{}), done: make(chan struct{}), groups: make([]chan struct{}, ngroups)}
+	h := &Handle{step: s.Step, start: time.Now(), captured: make(chan struct{}), done: make(chan struct{}), groups: make([]chan struct{}, ngroups),
+		stats: Stats{Step: s.Step, Bytes: p.fileSize}}
 	for i := range h.groups {
 		h.groups[i] = make(chan struct{})
 	}
-	e.cur = h
+	e.cur, e.reported = h, false
 	go e.run(h, p, s)
 	return h, nil
+}
+
+// MaxGroups bounds the capture groups of a snapshot (Tensor.Groups).
+const MaxGroups = 1 << 20
+
+// waitCur waits for the save in flight and returns its error if it failed
+// and the error was not returned before. Hold e.mu.
+func (e *Engine) waitCur() error {
+	if e.cur == nil {
+		return nil
+	}
+	<-e.cur.done
+	if e.reported {
+		return nil
+	}
+	e.reported = true
+	return e.cur.Err()
 }
 
 var errEngineClosed = errors.New("checkpoint: engine closed")
@@ -279,11 +296,7 @@ func (e *Engine) Close() error {
 		return nil
 	}
 	e.closed = true
-	if e.cur != nil {
-		<-e.cur.done
-	}
-	err := e.pending
-	e.pending = nil
+	err := e.waitCur()
 	e.ring.Close()
 	if ferr := e.arena.Free(); err == nil && ferr != nil {
 		err = ferr
@@ -326,7 +339,6 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 			h.dir = dir
 		}
 		h.stats.Durable = time.Since(h.start)
-		err := h.err
 		h.mu.Unlock()
 		for _, g := range h.groups {
 			if !isClosed(g) {
@@ -336,14 +348,8 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 		if !isClosed(h.captured) {
 			close(h.captured)
 		}
-		if err != nil {
-			e.mu.Lock()
-			e.pending = err
-			e.mu.Unlock()
-		}
 		close(h.done)
 	}
-	h.stats.Step, h.stats.Bytes = s.Step, p.fileSize
 
 	// Pieces in file order; for every chunk of the file, the groups it
 	// holds a piece of, and for every group how many chunks hold one: a
@@ -539,7 +545,7 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 		return
 	}
 	if e.opts.Keep > 0 {
-		e.retain(dir)
+		_ = Retain(e.fs, e.root, e.opts.Keep) // housekeeping: a failure leaves old checkpoints
 	}
 	finish(dir)
 }
@@ -608,16 +614,24 @@ func closeQuiet(fs ...File) {
 	}
 }
 
-// retain removes committed checkpoints beyond the newest Keep, never the
-// one just committed. Failures are ignored: retention is housekeeping.
-func (e *Engine) retain(committed string) {
-	dirs, err := List(e.fs, e.root)
-	if err != nil {
-		return
+// Retain removes the committed checkpoints under root beyond the newest
+// keep (keep >= 1), as List orders them; latest's is always among those
+// kept. Step directories above latest's (uncommitted, see List) are left
+// alone.
+//
+// Errors: keep < 1, those of List, and the first removal that fails.
+func Retain(fsys FS, root string, keep int) error {
+	if keep < 1 {
+		return fmt.Errorf("checkpoint: Retain %d: keep at least 1", keep)
 	}
-	for i, d := range dirs {
-		if i >= e.opts.Keep && d != committed {
-			_ = e.fs.RemoveAll(d)
+	dirs, err := List(fsys, root)
+	if err != nil {
+		return err
+	}
+	for _, d := range dirs[min(keep, len(dirs)):] {
+		if err := fsys.RemoveAll(d); err != nil {
+			return fmt.Errorf("checkpoint: retention: removing %s: %w", d, err)
 		}
 	}
+	return nil
 }

@@ -372,3 +372,91 @@ func BenchmarkEngineFlush(b *testing.B) {
 		os.RemoveAll(filepath.Join(dir, "flush"))
 	}
 }
+
+// gateFS holds every fsync of a file until gate is closed, then fails it.
+type gateFS struct {
+	FS
+	gate chan struct{}
+}
+
+type gateFile struct {
+	File
+	gate chan struct{}
+}
+
+func (g gateFS) OpenFile(name string, flag int, perm os.FileMode) (File, error) {
+	f, err := g.FS.OpenFile(name, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return gateFile{f, g.gate}, nil
+}
+
+func (f gateFile) Sync() error {
+	<-f.gate
+	return syscall.EIO
+}
+
+// TestEngineFailureWhileWaiting: a background save that fails while the
+// next Save (or Close) waits for it makes that call return the error; no
+// deadlock (a regression: the save once took the engine's lock to record
+// its error while Save held it).
+func TestEngineFailureWhileWaiting(t *testing.T) {
+	for _, closeIt := range []bool{false, true} {
+		gate := make(chan struct{})
+		e, _ := NewEngine(gateFS{newMemFS(), gate}, memRoot, EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+		if _, err := e.Save(testSnapshot(1)); err != nil {
+			t.Fatal(err)
+		}
+		got := make(chan error, 1)
+		go func() {
+			if closeIt {
+				got <- e.Close()
+				return
+			}
+			_, err := e.Save(testSnapshot(2))
+			got <- err
+		}()
+		time.Sleep(20 * time.Millisecond) // let it wait
+		close(gate)
+		select {
+		case err := <-got:
+			if !errors.Is(err, syscall.EIO) {
+				t.Fatalf("close=%v: %v, want the failed save's EIO", closeIt, err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("close=%v: deadlock", closeIt)
+		}
+		e.Close()
+	}
+}
+
+func TestEngineGroupBounds(t *testing.T) {
+	e, _ := NewEngine(newMemFS(), memRoot, EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	defer e.Close()
+	for _, g := range []int{MaxGroups, 1<<62 + 5, -1} {
+		s := testSnapshot(1)
+		s.Tensors[0].Groups = []int{0, 0, g}
+		if _, err := e.Save(s); err == nil {
+			t.Errorf("group %d accepted", g)
+		}
+	}
+}
+
+func TestRetain(t *testing.T) {
+	mem := newMemFS()
+	for _, step := range []int64{1, 2, 3, 4} {
+		mustSave(t, mem, memRoot, testSnapshot(step))
+	}
+	if err := Retain(mem, memRoot, 0); err == nil {
+		t.Error("Retain 0 accepted")
+	}
+	if err := Retain(mem, memRoot, 2); err != nil {
+		t.Fatal(err)
+	}
+	dirs, _ := List(mem, memRoot)
+	if len(dirs) != 2 || filepath.Base(dirs[0]) != stepDirName(4) || filepath.Base(dirs[1]) != stepDirName(3) {
+		t.Fatalf("after Retain 2: %v", dirs)
+	}
+	checkLatest(t, mem, memRoot, testSnapshot(4))
+}

@@ -59,6 +59,7 @@ type TrainConfig struct {
 	// captures the state while training goes on and flushes it in the
 	// background.
 	CkptSync    bool    `json:"ckpt_sync"`
+	CkptKeep    int     `json:"ckpt_keep"`    // keep the newest N checkpoints (0: all)
 	Resume      bool    `json:"resume"`       // continue from CkptDir's latest checkpoint
 	EvalEvery   int     `json:"eval_every"`   // iterations between validation losses (0: only at the start and the end)
 	EvalBatches int     `json:"eval_batches"` // batches of the validation split per evaluation
@@ -115,8 +116,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: min_lr_ratio %v: want [0, 1]", c.MinLRRatio)
 	case c.WarmupSteps < 0 || c.DecaySteps < 0:
 		return fmt.Errorf("trainer: warmup_steps %d, decay_steps %d: want >= 0", c.WarmupSteps, c.DecaySteps)
-	case c.CkptEvery < 0 || c.EvalEvery < 0 || c.LogEvery < 0 || c.EvalBatches < 0 || c.SampleBytes < 0:
-		return errors.New("trainer: ckpt_every, eval_every, log_every, eval_batches and sample_bytes must be >= 0")
+	case c.CkptEvery < 0 || c.CkptKeep < 0 || c.EvalEvery < 0 || c.LogEvery < 0 || c.EvalBatches < 0 || c.SampleBytes < 0:
+		return errors.New("trainer: ckpt_every, ckpt_keep, eval_every, log_every, eval_batches and sample_bytes must be >= 0")
 	case c.Resume && c.CkptDir == "":
 		return errors.New("trainer: --resume needs --ckpt-dir")
 	case c.LossScale != 0 && !validScale(c.LossScale):
@@ -485,6 +486,9 @@ func (t *Trainer) save() error {
 		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", t.state.Iteration, err)
 	}
 	t.logf("checkpoint %s\n", dir)
+	if t.cfg.CkptKeep > 0 {
+		return checkpoint.Retain(checkpoint.OS, t.cfg.CkptDir, t.cfg.CkptKeep)
+	}
 	return nil
 }
 
@@ -495,7 +499,7 @@ func (t *Trainer) saveLazily(step int64, objects map[string]any) error {
 		const chunk = 8 << 20
 		state := int64(t.opt.NumParams()) * 16 // fp32 master, exp_avg, exp_avg_sq (and max_exp_avg_sq)
 		ring := min(max(2*((state+chunk-1)/chunk*chunk), 2*chunk), 256<<20)
-		e, err := checkpoint.NewEngine(checkpoint.OS, t.cfg.CkptDir, checkpoint.EngineOptions{ChunkBytes: chunk, RingBytes: ring})
+		e, err := checkpoint.NewEngine(checkpoint.OS, t.cfg.CkptDir, checkpoint.EngineOptions{ChunkBytes: chunk, RingBytes: ring, Keep: t.cfg.CkptKeep})
 		if err != nil {
 			return fmt.Errorf("trainer: checkpoint engine: %w", err)
 		}
