@@ -350,3 +350,50 @@ func TestRingForeignSpan(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestRingFIFO: a blocked large request is served before smaller ones that
+// arrived after it, so it is not starved while the ring never drains.
+func TestRingFIFO(t *testing.T) {
+	r := newRing(t, 1024, true)
+	ctx := context.Background()
+	a, _ := r.Reserve(ctx, 100)
+	got := make(chan Span, 1)
+	go func() {
+		s, err := r.Reserve(ctx, 1024) // needs the whole ring
+		if err != nil {
+			t.Error(err)
+		}
+		got <- s
+	}()
+	waiting := func() int {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return len(r.waiters)
+	}
+	for waiting() == 0 { // wait until it queues
+		time.Sleep(time.Millisecond)
+	}
+	small := make(chan error, 1)
+	go func() { // arrives later: must queue behind the big one
+		s, err := r.Reserve(ctx, 10)
+		if err == nil {
+			err = r.Release(s)
+		}
+		small <- err
+	}()
+	time.Sleep(20 * time.Millisecond)
+	select {
+	case <-small:
+		t.Fatal("a later small request overtook the waiting large one")
+	default:
+	}
+	r.Release(a)
+	big := <-got
+	if big.Len != 1024 {
+		t.Fatalf("big span %+v", big.Buf)
+	}
+	r.Release(big)
+	if err := <-small; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -14,23 +14,24 @@ var ErrFull = errors.New("pinned: ring full")
 // Ring is a bounded FIFO of contiguous reservations in one buffer, for
 // staging data on its way to or from the GPU or the disk: producers
 // Reserve, fill and hand spans on; consumers Release them when done. The
-// ring never grows: a full ring makes Reserve wait (Block) or fail with
-// ErrFull. Spans may be released in any order; space comes back when the
-// oldest outstanding span is released. Safe for concurrent use.
+// ring never grows: a full ring makes Reserve wait (Block), in arrival
+// order, or fail with ErrFull. Spans may be released in any order; space
+// comes back when the oldest outstanding span is released. Safe for
+// concurrent use.
 type Ring struct {
 	buf   Buf
 	block bool
 
-	mu     sync.Mutex
-	head   int64   // bytes ever reserved, wrap padding included
-	tail   int64   // bytes ever given back
-	q      []entry // outstanding reservations, a circular queue, oldest at q[qhead]
-	qhead  int
-	qlen   int
-	first  uint64 // id of the oldest outstanding reservation
-	next   uint64 // id of the next reservation
-	closed bool
-	wake   chan struct{} // closed and replaced whenever space comes back or the ring closes
+	mu      sync.Mutex
+	head    int64   // bytes ever reserved, wrap padding included
+	tail    int64   // bytes ever given back
+	q       []entry // outstanding reservations, a circular queue, oldest at q[qhead]
+	qhead   int
+	qlen    int
+	first   uint64 // id of the oldest outstanding reservation
+	next    uint64 // id of the next reservation
+	closed  bool
+	waiters []chan struct{} // blocked Reserves, in arrival order; the first is woken when space comes back
 }
 
 type entry struct {
@@ -49,7 +50,7 @@ type Span struct {
 // NewRing returns a ring over buf. block chooses what Reserve does when
 // the ring is full: wait (true) or return ErrFull (false).
 func NewRing(buf Buf, block bool) *Ring {
-	return &Ring{buf: buf, block: block, wake: make(chan struct{})}
+	return &Ring{buf: buf, block: block}
 }
 
 // Cap returns the ring's size in bytes.
@@ -72,45 +73,92 @@ func (r *Ring) Reserve(ctx context.Context, n int64) (Span, error) {
 	if n <= 0 || n > r.buf.Len {
 		return Span{}, fmt.Errorf("pinned: Reserve(%d) on a ring of %d bytes: want 0 < n <= %d", n, r.buf.Len, r.buf.Len)
 	}
-	for {
-		r.mu.Lock()
-		if r.closed {
-			r.mu.Unlock()
-			return Span{}, ErrClosed
-		}
-		size := r.buf.Len
-		pos := r.head % size
-		pad := int64(0)
-		if pos+n > size {
-			pad = size - pos // skip to the start: spans are contiguous
-		}
-		if r.head+pad+n-r.tail <= size {
-			if pad > 0 {
-				// The padding belongs to the previous span (or is free now
-				// when the ring is empty).
-				if r.qlen == 0 {
-					r.tail += pad
-				} else {
-					r.at(r.qlen - 1).end += pad
-				}
-				pos = 0
-			}
-			r.head += pad + n
-			r.push(entry{end: r.head})
-			s := Span{Buf: r.buf.Slice(pos, pos+n), r: r, id: r.next}
-			r.next++
-			r.mu.Unlock()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return Span{}, ErrClosed
+	}
+	if len(r.waiters) == 0 {
+		if s, ok := r.take(n); ok {
 			return s, nil
 		}
-		wake := r.wake
-		r.mu.Unlock()
-		if !r.block {
-			return Span{}, ErrFull
+	}
+	if !r.block {
+		return Span{}, ErrFull
+	}
+	// Wait in line: requests are served in arrival order, so a large one
+	// is not starved by small ones that keep fitting.
+	w := make(chan struct{}, 1)
+	r.waiters = append(r.waiters, w)
+	for {
+		if r.closed {
+			r.leave(w)
+			return Span{}, ErrClosed
 		}
+		if r.waiters[0] == w {
+			if s, ok := r.take(n); ok {
+				r.leave(w)
+				return s, nil
+			}
+		}
+		r.mu.Unlock()
 		select {
-		case <-wake:
+		case <-w:
+			r.mu.Lock()
 		case <-ctx.Done():
+			r.mu.Lock()
+			r.leave(w)
 			return Span{}, ctx.Err()
+		}
+	}
+}
+
+// take reserves n contiguous bytes if they are free now. Hold r.mu.
+func (r *Ring) take(n int64) (Span, bool) {
+	size := r.buf.Len
+	pos := r.head % size
+	pad := int64(0)
+	if pos+n > size {
+		pad = size - pos // skip to the start: spans are contiguous
+	}
+	if r.head+pad+n-r.tail > size {
+		return Span{}, false
+	}
+	if pad > 0 {
+		// The padding belongs to the previous span (or is free now when
+		// the ring is empty).
+		if r.qlen == 0 {
+			r.tail += pad
+		} else {
+			r.at(r.qlen - 1).end += pad
+		}
+		pos = 0
+	}
+	r.head += pad + n
+	r.push(entry{end: r.head})
+	s := Span{Buf: r.buf.Slice(pos, pos+n), r: r, id: r.next}
+	r.next++
+	return s, true
+}
+
+// leave removes waiter w from the line and wakes the new head, who may
+// now be able to go. Hold r.mu.
+func (r *Ring) leave(w chan struct{}) {
+	for i, x := range r.waiters {
+		if x == w {
+			r.waiters = append(r.waiters[:i], r.waiters[i+1:]...)
+			break
+		}
+	}
+	r.wakeHead()
+}
+
+// wakeHead signals the first waiter. Hold r.mu.
+func (r *Ring) wakeHead() {
+	if len(r.waiters) > 0 {
+		select {
+		case r.waiters[0] <- struct{}{}:
+		default:
 		}
 	}
 }
@@ -140,8 +188,7 @@ func (r *Ring) Release(s Span) error {
 		r.head, r.tail = 0, 0
 	}
 	if freed {
-		close(r.wake)
-		r.wake = make(chan struct{})
+		r.wakeHead()
 	}
 	return nil
 }
@@ -153,8 +200,12 @@ func (r *Ring) Close() {
 	defer r.mu.Unlock()
 	if !r.closed {
 		r.closed = true
-		close(r.wake)
-		r.wake = make(chan struct{})
+		for _, w := range r.waiters {
+			select {
+			case w <- struct{}{}:
+			default:
+			}
+		}
 	}
 }
 
