@@ -1,0 +1,110 @@
+package perfmodel
+
+import (
+	"fmt"
+	"runtime"
+	"slices"
+	"time"
+
+	"github.com/klauspost/cpuid/v2"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// CPUOptions sets what CalibrateCPU measures.
+type CPUOptions struct {
+	// Threads are the pool sizes to measure (default 1, 2, 4, ... up to
+	// GOMAXPROCS, and GOMAXPROCS itself).
+	Threads []int
+	// Sizes are the subgroup sizes in parameters (default: 1, 2 and 4 times
+	// the larger of 8M and the parameters whose 28 B/param of traffic fill
+	// the last-level cache twice: real subgroups never fit in a cache, and a
+	// point that does would make the CPU look faster than it is).
+	Sizes []int
+	// Reps is the number of timed steps per point, after one warm-up; the
+	// median is kept (default 5).
+	Reps int
+	// GradDTypes (default F32 and BF16).
+	GradDTypes []adam.DType
+}
+
+func (o *CPUOptions) defaults() {
+	if len(o.Threads) == 0 {
+		max := runtime.GOMAXPROCS(0)
+		for t := 1; t < max; t *= 2 {
+			o.Threads = append(o.Threads, t)
+		}
+		o.Threads = append(o.Threads, max)
+	}
+	if len(o.Sizes) == 0 {
+		base := max(8<<20, 2*cpuid.CPU.Cache.L3/28)
+		o.Sizes = []int{base, 2 * base, 4 * base}
+	}
+	if o.Reps <= 0 {
+		o.Reps = 5
+	}
+	if len(o.GradDTypes) == 0 {
+		o.GradDTypes = []adam.DType{adam.F32, adam.BF16}
+	}
+}
+
+// CalibrateCPU measures the CPU pool's AdamW step (adam.Pool on the default
+// SIMD path, with a bf16 working copy written as the optimizer writes it)
+// for every thread count, gradient dtype and size, and fits each (threads,
+// dtype) series: time = latency + params/Uc. progress, when not nil, is
+// called after every point with the points done and the total.
+//
+// Errors: a fit that fails (times that do not grow with size).
+func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, error) {
+	opts.defaults()
+	maxN := slices.Max(opts.Sizes)
+	s := adam.State{Param: make([]float32, maxN), ExpAvg: make([]float32, maxN), ExpAvgSq: make([]float32, maxN)}
+	for i := range s.Param {
+		s.Param[i] = float32(i%1000) * 1e-3
+	}
+	g32 := make([]float32, maxN)
+	g16 := make([]uint16, maxN)
+	for i := range g32 {
+		g32[i] = float32(i%777) * 1e-5
+		g16[i] = adam.F32ToBF16(g32[i])
+	}
+	out := adam.Copy16{DType: adam.BF16, Data: make([]uint16, maxN)}
+	c := adam.DefaultHyper().Coeffs(1, 1, 1)
+	total := len(opts.Threads) * len(opts.GradDTypes) * len(opts.Sizes)
+	done := 0
+	var fits []CPUFit
+	for _, th := range opts.Threads {
+		pool := adam.NewPool(th)
+		for _, d := range opts.GradDTypes {
+			var pts []Point
+			for _, n := range opts.Sizes {
+				g := adam.GradF32(g32[:n])
+				if d != adam.F32 {
+					g = adam.Grad16(d, g16[:n])
+				}
+				st, o := s.Slice(0, n), out.Slice(0, n)
+				pool.Step(&c, st, g, o) // warm-up
+				times := make([]float64, opts.Reps)
+				for r := range times {
+					t0 := time.Now()
+					pool.Step(&c, st, g, o)
+					times[r] = time.Since(t0).Seconds()
+				}
+				slices.Sort(times)
+				pts = append(pts, Point{Size: float64(n), Seconds: times[len(times)/2]})
+				done++
+				if progress != nil {
+					progress(done, total)
+				}
+			}
+			f, err := FitPoints(pts)
+			if err != nil {
+				pool.Close()
+				return nil, fmt.Errorf("perfmodel: CPU at %d threads, %v gradients: %w", th, d, err)
+			}
+			fits = append(fits, CPUFit{Threads: th, GradDType: d.String(), Fit: f})
+		}
+		pool.Close()
+	}
+	return fits, nil
+}

@@ -1,0 +1,231 @@
+package perfmodel
+
+import (
+	"errors"
+	"fmt"
+	"math"
+)
+
+// Workload is one rank's update phase.
+type Workload struct {
+	Params       int64  // parameters of the rank, > 0
+	SubgroupSize int64  // parameters per subgroup, > 0 (the last may be smaller)
+	GradDType    string // "float32", "bfloat16" or "float16": the gradient on the GPU
+	CopyBytes    int    // bytes per parameter of the 16-bit working copy: 2, or 0 for none
+	AMSGrad      bool   // the state holds max_exp_avg_sq too (16 B/param instead of 12)
+	Threads      int    // CPU workers, >= 1
+	// GPUBudget is the GPU memory the update phase may use, in bytes:
+	// resident state plus double-buffered staging for GPU subgroups.
+	GPUBudget int64
+}
+
+// Schedule is how many subgroups update where; they add up to the
+// workload's subgroup count. UpcastOnGPU casts CPU subgroups' 16-bit
+// gradients to fp32 on the GPU before the D2H copy.
+type Schedule struct {
+	CPU, GPU, Resident int
+	UpcastOnGPU        bool
+}
+
+// K returns the stride: CPU subgroups per GPU subgroup (DESIGN.md: of every
+// k+1 non-resident subgroups, k go to the CPU). +Inf when there is no GPU
+// subgroup but some CPU one; 0 with no CPU subgroup.
+func (s Schedule) K() float64 {
+	switch {
+	case s.CPU == 0:
+		return 0
+	case s.GPU == 0:
+		return math.Inf(1)
+	}
+	return float64(s.CPU) / float64(s.GPU)
+}
+
+// Resources of the update phase.
+const (
+	ResCPU = "cpu"
+	ResH2D = "h2d"
+	ResD2H = "d2h"
+	ResGPU = "gpu"
+)
+
+// Prediction is the model's makespan for a schedule.
+type Prediction struct {
+	Schedule
+	K          float64            // Schedule.K
+	Makespan   float64            // seconds
+	Bottleneck string             // the busiest resource (ResCPU, ...)
+	Busy       map[string]float64 // seconds each resource works
+	Fill       float64            // seconds before the bottleneck's first item
+	Drain      float64            // seconds after its last one
+}
+
+// Subgroups returns the number of subgroups of w.
+func (w Workload) Subgroups() int { return int((w.Params + w.SubgroupSize - 1) / w.SubgroupSize) }
+
+func (w Workload) stateBytes() float64 {
+	if w.AMSGrad {
+		return 16
+	}
+	return 12
+}
+
+func gradBytes(d string) (float64, error) {
+	switch d {
+	case "float32":
+		return 4, nil
+	case "bfloat16", "float16":
+		return 2, nil
+	}
+	return 0, fmt.Errorf("perfmodel: gradient dtype %q", d)
+}
+
+// Predict returns the model's makespan for s (package doc).
+//
+// Errors: a bad workload, counts that do not add up to the subgroups, GPU
+// or resident subgroups with a profile that has no GPU, a schedule over the
+// GPU budget, no CPU rate for the threads and dtype.
+func (p *Profile) Predict(w Workload, s Schedule) (Prediction, error) {
+	if w.Params <= 0 || w.SubgroupSize <= 0 || w.Threads < 1 || w.GPUBudget < 0 || (w.CopyBytes != 0 && w.CopyBytes != 2) {
+		return Prediction{}, fmt.Errorf("perfmodel: bad workload %+v", w)
+	}
+	gb, err := gradBytes(w.GradDType)
+	if err != nil {
+		return Prediction{}, err
+	}
+	n := w.Subgroups()
+	if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
+		return Prediction{}, fmt.Errorf("perfmodel: schedule %+v does not split %d subgroups", s, n)
+	}
+	g := p.GPU
+	if g == nil && (s.GPU > 0 || s.Resident > 0 || s.UpcastOnGPU) {
+		return Prediction{}, errors.New("perfmodel: the profile has no GPU rates")
+	}
+	if need := w.gpuMemory(s); need > float64(w.GPUBudget) {
+		return Prediction{}, fmt.Errorf("perfmodel: schedule %+v needs %.0f bytes of GPU memory, over the budget of %d", s, need, w.GPUBudget)
+	}
+	sz := float64(w.Params) / float64(n) // the mean subgroup, in params
+	st := w.stateBytes() * sz            // bytes of p, m, v (and vmax)
+	cpuDType := w.GradDType
+	down := gb * sz // bytes of a CPU subgroup's gradient
+	if s.UpcastOnGPU && gb == 2 {
+		cpuDType, down = "float32", 4*sz
+	}
+	uc, err := p.CPURate(w.Threads, cpuDType)
+	if err != nil {
+		return Prediction{}, err
+	}
+	up := float64(w.CopyBytes) * sz // bytes of a CPU subgroup's 16-bit copy
+	// Without a GPU, gradients and weights live on the host: no transfers.
+	free := Fit{Rate: math.Inf(1)}
+	h2d, d2h, ug, conv := free, free, free, free
+	if g != nil {
+		h2d, d2h, ug, conv = g.H2D, g.D2H, g.Update, g.Convert
+		hasH2D := s.GPU > 0 || (s.CPU > 0 && up > 0) // state or copies up
+		hasD2H := s.GPU > 0 || s.CPU > 0             // state or gradients down
+		if hasH2D && hasD2H {
+			h2d, d2h = g.H2DBoth, g.D2HBoth // both lanes at once: the duplex rates
+		}
+	}
+	c, gp, r := float64(s.CPU), float64(s.GPU), float64(s.Resident)
+	tCPU := c * uc.Time(sz)
+	tH2D := gp*h2d.Time(st) + c*h2d.Time(up)
+	tD2H := gp*d2h.Time(st) + c*d2h.Time(down)
+	tGPU := (gp + r) * ug.Time(sz)
+	if s.UpcastOnGPU && gb == 2 {
+		tGPU += c * conv.Time(sz)
+	}
+	busy := map[string]float64{ResCPU: tCPU, ResH2D: tH2D, ResD2H: tD2H, ResGPU: tGPU}
+	bott := ResCPU
+	for _, res := range []string{ResGPU, ResH2D, ResD2H} { // ties: the compute resources first
+		if busy[res] > busy[bott] {
+			bott = res
+		}
+	}
+	var fill, drain float64
+	switch bott {
+	case ResCPU:
+		fill, drain = d2h.Time(down), h2d.Time(up)
+	case ResGPU:
+		if s.Resident == 0 {
+			fill, drain = h2d.Time(st), d2h.Time(st)
+		}
+	case ResH2D:
+		if s.GPU == 0 {
+			fill = d2h.Time(down) + uc.Time(sz)
+		}
+		if s.CPU == 0 || up == 0 {
+			drain = ug.Time(sz) + d2h.Time(st)
+		}
+	case ResD2H:
+		if s.CPU == 0 {
+			fill = h2d.Time(st) + ug.Time(sz)
+		}
+		if s.GPU == 0 {
+			drain = uc.Time(sz) + h2d.Time(up)
+		}
+	}
+	if busy[bott] == 0 {
+		fill, drain = 0, 0
+	}
+	return Prediction{Schedule: s, K: s.K(), Makespan: busy[bott] + fill + drain, Bottleneck: bott, Busy: busy, Fill: fill, Drain: drain}, nil
+}
+
+// better reports whether a beats b: a shorter makespan, or, within 1e-9
+// relative, fewer bytes over PCIe (less traffic, less to go wrong), then
+// fewer GPU-resident subgroups (less GPU memory).
+func better(a, b Prediction) bool {
+	if d := a.Makespan - b.Makespan; math.Abs(d) > 1e-9*b.Makespan {
+		return d < 0
+	}
+	ta, tb := a.Busy[ResH2D]+a.Busy[ResD2H], b.Busy[ResH2D]+b.Busy[ResD2H]
+	if math.Abs(ta-tb) > 1e-12 {
+		return ta < tb
+	}
+	return a.Resident < b.Resident
+}
+
+// gpuMemory is what s keeps on the GPU during the update phase: resident
+// state, and two staging slots of state for GPU subgroups (one moving while
+// the other updates), or of fp32 gradients for the upcast.
+func (w Workload) gpuMemory(s Schedule) float64 {
+	sz := float64(w.SubgroupSize)
+	m := float64(s.Resident) * w.stateBytes() * sz
+	if s.GPU > 0 {
+		m += 2 * w.stateBytes() * sz
+	}
+	if s.UpcastOnGPU && s.CPU > 0 {
+		m += 2 * 4 * sz
+	}
+	return m
+}
+
+// Choose returns the prediction of the fastest schedule for w within its
+// GPU budget: every split of the subgroups into resident, GPU and CPU ones,
+// with and without the GPU upcast. Without GPU rates it is all-CPU.
+//
+// Errors: those of Predict for the all-CPU schedule (a bad workload, no CPU
+// rate).
+func (p *Profile) Choose(w Workload) (Prediction, error) {
+	n := w.Subgroups()
+	best, err := p.Predict(w, Schedule{CPU: n})
+	if err != nil {
+		return Prediction{}, err
+	}
+	if p.GPU == nil {
+		return best, nil
+	}
+	for r := 0; r <= n; r++ {
+		for g := 0; g <= n-r; g++ {
+			for _, upcast := range []bool{false, true} {
+				pr, err := p.Predict(w, Schedule{CPU: n - r - g, GPU: g, Resident: r, UpcastOnGPU: upcast})
+				if err != nil {
+					continue // over the budget
+				}
+				if better(pr, best) {
+					best = pr
+				}
+			}
+		}
+	}
+	return best, nil
+}

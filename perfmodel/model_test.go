@@ -1,0 +1,174 @@
+package perfmodel
+
+import (
+	"encoding/json"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func rate(r float64) Fit { return Fit{Rate: r} }
+
+// profile builds a profile with one CPU rate (for every dtype at 1 thread)
+// and, when gpu, a GPU with the given rates (duplex = one-way).
+func profile(uc float64, gpu bool, ug, pcie float64) *Profile {
+	p := &Profile{Format: ProfileFormat, Version: ProfileVersion, Machine: Machine{CPU: "test"}}
+	for _, d := range []string{"float32", "bfloat16", "float16"} {
+		p.CPU = append(p.CPU, CPUFit{Threads: 1, GradDType: d, Fit: rate(uc)})
+	}
+	if gpu {
+		p.GPU = &GPUProfile{Update: rate(ug), H2D: rate(pcie), D2H: rate(pcie), H2DBoth: rate(pcie), D2HBoth: rate(pcie), Convert: rate(1e15)}
+	}
+	return p
+}
+
+func near(a, b float64) bool { return math.Abs(a-b) <= 1e-9*math.Max(1, math.Abs(b)) }
+
+// A 12-subgroup workload of 1M parameters each, bf16 gradients and copy.
+var w12 = Workload{Params: 12e6, SubgroupSize: 1e6, GradDType: "bfloat16", CopyBytes: 2, Threads: 1}
+
+// TestCPUOnly: without a GPU everything is on the CPU and there are no
+// transfers (gradients and weights live on the host): exactly 12 x 3 s.
+func TestCPUOnly(t *testing.T) {
+	p := profile(1e6/3, false, 0, 0)
+	pr, err := p.Choose(w12)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pr.CPU != 12 || pr.GPU != 0 || !math.IsInf(pr.K, 1) || pr.Bottleneck != ResCPU || !near(pr.Makespan, 36) {
+		t.Fatalf("%+v", pr)
+	}
+	if _, err := p.Predict(w12, Schedule{GPU: 12}); err == nil {
+		t.Error("a GPU schedule without GPU rates was accepted")
+	}
+}
+
+// TestPCIeBound: the CPU takes 3 s a subgroup, a GPU subgroup's state takes
+// 1 s each way, its update nothing; a CPU subgroup's gradient and copy 1/6 s
+// each. By hand: c CPU and g = 12-c GPU subgroups cost max(3c, g + c/6), and
+// c = 3 gives max(9, 9.5) = 9.5 s on the H2D lane, with no fill (a GPU state
+// can go first) and no drain (a copy can go last); c = 2 gives 10.33, c = 4
+// 12 + 1/6 + 1/6. No room for a resident subgroup next to the staging.
+func TestPCIeBound(t *testing.T) {
+	p := profile(1e6/3, true, 1e15, 12e6)
+	w := w12
+	w.GPUBudget = 24e6 // two staging slots of 12 MB
+	pr, err := p.Choose(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pr.CPU != 3 || pr.GPU != 9 || pr.Resident != 0 || pr.UpcastOnGPU || pr.Bottleneck != ResH2D || !near(pr.Makespan, 9.5) || !near(pr.K, 1.0/3) {
+		t.Fatalf("%+v", pr)
+	}
+	c4, _ := p.Predict(w, Schedule{CPU: 4, GPU: 8})
+	if c4.Bottleneck != ResCPU || !near(c4.Makespan, 12+1.0/6+1.0/6) {
+		t.Fatalf("c=4: %+v", c4)
+	}
+	allGPU, err := p.Predict(w, Schedule{GPU: 12})
+	if err != nil || allGPU.K != 0 || !near(allGPU.Makespan, 12+1) { // H2D 12 s, drain: the last update and D2H
+		t.Fatalf("all GPU: %+v %v", allGPU, err)
+	}
+	if _, err := p.Predict(w, Schedule{GPU: 11, Resident: 1}); err == nil || !strings.Contains(err.Error(), "budget") {
+		t.Fatalf("over the budget: %v", err)
+	}
+}
+
+// TestGPUBound: a slow GPU (1 s a subgroup), fast PCIe, a CPU at 10 s a
+// subgroup, room for everything: 11 resident and 1 on the CPU (11 s on the
+// GPU, 10 on the CPU) beat all resident (12 s).
+func TestGPUBound(t *testing.T) {
+	p := profile(1e5, true, 1e6, 1e15)
+	w := w12
+	w.GPUBudget = 1 << 40
+	pr, err := p.Choose(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pr.Resident != 11 || pr.CPU != 1 || pr.GPU != 0 || pr.Bottleneck != ResGPU || !near(pr.Makespan, 11) {
+		t.Fatalf("%+v", pr)
+	}
+}
+
+// TestAllResident: with a CPU 100x slower than the GPU and room for all,
+// every subgroup stays on the GPU: 12 s, no transfers, k = 0.
+func TestAllResident(t *testing.T) {
+	p := profile(1e4, true, 1e6, 1e10)
+	w := w12
+	w.GPUBudget = 1 << 40
+	pr, err := p.Choose(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pr.Resident != 12 || pr.CPU != 0 || pr.GPU != 0 || pr.K != 0 || !near(pr.Makespan, 12) || pr.Busy[ResH2D] != 0 {
+		t.Fatalf("%+v", pr)
+	}
+}
+
+func TestScheduleK(t *testing.T) {
+	for _, c := range []struct {
+		s Schedule
+		k float64
+	}{{Schedule{CPU: 0, GPU: 5}, 0}, {Schedule{CPU: 5}, math.Inf(1)}, {Schedule{CPU: 2, GPU: 1}, 2}, {Schedule{Resident: 3}, 0}} {
+		if got := c.s.K(); got != c.k {
+			t.Errorf("%+v: K = %v, want %v", c.s, got, c.k)
+		}
+	}
+}
+
+func TestFitPoints(t *testing.T) {
+	var pts []Point
+	for _, x := range []float64{1e3, 1e5, 1e6, 1e7} {
+		pts = append(pts, Point{x, 2e-5 + x/5e8})
+	}
+	f, err := FitPoints(pts)
+	if err != nil || !near(f.LatencyS, 2e-5) || math.Abs(f.Rate/5e8-1) > 1e-9 || f.Residual > 1e-9 {
+		t.Fatalf("%+v %v", f, err)
+	}
+	// Noise that would give a negative latency: refitted through the origin.
+	f, err = FitPoints([]Point{{1, 0.9e-9}, {2, 2.1e-9}, {3, 3e-9}})
+	if err != nil || f.LatencyS != 0 || !(f.Rate > 0) {
+		t.Fatalf("%+v %v", f, err)
+	}
+	for _, bad := range [][]Point{nil, {{1, 1}}, {{1, 1}, {0, 1}}, {{1, 2}, {2, 1}}, {{1, math.Inf(1)}, {2, 1}}} {
+		if _, err := FitPoints(bad); err == nil {
+			t.Errorf("%v accepted", bad)
+		}
+	}
+}
+
+func TestLoad(t *testing.T) {
+	dir := t.TempDir()
+	here := Machine{CPU: "test", GPU: "H200"}
+	p := profile(1e6, true, 1e6, 1e9)
+	p.Machine = here
+	write := func(p *Profile) string {
+		b, _ := json.Marshal(p)
+		path := filepath.Join(dir, "p.json")
+		os.WriteFile(path, b, 0o644)
+		return path
+	}
+	if _, err := Load(write(p), here); err != nil {
+		t.Fatal(err)
+	}
+	other := *p
+	other.Machine.GPU = "H100"
+	if _, err := Load(write(&other), here); err == nil || !strings.Contains(err.Error(), "another machine") {
+		t.Errorf("another machine: %v", err)
+	}
+	old := *p
+	old.Version = 0
+	if _, err := Load(write(&old), here); err == nil || !strings.Contains(err.Error(), "version") {
+		t.Errorf("old version: %v", err)
+	}
+	bad := *p
+	bad.CPU = []CPUFit{{Threads: 1, GradDType: "float32", Fit: Fit{Rate: -1}}}
+	if _, err := Load(write(&bad), here); err == nil {
+		t.Error("a negative rate was accepted")
+	}
+	os.WriteFile(filepath.Join(dir, "junk.json"), []byte("{"), 0o644)
+	if _, err := Load(filepath.Join(dir, "junk.json"), here); err == nil || !strings.Contains(err.Error(), "junk.json") {
+		t.Errorf("junk: %v", err)
+	}
+}

@@ -1,0 +1,122 @@
+package perfmodel
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+)
+
+// ProfileFormat and ProfileVersion identify a Profile's JSON.
+const (
+	ProfileFormat  = "dos-profile"
+	ProfileVersion = 1
+)
+
+// Machine identifies where a Profile was measured.
+type Machine struct {
+	CPU          string `json:"cpu"`   // model name, e.g. from klauspost/cpuid
+	Cores        int    `json:"cores"` // logical CPUs
+	HostMemBytes int64  `json:"host_mem_bytes,omitempty"`
+	GPU          string `json:"gpu,omitempty"` // "" without a GPU
+	GPUMemBytes  int64  `json:"gpu_mem_bytes,omitempty"`
+	Driver       string `json:"driver,omitempty"` // CUDA driver API version, e.g. "13.0"
+}
+
+// CPUFit is the CPU pool's AdamW update rate at Threads goroutines for
+// gradients of GradDType ("float32", "bfloat16", "float16"): Size in
+// parameters, Rate in params/s (Uc).
+type CPUFit struct {
+	Threads   int    `json:"threads"`
+	GradDType string `json:"grad_dtype"`
+	Fit
+}
+
+// GPUProfile holds the GPU's rates.
+type GPUProfile struct {
+	Update  Fit `json:"update"`     // fused AdamW, params/s (Ug)
+	H2D     Fit `json:"h2d"`        // pinned host to device alone, bytes/s (Bh)
+	D2H     Fit `json:"d2h"`        // device to host alone, bytes/s (Bd)
+	H2DBoth Fit `json:"h2d_duplex"` // host to device while D2H runs too, bytes/s
+	D2HBoth Fit `json:"d2h_duplex"` // device to host while H2D runs too, bytes/s
+	Convert Fit `json:"convert"`    // 16-bit to fp32 cast, elements/s (Dc)
+}
+
+// Profile is what dos calibrate measured on one machine.
+type Profile struct {
+	Format  string      `json:"format"`
+	Version int         `json:"version"`
+	Created time.Time   `json:"created"`
+	Machine Machine     `json:"machine"`
+	CPU     []CPUFit    `json:"cpu"`
+	GPU     *GPUProfile `json:"gpu,omitempty"` // nil: measured without a GPU
+}
+
+// CPURate returns the fit for threads and the gradient dtype: the exact
+// thread count, or else the largest measured count below it.
+//
+// Errors: no fit for that dtype at or below threads.
+func (p *Profile) CPURate(threads int, gradDType string) (Fit, error) {
+	best := -1
+	for i, c := range p.CPU {
+		if c.GradDType == gradDType && c.Threads <= threads && (best < 0 || c.Threads > p.CPU[best].Threads) {
+			best = i
+		}
+	}
+	if best < 0 {
+		return Fit{}, fmt.Errorf("perfmodel: the profile has no CPU rate for %s gradients at %d threads or fewer", gradDType, threads)
+	}
+	return p.CPU[best].Fit, nil
+}
+
+// Validate checks the format, the version and every fit.
+func (p *Profile) Validate() error {
+	if p.Format != ProfileFormat {
+		return fmt.Errorf("perfmodel: format %q is not a dos profile (%q)", p.Format, ProfileFormat)
+	}
+	if p.Version != ProfileVersion {
+		return fmt.Errorf("perfmodel: profile version %d; this dos reads version %d: run dos calibrate again", p.Version, ProfileVersion)
+	}
+	if len(p.CPU) == 0 {
+		return errors.New("perfmodel: the profile has no CPU rates")
+	}
+	for _, c := range p.CPU {
+		if !c.Valid() || c.Threads < 1 {
+			return fmt.Errorf("perfmodel: CPU rate at %d threads for %s: invalid fit %+v", c.Threads, c.GradDType, c.Fit)
+		}
+	}
+	if g := p.GPU; g != nil {
+		for name, f := range map[string]Fit{"update": g.Update, "h2d": g.H2D, "d2h": g.D2H, "h2d_duplex": g.H2DBoth, "d2h_duplex": g.D2HBoth, "convert": g.Convert} {
+			if !f.Valid() {
+				return fmt.Errorf("perfmodel: GPU %s: invalid fit %+v", name, f)
+			}
+		}
+	}
+	return nil
+}
+
+// Load reads and validates a Profile from path and checks that it was
+// measured on here (its CPU model and GPU name): rates of another machine
+// would choose a wrong schedule.
+//
+// Errors: the file unreadable or not a valid Profile (naming the path),
+// another version, another machine.
+func Load(path string, here Machine) (*Profile, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("perfmodel: %w", err)
+	}
+	var p Profile
+	if err := json.Unmarshal(b, &p); err != nil {
+		return nil, fmt.Errorf("perfmodel: %s: %w", path, err)
+	}
+	if err := p.Validate(); err != nil {
+		return nil, fmt.Errorf("%w (%s)", err, path)
+	}
+	if p.Machine.CPU != here.CPU || p.Machine.GPU != here.GPU {
+		return nil, fmt.Errorf("perfmodel: %s was measured on another machine (CPU %q, GPU %q; here CPU %q, GPU %q): run dos calibrate here",
+			path, p.Machine.CPU, p.Machine.GPU, here.CPU, here.GPU)
+	}
+	return &p, nil
+}
