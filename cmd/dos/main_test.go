@@ -128,3 +128,15 @@ func TestCkpt(t *testing.T) {
 		}
 	}
 }
+
+func TestCalibrateUsage(t *testing.T) {
+	if rc, _, errs := runCLI("calibrate"); rc != 2 || !strings.Contains(errs, "--cpu-only") {
+		t.Errorf("calibrate without --cpu-only: rc %d %q", rc, errs)
+	}
+	if rc, _, _ := runCLI("calibrate", "--cpu-only", "extra"); rc != 2 {
+		t.Errorf("extra argument: rc %d", rc)
+	}
+	if rc, _, _ := runCLI("calibrate", "-h"); rc != 0 {
+		t.Errorf("-h: rc %d", rc)
+	}
+}
