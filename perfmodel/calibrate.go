@@ -18,7 +18,7 @@ type CPUOptions struct {
 	Threads []int
 	// Sizes are the subgroup sizes in parameters (default: 1, 2 and 4 times
 	// the larger of 8M and the parameters whose 28 B/param of traffic fill
-	// the last-level cache twice: real subgroups never fit in a cache, and a
+	// the last-level cache twice, at most 16M: real subgroups never fit in a cache, and a
 	// point that does would make the CPU look faster than it is).
 	Sizes []int
 	// Reps is the number of timed steps per point, after one warm-up; the
@@ -37,7 +37,7 @@ func (o *CPUOptions) defaults() {
 		o.Threads = append(o.Threads, max)
 	}
 	if len(o.Sizes) == 0 {
-		base := max(8<<20, 2*cpuid.CPU.Cache.L3/28)
+		base := min(max(8<<20, 2*cpuid.CPU.Cache.L3/28), 16<<20)
 		o.Sizes = []int{base, 2 * base, 4 * base}
 	}
 	if o.Reps <= 0 {

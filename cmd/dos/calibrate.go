@@ -24,8 +24,9 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	cpuOnly := fs.Bool("cpu-only", false, "measure the CPU update rate only (no GPU needed)")
 	thorough := fs.Bool("thorough", false, "more sizes and repetitions (several minutes)")
 	jsonPath := fs.String("json", "", "write the measured profile to `PATH` (JSON, format dos-profile v1)")
+	plotPath := fs.String("plot", "", "draw the measured points and fitted lines to `PATH` (.svg, .png or .pdf)")
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: dos calibrate --cpu-only [--thorough] [--json PATH]\n\n"+
+		fmt.Fprintf(stderr, "Usage: dos calibrate --cpu-only [--thorough] [--json PATH] [--plot PATH]\n\n"+
 			"Measures the rates the performance model needs (issue 6): today the CPU pool's AdamW\n"+
 			"update rate Uc per thread count and gradient dtype, fitted as time = latency + params/Uc,\n"+
 			"and prints the fits and the schedule the model picks for a few model sizes.\n\nFlags:\n")
@@ -101,6 +102,13 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 			return 1
 		}
 		fmt.Fprintf(stdout, "profile written to %s\n", *jsonPath)
+	}
+	if *plotPath != "" {
+		if err := plotProfile(p, *plotPath); err != nil {
+			fmt.Fprintf(stderr, "dos calibrate: plot: %v\n", err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "plot written to %s\n", *plotPath)
 	}
 	return 0
 }
