@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -19,7 +18,7 @@ import (
 )
 
 func runCalibrate(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("calibrate", flag.ContinueOnError)
+	fs := flag.NewFlagSet("dos calibrate", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cpuOnly := fs.Bool("cpu-only", false, "measure the CPU update rate only (no GPU needed)")
 	thorough := fs.Bool("thorough", false, "more sizes and repetitions (several minutes)")
@@ -32,14 +31,8 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 			"and prints the fits and the schedule the model picks for a few model sizes.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-		return 0
-	} else if err != nil {
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "dos calibrate: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if rc, ok := parseNoArgs(fs, args, stderr); !ok {
+		return rc
 	}
 	if !*cpuOnly {
 		why := "GPU calibration (transfers, the fused kernel, conversions) is not built yet"

@@ -13,6 +13,8 @@
 package main
 
 import (
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -66,3 +68,19 @@ func run(args []string, stdout, stderr io.Writer) int {
 
 // writeFile writes b to path (mode 0644).
 func writeFile(path string, b []byte) error { return os.WriteFile(path, b, 0o644) }
+
+// parseNoArgs parses a command's flags, which take no positional
+// arguments. When it returns false the command exits with rc: 0 after -h,
+// 2 on a bad flag or an unexpected argument (reported to stderr).
+func parseNoArgs(fs *flag.FlagSet, args []string, stderr io.Writer) (rc int, ok bool) {
+	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
+		return 0, false
+	} else if err != nil {
+		return 2, false
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "%s: unexpected argument %q\n", fs.Name(), fs.Arg(0))
+		return 2, false
+	}
+	return 0, true
+}

@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -33,7 +32,7 @@ func (f dtypeFlag) Set(s string) error {
 
 func runTrain(args []string, stdout, stderr io.Writer) int {
 	cfg := trainer.DefaultTrainConfig()
-	fs := flag.NewFlagSet("train", flag.ContinueOnError)
+	fs := flag.NewFlagSet("dos train", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.IntVar(&cfg.Steps, "steps", cfg.Steps, "train to this iteration (one batch each); a resumed run continues to it")
 	fs.IntVar(&cfg.Model.NLayer, "layers", cfg.Model.NLayer, "transformer blocks")
@@ -73,14 +72,8 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 			"through dos's checkpointer. Losses are in nats per byte.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-		return 0
-	} else if err != nil {
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "dos train: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if rc, ok := parseNoArgs(fs, args, stderr); !ok {
+		return rc
 	}
 	if err := cfg.Validate(); err != nil {
 		fmt.Fprintf(stderr, "dos train: %v\n", err)
