@@ -67,7 +67,8 @@ type EngineOptions struct {
 }
 
 // Engine is the lazy asynchronous checkpointer of DataStates-LLM (Maurya
-// et al., HPDC 2024, sections 4.2-4.4): Save takes a snapshot whose tensors
+// et al., HPDC 2024: lazy capture, a bounded host buffer, background flush,
+// and the commit protocol): Save takes a snapshot whose tensors
 // are views of live state and returns at once. In the background copier
 // goroutines capture the file image chunk by chunk into a bounded ring of
 // pinned memory (reserved in file order), a checksum stage computes every

@@ -1,6 +1,7 @@
-// Package perfmodel is dos's performance model of the update phase (Deep
-// Optimizer States, Maurya et al., 2024, section 4: the stride chosen from
-// measured rates, not a hand-tuned ratio): a Profile of measured rates, fits
+// Package perfmodel is dos's performance model of the update phase (the
+// performance model of Deep Optimizer States, Maurya et al., 2024: the
+// stride chosen from measured rates, not a hand-tuned ratio; see
+// ../shared/PAPERS.md): a Profile of measured rates, fits
 // of time = latency + size/rate, and a model that predicts the update
 // phase's makespan for a schedule and chooses the schedule that minimises
 // it.
@@ -32,7 +33,9 @@
 // Every transfer costs its Fit: latency + bytes/B (seconds, bytes, bytes/s);
 // every update latency + params/U (params/s). When both PCIe directions carry
 // traffic in the phase, their duplex rates (measured with both running) are
-// used instead of the one-way rates.
+// used instead of the one-way rates. A Profile without GPU rates describes a
+// CPU-only run: gradients and weights live on the host, nothing crosses
+// PCIe, and the only schedule is all-CPU.
 //
 // # The makespan
 //
