@@ -40,11 +40,15 @@
 // # The makespan
 //
 // The four resources, CPU pool, H2D lane, D2H lane and GPU, work in
-// parallel, each serially through its items. The makespan is the busiest
-// resource's time plus the fill before its first item can start and the
-// drain after its last one ends:
+// parallel, each serially through its items. No resource can finish before
+// its own busy time plus the fill before its first item can start and the
+// drain after its last one ends, so the makespan is
 //
-//	T = max(Tcpu, Th2d, Td2h, Tgpu) + fill(r*) + drain(r*),   r* = argmax
+//	T = max over r in {CPU, H2D, D2H, GPU} of  busy(r) + fill(r) + drain(r)
+//
+// and the bottleneck is the r that attains it. With UpcastOnGPU a CPU
+// subgroup's gradient is converted on the GPU before its D2H: that
+// conversion adds to the fills that start with a gradient.
 //
 //	fill:  CPU  the first gradient's D2H;  GPU  0 with a resident subgroup,
 //	       else the first state's H2D;  H2D  0 with a GPU subgroup, else the
@@ -55,8 +59,9 @@
 //	       last GPU subgroup's update and D2H;  D2H  0 when a GPU state can go
 //	       last, else the last CPU subgroup's update and copy H2D.
 //
-// This is a bound for a pipeline that keeps every resource busy (the
-// scheduler's job); the scheduler issue validates it against measured runs.
+// This is a lower bound, reached by a pipeline that keeps the bottleneck
+// busy from its first possible moment to its last (the scheduler's job);
+// the scheduler issue validates it against measured runs.
 //
 // # Against the paper's formulation
 //

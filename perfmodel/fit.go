@@ -33,10 +33,11 @@ func (f Fit) Time(size float64) float64 {
 	return f.LatencyS + size/f.Rate
 }
 
-// Valid reports whether the fit can be used: a positive finite rate and a
-// finite, non-negative latency.
+// Valid reports whether the fit can be used: a finite rate of at least 1
+// unit per second, a finite, non-negative latency and residual.
 func (f Fit) Valid() bool {
-	return f.Rate > 0 && !math.IsInf(f.Rate, 0) && f.LatencyS >= 0 && !math.IsInf(f.LatencyS, 0)
+	return f.Rate >= 1 && !math.IsInf(f.Rate, 0) && f.LatencyS >= 0 && !math.IsInf(f.LatencyS, 0) &&
+		f.Residual >= 0 && !math.IsInf(f.Residual, 0)
 }
 
 // FitPoints fits time = latency + size/rate to pts by ordinary least

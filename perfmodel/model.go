@@ -85,13 +85,42 @@ func gradBytes(d string) (float64, error) {
 // or resident subgroups with a profile that has no GPU, a schedule over the
 // GPU budget, no CPU rate for the threads and dtype.
 func (p *Profile) Predict(w Workload, s Schedule) (Prediction, error) {
-	if w.Params <= 0 || w.SubgroupSize <= 0 || w.Threads < 1 || w.GPUBudget < 0 || (w.CopyBytes != 0 && w.CopyBytes != 2) {
-		return Prediction{}, fmt.Errorf("perfmodel: bad workload %+v", w)
+	if p == nil {
+		return Prediction{}, errors.New("perfmodel: nil profile")
 	}
-	gb, err := gradBytes(w.GradDType)
-	if err != nil {
+	if err := p.Validate(); err != nil {
 		return Prediction{}, err
 	}
+	if err := w.Validate(); err != nil {
+		return Prediction{}, err
+	}
+	return p.predict(w, s)
+}
+
+// MaxParams bounds Workload.Params (2^50, a million billion).
+const MaxParams = 1 << 50
+
+// Validate checks the workload, naming the field at fault.
+func (w Workload) Validate() error {
+	switch {
+	case w.Params <= 0 || w.Params > MaxParams:
+		return fmt.Errorf("perfmodel: workload Params %d: want 1 to %d", w.Params, int64(MaxParams))
+	case w.SubgroupSize <= 0:
+		return fmt.Errorf("perfmodel: workload SubgroupSize %d: want > 0", w.SubgroupSize)
+	case w.Threads < 1:
+		return fmt.Errorf("perfmodel: workload Threads %d: want >= 1", w.Threads)
+	case w.GPUBudget < 0:
+		return fmt.Errorf("perfmodel: workload GPUBudget %d: want >= 0", w.GPUBudget)
+	case w.CopyBytes != 0 && w.CopyBytes != 2:
+		return fmt.Errorf("perfmodel: workload CopyBytes %d: want 0 or 2", w.CopyBytes)
+	}
+	_, err := gradBytes(w.GradDType)
+	return err
+}
+
+// predict is Predict for a valid profile and workload.
+func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
+	gb, _ := gradBytes(w.GradDType)
 	n := w.Subgroups()
 	if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
 		return Prediction{}, fmt.Errorf("perfmodel: schedule %+v does not split %d subgroups", s, n)
@@ -135,39 +164,51 @@ func (p *Profile) Predict(w Workload, s Schedule) (Prediction, error) {
 		tGPU += c * conv.Time(sz)
 	}
 	busy := map[string]float64{ResCPU: tCPU, ResH2D: tH2D, ResD2H: tD2H, ResGPU: tGPU}
-	bott := ResCPU
-	for _, res := range []string{ResGPU, ResH2D, ResD2H} { // ties: the compute resources first
-		if busy[res] > busy[bott] {
-			bott = res
+	convT := 0.0 // a CPU subgroup's gradient conversion on the GPU, before its D2H
+	if s.UpcastOnGPU && gb == 2 {
+		convT = conv.Time(sz)
+	}
+	// Each resource's fill and drain (package doc); the makespan is the
+	// largest busy + fill + drain.
+	fd := func(res string) (fill, drain float64) {
+		if busy[res] == 0 {
+			return 0, 0
+		}
+		switch res {
+		case ResCPU:
+			return convT + d2h.Time(down), h2d.Time(up)
+		case ResGPU:
+			if s.Resident > 0 {
+				return 0, 0
+			}
+			return h2d.Time(st), d2h.Time(st)
+		case ResH2D:
+			if s.GPU == 0 {
+				fill = convT + d2h.Time(down) + uc.Time(sz)
+			}
+			if s.CPU == 0 || up == 0 {
+				drain = ug.Time(sz) + d2h.Time(st)
+			}
+		case ResD2H:
+			if s.CPU == 0 {
+				fill = h2d.Time(st) + ug.Time(sz)
+			} else if s.UpcastOnGPU {
+				fill = convT
+			}
+			if s.GPU == 0 {
+				drain = uc.Time(sz) + h2d.Time(up)
+			}
+		}
+		return fill, drain
+	}
+	pr := Prediction{Schedule: s, K: s.K(), Busy: busy, Bottleneck: ResCPU}
+	for _, res := range []string{ResCPU, ResGPU, ResH2D, ResD2H} { // ties: the compute resources first
+		fill, drain := fd(res)
+		if t := busy[res] + fill + drain; t > pr.Makespan {
+			pr.Makespan, pr.Bottleneck, pr.Fill, pr.Drain = t, res, fill, drain
 		}
 	}
-	var fill, drain float64
-	switch bott {
-	case ResCPU:
-		fill, drain = d2h.Time(down), h2d.Time(up)
-	case ResGPU:
-		if s.Resident == 0 {
-			fill, drain = h2d.Time(st), d2h.Time(st)
-		}
-	case ResH2D:
-		if s.GPU == 0 {
-			fill = d2h.Time(down) + uc.Time(sz)
-		}
-		if s.CPU == 0 || up == 0 {
-			drain = ug.Time(sz) + d2h.Time(st)
-		}
-	case ResD2H:
-		if s.CPU == 0 {
-			fill = h2d.Time(st) + ug.Time(sz)
-		}
-		if s.GPU == 0 {
-			drain = uc.Time(sz) + h2d.Time(up)
-		}
-	}
-	if busy[bott] == 0 {
-		fill, drain = 0, 0
-	}
-	return Prediction{Schedule: s, K: s.K(), Makespan: busy[bott] + fill + drain, Bottleneck: bott, Busy: busy, Fill: fill, Drain: drain}, nil
+	return pr, nil
 }
 
 // better reports whether a beats b: a shorter makespan, or, within 1e-9
@@ -188,7 +229,7 @@ func better(a, b Prediction) bool {
 // state, and two staging slots of state for GPU subgroups (one moving while
 // the other updates), or of fp32 gradients for the upcast.
 func (w Workload) gpuMemory(s Schedule) float64 {
-	sz := float64(w.SubgroupSize)
+	sz := float64(min(w.SubgroupSize, w.Params))
 	m := float64(s.Resident) * w.stateBytes() * sz
 	if s.GPU > 0 {
 		m += 2 * w.stateBytes() * sz
@@ -206,6 +247,12 @@ func (w Workload) gpuMemory(s Schedule) float64 {
 // Errors: those of Predict for the all-CPU schedule (a bad workload, no CPU
 // rate).
 func (p *Profile) Choose(w Workload) (Prediction, error) {
+	if p == nil {
+		return Prediction{}, errors.New("perfmodel: nil profile")
+	}
+	if err := w.Validate(); err != nil {
+		return Prediction{}, err
+	}
 	n := w.Subgroups()
 	best, err := p.Predict(w, Schedule{CPU: n})
 	if err != nil {
@@ -217,7 +264,7 @@ func (p *Profile) Choose(w Workload) (Prediction, error) {
 	for r := 0; r <= n; r++ {
 		for g := 0; g <= n-r; g++ {
 			for _, upcast := range []bool{false, true} {
-				pr, err := p.Predict(w, Schedule{CPU: n - r - g, GPU: g, Resident: r, UpcastOnGPU: upcast})
+				pr, err := p.predict(w, Schedule{CPU: n - r - g, GPU: g, Resident: r, UpcastOnGPU: upcast})
 				if err != nil {
 					continue // over the budget
 				}

@@ -172,3 +172,42 @@ func TestLoad(t *testing.T) {
 		t.Errorf("junk: %v", err)
 	}
 }
+
+// TestEdges: regressions from adversarial testing.
+func TestEdges(t *testing.T) {
+	p := profile(1e6, true, 1e6, 1e9)
+	if _, err := p.Choose(Workload{Params: 1000, GradDType: "float32", Threads: 1}); err == nil || !strings.Contains(err.Error(), "SubgroupSize") {
+		t.Errorf("SubgroupSize 0: %v", err)
+	}
+	var nilp *Profile
+	if _, err := nilp.Choose(w12); err == nil {
+		t.Error("a nil profile chose")
+	}
+	// A slightly less busy resource with a long fill and drain sets the
+	// makespan: one GPU subgroup needs H2D 0.5 s, update 0.9 s and D2H 0.3 s
+	// in turn (1.7 s) while the CPU is busy 1.0 s.
+	q := profile(900, true, 1, 1)
+	q.GPU.Update = Fit{LatencyS: 0.9, Rate: 1e15}
+	q.GPU.H2D, q.GPU.H2DBoth = rate(2400), rate(2400)
+	q.GPU.D2H, q.GPU.D2HBoth = rate(4000), rate(4000)
+	w := Workload{Params: 1000, SubgroupSize: 100, GradDType: "bfloat16", CopyBytes: 2, Threads: 1, GPUBudget: 1 << 30}
+	pr, err := q.Predict(w, Schedule{CPU: 9, GPU: 1})
+	if err != nil || pr.Makespan < 1.7-1e-9 || pr.Bottleneck != ResGPU {
+		t.Errorf("makespan %v on %s (%v), want at least 1.7 s on the GPU", pr.Makespan, pr.Bottleneck, err)
+	}
+	// A subgroup size above the parameters: the memory of the real subgroup.
+	small := Workload{Params: 100, SubgroupSize: 1e9, GradDType: "float32", Threads: 1, GPUBudget: 1 << 30}
+	if _, err := p.Predict(small, Schedule{GPU: 1}); err != nil {
+		t.Errorf("one small GPU subgroup: %v", err)
+	}
+	dup := profile(1e6, false, 0, 0)
+	dup.CPU = append(dup.CPU, dup.CPU[0])
+	if err := dup.Validate(); err == nil {
+		t.Error("two fits for the same threads and dtype accepted")
+	}
+	odd := profile(1e6, false, 0, 0)
+	odd.CPU[0].GradDType = "float64"
+	if err := odd.Validate(); err == nil {
+		t.Error("an unknown dtype accepted")
+	}
+}

@@ -81,15 +81,27 @@ func (p *Profile) Validate() error {
 	if len(p.CPU) == 0 {
 		return errors.New("perfmodel: the profile has no CPU rates")
 	}
+	seen := map[[2]string]bool{}
 	for _, c := range p.CPU {
-		if !c.Valid() || c.Threads < 1 {
-			return fmt.Errorf("perfmodel: CPU rate at %d threads for %s: invalid fit %+v", c.Threads, c.GradDType, c.Fit)
+		if _, err := gradBytes(c.GradDType); err != nil {
+			return fmt.Errorf("perfmodel: CPU rate at %d threads: %w", c.Threads, err)
 		}
+		if !c.Valid() || c.Threads < 1 {
+			return fmt.Errorf("perfmodel: CPU rate at %d threads for %s: invalid fit (rate %g, latency %g s, residual %g)", c.Threads, c.GradDType, c.Rate, c.LatencyS, c.Residual)
+		}
+		key := [2]string{fmt.Sprint(c.Threads), c.GradDType}
+		if seen[key] {
+			return fmt.Errorf("perfmodel: two CPU rates for %d threads and %s", c.Threads, c.GradDType)
+		}
+		seen[key] = true
 	}
 	if g := p.GPU; g != nil {
-		for name, f := range map[string]Fit{"update": g.Update, "h2d": g.H2D, "d2h": g.D2H, "h2d_duplex": g.H2DBoth, "d2h_duplex": g.D2HBoth, "convert": g.Convert} {
-			if !f.Valid() {
-				return fmt.Errorf("perfmodel: GPU %s: invalid fit %+v", name, f)
+		for _, x := range []struct {
+			name string
+			f    Fit
+		}{{"update", g.Update}, {"h2d", g.H2D}, {"d2h", g.D2H}, {"h2d_duplex", g.H2DBoth}, {"d2h_duplex", g.D2HBoth}, {"convert", g.Convert}} {
+			if !x.f.Valid() {
+				return fmt.Errorf("perfmodel: GPU %s: invalid fit (rate %g, latency %g s, residual %g)", x.name, x.f.Rate, x.f.LatencyS, x.f.Residual)
 			}
 		}
 	}

@@ -481,11 +481,18 @@ func (t *Trainer) save() error {
 		return err
 	}
 	snap.Step = step
+	t0 := time.Now()
 	dir, err := checkpoint.Save(checkpoint.OS, t.cfg.CkptDir, snap)
 	if err != nil {
 		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", t.state.Iteration, err)
 	}
-	t.logf("checkpoint %s\n", dir)
+	var bytes int
+	for _, tn := range snap.Tensors {
+		for _, r := range tn.Data {
+			bytes += len(r)
+		}
+	}
+	t.logf("checkpoint %s (%.1f MB, synchronous, %v)\n", dir, float64(bytes)/1e6, time.Since(t0).Round(time.Millisecond))
 	if t.cfg.CkptKeep > 0 {
 		return checkpoint.Retain(checkpoint.OS, t.cfg.CkptDir, t.cfg.CkptKeep)
 	}

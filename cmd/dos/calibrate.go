@@ -42,6 +42,12 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos calibrate: %s; run dos calibrate --cpu-only\n", why)
 		return 2
 	}
+	if *plotPath != "" {
+		if err := checkPlotPath(*plotPath); err != nil {
+			fmt.Fprintf(stderr, "dos calibrate: %v\n", err)
+			return 2
+		}
+	}
 	opts := perfmodel.CPUOptions{}
 	if *thorough {
 		opts.Sizes = []int{1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20}

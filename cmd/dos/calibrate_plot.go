@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
 
@@ -18,10 +19,8 @@ import (
 // of parameters, one colour per series. The format follows path's
 // extension (.svg, .png, .pdf).
 func plotProfile(p *perfmodel.Profile, path string) error {
-	switch strings.ToLower(filepath.Ext(path)) {
-	case ".svg", ".png", ".pdf":
-	default:
-		return fmt.Errorf("--plot %s: want a .svg, .png or .pdf file", path)
+	if err := checkPlotPath(path); err != nil {
+		return err
 	}
 	pl := plot.New()
 	pl.Title.Text = fmt.Sprintf("dos calibrate: %s, CPU AdamW update", p.Machine.CPU)
@@ -44,14 +43,28 @@ func plotProfile(p *perfmodel.Profile, path string) error {
 		sc.GlyphStyle.Color = col
 		sc.GlyphStyle.Shape = plotutil.Shape(i)
 		f := c.Fit
-		line := plotter.NewFunction(func(x float64) float64 { return f.Time(x*1e6) * 1e3 })
+		line := plotter.NewFunction(func(x float64) float64 { return (f.LatencyS + x*1e6/f.Rate) * 1e3 })
 		line.XMin, line.XMax = 0, maxX/1e6
 		line.Color = col
 		line.Width = vg.Points(1)
 		pl.Add(sc, line)
-		pl.Legend.Add(fmt.Sprintf("%d threads, %s: %.2f Gparam/s", c.Threads, c.GradDType, c.Rate/1e9), sc, line)
+		pl.Legend.Add(fmt.Sprintf("threads=%d, %s: %.2f Gparam/s", c.Threads, c.GradDType, c.Rate/1e9), sc, line)
 	}
 	pl.Add(plotter.NewGrid())
 	pl.X.Min, pl.Y.Min = 0, 0 // the latency is the fitted line's intercept
 	return pl.Save(8*vg.Inch, 5*vg.Inch, path)
+}
+
+// checkPlotPath refuses, before anything is measured, a plot path whose
+// format is unknown or whose directory does not exist.
+func checkPlotPath(path string) error {
+	switch strings.ToLower(filepath.Ext(path)) {
+	case ".svg", ".png", ".pdf":
+	default:
+		return fmt.Errorf("--plot %s: want a .svg, .png or .pdf file", path)
+	}
+	if st, err := os.Stat(filepath.Dir(path)); err != nil || !st.IsDir() {
+		return fmt.Errorf("--plot %s: no directory %s", path, filepath.Dir(path))
+	}
+	return nil
 }
