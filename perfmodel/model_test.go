@@ -211,3 +211,13 @@ func TestEdges(t *testing.T) {
 		t.Error("an unknown dtype accepted")
 	}
 }
+
+// TestLoadFutureVersion: a later version whose fields changed shape is
+// refused for its version, not with a JSON type error.
+func TestLoadFutureVersion(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "p.json")
+	os.WriteFile(path, []byte(`{"format":"dos-profile","version":2,"cpu":{"changed":"shape"}}`), 0o644)
+	if _, err := Load(path, Machine{}); err == nil || !strings.Contains(err.Error(), "version 2") {
+		t.Fatalf("future version: %v", err)
+	}
+}

@@ -119,6 +119,18 @@ func Load(path string, here Machine) (*Profile, error) {
 	if err != nil {
 		return nil, fmt.Errorf("perfmodel: %w", err)
 	}
+	// The format and version first: another version may not even parse.
+	var head struct {
+		Format  string `json:"format"`
+		Version int    `json:"version"`
+	}
+	if err := json.Unmarshal(b, &head); err != nil {
+		return nil, fmt.Errorf("perfmodel: %s: %w", path, err)
+	}
+	if head.Format != ProfileFormat || head.Version != ProfileVersion {
+		hp := Profile{Format: head.Format, Version: head.Version}
+		return nil, fmt.Errorf("%w (%s)", hp.Validate(), path)
+	}
 	var p Profile
 	if err := json.Unmarshal(b, &p); err != nil {
 		return nil, fmt.Errorf("perfmodel: %s: %w", path, err)
