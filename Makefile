@@ -33,7 +33,7 @@ test-short:
 # byte-level GPT-2), checkpointing into bin/demo-ckpt, after the selftest.
 demo:
 	$(GO) build -o $(BIN)/dos ./cmd/dos
-	$(BIN)/dos selftest | tail -1
+	$(BIN)/dos selftest | grep -E '^selftest:|no GPU backend'
 	rm -rf $(BIN)/demo-ckpt
 	$(BIN)/dos train --ckpt-dir $(BIN)/demo-ckpt --summary-json $(BIN)/demo-summary.json
 	@cat $(BIN)/demo-summary.json

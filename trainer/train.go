@@ -68,6 +68,15 @@ type TrainConfig struct {
 	ValFraction float64 `json:"val_fraction"` // tail of the text held out for validation
 }
 
+// horizon is the iteration the cosine schedule decays to MinLRRatio at:
+// DecaySteps, or Steps when DecaySteps is 0.
+func (c TrainConfig) horizon() int {
+	if c.DecaySteps > 0 {
+		return c.DecaySteps
+	}
+	return c.Steps
+}
+
 // ScaleGrowthInterval is how many consecutive good steps double the dynamic
 // loss scale (torch.amp.GradScaler's growth_interval).
 const ScaleGrowthInterval = 2000
@@ -401,16 +410,17 @@ func (t *Trainer) resume() error {
 		now, then any
 	}{
 		{"--lr", t.cfg.LR, old.LR}, {"--warmup", t.cfg.WarmupSteps, old.WarmupSteps},
-		{"--decay-steps", t.cfg.DecaySteps, old.DecaySteps}, {"--min-lr-ratio", t.cfg.MinLRRatio, old.MinLRRatio},
+		{"--min-lr-ratio", t.cfg.MinLRRatio, old.MinLRRatio},
 		{"--clip", t.cfg.MaxGradNorm, old.MaxGradNorm},
 	} {
 		if d.now != d.then {
 			fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; this run's value applies from here on\n", d.flag, d.now, d.then)
 		}
 	}
-	if t.cfg.DecaySteps == 0 && old.DecaySteps == 0 && t.cfg.Steps != old.Steps {
-		fmt.Fprintf(t.out, "resume: --steps %d differs from the checkpoint's %d and --decay-steps is 0, so the cosine's horizon moves; set --decay-steps to keep the schedule\n", t.cfg.Steps, old.Steps)
+	if now, then := t.cfg.horizon(), old.horizon(); now != then {
+		fmt.Fprintf(t.out, "resume: the cosine's horizon is %d iterations (--decay-steps, or --steps when it is 0), the checkpoint's %d: this run's applies from here on; pass --decay-steps %d to keep the schedule\n", now, then, then)
 	}
+
 	if err := t.opt.SetLR(t.cfg.LRAt(max(st.Iteration, 1))); err != nil {
 		return err
 	}
