@@ -22,12 +22,11 @@ var (
 	AVX512 = Path{name: "avx512", lanes: 16}
 )
 
-// pfDist, 2048 bytes, is how far ahead of their loads the kernels prefetch
-// each input stream (PREFETCHT0): one core keeps more cache misses in flight
-// than the L2 streamer alone, which stops at every 4 KiB page. Measured on
-// the GPU machine's host (BENCHMARKS.md): +15-20 % at 1 and 2 threads, best
-// of 256 to 4096 bytes.
-const pfDist = 2048
+// The kernels prefetch each input stream 2048 bytes ahead of their loads
+// (PREFETCHT0, the displacement in the .s files): one core keeps more cache
+// misses in flight than the L2 streamer alone, which stops at every 4 KiB
+// page. Measured on the GPU machine's host (BENCHMARKS.md): +15-20 % at 1
+// and 2 threads, best of 256 to 4096 bytes.
 
 func simdKernel(lanes int, p, m, v, vmax, g *float32, n int, k *[9]float32, flags int) {
 	if lanes == 16 {

@@ -37,7 +37,7 @@ TEXT ·updateAVX512(SB), NOSPLIT, $0-64
 loop512:
 	CMPQ AX, CX
 	JGE  done512
-	PREFETCHT0 2048(DI)(AX*4) // software prefetch: see pfDist in update_amd64.go
+	PREFETCHT0 2048(DI)(AX*4) // software prefetch, 2048 B ahead (update_amd64.go)
 	PREFETCHT0 2048(BX)(AX*4)
 	PREFETCHT0 2048(SI)(AX*4)
 	PREFETCHT0 2048(DX)(AX*4)
@@ -118,7 +118,7 @@ TEXT ·updateAVX2(SB), NOSPLIT, $0-64
 loop256:
 	CMPQ AX, CX
 	JGE  done256
-	PREFETCHT0 2048(DI)(AX*4) // software prefetch: see pfDist in update_amd64.go
+	PREFETCHT0 2048(DI)(AX*4) // software prefetch, 2048 B ahead (update_amd64.go)
 	PREFETCHT0 2048(BX)(AX*4)
 	PREFETCHT0 2048(SI)(AX*4)
 	PREFETCHT0 2048(DX)(AX*4)

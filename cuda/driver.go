@@ -34,12 +34,8 @@ func (e *Error) Error() string {
 
 // CUresult values this package tests for.
 const (
-	errNotReady         = 600 // CUDA_ERROR_NOT_READY
-	errOutOfMemory      = 2   // CUDA_ERROR_OUT_OF_MEMORY
-	errInvalidPTX       = 218 // CUDA_ERROR_INVALID_PTX
-	errNoDevice         = 100 // CUDA_ERROR_NO_DEVICE
-	errInvalidImage     = 200 // CUDA_ERROR_INVALID_IMAGE
-	errSharedObjectInit = 303 // CUDA_ERROR_SHARED_OBJECT_INIT_FAILED
+	errNotReady    = 600 // CUDA_ERROR_NOT_READY
+	errOutOfMemory = 2   // CUDA_ERROR_OUT_OF_MEMORY
 )
 
 // IsOutOfMemory reports whether err is a driver out-of-memory error.

@@ -154,9 +154,8 @@ type Event struct {
 
 // Event flags.
 const (
-	eventDefault        = 0
-	eventDisableTiming  = 2
-	cuEventBlockingSync = 1
+	eventDefault       = 0
+	eventDisableTiming = 2
 )
 
 // NewEvent creates an event; timing enables Elapsed (and costs a little on
