@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"math"
 	"os"
 	"path/filepath"
 	"testing"
@@ -8,6 +9,7 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/perfmodel"
 )
 
 // slowOS delays every positioned write, so that a flush outlasts the steps
@@ -154,5 +156,29 @@ func mustStep(t *testing.T, o *Optimizer) {
 	res, err := o.Step(StepArgs{})
 	if err != nil || res.Skipped {
 		t.Fatalf("Step: %+v %v", res, err)
+	}
+}
+
+// TestPlan: with a profile the optimizer plans its update phase: all on
+// the CPU, the time the CPU fit gives for its parameters.
+func TestPlan(t *testing.T) {
+	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion,
+		CPU: []perfmodel.CPUFit{{Threads: 1, GradDType: "bfloat16", Fit: perfmodel.Fit{Rate: 1e6}}}}
+	o, err := New(testParams, Options{GradDType: adam.BF16, WorkingDType: adam.BF16, Threads: 2, Profile: p})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Close()
+	plan, ok := o.Plan()
+	if !ok || plan.CPU != 1 || plan.GPU != 0 || math.Abs(plan.Makespan-float64(o.NumParams())/1e6) > 1e-12 {
+		t.Fatalf("plan %+v (%v)", plan, ok)
+	}
+	if _, err := New(testParams, Options{GradDType: adam.F16, Profile: p}); err == nil {
+		t.Error("a profile without float16 rates planned a float16 optimizer")
+	}
+	q, _ := New(testParams, Options{})
+	defer q.Close()
+	if _, ok := q.Plan(); ok {
+		t.Error("a plan without a profile")
 	}
 }

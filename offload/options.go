@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
 )
 
 // DefaultSubgroupSize is the default Options.SubgroupSize in elements:
@@ -30,6 +31,13 @@ type Options struct {
 	// Threads is the number of CPU goroutines for the update. 0 means
 	// runtime.GOMAXPROCS(0).
 	Threads int `json:"threads"`
+	// Profile, when set, holds this machine's measured rates (dos
+	// calibrate, perfmodel.Load): New asks the performance model for the
+	// update phase's schedule and its predicted time, which Plan returns.
+	// The optimizer updates every subgroup on the CPU for now (no GPU
+	// budget), so the plan is the all-CPU schedule. Not saved in
+	// checkpoints.
+	Profile *perfmodel.Profile `json:"-"`
 }
 
 // EnsureDefaults fills zero fields with their defaults and returns o.

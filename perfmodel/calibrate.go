@@ -48,8 +48,9 @@ func (o *CPUOptions) defaults() {
 	}
 }
 
-// CalibrateCPU measures the CPU pool's AdamW step (adam.Pool on the default
-// SIMD path, with a bf16 working copy written as the optimizer writes it)
+// CalibrateCPU measures the CPU pool's AdamW work on a subgroup as the
+// optimizer does it (adam.Pool on the default SIMD path: GradStats, then
+// Step writing a bf16 working copy)
 // for every thread count, gradient dtype and size, and fits each (threads,
 // dtype) series: time = latency + params/Uc. progress, when not nil, is
 // called after every point with the points done and the total.
@@ -69,7 +70,10 @@ func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, er
 		g16[i] = adam.F32ToBF16(g32[i])
 	}
 	out := adam.Copy16{DType: adam.BF16, Data: make([]uint16, maxN)}
-	c := adam.DefaultHyper().Coeffs(1, 1, 1)
+	// A clip factor below 1 takes the staged path (gradient scaled per
+	// block), the usual one in training with clipping or loss scaling and
+	// the slower one for fp32 gradients.
+	c := adam.DefaultHyper().Coeffs(1, 1, 0.9)
 	total := len(opts.Threads) * len(opts.GradDTypes) * len(opts.Sizes)
 	done := 0
 	var fits []CPUFit
@@ -83,11 +87,17 @@ func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, er
 					g = adam.Grad16(d, g16[:n])
 				}
 				st, o := s.Slice(0, n), out.Slice(0, n)
-				pool.Step(&c, st, g, o) // warm-up
+				// The optimizer's CPU work per subgroup: the one-pass
+				// non-finite check and sum of squares, then the step.
+				step := func() {
+					pool.GradStats(g, 1)
+					pool.Step(&c, st, g, o)
+				}
+				step() // warm-up
 				times := make([]float64, opts.Reps)
 				for r := range times {
 					t0 := time.Now()
-					pool.Step(&c, st, g, o)
+					step()
 					times[r] = time.Since(t0).Seconds()
 				}
 				slices.Sort(times)

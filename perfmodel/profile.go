@@ -109,8 +109,8 @@ func (p *Profile) Validate() error {
 }
 
 // Load reads and validates a Profile from path and checks that it was
-// measured on here (its CPU model and GPU name): rates of another machine
-// would choose a wrong schedule.
+// measured on here: its CPU model, and its GPU name when here names one.
+// Rates of another machine would choose a wrong schedule.
 //
 // Errors: the file unreadable or not a valid Profile (naming the path),
 // another version, another machine.
@@ -138,7 +138,7 @@ func Load(path string, here Machine) (*Profile, error) {
 	if err := p.Validate(); err != nil {
 		return nil, fmt.Errorf("%w (%s)", err, path)
 	}
-	if p.Machine.CPU != here.CPU || p.Machine.GPU != here.GPU {
+	if p.Machine.CPU != here.CPU || (here.GPU != "" && p.Machine.GPU != here.GPU) {
 		return nil, fmt.Errorf("perfmodel: %s was measured on another machine (CPU %q, GPU %q; here CPU %q, GPU %q): run dos calibrate here",
 			path, p.Machine.CPU, p.Machine.GPU, here.CPU, here.GPU)
 	}

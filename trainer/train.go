@@ -1,6 +1,8 @@
 package trainer
 
 import (
+	"github.com/klauspost/cpuid/v2"
+
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -15,6 +17,7 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/perfmodel"
 )
 
 // TrainConfig configures Train. The flags of `dos train` set these fields;
@@ -58,8 +61,12 @@ type TrainConfig struct {
 	// of handing them to the lazy engine (checkpoint.Engine), which
 	// captures the state while training goes on and flushes it in the
 	// background.
-	CkptSync    bool    `json:"ckpt_sync"`
-	CkptKeep    int     `json:"ckpt_keep"`    // keep the newest N checkpoints (0: all)
+	CkptSync bool `json:"ckpt_sync"`
+	CkptKeep int  `json:"ckpt_keep"` // keep the newest N checkpoints (0: all)
+	// Profile is a dos calibrate profile of this machine: the optimizer
+	// plans its update phase with it, and the summary compares the
+	// predicted update time with the measured one. "" for none.
+	Profile     string  `json:"profile"`
 	Resume      bool    `json:"resume"`       // continue from CkptDir's latest checkpoint
 	EvalEvery   int     `json:"eval_every"`   // iterations between validation losses (0: only at the start and the end)
 	EvalBatches int     `json:"eval_batches"` // batches of the validation split per evaluation
@@ -206,6 +213,12 @@ type Summary struct {
 	TokensPerS  float64 `json:"tokens_per_s"`
 	Skipped     int     `json:"skipped_steps"` // optimizer steps skipped for non-finite gradients, this run
 	Sample      string  `json:"sample"`
+	// UpdateS is the mean wall time of the optimizer's update phase this
+	// run, its first iteration left out (warm-up), in seconds;
+	// UpdatePredictedS the performance model's prediction (0 without a
+	// profile).
+	UpdateS          float64 `json:"update_s"`
+	UpdatePredictedS float64 `json:"update_predicted_s,omitempty"`
 }
 
 // trainerState is the trainer's object in a checkpoint's manifest.
@@ -272,7 +285,15 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 			return nil, fmt.Errorf("trainer: %s already holds checkpoints (latest %s): pass --resume to continue, or choose another --ckpt-dir", cfg.CkptDir, latest)
 		}
 	}
-	opt, err := offload.New(cfg.Model.Params(), *cfg.optimizerOptions())
+	oo := cfg.optimizerOptions()
+	if cfg.Profile != "" {
+		p, err := perfmodel.Load(cfg.Profile, perfmodel.Machine{CPU: cpuid.CPU.BrandName})
+		if err != nil {
+			return nil, fmt.Errorf("trainer: --profile: %w", err)
+		}
+		oo.Profile = p
+	}
+	opt, err := offload.New(cfg.Model.Params(), *oo)
 	if err != nil {
 		return nil, err
 	}
@@ -577,6 +598,7 @@ func (t *Trainer) Run() (Summary, error) {
 	}
 	start := time.Now()
 	done := 0
+	var updates time.Duration
 	for t.state.Iteration < cfg.Steps {
 		it := t.state.Iteration + 1
 		if err := t.opt.SetLR(cfg.LRAt(it)); err != nil {
@@ -597,6 +619,9 @@ func (t *Trainer) Run() (Summary, error) {
 		res, err := t.opt.Step(offload.StepArgs{LossScale: float64(scale)})
 		if err != nil {
 			return sum, err
+		}
+		if done > 0 { // the first update of a run also pays for the caches and page tables warming up
+			updates += res.Elapsed
 		}
 		if t.state.LossScale > 0 {
 			if res.Skipped {
@@ -637,6 +662,14 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 	}
 	if done > 0 {
+		if done > 1 {
+			sum.UpdateS = updates.Seconds() / float64(done-1)
+		}
+		if plan, ok := t.opt.Plan(); ok && done > 1 {
+			sum.UpdatePredictedS = plan.Makespan
+			t.logf("update phase: %.3f ms measured (mean of iterations 2..%d of this run), %.3f ms predicted by the performance model (%d subgroups on the CPU, bottleneck %s)\n",
+				1e3*sum.UpdateS, done, 1e3*plan.Makespan, plan.CPU, plan.Bottleneck)
+		}
 		sum.TokensPerS = float64(done*tokens) / time.Since(start).Seconds()
 		if cfg.CkptEvery == 0 || t.state.Iteration%cfg.CkptEvery != 0 {
 			if err := t.save(); err != nil {
