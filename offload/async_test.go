@@ -182,3 +182,21 @@ func TestPlan(t *testing.T) {
 		t.Error("a plan without a profile")
 	}
 }
+
+// TestPlanCalibrate: without a profile, Calibrate measures the CPU at New
+// and plans with it.
+func TestPlanCalibrate(t *testing.T) {
+	if testing.Short() || raceEnabled {
+		t.Skip("calibration takes a second (much more under -race)")
+	}
+	o, err := New(testParams, Options{Calibrate: true, Threads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Close()
+	plan, ok := o.Plan()
+	if !ok || plan.CPU != 1 || !(plan.Makespan > 0) {
+		t.Fatalf("plan %+v (%v)", plan, ok)
+	}
+	t.Logf("calibrated plan: %.3f ms for %d parameters", 1e3*plan.Makespan, o.NumParams())
+}

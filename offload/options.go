@@ -38,6 +38,11 @@ type Options struct {
 	// budget), so the plan is the all-CPU schedule. Not saved in
 	// checkpoints.
 	Profile *perfmodel.Profile `json:"-"`
+	// Calibrate, when Profile is nil, makes New measure this machine's CPU
+	// update rate briefly (perfmodel.CalibrateCPU at the optimizer's thread
+	// count and gradient dtype, 3 repetitions: about a second) and plan
+	// with it. Not saved in checkpoints.
+	Calibrate bool `json:"-"`
 }
 
 // EnsureDefaults fills zero fields with their defaults and returns o.
