@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 )
 
 // Workload is one rank's update phase.
@@ -262,7 +263,7 @@ func (p *Profile) Choose(w Workload) (Prediction, error) {
 		return best, nil
 	}
 	for r := 0; r <= n; r++ {
-		for g := 0; g <= n-r; g++ {
+		for _, g := range p.candidates(w, r) {
 			for _, upcast := range []bool{false, true} {
 				pr, err := p.predict(w, Schedule{CPU: n - r - g, GPU: g, Resident: r, UpcastOnGPU: upcast})
 				if err != nil {
@@ -275,4 +276,74 @@ func (p *Profile) Choose(w Workload) (Prediction, error) {
 		}
 	}
 	return best, nil
+}
+
+// candidates returns, in ascending order, the GPU-subgroup counts g that
+// can win for r resident subgroups: the edges 0 and N = n-r, and for each
+// upcast choice the two ends of the interval of g in [1, N-1] where the
+// makespan is within 1e-9 of its minimum. Between the edges the fill, drain,
+// lane rates and memory do not depend on g, so the makespan is a maximum of
+// functions linear in g, convex: integer ternary search finds the minimum
+// and binary searches the ends of its plateau; the PCIe traffic, which
+// breaks ties, is linear in g, so the best of the plateau is at an end.
+// This is O(log n) predictions per r instead of O(n).
+func (p *Profile) candidates(w Workload, r int) []int {
+	N := w.Subgroups() - r
+	cands := []int{0}
+	if N >= 1 {
+		cands = append(cands, N)
+	}
+	for _, upcast := range []bool{false, true} {
+		if N < 2 {
+			break
+		}
+		t := func(g int) float64 {
+			pr, err := p.predict(w, Schedule{CPU: N - g, GPU: g, Resident: r, UpcastOnGPU: upcast})
+			if err != nil {
+				return math.Inf(1)
+			}
+			return pr.Makespan
+		}
+		if math.IsInf(t(1), 1) {
+			continue // over the budget everywhere in between
+		}
+		lo, hi := 1, N-1
+		for hi-lo > 2 {
+			m1, m2 := lo+(hi-lo)/3, hi-(hi-lo)/3
+			if t(m1) <= t(m2) {
+				hi = m2
+			} else {
+				lo = m1
+			}
+		}
+		gm := lo
+		for g := lo + 1; g <= hi; g++ {
+			if t(g) < t(gm) {
+				gm = g
+			}
+		}
+		limit := t(gm) * (1 + 1e-9)
+		// The plateau's left end: t does not increase towards gm.
+		a, b := 1, gm
+		for a < b {
+			if m := (a + b) / 2; t(m) <= limit {
+				b = m
+			} else {
+				a = m + 1
+			}
+		}
+		left := a
+		// Its right end: t does not decrease after gm.
+		a, b = gm, N-1
+		for a < b {
+			if m := (a + b + 1) / 2; t(m) <= limit {
+				a = m
+			} else {
+				b = m - 1
+			}
+		}
+		cands = append(cands, left, a)
+	}
+	slices.Sort(cands)
+	return slices.Compact(cands)
 }

@@ -3,6 +3,7 @@ package perfmodel
 import (
 	"encoding/json"
 	"math"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -219,5 +220,50 @@ func TestLoadFutureVersion(t *testing.T) {
 	os.WriteFile(path, []byte(`{"format":"dos-profile","version":2,"cpu":{"changed":"shape"}}`), 0o644)
 	if _, err := Load(path, Machine{}); err == nil || !strings.Contains(err.Error(), "version 2") {
 		t.Fatalf("future version: %v", err)
+	}
+}
+
+// bruteChoose is Choose over every split, the reference for the search.
+func bruteChoose(p *Profile, w Workload) Prediction {
+	n := w.Subgroups()
+	best, _ := p.Predict(w, Schedule{CPU: n})
+	for r := 0; r <= n; r++ {
+		for g := 0; g <= n-r; g++ {
+			for _, upcast := range []bool{false, true} {
+				pr, err := p.predict(w, Schedule{CPU: n - r - g, GPU: g, Resident: r, UpcastOnGPU: upcast})
+				if err == nil && better(pr, best) {
+					best = pr
+				}
+			}
+		}
+	}
+	return best
+}
+
+// TestChooseSearch: the searched Choose picks what the exhaustive one
+// picks, on random profiles and workloads.
+func TestChooseSearch(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	lg := func(lo, hi float64) float64 { return math.Exp(math.Log(lo) + r.Float64()*(math.Log(hi)-math.Log(lo))) }
+	for i := range 3000 {
+		p := profile(lg(1e8, 1e10), true, lg(1e9, 1e12), lg(1e9, 1e11))
+		p.GPU.H2DBoth = rate(p.GPU.H2D.Rate * lg(0.5, 1))
+		p.GPU.D2HBoth = rate(p.GPU.D2H.Rate * lg(0.5, 1))
+		p.GPU.Update.LatencyS = lg(1e-6, 1e-2)
+		p.GPU.H2D.LatencyS = lg(1e-6, 1e-3)
+		p.GPU.Convert = rate(lg(1e9, 1e12))
+		p.CPU[0].Rate *= lg(0.5, 2) // float32 differs from bf16
+		n := 1 + r.IntN(40)
+		sub := int64(1e6 * lg(1, 100))
+		w := Workload{Params: int64(n) * sub, SubgroupSize: sub, GradDType: []string{"float32", "bfloat16"}[r.IntN(2)],
+			CopyBytes: 2 * r.IntN(2), Threads: 1, GPUBudget: int64(float64(n) * float64(sub) * 12 * r.Float64() * 1.2), AMSGrad: r.IntN(4) == 0}
+		got, err := p.Choose(w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := bruteChoose(p, w)
+		if math.Abs(got.Makespan-want.Makespan) > 1e-9*want.Makespan {
+			t.Fatalf("case %d (n=%d): search %+v (%.9g s), exhaustive %+v (%.9g s)", i, n, got.Schedule, got.Makespan, want.Schedule, want.Makespan)
+		}
 	}
 }
