@@ -14,6 +14,7 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/kernels"
 	"github.com/deepstates/dos/perfmodel"
 )
 
@@ -21,26 +22,38 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("dos calibrate", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cpuOnly := fs.Bool("cpu-only", false, "measure the CPU update rate only (no GPU needed)")
+	budget := fs.Float64("gpu-budget", 16, "GPU memory in `GiB` the update phase may use, for the schedules printed")
 	thorough := fs.Bool("thorough", false, "more sizes and repetitions (several minutes)")
 	jsonPath := fs.String("json", "", "write the measured profile to `PATH` (JSON, format dos-profile v1)")
 	plotPath := fs.String("plot", "", "draw the measured points and fitted lines to `PATH` (.svg, .png or .pdf)")
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: dos calibrate --cpu-only [--thorough] [--json PATH] [--plot PATH]\n\n"+
-			"Measures the rates the performance model needs (issue 6): today the CPU pool's AdamW\n"+
-			"update rate Uc per thread count and gradient dtype, fitted as time = latency + params/Uc,\n"+
-			"and prints the fits and the schedule the model picks for a few model sizes.\n\nFlags:\n")
+		fmt.Fprintf(stderr, "Usage: dos calibrate [--cpu-only] [--thorough] [--gpu-budget GiB] [--json PATH] [--plot PATH]\n\n"+
+			"Measures the rates the performance model needs: the CPU pool's AdamW update rate Uc per\n"+
+			"thread count and gradient dtype and, unless --cpu-only, on GPU 0 the pinned H2D and D2H\n"+
+			"bandwidth alone and both at once, the fused AdamW rate Ug and the bf16 cast rate Dc; each\n"+
+			"fitted as time = latency + size/rate. Prints the fits and the schedule the model picks for a\n"+
+			"few model sizes.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
 	if rc, ok := parseNoArgs(fs, args, stderr); !ok {
 		return rc
 	}
+	var dev *cuda.Device
+	var kern *kernels.Kernels
 	if !*cpuOnly {
-		why := "GPU calibration (transfers, the fused kernel, conversions) is not built yet"
-		if err := cuda.Available(); err != nil {
-			why = err.Error()
+		err := cuda.Available()
+		if err == nil {
+			if dev, err = cuda.Open(0); err == nil {
+				defer dev.Close()
+				if kern, err = kernels.Load(dev); err == nil {
+					defer kern.Close()
+				}
+			}
 		}
-		fmt.Fprintf(stderr, "dos calibrate: %s; run dos calibrate --cpu-only\n", why)
-		return 2
+		if err != nil {
+			fmt.Fprintf(stderr, "dos calibrate: no GPU to calibrate (%v); run dos calibrate --cpu-only\n", err)
+			return 2
+		}
 	}
 	if *plotPath != "" {
 		if err := checkPlotPath(*plotPath); err != nil {
@@ -77,9 +90,43 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	for _, f := range fits {
 		fmt.Fprintf(stdout, "  %-7d %-9s %12.3f %12.1f %8.1f%%\n", f.Threads, f.GradDType, f.Rate/1e9, f.LatencyS*1e6, 100*f.Residual)
 	}
-	fmt.Fprintf(stdout, "predicted update phase, all on the CPU (no GPU measured), %d threads, bf16 gradients, subgroups of 100M:\n", runtime.GOMAXPROCS(0))
+	if dev != nil {
+		g, err := perfmodel.CalibrateGPU(dev, kern, perfmodel.GPUOptions{}, func(done, total int) {
+			if tty {
+				fmt.Fprintf(stderr, "\r\033[Kcalibrate GPU %d/%d points, %s", done, total, time.Since(start).Round(time.Second))
+			}
+		})
+		if tty {
+			fmt.Fprint(stderr, "\r\033[K")
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "dos calibrate: GPU: %v\n", err)
+			return 1
+		}
+		p.GPU = g
+		p.Machine.GPU, p.Machine.GPUMemBytes = dev.Name, dev.TotalMem
+		if v, err := cuda.DriverVersion(); err == nil {
+			p.Machine.Driver = fmt.Sprintf("%d.%d", v/1000, v%1000/10)
+		}
+		fmt.Fprintf(stdout, "GPU %s:\n", dev)
+		for _, x := range []struct {
+			name, unit string
+			f          perfmodel.Fit
+		}{{"H2D pinned", "GB/s", g.H2D}, {"D2H pinned", "GB/s", g.D2H}, {"H2D with D2H", "GB/s", g.H2DBoth}, {"D2H with H2D", "GB/s", g.D2HBoth},
+			{"AdamW (Ug)", "Gparam/s", g.Update}, {"bf16 cast (Dc)", "Gelem/s", g.Convert}} {
+			fmt.Fprintf(stdout, "  %-15s %9.2f %-8s latency %8.1f µs  residual %5.1f%%\n", x.name, x.f.Rate/1e9, x.unit, x.f.LatencyS*1e6, 100*x.f.Residual)
+		}
+	}
+	where := "all on the CPU (no GPU measured)"
+	if p.GPU != nil {
+		where = fmt.Sprintf("with a GPU budget of %g GiB", *budget)
+	}
+	fmt.Fprintf(stdout, "predicted update phase, %s, %d threads, bf16 gradients and copy, subgroups of 100M:\n", where, runtime.GOMAXPROCS(0))
 	for _, params := range []int64{125e6, 1.3e9, 7e9} {
 		w := perfmodel.Workload{Params: params, SubgroupSize: 100e6, GradDType: "bfloat16", CopyBytes: 2, Threads: runtime.GOMAXPROCS(0)}
+		if p.GPU != nil {
+			w.GPUBudget = int64(*budget * (1 << 30))
+		}
 		pr, err := p.Choose(w)
 		if err != nil {
 			fmt.Fprintf(stderr, "dos calibrate: %v\n", err)
@@ -89,7 +136,8 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 		if !math.IsInf(pr.K, 1) {
 			k = fmt.Sprintf("%.2f", pr.K)
 		}
-		fmt.Fprintf(stdout, "  %6.2fB params: %d subgroups, k = %s, %.2f s, bottleneck %s\n", float64(params)/1e9, w.Subgroups(), k, pr.Makespan, pr.Bottleneck)
+		fmt.Fprintf(stdout, "  %6.2fB params: %d subgroups: %d CPU, %d GPU, %d resident, k = %s, upcast on GPU %v: %.3f s, bottleneck %s\n",
+			float64(params)/1e9, w.Subgroups(), pr.CPU, pr.GPU, pr.Resident, k, pr.UpcastOnGPU, pr.Makespan, pr.Bottleneck)
 	}
 	if *jsonPath != "" {
 		b, err := json.MarshalIndent(p, "", "  ")

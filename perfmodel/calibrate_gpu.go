@@ -1,0 +1,248 @@
+package perfmodel
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/kernels"
+)
+
+// GPUOptions sets what CalibrateGPU measures.
+type GPUOptions struct {
+	// CopySizes are the transfer sizes in bytes (default 8, 64, 256 MiB
+	// and 1 GiB).
+	CopySizes []int64
+	// UpdateSizes are the subgroup sizes in parameters for the fused
+	// kernel and the cast (default 4M, 32M, 128M).
+	UpdateSizes []int64
+	// Reps is the number of timed runs per point after one warm-up; the
+	// median is kept (default 5).
+	Reps int
+}
+
+func (o *GPUOptions) defaults() {
+	if len(o.CopySizes) == 0 {
+		o.CopySizes = []int64{8 << 20, 64 << 20, 256 << 20, 1 << 30}
+	}
+	if len(o.UpdateSizes) == 0 {
+		o.UpdateSizes = []int64{4 << 20, 32 << 20, 128 << 20}
+	}
+	if o.Reps <= 0 {
+		o.Reps = 5
+	}
+}
+
+// CalibrateGPU measures the GPU's rates on d with k's kernels, timed by
+// CUDA events: pinned H2D and D2H alone and both at once on two streams
+// (bytes/s), the fused AdamW on fp32 state and gradient (params/s, Ug) and
+// the bf16-to-fp32 cast (elements/s, Dc), each fitted as time = latency +
+// size/rate over its sizes. progress, when not nil, is called after every
+// point.
+//
+// Errors: allocation, copy or launch failures (the buffers it allocated
+// are freed), a fit that fails.
+func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress func(done, total int)) (*GPUProfile, error) {
+	if d == nil || k == nil {
+		return nil, errors.New("perfmodel: CalibrateGPU needs a device and its kernels")
+	}
+	opts.defaults()
+	maxCopy := slices.Max(opts.CopySizes)
+	maxN := slices.Max(opts.UpdateSizes)
+	var frees []func() error
+	defer func() {
+		for _, f := range frees {
+			_ = f()
+		}
+	}()
+	host := func(n int64) (*cuda.HostBuffer, error) {
+		h, err := d.HostAlloc(n)
+		if err == nil {
+			frees = append(frees, h.Free)
+		}
+		return h, err
+	}
+	dev := func(n int64) (*cuda.Buffer, error) {
+		b, err := d.Alloc(n)
+		if err == nil {
+			frees = append(frees, b.Free)
+		}
+		return b, err
+	}
+	s1, err := d.NewStream()
+	if err != nil {
+		return nil, err
+	}
+	frees = append(frees, s1.Free)
+	s2, err := d.NewStream()
+	if err != nil {
+		return nil, err
+	}
+	frees = append(frees, s2.Free)
+	var ev [4]*cuda.Event
+	for i := range ev {
+		if ev[i], err = d.NewEvent(true); err != nil {
+			return nil, err
+		}
+		frees = append(frees, ev[i].Free)
+	}
+	h1, err := host(maxCopy)
+	if err != nil {
+		return nil, err
+	}
+	h2, err := host(maxCopy)
+	if err != nil {
+		return nil, err
+	}
+	d1, err := dev(maxCopy)
+	if err != nil {
+		return nil, err
+	}
+	d2, err := dev(maxCopy)
+	if err != nil {
+		return nil, err
+	}
+	total := 3*len(opts.CopySizes) + 2*len(opts.UpdateSizes)
+	done := 0
+	tick := func() {
+		done++
+		if progress != nil {
+			progress(done, total)
+		}
+	}
+	// timed enqueues work between two events on s and returns the GPU time.
+	timed := func(s *cuda.Stream, a, b *cuda.Event, work func() error) (time.Duration, error) {
+		if err := a.Record(s); err != nil {
+			return 0, err
+		}
+		if err := work(); err != nil {
+			return 0, err
+		}
+		if err := b.Record(s); err != nil {
+			return 0, err
+		}
+		if err := b.Sync(); err != nil {
+			return 0, err
+		}
+		return cuda.Elapsed(a, b)
+	}
+	median := func(run func() (float64, error)) (float64, error) {
+		if _, err := run(); err != nil { // warm-up
+			return 0, err
+		}
+		ts := make([]float64, opts.Reps)
+		for i := range ts {
+			t, err := run()
+			if err != nil {
+				return 0, err
+			}
+			ts[i] = t
+		}
+		slices.Sort(ts)
+		return ts[len(ts)/2], nil
+	}
+	var h2d, d2h, h2dBoth, d2hBoth []Point
+	for _, n := range opts.CopySizes {
+		t, err := median(func() (float64, error) {
+			el, err := timed(s1, ev[0], ev[1], func() error { return s1.CopyHtoD(d1, 0, h1, 0, n) })
+			return el.Seconds(), err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("perfmodel: H2D of %d bytes: %w", n, err)
+		}
+		h2d = append(h2d, Point{float64(n), t})
+		tick()
+		t, err = median(func() (float64, error) {
+			el, err := timed(s1, ev[0], ev[1], func() error { return s1.CopyDtoH(h2, 0, d2, 0, n) })
+			return el.Seconds(), err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("perfmodel: D2H of %d bytes: %w", n, err)
+		}
+		d2h = append(d2h, Point{float64(n), t})
+		tick()
+		// Both at once: each direction timed by its own stream's events.
+		var up, down []float64
+		for r := 0; r <= opts.Reps; r++ {
+			if err := firstErr(ev[0].Record(s1), ev[2].Record(s2), s1.CopyHtoD(d1, 0, h1, 0, n), s2.CopyDtoH(h2, 0, d2, 0, n),
+				ev[1].Record(s1), ev[3].Record(s2), ev[1].Sync(), ev[3].Sync()); err != nil {
+				return nil, fmt.Errorf("perfmodel: H2D and D2H of %d bytes at once: %w", n, err)
+			}
+			a, err1 := cuda.Elapsed(ev[0], ev[1])
+			b, err2 := cuda.Elapsed(ev[2], ev[3])
+			if err := firstErr(err1, err2); err != nil {
+				return nil, err
+			}
+			if r > 0 { // the first was the warm-up
+				up, down = append(up, a.Seconds()), append(down, b.Seconds())
+			}
+		}
+		slices.Sort(up)
+		slices.Sort(down)
+		h2dBoth = append(h2dBoth, Point{float64(n), up[len(up)/2]})
+		d2hBoth = append(d2hBoth, Point{float64(n), down[len(down)/2]})
+		tick()
+	}
+	// The fused kernel: fp32 p, m, v and gradient of maxN parameters.
+	var bufs [4]*cuda.Buffer
+	for i := range bufs {
+		if bufs[i], err = dev(4 * maxN); err != nil {
+			return nil, err
+		}
+		if err := s1.Memset(bufs[i], 0, 4*maxN, 0x3c); err != nil { // 0x3c3c3c3c: 0.0115, a normal value
+			return nil, err
+		}
+	}
+	c := adam.DefaultHyper().Coeffs(1, 1, 1)
+	var upd, conv []Point
+	for _, n := range opts.UpdateSizes {
+		st := kernels.State{Param: kernels.Vec{Buf: bufs[0], N: n}, ExpAvg: kernels.Vec{Buf: bufs[1], N: n}, ExpAvgSq: kernels.Vec{Buf: bufs[2], N: n}}
+		g := kernels.Grad{DType: adam.F32, Vec: kernels.Vec{Buf: bufs[3], N: n}}
+		t, err := median(func() (float64, error) {
+			el, err := timed(s1, ev[0], ev[1], func() error { return k.AdamW(s1, &c, st, g, kernels.Copy16{}) })
+			return el.Seconds(), err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("perfmodel: AdamW of %d parameters: %w", n, err)
+		}
+		upd = append(upd, Point{float64(n), t})
+		tick()
+		t, err = median(func() (float64, error) {
+			el, err := timed(s1, ev[0], ev[1], func() error {
+				return k.Widen16(s1, adam.BF16, kernels.Vec{Buf: bufs[0], N: n}, kernels.Vec{Buf: bufs[3], N: n})
+			})
+			return el.Seconds(), err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("perfmodel: cast of %d elements: %w", n, err)
+		}
+		conv = append(conv, Point{float64(n), t})
+		tick()
+	}
+	g := &GPUProfile{}
+	for _, f := range []struct {
+		dst  *Fit
+		pts  []Point
+		what string
+	}{{&g.H2D, h2d, "H2D"}, {&g.D2H, d2h, "D2H"}, {&g.H2DBoth, h2dBoth, "H2D while D2H runs"}, {&g.D2HBoth, d2hBoth, "D2H while H2D runs"},
+		{&g.Update, upd, "AdamW"}, {&g.Convert, conv, "bf16 cast"}} {
+		fit, err := FitPoints(f.pts)
+		if err != nil {
+			return nil, fmt.Errorf("perfmodel: %s: %w", f.what, err)
+		}
+		*f.dst = fit
+	}
+	return g, nil
+}
+
+func firstErr(errs ...error) error {
+	for _, e := range errs {
+		if e != nil {
+			return e
+		}
+	}
+	return nil
+}

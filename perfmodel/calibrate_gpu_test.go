@@ -1,0 +1,45 @@
+package perfmodel
+
+import (
+	"os"
+	"testing"
+
+	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/kernels"
+)
+
+// TestCalibrateGPU: on a GPU (DOS_REQUIRE_GPU=1 makes its absence a
+// failure), a quick calibration gives fits in plausible ranges.
+func TestCalibrateGPU(t *testing.T) {
+	if err := cuda.Available(); err != nil {
+		if os.Getenv("DOS_REQUIRE_GPU") == "1" {
+			t.Fatalf("DOS_REQUIRE_GPU=1 but no GPU: %v", err)
+		}
+		t.Skipf("no GPU: %v", err)
+	}
+	d, err := cuda.Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	k, err := kernels.Load(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer k.Close()
+	g, err := CalibrateGPU(d, k, GPUOptions{CopySizes: []int64{4 << 20, 32 << 20, 128 << 20}, UpdateSizes: []int64{1 << 20, 8 << 20, 32 << 20}, Reps: 3}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, x := range []struct {
+		name   string
+		f      Fit
+		lo, hi float64
+	}{{"h2d", g.H2D, 1e9, 1e12}, {"d2h", g.D2H, 1e9, 1e12}, {"h2d_duplex", g.H2DBoth, 1e9, 1e12}, {"d2h_duplex", g.D2HBoth, 1e9, 1e12},
+		{"update", g.Update, 1e9, 1e13}, {"convert", g.Convert, 1e9, 1e13}} {
+		t.Logf("%-10s rate %.3g/s latency %.1f µs residual %.1f %%", x.name, x.f.Rate, x.f.LatencyS*1e6, 100*x.f.Residual)
+		if x.f.Rate < x.lo || x.f.Rate > x.hi {
+			t.Errorf("%s: rate %g outside [%g, %g]", x.name, x.f.Rate, x.lo, x.hi)
+		}
+	}
+}
