@@ -14,8 +14,6 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/deepstates/dos/cuda"
 	"github.com/deepstates/dos/pinned"
 )
@@ -565,12 +563,19 @@ func (e *Engine) create(tx *saveTx) (f, df File, direct bool, err error) {
 		// changing the size, so that the size check after writing still
 		// catches a missing write; a file system without fallocate simply
 		// grows the file as it is written.
-		_ = unix.Fallocate(int(fd.Fd()), unix.FALLOC_FL_KEEP_SIZE, 0, tx.p.fileSize)
+		preallocate(fd.Fd(), tx.p.fileSize)
 	}
 	if e.opts.Direct == DirectOff {
 		return f, nil, false, nil
 	}
-	df, err = tx.fs.OpenFile(name, os.O_WRONLY|syscall.O_DIRECT, 0)
+	if oDirect == 0 { // no O_DIRECT on this OS
+		if e.opts.Direct == DirectOn {
+			f.Close()
+			return nil, nil, false, tx.fail("open "+tx.p.fileName+" with O_DIRECT", errors.New("O_DIRECT is not available on this operating system"))
+		}
+		return f, nil, false, nil
+	}
+	df, err = tx.fs.OpenFile(name, os.O_WRONLY|oDirect, 0)
 	if err != nil {
 		if e.opts.Direct == DirectAuto && errors.Is(err, syscall.EINVAL) {
 			return f, nil, false, nil // the file system refuses O_DIRECT: buffered writes

@@ -57,10 +57,11 @@ func New(d *cuda.Device, bytes int64) (*Arena, error) {
 	}
 	page := int64(unix.Getpagesize())
 	size := (bytes + page - 1) / page * page
-	mem, err := unix.Mmap(-1, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE|unix.MAP_POPULATE)
+	mem, err := unix.Mmap(-1, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE|mapPopulate)
 	if err != nil {
 		return nil, fmt.Errorf("pinned: mapping %d bytes: %w", bytes, err)
 	}
+	touch(mem)
 	return &Arena{mem: mem[:bytes]}, nil
 }
 
