@@ -17,7 +17,8 @@ type GPUOptions struct {
 	// and 1 GiB).
 	CopySizes []int64
 	// UpdateSizes are the subgroup sizes in parameters for the fused
-	// kernel and the cast (default 4M, 32M, 128M).
+	// kernel and the cast (default 16M, 64M, 128M: well above the L2
+	// cache, as a real subgroup is).
 	UpdateSizes []int64
 	// Reps is the number of timed runs per point after one warm-up; the
 	// median is kept (default 5).
@@ -29,7 +30,7 @@ func (o *GPUOptions) defaults() {
 		o.CopySizes = []int64{8 << 20, 64 << 20, 256 << 20, 1 << 30}
 	}
 	if len(o.UpdateSizes) == 0 {
-		o.UpdateSizes = []int64{4 << 20, 32 << 20, 128 << 20}
+		o.UpdateSizes = []int64{16 << 20, 64 << 20, 128 << 20}
 	}
 	if o.Reps <= 0 {
 		o.Reps = 5
@@ -38,24 +39,34 @@ func (o *GPUOptions) defaults() {
 
 // CalibrateGPU measures the GPU's rates on d with k's kernels, timed by
 // CUDA events: pinned H2D and D2H alone and both at once on two streams
-// (bytes/s), the fused AdamW on fp32 state and gradient (params/s, Ug) and
-// the bf16-to-fp32 cast (elements/s, Dc), each fitted as time = latency +
-// size/rate over its sizes. progress, when not nil, is called after every
-// point.
+// (bytes/s), the fused AdamW as the optimizer launches it most often, bf16
+// gradient and bf16 copy over fp32 state (params/s, Ug), and the
+// bf16-to-fp32 cast (elements/s, Dc); each fitted as time = latency +
+// size/rate over its sizes. Each timing covers enough back-to-back repeats
+// (at least 64 MiB or 64M parameters) that the host's launch time is
+// amortized, after a warm-up that brings clocks and the PCIe link up.
+// progress, when not nil, is called after every point.
 //
-// Errors: allocation, copy or launch failures (the buffers it allocated
-// are freed), a fit that fails.
+// Errors: bad sizes (before anything runs), allocation, copy or launch
+// failures (the device is synchronized and what was allocated freed), a
+// fit that fails.
 func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress func(done, total int)) (*GPUProfile, error) {
 	if d == nil || k == nil {
 		return nil, errors.New("perfmodel: CalibrateGPU needs a device and its kernels")
 	}
 	opts.defaults()
+	for _, sizes := range [][]int64{opts.CopySizes, opts.UpdateSizes} {
+		if len(slices.Compact(slices.Sorted(slices.Values(sizes)))) < 2 || slices.Min(sizes) <= 0 {
+			return nil, fmt.Errorf("perfmodel: GPU calibration sizes %v: want at least two distinct sizes > 0", sizes)
+		}
+	}
 	maxCopy := slices.Max(opts.CopySizes)
 	maxN := slices.Max(opts.UpdateSizes)
 	var frees []func() error
 	defer func() {
-		for _, f := range frees {
-			_ = f()
+		_ = d.Sync() // nothing may still use what is freed
+		for i := len(frees) - 1; i >= 0; i-- {
+			_ = frees[i]()
 		}
 	}()
 	host := func(n int64) (*cuda.HostBuffer, error) {
@@ -144,11 +155,31 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 		slices.Sort(ts)
 		return ts[len(ts)/2], nil
 	}
+	// repeat returns how many back-to-back runs make one timing of size n:
+	// at least min units in all.
+	repeat := func(n, min int64) int { return int(max(1, (min+n-1)/n)) }
+	rep := func(times int, op func() error) func() error {
+		return func() error {
+			for range times {
+				if err := op(); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+	}
+	// Warm-up: clocks and the PCIe link come up from idle.
+	for t0 := time.Now(); time.Since(t0) < 200*time.Millisecond; {
+		if err := firstErr(s1.CopyHtoD(d1, 0, h1, 0, maxCopy), s2.CopyDtoH(h2, 0, d2, 0, maxCopy), s1.Sync(), s2.Sync()); err != nil {
+			return nil, fmt.Errorf("perfmodel: GPU warm-up: %w", err)
+		}
+	}
 	var h2d, d2h, h2dBoth, d2hBoth []Point
 	for _, n := range opts.CopySizes {
+		reps := repeat(n, 64<<20)
 		t, err := median(func() (float64, error) {
-			el, err := timed(s1, ev[0], ev[1], func() error { return s1.CopyHtoD(d1, 0, h1, 0, n) })
-			return el.Seconds(), err
+			el, err := timed(s1, ev[0], ev[1], rep(reps, func() error { return s1.CopyHtoD(d1, 0, h1, 0, n) }))
+			return el.Seconds() / float64(reps), err
 		})
 		if err != nil {
 			return nil, fmt.Errorf("perfmodel: H2D of %d bytes: %w", n, err)
@@ -156,28 +187,33 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 		h2d = append(h2d, Point{float64(n), t})
 		tick()
 		t, err = median(func() (float64, error) {
-			el, err := timed(s1, ev[0], ev[1], func() error { return s1.CopyDtoH(h2, 0, d2, 0, n) })
-			return el.Seconds(), err
+			el, err := timed(s1, ev[0], ev[1], rep(reps, func() error { return s1.CopyDtoH(h2, 0, d2, 0, n) }))
+			return el.Seconds() / float64(reps), err
 		})
 		if err != nil {
 			return nil, fmt.Errorf("perfmodel: D2H of %d bytes: %w", n, err)
 		}
 		d2h = append(d2h, Point{float64(n), t})
 		tick()
-		// Both at once: each direction timed by its own stream's events.
+		// Both at once: each direction timed by its own stream's events
+		// while the other stream carries twice as much the other way, so
+		// the timed copies overlap from start to end.
 		var up, down []float64
 		for r := 0; r <= opts.Reps; r++ {
-			if err := firstErr(ev[0].Record(s1), ev[2].Record(s2), s1.CopyHtoD(d1, 0, h1, 0, n), s2.CopyDtoH(h2, 0, d2, 0, n),
-				ev[1].Record(s1), ev[3].Record(s2), ev[1].Sync(), ev[3].Sync()); err != nil {
+			twice := 2 * reps
+			if err := firstErr(rep(twice, func() error { return s2.CopyDtoH(h2, 0, d2, 0, n) })(), ev[0].Record(s1),
+				rep(reps, func() error { return s1.CopyHtoD(d1, 0, h1, 0, n) })(), ev[1].Record(s1), ev[1].Sync(), s2.Sync(),
+				rep(twice, func() error { return s1.CopyHtoD(d1, 0, h1, 0, n) })(), ev[2].Record(s2),
+				rep(reps, func() error { return s2.CopyDtoH(h2, 0, d2, 0, n) })(), ev[3].Record(s2), ev[3].Sync(), s1.Sync()); err != nil {
 				return nil, fmt.Errorf("perfmodel: H2D and D2H of %d bytes at once: %w", n, err)
 			}
 			a, err1 := cuda.Elapsed(ev[0], ev[1])
 			b, err2 := cuda.Elapsed(ev[2], ev[3])
 			if err := firstErr(err1, err2); err != nil {
-				return nil, err
+				return nil, fmt.Errorf("perfmodel: H2D and D2H of %d bytes at once: %w", n, err)
 			}
 			if r > 0 { // the first was the warm-up
-				up, down = append(up, a.Seconds()), append(down, b.Seconds())
+				up, down = append(up, a.Seconds()/float64(reps)), append(down, b.Seconds()/float64(reps))
 			}
 		}
 		slices.Sort(up)
@@ -186,8 +222,9 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 		d2hBoth = append(d2hBoth, Point{float64(n), down[len(down)/2]})
 		tick()
 	}
-	// The fused kernel: fp32 p, m, v and gradient of maxN parameters.
-	var bufs [4]*cuda.Buffer
+	// The fused kernel: fp32 p, m, v, a bf16 gradient and a bf16 copy of
+	// maxN parameters.
+	var bufs [5]*cuda.Buffer
 	for i := range bufs {
 		if bufs[i], err = dev(4 * maxN); err != nil {
 			return nil, err
@@ -200,10 +237,12 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 	var upd, conv []Point
 	for _, n := range opts.UpdateSizes {
 		st := kernels.State{Param: kernels.Vec{Buf: bufs[0], N: n}, ExpAvg: kernels.Vec{Buf: bufs[1], N: n}, ExpAvgSq: kernels.Vec{Buf: bufs[2], N: n}}
-		g := kernels.Grad{DType: adam.F32, Vec: kernels.Vec{Buf: bufs[3], N: n}}
+		g := kernels.Grad{DType: adam.BF16, Vec: kernels.Vec{Buf: bufs[3], N: n}}
+		out := kernels.Copy16{DType: adam.BF16, Vec: kernels.Vec{Buf: bufs[4], N: n}}
+		reps := repeat(n, 64<<20)
 		t, err := median(func() (float64, error) {
-			el, err := timed(s1, ev[0], ev[1], func() error { return k.AdamW(s1, &c, st, g, kernels.Copy16{}) })
-			return el.Seconds(), err
+			el, err := timed(s1, ev[0], ev[1], rep(reps, func() error { return k.AdamW(s1, &c, st, g, out) }))
+			return el.Seconds() / float64(reps), err
 		})
 		if err != nil {
 			return nil, fmt.Errorf("perfmodel: AdamW of %d parameters: %w", n, err)
@@ -211,10 +250,10 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 		upd = append(upd, Point{float64(n), t})
 		tick()
 		t, err = median(func() (float64, error) {
-			el, err := timed(s1, ev[0], ev[1], func() error {
+			el, err := timed(s1, ev[0], ev[1], rep(reps, func() error {
 				return k.Widen16(s1, adam.BF16, kernels.Vec{Buf: bufs[0], N: n}, kernels.Vec{Buf: bufs[3], N: n})
-			})
-			return el.Seconds(), err
+			}))
+			return el.Seconds() / float64(reps), err
 		})
 		if err != nil {
 			return nil, fmt.Errorf("perfmodel: cast of %d elements: %w", n, err)

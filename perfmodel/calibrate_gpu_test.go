@@ -27,7 +27,7 @@ func TestCalibrateGPU(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer k.Close()
-	g, err := CalibrateGPU(d, k, GPUOptions{CopySizes: []int64{4 << 20, 32 << 20, 128 << 20}, UpdateSizes: []int64{1 << 20, 8 << 20, 32 << 20}, Reps: 3}, nil)
+	g, err := CalibrateGPU(d, k, GPUOptions{CopySizes: []int64{4 << 20, 32 << 20, 128 << 20}, UpdateSizes: []int64{16 << 20, 32 << 20, 64 << 20}, Reps: 3}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
