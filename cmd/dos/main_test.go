@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
 )
 
 func runCLI(args ...string) (int, string, string) {
@@ -138,5 +139,34 @@ func TestCalibrateUsage(t *testing.T) {
 	}
 	if rc, _, _ := runCLI("calibrate", "-h"); rc != 0 {
 		t.Errorf("-h: rc %d", rc)
+	}
+}
+
+// TestPlotProfile draws a profile with CPU and GPU fits in every format.
+func TestPlotProfile(t *testing.T) {
+	fit := func(rate, lat float64, sizes ...float64) perfmodel.Fit {
+		f := perfmodel.Fit{Rate: rate, LatencyS: lat}
+		for _, s := range sizes {
+			f.Points = append(f.Points, perfmodel.Point{Size: s, Seconds: lat + s/rate*1.02})
+		}
+		return f
+	}
+	p := &perfmodel.Profile{Machine: perfmodel.Machine{CPU: "test CPU", GPU: "test GPU"},
+		CPU: []perfmodel.CPUFit{{Threads: 2, GradDType: "bfloat16", Fit: fit(1.3e9, 0, 16e6, 32e6, 64e6)}},
+		GPU: &perfmodel.GPUProfile{Update: fit(1.5e11, 5e-6, 16e6, 64e6, 128e6), Convert: fit(4e11, 3e-6, 16e6, 64e6, 128e6),
+			H2D: fit(5.5e10, 1e-5, 8<<20, 64<<20, 1<<30), D2H: fit(5.5e10, 1e-5, 8<<20, 64<<20, 1<<30),
+			H2DBoth: fit(4.8e10, 1e-5, 8<<20, 64<<20, 1<<30), D2HBoth: fit(4.8e10, 1e-5, 8<<20, 64<<20, 1<<30)}}
+	dir := t.TempDir()
+	for _, ext := range []string{".svg", ".png", ".pdf"} {
+		path := filepath.Join(dir, "p"+ext)
+		if err := plotProfile(p, path); err != nil {
+			t.Fatal(err)
+		}
+		if st, err := os.Stat(path); err != nil || st.Size() < 1000 {
+			t.Fatalf("%s: %v %v", path, st, err)
+		}
+	}
+	if os.Getenv("DOS_PLOT_OUT") != "" {
+		plotProfile(p, os.Getenv("DOS_PLOT_OUT"))
 	}
 }
