@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"runtime"
+	"strings"
 	"time"
 
 	"github.com/klauspost/cpuid/v2"
@@ -23,7 +24,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	cpuOnly := fs.Bool("cpu-only", false, "measure the CPU update rate only (no GPU needed)")
 	budget := fs.Float64("gpu-budget", 16, "GPU memory in `GiB` the update phase may use, for the schedules printed")
-	thorough := fs.Bool("thorough", false, "more sizes and repetitions (several minutes)")
+	thorough := fs.Bool("thorough", false, "five sizes and 11 repetitions instead of three and 5 (slower)")
 	jsonPath := fs.String("json", "", "write the measured profile to `PATH` (JSON, format dos-profile v1)")
 	plotPath := fs.String("plot", "", "draw the measured points and fitted lines to `PATH` (.svg, .png or .pdf)")
 	fs.Usage = func() {
@@ -72,7 +73,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 		if tty {
 			w := 30
 			k := done * w / total
-			fmt.Fprintf(stderr, "\r\033[Kcalibrate [%s%s] %d/%d points, %s", bar(k), space(w-k), done, total, time.Since(start).Round(time.Second))
+			fmt.Fprintf(stderr, "\r\033[Kcalibrate [%s%s] %d/%d points, %s", strings.Repeat("#", k), strings.Repeat(" ", w-k), done, total, time.Since(start).Round(time.Second))
 		}
 	})
 	if tty {
@@ -140,11 +141,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 			float64(params)/1e9, w.Subgroups(), pr.CPU, pr.GPU, pr.Resident, k, pr.UpcastOnGPU, pr.Makespan, pr.Bottleneck)
 	}
 	if *jsonPath != "" {
-		b, err := json.MarshalIndent(p, "", "  ")
-		if err == nil {
-			err = os.WriteFile(*jsonPath, append(b, '\n'), 0o644)
-		}
-		if err != nil {
+		if err := writeJSON(*jsonPath, p); err != nil {
 			fmt.Fprintf(stderr, "dos calibrate: writing the profile: %v\n", err)
 			return 1
 		}
@@ -160,15 +157,13 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-func bar(n int) string   { return repeat('#', n) }
-func space(n int) string { return repeat(' ', n) }
-
-func repeat(c byte, n int) string {
-	b := make([]byte, max(n, 0))
-	for i := range b {
-		b[i] = c
+// writeJSON writes v, indented, to path.
+func writeJSON(path string, v any) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
 	}
-	return string(b)
+	return os.WriteFile(path, append(b, '\n'), 0o644)
 }
 
 // isTerminal reports whether w is a character device (a terminal), where

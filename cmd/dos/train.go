@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -57,7 +56,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.Threads, "threads", cfg.Threads, "optimizer worker goroutines (0: GOMAXPROCS)")
 	fs.StringVar(&cfg.CkptDir, "ckpt-dir", cfg.CkptDir, "checkpoint root directory (empty: no checkpoints)")
 	fs.IntVar(&cfg.CkptEvery, "ckpt-every", cfg.CkptEvery, "iterations between checkpoints (a final one is always written)")
-	fs.IntVar(&cfg.CkptKeep, "ckpt-keep", cfg.CkptKeep, "keep only the newest N checkpoints (0: keep all)")
+	fs.IntVar(&cfg.CkptKeep, "ckpt-keep", cfg.CkptKeep, "keep only the newest `N` checkpoints (0: keep all)")
 	fs.StringVar(&cfg.Profile, "profile", cfg.Profile, "a dos calibrate --json `PATH` of this machine: print the performance model's predicted update time next to the measured one")
 	fs.BoolVar(&cfg.CkptSync, "ckpt-sync", cfg.CkptSync, "write checkpoints synchronously instead of capturing them lazily and flushing in the background")
 	fs.BoolVar(&cfg.Resume, "resume", cfg.Resume, "continue from the latest checkpoint in --ckpt-dir")
@@ -109,11 +108,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fmt.Fprintf(stdout, "done: %d iterations, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
 		sum.Steps, sum.InitialLoss, sum.FinalLoss, sum.InitValLoss, sum.ValLoss, sum.TokensPerS)
 	if *summary != "" {
-		b, err := json.MarshalIndent(sum, "", "  ")
-		if err == nil {
-			err = os.WriteFile(*summary, append(b, '\n'), 0o644)
-		}
-		if err != nil {
+		if err := writeJSON(*summary, sum); err != nil {
 			fmt.Fprintf(stderr, "dos train: --summary-json: %v\n", err)
 			return 1
 		}
