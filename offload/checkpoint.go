@@ -144,11 +144,8 @@ func (o *Optimizer) settle(all bool) error {
 	if all {
 		_ = h.WaitCaptured()
 	}
-	if !h.Done() && !all {
-		return nil
-	}
-	if all && !h.Done() {
-		return nil // captured; the flush goes on, the memory is free
+	if !h.Done() {
+		return nil // still flushing (after WaitCaptured the state is free)
 	}
 	o.pending = nil
 	if _, err := h.Wait(); err != nil {
