@@ -312,10 +312,8 @@ type chunk struct {
 
 // piece is one Data range of the snapshot placed in the file.
 type piece struct {
-	data   []byte
-	off    int64 // file offset
-	tensor int
-	group  int
+	data []byte
+	off  int64 // file offset
 }
 
 // run is one background save: begin, capture and write concurrently, sync,
@@ -366,7 +364,7 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 				g = t.Groups[j]
 			}
 			if len(r) > 0 {
-				pieces = append(pieces, piece{data: r, off: off, tensor: i, group: g})
+				pieces = append(pieces, piece{data: r, off: off})
 				for k := off / C; k <= (off+int64(len(r))-1)/C; k++ {
 					if !slices.Contains(chunkGroups[k], g) {
 						chunkGroups[k] = append(chunkGroups[k], g)
