@@ -12,7 +12,8 @@
 #  5. dos train, dos export --hf, and transformers.GPT2LMHeadModel's logits
 #     on the export against dos eval's (scripts/check_hf_export.py);
 #  6. the CPU update rate against PyTorch's fused CPU AdamW (bench/cpu_adamw.sh)
-#     and the GPU kernels and pinned copies against PyTorch (bench/gpu.sh).
+#     and the GPU kernels and pinned copies against PyTorch (bench/gpu.sh);
+#  7. dos calibrate against PyTorch's measurements (bench/calibrate.sh).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -66,6 +67,9 @@ bash bench/cpu_adamw.sh >"$out/bench_cpu.log" 2>&1
 sed -n '/^threads/,$p' "$out/bench_cpu.log"
 bash bench/gpu.sh >"$out/bench_gpu.log" 2>&1
 sed -n '/^what/,$p' "$out/bench_gpu.log"
+OUT="$out/calibrate" bash bench/calibrate.sh >"$out/bench_calibrate.log" 2>&1
+note "bench/calibrate.sh (dos calibrate within 10 % of PyTorch): rc=$?"
+sed -n '/^calibrate vs torch/,$p' "$out/bench_calibrate.log"
 
 echo "== summary =="
 printf '%s' "$summary"
