@@ -14,7 +14,6 @@ out=${OUT:-$root/bin/out}
 mkdir -p "$out"
 cd "$root"
 /usr/bin/time -f 'dos calibrate wall %e s' bin/dos calibrate --json "$out/profile.json" --plot "$out/calibrate.png" 2>&1 | tee "$out/calibrate.log"
-bin/dos calibrate --plot "$out/calibrate.svg" --json /dev/null >/dev/null 2>&1 || true
 python3 bench/torch_gpu.py --reps 20 | tee "$out/torch_gpu.log"
 python3 - "$out/profile.json" "$out/torch_gpu.log" <<'PY'
 import json, re, sys
