@@ -1,0 +1,81 @@
+package scheduler
+
+import (
+	"time"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// Mem is device memory from Device.Alloc: Len bytes.
+type Mem interface{ Len() int64 }
+
+// Host is pinned host memory from Device.AllocHost: the device copies to
+// and from it asynchronously.
+type Host interface{ Bytes() []byte }
+
+// Stream is an in-order queue of device work (a CUDA stream).
+type Stream any
+
+// Event marks a point in a stream's work (a CUDA event): other streams wait
+// for it, the host blocks on it, and two completed events give the time
+// between them.
+type Event any
+
+// Vec is N elements of device memory from element Off of Mem; the element
+// size (4 for fp32, 2 for bf16 and fp16) comes from where it is used.
+type Vec struct {
+	Mem    Mem
+	Off, N int64
+}
+
+// State is a subgroup's fp32 optimizer state on the device: master weights,
+// exp_avg, exp_avg_sq and, with amsgrad only, max_exp_avg_sq.
+type State struct {
+	Param, ExpAvg, ExpAvgSq, MaxExpAvgSq Vec
+}
+
+// Device is what the scheduler needs of a GPU (DESIGN.md: the interface is
+// defined where it is consumed). NewCUDA implements it on a CUDA device
+// with dos's kernels; NewSim is the simulated device for tests.
+//
+// Enqueueing methods (H2D, D2H, Record, Wait, AdamW, Widen16) return an
+// error when the work could not be enqueued; such a call has no effect.
+// Work that fails later, on the device, is reported by Sync or GradStats.
+// Methods may be called from several goroutines.
+type Device interface {
+	// Name names the device ("NVIDIA H200", "sim").
+	Name() string
+	// Alloc returns bytes (> 0) of device memory. Errors: out of memory.
+	Alloc(bytes int64) (Mem, error)
+	// AllocHost returns bytes (> 0) of pinned host memory, zeroed, at
+	// least 4096-byte aligned.
+	AllocHost(bytes int64) (Host, error)
+	// NewStream and NewEvent create a stream and an event (events can be
+	// timed).
+	NewStream() (Stream, error)
+	NewEvent() (Event, error)
+	// Free releases a Mem, Host, Stream or Event from this device.
+	Free(x any) error
+	// H2D copies n bytes from src at srcOff to dst at dstOff on s; D2H
+	// the other way.
+	H2D(s Stream, dst Mem, dstOff int64, src Host, srcOff, n int64) error
+	D2H(s Stream, dst Host, dstOff int64, src Mem, srcOff, n int64) error
+	// Record marks the work enqueued on s so far; Wait makes later work on
+	// s wait for e's last Record; Sync blocks the caller until it is done.
+	Record(e Event, s Stream) error
+	Wait(s Stream, e Event) error
+	Sync(e Event) error
+	// Elapsed is the device time from a to b, both recorded and done.
+	Elapsed(a, b Event) (time.Duration, error)
+	// AdamW enqueues the fused update of st with gradient g (gd: F32, BF16
+	// or F16) writing the 16-bit copy out (od: BF16 or F16; 0 for none),
+	// with adam.Path.Step's semantics and results.
+	AdamW(s Stream, c *adam.Coeffs, st State, gd adam.DType, g Vec, od adam.DType, out Vec) error
+	// Widen16 enqueues dst = float32(src) for a BF16 or F16 src.
+	Widen16(s Stream, d adam.DType, dst, src Vec) error
+	// GradStats runs adam.Path.GradStats on a gradient of dtype gd on the
+	// device, on s, and waits for it: whether every element is finite,
+	// and the sum of squares of the unscaled elements (its summation
+	// order is the device's own).
+	GradStats(s Stream, gd adam.DType, g Vec, unscale float32) (finite bool, sumSquares float64, err error)
+}

@@ -1,0 +1,771 @@
+package scheduler
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// Options configures an Engine.
+type Options struct {
+	// Device runs the GPU side (NewCUDA, or NewSim in tests).
+	Device Device
+	// Sizes are the subgroups' lengths in elements, in order (> 0 each).
+	Sizes []int
+	// GradDType is the gradients' dtype on the device: F32, BF16 or F16.
+	GradDType adam.DType
+	// WorkingDType is the 16-bit working copy's dtype on the device: BF16
+	// or F16.
+	WorkingDType adam.DType
+	// AMSGrad keeps max_exp_avg_sq too (16 B/param of state, not 12).
+	AMSGrad bool
+	// Pool is the CPU workers; the caller owns it. nil: a pool of
+	// GOMAXPROCS goroutines, closed by Close.
+	Pool *adam.Pool
+	// Plan places the subgroups (NewPlan over len(Sizes) subgroups).
+	Plan *Plan
+	// Trace makes Update record every operation's start and end (Trace).
+	Trace bool
+}
+
+// ErrBroken is returned by an Engine whose state is no longer known to be
+// consistent: a device fault surfaced while work was in flight (a CUDA
+// fault poisons the context), or a fault came back while finishing a step
+// after an earlier one. Restore from a checkpoint.
+var ErrBroken = errors.New("scheduler: the optimizer state is inconsistent after a device fault; restore from a checkpoint")
+
+// FaultError is Update's error when enqueueing a copy or a launch failed.
+// The step was then finished subgroup by subgroup, each from where it
+// stood, so the state is fully advanced (Recovered); had that failed too,
+// Update returns ErrBroken instead.
+type FaultError struct {
+	Subgroup int    // the subgroup whose operation failed
+	Op       string // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "copy H2D"
+	Err      error
+}
+
+func (e *FaultError) Error() string {
+	return fmt.Sprintf("scheduler: %s of subgroup %d failed (the step was then completed subgroup by subgroup): %v", e.Op, e.Subgroup, e.Err)
+}
+
+func (e *FaultError) Unwrap() error { return e.Err }
+
+// Operations of a subgroup, by index: a GPU subgroup runs opH2D, opKernel,
+// opD2H; a resident one opKernel; a CPU one opUpcast (with the GPU upcast),
+// opGradD2H, opCPU, opCopyH2D.
+const (
+	opH2D = iota
+	opKernel
+	opD2H
+	opUpcast
+	opGradD2H
+	opCPU
+	opCopyH2D
+	numOps
+)
+
+var opNames = [numOps]string{"state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"}
+
+// Engine runs the update phase of one rank over Options.Plan: the CPU
+// workers on the CPU subgroups while the device streams the GPU subgroups'
+// state through staging slots and updates the resident ones (Deep
+// Optimizer States, section 4; DESIGN.md, update phase). It owns the
+// master state in pinned host memory, the gradients and the 16-bit working
+// copy in device memory, the resident state, two device staging slots and
+// two host staging slots per lane. Its methods must not be called
+// concurrently.
+type Engine struct {
+	o     Options
+	dev   Device
+	pool  *adam.Pool
+	own   bool // the pool is ours
+	plan  *Plan
+	off   []int64 // first element of each subgroup
+	total int64
+	maxN  int64
+	nArr  int // state arrays: 3, or 4 with amsgrad
+	gb    int64
+
+	host   [4]Host    // p, m, v, vmax in pinned host memory
+	state  adam.State // views of host
+	grad   Mem        // device gradients
+	work   Mem        // device working copy
+	res    [4]Mem     // resident state
+	resOff []int64    // element offset of each resident subgroup in res
+	stage  [4]Mem     // device staging: 2 slots of maxN per array
+	scr    Mem        // device fp32 scratch for the upcast: 2 slots
+	gst    Host       // host gradient staging: 2 slots
+	cst    Host       // host copy staging: 2 slots
+	upcast bool       // CPU subgroups' 16-bit gradients widen on the device
+	cpuGD  adam.DType // the gradient dtype the CPU workers read
+	s      [5]Stream  // H2D, kernel, D2H, grad D2H, copy H2D
+	ev     [][numOps][2]Event
+	base   Event
+	tail   [5]Event
+	allocs []any
+
+	// Per Update.
+	c       *adam.Coeffs
+	done    []uint8 // bit per op done (enqueued, or run on the CPU)
+	slot    []int   // staging slot of each GPU or CPU subgroup
+	cpuT    [][2]time.Duration
+	t0      time.Time
+	abort   atomic.Bool
+	firstMu chan struct{}
+	first   *FaultError
+	msgs    chan int
+	tokens  chan struct{}
+	startF  chan struct{} // one per Update to the feeder
+	startW  chan struct{} // and to the worker
+	fin     chan struct{}
+	broken  bool
+}
+
+// New allocates the engine's memory on the device and the host: the host
+// state (zeroed; write it with HostState and then Load), the device
+// gradients and working copy, the resident state and the staging.
+//
+// Errors: bad options (naming the field), allocation failures (what was
+// allocated is freed).
+func New(o Options) (*Engine, error) {
+	if o.Device == nil {
+		return nil, errors.New("scheduler: Options.Device is nil")
+	}
+	if len(o.Sizes) == 0 {
+		return nil, errors.New("scheduler: Options.Sizes is empty")
+	}
+	switch o.GradDType {
+	case adam.F32, adam.BF16, adam.F16:
+	default:
+		return nil, fmt.Errorf("scheduler: Options.GradDType %v: want float32, bfloat16 or float16", o.GradDType)
+	}
+	if o.WorkingDType != adam.BF16 && o.WorkingDType != adam.F16 {
+		return nil, fmt.Errorf("scheduler: Options.WorkingDType %v: want bfloat16 or float16", o.WorkingDType)
+	}
+	if o.Plan == nil || len(o.Plan.Roles) != len(o.Sizes) {
+		return nil, fmt.Errorf("scheduler: Options.Plan must place the %d subgroups", len(o.Sizes))
+	}
+	e := &Engine{o: o, dev: o.Device, pool: o.Pool, plan: o.Plan, nArr: 3, upcast: o.Plan.Schedule.UpcastOnGPU && o.GradDType != adam.F32}
+	if o.AMSGrad {
+		e.nArr = 4
+	}
+	e.gb = 4
+	if o.GradDType != adam.F32 {
+		e.gb = 2
+	}
+	e.cpuGD = o.GradDType
+	if e.upcast {
+		e.cpuGD = adam.F32
+	}
+	e.off = make([]int64, len(o.Sizes))
+	var nRes int64
+	e.resOff = make([]int64, len(o.Sizes))
+	for i, n := range o.Sizes {
+		if n <= 0 {
+			return nil, fmt.Errorf("scheduler: Options.Sizes[%d] = %d: want > 0", i, n)
+		}
+		e.off[i] = e.total
+		e.total += int64(n)
+		e.maxN = max(e.maxN, int64(n))
+		if o.Plan.Roles[i] == Resident {
+			e.resOff[i] = nRes
+			nRes += int64(n)
+		}
+	}
+	if e.pool == nil {
+		e.pool, e.own = adam.NewPool(0), true
+	}
+	if err := e.alloc(nRes); err != nil {
+		e.Close()
+		return nil, err
+	}
+	n := len(o.Sizes)
+	e.done = make([]uint8, n)
+	e.slot = make([]int, n)
+	e.cpuT = make([][2]time.Duration, n)
+	e.firstMu = make(chan struct{}, 1)
+	e.msgs = make(chan int, 2)
+	e.tokens = make(chan struct{}, 2)
+	e.startF = make(chan struct{})
+	e.startW = make(chan struct{})
+	e.fin = make(chan struct{}, 2)
+	go e.feeder()
+	go e.worker()
+	return e, nil
+}
+
+func (e *Engine) alloc(nRes int64) error {
+	dev := func(bytes int64) (Mem, error) {
+		m, err := e.dev.Alloc(bytes)
+		if err != nil {
+			return nil, fmt.Errorf("scheduler: %d bytes of device memory: %w", bytes, err)
+		}
+		e.allocs = append(e.allocs, m)
+		return m, nil
+	}
+	host := func(bytes int64) (Host, error) {
+		h, err := e.dev.AllocHost(bytes)
+		if err != nil {
+			return nil, fmt.Errorf("scheduler: %d bytes of pinned host memory: %w", bytes, err)
+		}
+		e.allocs = append(e.allocs, h)
+		return h, nil
+	}
+	var err error
+	views := []*[]float32{&e.state.Param, &e.state.ExpAvg, &e.state.ExpAvgSq, &e.state.MaxExpAvgSq}
+	for a := range e.nArr {
+		if e.host[a], err = host(4 * e.total); err != nil {
+			return err
+		}
+		*views[a] = unsafe.Slice((*float32)(unsafe.Pointer(&e.host[a].Bytes()[0])), e.total)
+	}
+	if e.grad, err = dev(e.gb * e.total); err != nil {
+		return err
+	}
+	if e.work, err = dev(2 * e.total); err != nil {
+		return err
+	}
+	if nRes > 0 {
+		for a := range e.nArr {
+			if e.res[a], err = dev(4 * nRes); err != nil {
+				return err
+			}
+		}
+	}
+	if e.plan.Schedule.GPU > 0 {
+		for a := range e.nArr {
+			if e.stage[a], err = dev(2 * 4 * e.maxN); err != nil {
+				return err
+			}
+		}
+	}
+	if len(e.plan.CPUOrder) > 0 {
+		if e.upcast {
+			if e.scr, err = dev(2 * 4 * e.maxN); err != nil {
+				return err
+			}
+		}
+		if e.gst, err = host(2 * elemBytes(e.cpuGD) * e.maxN); err != nil {
+			return err
+		}
+		if e.cst, err = host(2 * 2 * e.maxN); err != nil {
+			return err
+		}
+	}
+	for i := range e.s {
+		if e.s[i], err = e.dev.NewStream(); err != nil {
+			return err
+		}
+		e.allocs = append(e.allocs, e.s[i])
+	}
+	event := func() (Event, error) {
+		ev, err := e.dev.NewEvent()
+		if err == nil {
+			e.allocs = append(e.allocs, ev)
+		}
+		return ev, err
+	}
+	if e.base, err = event(); err != nil {
+		return err
+	}
+	for i := range e.tail {
+		if e.tail[i], err = event(); err != nil {
+			return err
+		}
+	}
+	e.ev = make([][numOps][2]Event, len(e.o.Sizes))
+	for i := range e.ev {
+		for _, op := range e.ops(i) {
+			if op == opCPU {
+				continue
+			}
+			for j := range 2 {
+				if e.ev[i][op][j], err = event(); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+func elemBytes(d adam.DType) int64 {
+	if d == adam.F32 {
+		return 4
+	}
+	return 2
+}
+
+// ops returns subgroup i's operations in order.
+func (e *Engine) ops(i int) []int {
+	switch e.plan.Roles[i] {
+	case OnGPU:
+		return []int{opH2D, opKernel, opD2H}
+	case Resident:
+		return []int{opKernel}
+	}
+	if e.upcast {
+		return []int{opUpcast, opGradD2H, opCPU, opCopyH2D}
+	}
+	return []int{opGradD2H, opCPU, opCopyH2D}
+}
+
+// Close stops the engine's goroutines and frees its memory. Views from
+// HostState must not be used afterwards.
+func (e *Engine) Close() {
+	if e.startF != nil {
+		close(e.startF)
+		close(e.startW)
+		<-e.fin
+		<-e.fin
+		e.startF = nil
+	}
+	for i := len(e.allocs) - 1; i >= 0; i-- {
+		_ = e.dev.Free(e.allocs[i])
+	}
+	e.allocs = nil
+	if e.own && e.pool != nil {
+		e.pool.Close()
+		e.pool = nil
+	}
+}
+
+// HostState returns the master state in pinned host memory, all subgroups
+// flat in order (total elements per array). For resident subgroups it is
+// current only after Download; after writing it, call Load.
+func (e *Engine) HostState() adam.State { return e.state }
+
+// Grad returns the device gradients, all subgroups flat in order, of
+// Options.GradDType: the trainer's backward writes them.
+func (e *Engine) Grad() Vec { return Vec{Mem: e.grad, N: e.total} }
+
+// Working returns the device working copy (Options.WorkingDType), all
+// subgroups flat in order: forward and backward read it.
+func (e *Engine) Working() Vec { return Vec{Mem: e.work, N: e.total} }
+
+// Plan returns the plan.
+func (e *Engine) Plan() *Plan { return e.plan }
+
+func (e *Engine) hostVec(a int, i int) (Host, int64, int64) {
+	return e.host[a], 4 * e.off[i], 4 * int64(e.o.Sizes[i])
+}
+
+func (e *Engine) resState(i int) State {
+	n := int64(e.o.Sizes[i])
+	var s State
+	for a, v := range []*Vec{&s.Param, &s.ExpAvg, &s.ExpAvgSq, &s.MaxExpAvgSq}[:e.nArr] {
+		*v = Vec{Mem: e.res[a], Off: e.resOff[i], N: n}
+	}
+	return s
+}
+
+func (e *Engine) slotState(slot, i int) State {
+	n := int64(e.o.Sizes[i])
+	var s State
+	for a, v := range []*Vec{&s.Param, &s.ExpAvg, &s.ExpAvgSq, &s.MaxExpAvgSq}[:e.nArr] {
+		*v = Vec{Mem: e.stage[a], Off: int64(slot) * e.maxN, N: n}
+	}
+	return s
+}
+
+// Load makes the device match the host state: it moves the resident
+// subgroups' state H2D and writes every subgroup's working copy, rounded
+// from the master weights. It waits for the copies.
+//
+// Errors: a failed copy.
+func (e *Engine) Load() error {
+	if e.broken {
+		return ErrBroken
+	}
+	s := e.s[0]
+	for i, n := range e.o.Sizes {
+		if e.plan.Roles[i] == Resident {
+			for a := range e.nArr {
+				h, off, b := e.hostVec(a, i)
+				if err := e.dev.H2D(s, e.res[a], 4*e.resOff[i], h, off, b); err != nil {
+					return err
+				}
+			}
+		}
+		// The working copy, through a host staging buffer of one
+		// subgroup (Round16 on the host: the CPU's rounding is the
+		// kernels' too).
+		stg, err := e.dev.AllocHost(2 * int64(n))
+		if err != nil {
+			return err
+		}
+		u := unsafe.Slice((*uint16)(unsafe.Pointer(&stg.Bytes()[0])), n)
+		adam.Round16(e.o.WorkingDType, u, e.state.Param[e.off[i]:e.off[i]+int64(n)])
+		err = firstErr(e.dev.H2D(s, e.work, 2*e.off[i], stg, 0, 2*int64(n)), e.dev.Record(e.tail[0], s))
+		if err == nil {
+			err = e.dev.Sync(e.tail[0])
+		}
+		_ = e.dev.Free(stg)
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Download moves the resident subgroups' state D2H into the host state and
+// waits: afterwards HostState is current for every subgroup (for a
+// checkpoint or a comparison).
+//
+// Errors: a failed copy.
+func (e *Engine) Download() error {
+	if e.broken {
+		return ErrBroken
+	}
+	s := e.s[2]
+	for i := range e.o.Sizes {
+		if e.plan.Roles[i] != Resident {
+			continue
+		}
+		for a := range e.nArr {
+			h, off, b := e.hostVec(a, i)
+			if err := e.dev.D2H(s, h, off, e.res[a], 4*e.resOff[i], b); err != nil {
+				return err
+			}
+		}
+	}
+	if err := e.dev.Record(e.tail[2], s); err != nil {
+		return err
+	}
+	return e.dev.Sync(e.tail[2])
+}
+
+// Stats runs the global checks on the device gradients: whether every
+// element is finite and the sum of squares of the unscaled gradients
+// (Device.GradStats over all subgroups at once, so the result does not
+// depend on the plan). Nothing changes.
+func (e *Engine) Stats(unscale float32) (finite bool, sumSquares float64, err error) {
+	if e.broken {
+		return false, 0, ErrBroken
+	}
+	return e.dev.GradStats(e.s[1], e.o.GradDType, e.Grad(), unscale)
+}
+
+// Update runs the update phase with the scalars c (adam.Hyper.Coeffs: the
+// step, the unscale and clip factors) over every subgroup as the plan
+// places it, and returns when every copy is done. The CPU lane (two
+// goroutines: one moves gradients D2H into two host slots, one runs the
+// workers and moves the copies H2D) runs while the device streams the GPU
+// subgroups through two staging slots on three streams; only events order
+// the work. It allocates nothing.
+//
+// Errors: *FaultError when enqueueing failed (the step was completed
+// subgroup by subgroup: the state is fully advanced); ErrBroken when
+// work failed on the device or the completion failed (the state may be
+// mixed: restore from a checkpoint).
+func (e *Engine) Update(c *adam.Coeffs) error {
+	if e.broken {
+		return ErrBroken
+	}
+	e.c = c
+	clear(e.done)
+	e.first = nil
+	e.abort.Store(false)
+	e.t0 = time.Now()
+	if err := e.dev.Record(e.base, e.s[0]); err != nil {
+		return err // nothing was done
+	}
+	// Start the CPU lane, then enqueue the GPU lane.
+	e.startF <- struct{}{}
+	e.startW <- struct{}{}
+	last := [2]int{-1, -1} // the GPU subgroup that used each staging slot last
+	streamed := 0
+	for _, i := range e.plan.GPUOrder {
+		if e.abort.Load() {
+			break
+		}
+		if e.plan.Roles[i] == Resident {
+			if !e.run(i, opKernel, 0) {
+				break
+			}
+			continue
+		}
+		slot := streamed % 2
+		streamed++
+		prev := last[slot]
+		last[slot] = i
+		e.slot[i] = slot
+		// The slot's previous state must have moved D2H.
+		if prev >= 0 && e.fail(i, opH2D, e.dev.Wait(e.s[0], e.ev[prev][opD2H][1])) {
+			break
+		}
+		for _, op := range [...]int{opH2D, opKernel, opD2H} {
+			if !e.run(i, op, slot) {
+				break
+			}
+		}
+	}
+	<-e.fin
+	<-e.fin
+	// Drain: every stream's work.
+	for k, s := range e.s {
+		if err := firstErr(e.dev.Record(e.tail[k], s), e.dev.Sync(e.tail[k])); err != nil {
+			e.broken = true
+			return fmt.Errorf("%w: %v", ErrBroken, err)
+		}
+	}
+	if e.first == nil {
+		return nil
+	}
+	// Complete every subgroup from where it stood, one at a time.
+	for i := range e.o.Sizes {
+		for _, op := range e.ops(i) {
+			if e.done[i]&(1<<op) != 0 {
+				continue
+			}
+			if op == opH2D || (op == opGradD2H && e.done[i]&(1<<opUpcast) == 0) || op == opUpcast {
+				e.slot[i] = 0 // every slot is free now
+			}
+			if !e.run(i, op, e.slot[i]) {
+				e.broken = true
+				return fmt.Errorf("%w (after %v)", ErrBroken, e.first)
+			}
+			if op != opCPU {
+				if err := e.dev.Sync(e.ev[i][op][1]); err != nil {
+					e.broken = true
+					return fmt.Errorf("%w: %v (after %v)", ErrBroken, err, e.first)
+				}
+			}
+		}
+	}
+	return e.first
+}
+
+// fail records err (when not nil) as the step's first fault, stops the
+// lanes, and reports whether there was one.
+func (e *Engine) fail(i, op int, err error) bool {
+	if err == nil {
+		return false
+	}
+	e.firstMu <- struct{}{}
+	if e.first == nil {
+		e.first = &FaultError{Subgroup: i, Op: opNames[op], Err: err}
+	}
+	<-e.firstMu
+	e.abort.Store(true)
+	return true
+}
+
+// run enqueues (or, for opCPU, runs) op of subgroup i with staging slot
+// slot, between its two events, waiting for the op before it on another
+// stream; it marks the op done and reports success.
+func (e *Engine) run(i, op, slot int) bool {
+	n := int64(e.o.Sizes[i])
+	ev := &e.ev[i][op]
+	var s Stream
+	var prev Event // the op this one waits for, on another stream
+	switch op {
+	case opH2D:
+		s = e.s[0]
+	case opKernel:
+		s = e.s[1]
+		if e.plan.Roles[i] == OnGPU {
+			prev = e.ev[i][opH2D][1]
+		}
+	case opD2H:
+		s, prev = e.s[2], e.ev[i][opKernel][1]
+	case opUpcast:
+		s = e.s[3]
+	case opGradD2H:
+		s = e.s[3]
+	case opCPU:
+		return e.cpu(i, slot)
+	case opCopyH2D:
+		s = e.s[4]
+	}
+	if prev != nil && e.fail(i, op, e.dev.Wait(s, prev)) {
+		return false
+	}
+	if e.fail(i, op, e.dev.Record(ev[0], s)) {
+		return false
+	}
+	var err error
+	switch op {
+	case opH2D:
+		for a := 0; a < e.nArr && err == nil; a++ {
+			h, off, b := e.hostVec(a, i)
+			err = e.dev.H2D(s, e.stage[a], 4*int64(slot)*e.maxN, h, off, b)
+		}
+	case opKernel:
+		st := e.resState(i)
+		if e.plan.Roles[i] == OnGPU {
+			st = e.slotState(slot, i)
+		}
+		err = e.dev.AdamW(s, e.c, st, e.o.GradDType, Vec{Mem: e.grad, Off: e.off[i], N: n}, e.o.WorkingDType, Vec{Mem: e.work, Off: e.off[i], N: n})
+	case opD2H:
+		for a := 0; a < e.nArr && err == nil; a++ {
+			h, off, b := e.hostVec(a, i)
+			err = e.dev.D2H(s, h, off, e.stage[a], 4*int64(slot)*e.maxN, b)
+		}
+	case opUpcast:
+		err = e.dev.Widen16(s, e.o.GradDType, Vec{Mem: e.scr, Off: int64(slot) * e.maxN, N: n}, Vec{Mem: e.grad, Off: e.off[i], N: n})
+	case opGradD2H:
+		gb := elemBytes(e.cpuGD)
+		if e.upcast {
+			err = e.dev.D2H(s, e.gst, gb*int64(slot)*e.maxN, e.scr, 4*int64(slot)*e.maxN, gb*n)
+		} else {
+			err = e.dev.D2H(s, e.gst, gb*int64(slot)*e.maxN, e.grad, gb*e.off[i], gb*n)
+		}
+	case opCopyH2D:
+		err = e.dev.H2D(s, e.work, 2*e.off[i], e.cst, 2*int64(slot)*e.maxN, 2*n)
+	}
+	if e.fail(i, op, err) || e.fail(i, op, e.dev.Record(ev[1], s)) {
+		return false
+	}
+	e.done[i] |= 1 << op
+	return true
+}
+
+// cpu updates CPU subgroup i on the host from gradient slot slot, writing
+// its copy into copy slot slot.
+func (e *Engine) cpu(i, slot int) bool {
+	if e.fail(i, opCPU, e.dev.Sync(e.ev[i][opGradD2H][1])) {
+		return false
+	}
+	n := int64(e.o.Sizes[i])
+	lo := e.off[i]
+	var g adam.Grad
+	gs := e.gst.Bytes()
+	if e.cpuGD == adam.F32 {
+		g = adam.GradF32(unsafe.Slice((*float32)(unsafe.Pointer(&gs[4*int64(slot)*e.maxN])), n))
+	} else {
+		g = adam.Grad16(e.cpuGD, unsafe.Slice((*uint16)(unsafe.Pointer(&gs[2*int64(slot)*e.maxN])), n))
+	}
+	cs := e.cst.Bytes()
+	out := adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}
+	e.cpuT[i][0] = time.Since(e.t0)
+	e.pool.Step(e.c, e.state.Slice(int(lo), int(lo+n)), g, out)
+	e.cpuT[i][1] = time.Since(e.t0)
+	e.done[i] |= 1 << opCPU
+	return true
+}
+
+// feeder is the CPU lane's first goroutine: per Update, it enqueues the
+// CPU subgroups' gradient D2H (after the upcast) into the two host
+// gradient slots, each once the worker has read the slot's previous
+// gradient, and hands each subgroup to the worker (-1: skip it).
+func (e *Engine) feeder() {
+	defer func() { e.fin <- struct{}{} }()
+	for range e.startF {
+		for ci, i := range e.plan.CPUOrder {
+			if ci >= 2 {
+				<-e.tokens
+			}
+			slot := ci % 2
+			e.slot[i] = slot
+			ok := !e.abort.Load()
+			if ok && e.upcast {
+				ok = e.run(i, opUpcast, slot)
+			}
+			ok = ok && e.run(i, opGradD2H, slot)
+			if ok {
+				e.msgs <- i
+			} else {
+				e.msgs <- -1
+			}
+		}
+		// The worker's last tokens.
+		for range min(2, len(e.plan.CPUOrder)) {
+			<-e.tokens
+		}
+		e.fin <- struct{}{}
+	}
+}
+
+// worker is the CPU lane's second goroutine: per Update, for each CPU
+// subgroup it waits for its gradient, runs the workers (writing the copy
+// into the copy slot once the slot's previous copy has moved H2D), hands
+// the gradient slot back, and enqueues the copy's H2D.
+func (e *Engine) worker() {
+	defer func() { e.fin <- struct{}{} }()
+	for range e.startW {
+		for ci := range e.plan.CPUOrder {
+			i := <-e.msgs
+			ok := i >= 0 && !e.abort.Load()
+			if ok && ci >= 2 {
+				// The copy slot's previous copy must have moved.
+				prev := e.plan.CPUOrder[ci-2]
+				ok = e.done[prev]&(1<<opCopyH2D) != 0 && !e.fail(i, opCPU, e.dev.Sync(e.ev[prev][opCopyH2D][1]))
+			}
+			ok = ok && e.cpu(i, e.slot[i])
+			e.tokens <- struct{}{}
+			if ok {
+				e.run(i, opCopyH2D, e.slot[i])
+			}
+		}
+		e.fin <- struct{}{}
+	}
+}
+
+// Op is one traced operation of the last Update.
+type Op struct {
+	Resource string        // "h2d", "d2h", "gpu" or "cpu" (perfmodel's resources)
+	What     string        // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"
+	Subgroup int           // its index
+	Start    time.Duration // from the start of the update phase
+	End      time.Duration
+	Bytes    int64 // moved over PCIe (copies) or params updated (kernels, CPU)
+}
+
+// Trace returns the operations of the last Update with their times: the
+// device's by its events (from an event recorded at the start), the CPU's
+// by the host clock from the same start, sorted by start. Errors: the
+// device's (Elapsed).
+func (e *Engine) Trace() ([]Op, error) {
+	var ops []Op
+	for i := range e.o.Sizes {
+		n := int64(e.o.Sizes[i])
+		for _, op := range e.ops(i) {
+			if e.done[i]&(1<<op) == 0 {
+				continue
+			}
+			o := Op{What: opNames[op], Subgroup: i}
+			switch op {
+			case opH2D, opCopyH2D:
+				o.Resource = "h2d"
+			case opD2H, opGradD2H:
+				o.Resource = "d2h"
+			case opKernel, opUpcast:
+				o.Resource = "gpu"
+			case opCPU:
+				o.Resource = "cpu"
+			}
+			switch op {
+			case opH2D, opD2H:
+				o.Bytes = 4 * int64(e.nArr) * n
+			case opGradD2H:
+				o.Bytes = elemBytes(e.cpuGD) * n
+			case opCopyH2D:
+				o.Bytes = 2 * n
+			default:
+				o.Bytes = n
+			}
+			if op == opCPU {
+				o.Start, o.End = e.cpuT[i][0], e.cpuT[i][1]
+			} else {
+				a, err := e.dev.Elapsed(e.base, e.ev[i][op][0])
+				if err != nil {
+					return nil, err
+				}
+				b, err := e.dev.Elapsed(e.base, e.ev[i][op][1])
+				if err != nil {
+					return nil, err
+				}
+				o.Start, o.End = a, b
+			}
+			ops = append(ops, o)
+		}
+	}
+	slices.SortStableFunc(ops, func(a, b Op) int { return int(a.Start - b.Start) })
+	return ops, nil
+}

@@ -1,0 +1,85 @@
+package scheduler
+
+import (
+	"fmt"
+
+	"github.com/deepstates/dos/perfmodel"
+)
+
+// Role is where a subgroup is updated.
+type Role uint8
+
+// Roles (perfmodel's package doc: the three kinds of subgroup).
+const (
+	// OnCPU: the gradient moves D2H, the SIMD workers update p, m, v in
+	// pinned host memory, the new 16-bit copy moves H2D.
+	OnCPU Role = iota
+	// OnGPU: p, m, v move H2D into a staging slot, the fused kernel
+	// updates them and writes the 16-bit copy, they move D2H.
+	OnGPU
+	// Resident: p, m, v stay in device memory; only the kernel runs.
+	Resident
+)
+
+func (r Role) String() string {
+	switch r {
+	case OnCPU:
+		return "cpu"
+	case OnGPU:
+		return "gpu"
+	case Resident:
+		return "resident"
+	}
+	return fmt.Sprintf("Role(%d)", r)
+}
+
+// Plan is where each subgroup updates and in what order.
+type Plan struct {
+	Schedule perfmodel.Schedule
+	// Roles has one entry per subgroup.
+	Roles []Role
+	// GPUOrder is the order of the GPU lane (OnGPU and Resident
+	// subgroups); CPUOrder that of the CPU lane (OnCPU).
+	GPUOrder, CPUOrder []int
+}
+
+// NewPlan places s on n subgroups. Resident subgroups are the last
+// s.Resident; the s.GPU streamed subgroups are spread evenly among the
+// others (the stride of DESIGN.md: of every k+1 non-resident subgroups, k
+// go to the CPU and one to the GPU, k = s.K(), which may be fractional:
+// subgroup j of the N non-resident ones goes to the GPU when
+// floor((j+1)·G/N) > floor(j·G/N)). The GPU lane starts with one resident
+// subgroup (its kernel runs while the first state moves H2D), then the
+// streamed ones, then the other residents (while the last state moves
+// D2H).
+//
+// Errors: counts that are negative or do not add up to n.
+func NewPlan(n int, s perfmodel.Schedule) (*Plan, error) {
+	if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
+		return nil, fmt.Errorf("scheduler: schedule %d CPU + %d GPU + %d resident subgroups for %d subgroups", s.CPU, s.GPU, s.Resident, n)
+	}
+	p := &Plan{Schedule: s, Roles: make([]Role, n)}
+	nr := n - s.Resident
+	for j := range nr {
+		if (j+1)*s.GPU/nr > j*s.GPU/nr {
+			p.Roles[j] = OnGPU
+		}
+	}
+	for j := nr; j < n; j++ {
+		p.Roles[j] = Resident
+	}
+	if s.Resident > 0 {
+		p.GPUOrder = append(p.GPUOrder, nr)
+	}
+	for j := range nr {
+		if p.Roles[j] == OnGPU {
+			p.GPUOrder = append(p.GPUOrder, j)
+		} else {
+			p.CPUOrder = append(p.CPUOrder, j)
+		}
+	}
+	for j := nr + 1; j < n; j++ {
+		p.GPUOrder = append(p.GPUOrder, j)
+	}
+	return p, nil
+}

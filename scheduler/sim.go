@@ -1,0 +1,351 @@
+package scheduler
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
+)
+
+// ErrInjected is the error of an operation the simulated device was told
+// to fail (SimOptions.FailAt).
+var ErrInjected = errors.New("scheduler: injected device fault")
+
+// ErrSimOutOfMemory is Sim.Alloc's error past SimOptions.Capacity.
+var ErrSimOutOfMemory = errors.New("scheduler: simulated device out of memory")
+
+// SimOptions configures a simulated device.
+type SimOptions struct {
+	// Capacity is the device memory in bytes; 0 means 1 GiB.
+	Capacity int64
+	// FailAt, when > 0, makes the FailAt-th copy or launch (H2D, D2H,
+	// AdamW, Widen16, counted from 1 over the device's life) fail with
+	// ErrInjected, doing nothing.
+	FailAt int
+	// Profile, when set, gives each operation a duration from its fits
+	// (H2D, D2H, Update, Convert) on a virtual clock that Elapsed reads;
+	// without it every operation takes 1 µs.
+	Profile *perfmodel.GPUProfile
+}
+
+// Sim is the simulated device: a test and planning device, never a
+// stand-in for the product's GPU path (DESIGN.md). Its memory is host
+// memory; it executes each operation at once, when enqueued, with the
+// CPU's kernels (adam.DefaultPath), which is a valid order of the work
+// whenever the caller enqueues in an order that respects its own
+// dependencies, as the scheduler does. Streams, events and lanes keep a
+// virtual clock: an operation starts when its stream and its lane (H2D,
+// D2H or compute) are free, and events carry the time, so Elapsed gives
+// the schedule's virtual timeline.
+type Sim struct {
+	opts SimOptions
+
+	mu    sync.Mutex
+	used  int64
+	ops   int              // copies and launches so far
+	lanes [3]time.Duration // H2D, D2H, compute: when each is free
+}
+
+type simMem struct{ b []byte }
+type simHost struct{ b []byte }
+type simStream struct{ t time.Duration }
+type simEvent struct {
+	t      time.Duration
+	stream *simStream
+}
+
+func (m *simMem) Len() int64     { return int64(len(m.b)) }
+func (h *simHost) Bytes() []byte { return h.b }
+
+// NewSim returns a simulated device.
+func NewSim(opts SimOptions) *Sim {
+	if opts.Capacity == 0 {
+		opts.Capacity = 1 << 30
+	}
+	return &Sim{opts: opts}
+}
+
+// Ops returns the number of copies and launches enqueued so far, failed
+// ones included.
+func (s *Sim) Ops() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.ops
+}
+
+// Used returns the device memory allocated and not freed, in bytes.
+func (s *Sim) Used() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.used
+}
+
+// Name returns "sim".
+func (s *Sim) Name() string { return "sim" }
+
+// Alloc returns zeroed memory. Errors: bytes <= 0, ErrSimOutOfMemory.
+func (s *Sim) Alloc(bytes int64) (Mem, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if bytes <= 0 {
+		return nil, fmt.Errorf("scheduler: sim Alloc(%d): want > 0 bytes", bytes)
+	}
+	if s.used+bytes > s.opts.Capacity {
+		return nil, fmt.Errorf("%w: %d bytes wanted, %d of %d free", ErrSimOutOfMemory, bytes, s.opts.Capacity-s.used, s.opts.Capacity)
+	}
+	s.used += bytes
+	return &simMem{b: alignedBytes(bytes)}, nil
+}
+
+// AllocHost returns zeroed host memory. Errors: bytes <= 0.
+func (s *Sim) AllocHost(bytes int64) (Host, error) {
+	if bytes <= 0 {
+		return nil, fmt.Errorf("scheduler: sim AllocHost(%d): want > 0 bytes", bytes)
+	}
+	return &simHost{b: alignedBytes(bytes)}, nil
+}
+
+// alignedBytes returns n zeroed bytes, 64-byte aligned (float32 and
+// uint16 views need 4).
+func alignedBytes(n int64) []byte {
+	b := make([]byte, n+64)
+	off := (64 - int(uintptr(unsafe.Pointer(&b[0]))%64)) % 64
+	return b[off : off+int(n) : off+int(n)]
+}
+
+func (s *Sim) NewStream() (Stream, error) { return &simStream{}, nil }
+func (s *Sim) NewEvent() (Event, error)   { return &simEvent{}, nil }
+
+// Free releases memory; streams and events need nothing.
+func (s *Sim) Free(x any) error {
+	switch x := x.(type) {
+	case *simMem:
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if x.b != nil {
+			s.used -= int64(len(x.b))
+			x.b = nil
+		}
+	case *simHost:
+		x.b = nil
+	case *simStream, *simEvent, nil:
+	default:
+		return fmt.Errorf("scheduler: Free of a %T, not from the simulated device", x)
+	}
+	return nil
+}
+
+const (
+	laneH2D = iota
+	laneD2H
+	laneGPU
+)
+
+// op counts an operation, fails it when told to, and advances the virtual
+// clocks of its stream and lane by d. s.mu is held.
+func (s *Sim) op(st Stream, lane int, d time.Duration) error {
+	s.ops++
+	if s.ops == s.opts.FailAt {
+		return fmt.Errorf("%w (operation %d)", ErrInjected, s.ops)
+	}
+	ss := st.(*simStream)
+	start := max(ss.t, s.lanes[lane])
+	ss.t = start + d
+	s.lanes[lane] = ss.t
+	return nil
+}
+
+func (s *Sim) dur(f perfmodel.Fit, size int64) time.Duration {
+	if s.opts.Profile == nil {
+		return time.Microsecond
+	}
+	return time.Duration(f.Time(float64(size)) * 1e9)
+}
+
+func (s *Sim) gpu() *perfmodel.GPUProfile {
+	if s.opts.Profile == nil {
+		return &perfmodel.GPUProfile{}
+	}
+	return s.opts.Profile
+}
+
+func span(what string, b []byte, off, n int64) error {
+	if b == nil {
+		return fmt.Errorf("scheduler: sim %s: freed memory", what)
+	}
+	if off < 0 || n < 0 || off > int64(len(b)) || n > int64(len(b))-off {
+		return fmt.Errorf("scheduler: sim %s: range [%d, %d) outside %d bytes", what, off, off+n, len(b))
+	}
+	return nil
+}
+
+func (s *Sim) H2D(st Stream, dst Mem, dstOff int64, src Host, srcOff, n int64) error {
+	d, h := dst.(*simMem), src.(*simHost)
+	if err := firstErr(span("H2D", d.b, dstOff, n), span("H2D", h.b, srcOff, n)); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.op(st, laneH2D, s.dur(s.gpu().H2D, n)); err != nil {
+		return err
+	}
+	copy(d.b[dstOff:dstOff+n], h.b[srcOff:srcOff+n])
+	return nil
+}
+
+func (s *Sim) D2H(st Stream, dst Host, dstOff int64, src Mem, srcOff, n int64) error {
+	h, d := dst.(*simHost), src.(*simMem)
+	if err := firstErr(span("D2H", h.b, dstOff, n), span("D2H", d.b, srcOff, n)); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.op(st, laneD2H, s.dur(s.gpu().D2H, n)); err != nil {
+		return err
+	}
+	copy(h.b[dstOff:dstOff+n], d.b[srcOff:srcOff+n])
+	return nil
+}
+
+func (s *Sim) Record(e Event, st Stream) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ev, ss := e.(*simEvent), st.(*simStream)
+	ev.t, ev.stream = ss.t, ss
+	return nil
+}
+
+func (s *Sim) Wait(st Stream, e Event) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ss, ev := st.(*simStream), e.(*simEvent)
+	ss.t = max(ss.t, ev.t)
+	return nil
+}
+
+// Sync returns at once: the work is done when enqueued.
+func (s *Sim) Sync(e Event) error { return nil }
+
+// Elapsed returns the virtual time from a to b.
+func (s *Sim) Elapsed(a, b Event) (time.Duration, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return b.(*simEvent).t - a.(*simEvent).t, nil
+}
+
+func f32s(v Vec) ([]float32, error) {
+	if v.Mem == nil {
+		return nil, errors.New("scheduler: sim: no memory")
+	}
+	b := v.Mem.(*simMem).b
+	if err := span("vector", b, 4*v.Off, 4*v.N); err != nil {
+		return nil, err
+	}
+	if v.N == 0 {
+		return nil, nil
+	}
+	return unsafe.Slice((*float32)(unsafe.Pointer(&b[4*v.Off])), v.N), nil
+}
+
+func u16s(v Vec) ([]uint16, error) {
+	if v.Mem == nil {
+		return nil, errors.New("scheduler: sim: no memory")
+	}
+	b := v.Mem.(*simMem).b
+	if err := span("vector", b, 2*v.Off, 2*v.N); err != nil {
+		return nil, err
+	}
+	if v.N == 0 {
+		return nil, nil
+	}
+	return unsafe.Slice((*uint16)(unsafe.Pointer(&b[2*v.Off])), v.N), nil
+}
+
+func simGrad(gd adam.DType, g Vec) (adam.Grad, error) {
+	if gd == adam.F32 {
+		f, err := f32s(g)
+		return adam.GradF32(f), err
+	}
+	u, err := u16s(g)
+	return adam.Grad16(gd, u), err
+}
+
+func (s *Sim) AdamW(st Stream, c *adam.Coeffs, x State, gd adam.DType, g Vec, od adam.DType, out Vec) error {
+	var as adam.State
+	var errs [4]error
+	as.Param, errs[0] = f32s(x.Param)
+	as.ExpAvg, errs[1] = f32s(x.ExpAvg)
+	as.ExpAvgSq, errs[2] = f32s(x.ExpAvgSq)
+	if c.AMSGrad {
+		as.MaxExpAvgSq, errs[3] = f32s(x.MaxExpAvgSq)
+	}
+	if err := firstErr(errs[:]...); err != nil {
+		return err
+	}
+	ag, err := simGrad(gd, g)
+	if err != nil {
+		return err
+	}
+	var o adam.Copy16
+	if od != 0 {
+		u, err := u16s(out)
+		if err != nil {
+			return err
+		}
+		o = adam.Copy16{DType: od, Data: u}
+	}
+	if ag.Len() != len(as.Param) || len(as.ExpAvg) != len(as.Param) || len(as.ExpAvgSq) != len(as.Param) || (od != 0 && len(o.Data) != len(as.Param)) {
+		return errors.New("scheduler: sim AdamW: lengths differ")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.op(st, laneGPU, s.dur(s.gpu().Update, int64(len(as.Param)))); err != nil {
+		return err
+	}
+	adam.DefaultPath.Step(c, as, ag, o)
+	return nil
+}
+
+func (s *Sim) Widen16(st Stream, d adam.DType, dst, src Vec) error {
+	f, err := f32s(dst)
+	if err != nil {
+		return err
+	}
+	u, err := u16s(src)
+	if err != nil {
+		return err
+	}
+	if len(f) != len(u) {
+		return errors.New("scheduler: sim Widen16: lengths differ")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.op(st, laneGPU, s.dur(s.gpu().Convert, int64(len(f)))); err != nil {
+		return err
+	}
+	adam.DefaultPath.Widen16(d, f, u)
+	return nil
+}
+
+// GradStats runs adam.DefaultPath.GradStats (the CPU's summation order).
+func (s *Sim) GradStats(st Stream, gd adam.DType, g Vec, unscale float32) (bool, float64, error) {
+	ag, err := simGrad(gd, g)
+	if err != nil {
+		return false, 0, err
+	}
+	finite, ss := adam.DefaultPath.GradStats(ag, unscale)
+	return finite, ss, nil
+}
+
+func firstErr(errs ...error) error {
+	for _, e := range errs {
+		if e != nil {
+			return e
+		}
+	}
+	return nil
+}
