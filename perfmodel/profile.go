@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"time"
+
+	"github.com/klauspost/cpuid/v2"
 )
 
 // ProfileFormat and ProfileVersion identify a Profile's JSON.
@@ -143,4 +146,11 @@ func Load(path string, here Machine) (*Profile, error) {
 			path, p.Machine.CPU, p.Machine.GPU, here.CPU, here.GPU)
 	}
 	return &p, nil
+}
+
+// Here describes this machine's CPU for a Profile or for Load: the model
+// name (klauspost/cpuid) and the logical CPUs. The caller adds the GPU's
+// name, memory and driver when there is one.
+func Here() Machine {
+	return Machine{CPU: cpuid.CPU.BrandName, Cores: runtime.NumCPU()}
 }

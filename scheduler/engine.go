@@ -29,8 +29,6 @@ type Options struct {
 	Pool *adam.Pool
 	// Plan places the subgroups (NewPlan over len(Sizes) subgroups).
 	Plan *Plan
-	// Trace makes Update record every operation's start and end (Trace).
-	Trace bool
 }
 
 // ErrBroken is returned by an Engine whose state is no longer known to be
@@ -91,23 +89,24 @@ type Engine struct {
 	nArr  int // state arrays: 3, or 4 with amsgrad
 	gb    int64
 
-	host   [4]Host    // p, m, v, vmax in pinned host memory
-	state  adam.State // views of host
-	grad   Mem        // device gradients
-	work   Mem        // device working copy
-	res    [4]Mem     // resident state
-	resOff []int64    // element offset of each resident subgroup in res
-	stage  [4]Mem     // device staging: 2 slots of maxN per array
-	scr    Mem        // device fp32 scratch for the upcast: 2 slots
-	gst    Host       // host gradient staging: 2 slots
-	cst    Host       // host copy staging: 2 slots
-	upcast bool       // CPU subgroups' 16-bit gradients widen on the device
-	cpuGD  adam.DType // the gradient dtype the CPU workers read
-	s      [5]Stream  // H2D, kernel, D2H, grad D2H, copy H2D
-	ev     [][numOps][2]Event
-	base   Event
-	tail   [5]Event
-	allocs []any
+	host       [4]Host    // p, m, v, vmax in pinned host memory
+	state      adam.State // views of host
+	grad       Mem        // device gradients
+	work       Mem        // device working copy
+	res        [4]Mem     // resident state
+	resOff     []int64    // element offset of each resident subgroup in res
+	stage      [4]Mem     // device staging: 2 slots of maxN per array
+	scr        Mem        // device fp32 scratch for the upcast: 2 slots
+	gst        Host       // host gradient staging: 2 slots
+	cst        Host       // host copy staging: 2 slots
+	upcast     bool       // CPU subgroups' 16-bit gradients widen on the device
+	cpuGD      adam.DType // the gradient dtype the CPU workers read
+	s          [5]Stream  // H2D, kernel, D2H, grad D2H, copy H2D
+	ev         [][numOps][2]Event
+	base       Event
+	tail       [5]Event
+	allocs     []any // freed by Close
+	planAllocs []any // freed by Replan and Close
 
 	// Per Update.
 	c       *adam.Coeffs
@@ -150,21 +149,12 @@ func New(o Options) (*Engine, error) {
 	if o.Plan == nil || len(o.Plan.Roles) != len(o.Sizes) {
 		return nil, fmt.Errorf("scheduler: Options.Plan must place the %d subgroups", len(o.Sizes))
 	}
-	e := &Engine{o: o, dev: o.Device, pool: o.Pool, plan: o.Plan, nArr: 3, upcast: o.Plan.Schedule.UpcastOnGPU && o.GradDType != adam.F32}
+	e := &Engine{o: o, dev: o.Device, pool: o.Pool, nArr: 3}
 	if o.AMSGrad {
 		e.nArr = 4
 	}
-	e.gb = 4
-	if o.GradDType != adam.F32 {
-		e.gb = 2
-	}
-	e.cpuGD = o.GradDType
-	if e.upcast {
-		e.cpuGD = adam.F32
-	}
+	e.gb = elemBytes(o.GradDType)
 	e.off = make([]int64, len(o.Sizes))
-	var nRes int64
-	e.resOff = make([]int64, len(o.Sizes))
 	for i, n := range o.Sizes {
 		if n <= 0 {
 			return nil, fmt.Errorf("scheduler: Options.Sizes[%d] = %d: want > 0", i, n)
@@ -172,15 +162,15 @@ func New(o Options) (*Engine, error) {
 		e.off[i] = e.total
 		e.total += int64(n)
 		e.maxN = max(e.maxN, int64(n))
-		if o.Plan.Roles[i] == Resident {
-			e.resOff[i] = nRes
-			nRes += int64(n)
-		}
 	}
 	if e.pool == nil {
 		e.pool, e.own = adam.NewPool(0), true
 	}
-	if err := e.alloc(nRes); err != nil {
+	if err := e.allocBase(); err != nil {
+		e.Close()
+		return nil, err
+	}
+	if err := e.allocPlan(o.Plan); err != nil {
 		e.Close()
 		return nil, err
 	}
@@ -199,63 +189,40 @@ func New(o Options) (*Engine, error) {
 	return e, nil
 }
 
-func (e *Engine) alloc(nRes int64) error {
-	dev := func(bytes int64) (Mem, error) {
-		m, err := e.dev.Alloc(bytes)
-		if err != nil {
-			return nil, fmt.Errorf("scheduler: %d bytes of device memory: %w", bytes, err)
-		}
-		e.allocs = append(e.allocs, m)
-		return m, nil
+func (e *Engine) devAlloc(list *[]any, bytes int64) (Mem, error) {
+	m, err := e.dev.Alloc(bytes)
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %d bytes of device memory: %w", bytes, err)
 	}
-	host := func(bytes int64) (Host, error) {
-		h, err := e.dev.AllocHost(bytes)
-		if err != nil {
-			return nil, fmt.Errorf("scheduler: %d bytes of pinned host memory: %w", bytes, err)
-		}
-		e.allocs = append(e.allocs, h)
-		return h, nil
+	*list = append(*list, m)
+	return m, nil
+}
+
+func (e *Engine) hostAlloc(list *[]any, bytes int64) (Host, error) {
+	h, err := e.dev.AllocHost(bytes)
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %d bytes of pinned host memory: %w", bytes, err)
 	}
+	*list = append(*list, h)
+	return h, nil
+}
+
+// allocBase allocates what does not depend on the plan: the host state,
+// the device gradients and working copy, streams and events.
+func (e *Engine) allocBase() error {
 	var err error
 	views := []*[]float32{&e.state.Param, &e.state.ExpAvg, &e.state.ExpAvgSq, &e.state.MaxExpAvgSq}
 	for a := range e.nArr {
-		if e.host[a], err = host(4 * e.total); err != nil {
+		if e.host[a], err = e.hostAlloc(&e.allocs, 4*e.total); err != nil {
 			return err
 		}
 		*views[a] = unsafe.Slice((*float32)(unsafe.Pointer(&e.host[a].Bytes()[0])), e.total)
 	}
-	if e.grad, err = dev(e.gb * e.total); err != nil {
+	if e.grad, err = e.devAlloc(&e.allocs, e.gb*e.total); err != nil {
 		return err
 	}
-	if e.work, err = dev(2 * e.total); err != nil {
+	if e.work, err = e.devAlloc(&e.allocs, 2*e.total); err != nil {
 		return err
-	}
-	if nRes > 0 {
-		for a := range e.nArr {
-			if e.res[a], err = dev(4 * nRes); err != nil {
-				return err
-			}
-		}
-	}
-	if e.plan.Schedule.GPU > 0 {
-		for a := range e.nArr {
-			if e.stage[a], err = dev(2 * 4 * e.maxN); err != nil {
-				return err
-			}
-		}
-	}
-	if len(e.plan.CPUOrder) > 0 {
-		if e.upcast {
-			if e.scr, err = dev(2 * 4 * e.maxN); err != nil {
-				return err
-			}
-		}
-		if e.gst, err = host(2 * elemBytes(e.cpuGD) * e.maxN); err != nil {
-			return err
-		}
-		if e.cst, err = host(2 * 2 * e.maxN); err != nil {
-			return err
-		}
 	}
 	for i := range e.s {
 		if e.s[i], err = e.dev.NewStream(); err != nil {
@@ -280,7 +247,7 @@ func (e *Engine) alloc(nRes int64) error {
 	}
 	e.ev = make([][numOps][2]Event, len(e.o.Sizes))
 	for i := range e.ev {
-		for _, op := range e.ops(i) {
+		for op := range numOps {
 			if op == opCPU {
 				continue
 			}
@@ -292,6 +259,87 @@ func (e *Engine) alloc(nRes int64) error {
 		}
 	}
 	return nil
+}
+
+// allocPlan places p: the resident state, the device staging slots, the
+// upcast scratch, the host staging slots.
+func (e *Engine) allocPlan(p *Plan) error {
+	e.plan = p
+	e.upcast = p.Schedule.UpcastOnGPU && e.o.GradDType != adam.F32
+	e.cpuGD = e.o.GradDType
+	if e.upcast {
+		e.cpuGD = adam.F32
+	}
+	e.resOff = make([]int64, len(e.o.Sizes))
+	var nRes int64
+	for i, n := range e.o.Sizes {
+		if p.Roles[i] == Resident {
+			e.resOff[i] = nRes
+			nRes += int64(n)
+		}
+	}
+	e.res, e.stage, e.scr, e.gst, e.cst = [4]Mem{}, [4]Mem{}, nil, nil, nil
+	var err error
+	l := &e.planAllocs
+	if nRes > 0 {
+		for a := range e.nArr {
+			if e.res[a], err = e.devAlloc(l, 4*nRes); err != nil {
+				return err
+			}
+		}
+	}
+	if p.Schedule.GPU > 0 {
+		for a := range e.nArr {
+			if e.stage[a], err = e.devAlloc(l, 2*4*e.maxN); err != nil {
+				return err
+			}
+		}
+	}
+	if len(p.CPUOrder) > 0 {
+		if e.upcast {
+			if e.scr, err = e.devAlloc(l, 2*4*e.maxN); err != nil {
+				return err
+			}
+		}
+		if e.gst, err = e.hostAlloc(l, 2*elemBytes(e.cpuGD)*e.maxN); err != nil {
+			return err
+		}
+		if e.cst, err = e.hostAlloc(l, 2*2*e.maxN); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Replan moves the engine to plan p (NewPlan over the same subgroups):
+// the resident state comes back to the host, the memory of the old plan
+// is freed, p's is allocated and its resident state moves to the device.
+//
+// Errors: a plan for other subgroups, a failed copy or allocation (the
+// engine is then broken: Close it).
+func (e *Engine) Replan(p *Plan) error {
+	if e.broken {
+		return ErrBroken
+	}
+	if p == nil || len(p.Roles) != len(e.o.Sizes) {
+		return fmt.Errorf("scheduler: Replan: the plan must place the %d subgroups", len(e.o.Sizes))
+	}
+	if err := e.Download(); err != nil {
+		return err
+	}
+	e.freePlan()
+	if err := e.allocPlan(p); err != nil {
+		e.broken = true
+		return err
+	}
+	return e.upload(false)
+}
+
+func (e *Engine) freePlan() {
+	for i := len(e.planAllocs) - 1; i >= 0; i-- {
+		_ = e.dev.Free(e.planAllocs[i])
+	}
+	e.planAllocs = nil
 }
 
 func elemBytes(d adam.DType) int64 {
@@ -325,6 +373,7 @@ func (e *Engine) Close() {
 		<-e.fin
 		e.startF = nil
 	}
+	e.freePlan()
 	for i := len(e.allocs) - 1; i >= 0; i-- {
 		_ = e.dev.Free(e.allocs[i])
 	}
@@ -377,12 +426,24 @@ func (e *Engine) slotState(slot, i int) State {
 // subgroups' state H2D and writes every subgroup's working copy, rounded
 // from the master weights. It waits for the copies.
 //
-// Errors: a failed copy.
+// Errors: a failed copy or allocation.
 func (e *Engine) Load() error {
 	if e.broken {
 		return ErrBroken
 	}
+	return e.upload(true)
+}
+
+func (e *Engine) upload(working bool) error {
 	s := e.s[0]
+	var stg Host
+	if working {
+		var err error
+		if stg, err = e.dev.AllocHost(2 * e.maxN); err != nil {
+			return err
+		}
+		defer e.dev.Free(stg)
+	}
 	for i, n := range e.o.Sizes {
 		if e.plan.Roles[i] == Resident {
 			for a := range e.nArr {
@@ -392,21 +453,16 @@ func (e *Engine) Load() error {
 				}
 			}
 		}
-		// The working copy, through a host staging buffer of one
-		// subgroup (Round16 on the host: the CPU's rounding is the
-		// kernels' too).
-		stg, err := e.dev.AllocHost(2 * int64(n))
-		if err != nil {
-			return err
+		if working {
+			// Through the host staging buffer (Round16 on the host: the
+			// CPU's rounding is the kernels' too).
+			u := unsafe.Slice((*uint16)(unsafe.Pointer(&stg.Bytes()[0])), n)
+			adam.Round16(e.o.WorkingDType, u, e.state.Param[e.off[i]:e.off[i]+int64(n)])
+			if err := e.dev.H2D(s, e.work, 2*e.off[i], stg, 0, 2*int64(n)); err != nil {
+				return err
+			}
 		}
-		u := unsafe.Slice((*uint16)(unsafe.Pointer(&stg.Bytes()[0])), n)
-		adam.Round16(e.o.WorkingDType, u, e.state.Param[e.off[i]:e.off[i]+int64(n)])
-		err = firstErr(e.dev.H2D(s, e.work, 2*e.off[i], stg, 0, 2*int64(n)), e.dev.Record(e.tail[0], s))
-		if err == nil {
-			err = e.dev.Sync(e.tail[0])
-		}
-		_ = e.dev.Free(stg)
-		if err != nil {
+		if err := firstErr(e.dev.Record(e.tail[0], s), e.dev.Sync(e.tail[0])); err != nil {
 			return err
 		}
 	}

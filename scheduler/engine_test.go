@@ -184,6 +184,10 @@ func schedules(n int) []perfmodel.Schedule {
 // the state and working copy of adam.DefaultPath on the whole, bitwise,
 // over three steps.
 func TestEngineMatchesCPU(t *testing.T) {
+	forDevices(t, testEngineMatchesCPU)
+}
+
+func testEngineMatchesCPU(t *testing.T, newDev func() Device) {
 	h := adam.DefaultHyper()
 	n := 0
 	for _, s := range testSizes {
@@ -197,7 +201,7 @@ func TestEngineMatchesCPU(t *testing.T) {
 			want, wantCopy := p.reference(hh, adam.BF16, 3)
 			for _, s := range schedules(len(testSizes)) {
 				t.Run(fmt.Sprintf("%v/amsgrad=%v/%+v", gd, ams, s), func(t *testing.T) {
-					d := NewSim(SimOptions{})
+					d := newDev()
 					e := setup(t, d, p, testSizes, s, ams)
 					defer e.Close()
 					for step := range 3 {
@@ -263,11 +267,13 @@ func TestEngineFaults(t *testing.T) {
 // TestEngineStats: the global checks see every subgroup whatever its role:
 // a gradient of 3 on a GPU subgroup and 4 on a CPU one give a sum of
 // squares of 25; an Inf on either makes the gradient non-finite.
-func TestEngineStats(t *testing.T) {
+func TestEngineStats(t *testing.T) { forDevices(t, testEngineStats) }
+
+func testEngineStats(t *testing.T, newDev func() Device) {
 	sizes := []int{4, 4, 4}
 	for _, gd := range []adam.DType{adam.F32, adam.BF16} {
 		p := newProblem(12, gd, false, 1, 3)
-		d := NewSim(SimOptions{})
+		d := newDev()
 		e := setup(t, d, p, sizes, perfmodel.Schedule{CPU: 1, GPU: 1, Resident: 1}, false)
 		g := make([]float32, 12)
 		roles := e.Plan().Roles
@@ -320,7 +326,6 @@ func TestEngineTimeline(t *testing.T) {
 	d := NewSim(SimOptions{Profile: prof})
 	e := setup(t, d, p, sizes, perfmodel.Schedule{CPU: 4, GPU: 6, Resident: 2}, false)
 	defer e.Close()
-	e.o.Trace = true
 	put(t, d, e.grad, 0, p.gradBytes(0))
 	c := adam.DefaultHyper().Coeffs(1, 1, 1)
 	if err := e.Update(&c); err != nil {
@@ -396,4 +401,39 @@ func TestPlan(t *testing.T) {
 	if _, err := NewPlan(3, perfmodel.Schedule{CPU: 1, GPU: 1}); err == nil {
 		t.Error("NewPlan accepted counts that do not add up")
 	}
+}
+
+// TestEngineReplan: three steps, each under another plan, give the
+// reference's state.
+func TestEngineReplan(t *testing.T) { forDevices(t, testEngineReplan) }
+
+func testEngineReplan(t *testing.T, newDev func() Device) {
+	h := adam.DefaultHyper()
+	n := 0
+	for _, s := range testSizes {
+		n += s
+	}
+	p := newProblem(n, adam.BF16, false, 3, 5)
+	want, wantCopy := p.reference(h, adam.BF16, 3)
+	d := newDev()
+	ss := []perfmodel.Schedule{{CPU: 3, GPU: 2, Resident: 3}, {CPU: 2, Resident: 6, UpcastOnGPU: true}, {GPU: 4, CPU: 4}}
+	e := setup(t, d, p, testSizes, ss[0], false)
+	defer e.Close()
+	for step, s := range ss {
+		if step > 0 {
+			plan, err := NewPlan(len(testSizes), s)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Replan(plan); err != nil {
+				t.Fatal(err)
+			}
+		}
+		put(t, d, e.grad, 0, p.gradBytes(step))
+		c := h.Coeffs(int64(step+1), 1, 1)
+		if err := e.Update(&c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check(t, d, e, want, wantCopy)
 }

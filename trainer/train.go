@@ -1,8 +1,6 @@
 package trainer
 
 import (
-	"github.com/klauspost/cpuid/v2"
-
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -287,7 +285,7 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 	}
 	oo := cfg.optimizerOptions()
 	if cfg.Profile != "" {
-		p, err := perfmodel.Load(cfg.Profile, perfmodel.Machine{CPU: cpuid.CPU.BrandName})
+		p, err := perfmodel.Load(cfg.Profile, perfmodel.Here())
 		if err != nil {
 			return nil, fmt.Errorf("trainer: --profile: %w", err)
 		}

@@ -11,8 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/klauspost/cpuid/v2"
-
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/cuda"
 	"github.com/deepstates/dos/kernels"
@@ -84,7 +82,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC().Truncate(time.Second),
-		Machine: perfmodel.Machine{CPU: cpuid.CPU.BrandName, Cores: runtime.NumCPU()}, CPU: fits}
+		Machine: perfmodel.Here(), CPU: fits}
 	fmt.Fprintf(stdout, "dos calibrate: %s, %d logical CPUs, path %s, %s\n", p.Machine.CPU, p.Machine.Cores, adam.DefaultPath, time.Since(start).Round(time.Millisecond))
 	fmt.Fprintf(stdout, "CPU AdamW update (bf16 working copy written), time = latency + params / Uc:\n")
 	fmt.Fprintf(stdout, "  %-7s %-9s %12s %12s %9s\n", "threads", "grad", "Uc Gparam/s", "latency µs", "residual")

@@ -1,0 +1,435 @@
+package main
+
+import (
+	"bufio"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// benchResult is one measured schedule of dos bench.
+type benchResult struct {
+	Name       string             `json:"name"`
+	CPU        int                `json:"cpu_subgroups"`
+	GPU        int                `json:"gpu_subgroups"`
+	Resident   int                `json:"resident_subgroups"`
+	K          string             `json:"k"`
+	Upcast     bool               `json:"upcast_on_gpu"`
+	Seconds    float64            `json:"update_s"`  // median over the timed steps
+	Steps      []float64          `json:"steps_s"`   // every timed step
+	Predicted  float64            `json:"predicted_s"`
+	Bottleneck string             `json:"bottleneck"` // the model's
+	Busy       map[string]float64 `json:"busy_fraction"`
+	Overlap    float64            `json:"overlap"`
+}
+
+func runBench(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("dos bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	params := fs.Int64("params", 0, "parameters `N` of the synthetic Llama-shaped model (0: as many as 35% of the available host memory holds at 12 B/param, at most 6e9)")
+	sgSize := fs.Int64("subgroup-size", 100_000_000, "parameters per subgroup `N`")
+	budget := fs.Float64("gpu-budget", 16, "GPU memory in `GiB` the update phase may use (resident state and staging)")
+	steps := fs.Int("steps", 3, "timed update phases per schedule, after one warm-up; the median is reported")
+	threads := fs.Int("threads", 0, "CPU workers `N` (0: GOMAXPROCS)")
+	profPath := fs.String("profile", "", "a dos calibrate --json profile of this machine (default: calibrate briefly first)")
+	sweep := fs.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the model's residents), 0 for none")
+	tracePath := fs.String("trace", "", "write the model's schedule's last update phase to `PATH` as Chrome trace-event JSON (Perfetto opens it)")
+	jsonPath := fs.String("json", "", "write the results to `PATH` as JSON")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: dos bench [flags]\n\n"+
+			"Runs the update phase of a synthetic Llama-shaped parameter set on GPU 0 (bf16 gradients written on\n"+
+			"the device, a bf16 working copy, fp32 state in pinned host memory) under each strategy: all on the\n"+
+			"CPU (ZeRO-Offload), a static split (as many subgroups GPU-resident as the budget holds, the rest on\n"+
+			"the CPU: ZeRO-Offload++/TwinFlow), all resident when it fits, the performance model's interleaved\n"+
+			"schedule, and a sweep of the stride k. Prints the measured and predicted time of each.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if rc, ok := parseNoArgs(fs, args, stderr); !ok {
+		return rc
+	}
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "dos bench: "+format+"\n", a...)
+		return 2
+	}
+	switch {
+	case *params < 0:
+		return fail("--params %d: want >= 0", *params)
+	case *sgSize <= 0:
+		return fail("--subgroup-size %d: want > 0", *sgSize)
+	case !(*budget >= 0) || *budget > 1<<20:
+		return fail("--gpu-budget %v: want a number of GiB >= 0", *budget)
+	case *steps < 1:
+		return fail("--steps %d: want >= 1", *steps)
+	case *threads < 0:
+		return fail("--threads %d: want >= 0", *threads)
+	case *sweep < 0:
+		return fail("--sweep %d: want >= 0", *sweep)
+	}
+	for _, p := range []string{*tracePath, *jsonPath} {
+		if err := checkWritable(p); err != nil {
+			return fail("%v", err)
+		}
+	}
+	if err := cuda.Available(); err != nil {
+		fmt.Fprintf(stderr, "dos bench: no GPU (%v): dos bench measures the GPU machine; dos calibrate --cpu-only measures this one\n", err)
+		return 2
+	}
+	dev, err := cuda.Open(0)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer dev.Close()
+	kern, err := kernels.Load(dev)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer kern.Close()
+	if *threads == 0 {
+		*threads = runtime.GOMAXPROCS(0)
+	}
+	if *params == 0 {
+		*params = defaultBenchParams()
+	}
+	sizes := llamaSubgroups(*params, *sgSize)
+	n := int64(0)
+	for _, s := range sizes {
+		n += int64(s)
+	}
+	prof, err := benchProfile(*profPath, dev, kern, *threads, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos bench: %v\n", err)
+		return 1
+	}
+	w := perfmodel.Workload{Params: n, SubgroupSize: *sgSize, GradDType: "bfloat16", CopyBytes: 2, Threads: *threads, GPUBudget: int64(*budget * (1 << 30))}
+	choice, err := prof.Choose(w)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos bench: %v\n", err)
+		return 1
+	}
+	nsg := len(sizes)
+	perSG := 12 * float64(*sgSize)
+	fit := int(float64(w.GPUBudget) / perSG) // subgroups whose state fits the budget
+	type cand struct {
+		name string
+		s    perfmodel.Schedule
+	}
+	cands := []cand{{"cpu-only", perfmodel.Schedule{CPU: nsg}}}
+	if r := min(fit, nsg); r > 0 {
+		cands = append(cands, cand{"static", perfmodel.Schedule{CPU: nsg - r, Resident: r}})
+	}
+	if fit >= nsg {
+		cands = append(cands, cand{"all-gpu", perfmodel.Schedule{Resident: nsg}})
+	}
+	cands = append(cands, cand{"model", choice.Schedule})
+	if *sweep > 0 {
+		r := choice.Resident
+		if fit-2 < r {
+			r = max(0, fit-2) // room for the two staging slots
+		}
+		N := nsg - r
+		var gs []int
+		for j := range *sweep {
+			gs = append(gs, int(math.Round(float64(j)*float64(N)/float64(max(1, *sweep-1)))))
+		}
+		for _, g := range slices.Compact(gs) {
+			s := perfmodel.Schedule{CPU: N - g, GPU: g, Resident: r, UpcastOnGPU: choice.UpcastOnGPU}
+			if g == 0 {
+				s.Resident = choice.Resident
+				s.CPU = nsg - s.Resident
+			}
+			cands = append(cands, cand{fmt.Sprintf("sweep k=%s", kString(s.K())), s})
+		}
+	}
+	fmt.Fprintf(stdout, "dos bench: %.2fB parameters in %d subgroups of up to %dM, bf16 gradients and copy, %d CPU workers, GPU budget %g GiB, %s\n",
+		float64(n)/1e9, nsg, *sgSize/1_000_000, *threads, *budget, dev)
+	fmt.Fprintf(stdout, "model's choice: %d CPU, %d GPU, %d resident subgroups, k = %s, upcast on GPU %v: %.3f s predicted, bottleneck %s\n",
+		choice.CPU, choice.GPU, choice.Resident, kString(choice.K), choice.UpcastOnGPU, choice.Makespan, choice.Bottleneck)
+	plan, err := scheduler.NewPlan(nsg, cands[0].s)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos bench: %v\n", err)
+		return 1
+	}
+	pool := adam.NewPool(*threads)
+	defer pool.Close()
+	t0 := time.Now()
+	fmt.Fprintf(stderr, "dos bench: allocating %.1f GB of pinned host state and %.1f GB of device gradients and copies...\n", 12*float64(n)/1e9, 4*float64(n)/1e9)
+	e, err := scheduler.New(scheduler.Options{Device: scheduler.NewCUDA(dev, kern), Sizes: sizes, GradDType: adam.BF16, WorkingDType: adam.BF16, Pool: pool, Plan: plan})
+	if err != nil {
+		fmt.Fprintf(stderr, "dos bench: %v\n", err)
+		return 1
+	}
+	defer e.Close()
+	if err := fillBench(e, dev); err != nil {
+		fmt.Fprintf(stderr, "dos bench: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stderr, "dos bench: set up in %s\n", time.Since(t0).Round(time.Millisecond))
+	h := adam.DefaultHyper()
+	step := int64(0)
+	var results []benchResult
+	fmt.Fprintf(stdout, "%-16s %4s %4s %4s %6s %6s %9s %9s %7s %10s %-6s %5s %5s %5s %5s %7s\n",
+		"schedule", "cpu", "gpu", "res", "k", "upcast", "update s", "model s", "error", "Gparam/s", "bneck", "cpu", "h2d", "d2h", "gpu", "overlap")
+	var modelOps []scheduler.Op
+	for _, c := range cands {
+		pr, err := prof.Predict(w, c.s)
+		if err != nil {
+			fmt.Fprintf(stdout, "%-16s skipped: %v\n", c.name, err)
+			continue
+		}
+		p, err := scheduler.NewPlan(nsg, c.s)
+		if err == nil {
+			err = e.Replan(p)
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "dos bench: %s: %v\n", c.name, err)
+			return 1
+		}
+		var times []float64
+		for r := 0; r <= *steps; r++ {
+			step++
+			co := h.Coeffs(step, 1, 1)
+			t := time.Now()
+			if err := e.Update(&co); err != nil {
+				fmt.Fprintf(stderr, "dos bench: %s: %v\n", c.name, err)
+				return 1
+			}
+			if r > 0 { // the first is the warm-up
+				times = append(times, time.Since(t).Seconds())
+			}
+		}
+		ops, err := e.Trace()
+		if err != nil {
+			fmt.Fprintf(stderr, "dos bench: trace: %v\n", err)
+			return 1
+		}
+		if c.name == "model" {
+			modelOps = ops
+		}
+		sum := scheduler.Summarize(ops)
+		res := benchResult{Name: c.name, CPU: c.s.CPU, GPU: c.s.GPU, Resident: c.s.Resident, K: kString(c.s.K()), Upcast: c.s.UpcastOnGPU,
+			Seconds: median(times), Steps: times, Predicted: pr.Makespan, Bottleneck: pr.Bottleneck, Busy: map[string]float64{}, Overlap: sum.Overlap}
+		for _, r := range []string{"cpu", "h2d", "d2h", "gpu"} {
+			res.Busy[r] = sum.Fraction(r)
+		}
+		results = append(results, res)
+		fmt.Fprintf(stdout, "%-16s %4d %4d %4d %6s %6v %9.3f %9.3f %+6.1f%% %10.2f %-6s %5.2f %5.2f %5.2f %5.2f %7.2f\n",
+			c.name, c.s.CPU, c.s.GPU, c.s.Resident, res.K, c.s.UpcastOnGPU, res.Seconds, pr.Makespan, 100*(pr.Makespan/res.Seconds-1),
+			float64(n)/res.Seconds/1e9, pr.Bottleneck, res.Busy["cpu"], res.Busy["h2d"], res.Busy["d2h"], res.Busy["gpu"], res.Overlap)
+	}
+	benchVerdicts(stdout, results)
+	if *tracePath != "" && modelOps != nil {
+		f, err := os.Create(*tracePath)
+		if err == nil {
+			bw := bufio.NewWriter(f)
+			err = scheduler.WriteChrome(bw, modelOps)
+			if err == nil {
+				err = bw.Flush()
+			}
+			if cerr := f.Close(); err == nil {
+				err = cerr
+			}
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "dos bench: --trace: %v\n", err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "trace of the model's schedule written to %s\n", *tracePath)
+	}
+	if *jsonPath != "" {
+		if err := writeJSON(*jsonPath, map[string]any{"params": n, "subgroups": nsg, "threads": *threads, "gpu_budget_gib": *budget, "results": results}); err != nil {
+			fmt.Fprintf(stderr, "dos bench: --json: %v\n", err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "results written to %s\n", *jsonPath)
+	}
+	return 0
+}
+
+// benchVerdicts prints the ratios the interleaved schedule is judged by.
+func benchVerdicts(w io.Writer, rs []benchResult) {
+	get := func(name string) *benchResult {
+		for i := range rs {
+			if rs[i].Name == name {
+				return &rs[i]
+			}
+		}
+		return nil
+	}
+	m := get("model")
+	if m == nil {
+		return
+	}
+	if c := get("cpu-only"); c != nil {
+		fmt.Fprintf(w, "model's schedule against cpu-only: %.2fx the throughput\n", c.Seconds/m.Seconds)
+	}
+	if s := get("static"); s != nil {
+		fmt.Fprintf(w, "model's schedule against the static split: %.2fx the throughput\n", s.Seconds/m.Seconds)
+	}
+	best := m
+	worst := 0.0
+	for i := range rs {
+		if strings.HasPrefix(rs[i].Name, "sweep") || rs[i].Name == "model" {
+			if rs[i].Seconds < best.Seconds {
+				best = &rs[i]
+			}
+			worst = max(worst, math.Abs(rs[i].Predicted/rs[i].Seconds-1))
+		}
+	}
+	fmt.Fprintf(w, "best measured of the sweep and the model's: %s (k = %s) %.3f s; the model's choice is %.1f%% slower; largest prediction error %.1f%%\n",
+		best.Name, best.K, best.Seconds, 100*(m.Seconds/best.Seconds-1), 100*worst)
+}
+
+func median(x []float64) float64 {
+	s := slices.Sorted(slices.Values(x))
+	if len(s) == 0 {
+		return 0
+	}
+	return s[len(s)/2]
+}
+
+func kString(k float64) string {
+	if math.IsInf(k, 1) {
+		return "inf"
+	}
+	return fmt.Sprintf("%.2f", k)
+}
+
+// checkWritable fails early on an output path whose directory does not
+// exist ("" is fine: no output).
+func checkWritable(path string) error {
+	if path == "" {
+		return nil
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE, 0o644)
+	if err != nil {
+		return err
+	}
+	return f.Close()
+}
+
+// defaultBenchParams is 35% of the available host memory at 12 B/param,
+// at most 6e9 and at least 1e8.
+func defaultBenchParams() int64 {
+	avail := int64(0)
+	if b, err := os.ReadFile("/proc/meminfo"); err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			var kb int64
+			if _, err := fmt.Sscanf(line, "MemAvailable: %d kB", &kb); err == nil {
+				avail = kb << 10
+			}
+		}
+	}
+	return min(max(avail*35/100/12, 1e8), 6e9)
+}
+
+// llamaSubgroups cuts a Llama-shaped parameter set of about params
+// parameters (hidden size d, 4 attention matrices d x d and 3 MLP
+// matrices d x 8d/3 per layer, two norms per layer, a 32000-token
+// embedding and output layer) into subgroups of at most sg parameters, as
+// offload cuts its flat parameter space.
+func llamaSubgroups(params, sg int64) []int {
+	d := int64(4096)
+	switch {
+	case params < 2e9:
+		d = 2048
+	case params > 20e9:
+		d = 8192
+	}
+	ffn := (8*d/3 + 255) / 256 * 256
+	layer := 4*d*d + 3*d*ffn + 2*d
+	fixed := 2*32000*d + d
+	layers := max(1, (params-fixed+layer/2)/layer)
+	total := fixed + layers*layer
+	var sizes []int
+	for off := int64(0); off < total; off += sg {
+		sizes = append(sizes, int(min(sg, total-off)))
+	}
+	return sizes
+}
+
+// benchProfile loads path, or calibrates the CPU at threads workers (fp32
+// and bf16 gradients) and the GPU briefly.
+func benchProfile(path string, dev *cuda.Device, kern *kernels.Kernels, threads int, stderr io.Writer) (*perfmodel.Profile, error) {
+	here := perfmodel.Here()
+	here.GPU = dev.Name
+	if path != "" {
+		return perfmodel.Load(path, here)
+	}
+	fmt.Fprintf(stderr, "dos bench: calibrating (no --profile)...\n")
+	fits, err := perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{threads}}, nil)
+	if err != nil {
+		return nil, err
+	}
+	g, err := perfmodel.CalibrateGPU(dev, kern, perfmodel.GPUOptions{}, nil)
+	if err != nil {
+		return nil, err
+	}
+	here.GPUMemBytes = dev.TotalMem
+	return &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC().Truncate(time.Second), Machine: here, CPU: fits, GPU: g}, nil
+}
+
+// fillBench writes a non-trivial state (master weights ~ N(0, 0.02), zero
+// moments) on the host and bf16 gradients ~ N(0, 1e-3) on the device, then
+// loads the device.
+func fillBench(e *scheduler.Engine, dev *cuda.Device) error {
+	st := e.HostState()
+	const pattern = 1 << 24
+	vals := make([]float32, pattern)
+	r := rand.New(rand.NewPCG(1, 2))
+	for i := range vals {
+		vals[i] = float32(r.NormFloat64() * 0.02)
+	}
+	var wg sync.WaitGroup
+	chunk := (len(st.Param) + runtime.GOMAXPROCS(0) - 1) / runtime.GOMAXPROCS(0)
+	for lo := 0; lo < len(st.Param); lo += chunk {
+		hi := min(lo+chunk, len(st.Param))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := lo; i < hi; i += pattern {
+				copy(st.Param[i:min(i+pattern, hi)], vals)
+			}
+		}()
+	}
+	wg.Wait()
+	if err := e.Load(); err != nil {
+		return err
+	}
+	g16, err := dev.HostAlloc(2 * pattern)
+	if err != nil {
+		return err
+	}
+	defer g16.Free()
+	u := unsafe.Slice((*uint16)(unsafe.Pointer(&g16.Bytes()[0])), pattern)
+	for i := range u {
+		u[i] = adam.F32ToBF16(float32(r.NormFloat64() * 1e-3))
+	}
+	s, err := dev.NewStream()
+	if err != nil {
+		return err
+	}
+	defer s.Free()
+	gv := e.Grad()
+	buf := gv.Mem.(*cuda.Buffer)
+	for off := int64(0); off < gv.N; off += pattern {
+		if err := s.CopyHtoD(buf, 2*off, g16, 0, 2*min(pattern, gv.N-off)); err != nil {
+			return err
+		}
+	}
+	return s.Sync()
+}

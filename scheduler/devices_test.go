@@ -1,0 +1,35 @@
+package scheduler
+
+import (
+	"os"
+	"testing"
+
+	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/kernels"
+)
+
+// forDevices runs f on the simulated device and, when there is one, on
+// GPU 0 with dos's kernels (DOS_REQUIRE_GPU=1 makes its absence a
+// failure).
+func forDevices(t *testing.T, f func(t *testing.T, newDev func() Device)) {
+	t.Run("sim", func(t *testing.T) { f(t, func() Device { return NewSim(SimOptions{}) }) })
+	err := cuda.Available()
+	if err != nil {
+		if os.Getenv("DOS_REQUIRE_GPU") == "1" {
+			t.Fatalf("DOS_REQUIRE_GPU=1 but no GPU: %v", err)
+		}
+		t.Logf("cuda: skipped (%v)", err)
+		return
+	}
+	d, err := cuda.Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	k, err := kernels.Load(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer k.Close()
+	t.Run("cuda", func(t *testing.T) { f(t, func() Device { return NewCUDA(d, k) }) })
+}

@@ -1,0 +1,109 @@
+package scheduler
+
+import (
+	"encoding/json"
+	"io"
+	"slices"
+	"time"
+)
+
+// Summary is what a trace says of one update phase.
+type Summary struct {
+	Makespan time.Duration            // from the first start to the last end
+	Busy     map[string]time.Duration // per resource: the union of its operations' intervals
+	// Overlap is the fraction of the makespan during which at least two
+	// resources were busy at once.
+	Overlap float64
+}
+
+// Fraction returns resource r's busy time over the makespan (0 to 1).
+func (s Summary) Fraction(r string) float64 {
+	if s.Makespan <= 0 {
+		return 0
+	}
+	return float64(s.Busy[r]) / float64(s.Makespan)
+}
+
+// Summarize computes the makespan, each resource's busy time and the
+// overlap of ops (Engine.Trace).
+func Summarize(ops []Op) Summary {
+	s := Summary{Busy: map[string]time.Duration{}}
+	if len(ops) == 0 {
+		return s
+	}
+	type edge struct {
+		t     time.Duration
+		delta int
+		res   string
+	}
+	var edges []edge
+	lo, hi := ops[0].Start, ops[0].End
+	for _, o := range ops {
+		lo, hi = min(lo, o.Start), max(hi, o.End)
+		edges = append(edges, edge{o.Start, 1, o.Resource}, edge{o.End, -1, o.Resource})
+	}
+	s.Makespan = hi - lo
+	slices.SortStableFunc(edges, func(a, b edge) int {
+		if a.t != b.t {
+			return int(a.t - b.t)
+		}
+		return a.delta - b.delta // ends before starts at the same instant
+	})
+	count := map[string]int{}
+	busyRes := 0
+	var overlap time.Duration
+	prev := lo
+	for _, e := range edges {
+		dt := e.t - prev
+		for r, c := range count {
+			if c > 0 {
+				s.Busy[r] += dt
+			}
+		}
+		if busyRes >= 2 {
+			overlap += dt
+		}
+		prev = e.t
+		before := count[e.res]
+		count[e.res] += e.delta
+		switch {
+		case before == 0 && count[e.res] > 0:
+			busyRes++
+		case before > 0 && count[e.res] == 0:
+			busyRes--
+		}
+	}
+	if s.Makespan > 0 {
+		s.Overlap = float64(overlap) / float64(s.Makespan)
+	}
+	return s
+}
+
+// WriteChrome writes ops as Chrome trace-event JSON (the "X" complete
+// events of the Trace Event Format, which Perfetto and chrome://tracing
+// open): one row per resource, times in microseconds, each event's
+// subgroup and bytes (or params) in its args.
+func WriteChrome(w io.Writer, ops []Op) error {
+	type event struct {
+		Name string         `json:"name"`
+		Cat  string         `json:"cat"`
+		Ph   string         `json:"ph"`
+		Ts   float64        `json:"ts"`
+		Dur  float64        `json:"dur"`
+		Pid  int            `json:"pid"`
+		Tid  string         `json:"tid"`
+		Args map[string]any `json:"args"`
+	}
+	evs := make([]event, 0, len(ops))
+	for _, o := range ops {
+		unit := "bytes"
+		if o.What == "AdamW" || o.What == "CPU AdamW" || o.What == "upcast" {
+			unit = "params"
+		}
+		evs = append(evs, event{Name: o.What, Cat: o.Resource, Ph: "X", Ts: float64(o.Start) / 1e3, Dur: float64(o.End-o.Start) / 1e3,
+			Pid: 1, Tid: o.Resource, Args: map[string]any{"subgroup": o.Subgroup, unit: o.Bytes}})
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", " ")
+	return enc.Encode(map[string]any{"traceEvents": evs, "displayTimeUnit": "ms"})
+}

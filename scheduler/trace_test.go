@@ -1,0 +1,57 @@
+package scheduler
+
+import (
+	"bytes"
+	"encoding/json"
+	"testing"
+	"time"
+)
+
+// TestSummarize: busy times are unions per resource, overlap is the time
+// two or more resources work at once.
+func TestSummarize(t *testing.T) {
+	ms := time.Millisecond
+	ops := []Op{
+		{Resource: "h2d", Start: 0, End: 4 * ms},
+		{Resource: "h2d", Start: 2 * ms, End: 6 * ms}, // overlaps its own lane: counted once
+		{Resource: "gpu", Start: 5 * ms, End: 7 * ms},
+		{Resource: "cpu", Start: 1 * ms, End: 10 * ms},
+	}
+	s := Summarize(ops)
+	if s.Makespan != 10*ms {
+		t.Errorf("makespan %v, want 10ms", s.Makespan)
+	}
+	for r, want := range map[string]time.Duration{"h2d": 6 * ms, "gpu": 2 * ms, "cpu": 9 * ms} {
+		if s.Busy[r] != want {
+			t.Errorf("%s busy %v, want %v", r, s.Busy[r], want)
+		}
+	}
+	// Two or more busy: [1, 7) ms.
+	if s.Overlap != 0.6 {
+		t.Errorf("overlap %g, want 0.6", s.Overlap)
+	}
+	if f := s.Fraction("cpu"); f != 0.9 {
+		t.Errorf("cpu fraction %g, want 0.9", f)
+	}
+	var b bytes.Buffer
+	if err := WriteChrome(&b, ops); err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		TraceEvents []struct {
+			Ph  string  `json:"ph"`
+			Ts  float64 `json:"ts"`
+			Dur float64 `json:"dur"`
+			Tid string  `json:"tid"`
+		} `json:"traceEvents"`
+	}
+	if err := json.Unmarshal(b.Bytes(), &doc); err != nil {
+		t.Fatal(err)
+	}
+	if len(doc.TraceEvents) != 4 || doc.TraceEvents[3].Ts != 1000 || doc.TraceEvents[3].Dur != 9000 || doc.TraceEvents[3].Tid != "cpu" || doc.TraceEvents[0].Ph != "X" {
+		t.Errorf("trace events %+v", doc.TraceEvents)
+	}
+	if z := Summarize(nil); z.Makespan != 0 || z.Overlap != 0 {
+		t.Errorf("empty trace: %+v", z)
+	}
+}
