@@ -121,6 +121,11 @@ type Engine struct {
 	tokens  chan struct{}
 	startF  chan struct{} // one per Update to the feeder
 	startW  chan struct{} // and to the worker
+	startD  chan struct{} // and to the drainer
+	dq      chan int      // GPU subgroups to the drainer
+	dsig    chan struct{} // the drainer's D2H enqueued, one per GPU subgroup
+	chunkEv [2][2]Event   // H2D and D2H: the events of the last two chunks
+	chunkK  [2]int        // H2D and D2H: chunks enqueued so far
 	fin     chan struct{}
 	broken  bool
 }
@@ -183,9 +188,13 @@ func New(o Options) (*Engine, error) {
 	e.tokens = make(chan struct{}, 2)
 	e.startF = make(chan struct{})
 	e.startW = make(chan struct{})
-	e.fin = make(chan struct{}, 2)
+	e.startD = make(chan struct{})
+	e.dq = make(chan int, n+1)
+	e.dsig = make(chan struct{}, n)
+	e.fin = make(chan struct{}, 3)
 	go e.feeder()
 	go e.worker()
+	go e.drainer()
 	return e, nil
 }
 
@@ -239,6 +248,13 @@ func (e *Engine) allocBase() error {
 	}
 	if e.base, err = event(); err != nil {
 		return err
+	}
+	for d := range e.chunkEv {
+		for j := range e.chunkEv[d] {
+			if e.chunkEv[d][j], err = event(); err != nil {
+				return err
+			}
+		}
 	}
 	for i := range e.tail {
 		if e.tail[i], err = event(); err != nil {
@@ -369,6 +385,8 @@ func (e *Engine) Close() {
 	if e.startF != nil {
 		close(e.startF)
 		close(e.startW)
+		close(e.startD)
+		<-e.fin
 		<-e.fin
 		<-e.fin
 		e.startF = nil
@@ -531,11 +549,13 @@ func (e *Engine) Update(c *adam.Coeffs) error {
 	if err := e.dev.Record(e.base, e.s[0]); err != nil {
 		return err // nothing was done
 	}
-	// Start the CPU lane, then enqueue the GPU lane.
+	// Start the CPU lane and the GPU lane's D2H goroutine, then issue the
+	// GPU lane's H2D copies and kernels here.
 	e.startF <- struct{}{}
 	e.startW <- struct{}{}
+	e.startD <- struct{}{}
 	last := [2]int{-1, -1} // the GPU subgroup that used each staging slot last
-	streamed := 0
+	streamed, sent, drained := 0, 0, 0
 	for _, i := range e.plan.GPUOrder {
 		if e.abort.Load() {
 			break
@@ -551,16 +571,35 @@ func (e *Engine) Update(c *adam.Coeffs) error {
 		prev := last[slot]
 		last[slot] = i
 		e.slot[i] = slot
-		// The slot's previous state must have moved D2H.
-		if prev >= 0 && e.fail(i, opH2D, e.dev.Wait(e.s[0], e.ev[prev][opD2H][1])) {
-			break
-		}
-		for _, op := range [...]int{opH2D, opKernel, opD2H} {
-			if !e.run(i, op, slot) {
+		// The slot's previous state must have moved D2H: wait here, so
+		// that an H2D copy is enqueued only when it can run (copies in
+		// one direction share a copy engine, in the order enqueued: one
+		// waiting on an event would hold up the CPU lane's copies).
+		if prev >= 0 {
+			for drained < streamed-2 {
+				<-e.dsig
+				drained++
+			}
+			ev := e.ev[prev][opD2H][1]
+			// Waiting on the stream too says so to the device (a no-op
+			// on CUDA once the event is done; the simulated device's
+			// clock needs it).
+			if e.done[prev]&(1<<opD2H) == 0 || e.fail(i, opH2D, firstErr(e.dev.Sync(ev), e.dev.Wait(e.s[0], ev))) {
 				break
 			}
 		}
+		if !e.run(i, opH2D, slot) || !e.run(i, opKernel, slot) {
+			break
+		}
+		e.dq <- i
+		sent++
 	}
+	e.dq <- -1
+	for drained < sent {
+		<-e.dsig
+		drained++
+	}
+	<-e.fin
 	<-e.fin
 	<-e.fin
 	// Drain: every stream's work.
@@ -650,7 +689,7 @@ func (e *Engine) run(i, op, slot int) bool {
 	case opH2D:
 		for a := 0; a < e.nArr && err == nil; a++ {
 			h, off, b := e.hostVec(a, i)
-			err = e.dev.H2D(s, e.stage[a], 4*int64(slot)*e.maxN, h, off, b)
+			err = e.chunked(0, s, b, func(o, n int64) error { return e.dev.H2D(s, e.stage[a], 4*int64(slot)*e.maxN+o, h, off+o, n) })
 		}
 	case opKernel:
 		st := e.resState(i)
@@ -661,7 +700,7 @@ func (e *Engine) run(i, op, slot int) bool {
 	case opD2H:
 		for a := 0; a < e.nArr && err == nil; a++ {
 			h, off, b := e.hostVec(a, i)
-			err = e.dev.D2H(s, h, off, e.stage[a], 4*int64(slot)*e.maxN, b)
+			err = e.chunked(1, s, b, func(o, n int64) error { return e.dev.D2H(s, h, off+o, e.stage[a], 4*int64(slot)*e.maxN+o, n) })
 		}
 	case opUpcast:
 		err = e.dev.Widen16(s, e.o.GradDType, Vec{Mem: e.scr, Off: int64(slot) * e.maxN, N: n}, Vec{Mem: e.grad, Off: e.off[i], N: n})
@@ -680,6 +719,31 @@ func (e *Engine) run(i, op, slot int) bool {
 	}
 	e.done[i] |= 1 << op
 	return true
+}
+
+// CopyChunk is the size in bytes of the pieces a state copy is cut into:
+// before enqueueing a piece, the lane waits until the piece two before it
+// is done, so that at most one waits in the copy engine's queue and a CPU
+// subgroup's gradient or copy, enqueued meanwhile, waits for at most two
+// pieces (about 2.4 ms at 55 GB/s) instead of whole subgroups.
+const CopyChunk = 64 << 20
+
+// chunked runs copy(offset, bytes) over b bytes in CopyChunk pieces on s,
+// direction d (0 H2D, 1 D2H), each after the piece two before it is done.
+func (e *Engine) chunked(d int, s Stream, b int64, copy func(o, n int64) error) error {
+	for o := int64(0); o < b; o += CopyChunk {
+		ev := e.chunkEv[d][e.chunkK[d]%2]
+		if e.chunkK[d] >= 2 {
+			if err := e.dev.Sync(ev); err != nil {
+				return err
+			}
+		}
+		if err := firstErr(copy(o, min(CopyChunk, b-o)), e.dev.Record(ev, s)); err != nil {
+			return err
+		}
+		e.chunkK[d]++
+	}
+	return nil
 }
 
 // cpu updates CPU subgroup i on the host from gradient slot slot, writing
@@ -733,6 +797,23 @@ func (e *Engine) feeder() {
 		// The worker's last tokens.
 		for range min(2, len(e.plan.CPUOrder)) {
 			<-e.tokens
+		}
+		e.fin <- struct{}{}
+	}
+}
+
+// drainer is the GPU lane's D2H goroutine: per Update, for each GPU
+// subgroup handed over (-1 ends the lane) it waits until the kernel is
+// done, enqueues the state's D2H (so that a D2H copy too is enqueued only
+// when it can run) and signals it.
+func (e *Engine) drainer() {
+	defer func() { e.fin <- struct{}{} }()
+	for range e.startD {
+		for i := <-e.dq; i >= 0; i = <-e.dq {
+			if !e.abort.Load() && !e.fail(i, opD2H, e.dev.Sync(e.ev[i][opKernel][1])) {
+				e.run(i, opD2H, e.slot[i])
+			}
+			e.dsig <- struct{}{}
 		}
 		e.fin <- struct{}{}
 	}
