@@ -3,6 +3,7 @@ package perfmodel
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"time"
 
@@ -23,6 +24,11 @@ type GPUOptions struct {
 	// Reps is the number of timed runs per point after one warm-up; the
 	// median is kept (default 5).
 	Reps int
+	// Threads is the CPU workers that run while the copies do for the
+	// host memory bandwidth (default GOMAXPROCS).
+	Threads int
+	// HostMemSeconds is how long that measurement copies (default 0.5).
+	HostMemSeconds float64
 }
 
 func (o *GPUOptions) defaults() {
@@ -34,6 +40,12 @@ func (o *GPUOptions) defaults() {
 	}
 	if o.Reps <= 0 {
 		o.Reps = 5
+	}
+	if o.Threads <= 0 {
+		o.Threads = runtime.GOMAXPROCS(0)
+	}
+	if o.HostMemSeconds <= 0 {
+		o.HostMemSeconds = 0.5
 	}
 }
 
@@ -116,7 +128,7 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 	if err != nil {
 		return nil, err
 	}
-	total := 3*len(opts.CopySizes) + 2*len(opts.UpdateSizes)
+	total := 3*len(opts.CopySizes) + 2*len(opts.UpdateSizes) + 1
 	done := 0
 	tick := func() {
 		done++
@@ -262,6 +274,10 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 		tick()
 	}
 	g := &GPUProfile{}
+	if g.HostMem, err = hostMem(opts, s1, s2, ev[1], ev[3], h1, h2, d1, d2, maxCopy, g2dup(h2dBoth, d2hBoth)); err != nil {
+		return nil, err
+	}
+	tick()
 	for _, f := range []struct {
 		dst  *Fit
 		pts  []Point
@@ -275,6 +291,65 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 		*f.dst = fit
 	}
 	return g, nil
+}
+
+// g2dup returns the duplex rate (bytes/s, both directions) of the
+// largest size measured.
+func g2dup(up, down []Point) float64 {
+	u, d := up[len(up)-1], down[len(down)-1]
+	return u.Size/u.Seconds + d.Size/d.Seconds
+}
+
+// hostMem measures the host memory bandwidth the CPU workers and the PCIe
+// copies share: the workers update a 32M-parameter subgroup as the
+// optimizer does (bf16 gradient and copy: Workload.cpuBytes a param) again
+// and again while both directions copy maxCopy-byte pieces for about
+// opts.HostMemSeconds; the rate is the bytes both moved over the time.
+func hostMem(opts GPUOptions, s1, s2 *cuda.Stream, e1, e2 *cuda.Event, h1, h2 *cuda.HostBuffer, d1, d2 *cuda.Buffer, maxCopy int64, duplex float64) (Fit, error) {
+	const n = 32 << 20
+	s := adam.State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
+	g := make([]uint16, n)
+	for i := range g {
+		s.Param[i] = float32(i%1000) * 1e-3
+		g[i] = adam.F32ToBF16(float32(i%777) * 1e-5)
+	}
+	out := adam.Copy16{DType: adam.BF16, Data: make([]uint16, n)}
+	pool := adam.NewPool(opts.Threads)
+	defer pool.Close()
+	c := adam.DefaultHyper().Coeffs(1, 1, 0.9)
+	step := func() {
+		pool.GradStats(adam.Grad16(adam.BF16, g), 1)
+		pool.Step(&c, s, adam.Grad16(adam.BF16, g), out)
+	}
+	step() // faults the pages in
+	// Enough pieces for HostMemSeconds at the duplex rate (half each way).
+	reps := int(max(1, opts.HostMemSeconds*duplex/2/float64(maxCopy)))
+	for range reps {
+		if err := firstErr(s1.CopyHtoD(d1, 0, h1, 0, maxCopy), s2.CopyDtoH(h2, 0, d2, 0, maxCopy)); err != nil {
+			return Fit{}, fmt.Errorf("perfmodel: host memory bandwidth: %w", err)
+		}
+	}
+	if err := firstErr(e1.Record(s1), e2.Record(s2)); err != nil {
+		return Fit{}, err
+	}
+	t0 := time.Now()
+	params := 0
+	for {
+		step()
+		params += n
+		d1done, err1 := e1.Done()
+		d2done, err2 := e2.Done()
+		if err := firstErr(err1, err2); err != nil {
+			return Fit{}, err
+		}
+		if d1done && d2done {
+			break
+		}
+	}
+	t := time.Since(t0).Seconds()
+	w := Workload{CopyBytes: 2}
+	bytes := float64(params)*w.cpuBytes("bfloat16") + float64(2*int64(reps)*maxCopy)
+	return Fit{Rate: bytes / t, Points: []Point{{Size: bytes, Seconds: t}}}, nil
 }
 
 func firstErr(errs ...error) error {

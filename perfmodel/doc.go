@@ -46,7 +46,20 @@
 //
 //	T = max over r in {CPU, H2D, D2H, GPU} of  busy(r) + fill(r) + drain(r)
 //
-// and the bottleneck is the r that attains it. With UpcastOnGPU a CPU
+// and the bottleneck is the r that attains it.
+//
+// The CPU workers and the copies to and from pinned memory also share the
+// host's memory bandwidth (on the H200 machine a CPU subgroup took 35 ms
+// instead of 23 and a state H2D 39 ms instead of 25 when both ran at
+// once). When the profile has the host memory rate M (bytes/s, measured by
+// CalibrateGPU with both running), a fifth resource joins the maximum:
+//
+//	busy(mem) = (CPU params · cpuBytes + PCIe bytes) / M
+//	cpuBytes  = 2·StateBytes + GradBytes + 2·CopyBytes
+//
+// (the state read and written, the gradient read, the copy written and
+// read for ownership: 30 B/param with bf16 gradients and copy), with no
+// fill or drain of its own. With UpcastOnGPU a CPU
 // subgroup's gradient is converted on the GPU before its D2H: that
 // conversion adds to the fills that start with a gradient.
 //

@@ -47,6 +47,9 @@ const (
 	ResH2D = "h2d"
 	ResD2H = "d2h"
 	ResGPU = "gpu"
+	// ResMem is the host's memory bandwidth, which the CPU workers and
+	// every PCIe copy to or from pinned memory share.
+	ResMem = "mem"
 )
 
 // Prediction is the model's makespan for a schedule.
@@ -62,6 +65,15 @@ type Prediction struct {
 
 // Subgroups returns the number of subgroups of w.
 func (w Workload) Subgroups() int { return int((w.Params + w.SubgroupSize - 1) / w.SubgroupSize) }
+
+// cpuBytes is the host memory traffic of the CPU workers per parameter
+// with gradients of dtype gd: the state read and written, the gradient
+// read, the 16-bit copy written (and read for ownership: a store to a
+// line not in the cache reads it first).
+func (w Workload) cpuBytes(gd string) float64 {
+	gb, _ := gradBytes(gd)
+	return 2*w.stateBytes() + gb + 2*float64(w.CopyBytes)
+}
 
 func (w Workload) stateBytes() float64 {
 	if w.AMSGrad {
@@ -165,6 +177,12 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 		tGPU += c * conv.Time(sz)
 	}
 	busy := map[string]float64{ResCPU: tCPU, ResH2D: tH2D, ResD2H: tD2H, ResGPU: tGPU}
+	if g != nil && g.HostMem.Rate > 0 {
+		// The host's memory carries the CPU workers' traffic and every
+		// copy's (package doc).
+		pcie := gp*2*st + c*(down+up)
+		busy[ResMem] = (c*sz*w.cpuBytes(cpuDType) + pcie) / g.HostMem.Rate
+	}
 	convT := 0.0 // a CPU subgroup's gradient conversion on the GPU, before its D2H
 	if s.UpcastOnGPU && gb == 2 {
 		convT = conv.Time(sz)
@@ -203,7 +221,7 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 		return fill, drain
 	}
 	pr := Prediction{Schedule: s, K: s.K(), Busy: busy, Bottleneck: ResCPU}
-	for _, res := range []string{ResCPU, ResGPU, ResH2D, ResD2H} { // ties: the compute resources first
+	for _, res := range []string{ResCPU, ResGPU, ResH2D, ResD2H, ResMem} { // ties: the compute resources first
 		fill, drain := fd(res)
 		if t := busy[res] + fill + drain; t > pr.Makespan {
 			pr.Makespan, pr.Bottleneck, pr.Fill, pr.Drain = t, res, fill, drain

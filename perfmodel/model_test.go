@@ -267,3 +267,41 @@ func TestChooseSearch(t *testing.T) {
 		}
 	}
 }
+
+// TestHostMemoryBound: the host's memory carries the CPU workers' 30
+// B/param (12 B of state read and written, a bf16 gradient read, a bf16
+// copy written and read for ownership) and every copy. With a 30 MB/s
+// host memory and a CPU of 4M params/s, 12 CPU subgroups of 1M take 13.6 s
+// in memory against 3 s on the CPU; a GPU subgroup moves 24 MB of state
+// through it instead.
+func TestHostMemoryBound(t *testing.T) {
+	p := profile(4e6, true, 1e15, 12e9)
+	p.GPU.HostMem = rate(30e6)
+	pr, err := p.Predict(w12, Schedule{CPU: 12})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 12 x (30 MB + 2 MB down + 2 MB up) / 30 MB/s = 13.6 s.
+	if pr.Bottleneck != ResMem || !near(pr.Busy[ResMem], 13.6) || !near(pr.Makespan, 13.6) {
+		t.Fatalf("all-CPU: %+v", pr)
+	}
+	pr, err = p.Predict(w12, Schedule{CPU: 6, GPU: 6})
+	if err == nil {
+		t.Fatal("over the budget accepted")
+	}
+	w := w12
+	w.GPUBudget = 1 << 40
+	pr, err = p.Predict(w, Schedule{CPU: 6, GPU: 6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 6 x 34 MB + 6 x 24 MB = 348 MB / 30 MB/s = 11.6 s.
+	if pr.Bottleneck != ResMem || !near(pr.Busy[ResMem], 11.6) {
+		t.Fatalf("k = 1: %+v", pr)
+	}
+	// Without the host memory rate the same schedule is CPU-bound.
+	p.GPU.HostMem = Fit{}
+	if pr, _ := p.Predict(w, Schedule{CPU: 6, GPU: 6}); pr.Bottleneck == ResMem || pr.Busy[ResMem] != 0 {
+		t.Fatalf("no host memory rate: %+v", pr)
+	}
+}

@@ -44,6 +44,10 @@ type GPUProfile struct {
 	H2DBoth Fit `json:"h2d_duplex"` // host to device while D2H runs too, bytes/s
 	D2HBoth Fit `json:"d2h_duplex"` // device to host while H2D runs too, bytes/s
 	Convert Fit `json:"convert"`    // 16-bit to fp32 cast, elements/s (Dc)
+	// HostMem is the host memory bandwidth the CPU workers and the PCIe
+	// copies share, bytes/s (only Rate is set): measured with both at
+	// once. Zero in profiles measured before it: no contention modelled.
+	HostMem Fit `json:"host_mem,omitzero"`
 }
 
 // Profile is what dos calibrate measured on one machine.
@@ -102,7 +106,10 @@ func (p *Profile) Validate() error {
 		for _, x := range []struct {
 			name string
 			f    Fit
-		}{{"update", g.Update}, {"h2d", g.H2D}, {"d2h", g.D2H}, {"h2d_duplex", g.H2DBoth}, {"d2h_duplex", g.D2HBoth}, {"convert", g.Convert}} {
+		}{{"update", g.Update}, {"h2d", g.H2D}, {"d2h", g.D2H}, {"h2d_duplex", g.H2DBoth}, {"d2h_duplex", g.D2HBoth}, {"convert", g.Convert}, {"host_mem", g.HostMem}} {
+			if x.name == "host_mem" && x.f.Rate == 0 && x.f.LatencyS == 0 {
+				continue // not measured
+			}
 			if !x.f.Valid() {
 				return fmt.Errorf("perfmodel: GPU %s: invalid fit (rate %g, latency %g s, residual %g)", x.name, x.f.Rate, x.f.LatencyS, x.f.Residual)
 			}

@@ -30,8 +30,8 @@ type benchResult struct {
 	Resident   int                `json:"resident_subgroups"`
 	K          string             `json:"k"`
 	Upcast     bool               `json:"upcast_on_gpu"`
-	Seconds    float64            `json:"update_s"`  // median over the timed steps
-	Steps      []float64          `json:"steps_s"`   // every timed step
+	Seconds    float64            `json:"update_s"` // median over the timed steps
+	Steps      []float64          `json:"steps_s"`  // every timed step
 	Predicted  float64            `json:"predicted_s"`
 	Bottleneck string             `json:"bottleneck"` // the model's
 	Busy       map[string]float64 `json:"busy_fraction"`
@@ -182,6 +182,10 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	h := adam.DefaultHyper()
 	step := int64(0)
 	var results []benchResult
+	if g := prof.GPU; g != nil {
+		fmt.Fprintf(stdout, "profile: Uc %.2f Gparam/s (bf16 gradients, %d workers), Ug %.1f Gparam/s, H2D/D2H %.1f/%.1f GB/s (%.1f/%.1f both at once), host memory %.1f GB/s\n",
+			cpuRate(prof, *threads)/1e9, *threads, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.HostMem.Rate/1e9)
+	}
 	fmt.Fprintf(stdout, "%-16s %4s %4s %4s %6s %6s %9s %9s %7s %10s %-6s %5s %5s %5s %5s %7s\n",
 		"schedule", "cpu", "gpu", "res", "k", "upcast", "update s", "model s", "error", "Gparam/s", "bneck", "cpu", "h2d", "d2h", "gpu", "overlap")
 	var modelOps []scheduler.Op
@@ -294,6 +298,14 @@ func benchVerdicts(w io.Writer, rs []benchResult) {
 		best.Name, best.K, best.Seconds, 100*(m.Seconds/best.Seconds-1), 100*worst)
 }
 
+func cpuRate(p *perfmodel.Profile, threads int) float64 {
+	f, err := p.CPURate(threads, "bfloat16")
+	if err != nil {
+		return 0
+	}
+	return f.Rate
+}
+
 func median(x []float64) float64 {
 	s := slices.Sorted(slices.Values(x))
 	if len(s) == 0 {
@@ -375,7 +387,7 @@ func benchProfile(path string, dev *cuda.Device, kern *kernels.Kernels, threads 
 	if err != nil {
 		return nil, err
 	}
-	g, err := perfmodel.CalibrateGPU(dev, kern, perfmodel.GPUOptions{}, nil)
+	g, err := perfmodel.CalibrateGPU(dev, kern, perfmodel.GPUOptions{Threads: threads}, nil)
 	if err != nil {
 		return nil, err
 	}
