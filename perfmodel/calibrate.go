@@ -50,7 +50,8 @@ func (o *CPUOptions) defaults() {
 
 // CalibrateCPU measures the CPU pool's AdamW work on a subgroup as the
 // optimizer does it (adam.Pool on the default SIMD path: GradStats, then
-// Step writing a bf16 working copy)
+// Step writing a bf16 working copy, timed apart: CPUFit's Fit is the step,
+// its Stats the checks)
 // for every thread count, gradient dtype and size, and fits each (threads,
 // dtype) series: time = latency + params/Uc. progress, when not nil, is
 // called after every point with the points done and the total.
@@ -80,28 +81,31 @@ func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, er
 	for _, th := range opts.Threads {
 		pool := adam.NewPool(th)
 		for _, d := range opts.GradDTypes {
-			var pts []Point
+			var pts, spts []Point
 			for _, n := range opts.Sizes {
 				g := adam.GradF32(g32[:n])
 				if d != adam.F32 {
 					g = adam.Grad16(d, g16[:n])
 				}
 				st, o := s.Slice(0, n), out.Slice(0, n)
-				// The optimizer's CPU work per subgroup: the one-pass
-				// non-finite check and sum of squares, then the step.
-				step := func() {
-					pool.GradStats(g, 1)
-					pool.Step(&c, st, g, o)
-				}
-				step() // warm-up
+				// The optimizer's CPU work per subgroup, each part timed:
+				// the one-pass non-finite check and sum of squares (when
+				// the gradients are on the host), then the step.
+				pool.GradStats(g, 1) // warm-up
+				pool.Step(&c, st, g, o)
 				times := make([]float64, opts.Reps)
+				stimes := make([]float64, opts.Reps)
 				for r := range times {
 					t0 := time.Now()
-					step()
-					times[r] = time.Since(t0).Seconds()
+					pool.GradStats(g, 1)
+					t1 := time.Now()
+					pool.Step(&c, st, g, o)
+					stimes[r], times[r] = t1.Sub(t0).Seconds(), time.Since(t1).Seconds()
 				}
 				slices.Sort(times)
+				slices.Sort(stimes)
 				pts = append(pts, Point{Size: float64(n), Seconds: times[len(times)/2]})
+				spts = append(spts, Point{Size: float64(n), Seconds: stimes[len(stimes)/2]})
 				done++
 				if progress != nil {
 					progress(done, total)
@@ -112,7 +116,12 @@ func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, er
 				pool.Close()
 				return nil, fmt.Errorf("perfmodel: CPU at %d threads, %v gradients: %w", th, d, err)
 			}
-			fits = append(fits, CPUFit{Threads: th, GradDType: d.String(), Fit: f})
+			sf, err := FitPoints(spts)
+			if err != nil {
+				pool.Close()
+				return nil, fmt.Errorf("perfmodel: CPU gradient checks at %d threads, %v gradients: %w", th, d, err)
+			}
+			fits = append(fits, CPUFit{Threads: th, GradDType: d.String(), Fit: f, Stats: sf})
 		}
 		pool.Close()
 	}

@@ -24,8 +24,8 @@ type GPUOptions struct {
 	// Reps is the number of timed runs per point after one warm-up; the
 	// median is kept (default 5).
 	Reps int
-	// Threads is the CPU workers that run while the copies do for the
-	// host memory bandwidth (default GOMAXPROCS).
+	// Threads is the CPU workers that update while the copies run, for
+	// the contention (default GOMAXPROCS).
 	Threads int
 	// HostMemSeconds is how long that measurement copies (default 0.5).
 	HostMemSeconds float64
@@ -274,7 +274,9 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 		tick()
 	}
 	g := &GPUProfile{}
-	if g.HostMem, err = hostMem(opts, s1, s2, ev[1], ev[3], h1, h2, d1, d2, maxCopy, g2dup(h2dBoth, d2hBoth)); err != nil {
+	last := func(p []Point) float64 { return p[len(p)-1].Size / p[len(p)-1].Seconds }
+	duplex := (last(h2dBoth) + last(d2hBoth)) / 2
+	if g.Contention, err = contention(opts, s1, s2, ev[0], ev[1], ev[2], ev[3], h1, h2, d1, d2, maxCopy, duplex); err != nil {
 		return nil, err
 	}
 	tick()
@@ -293,19 +295,15 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 	return g, nil
 }
 
-// g2dup returns the duplex rate (bytes/s, both directions) of the
-// largest size measured.
-func g2dup(up, down []Point) float64 {
-	u, d := up[len(up)-1], down[len(down)-1]
-	return u.Size/u.Seconds + d.Size/d.Seconds
-}
-
-// hostMem measures the host memory bandwidth the CPU workers and the PCIe
-// copies share: the workers update a 32M-parameter subgroup as the
-// optimizer does (bf16 gradient and copy: Workload.cpuBytes a param) again
-// and again while both directions copy maxCopy-byte pieces for about
-// opts.HostMemSeconds; the rate is the bytes both moved over the time.
-func hostMem(opts GPUOptions, s1, s2 *cuda.Stream, e1, e2 *cuda.Event, h1, h2 *cuda.HostBuffer, d1, d2 *cuda.Buffer, maxCopy int64, duplex float64) (Fit, error) {
+// contention measures how much the CPU workers and the copies slow each
+// other down (Contention): the workers update a 32M-parameter subgroup as
+// the engine does (Step with a bf16 gradient and copy, on the staged
+// path) alone for about a fifth of opts.HostMemSeconds, then again and
+// again while both directions copy maxCopy-byte pieces for about
+// opts.HostMemSeconds. The copies are timed by events on s1 (H2D, e1 at
+// the end, a at the start) and s2 (D2H, e2, b), against duplex, the
+// per-direction rate with no CPU work.
+func contention(opts GPUOptions, s1, s2 *cuda.Stream, a, e1, b, e2 *cuda.Event, h1, h2 *cuda.HostBuffer, d1, d2 *cuda.Buffer, maxCopy int64, duplex float64) (Contention, error) {
 	const n = 32 << 20
 	s := adam.State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
 	g := make([]uint16, n)
@@ -317,39 +315,56 @@ func hostMem(opts GPUOptions, s1, s2 *cuda.Stream, e1, e2 *cuda.Event, h1, h2 *c
 	pool := adam.NewPool(opts.Threads)
 	defer pool.Close()
 	c := adam.DefaultHyper().Coeffs(1, 1, 0.9)
-	step := func() {
-		pool.GradStats(adam.Grad16(adam.BF16, g), 1)
-		pool.Step(&c, s, adam.Grad16(adam.BF16, g), out)
-	}
+	step := func() { pool.Step(&c, s, adam.Grad16(adam.BF16, g), out) }
 	step() // faults the pages in
-	// Enough pieces for HostMemSeconds at the duplex rate (half each way).
-	reps := int(max(1, opts.HostMemSeconds*duplex/2/float64(maxCopy)))
+	t0, steps := time.Now(), 0
+	for time.Since(t0).Seconds() < opts.HostMemSeconds/5 || steps < 3 {
+		step()
+		steps++
+	}
+	alone := time.Since(t0).Seconds() / float64(steps)
+	// Enough pieces for HostMemSeconds at the duplex rate.
+	reps := int(max(2, opts.HostMemSeconds*duplex/float64(maxCopy)))
+	if err := firstErr(a.Record(s1), b.Record(s2)); err != nil {
+		return Contention{}, err
+	}
 	for range reps {
 		if err := firstErr(s1.CopyHtoD(d1, 0, h1, 0, maxCopy), s2.CopyDtoH(h2, 0, d2, 0, maxCopy)); err != nil {
-			return Fit{}, fmt.Errorf("perfmodel: host memory bandwidth: %w", err)
+			return Contention{}, fmt.Errorf("perfmodel: contention: %w", err)
 		}
 	}
 	if err := firstErr(e1.Record(s1), e2.Record(s2)); err != nil {
-		return Fit{}, err
+		return Contention{}, err
 	}
-	t0 := time.Now()
-	params := 0
+	// The steps that end while both directions still copy.
+	t0, steps = time.Now(), 0
+	var busy float64
 	for {
 		step()
-		params += n
 		d1done, err1 := e1.Done()
 		d2done, err2 := e2.Done()
 		if err := firstErr(err1, err2); err != nil {
-			return Fit{}, err
+			return Contention{}, err
 		}
-		if d1done && d2done {
+		if d1done || d2done {
 			break
 		}
+		steps++
+		busy = time.Since(t0).Seconds()
 	}
-	t := time.Since(t0).Seconds()
-	w := Workload{CopyBytes: 2}
-	bytes := float64(params)*w.cpuBytes("bfloat16") + float64(2*int64(reps)*maxCopy)
-	return Fit{Rate: bytes / t, Points: []Point{{Size: bytes, Seconds: t}}}, nil
+	if err := firstErr(e1.Sync(), e2.Sync()); err != nil {
+		return Contention{}, err
+	}
+	up, err1 := cuda.Elapsed(a, e1)
+	down, err2 := cuda.Elapsed(b, e2)
+	if err := firstErr(err1, err2); err != nil {
+		return Contention{}, err
+	}
+	if steps < 3 {
+		return Contention{}, fmt.Errorf("perfmodel: contention: only %d CPU updates ran while the copies did; raise HostMemSeconds", steps)
+	}
+	loaded := float64(reps) * float64(maxCopy) / max(up.Seconds(), down.Seconds())
+	return Contention{CPU: max(1, busy/float64(steps)/alone), PCIe: max(1, duplex/loaded)}, nil
 }
 
 func firstErr(errs ...error) error {

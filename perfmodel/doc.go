@@ -49,17 +49,23 @@
 // and the bottleneck is the r that attains it.
 //
 // The CPU workers and the copies to and from pinned memory also share the
-// host's memory bandwidth (on the H200 machine a CPU subgroup took 35 ms
-// instead of 23 and a state H2D 39 ms instead of 25 when both ran at
-// once). When the profile has the host memory rate M (bytes/s, measured by
-// CalibrateGPU with both running), a fifth resource joins the maximum:
+// host's memory bandwidth: on the H200 machine a CPU subgroup took 35 ms
+// instead of 23 and a state H2D 39 ms instead of 25 while both ran. The
+// profile's Contention holds the two slow-downs, fc for the CPU while both
+// PCIe directions copy and fl for a lane while the CPU updates (measured
+// with both running). Both run slowed down until one is done, the other
+// then at its own rate: with tc the CPU's busy time alone and tl a lane's,
 //
-//	busy(mem) = (CPU params · cpuBytes + PCIe bytes) / M
-//	cpuBytes  = 2·StateBytes + GradBytes + 2·CopyBytes
+//	tc·fc <= tl·fl (the CPU is done first, at x = tc·fc):
+//	    CPU x,           lane x + tl - x/fl
+//	otherwise (the lane is done first, at x = tl·fl):
+//	    CPU x + tc - x/fc, lane x
 //
-// (the state read and written, the gradient read, the copy written and
-// read for ownership: 30 B/param with bf16 gradients and copy), with no
-// fill or drain of its own. With UpcastOnGPU a CPU
+// and the CPU's busy time is the longer of its two, against H2D and D2H.
+// (On the H200 machine this fitted every schedule of a k sweep within 4 %
+// by hand, where a shared-bandwidth resource could not: the copies cannot
+// speed up past PCIe once the CPU is done.) The makespan may then be
+// non-convex in the GPU count, so Choose tries every count. With UpcastOnGPU a CPU
 // subgroup's gradient is converted on the GPU before its D2H: that
 // conversion adds to the fills that start with a gradient.
 //

@@ -33,6 +33,11 @@ func (f Fit) Time(size float64) float64 {
 	return f.LatencyS + size/f.Rate
 }
 
+// zero reports whether the fit is absent (a zero value).
+func (f Fit) zero() bool {
+	return f.Rate == 0 && f.LatencyS == 0 && f.Residual == 0 && len(f.Points) == 0
+}
+
 // Valid reports whether the fit can be used: a finite rate of at least 1
 // unit per second, a finite, non-negative latency and residual.
 func (f Fit) Valid() bool {

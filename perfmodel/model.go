@@ -47,9 +47,6 @@ const (
 	ResH2D = "h2d"
 	ResD2H = "d2h"
 	ResGPU = "gpu"
-	// ResMem is the host's memory bandwidth, which the CPU workers and
-	// every PCIe copy to or from pinned memory share.
-	ResMem = "mem"
 )
 
 // Prediction is the model's makespan for a schedule.
@@ -65,15 +62,6 @@ type Prediction struct {
 
 // Subgroups returns the number of subgroups of w.
 func (w Workload) Subgroups() int { return int((w.Params + w.SubgroupSize - 1) / w.SubgroupSize) }
-
-// cpuBytes is the host memory traffic of the CPU workers per parameter
-// with gradients of dtype gd: the state read and written, the gradient
-// read, the 16-bit copy written (and read for ownership: a store to a
-// line not in the cache reads it first).
-func (w Workload) cpuBytes(gd string) float64 {
-	gb, _ := gradBytes(gd)
-	return 2*w.stateBytes() + gb + 2*float64(w.CopyBytes)
-}
 
 func (w Workload) stateBytes() float64 {
 	if w.AMSGrad {
@@ -152,10 +140,11 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 	if s.UpcastOnGPU && gb == 2 {
 		cpuDType, down = "float32", 4*sz
 	}
-	uc, err := p.CPURate(w.Threads, cpuDType)
+	cf, err := p.cpuFit(w.Threads, cpuDType)
 	if err != nil {
 		return Prediction{}, err
 	}
+	uc := cf.Fit
 	up := float64(w.CopyBytes) * sz // bytes of a CPU subgroup's 16-bit copy
 	// Without a GPU, gradients and weights live on the host: no transfers.
 	free := Fit{Rate: math.Inf(1)}
@@ -170,6 +159,10 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 	}
 	c, gp, r := float64(s.CPU), float64(s.GPU), float64(s.Resident)
 	tCPU := c * uc.Time(sz)
+	if g == nil && cf.Stats.Valid() {
+		// Gradients on the host: the global checks run on the CPU too.
+		tCPU += c * cf.Stats.Time(sz)
+	}
 	tH2D := gp*h2d.Time(st) + c*h2d.Time(up)
 	tD2H := gp*d2h.Time(st) + c*d2h.Time(down)
 	tGPU := (gp + r) * ug.Time(sz)
@@ -177,11 +170,28 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 		tGPU += c * conv.Time(sz)
 	}
 	busy := map[string]float64{ResCPU: tCPU, ResH2D: tH2D, ResD2H: tD2H, ResGPU: tGPU}
-	if g != nil && g.HostMem.Rate > 0 {
-		// The host's memory carries the CPU workers' traffic and every
-		// copy's (package doc).
-		pcie := gp*2*st + c*(down+up)
-		busy[ResMem] = (c*sz*w.cpuBytes(cpuDType) + pcie) / g.HostMem.Rate
+	if g != nil && tCPU > 0 && (g.Contention.CPU > 1 || g.Contention.PCIe > 1) {
+		// The CPU workers and the copies share the host's memory: both
+		// run slowed down until one is done, the other then at its own
+		// rate (package doc).
+		fc, fl := max(1, g.Contention.CPU), max(1, g.Contention.PCIe)
+		cpuEnd := tCPU
+		for _, lane := range []string{ResH2D, ResD2H} {
+			tl := busy[lane]
+			if tl == 0 {
+				continue
+			}
+			if tCPU*fc <= tl*fl { // the CPU is done first
+				x := tCPU * fc
+				busy[lane] = x + tl - x/fl
+				cpuEnd = max(cpuEnd, x)
+			} else {
+				x := tl * fl
+				busy[lane] = x
+				cpuEnd = max(cpuEnd, x+tCPU-x/fc)
+			}
+		}
+		busy[ResCPU] = cpuEnd
 	}
 	convT := 0.0 // a CPU subgroup's gradient conversion on the GPU, before its D2H
 	if s.UpcastOnGPU && gb == 2 {
@@ -221,7 +231,7 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 		return fill, drain
 	}
 	pr := Prediction{Schedule: s, K: s.K(), Busy: busy, Bottleneck: ResCPU}
-	for _, res := range []string{ResCPU, ResGPU, ResH2D, ResD2H, ResMem} { // ties: the compute resources first
+	for _, res := range []string{ResCPU, ResGPU, ResH2D, ResD2H} { // ties: the compute resources first
 		fill, drain := fd(res)
 		if t := busy[res] + fill + drain; t > pr.Makespan {
 			pr.Makespan, pr.Bottleneck, pr.Fill, pr.Drain = t, res, fill, drain
@@ -296,6 +306,10 @@ func (p *Profile) Choose(w Workload) (Prediction, error) {
 	return best, nil
 }
 
+// bruteForce is the most non-resident subgroups for which Choose tries
+// every GPU count.
+const bruteForce = 512
+
 // candidates returns, in ascending order, the GPU-subgroup counts g that
 // can win for r resident subgroups: the edges 0 and N = n-r, and for each
 // upcast choice the two ends of the interval of g in [1, N-1] where the
@@ -304,9 +318,20 @@ func (p *Profile) Choose(w Workload) (Prediction, error) {
 // functions linear in g, convex: integer ternary search finds the minimum
 // and binary searches the ends of its plateau; the PCIe traffic, which
 // breaks ties, is linear in g, so the best of the plateau is at an end.
-// This is O(log n) predictions per r instead of O(n).
+// This is O(log n) predictions per r instead of O(n); with up to
+// bruteForce non-resident subgroups every g is tried instead, since
+// contention can make the makespan non-convex in g.
 func (p *Profile) candidates(w Workload, r int) []int {
 	N := w.Subgroups() - r
+	if N <= bruteForce {
+		// Few enough to try all: with contention (package doc) the
+		// makespan need not be convex in g.
+		all := make([]int, N+1)
+		for g := range all {
+			all[g] = g
+		}
+		return all
+	}
 	cands := []int{0}
 	if N >= 1 {
 		cands = append(cands, N)

@@ -268,40 +268,42 @@ func TestChooseSearch(t *testing.T) {
 	}
 }
 
-// TestHostMemoryBound: the host's memory carries the CPU workers' 30
-// B/param (12 B of state read and written, a bf16 gradient read, a bf16
-// copy written and read for ownership) and every copy. With a 30 MB/s
-// host memory and a CPU of 4M params/s, 12 CPU subgroups of 1M take 13.6 s
-// in memory against 3 s on the CPU; a GPU subgroup moves 24 MB of state
-// through it instead.
-func TestHostMemoryBound(t *testing.T) {
-	p := profile(4e6, true, 1e15, 12e9)
-	p.GPU.HostMem = rate(30e6)
-	pr, err := p.Predict(w12, Schedule{CPU: 12})
-	if err != nil {
-		t.Fatal(err)
-	}
-	// 12 x (30 MB + 2 MB down + 2 MB up) / 30 MB/s = 13.6 s.
-	if pr.Bottleneck != ResMem || !near(pr.Busy[ResMem], 13.6) || !near(pr.Makespan, 13.6) {
-		t.Fatalf("all-CPU: %+v", pr)
-	}
-	pr, err = p.Predict(w12, Schedule{CPU: 6, GPU: 6})
-	if err == nil {
-		t.Fatal("over the budget accepted")
-	}
+// TestContention: the CPU workers take 1 s a subgroup alone and 1.5 s
+// while copies run; a copy 2x as long while the CPU works. 6 CPU and 6
+// GPU subgroups of 1M (state 12 MB each way, bf16 gradient and copy 2 MB)
+// at 12 MB/s each way: alone the CPU needs 6 s, the H2D lane 6 + 1 = 7 s.
+// Together the CPU would need 9 s and the lane 14: the CPU is done first,
+// at 9 s, the lane has moved 4.5 s of its work and does the remaining
+// 2.5 s alone: 11.5 s (no drain: a CPU subgroup's copy can go last).
+func TestContention(t *testing.T) {
+	p := profile(1e6, true, 1e15, 12e6)
+	p.GPU.Contention = Contention{CPU: 1.5, PCIe: 2}
 	w := w12
 	w.GPUBudget = 1 << 40
-	pr, err = p.Predict(w, Schedule{CPU: 6, GPU: 6})
+	pr, err := p.Predict(w, Schedule{CPU: 6, GPU: 6})
 	if err != nil {
 		t.Fatal(err)
 	}
-	// 6 x 34 MB + 6 x 24 MB = 348 MB / 30 MB/s = 11.6 s.
-	if pr.Bottleneck != ResMem || !near(pr.Busy[ResMem], 11.6) {
+	if !near(pr.Busy[ResCPU], 9) || !near(pr.Busy[ResH2D], 11.5) || pr.Bottleneck != ResH2D || !near(pr.Makespan, 11.5) {
 		t.Fatalf("k = 1: %+v", pr)
 	}
-	// Without the host memory rate the same schedule is CPU-bound.
-	p.GPU.HostMem = Fit{}
-	if pr, _ := p.Predict(w, Schedule{CPU: 6, GPU: 6}); pr.Bottleneck == ResMem || pr.Busy[ResMem] != 0 {
-		t.Fatalf("no host memory rate: %+v", pr)
+	// 10 CPU and 2 GPU: the lane (2 x 1 + 10/6 s alone, 22/3 together)
+	// is done first; the CPU then has 10 - (22/3)/1.5 s left alone.
+	pr, err = p.Predict(w, Schedule{CPU: 10, GPU: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lane := 2 + 10.0/6
+	if want := 2*lane + 10 - 2*lane/1.5; !near(pr.Busy[ResCPU], want) || !near(pr.Busy[ResH2D], 2*lane) {
+		t.Fatalf("k = 5: CPU %g, want %g; H2D %g, want %g", pr.Busy[ResCPU], want, pr.Busy[ResH2D], 2*lane)
+	}
+	// Without contention the same schedule is the plain maximum.
+	p.GPU.Contention = Contention{}
+	if pr, _ := p.Predict(w, Schedule{CPU: 6, GPU: 6}); !near(pr.Busy[ResCPU], 6) || !near(pr.Busy[ResH2D], 7) {
+		t.Fatalf("no contention: %+v", pr)
+	}
+	p.GPU.Contention = Contention{CPU: 0.5, PCIe: 2}
+	if err := p.Validate(); err == nil {
+		t.Error("a slow-down below 1 was accepted")
 	}
 }

@@ -34,6 +34,10 @@ type CPUFit struct {
 	Threads   int    `json:"threads"`
 	GradDType string `json:"grad_dtype"`
 	Fit
+	// Stats is the one-pass non-finite check and sum of squares over the
+	// gradient (adam.Pool.GradStats), params/s: the CPU runs it when the
+	// gradients are on the host (no GPU). Zero in older profiles.
+	Stats Fit `json:"stats,omitzero"`
 }
 
 // GPUProfile holds the GPU's rates.
@@ -44,10 +48,21 @@ type GPUProfile struct {
 	H2DBoth Fit `json:"h2d_duplex"` // host to device while D2H runs too, bytes/s
 	D2HBoth Fit `json:"d2h_duplex"` // device to host while H2D runs too, bytes/s
 	Convert Fit `json:"convert"`    // 16-bit to fp32 cast, elements/s (Dc)
-	// HostMem is the host memory bandwidth the CPU workers and the PCIe
-	// copies share, bytes/s (only Rate is set): measured with both at
-	// once. Zero in profiles measured before it: no contention modelled.
-	HostMem Fit `json:"host_mem,omitzero"`
+	// Contention is how much the CPU workers and the copies slow each
+	// other down through the host memory they share. Zero in profiles
+	// measured before it: no contention modelled.
+	Contention Contention `json:"contention,omitzero"`
+}
+
+// Contention is the slow-down of the CPU workers and of the PCIe copies
+// while both run (measured by CalibrateGPU): CPU is a CPU update's time
+// while both PCIe directions copy over its time alone, PCIe a copy's time
+// while the CPU workers update over its time with only the other
+// direction copying. Both are >= 1; the model's package doc says how they
+// are used.
+type Contention struct {
+	CPU  float64 `json:"cpu_slowdown"`
+	PCIe float64 `json:"pcie_slowdown"`
 }
 
 // Profile is what dos calibrate measured on one machine.
@@ -65,6 +80,11 @@ type Profile struct {
 //
 // Errors: no fit for that dtype at or below threads.
 func (p *Profile) CPURate(threads int, gradDType string) (Fit, error) {
+	f, err := p.cpuFit(threads, gradDType)
+	return f.Fit, err
+}
+
+func (p *Profile) cpuFit(threads int, gradDType string) (CPUFit, error) {
 	best := -1
 	for i, c := range p.CPU {
 		if c.GradDType == gradDType && c.Threads <= threads && (best < 0 || c.Threads > p.CPU[best].Threads) {
@@ -72,9 +92,9 @@ func (p *Profile) CPURate(threads int, gradDType string) (Fit, error) {
 		}
 	}
 	if best < 0 {
-		return Fit{}, fmt.Errorf("perfmodel: the profile has no CPU rate for %s gradients at %d threads or fewer", gradDType, threads)
+		return CPUFit{}, fmt.Errorf("perfmodel: the profile has no CPU rate for %s gradients at %d threads or fewer", gradDType, threads)
 	}
-	return p.CPU[best].Fit, nil
+	return p.CPU[best], nil
 }
 
 // Validate checks the format, the version and every fit.
@@ -93,7 +113,7 @@ func (p *Profile) Validate() error {
 		if _, err := gradBytes(c.GradDType); err != nil {
 			return fmt.Errorf("perfmodel: CPU rate at %d threads: %w", c.Threads, err)
 		}
-		if !c.Valid() || c.Threads < 1 {
+		if (!c.Stats.zero() && !c.Stats.Valid()) || !c.Valid() || c.Threads < 1 {
 			return fmt.Errorf("perfmodel: CPU rate at %d threads for %s: invalid fit (rate %g, latency %g s, residual %g)", c.Threads, c.GradDType, c.Rate, c.LatencyS, c.Residual)
 		}
 		key := [2]string{fmt.Sprint(c.Threads), c.GradDType}
@@ -106,13 +126,13 @@ func (p *Profile) Validate() error {
 		for _, x := range []struct {
 			name string
 			f    Fit
-		}{{"update", g.Update}, {"h2d", g.H2D}, {"d2h", g.D2H}, {"h2d_duplex", g.H2DBoth}, {"d2h_duplex", g.D2HBoth}, {"convert", g.Convert}, {"host_mem", g.HostMem}} {
-			if x.name == "host_mem" && x.f.Rate == 0 && x.f.LatencyS == 0 {
-				continue // not measured
-			}
+		}{{"update", g.Update}, {"h2d", g.H2D}, {"d2h", g.D2H}, {"h2d_duplex", g.H2DBoth}, {"d2h_duplex", g.D2HBoth}, {"convert", g.Convert}} {
 			if !x.f.Valid() {
 				return fmt.Errorf("perfmodel: GPU %s: invalid fit (rate %g, latency %g s, residual %g)", x.name, x.f.Rate, x.f.LatencyS, x.f.Residual)
 			}
+		}
+		if c := g.Contention; c != (Contention{}) && !(c.CPU >= 1 && c.CPU <= 100 && c.PCIe >= 1 && c.PCIe <= 100) {
+			return fmt.Errorf("perfmodel: GPU contention %+v: want slow-downs from 1 to 100", c)
 		}
 	}
 	return nil

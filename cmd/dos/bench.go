@@ -183,8 +183,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	step := int64(0)
 	var results []benchResult
 	if g := prof.GPU; g != nil {
-		fmt.Fprintf(stdout, "profile: Uc %.2f Gparam/s (bf16 gradients, %d workers), Ug %.1f Gparam/s, H2D/D2H %.1f/%.1f GB/s (%.1f/%.1f both at once), host memory %.1f GB/s\n",
-			cpuRate(prof, *threads)/1e9, *threads, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.HostMem.Rate/1e9)
+		fmt.Fprintf(stdout, "profile: Uc %.2f Gparam/s (bf16 gradients, %d workers), Ug %.1f Gparam/s, H2D/D2H %.1f/%.1f GB/s (%.1f/%.1f both at once), contention CPU %.2fx, PCIe %.2fx\n",
+			cpuRate(prof, *threads)/1e9, *threads, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.Contention.CPU, g.Contention.PCIe)
 	}
 	fmt.Fprintf(stdout, "%-16s %4s %4s %4s %6s %6s %9s %9s %7s %10s %-6s %5s %5s %5s %5s %7s\n",
 		"schedule", "cpu", "gpu", "res", "k", "upcast", "update s", "model s", "error", "Gparam/s", "bneck", "cpu", "h2d", "d2h", "gpu", "overlap")

@@ -112,9 +112,10 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 			name, unit string
 			f          perfmodel.Fit
 		}{{"H2D pinned", "GB/s", g.H2D}, {"D2H pinned", "GB/s", g.D2H}, {"H2D with D2H", "GB/s", g.H2DBoth}, {"D2H with H2D", "GB/s", g.D2HBoth},
-			{"AdamW (Ug)", "Gparam/s", g.Update}, {"bf16 cast (Dc)", "Gelem/s", g.Convert}, {"host memory", "GB/s", g.HostMem}} {
+			{"AdamW (Ug)", "Gparam/s", g.Update}, {"bf16 cast (Dc)", "Gelem/s", g.Convert}} {
 			fmt.Fprintf(stdout, "  %-15s %9.2f %-8s latency %8.1f µs  residual %5.1f%%\n", x.name, x.f.Rate/1e9, x.unit, x.f.LatencyS*1e6, 100*x.f.Residual)
 		}
+		fmt.Fprintf(stdout, "  contention: the CPU update %.2fx slower while both directions copy, a copy %.2fx slower while the CPU updates\n", g.Contention.CPU, g.Contention.PCIe)
 	}
 	where := "all on the CPU (no GPU measured)"
 	if p.GPU != nil {
