@@ -50,6 +50,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	sweep := fs.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the model's residents), 0 for none")
 	tracePath := fs.String("trace", "", "write the model's schedule's last update phase to `PATH` as Chrome trace-event JSON (Perfetto opens it)")
 	jsonPath := fs.String("json", "", "write the results to `PATH` as JSON")
+	timeline := fs.String("timeline", "", "draw the model's schedule's last update phase to `PATH` (.svg, .png or .pdf): one row per resource")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: dos bench [flags]\n\n"+
 			"Runs the update phase of a synthetic Llama-shaped parameter set on GPU 0 (bf16 gradients written on\n"+
@@ -83,6 +84,11 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	for _, p := range []string{*tracePath, *jsonPath} {
 		if err := checkWritable(p); err != nil {
 			return fail("%v", err)
+		}
+	}
+	if *timeline != "" {
+		if err := checkPlotPath(*timeline); err != nil {
+			return fail("%v", strings.Replace(err.Error(), "--plot", "--timeline", 1))
 		}
 	}
 	if err := cuda.Available(); err != nil {
@@ -253,6 +259,13 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 			return 1
 		}
 		fmt.Fprintf(stdout, "trace of the model's schedule written to %s\n", *tracePath)
+	}
+	if *timeline != "" && modelOps != nil {
+		if err := plotTimeline(modelOps, fmt.Sprintf("dos bench: the model's schedule, %.2fB parameters, %s", float64(n)/1e9, dev.Name), *timeline); err != nil {
+			fmt.Fprintf(stderr, "dos bench: --timeline: %v\n", err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "timeline written to %s\n", *timeline)
 	}
 	if *jsonPath != "" {
 		if err := writeJSON(*jsonPath, map[string]any{"params": n, "subgroups": nsg, "threads": *threads, "gpu_budget_gib": *budget, "results": results}); err != nil {

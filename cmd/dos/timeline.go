@@ -1,0 +1,106 @@
+package main
+
+import (
+	"fmt"
+	"image/color"
+	"math"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
+
+	"github.com/deepstates/dos/scheduler"
+)
+
+// timelineRows are the resources of an update phase, bottom to top.
+var timelineRows = []string{"gpu", "d2h", "h2d", "cpu"}
+
+// opColors colours each kind of operation.
+var opColors = map[string]color.Color{
+	"state H2D": color.RGBA{R: 31, G: 119, B: 180, A: 255},
+	"copy H2D":  color.RGBA{R: 174, G: 199, B: 232, A: 255},
+	"state D2H": color.RGBA{R: 255, G: 127, B: 14, A: 255},
+	"grad D2H":  color.RGBA{R: 255, G: 187, B: 120, A: 255},
+	"AdamW":     color.RGBA{R: 44, G: 160, B: 44, A: 255},
+	"upcast":    color.RGBA{R: 152, G: 223, B: 138, A: 255},
+	"CPU AdamW": color.RGBA{R: 214, G: 39, B: 40, A: 255},
+}
+
+// gantt is a plot.Plotter of operations as bars, one row per resource.
+type gantt struct{ ops []scheduler.Op }
+
+func (g gantt) row(r string) float64 {
+	for i, x := range timelineRows {
+		if x == r {
+			return float64(i)
+		}
+	}
+	return -1
+}
+
+func (g gantt) Plot(c draw.Canvas, p *plot.Plot) {
+	tx, ty := p.Transforms(&c)
+	for _, o := range g.ops {
+		y := g.row(o.Resource)
+		x0, x1 := tx(o.Start.Seconds()*1e3), tx(o.End.Seconds()*1e3)
+		if x1-x0 < 0.3 {
+			x1 = x0 + 0.3 // a kernel of 0.7 ms still shows
+		}
+		rect := vg.Path{}
+		rect.Move(vg.Point{X: x0, Y: ty(y - 0.35)})
+		rect.Line(vg.Point{X: x1, Y: ty(y - 0.35)})
+		rect.Line(vg.Point{X: x1, Y: ty(y + 0.35)})
+		rect.Line(vg.Point{X: x0, Y: ty(y + 0.35)})
+		rect.Close()
+		c.SetColor(opColors[o.What])
+		c.Fill(rect)
+		c.SetLineWidth(vg.Points(0.3))
+		c.SetColor(color.White)
+		c.Stroke(rect)
+	}
+}
+
+func (g gantt) DataRange() (xmin, xmax, ymin, ymax float64) {
+	xmax = 0
+	for _, o := range g.ops {
+		xmax = math.Max(xmax, o.End.Seconds()*1e3)
+	}
+	return 0, xmax, -0.5, float64(len(timelineRows)) - 0.5
+}
+
+// plotTimeline draws ops (Engine.Trace) as a timeline to path (.svg,
+// .png or .pdf): one row per resource, one bar per operation, coloured by
+// kind, with the summary's busy fractions in the row labels.
+func plotTimeline(ops []scheduler.Op, title, path string) error {
+	pl := plot.New()
+	pl.Title.Text = title
+	pl.X.Label.Text = "time from the start of the update phase (ms)"
+	s := scheduler.Summarize(ops)
+	var ticks []plot.Tick
+	for i, r := range timelineRows {
+		ticks = append(ticks, plot.Tick{Value: float64(i), Label: fmt.Sprintf("%s %.0f%%", r, 100*s.Fraction(r))})
+	}
+	pl.Y.Tick.Marker = plot.ConstantTicks(ticks)
+	pl.Add(plotter.NewGrid(), gantt{ops})
+	pl.Legend.Top = true
+	for _, what := range []string{"state H2D", "copy H2D", "state D2H", "grad D2H", "AdamW", "upcast", "CPU AdamW"} {
+		b, err := plotter.NewPolygon(plotter.XYs{{X: 0, Y: 0}})
+		if err != nil {
+			return err
+		}
+		b.Color = opColors[what]
+		b.LineStyle.Width = 0
+		pl.Legend.Add(what, b)
+	}
+	pl.Legend.Left = false
+	if _, xmax, _, _ := (gantt{ops}).DataRange(); xmax > 0 {
+		pl.X.Max = 1.2 * xmax // room for the legend on the right
+	}
+	canvas, save, err := newCanvas(path, 11*vg.Inch, 4*vg.Inch)
+	if err != nil {
+		return err
+	}
+	pl.Draw(draw.New(canvas))
+	return save()
+}
