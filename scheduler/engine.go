@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -89,22 +90,23 @@ type Engine struct {
 	nArr  int // state arrays: 3, or 4 with amsgrad
 	gb    int64
 
-	host       [4]Host    // p, m, v, vmax in pinned host memory
-	state      adam.State // views of host
-	grad       Mem        // device gradients
-	work       Mem        // device working copy
-	res        [4]Mem     // resident state
-	resOff     []int64    // element offset of each resident subgroup in res
-	stage      [4]Mem     // device staging: 2 slots of maxN per array
-	scr        Mem        // device fp32 scratch for the upcast: 2 slots
-	gst        Host       // host gradient staging: 2 slots
-	cst        Host       // host copy staging: 2 slots
-	upcast     bool       // CPU subgroups' 16-bit gradients widen on the device
-	cpuGD      adam.DType // the gradient dtype the CPU workers read
-	s          [5]Stream  // H2D, kernel, D2H, grad D2H, copy H2D
+	host       [4]Host       // p, m, v, vmax in pinned host memory
+	state      adam.State    // views of host
+	grad       Mem           // device gradients
+	work       Mem           // device working copy
+	res        [4]Mem        // resident state
+	resOff     []int64       // element offset of each resident subgroup in res
+	stage      [4]Mem        // device staging: 2 slots of maxN per array
+	scr        Mem           // device fp32 scratch for the upcast: 2 slots
+	gst        Host          // host gradient staging: 2 slots
+	cst        Host          // host copy staging: 2 slots
+	upcast     bool          // CPU subgroups' 16-bit gradients widen on the device
+	cpuGD      adam.DType    // the gradient dtype the CPU workers read
+	s          [4]Stream     // sH2D (the H2D lane), sKernel, sD2H (the D2H lane), sUpcast
+	laneMu     [4]sync.Mutex // per stream: a copy with its events (laneCopy)
 	ev         [][numOps][2]Event
 	base       Event
-	tail       [5]Event
+	tail       [4]Event
 	allocs     []any // freed by Close
 	planAllocs []any // freed by Replan and Close
 
@@ -112,6 +114,7 @@ type Engine struct {
 	c       *adam.Coeffs
 	done    []uint8 // bit per op done (enqueued, or run on the CPU)
 	slot    []int   // staging slot of each GPU or CPU subgroup
+	after   []Event // a GPU subgroup's state H2D waits for this (done) event
 	cpuT    [][2]time.Duration
 	t0      time.Time
 	abort   atomic.Bool
@@ -124,8 +127,8 @@ type Engine struct {
 	startD  chan struct{} // and to the drainer
 	dq      chan int      // GPU subgroups to the drainer
 	dsig    chan struct{} // the drainer's D2H enqueued, one per GPU subgroup
-	chunkEv [2][2]Event   // H2D and D2H: the events of the last two chunks
-	chunkK  [2]int        // H2D and D2H: chunks enqueued so far
+	chunkEv [4][2]Event   // per lane stream (sH2D, sD2H): the events of the last two chunks
+	chunkK  [4]int        // per lane stream: chunks enqueued so far
 	fin     chan struct{}
 	broken  bool
 }
@@ -182,6 +185,7 @@ func New(o Options) (*Engine, error) {
 	n := len(o.Sizes)
 	e.done = make([]uint8, n)
 	e.slot = make([]int, n)
+	e.after = make([]Event, n)
 	e.cpuT = make([][2]time.Duration, n)
 	e.firstMu = make(chan struct{}, 1)
 	e.msgs = make(chan int, 2)
@@ -453,7 +457,7 @@ func (e *Engine) Load() error {
 }
 
 func (e *Engine) upload(working bool) error {
-	s := e.s[0]
+	s := e.s[sH2D]
 	var stg Host
 	if working {
 		var err error
@@ -496,7 +500,7 @@ func (e *Engine) Download() error {
 	if e.broken {
 		return ErrBroken
 	}
-	s := e.s[2]
+	s := e.s[sD2H]
 	for i := range e.o.Sizes {
 		if e.plan.Roles[i] != Resident {
 			continue
@@ -522,7 +526,7 @@ func (e *Engine) Stats(unscale float32) (finite bool, sumSquares float64, err er
 	if e.broken {
 		return false, 0, ErrBroken
 	}
-	return e.dev.GradStats(e.s[1], e.o.GradDType, e.Grad(), unscale)
+	return e.dev.GradStats(e.s[sKernel], e.o.GradDType, e.Grad(), unscale)
 }
 
 // Update runs the update phase with the scalars c (adam.Hyper.Coeffs: the
@@ -543,10 +547,11 @@ func (e *Engine) Update(c *adam.Coeffs) error {
 	}
 	e.c = c
 	clear(e.done)
+	clear(e.after)
 	e.first = nil
 	e.abort.Store(false)
 	e.t0 = time.Now()
-	if err := e.dev.Record(e.base, e.s[0]); err != nil {
+	if err := e.dev.Record(e.base, e.s[sH2D]); err != nil {
 		return err // nothing was done
 	}
 	// Start the CPU lane and the GPU lane's D2H goroutine, then issue the
@@ -581,12 +586,13 @@ func (e *Engine) Update(c *adam.Coeffs) error {
 				drained++
 			}
 			ev := e.ev[prev][opD2H][1]
-			// Waiting on the stream too says so to the device (a no-op
-			// on CUDA once the event is done; the simulated device's
-			// clock needs it).
-			if e.done[prev]&(1<<opD2H) == 0 || e.fail(i, opH2D, firstErr(e.dev.Sync(ev), e.dev.Wait(e.s[0], ev))) {
+			if e.done[prev]&(1<<opD2H) == 0 || e.fail(i, opH2D, e.dev.Sync(ev)) {
 				break
 			}
+			// The copy waits on its stream too, which says so to the
+			// device (a no-op on CUDA once the event is done; the
+			// simulated device's clock needs it).
+			e.after[i] = ev
 		}
 		if !e.run(i, opH2D, slot) || !e.run(i, opKernel, slot) {
 			break
@@ -619,7 +625,7 @@ func (e *Engine) Update(c *adam.Coeffs) error {
 				continue
 			}
 			if op == opH2D || (op == opGradD2H && e.done[i]&(1<<opUpcast) == 0) || op == opUpcast {
-				e.slot[i] = 0 // every slot is free now
+				e.slot[i], e.after[i] = 0, nil // every slot is free now
 			}
 			if !e.run(i, op, e.slot[i]) {
 				e.broken = true
@@ -654,94 +660,146 @@ func (e *Engine) fail(i, op int, err error) bool {
 // run enqueues (or, for opCPU, runs) op of subgroup i with staging slot
 // slot, between its two events, waiting for the op before it on another
 // stream; it marks the op done and reports success.
+// Streams of an Engine.
+const (
+	sH2D    = iota // the H2D lane: every H2D copy, in the order enqueued
+	sKernel        // the fused AdamW kernels
+	sD2H           // the D2H lane: every D2H copy
+	sUpcast        // the casts of CPU subgroups' gradients
+)
+
 func (e *Engine) run(i, op, slot int) bool {
+	if op == opCPU {
+		return e.cpu(i, slot)
+	}
 	n := int64(e.o.Sizes[i])
 	ev := &e.ev[i][op]
-	var s Stream
-	var prev Event // the op this one waits for, on another stream
-	switch op {
-	case opH2D:
-		s = e.s[0]
-	case opKernel:
-		s = e.s[1]
-		if e.plan.Roles[i] == OnGPU {
-			prev = e.ev[i][opH2D][1]
-		}
-	case opD2H:
-		s, prev = e.s[2], e.ev[i][opKernel][1]
-	case opUpcast:
-		s = e.s[3]
-	case opGradD2H:
-		s = e.s[3]
-	case opCPU:
-		return e.cpu(i, slot)
-	case opCopyH2D:
-		s = e.s[4]
-	}
-	if prev != nil && e.fail(i, op, e.dev.Wait(s, prev)) {
-		return false
-	}
-	if e.fail(i, op, e.dev.Record(ev[0], s)) {
-		return false
-	}
+	grad := Vec{Mem: e.grad, Off: e.off[i], N: n}
 	var err error
 	switch op {
 	case opH2D:
-		for a := 0; a < e.nArr && err == nil; a++ {
-			h, off, b := e.hostVec(a, i)
-			err = e.chunked(0, s, b, func(o, n int64) error { return e.dev.H2D(s, e.stage[a], 4*int64(slot)*e.maxN+o, h, off+o, n) })
-		}
+		err = e.stateCopy(sH2D, i, slot, e.after[i])
+	case opD2H:
+		err = e.stateCopy(sD2H, i, slot, e.ev[i][opKernel][1])
 	case opKernel:
+		s := e.s[sKernel]
 		st := e.resState(i)
 		if e.plan.Roles[i] == OnGPU {
 			st = e.slotState(slot, i)
+			err = e.dev.Wait(s, e.ev[i][opH2D][1])
 		}
-		err = e.dev.AdamW(s, e.c, st, e.o.GradDType, Vec{Mem: e.grad, Off: e.off[i], N: n}, e.o.WorkingDType, Vec{Mem: e.work, Off: e.off[i], N: n})
-	case opD2H:
-		for a := 0; a < e.nArr && err == nil; a++ {
-			h, off, b := e.hostVec(a, i)
-			err = e.chunked(1, s, b, func(o, n int64) error { return e.dev.D2H(s, h, off+o, e.stage[a], 4*int64(slot)*e.maxN+o, n) })
+		if err == nil {
+			err = firstErr(e.dev.Record(ev[0], s), e.dev.AdamW(s, e.c, st, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.off[i], N: n}), e.dev.Record(ev[1], s))
 		}
 	case opUpcast:
-		err = e.dev.Widen16(s, e.o.GradDType, Vec{Mem: e.scr, Off: int64(slot) * e.maxN, N: n}, Vec{Mem: e.grad, Off: e.off[i], N: n})
+		s := e.s[sUpcast]
+		err = firstErr(e.dev.Record(ev[0], s), e.dev.Widen16(s, e.o.GradDType, Vec{Mem: e.scr, Off: int64(slot) * e.maxN, N: n}, grad), e.dev.Record(ev[1], s))
 	case opGradD2H:
 		gb := elemBytes(e.cpuGD)
+		src, srcOff := e.grad, gb*e.off[i]
+		var up Event
 		if e.upcast {
-			err = e.dev.D2H(s, e.gst, gb*int64(slot)*e.maxN, e.scr, 4*int64(slot)*e.maxN, gb*n)
-		} else {
-			err = e.dev.D2H(s, e.gst, gb*int64(slot)*e.maxN, e.grad, gb*e.off[i], gb*n)
+			// The D2H lane holds only copies that can run: wait here.
+			src, srcOff, up = e.scr, 4*int64(slot)*e.maxN, e.ev[i][opUpcast][1]
+			err = e.dev.Sync(up)
+		}
+		if err == nil {
+			err = e.laneCopy(sD2H, ev, up, func(s Stream) error { return e.dev.D2H(s, e.gst, gb*int64(slot)*e.maxN, src, srcOff, gb*n) })
 		}
 	case opCopyH2D:
-		err = e.dev.H2D(s, e.work, 2*e.off[i], e.cst, 2*int64(slot)*e.maxN, 2*n)
+		err = e.laneCopy(sH2D, ev, nil, func(s Stream) error { return e.dev.H2D(s, e.work, 2*e.off[i], e.cst, 2*int64(slot)*e.maxN, 2*n) })
 	}
-	if e.fail(i, op, err) || e.fail(i, op, e.dev.Record(ev[1], s)) {
+	if e.fail(i, op, err) {
 		return false
 	}
 	e.done[i] |= 1 << op
 	return true
 }
 
-// CopyChunk is the size in bytes of the pieces a state copy is cut into:
-// before enqueueing a piece, the lane waits until the piece two before it
-// is done, so that at most one waits in the copy engine's queue and a CPU
-// subgroup's gradient or copy, enqueued meanwhile, waits for at most two
-// pieces (about 2.4 ms at 55 GB/s) instead of whole subgroups.
+// The two copy lanes: every H2D copy goes on stream e.s[sH2D], every D2H
+// copy on e.s[sD2H], in the order enqueued. (On separate streams the
+// H200's copy engines served a stream that always had work queued before
+// another: a CPU subgroup's 16-bit copy waited 160 ms behind GPU
+// subgroups' state, and the CPU workers stalled on it.) laneMu keeps a
+// copy and its events together on the lane's stream.
+
+// laneCopy enqueues one copy on lane stream l between ev's two events,
+// after wait (an event already done: it tells the device) when not nil.
+func (e *Engine) laneCopy(l int, ev *[2]Event, wait Event, copy func(s Stream) error) error {
+	s := e.s[l]
+	e.laneMu[l].Lock()
+	defer e.laneMu[l].Unlock()
+	if wait != nil {
+		if err := e.dev.Wait(s, wait); err != nil {
+			return err
+		}
+	}
+	return firstErr(e.dev.Record(ev[0], s), copy(s), e.dev.Record(ev[1], s))
+}
+
+// CopyChunk is the size in bytes of the pieces a state copy is cut into
+// (stateCopy).
 const CopyChunk = 64 << 20
 
-// chunked runs copy(offset, bytes) over b bytes in CopyChunk pieces on s,
-// direction d (0 H2D, 1 D2H), each after the piece two before it is done.
-func (e *Engine) chunked(d int, s Stream, b int64, copy func(o, n int64) error) error {
-	for o := int64(0); o < b; o += CopyChunk {
-		ev := e.chunkEv[d][e.chunkK[d]%2]
-		if e.chunkK[d] >= 2 {
-			if err := e.dev.Sync(ev); err != nil {
+// stateCopy enqueues the state of GPU subgroup i between the host and
+// staging slot slot on lane stream l (sH2D or sD2H), in CopyChunk pieces,
+// each after the piece two before it on the lane is done: at most one
+// piece waits in the lane, so a CPU subgroup's gradient or copy enqueued
+// meanwhile waits for at most two (about 2.4 ms at 55 GB/s). wait, when
+// not nil, is an event the copy waits for (already done: it tells the
+// device).
+func (e *Engine) stateCopy(l, i, slot int, wait Event) error {
+	s := e.s[l]
+	ev := &e.ev[i][opH2D]
+	if l == sD2H {
+		ev = &e.ev[i][opD2H]
+	}
+	dev := 4 * int64(slot) * e.maxN
+	for a := 0; a < e.nArr; a++ {
+		h, off, b := e.hostVec(a, i)
+		for o := int64(0); o < b; o += CopyChunk {
+			cev := e.chunkEv[l][e.chunkK[l]%2]
+			if e.chunkK[l] >= 2 {
+				if err := e.dev.Sync(cev); err != nil {
+					return err
+				}
+			}
+			first, last := a == 0 && o == 0, a == e.nArr-1 && o+CopyChunk >= b
+			m := min(CopyChunk, b-o)
+			if err := e.statePiece(l, s, ev, cev, first, last, wait, func() error {
+				if l == sH2D {
+					return e.dev.H2D(s, e.stage[a], dev+o, h, off+o, m)
+				}
+				return e.dev.D2H(s, h, off+o, e.stage[a], dev+o, m)
+			}); err != nil {
+				return err
+			}
+			e.chunkK[l]++
+		}
+	}
+	return nil
+}
+
+// statePiece enqueues one piece under the lane's lock: after wait and ev's
+// start when first, then the chunk's event, then ev's end when last.
+func (e *Engine) statePiece(l int, s Stream, ev *[2]Event, cev Event, first, last bool, wait Event, copy func() error) error {
+	e.laneMu[l].Lock()
+	defer e.laneMu[l].Unlock()
+	if first {
+		if wait != nil {
+			if err := e.dev.Wait(s, wait); err != nil {
 				return err
 			}
 		}
-		if err := firstErr(copy(o, min(CopyChunk, b-o)), e.dev.Record(ev, s)); err != nil {
+		if err := e.dev.Record(ev[0], s); err != nil {
 			return err
 		}
-		e.chunkK[d]++
+	}
+	if err := firstErr(copy(), e.dev.Record(cev, s)); err != nil {
+		return err
+	}
+	if last {
+		return e.dev.Record(ev[1], s)
 	}
 	return nil
 }
