@@ -173,8 +173,15 @@ func TestPlan(t *testing.T) {
 	if !ok || plan.CPU != 1 || plan.GPU != 0 || math.Abs(plan.Makespan-float64(o.NumParams())/1e6) > 1e-12 {
 		t.Fatalf("plan %+v (%v)", plan, ok)
 	}
-	if _, err := New(testParams, Options{GradDType: adam.F16, Profile: p}); err == nil {
-		t.Error("a profile without float16 rates planned a float16 optimizer")
+	// float16 gradients plan with the bfloat16 rate (the same bytes);
+	// float32 ones have none.
+	h, err := New(testParams, Options{GradDType: adam.F16, Threads: 2, Profile: p})
+	if err != nil {
+		t.Fatalf("float16 with a bfloat16 rate: %v", err)
+	}
+	h.Close()
+	if _, err := New(testParams, Options{GradDType: adam.F32, Profile: p}); err == nil {
+		t.Error("a profile without float32 rates planned a float32 optimizer")
 	}
 	q, _ := New(testParams, Options{})
 	defer q.Close()

@@ -194,7 +194,12 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 		if opts.WorkingDType != 0 {
 			w.CopyBytes = 2
 		}
-		plan, err := opts.Profile.Choose(w)
+		// This optimizer updates on the host, gradients included: plan
+		// with the CPU rates only (a profile's GPU rates would charge
+		// PCIe copies that do not happen).
+		host := *opts.Profile
+		host.GPU = nil
+		plan, err := host.Choose(w)
 		if err != nil {
 			o.pool.Close()
 			return nil, fmt.Errorf("offload: planning the update phase: %w", err)
@@ -205,7 +210,8 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 }
 
 // Plan returns the performance model's schedule and predicted time of one
-// update phase, when Options.Profile was set (ok false otherwise).
+// update phase, when Options.Profile or Options.Calibrate was set (ok
+// false otherwise).
 func (o *Optimizer) Plan() (plan perfmodel.Prediction, ok bool) {
 	if o.plan == nil {
 		return perfmodel.Prediction{}, false

@@ -40,8 +40,9 @@ type Options struct {
 	Profile *perfmodel.Profile `json:"-"`
 	// Calibrate, when Profile is nil, makes New measure this machine's CPU
 	// update rate briefly (perfmodel.CalibrateCPU at the optimizer's thread
-	// count and gradient dtype, 3 repetitions: about a second) and plan
-	// with it. Not saved in checkpoints.
+	// count and gradient dtype, 3 repetitions of subgroups of 8M to 64M
+	// parameters, whatever the model's size: 1 to 3 s and up to about 2 GB
+	// of memory while it runs) and plan with it. Not saved in checkpoints.
 	Calibrate bool `json:"-"`
 }
 

@@ -28,6 +28,19 @@ type CPUOptions struct {
 	GradDTypes []adam.DType
 }
 
+// CPUSizes returns k subgroup sizes in parameters from the default base
+// (the larger of 8M and the parameters whose 28 B/param fill the
+// last-level cache twice, at most 16M: real subgroups never fit in a
+// cache) to four times it, evenly spaced; k >= 2.
+func CPUSizes(k int) []int {
+	base := min(max(8<<20, 2*cpuid.CPU.Cache.L3/28), 16<<20)
+	sizes := make([]int, max(k, 2))
+	for i := range sizes {
+		sizes[i] = base + 3*base*i/(len(sizes)-1)
+	}
+	return sizes
+}
+
 func (o *CPUOptions) defaults() {
 	if len(o.Threads) == 0 {
 		max := runtime.GOMAXPROCS(0)
@@ -37,7 +50,7 @@ func (o *CPUOptions) defaults() {
 		o.Threads = append(o.Threads, max)
 	}
 	if len(o.Sizes) == 0 {
-		base := min(max(8<<20, 2*cpuid.CPU.Cache.L3/28), 16<<20)
+		base := CPUSizes(2)[0]
 		o.Sizes = []int{base, 2 * base, 4 * base}
 	}
 	if o.Reps <= 0 {
@@ -59,6 +72,17 @@ func (o *CPUOptions) defaults() {
 // Errors: a fit that fails (times that do not grow with size).
 func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, error) {
 	opts.defaults()
+	if slices.Min(opts.Sizes) <= 0 || len(slices.Compact(slices.Sorted(slices.Values(opts.Sizes)))) < 2 {
+		return nil, fmt.Errorf("perfmodel: CPU calibration sizes %v: want at least two distinct sizes > 0", opts.Sizes)
+	}
+	if slices.Min(opts.Threads) < 1 || len(slices.Compact(slices.Sorted(slices.Values(opts.Threads)))) != len(opts.Threads) {
+		return nil, fmt.Errorf("perfmodel: CPU calibration threads %v: want distinct counts >= 1", opts.Threads)
+	}
+	for _, d := range opts.GradDTypes {
+		if _, err := gradBytes(d.String()); err != nil {
+			return nil, fmt.Errorf("perfmodel: CPU calibration: %w", err)
+		}
+	}
 	maxN := slices.Max(opts.Sizes)
 	s := adam.State{Param: make([]float32, maxN), ExpAvg: make([]float32, maxN), ExpAvgSq: make([]float32, maxN)}
 	for i := range s.Param {

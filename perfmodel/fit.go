@@ -38,10 +38,18 @@ func (f Fit) zero() bool {
 	return f.Rate == 0 && f.LatencyS == 0 && f.Residual == 0 && len(f.Points) == 0
 }
 
-// Valid reports whether the fit can be used: a finite rate of at least 1
-// unit per second, a finite, non-negative latency and residual.
+// Bounds of a usable fit: rates up to 1e18 units/s, latencies up to an
+// hour (so that a prediction stays finite).
+const (
+	maxRate    = 1e18
+	maxLatency = 3600
+)
+
+// Valid reports whether the fit can be used: a rate from 1 to 1e18 units
+// per second, a latency from 0 to an hour, a finite, non-negative
+// residual.
 func (f Fit) Valid() bool {
-	return f.Rate >= 1 && !math.IsInf(f.Rate, 0) && f.LatencyS >= 0 && !math.IsInf(f.LatencyS, 0) &&
+	return f.Rate >= 1 && f.Rate <= maxRate && f.LatencyS >= 0 && f.LatencyS <= maxLatency &&
 		f.Residual >= 0 && !math.IsInf(f.Residual, 0)
 }
 

@@ -1,6 +1,7 @@
 package perfmodel
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -60,8 +61,32 @@ type Prediction struct {
 	Drain      float64            // seconds after its last one
 }
 
+// MarshalJSON writes a Prediction with K as the string "inf" when it is
+// +Inf (all on the CPU): JSON has no infinity.
+func (p Prediction) MarshalJSON() ([]byte, error) {
+	type plain Prediction
+	v := struct {
+		plain
+		K any
+	}{plain(p), p.K}
+	if math.IsInf(p.K, 1) {
+		v.K = "inf"
+	}
+	return json.Marshal(v)
+}
+
 // Subgroups returns the number of subgroups of w.
-func (w Workload) Subgroups() int { return int((w.Params + w.SubgroupSize - 1) / w.SubgroupSize) }
+// It is 0 for a workload without parameters or subgroup size.
+func (w Workload) Subgroups() int {
+	if w.Params <= 0 || w.SubgroupSize <= 0 {
+		return 0
+	}
+	return int((w.Params-1)/w.SubgroupSize + 1) // no overflow
+}
+
+// MaxSubgroups bounds Workload.Subgroups (Choose's search is linear in
+// it; real subgroups hold millions of parameters).
+const MaxSubgroups = 1 << 16
 
 func (w Workload) stateBytes() float64 {
 	if w.AMSGrad {
@@ -108,6 +133,8 @@ func (w Workload) Validate() error {
 		return fmt.Errorf("perfmodel: workload Params %d: want 1 to %d", w.Params, int64(MaxParams))
 	case w.SubgroupSize <= 0:
 		return fmt.Errorf("perfmodel: workload SubgroupSize %d: want > 0", w.SubgroupSize)
+	case w.Subgroups() > MaxSubgroups:
+		return fmt.Errorf("perfmodel: workload of %d parameters in subgroups of %d: %d subgroups, at most %d (raise SubgroupSize)", w.Params, w.SubgroupSize, w.Subgroups(), MaxSubgroups)
 	case w.Threads < 1:
 		return fmt.Errorf("perfmodel: workload Threads %d: want >= 1", w.Threads)
 	case w.GPUBudget < 0:

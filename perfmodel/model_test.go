@@ -307,3 +307,45 @@ func TestContention(t *testing.T) {
 		t.Error("a slow-down below 1 was accepted")
 	}
 }
+
+// TestPredictionJSON: an all-CPU prediction (k = +Inf) marshals, with K
+// as "inf".
+func TestPredictionJSON(t *testing.T) {
+	pr, err := profile(1e6, false, 0, 0).Choose(w12)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := json.Marshal(pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(b), `"K":"inf"`) || !strings.Contains(string(b), `"CPU":12`) {
+		t.Errorf("%s", b)
+	}
+	if _, err := json.Marshal(Prediction{K: 1.5}); err != nil {
+		t.Error(err)
+	}
+}
+
+// TestWorkloadBounds: a subgroup size near MaxInt64 does not overflow the
+// subgroup count, and too many subgroups are refused.
+func TestWorkloadBounds(t *testing.T) {
+	w := Workload{Params: 834304, SubgroupSize: math.MaxInt64, GradDType: "float32", Threads: 1}
+	if w.Subgroups() != 1 {
+		t.Errorf("Subgroups %d, want 1", w.Subgroups())
+	}
+	if pr, err := profile(1e6, false, 0, 0).Choose(w); err != nil || pr.CPU != 1 || !(pr.Makespan > 0) {
+		t.Errorf("%+v %v", pr, err)
+	}
+	w = Workload{Params: 1e6, SubgroupSize: 1, GradDType: "float32", Threads: 1}
+	if err := w.Validate(); err == nil {
+		t.Error("a million subgroups accepted")
+	}
+	if (Workload{}).Subgroups() != 0 {
+		t.Error("zero workload")
+	}
+	f := Fit{Rate: 1e6, LatencyS: 1e308}
+	if f.Valid() {
+		t.Error("a latency of 1e308 s is valid")
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"runtime"
 	"time"
@@ -85,6 +86,18 @@ func (p *Profile) CPURate(threads int, gradDType string) (Fit, error) {
 }
 
 func (p *Profile) cpuFit(threads int, gradDType string) (CPUFit, error) {
+	f, err := p.cpuFitExact(threads, gradDType)
+	if err != nil && gradDType == "float16" {
+		// dos calibrate measures float32 and bfloat16: a float16
+		// gradient moves the same bytes as a bfloat16 one.
+		if f, err2 := p.cpuFitExact(threads, "bfloat16"); err2 == nil {
+			return f, nil
+		}
+	}
+	return f, err
+}
+
+func (p *Profile) cpuFitExact(threads int, gradDType string) (CPUFit, error) {
 	best := -1
 	for i, c := range p.CPU {
 		if c.GradDType == gradDType && c.Threads <= threads && (best < 0 || c.Threads > p.CPU[best].Threads) {
@@ -145,9 +158,23 @@ func (p *Profile) Validate() error {
 // Errors: the file unreadable or not a valid Profile (naming the path),
 // another version, another machine.
 func Load(path string, here Machine) (*Profile, error) {
-	b, err := os.ReadFile(path)
+	// A regular file of at most maxProfile bytes: not a device, a pipe
+	// or a directory.
+	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("perfmodel: %w", err)
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err != nil {
+		return nil, fmt.Errorf("perfmodel: %w", err)
+	} else if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("perfmodel: %s is not a regular file", path)
+	} else if st.Size() > maxProfile {
+		return nil, fmt.Errorf("perfmodel: %s has %d bytes; a profile has at most %d", path, st.Size(), maxProfile)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, maxProfile+1))
+	if err != nil {
+		return nil, fmt.Errorf("perfmodel: %s: %w", path, err)
 	}
 	// The format and version first: another version may not even parse.
 	var head struct {
@@ -168,12 +195,16 @@ func Load(path string, here Machine) (*Profile, error) {
 	if err := p.Validate(); err != nil {
 		return nil, fmt.Errorf("%w (%s)", err, path)
 	}
-	if p.Machine.CPU != here.CPU || (here.GPU != "" && p.Machine.GPU != here.GPU) {
-		return nil, fmt.Errorf("perfmodel: %s was measured on another machine (CPU %q, GPU %q; here CPU %q, GPU %q): run dos calibrate here",
-			path, p.Machine.CPU, p.Machine.GPU, here.CPU, here.GPU)
+	if p.Machine.CPU != here.CPU || (here.GPU != "" && p.Machine.GPU != here.GPU) || (here.Cores != 0 && p.Machine.Cores != here.Cores) {
+		return nil, fmt.Errorf("perfmodel: %s was measured on another machine (CPU %q, %d logical CPUs, GPU %q; here CPU %q, %d, GPU %q): run dos calibrate here",
+			path, p.Machine.CPU, p.Machine.Cores, p.Machine.GPU, here.CPU, here.Cores, here.GPU)
 	}
 	return &p, nil
 }
+
+// maxProfile bounds a profile file's size in bytes (a real one has a few
+// kilobytes).
+const maxProfile = 16 << 20
 
 // Here describes this machine's CPU for a Profile or for Load: the model
 // name (klauspost/cpuid) and the logical CPUs. The caller adds the GPU's

@@ -8,6 +8,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
@@ -243,17 +244,13 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	}
 	benchVerdicts(stdout, results)
 	if *tracePath != "" && modelOps != nil {
-		f, err := os.Create(*tracePath)
-		if err == nil {
+		err := writeAtomic(*tracePath, func(f *os.File) error {
 			bw := bufio.NewWriter(f)
-			err = scheduler.WriteChrome(bw, modelOps)
-			if err == nil {
-				err = bw.Flush()
+			if err := scheduler.WriteChrome(bw, modelOps); err != nil {
+				return err
 			}
-			if cerr := f.Close(); err == nil {
-				err = cerr
-			}
-		}
+			return bw.Flush()
+		})
 		if err != nil {
 			fmt.Fprintf(stderr, "dos bench: --trace: %v\n", err)
 			return 1
@@ -334,17 +331,22 @@ func kString(k float64) string {
 	return fmt.Sprintf("%.2f", k)
 }
 
-// checkWritable fails early on an output path whose directory does not
-// exist ("" is fine: no output).
+// checkWritable fails early on an output path that cannot be written:
+// its directory missing or not writable, or the path a directory ("" is
+// fine: no output). It leaves no file behind.
 func checkWritable(path string) error {
 	if path == "" {
 		return nil
 	}
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE, 0o644)
+	if st, err := os.Stat(path); err == nil && st.IsDir() {
+		return fmt.Errorf("%s is a directory", path)
+	}
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".check*")
 	if err != nil {
 		return err
 	}
-	return f.Close()
+	f.Close()
+	return os.Remove(f.Name())
 }
 
 // defaultBenchParams is 35% of the available host memory at 12 B/param,

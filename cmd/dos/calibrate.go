@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"os"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"time"
@@ -60,9 +61,19 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 	}
+	if err := checkWritable(*jsonPath); err != nil {
+		fmt.Fprintf(stderr, "dos calibrate: --json: %v\n", err)
+		return 2
+	}
+	if !(*budget >= 0) || *budget > 1<<20 {
+		fmt.Fprintf(stderr, "dos calibrate: --gpu-budget %v: want a number of GiB from 0 to %d\n", *budget, 1<<20)
+		return 2
+	}
 	opts := perfmodel.CPUOptions{}
 	if *thorough {
-		opts.Sizes = []int{1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20}
+		// Five sizes from the default base (above the last-level cache)
+		// to four times it, 11 repetitions each.
+		opts.Sizes = perfmodel.CPUSizes(5)
 		opts.Reps = 11
 	}
 	tty := isTerminal(stderr)
@@ -141,7 +152,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	}
 	if *jsonPath != "" {
 		if err := writeJSON(*jsonPath, p); err != nil {
-			fmt.Fprintf(stderr, "dos calibrate: writing the profile: %v\n", err)
+			fmt.Fprintf(stderr, "dos calibrate: --json: %v\n", err)
 			return 1
 		}
 		fmt.Fprintf(stdout, "profile written to %s\n", *jsonPath)
@@ -156,13 +167,41 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// writeJSON writes v, indented, to path.
+// writeJSON writes v, indented, to path atomically (writeAtomic).
 func writeJSON(path string, v any) error {
 	b, err := json.MarshalIndent(v, "", "  ")
 	if err != nil {
 		return err
 	}
-	return os.WriteFile(path, append(b, '\n'), 0o644)
+	return writeAtomic(path, func(f *os.File) error { _, err := f.Write(append(b, '\n')); return err })
+}
+
+// writeAtomic writes path through write into a temporary file next to it,
+// synced and renamed over path: a failure (a full disk) leaves whatever
+// was at path before untouched and no partial file.
+func writeAtomic(path string, write func(f *os.File) error) error {
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	err = write(f)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Chmod(tmp, 0o644)
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		os.Remove(tmp)
+	}
+	return err
 }
 
 // isTerminal reports whether w is a character device (a terminal), where

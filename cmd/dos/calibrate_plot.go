@@ -125,17 +125,7 @@ func newCanvas(path string, w, h vg.Length) (vg.CanvasSizer, func() error, error
 		png := vgimg.PngCanvas{Canvas: s}
 		c, to = s, func(f *os.File) error { _, err := png.WriteTo(f); return err }
 	}
-	return c, func() error {
-		f, err := os.Create(path)
-		if err != nil {
-			return err
-		}
-		if err := to(f); err != nil {
-			f.Close()
-			return err
-		}
-		return f.Close()
-	}, nil
+	return c, func() error { return writeAtomic(path, to) }, nil
 }
 
 // checkPlotPath refuses, before anything is measured, a plot path whose
@@ -148,6 +138,9 @@ func checkPlotPath(path string) error {
 	}
 	if st, err := os.Stat(filepath.Dir(path)); err != nil || !st.IsDir() {
 		return fmt.Errorf("--plot %s: no directory %s", path, filepath.Dir(path))
+	}
+	if st, err := os.Stat(path); err == nil && st.IsDir() {
+		return fmt.Errorf("--plot %s is a directory", path)
 	}
 	return nil
 }
