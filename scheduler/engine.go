@@ -106,6 +106,7 @@ type Engine struct {
 	laneMu     [4]sync.Mutex // per stream: a copy with its events (laneCopy)
 	ev         [][numOps][2]Event
 	base       Event
+	xfer       Host // pinned staging for SetGrad and GetWorking
 	tail       [4]Event
 	allocs     []any // freed by Close
 	planAllocs []any // freed by Replan and Close
@@ -249,6 +250,9 @@ func (e *Engine) allocBase() error {
 			e.allocs = append(e.allocs, ev)
 		}
 		return ev, err
+	}
+	if e.xfer, err = e.hostAlloc(&e.allocs, 4*min(e.maxN, xferElems)); err != nil {
+		return err
 	}
 	if e.base, err = event(); err != nil {
 		return err
@@ -516,6 +520,79 @@ func (e *Engine) Download() error {
 		return err
 	}
 	return e.dev.Sync(e.tail[2])
+}
+
+// xferElems bounds the pinned staging of SetGrad and GetWorking in
+// elements.
+const xferElems = 16 << 20
+
+// SetGrad copies a host gradient of every subgroup, flat (total elements,
+// Options.GradDType), into the device gradients and waits: what a GPU
+// trainer's backward leaves there, for a trainer that computes on the
+// host.
+//
+// Errors: a gradient of another dtype or length, a failed copy.
+func (e *Engine) SetGrad(g adam.Grad) error {
+	if e.broken {
+		return ErrBroken
+	}
+	if g.DType != e.o.GradDType || int64(g.Len()) != e.total {
+		return fmt.Errorf("scheduler: SetGrad: a %v gradient of %d elements, want %v of %d", g.DType, g.Len(), e.o.GradDType, e.total)
+	}
+	var src []byte
+	if g.DType == adam.F32 {
+		src = unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(g.F32))), 4*len(g.F32))
+	} else {
+		src = unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(g.U16))), 2*len(g.U16))
+	}
+	return e.through(src, e.grad, true)
+}
+
+// GetWorking copies the device working copy, flat (total elements), into
+// dst and waits: for a trainer whose forward runs on the host.
+//
+// Errors: a dst of another length, a failed copy.
+func (e *Engine) GetWorking(dst []uint16) error {
+	if e.broken {
+		return ErrBroken
+	}
+	if int64(len(dst)) != e.total {
+		return fmt.Errorf("scheduler: GetWorking: %d elements, want %d", len(dst), e.total)
+	}
+	return e.through(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(dst))), 2*len(dst)), e.work, false)
+}
+
+// through copies host bytes b to device memory m (up) or m to b, through
+// the pinned staging buffer, piece by piece, waiting for each.
+func (e *Engine) through(b []byte, m Mem, up bool) error {
+	st := e.xfer.Bytes()
+	l := sH2D
+	if !up {
+		l = sD2H
+	}
+	s := e.s[l]
+	for o := 0; o < len(b); o += len(st) {
+		n := min(len(st), len(b)-o)
+		if up {
+			copy(st, b[o:o+n])
+		}
+		var err error
+		e.laneMu[l].Lock()
+		if up {
+			err = e.dev.H2D(s, m, int64(o), e.xfer, 0, int64(n))
+		} else {
+			err = e.dev.D2H(s, e.xfer, 0, m, int64(o), int64(n))
+		}
+		err = firstErr(err, e.dev.Record(e.tail[l], s))
+		e.laneMu[l].Unlock()
+		if err = firstErr(err, e.dev.Sync(e.tail[l])); err != nil {
+			return err
+		}
+		if !up {
+			copy(b[o:o+n], st[:n])
+		}
+	}
+	return nil
 }
 
 // Stats runs the global checks on the device gradients: whether every

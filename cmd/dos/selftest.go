@@ -11,14 +11,17 @@ import (
 	"github.com/deepstates/dos/adam/adamcase"
 	"github.com/deepstates/dos/cuda"
 	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/scheduler"
 )
 
 // selftestBackends returns every optimizer backend available on this
-// machine (the CPU paths and pools, and the GPU's fused kernel when there
-// is a GPU), a function that releases them, and why the GPU backend is
-// missing ("" when it is there).
+// machine (the CPU paths and pools, the hybrid engine on the simulated
+// device, and with a GPU its fused kernel and the hybrid engine on it), a
+// function that releases them, and why the GPU backends are missing (""
+// when they are there).
 func selftestBackends() ([]adamcase.Backend, func(), string) {
 	bs, release := adamcase.Backends(runtime.GOMAXPROCS(0))
+	bs = append(bs, scheduler.CaseBackend{Label: "sim", NewDevice: func() scheduler.Device { return scheduler.NewSim(scheduler.SimOptions{}) }})
 	if err := cuda.Available(); err != nil {
 		return bs, release, err.Error()
 	}
@@ -37,7 +40,8 @@ func selftestBackends() ([]adamcase.Backend, func(), string) {
 		d.Close()
 		return bs, release, err.Error()
 	}
-	bs = append(bs, kernels.CaseBackend{K: k, S: s, D: d})
+	bs = append(bs, kernels.CaseBackend{K: k, S: s, D: d},
+		scheduler.CaseBackend{Label: d.Name, NewDevice: func() scheduler.Device { return scheduler.NewCUDA(d, k) }})
 	return bs, func() { release(); s.Free(); k.Close(); d.Close() }, ""
 }
 
