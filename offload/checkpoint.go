@@ -48,6 +48,9 @@ func (o *Optimizer) stateSlices() [][]float32 {
 //
 // Errors: an object named "optimizer", or one that does not marshal.
 func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, error) {
+	if err := o.syncHost(); err != nil {
+		return nil, err
+	}
 	snap := &checkpoint.Snapshot{Step: o.step, WorldSize: 1, Objects: map[string]json.RawMessage{}}
 	for k, v := range objects {
 		if k == ObjectName {
@@ -203,6 +206,10 @@ func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string,
 		return "", nil, err
 	}
 	objects, err = o.load(fsys, dir)
+	if err == nil {
+		// The host state is the checkpoint's: the device follows it.
+		o.devDirty, o.hostStale = true, false
+	}
 	return dir, objects, err
 }
 

@@ -10,6 +10,7 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
 )
 
 // Param names one parameter tensor: its name (GPT-2 / Megatron style, such as
@@ -111,6 +112,12 @@ type Optimizer struct {
 
 	pending *checkpoint.Handle    // the lazy save whose capture may still read the state
 	plan    *perfmodel.Prediction // the model's schedule, with Options.Profile
+
+	// With Options.Device: the engine owns the state (o.state views its
+	// pinned memory); o.grad and o.work are host mirrors.
+	eng       *scheduler.Engine
+	devDirty  bool // the host state changed: Load before the next update
+	hostStale bool // resident subgroups advanced on the device: Download before reading the host state
 }
 
 // New builds an Optimizer over params, in order, with options opts (zero
@@ -158,9 +165,11 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	for off := 0; off < o.total; off += opts.SubgroupSize {
 		o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: off, Len: min(opts.SubgroupSize, o.total-off)})
 	}
-	o.state = adam.State{Param: make([]float32, o.total), ExpAvg: make([]float32, o.total), ExpAvgSq: make([]float32, o.total)}
-	if opts.Hyper.AMSGrad {
-		o.state.MaxExpAvgSq = make([]float32, o.total)
+	if opts.Device == nil {
+		o.state = adam.State{Param: make([]float32, o.total), ExpAvg: make([]float32, o.total), ExpAvgSq: make([]float32, o.total)}
+		if opts.Hyper.AMSGrad {
+			o.state.MaxExpAvgSq = make([]float32, o.total)
+		}
 	}
 	if opts.GradDType == adam.F32 {
 		o.grad = adam.GradF32(make([]float32, o.total))
@@ -180,6 +189,13 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	prefault16(o.grad.U16)
 	prefault16(o.work.Data)
 	o.pool = adam.NewPool(opts.Threads)
+	if opts.Device != nil {
+		if err := o.newEngine(); err != nil {
+			o.pool.Close()
+			return nil, err
+		}
+		return o, nil
+	}
 	if opts.Profile == nil && opts.Calibrate {
 		fits, err := perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{o.pool.Threads()}, Reps: 3, GradDTypes: []adam.DType{opts.GradDType}}, nil)
 		if err != nil {
@@ -209,6 +225,54 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	return o, nil
 }
 
+// newEngine builds the engine on Options.Device with the forced schedule,
+// the model's, or all on the CPU.
+func (o *Optimizer) newEngine() error {
+	opts := o.opts
+	n := len(o.subgroups)
+	s := perfmodel.Schedule{CPU: n}
+	if opts.Schedule != nil {
+		s = *opts.Schedule
+	} else if opts.Profile != nil {
+		w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), GradDType: opts.GradDType.String(),
+			CopyBytes: 2, AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: opts.GPUBudget}
+		pr, err := opts.Profile.Choose(w)
+		if err != nil {
+			return fmt.Errorf("offload: planning the update phase: %w", err)
+		}
+		o.plan, s = &pr, pr.Schedule
+	}
+	plan, err := scheduler.NewPlan(n, s)
+	if err != nil {
+		return fmt.Errorf("offload: Options.Schedule: %w", err)
+	}
+	sizes := make([]int, n)
+	for i, sg := range o.subgroups {
+		sizes[i] = sg.Len
+	}
+	o.eng, err = scheduler.New(scheduler.Options{Device: opts.Device, Sizes: sizes, GradDType: opts.GradDType, WorkingDType: opts.WorkingDType,
+		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan})
+	if err != nil {
+		return fmt.Errorf("offload: %w", err)
+	}
+	o.state = o.eng.HostState()
+	o.devDirty = true
+	return nil
+}
+
+// syncHost makes the host state current: the resident subgroups' state
+// comes back from the device.
+func (o *Optimizer) syncHost() error {
+	if o.eng == nil || !o.hostStale {
+		return nil
+	}
+	if err := o.eng.Download(); err != nil {
+		return fmt.Errorf("offload: %w", err)
+	}
+	o.hostStale = false
+	return nil
+}
+
 // Plan returns the performance model's schedule and predicted time of one
 // update phase, when Options.Profile or Options.Calibrate was set (ok
 // false otherwise).
@@ -227,6 +291,10 @@ func (o *Optimizer) Close() {
 	if o.pending != nil {
 		_ = o.pending.WaitCaptured()
 		o.pending = nil
+	}
+	if o.eng != nil {
+		o.eng.Close()
+		o.eng = nil
 	}
 	if o.pool != nil {
 		o.pool.Close()
@@ -309,9 +377,12 @@ func (o *Optimizer) Working(i int) Tensor {
 	return Tensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: o.work.DType, u16: o.work.Data[lo:hi:hi]}
 }
 
-// Master returns a copy of the fp32 master weights of parameter i.
+// Master returns a copy of the fp32 master weights of parameter i (with
+// Options.Device, fetched from the device first when i is resident there;
+// after a device fault they may be a step behind).
 // Panics if i is out of range.
 func (o *Optimizer) Master(i int) []float32 {
+	_ = o.syncHost()
 	lo, hi := o.span(i)
 	return append([]float32(nil), o.state.Param[lo:hi]...)
 }
@@ -336,8 +407,12 @@ func (o *Optimizer) SetParam(name string, values []float32) error {
 	if err := o.settle(true); err != nil {
 		return err
 	}
+	if err := o.syncHost(); err != nil {
+		return err
+	}
 	copy(o.state.Param[lo:hi], values)
 	o.refreshWorking(lo, hi)
+	o.devDirty = true
 	return nil
 }
 
@@ -383,6 +458,9 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 		return StepResult{}, fmt.Errorf("offload: LossScale %v: want a finite value > 0 whose reciprocal is a finite, non-zero float32", s)
 	}
 	res := StepResult{Step: o.step, ClipCoef: 1}
+	if o.eng != nil {
+		return o.stepDevice(start, unscale, res)
+	}
 	// One pass over every gradient: the non-finite check and, when
 	// clipping, the sum of squares (adam.Pool.GradStats).
 	var ss float64
@@ -415,6 +493,56 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	res.Step = o.step
 	res.Elapsed = time.Since(start)
 	return res, nil
+}
+
+// stepDevice is Step through the engine on Options.Device: the gradients
+// move to the device, the global checks run there over every subgroup
+// whatever its role, then the update phase, then the working copy comes
+// back to the host mirror.
+func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult) (StepResult, error) {
+	if o.pending != nil {
+		// The engine updates subgroups on both devices at once: the
+		// whole snapshot must be captured first.
+		_ = o.pending.WaitCaptured()
+	}
+	if o.devDirty {
+		if err := o.eng.Load(); err != nil {
+			return res, fmt.Errorf("offload: %w", err)
+		}
+		o.devDirty = false
+	}
+	if err := o.eng.SetGrad(o.grad); err != nil {
+		return res, fmt.Errorf("offload: %w", err)
+	}
+	finite, ss, err := o.eng.Stats(unscale)
+	if err != nil {
+		return res, fmt.Errorf("offload: %w", err)
+	}
+	if !finite {
+		res.Skipped = true
+		res.Elapsed = time.Since(start)
+		return res, nil
+	}
+	clip := float32(1)
+	if o.opts.MaxGradNorm > 0 {
+		clip, res.GradNorm = clipCoef(ss, o.opts.MaxGradNorm)
+		res.ClipCoef = float64(clip)
+	}
+	c := o.opts.Hyper.Coeffs(o.step+1, unscale, clip)
+	err = o.eng.Update(&c)
+	var fault *scheduler.FaultError
+	if err != nil && !errors.As(err, &fault) {
+		return res, fmt.Errorf("offload: step %d: %w", o.step+1, err)
+	}
+	// Done, or completed after a fault (err says which).
+	o.step++
+	o.hostStale = o.eng.Plan().Schedule.Resident > 0
+	res.Step = o.step
+	if gerr := o.eng.GetWorking(o.work.Data); gerr != nil && err == nil {
+		err = gerr
+	}
+	res.Elapsed = time.Since(start)
+	return res, err
 }
 
 // clipCoef follows torch.nn.utils.clip_grad_norm_ in fp32: the total norm is

@@ -5,6 +5,7 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
 )
 
 // DefaultSubgroupSize is the default Options.SubgroupSize in elements:
@@ -44,6 +45,23 @@ type Options struct {
 	// parameters, whatever the model's size: 1 to 3 s and up to about 2 GB
 	// of memory while it runs) and plan with it. Not saved in checkpoints.
 	Calibrate bool `json:"-"`
+	// Device, when set, runs every update phase through the interleaved
+	// engine (scheduler.Engine) on this device (scheduler.NewCUDA, or
+	// scheduler.NewSim in tests): the gradients and the 16-bit working
+	// copy live in device memory, the state in pinned host memory, some
+	// subgroups GPU-resident within GPUBudget, and the performance
+	// model's schedule (with Profile; Schedule forces one; all on the CPU
+	// without either). Grad and Working stay host views: Step uploads the
+	// gradients first, as a GPU trainer's backward would leave them, and
+	// downloads the working copy after. WorkingDType is then required.
+	// Not saved in checkpoints.
+	Device scheduler.Device `json:"-"`
+	// GPUBudget is the device memory in bytes the update phase may use on
+	// Device: resident state and staging (perfmodel.Workload.GPUBudget).
+	GPUBudget int64 `json:"-"`
+	// Schedule, with Device, forces the split of the subgroups (its
+	// counts must add up to them) instead of the model's choice.
+	Schedule *perfmodel.Schedule `json:"-"`
 }
 
 // EnsureDefaults fills zero fields with their defaults and returns o.
@@ -88,6 +106,12 @@ func (o *Options) Validate() error {
 	}
 	if o.Threads < 0 {
 		return fmt.Errorf("offload: Threads %d: want >= 0 (0 means GOMAXPROCS)", o.Threads)
+	}
+	if o.Device != nil && o.WorkingDType == 0 {
+		return fmt.Errorf("offload: Device %s needs a 16-bit WorkingDType (the working copy lives in device memory)", o.Device.Name())
+	}
+	if o.GPUBudget < 0 {
+		return fmt.Errorf("offload: GPUBudget %d: want >= 0 bytes", o.GPUBudget)
 	}
 	return nil
 }

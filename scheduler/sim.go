@@ -69,6 +69,17 @@ func NewSim(opts SimOptions) *Sim {
 	return &Sim{opts: opts}
 }
 
+// FailAfter makes the k-th copy or launch from now (k >= 1) fail with
+// ErrInjected (SimOptions.FailAt); 0 clears it.
+func (s *Sim) FailAfter(k int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.opts.FailAt = 0
+	if k > 0 {
+		s.opts.FailAt = s.ops + k
+	}
+}
+
 // Ops returns the number of copies and launches enqueued so far, failed
 // ones included.
 func (s *Sim) Ops() int {

@@ -1,0 +1,169 @@
+package offload
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"testing"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// deviceOpts returns opts on a new simulated device with schedule s.
+func deviceOpts(opts Options, s perfmodel.Schedule) (Options, *scheduler.Sim) {
+	d := scheduler.NewSim(scheduler.SimOptions{})
+	opts.Device, opts.Schedule = d, &s
+	return opts, d
+}
+
+// synced reads the optimizer's host state after bringing resident
+// subgroups back.
+func synced(t *testing.T, o *Optimizer) *Optimizer {
+	t.Helper()
+	if err := o.syncHost(); err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+// TestDeviceMatchesHost: through the engine on the simulated device, with
+// CPU, streamed and resident subgroups, clipping and a loss scale, the
+// state and working copy equal the host optimizer's bitwise, step after
+// step; and two subgroups equal one.
+func TestDeviceMatchesHost(t *testing.T) {
+	for _, gd := range []adam.DType{adam.F32, adam.BF16} {
+		for _, s := range []perfmodel.Schedule{{CPU: 2, GPU: 2, Resident: 1}, {GPU: 5}, {Resident: 5}, {CPU: 3, GPU: 1, Resident: 1, UpcastOnGPU: true}} {
+			t.Run(fmt.Sprintf("%v/%+v", gd, s), func(t *testing.T) {
+				base := Options{GradDType: gd, WorkingDType: adam.BF16, MaxGradNorm: 0.5, SubgroupSize: 400, Threads: 2}
+				host := newTest(t, base)
+				dopts, _ := deviceOpts(base, s)
+				dev := newTest(t, dopts)
+				if n := len(dev.Subgroups()); n != 5 {
+					t.Fatalf("%d subgroups", n)
+				}
+				for step := int64(1); step <= 4; step++ {
+					fill(host, step)
+					fill(dev, step)
+					a, err := host.Step(StepArgs{LossScale: 8})
+					if err != nil {
+						t.Fatal(err)
+					}
+					b, err := dev.Step(StepArgs{LossScale: 8})
+					if err != nil {
+						t.Fatal(err)
+					}
+					if a.ClipCoef != b.ClipCoef || a.GradNorm != b.GradNorm || a.Step != b.Step {
+						t.Fatalf("step %d: host %+v, device %+v", step, a, b)
+					}
+					sameState(t, host, synced(t, dev))
+				}
+				// One subgroup on the device equals five.
+				one, _ := deviceOpts(base, perfmodel.Schedule{GPU: 1})
+				one.SubgroupSize = 0
+				o1 := newTest(t, one)
+				for step := int64(1); step <= 4; step++ {
+					fill(o1, step)
+					if _, err := o1.Step(StepArgs{LossScale: 8}); err != nil {
+						t.Fatal(err)
+					}
+				}
+				sameState(t, host, synced(t, o1))
+			})
+		}
+	}
+}
+
+// TestDeviceClipSkip: the global checks span both devices: a gradient of
+// 3 on a GPU subgroup and 4 on a CPU subgroup have the norm 5, and with
+// max_norm 1 they step as 0.6 and 0.8 (exp_avg = 0.1 g); an Inf on either
+// device skips the whole step on both.
+func TestDeviceClipSkip(t *testing.T) {
+	params := []Param{{Name: "a", Shape: []int{1}}, {Name: "b", Shape: []int{1}}, {Name: "c", Shape: []int{1}}}
+	opts, _ := deviceOpts(Options{WorkingDType: adam.BF16, MaxGradNorm: 1, SubgroupSize: 1, Threads: 1}, perfmodel.Schedule{CPU: 1, GPU: 1, Resident: 1})
+	o, err := New(params, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Close()
+	roles := o.eng.Plan().Roles
+	if roles[0] != scheduler.OnCPU || roles[1] != scheduler.OnGPU || roles[2] != scheduler.Resident {
+		t.Fatalf("roles %v", roles)
+	}
+	for _, inf := range []int{0, 1, 2} {
+		o.Grad(0).Float32()[0], o.Grad(1).Float32()[0], o.Grad(2).Float32()[0] = 4, 3, 0
+		o.Grad(inf).Float32()[0] = float32(math.Inf(1))
+		res, err := o.Step(StepArgs{})
+		if err != nil || !res.Skipped || o.StepCount() != 0 {
+			t.Fatalf("Inf on the %v subgroup: %+v, %v", roles[inf], res, err)
+		}
+		synced(t, o)
+		if o.state.ExpAvg[0] != 0 || o.state.ExpAvg[1] != 0 || o.state.Param[0] != 0 {
+			t.Fatalf("a skipped step changed the state: %v %v", o.state.ExpAvg, o.state.Param)
+		}
+	}
+	o.Grad(0).Float32()[0], o.Grad(1).Float32()[0], o.Grad(2).Float32()[0] = 4, 3, 0
+	res, err := o.Step(StepArgs{})
+	if err != nil || res.Skipped || res.GradNorm != 5 {
+		t.Fatalf("%+v, %v", res, err)
+	}
+	synced(t, o)
+	coef := float32(res.ClipCoef)
+	if want := float32(1/(float32(5)+float32(1e-6))) * 1; coef != want {
+		t.Fatalf("clip coefficient %g, want %g", coef, want)
+	}
+	for i, g := range []float32{4, 3} {
+		if want := float32(0.1) * (g * coef); math.Abs(float64(o.state.ExpAvg[i]-want)) > 1e-7 || math.Abs(float64(o.state.ExpAvg[i])-0.1*(0.8-0.2*float64(i))) > 1e-6 {
+			t.Errorf("exp_avg of subgroup %d (%v): %g, want %g (0.1 x %g)", i, roles[i], o.state.ExpAvg[i], want, 0.8-0.2*float64(i))
+		}
+	}
+}
+
+// TestDeviceFault: the k-th copy or launch of a Step fails, for every k:
+// the error surfaces from Step and the state is either untouched (the
+// step not taken) or fully advanced, never mixed.
+func TestDeviceFault(t *testing.T) {
+	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 400, Threads: 2}
+	s := perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 1, UpcastOnGPU: true}
+	before := newTest(t, base)
+	after := newTest(t, base)
+	fill(after, 1)
+	if _, err := after.Step(StepArgs{}); err != nil {
+		t.Fatal(err)
+	}
+	untouched, advanced := 0, 0
+	for k := 1; ; k++ {
+		opts, d := deviceOpts(base, s)
+		o := newTest(t, opts)
+		fill(o, 1)
+		d.FailAfter(k)
+		res, err := o.Step(StepArgs{})
+		if err == nil {
+			if k < 10 {
+				t.Fatalf("no fault at operation %d", k)
+			}
+			break // past the last operation
+		}
+		if !errors.Is(err, scheduler.ErrInjected) {
+			t.Fatalf("operation %d: %v", k, err)
+		}
+		switch res.Step {
+		case 0:
+			untouched++
+			sameState(t, before, synced(t, o))
+		case 1:
+			advanced++
+			if err := o.eng.GetWorking(o.work.Data); err != nil {
+				t.Fatal(err)
+			}
+			sameState(t, after, synced(t, o))
+		default:
+			t.Fatalf("operation %d: step %d", k, res.Step)
+		}
+	}
+	if untouched == 0 || advanced == 0 {
+		t.Errorf("%d faults left the state untouched, %d advanced it: want both", untouched, advanced)
+	}
+	t.Logf("%d faults left the state untouched, %d advanced it", untouched, advanced)
+}
