@@ -83,3 +83,24 @@ func NewPlan(n int, s perfmodel.Schedule) (*Plan, error) {
 	}
 	return p, nil
 }
+
+// MixedSchedule splits n subgroups into every role: a third resident
+// (rounded down), half of the rest streamed through the GPU, the others on
+// the CPU. For a device run without a profile or a forced schedule.
+func MixedSchedule(n int) perfmodel.Schedule {
+	r := n / 3
+	g := (n - r) / 2
+	return perfmodel.Schedule{CPU: n - r - g, GPU: g, Resident: r}
+}
+
+// ParseSchedule reads "C,G,R": the CPU, streamed GPU and resident
+// subgroup counts, each >= 0. Errors name the text.
+func ParseSchedule(text string) (perfmodel.Schedule, error) {
+	var s perfmodel.Schedule
+	var extra string
+	n, _ := fmt.Sscanf(text+",end", "%d,%d,%d,%s", &s.CPU, &s.GPU, &s.Resident, &extra)
+	if n != 4 || extra != "end" || s.CPU < 0 || s.GPU < 0 || s.Resident < 0 {
+		return perfmodel.Schedule{}, fmt.Errorf("scheduler: schedule %q: want CPU,GPU,RESIDENT subgroup counts >= 0, e.g. 2,2,1", text)
+	}
+	return s, nil
+}

@@ -14,8 +14,11 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/kernels"
 	"github.com/deepstates/dos/offload"
 	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
 )
 
 // TrainConfig configures Train. The flags of `dos train` set these fields;
@@ -64,7 +67,20 @@ type TrainConfig struct {
 	// Profile is a dos calibrate profile of this machine: the optimizer
 	// plans its update phase with it, and the summary compares the
 	// predicted update time with the measured one. "" for none.
-	Profile     string  `json:"profile"`
+	Profile string `json:"profile"`
+	// Device runs the optimizer's update phase through the interleaved
+	// engine on "sim" (the simulated device: a test of the engine) or
+	// "cuda" (GPU 0); "" keeps it on the host. The trainer's forward and
+	// backward stay on the host: its gradients are uploaded and the
+	// working copy downloaded around each step.
+	Device string `json:"device"`
+	// GPUBudget is the device memory in GiB the update phase may use
+	// (resident state and staging).
+	GPUBudget float64 `json:"gpu_budget_gib"`
+	// Schedule forces the device's split as "CPU,GPU,RESIDENT" subgroup
+	// counts; "" for the model's choice with Profile, else
+	// scheduler.MixedSchedule.
+	Schedule    string  `json:"schedule"`
 	Resume      bool    `json:"resume"`       // continue from CkptDir's latest checkpoint
 	EvalEvery   int     `json:"eval_every"`   // iterations between validation losses (0: only at the start and the end)
 	EvalBatches int     `json:"eval_batches"` // batches of the validation split per evaluation
@@ -138,6 +154,14 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: loss_scale %v: want 0 (off) or an initial scale in [1, 2^64]", c.LossScale)
 	case c.GradDType == 0:
 		return errors.New("trainer: grad_dtype none: the gradients need a dtype: float32, bfloat16 or float16")
+	case c.Device != "" && c.Device != "sim" && c.Device != "cuda":
+		return fmt.Errorf("trainer: device %q: want sim or cuda (or none: the host)", c.Device)
+	case c.Device != "" && c.WorkingDType == 0:
+		return fmt.Errorf("trainer: --device %s needs a 16-bit --working-dtype (the working copy lives on the device)", c.Device)
+	case c.Device == "" && (c.Schedule != "" || c.GPUBudget != 0):
+		return errors.New("trainer: --schedule and --gpu-budget need --device")
+	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:
+		return fmt.Errorf("trainer: gpu_budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
 	case c.SampleBytes > 1<<20 || c.EvalBatches > 1<<16:
 		return fmt.Errorf("trainer: sample_bytes %d (max %d) or eval_batches %d (max %d) too large", c.SampleBytes, 1<<20, c.EvalBatches, 1<<16)
 	}
@@ -171,6 +195,59 @@ func (c *TrainConfig) MemoryBytes() float64 {
 // validScale reports whether s can be a loss scale: within [1, 2^64], so
 // that it and its reciprocal are normal float32 values.
 func validScale(s float64) bool { return s >= 1 && s <= 1<<64 }
+
+// device opens c.Device into o (with the schedule c.Schedule, or the
+// mixed one when there is no profile), names its GPU in here, and returns
+// the function that closes it.
+func (c *TrainConfig) device(o *offload.Options, here *perfmodel.Machine) (func(), error) {
+	none := func() {}
+	if c.Device == "" {
+		return none, nil
+	}
+	closeDev := none
+	switch c.Device {
+	case "sim":
+		o.Device = scheduler.NewSim(scheduler.SimOptions{Capacity: 1 << 40})
+	case "cuda":
+		if err := cuda.Available(); err != nil {
+			return nil, fmt.Errorf("trainer: --device cuda: %w", err)
+		}
+		d, err := cuda.Open(0)
+		if err != nil {
+			return nil, fmt.Errorf("trainer: --device cuda: %w", err)
+		}
+		k, err := kernels.Load(d)
+		if err != nil {
+			d.Close()
+			return nil, fmt.Errorf("trainer: --device cuda: %w", err)
+		}
+		o.Device, here.GPU = scheduler.NewCUDA(d, k), d.Name
+		closeDev = func() { k.Close(); d.Close() }
+	}
+	o.GPUBudget = int64(c.GPUBudget * (1 << 30))
+	total := 0
+	for _, p := range c.Model.Params() {
+		n := 1
+		for _, d := range p.Shape {
+			n *= d
+		}
+		total += n
+	}
+	n := (total + o.SubgroupSize - 1) / o.SubgroupSize
+	switch {
+	case c.Schedule != "":
+		s, err := scheduler.ParseSchedule(c.Schedule)
+		if err != nil {
+			closeDev()
+			return nil, fmt.Errorf("trainer: --schedule: %w", err)
+		}
+		o.Schedule = &s
+	case c.Profile == "":
+		s := scheduler.MixedSchedule(n)
+		o.Schedule = &s
+	}
+	return closeDev, nil
+}
 
 // optimizerOptions returns the offload options of c.
 func (c *TrainConfig) optimizerOptions() *offload.Options {
@@ -251,8 +328,9 @@ type Trainer struct {
 	out           io.Writer
 	tty           bool
 
-	engine *checkpoint.Engine // the lazy checkpointer, made at the first save
-	last   *checkpoint.Handle // its last save, reported when it is durable
+	engine   *checkpoint.Engine // the lazy checkpointer, made at the first save
+	closeDev func()             // releases the update phase's device (cfg.Device)
+	last     *checkpoint.Handle // its last save, reported when it is durable
 }
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
@@ -284,18 +362,25 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 		}
 	}
 	oo := cfg.optimizerOptions()
+	here := perfmodel.Here()
+	closeDev, err := cfg.device(oo, &here)
+	if err != nil {
+		return nil, err
+	}
 	if cfg.Profile != "" {
-		p, err := perfmodel.Load(cfg.Profile, perfmodel.Here())
+		p, err := perfmodel.Load(cfg.Profile, here)
 		if err != nil {
+			closeDev()
 			return nil, fmt.Errorf("trainer: --profile: %w", err)
 		}
 		oo.Profile = p
 	}
 	opt, err := offload.New(cfg.Model.Params(), *oo)
 	if err != nil {
+		closeDev()
 		return nil, err
 	}
-	t := &Trainer{cfg: cfg, data: data, loader: loader, opt: opt, out: out,
+	t := &Trainer{cfg: cfg, data: data, loader: loader, opt: opt, out: out, closeDev: closeDev,
 		rng:   rand.NewPCG(cfg.Seed, 0x5eed),
 		state: trainerState{LossScale: cfg.LossScale, InitialLoss: math.NaN(), InitValLoss: math.NaN(), TextCRC: crc32.ChecksumIEEE(text), TextBytes: len(text)},
 	}
@@ -348,6 +433,10 @@ func (t *Trainer) bind() {
 // Close releases the optimizer's workers.
 func (t *Trainer) Close() {
 	t.opt.Close()
+	if t.closeDev != nil {
+		t.closeDev()
+		t.closeDev = nil
+	}
 	if t.engine != nil {
 		_ = t.engine.Close()
 		t.engine = nil

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deepstates/dos/cuda"
 	"github.com/deepstates/dos/safetensors"
 	"github.com/deepstates/dos/trainer"
 )
@@ -210,5 +212,38 @@ func TestExportEval(t *testing.T) {
 	}
 	if out, err := dosCmd("eval", "--ckpt", dir, "--text", "x").CombinedOutput(); err != nil || !strings.Contains(string(out), "no next-byte loss") {
 		t.Fatalf("one-byte eval: %v\n%s", err, out)
+	}
+}
+
+// TestTrainDevice: the main job through the interleaved engine (CPU,
+// streamed and resident subgroups; clipping on) has the host run's loss
+// trajectory: bitwise on the simulated device, within 1e-4 relative on a
+// GPU (its gradient norm sums in another order); and a device run resumed
+// from its checkpoint ends bitwise where a straight one does.
+func TestTrainDevice(t *testing.T) {
+	args := []string{"--steps", "30", "--working-dtype", "bfloat16", "--grad-dtype", "bfloat16", "--subgroup-size", "1000", "--clip", "0.5"}
+	host := train(t, args...)
+	devices := []string{"sim"}
+	if cuda.Available() == nil || os.Getenv("DOS_REQUIRE_GPU") == "1" {
+		devices = append(devices, "cuda")
+	}
+	for _, dev := range devices {
+		d := train(t, append(args, "--device", dev)...)
+		t.Logf("%s: final %v val %v; host: final %v val %v", dev, d.FinalLoss, d.ValLoss, host.FinalLoss, host.ValLoss)
+		tol := 0.0
+		if dev == "cuda" {
+			tol = 1e-4
+		}
+		if math.Abs(d.FinalLoss-host.FinalLoss) > tol*host.FinalLoss || math.Abs(d.ValLoss-host.ValLoss) > tol*host.ValLoss || d.InitialLoss != host.InitialLoss {
+			t.Errorf("%s: losses %v/%v/%v, host %v/%v/%v", dev, d.InitialLoss, d.FinalLoss, d.ValLoss, host.InitialLoss, host.FinalLoss, host.ValLoss)
+		}
+	}
+	dir := filepath.Join(t.TempDir(), "ck")
+	dev := append(args[2:], "--device", "sim", "--schedule", "3,3,2", "--ckpt-dir", dir, "--ckpt-every", "10")
+	train(t, append([]string{"--steps", "20"}, dev...)...)
+	resumed := train(t, append([]string{"--steps", "30", "--resume"}, dev...)...)
+	straight := train(t, append([]string{"--steps", "30"}, append(args[2:], "--device", "sim", "--schedule", "3,3,2")...)...)
+	if resumed.FinalLoss != straight.FinalLoss || resumed.ValLoss != straight.ValLoss {
+		t.Errorf("resumed on the device: %v/%v, straight %v/%v", resumed.FinalLoss, resumed.ValLoss, straight.FinalLoss, straight.ValLoss)
 	}
 }
