@@ -151,13 +151,12 @@ func (p *Profile) Validate() error {
 	return nil
 }
 
-// Load reads and validates a Profile from path and checks that it was
-// measured on here: its CPU model, and its GPU name when here names one.
-// Rates of another machine would choose a wrong schedule.
+// Read reads and validates a Profile from path without asking where it
+// was measured: for planning another machine (dos plan).
 //
-// Errors: the file unreadable or not a valid Profile (naming the path),
-// another version, another machine.
-func Load(path string, here Machine) (*Profile, error) {
+// Errors: the file unreadable, not a regular file or over 16 MiB, not a
+// valid Profile (naming the path), another version.
+func Read(path string) (*Profile, error) {
 	// A regular file of at most maxProfile bytes: not a device, a pipe
 	// or a directory.
 	f, err := os.Open(path)
@@ -195,11 +194,25 @@ func Load(path string, here Machine) (*Profile, error) {
 	if err := p.Validate(); err != nil {
 		return nil, fmt.Errorf("%w (%s)", err, path)
 	}
+	return &p, nil
+}
+
+// Load reads and validates a Profile from path and checks that it was
+// measured on here: its CPU model, and its GPU name when here names one.
+// Rates of another machine would choose a wrong schedule.
+//
+// Errors: the file unreadable or not a valid Profile (naming the path),
+// another version, another machine.
+func Load(path string, here Machine) (*Profile, error) {
+	p, err := Read(path)
+	if err != nil {
+		return nil, err
+	}
 	if p.Machine.CPU != here.CPU || (here.GPU != "" && p.Machine.GPU != here.GPU) || (here.Cores != 0 && p.Machine.Cores != here.Cores) {
 		return nil, fmt.Errorf("perfmodel: %s was measured on another machine (CPU %q, %d logical CPUs, GPU %q; here CPU %q, %d, GPU %q): run dos calibrate here",
 			path, p.Machine.CPU, p.Machine.Cores, p.Machine.GPU, here.CPU, here.Cores, here.GPU)
 	}
-	return &p, nil
+	return p, nil
 }
 
 // maxProfile bounds a profile file's size in bytes (a real one has a few

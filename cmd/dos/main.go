@@ -4,6 +4,7 @@
 //	dos selftest [--cases DIR]   run the PyTorch reference cases on every backend
 //	dos calibrate --cpu-only     measure the CPU update rate for the performance model
 //	dos bench                    the update phase on GPU 0 under each strategy and a k sweep
+//	dos plan --profile P         the update phase predicted for a model size and machine
 //	dos ckpt ls ROOT             list the committed checkpoints under ROOT
 //	dos ckpt verify DIR          check every tensor's CRC32C of a checkpoint
 //	dos export --ckpt P --hf DIR  export a checkpoint as a Hugging Face GPT-2 model
@@ -31,6 +32,7 @@ var commands = []command{
 	{"selftest", "run the PyTorch AdamW reference cases on every optimizer backend of this machine", runSelftest},
 	{"calibrate", "measure the rates of the performance model (--cpu-only: the CPU update rate) and print the schedule it picks", runCalibrate},
 	{"bench", "measure the update phase on GPU 0 under each strategy (CPU-only, static split, the model's interleaved schedule, a k sweep)", runBench},
+	{"plan", "predict the update phase of a model size on a machine from a profile: the strategies, a k sweep, the model's k", runPlan},
 	{"ckpt", "list checkpoints (ls ROOT), verify one's checksums (verify DIR) or describe it (inspect DIR)", runCkpt},
 	{"export", "export a dos train checkpoint as a Hugging Face GPT-2 model (--hf DIR)", runExport},
 	{"eval", "run a dos train checkpoint on a text and print its loss; --logits saves the logits", runEval},

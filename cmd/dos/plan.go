@@ -1,0 +1,152 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+
+	"github.com/deepstates/dos/perfmodel"
+)
+
+func runPlan(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("dos plan", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	profPath := fs.String("profile", "", "a dos calibrate --json profile `PATH` (of any machine; required)")
+	params := fs.Float64("params", 20e9, "parameters `N` of the model")
+	ranks := fs.Int("ranks", 1, "GPUs (ranks) per host: each updates params/ranks with threads/ranks CPU workers over its own PCIe link")
+	sgSize := fs.Int64("subgroup-size", 100_000_000, "parameters per subgroup `N`")
+	budget := fs.Float64("gpu-budget", 16, "GPU memory in `GiB` per rank for the update phase (resident state and staging)")
+	threads := fs.Int("threads", 0, "CPU workers `N` on the host (0: the profile's largest measured count)")
+	cpuScale := fs.Float64("cpu-scale", 1, "multiply the profile's CPU update rate by `F` (a host with more cores or memory bandwidth)")
+	pcie := fs.Float64("pcie", 0, "PCIe bandwidth in `GB/s` each way (0: the profile's; both-directions rates scale with it)")
+	ug := fs.Float64("gpu-rate", 0, "the GPU's fused AdamW rate in `Gparam/s` (0: the profile's)")
+	gradDType := fs.String("grad-dtype", "bfloat16", "gradient dtype on the GPU: float32, bfloat16 or float16")
+	sweep := fs.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the chosen residents)")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: dos plan --profile PATH [flags]\n\n"+
+			"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile\n"+
+			"and the performance model (perfmodel; validated against dos bench on the H200 machine within 13 %%):\n"+
+			"the predicted update phase of each strategy (all on the CPU, a static split, all resident when it\n"+
+			"fits, the model's interleaved schedule) and of a k sweep, per rank. Flags describe another machine\n"+
+			"by scaling the profile's rates; the contention slow-downs stay the profile's, and ranks on one\n"+
+			"host are modelled as sharing only its cores.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if rc, ok := parseNoArgs(fs, args, stderr); !ok {
+		return rc
+	}
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "dos plan: "+format+"\n", a...)
+		return 2
+	}
+	switch {
+	case *profPath == "":
+		return fail("--profile is required (dos calibrate --json PATH writes one; testdata/profiles/h200.json is the H200 machine's)")
+	case !(*params >= 1) || *params > perfmodel.MaxParams:
+		return fail("--params %v: want 1 to %d", *params, int64(perfmodel.MaxParams))
+	case *ranks < 1 || *ranks > 1024:
+		return fail("--ranks %d: want 1 to 1024", *ranks)
+	case *sgSize <= 0:
+		return fail("--subgroup-size %d: want > 0", *sgSize)
+	case !(*budget >= 0) || *budget > 1<<20:
+		return fail("--gpu-budget %v: want a number of GiB >= 0", *budget)
+	case *threads < 0:
+		return fail("--threads %d: want >= 0", *threads)
+	case !(*cpuScale > 0) || *cpuScale > 1e6:
+		return fail("--cpu-scale %v: want > 0", *cpuScale)
+	case !(*pcie >= 0) || *pcie > 1e6:
+		return fail("--pcie %v: want GB/s >= 0", *pcie)
+	case !(*ug >= 0) || *ug > 1e6:
+		return fail("--gpu-rate %v: want Gparam/s >= 0", *ug)
+	case *sweep < 0 || *sweep > 1000:
+		return fail("--sweep %d: want 0 to 1000", *sweep)
+	}
+	prof, err := perfmodel.Read(*profPath)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos plan: --profile: %v\n", err)
+		return 1
+	}
+	if prof.GPU == nil {
+		return fail("--profile %s has no GPU rates (measured with --cpu-only)", *profPath)
+	}
+	if *threads == 0 {
+		for _, c := range prof.CPU {
+			*threads = max(*threads, c.Threads)
+		}
+	}
+	perRank := max(1, *threads / *ranks)
+	// The machine: the profile's rates, scaled.
+	p := *prof
+	g := *prof.GPU
+	p.GPU = &g
+	p.CPU = slices.Clone(prof.CPU)
+	for i := range p.CPU {
+		p.CPU[i].Rate *= *cpuScale
+		p.CPU[i].Stats.Rate *= *cpuScale
+	}
+	if *pcie > 0 {
+		f := *pcie * 1e9 / ((g.H2D.Rate + g.D2H.Rate) / 2)
+		g.H2D.Rate, g.D2H.Rate, g.H2DBoth.Rate, g.D2HBoth.Rate = g.H2D.Rate*f, g.D2H.Rate*f, g.H2DBoth.Rate*f, g.D2HBoth.Rate*f
+	}
+	if *ug > 0 {
+		g.Update.Rate = *ug * 1e9
+	}
+	rankParams := int64(math.Ceil(*params / float64(*ranks)))
+	w := perfmodel.Workload{Params: rankParams, SubgroupSize: *sgSize, GradDType: *gradDType, CopyBytes: 2, Threads: perRank, GPUBudget: int64(*budget * (1 << 30))}
+	if err := w.Validate(); err != nil {
+		return fail("%v", err)
+	}
+	if err := p.Validate(); err != nil {
+		return fail("the scaled profile: %v", err)
+	}
+	choice, err := p.Choose(w)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos plan: %v\n", err)
+		return 1
+	}
+	uc, _ := p.CPURate(perRank, *gradDType)
+	n := w.Subgroups()
+	fmt.Fprintf(stdout, "dos plan: %.3gB parameters over %d rank(s): %.3gB per rank in %d subgroups of up to %dM, %d CPU workers per rank, GPU budget %g GiB per rank\n",
+		*params/1e9, *ranks, float64(rankParams)/1e9, n, *sgSize/1_000_000, perRank, *budget)
+	fmt.Fprintf(stdout, "machine: Uc %.2f Gparam/s at %d workers, Ug %.1f Gparam/s, H2D/D2H %.1f/%.1f GB/s (both at once %.1f/%.1f), contention CPU %.2fx, PCIe %.2fx (from %s, measured on %s, %s)\n",
+		uc.Rate/1e9, perRank, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.Contention.CPU, g.Contention.PCIe, *profPath, prof.Machine.CPU, prof.Machine.GPU)
+	fmt.Fprintf(stdout, "%-12s %5s %5s %5s %7s %7s %10s %12s %-6s\n", "schedule", "cpu", "gpu", "res", "k", "upcast", "update s", "Gparam/s", "bneck")
+	row := func(name string, s perfmodel.Schedule) {
+		pr, err := p.Predict(w, s)
+		if err != nil {
+			fmt.Fprintf(stdout, "%-12s %5d %5d %5d  does not fit: %v\n", name, s.CPU, s.GPU, s.Resident, err)
+			return
+		}
+		fmt.Fprintf(stdout, "%-12s %5d %5d %5d %7s %7v %10.3f %12.2f %-6s\n", name, s.CPU, s.GPU, s.Resident, kString(s.K()), s.UpcastOnGPU,
+			pr.Makespan, float64(rankParams)/pr.Makespan/1e9, pr.Bottleneck)
+	}
+	perSG := 12 * float64(min(*sgSize, rankParams)) // p, m, v
+	fit := int(float64(w.GPUBudget) / perSG)
+	row("cpu-only", perfmodel.Schedule{CPU: n})
+	if r := min(fit, n); r > 0 {
+		row("static", perfmodel.Schedule{CPU: n - r, Resident: r})
+	}
+	if fit >= n {
+		row("all-gpu", perfmodel.Schedule{Resident: n})
+	}
+	row("model", choice.Schedule)
+	if *sweep > 1 {
+		r := choice.Resident
+		if choice.GPU == 0 {
+			r = max(0, min(r, fit-2)) // room for the two staging slots
+		}
+		N := n - r
+		var gs []int
+		for j := range *sweep {
+			gs = append(gs, int(math.Round(float64(j)*float64(N)/float64(*sweep-1))))
+		}
+		for _, gpu := range slices.Compact(gs) {
+			row("sweep", perfmodel.Schedule{CPU: N - gpu, GPU: gpu, Resident: r, UpcastOnGPU: choice.UpcastOnGPU})
+		}
+	}
+	fmt.Fprintf(stdout, "the model's choice: k = %s (%d CPU, %d GPU, %d resident subgroups per rank), %.3f s per update phase, bottleneck %s\n",
+		kString(choice.K), choice.CPU, choice.GPU, choice.Resident, choice.Makespan, choice.Bottleneck)
+	return 0
+}
