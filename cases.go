@@ -1,10 +1,10 @@
 // Package dos is the root of the dos module: an optimizer runtime that keeps
-// the AdamW state of large models in host memory, cut into subgroups. It is
-// built toward updating them interleaved between CPU workers and the GPU
-// (Deep Optimizer States) with a lazy background checkpointer
-// (DataStates-LLM); today the update runs on the CPU and checkpoints are
-// written synchronously. See README.md and the packages adam, offload and
-// checkpoint.
+// the AdamW state of large models in host memory, cut into subgroups. It
+// updates them on SIMD CPU workers or, with a GPU, interleaved between the
+// CPU workers and fused CUDA kernels (Deep Optimizer States: packages
+// scheduler and perfmodel), and checkpoints them lazily in the background
+// (DataStates-LLM: package checkpoint). See README.md and the packages
+// adam, offload, scheduler and checkpoint.
 //
 // This package holds only the project's own PyTorch reference cases, embedded
 // so that `dos selftest` runs them wherever the binary is.
