@@ -437,3 +437,31 @@ func testEngineReplan(t *testing.T, newDev func() Device) {
 	}
 	check(t, d, e, want, wantCopy)
 }
+
+// TestUpdateNoAllocs: an update phase allocates nothing (all lanes, the
+// upcast included), here on the simulated device.
+func TestUpdateNoAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector allocates")
+	}
+	n := 0
+	for _, s := range testSizes {
+		n += s
+	}
+	p := newProblem(n, adam.BF16, false, 1, 6)
+	d := NewSim(SimOptions{})
+	e := setup(t, d, p, testSizes, perfmodel.Schedule{CPU: 4, GPU: 3, Resident: 1, UpcastOnGPU: true}, false)
+	defer e.Close()
+	put(t, d, e.grad, 0, p.gradBytes(0))
+	c := adam.DefaultHyper().Coeffs(1, 1, 1)
+	if err := e.Update(&c); err != nil {
+		t.Fatal(err)
+	}
+	if a := testing.AllocsPerRun(20, func() {
+		if err := e.Update(&c); err != nil {
+			t.Fatal(err)
+		}
+	}); a != 0 {
+		t.Errorf("Update allocates %v times", a)
+	}
+}
