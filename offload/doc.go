@@ -23,9 +23,11 @@
 //     corrections;
 //  4. every N steps, saves a checkpoint with SaveCheckpoint.
 //
-// In this version every subgroup is updated on the CPU by adam's worker pool.
-// The GPU half of the interleaved update (Deep Optimizer States, Maurya et
-// al., Middleware 2024, §4) comes behind the same API.
+// Without Options.Device every subgroup is updated on the CPU by adam's
+// worker pool, gradients and working copy in host memory. With it, the
+// update phase runs through scheduler.Engine, interleaved between the CPU
+// workers and the device (Deep Optimizer States, Maurya et al., Middleware
+// 2024, §4), behind the same API.
 //
 // # Subgroups
 //

@@ -231,11 +231,28 @@ func (o *Optimizer) newEngine() error {
 	opts := o.opts
 	n := len(o.subgroups)
 	s := perfmodel.Schedule{CPU: n}
+	w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), GradDType: opts.GradDType.String(),
+		CopyBytes: 2, AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: opts.GPUBudget}
 	if opts.Schedule != nil {
 		s = *opts.Schedule
+		if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
+			return fmt.Errorf("offload: Options.Schedule %d CPU + %d GPU + %d resident: the counts must add up to the %d subgroups (%d parameters in subgroups of %d)",
+				s.CPU, s.GPU, s.Resident, n, o.total, opts.SubgroupSize)
+		}
+		if need := w.GPUMemory(s); opts.GPUBudget > 0 && need > opts.GPUBudget {
+			return fmt.Errorf("offload: Options.Schedule %+v needs %d bytes of device memory, over GPUBudget %d", s, need, opts.GPUBudget)
+		}
+		if opts.Profile != nil {
+			if w.GPUBudget == 0 {
+				w.GPUBudget = w.GPUMemory(s)
+			}
+			pr, err := opts.Profile.Predict(w, s)
+			if err != nil {
+				return fmt.Errorf("offload: predicting Options.Schedule: %w", err)
+			}
+			o.plan = &pr
+		}
 	} else if opts.Profile != nil {
-		w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), GradDType: opts.GradDType.String(),
-			CopyBytes: 2, AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: opts.GPUBudget}
 		pr, err := opts.Profile.Choose(w)
 		if err != nil {
 			return fmt.Errorf("offload: planning the update phase: %w", err)
@@ -244,7 +261,7 @@ func (o *Optimizer) newEngine() error {
 	}
 	plan, err := scheduler.NewPlan(n, s)
 	if err != nil {
-		return fmt.Errorf("offload: Options.Schedule: %w", err)
+		return fmt.Errorf("offload: %w", err)
 	}
 	sizes := make([]int, n)
 	for i, sg := range o.subgroups {
@@ -258,6 +275,15 @@ func (o *Optimizer) newEngine() error {
 	o.state = o.eng.HostState()
 	o.devDirty = true
 	return nil
+}
+
+// Schedule returns how the update phase splits the subgroups with
+// Options.Device (ok false without one).
+func (o *Optimizer) Schedule() (s perfmodel.Schedule, ok bool) {
+	if o.eng == nil {
+		return perfmodel.Schedule{}, false
+	}
+	return o.eng.Plan().Schedule, true
 }
 
 // syncHost makes the host state current: the resident subgroups' state
@@ -433,6 +459,15 @@ func (o *Optimizer) ZeroGrad() {
 // and the AdamW update of every subgroup with the same bias corrections
 // (package doc). It allocates nothing.
 //
+// With Options.Device an error may come after the step was taken: compare
+// the StepResult's Step with StepCount before the call. A
+// *scheduler.FaultError means a copy or launch failed and the step was
+// completed subgroup by subgroup (taken); a failure to bring the working
+// copy back after the update also comes with the step taken; errors before
+// the update (moving the gradients, the checks) leave it not taken;
+// scheduler.ErrBroken means the state is no longer consistent (restore
+// from a checkpoint).
+//
 // While a lazy checkpoint (SaveAsync) is being captured, the update of each
 // subgroup first waits for that subgroup's capture.
 //
@@ -539,7 +574,7 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult)
 	o.hostStale = o.eng.Plan().Schedule.Resident > 0
 	res.Step = o.step
 	if gerr := o.eng.GetWorking(o.work.Data); gerr != nil && err == nil {
-		err = gerr
+		err = fmt.Errorf("offload: step %d was taken, but its working copy did not come back: %w", o.step, gerr)
 	}
 	res.Elapsed = time.Since(start)
 	return res, err

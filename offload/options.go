@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/deepstates/dos/adam"
@@ -34,10 +35,10 @@ type Options struct {
 	Threads int `json:"threads"`
 	// Profile, when set, holds this machine's measured rates (dos
 	// calibrate, perfmodel.Load): New asks the performance model for the
-	// update phase's schedule and its predicted time, which Plan returns.
-	// The optimizer updates every subgroup on the CPU for now (no GPU
-	// budget), so the plan is the all-CPU schedule. Not saved in
-	// checkpoints.
+	// update phase's schedule and its predicted time, which Plan returns:
+	// without Device the all-CPU schedule (host gradients, no copies),
+	// with Device the fastest within GPUBudget (or Schedule's prediction
+	// when Schedule forces one). Not saved in checkpoints.
 	Profile *perfmodel.Profile `json:"-"`
 	// Calibrate, when Profile is nil, makes New measure this machine's CPU
 	// update rate briefly (perfmodel.CalibrateCPU at the optimizer's thread
@@ -57,10 +58,15 @@ type Options struct {
 	// Not saved in checkpoints.
 	Device scheduler.Device `json:"-"`
 	// GPUBudget is the device memory in bytes the update phase may use on
-	// Device: resident state and staging (perfmodel.Workload.GPUBudget).
+	// Device: resident state and two staging slots (and the upcast's
+	// scratch), perfmodel.Workload.GPUBudget. With Profile the model
+	// chooses within it (0: nothing on the GPU but the gradients and the
+	// working copy, so all on the CPU); a forced Schedule must fit it
+	// unless it is 0 (no limit checked).
 	GPUBudget int64 `json:"-"`
-	// Schedule, with Device, forces the split of the subgroups (its
-	// counts must add up to them) instead of the model's choice.
+	// Schedule, with Device, forces the split of the subgroups instead of
+	// the model's choice: its counts must add up to the subgroups,
+	// ceil(parameters / SubgroupSize) (Optimizer.Subgroups after New).
 	Schedule *perfmodel.Schedule `json:"-"`
 }
 
@@ -112,6 +118,9 @@ func (o *Options) Validate() error {
 	}
 	if o.GPUBudget < 0 {
 		return fmt.Errorf("offload: GPUBudget %d: want >= 0 bytes", o.GPUBudget)
+	}
+	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0) {
+		return errors.New("offload: Schedule and GPUBudget need a Device")
 	}
 	return nil
 }

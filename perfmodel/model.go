@@ -281,6 +281,10 @@ func better(a, b Prediction) bool {
 	return a.Resident < b.Resident
 }
 
+// GPUMemory returns the bytes of device memory s needs for w's update
+// phase (gpuMemory).
+func (w Workload) GPUMemory(s Schedule) int64 { return int64(math.Ceil(w.gpuMemory(s))) }
+
 // gpuMemory is what s keeps on the GPU during the update phase: resident
 // state, and two staging slots of state for GPU subgroups (one moving while
 // the other updates), or of fp32 gradients for the upcast.

@@ -86,8 +86,12 @@ func NewPlan(n int, s perfmodel.Schedule) (*Plan, error) {
 
 // MixedSchedule splits n subgroups into every role: a third resident
 // (rounded down), half of the rest streamed through the GPU, the others on
-// the CPU. For a device run without a profile or a forced schedule.
+// the CPU; one subgroup is streamed, two are one streamed and one on the
+// CPU. For a device run without a profile or a forced schedule.
 func MixedSchedule(n int) perfmodel.Schedule {
+	if n == 1 {
+		return perfmodel.Schedule{GPU: 1}
+	}
 	r := n / 3
 	g := (n - r) / 2
 	return perfmodel.Schedule{CPU: n - r - g, GPU: g, Resident: r}

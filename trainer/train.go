@@ -75,7 +75,7 @@ type TrainConfig struct {
 	// working copy downloaded around each step.
 	Device string `json:"device"`
 	// GPUBudget is the device memory in GiB the update phase may use
-	// (resident state and staging).
+	// (resident state and staging); 0 means DefaultGPUBudget.
 	GPUBudget float64 `json:"gpu_budget_gib"`
 	// Schedule forces the device's split as "CPU,GPU,RESIDENT" subgroup
 	// counts; "" for the model's choice with Profile, else
@@ -225,6 +225,9 @@ func (c *TrainConfig) device(o *offload.Options, here *perfmodel.Machine) (func(
 		closeDev = func() { k.Close(); d.Close() }
 	}
 	o.GPUBudget = int64(c.GPUBudget * (1 << 30))
+	if o.GPUBudget == 0 {
+		o.GPUBudget = DefaultGPUBudget
+	}
 	total := 0
 	for _, p := range c.Model.Params() {
 		n := 1
@@ -248,6 +251,10 @@ func (c *TrainConfig) device(o *offload.Options, here *perfmodel.Machine) (func(
 	}
 	return closeDev, nil
 }
+
+// DefaultGPUBudget is the device memory in bytes the update phase may use
+// when TrainConfig.GPUBudget is 0: 16 GiB.
+const DefaultGPUBudget = 16 << 30
 
 // optimizerOptions returns the offload options of c.
 func (c *TrainConfig) optimizerOptions() *offload.Options {
@@ -679,6 +686,14 @@ func (t *Trainer) Run() (Summary, error) {
 	tokens := cfg.Batch * cfg.Model.NCtx
 	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; %v\n",
 		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, t.opt.Options())
+	if s, ok := t.opt.Schedule(); ok {
+		k := "inf"
+		if !math.IsInf(s.K(), 1) {
+			k = fmt.Sprintf("%.2f", s.K())
+		}
+		fmt.Fprintf(t.out, "update phase on %s: %d of %d subgroups on the CPU, %d streamed through the GPU, %d resident (k = %s, upcast on the GPU: %v)\n",
+			t.opt.Options().Device.Name(), s.CPU, len(t.opt.Subgroups()), s.GPU, s.Resident, k, s.UpcastOnGPU)
+	}
 	if math.IsNaN(t.state.InitValLoss) {
 		t.state.InitValLoss = t.Evaluate()
 		t.logf("iter %5d  val_loss %.4f\n", t.state.Iteration, t.state.InitValLoss)
@@ -754,8 +769,8 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		if plan, ok := t.opt.Plan(); ok && done > 1 {
 			sum.UpdatePredictedS = plan.Makespan
-			t.logf("update phase: %.3f ms measured (mean of iterations 2..%d of this run), %.3f ms predicted by the performance model (%d subgroups on the CPU, bottleneck %s)\n",
-				1e3*sum.UpdateS, done, 1e3*plan.Makespan, plan.CPU, plan.Bottleneck)
+			t.logf("update phase: %.3f ms measured (mean of iterations 2..%d of this run), %.3f ms predicted by the performance model (CPU/GPU/resident subgroups %d/%d/%d, bottleneck %s)\n",
+				1e3*sum.UpdateS, done, 1e3*plan.Makespan, plan.CPU, plan.GPU, plan.Resident, plan.Bottleneck)
 		}
 		sum.TokensPerS = float64(done*tokens) / time.Since(start).Seconds()
 		if cfg.CkptEvery == 0 || t.state.Iteration%cfg.CkptEvery != 0 {
