@@ -7,6 +7,7 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/safetensors"
+	"github.com/deepstates/dos/scheduler"
 )
 
 // ObjectName is the key of the optimizer's own object in a checkpoint's
@@ -48,6 +49,12 @@ func (o *Optimizer) stateSlices() [][]float32 {
 //
 // Errors: an object named "optimizer", or one that does not marshal.
 func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, error) {
+	if o.pool == nil {
+		return nil, ErrClosed
+	}
+	if o.broken {
+		return nil, fmt.Errorf("offload: %w: nothing to save", scheduler.ErrBroken)
+	}
 	if err := o.syncHost(); err != nil {
 		return nil, err
 	}
@@ -205,8 +212,17 @@ func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string,
 	if err := o.settle(true); err != nil {
 		return "", nil, err
 	}
+	if o.broken {
+		// A fresh engine: the broken one's memory may be in any state.
+		o.eng.Close()
+		o.eng = nil
+		if err := o.newEngine(); err != nil {
+			return "", nil, err
+		}
+	}
 	objects, err = o.load(fsys, dir)
 	if err == nil {
+		o.broken = false
 		// The host state is the checkpoint's: the device follows it.
 		o.devDirty, o.hostStale = true, false
 	}

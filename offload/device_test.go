@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )
@@ -166,4 +167,50 @@ func TestDeviceFault(t *testing.T) {
 		t.Errorf("%d faults left the state untouched, %d advanced it: want both", untouched, advanced)
 	}
 	t.Logf("%d faults left the state untouched, %d advanced it", untouched, advanced)
+}
+
+// TestDeviceBroken: a fault inside the device during the update leaves the
+// state unknown: Step says so (ErrBroken) and keeps saying it, nothing can
+// be saved, and LoadCheckpoint of a good checkpoint makes the optimizer
+// work again, bitwise on the host's path from there.
+func TestDeviceBroken(t *testing.T) {
+	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 400, Threads: 2}
+	opts, d := deviceOpts(base, perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 1})
+	o := newTest(t, opts)
+	host := newTest(t, base)
+	root := t.TempDir()
+	fill(o, 1)
+	fill(host, 1)
+	for _, x := range []*Optimizer{o, host} {
+		if _, err := x.Step(StepArgs{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := o.SaveCheckpoint(checkpoint.OS, root, nil); err != nil {
+		t.Fatal(err)
+	}
+	fill(o, 2)
+	d.FailSync(8)
+	if _, err := o.Step(StepArgs{}); !errors.Is(err, scheduler.ErrBroken) {
+		t.Fatalf("Step with a device fault: %v, want ErrBroken", err)
+	}
+	if _, err := o.Step(StepArgs{}); !errors.Is(err, scheduler.ErrBroken) {
+		t.Fatalf("the next Step: %v, want ErrBroken", err)
+	}
+	if _, err := o.SaveCheckpoint(checkpoint.OS, t.TempDir(), nil); !errors.Is(err, scheduler.ErrBroken) {
+		t.Fatalf("SaveCheckpoint of a broken state: %v", err)
+	}
+	if _, _, err := o.LoadCheckpoint(checkpoint.OS, root); err != nil {
+		t.Fatal(err)
+	}
+	for step := int64(2); step <= 3; step++ {
+		fill(o, step)
+		fill(host, step)
+		for _, x := range []*Optimizer{o, host} {
+			if _, err := x.Step(StepArgs{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	sameState(t, host, synced(t, o))
 }

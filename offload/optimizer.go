@@ -117,6 +117,7 @@ type Optimizer struct {
 	// pinned memory); o.grad and o.work are host mirrors.
 	eng       *scheduler.Engine
 	devDirty  bool // the host state changed: Load before the next update
+	broken    bool // a device fault left the state inconsistent: only LoadCheckpoint helps
 	hostStale bool // resident subgroups advanced on the device: Download before reading the host state
 }
 
@@ -406,8 +407,11 @@ func (o *Optimizer) Working(i int) Tensor {
 // Master returns a copy of the fp32 master weights of parameter i (with
 // Options.Device, fetched from the device first when i is resident there;
 // after a device fault they may be a step behind).
-// Panics if i is out of range.
+// Panics if i is out of range, or with Options.Device after Close.
 func (o *Optimizer) Master(i int) []float32 {
+	if o.opts.Device != nil && o.pool == nil {
+		panic("offload: Master of a closed optimizer with a Device (its pinned state is freed)")
+	}
 	_ = o.syncHost()
 	lo, hi := o.span(i)
 	return append([]float32(nil), o.state.Param[lo:hi]...)
@@ -480,6 +484,9 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	start := time.Now()
 	if o.pool == nil {
 		return StepResult{}, ErrClosed
+	}
+	if o.broken {
+		return StepResult{}, fmt.Errorf("offload: %w (LoadCheckpoint restores one)", scheduler.ErrBroken)
 	}
 	if err := o.settle(false); err != nil {
 		return StepResult{}, err
@@ -567,6 +574,9 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult)
 	err = o.eng.Update(&c)
 	var fault *scheduler.FaultError
 	if err != nil && !errors.As(err, &fault) {
+		if o.eng.Broken() {
+			o.broken = true
+		}
 		return res, fmt.Errorf("offload: step %d: %w", o.step+1, err)
 	}
 	// Done, or completed after a fault (err says which).

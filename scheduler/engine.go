@@ -38,6 +38,12 @@ type Options struct {
 // after an earlier one. Restore from a checkpoint.
 var ErrBroken = errors.New("scheduler: the optimizer state is inconsistent after a device fault; restore from a checkpoint")
 
+// maxElems bounds the elements of an engine (offload's bound too).
+const maxElems = 1 << 40
+
+// ErrEngineClosed is Update's error after Close.
+var ErrEngineClosed = errors.New("scheduler: the engine is closed")
+
 // FaultError is Update's error when enqueueing a copy or a launch failed.
 // The step was then finished subgroup by subgroup, each from where it
 // stood, so the state is fully advanced (Recovered); had that failed too,
@@ -112,26 +118,27 @@ type Engine struct {
 	planAllocs []any // freed by Replan and Close
 
 	// Per Update.
-	c       *adam.Coeffs
-	done    []uint8 // bit per op done (enqueued, or run on the CPU)
-	slot    []int   // staging slot of each GPU or CPU subgroup
-	after   []Event // a GPU subgroup's state H2D waits for this (done) event
-	cpuT    [][2]time.Duration
-	t0      time.Time
-	abort   atomic.Bool
-	firstMu chan struct{}
-	first   *FaultError
-	msgs    chan int
-	tokens  chan struct{}
-	startF  chan struct{} // one per Update to the feeder
-	startW  chan struct{} // and to the worker
-	startD  chan struct{} // and to the drainer
-	dq      chan int      // GPU subgroups to the drainer
-	dsig    chan struct{} // the drainer's D2H enqueued, one per GPU subgroup
-	chunkEv [4][2]Event   // per lane stream (sH2D, sD2H): the events of the last two chunks
-	chunkK  [4]int        // per lane stream: chunks enqueued so far
-	fin     chan struct{}
-	broken  bool
+	c           *adam.Coeffs
+	done        []uint8 // bit per op done (enqueued, or run on the CPU)
+	slot        []int   // staging slot of each GPU or CPU subgroup
+	after       []Event // a GPU subgroup's state H2D waits for this (done) event
+	cpuT        [][2]time.Duration
+	t0          time.Time
+	abort       atomic.Bool
+	deviceFault atomic.Bool // a wait failed: the device itself faulted
+	firstMu     chan struct{}
+	first       *FaultError
+	msgs        chan int
+	tokens      chan struct{}
+	startF      chan struct{} // one per Update to the feeder
+	startW      chan struct{} // and to the worker
+	startD      chan struct{} // and to the drainer
+	dq          chan int      // GPU subgroups to the drainer
+	dsig        chan struct{} // the drainer's D2H enqueued, one per GPU subgroup
+	chunkEv     [4][2]Event   // per lane stream (sH2D, sD2H): the events of the last two chunks
+	chunkK      [4]int        // per lane stream: chunks enqueued so far
+	fin         chan struct{}
+	broken      bool
 }
 
 // New allocates the engine's memory on the device and the host: the host
@@ -167,6 +174,9 @@ func New(o Options) (*Engine, error) {
 	for i, n := range o.Sizes {
 		if n <= 0 {
 			return nil, fmt.Errorf("scheduler: Options.Sizes[%d] = %d: want > 0", i, n)
+		}
+		if int64(n) > maxElems-e.total {
+			return nil, fmt.Errorf("scheduler: Options.Sizes: more than %d elements in all", int64(maxElems))
 		}
 		e.off[i] = e.total
 		e.total += int64(n)
@@ -356,8 +366,17 @@ func (e *Engine) Replan(p *Plan) error {
 		e.broken = true
 		return err
 	}
-	return e.upload(false)
+	if err := e.upload(false); err != nil {
+		// The new resident state is not all on the device.
+		e.broken = true
+		return fmt.Errorf("%w: Replan: %v", ErrBroken, err)
+	}
+	return nil
 }
+
+// Broken reports whether the engine returns ErrBroken: its state is no
+// longer known to be consistent.
+func (e *Engine) Broken() bool { return e.broken }
 
 func (e *Engine) freePlan() {
 	for i := len(e.planAllocs) - 1; i >= 0; i-- {
@@ -622,11 +641,18 @@ func (e *Engine) Update(c *adam.Coeffs) error {
 	if e.broken {
 		return ErrBroken
 	}
+	if e.startF == nil {
+		return ErrEngineClosed
+	}
+	if c.AMSGrad != (e.nArr == 4) {
+		return fmt.Errorf("scheduler: Update with amsgrad %v on an engine built with AMSGrad %v", c.AMSGrad, e.nArr == 4)
+	}
 	e.c = c
 	clear(e.done)
 	clear(e.after)
 	e.first = nil
 	e.abort.Store(false)
+	e.deviceFault.Store(false)
 	e.t0 = time.Now()
 	if err := e.dev.Record(e.base, e.s[sH2D]); err != nil {
 		return err // nothing was done
@@ -663,7 +689,7 @@ func (e *Engine) Update(c *adam.Coeffs) error {
 				drained++
 			}
 			ev := e.ev[prev][opD2H][1]
-			if e.done[prev]&(1<<opD2H) == 0 || e.fail(i, opH2D, e.dev.Sync(ev)) {
+			if e.done[prev]&(1<<opD2H) == 0 || e.fail(i, opH2D, e.wait(ev)) {
 				break
 			}
 			// The copy waits on its stream too, which says so to the
@@ -695,6 +721,10 @@ func (e *Engine) Update(c *adam.Coeffs) error {
 	if e.first == nil {
 		return nil
 	}
+	if e.deviceFault.Load() {
+		e.broken = true
+		return fmt.Errorf("%w: %v", ErrBroken, e.first)
+	}
 	// Complete every subgroup from where it stood, one at a time.
 	for i := range e.o.Sizes {
 		for _, op := range e.ops(i) {
@@ -717,6 +747,17 @@ func (e *Engine) Update(c *adam.Coeffs) error {
 		}
 	}
 	return e.first
+}
+
+// wait blocks until ev is done. A failure there is a fault inside the
+// device (a CUDA fault poisons the context): Update then reports
+// ErrBroken instead of completing the step.
+func (e *Engine) wait(ev Event) error {
+	err := e.dev.Sync(ev)
+	if err != nil {
+		e.deviceFault.Store(true)
+	}
+	return err
 }
 
 // fail records err (when not nil) as the step's first fault, stops the
@@ -778,7 +819,7 @@ func (e *Engine) run(i, op, slot int) bool {
 		if e.upcast {
 			// The D2H lane holds only copies that can run: wait here.
 			src, srcOff, up = e.scr, 4*int64(slot)*e.maxN, e.ev[i][opUpcast][1]
-			err = e.dev.Sync(up)
+			err = e.wait(up)
 		}
 		if err == nil {
 			err = e.laneCopy(sD2H, ev, up, func(s Stream) error { return e.dev.D2H(s, e.gst, gb*int64(slot)*e.maxN, src, srcOff, gb*n) })
@@ -837,7 +878,7 @@ func (e *Engine) stateCopy(l, i, slot int, wait Event) error {
 		for o := int64(0); o < b; o += CopyChunk {
 			cev := e.chunkEv[l][e.chunkK[l]%2]
 			if e.chunkK[l] >= 2 {
-				if err := e.dev.Sync(cev); err != nil {
+				if err := e.wait(cev); err != nil {
 					return err
 				}
 			}
@@ -884,7 +925,7 @@ func (e *Engine) statePiece(l int, s Stream, ev *[2]Event, cev Event, first, las
 // cpu updates CPU subgroup i on the host from gradient slot slot, writing
 // its copy into copy slot slot.
 func (e *Engine) cpu(i, slot int) bool {
-	if e.fail(i, opCPU, e.dev.Sync(e.ev[i][opGradD2H][1])) {
+	if e.fail(i, opCPU, e.wait(e.ev[i][opGradD2H][1])) {
 		return false
 	}
 	n := int64(e.o.Sizes[i])
@@ -945,7 +986,7 @@ func (e *Engine) drainer() {
 	defer func() { e.fin <- struct{}{} }()
 	for range e.startD {
 		for i := <-e.dq; i >= 0; i = <-e.dq {
-			if !e.abort.Load() && !e.fail(i, opD2H, e.dev.Sync(e.ev[i][opKernel][1])) {
+			if !e.abort.Load() && !e.fail(i, opD2H, e.wait(e.ev[i][opKernel][1])) {
 				e.run(i, opD2H, e.slot[i])
 			}
 			e.dsig <- struct{}{}
@@ -967,7 +1008,7 @@ func (e *Engine) worker() {
 			if ok && ci >= 2 {
 				// The copy slot's previous copy must have moved.
 				prev := e.plan.CPUOrder[ci-2]
-				ok = e.done[prev]&(1<<opCopyH2D) != 0 && !e.fail(i, opCPU, e.dev.Sync(e.ev[prev][opCopyH2D][1]))
+				ok = e.done[prev]&(1<<opCopyH2D) != 0 && !e.fail(i, opCPU, e.wait(e.ev[prev][opCopyH2D][1]))
 			}
 			ok = ok && e.cpu(i, e.slot[i])
 			e.tokens <- struct{}{}

@@ -465,3 +465,68 @@ func TestUpdateNoAllocs(t *testing.T) {
 		t.Errorf("Update allocates %v times", a)
 	}
 }
+
+// TestEngineDeviceFault: a fault inside the device (a wait that fails)
+// during Update, or a copy that fails during Replan, leaves the engine
+// broken: ErrBroken then and from every later call. And Update after Close
+// or with the wrong amsgrad is refused.
+func TestEngineDeviceFault(t *testing.T) {
+	n := 0
+	for _, s := range testSizes {
+		n += s
+	}
+	p := newProblem(n, adam.BF16, false, 1, 7)
+	c := adam.DefaultHyper().Coeffs(1, 1, 1)
+	s := perfmodel.Schedule{CPU: 4, GPU: 3, Resident: 1, UpcastOnGPU: true}
+	broken := 0
+	for k := 1; ; k++ {
+		d := NewSim(SimOptions{})
+		e := setup(t, d, p, testSizes, s, false)
+		d.FailSync(k)
+		err := e.Update(&c)
+		if err == nil {
+			e.Close()
+			break // past the last wait
+		}
+		if !errors.Is(err, ErrBroken) || !e.Broken() || !errors.Is(e.Update(&c), ErrBroken) || !errors.Is(e.Download(), ErrBroken) {
+			t.Fatalf("wait %d: %v, want ErrBroken from then on", k, err)
+		}
+		broken++
+		e.Close()
+	}
+	if broken < 5 {
+		t.Fatalf("only %d waits", broken)
+	}
+	for k := 1; k <= 30; k++ {
+		d := NewSim(SimOptions{})
+		e := setup(t, d, p, testSizes, s, false)
+		plan, _ := NewPlan(len(testSizes), perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 4})
+		d.FailAfter(k)
+		err := e.Replan(plan)
+		switch {
+		case err == nil:
+		case e.Broken():
+			if !errors.Is(e.Update(&c), ErrBroken) {
+				t.Fatalf("Replan failing at %d: the broken engine updated", k)
+			}
+		default:
+			// The resident state did not come back: nothing changed, the
+			// old plan stands.
+			if err := e.Update(&c); err != nil || e.Plan() == plan {
+				t.Fatalf("Replan failing at %d (%v): then %v", k, err, e.Plan())
+			}
+		}
+		e.Close()
+	}
+	d := NewSim(SimOptions{})
+	e := setup(t, d, p, testSizes, s, false)
+	ca := c
+	ca.AMSGrad = true
+	if err := e.Update(&ca); err == nil {
+		t.Error("amsgrad coefficients on an engine without max_exp_avg_sq accepted")
+	}
+	e.Close()
+	if err := e.Update(&c); !errors.Is(err, ErrEngineClosed) {
+		t.Errorf("Update after Close: %v", err)
+	}
+}

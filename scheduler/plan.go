@@ -2,6 +2,8 @@ package scheduler
 
 import (
 	"fmt"
+	"strconv"
+	"strings"
 
 	"github.com/deepstates/dos/perfmodel"
 )
@@ -100,11 +102,18 @@ func MixedSchedule(n int) perfmodel.Schedule {
 // ParseSchedule reads "C,G,R": the CPU, streamed GPU and resident
 // subgroup counts, each >= 0. Errors name the text.
 func ParseSchedule(text string) (perfmodel.Schedule, error) {
-	var s perfmodel.Schedule
-	var extra string
-	n, _ := fmt.Sscanf(text+",end", "%d,%d,%d,%s", &s.CPU, &s.GPU, &s.Resident, &extra)
-	if n != 4 || extra != "end" || s.CPU < 0 || s.GPU < 0 || s.Resident < 0 {
-		return perfmodel.Schedule{}, fmt.Errorf("scheduler: schedule %q: want CPU,GPU,RESIDENT subgroup counts >= 0, e.g. 2,2,1", text)
+	bad := fmt.Errorf("scheduler: schedule %q: want CPU,GPU,RESIDENT subgroup counts >= 0, e.g. 2,2,1", text)
+	f := strings.Split(text, ",")
+	if len(f) != 3 {
+		return perfmodel.Schedule{}, bad
 	}
-	return s, nil
+	var v [3]int
+	for i, x := range f {
+		n, err := strconv.Atoi(x)
+		if err != nil || n < 0 || x[0] == '+' {
+			return perfmodel.Schedule{}, bad
+		}
+		v[i] = n
+	}
+	return perfmodel.Schedule{CPU: v[0], GPU: v[1], Resident: v[2]}, nil
 }

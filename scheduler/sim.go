@@ -44,10 +44,12 @@ type SimOptions struct {
 type Sim struct {
 	opts SimOptions
 
-	mu    sync.Mutex
-	used  int64
-	ops   int              // copies and launches so far
-	lanes [3]time.Duration // H2D, D2H, compute: when each is free
+	mu       sync.Mutex
+	syncs    int // Sync calls so far
+	failSync int // the Sync call that fails (FailSync), 0 for none
+	used     int64
+	ops      int              // copies and launches so far
+	lanes    [3]time.Duration // H2D, D2H, compute: when each is free
 }
 
 type simMem struct{ b []byte }
@@ -238,8 +240,29 @@ func (s *Sim) Wait(st Stream, e Event) error {
 	return nil
 }
 
-// Sync returns at once: the work is done when enqueued.
-func (s *Sim) Sync(e Event) error { return nil }
+// Sync returns at once: the work is done when enqueued; the call FailSync
+// named fails with ErrInjected, as a fault inside a real device surfaces
+// when waiting.
+func (s *Sim) Sync(e Event) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.syncs++
+	if s.syncs == s.failSync {
+		return fmt.Errorf("%w (a fault on the device, seen at wait %d)", ErrInjected, s.syncs)
+	}
+	return nil
+}
+
+// FailSync makes the k-th Sync from now (k >= 1) fail with ErrInjected,
+// as a fault inside the device would; 0 clears it.
+func (s *Sim) FailSync(k int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.failSync = 0
+	if k > 0 {
+		s.failSync = s.syncs + k
+	}
+}
 
 // Elapsed returns the virtual time from a to b.
 func (s *Sim) Elapsed(a, b Event) (time.Duration, error) {

@@ -398,13 +398,13 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 	}
 	for i, v := range InitParams(cfg.Model, cfg.Seed) {
 		if err := opt.SetParam(opt.Params()[i].Name, v); err != nil {
-			opt.Close()
+			t.Close()
 			return nil, err
 		}
 	}
 	if cfg.Resume {
 		if err := t.resume(); err != nil {
-			opt.Close()
+			t.Close()
 			return nil, err
 		}
 	}
