@@ -87,6 +87,26 @@ func dtypeIndex(d adam.DType) (int, bool) {
 
 var dtypeSuffix = [3]string{"f32", "bf16", "f16"}
 
+// Open opens GPU ordinal (cuda.Available, cuda.Open) and loads the
+// kernels on it; release closes both, kernels first. It is how a command
+// or a test starts on a GPU.
+//
+// Errors: no driver or no such device (cuda.Available's reason), those of
+// cuda.Open and Load (what was opened is closed).
+func Open(ordinal int) (d *cuda.Device, k *Kernels, release func(), err error) {
+	if err := cuda.Available(); err != nil {
+		return nil, nil, nil, err
+	}
+	if d, err = cuda.Open(ordinal); err != nil {
+		return nil, nil, nil, err
+	}
+	if k, err = Load(d); err != nil {
+		d.Close()
+		return nil, nil, nil, err
+	}
+	return d, k, func() { k.Close(); d.Close() }, nil
+}
+
 // Load compiles the embedded PTX for d and looks up every kernel.
 //
 // Errors: the driver rejecting the PTX (its log is in the error), a missing

@@ -11,22 +11,14 @@ import (
 // TestCalibrateGPU: on a GPU (DOS_REQUIRE_GPU=1 makes its absence a
 // failure), a quick calibration gives fits in plausible ranges.
 func TestCalibrateGPU(t *testing.T) {
-	if err := cuda.Available(); err != nil {
-		if os.Getenv("DOS_REQUIRE_GPU") == "1" {
-			t.Fatalf("DOS_REQUIRE_GPU=1 but no GPU: %v", err)
+	d, k, release, err := kernels.Open(0)
+	if err != nil {
+		if cuda.Available() == nil || os.Getenv("DOS_REQUIRE_GPU") == "1" {
+			t.Fatalf("GPU 0: %v", err)
 		}
 		t.Skipf("no GPU: %v", err)
 	}
-	d, err := cuda.Open(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	k, err := kernels.Load(d)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer k.Close()
+	defer release()
 	g, err := CalibrateGPU(d, k, GPUOptions{CopySizes: []int64{4 << 20, 32 << 20, 128 << 20}, UpdateSizes: []int64{16 << 20, 32 << 20, 64 << 20}, Reps: 3}, nil)
 	if err != nil {
 		t.Fatal(err)

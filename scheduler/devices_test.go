@@ -13,23 +13,14 @@ import (
 // failure).
 func forDevices(t *testing.T, f func(t *testing.T, newDev func() Device)) {
 	t.Run("sim", func(t *testing.T) { f(t, func() Device { return NewSim(SimOptions{}) }) })
-	err := cuda.Available()
+	d, k, release, err := kernels.Open(0)
 	if err != nil {
-		if os.Getenv("DOS_REQUIRE_GPU") == "1" {
-			t.Fatalf("DOS_REQUIRE_GPU=1 but no GPU: %v", err)
+		if cuda.Available() == nil || os.Getenv("DOS_REQUIRE_GPU") == "1" {
+			t.Fatalf("GPU 0: %v", err)
 		}
 		t.Logf("cuda: skipped (%v)", err)
 		return
 	}
-	d, err := cuda.Open(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	k, err := kernels.Load(d)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer k.Close()
+	defer release()
 	t.Run("cuda", func(t *testing.T) { f(t, func() Device { return NewCUDA(d, k) }) })
 }

@@ -14,7 +14,6 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
-	"github.com/deepstates/dos/cuda"
 	"github.com/deepstates/dos/kernels"
 	"github.com/deepstates/dos/offload"
 	"github.com/deepstates/dos/perfmodel"
@@ -209,20 +208,11 @@ func (c *TrainConfig) device(o *offload.Options, here *perfmodel.Machine) (func(
 	case "sim":
 		o.Device = scheduler.NewSim(scheduler.SimOptions{Capacity: 1 << 40})
 	case "cuda":
-		if err := cuda.Available(); err != nil {
-			return nil, fmt.Errorf("trainer: --device cuda: %w", err)
-		}
-		d, err := cuda.Open(0)
+		d, k, release, err := kernels.Open(0)
 		if err != nil {
 			return nil, fmt.Errorf("trainer: --device cuda: %w", err)
 		}
-		k, err := kernels.Load(d)
-		if err != nil {
-			d.Close()
-			return nil, fmt.Errorf("trainer: --device cuda: %w", err)
-		}
-		o.Device, here.GPU = scheduler.NewCUDA(d, k), d.Name
-		closeDev = func() { k.Close(); d.Close() }
+		o.Device, here.GPU, closeDev = scheduler.NewCUDA(d, k), d.Name, release
 	}
 	o.GPUBudget = int64(c.GPUBudget * (1 << 30))
 	if o.GPUBudget == 0 {

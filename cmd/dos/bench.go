@@ -92,20 +92,12 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 			return fail("%v", strings.Replace(err.Error(), "--plot", "--timeline", 1))
 		}
 	}
-	if err := cuda.Available(); err != nil {
+	dev, kern, release, err := kernels.Open(0)
+	if err != nil {
 		fmt.Fprintf(stderr, "dos bench: no GPU (%v): dos bench measures the GPU machine; dos calibrate --cpu-only measures this one\n", err)
 		return 2
 	}
-	dev, err := cuda.Open(0)
-	if err != nil {
-		return fail("%v", err)
-	}
-	defer dev.Close()
-	kern, err := kernels.Load(dev)
-	if err != nil {
-		return fail("%v", err)
-	}
-	defer kern.Close()
+	defer release()
 	if *threads == 0 {
 		*threads = runtime.GOMAXPROCS(0)
 	}

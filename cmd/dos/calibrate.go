@@ -41,16 +41,11 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	var dev *cuda.Device
 	var kern *kernels.Kernels
 	if !*cpuOnly {
-		err := cuda.Available()
-		if err == nil {
-			if dev, err = cuda.Open(0); err == nil {
-				defer dev.Close()
-				if kern, err = kernels.Load(dev); err == nil {
-					defer kern.Close()
-				}
-			}
-		}
-		if err != nil {
+		var release func()
+		var err error
+		if dev, kern, release, err = kernels.Open(0); err == nil {
+			defer release()
+		} else {
 			fmt.Fprintf(stderr, "dos calibrate: no GPU to calibrate (%v); run dos calibrate --cpu-only\n", err)
 			return 2
 		}

@@ -9,7 +9,6 @@ import (
 
 	"github.com/deepstates/dos"
 	"github.com/deepstates/dos/adam/adamcase"
-	"github.com/deepstates/dos/cuda"
 	"github.com/deepstates/dos/kernels"
 	"github.com/deepstates/dos/scheduler"
 )
@@ -22,27 +21,18 @@ import (
 func selftestBackends() ([]adamcase.Backend, func(), string) {
 	bs, release := adamcase.Backends(runtime.GOMAXPROCS(0))
 	bs = append(bs, scheduler.CaseBackend{Label: "sim", NewDevice: func() scheduler.Device { return scheduler.NewSim(scheduler.SimOptions{}) }})
-	if err := cuda.Available(); err != nil {
-		return bs, release, err.Error()
-	}
-	d, err := cuda.Open(0)
+	d, k, closeGPU, err := kernels.Open(0)
 	if err != nil {
-		return bs, release, err.Error()
-	}
-	k, err := kernels.Load(d)
-	if err != nil {
-		d.Close()
 		return bs, release, err.Error()
 	}
 	s, err := d.NewStream()
 	if err != nil {
-		k.Close()
-		d.Close()
+		closeGPU()
 		return bs, release, err.Error()
 	}
 	bs = append(bs, kernels.CaseBackend{K: k, S: s, D: d},
 		scheduler.CaseBackend{Label: d.Name, NewDevice: func() scheduler.Device { return scheduler.NewCUDA(d, k) }})
-	return bs, func() { release(); s.Free(); k.Close(); d.Close() }, ""
+	return bs, func() { release(); s.Free(); closeGPU() }, ""
 }
 
 func runSelftest(args []string, stdout, stderr io.Writer) int {
