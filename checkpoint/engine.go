@@ -381,6 +381,13 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 		}
 	}
 
+	if s.Prepare != nil {
+		if err := s.Prepare(); err != nil {
+			fail(fmt.Errorf("checkpoint: save step %d: preparing the state: %w", s.Step, err))
+			finish("")
+			return
+		}
+	}
 	tx, err := begin(e.fs, e.root, p)
 	if err != nil {
 		fail(err)

@@ -53,6 +53,12 @@ type Snapshot struct {
 	// data position, RNG state, model configuration). Each must be valid
 	// JSON.
 	Objects map[string]json.RawMessage
+	// Prepare, when set, is called once before any tensor is read, on the
+	// goroutine that writes (in the background for an Engine): state that
+	// lives on a device moves to the host memory the tensors view, while
+	// training goes on (DataStates-LLM's device-to-host capture). Its
+	// error fails the save.
+	Prepare func() error
 }
 
 // Save writes s as a checkpoint under root and commits it: when Save
@@ -87,6 +93,11 @@ func Save(fsys FS, root string, s *Snapshot) (dir string, err error) {
 	p, err := newPlan(s)
 	if err != nil {
 		return "", fmt.Errorf("checkpoint: save step %d: %w", s.Step, err)
+	}
+	if s.Prepare != nil {
+		if err := s.Prepare(); err != nil {
+			return "", fmt.Errorf("checkpoint: save step %d: preparing the state: %w", s.Step, err)
+		}
 	}
 	tx, err := begin(fsys, root, p)
 	if err != nil {

@@ -49,14 +49,19 @@ func (o *Optimizer) stateSlices() [][]float32 {
 //
 // Errors: an object named "optimizer", or one that does not marshal.
 func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, error) {
+	if err := o.syncHost(); err != nil {
+		return nil, err
+	}
+	return o.snapshot(objects)
+}
+
+// snapshot is Snapshot without bringing resident state back first.
+func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, error) {
 	if o.pool == nil {
 		return nil, ErrClosed
 	}
 	if o.broken {
 		return nil, fmt.Errorf("offload: %w: nothing to save", scheduler.ErrBroken)
-	}
-	if err := o.syncHost(); err != nil {
-		return nil, err
 	}
 	snap := &checkpoint.Snapshot{Step: o.step, WorldSize: 1, Objects: map[string]json.RawMessage{}}
 	for k, v := range objects {
@@ -131,9 +136,22 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 	if err := o.settle(true); err != nil {
 		return nil, err
 	}
-	snap, err := o.Snapshot(objects)
+	snap, err := o.snapshot(objects)
 	if err != nil {
 		return nil, err
+	}
+	if o.eng != nil && o.hostStale {
+		// The resident subgroups' state moves D2H now, and the capture
+		// waits for it in the background (checkpoint.Snapshot.Prepare):
+		// the trainer's next forward and backward run meanwhile.
+		wait, err := o.eng.DownloadAsync()
+		if err != nil {
+			o.broken = true
+			return nil, fmt.Errorf("offload: %w", err)
+		}
+		snap.Prepare = wait
+		o.hostStale = false
+		o.downloading = true
 	}
 	snap.Step = step
 	h, err := e.Save(snap)

@@ -214,3 +214,58 @@ func TestDeviceBroken(t *testing.T) {
 	}
 	sameState(t, host, synced(t, o))
 }
+
+// TestDeviceSaveAsync: a lazy checkpoint of an optimizer with resident
+// subgroups moves their state D2H in the background (the snapshot's
+// Prepare) and holds exactly the host optimizer's state of that step,
+// while the next steps go on.
+func TestDeviceSaveAsync(t *testing.T) {
+	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 400, Threads: 2}
+	opts, _ := deviceOpts(base, perfmodel.Schedule{CPU: 1, GPU: 1, Resident: 3})
+	o := newTest(t, opts)
+	host := newTest(t, base)
+	root := t.TempDir()
+	e, err := checkpoint.NewEngine(checkpoint.OS, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 3 * 4096, Writers: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	var h *checkpoint.Handle
+	for step := int64(1); step <= 4; step++ {
+		fill(o, step)
+		fill(host, step)
+		for _, x := range []*Optimizer{o, host} {
+			if _, err := x.Step(StepArgs{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if step == 2 {
+			if !o.hostStale {
+				t.Fatal("resident subgroups but the host state is current")
+			}
+			if h, err = o.SaveAsync(e, 2, nil); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := host.SaveCheckpoint(checkpoint.OS, t.TempDir(), nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if _, err := h.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	sameState(t, host, synced(t, o))
+	// The checkpoint is step 2's: replay it on the host and compare.
+	a := newTest(t, base)
+	if _, _, err := a.LoadCheckpoint(checkpoint.OS, root); err != nil {
+		t.Fatal(err)
+	}
+	b := newTest(t, base)
+	for step := int64(1); step <= 2; step++ {
+		fill(b, step)
+		if _, err := b.Step(StepArgs{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sameState(t, b, a)
+}

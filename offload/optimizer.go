@@ -115,10 +115,11 @@ type Optimizer struct {
 
 	// With Options.Device: the engine owns the state (o.state views its
 	// pinned memory); o.grad and o.work are host mirrors.
-	eng       *scheduler.Engine
-	devDirty  bool // the host state changed: Load before the next update
-	broken    bool // a device fault left the state inconsistent: only LoadCheckpoint helps
-	hostStale bool // resident subgroups advanced on the device: Download before reading the host state
+	eng         *scheduler.Engine
+	devDirty    bool // the host state changed: Load before the next update
+	broken      bool // a device fault left the state inconsistent: only LoadCheckpoint helps
+	downloading bool // a lazy checkpoint's D2H of resident state may be in flight: wait for its capture before reading the host state
+	hostStale   bool // resident subgroups advanced on the device: Download before reading the host state
 }
 
 // New builds an Optimizer over params, in order, with options opts (zero
@@ -290,6 +291,14 @@ func (o *Optimizer) Schedule() (s perfmodel.Schedule, ok bool) {
 // syncHost makes the host state current: the resident subgroups' state
 // comes back from the device.
 func (o *Optimizer) syncHost() error {
+	if o.downloading {
+		// A lazy checkpoint's D2H: the host state is current once the
+		// capture has begun (after its Prepare).
+		if o.pending != nil {
+			_ = o.pending.WaitCaptured()
+		}
+		o.downloading = false
+	}
 	if o.eng == nil || !o.hostStale {
 		return nil
 	}
@@ -544,9 +553,11 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult) (StepResult, error) {
 	if o.pending != nil {
 		// The engine updates subgroups on both devices at once: the
-		// whole snapshot must be captured first.
+		// whole snapshot must be captured first (its resident state's
+		// D2H included).
 		_ = o.pending.WaitCaptured()
 	}
+	o.downloading = false
 	if o.devDirty {
 		if err := o.eng.Load(); err != nil {
 			return res, fmt.Errorf("offload: %w", err)

@@ -114,6 +114,7 @@ type Engine struct {
 	base       Event
 	xfer       Host // pinned staging for SetGrad and GetWorking
 	tail       [4]Event
+	dlEv       Event // DownloadAsync's
 	allocs     []any // freed by Close
 	planAllocs []any // freed by Replan and Close
 
@@ -278,6 +279,9 @@ func (e *Engine) allocBase() error {
 		if e.tail[i], err = event(); err != nil {
 			return err
 		}
+	}
+	if e.dlEv, err = event(); err != nil {
+		return err
 	}
 	e.ev = make([][numOps][2]Event, len(e.o.Sizes))
 	for i := range e.ev {
@@ -612,6 +616,40 @@ func (e *Engine) through(b []byte, m Mem, up bool) error {
 		}
 	}
 	return nil
+}
+
+// DownloadAsync enqueues the resident subgroups' state D2H into the host
+// state and returns at once, with the function that waits for it: a lazy
+// checkpoint's capture (checkpoint.Snapshot.Prepare) calls it while
+// training goes on. Nothing may update the state before it returned.
+//
+// Errors: a copy that cannot be enqueued (the engine is then broken: part
+// of the host state may be overwritten).
+func (e *Engine) DownloadAsync() (wait func() error, err error) {
+	if e.broken {
+		return nil, ErrBroken
+	}
+	s := e.s[sD2H]
+	e.laneMu[sD2H].Lock()
+	defer e.laneMu[sD2H].Unlock()
+	for i := range e.o.Sizes {
+		if e.plan.Roles[i] != Resident {
+			continue
+		}
+		for a := range e.nArr {
+			h, off, b := e.hostVec(a, i)
+			if err := e.dev.D2H(s, h, off, e.res[a], 4*e.resOff[i], b); err != nil {
+				e.broken = true
+				return nil, fmt.Errorf("%w: %v", ErrBroken, err)
+			}
+		}
+	}
+	if err := e.dev.Record(e.dlEv, s); err != nil {
+		e.broken = true
+		return nil, fmt.Errorf("%w: %v", ErrBroken, err)
+	}
+	ev := e.dlEv
+	return func() error { return e.dev.Sync(ev) }, nil
 }
 
 // Stats runs the global checks on the device gradients: whether every
