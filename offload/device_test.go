@@ -4,10 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/kernels"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )
@@ -220,8 +223,26 @@ func TestDeviceBroken(t *testing.T) {
 // Prepare) and holds exactly the host optimizer's state of that step,
 // while the next steps go on.
 func TestDeviceSaveAsync(t *testing.T) {
+	t.Run("sim", func(t *testing.T) {
+		testDeviceSaveAsync(t, scheduler.NewSim(scheduler.SimOptions{}))
+	})
+	// On a GPU the D2H really is asynchronous: the capture must wait.
+	d, k, release, err := kernels.Open(0)
+	if err != nil {
+		if cuda.Available() == nil || os.Getenv("DOS_REQUIRE_GPU") == "1" {
+			t.Fatalf("GPU 0: %v", err)
+		}
+		t.Logf("cuda: skipped (%v)", err)
+		return
+	}
+	defer release()
+	t.Run("cuda", func(t *testing.T) { testDeviceSaveAsync(t, scheduler.NewCUDA(d, k)) })
+}
+
+func testDeviceSaveAsync(t *testing.T, dev scheduler.Device) {
 	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 400, Threads: 2}
-	opts, _ := deviceOpts(base, perfmodel.Schedule{CPU: 1, GPU: 1, Resident: 3})
+	opts := base
+	opts.Device, opts.Schedule = dev, &perfmodel.Schedule{CPU: 1, GPU: 1, Resident: 3}
 	o := newTest(t, opts)
 	host := newTest(t, base)
 	root := t.TempDir()
