@@ -47,6 +47,17 @@
 // device (NewSim), which executes each operation at once on the CPU and
 // keeps a virtual clock per stream and lane.
 //
+// # Planning
+//
+// Simulate replays the engine's schedule in virtual time from a Profile,
+// with no memory or math, operation by operation (the lanes, the slots,
+// the pieces, the host waits, and contention between the CPU workers and
+// the copies as a fluid model): the simulated device's timing half, which
+// dos plan runs for sizes and machines one does not have. It codes the
+// engine's policy a second time; TestSimulateAgainstModel holds it within
+// 5 % of the performance model, and BENCHMARKS.md compares both with the
+// measured engine.
+//
 // # Traces
 //
 // Engine.Trace returns every operation of the last Update (resource,

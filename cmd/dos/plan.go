@@ -1,13 +1,17 @@
 package main
 
 import (
+	"bufio"
 	"flag"
 	"fmt"
 	"io"
 	"math"
+	"os"
 	"slices"
+	"strings"
 
 	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
 )
 
 func runPlan(args []string, stdout, stderr io.Writer) int {
@@ -24,12 +28,15 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	ug := fs.Float64("gpu-rate", 0, "the GPU's fused AdamW rate in `Gparam/s` (0: the profile's)")
 	gradDType := fs.String("grad-dtype", "bfloat16", "gradient dtype on the GPU: float32, bfloat16 or float16")
 	sweep := fs.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the chosen residents)")
+	tracePath := fs.String("trace", "", "write the replay of the model's schedule to `PATH` as Chrome trace-event JSON")
+	timeline := fs.String("timeline", "", "draw the replay of the model's schedule to `PATH` (.svg, .png or .pdf)")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: dos plan --profile PATH [flags]\n\n"+
-			"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile\n"+
-			"and the performance model (perfmodel; validated against dos bench on the H200 machine within 13 %%):\n"+
-			"the predicted update phase of each strategy (all on the CPU, a static split, all resident when it\n"+
-			"fits, the model's interleaved schedule) and of a k sweep, per rank. Flags describe another machine\n"+
+			"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile:\n"+
+			"the update phase of each strategy (all on the CPU, a static split, all resident when it fits, the\n"+
+			"performance model's interleaved schedule) and of a k sweep, per rank, as the performance model\n"+
+			"predicts it and as the simulated device replays the engine's schedule operation by operation\n"+
+			"(scheduler.Simulate). Flags describe another machine\n"+
 			"by scaling the profile's rates; the contention slow-downs stay the profile's, and ranks on one\n"+
 			"host are modelled as sharing only its cores.\n\nFlags:\n")
 		fs.PrintDefaults()
@@ -101,6 +108,14 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	if err := p.Validate(); err != nil {
 		return fail("the scaled profile: %v", err)
 	}
+	if *timeline != "" {
+		if err := checkPlotPath(*timeline); err != nil {
+			return fail("%v", strings.Replace(err.Error(), "--plot", "--timeline", 1))
+		}
+	}
+	if err := checkWritable(*tracePath); err != nil {
+		return fail("--trace: %v", err)
+	}
 	choice, err := p.Choose(w)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos plan: %v\n", err)
@@ -112,26 +127,56 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		*params/1e9, *ranks, float64(rankParams)/1e9, n, *sgSize/1_000_000, perRank, *budget)
 	fmt.Fprintf(stdout, "machine: Uc %.2f Gparam/s at %d workers, Ug %.1f Gparam/s, H2D/D2H %.1f/%.1f GB/s (both at once %.1f/%.1f), contention CPU %.2fx, PCIe %.2fx (from %s, measured on %s, %s)\n",
 		uc.Rate/1e9, perRank, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.Contention.CPU, g.Contention.PCIe, *profPath, prof.Machine.CPU, prof.Machine.GPU)
-	fmt.Fprintf(stdout, "%-12s %5s %5s %5s %7s %7s %10s %12s %-6s\n", "schedule", "cpu", "gpu", "res", "k", "upcast", "update s", "Gparam/s", "bneck")
-	row := func(name string, s perfmodel.Schedule) {
+	var sizes []int64
+	for off := int64(0); off < rankParams; off += *sgSize {
+		sizes = append(sizes, min(*sgSize, rankParams-off))
+	}
+	fmt.Fprintf(stdout, "%-12s %5s %5s %5s %7s %7s %9s %9s %12s %-6s %5s %5s %5s\n", "schedule", "cpu", "gpu", "res", "k", "upcast", "model s", "replay s", "Gparam/s", "bneck", "cpu", "h2d", "d2h")
+	var modelOps []scheduler.Op
+	row := func(name string, s perfmodel.Schedule) error {
 		pr, err := p.Predict(w, s)
 		if err != nil {
 			fmt.Fprintf(stdout, "%-12s %5d %5d %5d  does not fit: %v\n", name, s.CPU, s.GPU, s.Resident, err)
-			return
+			return nil
 		}
-		fmt.Fprintf(stdout, "%-12s %5d %5d %5d %7s %7v %10.3f %12.2f %-6s\n", name, s.CPU, s.GPU, s.Resident, kString(s.K()), s.UpcastOnGPU,
-			pr.Makespan, float64(rankParams)/pr.Makespan/1e9, pr.Bottleneck)
+		plan, err := scheduler.NewPlan(n, s)
+		if err != nil {
+			return err
+		}
+		ops, err := scheduler.Simulate(scheduler.Machine{Profile: &p, Threads: perRank}, scheduler.SimWorkload{Sizes: sizes, GradDType: *gradDType}, plan)
+		if err != nil {
+			return err
+		}
+		if name == "model" {
+			modelOps = ops
+		}
+		sum := scheduler.Summarize(ops)
+		fmt.Fprintf(stdout, "%-12s %5d %5d %5d %7s %7v %9.3f %9.3f %12.2f %-6s %5.2f %5.2f %5.2f\n", name, s.CPU, s.GPU, s.Resident, kString(s.K()), s.UpcastOnGPU,
+			pr.Makespan, sum.Makespan.Seconds(), float64(rankParams)/pr.Makespan/1e9, pr.Bottleneck, sum.Fraction("cpu"), sum.Fraction("h2d"), sum.Fraction("d2h"))
+		return nil
 	}
 	perSG := 12 * float64(min(*sgSize, rankParams)) // p, m, v
 	fit := int(float64(w.GPUBudget) / perSG)
-	row("cpu-only", perfmodel.Schedule{CPU: n})
+	rows := []struct {
+		name string
+		s    perfmodel.Schedule
+	}{{"cpu-only", perfmodel.Schedule{CPU: n}}}
 	if r := min(fit, n); r > 0 {
-		row("static", perfmodel.Schedule{CPU: n - r, Resident: r})
+		rows = append(rows, struct {
+			name string
+			s    perfmodel.Schedule
+		}{"static", perfmodel.Schedule{CPU: n - r, Resident: r}})
 	}
 	if fit >= n {
-		row("all-gpu", perfmodel.Schedule{Resident: n})
+		rows = append(rows, struct {
+			name string
+			s    perfmodel.Schedule
+		}{"all-gpu", perfmodel.Schedule{Resident: n}})
 	}
-	row("model", choice.Schedule)
+	rows = append(rows, struct {
+		name string
+		s    perfmodel.Schedule
+	}{"model", choice.Schedule})
 	if *sweep > 1 {
 		r := choice.Resident
 		if choice.GPU == 0 {
@@ -143,10 +188,40 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			gs = append(gs, int(math.Round(float64(j)*float64(N)/float64(*sweep-1))))
 		}
 		for _, gpu := range slices.Compact(gs) {
-			row("sweep", perfmodel.Schedule{CPU: N - gpu, GPU: gpu, Resident: r, UpcastOnGPU: choice.UpcastOnGPU})
+			rows = append(rows, struct {
+				name string
+				s    perfmodel.Schedule
+			}{"sweep", perfmodel.Schedule{CPU: N - gpu, GPU: gpu, Resident: r, UpcastOnGPU: choice.UpcastOnGPU}})
+		}
+	}
+	for _, x := range rows {
+		if err := row(x.name, x.s); err != nil {
+			fmt.Fprintf(stderr, "dos plan: %v\n", err)
+			return 1
 		}
 	}
 	fmt.Fprintf(stdout, "the model's choice: k = %s (%d CPU, %d GPU, %d resident subgroups per rank), %.3f s per update phase, bottleneck %s\n",
 		kString(choice.K), choice.CPU, choice.GPU, choice.Resident, choice.Makespan, choice.Bottleneck)
+	if *tracePath != "" {
+		err := writeAtomic(*tracePath, func(f *os.File) error {
+			bw := bufio.NewWriter(f)
+			if err := scheduler.WriteChrome(bw, modelOps); err != nil {
+				return err
+			}
+			return bw.Flush()
+		})
+		if err != nil {
+			fmt.Fprintf(stderr, "dos plan: --trace: %v\n", err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "replay of the model's schedule written to %s\n", *tracePath)
+	}
+	if *timeline != "" {
+		if err := plotTimeline(modelOps, fmt.Sprintf("dos plan: the model's schedule replayed, %.3gB parameters per rank", float64(rankParams)/1e9), *timeline); err != nil {
+			fmt.Fprintf(stderr, "dos plan: --timeline: %v\n", err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "timeline written to %s\n", *timeline)
+	}
 	return 0
 }
