@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"container/heap"
 	"errors"
 	"fmt"
 	"math"
@@ -45,8 +46,16 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 	if p == nil || p.GPU == nil {
 		return nil, errors.New("scheduler: Simulate needs a profile with GPU rates")
 	}
-	if plan == nil || len(plan.Roles) != len(w.Sizes) {
-		return nil, fmt.Errorf("scheduler: Simulate: the plan must place the %d subgroups", len(w.Sizes))
+	if err := p.Validate(); err != nil {
+		return nil, fmt.Errorf("scheduler: Simulate: %w", err)
+	}
+	if len(w.Sizes) == 0 || plan == nil || len(plan.Roles) != len(w.Sizes) {
+		return nil, fmt.Errorf("scheduler: Simulate: the plan must place the %d subgroups (at least one)", len(w.Sizes))
+	}
+	for i, n := range w.Sizes {
+		if n <= 0 || n > maxElems {
+			return nil, fmt.Errorf("scheduler: Simulate: subgroup %d has %d parameters: want 1 to %d", i, n, int64(maxElems))
+		}
 	}
 	var gb float64
 	switch w.GradDType {
@@ -67,25 +76,28 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 	if err != nil {
 		return nil, err
 	}
-	st := 12.0
-	if w.AMSGrad {
-		st = 16
-	}
 	g := p.GPU
 	fc, fl := max(1, g.Contention.CPU), max(1, g.Contention.PCIe)
 
 	s := &des{}
-	chunk := func(kind int, what string, i int, bytes float64, deps ...*task) []*task {
-		// State copies in CopyChunk pieces, each after the lane's piece
-		// two before (the engine's throttle), in order.
+	arrays := 3
+	if w.AMSGrad {
+		arrays = 4
+	}
+	chunk := func(kind int, what string, i int, n float64, deps ...*task) []*task {
+		// A state copy: each array (p, m, v, vmax) in CopyChunk pieces,
+		// each after the lane's piece two before (the engine's throttle),
+		// in order.
 		var out []*task
-		for o := 0.0; o < bytes; o += CopyChunk {
-			t := s.add(kind, what, i, min(CopyChunk, bytes-o), deps...)
-			if n := len(s.lane[kind]); n >= 2 {
-				t.deps = append(t.deps, s.lane[kind][n-2])
+		for range arrays {
+			for o := 0.0; o < 4*n; o += CopyChunk {
+				t := s.add(kind, what, i, min(CopyChunk, 4*n-o), deps...)
+				if k := len(s.lane[kind]); k >= 2 {
+					t.deps = append(t.deps, s.lane[kind][k-2])
+				}
+				s.lane[kind] = append(s.lane[kind], t)
+				out = append(out, t)
 			}
-			s.lane[kind] = append(s.lane[kind], t)
-			out = append(out, t)
 		}
 		return out
 	}
@@ -102,10 +114,10 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 		}
 		slot := streamed % 2
 		streamed++
-		h2d := chunk(resH2D, "state H2D", i, st*n, lastOnSlot[slot])
+		h2d := chunk(resH2D, "state H2D", i, n, lastOnSlot[slot])
 		k := s.add(resGPU, "AdamW", i, n, h2d[len(h2d)-1], prevKernel)
 		prevKernel = k
-		d2h := chunk(resD2H, "state D2H", i, st*n, k)
+		d2h := chunk(resD2H, "state D2H", i, n, k)
 		lastOnSlot[slot] = d2h[len(d2h)-1]
 	}
 	// The CPU lane, in its order.
@@ -198,6 +210,25 @@ type task struct {
 	start, end float64
 	state      int // 0 waiting, 1 ready, 2 running, 3 done
 	seq        int
+	ndeps      int     // dependencies not yet ended
+	next       []*task // the tasks that depend on this one
+}
+
+// taskHeap orders ready tasks by the time they became ready, then by the
+// order they were added.
+type taskHeap []*task
+
+func (h taskHeap) Len() int { return len(h) }
+func (h taskHeap) Less(i, j int) bool {
+	return h[i].ready < h[j].ready || (h[i].ready == h[j].ready && h[i].seq < h[j].seq)
+}
+func (h taskHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
+func (h *taskHeap) Push(x any)   { *h = append(*h, x.(*task)) }
+func (h *taskHeap) Pop() any {
+	old := *h
+	t := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return t
 }
 
 type des struct {
@@ -216,45 +247,37 @@ func (s *des) add(res int, what string, sub int, work float64, deps ...*task) *t
 	return t
 }
 
-// run advances virtual time from event to event: tasks whose dependencies
-// ended become ready, each free resource starts its earliest-ready task
-// (ties: the order added, the order the engine enqueues), running tasks
-// progress at the rates of this moment.
+// maxSimSeconds bounds a replay's virtual time (about 31 years).
+const maxSimSeconds = 1e9
+
+// run advances virtual time from event to event: a task whose
+// dependencies have all ended becomes ready; each free resource starts its
+// earliest-ready task (ties: the order added, the order the engine
+// enqueues); running tasks progress at the rates of this moment. Each task
+// is pushed and popped once: O(T log T) for T tasks.
 func (s *des) run(rate func(*task, [numRes]int) float64, latency func(*task) float64) ([]Op, error) {
+	var queue [numRes]taskHeap
+	for _, t := range s.tasks {
+		t.ndeps = len(t.deps)
+		for _, d := range t.deps {
+			d.next = append(d.next, t)
+		}
+	}
+	for _, t := range s.tasks {
+		if t.ndeps == 0 {
+			t.state = 1
+			heap.Push(&queue[t.res], t)
+		}
+	}
 	now := 0.0
 	done := 0
 	var running [numRes]*task
 	for done < len(s.tasks) {
-		// Ready: every dependency done.
-		for _, t := range s.tasks {
-			if t.state != 0 {
-				continue
-			}
-			ok := true
-			for _, d := range t.deps {
-				if d.state != 3 {
-					ok = false
-					break
-				}
-			}
-			if ok {
-				t.state, t.ready = 1, now
-			}
-		}
-		// Start: each free resource takes its earliest-ready task.
 		for r := range numRes {
-			if running[r] != nil {
-				continue
-			}
-			var next *task
-			for _, t := range s.tasks {
-				if t.res == r && t.state == 1 && (next == nil || t.ready < next.ready || (t.ready == next.ready && t.seq < next.seq)) {
-					next = t
-				}
-			}
-			if next != nil {
-				next.state, next.start, next.lat = 2, now, latency(next)
-				running[r] = next
+			if running[r] == nil && queue[r].Len() > 0 {
+				t := heap.Pop(&queue[r]).(*task)
+				t.state, t.start, t.lat = 2, now, latency(t)
+				running[r] = t
 			}
 		}
 		var busy [numRes]int
@@ -273,6 +296,10 @@ func (s *des) run(rate func(*task, [numRes]int) float64, latency func(*task) flo
 				dt = min(dt, t.lat+t.left/rate(t, busy))
 			}
 		}
+		if now+dt > maxSimSeconds {
+			return nil, fmt.Errorf("scheduler: Simulate: the update phase would take over %.0f s", float64(maxSimSeconds))
+		}
+		var ended []*task
 		for r, t := range running {
 			if t == nil {
 				continue
@@ -287,10 +314,19 @@ func (s *des) run(rate func(*task, [numRes]int) float64, latency func(*task) flo
 			if t.lat <= 0 && t.left <= 1e-9*t.work+1e-9 {
 				t.state, t.end = 3, now+dt
 				running[r] = nil
+				ended = append(ended, t)
 				done++
 			}
 		}
 		now += dt
+		for _, t := range ended {
+			for _, n := range t.next {
+				if n.ndeps--; n.ndeps == 0 {
+					n.state, n.ready = 1, now
+					heap.Push(&queue[n.res], n)
+				}
+			}
+		}
 	}
 	// One Op per engine operation: a state copy's pieces become one.
 	type key struct {

@@ -114,3 +114,32 @@ func TestSimulateAgainstModel(t *testing.T) {
 		}
 	}
 }
+
+// TestSimulateRefuses: bad sizes, an invalid profile and a phase longer
+// than the clock holds are errors, not panics, hangs or negative times.
+func TestSimulateRefuses(t *testing.T) {
+	p := simProfile(1e6, 1e7, 12e6, perfmodel.Contention{})
+	m := Machine{Profile: p, Threads: 1}
+	plan1, _ := NewPlan(1, perfmodel.Schedule{GPU: 1})
+	plan2, _ := NewPlan(2, perfmodel.Schedule{CPU: 1, GPU: 1})
+	for _, sizes := range [][]int64{{0}, {-5}} {
+		if _, err := Simulate(m, SimWorkload{Sizes: sizes, GradDType: "bfloat16"}, plan1); err == nil {
+			t.Errorf("sizes %v accepted", sizes)
+		}
+	}
+	if _, err := Simulate(m, SimWorkload{GradDType: "bfloat16"}, &Plan{}); err == nil {
+		t.Error("no subgroups accepted")
+	}
+	if _, err := Simulate(m, SimWorkload{Sizes: []int64{1, 1}, GradDType: "float64"}, plan2); err == nil {
+		t.Error("a float64 gradient accepted")
+	}
+	bad := simProfile(1e6, 1e7, 12e6, perfmodel.Contention{})
+	bad.GPU.Convert.Rate = 0
+	if _, err := Simulate(Machine{Profile: bad, Threads: 1}, SimWorkload{Sizes: []int64{1, 1}, GradDType: "bfloat16"}, plan2); err == nil {
+		t.Error("an invalid profile accepted")
+	}
+	slow := simProfile(1, 1, 1, perfmodel.Contention{})
+	if _, err := Simulate(Machine{Profile: slow, Threads: 1}, SimWorkload{Sizes: []int64{1 << 40}, GradDType: "bfloat16"}, plan1); err == nil {
+		t.Error("an update phase of 35,000 years replayed")
+	}
+}

@@ -173,8 +173,21 @@ func writeJSON(path string, v any) error {
 
 // writeAtomic writes path through write into a temporary file next to it,
 // synced and renamed over path: a failure (a full disk) leaves whatever
-// was at path before untouched and no partial file.
+// was at path before untouched and no partial file. A path that exists
+// and is not a regular file (a device, a pipe, a symbolic link) is written
+// in place instead: renaming over it would replace it.
 func writeAtomic(path string, write func(f *os.File) error) error {
+	if st, err := os.Lstat(path); err == nil && !st.Mode().IsRegular() {
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_TRUNC, 0)
+		if err != nil {
+			return err
+		}
+		err = write(f)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		return err
+	}
 	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
 	if err != nil {
 		return err

@@ -61,14 +61,25 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		return fail("--gpu-budget %v: want a number of GiB >= 0", *budget)
 	case *threads < 0:
 		return fail("--threads %d: want >= 0", *threads)
-	case !(*cpuScale > 0) || *cpuScale > 1e6:
-		return fail("--cpu-scale %v: want > 0", *cpuScale)
-	case !(*pcie >= 0) || *pcie > 1e6:
-		return fail("--pcie %v: want GB/s >= 0", *pcie)
-	case !(*ug >= 0) || *ug > 1e6:
-		return fail("--gpu-rate %v: want Gparam/s >= 0", *ug)
+	case !(*cpuScale >= 1e-6) || *cpuScale > 1e6:
+		return fail("--cpu-scale %v: want 1e-6 to 1e6", *cpuScale)
+	case *pcie != 0 && (!(*pcie >= 1e-3) || *pcie > 1e6):
+		return fail("--pcie %v: want GB/s from 0.001 to 1e6 (0: the profile's)", *pcie)
+	case *ug != 0 && (!(*ug >= 1e-3) || *ug > 1e6):
+		return fail("--gpu-rate %v: want Gparam/s from 0.001 to 1e6 (0: the profile's)", *ug)
 	case *sweep < 0 || *sweep > 1000:
 		return fail("--sweep %d: want 0 to 1000", *sweep)
+	}
+	switch *gradDType {
+	case "bf16":
+		*gradDType = "bfloat16"
+	case "fp16":
+		*gradDType = "float16"
+	case "fp32":
+		*gradDType = "float32"
+	case "bfloat16", "float16", "float32":
+	default:
+		return fail("--grad-dtype %q: want bfloat16, float16 or float32", *gradDType)
 	}
 	prof, err := perfmodel.Read(*profPath)
 	if err != nil {
@@ -78,10 +89,12 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	if prof.GPU == nil {
 		return fail("--profile %s has no GPU rates (measured with --cpu-only)", *profPath)
 	}
+	measured := 0
+	for _, c := range prof.CPU {
+		measured = max(measured, c.Threads)
+	}
 	if *threads == 0 {
-		for _, c := range prof.CPU {
-			*threads = max(*threads, c.Threads)
-		}
+		*threads = measured
 	}
 	perRank := max(1, *threads / *ranks)
 	// The machine: the profile's rates, scaled.
@@ -106,7 +119,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		return fail("%v", err)
 	}
 	if err := p.Validate(); err != nil {
-		return fail("the scaled profile: %v", err)
+		return fail("--cpu-scale, --pcie or --gpu-rate leave no usable rate: %v", err)
 	}
 	if *timeline != "" {
 		if err := checkPlotPath(*timeline); err != nil {
@@ -123,8 +136,11 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	uc, _ := p.CPURate(perRank, *gradDType)
 	n := w.Subgroups()
-	fmt.Fprintf(stdout, "dos plan: %.3gB parameters over %d rank(s): %.3gB per rank in %d subgroups of up to %dM, %d CPU workers per rank, GPU budget %g GiB per rank\n",
-		*params/1e9, *ranks, float64(rankParams)/1e9, n, *sgSize/1_000_000, perRank, *budget)
+	fmt.Fprintf(stdout, "dos plan: %s parameters over %d rank(s): %s per rank in %d subgroups of up to %s, %d CPU workers per rank, GPU budget %g GiB per rank\n",
+		count(*params), *ranks, count(float64(rankParams)), n, count(float64(*sgSize)), perRank, *budget)
+	if perRank > measured {
+		fmt.Fprintf(stdout, "note: the profile measured at most %d workers; its rate there stands for %d (scale it with --cpu-scale)\n", measured, perRank)
+	}
 	fmt.Fprintf(stdout, "machine: Uc %.2f Gparam/s at %d workers, Ug %.1f Gparam/s, H2D/D2H %.1f/%.1f GB/s (both at once %.1f/%.1f), contention CPU %.2fx, PCIe %.2fx (from %s, measured on %s, %s)\n",
 		uc.Rate/1e9, perRank, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.Contention.CPU, g.Contention.PCIe, *profPath, prof.Machine.CPU, prof.Machine.GPU)
 	var sizes []int64
@@ -224,4 +240,17 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "timeline written to %s\n", *timeline)
 	}
 	return 0
+}
+
+// count formats a parameter count: 3.91B, 50M, 834K.
+func count(n float64) string {
+	switch {
+	case n >= 1e9:
+		return fmt.Sprintf("%.3gB", n/1e9)
+	case n >= 1e6:
+		return fmt.Sprintf("%.3gM", n/1e6)
+	case n >= 1e3:
+		return fmt.Sprintf("%.3gK", n/1e3)
+	}
+	return fmt.Sprintf("%.0f", n)
 }
