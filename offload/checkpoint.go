@@ -146,7 +146,6 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 		// the trainer's next forward and backward run meanwhile.
 		wait, err := o.eng.DownloadAsync()
 		if err != nil {
-			o.broken = true
 			return nil, fmt.Errorf("offload: %w", err)
 		}
 		snap.Prepare = wait

@@ -522,27 +522,13 @@ func (e *Engine) upload(working bool) error {
 // waits: afterwards HostState is current for every subgroup (for a
 // checkpoint or a comparison).
 //
-// Errors: a failed copy.
+// Errors: a failed copy (the device's copy stays the one that counts).
 func (e *Engine) Download() error {
-	if e.broken {
-		return ErrBroken
-	}
-	s := e.s[sD2H]
-	for i := range e.o.Sizes {
-		if e.plan.Roles[i] != Resident {
-			continue
-		}
-		for a := range e.nArr {
-			h, off, b := e.hostVec(a, i)
-			if err := e.dev.D2H(s, h, off, e.res[a], 4*e.resOff[i], b); err != nil {
-				return err
-			}
-		}
-	}
-	if err := e.dev.Record(e.tail[2], s); err != nil {
+	wait, err := e.DownloadAsync()
+	if err != nil {
 		return err
 	}
-	return e.dev.Sync(e.tail[2])
+	return wait()
 }
 
 // xferElems bounds the pinned staging of SetGrad and GetWorking in
@@ -623,8 +609,8 @@ func (e *Engine) through(b []byte, m Mem, up bool) error {
 // checkpoint's capture (checkpoint.Snapshot.Prepare) calls it while
 // training goes on. Nothing may update the state before it returned.
 //
-// Errors: a copy that cannot be enqueued (the engine is then broken: part
-// of the host state may be overwritten).
+// Errors: ErrBroken, a copy that cannot be enqueued (the device's copy of
+// the resident state stays the one that counts: the host's was stale).
 func (e *Engine) DownloadAsync() (wait func() error, err error) {
 	if e.broken {
 		return nil, ErrBroken
@@ -639,14 +625,12 @@ func (e *Engine) DownloadAsync() (wait func() error, err error) {
 		for a := range e.nArr {
 			h, off, b := e.hostVec(a, i)
 			if err := e.dev.D2H(s, h, off, e.res[a], 4*e.resOff[i], b); err != nil {
-				e.broken = true
-				return nil, fmt.Errorf("%w: %v", ErrBroken, err)
+				return nil, err
 			}
 		}
 	}
 	if err := e.dev.Record(e.dlEv, s); err != nil {
-		e.broken = true
-		return nil, fmt.Errorf("%w: %v", ErrBroken, err)
+		return nil, err
 	}
 	ev := e.dlEv
 	return func() error { return e.dev.Sync(ev) }, nil
