@@ -161,6 +161,17 @@ func (c *TrainConfig) Validate() error {
 		return errors.New("trainer: --schedule and --gpu-budget need --device")
 	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:
 		return fmt.Errorf("trainer: gpu_budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
+	}
+	if c.Schedule != "" {
+		s, err := scheduler.ParseSchedule(c.Schedule)
+		if err != nil {
+			return fmt.Errorf("trainer: --schedule: %w", err)
+		}
+		if n := c.subgroups(); s.CPU+s.GPU+s.Resident != n {
+			return fmt.Errorf("trainer: --schedule %s: %d subgroups, but the model's %d parameters in subgroups of %d make %d", c.Schedule, s.CPU+s.GPU+s.Resident, c.paramCount(), c.optimizerOptions().SubgroupSize, n)
+		}
+	}
+	switch {
 	case c.SampleBytes > 1<<20 || c.EvalBatches > 1<<16:
 		return fmt.Errorf("trainer: sample_bytes %d (max %d) or eval_batches %d (max %d) too large", c.SampleBytes, 1<<20, c.EvalBatches, 1<<16)
 	}
@@ -218,15 +229,7 @@ func (c *TrainConfig) device(o *offload.Options, here *perfmodel.Machine) (func(
 	if o.GPUBudget == 0 {
 		o.GPUBudget = DefaultGPUBudget
 	}
-	total := 0
-	for _, p := range c.Model.Params() {
-		n := 1
-		for _, d := range p.Shape {
-			n *= d
-		}
-		total += n
-	}
-	n := (total + o.SubgroupSize - 1) / o.SubgroupSize
+	n := c.subgroups()
 	switch {
 	case c.Schedule != "":
 		s, err := scheduler.ParseSchedule(c.Schedule)
@@ -240,6 +243,25 @@ func (c *TrainConfig) device(o *offload.Options, here *perfmodel.Machine) (func(
 		o.Schedule = &s
 	}
 	return closeDev, nil
+}
+
+// paramCount returns the model's parameters.
+func (c *TrainConfig) paramCount() int {
+	total := 0
+	for _, p := range c.Model.Params() {
+		n := 1
+		for _, d := range p.Shape {
+			n *= d
+		}
+		total += n
+	}
+	return total
+}
+
+// subgroups returns the optimizer's subgroup count for the model.
+func (c *TrainConfig) subgroups() int {
+	sg := c.optimizerOptions().SubgroupSize
+	return (c.paramCount() + sg - 1) / sg
 }
 
 // DefaultGPUBudget is the device memory in bytes the update phase may use

@@ -154,6 +154,11 @@ func TestTrainRefusals(t *testing.T) {
 		{[]string{"--steps", "5", "--loss-scale", "1e-50"}, 2, "loss_scale"},
 		{[]string{"--steps", "5", "--beta1", "2"}, 2, "beta1"},
 		{[]string{"--steps", "5", "--text", "/dev/zero"}, 1, "not a regular file"},
+		{[]string{"--steps", "5", "--device", "sim", "--working-dtype", "bfloat16", "--subgroup-size", "1000", "--schedule", "3,3,3"}, 2, "make 8"},
+		{[]string{"--steps", "5", "--device", "sim", "--working-dtype", "bfloat16", "--schedule", "3,x"}, 2, "CPU,GPU,RESIDENT"},
+		{[]string{"--steps", "5", "--device", "sim"}, 2, "--working-dtype"},
+		{[]string{"--steps", "5", "--device", "tpu", "--working-dtype", "bfloat16"}, 2, "want sim or cuda"},
+		{[]string{"--steps", "5", "--schedule", "1,0,0"}, 2, "need --device"},
 	} {
 		out, err := dosCmd(append(append([]string{"train"}, tiny...), tc.args...)...).CombinedOutput()
 		rc := 0
