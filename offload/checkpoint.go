@@ -120,7 +120,10 @@ func (o *Optimizer) subgroupOf(i int) int {
 // step counter: a trainer passes its iteration). Until the state is
 // captured, the next Step waits, subgroup by subgroup, only for the
 // capture of the subgroup it is about to update; SetParam, LoadCheckpoint
-// and Close wait for the whole capture. A failed background save is
+// and Close wait for the whole capture. With Options.Device, the resident
+// subgroups' state moves D2H in the background first (the snapshot's
+// Prepare), and the next Step waits for the whole capture (the engine
+// updates subgroups on both devices at once). A failed background save is
 // returned by the handle, by e's next Save and by this optimizer's next
 // Step (once, the step not taken).
 //
