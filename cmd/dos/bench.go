@@ -121,39 +121,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	nsg := len(sizes)
-	perSG := 12 * float64(*sgSize)
-	fit := int(float64(w.GPUBudget) / perSG) // subgroups whose state fits the budget
-	type cand struct {
-		name string
-		s    perfmodel.Schedule
-	}
-	cands := []cand{{"cpu-only", perfmodel.Schedule{CPU: nsg}}}
-	if r := min(fit, nsg); r > 0 {
-		cands = append(cands, cand{"static", perfmodel.Schedule{CPU: nsg - r, Resident: r}})
-	}
-	if fit >= nsg {
-		cands = append(cands, cand{"all-gpu", perfmodel.Schedule{Resident: nsg}})
-	}
-	cands = append(cands, cand{"model", choice.Schedule})
-	if *sweep > 0 {
-		r := choice.Resident
-		if fit-2 < r {
-			r = max(0, fit-2) // room for the two staging slots
-		}
-		N := nsg - r
-		var gs []int
-		for j := range *sweep {
-			gs = append(gs, int(math.Round(float64(j)*float64(N)/float64(max(1, *sweep-1)))))
-		}
-		for _, g := range slices.Compact(gs) {
-			s := perfmodel.Schedule{CPU: N - g, GPU: g, Resident: r, UpcastOnGPU: choice.UpcastOnGPU}
-			if g == 0 {
-				s.Resident = choice.Resident
-				s.CPU = nsg - s.Resident
-			}
-			cands = append(cands, cand{fmt.Sprintf("sweep k=%s", kString(s.K())), s})
-		}
-	}
+	cands := strategies(w, choice, *sweep)
 	fmt.Fprintf(stdout, "dos bench: %.2fB parameters in %d subgroups of up to %dM, bf16 gradients and copy, %d CPU workers, GPU budget %g GiB, %s\n",
 		float64(n)/1e9, nsg, *sgSize/1_000_000, *threads, *budget, dev)
 	fmt.Fprintf(stdout, "model's choice: %d CPU, %d GPU, %d resident subgroups, k = %s, upcast on GPU %v: %.3f s predicted, bottleneck %s\n",

@@ -171,45 +171,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			pr.Makespan, sum.Makespan.Seconds(), float64(rankParams)/pr.Makespan/1e9, pr.Bottleneck, sum.Fraction("cpu"), sum.Fraction("h2d"), sum.Fraction("d2h"))
 		return nil
 	}
-	perSG := 12 * float64(min(*sgSize, rankParams)) // p, m, v
-	fit := int(float64(w.GPUBudget) / perSG)
-	rows := []struct {
-		name string
-		s    perfmodel.Schedule
-	}{{"cpu-only", perfmodel.Schedule{CPU: n}}}
-	if r := min(fit, n); r > 0 {
-		rows = append(rows, struct {
-			name string
-			s    perfmodel.Schedule
-		}{"static", perfmodel.Schedule{CPU: n - r, Resident: r}})
-	}
-	if fit >= n {
-		rows = append(rows, struct {
-			name string
-			s    perfmodel.Schedule
-		}{"all-gpu", perfmodel.Schedule{Resident: n}})
-	}
-	rows = append(rows, struct {
-		name string
-		s    perfmodel.Schedule
-	}{"model", choice.Schedule})
-	if *sweep > 1 {
-		r := choice.Resident
-		if choice.GPU == 0 {
-			r = max(0, min(r, fit-2)) // room for the two staging slots
-		}
-		N := n - r
-		var gs []int
-		for j := range *sweep {
-			gs = append(gs, int(math.Round(float64(j)*float64(N)/float64(*sweep-1))))
-		}
-		for _, gpu := range slices.Compact(gs) {
-			rows = append(rows, struct {
-				name string
-				s    perfmodel.Schedule
-			}{"sweep", perfmodel.Schedule{CPU: N - gpu, GPU: gpu, Resident: r, UpcastOnGPU: choice.UpcastOnGPU}})
-		}
-	}
+	rows := strategies(w, choice, *sweep)
 	for _, x := range rows {
 		if err := row(x.name, x.s); err != nil {
 			fmt.Fprintf(stderr, "dos plan: %v\n", err)
