@@ -485,37 +485,29 @@ func (e *Engine) Load() error {
 
 func (e *Engine) upload(working bool) error {
 	s := e.s[sH2D]
-	var stg Host
-	if working {
-		var err error
-		if stg, err = e.dev.AllocHost(2 * e.maxN); err != nil {
-			return err
+	for i := range e.o.Sizes {
+		if e.plan.Roles[i] != Resident {
+			continue
 		}
-		defer e.dev.Free(stg)
-	}
-	for i, n := range e.o.Sizes {
-		if e.plan.Roles[i] == Resident {
-			for a := range e.nArr {
-				h, off, b := e.hostVec(a, i)
-				if err := e.dev.H2D(s, e.res[a], 4*e.resOff[i], h, off, b); err != nil {
-					return err
-				}
-			}
-		}
-		if working {
-			// Through the host staging buffer (Round16 on the host: the
-			// CPU's rounding is the kernels' too).
-			u := unsafe.Slice((*uint16)(unsafe.Pointer(&stg.Bytes()[0])), n)
-			adam.Round16(e.o.WorkingDType, u, e.state.Param[e.off[i]:e.off[i]+int64(n)])
-			if err := e.dev.H2D(s, e.work, 2*e.off[i], stg, 0, 2*int64(n)); err != nil {
+		for a := range e.nArr {
+			h, off, b := e.hostVec(a, i)
+			if err := e.dev.H2D(s, e.res[a], 4*e.resOff[i], h, off, b); err != nil {
 				return err
 			}
 		}
-		if err := firstErr(e.dev.Record(e.tail[0], s), e.dev.Sync(e.tail[0])); err != nil {
-			return err
-		}
 	}
-	return nil
+	if err := firstErr(e.dev.Record(e.tail[sH2D], s), e.dev.Sync(e.tail[sH2D])); err != nil {
+		return err
+	}
+	if !working {
+		return nil
+	}
+	// The working copy, all subgroups flat, rounded on the host into the
+	// staging buffer piece by piece (the CPU's rounding is the kernels').
+	return e.pieces(2*e.total, e.work, true, func(st []byte, o int64) {
+		u := unsafe.Slice((*uint16)(unsafe.Pointer(&st[0])), len(st)/2)
+		adam.Round16(e.o.WorkingDType, u, e.state.Param[o/2:o/2+int64(len(u))])
+	})
 }
 
 // Download moves the resident subgroups' state D2H into the host state and
@@ -574,23 +566,37 @@ func (e *Engine) GetWorking(dst []uint16) error {
 // through copies host bytes b to device memory m (up) or m to b, through
 // the pinned staging buffer, piece by piece, waiting for each.
 func (e *Engine) through(b []byte, m Mem, up bool) error {
+	return e.pieces(int64(len(b)), m, up, func(st []byte, o int64) {
+		if up {
+			copy(st, b[o:])
+		} else {
+			copy(b[o:], st)
+		}
+	})
+}
+
+// pieces moves size bytes between the pinned staging buffer and device
+// memory m from offset 0, a staging buffer's worth at a time, waiting for
+// each: up, host fills the piece at byte o before it moves H2D; down, it
+// reads it after the D2H.
+func (e *Engine) pieces(size int64, m Mem, up bool, host func(st []byte, o int64)) error {
 	st := e.xfer.Bytes()
 	l := sH2D
 	if !up {
 		l = sD2H
 	}
 	s := e.s[l]
-	for o := 0; o < len(b); o += len(st) {
-		n := min(len(st), len(b)-o)
+	for o := int64(0); o < size; o += int64(len(st)) {
+		n := min(int64(len(st)), size-o)
 		if up {
-			copy(st, b[o:o+n])
+			host(st[:n], o)
 		}
 		var err error
 		e.laneMu[l].Lock()
 		if up {
-			err = e.dev.H2D(s, m, int64(o), e.xfer, 0, int64(n))
+			err = e.dev.H2D(s, m, o, e.xfer, 0, n)
 		} else {
-			err = e.dev.D2H(s, e.xfer, 0, m, int64(o), int64(n))
+			err = e.dev.D2H(s, e.xfer, 0, m, o, n)
 		}
 		err = firstErr(err, e.dev.Record(e.tail[l], s))
 		e.laneMu[l].Unlock()
@@ -598,7 +604,7 @@ func (e *Engine) through(b []byte, m Mem, up bool) error {
 			return err
 		}
 		if !up {
-			copy(b[o:o+n], st[:n])
+			host(st[:n], o)
 		}
 	}
 	return nil
