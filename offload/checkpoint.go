@@ -121,9 +121,10 @@ func (o *Optimizer) subgroupOf(i int) int {
 // captured, the next Step waits, subgroup by subgroup, only for the
 // capture of the subgroup it is about to update; SetParam, LoadCheckpoint
 // and Close wait for the whole capture. With Options.Device, the resident
-// subgroups' state moves D2H in the background first (the snapshot's
-// Prepare), and the next Step waits for the whole capture (the engine
-// updates subgroups on both devices at once). A failed background save is
+// subgroups' state moves D2H on its own stream first (the snapshot's
+// Prepare waits for it in the background), the next update's kernels wait
+// for that copy on the device, and the engine's CPU workers and state D2H
+// copies wait per subgroup (scheduler.Engine.Hold). A failed background save is
 // returned by the handle, by e's next Save and by this optimizer's next
 // Step (once, the step not taken).
 //
@@ -161,6 +162,12 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 		return nil, err
 	}
 	o.pending = h
+	if o.eng != nil {
+		// Copy-on-write: the engine's next writes to subgroup i's host
+		// state wait for subgroup i's capture (and a failed save frees
+		// the memory too; its error comes back from the handle).
+		o.eng.Hold(func(i int) { _ = h.WaitGroup(i) })
+	}
 	return h, nil
 }
 
@@ -178,6 +185,9 @@ func (o *Optimizer) settle(all bool) error {
 		return nil // still flushing (after WaitCaptured the state is free)
 	}
 	o.pending = nil
+	if o.eng != nil {
+		o.eng.Hold(nil)
+	}
 	if _, err := h.Wait(); err != nil {
 		return fmt.Errorf("offload: the checkpoint of step %d failed: %w", h.Stats().Step, err)
 	}

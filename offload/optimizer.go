@@ -551,13 +551,10 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 // whatever its role, then the update phase, then the working copy comes
 // back to the host mirror.
 func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult) (StepResult, error) {
-	if o.pending != nil {
-		// The engine updates subgroups on both devices at once: the
-		// whole snapshot must be captured first (its resident state's
-		// D2H included).
-		_ = o.pending.WaitCaptured()
-	}
-	o.downloading = false
+	// A lazy checkpoint in capture: the engine waits per subgroup (Hold,
+	// set by SaveAsync); the resident state's D2H is ordered before the
+	// kernels on the device. o.downloading stays: syncHost must still
+	// wait for the capture before bringing resident state back.
 	if o.devDirty {
 		if err := o.eng.Load(); err != nil {
 			return res, fmt.Errorf("offload: %w", err)

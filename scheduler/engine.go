@@ -115,6 +115,7 @@ type Engine struct {
 	xfer       Host // pinned staging for SetGrad and GetWorking
 	tail       [4]Event
 	dlEv       Event // DownloadAsync's
+	gate       func(i int) // Hold's
 	allocs     []any // freed by Close
 	planAllocs []any // freed by Replan and Close
 
@@ -613,7 +614,9 @@ func (e *Engine) pieces(size int64, m Mem, up bool, host func(st []byte, o int64
 // DownloadAsync enqueues the resident subgroups' state D2H into the host
 // state and returns at once, with the function that waits for it: a lazy
 // checkpoint's capture (checkpoint.Snapshot.Prepare) calls it while
-// training goes on. Nothing may update the state before it returned.
+// training goes on. The next Update's kernels wait for the copies on the
+// device (a stream wait, no host wait); nothing else may write the
+// resident subgroups' host state before wait returned.
 //
 // Errors: ErrBroken, a copy that cannot be enqueued (the device's copy of
 // the resident state stays the one that counts: the host's was stale).
@@ -638,9 +641,26 @@ func (e *Engine) DownloadAsync() (wait func() error, err error) {
 	if err := e.dev.Record(e.dlEv, s); err != nil {
 		return nil, err
 	}
+	// The resident state may change only once it has moved: the next
+	// kernels wait for the copies on the device, never on the host.
+	if err := e.dev.Wait(e.s[sKernel], e.dlEv); err != nil {
+		return nil, err
+	}
 	ev := e.dlEv
 	return func() error { return e.dev.Sync(ev) }, nil
 }
+
+// Hold makes every later Update call gate(i) and wait for it to return
+// before its first write to subgroup i's host state: before a CPU
+// subgroup's update (in place, in the host state) and before a GPU
+// subgroup's state D2H. Resident subgroups' host state is not written by
+// Update. A lazy checkpoint's copy-on-write uses it (offload.SaveAsync
+// passes checkpoint.Handle.WaitGroup), so that the next update of
+// subgroup i waits only for the capture of subgroup i (DataStates-LLM's
+// lazy, copy-on-write capture). gate runs on the engine's goroutines, at most once per
+// subgroup and Update, and must not call the engine; nil removes it.
+// Call it between Updates.
+func (e *Engine) Hold(gate func(i int)) { e.gate = gate }
 
 // Stats runs the global checks on the device gradients: whether every
 // element is finite and the sum of squares of the unscaled gradients
@@ -826,6 +846,9 @@ func (e *Engine) run(i, op, slot int) bool {
 	case opH2D:
 		err = e.stateCopy(sH2D, i, slot, e.after[i])
 	case opD2H:
+		if e.gate != nil {
+			e.gate(i) // the state D2H writes subgroup i's host state
+		}
 		err = e.stateCopy(sD2H, i, slot, e.ev[i][opKernel][1])
 	case opKernel:
 		s := e.s[sKernel]
@@ -967,6 +990,9 @@ func (e *Engine) cpu(i, slot int) bool {
 	}
 	cs := e.cst.Bytes()
 	out := adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}
+	if e.gate != nil {
+		e.gate(i) // the update writes subgroup i's host state in place
+	}
 	e.cpuT[i][0] = time.Since(e.t0)
 	e.pool.Step(e.c, e.state.Slice(int(lo), int(lo+n)), g, out)
 	e.cpuT[i][1] = time.Since(e.t0)
