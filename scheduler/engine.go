@@ -114,10 +114,10 @@ type Engine struct {
 	base       Event
 	xfer       Host // pinned staging for SetGrad and GetWorking
 	tail       [4]Event
-	dlEv       Event // DownloadAsync's
+	dlEv       Event       // DownloadAsync's
 	gate       func(i int) // Hold's
-	allocs     []any // freed by Close
-	planAllocs []any // freed by Replan and Close
+	allocs     []any       // freed by Close
+	planAllocs []any       // freed by Replan and Close
 
 	// Per Update.
 	c           *adam.Coeffs
