@@ -649,7 +649,9 @@ func (t *Trainer) saveLazily(step int64, objects map[string]any) error {
 		}
 		t.engine = e
 	}
-	if err := t.reportSave(false); err != nil {
+	// The engine runs one save at a time (its Save waits for the last
+	// one to be durable): report the last one first, never drop it.
+	if err := t.reportSave(true); err != nil {
 		return err
 	}
 	h, err := t.opt.SaveAsync(t.engine, step, objects)
@@ -768,6 +770,9 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		if cfg.EvalEvery > 0 && it%cfg.EvalEvery == 0 && it != cfg.Steps {
 			t.logf("iter %5d  val_loss %.4f\n", it, t.Evaluate())
+		}
+		if err := t.reportSave(false); err != nil { // a lazy checkpoint durable since the last iteration
+			return sum, err
 		}
 		if cfg.CkptEvery > 0 && it%cfg.CkptEvery == 0 {
 			if err := t.save(); err != nil {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"os/exec"
@@ -254,6 +255,24 @@ func TestTrainDevice(t *testing.T) {
 		straight := train(t, append([]string{"--steps", "30"}, append(slices.Clone(args[2:]), "--device", devName, "--schedule", "3,3,2")...)...)
 		if resumed.FinalLoss != straight.FinalLoss || resumed.ValLoss != straight.ValLoss {
 			t.Errorf("resumed on %s: %v/%v, straight %v/%v", devName, resumed.FinalLoss, resumed.ValLoss, straight.FinalLoss, straight.ValLoss)
+		}
+	}
+}
+
+// TestTrainReportsEveryCheckpoint: with a checkpoint at every iteration,
+// each lazy checkpoint is reported once when durable, none dropped (the
+// next save used to overwrite a handle not yet reported).
+func TestTrainReportsEveryCheckpoint(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "ck")
+	args := append(append([]string{"train"}, tiny...), "--steps", "12", "--ckpt-dir", dir, "--ckpt-every", "1")
+	out, err := dosCmd(args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("dos train: %v\n%s", err, out)
+	}
+	for step := 1; step <= 12; step++ {
+		line := fmt.Sprintf("checkpoint %s (", filepath.Join(dir, fmt.Sprintf("step-%09d", step)))
+		if n := strings.Count(string(out), line); n != 1 {
+			t.Errorf("step %d reported %d times, want once\n%s", step, n, out)
 		}
 	}
 }
