@@ -149,6 +149,10 @@ func NewEngine(fsys FS, root string, opts EngineOptions) (*Engine, error) {
 	return &Engine{fs: fsys, root: root, opts: opts, arena: arena, ring: pinned.NewRing(buf, true)}, nil
 }
 
+// Options returns the options in effect, defaults filled in (the ring's
+// size rounded down to whole chunks is RingBytes as given).
+func (e *Engine) Options() EngineOptions { return e.opts }
+
 // Stats describes one background save.
 type Stats struct {
 	Step   int64

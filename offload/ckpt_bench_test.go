@@ -164,7 +164,7 @@ func BenchmarkCheckpointBlocking(b *testing.B) {
 		syncBlocked := syncR.blocked - ref
 		lazyBlocked := mean(lazies, blocked) - ref
 		st := lazies[len(lazies)-1].h.Stats()
-		fmt.Printf("checkpoint of %.2f GiB (%d params), %s, compute %v per iteration, %s, lazy engine %+v\n", float64(st.Bytes)/(1<<30), o.NumParams(), where, compute, dir, eo)
+		fmt.Printf("checkpoint of %.2f GiB (%d params), %s, compute %v per iteration, %s, lazy engine %+v\n", float64(st.Bytes)/(1<<30), o.NumParams(), where, compute, dir, e.Options())
 		for i, r := range nones {
 			fmt.Printf("  without checkpoint %d: loop %v, Steps %s\n", i+1, r.total.Round(time.Millisecond), ms(r.steps))
 		}

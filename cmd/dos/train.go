@@ -68,7 +68,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.LogEvery, "log-every", cfg.LogEvery, "iterations between progress lines")
 	fs.IntVar(&cfg.SampleBytes, "sample", cfg.SampleBytes, "bytes of text to generate at the end (0: none)")
 	text := fs.String("text", "", "train on this UTF-8/byte text file (default: Newton's Opticks, embedded)")
-	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, initial_val_loss, steps, params, tokens_per_s, skipped_steps, sample} to this `PATH` (losses in nats per byte; sample bytes that are not UTF-8 become U+FFFD)")
+	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, initial_val_loss, steps, params, tokens_per_s, skipped_steps, sample, update_s, update_predicted_s} to this `PATH` (losses in nats per byte; update_s the mean update phase in seconds, update_predicted_s the model's with --profile; sample bytes that are not UTF-8 become U+FFFD)")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: dos train [flags]\n\n"+
 			"Trains a byte-level GPT-2 on Newton's Opticks with the offloaded AdamW optimizer, checkpointing\n"+
