@@ -159,6 +159,14 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 	snap.Step = step
 	h, err := e.Save(snap)
 	if err != nil {
+		if snap.Prepare != nil {
+			// The resident state's D2H is in flight with no capture to
+			// wait for it: the host state is current once it is done.
+			if werr := snap.Prepare(); werr != nil {
+				o.hostStale = true // the device's copy still counts
+			}
+			o.downloading = false
+		}
 		return nil, err
 	}
 	o.pending = h

@@ -302,6 +302,12 @@ func (o *Optimizer) syncHost() error {
 	if o.eng == nil || !o.hostStale {
 		return nil
 	}
+	if o.pending != nil {
+		// Download writes the resident subgroups' host state, which a
+		// lazy checkpoint in capture may still be reading (the engine's
+		// gate covers only Update).
+		_ = o.pending.WaitCaptured()
+	}
 	if err := o.eng.Download(); err != nil {
 		return fmt.Errorf("offload: %w", err)
 	}

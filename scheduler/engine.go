@@ -657,9 +657,11 @@ func (e *Engine) DownloadAsync() (wait func() error, err error) {
 // Update. A lazy checkpoint's copy-on-write uses it (offload.SaveAsync
 // passes checkpoint.Handle.WaitGroup), so that the next update of
 // subgroup i waits only for the capture of subgroup i (DataStates-LLM's
-// lazy, copy-on-write capture). gate runs on the engine's goroutines, at most once per
-// subgroup and Update, and must not call the engine; nil removes it.
-// Call it between Updates.
+// lazy, copy-on-write capture). gate runs on the engine's goroutines,
+// once per subgroup and Update (again for a subgroup whose state D2H is
+// redone after a fault), and must not call the engine; nil removes it.
+// Call it between Updates. Download, DownloadAsync and Replan write host
+// state without it: their caller waits for the capture first.
 func (e *Engine) Hold(gate func(i int)) { e.gate = gate }
 
 // Stats runs the global checks on the device gradients: whether every
