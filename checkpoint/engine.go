@@ -149,8 +149,8 @@ func NewEngine(fsys FS, root string, opts EngineOptions) (*Engine, error) {
 	return &Engine{fs: fsys, root: root, opts: opts, arena: arena, ring: pinned.NewRing(buf, true)}, nil
 }
 
-// Options returns the options in effect, defaults filled in (the ring's
-// size rounded down to whole chunks is RingBytes as given).
+// Options returns the options in effect, defaults filled in. RingBytes is
+// as given; the ring uses it rounded down to whole chunks.
 func (e *Engine) Options() EngineOptions { return e.opts }
 
 // Stats describes one background save.
