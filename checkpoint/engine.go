@@ -423,9 +423,7 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 	work := make(chan chunk, nchunks)
 	var writers sync.WaitGroup
 	for range e.opts.Writers {
-		writers.Add(1)
-		go func() {
-			defer writers.Done()
+		writers.Go(func() {
 			for c := range work {
 				if ctx.Err() == nil && c.n > 0 {
 					w := f
@@ -440,7 +438,7 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 					_ = e.ring.Release(c.span)
 				}
 			}
-		}()
+		})
 	}
 
 	// Copiers: fill each chunk's span with its part of the file image.
@@ -456,9 +454,7 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 	var gmu sync.Mutex
 	var copiers sync.WaitGroup
 	for range e.opts.Copiers {
-		copiers.Add(1)
-		go func() {
-			defer copiers.Done()
+		copiers.Go(func() {
 			for j := range jobs {
 				off := int64(j.k) * C
 				n := min(C, p.fileSize-off)
@@ -483,16 +479,14 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 				gmu.Unlock()
 				copied[j.k] <- j.span
 			}
-		}()
+		})
 	}
 
 	// Checksums, in file order (CRC32C is sequential within a tensor),
 	// then on to the writers.
 	crcs := make([]uint32, len(s.Tensors))
 	var crcDone sync.WaitGroup
-	crcDone.Add(1)
-	go func() {
-		defer crcDone.Done()
+	crcDone.Go(func() {
 		defer close(work)
 		t := 0 // the first tensor that may overlap the chunk
 		for k := range nchunks {
@@ -516,7 +510,7 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 			}
 			work <- chunk{span: span, off: off, n: n}
 		}
-	}()
+	})
 
 	// Reservations, in file order: a full ring waits for the writers.
 	k := 0

@@ -385,13 +385,11 @@ func fillBench(e *scheduler.Engine, dev *cuda.Device) error {
 	chunk := (len(st.Param) + runtime.GOMAXPROCS(0) - 1) / runtime.GOMAXPROCS(0)
 	for lo := 0; lo < len(st.Param); lo += chunk {
 		hi := min(lo+chunk, len(st.Param))
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			for i := lo; i < hi; i += pattern {
 				copy(st.Param[i:min(i+pattern, hi)], vals)
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	if err := e.Load(); err != nil {
