@@ -94,6 +94,19 @@ func loaded(t *testing.T, opts Options, root string) *Optimizer {
 	return a
 }
 
+// smallEngine is a lazy checkpoint engine over fs with 4 KiB chunks, a
+// ring of two and one writer, so that a capture outlasts the steps after
+// it; closed when the test ends.
+func smallEngine(t *testing.T, fs checkpoint.FS, root string) *checkpoint.Engine {
+	t.Helper()
+	e, err := checkpoint.NewEngine(fs, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 2 * 4096, Writers: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
 // stepWithin runs o.Step, failing the test if it does not return in d
 // (a gate that never opens).
 func stepWithin(t *testing.T, o *Optimizer, d time.Duration) (StepResult, error) {
@@ -135,11 +148,7 @@ func TestCaptureReadDuringCapture(t *testing.T) {
 				fs = slowOS{checkpoint.OS}
 				close(release)
 			}
-			e, err := checkpoint.NewEngine(fs, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 2 * 4096, Writers: 1})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer e.Close()
+			e := smallEngine(t, fs, root)
 			for step := int64(1); step <= 2; step++ {
 				fill(o, step)
 				mustStep(t, o)
@@ -231,10 +240,7 @@ func TestCaptureFaultDuringCapture(t *testing.T) {
 		opts, d := deviceOpts(base, perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 2, UpcastOnGPU: true})
 		o := newTest(t, opts)
 		root := t.TempDir()
-		e, err := checkpoint.NewEngine(slowOS{checkpoint.OS}, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 2 * 4096, Writers: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
+		e := smallEngine(t, slowOS{checkpoint.OS}, root)
 		for step := int64(1); step <= 2; step++ {
 			fill(o, step)
 			mustStep(t, o)
@@ -270,11 +276,12 @@ func TestCaptureTwoSaves(t *testing.T) {
 	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Threads: 2}
 	opts, _ := deviceOpts(base, perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 2})
 	o := newTest(t, opts)
-	r1, r2 := t.TempDir(), t.TempDir()
-	e1, _ := checkpoint.NewEngine(slowOS{checkpoint.OS}, r1, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 2 * 4096, Writers: 1})
-	e2, _ := checkpoint.NewEngine(slowOS{checkpoint.OS}, r2, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 2 * 4096, Writers: 1})
-	defer e1.Close()
-	defer e2.Close()
+	roots := []string{t.TempDir(), t.TempDir()} // step 2's, step 3's
+	var engines []*checkpoint.Engine
+	for _, r := range roots {
+		e := smallEngine(t, slowOS{checkpoint.OS}, r)
+		engines = append(engines, e)
+	}
 	var hs []*checkpoint.Handle
 	for step := int64(1); step <= 5; step++ {
 		fill(o, step)
@@ -282,8 +289,7 @@ func TestCaptureTwoSaves(t *testing.T) {
 			t.Fatal(err)
 		}
 		if step == 2 || step == 3 {
-			e := map[int64]*checkpoint.Engine{2: e1, 3: e2}[step]
-			h, err := o.SaveAsync(e, step, nil)
+			h, err := o.SaveAsync(engines[step-2], step, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -295,8 +301,8 @@ func TestCaptureTwoSaves(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	sameState(t, replayed(t, base, 2), loaded(t, base, r1))
-	sameState(t, replayed(t, base, 3), loaded(t, base, r2))
+	sameState(t, replayed(t, base, 2), loaded(t, base, roots[0]))
+	sameState(t, replayed(t, base, 3), loaded(t, base, roots[1]))
 }
 
 // TestCaptureDownloadFault: the k-th D2H of SaveAsync's DownloadAsync
@@ -309,7 +315,7 @@ func TestCaptureDownloadFault(t *testing.T) {
 		opts, d := deviceOpts(base, perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 2})
 		o := newTest(t, opts)
 		root := t.TempDir()
-		e, _ := checkpoint.NewEngine(slowOS{checkpoint.OS}, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 2 * 4096, Writers: 1})
+		e := smallEngine(t, slowOS{checkpoint.OS}, root)
 		for step := int64(1); step <= 2; step++ {
 			fill(o, step)
 			mustStep(t, o)
@@ -355,7 +361,7 @@ func TestCaptureFailSyncDuringCapture(t *testing.T) {
 		if _, err := o.SaveCheckpoint(checkpoint.OS, good, nil); err != nil {
 			t.Fatal(err)
 		}
-		e, _ := checkpoint.NewEngine(slowOS{checkpoint.OS}, t.TempDir(), checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 2 * 4096, Writers: 1})
+		e := smallEngine(t, slowOS{checkpoint.OS}, t.TempDir())
 		fill(o, 3)
 		mustStep(t, o)
 		d.FailSync(k)
