@@ -426,7 +426,21 @@ const verifyChunk = 4 << 20
 //
 // Errors: an error wrapping ErrCorrupt that names the first bad tensor and
 // file and counts the others; an I/O error.
-func (c *Checkpoint) Verify() error {
+func (c *Checkpoint) Verify() error { return c.VerifyFunc(nil) }
+
+// VerifyFunc is Verify that also hands every tensor's bytes, as read, to
+// check: chunks of at most 4 MiB in file order, off being the chunk's
+// offset from the tensor's start in bytes (a multiple of 8, so a chunk
+// never splits an element). It checks the contents as Verify checks the
+// checksums, in the same pass: a checkpoint whose CRC32C matches can still
+// hold values its owner never writes (offload.VerifyCheckpoint checks that
+// the optimizer state is finite). check's error is wrapped with ErrCorrupt
+// and the file and tensor's names unless it wraps ErrCorrupt already; a
+// tensor whose checksum differs is reported as such, whatever check said.
+// The chunk is reused after check returns. nil check is Verify.
+//
+// Errors: those of Verify, and check's.
+func (c *Checkpoint) VerifyFunc(check func(t TensorEntry, off int64, chunk []byte) error) error {
 	var buf []byte
 	var first error
 	var bad int
@@ -438,7 +452,7 @@ func (c *Checkpoint) Verify() error {
 		if n := int(min(t.Bytes, verifyChunk)); len(buf) < n {
 			buf = make([]byte, n)
 		}
-		err = c.verifyTensor(f, t, buf)
+		err = c.verifyTensor(f, t, buf, check)
 		if err == nil {
 			continue
 		}
@@ -456,19 +470,29 @@ func (c *Checkpoint) Verify() error {
 	return first
 }
 
-func (c *Checkpoint) verifyTensor(f File, t TensorEntry, buf []byte) error {
+func (c *Checkpoint) verifyTensor(f File, t TensorEntry, buf []byte, check func(TensorEntry, int64, []byte) error) error {
 	path := filepath.Join(c.Dir, t.File)
 	var crc uint32
+	var bad error
 	for off, end := t.Offset, t.Offset+t.Bytes; off < end; {
 		b := buf[:min(int64(len(buf)), end-off)]
 		if err := readFullAt(f, b, off); err != nil {
 			return c.readError(path, t.Name, err)
 		}
 		crc = crc32.Update(crc, castagnoli, b)
+		if check != nil && bad == nil {
+			bad = check(t, off-t.Offset, b)
+		}
 		off += int64(len(b))
 	}
 	if crc != t.CRC32C {
 		return corruptf(path, "tensor %q: crc32c %#08x, manifest says %#08x", t.Name, crc, t.CRC32C)
+	}
+	if bad != nil {
+		if errors.Is(bad, ErrCorrupt) {
+			return bad
+		}
+		return fmt.Errorf("%w: %s: tensor %q: %w", ErrCorrupt, path, t.Name, bad)
 	}
 	return nil
 }
