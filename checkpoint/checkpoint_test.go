@@ -375,8 +375,8 @@ func TestSaveInvalid(t *testing.T) {
 		}
 	}
 	checkLatest(t, OS, root, testSnapshot(1))
-	if entries, _ := os.ReadDir(root); len(entries) != 2 {
-		t.Fatalf("root holds %d entries after invalid saves", len(entries))
+	if entries, _ := os.ReadDir(root); len(entries) != 3 || entries[0].Name() != LockFile {
+		t.Fatalf("root holds %v after invalid saves (want .lock, latest and step 1)", entries)
 	}
 
 	mustPanic := func(name string, f func()) {
@@ -402,8 +402,8 @@ func TestResolveAndStepDir(t *testing.T) {
 	if _, err := Resolve(OS, filepath.Join(root, "missing")); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("Resolve of a missing path: %v", err)
 	}
-	if got, err := Resolve(OS, root); err != nil || got != root {
-		t.Errorf("Resolve of a root without latest: %q, %v (want the path itself)", got, err)
+	if got, err := Resolve(OS, root); !errors.Is(err, ErrNoCheckpoint) || !errors.Is(err, fs.ErrNotExist) || errors.Is(err, ErrCorrupt) {
+		t.Errorf("Resolve of an empty directory: %q, %v (want ErrNoCheckpoint)", got, err)
 	}
 	dir, err := Save(OS, root, &Snapshot{Step: 7, Tensors: []Tensor{{Name: "x", DType: "U8", Shape: []int64{1}, Data: [][]byte{{9}}}}})
 	if err != nil {

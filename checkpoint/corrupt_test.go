@@ -244,7 +244,18 @@ func TestCorruptGarbage(t *testing.T) {
 				t.Fatalf("List: %v", err)
 			}
 			checkOld(t, root)
-			// A save repairs latest.
+			// A save refuses the damaged root: it would adopt or replace
+			// its checkpoints.
+			if _, err := Save(OS, root, testSnapshot(30)); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "damaged root") {
+				t.Fatalf("Save into a root with a damaged latest: %v", err)
+			}
+			checkOld(t, root)
+			// Recover points latest at the newest step that verifies.
+			rec, err := Recover(OS, root, 0)
+			if err != nil || !rec.Repaired || filepath.Base(rec.Dir) != "step-000000020" {
+				t.Fatalf("Recover: %+v, %v", rec, err)
+			}
+			checkLatest(t, OS, root, testSnapshot(20))
 			mustSave(t, OS, root, testSnapshot(30))
 			checkLatest(t, OS, root, testSnapshot(30))
 		})

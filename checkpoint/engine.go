@@ -96,6 +96,7 @@ type Engine struct {
 	fs    FS
 	root  string
 	opts  EngineOptions
+	lock  *RootLock // the root's, from NewEngine to Close
 	arena *pinned.Arena
 	ring  *pinned.Ring
 
@@ -108,9 +109,13 @@ type Engine struct {
 	closed   bool
 }
 
-// NewEngine returns an engine that saves under root through fsys.
+// NewEngine returns an engine that saves under root through fsys. It
+// takes root's lock (Lock: creating root, checking that it can hold
+// checkpoints) and holds it until Close.
 //
-// Errors: bad options, or the ring's memory failing to map or pin.
+// Errors: bad options; those of Lock (ErrLocked when another process
+// writes under root, a root that is a step directory or not writable); the
+// ring's memory failing to map or pin.
 func NewEngine(fsys FS, root string, opts EngineOptions) (*Engine, error) {
 	if opts.ChunkBytes == 0 {
 		opts.ChunkBytes = DefaultChunkBytes
@@ -136,17 +141,23 @@ func NewEngine(fsys FS, root string, opts EngineOptions) (*Engine, error) {
 	case opts.Direct < DirectAuto || opts.Direct > DirectOff:
 		return nil, fmt.Errorf("checkpoint: Direct %d: unknown mode", opts.Direct)
 	}
+	lock, err := Lock(fsys, root)
+	if err != nil {
+		return nil, err
+	}
 	ringBytes := opts.RingBytes / opts.ChunkBytes * opts.ChunkBytes
 	arena, err := pinned.New(opts.Device, ringBytes+DirectAlign)
 	if err != nil {
+		lock.Unlock()
 		return nil, fmt.Errorf("checkpoint: staging ring: %w", err)
 	}
 	buf, err := arena.Alloc(ringBytes, DirectAlign)
 	if err != nil {
 		arena.Free()
+		lock.Unlock()
 		return nil, fmt.Errorf("checkpoint: staging ring: %w", err)
 	}
-	return &Engine{fs: fsys, root: root, opts: opts, arena: arena, ring: pinned.NewRing(buf, true)}, nil
+	return &Engine{fs: fsys, root: root, opts: opts, lock: lock, arena: arena, ring: pinned.NewRing(buf, true)}, nil
 }
 
 // Options returns the options in effect, defaults filled in. RingBytes is
@@ -314,6 +325,7 @@ func (e *Engine) Close() error {
 	if ferr := e.arena.Free(); err == nil && ferr != nil {
 		err = ferr
 	}
+	e.lock.Unlock()
 	return err
 }
 
@@ -631,26 +643,4 @@ func closeQuiet(fs ...File) {
 			_ = f.Close()
 		}
 	}
-}
-
-// Retain removes the committed checkpoints under root beyond the newest
-// keep (keep >= 1), as List orders them; latest's is always among those
-// kept. Step directories above latest's (uncommitted, see List) are left
-// alone.
-//
-// Errors: keep < 1, those of List, and the first removal that fails.
-func Retain(fsys FS, root string, keep int) error {
-	if keep < 1 {
-		return fmt.Errorf("checkpoint: Retain %d: keep at least 1", keep)
-	}
-	dirs, err := List(fsys, root)
-	if err != nil {
-		return err
-	}
-	for _, d := range dirs[min(keep, len(dirs)):] {
-		if err := fsys.RemoveAll(d); err != nil {
-			return fmt.Errorf("checkpoint: retention: removing %s: %w", d, err)
-		}
-	}
-	return nil
 }

@@ -143,14 +143,16 @@ func TestEngineFaults(t *testing.T) {
 				}
 				mem := base.crashClone(false)
 				efs := newErrorFS(mem)
-				if mode.crash {
-					efs.crashAt = i
-				} else {
-					efs.failAt, efs.injectErr, efs.torn = i, mode.err, mode.torn
-				}
 				e, err := NewEngine(efs, memRoot, opts)
 				if err != nil {
 					t.Fatal(err)
+				}
+				// Operation i of the save (NewEngine's checks of the root
+				// are TestLockFaults').
+				if mode.crash {
+					efs.crashAt = efs.ops + i
+				} else {
+					efs.failAt, efs.injectErr, efs.torn = efs.ops+i, mode.err, mode.torn
 				}
 				h, err := e.Save(new)
 				if err != nil {
@@ -207,9 +209,12 @@ func TestEngineFaults(t *testing.T) {
 func TestEngineErrorSurfaces(t *testing.T) {
 	mem := newMemFS()
 	efs := newErrorFS(mem)
-	efs.failAt, efs.injectErr = 12, syscall.EIO
-	e, _ := NewEngine(efs, memRoot, EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	e, err := NewEngine(efs, memRoot, EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer e.Close()
+	efs.failAt, efs.injectErr = efs.ops+12, syscall.EIO
 	h, _ := e.Save(bigSnapshot(1, 1))
 	if _, err := h.Wait(); !errors.Is(err, syscall.EIO) {
 		t.Fatalf("handle: %v", err)

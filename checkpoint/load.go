@@ -11,7 +11,6 @@ import (
 	"io/fs"
 	"maps"
 	"math"
-	"os"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -261,18 +260,17 @@ func (c *Checkpoint) checkIndex(fsys FS) error {
 // header and checks it against the manifest.
 func (c *Checkpoint) openFile(fsys FS, name string) error {
 	path := filepath.Join(c.Dir, name)
-	f, err := fsys.OpenFile(path, os.O_RDONLY, 0)
+	f, st, err := openRegular(fsys, path)
 	if err != nil {
+		if errors.Is(err, ErrCorrupt) {
+			return err
+		}
 		if errors.Is(err, fs.ErrNotExist) {
 			return corruptf(path, "missing: %v", err)
 		}
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	c.files[name] = f // closed by Close, also on error
-	st, err := f.Stat()
-	if err != nil {
-		return fmt.Errorf("checkpoint: %w", err)
-	}
 	h, err := safetensors.ParseHeader(f, st.Size())
 	if err != nil {
 		if isCorruptRead(err) {

@@ -5,20 +5,35 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"math/rand/v2"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 )
+
+// errNotDir is what stat says of a path under a regular file.
+var errNotDir error = syscall.ENOTDIR
+
+// ErrNoCheckpoint is wrapped by the error of Latest, Resolve and Recover
+// for a root that holds no checkpoint at all: it does not exist, or holds
+// neither latest nor latest.tmp nor any step directory. It wraps
+// fs.ErrNotExist. A damaged root (step directories without a usable
+// latest) gives ErrCorrupt instead, never this.
+var ErrNoCheckpoint = fmt.Errorf("checkpoint: no checkpoint: %w", fs.ErrNotExist)
 
 // Latest returns the directory of the committed checkpoint that root/latest
 // names, as root/step-%09d.
 //
-// Errors: an error wrapping fs.ErrNotExist when root or root/latest does not
-// exist (nothing was ever committed there); an error wrapping ErrCorrupt
-// when latest does not hold a step directory's name or names a directory
-// without manifest.json (deliberately not fs.ErrNotExist, so a caller never
-// mistakes a damaged root for a fresh start); or an I/O error. Temporary
-// directories of saves that crashed are never returned.
+// Errors: an error wrapping ErrNoCheckpoint (and so fs.ErrNotExist) when
+// root does not exist or holds no checkpoint (no latest, no latest.tmp, no
+// step directory: nothing was ever committed there); an error wrapping
+// ErrCorrupt when latest is not a regular file, does not hold a step
+// directory's name, names a directory without manifest.json, or is missing
+// while step directories or latest.tmp exist (a first commit interrupted,
+// or latest removed: Recover repairs it), so that a caller never mistakes
+// a damaged root for a fresh start; or an I/O error. Temporary directories
+// of saves that crashed are never returned.
 func Latest(fsys FS, root string) (string, error) {
 	name, _, err := readLatest(fsys, root)
 	if err != nil {
@@ -26,7 +41,7 @@ func Latest(fsys FS, root string) (string, error) {
 	}
 	dir := filepath.Join(root, name)
 	if _, err := fsys.Stat(filepath.Join(dir, ManifestFile)); err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
+		if errors.Is(err, fs.ErrNotExist) || errors.Is(err, errNotDir) {
 			return "", fmt.Errorf("%w: %s names %s, which is not a complete checkpoint (%v)", ErrCorrupt, filepath.Join(root, LatestFile), name, err)
 		}
 		return "", fmt.Errorf("checkpoint: %w", err)
@@ -41,7 +56,11 @@ func readLatest(fsys FS, root string) (string, int64, error) {
 	b, err := readSmallFile(fsys, path, 4096)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
-			return "", 0, fmt.Errorf("checkpoint: no committed checkpoint in %s: %w", root, err)
+			if damage := unmarkedCheckpoints(fsys, root); damage != "" {
+				return "", 0, fmt.Errorf("%w: %s has no %s, but holds %s: a first commit was interrupted or %s was removed; checkpoint.Recover (dos train --resume) takes the newest step directory that verifies",
+					ErrCorrupt, root, LatestFile, damage, LatestFile)
+			}
+			return "", 0, fmt.Errorf("checkpoint: %s: %w", root, ErrNoCheckpoint)
 		}
 		if errors.Is(err, ErrCorrupt) {
 			return "", 0, err
@@ -56,52 +75,159 @@ func readLatest(fsys FS, root string) (string, int64, error) {
 	return name, step, nil
 }
 
-// List returns the committed checkpoint directories under root, newest
-// step first, as root/step-%09d: the directory latest names and every
-// complete step directory (one holding manifest.json) of an earlier step.
-// Directories of a later step than latest's are not committed (a save
-// crashed before moving latest, or latest was moved back by a save of an
-// earlier step) and are left out, as are temporary directories. List does
-// not open or verify the checkpoints.
-//
-// Errors: none when root or root/latest does not exist (the list is then
-// empty); those of Latest; an I/O error.
-func List(fsys FS, root string) ([]string, error) {
-	latest, err := Latest(fsys, root)
-	if errors.Is(err, fs.ErrNotExist) && !errors.Is(err, ErrCorrupt) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	latestStep, _ := parseStepDirName(filepath.Base(latest))
+// unmarkedCheckpoints describes what in root says that checkpoints were
+// written there although latest is missing ("" when nothing does).
+func unmarkedCheckpoints(fsys FS, root string) string {
 	entries, err := fsys.ReadDir(root)
+	if err != nil {
+		return ""
+	}
+	var steps []string
+	pending := false
+	for _, e := range entries {
+		if _, ok := parseStepDirName(e.Name()); ok {
+			steps = append(steps, e.Name())
+		}
+		pending = pending || e.Name() == pendingLatest
+	}
+	var parts []string
+	switch len(steps) {
+	case 0:
+	case 1:
+		parts = append(parts, "the step directory "+steps[0])
+	default:
+		parts = append(parts, fmt.Sprintf("%d step directories (%s ... %s)", len(steps), steps[0], steps[len(steps)-1]))
+	}
+	if pending {
+		parts = append(parts, pendingLatest)
+	}
+	return strings.Join(parts, " and ")
+}
+
+// pendingLatest is the file that moveLatest renames over latest.
+const pendingLatest = LatestFile + ".tmp"
+
+// RootInfo describes a checkpoint root as Inspect found it.
+type RootInfo struct {
+	Root string
+	// Latest is the committed checkpoint latest names (root/step-%09d),
+	// "" when there is none or latest cannot be trusted.
+	Latest string
+	// Problem, when not nil, says why the root is damaged (it wraps
+	// ErrCorrupt, as Latest's error): latest is missing while step
+	// directories exist, or it is not a regular file, or it does not name
+	// a complete step directory. Recover repairs it.
+	Problem error
+	// Pending is the step directory that latest.tmp names, when it exists
+	// and holds a step directory's name: left by a commit interrupted
+	// between writing latest.tmp and renaming it over latest.
+	Pending string
+	// Steps are the step-%09d entries of root, newest step first.
+	Steps []StepInfo
+	// Leftovers are the temporary entries (.tmp-*) that crashed saves and
+	// interrupted retirements left: never loaded, removed by the next save
+	// or Retain.
+	Leftovers []string
+}
+
+// StepInfo is one step-%09d entry of a root.
+type StepInfo struct {
+	Dir  string // root/step-%09d
+	Step int64
+	// Complete: the entry is a directory (or a link to one) holding
+	// manifest.json, which a save writes last.
+	Complete bool
+	// Committed: complete and not above latest's step, so List lists it.
+	// A complete directory above latest was left by a save that crashed
+	// before moving latest (or latest was moved back): the next save of
+	// its step replaces it.
+	Committed bool
+}
+
+// Fresh reports whether the root holds no checkpoint and no trace of one:
+// a trainer may start there from scratch.
+func (r *RootInfo) Fresh() bool { return r.Latest == "" && r.Problem == nil }
+
+// Inspect describes root without changing it: the committed latest, why
+// the root is damaged if it is, and every step directory and leftover.
+// A root that does not exist is fresh.
+//
+// Errors: root is not a directory; an I/O error. Bad contents are not
+// errors: they are RootInfo.Problem.
+func Inspect(fsys FS, root string) (*RootInfo, error) {
+	info := &RootInfo{Root: root}
+	entries, err := fsys.ReadDir(root)
+	if errors.Is(err, fs.ErrNotExist) {
+		return info, nil
+	}
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint: listing %s: %w", root, err)
 	}
-	type found struct {
-		step int64
-		dir  string
+	latestStep := int64(-1)
+	switch dir, err := Latest(fsys, root); {
+	case err == nil:
+		info.Latest = dir
+		latestStep, _ = parseStepDirName(filepath.Base(dir))
+	case errors.Is(err, ErrCorrupt):
+		info.Problem = err
+	case !errors.Is(err, ErrNoCheckpoint):
+		return nil, err
 	}
-	var dirs []found
 	for _, e := range entries {
-		step, ok := parseStepDirName(e.Name())
-		if !ok || step > latestStep || !e.IsDir() {
+		name := e.Name()
+		path := filepath.Join(root, name)
+		if strings.HasPrefix(name, tmpPrefix) {
+			info.Leftovers = append(info.Leftovers, path)
 			continue
 		}
-		dir := filepath.Join(root, e.Name())
-		if _, err := fsys.Stat(filepath.Join(dir, ManifestFile)); err != nil {
-			if errors.Is(err, fs.ErrNotExist) {
-				continue
+		if name == pendingLatest {
+			if b, err := readSmallFile(fsys, path, 4096); err == nil {
+				if _, ok := parseStepDirName(strings.TrimSpace(string(b))); ok {
+					info.Pending = filepath.Join(root, strings.TrimSpace(string(b)))
+				}
 			}
+			continue
+		}
+		step, ok := parseStepDirName(name)
+		if !ok {
+			continue
+		}
+		s := StepInfo{Dir: path, Step: step}
+		if st, err := fsys.Stat(filepath.Join(path, ManifestFile)); err == nil && st.Mode().IsRegular() {
+			s.Complete = true
+		} else if err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, errNotDir) {
 			return nil, fmt.Errorf("checkpoint: listing %s: %w", root, err)
 		}
-		dirs = append(dirs, found{step, dir})
+		s.Committed = s.Complete && latestStep >= 0 && step <= latestStep
+		info.Steps = append(info.Steps, s)
 	}
-	slices.SortFunc(dirs, func(a, b found) int { return cmp.Compare(b.step, a.step) })
-	out := make([]string, len(dirs))
-	for i, d := range dirs {
-		out[i] = d.dir
+	slices.SortFunc(info.Steps, func(a, b StepInfo) int { return cmp.Compare(b.Step, a.Step) })
+	return info, nil
+}
+
+// List returns the committed checkpoint directories under root, newest
+// step first, as root/step-%09d: the directory latest names and every
+// complete step directory (one holding manifest.json, a directory or a
+// link to one) of an earlier step. Directories of a later step than
+// latest's are not committed (a save crashed before moving latest, or
+// latest was moved back by a save of an earlier step) and are left out, as
+// are temporary directories. List does not open or verify the checkpoints.
+//
+// Errors: none when root holds no checkpoint (ErrNoCheckpoint: the list is
+// then empty); those of Latest for a damaged root; an I/O error.
+func List(fsys FS, root string) ([]string, error) {
+	info, err := Inspect(fsys, root)
+	if err != nil {
+		return nil, err
+	}
+	if info.Problem != nil {
+		return nil, info.Problem
+	}
+	var out []string
+	for _, s := range info.Steps {
+		if s.Committed {
+			out = append(out, s.Dir)
+		}
 	}
 	return out, nil
 }
@@ -110,18 +236,224 @@ func List(fsys FS, root string) ([]string, error) {
 // root/step-%09d.
 func StepDir(root string, step int64) string { return filepath.Join(root, stepDirName(step)) }
 
-// Resolve returns the checkpoint directory that path means: the latest
-// committed checkpoint when path is a root (it holds a latest file), else
-// path itself, a step directory.
+// Resolve returns the checkpoint directory that path means: path itself
+// when it is a checkpoint (it holds manifest.json), else the latest
+// committed checkpoint of path as a root.
 //
-// Errors: those of Latest when path holds a latest file; an error wrapping
-// fs.ErrNotExist when path does not exist.
+// Errors: an error wrapping fs.ErrNotExist when path does not exist, or
+// ErrNoCheckpoint when it is neither a checkpoint nor a root holding one;
+// those of Latest for a damaged root.
 func Resolve(fsys FS, path string) (string, error) {
-	if _, err := fsys.Stat(path); err != nil {
+	st, err := fsys.Stat(path)
+	if err != nil {
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
-	if _, err := fsys.Stat(filepath.Join(path, LatestFile)); err == nil {
-		return Latest(fsys, path)
+	if !st.IsDir() {
+		return "", fmt.Errorf("checkpoint: %s is not a directory (want a checkpoint root or a step directory)", path)
 	}
-	return path, nil
+	if _, err := fsys.Stat(filepath.Join(path, ManifestFile)); err == nil {
+		return path, nil
+	}
+	dir, err := Latest(fsys, path)
+	if errors.Is(err, ErrNoCheckpoint) {
+		return "", fmt.Errorf("checkpoint: %s is neither a checkpoint (no %s) nor a root holding one (no %s): %w", path, ManifestFile, LatestFile, ErrNoCheckpoint)
+	}
+	return dir, err
+}
+
+// Recovery is what Recover found and did.
+type Recovery struct {
+	// Dir is the checkpoint latest names after Recover: the one to resume.
+	Dir string
+	// Repaired: latest was missing or damaged and Recover pointed it at
+	// Dir; Note says why and how.
+	Repaired bool
+	Note     string
+	// Skipped are the complete step directories newer than Dir that did
+	// not verify, each with the reason.
+	Skipped []string
+}
+
+// Recover returns the checkpoint to resume from under root, repairing a
+// damaged root first. A sound root's latest is returned as it is. When
+// latest is missing (a first commit interrupted between writing
+// latest.tmp and renaming it, or latest removed), empty, garbage, or names
+// an incomplete directory, Recover takes the newest complete step
+// directory whose rank file opens and verifies (every CRC32C; rank as in
+// Open) and moves latest to it by the commit protocol's own steps
+// (latest.tmp written and synced, renamed, root synced): when latest.tmp
+// named that directory, this finishes the interrupted commit. Nothing is
+// removed. It holds the root's lock (Lock) while it repairs.
+//
+// Errors: ErrNoCheckpoint when root holds no checkpoint; an error wrapping
+// ErrCorrupt when the root is damaged and no step directory verifies, or
+// latest is not a regular file (a directory or a FIFO: Recover does not
+// remove it), the root then left as it was; those of Lock; an I/O error.
+func Recover(fsys FS, root string, rank int) (*Recovery, error) {
+	info, err := Inspect(fsys, root)
+	if err != nil {
+		return nil, err
+	}
+	if info.Latest != "" {
+		return &Recovery{Dir: info.Latest}, nil
+	}
+	if info.Problem == nil {
+		return nil, fmt.Errorf("checkpoint: %s: %w", root, ErrNoCheckpoint)
+	}
+	lock, err := lockRoot(fsys, root, false)
+	if err != nil {
+		return nil, err
+	}
+	defer lock.Unlock()
+	if info, err = Inspect(fsys, root); err != nil { // again, now that no one else writes
+		return nil, err
+	}
+	if info.Latest != "" {
+		return &Recovery{Dir: info.Latest}, nil
+	}
+	latestPath := filepath.Join(root, LatestFile)
+	if st, err := fsys.Stat(latestPath); err == nil && !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%w: %s is a %s, not a file: move it away (Recover replaces only a file)", ErrCorrupt, latestPath, fileKind(st.Mode()))
+	}
+	rec := &Recovery{}
+	var chosen *StepInfo
+	for i, s := range info.Steps {
+		if !s.Complete {
+			continue
+		}
+		if err := verifyDir(fsys, s.Dir, rank); err != nil {
+			rec.Skipped = append(rec.Skipped, fmt.Sprintf("%s: %v", filepath.Base(s.Dir), err))
+			continue
+		}
+		chosen = &info.Steps[i]
+		break
+	}
+	if chosen == nil {
+		why := "there is none"
+		if len(rec.Skipped) > 0 {
+			why = strings.Join(rec.Skipped, "; ")
+		}
+		return nil, fmt.Errorf("%w (and no step directory verifies: %s); the root was left as it is", info.Problem, why)
+	}
+	name := filepath.Base(chosen.Dir)
+	tx := &saveTx{fs: fsys, root: root}
+	if err := tx.moveLatest([]byte(name + "\n")); err != nil {
+		return nil, fmt.Errorf("checkpoint: recovering %s: moving %s to %s: %w", root, LatestFile, name, err)
+	}
+	if err := fsys.SyncDir(root); err != nil {
+		return nil, fmt.Errorf("checkpoint: recovering %s: fsync: %w", root, err)
+	}
+	rec.Dir, rec.Repaired = chosen.Dir, true
+	if info.Pending == chosen.Dir {
+		rec.Note = fmt.Sprintf("finished the interrupted commit of %s (%s was missing; %s named %s, which verifies)", name, LatestFile, pendingLatest, name)
+	} else {
+		rec.Note = fmt.Sprintf("%v; took the newest step directory that verifies, %s, and pointed %s at it", info.Problem, name, LatestFile)
+	}
+	if len(rec.Skipped) > 0 {
+		rec.Note += fmt.Sprintf(" (skipped %d newer that did not verify: %s)", len(rec.Skipped), strings.Join(rec.Skipped, "; "))
+	}
+	return rec, nil
+}
+
+// verifyDir opens the checkpoint of rank in dir and verifies every tensor.
+func verifyDir(fsys FS, dir string, rank int) error {
+	c, err := Open(fsys, dir, rank)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return c.Verify()
+}
+
+// fileKind names a non-regular file's type for messages.
+func fileKind(m fs.FileMode) string {
+	switch {
+	case m.IsDir():
+		return "directory"
+	case m&fs.ModeNamedPipe != 0:
+		return "FIFO"
+	case m&fs.ModeSocket != 0:
+		return "socket"
+	case m&fs.ModeDevice != 0:
+		return "device"
+	}
+	return "special file"
+}
+
+// retiredPrefix starts the name a checkpoint takes while Retain removes it.
+const retiredPrefix = tmpPrefix + "retired-"
+
+// Retain removes the committed checkpoints under root beyond the newest
+// keep (keep >= 1), as List orders them; latest's is always among those
+// kept. Step directories above latest's (uncommitted, see List) are left
+// alone. A checkpoint is retired crash-safely: renamed out of the step
+// namespace (root/.tmp-retired-step-%09d-<random>), root fsynced, then
+// removed, so that a crash at any point leaves either the whole checkpoint
+// or a leftover that the next save or Retain removes. Retain also removes
+// such leftovers, and incomplete step directories (no manifest.json) below
+// latest's step, which older versions' interrupted retention left. A step
+// directory that is a symbolic link loses the link, not its target. It
+// holds the root's lock (Lock).
+//
+// Errors: keep < 1, those of Lock and List, and the first removal that
+// fails.
+func Retain(fsys FS, root string, keep int) error {
+	if keep < 1 {
+		return fmt.Errorf("checkpoint: Retain %d: keep at least 1", keep)
+	}
+	lock, err := lockRoot(fsys, root, false)
+	if err != nil {
+		return err
+	}
+	defer lock.Unlock()
+	info, err := Inspect(fsys, root)
+	if err != nil {
+		return err
+	}
+	if info.Problem != nil {
+		return info.Problem
+	}
+	if info.Latest == "" {
+		return nil
+	}
+	latestStep, _ := parseStepDirName(filepath.Base(info.Latest))
+	kept := 0
+	var victims []string
+	for _, s := range info.Steps {
+		switch {
+		case s.Committed && kept < keep:
+			kept++
+		case s.Committed, !s.Complete && s.Step < latestStep:
+			victims = append(victims, s.Dir)
+		}
+	}
+	for _, d := range victims {
+		if err := retire(fsys, root, d); err != nil {
+			return err
+		}
+	}
+	for _, l := range info.Leftovers {
+		if strings.HasPrefix(filepath.Base(l), retiredPrefix) {
+			if err := fsys.RemoveAll(l); err != nil {
+				return fmt.Errorf("checkpoint: retention: removing the leftover %s: %w", l, err)
+			}
+		}
+	}
+	return nil
+}
+
+// retire renames dir out of root's step namespace, fsyncs root, and removes
+// it.
+func retire(fsys FS, root, dir string) error {
+	tmp := filepath.Join(root, fmt.Sprintf("%s%s-%08x", retiredPrefix, filepath.Base(dir), rand.Uint32()))
+	if err := fsys.Rename(dir, tmp); err != nil {
+		return fmt.Errorf("checkpoint: retention: retiring %s: %w", dir, err)
+	}
+	if err := fsys.SyncDir(root); err != nil {
+		return fmt.Errorf("checkpoint: retention: retiring %s: fsync %s: %w", dir, root, err)
+	}
+	if err := fsys.RemoveAll(tmp); err != nil {
+		return fmt.Errorf("checkpoint: retention: removing %s (retired %s): %w", tmp, dir, err)
+	}
+	return nil
 }

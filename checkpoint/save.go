@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/deepstates/dos/safetensors"
@@ -68,21 +69,25 @@ type Snapshot struct {
 // it returns after the last fsync.
 //
 // Save removes stale temporary directories (.tmp-*) that crashed saves left
-// in root. A directory for s.Step that exists but is not the one latest
-// names (left by a save that crashed before moving latest, or an older
-// checkpoint of that step) is replaced. latest always names the last
-// successful save, even when its step is lower than a previous one's; List
-// then leaves out the higher steps. One process at a time may save under a
-// root.
+// in root. A directory for s.Step that exists above latest's step (left by
+// a save that crashed before moving latest, or superseded when latest was
+// moved back) or that is incomplete (no manifest.json) is replaced; a
+// committed one (at or below latest's step, holding manifest.json) never
+// is. latest always names the last successful save, even when its step is
+// lower than a previous one's; List then leaves out the higher steps.
+// Save holds the root's lock (Lock) while it runs: one process at a time
+// may write under a root.
 //
 // Errors: an invalid snapshot (negative step, rank out of range, empty or
 // duplicate name, unknown dtype, negative dimension, an object that is not
-// valid JSON); an error wrapping fs.ErrExist when s.Step's directory is the
-// one latest names; or an I/O error. Each error names the step and the
-// operation that failed. On error the temporary directory is removed (best
-// effort) and latest still names the previous checkpoint, which stays
-// loadable: Save restores latest when the final fsync of root fails after
-// latest was moved.
+// valid JSON); an error wrapping fs.ErrExist when s.Step's directory is a
+// committed checkpoint; an error wrapping ErrCorrupt when root is damaged
+// (see Latest: Recover repairs it) or is a step directory; one wrapping
+// ErrLocked when another process writes under root; or an I/O error. Each
+// error names the step and the operation that failed. On error the
+// temporary directory is removed (best effort) and latest still names the
+// previous checkpoint, which stays loadable: Save restores latest when the
+// final fsync of root fails after latest was moved.
 //
 // Save panics when s is nil or when a tensor's Data does not hold exactly
 // its shape's bytes.
@@ -99,6 +104,11 @@ func Save(fsys FS, root string, s *Snapshot) (dir string, err error) {
 			return "", fmt.Errorf("checkpoint: save step %d: preparing the state: %w", s.Step, err)
 		}
 	}
+	lock, err := lockRoot(fsys, root, false)
+	if err != nil {
+		return "", fmt.Errorf("checkpoint: save step %d: %w", s.Step, err)
+	}
+	defer lock.Unlock()
 	tx, err := begin(fsys, root, p)
 	if err != nil {
 		return "", err
@@ -145,18 +155,21 @@ func begin(fsys FS, root string, p *plan) (*saveTx, error) {
 		return nil, tx.fail("root", fmt.Errorf("%s is not a directory", root))
 	}
 
-	latest, err := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
+	// A damaged root is never written over: the checkpoints it holds are
+	// not marked, and a save would adopt or replace them (Recover first).
+	latestStep := int64(-1)
+	switch dir, err := Latest(fsys, root); {
+	case err == nil:
+		latestStep, _ = parseStepDirName(filepath.Base(dir))
+		b, err := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096)
+		if err != nil {
+			return nil, tx.fail("read latest", err)
+		}
+		tx.prevLatest, tx.hadLatest = b, true
 	case errors.Is(err, ErrCorrupt):
-		// Too long to name a directory: this save replaces it. Should it
-		// have to be restored, an empty latest keeps the root marked as
-		// damaged rather than fresh.
-		tx.hadLatest = true
-	case err != nil:
+		return nil, tx.fail("check root", fmt.Errorf("%w; refusing to save into a damaged root: recover it first (checkpoint.Recover, dos train --resume) or choose another", err))
+	case !errors.Is(err, ErrNoCheckpoint):
 		return nil, tx.fail("read latest", err)
-	default:
-		tx.prevLatest, tx.hadLatest = latest, true
 	}
 
 	// Best effort: a leftover temporary directory is never loaded, and a
@@ -170,10 +183,16 @@ func begin(fsys FS, root string, p *plan) (*saveTx, error) {
 	}
 
 	if _, err := fsys.Stat(tx.final); err == nil {
-		if tx.hadLatest && strings.TrimSpace(string(tx.prevLatest)) == p.dirName {
+		switch _, merr := fsys.Stat(filepath.Join(tx.final, ManifestFile)); {
+		case p.manifest.Step == latestStep:
 			return nil, tx.fail("check", fmt.Errorf("%s is the latest checkpoint; refusing to replace it: %w", tx.final, fs.ErrExist))
+		case merr == nil && p.manifest.Step < latestStep:
+			return nil, tx.fail("check", fmt.Errorf("%s is a committed checkpoint (latest is step %d); refusing to replace it: %w", tx.final, latestStep, fs.ErrExist))
+		case merr != nil && !errors.Is(merr, fs.ErrNotExist) && !errors.Is(merr, errNotDir):
+			return nil, tx.fail("stat "+p.dirName, merr)
 		}
-		// Left by a save that crashed before moving latest: never committed.
+		// Above latest, or incomplete: never committed (a save that
+		// crashed before moving latest, or a removal cut short).
 		if err := fsys.RemoveAll(tx.final); err != nil {
 			return nil, tx.fail("remove uncommitted "+p.dirName, err)
 		}
@@ -386,13 +405,17 @@ func writeFile(fsys FS, name string, data []byte) error {
 	return f.Close()
 }
 
-// readSmallFile reads all of name, which must hold at most max bytes.
+// readSmallFile reads all of name, which must be a regular file of at most
+// max bytes (see openRegular).
 func readSmallFile(fsys FS, name string, max int64) ([]byte, error) {
-	f, err := fsys.OpenFile(name, os.O_RDONLY, 0)
+	f, st, err := openRegular(fsys, name)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
+	if st.Size() > max {
+		return nil, fmt.Errorf("%w: %s: %d bytes, larger than %d", ErrCorrupt, name, st.Size(), max)
+	}
 	b, err := io.ReadAll(io.LimitReader(f, max+1))
 	if err != nil {
 		return nil, err
@@ -401,4 +424,35 @@ func readSmallFile(fsys FS, name string, max int64) ([]byte, error) {
 		return nil, fmt.Errorf("%w: %s: larger than %d bytes", ErrCorrupt, name, max)
 	}
 	return b, nil
+}
+
+// openRegular opens name for reading only if it is a regular file (or a
+// link to one): a FIFO, a device or a directory in its place is bad
+// contents, never something to block on or read without end. The open
+// does not block (O_NONBLOCK, which regular files ignore), and the file is
+// checked again once open.
+//
+// Errors: those of Stat and OpenFile (fs.ErrNotExist when it is missing);
+// an error wrapping ErrCorrupt naming the file and its kind.
+func openRegular(fsys FS, name string) (File, os.FileInfo, error) {
+	st, err := fsys.Stat(name)
+	if err != nil {
+		return nil, nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, nil, fmt.Errorf("%w: %s is a %s, not a regular file", ErrCorrupt, name, fileKind(st.Mode()))
+	}
+	f, err := fsys.OpenFile(name, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, nil, err
+	}
+	if st, err = f.Stat(); err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	if !st.Mode().IsRegular() {
+		f.Close()
+		return nil, nil, fmt.Errorf("%w: %s is a %s, not a regular file", ErrCorrupt, name, fileKind(st.Mode()))
+	}
+	return f, st, nil
 }

@@ -1,0 +1,227 @@
+package checkpoint
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+)
+
+// LockFile is the file in a root that its writer holds locked: an
+// exclusive flock(2) taken by Lock, released by the kernel when the
+// process ends, however it ends. It holds the holder's PID and command
+// line, for the message another writer gets.
+const LockFile = ".lock"
+
+// ErrLocked is wrapped by the error of Lock (and of every writer: Save,
+// NewEngine, Retain, Recover) when another process holds the root's lock.
+var ErrLocked = errors.New("checkpoint: root in use by another writer")
+
+// RootLock is a held lock on a checkpoint root; see Lock.
+type RootLock struct {
+	root string
+	held *heldLock // nil for an FS that cannot lock
+	once sync.Once
+}
+
+// Lock takes the writer's lock of root, creating root (and its missing
+// parents, durably) when it does not exist, and checks that root can hold
+// checkpoints: it is a directory, not a step directory of another root
+// (one holding manifest.json, or named step-%09d beside a latest file),
+// and a directory can be created and removed in it. One process at a time
+// may write under a root: Save, Engine (from NewEngine to Close), Retain
+// and Recover take the lock, and a trainer takes it for its whole run, so
+// that a second trainer on the same root is refused before it trains.
+// Within one process the lock is shared (counted): the trainer and its
+// engine hold it together; the kernel's lock is released with the last
+// Unlock.
+//
+// Only OS locks, with flock(2) on root/.lock (LockFile); on another FS
+// Lock checks root the same way and locks nothing (an in-memory FS has one
+// process).
+//
+// Errors: an error wrapping ErrLocked that names the holder's PID and
+// command line when another process holds the lock; an error naming root
+// and the reason when root is a step directory, not a directory, or not
+// writable (a read-only mount, a path under a file); an I/O error.
+func Lock(fsys FS, root string) (*RootLock, error) { return lockRoot(fsys, root, true) }
+
+// lockRoot is Lock; with probe it also tries creating a directory in root.
+func lockRoot(fsys FS, root string, probe bool) (*RootLock, error) {
+	if err := checkRootPath(fsys, root); err != nil {
+		return nil, err
+	}
+	if err := createDurably(fsys, root); err != nil {
+		return nil, fmt.Errorf("checkpoint: root %s: cannot create it: %w", root, err)
+	}
+	if st, err := fsys.Stat(root); err != nil {
+		return nil, fmt.Errorf("checkpoint: root %s: %w", root, err)
+	} else if !st.IsDir() {
+		return nil, fmt.Errorf("checkpoint: root %s is not a directory", root)
+	}
+	l := &RootLock{root: root}
+	if _, ok := fsys.(osFS); ok {
+		h, first, err := lockOS(filepath.Join(root, LockFile))
+		if err != nil {
+			return nil, err
+		}
+		l.held = h
+		if !first {
+			return l, nil // this process checked root when it took the lock
+		}
+	}
+	if !probe {
+		return l, nil
+	}
+	// A save creates directories in root: try one now, not at the first
+	// checkpoint hours into a run.
+	dir := filepath.Join(root, fmt.Sprintf("%sprobe-%08x", tmpPrefix, rand.Uint32()))
+	if err := fsys.MkdirAll(dir, 0o755); err != nil {
+		l.Unlock()
+		return nil, fmt.Errorf("checkpoint: root %s is not writable: %w", root, err)
+	}
+	if err := fsys.RemoveAll(dir); err != nil {
+		l.Unlock()
+		return nil, fmt.Errorf("checkpoint: root %s: removing %s: %w", root, dir, err)
+	}
+	return l, nil
+}
+
+// Unlock releases the lock (the kernel's, when no other holder in this
+// process remains). Later calls do nothing.
+func (l *RootLock) Unlock() {
+	if l == nil {
+		return
+	}
+	l.once.Do(func() {
+		if l.held != nil {
+			l.held.release()
+		}
+	})
+}
+
+// checkRootPath refuses a root that is a checkpoint's step directory: one
+// holding manifest.json, or a step-%09d (or temporary) directory whose
+// parent is a root. Saving into it would nest a run inside a checkpoint.
+func checkRootPath(fsys FS, root string) error {
+	switch _, err := fsys.Stat(filepath.Join(root, ManifestFile)); {
+	case err == nil:
+		return fmt.Errorf("checkpoint: %s holds %s: it is a checkpoint (a step directory), not a checkpoint root; pass its parent %s", root, ManifestFile, filepath.Dir(filepath.Clean(root)))
+	case errors.Is(err, errNotDir):
+		return fmt.Errorf("checkpoint: root %s: %w", root, err) // a path under a file
+	case !errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("checkpoint: root %s: %w", root, err)
+	}
+	base, parent := filepath.Base(filepath.Clean(root)), filepath.Dir(filepath.Clean(root))
+	_, isStep := parseStepDirName(base)
+	if !isStep && !strings.HasPrefix(base, tmpPrefix) {
+		return nil
+	}
+	for _, name := range []string{LatestFile, pendingLatest} {
+		switch _, err := fsys.Stat(filepath.Join(parent, name)); {
+		case err == nil:
+			return fmt.Errorf("checkpoint: %s is a step directory of the checkpoint root %s, not a root; pass %s", root, parent, parent)
+		case !errors.Is(err, fs.ErrNotExist):
+			return fmt.Errorf("checkpoint: root %s: %w", root, err)
+		}
+	}
+	return nil
+}
+
+// heldLock is the kernel lock on one lock file, shared by this process's
+// holders.
+type heldLock struct {
+	key  fileKey
+	f    *os.File
+	refs int
+}
+
+var (
+	locksMu sync.Mutex
+	locks   = map[fileKey]*heldLock{}
+)
+
+// lockOS locks the file name for this process (counted) and reports
+// whether this call took the kernel's lock.
+func lockOS(name string) (*heldLock, bool, error) {
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		if errors.Is(err, fs.ErrPermission) || isReadOnly(err) {
+			return nil, false, fmt.Errorf("checkpoint: root %s is not writable: %w", filepath.Dir(name), err)
+		}
+		return nil, false, fmt.Errorf("checkpoint: root %s: %w", filepath.Dir(name), err)
+	}
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, false, fmt.Errorf("checkpoint: %w", err)
+	}
+	if !st.Mode().IsRegular() {
+		f.Close()
+		return nil, false, fmt.Errorf("checkpoint: %s is not a regular file", name)
+	}
+	key, ok := keyOf(st)
+	locksMu.Lock()
+	defer locksMu.Unlock()
+	if h := locks[key]; ok && h != nil {
+		f.Close()
+		h.refs++
+		return h, false, nil
+	}
+	if err := flock(f); err != nil {
+		holder := "unknown"
+		if b, rerr := readHolder(f); rerr == nil && len(b) > 0 {
+			holder = b
+		}
+		f.Close()
+		if errors.Is(err, errWouldBlock) {
+			return nil, false, fmt.Errorf("%w: %s is locked by %s; one writer per root: stop it, or choose another directory", ErrLocked, filepath.Dir(name), holder)
+		}
+		return nil, false, fmt.Errorf("checkpoint: locking %s: %w", name, err)
+	}
+	// Best effort: the PID is for the other writer's message only.
+	if err := f.Truncate(0); err == nil {
+		_, _ = f.WriteAt([]byte(holderLine()), 0)
+	}
+	h := &heldLock{key: key, f: f, refs: 1}
+	if ok {
+		locks[key] = h
+	}
+	return h, true, nil
+}
+
+func (h *heldLock) release() {
+	locksMu.Lock()
+	defer locksMu.Unlock()
+	h.refs--
+	if h.refs > 0 {
+		return
+	}
+	if locks[h.key] == h {
+		delete(locks, h.key)
+	}
+	_ = h.f.Close() // releases the flock
+}
+
+// holderLine describes this process for the lock file.
+func holderLine() string {
+	cmd := strings.Join(os.Args, " ")
+	if len(cmd) > 200 {
+		cmd = cmd[:200] + "..."
+	}
+	return fmt.Sprintf("PID %d (%s)\n", os.Getpid(), cmd)
+}
+
+// readHolder reads the holder's line from an open lock file.
+func readHolder(f *os.File) (string, error) {
+	b := make([]byte, 512)
+	n, err := f.ReadAt(b, 0)
+	if n == 0 {
+		return "", err
+	}
+	return strings.TrimSpace(string(b[:n])), nil
+}

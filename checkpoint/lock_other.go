@@ -1,0 +1,19 @@
+//go:build !unix
+
+package checkpoint
+
+import (
+	"errors"
+	"os"
+)
+
+type fileKey struct{}
+
+func keyOf(os.FileInfo) (fileKey, bool) { return fileKey{}, false }
+
+var errWouldBlock = errors.New("would block")
+
+// flock locks nothing where flock(2) does not exist.
+func flock(*os.File) error { return nil }
+
+func isReadOnly(error) bool { return false }

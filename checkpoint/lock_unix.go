@@ -1,0 +1,34 @@
+//go:build unix
+
+package checkpoint
+
+import (
+	"errors"
+	"os"
+	"syscall"
+)
+
+// fileKey identifies a file whatever path names it: device and inode.
+type fileKey struct{ dev, ino uint64 }
+
+func keyOf(st os.FileInfo) (fileKey, bool) {
+	s, ok := st.Sys().(*syscall.Stat_t)
+	if !ok {
+		return fileKey{}, false
+	}
+	return fileKey{uint64(s.Dev), uint64(s.Ino)}, true
+}
+
+var errWouldBlock = syscall.EWOULDBLOCK
+
+// flock takes an exclusive flock(2) on f without waiting.
+func flock(f *os.File) error {
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if !errors.Is(err, syscall.EINTR) {
+			return err
+		}
+	}
+}
+
+func isReadOnly(err error) bool { return errors.Is(err, syscall.EROFS) }
