@@ -45,10 +45,17 @@ func (o *Optimizer) stateSlices() [][]float32 {
 // parameter's shape, as zero-copy views of the state; plus the "optimizer"
 // object (step, hyperparameters, options, parameter list) and the trainer's
 // objects, each marshalled to JSON. The views are valid until the next Step,
-// SetParam or LoadCheckpoint.
+// SetParam or LoadCheckpoint (and with Options.Device until Close); they are
+// not synchronized with those calls (see Optimizer's Concurrency).
 //
-// Errors: an object named "optimizer", or one that does not marshal.
+// Errors: ErrClosed, an object named "optimizer", or one that does not
+// marshal.
 func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.pool == nil {
+		return nil, ErrClosed
+	}
 	if err := o.syncHost(); err != nil {
 		return nil, err
 	}
@@ -131,6 +138,8 @@ func (o *Optimizer) subgroupOf(i int) int {
 // Errors: ErrClosed, a step below the step counter, the previous
 // background save's error, those of Snapshot and of checkpoint.Engine.Save.
 func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[string]any) (*checkpoint.Handle, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	if o.pool == nil {
 		return nil, ErrClosed
 	}
@@ -207,15 +216,21 @@ func (o *Optimizer) settle(all bool) error {
 // synchronously, and returns its directory (checkpoint.Save). The
 // checkpoint is named by the optimizer's step counter; a trainer that counts
 // iterations, skipped steps included, names it by its iteration instead
-// with Snapshot, setting Snapshot.Step, and checkpoint.Save.
+// with Snapshot, setting Snapshot.Step, and checkpoint.Save. The other
+// calls (Step, Close, ...) wait until the checkpoint is written.
 //
 // Errors: ErrClosed, those of Snapshot and of checkpoint.Save; on error the
 // previous checkpoint stays the latest.
 func (o *Optimizer) SaveCheckpoint(fsys checkpoint.FS, root string, objects map[string]any) (string, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	if o.pool == nil {
 		return "", ErrClosed
 	}
-	snap, err := o.Snapshot(objects)
+	if err := o.syncHost(); err != nil {
+		return "", err
+	}
+	snap, err := o.snapshot(objects)
 	if err != nil {
 		return "", err
 	}
@@ -233,14 +248,21 @@ func (o *Optimizer) SaveCheckpoint(fsys checkpoint.FS, root string, objects map[
 // master weights. It returns the directory loaded and the checkpoint's
 // objects, so the trainer can restore its own.
 //
-// Every tensor is read and checksummed into new buffers before anything
-// changes: on any error the optimizer is untouched.
+// Every tensor is read, checksummed and checked (CheckState) into new
+// buffers before anything changes: on any error the optimizer is untouched.
 //
 // Errors: ErrClosed; those of checkpoint.Resolve, Open and ReadTensor
-// (ErrCorrupt for bad contents); a checkpoint whose parameters (names,
-// shapes) or amsgrad setting differ from this optimizer's, naming the
-// tensor.
+// (ErrCorrupt for bad contents); an error wrapping checkpoint.ErrCorrupt
+// for an optimizer object that does not decode, whose format is unknown,
+// whose hyperparameters are invalid or whose step is outside [0, the
+// checkpoint's step], and for a state tensor that is not finite or an
+// exp_avg_sq or max_exp_avg_sq below 0 (naming the directory, the tensor,
+// its first bad element's index and value and the count of bad ones, as
+// VerifyCheckpoint does); a checkpoint whose parameters (names, shapes) or
+// amsgrad setting differ from this optimizer's, naming the tensor.
 func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string, objects map[string]json.RawMessage, err error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	if o.pool == nil {
 		return "", nil, ErrClosed
 	}
@@ -273,21 +295,12 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 		return nil, err
 	}
 	defer c.Close()
-	var obj optimizerObject
-	if err := c.Object(ObjectName, &obj); err != nil {
-		return nil, fmt.Errorf("offload: %s: %w", dir, err)
-	}
-	if obj.Format != objectFormat {
-		return nil, fmt.Errorf("offload: %s: optimizer object format %q, want %q", dir, obj.Format, objectFormat)
-	}
-	if err := obj.Hyper.Validate(); err != nil {
-		return nil, fmt.Errorf("offload: %s: %w", dir, err)
+	obj, err := checkObject(c)
+	if err != nil {
+		return nil, err
 	}
 	if obj.Hyper.AMSGrad != o.opts.Hyper.AMSGrad {
 		return nil, fmt.Errorf("offload: %s was saved with amsgrad=%t; this optimizer has amsgrad=%t", dir, obj.Hyper.AMSGrad, o.opts.Hyper.AMSGrad)
-	}
-	if obj.Step < 0 || obj.Step > c.Manifest.Step {
-		return nil, fmt.Errorf("offload: %s: optimizer step %d exceeds the checkpoint's step %d", dir, obj.Step, c.Manifest.Step)
 	}
 	fresh := make([][]float32, len(o.stateSlices()))
 	for k := range fresh {
@@ -303,8 +316,12 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 			if e.DType != safetensors.F32 || !sameShape(e.Shape, p.Shape) {
 				return nil, fmt.Errorf("offload: %s: tensor %q is %s %v, want F32 %v", dir, name, e.DType, e.Shape, p.Shape)
 			}
-			if err := c.ReadTensor(name, safetensors.Float32View(buf[p.Offset:p.Offset+p.Len])); err != nil {
+			v := buf[p.Offset : p.Offset+p.Len]
+			if err := c.ReadTensor(name, safetensors.Float32View(v)); err != nil {
 				return nil, err
+			}
+			if err := CheckState(name, v); err != nil {
+				return nil, fmt.Errorf("offload: %s: %w", dir, err)
 			}
 		}
 	}

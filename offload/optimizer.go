@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -96,8 +97,41 @@ type StepResult struct {
 var ErrClosed = errors.New("offload: optimizer is closed")
 
 // Optimizer is AdamW with the state in host memory, cut into subgroups.
-// Its methods must not be called concurrently.
+//
+// # Concurrency
+//
+// One mutex serializes the methods that read or write the optimizer state,
+// the step counter, the hyperparameters, the worker pool or the engine:
+// Step, ZeroGrad, SetParam, SetLR, Master, StepCount, Options, Schedule,
+// Snapshot, SaveAsync, SaveCheckpoint, LoadCheckpoint and Close. Each may be
+// called from any goroutine at any time: two calls run one after the other,
+// never interleaved (Step with Step, Step with SaveCheckpoint, ...), in an
+// unspecified order. Close waits for the call in flight (a Step, a
+// synchronous save, a load; and the capture of a SaveAsync's state), and
+// the calls after it return ErrClosed: Step, SetParam, SetLR, Snapshot,
+// SaveAsync, SaveCheckpoint, LoadCheckpoint. ZeroGrad, StepCount, Options
+// and Schedule keep working after Close; Master panics after Close with
+// Options.Device (its state was freed).
+//
+// Params, Subgroups, NumParams, Index, Plan, Grad and Working read only what
+// New set, take no lock, and are safe with any call, Close included.
+//
+// The memory behind the views is not synchronized: the Tensors that Grad and
+// Working return, and a Snapshot's tensors. Step reads the gradients and
+// writes the working copy (and the state); ZeroGrad writes the gradients;
+// SetParam and LoadCheckpoint write the working copy and the state. Touching
+// a view while one of those runs on another goroutine is a data race: the
+// trainer writes the gradients and reads the working copy between its
+// calls, ordered with them by its own synchronization (one goroutine, or a
+// channel or WaitGroup between the two). A Snapshot's views hold until the
+// next Step, SetParam or LoadCheckpoint, and with Options.Device until
+// Close. After Close the views of Grad and Working stay readable (host
+// memory).
 type Optimizer struct {
+	// mu serializes the methods that use the state, the pool or the
+	// engine (see Concurrency). A sync.Mutex costs Step no allocation.
+	mu sync.Mutex
+
 	opts      Options
 	params    []ParamInfo
 	byName    map[string]int
@@ -282,6 +316,8 @@ func (o *Optimizer) newEngine() error {
 // Schedule returns how the update phase splits the subgroups with
 // Options.Device (ok false without one).
 func (o *Optimizer) Schedule() (s perfmodel.Schedule, ok bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	if o.eng == nil {
 		return perfmodel.Schedule{}, false
 	}
@@ -289,7 +325,7 @@ func (o *Optimizer) Schedule() (s perfmodel.Schedule, ok bool) {
 }
 
 // syncHost makes the host state current: the resident subgroups' state
-// comes back from the device.
+// comes back from the device. The caller holds o.mu.
 func (o *Optimizer) syncHost() error {
 	if o.downloading {
 		// A lazy checkpoint's D2H: the host state is current once the
@@ -325,11 +361,16 @@ func (o *Optimizer) Plan() (plan perfmodel.Prediction, ok bool) {
 	return *o.plan, true
 }
 
-// Close waits until a lazy checkpoint in flight has captured the state (its
-// flush goes on in the engine) and stops the worker goroutines. Afterwards
-// Step, SetParam, SetLR, SaveCheckpoint, SaveAsync and LoadCheckpoint
-// return ErrClosed; views already handed out stay readable.
+// Close waits for a call in flight on another goroutine (Step,
+// SaveCheckpoint, LoadCheckpoint, ...: see Optimizer's Concurrency), then
+// until a lazy checkpoint in flight has captured the state (its flush goes
+// on in the engine), and stops the worker goroutines and the engine.
+// Afterwards Step, SetParam, SetLR, Snapshot, SaveCheckpoint, SaveAsync and
+// LoadCheckpoint return ErrClosed; the views of Grad and Working stay
+// readable. Close may be called more than once, from any goroutine.
 func (o *Optimizer) Close() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	if o.pending != nil {
 		_ = o.pending.WaitCaptured()
 		o.pending = nil
@@ -344,8 +385,13 @@ func (o *Optimizer) Close() {
 	}
 }
 
-// Options returns the options in effect, defaults filled in.
-func (o *Optimizer) Options() Options { return o.opts }
+// Options returns the options in effect, defaults filled in (Hyper as
+// SetLR and LoadCheckpoint left it).
+func (o *Optimizer) Options() Options {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.opts
+}
 
 // Params returns the parameters with their offsets, in order. The slice is
 // shared: do not modify it.
@@ -359,13 +405,19 @@ func (o *Optimizer) NumParams() int { return o.total }
 
 // StepCount returns the step counter: the number of steps taken, skipped
 // steps excluded.
-func (o *Optimizer) StepCount() int64 { return o.step }
+func (o *Optimizer) StepCount() int64 {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.step
+}
 
 // SetLR sets the learning rate for the next steps, as assigning
 // param_groups[0]["lr"] does in PyTorch (for schedules).
 //
 // Errors: ErrClosed, or lr negative or not finite.
 func (o *Optimizer) SetLR(lr float64) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	if o.pool == nil {
 		return ErrClosed
 	}
@@ -394,7 +446,8 @@ func (o *Optimizer) span(i int) (lo, hi int) {
 }
 
 // Grad returns the gradient buffer of parameter i (in New's order), of
-// Options.GradDType. The trainer writes the gradient there before Step.
+// Options.GradDType. The trainer writes the gradient there before Step,
+// never while Step or ZeroGrad runs (see Optimizer's Concurrency).
 // Panics if i is out of range.
 func (o *Optimizer) Grad(i int) Tensor {
 	lo, hi := o.span(i)
@@ -410,6 +463,8 @@ func (o *Optimizer) Grad(i int) Tensor {
 // Working returns the working copy of parameter i that forward and backward
 // read: the 16-bit copy when Options.WorkingDType is set, else the fp32
 // master weights themselves (read-only by convention: write with SetParam).
+// Its contents change with Step, SetParam and LoadCheckpoint: read it
+// between those calls, not during them (see Optimizer's Concurrency).
 // Panics if i is out of range.
 func (o *Optimizer) Working(i int) Tensor {
 	lo, hi := o.span(i)
@@ -424,6 +479,8 @@ func (o *Optimizer) Working(i int) Tensor {
 // after a device fault they may be a step behind).
 // Panics if i is out of range, or with Options.Device after Close.
 func (o *Optimizer) Master(i int) []float32 {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	if o.opts.Device != nil && o.pool == nil {
 		panic("offload: Master of a closed optimizer with a Device (its pinned state is freed)")
 	}
@@ -438,6 +495,8 @@ func (o *Optimizer) Master(i int) []float32 {
 // Errors: ErrClosed, no such parameter, or len(values) differs from its
 // size.
 func (o *Optimizer) SetParam(name string, values []float32) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	if o.pool == nil {
 		return ErrClosed
 	}
@@ -468,7 +527,10 @@ func (o *Optimizer) refreshWorking(lo, hi int) {
 }
 
 // ZeroGrad sets every gradient to zero (optimizer.zero_grad(set_to_none=False)).
+// After Close it still clears the host buffers.
 func (o *Optimizer) ZeroGrad() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	clear(o.grad.F32)
 	clear(o.grad.U16)
 }
@@ -476,7 +538,9 @@ func (o *Optimizer) ZeroGrad() {
 // Step runs one update phase over every subgroup: the global non-finite
 // check, the optional global norm clipping, one advance of the step counter,
 // and the AdamW update of every subgroup with the same bias corrections
-// (package doc). It allocates nothing.
+// (package doc). It allocates nothing. Steps on several goroutines run one
+// after the other (see Optimizer's Concurrency); StepResult.Elapsed
+// excludes the wait for another call in flight.
 //
 // With Options.Device an error may come after the step was taken: compare
 // the StepResult's Step with StepCount before the call. A
@@ -496,6 +560,8 @@ func (o *Optimizer) ZeroGrad() {
 // taken). A skipped step is not an error: it is reported in
 // StepResult.Skipped.
 func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	start := time.Now()
 	if o.pool == nil {
 		return StepResult{}, ErrClosed

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 
 	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/offload"
 	"github.com/deepstates/dos/safetensors"
 )
 
@@ -17,7 +18,10 @@ import (
 // Config.Params order. It returns the directory read too.
 //
 // Errors: those of checkpoint.Resolve, Open and ReadTensor (checksums are
-// verified); a checkpoint without the trainer's object or a parameter.
+// verified); a checkpoint without the trainer's object or a parameter; an
+// error wrapping checkpoint.ErrCorrupt, naming the directory and the
+// tensor, for master weights that are not finite (offload.CheckState: a
+// checksum does not catch a NaN that was saved).
 func LoadWeights(path string) (Config, [][]float32, string, error) {
 	dir, err := checkpoint.Resolve(checkpoint.OS, path)
 	if err != nil {
@@ -57,6 +61,9 @@ func LoadWeights(path string) (Config, [][]float32, string, error) {
 		w := make([]float32, n)
 		if err := c.ReadTensor(p.Name+".master", safetensors.Float32View(w)); err != nil {
 			return Config{}, nil, "", err
+		}
+		if err := offload.CheckState(p.Name+".master", w); err != nil {
+			return Config{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
 		}
 		weights = append(weights, w)
 	}
