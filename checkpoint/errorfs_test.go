@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
+	"syscall"
 )
 
 // errorFS wraps an FS and counts its operations (those of the FS and of
@@ -18,6 +20,7 @@ type errorFS struct {
 	ops       int
 	failAt    int   // -1: none
 	crashAt   int   // -1: none
+	killAt    int   // -1: none; else SIGKILL this process before that operation
 	injectErr error // the error of the failed operation
 	torn      bool  // a failed write writes its first half first
 	injected  string
@@ -26,7 +29,9 @@ type errorFS struct {
 
 var errCrashed = errors.New("simulated crash")
 
-func newErrorFS(inner FS) *errorFS { return &errorFS{inner: inner, failAt: -1, crashAt: -1} }
+func newErrorFS(inner FS) *errorFS {
+	return &errorFS{inner: inner, failAt: -1, crashAt: -1, killAt: -1}
+}
 
 // op counts an operation and returns the error to give instead of doing
 // it, and whether that error is an injected (not crash) one.
@@ -36,6 +41,13 @@ func (e *errorFS) op(name, path string) (injected bool, err error) {
 	i := e.ops
 	e.ops++
 	e.log = append(e.log, fmt.Sprintf("%d %s %s", i, name, path))
+	if i == e.killAt {
+		if log := os.Getenv("DOS_CKPT_KILL_LOG"); log != "" {
+			os.WriteFile(log, []byte(strings.Join(e.log, "\n")+"\n"), 0o644)
+		}
+		syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	}
 	if e.crashAt >= 0 && i >= e.crashAt {
 		return false, pathErr(name, path, errCrashed)
 	}

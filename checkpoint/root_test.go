@@ -1,0 +1,427 @@
+package checkpoint
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// entriesOf lists dir's entry names, .lock left out.
+func entriesOf(t *testing.T, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range entries {
+		if e.Name() != LockFile {
+			names = append(names, e.Name())
+		}
+	}
+	return names
+}
+
+// TestRecover: a fresh root has nothing to recover; a first commit cut
+// short between latest.tmp and its rename is finished; a missing, empty or
+// garbage latest is pointed at the newest step directory that verifies,
+// skipping a corrupt one; when none verifies, or latest is a directory,
+// nothing is changed.
+func TestRecover(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "r")
+	if _, err := Recover(OS, root, 0); !errors.Is(err, ErrNoCheckpoint) || errors.Is(err, ErrCorrupt) {
+		t.Fatalf("Recover of a missing root: %v", err)
+	}
+	if info, err := Inspect(OS, root); err != nil || !info.Fresh() {
+		t.Fatalf("Inspect of a missing root: %+v, %v", info, err)
+	}
+	if _, err := os.Stat(root); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("Recover created the root: %v", err)
+	}
+
+	t.Run("interrupted first commit", func(t *testing.T) {
+		root := t.TempDir()
+		mustSave(t, OS, root, testSnapshot(5))
+		// What a kill between writing latest.tmp and renaming it leaves.
+		if err := os.Rename(filepath.Join(root, LatestFile), filepath.Join(root, pendingLatest)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := Latest(OS, root); !errors.Is(err, ErrCorrupt) || errors.Is(err, fs.ErrNotExist) || !strings.Contains(err.Error(), "latest.tmp") {
+			t.Fatalf("Latest: %v", err)
+		}
+		if _, err := Save(OS, root, testSnapshot(6)); !errors.Is(err, ErrCorrupt) {
+			t.Fatalf("Save into the stranded root: %v", err)
+		}
+		rec, err := Recover(OS, root, 0)
+		if err != nil || !rec.Repaired || !strings.Contains(rec.Note, "finished the interrupted commit of step-000000005") {
+			t.Fatalf("Recover: %+v, %v", rec, err)
+		}
+		checkLatest(t, OS, root, testSnapshot(5))
+		if got := entriesOf(t, root); !slices.Equal(got, []string{LatestFile, "step-000000005"}) {
+			t.Fatalf("root holds %v", got)
+		}
+		if rec, err := Recover(OS, root, 0); err != nil || rec.Repaired {
+			t.Fatalf("Recover of a sound root: %+v, %v", rec, err)
+		}
+	})
+
+	for _, damage := range []string{"removed", "empty", "garbage", "names a missing step"} {
+		t.Run("latest "+damage, func(t *testing.T) {
+			root, dir20 := twoCheckpoints(t)
+			latest := filepath.Join(root, LatestFile)
+			var err error
+			switch damage {
+			case "removed":
+				err = os.Remove(latest)
+			case "empty":
+				err = os.WriteFile(latest, nil, 0o644)
+			case "garbage":
+				err = os.WriteFile(latest, []byte("\x00garbage"), 0o644)
+			default:
+				err = os.WriteFile(latest, []byte("step-000000099\n"), 0o644)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The newest step is corrupt: Recover skips it for step 10.
+			modifyFile(t, filepath.Join(dir20, rank0), func(b []byte) []byte { b[len(b)-1] ^= 1; return b })
+			info, err := Inspect(OS, root)
+			if err != nil || info.Fresh() || !errors.Is(info.Problem, ErrCorrupt) || len(info.Steps) != 2 {
+				t.Fatalf("Inspect: %+v, %v", info, err)
+			}
+			rec, err := Recover(OS, root, 0)
+			if err != nil || !rec.Repaired || filepath.Base(rec.Dir) != "step-000000010" || len(rec.Skipped) != 1 || !strings.Contains(rec.Skipped[0], "step-000000020") {
+				t.Fatalf("Recover: %+v, %v", rec, err)
+			}
+			checkLatest(t, OS, root, testSnapshot(10))
+			if _, err := os.Stat(dir20); err != nil {
+				t.Fatalf("Recover removed the corrupt step: %v", err)
+			}
+		})
+	}
+
+	t.Run("nothing verifies", func(t *testing.T) {
+		root, dir20 := twoCheckpoints(t)
+		if err := os.Remove(filepath.Join(root, LatestFile)); err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range []string{dir20, filepath.Join(root, "step-000000010")} {
+			modifyFile(t, filepath.Join(d, rank0), func(b []byte) []byte { b[len(b)-1] ^= 1; return b })
+		}
+		before := entriesOf(t, root)
+		if _, err := Recover(OS, root, 0); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "no step directory verifies") {
+			t.Fatalf("Recover: %v", err)
+		}
+		if got := entriesOf(t, root); !slices.Equal(got, before) {
+			t.Fatalf("Recover changed the root: %v, was %v", got, before)
+		}
+	})
+
+	t.Run("latest is a directory", func(t *testing.T) {
+		root, _ := twoCheckpoints(t)
+		latest := filepath.Join(root, LatestFile)
+		if err := os.Remove(latest); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Mkdir(latest, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := Latest(OS, root); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "directory") {
+			t.Fatalf("Latest: %v", err)
+		}
+		if _, err := Recover(OS, root, 0); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "move it away") {
+			t.Fatalf("Recover: %v", err)
+		}
+		if st, err := os.Stat(latest); err != nil || !st.IsDir() {
+			t.Fatalf("latest changed: %v", err)
+		}
+	})
+}
+
+// TestSaveNeverReplacesCommitted: a committed step directory (at or below
+// latest's step) is never replaced, and a damaged root is never written.
+func TestSaveNeverReplacesCommitted(t *testing.T) {
+	root := t.TempDir()
+	for _, step := range []int64{10, 20, 30} {
+		mustSave(t, OS, root, testSnapshot(step))
+	}
+	s20 := testSnapshot(20)
+	s20.Objects["trainer"] = []byte(`{"other": "run"}`)
+	if _, err := Save(OS, root, s20); !errors.Is(err, fs.ErrExist) || !strings.Contains(err.Error(), "committed") {
+		t.Fatalf("Save over the committed step 20: %v", err)
+	}
+	checkMatches(t, OS, filepath.Join(root, "step-000000020"), testSnapshot(20))
+
+	// latest removed (or lost): the root's checkpoints are not marked,
+	// and a save would adopt them (and retention prune them).
+	if err := os.Remove(filepath.Join(root, LatestFile)); err != nil {
+		t.Fatal(err)
+	}
+	for _, step := range []int64{5, 20, 40} {
+		if _, err := Save(OS, root, testSnapshot(step)); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "damaged root") {
+			t.Fatalf("Save of step %d into a root without latest: %v", step, err)
+		}
+	}
+	if err := Retain(OS, root, 1); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("Retain of a damaged root: %v", err)
+	}
+	for _, step := range []int64{10, 20, 30} {
+		checkMatches(t, OS, StepDir(root, step), testSnapshot(step))
+	}
+	if got := entriesOf(t, root); !slices.Equal(got, []string{"step-000000010", "step-000000020", "step-000000030"}) {
+		t.Fatalf("root holds %v", got)
+	}
+}
+
+// TestLockRefusesBadRoots: a step directory, a file, a path under a file
+// are refused by every writer, before anything is written.
+func TestLockRefusesBadRoots(t *testing.T) {
+	root, dir20 := twoCheckpoints(t)
+	before := entriesOf(t, dir20)
+	file := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(file, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tmp := filepath.Join(root, ".tmp-step-000000030-00000000")
+	if err := os.Mkdir(tmp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	emptyStep := filepath.Join(root, "step-000000040")
+	if err := os.Mkdir(emptyStep, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ path, want string }{
+		{dir20, "not a checkpoint root"},
+		{emptyStep, "step directory of the checkpoint root"},
+		{tmp, "step directory of the checkpoint root"},
+		{file, "not a directory"},
+		{filepath.Join(file, "sub"), "not a directory"},
+	} {
+		if l, err := Lock(OS, tc.path); err == nil || !strings.Contains(err.Error(), tc.want) {
+			l.Unlock()
+			t.Errorf("Lock(%s): %v, want %q", tc.path, err, tc.want)
+		}
+		if _, err := Save(OS, tc.path, testSnapshot(50)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("Save(%s): %v, want %q", tc.path, err, tc.want)
+		}
+		if e, err := NewEngine(OS, tc.path, EngineOptions{ChunkBytes: 4096, RingBytes: 8192}); err == nil || !strings.Contains(err.Error(), tc.want) {
+			e.Close()
+			t.Errorf("NewEngine(%s): %v, want %q", tc.path, err, tc.want)
+		}
+	}
+	if got := entriesOf(t, dir20); !slices.Equal(got, before) {
+		t.Fatalf("the step directory changed: %v, was %v", got, before)
+	}
+	if got := entriesOf(t, emptyStep); len(got) != 0 {
+		t.Fatalf("a run nested in %s: %v", emptyStep, got)
+	}
+	checkLatest(t, OS, root, testSnapshot(20))
+
+	// A root that does not exist yet is created, with its parents.
+	fresh := filepath.Join(t.TempDir(), "a", "b")
+	l, err := Lock(OS, fresh)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.Unlock()
+	if got := entriesOf(t, fresh); len(got) != 0 {
+		t.Fatalf("Lock left %v in a fresh root", got)
+	}
+}
+
+// TestLockOneWriter: while a process holds a root's lock, every writer of
+// another process is refused with the holder's PID; the kernel releases
+// the lock when the holder dies. Within one process the lock is shared.
+func TestLockOneWriter(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns a process")
+	}
+	root := filepath.Join(t.TempDir(), "ckpt")
+	mustSave(t, OS, root, testSnapshot(1))
+	a, err := Lock(OS, root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := Lock(OS, root) // this process again: shared
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustSave(t, OS, root, testSnapshot(2))
+	a.Unlock()
+	b.Unlock()
+	b.Unlock() // a second Unlock does nothing
+
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "DOS_CKPT_LOCK_CHILD="+root)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	if line, err := bufio.NewReader(stdout).ReadString('\n'); err != nil || line != "locked\n" {
+		t.Fatalf("child: %q, %v", line, err)
+	}
+	pid := fmt.Sprintf("PID %d", cmd.Process.Pid)
+	check := func(what string, err error) {
+		t.Helper()
+		if !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), pid) {
+			t.Errorf("%s while another process holds the lock: %v (want ErrLocked naming %s)", what, err, pid)
+		}
+	}
+	_, err = Lock(OS, root)
+	check("Lock", err)
+	_, err = Save(OS, root, testSnapshot(3))
+	check("Save", err)
+	_, err = NewEngine(OS, root, EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	check("NewEngine", err)
+	check("Retain", Retain(OS, root, 1))
+	checkLatest(t, OS, root, testSnapshot(2))
+
+	cmd.Process.Signal(syscall.SIGKILL)
+	cmd.Wait()
+	l, err := Lock(OS, root)
+	if err != nil {
+		t.Fatalf("Lock after the holder died: %v", err)
+	}
+	l.Unlock()
+	mustSave(t, OS, root, testSnapshot(3))
+}
+
+// TestFIFOs: a FIFO in place of latest, latest.tmp, manifest.json or the
+// rank file is bad contents, reported at once, never blocked on.
+func TestFIFOs(t *testing.T) {
+	for _, name := range []string{LatestFile, pendingLatest, ManifestFile, rank0, IndexFile} {
+		t.Run(name, func(t *testing.T) {
+			root, dir := twoCheckpoints(t)
+			path := filepath.Join(root, name)
+			if name != LatestFile && name != pendingLatest {
+				path = filepath.Join(dir, name)
+			}
+			os.Remove(path)
+			if err := syscall.Mkfifo(path, 0o644); err != nil {
+				t.Skipf("mkfifo: %v", err)
+			}
+			done := make(chan error, 1)
+			go func() {
+				dir, err := Resolve(OS, root)
+				if err == nil {
+					err = verifyDir(OS, dir, 0)
+				}
+				if _, ierr := Inspect(OS, root); ierr != nil && err == nil {
+					err = ierr
+				}
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if name == pendingLatest {
+					if err != nil {
+						t.Fatalf("a FIFO latest.tmp beside a sound latest: %v", err)
+					}
+					return
+				}
+				if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "FIFO") {
+					t.Fatalf("%s as a FIFO: %v", name, err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s as a FIFO: blocked", name)
+			}
+		})
+	}
+}
+
+// TestRetainLeftovers: Retain retires checkpoints out of the step
+// namespace, removes the leftovers of interrupted retirements and the
+// incomplete step directories older versions' retention left, and prunes a
+// step directory that is a link (the link, not its target).
+func TestRetainLeftovers(t *testing.T) {
+	root := t.TempDir()
+	for _, step := range []int64{1, 2, 3, 4, 5} {
+		mustSave(t, OS, root, testSnapshot(step))
+	}
+	// Step 2 as an older retention's kill left it: no manifest.
+	if err := os.Remove(filepath.Join(StepDir(root, 2), ManifestFile)); err != nil {
+		t.Fatal(err)
+	}
+	// Step 3 as a link to a directory elsewhere.
+	elsewhere := filepath.Join(t.TempDir(), "s3")
+	if err := os.Rename(StepDir(root, 3), elsewhere); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(elsewhere, StepDir(root, 3)); err != nil {
+		t.Fatal(err)
+	}
+	// A retirement cut short.
+	retired := filepath.Join(root, retiredPrefix+"step-000000000-12345678")
+	if err := os.MkdirAll(filepath.Join(retired, "x"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	dirs, err := List(OS, root)
+	if err != nil || len(dirs) != 4 || dirs[2] != StepDir(root, 3) {
+		t.Fatalf("List: %v, %v (want 5, 4, 3 (the link), 1)", dirs, err)
+	}
+	info, err := Inspect(OS, root)
+	if err != nil || len(info.Leftovers) != 1 || len(info.Steps) != 5 || info.Steps[3].Complete {
+		t.Fatalf("Inspect: %+v, %v", info, err)
+	}
+	if err := Retain(OS, root, 2); err != nil {
+		t.Fatal(err)
+	}
+	if got := entriesOf(t, root); !slices.Equal(got, []string{LatestFile, "step-000000004", "step-000000005"}) {
+		t.Fatalf("after Retain 2 the root holds %v", got)
+	}
+	checkMatches(t, OS, elsewhere, testSnapshot(3)) // the link's target stays
+}
+
+// TestRetainCrash crashes Retain after each of its operations, and a power
+// loss follows: the root then lists whole checkpoints only, each of which
+// verifies, and the next save's retention leaves no leftover.
+func TestRetainCrash(t *testing.T) {
+	base := newMemFS()
+	for _, step := range []int64{1, 2, 3, 4} {
+		mustSave(t, base, memRoot, testSnapshot(step))
+	}
+	for i := 0; ; i++ {
+		mem := base.crashClone(false)
+		efs := newErrorFS(mem)
+		efs.crashAt = i
+		err := Retain(efs, memRoot, 2)
+		if efs.ops <= i {
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("crashed Retain at each of its %d operations", i)
+			return
+		}
+		for _, powerLoss := range []bool{false, true} {
+			after := mem.crashClone(powerLoss)
+			dirs, err := List(after, memRoot)
+			if err != nil || len(dirs) < 2 || len(dirs) > 4 {
+				t.Fatalf("crash at op %s: List %v, %v", efs.log[i], dirs, err)
+			}
+			for _, d := range dirs {
+				step, _ := parseStepDirName(filepath.Base(d))
+				checkMatches(t, after, d, testSnapshot(step))
+			}
+			mustSave(t, after, memRoot, testSnapshot(5))
+			if err := Retain(after, memRoot, 2); err != nil {
+				t.Fatal(err)
+			}
+			if got := rootEntries(t, after, memRoot); !slices.Equal(got, []string{LatestFile, "step-000000004", "step-000000005"}) {
+				t.Fatalf("crash at op %s, then a save and Retain: root holds %v", efs.log[i], got)
+			}
+		}
+	}
+}
