@@ -123,14 +123,19 @@ func TestSaveAsyncFailure(t *testing.T) {
 	o := newTest(t, Options{SubgroupSize: 300})
 	fill(o, 1)
 	mustStep(t, o)
-	dir := t.TempDir()
-	// A root that is a file: the save fails in the background.
-	root := filepath.Join(dir, "file")
+	root := filepath.Join(t.TempDir(), "root")
+	e, err := checkpoint.NewEngine(checkpoint.OS, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	// The root replaced by a file: the save fails in the background.
+	if err := os.RemoveAll(root); err != nil {
+		t.Fatal(err)
+	}
 	if err := os.WriteFile(root, []byte("x"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	e, _ := checkpoint.NewEngine(checkpoint.OS, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
-	defer e.Close()
 	h, err := o.SaveAsync(e, 1, nil)
 	if err != nil {
 		t.Fatal(err)
