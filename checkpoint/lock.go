@@ -132,6 +132,28 @@ func checkRootPath(fsys FS, root string) error {
 	return nil
 }
 
+// Holder returns who holds root's lock ("PID n (command line)"), or ""
+// when no process does, root has no lock file, or fsys cannot lock. It
+// takes no lock and changes nothing: a reader (dos ckpt ls) tells a save
+// in progress from a crashed one's leftover with it.
+func Holder(fsys FS, root string) string {
+	if _, ok := fsys.(osFS); !ok {
+		return ""
+	}
+	f, err := os.Open(filepath.Join(root, LockFile))
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	if err := tryShared(f); !errors.Is(err, errWouldBlock) {
+		return "" // free (a shared lock taken is released with f)
+	}
+	if h, err := readHolder(f); err == nil && h != "" {
+		return h
+	}
+	return "an unknown process"
+}
+
 // heldLock is the kernel lock on one lock file, shared by this process's
 // holders.
 type heldLock struct {

@@ -32,3 +32,14 @@ func flock(f *os.File) error {
 }
 
 func isReadOnly(err error) bool { return errors.Is(err, syscall.EROFS) }
+
+// tryShared takes a shared flock(2) on f without waiting: EWOULDBLOCK when
+// another open file holds it exclusively.
+func tryShared(f *os.File) error {
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_SH|syscall.LOCK_NB)
+		if !errors.Is(err, syscall.EINTR) {
+			return err
+		}
+	}
+}

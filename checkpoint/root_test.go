@@ -280,6 +280,9 @@ func TestLockOneWriter(t *testing.T) {
 			t.Errorf("%s while another process holds the lock: %v (want ErrLocked naming %s)", what, err, pid)
 		}
 	}
+	if h := Holder(OS, root); !strings.Contains(h, pid) {
+		t.Errorf("Holder: %q, want %s", h, pid)
+	}
 	_, err = Lock(OS, root)
 	check("Lock", err)
 	_, err = Save(OS, root, testSnapshot(3))
@@ -291,6 +294,9 @@ func TestLockOneWriter(t *testing.T) {
 
 	cmd.Process.Signal(syscall.SIGKILL)
 	cmd.Wait()
+	if h := Holder(OS, root); h != "" {
+		t.Errorf("Holder after the holder died: %q", h)
+	}
 	l, err := Lock(OS, root)
 	if err != nil {
 		t.Fatalf("Lock after the holder died: %v", err)

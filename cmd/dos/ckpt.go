@@ -13,13 +13,16 @@ import (
 	"time"
 
 	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/offload"
 )
 
 const ckptUsage = `Usage:
-  dos ckpt ls ROOT               list the committed checkpoints under ROOT, newest first (* marks latest)
+  dos ckpt ls ROOT               list the committed checkpoints under ROOT, newest first (* marks latest),
+                                 then what is not committed (leftovers of crashes) and any damage
   dos ckpt verify [--rank N] PATH
                                  open the checkpoint at PATH (a step directory, or a root's latest),
-                                 check that manifest, index and file agree and every tensor's CRC32C
+                                 check that manifest, index and file agree, every tensor's CRC32C,
+                                 that the optimizer state is finite (exp_avg_sq >= 0) and its settings valid
   dos ckpt inspect [--rank N] [--tensors] PATH
                                  describe the checkpoint at PATH without reading tensor data: step,
                                  files and sizes, tensors by dtype, the optimizer's hyperparameters,
@@ -85,6 +88,10 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	}
 	if len(pos) != 1 {
 		fmt.Fprintf(stderr, "dos ckpt %s: want one directory, got %d arguments\n", sub, len(pos))
+		return 2
+	}
+	if rank < 0 {
+		fmt.Fprintf(stderr, "dos ckpt %s: --rank %d: want a rank >= 0\n", sub, rank)
 		return 2
 	}
 	path := pos[0]
@@ -172,22 +179,58 @@ func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int 
 	return 0
 }
 
+// ckptList lists what root holds: the committed checkpoints, newest first
+// (* marks latest), then what is not committed (a complete step directory
+// above latest, an incomplete one, the leftovers of crashed saves and
+// retirements), and why the root is damaged if it is (exit 1 then).
 func ckptList(root string, stdout, stderr io.Writer) int {
-	dirs, err := checkpoint.List(checkpoint.OS, root)
+	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
 		return 1
 	}
-	latest, _ := checkpoint.Latest(checkpoint.OS, root)
-	if len(dirs) == 0 {
+	holder := checkpoint.Holder(checkpoint.OS, root)
+	if holder != "" {
+		fmt.Fprintf(stdout, "in use by %s: a save may be in progress\n", holder)
+	}
+	committed := 0
+	for _, s := range info.Steps {
+		if s.Committed {
+			mark := " "
+			if s.Dir == info.Latest {
+				mark = "*"
+			}
+			fmt.Fprintf(stdout, "%s %s\n", mark, s.Dir)
+			committed++
+		}
+	}
+	if committed == 0 && info.Problem == nil {
 		fmt.Fprintf(stdout, "no committed checkpoints in %s\n", root)
 	}
-	for _, d := range dirs {
-		mark := " "
-		if d == latest {
-			mark = "*"
+	for _, s := range info.Steps {
+		switch {
+		case s.Committed:
+		case s.Complete && info.Problem == nil:
+			fmt.Fprintf(stdout, "  %s  (not committed: above latest; the next save of its step replaces it)\n", s.Dir)
+		case s.Complete:
+			fmt.Fprintf(stdout, "  %s  (complete, not marked by latest)\n", s.Dir)
+		default:
+			fmt.Fprintf(stdout, "  %s  (leftover: incomplete, no %s; retention removes it)\n", s.Dir, checkpoint.ManifestFile)
 		}
-		fmt.Fprintf(stdout, "%s %s\n", mark, d)
+	}
+	if info.Pending != "" && info.Problem != nil {
+		fmt.Fprintf(stdout, "  %s.tmp names %s (a commit was cut short)\n", filepath.Join(root, checkpoint.LatestFile), filepath.Base(info.Pending))
+	}
+	for _, l := range info.Leftovers {
+		if holder != "" {
+			fmt.Fprintf(stdout, "  %s  (temporary: a save in progress, or a leftover)\n", l)
+		} else {
+			fmt.Fprintf(stdout, "  %s  (leftover of a crashed save or retirement; the next save removes it)\n", l)
+		}
+	}
+	if info.Problem != nil {
+		fmt.Fprintf(stderr, "dos ckpt ls: %s is damaged: %v\n", root, info.Problem)
+		return 1
 	}
 	return 0
 }
@@ -204,7 +247,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 		return 1
 	}
 	defer c.Close()
-	if err := c.Verify(); err != nil {
+	if err := offload.VerifyCheckpoint(c); err != nil {
 		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
 		return 1
 	}
@@ -212,7 +255,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 	for _, t := range c.Manifest.Tensors {
 		bytes += t.Bytes
 	}
-	fmt.Fprintf(stdout, "OK %s: step %d, rank %d, %d tensors, %d bytes, every CRC32C matches\n",
+	fmt.Fprintf(stdout, "OK %s: step %d, rank %d, %d tensors, %d bytes, every CRC32C matches, the optimizer state is finite (exp_avg_sq >= 0) and its settings valid\n",
 		dir, c.Manifest.Step, c.Manifest.Rank, len(c.Manifest.Tensors), bytes)
 	return 0
 }
