@@ -328,7 +328,7 @@ func TestCkptInvalidContents(t *testing.T) {
 		objects["optimizer"], _ = json.Marshal(o)
 	})
 	rc, out := dosRun(t, time.Minute, "train", "--steps", "6", "--ckpt-dir", odd, "--resume")
-	if rc != 0 || !strings.Contains(out, "maximize") || !strings.Contains(out, "mode") {
+	if rc != 0 || !strings.Contains(out, "resume: maximize") || !strings.Contains(out, "resume: mode") {
 		t.Errorf("resume of a checkpoint with maximize and mode adam: rc %d, want both listed:\n%s", rc, out)
 	}
 }
