@@ -1,9 +1,15 @@
 package trainer
 
 import (
+	"bytes"
 	"fmt"
+	"io"
 	"math"
 	"math/rand/v2"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
 
 	"github.com/deepstates/dos/offload"
 )
@@ -30,9 +36,11 @@ const (
 	MaxNEmbd     = 1 << 16
 )
 
-// Validate reports the first field out of range: every field must be at
-// least 1 and at most its Max constant, and NEmbd must be a multiple of
-// NHead.
+// Validate reports the first field out of range, named as in config.json
+// (it also checks the configs of checkpoints): every field must be at least
+// 1 and at most its Max constant, and NEmbd must be a multiple of NHead.
+// TrainConfig.Validate checks the same fields first under the names of
+// their `dos train` flags.
 func (c Config) Validate() error {
 	check := func(name string, v, hi int) error {
 		if v < 1 || v > hi {
@@ -210,3 +218,58 @@ func fill[F float32 | float64](x []F, v F) {
 		x[i] = v
 	}
 }
+
+// MaxThreads returns the most optimizer goroutines TrainConfig.Threads (and
+// `dos bench --threads`) may ask for: 4 × runtime.NumCPU(). The update is
+// bound by memory bandwidth, so workers beyond the cores only time-share
+// them; 4× still leaves room to measure oversubscription, while a typo
+// cannot start millions of goroutines or size the pool's task channel
+// (a few hundred bytes per worker) by it.
+func MaxThreads() int { return 4 * runtime.NumCPU() }
+
+// memAvailable returns the bytes of memory available to a new process now,
+// and false where the system does not say. Tests replace it.
+var memAvailable = readMemAvailable
+
+// readMemAvailable reads MemAvailable from /proc/meminfo (Linux 3.14 and
+// later): the kernel's estimate of the memory that can be allocated without
+// swapping, free plus reclaimable page cache. Elsewhere, or on any error,
+// it returns false.
+func readMemAvailable() (int64, bool) {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0, false
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, 64<<10))
+	if err != nil {
+		return 0, false
+	}
+	return parseMemAvailable(b)
+}
+
+// parseMemAvailable returns the bytes of the "MemAvailable: N kB" line of a
+// /proc/meminfo text, and false when there is no such line or it does not
+// parse.
+func parseMemAvailable(meminfo []byte) (int64, bool) {
+	for line := range bytes.Lines(meminfo) {
+		rest, ok := bytes.CutPrefix(line, []byte("MemAvailable:"))
+		if !ok {
+			continue
+		}
+		f := strings.Fields(string(rest))
+		if len(f) != 2 || f[1] != "kB" {
+			return 0, false
+		}
+		kb, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil || kb < 0 || kb > math.MaxInt64>>10 {
+			return 0, false
+		}
+		return kb << 10, true
+	}
+	return 0, false
+}
+
+// workers returns the goroutines the model's pool may run on:
+// runtime.GOMAXPROCS(0).
+func workers() int { return runtime.GOMAXPROCS(0) }

@@ -54,7 +54,7 @@ type TrainConfig struct {
 	LossScale    float64 `json:"loss_scale"`
 	Seed         uint64  `json:"seed"`
 	SubgroupSize int     `json:"subgroup_size"` // elements; 0: offload's default
-	Threads      int     `json:"threads"`       // optimizer goroutines; 0: GOMAXPROCS
+	Threads      int     `json:"threads"`       // optimizer goroutines, 0..MaxThreads(); 0: GOMAXPROCS
 	CkptDir      string  `json:"ckpt_dir"`      // "" disables checkpoints
 	CkptEvery    int     `json:"ckpt_every"`    // iterations between checkpoints (and one at the end)
 	// CkptSync writes checkpoints synchronously (checkpoint.Save) instead
@@ -76,6 +76,12 @@ type TrainConfig struct {
 	// GPUBudget is the device memory in GiB the update phase may use
 	// (resident state and staging); 0 means DefaultGPUBudget.
 	GPUBudget float64 `json:"gpu_budget_gib"`
+	// MaxMemory is the host memory in GiB the run may use (--max-memory):
+	// Validate refuses a configuration whose MemoryBytes exceeds it. 0
+	// means the memory available when Validate runs (MemAvailable in
+	// /proc/meminfo; where the system does not say, only MaxMemoryBytes
+	// bounds it). At most MaxMemoryBytes.
+	MaxMemory float64 `json:"max_memory_gib"`
 	// Schedule forces the device's split as "CPU,GPU,RESIDENT" subgroup
 	// counts; "" for the model's choice with Profile, else
 	// scheduler.MixedSchedule.
@@ -126,41 +132,94 @@ func DefaultTrainConfig() TrainConfig {
 	}
 }
 
-// Validate reports the first invalid field.
+// Validate reports the first invalid field, named by the `dos train` flag
+// that sets it (--heads, --threads, ...; Model.VocabSize, which no flag
+// sets, by its config.json name), with its value and what is allowed.
+//
+// Last it compares MemoryBytes with the memory the run may use: MaxMemory
+// GiB, or, when that is 0, the memory available now (MemAvailable in
+// /proc/meminfo, the one thing Validate reads from the system; skipped
+// where the system does not say), and never more than MaxMemoryBytes. So a
+// run too large for the machine is refused before anything is allocated.
 func (c *TrainConfig) Validate() error {
-	if err := c.Model.Validate(); err != nil {
+	m := c.Model
+	switch {
+	case m.NLayer < 1 || m.NLayer > MaxNLayer:
+		return fmt.Errorf("trainer: --layers %d: want 1..%d", m.NLayer, MaxNLayer)
+	case m.NEmbd < 1 || m.NEmbd > MaxNEmbd:
+		return fmt.Errorf("trainer: --embd %d: want 1..%d", m.NEmbd, MaxNEmbd)
+	case m.NHead < 1 || m.NEmbd%m.NHead != 0:
+		return fmt.Errorf("trainer: --heads %d must divide --embd %d", m.NHead, m.NEmbd)
+	case m.NCtx < 1 || m.NCtx > MaxNCtx:
+		return fmt.Errorf("trainer: --ctx %d: want 1..%d", m.NCtx, MaxNCtx)
+	case m.VocabSize != VocabSize:
+		return fmt.Errorf("trainer: vocab_size %d: the byte-level data needs %d", m.VocabSize, VocabSize)
+	}
+	if err := m.Validate(); err != nil { // passes after the checks above; kept so the two cannot drift apart
 		return err
 	}
-	if c.Model.VocabSize != VocabSize {
-		return fmt.Errorf("trainer: vocab_size %d: the byte-level data needs %d", c.Model.VocabSize, VocabSize)
+	for _, f := range []struct {
+		flag   string
+		v, lo  int
+		hi     int // math.MaxInt: no upper bound here (MemoryBytes bounds --batch)
+		suffix string
+	}{
+		{"--steps", c.Steps, 1, math.MaxInt, ""},
+		{"--batch", c.Batch, 1, math.MaxInt, ""},
+		{"--warmup", c.WarmupSteps, 0, math.MaxInt, ""},
+		{"--decay-steps", c.DecaySteps, 0, math.MaxInt, " (0: --steps)"},
+		{"--subgroup-size", c.SubgroupSize, 0, math.MaxInt, " elements (0: the default)"},
+		{"--threads", c.Threads, 0, MaxThreads(), " (0: GOMAXPROCS; at most 4 × the CPUs, as more workers only time-share them)"},
+		{"--ckpt-every", c.CkptEvery, 0, math.MaxInt, ""},
+		{"--ckpt-keep", c.CkptKeep, 0, math.MaxInt, " (0: keep all)"},
+		{"--eval-every", c.EvalEvery, 0, math.MaxInt, ""},
+		{"--eval-batches", c.EvalBatches, 0, 1 << 16, ""},
+		{"--log-every", c.LogEvery, 0, math.MaxInt, ""},
+		{"--sample", c.SampleBytes, 0, 1 << 20, " bytes"},
+	} {
+		if f.v < f.lo || f.v > f.hi {
+			want := fmt.Sprintf(">= %d", f.lo)
+			if f.hi != math.MaxInt {
+				want = fmt.Sprintf("%d..%d", f.lo, f.hi)
+			}
+			return fmt.Errorf("trainer: %s %d: want %s%s", f.flag, f.v, want, f.suffix)
+		}
 	}
 	switch {
-	case c.Steps < 1:
-		return fmt.Errorf("trainer: steps %d: want >= 1", c.Steps)
-	case c.Batch < 1:
-		return fmt.Errorf("trainer: batch %d: want >= 1", c.Batch)
 	case !(c.LR > 0) || math.IsInf(c.LR, 0):
-		return fmt.Errorf("trainer: lr %v: want a finite value > 0", c.LR)
+		return fmt.Errorf("trainer: --lr %v: want a finite value > 0", c.LR)
 	case !(c.MinLRRatio >= 0 && c.MinLRRatio <= 1):
-		return fmt.Errorf("trainer: min_lr_ratio %v: want [0, 1]", c.MinLRRatio)
-	case c.WarmupSteps < 0 || c.DecaySteps < 0:
-		return fmt.Errorf("trainer: warmup_steps %d, decay_steps %d: want >= 0", c.WarmupSteps, c.DecaySteps)
-	case c.CkptEvery < 0 || c.CkptKeep < 0 || c.EvalEvery < 0 || c.LogEvery < 0 || c.EvalBatches < 0 || c.SampleBytes < 0:
-		return errors.New("trainer: ckpt_every, ckpt_keep, eval_every, log_every, eval_batches and sample_bytes must be >= 0")
+		return fmt.Errorf("trainer: --min-lr-ratio %v: want a value in [0, 1]", c.MinLRRatio)
+	case !(c.Betas[0] >= 0 && c.Betas[0] < 1):
+		return fmt.Errorf("trainer: --beta1 %v: want a value in [0, 1)", c.Betas[0])
+	case !(c.Betas[1] >= 0 && c.Betas[1] < 1):
+		return fmt.Errorf("trainer: --beta2 %v: want a value in [0, 1)", c.Betas[1])
+	case !(c.Eps > 0) || math.IsInf(c.Eps, 0) || float32(c.Eps) == 0 || math.IsInf(float64(float32(c.Eps)), 0):
+		return fmt.Errorf("trainer: --eps %v: want a finite value > 0 that stays so in fp32 (>= 1e-45)", c.Eps)
+	case !(c.WeightDecay >= 0) || math.IsInf(c.WeightDecay, 0):
+		return fmt.Errorf("trainer: --weight-decay %v: want a finite value >= 0", c.WeightDecay)
+	case !(c.MaxGradNorm >= 0) || c.MaxGradNorm > 1e38:
+		return fmt.Errorf("trainer: --clip %v: want a finite value >= 0 (0: off)", c.MaxGradNorm)
+	case c.LossScale != 0 && !validScale(c.LossScale):
+		return fmt.Errorf("trainer: --loss-scale %v: want 0 (off) or an initial scale in [1, 2^64]", c.LossScale)
+	case c.GradDType == 0:
+		return errors.New("trainer: --grad-dtype none: the gradients need a dtype: float32, bfloat16 or float16")
+	case c.GradDType != adam.F32 && c.GradDType != adam.BF16 && c.GradDType != adam.F16:
+		return fmt.Errorf("trainer: --grad-dtype %v: want float32, bfloat16 or float16", c.GradDType)
+	case c.WorkingDType != 0 && c.WorkingDType != adam.BF16 && c.WorkingDType != adam.F16:
+		return fmt.Errorf("trainer: --working-dtype %v: want bfloat16, float16 or none", c.WorkingDType)
+	case !(c.MaxMemory >= 0) || c.MaxMemory > MaxMemoryBytes>>30:
+		return fmt.Errorf("trainer: --max-memory %v GiB: want 0 (the available memory) to %d", c.MaxMemory, MaxMemoryBytes>>30)
 	case c.Resume && c.CkptDir == "":
 		return errors.New("trainer: --resume needs --ckpt-dir")
-	case c.LossScale != 0 && !validScale(c.LossScale):
-		return fmt.Errorf("trainer: loss_scale %v: want 0 (off) or an initial scale in [1, 2^64]", c.LossScale)
-	case c.GradDType == 0:
-		return errors.New("trainer: grad_dtype none: the gradients need a dtype: float32, bfloat16 or float16")
 	case c.Device != "" && c.Device != "sim" && c.Device != "cuda":
-		return fmt.Errorf("trainer: device %q: want sim or cuda (or none: the host)", c.Device)
+		return fmt.Errorf("trainer: --device %q: want sim or cuda (or none: the host)", c.Device)
 	case c.Device != "" && c.WorkingDType == 0:
 		return fmt.Errorf("trainer: --device %s needs a 16-bit --working-dtype (the working copy lives on the device)", c.Device)
 	case c.Device == "" && (c.Schedule != "" || c.GPUBudget != 0):
 		return errors.New("trainer: --schedule and --gpu-budget need --device")
 	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:
-		return fmt.Errorf("trainer: gpu_budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
+		return fmt.Errorf("trainer: --gpu-budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
 	}
 	if c.Schedule != "" {
 		s, err := scheduler.ParseSchedule(c.Schedule)
@@ -171,35 +230,77 @@ func (c *TrainConfig) Validate() error {
 			return fmt.Errorf("trainer: --schedule %s: %d subgroups, but the model's %d parameters in subgroups of %d make %d", c.Schedule, s.CPU+s.GPU+s.Resident, c.paramCount(), c.optimizerOptions().SubgroupSize, n)
 		}
 	}
-	switch {
-	case c.SampleBytes > 1<<20 || c.EvalBatches > 1<<16:
-		return fmt.Errorf("trainer: sample_bytes %d (max %d) or eval_batches %d (max %d) too large", c.SampleBytes, 1<<20, c.EvalBatches, 1<<16)
-	}
-	if err := c.optimizerOptions().Validate(); err != nil {
+	if err := c.optimizerOptions().Validate(); err != nil { // passes after the checks above
 		return fmt.Errorf("trainer: %w", err)
 	}
-	if need := c.MemoryBytes(); need > MaxMemoryBytes {
-		return fmt.Errorf("trainer: this model and batch need about %.1f GiB of memory (parameters, optimizer state, activations), over the limit of %.0f GiB",
-			need/(1<<30), float64(MaxMemoryBytes)/(1<<30))
+	return c.checkMemory()
+}
+
+// checkMemory compares MemoryBytes with the memory the run may use (see
+// Validate).
+func (c *TrainConfig) checkMemory() error {
+	const gib = 1 << 30
+	need := c.MemoryBytes()
+	limit, over, advice := float64(MaxMemoryBytes), fmt.Sprintf("dos's limit of %d GiB", MaxMemoryBytes>>30), ""
+	if c.MaxMemory > 0 {
+		limit, over = c.MaxMemory*gib, fmt.Sprintf("--max-memory %g GiB", c.MaxMemory)
+		advice = fmt.Sprintf(", or raise --max-memory (at most %d GiB)", MaxMemoryBytes>>30)
+	} else if avail, ok := memAvailable(); ok && float64(avail) < limit {
+		limit, over = float64(avail), fmt.Sprintf("the %.1f GiB available (MemAvailable in /proc/meminfo)", float64(avail)/gib)
+		advice = fmt.Sprintf(", or pass --max-memory GiB (at most %d) to allow more than is available now", MaxMemoryBytes>>30)
+	}
+	if need > limit {
+		return fmt.Errorf("trainer: --layers %d --embd %d --ctx %d --batch %d need about %.3g GiB of memory (parameters, optimizer state, activations), over %s: make the model or --batch smaller%s",
+			c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, need/gib, over, advice)
 	}
 	return nil
 }
 
 // MaxMemoryBytes bounds MemoryBytes: a configuration that needs more is
-// refused before anything is allocated.
+// refused before anything is allocated, whatever MaxMemory says.
 const MaxMemoryBytes = 64 << 30
 
-// MemoryBytes estimates the bytes a run needs: the parameters with their
-// gradients, fp32 master weights and moments (5 fp32 copies plus 16-bit
-// ones), and the activations of one batch (llm.c's count, about
-// L*(16C + H*T) + 13C + 2V + max(4C, V) floats per position), computed in
-// float64 so that no product overflows.
+// MemoryBytes estimates the bytes of host memory a run allocates, in
+// float64 so that no product overflows:
+//
+//   - per parameter: the fp32 master weights and moments (12 B), the
+//     gradients (4 B in fp32, 2 B in 16 bits), the 16-bit working copy
+//     (2 B, if any), the trainer's fp32 copies of 16-bit gradients and of a
+//     16-bit working copy (4 B each), and the initial weights, live while
+//     New hands them to the optimizer (4 B): 20 B with fp32 gradients and
+//     no working copy, 28 B with bf16 gradients and working copy;
+//   - the activations of one batch, llm.c's count of about
+//     L*(16C + H*T) + 13C + 2V + max(4C, V) floats per position, the
+//     transposed-weight buffer (max(4C², VC) floats) and one attention
+//     scratch (3T² + 4TC/H floats) per goroutine of the model (GOMAXPROCS,
+//     at most B*H);
+//   - the lazy checkpoint engine's staging ring (two copies of the 16 B of
+//     state per parameter, at most 256 MiB) when CkptDir is set without
+//     CkptSync.
+//
+// The peak RSS of `dos train` came within 6 % of it on the 2-core
+// development machine, from 0.8 to 2.4 GiB, for parameter-bound and
+// activation-bound models in fp32 and bf16.
 func (c *TrainConfig) MemoryBytes() float64 {
 	m := c.Model
 	L, C, H, T, V := float64(m.NLayer), float64(m.NEmbd), float64(m.NHead), float64(m.NCtx), float64(m.VocabSize)
 	params := V*C + T*C + L*(12*C*C+13*C) + 2*C
+	perParam := 12.0 + 4 // master, moments; initial weights
+	if c.GradDType == adam.F32 {
+		perParam += 4
+	} else {
+		perParam += 2 + 4 // 16-bit gradients and the trainer's fp32 ones
+	}
+	if c.WorkingDType != 0 {
+		perParam += 2 + 4 // 16-bit working copy and the trainer's fp32 one
+	}
 	perPos := L*(16*C+H*T) + 13*C + 2*V + math.Max(4*C, V)
-	return 4*(6*params) + 4*perPos*float64(c.Batch)*T
+	floats := perPos*float64(c.Batch)*T + math.Max(4*C*C, V*C) + math.Min(float64(workers()), float64(c.Batch)*H)*(3*T*T+4*T*C/H)
+	ring := 0.0
+	if c.CkptDir != "" && !c.CkptSync {
+		ring = math.Min(2*16*params, 256<<20)
+	}
+	return perParam*params + 4*floats + ring
 }
 
 // validScale reports whether s can be a loss scale: within [1, 2^64], so

@@ -21,6 +21,7 @@ import (
 	"github.com/deepstates/dos/kernels"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
+	"github.com/deepstates/dos/trainer"
 )
 
 // benchResult is one measured schedule of dos bench.
@@ -46,7 +47,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	sgSize := fs.Int64("subgroup-size", 100_000_000, "parameters per subgroup `N`")
 	budget := fs.Float64("gpu-budget", 16, "GPU memory in `GiB` the update phase may use (resident state and staging)")
 	steps := fs.Int("steps", 3, "timed update phases per schedule, after one warm-up; the median is reported")
-	threads := fs.Int("threads", 0, "CPU workers `N` (0: GOMAXPROCS)")
+	threads := fs.Int("threads", 0, fmt.Sprintf("CPU workers `N`, at most 4 × the CPUs (%d here) (0: GOMAXPROCS)", trainer.MaxThreads()))
 	profPath := fs.String("profile", "", "a dos calibrate --json profile of this machine (default: calibrate briefly first)")
 	sweep := fs.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the model's residents), 0 for none")
 	tracePath := fs.String("trace", "", "write the model's schedule's last update phase to `PATH` as Chrome trace-event JSON (Perfetto opens it)")
@@ -77,8 +78,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return fail("--gpu-budget %v: want a number of GiB >= 0", *budget)
 	case *steps < 1:
 		return fail("--steps %d: want >= 1", *steps)
-	case *threads < 0:
-		return fail("--threads %d: want >= 0", *threads)
+	case *threads < 0 || *threads > trainer.MaxThreads():
+		return fail("--threads %d: want 0..%d (0: GOMAXPROCS; at most 4 × the CPUs, as more workers only time-share them)", *threads, trainer.MaxThreads())
 	case *sweep < 0:
 		return fail("--sweep %d: want >= 0", *sweep)
 	}
