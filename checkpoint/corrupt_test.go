@@ -166,6 +166,9 @@ func TestCorruptManifest(t *testing.T) {
 		{"rank out of range", func(m map[string]any) { m["world_size"] = 0 }, []string{ManifestFile}},
 		{"bad created", func(m map[string]any) { m["created"] = "yesterday" }, []string{ManifestFile}},
 		{"unknown field", func(m map[string]any) { m["stepp"] = 20 }, []string{ManifestFile}},
+		// encoding/json matches keys case-insensitively; Python does not.
+		{"key in another case", func(m map[string]any) { m["STEP"] = m["step"]; delete(m, "step") }, []string{ManifestFile, `"STEP"`, "top level"}},
+		{"tensor key in another case", func(m map[string]any) { tensor(m, 3)["Shape"] = tensor(m, 3)["shape"]; delete(tensor(m, 3), "shape") }, []string{ManifestFile, `"Shape"`, ".tensors[3]"}},
 		{"null shape", func(m map[string]any) { tensor(m, 4)["shape"] = nil }, []string{ManifestFile, `"scalar"`}},
 	}
 	for _, tc := range cases {

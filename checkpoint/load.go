@@ -1,7 +1,6 @@
 package checkpoint
 
 import (
-	"bytes"
 	"cmp"
 	"encoding/json"
 	"errors"
@@ -15,6 +14,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/deepstates/dos/safetensors"
 )
@@ -97,61 +97,205 @@ func Open(fsys FS, dir string, rank int) (*Checkpoint, error) {
 // decodeStrict decodes one JSON value into the struct that v points to.
 // Every object key must name a field exactly as its tag spells it:
 // encoding/json alone would also take "Shape" or "STEP", which Python's
-// json readers of the same file would not see.
+// json readers of the same file would not see. It reads b twice (decode,
+// then the keys), without copying it: a 256 MiB manifest is refused in
+// seconds, in little more memory than its decoded form.
 func decodeStrict(b []byte, v any) error {
-	if !json.Valid(b) {
-		return errors.New("not valid JSON")
-	}
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
+	if err := json.Unmarshal(b, v); err != nil { // validates b first
 		return err
 	}
-	return checkKeys(b, reflect.TypeOf(v).Elem(), "")
-}
-
-// checkKeys checks the spelling of the keys of the JSON value b, which
-// decoded without error into a value of type t, recursing into structs and
-// slices; where is the JSON path so far, for the error.
-func checkKeys(b []byte, t reflect.Type, where string) error {
-	switch t.Kind() {
-	case reflect.Slice:
-		var elems []json.RawMessage
-		if t.Elem().Kind() != reflect.Struct || json.Unmarshal(b, &elems) != nil {
-			return nil // a null, or elements without keys
+	s := keyScan{b: b}
+	if err := s.value(reflect.TypeOf(v).Elem()); err != nil {
+		var ke *keyError
+		if errors.As(err, &ke) {
+			return fmt.Errorf("unknown key %.40q in %s", ke.key, cmp.Or(ke.where, "the top level"))
 		}
-		for i, e := range elems {
-			if err := checkKeys(e, t.Elem(), fmt.Sprintf("%s[%d]", where, i)); err != nil {
-				return err
-			}
-		}
-	case reflect.Struct:
-		var fields map[string]json.RawMessage
-		if json.Unmarshal(b, &fields) != nil {
-			return nil // a null
-		}
-		for key, raw := range fields {
-			f, ok := fieldByTag(t, key)
-			if !ok {
-				return fmt.Errorf("unknown key %.40q in %s", key, cmp.Or(where, "the top level"))
-			}
-			if err := checkKeys(raw, f.Type, where+"."+key); err != nil {
-				return err
-			}
-		}
+		return err
 	}
 	return nil
 }
 
-// fieldByTag returns the field of struct type t whose json tag is key.
-func fieldByTag(t reflect.Type, key string) (reflect.StructField, bool) {
-	for i := range t.NumField() {
-		f := t.Field(i)
-		if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name == key {
-			return f, true
+// keyError is an unknown key and where it stands (a JSON path).
+type keyError struct{ key, where string }
+
+func (e *keyError) Error() string { return "unknown key " + e.key + " in " + e.where }
+
+// keyScan walks valid JSON, guided by the Go type it decodes into, and
+// checks that every key of an object that decodes into a struct is one
+// of the struct's json tags, exactly. Values of other types (maps, raw
+// messages, scalars) are skipped without being decoded.
+type keyScan struct {
+	b []byte
+	i int
+}
+
+var errJSONEnd = errors.New("unexpected end of JSON")
+
+func (s *keyScan) space() {
+	for s.i < len(s.b) && (s.b[s.i] == ' ' || s.b[s.i] == '\t' || s.b[s.i] == '\n' || s.b[s.i] == '\r') {
+		s.i++
+	}
+}
+
+// value checks the value at s.i, which decodes into type t.
+func (s *keyScan) value(t reflect.Type) error {
+	s.space()
+	if s.i >= len(s.b) {
+		return errJSONEnd
+	}
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch c := s.b[s.i]; {
+	case c == '{' && t.Kind() == reflect.Struct:
+		return s.object(t)
+	case c == '[' && t.Kind() == reflect.Slice && t.Elem().Kind() == reflect.Struct:
+		return s.array(t.Elem())
+	}
+	return s.skip()
+}
+
+func (s *keyScan) object(t reflect.Type) error {
+	fields := tagsOf(t)
+	s.i++ // {
+	for {
+		s.space()
+		if s.i >= len(s.b) {
+			return errJSONEnd
+		}
+		if s.b[s.i] == '}' {
+			s.i++
+			return nil
+		}
+		if s.b[s.i] == ',' {
+			s.i++
+			s.space()
+		}
+		key, err := s.str()
+		if err != nil {
+			return err
+		}
+		ft, ok := fields[key]
+		if !ok {
+			return &keyError{key: key}
+		}
+		s.space()
+		if s.i >= len(s.b) || s.b[s.i] != ':' {
+			return errJSONEnd
+		}
+		s.i++
+		if err := s.value(ft); err != nil {
+			var ke *keyError
+			if errors.As(err, &ke) {
+				ke.where = "." + key + ke.where
+			}
+			return err
 		}
 	}
-	return reflect.StructField{}, false
+}
+
+func (s *keyScan) array(elem reflect.Type) error {
+	s.i++ // [
+	for n := 0; ; n++ {
+		s.space()
+		if s.i >= len(s.b) {
+			return errJSONEnd
+		}
+		if s.b[s.i] == ']' {
+			s.i++
+			return nil
+		}
+		if s.b[s.i] == ',' {
+			s.i++
+		}
+		if err := s.value(elem); err != nil {
+			var ke *keyError
+			if errors.As(err, &ke) {
+				ke.where = fmt.Sprintf("[%d]%s", n, ke.where)
+			}
+			return err
+		}
+	}
+}
+
+// str reads the string at s.i and returns its decoded contents.
+func (s *keyScan) str() (string, error) {
+	if s.i >= len(s.b) || s.b[s.i] != '"' {
+		return "", errJSONEnd
+	}
+	start, escaped := s.i, false
+	for s.i++; s.i < len(s.b); s.i++ {
+		switch s.b[s.i] {
+		case '\\':
+			escaped = true
+			s.i++
+		case '"':
+			s.i++
+			raw := s.b[start:s.i]
+			if !escaped {
+				return string(raw[1 : len(raw)-1]), nil
+			}
+			var out string
+			err := json.Unmarshal(raw, &out)
+			return out, err
+		}
+	}
+	return "", errJSONEnd
+}
+
+// skip moves past the value at s.i.
+func (s *keyScan) skip() error {
+	depth := 0
+	for s.i < len(s.b) {
+		switch c := s.b[s.i]; c {
+		case '"':
+			if _, err := s.str(); err != nil {
+				return err
+			}
+			if depth == 0 {
+				return nil
+			}
+			continue
+		case '{', '[':
+			depth++
+		case '}', ']':
+			if depth == 0 {
+				return nil // the end of a number or literal, last in its object or array
+			}
+			depth--
+			if depth == 0 {
+				s.i++
+				return nil
+			}
+		case ',', ' ', '\t', '\n', '\r':
+			if depth == 0 {
+				return nil // the end of a number or literal
+			}
+		}
+		s.i++
+	}
+	if depth != 0 {
+		return errJSONEnd
+	}
+	return nil
+}
+
+// tagsCache maps a struct type to its fields' types by json tag.
+var tagsCache sync.Map // reflect.Type → map[string]reflect.Type
+
+func tagsOf(t reflect.Type) map[string]reflect.Type {
+	if m, ok := tagsCache.Load(t); ok {
+		return m.(map[string]reflect.Type)
+	}
+	m := map[string]reflect.Type{}
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name != "" && name != "-" {
+			m[name] = f.Type
+		}
+	}
+	tagsCache.Store(t, m)
+	return m
 }
 
 // checkManifest validates the manifest on its own.
