@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
-	"io/fs"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -449,9 +448,10 @@ type Trainer struct {
 	out           io.Writer
 	tty           bool
 
-	engine   *checkpoint.Engine // the lazy checkpointer, made at the first save
-	closeDev func()             // releases the update phase's device (cfg.Device)
-	last     *checkpoint.Handle // its last save, reported when it is durable
+	engine   *checkpoint.Engine   // the lazy checkpointer, made at the first save
+	closeDev func()               // releases the update phase's device (cfg.Device)
+	lock     *checkpoint.RootLock // cfg.CkptDir's, for the whole run
+	last     *checkpoint.Handle   // its last save, reported when it is durable
 }
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
@@ -459,8 +459,16 @@ type Trainer struct {
 // in cfg.CkptDir (a fresh start when there is none). Progress goes to out
 // (nil discards it).
 //
-// Errors: an invalid configuration, a text too short, a CkptDir that already
-// holds checkpoints without cfg.Resume, a checkpoint that cannot be loaded
+// With cfg.CkptDir, New takes the directory's lock for the run
+// (checkpoint.Lock; Close releases it) and checks it before allocating
+// anything; with cfg.Resume a damaged root is repaired first
+// (checkpoint.Recover), and what was done is printed.
+//
+// Errors: an invalid configuration, a text too short; a CkptDir that is
+// not usable (a step directory, a file, not writable) or that another
+// process writes under (checkpoint.ErrLocked); one that is not fresh
+// without cfg.Resume (it holds checkpoints, or is damaged); a damaged root
+// where no step directory verifies; a checkpoint that cannot be loaded
 // or was made with another model, batch shape or text.
 func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 	if err := cfg.Validate(); err != nil {
@@ -477,9 +485,20 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 	if out == nil {
 		out = io.Discard
 	}
-	if cfg.CkptDir != "" && !cfg.Resume {
-		if latest, err := checkpoint.Latest(checkpoint.OS, cfg.CkptDir); err == nil {
-			return nil, fmt.Errorf("trainer: %s already holds checkpoints (latest %s): pass --resume to continue, or choose another --ckpt-dir", cfg.CkptDir, latest)
+	// --ckpt-dir is checked and locked for the whole run before anything
+	// is allocated or trained: a second trainer, an unusable directory or
+	// a root that is not fresh is refused now, not at the first checkpoint.
+	var lock *checkpoint.RootLock
+	var from *checkpoint.Recovery
+	ok := false
+	defer func() {
+		if !ok {
+			lock.Unlock()
+		}
+	}()
+	if cfg.CkptDir != "" {
+		if lock, from, err = openRoot(&cfg, out); err != nil {
+			return nil, err
 		}
 	}
 	oo := cfg.optimizerOptions()
@@ -501,7 +520,7 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 		closeDev()
 		return nil, err
 	}
-	t := &Trainer{cfg: cfg, data: data, loader: loader, opt: opt, out: out, closeDev: closeDev,
+	t := &Trainer{cfg: cfg, data: data, loader: loader, opt: opt, out: out, closeDev: closeDev, lock: lock,
 		rng:   rand.NewPCG(cfg.Seed, 0x5eed),
 		state: trainerState{LossScale: cfg.LossScale, InitialLoss: math.NaN(), InitValLoss: math.NaN(), TextCRC: crc32.ChecksumIEEE(text), TextBytes: len(text)},
 	}
@@ -516,14 +535,61 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 			return nil, err
 		}
 	}
-	if cfg.Resume {
-		if err := t.resume(); err != nil {
+	if from != nil {
+		if err := t.resume(from.Dir); err != nil {
 			t.Close()
 			return nil, err
 		}
 	}
 	t.bind()
+	ok = true
 	return t, nil
+}
+
+// openRoot takes the lock of cfg.CkptDir (checkpoint.Lock: it creates the
+// directory, refuses a step directory, an unwritable directory and one
+// that another process writes under) and decides where the run starts:
+// without cfg.Resume the root must be fresh (no latest in any state, no
+// step directory), since a run from scratch would replace checkpoints;
+// with it, checkpoint.Recover gives the checkpoint to resume, repairing a
+// damaged root (an interrupted first commit, a missing or corrupt latest)
+// and saying so on out; a root without any checkpoint gives nil.
+func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoint.Recovery, error) {
+	root := cfg.CkptDir
+	lock, err := checkpoint.Lock(checkpoint.OS, root)
+	if err != nil {
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
+	}
+	info, err := checkpoint.Inspect(checkpoint.OS, root)
+	if err != nil {
+		lock.Unlock()
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
+	}
+	if !cfg.Resume {
+		switch {
+		case info.Fresh():
+			return lock, nil, nil
+		case info.Latest != "":
+			err = fmt.Errorf("trainer: --ckpt-dir %s already holds checkpoints (latest %s): pass --resume to continue, or choose another --ckpt-dir", root, info.Latest)
+		default:
+			err = fmt.Errorf("trainer: --ckpt-dir %s holds checkpoints but is damaged (%w): pass --resume to recover from the newest step directory that verifies, or choose another --ckpt-dir; nothing was changed", root, info.Problem)
+		}
+		lock.Unlock()
+		return nil, nil, err
+	}
+	rec, err := checkpoint.Recover(checkpoint.OS, root, 0)
+	if errors.Is(err, checkpoint.ErrNoCheckpoint) {
+		fmt.Fprintf(out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
+		return lock, nil, nil
+	}
+	if err != nil {
+		lock.Unlock()
+		return nil, nil, fmt.Errorf("trainer: resume from %s: %w", root, err)
+	}
+	if rec.Repaired {
+		fmt.Fprintf(out, "resume: recovered %s: %s\n", root, rec.Note)
+	}
+	return lock, rec, nil
 }
 
 // bind points the model's parameter and gradient slices at the optimizer's
@@ -551,7 +617,9 @@ func (t *Trainer) bind() {
 	}
 }
 
-// Close releases the optimizer's workers.
+// Close releases the optimizer's workers, the update phase's device, the
+// lazy checkpoint engine (waiting for its save in flight) and the lock of
+// cfg.CkptDir.
 func (t *Trainer) Close() {
 	t.opt.Close()
 	if t.closeDev != nil {
@@ -562,30 +630,17 @@ func (t *Trainer) Close() {
 		_ = t.engine.Close()
 		t.engine = nil
 	}
+	t.lock.Unlock()
 }
 
 // NumParams returns the model's parameter count.
 func (t *Trainer) NumParams() int { return t.opt.NumParams() }
 
-func (t *Trainer) resume() error {
+// resume restores the run from the checkpoint directory dir.
+func (t *Trainer) resume(dir string) error {
 	root := t.cfg.CkptDir
-	if _, err := checkpoint.Latest(checkpoint.OS, root); errors.Is(err, fs.ErrNotExist) {
-		entries, _ := os.ReadDir(root)
-		for _, e := range entries {
-			if strings.HasPrefix(e.Name(), "step-") {
-				return fmt.Errorf("trainer: resume: %s has step directories (%s, ...) but no %s file naming the committed one; pass a step directory's checkpoint explicitly or restore %s",
-					root, e.Name(), checkpoint.LatestFile, checkpoint.LatestFile)
-			}
-		}
-		fmt.Fprintf(t.out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
-		return nil
-	}
 	// Read the trainer's object first, so a different model gets a message
 	// about the model rather than about a tensor.
-	dir, err := checkpoint.Resolve(checkpoint.OS, root)
-	if err != nil {
-		return fmt.Errorf("trainer: resume from %s: %w", root, err)
-	}
 	c, err := checkpoint.Open(checkpoint.OS, dir, 0)
 	if err != nil {
 		return fmt.Errorf("trainer: resume from %s: %w", root, err)
@@ -621,6 +676,7 @@ func (t *Trainer) resume() error {
 	// and the loss scaler continues from its saved state: say so where this
 	// run's flags differ. The learning rate follows this run's schedule.
 	h := t.opt.Options().Hyper
+	flags := t.cfg.optimizerOptions().Hyper // what this run's flags ask for
 	old := st.Config
 	for _, d := range []struct {
 		flag      string
@@ -628,6 +684,9 @@ func (t *Trainer) resume() error {
 	}{
 		{"--weight-decay", t.cfg.WeightDecay, h.WeightDecay}, {"--beta1", t.cfg.Betas[0], h.Betas[0]},
 		{"--beta2", t.cfg.Betas[1], h.Betas[1]}, {"--eps", t.cfg.Eps, h.Eps},
+		{"mode (no flag: dos train runs AdamW)", flags.Mode, h.Mode},
+		{"maximize (no flag: dos train minimizes)", flags.Maximize, h.Maximize},
+		{"amsgrad (no flag)", flags.AMSGrad, h.AMSGrad},
 		{"--loss-scale", t.cfg.LossScale, old.LossScale}, {"--seed", t.cfg.Seed, old.Seed},
 	} {
 		if d.now != d.then {
