@@ -16,6 +16,7 @@
 // # Layout on disk
 //
 //	root/
+//	├── .lock                         held (flock) by the one process that writes here; its PID
 //	├── latest                        "step-000000020\n": names the committed checkpoint
 //	├── step-000000010/               an older committed checkpoint
 //	├── step-000000020/
@@ -24,6 +25,7 @@
 //	│   └── manifest.json             written last: format, version, step, rank, world_size,
 //	│                                 created, files, tensors (name, file, dtype, shape,
 //	│                                 offset, bytes, crc32c), objects
+//	├── .tmp-retired-step-000000005-… a checkpoint being removed by retention, or left by a crash
 //	└── .tmp-step-000000030-1f2e3d4c/ a save in progress, or left by a crash: ignored
 //
 // The safetensors file, readable by Hugging Face's safetensors package
@@ -41,18 +43,38 @@
 // of the file), in bytes. The CRC32C is the Castagnoli CRC-32 of the
 // tensor's bytes, as hash/crc32 computes it with crc32.Castagnoli.
 //
-// One process saves under a root at a time. Each rank of a multi-rank job
-// saves its own directories (so, for now, under its own root): the commit
-// below is per process and does not coordinate ranks.
+// One process writes under a root at a time: Save, Engine, Retain and
+// Recover take the root's lock (Lock, flock(2) on root/.lock, released by
+// the kernel however the process ends), and another process is refused
+// with ErrLocked, naming the holder. A trainer holds it for its whole run.
+// Each rank of a multi-rank job saves its own directories (so, for now,
+// under its own root): the commit below is per process and does not
+// coordinate ranks.
+//
+// # Fresh, sound and damaged roots
+//
+// A root is fresh when it holds no latest, no latest.tmp and no step
+// directory (Inspect, RootInfo.Fresh); sound when latest names a complete
+// step directory; damaged otherwise: latest missing while step directories
+// or latest.tmp exist (a first commit interrupted between steps 7 and 10
+// below, or latest removed), or latest empty, garbage, not a regular file,
+// or naming an incomplete directory. Latest and List report a damaged root
+// with ErrCorrupt, never as empty (ErrNoCheckpoint), and Save refuses to
+// write into it, since it would adopt or replace checkpoints that nothing
+// marks. Recover repairs it: it finishes the interrupted commit, or points
+// latest at the newest step directory that verifies, and says which. A
+// step directory (one holding manifest.json, or step-%09d beside a
+// latest) is never taken as a root.
 //
 // # Commit
 //
 // Save performs these steps, in order, and returns only after the last:
 //
-//  1. Create root if needed (and fsync its parent). Read latest. Remove
-//     stale .tmp-* directories, and a step directory of the same step that
-//     latest does not name (a crash left it uncommitted); refuse to replace
-//     the one latest names.
+//  1. Take the root's lock. Create root if needed (and fsync its parent).
+//     Read latest; refuse a damaged root. Remove stale .tmp-* directories,
+//     and a step directory of the same step that is not committed (above
+//     latest's step, or incomplete: a crash left it); refuse to replace a
+//     committed one (at or below latest's step, complete).
 //  2. Create the temporary directory root/.tmp-step-%09d-<random>.
 //  3. Create rank-%05d.safetensors in it, write the header, then each
 //     tensor at its precomputed offset with positioned writes (WriteAt),
@@ -73,7 +95,17 @@
 // every file and directory it names was fsynced first. A crash between
 // steps 7 and 11 may leave a complete step directory that latest does not
 // name: Latest ignores it, List leaves it out when its step is above
-// latest's, and the next Save of that step replaces it.
+// latest's, and the next Save of that step replaces it; in a root's first
+// commit there is no latest yet, so the root is damaged until Recover
+// finishes the commit.
+//
+// # Retention
+//
+// Retain (EngineOptions.Keep after each commit) retires each checkpoint
+// beyond the newest N by renaming it out of the step namespace
+// (.tmp-retired-*), fsyncing root, then removing it: a crash at any point
+// leaves the whole checkpoint or a leftover that the next save or Retain
+// removes, never a step directory without its manifest.
 //
 // # Loading
 //
