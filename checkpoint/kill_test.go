@@ -156,7 +156,7 @@ func TestKill(t *testing.T) {
 				t.Fatalf("round %d: after the next save: %s is not a committed checkpoint", i, s.Dir)
 			}
 		}
-		if got := entriesOf(t, root); len(got) != 1+len(info.Steps) {
+		if got := rootEntries(t, OS, root); len(got) != 1+len(info.Steps) {
 			t.Fatalf("round %d: after the next save the root holds %v", i, got)
 		}
 		lastStep = step + 1

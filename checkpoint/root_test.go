@@ -15,22 +15,6 @@ import (
 	"time"
 )
 
-// entriesOf lists dir's entry names, .lock left out.
-func entriesOf(t *testing.T, dir string) []string {
-	t.Helper()
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var names []string
-	for _, e := range entries {
-		if e.Name() != LockFile {
-			names = append(names, e.Name())
-		}
-	}
-	return names
-}
-
 // TestRecover: a fresh root has nothing to recover; a first commit cut
 // short between latest.tmp and its rename is finished; a missing, empty or
 // garbage latest is pointed at the newest step directory that verifies,
@@ -66,7 +50,7 @@ func TestRecover(t *testing.T) {
 			t.Fatalf("Recover: %+v, %v", rec, err)
 		}
 		checkLatest(t, OS, root, testSnapshot(5))
-		if got := entriesOf(t, root); !slices.Equal(got, []string{LatestFile, "step-000000005"}) {
+		if got := rootEntries(t, OS, root); !slices.Equal(got, []string{LatestFile, "step-000000005"}) {
 			t.Fatalf("root holds %v", got)
 		}
 		if rec, err := Recover(OS, root, 0); err != nil || rec.Repaired {
@@ -117,11 +101,11 @@ func TestRecover(t *testing.T) {
 		for _, d := range []string{dir20, filepath.Join(root, "step-000000010")} {
 			modifyFile(t, filepath.Join(d, rank0), func(b []byte) []byte { b[len(b)-1] ^= 1; return b })
 		}
-		before := entriesOf(t, root)
+		before := rootEntries(t, OS, root)
 		if _, err := Recover(OS, root, 0); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "no step directory verifies") {
 			t.Fatalf("Recover: %v", err)
 		}
-		if got := entriesOf(t, root); !slices.Equal(got, before) {
+		if got := rootEntries(t, OS, root); !slices.Equal(got, before) {
 			t.Fatalf("Recover changed the root: %v, was %v", got, before)
 		}
 	})
@@ -177,7 +161,7 @@ func TestSaveNeverReplacesCommitted(t *testing.T) {
 	for _, step := range []int64{10, 20, 30} {
 		checkMatches(t, OS, StepDir(root, step), testSnapshot(step))
 	}
-	if got := entriesOf(t, root); !slices.Equal(got, []string{"step-000000010", "step-000000020", "step-000000030"}) {
+	if got := rootEntries(t, OS, root); !slices.Equal(got, []string{"step-000000010", "step-000000020", "step-000000030"}) {
 		t.Fatalf("root holds %v", got)
 	}
 }
@@ -186,7 +170,7 @@ func TestSaveNeverReplacesCommitted(t *testing.T) {
 // are refused by every writer, before anything is written.
 func TestLockRefusesBadRoots(t *testing.T) {
 	root, dir20 := twoCheckpoints(t)
-	before := entriesOf(t, dir20)
+	before := rootEntries(t, OS, dir20)
 	file := filepath.Join(t.TempDir(), "file")
 	if err := os.WriteFile(file, []byte("x"), 0o644); err != nil {
 		t.Fatal(err)
@@ -218,10 +202,10 @@ func TestLockRefusesBadRoots(t *testing.T) {
 			t.Errorf("NewEngine(%s): %v, want %q", tc.path, err, tc.want)
 		}
 	}
-	if got := entriesOf(t, dir20); !slices.Equal(got, before) {
+	if got := rootEntries(t, OS, dir20); !slices.Equal(got, before) {
 		t.Fatalf("the step directory changed: %v, was %v", got, before)
 	}
-	if got := entriesOf(t, emptyStep); len(got) != 0 {
+	if got := rootEntries(t, OS, emptyStep); len(got) != 0 {
 		t.Fatalf("a run nested in %s: %v", emptyStep, got)
 	}
 	checkLatest(t, OS, root, testSnapshot(20))
@@ -233,7 +217,7 @@ func TestLockRefusesBadRoots(t *testing.T) {
 		t.Fatal(err)
 	}
 	l.Unlock()
-	if got := entriesOf(t, fresh); len(got) != 0 {
+	if got := rootEntries(t, OS, fresh); len(got) != 0 {
 		t.Fatalf("Lock left %v in a fresh root", got)
 	}
 }
@@ -385,7 +369,7 @@ func TestRetainLeftovers(t *testing.T) {
 	if err := Retain(OS, root, 2); err != nil {
 		t.Fatal(err)
 	}
-	if got := entriesOf(t, root); !slices.Equal(got, []string{LatestFile, "step-000000004", "step-000000005"}) {
+	if got := rootEntries(t, OS, root); !slices.Equal(got, []string{LatestFile, "step-000000004", "step-000000005"}) {
 		t.Fatalf("after Retain 2 the root holds %v", got)
 	}
 	checkMatches(t, OS, elsewhere, testSnapshot(3)) // the link's target stays
