@@ -414,6 +414,10 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 			return
 		}
 	}
+	// No other writer of this process between begin and retention (the
+	// kernel's lock keeps other processes out).
+	e.lock.beginWrite()
+	defer e.lock.endWrite()
 	tx, err := begin(e.fs, e.root, p)
 	if err != nil {
 		fail(err)
@@ -569,7 +573,7 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 		return
 	}
 	if e.opts.Keep > 0 {
-		_ = Retain(e.fs, e.root, e.opts.Keep) // housekeeping: a failure leaves old checkpoints
+		_ = retain(e.fs, e.root, e.opts.Keep) // housekeeping: a failure leaves old checkpoints
 	}
 	finish(dir)
 }

@@ -288,14 +288,34 @@ func tagsOf(t reflect.Type) map[string]reflect.Type {
 		return m.(map[string]reflect.Type)
 	}
 	m := map[string]reflect.Type{}
-	for i := range t.NumField() {
-		f := t.Field(i)
-		if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name != "" && name != "-" {
-			m[name] = f.Type
-		}
-	}
+	addFields(m, t)
 	tagsCache.Store(t, m)
 	return m
+}
+
+// addFields adds the JSON keys of struct type t's fields to m, named as
+// encoding/json names them: the tag's name, else the field's; "-" and
+// unexported fields left out; an untagged embedded struct's fields
+// promoted.
+func addFields(m map[string]reflect.Type, t reflect.Type) {
+	for i := range t.NumField() {
+		f := t.Field(i)
+		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		ft := f.Type
+		if ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		switch {
+		case name == "-" && f.Tag.Get("json") == "-":
+		case f.Anonymous && name == "" && ft.Kind() == reflect.Struct:
+			addFields(m, ft)
+		case !f.IsExported():
+		case name != "":
+			m[name] = f.Type
+		default:
+			m[f.Name] = f.Type
+		}
+	}
 }
 
 // checkManifest validates the manifest on its own.
@@ -659,17 +679,34 @@ func readFullAt(f File, b []byte, off int64) error {
 }
 
 // Object decodes the object name of the snapshot (Manifest.Objects[name])
-// into v with json.Unmarshal.
+// into v with json.Unmarshal. When v points to a struct, every key of the
+// object (and of the structs within it) must be one of their json tags,
+// exactly, as for the manifest: encoding/json alone would take
+// "Iteration" for "iteration" (and the later of the two when both are
+// there), which Python's readers of the same file would not.
 //
-// Errors: an error wrapping fs.ErrNotExist when there is no such object, or
-// json.Unmarshal's error.
+// Errors: an error wrapping fs.ErrNotExist when there is no such object;
+// one wrapping ErrCorrupt for a key that no field has; json.Unmarshal's
+// error.
 func (c *Checkpoint) Object(name string, v any) error {
 	raw, ok := c.Manifest.Objects[name]
 	if !ok {
 		return fmt.Errorf("checkpoint: %s: no object %q: %w", c.Dir, name, fs.ErrNotExist)
 	}
-	if err := json.Unmarshal(raw, v); err != nil {
-		return fmt.Errorf("checkpoint: %s: object %q: %w", c.Dir, name, err)
+	t := reflect.TypeOf(v)
+	if t == nil || t.Kind() != reflect.Pointer || t.Elem().Kind() != reflect.Struct {
+		if err := json.Unmarshal(raw, v); err != nil {
+			return fmt.Errorf("checkpoint: %s: object %q: %w", c.Dir, name, err)
+		}
+		return nil
+	}
+	if err := decodeStrict(raw, v); err != nil {
+		var se *json.SyntaxError
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &se) || errors.As(err, &te) {
+			return fmt.Errorf("checkpoint: %s: object %q: %w", c.Dir, name, err)
+		}
+		return fmt.Errorf("%w: %s: object %q: %w", ErrCorrupt, c.Dir, name, err)
 	}
 	return nil
 }

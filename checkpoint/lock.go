@@ -7,8 +7,10 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
+	"syscall"
 )
 
 // LockFile is the file in a root that its writer holds locked: an
@@ -64,17 +66,17 @@ func lockRoot(fsys FS, root string, probe bool) (*RootLock, error) {
 		return nil, fmt.Errorf("checkpoint: root %s is not a directory", root)
 	}
 	l := &RootLock{root: root}
+	var first bool
+	var err error
 	if _, ok := fsys.(osFS); ok {
-		h, first, err := lockOS(filepath.Join(root, LockFile))
-		if err != nil {
-			return nil, err
-		}
-		l.held = h
-		if !first {
-			return l, nil // this process checked root when it took the lock
-		}
+		l.held, first, err = lockOS(filepath.Join(root, LockFile))
+	} else {
+		l.held, first = lockMem(fsys, root)
 	}
-	if !probe {
+	if err != nil {
+		return nil, err
+	}
+	if !probe || !first { // a holder in this process checked root already
 		return l, nil
 	}
 	// A save creates directories in root: try one now, not at the first
@@ -89,6 +91,22 @@ func lockRoot(fsys FS, root string, probe bool) (*RootLock, error) {
 		return nil, fmt.Errorf("checkpoint: root %s: removing %s: %w", root, dir, err)
 	}
 	return l, nil
+}
+
+// beginWrite serializes the writers of one root within this process (two
+// engines, an engine and Save, ...): from a save's begin to its commit and
+// retention, or a repair, no other writer of this process runs. Across
+// processes the kernel's lock does.
+func (l *RootLock) beginWrite() {
+	if l.held != nil {
+		l.held.write.Lock()
+	}
+}
+
+func (l *RootLock) endWrite() {
+	if l.held != nil {
+		l.held.write.Unlock()
+	}
 }
 
 // Unlock releases the lock (the kernel's, when no other holder in this
@@ -140,11 +158,14 @@ func Holder(fsys FS, root string) string {
 	if _, ok := fsys.(osFS); !ok {
 		return ""
 	}
-	f, err := os.Open(filepath.Join(root, LockFile))
+	f, err := os.OpenFile(filepath.Join(root, LockFile), os.O_RDONLY|noFollow|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return ""
 	}
 	defer f.Close()
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		return ""
+	}
 	if err := tryShared(f); !errors.Is(err, errWouldBlock) {
 		return "" // free (a shared lock taken is released with f)
 	}
@@ -154,24 +175,60 @@ func Holder(fsys FS, root string) string {
 	return "an unknown process"
 }
 
-// heldLock is the kernel lock on one lock file, shared by this process's
-// holders.
+// heldLock is this process's hold on one root: the kernel lock on its lock
+// file (nil f for an FS that cannot lock), shared by the process's holders,
+// and the mutex that serializes their writes.
 type heldLock struct {
-	key  fileKey
-	f    *os.File
-	refs int
+	key   any
+	f     *os.File
+	refs  int
+	write sync.Mutex
 }
 
 var (
 	locksMu sync.Mutex
-	locks   = map[fileKey]*heldLock{}
+	locks   = map[any]*heldLock{} // by fileKey (OS) or memKey
 )
+
+// memKey identifies a root of an FS that cannot lock.
+type memKey struct {
+	fs   FS
+	root string
+}
+
+// lockMem is lockOS for an FS without locking: nothing is locked against
+// other processes, but this process's writers of root are serialized. An
+// FS that is not comparable is not serialized at all.
+func lockMem(fsys FS, root string) (*heldLock, bool) {
+	if !reflect.TypeOf(fsys).Comparable() {
+		return nil, true
+	}
+	key := memKey{fsys, filepath.Clean(root)}
+	locksMu.Lock()
+	defer locksMu.Unlock()
+	if h := locks[key]; h != nil {
+		h.refs++
+		return h, false
+	}
+	h := &heldLock{key: key, refs: 1}
+	locks[key] = h
+	return h, true
+}
 
 // lockOS locks the file name for this process (counted) and reports
 // whether this call took the kernel's lock.
 func lockOS(name string) (*heldLock, bool, error) {
-	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o644)
+	// Never through a link (its target would be truncated), never blocking
+	// on a FIFO.
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|noFollow|syscall.O_NONBLOCK, 0o644)
 	if err != nil {
+		if st, lerr := os.Lstat(name); lerr == nil && !st.Mode().IsRegular() {
+			kind := fileKind(st.Mode())
+			if st.Mode()&fs.ModeSymlink != 0 {
+				kind = "symbolic link"
+			}
+			return nil, false, fmt.Errorf("checkpoint: %s is a %s, not the root's lock file: remove it", name, kind)
+		}
 		if errors.Is(err, fs.ErrPermission) || isReadOnly(err) {
 			return nil, false, fmt.Errorf("checkpoint: root %s is not writable: %w", filepath.Dir(name), err)
 		}
@@ -184,7 +241,7 @@ func lockOS(name string) (*heldLock, bool, error) {
 	}
 	if !st.Mode().IsRegular() {
 		f.Close()
-		return nil, false, fmt.Errorf("checkpoint: %s is not a regular file", name)
+		return nil, false, fmt.Errorf("checkpoint: %s is a %s, not the root's lock file: remove it", name, fileKind(st.Mode()))
 	}
 	key, ok := keyOf(st)
 	locksMu.Lock()
@@ -226,7 +283,9 @@ func (h *heldLock) release() {
 	if locks[h.key] == h {
 		delete(locks, h.key)
 	}
-	_ = h.f.Close() // releases the flock
+	if h.f != nil {
+		_ = h.f.Close() // releases the flock
+	}
 }
 
 // holderLine describes this process for the lock file.

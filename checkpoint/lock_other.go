@@ -19,3 +19,5 @@ func flock(*os.File) error { return nil }
 func isReadOnly(error) bool { return false }
 
 func tryShared(*os.File) error { return nil }
+
+const noFollow = 0

@@ -1,6 +1,7 @@
 package checkpoint
 
 import (
+	"bytes"
 	"cmp"
 	"errors"
 	"fmt"
@@ -10,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // errNotDir is what stat says of a path under a regular file.
@@ -34,19 +36,32 @@ var ErrNoCheckpoint = fmt.Errorf("checkpoint: no checkpoint: %w", fs.ErrNotExist
 // or latest removed: Recover repairs it), so that a caller never mistakes
 // a damaged root for a fresh start; or an I/O error. Temporary directories
 // of saves that crashed are never returned.
+//
+// A writer may move latest and retire the checkpoint it named while Latest
+// reads: Latest then reads latest again (up to 8 times) rather than report a
+// sound root as damaged.
 func Latest(fsys FS, root string) (string, error) {
-	name, _, err := readLatest(fsys, root)
-	if err != nil {
-		return "", err
-	}
-	dir := filepath.Join(root, name)
-	if _, err := fsys.Stat(filepath.Join(dir, ManifestFile)); err != nil {
-		if errors.Is(err, fs.ErrNotExist) || errors.Is(err, errNotDir) {
+	for try := 0; ; try++ {
+		name, _, err := readLatest(fsys, root)
+		if err != nil {
+			return "", err
+		}
+		dir := filepath.Join(root, name)
+		st, err := fsys.Stat(filepath.Join(dir, ManifestFile))
+		if err == nil && st.Mode().IsRegular() {
+			return dir, nil
+		}
+		if again, _, aerr := readLatest(fsys, root); try < 8 && aerr == nil && again != name {
+			continue // latest moved meanwhile
+		}
+		switch {
+		case err == nil:
+			return "", fmt.Errorf("%w: %s names %s, whose %s is a %s", ErrCorrupt, filepath.Join(root, LatestFile), name, ManifestFile, fileKind(st.Mode()))
+		case errors.Is(err, fs.ErrNotExist) || errors.Is(err, errNotDir):
 			return "", fmt.Errorf("%w: %s names %s, which is not a complete checkpoint (%v)", ErrCorrupt, filepath.Join(root, LatestFile), name, err)
 		}
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
-	return dir, nil
 }
 
 // readLatest reads root/latest and returns the directory name it holds and
@@ -128,6 +143,9 @@ type RootInfo struct {
 	// interrupted retirements left: never loaded, removed by the next save
 	// or Retain.
 	Leftovers []string
+	// Aside are the checkpoints that Rollback set aside (damaged-step-*):
+	// kept whole for inspection, never loaded or removed.
+	Aside []string
 }
 
 // StepInfo is one step-%09d entry of a root.
@@ -154,7 +172,23 @@ func (r *RootInfo) Fresh() bool { return r.Latest == "" && r.Problem == nil }
 //
 // Errors: root is not a directory; an I/O error. Bad contents are not
 // errors: they are RootInfo.Problem.
+//
+// A writer may change root while Inspect reads it: when latest moved
+// meanwhile, Inspect reads root again (up to 8 times), so that a reader
+// beside a trainer does not see a retired checkpoint as a leftover.
 func Inspect(fsys FS, root string) (*RootInfo, error) {
+	for try := 0; ; try++ {
+		before, _ := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096)
+		info, err := inspect(fsys, root)
+		after, _ := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096)
+		if err == nil && !bytes.Equal(before, after) && try < 8 {
+			continue
+		}
+		return info, err
+	}
+}
+
+func inspect(fsys FS, root string) (*RootInfo, error) {
 	info := &RootInfo{Root: root}
 	entries, err := fsys.ReadDir(root)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -178,6 +212,10 @@ func Inspect(fsys FS, root string) (*RootInfo, error) {
 		path := filepath.Join(root, name)
 		if strings.HasPrefix(name, tmpPrefix) {
 			info.Leftovers = append(info.Leftovers, path)
+			continue
+		}
+		if strings.HasPrefix(name, asidePrefix) {
+			info.Aside = append(info.Aside, path)
 			continue
 		}
 		if name == pendingLatest {
@@ -261,6 +299,30 @@ func Resolve(fsys FS, path string) (string, error) {
 	return dir, err
 }
 
+// OpenPath opens rank's checkpoint at path, a step directory or a root
+// (Resolve), for a reader: when path is a root whose writer moves latest
+// and retires the checkpoint between Resolve and Open, it resolves again
+// (up to 8 times), so that a reader beside a trainer with retention is not
+// told that a sound root is corrupt. Once open, the checkpoint's files
+// stay readable even if retention removes them.
+//
+// Errors: those of Resolve and Open.
+func OpenPath(fsys FS, path string, rank int) (*Checkpoint, error) {
+	for try := 0; ; try++ {
+		dir, err := Resolve(fsys, path)
+		if err != nil {
+			return nil, err
+		}
+		c, err := Open(fsys, dir, rank)
+		if err == nil {
+			return c, nil
+		}
+		if again, rerr := Resolve(fsys, path); try == 8 || dir == path || rerr != nil || again == dir {
+			return nil, err
+		}
+	}
+}
+
 // Recovery is what Recover found and did.
 type Recovery struct {
 	// Dir is the checkpoint latest names after Recover: the one to resume.
@@ -305,9 +367,75 @@ func Recover(fsys FS, root string, rank int) (*Recovery, error) {
 		return nil, err
 	}
 	defer lock.Unlock()
+	lock.beginWrite()
+	defer lock.endWrite()
 	if info, err = Inspect(fsys, root); err != nil { // again, now that no one else writes
 		return nil, err
 	}
+	return recoverLocked(fsys, root, rank, info, nil)
+}
+
+// Rollback is Recover for a root whose latest names a checkpoint that does
+// not open or verify (a bit flipped on disk, a file lost): that checkpoint
+// is set aside, whole, as root/damaged-step-%09d-<unix seconds> (out of the
+// step namespace: never loaded, listed or removed by dos), and latest is
+// pointed at the newest complete step directory that verifies, as Recover
+// does. A damaged root is recovered as Recover would; a sound root whose
+// latest checkpoint verifies is left as it is (Repaired false). It holds
+// the root's lock. verify checks an opened checkpoint (nil: its Verify, the
+// CRC32C of every tensor; offload.VerifyCheckpoint also checks the
+// optimizer state's values), for latest's and for the candidates.
+//
+// Errors: those of Recover; ErrCorrupt when no step directory verifies
+// (the bad checkpoint is then set aside and latest names it no more: the
+// root is damaged, and every step directory is still there).
+func Rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*Recovery, error) {
+	lock, err := lockRoot(fsys, root, false)
+	if err != nil {
+		return nil, err
+	}
+	defer lock.Unlock()
+	lock.beginWrite()
+	defer lock.endWrite()
+	info, err := Inspect(fsys, root)
+	if err != nil {
+		return nil, err
+	}
+	if info.Latest == "" {
+		if info.Problem == nil {
+			return nil, fmt.Errorf("checkpoint: %s: %w", root, ErrNoCheckpoint)
+		}
+		return recoverLocked(fsys, root, rank, info, verify)
+	}
+	verr := verifyDir(fsys, info.Latest, rank, verify)
+	if verr == nil {
+		return &Recovery{Dir: info.Latest}, nil
+	}
+	if !errors.Is(verr, ErrCorrupt) && !errors.Is(verr, fs.ErrNotExist) {
+		return nil, verr // an I/O error says nothing about the checkpoint
+	}
+	name := filepath.Base(info.Latest)
+	aside := filepath.Join(root, fmt.Sprintf("%s%s-%d", asidePrefix, name, time.Now().Unix()))
+	if err := fsys.Rename(info.Latest, aside); err != nil {
+		return nil, fmt.Errorf("checkpoint: setting %s aside: %w", info.Latest, err)
+	}
+	if err := fsys.SyncDir(root); err != nil {
+		return nil, fmt.Errorf("checkpoint: setting %s aside: fsync %s: %w", info.Latest, root, err)
+	}
+	if info, err = Inspect(fsys, root); err != nil {
+		return nil, err
+	}
+	rec, err := recoverLocked(fsys, root, rank, info, verify)
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint: %s did not verify (%v) and was set aside as %s: %w", name, verr, aside, err)
+	}
+	rec.Note = fmt.Sprintf("%s did not verify (%v): set aside as %s; latest now names %s, the newest step directory that verifies", name, verr, aside, filepath.Base(rec.Dir))
+	return rec, nil
+}
+
+// recoverLocked is Recover's repair, for a caller that holds the root's
+// lock and its write.
+func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*Checkpoint) error) (*Recovery, error) {
 	if info.Latest != "" {
 		return &Recovery{Dir: info.Latest}, nil
 	}
@@ -321,7 +449,7 @@ func Recover(fsys FS, root string, rank int) (*Recovery, error) {
 		if !s.Complete {
 			continue
 		}
-		if err := verifyDir(fsys, s.Dir, rank); err != nil {
+		if err := verifyDir(fsys, s.Dir, rank, verify); err != nil {
 			rec.Skipped = append(rec.Skipped, fmt.Sprintf("%s: %v", filepath.Base(s.Dir), err))
 			continue
 		}
@@ -355,14 +483,18 @@ func Recover(fsys FS, root string, rank int) (*Recovery, error) {
 	return rec, nil
 }
 
-// verifyDir opens the checkpoint of rank in dir and verifies every tensor.
-func verifyDir(fsys FS, dir string, rank int) error {
+// verifyDir opens the checkpoint of rank in dir and verifies it with
+// verify (nil: every tensor's CRC32C).
+func verifyDir(fsys FS, dir string, rank int, verify func(*Checkpoint) error) error {
 	c, err := Open(fsys, dir, rank)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	return c.Verify()
+	if verify == nil {
+		return c.Verify()
+	}
+	return verify(c)
 }
 
 // fileKind names a non-regular file's type for messages.
@@ -379,6 +511,9 @@ func fileKind(m fs.FileMode) string {
 	}
 	return "special file"
 }
+
+// asidePrefix starts the name of a checkpoint that Rollback set aside.
+const asidePrefix = "damaged-"
 
 // retiredPrefix starts the name a checkpoint takes while Retain removes it.
 const retiredPrefix = tmpPrefix + "retired-"
@@ -406,6 +541,13 @@ func Retain(fsys FS, root string, keep int) error {
 		return err
 	}
 	defer lock.Unlock()
+	lock.beginWrite()
+	defer lock.endWrite()
+	return retain(fsys, root, keep)
+}
+
+// retain is Retain for a caller that holds the root's lock and its write.
+func retain(fsys FS, root string, keep int) error {
 	info, err := Inspect(fsys, root)
 	if err != nil {
 		return err

@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -307,7 +309,7 @@ func TestFIFOs(t *testing.T) {
 			go func() {
 				dir, err := Resolve(OS, root)
 				if err == nil {
-					err = verifyDir(OS, dir, 0)
+					err = verifyDir(OS, dir, 0, nil)
 				}
 				if _, ierr := Inspect(OS, root); ierr != nil && err == nil {
 					err = ierr
@@ -413,5 +415,256 @@ func TestRetainCrash(t *testing.T) {
 				t.Fatalf("crash at op %s, then a save and Retain: root holds %v", efs.log[i], got)
 			}
 		}
+	}
+}
+
+// TestWritersInOneProcess: writers of one root within a process (two
+// goroutines saving, two engines, an engine and Save, Retain) run one
+// after the other: no committed checkpoint is ever removed, and latest
+// always verifies.
+func TestWritersInOneProcess(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "ckpt")
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, 64)
+	saveSync := func() {
+		for range 15 {
+			if _, err := Save(OS, root, testSnapshot(next.Add(1))); err != nil {
+				errs <- err
+			}
+		}
+	}
+	saveLazy := func() {
+		e, err := NewEngine(OS, root, EngineOptions{ChunkBytes: 4096, RingBytes: 8192, Keep: 4})
+		if err != nil {
+			errs <- err
+			return
+		}
+		defer e.Close()
+		for range 15 {
+			h, err := e.Save(testSnapshot(next.Add(1)))
+			if err == nil {
+				_, err = h.Wait()
+			}
+			if err != nil {
+				errs <- err
+			}
+		}
+	}
+	wg.Go(saveSync)
+	wg.Go(saveSync)
+	wg.Go(saveLazy)
+	wg.Go(saveLazy)
+	wg.Go(func() {
+		for range 30 {
+			if err := Retain(OS, root, 3); err != nil && !errors.Is(err, ErrNoCheckpoint) {
+				errs <- err
+			}
+		}
+	})
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		// A save whose step another writer passed meanwhile may be
+		// refused (it would replace a committed checkpoint); nothing else.
+		if !errors.Is(err, fs.ErrExist) {
+			t.Errorf("a writer failed: %v", err)
+		}
+	}
+	info, err := Inspect(OS, root)
+	if err != nil || info.Problem != nil || info.Latest == "" {
+		t.Fatalf("Inspect: %+v, %v", info, err)
+	}
+	for _, s := range info.Steps {
+		if !s.Complete {
+			t.Errorf("%s is incomplete", s.Dir)
+			continue
+		}
+		if s.Committed {
+			checkMatches(t, OS, s.Dir, testSnapshot(s.Step))
+		}
+	}
+}
+
+// TestHostileNames: a FIFO or a link where dos writes latest.tmp or holds
+// .lock is never blocked on nor written through.
+func TestHostileNames(t *testing.T) {
+	outside := filepath.Join(t.TempDir(), "precious")
+	if err := os.WriteFile(outside, []byte("precious"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	timeout := func(what string, f func() error) error {
+		t.Helper()
+		done := make(chan error, 1)
+		go func() { done <- f() }()
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s: blocked", what)
+			return nil
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		make func(path string) error
+	}{
+		{"FIFO", func(p string) error { return syscall.Mkfifo(p, 0o644) }},
+		{"link outside", func(p string) error { return os.Symlink(outside, p) }},
+		{"directory", func(p string) error { return os.MkdirAll(filepath.Join(p, "x"), 0o755) }},
+	} {
+		t.Run("latest.tmp "+tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			mustSave(t, OS, root, testSnapshot(1))
+			if err := tc.make(filepath.Join(root, pendingLatest)); err != nil {
+				t.Fatal(err)
+			}
+			if err := timeout("Save", func() error { _, err := Save(OS, root, testSnapshot(2)); return err }); err != nil {
+				t.Fatal(err)
+			}
+			checkLatest(t, OS, root, testSnapshot(2))
+		})
+		t.Run(".lock "+tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			if err := tc.make(filepath.Join(root, LockFile)); err != nil {
+				t.Fatal(err)
+			}
+			if h := timeout("Holder", func() error { return errors.New(Holder(OS, root)) }); h.Error() != "" {
+				t.Errorf("Holder: %q", h)
+			}
+			err := timeout("Lock", func() error { l, err := Lock(OS, root); l.Unlock(); return err })
+			if err == nil || !strings.Contains(err.Error(), "not the root's lock file") {
+				t.Errorf("Lock with %s as .lock: %v", tc.name, err)
+			}
+		})
+	}
+	if b, err := os.ReadFile(outside); err != nil || string(b) != "precious" {
+		t.Fatalf("the file outside the root now holds %q (%v)", b, err)
+	}
+}
+
+// TestReadersBesideWriter: Latest, Inspect and OpenPath beside a writer
+// that commits and retires a checkpoint every few milliseconds never call
+// the sound root damaged or the checkpoint corrupt.
+func TestReadersBesideWriter(t *testing.T) {
+	if testing.Short() {
+		t.Skip("a second of saves")
+	}
+	root := filepath.Join(t.TempDir(), "ckpt")
+	mustSave(t, OS, root, testSnapshot(1))
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		e, err := NewEngine(OS, root, EngineOptions{ChunkBytes: 4096, RingBytes: 8192, Keep: 1})
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer e.Close()
+		for step := int64(2); ; step++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			h, err := e.Save(testSnapshot(step))
+			if err == nil {
+				_, err = h.Wait()
+			}
+			if err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	})
+	var reads, bad int
+	for end := time.Now().Add(time.Second); time.Now().Before(end); reads++ {
+		if _, err := Latest(OS, root); err != nil {
+			bad++
+			t.Errorf("Latest: %v", err)
+		}
+		if info, err := Inspect(OS, root); err != nil || info.Problem != nil {
+			bad++
+			t.Errorf("Inspect: %v, %v", info.Problem, err)
+		}
+		c, err := OpenPath(OS, root, 0)
+		if err == nil {
+			err = c.Verify()
+			c.Close()
+		}
+		if err != nil {
+			bad++
+			t.Errorf("OpenPath and Verify: %v", err)
+		}
+		if bad > 5 {
+			break
+		}
+	}
+	close(stop)
+	wg.Wait()
+	t.Logf("%d reads beside the writer", reads)
+}
+
+// TestRollback: a latest checkpoint that does not verify is set aside
+// whole and latest points at the newest that does; a sound root is left
+// as it is; a verify function of the caller's decides too.
+func TestRollback(t *testing.T) {
+	root, dir20 := twoCheckpoints(t)
+	if rec, err := Rollback(OS, root, 0, nil); err != nil || rec.Repaired {
+		t.Fatalf("Rollback of a sound root: %+v, %v", rec, err)
+	}
+	modifyFile(t, filepath.Join(dir20, rank0), func(b []byte) []byte { b[len(b)-1] ^= 1; return b })
+	rec, err := Rollback(OS, root, 0, nil)
+	if err != nil || !rec.Repaired || filepath.Base(rec.Dir) != "step-000000010" || !strings.Contains(rec.Note, "set aside") {
+		t.Fatalf("Rollback: %+v, %v", rec, err)
+	}
+	checkLatest(t, OS, root, testSnapshot(10))
+	info, err := Inspect(OS, root)
+	if err != nil || len(info.Aside) != 1 || len(info.Steps) != 1 {
+		t.Fatalf("Inspect after Rollback: %+v, %v", info, err)
+	}
+	if _, err := Open(OS, info.Aside[0], 0); err != nil { // kept whole: its bytes are bad, not its files
+		t.Fatalf("the set-aside checkpoint: %v", err)
+	}
+	// The caller's check refuses step 10 too: nothing verifies, and the
+	// root says so, every step directory kept.
+	refuse := func(c *Checkpoint) error { return fmt.Errorf("%w: refused", ErrCorrupt) }
+	if _, err := Rollback(OS, root, 0, refuse); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "no step directory verifies") {
+		t.Fatalf("Rollback with nothing that verifies: %v", err)
+	}
+	if info, _ := Inspect(OS, root); len(info.Aside) != 2 || info.Problem == nil {
+		t.Fatalf("after a failed Rollback: %+v", info)
+	}
+}
+
+// TestObjectStrict: an object decoded into a struct takes its keys exactly
+// as the tags spell them, as the manifest does.
+func TestObjectStrict(t *testing.T) {
+	root := t.TempDir()
+	s := testSnapshot(1)
+	s.Objects["trainer"] = []byte(`{"iteration": 20, "Iteration": 0}`)
+	dir := mustSave(t, OS, root, s)
+	c, err := Open(OS, dir, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	var st struct {
+		Iteration int `json:"iteration"`
+	}
+	if err := c.Object("trainer", &st); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), `unknown key "Iteration"`) {
+		t.Fatalf("Object with a key in another case: %v (decoded %+v)", err, st)
+	}
+	var m map[string]any
+	if err := c.Object("trainer", &m); err != nil || len(m) != 2 {
+		t.Fatalf("Object into a map: %v, %v", m, err)
+	}
+	var o struct {
+		LR    float64    `json:"lr"`
+		Betas [2]float64 `json:"betas"`
+		T     int        `json:"t"`
+	}
+	if err := c.Object("optimizer", &o); err != nil || o.T != 1 {
+		t.Fatalf("Object of a sound object: %+v, %v", o, err)
 	}
 }

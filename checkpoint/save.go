@@ -109,6 +109,8 @@ func Save(fsys FS, root string, s *Snapshot) (dir string, err error) {
 		return "", fmt.Errorf("checkpoint: save step %d: %w", s.Step, err)
 	}
 	defer lock.Unlock()
+	lock.beginWrite()
+	defer lock.endWrite()
 	tx, err := begin(fsys, root, p)
 	if err != nil {
 		return "", err
@@ -346,10 +348,15 @@ func (tx *saveTx) commit() (string, error) {
 	return tx.final, nil
 }
 
-// moveLatest replaces latest atomically with contents: write latest.tmp,
-// fsync it, rename it over latest. The caller fsyncs root.
+// moveLatest replaces latest atomically with contents: write latest.tmp
+// (created anew: whatever stood there, a FIFO or a link to a file outside
+// the root included, is removed first, never written through), fsync it,
+// rename it over latest. The caller fsyncs root.
 func (tx *saveTx) moveLatest(contents []byte) error {
-	tmp := filepath.Join(tx.root, LatestFile+".tmp")
+	tmp := filepath.Join(tx.root, pendingLatest)
+	if err := tx.fs.RemoveAll(tmp); err != nil {
+		return err
+	}
 	if err := writeFile(tx.fs, tmp, contents); err != nil {
 		_ = tx.fs.RemoveAll(tmp)
 		return err
@@ -385,9 +392,10 @@ func writeFullAt(f File, b []byte, off int64) error {
 	return err
 }
 
-// writeFile creates (or truncates) name, writes data, fsyncs and closes it.
+// writeFile creates name, which must not exist (O_EXCL: never through a
+// link), writes data, fsyncs and closes it.
 func writeFile(fsys FS, name string, data []byte) error {
-	f, err := fsys.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	f, err := fsys.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return err
 	}

@@ -17,21 +17,18 @@ import (
 // configuration and the fp32 master weights of every parameter, in
 // Config.Params order. It returns the directory read too.
 //
-// Errors: those of checkpoint.Resolve, Open and ReadTensor (checksums are
+// Errors: those of checkpoint.OpenPath and ReadTensor (checksums are
 // verified); a checkpoint without the trainer's object or a parameter; an
 // error wrapping checkpoint.ErrCorrupt, naming the directory and the
 // tensor, for master weights that are not finite (offload.CheckState: a
 // checksum does not catch a NaN that was saved).
 func LoadWeights(path string) (Config, [][]float32, string, error) {
-	dir, err := checkpoint.Resolve(checkpoint.OS, path)
-	if err != nil {
-		return Config{}, nil, "", err
-	}
-	c, err := checkpoint.Open(checkpoint.OS, dir, 0)
+	c, err := checkpoint.OpenPath(checkpoint.OS, path, 0)
 	if err != nil {
 		return Config{}, nil, "", err
 	}
 	defer c.Close()
+	dir := c.Dir
 	var st trainerState
 	if err := c.Object("trainer", &st); err != nil {
 		return Config{}, nil, "", fmt.Errorf("trainer: %s was not written by dos train: %w", dir, err)

@@ -643,7 +643,7 @@ func (t *Trainer) resume(dir string) error {
 	// about the model rather than about a tensor.
 	c, err := checkpoint.Open(checkpoint.OS, dir, 0)
 	if err != nil {
-		return fmt.Errorf("trainer: resume from %s: %w", root, err)
+		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
 	}
 	var st trainerState
 	err = c.Object("trainer", &st)
@@ -656,7 +656,7 @@ func (t *Trainer) resume(dir string) error {
 			dir, st.Config.Model, st.Config.Batch, t.cfg.Model, t.cfg.Batch)
 	}
 	if _, _, err := t.opt.LoadCheckpoint(checkpoint.OS, dir); err != nil {
-		return fmt.Errorf("trainer: resume from %s: %w", root, err)
+		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
 	}
 	if st.TextCRC != t.state.TextCRC || st.TextBytes != t.state.TextBytes {
 		return fmt.Errorf("trainer: resume from %s: it was trained on another text (%d bytes, crc32 %#08x; this run: %d bytes, %#08x)",
@@ -721,6 +721,14 @@ func (t *Trainer) resume(dir string) error {
 		fmt.Fprintf(t.out, "resume: already at iteration %d, at or past --steps %d: nothing to train\n", st.Iteration, t.cfg.Steps)
 	}
 	return nil
+}
+
+// recoverHint tells the user of a damaged latest checkpoint the way out.
+func recoverHint(err error, root string) string {
+	if !errors.Is(err, checkpoint.ErrCorrupt) {
+		return ""
+	}
+	return fmt.Sprintf("; `dos ckpt recover %s` sets this checkpoint aside and points latest at the newest one that verifies", root)
 }
 
 // refresh copies the 16-bit working copy into the model's fp32 parameters.

@@ -23,6 +23,10 @@ const ckptUsage = `Usage:
                                  open the checkpoint at PATH (a step directory, or a root's latest),
                                  check that manifest, index and file agree, every tensor's CRC32C,
                                  that the optimizer state is finite (exp_avg_sq >= 0) and its settings valid
+  dos ckpt recover [--rank N] ROOT
+                                 repair ROOT for --resume: finish a commit a crash cut short, point a
+                                 missing or corrupt latest at the newest checkpoint that verifies, or set
+                                 aside (as ROOT/damaged-step-*) a latest checkpoint that does not verify
   dos ckpt inspect [--rank N] [--tensors] PATH
                                  describe the checkpoint at PATH without reading tensor data: step,
                                  files and sizes, tensors by dtype, the optimizer's hyperparameters,
@@ -57,7 +61,7 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(stdout, ckptUsage)
 		return 0
-	case "ls", "verify", "inspect":
+	case "ls", "verify", "inspect", "recover":
 	default:
 		fmt.Fprintf(stderr, "dos ckpt: unknown subcommand %q\n%s", sub, ckptUsage)
 		return 2
@@ -104,6 +108,8 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 		return ckptList(path, stdout, stderr)
 	case "inspect":
 		return ckptInspect(path, rank, all, stdout, stderr)
+	case "recover":
+		return ckptRecover(path, rank, stdout, stderr)
 	}
 	return ckptVerify(path, rank, stdout, stderr)
 }
@@ -111,16 +117,12 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 // ckptInspect prints what a checkpoint holds, from its manifest and
 // header only (Open checks that they agree; no tensor data is read).
 func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int {
-	dir, err := checkpoint.Resolve(checkpoint.OS, path)
+	c, err := checkpoint.OpenPath(checkpoint.OS, path, rank)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt inspect: %v\n", err)
 		return 1
 	}
-	c, err := checkpoint.Open(checkpoint.OS, dir, rank)
-	if err != nil {
-		fmt.Fprintf(stderr, "dos ckpt inspect: %v\n", err)
-		return 1
-	}
+	dir := c.Dir
 	defer c.Close()
 	m := c.Manifest
 	fmt.Fprintf(stdout, "%s\n  step %d, rank %d of %d, created %s, %s v%d\n", dir, m.Step, m.Rank, m.WorldSize,
@@ -221,6 +223,9 @@ func ckptList(root string, stdout, stderr io.Writer) int {
 	if info.Pending != "" && info.Problem != nil {
 		fmt.Fprintf(stdout, "  %s.tmp names %s (a commit was cut short)\n", filepath.Join(root, checkpoint.LatestFile), filepath.Base(info.Pending))
 	}
+	for _, a := range info.Aside {
+		fmt.Fprintf(stdout, "  %s  (set aside by dos ckpt recover: did not verify; kept for inspection)\n", a)
+	}
 	for _, l := range info.Leftovers {
 		if holder != "" {
 			fmt.Fprintf(stdout, "  %s  (temporary: a save in progress, or a leftover)\n", l)
@@ -235,17 +240,29 @@ func ckptList(root string, stdout, stderr io.Writer) int {
 	return 0
 }
 
+// ckptRecover repairs root (checkpoint.Rollback, verifying with the
+// optimizer's value checks) and says what it did.
+func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
+	rec, err := checkpoint.Rollback(checkpoint.OS, root, rank, offload.VerifyCheckpoint)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
+		return 1
+	}
+	if !rec.Repaired {
+		fmt.Fprintf(stdout, "OK %s: latest names %s, which verifies; nothing to do\n", root, rec.Dir)
+		return 0
+	}
+	fmt.Fprintf(stdout, "recovered %s: %s\n", root, rec.Note)
+	return 0
+}
+
 func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
-	dir, err := checkpoint.Resolve(checkpoint.OS, path)
+	c, err := checkpoint.OpenPath(checkpoint.OS, path, rank)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
 		return 1
 	}
-	c, err := checkpoint.Open(checkpoint.OS, dir, rank)
-	if err != nil {
-		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
-		return 1
-	}
+	dir := c.Dir
 	defer c.Close()
 	if err := offload.VerifyCheckpoint(c); err != nil {
 		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)

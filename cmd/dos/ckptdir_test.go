@@ -366,3 +366,41 @@ func TestCkptRankNegative(t *testing.T) {
 		}
 	}
 }
+
+// TestCkptRecover: when the checkpoint latest names does not verify,
+// --resume says how out, dos ckpt recover sets it aside and points latest
+// at the newest one that verifies, and training resumes from there, bit
+// for bit.
+func TestCkptRecover(t *testing.T) {
+	args := []string{"--steps", "30", "--ckpt-every", "10"}
+	straight := train(t, append(args, "--ckpt-dir", filepath.Join(t.TempDir(), "s"))...)
+	dir := filepath.Join(t.TempDir(), "ckpt")
+	train(t, "--steps", "20", "--ckpt-every", "10", "--ckpt-dir", dir)
+	rank := filepath.Join(dir, "step-000000020", "rank-00000.safetensors")
+	b, err := os.ReadFile(rank)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b[len(b)-3] ^= 0x40
+	if err := os.WriteFile(rank, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	rc, out := dosRun(t, time.Minute, append([]string{"train", "--ckpt-dir", dir, "--resume"}, args...)...)
+	if rc != 1 || !strings.Contains(out, "dos ckpt recover "+dir) {
+		t.Fatalf("--resume from a corrupt latest: rc %d:\n%s", rc, out)
+	}
+	rc, out = dosRun(t, time.Minute, "ckpt", "recover", dir)
+	if rc != 0 || !strings.Contains(out, "set aside") || !strings.Contains(out, "step-000000010") {
+		t.Fatalf("dos ckpt recover: rc %d:\n%s", rc, out)
+	}
+	if rc, out := dosRun(t, time.Minute, "ckpt", "ls", dir); rc != 0 || !strings.Contains(out, "damaged-step-000000020") {
+		t.Fatalf("dos ckpt ls after recover: rc %d:\n%s", rc, out)
+	}
+	resumed := train(t, append(args, "--ckpt-dir", dir, "--resume")...)
+	if resumed.FinalLoss != straight.FinalLoss || resumed.Steps != 30 {
+		t.Fatalf("resumed from step 10: final_loss %v at %d, straight %v", resumed.FinalLoss, resumed.Steps, straight.FinalLoss)
+	}
+	if rc, out := dosRun(t, time.Minute, "ckpt", "recover", dir); rc != 0 || !strings.Contains(out, "nothing to do") {
+		t.Fatalf("dos ckpt recover of a sound root: rc %d:\n%s", rc, out)
+	}
+}
