@@ -36,7 +36,6 @@ func isReadOnly(err error) bool { return errors.Is(err, syscall.EROFS) }
 // noFollow makes an open fail on a symbolic link (ELOOP).
 const noFollow = syscall.O_NOFOLLOW
 
-
 // tryShared takes a shared flock(2) on f without waiting: EWOULDBLOCK when
 // another open file holds it exclusively.
 func tryShared(f *os.File) error {
