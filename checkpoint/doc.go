@@ -26,6 +26,7 @@
 //	│                                 created, files, tensors (name, file, dtype, shape,
 //	│                                 offset, bytes, crc32c), objects
 //	├── .tmp-retired-step-000000005-… a checkpoint being removed by retention, or left by a crash
+//	├── damaged-step-000000030-…/     set aside by Rollback (dos ckpt recover): did not verify
 //	└── .tmp-step-000000030-1f2e3d4c/ a save in progress, or left by a crash: ignored
 //
 // The safetensors file, readable by Hugging Face's safetensors package
@@ -62,9 +63,14 @@
 // with ErrCorrupt, never as empty (ErrNoCheckpoint), and Save refuses to
 // write into it, since it would adopt or replace checkpoints that nothing
 // marks. Recover repairs it: it finishes the interrupted commit, or points
-// latest at the newest step directory that verifies, and says which. A
+// latest at the newest step directory that verifies, and says which.
+// Rollback also handles a sound latest whose checkpoint does not verify:
+// it sets that checkpoint aside whole (root/damaged-step-%09d-<time>,
+// never loaded or removed) and points latest at the newest that does. A
 // step directory (one holding manifest.json, or step-%09d beside a
-// latest) is never taken as a root.
+// latest) is never taken as a root. Readers (Latest, Inspect, OpenPath)
+// take no lock: when a writer moves latest while they read, they read
+// again.
 //
 // # Commit
 //

@@ -130,7 +130,10 @@ func checkRootPath(fsys FS, root string) error {
 	case err == nil:
 		return fmt.Errorf("checkpoint: %s holds %s: it is a checkpoint (a step directory), not a checkpoint root; pass its parent %s", root, ManifestFile, filepath.Dir(filepath.Clean(root)))
 	case errors.Is(err, errNotDir):
-		return fmt.Errorf("checkpoint: root %s: %w", root, err) // a path under a file
+		if st, serr := fsys.Stat(root); serr == nil && !st.IsDir() {
+			return fmt.Errorf("checkpoint: root %s is a file, not a directory", root)
+		}
+		return fmt.Errorf("checkpoint: root %s is under a file, not a directory: %w", root, err)
 	case !errors.Is(err, fs.ErrNotExist):
 		return fmt.Errorf("checkpoint: root %s: %w", root, err)
 	}

@@ -22,7 +22,12 @@ var errNotDir error = syscall.ENOTDIR
 // neither latest nor latest.tmp nor any step directory. It wraps
 // fs.ErrNotExist. A damaged root (step directories without a usable
 // latest) gives ErrCorrupt instead, never this.
-var ErrNoCheckpoint = fmt.Errorf("checkpoint: no checkpoint: %w", fs.ErrNotExist)
+var ErrNoCheckpoint error = noCheckpoint{}
+
+type noCheckpoint struct{}
+
+func (noCheckpoint) Error() string { return "no checkpoint" }
+func (noCheckpoint) Unwrap() error { return fs.ErrNotExist }
 
 // Latest returns the directory of the committed checkpoint that root/latest
 // names, as root/step-%09d.

@@ -97,9 +97,9 @@ func (s *stateScan) err() error {
 	}
 	want := "finite"
 	if s.nonNeg {
-		want = "finite and >= 0"
+		want = "finite, >= 0"
 	}
-	return fmt.Errorf("element %d is %v; %d of its %d elements are not %s", s.first, s.firstVal, s.bad, s.n, want)
+	return fmt.Errorf("element %d is %v; %d of its %d elements fail the check (%s)", s.first, s.firstVal, s.bad, s.n, want)
 }
 
 // CheckState checks the values of one tensor of the optimizer state, named

@@ -78,10 +78,10 @@ func TestLoadRefusesBadValues(t *testing.T) {
 		idx    []int
 		want   string
 	}{
-		{"h.0.attn.c_attn.weight.master", nan, []int{7, 9, 700}, "element 7 is NaN; 3 of its 768 elements are not finite"},
-		{"wte.weight.exp_avg", -inf, []int{0}, "element 0 is -Inf; 1 of its 800 elements are not finite"},
-		{"wte.weight.exp_avg_sq", inf, []int{3}, "element 3 is +Inf; 1 of its 800 elements are not finite and >= 0"},
-		{"ln_f.bias.exp_avg_sq", -1, []int{15, 2}, "element 2 is -1; 2 of its 16 elements are not finite and >= 0"},
+		{"h.0.attn.c_attn.weight.master", nan, []int{7, 9, 700}, "element 7 is NaN; 3 of its 768 elements fail the check (finite)"},
+		{"wte.weight.exp_avg", -inf, []int{0}, "element 0 is -Inf; 1 of its 800 elements fail the check (finite)"},
+		{"wte.weight.exp_avg_sq", inf, []int{3}, "element 3 is +Inf; 1 of its 800 elements fail the check (finite, >= 0)"},
+		{"ln_f.bias.exp_avg_sq", -1, []int{15, 2}, "element 2 is -1; 2 of its 16 elements fail the check (finite, >= 0)"},
 		{"h.0.ln_1.weight.max_exp_avg_sq", -1e-30, []int{5}, "element 5 is -1e-30; 1 of its 16 elements"},
 	} {
 		t.Run(tc.tensor, func(t *testing.T) {
@@ -129,7 +129,7 @@ func TestVerifyChunks(t *testing.T) {
 	}
 	defer o.Close()
 	dir := badCheckpoint(t, o, t.TempDir(), "w.exp_avg_sq", -2, 1<<20+5, n-1)
-	want := fmt.Sprintf(`"w.exp_avg_sq": element %d is -2; 2 of its %d elements are not finite and >= 0`, 1<<20+5, n)
+	want := fmt.Sprintf(`"w.exp_avg_sq": element %d is -2; 2 of its %d elements fail the check (finite, >= 0)`, 1<<20+5, n)
 	if err := verifyDir(t, dir); !errors.Is(err, checkpoint.ErrCorrupt) || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "more corrupt") {
 		t.Errorf("VerifyCheckpoint: %v\nwant %s", err, want)
 	}
@@ -215,9 +215,9 @@ func TestCheckState(t *testing.T) {
 		{"a.master", []float32{-1, 0, 3e38, negZero}, ""},
 		{"a.exp_avg", []float32{-1e-45, 1}, ""},
 		{"a.exp_avg_sq", []float32{0, negZero, 1e-45, math.MaxFloat32}, ""},
-		{"a.exp_avg_sq", []float32{0, -1e-45}, "element 1 is -1e-45; 1 of its 2 elements are not finite and >= 0"},
+		{"a.exp_avg_sq", []float32{0, -1e-45}, "element 1 is -1e-45; 1 of its 2 elements fail the check (finite, >= 0)"},
 		{"a.max_exp_avg_sq", []float32{float32(math.Inf(-1))}, "element 0 is -Inf"},
-		{"a.master", []float32{1, float32(math.NaN()), float32(math.Inf(1)), -2}, "element 1 is NaN; 2 of its 4 elements are not finite"},
+		{"a.master", []float32{1, float32(math.NaN()), float32(math.Inf(1)), -2}, "element 1 is NaN; 2 of its 4 elements fail the check (finite)"},
 		{"a.master", []float32{math.Float32frombits(0xffc00001)}, "element 0 is NaN"}, // a negative NaN
 		{"other", []float32{-1, float32(math.Inf(1))}, `"other": element 1 is +Inf`},
 		{"a.master", nil, ""},

@@ -652,8 +652,8 @@ func (t *Trainer) resume(dir string) error {
 		return fmt.Errorf("trainer: resume from %s: not a dos train checkpoint: %w", dir, err)
 	}
 	if st.Config.Model != t.cfg.Model || st.Config.Batch != t.cfg.Batch {
-		return fmt.Errorf("trainer: resume from %s: it was trained with model %+v and batch %d; this run has model %+v and batch %d",
-			dir, st.Config.Model, st.Config.Batch, t.cfg.Model, t.cfg.Batch)
+		return fmt.Errorf("trainer: resume from %s: it was trained with %s; this run has %s",
+			dir, st.Config.shapeFlags(), t.cfg.shapeFlags())
 	}
 	if _, _, err := t.opt.LoadCheckpoint(checkpoint.OS, dir); err != nil {
 		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
@@ -700,6 +700,8 @@ func (t *Trainer) resume(dir string) error {
 		{"--lr", t.cfg.LR, old.LR}, {"--warmup", t.cfg.WarmupSteps, old.WarmupSteps},
 		{"--min-lr-ratio", t.cfg.MinLRRatio, old.MinLRRatio},
 		{"--clip", t.cfg.MaxGradNorm, old.MaxGradNorm},
+		{"--grad-dtype", t.cfg.GradDType, old.GradDType}, {"--working-dtype", t.cfg.WorkingDType, old.WorkingDType},
+		{"--subgroup-size", t.cfg.SubgroupSize, old.SubgroupSize}, {"--threads", t.cfg.Threads, old.Threads},
 	} {
 		if d.now != d.then {
 			fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; this run's value applies from here on\n", d.flag, d.now, d.then)
@@ -721,6 +723,12 @@ func (t *Trainer) resume(dir string) error {
 		fmt.Fprintf(t.out, "resume: already at iteration %d, at or past --steps %d: nothing to train\n", st.Iteration, t.cfg.Steps)
 	}
 	return nil
+}
+
+// shapeFlags spells the model's shape and the batch as dos train's flags.
+func (c *TrainConfig) shapeFlags() string {
+	m := c.Model
+	return fmt.Sprintf("--layers %d --heads %d --embd %d --ctx %d --batch %d (vocabulary %d)", m.NLayer, m.NHead, m.NEmbd, m.NCtx, c.Batch, m.VocabSize)
 }
 
 // recoverHint tells the user of a damaged latest checkpoint the way out.

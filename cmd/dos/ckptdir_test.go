@@ -404,3 +404,20 @@ func TestCkptRecover(t *testing.T) {
 		t.Fatalf("dos ckpt recover of a sound root: rc %d:\n%s", rc, out)
 	}
 }
+
+// TestResumeListsChanges: every setting of this run that differs from the
+// checkpoint's is named on resume, by flag.
+func TestResumeListsChanges(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "ckpt")
+	train(t, "--steps", "4", "--ckpt-every", "4", "--ckpt-dir", dir)
+	rc, out := dosRun(t, time.Minute, "train", "--steps", "6", "--ckpt-dir", dir, "--resume",
+		"--grad-dtype", "bfloat16", "--working-dtype", "bfloat16", "--subgroup-size", "1000", "--threads", "1", "--beta2", "0.99")
+	if rc != 0 {
+		t.Fatalf("rc %d:\n%s", rc, out)
+	}
+	for _, flag := range []string{"--grad-dtype", "--working-dtype", "--subgroup-size", "--threads", "--beta2"} {
+		if !strings.Contains(out, "resume: "+flag+" ") {
+			t.Errorf("resume did not name %s:\n%s", flag, out)
+		}
+	}
+}

@@ -149,7 +149,7 @@ func TestTrainRefusals(t *testing.T) {
 		want string
 	}{
 		{[]string{"--steps", "5", "--ckpt-dir", dir}, 1, "pass --resume"},
-		{[]string{"--steps", "9", "--ckpt-dir", dir, "--resume", "--embd", "32"}, 1, "trained with model"},
+		{[]string{"--steps", "9", "--ckpt-dir", dir, "--resume", "--embd", "32"}, 1, "trained with --layers 1 --heads 2 --embd 16"},
 		{[]string{"--steps", "5", "--grad-dtype", "none"}, 2, "--grad-dtype none"},
 		{[]string{"--steps", "5", "--ctx", "1000000", "--embd", "1024", "--heads", "1"}, 2, "--layers 1 --embd 1024 --ctx 1000000 --batch 4 need about"},
 		{[]string{"--steps", "5", "--loss-scale", "1e-50"}, 2, "--loss-scale 1e-50"},
