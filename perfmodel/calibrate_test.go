@@ -11,7 +11,7 @@ import (
 // point.
 func TestCalibrateCPU(t *testing.T) {
 	calls := 0
-	fits, err := CalibrateCPU(CPUOptions{Threads: []int{1, 2}, Sizes: []int{1 << 16, 1 << 18, 1 << 20}, Reps: 2, GradDTypes: []adam.DType{adam.F32, adam.BF16}},
+	fits, err := CalibrateCPU(CPUOptions{Threads: []int{1, 2}, Sizes: []int{1 << 16, 1 << 19, 1 << 22}, Reps: 3, GradDTypes: []adam.DType{adam.F32, adam.BF16}},
 		func(done, total int) {
 			calls++
 			if total != 12 || done != calls {
