@@ -416,7 +416,11 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 	}
 	// No other writer of this process between begin and retention (the
 	// kernel's lock keeps other processes out).
-	e.lock.beginWrite()
+	if err := e.lock.beginWrite(); err != nil {
+		fail(fmt.Errorf("checkpoint: save step %d: %w", s.Step, err))
+		finish("")
+		return
+	}
 	defer e.lock.endWrite()
 	tx, err := begin(e.fs, e.root, p)
 	if err != nil {

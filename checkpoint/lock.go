@@ -1,6 +1,7 @@
 package checkpoint
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -97,10 +98,28 @@ func lockRoot(fsys FS, root string, probe bool) (*RootLock, error) {
 // engines, an engine and Save, ...): from a save's begin to its commit and
 // retention, or a repair, no other writer of this process runs. Across
 // processes the kernel's lock does.
-func (l *RootLock) beginWrite() {
-	if l.held != nil {
-		l.held.write.Lock()
+//
+// It also checks that the lock file is still the one this process locked:
+// a lock file removed or replaced while held (by hand, or by a cleanup)
+// lets another process lock a new one, and this process then refuses to
+// write rather than mix two runs' checkpoints.
+func (l *RootLock) beginWrite() error {
+	h := l.held
+	if h == nil {
+		return nil
 	}
+	h.write.Lock()
+	if h.f == nil {
+		return nil
+	}
+	st, err := os.Stat(h.f.Name())
+	if err == nil {
+		if key, ok := keyOf(st); ok && key == h.key {
+			return nil
+		}
+	}
+	h.write.Unlock()
+	return fmt.Errorf("%w: %s was removed or replaced while this process held it (%v): another process may write there now; refusing to write", ErrLocked, h.f.Name(), cmp.Or[any](err, "another file"))
 }
 
 func (l *RootLock) endWrite() {

@@ -372,7 +372,9 @@ func Recover(fsys FS, root string, rank int) (*Recovery, error) {
 		return nil, err
 	}
 	defer lock.Unlock()
-	lock.beginWrite()
+	if err := lock.beginWrite(); err != nil {
+		return nil, err
+	}
 	defer lock.endWrite()
 	if info, err = Inspect(fsys, root); err != nil { // again, now that no one else writes
 		return nil, err
@@ -400,7 +402,9 @@ func Rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*
 		return nil, err
 	}
 	defer lock.Unlock()
-	lock.beginWrite()
+	if err := lock.beginWrite(); err != nil {
+		return nil, err
+	}
 	defer lock.endWrite()
 	info, err := Inspect(fsys, root)
 	if err != nil {
@@ -546,7 +550,9 @@ func Retain(fsys FS, root string, keep int) error {
 		return err
 	}
 	defer lock.Unlock()
-	lock.beginWrite()
+	if err := lock.beginWrite(); err != nil {
+		return err
+	}
 	defer lock.endWrite()
 	return retain(fsys, root, keep)
 }

@@ -668,3 +668,37 @@ func TestObjectStrict(t *testing.T) {
 		t.Fatalf("Object of a sound object: %+v, %v", o, err)
 	}
 }
+
+// TestLockFileRemoved: when the lock file is removed while held (another
+// process could lock a new one), the holder refuses to write.
+func TestLockFileRemoved(t *testing.T) {
+	root := t.TempDir()
+	mustSave(t, OS, root, testSnapshot(1))
+	l, err := Lock(OS, root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := NewEngine(OS, root, EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(root, LockFile)); err != nil {
+		t.Fatal(err)
+	}
+	h, err := e.Save(testSnapshot(2))
+	if err == nil {
+		_, err = h.Wait()
+	}
+	if !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), "removed or replaced") {
+		t.Fatalf("Engine save after the lock file was removed: %v", err)
+	}
+	checkLatest(t, OS, root, testSnapshot(1))
+	// A new writer locks a new lock file; the old holders stay refused.
+	mustSave(t, OS, root, testSnapshot(3))
+	if err := Retain(OS, root, 1); err != nil {
+		t.Fatal(err)
+	}
+	e.Close()
+	l.Unlock()
+	checkLatest(t, OS, root, testSnapshot(3))
+}

@@ -109,7 +109,9 @@ func Save(fsys FS, root string, s *Snapshot) (dir string, err error) {
 		return "", fmt.Errorf("checkpoint: save step %d: %w", s.Step, err)
 	}
 	defer lock.Unlock()
-	lock.beginWrite()
+	if err := lock.beginWrite(); err != nil {
+		return "", fmt.Errorf("checkpoint: save step %d: %w", s.Step, err)
+	}
 	defer lock.endWrite()
 	tx, err := begin(fsys, root, p)
 	if err != nil {
