@@ -116,6 +116,24 @@ func main() {
 		defer os.RemoveAll(tmp)
 		root = tmp
 	}
+	// One writer per root, checked before training: a root that already
+	// holds checkpoints is not written over (checkpoint.Save would refuse
+	// to replace a committed step only when it reaches it).
+	lock, err := checkpoint.Lock(checkpoint.OS, root)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "quickstart:", err)
+		os.Exit(1)
+	}
+	defer lock.Unlock()
+	info, err := checkpoint.Inspect(checkpoint.OS, root)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "quickstart:", err)
+		os.Exit(1)
+	}
+	if !info.Fresh() {
+		fmt.Fprintf(os.Stderr, "quickstart: --dir %s already holds checkpoints; choose another\n", root)
+		os.Exit(1)
+	}
 	tw, tb := teacher()
 
 	o := newOptimizer()
