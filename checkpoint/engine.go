@@ -14,7 +14,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/deepstates/dos/cuda"
 	"github.com/deepstates/dos/pinned"
 )
 
@@ -51,9 +50,10 @@ const (
 // EngineOptions configures an Engine. The zero value is usable.
 type EngineOptions struct {
 	// RingBytes is the staging memory between capture and flush, in bytes
-	// (default 256 MiB, at least 2 chunks): a pinned.Arena, page-locked on
-	// Device when set. A full ring makes capture wait for the writers
-	// (backpressure); it never grows.
+	// (default 256 MiB, at least 2 chunks): a page-aligned pinned.Arena
+	// (O_DIRECT needs the alignment; the capture copies host memory, so
+	// the ring is not page-locked). A full ring makes capture wait for the
+	// writers (backpressure); it never grows.
 	RingBytes int64
 	// ChunkBytes is the unit of capture and of each positioned write, a
 	// multiple of DirectAlign (default DefaultChunkBytes).
@@ -69,9 +69,6 @@ type EngineOptions struct {
 	// Keep is how many committed checkpoints to keep under root, the
 	// newest; older ones are removed after each commit (0: keep all).
 	Keep int
-	// Device, when set, pins the ring on it (cuMemHostRegister), ready for
-	// device-to-host capture.
-	Device *cuda.Device
 }
 
 // Engine is the lazy asynchronous checkpointer of DataStates-LLM (Maurya
@@ -146,7 +143,7 @@ func NewEngine(fsys FS, root string, opts EngineOptions) (*Engine, error) {
 		return nil, err
 	}
 	ringBytes := opts.RingBytes / opts.ChunkBytes * opts.ChunkBytes
-	arena, err := pinned.New(opts.Device, ringBytes+DirectAlign)
+	arena, err := pinned.New(nil, ringBytes+DirectAlign)
 	if err != nil {
 		lock.Unlock()
 		return nil, fmt.Errorf("checkpoint: staging ring: %w", err)
