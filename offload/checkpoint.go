@@ -17,9 +17,24 @@ const ObjectName = "optimizer"
 // objectFormat names the schema of the optimizer object.
 const objectFormat = "dos-offload/v1"
 
-// The suffixes of a parameter's tensors in a checkpoint: NAME.master holds
-// the fp32 master weights, then PyTorch's names of the Adam state.
-var stateSuffixes = [...]string{".master", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"}
+// The names of a parameter's tensors in a checkpoint are the parameter's
+// name and one of these suffixes: NAME.master holds the fp32 master
+// weights, then PyTorch's names of the Adam state (its state_dict keys);
+// NAME.max_exp_avg_sq only with amsgrad. Every one is F32 with the
+// parameter's shape.
+const (
+	MasterSuffix      = ".master"
+	ExpAvgSuffix      = ".exp_avg"
+	ExpAvgSqSuffix    = ".exp_avg_sq"
+	MaxExpAvgSqSuffix = ".max_exp_avg_sq"
+)
+
+// stateSuffixes are the suffixes in the order of stateSlices.
+var stateSuffixes = [...]string{MasterSuffix, ExpAvgSuffix, ExpAvgSqSuffix, MaxExpAvgSqSuffix}
+
+// MasterName returns the checkpoint tensor that holds parameter param's
+// fp32 master weights: param + MasterSuffix.
+func MasterName(param string) string { return param + MasterSuffix }
 
 // optimizerObject is the optimizer's object in a checkpoint's manifest.
 type optimizerObject struct {

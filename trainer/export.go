@@ -44,22 +44,23 @@ func LoadWeights(path string) (Config, [][]float32, string, error) {
 	for _, p := range cfg.Params() {
 		// Check the entry before allocating: the manifest, not the trainer
 		// object, says how large the tensor is.
-		e, ok := c.Entry(p.Name + ".master")
+		name := offload.MasterName(p.Name)
+		e, ok := c.Entry(name)
 		if !ok || e.DType != safetensors.F32 || len(e.Shape) != len(p.Shape) {
-			return Config{}, nil, "", fmt.Errorf("trainer: %s: no F32 tensor %q of shape %v", dir, p.Name+".master", p.Shape)
+			return Config{}, nil, "", fmt.Errorf("trainer: %s: no F32 tensor %q of shape %v", dir, name, p.Shape)
 		}
 		n := 1
 		for i, d := range p.Shape {
 			if e.Shape[i] != int64(d) {
-				return Config{}, nil, "", fmt.Errorf("trainer: %s: tensor %q has shape %v, the model config says %v", dir, p.Name+".master", e.Shape, p.Shape)
+				return Config{}, nil, "", fmt.Errorf("trainer: %s: tensor %q has shape %v, the model config says %v", dir, name, e.Shape, p.Shape)
 			}
 			n *= d
 		}
 		w := make([]float32, n)
-		if err := c.ReadTensor(p.Name+".master", safetensors.Float32View(w)); err != nil {
+		if err := c.ReadTensor(name, safetensors.Float32View(w)); err != nil {
 			return Config{}, nil, "", err
 		}
-		if err := offload.CheckState(p.Name+".master", w); err != nil {
+		if err := offload.CheckState(name, w); err != nil {
 			return Config{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
 		}
 		weights = append(weights, w)

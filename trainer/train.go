@@ -13,10 +13,7 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
-	"github.com/deepstates/dos/kernels"
 	"github.com/deepstates/dos/offload"
-	"github.com/deepstates/dos/perfmodel"
-	"github.com/deepstates/dos/scheduler"
 )
 
 // TrainConfig configures Train. The flags of `dos train` set these fields;
@@ -83,7 +80,7 @@ type TrainConfig struct {
 	MaxMemory float64 `json:"max_memory_gib"`
 	// Schedule forces the device's split as "CPU,GPU,RESIDENT" subgroup
 	// counts; "" for the model's choice with Profile, else
-	// scheduler.MixedSchedule.
+	// offload.MixedSchedule.
 	Schedule    string  `json:"schedule"`
 	Resume      bool    `json:"resume"`       // continue from CkptDir's latest checkpoint
 	EvalEvery   int     `json:"eval_every"`   // iterations between validation losses (0: only at the start and the end)
@@ -221,7 +218,7 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --gpu-budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
 	}
 	if c.Schedule != "" {
-		s, err := scheduler.ParseSchedule(c.Schedule)
+		s, err := offload.ParseSchedule(c.Schedule)
 		if err != nil {
 			return fmt.Errorf("trainer: --schedule: %w", err)
 		}
@@ -308,39 +305,31 @@ func (c *TrainConfig) MemoryBytes() float64 {
 func validScale(s float64) bool { return s >= 1 && s <= 1<<64 }
 
 // device opens c.Device into o (with the schedule c.Schedule, or the
-// mixed one when there is no profile), names its GPU in here, and returns
-// the function that closes it.
-func (c *TrainConfig) device(o *offload.Options, here *perfmodel.Machine) (func(), error) {
-	none := func() {}
+// mixed one when there is no profile) through offload.OpenDevice, and
+// returns the function that closes it.
+func (c *TrainConfig) device(o *offload.Options) (func(), error) {
 	if c.Device == "" {
-		return none, nil
+		return func() {}, nil
 	}
-	closeDev := none
-	switch c.Device {
-	case "sim":
-		o.Device = scheduler.NewSim(scheduler.SimOptions{Capacity: 1 << 40})
-	case "cuda":
-		d, k, release, err := kernels.Open(0)
-		if err != nil {
-			return nil, fmt.Errorf("trainer: --device cuda: %w", err)
-		}
-		o.Device, here.GPU, closeDev = scheduler.NewCUDA(d, k), d.Name, release
+	dev, closeDev, err := offload.OpenDevice(c.Device)
+	if err != nil {
+		return nil, fmt.Errorf("trainer: --device %s: %w", c.Device, err)
 	}
+	o.Device = dev
 	o.GPUBudget = int64(c.GPUBudget * (1 << 30))
 	if o.GPUBudget == 0 {
 		o.GPUBudget = DefaultGPUBudget
 	}
-	n := c.subgroups()
 	switch {
 	case c.Schedule != "":
-		s, err := scheduler.ParseSchedule(c.Schedule)
+		s, err := offload.ParseSchedule(c.Schedule)
 		if err != nil {
 			closeDev()
 			return nil, fmt.Errorf("trainer: --schedule: %w", err)
 		}
 		o.Schedule = &s
 	case c.Profile == "":
-		s := scheduler.MixedSchedule(n)
+		s := offload.MixedSchedule(c.subgroups())
 		o.Schedule = &s
 	}
 	return closeDev, nil
@@ -361,8 +350,7 @@ func (c *TrainConfig) paramCount() int {
 
 // subgroups returns the optimizer's subgroup count for the model.
 func (c *TrainConfig) subgroups() int {
-	sg := c.optimizerOptions().SubgroupSize
-	return (c.paramCount() + sg - 1) / sg
+	return offload.SubgroupCount(c.paramCount(), c.optimizerOptions().SubgroupSize)
 }
 
 // DefaultGPUBudget is the device memory in bytes the update phase may use
@@ -502,13 +490,12 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 		}
 	}
 	oo := cfg.optimizerOptions()
-	here := perfmodel.Here()
-	closeDev, err := cfg.device(oo, &here)
+	closeDev, err := cfg.device(oo)
 	if err != nil {
 		return nil, err
 	}
 	if cfg.Profile != "" {
-		p, err := perfmodel.Load(cfg.Profile, here)
+		p, err := offload.LoadProfile(cfg.Profile, oo.Device)
 		if err != nil {
 			closeDev()
 			return nil, fmt.Errorf("trainer: --profile: %w", err)

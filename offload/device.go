@@ -1,0 +1,76 @@
+package offload
+
+import (
+	"fmt"
+
+	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// OpenDevice opens the device that spec names, for Options.Device:
+//   - "cuda": GPU 0 with dos's CUDA kernels (kernels.Open: the driver
+//     opened at run time, the primary context, the committed PTX loaded);
+//   - "sim": the simulated device (scheduler.NewSim) with 1 TiB of
+//     simulated memory, which executes the same operations on the CPU.
+//
+// Call release after the Optimizer's Close; it is never nil when err is.
+// A trainer opens its device here rather than through scheduler and
+// kernels, which stay implementation details.
+//
+// Errors: an unknown spec; for "cuda", why there is no usable GPU (no
+// driver, no device, the kernels' PTX refused), as kernels.Open says.
+func OpenDevice(spec string) (dev scheduler.Device, release func(), err error) {
+	switch spec {
+	case "sim":
+		return scheduler.NewSim(scheduler.SimOptions{Capacity: 1 << 40}), func() {}, nil
+	case "cuda":
+		d, k, rel, err := kernels.Open(0)
+		if err != nil {
+			return nil, nil, fmt.Errorf("offload: device cuda: %w", err)
+		}
+		return scheduler.NewCUDA(d, k), rel, nil
+	}
+	return nil, nil, fmt.Errorf("offload: device %q: want cuda or sim", spec)
+}
+
+// ParseSchedule parses a forced split of the subgroups for
+// Options.Schedule, "CPU,GPU,RESIDENT" subgroup counts (scheduler's
+// syntax: "2,2,1").
+//
+// Errors: anything but three counts >= 0.
+func ParseSchedule(text string) (perfmodel.Schedule, error) { return scheduler.ParseSchedule(text) }
+
+// MixedSchedule is the split Options.Schedule takes for n subgroups when
+// there is no profile to choose one: about a third each on the CPU,
+// streamed through the GPU and resident, at least one streamed
+// (scheduler.MixedSchedule).
+func MixedSchedule(n int) perfmodel.Schedule { return scheduler.MixedSchedule(n) }
+
+// SubgroupCount returns how many subgroups New cuts total parameters into
+// with subgroups of size elements (the last one may be shorter): the
+// count a schedule's CPU+GPU+RESIDENT must add up to. It panics when size
+// < 1.
+func SubgroupCount(total, size int) int {
+	if size < 1 {
+		panic("offload: SubgroupCount with a size below 1")
+	}
+	return (total + size - 1) / size
+}
+
+// LoadProfile reads the performance model's profile at path (a dos
+// calibrate --json file) for Options.Profile, checking that it was
+// measured on this machine: this CPU and core count, and dev's GPU when
+// dev is a CUDA device (perfmodel.Load).
+//
+// Errors: those of perfmodel.Load (a missing or malformed file, another
+// machine, another version).
+func LoadProfile(path string, dev scheduler.Device) (*perfmodel.Profile, error) {
+	here := perfmodel.Here()
+	if dev != nil {
+		if _, sim := dev.(*scheduler.Sim); !sim {
+			here.GPU = dev.Name()
+		}
+	}
+	return perfmodel.Load(path, here)
+}
