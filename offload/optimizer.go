@@ -145,6 +145,7 @@ type Optimizer struct {
 	pool  *adam.Pool
 
 	pending *checkpoint.Handle    // the lazy save whose capture may still read the state
+	coeffs  adam.Coeffs           // the device Step's coefficients, read by the engine's lanes
 	plan    *perfmodel.Prediction // the model's schedule, with Options.Profile
 
 	// With Options.Device: the engine owns the state (o.state views its
@@ -618,6 +619,13 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	return res, nil
 }
 
+// isFault reports whether err is a scheduler.FaultError: the phase
+// completed after a device fault.
+func isFault(err error) bool {
+	var fault *scheduler.FaultError
+	return errors.As(err, &fault)
+}
+
 // stepDevice is Step through the engine on Options.Device: the gradients
 // move to the device, the global checks run there over every subgroup
 // whatever its role, then the update phase, then the working copy comes
@@ -650,10 +658,10 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult)
 		clip, res.GradNorm = clipCoef(ss, o.opts.MaxGradNorm)
 		res.ClipCoef = float64(clip)
 	}
-	c := o.opts.Hyper.Coeffs(o.step+1, unscale, clip)
-	err = o.eng.Update(&c)
-	var fault *scheduler.FaultError
-	if err != nil && !errors.As(err, &fault) {
+	// In a field: the engine's lanes read the coefficients, so a local
+	// would escape and cost an allocation per Step.
+	o.coeffs = o.opts.Hyper.Coeffs(o.step+1, unscale, clip)
+	if err = o.eng.Update(&o.coeffs); err != nil && !isFault(err) {
 		if o.eng.Broken() {
 			o.broken = true
 		}

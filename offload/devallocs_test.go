@@ -1,0 +1,24 @@
+package offload
+
+import (
+	"testing"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
+)
+
+// TestStepDeviceNoAllocs: Step through the engine, on the simulated device
+// with CPU, streamed and resident subgroups, allocates nothing either.
+func TestStepDeviceNoAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts are checked without -race (make test runs them)")
+	}
+	opts, _ := deviceOpts(Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, MaxGradNorm: 1, Threads: 2},
+		perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 2})
+	o := newTest(t, opts)
+	fill(o, 1)
+	o.Step(StepArgs{LossScale: 2}) // the first Step loads the state onto the device
+	if a := testing.AllocsPerRun(10, func() { o.Step(StepArgs{LossScale: 2}) }); a != 0 {
+		t.Fatalf("Step on the device allocates %v times", a)
+	}
+}
