@@ -74,7 +74,7 @@ func TestSaveAsyncIsolation(t *testing.T) {
 	}
 	// Training with and without the checkpoint: bitwise the same.
 	for i := range a.Params() {
-		ma, mb := a.Master(i), b.Master(i)
+		ma, mb := master(t, a, i), master(t, b, i)
 		for j := range ma {
 			if ma[j] != mb[j] {
 				t.Fatalf("param %d element %d: %g with a checkpoint, %g without", i, j, ma[j], mb[j])

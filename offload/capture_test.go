@@ -153,7 +153,7 @@ func TestCaptureReadDuringCapture(t *testing.T) {
 				fill(o, step)
 				mustStep(t, o)
 			}
-			_ = o.Master(0) // the trainer looks at a weight: the host state is current
+			master(t, o, 0) // the trainer looks at a weight: the host state is current
 			h, err := o.SaveAsync(e, 2, nil)
 			if err != nil {
 				t.Fatal(err)
@@ -167,7 +167,7 @@ func TestCaptureReadDuringCapture(t *testing.T) {
 				// waits for the capture must not wait forever.
 				time.AfterFunc(50*time.Millisecond, func() { close(release) })
 			}
-			_ = o.Master(0) // syncHost: Download of step 3's resident state
+			master(t, o, 0) // syncHost: Download of step 3's resident state
 			if _, err := h.Wait(); err != nil {
 				t.Fatal(err)
 			}
@@ -378,13 +378,13 @@ func TestCaptureFailSyncDuringCapture(t *testing.T) {
 		}
 		_, herr := h.Wait()
 		d.FailSync(0)
-		if o.broken {
+		if o.dev == devBroken {
 			if _, _, err := o.LoadCheckpoint(checkpoint.OS, good); err != nil {
 				t.Fatalf("k=%d: %v", k, err)
 			}
 			sameState(t, replayed(t, base, 2), synced(t, o))
 		}
-		t.Logf("k=%d: save %v; steps %v; broken %v", k, herr, errs, o.broken)
+		t.Logf("k=%d: save %v; steps %v; broken %v", k, herr, errs, o.dev == devBroken)
 		e.Close()
 	}
 }

@@ -82,7 +82,7 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 	if o.pool == nil {
 		return nil, ErrClosed
 	}
-	if o.broken {
+	if o.opts.Device != nil && o.dev == devBroken {
 		return nil, fmt.Errorf("offload: %w: nothing to save", scheduler.ErrBroken)
 	}
 	snap := &checkpoint.Snapshot{Step: o.step, WorldSize: 1, Objects: map[string]json.RawMessage{}}
@@ -168,7 +168,8 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 	if err != nil {
 		return nil, err
 	}
-	if o.eng != nil && o.hostStale {
+	d2h := false
+	if o.eng != nil && o.dev == devDeviceAhead {
 		// The resident subgroups' state moves D2H now, and the capture
 		// waits for it in the background (checkpoint.Snapshot.Prepare):
 		// the trainer's next forward and backward run meanwhile.
@@ -176,24 +177,22 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 		if err != nil {
 			return nil, fmt.Errorf("offload: %w", err)
 		}
-		snap.Prepare = wait
-		o.hostStale = false
-		o.downloading = true
+		snap.Prepare, d2h = wait, true
+		o.dev = devSynced
 	}
 	snap.Step = step
 	h, err := e.Save(snap)
 	if err != nil {
-		if snap.Prepare != nil {
+		if d2h {
 			// The resident state's D2H is in flight with no capture to
 			// wait for it: the host state is current once it is done.
 			if werr := snap.Prepare(); werr != nil {
-				o.hostStale = true // the device's copy still counts
+				o.dev = devDeviceAhead // the device's copy still counts
 			}
-			o.downloading = false
 		}
 		return nil, err
 	}
-	o.pending = h
+	o.pending = lazySave{h: h, d2h: d2h}
 	if o.eng != nil {
 		// Copy-on-write: the engine's next writes to subgroup i's host
 		// state wait for subgroup i's capture (and a failed save frees
@@ -206,17 +205,17 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 // settle deals with the save in flight: with all, it waits until the whole
 // state is captured; it returns (once) the error of a save that failed.
 func (o *Optimizer) settle(all bool) error {
-	h := o.pending
+	h := o.pending.h
 	if h == nil {
 		return nil
 	}
 	if all {
-		_ = h.WaitCaptured()
+		o.pending.waitCapture()
 	}
 	if !h.Done() {
-		return nil // still flushing (after WaitCaptured the state is free)
+		return nil // still flushing (after the capture the state is free)
 	}
-	o.pending = nil
+	o.pending = lazySave{}
 	if o.eng != nil {
 		o.eng.Hold(nil)
 	}
@@ -287,21 +286,45 @@ func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string,
 	if err := o.settle(true); err != nil {
 		return "", nil, err
 	}
-	if o.broken {
-		// A fresh engine: the broken one's memory may be in any state.
-		o.eng.Close()
-		o.eng = nil
-		if err := o.newEngine(); err != nil {
+	if o.opts.Device != nil && o.dev == devBroken {
+		if err := o.replaceEngine(); err != nil {
 			return "", nil, err
 		}
 	}
 	objects, err = o.load(fsys, dir)
-	if err == nil {
-		o.broken = false
+	if err == nil && o.eng != nil {
 		// The host state is the checkpoint's: the device follows it.
-		o.devDirty, o.hostStale = true, false
+		o.dev = devHostAhead
 	}
 	return dir, objects, err
+}
+
+// replaceEngine gives a broken optimizer a fresh engine (the broken one's
+// memory may be in any state), built before the broken one is released,
+// so that a failure leaves the optimizer as it was: broken, its state
+// views valid. When the device refuses the memory of a second engine, the
+// broken one is released first and the build tried once more; if that
+// fails too, the optimizer has no engine and no state and stays broken
+// (every call that needs the state says so; LoadCheckpoint tries again).
+// The optimizer stays broken until a load succeeds.
+func (o *Optimizer) replaceEngine() error {
+	eng, pred, err := o.buildEngine()
+	if err != nil && o.eng != nil {
+		o.eng.Close()
+		o.eng, o.state = nil, adam.State{}
+		eng, pred, err = o.buildEngine()
+	}
+	if err != nil {
+		return fmt.Errorf("offload: a new engine after the device fault: %w (still broken: LoadCheckpoint tries again)", err)
+	}
+	if o.eng != nil {
+		o.eng.Close()
+	}
+	o.eng, o.state = eng, eng.HostState()
+	if pred != nil {
+		o.plan = pred
+	}
+	return nil
 }
 
 func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMessage, error) {

@@ -77,8 +77,12 @@ func Example() {
 	if err := json.Unmarshal(objects["trainer"], &trainer); err != nil {
 		log.Fatal(err)
 	}
+	w, err := resumed.Master(0)
+	if err != nil {
+		log.Fatal(err)
+	}
 	fmt.Printf("resumed %s at step %d, iteration %d, wte.weight[0] %.4f\n",
-		filepath.Base(dir), resumed.StepCount(), trainer.Iteration, resumed.Master(0)[0])
+		filepath.Base(dir), resumed.StepCount(), trainer.Iteration, w[0])
 	// Output:
 	// iter 1: step 1 skipped false grad_norm 1.500
 	// iter 2: step 2 skipped false grad_norm 1.441

@@ -144,17 +144,55 @@ type Optimizer struct {
 	work  adam.Copy16
 	pool  *adam.Pool
 
-	pending *checkpoint.Handle    // the lazy save whose capture may still read the state
+	pending lazySave              // the lazy save whose capture may still read the state
 	coeffs  adam.Coeffs           // the device Step's coefficients, read by the engine's lanes
 	plan    *perfmodel.Prediction // the model's schedule, with Options.Profile
 
 	// With Options.Device: the engine owns the state (o.state views its
-	// pinned memory); o.grad and o.work are host mirrors.
-	eng         *scheduler.Engine
-	devDirty    bool // the host state changed: Load before the next update
-	broken      bool // a device fault left the state inconsistent: only LoadCheckpoint helps
-	downloading bool // a lazy checkpoint's D2H of resident state may be in flight: wait for its capture before reading the host state
-	hostStale   bool // resident subgroups advanced on the device: Download before reading the host state
+	// pinned memory); o.grad and o.work are host mirrors; dev says where
+	// the current state is.
+	eng *scheduler.Engine
+	dev devState
+}
+
+// devState says, with Options.Device, where the optimizer's current state
+// is: the one explicit state of the device path. Its transitions:
+//
+//	from          event                                          to
+//	(new engine)  New, LoadCheckpoint after a fault              hostAhead
+//	any but broken SetParam, LoadCheckpoint                      hostAhead
+//	hostAhead     Step (Load: host -> device, then the update)   deviceAhead with resident subgroups, else synced
+//	synced        Step                                           deviceAhead with resident subgroups, else synced
+//	deviceAhead   Master, Snapshot, SaveCheckpoint, SetParam     synced (syncHost: Download)
+//	deviceAhead   SaveAsync                                      synced (DownloadAsync; the capture waits for it: lazySave.d2h)
+//	any           a device fault that leaves the state torn      broken
+//	broken        LoadCheckpoint                                 hostAhead (a new engine; broken until the load succeeds)
+type devState uint8
+
+const (
+	devHostAhead   devState = iota // the host state changed: Load it before the next update
+	devSynced                      // host and device agree
+	devDeviceAhead                 // resident subgroups advanced on the device: Download before reading the host state
+	devBroken                      // a device fault left the state inconsistent: only LoadCheckpoint helps
+)
+
+// lazySave is the lazy checkpoint in flight (SaveAsync), if any.
+type lazySave struct {
+	h *checkpoint.Handle // nil: none
+	// d2h: its Prepare moves the resident subgroups' state D2H into the
+	// host state; the host state is current only once it is captured.
+	d2h bool
+}
+
+// waitCapture waits until the save in flight, if any, has captured the
+// state, so that the host state may change (or, with d2h, be read). The
+// save's error is not dropped: settle reports it, once, from the next
+// Step, SaveAsync, SetParam or LoadCheckpoint, and the handle keeps it.
+func (s *lazySave) waitCapture() {
+	if s.h != nil {
+		_ = s.h.WaitCaptured() // its error: see above
+	}
+	s.d2h = false
 }
 
 // New builds an Optimizer over params, in order, with options opts (zero
@@ -262,9 +300,25 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	return o, nil
 }
 
-// newEngine builds the engine on Options.Device with the forced schedule,
-// the model's, or all on the CPU.
+// newEngine builds the engine on Options.Device and makes it the
+// optimizer's.
 func (o *Optimizer) newEngine() error {
+	eng, plan, err := o.buildEngine()
+	if err != nil {
+		return err
+	}
+	o.eng, o.state, o.dev = eng, eng.HostState(), devHostAhead
+	if plan != nil {
+		o.plan = plan
+	}
+	return nil
+}
+
+// buildEngine builds an engine on Options.Device with the forced
+// schedule, the model's, or all on the CPU, and returns it with the
+// model's prediction (nil without a profile); it changes nothing in o.
+func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, error) {
+	var pred *perfmodel.Prediction
 	opts := o.opts
 	n := len(o.subgroups)
 	s := perfmodel.Schedule{CPU: n}
@@ -273,11 +327,11 @@ func (o *Optimizer) newEngine() error {
 	if opts.Schedule != nil {
 		s = *opts.Schedule
 		if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
-			return fmt.Errorf("offload: Options.Schedule %d CPU + %d GPU + %d resident: the counts must add up to the %d subgroups (%d parameters in subgroups of %d)",
+			return nil, nil, fmt.Errorf("offload: Options.Schedule %d CPU + %d GPU + %d resident: the counts must add up to the %d subgroups (%d parameters in subgroups of %d)",
 				s.CPU, s.GPU, s.Resident, n, o.total, opts.SubgroupSize)
 		}
 		if need := w.GPUMemory(s); opts.GPUBudget > 0 && need > opts.GPUBudget {
-			return fmt.Errorf("offload: Options.Schedule %+v needs %d bytes of device memory, over GPUBudget %d", s, need, opts.GPUBudget)
+			return nil, nil, fmt.Errorf("offload: Options.Schedule %+v needs %d bytes of device memory, over GPUBudget %d", s, need, opts.GPUBudget)
 		}
 		if opts.Profile != nil {
 			if w.GPUBudget == 0 {
@@ -285,33 +339,31 @@ func (o *Optimizer) newEngine() error {
 			}
 			pr, err := opts.Profile.Predict(w, s)
 			if err != nil {
-				return fmt.Errorf("offload: predicting Options.Schedule: %w", err)
+				return nil, nil, fmt.Errorf("offload: predicting Options.Schedule: %w", err)
 			}
-			o.plan = &pr
+			pred = &pr
 		}
 	} else if opts.Profile != nil {
 		pr, err := opts.Profile.Choose(w)
 		if err != nil {
-			return fmt.Errorf("offload: planning the update phase: %w", err)
+			return nil, nil, fmt.Errorf("offload: planning the update phase: %w", err)
 		}
-		o.plan, s = &pr, pr.Schedule
+		pred, s = &pr, pr.Schedule
 	}
 	plan, err := scheduler.NewPlan(n, s)
 	if err != nil {
-		return fmt.Errorf("offload: %w", err)
+		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
 	sizes := make([]int, n)
 	for i, sg := range o.subgroups {
 		sizes[i] = sg.Len
 	}
-	o.eng, err = scheduler.New(scheduler.Options{Device: opts.Device, Sizes: sizes, GradDType: opts.GradDType, WorkingDType: opts.WorkingDType,
+	eng, err := scheduler.New(scheduler.Options{Device: opts.Device, Sizes: sizes, GradDType: opts.GradDType, WorkingDType: opts.WorkingDType,
 		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan})
 	if err != nil {
-		return fmt.Errorf("offload: %w", err)
+		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
-	o.state = o.eng.HostState()
-	o.devDirty = true
-	return nil
+	return eng, pred, nil
 }
 
 // Schedule returns how the update phase splits the subgroups with
@@ -328,27 +380,22 @@ func (o *Optimizer) Schedule() (s perfmodel.Schedule, ok bool) {
 // syncHost makes the host state current: the resident subgroups' state
 // comes back from the device. The caller holds o.mu.
 func (o *Optimizer) syncHost() error {
-	if o.downloading {
-		// A lazy checkpoint's D2H: the host state is current once the
-		// capture has begun (after its Prepare).
-		if o.pending != nil {
-			_ = o.pending.WaitCaptured()
-		}
-		o.downloading = false
+	if o.pending.d2h {
+		// A lazy checkpoint's D2H of the resident state: the host state
+		// is current once its capture is done.
+		o.pending.waitCapture()
 	}
-	if o.eng == nil || !o.hostStale {
+	if o.eng == nil || o.dev != devDeviceAhead {
 		return nil
 	}
-	if o.pending != nil {
-		// Download writes the resident subgroups' host state, which a
-		// lazy checkpoint in capture may still be reading (the engine's
-		// gate covers only Update).
-		_ = o.pending.WaitCaptured()
-	}
+	// Download writes the resident subgroups' host state, which a lazy
+	// checkpoint in capture may still be reading (the engine's gate
+	// covers only Update).
+	o.pending.waitCapture()
 	if err := o.eng.Download(); err != nil {
 		return fmt.Errorf("offload: %w", err)
 	}
-	o.hostStale = false
+	o.dev = devSynced
 	return nil
 }
 
@@ -372,10 +419,8 @@ func (o *Optimizer) Plan() (plan perfmodel.Prediction, ok bool) {
 func (o *Optimizer) Close() {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.pending != nil {
-		_ = o.pending.WaitCaptured()
-		o.pending = nil
-	}
+	o.pending.waitCapture()
+	o.pending = lazySave{}
 	if o.eng != nil {
 		o.eng.Close()
 		o.eng = nil
@@ -479,15 +524,22 @@ func (o *Optimizer) Working(i int) Tensor {
 // Options.Device, fetched from the device first when i is resident there;
 // after a device fault they may be a step behind).
 // Panics if i is out of range, or with Options.Device after Close.
-func (o *Optimizer) Master(i int) []float32 {
+func (o *Optimizer) Master(i int) ([]float32, error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.opts.Device != nil && o.pool == nil {
-		panic("offload: Master of a closed optimizer with a Device (its pinned state is freed)")
-	}
-	_ = o.syncHost()
 	lo, hi := o.span(i)
-	return append([]float32(nil), o.state.Param[lo:hi]...)
+	if o.opts.Device != nil {
+		switch {
+		case o.pool == nil:
+			return nil, ErrClosed // its pinned state is freed
+		case o.dev == devBroken:
+			return nil, fmt.Errorf("offload: %w: the master weights are torn (LoadCheckpoint restores them)", scheduler.ErrBroken)
+		}
+		if err := o.syncHost(); err != nil {
+			return nil, err
+		}
+	}
+	return append([]float32(nil), o.state.Param[lo:hi]...), nil
 }
 
 // SetParam sets the master weights of the parameter named name to values and
@@ -512,12 +564,17 @@ func (o *Optimizer) SetParam(name string, values []float32) error {
 	if err := o.settle(true); err != nil {
 		return err
 	}
+	if o.opts.Device != nil && o.dev == devBroken {
+		return fmt.Errorf("offload: %w: SetParam would mix one parameter into a torn state (LoadCheckpoint restores one)", scheduler.ErrBroken)
+	}
 	if err := o.syncHost(); err != nil {
 		return err
 	}
 	copy(o.state.Param[lo:hi], values)
 	o.refreshWorking(lo, hi)
-	o.devDirty = true
+	if o.eng != nil {
+		o.dev = devHostAhead
+	}
 	return nil
 }
 
@@ -567,7 +624,7 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	if o.pool == nil {
 		return StepResult{}, ErrClosed
 	}
-	if o.broken {
+	if o.dev == devBroken {
 		return StepResult{}, fmt.Errorf("offload: %w (LoadCheckpoint restores one)", scheduler.ErrBroken)
 	}
 	if err := o.settle(false); err != nil {
@@ -606,11 +663,11 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	c := o.opts.Hyper.Coeffs(o.step, unscale, clip)
 	for _, sg := range o.subgroups {
 		lo, hi := sg.Offset, sg.Offset+sg.Len
-		if o.pending != nil {
+		if o.pending.h != nil {
 			// Copy-on-write: only this subgroup of the snapshot must be
 			// captured. A failed save frees the memory too; its error
-			// comes back from the handle and the next Step.
-			_ = o.pending.WaitGroup(sg.Index)
+			// comes back from the handle and the next Step (settle).
+			_ = o.pending.h.WaitGroup(sg.Index)
 		}
 		o.pool.Step(&c, o.state.Slice(lo, hi), o.grad.Slice(lo, hi), o.work.Slice(lo, hi))
 	}
@@ -633,13 +690,13 @@ func isFault(err error) bool {
 func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult) (StepResult, error) {
 	// A lazy checkpoint in capture: the engine waits per subgroup (Hold,
 	// set by SaveAsync); the resident state's D2H is ordered before the
-	// kernels on the device. o.downloading stays: syncHost must still
+	// kernels on the device. o.pending.d2h stays: syncHost must still
 	// wait for the capture before bringing resident state back.
-	if o.devDirty {
+	if o.dev == devHostAhead {
 		if err := o.eng.Load(); err != nil {
 			return res, fmt.Errorf("offload: %w", err)
 		}
-		o.devDirty = false
+		o.dev = devSynced
 	}
 	if err := o.eng.SetGrad(o.grad); err != nil {
 		return res, fmt.Errorf("offload: %w", err)
@@ -663,13 +720,15 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult)
 	o.coeffs = o.opts.Hyper.Coeffs(o.step+1, unscale, clip)
 	if err = o.eng.Update(&o.coeffs); err != nil && !isFault(err) {
 		if o.eng.Broken() {
-			o.broken = true
+			o.dev = devBroken
 		}
 		return res, fmt.Errorf("offload: step %d: %w", o.step+1, err)
 	}
 	// Done, or completed after a fault (err says which).
 	o.step++
-	o.hostStale = o.eng.Plan().Schedule.Resident > 0
+	if o.eng.Plan().Schedule.Resident > 0 {
+		o.dev = devDeviceAhead
+	}
 	res.Step = o.step
 	if gerr := o.eng.GetWorking(o.work.Data); gerr != nil && err == nil {
 		err = fmt.Errorf("offload: step %d was taken, but its working copy did not come back: %w", o.step, gerr)

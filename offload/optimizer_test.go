@@ -230,3 +230,13 @@ func TestNewErrors(t *testing.T) {
 		t.Errorf("invalid UTF-8 name: %v", err)
 	}
 }
+
+// master returns parameter i's master weights, failing the test on error.
+func master(t testing.TB, o *Optimizer, i int) []float32 {
+	t.Helper()
+	m, err := o.Master(i)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}

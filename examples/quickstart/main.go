@@ -197,7 +197,7 @@ func main() {
 	}
 	same := true
 	for i := range o.Params() {
-		a, b := o.Master(i), o2.Master(i)
+		a, b := mustMaster(o, i), mustMaster(o2, i)
 		for j := range a {
 			if math.Float32bits(a[j]) != math.Float32bits(b[j]) {
 				same = false
@@ -209,4 +209,14 @@ func main() {
 		fmt.Fprintln(os.Stderr, "quickstart: FAILED (no bitwise resume or the loss did not fall tenfold)")
 		os.Exit(1)
 	}
+}
+
+// mustMaster returns parameter i's master weights, or exits.
+func mustMaster(o *offload.Optimizer, i int) []float32 {
+	m, err := o.Master(i)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "quickstart:", err)
+		os.Exit(1)
+	}
+	return m
 }
