@@ -425,6 +425,7 @@ type Trainer struct {
 	cfg    TrainConfig
 	data   *Dataset
 	loader *Loader
+	val    *Loader // the validation split's, read from its start by Evaluate
 	opt    *offload.Optimizer
 	model  *Model[float32]
 	rng    *rand.PCG
@@ -470,6 +471,10 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 	if err != nil {
 		return nil, err
 	}
+	val, err := NewLoader(data.Val, cfg.Batch, cfg.Model.NCtx)
+	if err != nil {
+		return nil, fmt.Errorf("trainer: the validation split: %w", err)
+	}
 	if out == nil {
 		out = io.Discard
 	}
@@ -507,7 +512,7 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 		closeDev()
 		return nil, err
 	}
-	t := &Trainer{cfg: cfg, data: data, loader: loader, opt: opt, out: out, closeDev: closeDev, lock: lock,
+	t := &Trainer{cfg: cfg, data: data, loader: loader, val: val, opt: opt, out: out, closeDev: closeDev, lock: lock,
 		rng:   rand.NewPCG(cfg.Seed, 0x5eed),
 		state: trainerState{LossScale: cfg.LossScale, InitialLoss: math.NaN(), InitValLoss: math.NaN(), TextCRC: crc32.ChecksumIEEE(text), TextBytes: len(text)},
 	}
@@ -751,11 +756,11 @@ func (t *Trainer) handOver() {
 // validation split, read from its start (the same batches every time).
 func (t *Trainer) Evaluate() float64 {
 	n := max(t.cfg.EvalBatches, 1)
-	l, _ := NewLoader(t.data.Val, t.cfg.Batch, t.cfg.Model.NCtx)
+	t.val.Pos = 0
 	t.refresh()
 	var sum float64
 	for range n {
-		l.Next(t.inputs, t.tgts)
+		t.val.Next(t.inputs, t.tgts)
 		sum += float64(t.model.Forward(t.params, t.inputs, t.tgts))
 	}
 	return sum / float64(n)
