@@ -5,6 +5,12 @@ import (
 	"os"
 )
 
+// The kernels of the avx2 and avx512 paths, kernels_gen_amd64.s and its
+// declarations, are generated with avo from one description in _gen, a
+// module of its own (so dos does not depend on avo). make gen-check, part
+// of make test, fails when they are not what _gen writes.
+//go:generate go run -C _gen . -dir ..
+
 // Path is one implementation of the element-wise core of Step: "generic"
 // (the Go reference loop), "avx2" (8 lanes) or "avx512" (16 lanes). Every
 // path performs the same IEEE operations in the same order, none fused, so
