@@ -702,3 +702,10 @@ func TestLockFileRemoved(t *testing.T) {
 	l.Unlock()
 	checkLatest(t, OS, root, testSnapshot(3))
 }
+
+func TestStatsString(t *testing.T) {
+	s := Stats{Step: 20, Bytes: 12_600_000, Direct: true, Captured: 3 * time.Millisecond, Durable: 18 * time.Millisecond}
+	if got, want := s.String(), "step 20, 12.6 MB, captured in 3ms, durable in 18ms, O_DIRECT"; got != want {
+		t.Errorf("%q, want %q", got, want)
+	}
+}

@@ -89,3 +89,55 @@ func Example() {
 	// iter 3: step 3 skipped false grad_norm 1.383
 	// resumed step-000000003 at step 3, iteration 3, wte.weight[0] 0.4699
 }
+
+// Checkpointing lazily (DataStates-LLM): SaveAsync hands the state to the
+// engine and returns; the next Step waits only for the capture of each
+// subgroup it updates; the handle says when the checkpoint is durable.
+func ExampleOptimizer_SaveAsync() {
+	opt, err := offload.New([]offload.Param{{Name: "w", Shape: []int{64}}}, offload.Options{SubgroupSize: 16})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer opt.Close()
+	root, _ := os.MkdirTemp("", "dos-example-")
+	defer os.RemoveAll(root)
+	engine, err := checkpoint.NewEngine(checkpoint.OS, root, checkpoint.EngineOptions{Keep: 2})
+	if err != nil {
+		log.Fatal(err)
+	}
+	g, err := opt.GradOf("w")
+	if err != nil {
+		log.Fatal(err)
+	}
+	var last *checkpoint.Handle
+	for iter := int64(1); iter <= 4; iter++ {
+		for i, grad := 0, g.Float32(); i < len(grad); i++ {
+			grad[i] = float32(i%7) - 3 // backward writes here
+		}
+		res, err := opt.Step(offload.StepArgs{})
+		if err != nil { // also a background save's failure, once
+			log.Fatal(err)
+		}
+		fmt.Printf("iter %d: step %d\n", iter, res.Step)
+		if iter%2 == 0 {
+			if last, err = opt.SaveAsync(engine, iter, map[string]any{"trainer": map[string]int64{"iteration": iter}}); err != nil {
+				log.Fatal(err)
+			}
+		}
+	}
+	dir, err := last.Wait() // durable and committed: latest names it
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := engine.Close(); err != nil {
+		log.Fatal(err)
+	}
+	dirs, _ := checkpoint.List(checkpoint.OS, root)
+	fmt.Printf("latest %s, %d kept\n", filepath.Base(dir), len(dirs))
+	// Output:
+	// iter 1: step 1
+	// iter 2: step 2
+	// iter 3: step 3
+	// iter 4: step 4
+	// latest step-000000004, 2 kept
+}

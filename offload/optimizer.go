@@ -93,6 +93,19 @@ type StepResult struct {
 	Elapsed  time.Duration // wall time of the update phase
 }
 
+// String describes the step for a log line: "step 12 grad_norm 1.234
+// clip 0.810 in 3.2ms", or "skipped (non-finite gradient) at step 11".
+func (r StepResult) String() string {
+	if r.Skipped {
+		return fmt.Sprintf("skipped (non-finite gradient) at step %d in %v", r.Step, r.Elapsed.Round(time.Microsecond))
+	}
+	s := fmt.Sprintf("step %d", r.Step)
+	if r.GradNorm != 0 {
+		s += fmt.Sprintf(" grad_norm %.4g clip %.3g", r.GradNorm, r.ClipCoef)
+	}
+	return s + fmt.Sprintf(" in %v", r.Elapsed.Round(time.Microsecond))
+}
+
 // ErrClosed is returned by methods of a closed Optimizer.
 var ErrClosed = errors.New("offload: optimizer is closed")
 
@@ -504,6 +517,39 @@ func (o *Optimizer) Grad(i int) Tensor {
 		t.u16 = o.grad.U16[lo:hi:hi]
 	}
 	return t
+}
+
+// GradOf is Grad of the parameter named name.
+//
+// Errors: no such parameter (the error names it).
+func (o *Optimizer) GradOf(name string) (Tensor, error) {
+	i, err := o.Index(name)
+	if err != nil {
+		return Tensor{}, err
+	}
+	return o.Grad(i), nil
+}
+
+// WorkingOf is Working of the parameter named name.
+//
+// Errors: no such parameter (the error names it).
+func (o *Optimizer) WorkingOf(name string) (Tensor, error) {
+	i, err := o.Index(name)
+	if err != nil {
+		return Tensor{}, err
+	}
+	return o.Working(i), nil
+}
+
+// MasterOf is Master of the parameter named name.
+//
+// Errors: no such parameter (the error names it); those of Master.
+func (o *Optimizer) MasterOf(name string) ([]float32, error) {
+	i, err := o.Index(name)
+	if err != nil {
+		return nil, err
+	}
+	return o.Master(i)
 }
 
 // Working returns the working copy of parameter i that forward and backward

@@ -643,9 +643,24 @@ func (t *Trainer) resume(dir string) error {
 	if err != nil {
 		return fmt.Errorf("trainer: resume from %s: not a dos train checkpoint: %w", dir, err)
 	}
-	if st.Config.Model != t.cfg.Model || st.Config.Batch != t.cfg.Batch {
-		return fmt.Errorf("trainer: resume from %s: it was trained with %s; this run has %s",
-			dir, st.Config.shapeFlags(), t.cfg.shapeFlags())
+	// The model's shape and the batch cannot change: name every flag that
+	// differs (dos train takes the ones not given from the checkpoint).
+	var differ []string
+	for _, d := range []struct {
+		flag      string
+		now, then int
+	}{
+		{"--layers", t.cfg.Model.NLayer, st.Config.Model.NLayer}, {"--heads", t.cfg.Model.NHead, st.Config.Model.NHead},
+		{"--embd", t.cfg.Model.NEmbd, st.Config.Model.NEmbd}, {"--ctx", t.cfg.Model.NCtx, st.Config.Model.NCtx},
+		{"--batch", t.cfg.Batch, st.Config.Batch}, {"vocabulary (no flag)", t.cfg.Model.VocabSize, st.Config.Model.VocabSize},
+	} {
+		if d.now != d.then {
+			differ = append(differ, fmt.Sprintf("%s %d (the checkpoint's: %d)", d.flag, d.now, d.then))
+		}
+	}
+	if len(differ) > 0 {
+		return fmt.Errorf("trainer: resume from %s: %s: a resumed run keeps the model's shape and batch (it was trained with %s); omit these flags",
+			dir, strings.Join(differ, ", "), st.Config.shapeFlags())
 	}
 	if _, _, err := t.opt.LoadCheckpoint(checkpoint.OS, dir); err != nil {
 		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
@@ -843,13 +858,7 @@ func (t *Trainer) reportSave(wait bool) error {
 	if err != nil {
 		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", h.Stats().Step, err)
 	}
-	st := h.Stats()
-	direct := "buffered"
-	if st.Direct {
-		direct = "O_DIRECT"
-	}
-	t.logf("checkpoint %s (%.1f MB, captured in %v, durable in %v, %s)\n", dir, float64(st.Bytes)/1e6,
-		st.Captured.Round(time.Millisecond), st.Durable.Round(time.Millisecond), direct)
+	t.logf("checkpoint %s (%v)\n", dir, h.Stats())
 	return nil
 }
 
