@@ -172,13 +172,17 @@ type Stats struct {
 }
 
 // String describes the save for a log line: "step 20, 12.6 MB, captured
-// in 3ms, durable in 18ms, O_DIRECT".
+// in 3ms, durable in 18ms, O_DIRECT" (sizes below 0.1 MB in bytes).
 func (s Stats) String() string {
 	mode := "buffered"
 	if s.Direct {
 		mode = "O_DIRECT"
 	}
-	return fmt.Sprintf("step %d, %.1f MB, captured in %v, durable in %v, %s", s.Step, float64(s.Bytes)/1e6,
+	size := fmt.Sprintf("%.1f MB", float64(s.Bytes)/1e6)
+	if s.Bytes < 100_000 {
+		size = fmt.Sprintf("%d bytes", s.Bytes)
+	}
+	return fmt.Sprintf("step %d, %s, captured in %v, durable in %v, %s", s.Step, size,
 		s.Captured.Round(time.Millisecond), s.Durable.Round(time.Millisecond), mode)
 }
 

@@ -1,7 +1,9 @@
 // Command quickstart is a complete training loop around offload.Optimizer: it
 // fits a linear layer y = W x + b to a fixed random teacher, reading the bf16
 // working copy for the forward pass, writing fp32 gradients into the
-// optimizer's buffers, clipping, and checkpointing every --every steps. Then
+// optimizer's buffers, clipping, and checkpointing every --every steps
+// lazily (SaveAsync: the state is captured and flushed in the background
+// while training goes on; each checkpoint is reported when durable). Then
 // it resumes a fresh optimizer from the checkpoint nearest the middle of the
 // run and shows that the resumed run ends bit for bit where the straight one
 // did. With --dir the checkpoints stay for `dos ckpt ls DIR`.
@@ -154,6 +156,27 @@ func main() {
 	if resumeAt == 0 {
 		resumeAt = *every
 	}
+	// Checkpoints are lazy (DataStates-LLM): SaveAsync returns at once,
+	// the next Step waits only for each subgroup's capture, and the
+	// engine reports each one when it is durable.
+	engine, err := checkpoint.NewEngine(checkpoint.OS, root, checkpoint.EngineOptions{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "quickstart:", err)
+		os.Exit(1)
+	}
+	var pending *checkpoint.Handle
+	report := func() {
+		if pending == nil {
+			return
+		}
+		ck, err := pending.Wait()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "quickstart:", err)
+			os.Exit(1)
+		}
+		fmt.Printf("checkpoint %s (%v)\n", ck, pending.Stats())
+		pending = nil
+	}
 	var first float64
 	for t := int64(1); t <= *steps; t++ {
 		loss := step(o, t, tw, tb)
@@ -169,13 +192,18 @@ func main() {
 			fmt.Printf("step %4d  loss %.6f  grad_norm %.4f  clip %.3f\n", t, loss, res.GradNorm, res.ClipCoef)
 		}
 		if t%*every == 0 {
-			ck, err := o.SaveCheckpoint(checkpoint.OS, root, map[string]any{"trainer": map[string]int64{"iteration": t}})
+			report() // the previous one, durable by now
+			pending, err = o.SaveAsync(engine, t, map[string]any{"trainer": map[string]int64{"iteration": t}})
 			if err != nil {
 				fmt.Fprintln(os.Stderr, "quickstart:", err)
 				os.Exit(1)
 			}
-			fmt.Printf("step %4d  checkpoint %s\n", t, ck)
 		}
+	}
+	report()
+	if err := engine.Close(); err != nil {
+		fmt.Fprintln(os.Stderr, "quickstart:", err)
+		os.Exit(1)
 	}
 	final := step(o, *steps+1, tw, tb)
 	fmt.Printf("loss %.6f -> %.6f\n", first, final)
