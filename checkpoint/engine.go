@@ -357,43 +357,56 @@ type piece struct {
 // run is one background save: begin, capture and write concurrently, sync,
 // commit, retention. It closes every channel of h whatever happens.
 func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
-	var once sync.Once
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	fail := func(err error) {
-		once.Do(func() {
-			h.mu.Lock()
-			h.err = err
-			h.mu.Unlock()
-			cancel()
-		})
-	}
-	finish := func(dir string) {
-		h.mu.Lock()
-		if h.err == nil {
-			h.dir = dir
-		}
-		h.stats.Durable = time.Since(h.start)
-		h.mu.Unlock()
-		for _, g := range h.groups {
-			if !isClosed(g) {
-				close(g)
-			}
-		}
-		if !isClosed(h.captured) {
-			close(h.captured)
-		}
-		close(h.done)
-	}
+	fl := e.newFlush(h, p, s)
+	defer fl.cancel()
+	fl.finish(fl.save())
+}
 
-	// Pieces in file order; for every chunk of the file, the groups it
-	// holds a piece of, and for every group how many chunks hold one: a
-	// group is captured when all its chunks are.
+// flush is one background save: the file cut into chunks, and the stages
+// that each chunk passes in order: a reservation in the ring (reserve), the
+// copy of its part of the file image (copy, Copiers goroutines), the
+// checksums in file order (checksum, one goroutine), its positioned write
+// (write, Writers goroutines) and the span's release; then the sync, the
+// commit and retention (save).
+type flush struct {
+	e      *Engine
+	h      *Handle
+	p      *plan
+	s      *Snapshot
+	ctx    context.Context
+	cancel context.CancelFunc
+	once   sync.Once
+
+	chunkBytes  int64
+	nchunks     int
+	pieces      []piece // the snapshot's data ranges in file order
+	chunkGroups [][]int // per chunk, the capture groups it holds a piece of
+	gmu         sync.Mutex
+	left        []int // per group, its chunks not yet copied (under gmu)
+
+	tx     *saveTx
+	f, df  File               // the rank file, buffered and O_DIRECT (nil when unused)
+	copied []chan pinned.Span // per chunk: its span once copied (an empty one after a failure)
+	work   chan chunk         // checksummed chunks on their way to the writers
+	crcs   []uint32           // per tensor
+}
+
+// copyJob is a chunk's reservation in the ring, for a copier.
+type copyJob struct {
+	k    int
+	span pinned.Span
+}
+
+// newFlush lays s out in chunks: pieces in file order; for every chunk
+// the groups it holds a piece of, and for every group how many chunks hold
+// one (a group is captured when all its chunks are). A group without a
+// byte is captured at once.
+func (e *Engine) newFlush(h *Handle, p *plan, s *Snapshot) *flush {
+	ctx, cancel := context.WithCancel(context.Background())
 	C := e.opts.ChunkBytes
-	nchunks := int((p.fileSize + C - 1) / C)
-	var pieces []piece
-	chunkGroups := make([][]int, nchunks)
-	left := make([]int, len(h.groups))
+	fl := &flush{e: e, h: h, p: p, s: s, ctx: ctx, cancel: cancel, chunkBytes: C, nchunks: int((p.fileSize + C - 1) / C)}
+	fl.chunkGroups = make([][]int, fl.nchunks)
+	fl.left = make([]int, len(h.groups))
 	for i, t := range s.Tensors {
 		off := p.manifest.Tensors[i].Offset
 		for j, r := range t.Data {
@@ -402,196 +415,245 @@ func (e *Engine) run(h *Handle, p *plan, s *Snapshot) {
 				g = t.Groups[j]
 			}
 			if len(r) > 0 {
-				pieces = append(pieces, piece{data: r, off: off})
+				fl.pieces = append(fl.pieces, piece{data: r, off: off})
 				for k := off / C; k <= (off+int64(len(r))-1)/C; k++ {
-					if !slices.Contains(chunkGroups[k], g) {
-						chunkGroups[k] = append(chunkGroups[k], g)
-						left[g]++
+					if !slices.Contains(fl.chunkGroups[k], g) {
+						fl.chunkGroups[k] = append(fl.chunkGroups[k], g)
+						fl.left[g]++
 					}
 				}
 			}
 			off += int64(len(r))
 		}
 	}
-	for g, n := range left {
+	for g, n := range fl.left {
 		if n == 0 {
 			close(h.groups[g])
 		}
 	}
+	return fl
+}
 
+// fail records the save's first error and stops the stages.
+func (fl *flush) fail(err error) {
+	fl.once.Do(func() {
+		fl.h.mu.Lock()
+		fl.h.err = err
+		fl.h.mu.Unlock()
+		fl.cancel()
+	})
+}
+
+// finish reports the save's end on its handle: the committed directory
+// ("" after a failure), and every channel closed.
+func (fl *flush) finish(dir string) {
+	h := fl.h
+	h.mu.Lock()
+	if h.err == nil {
+		h.dir = dir
+	}
+	h.stats.Durable = time.Since(h.start)
+	h.mu.Unlock()
+	for _, g := range h.groups {
+		if !isClosed(g) {
+			close(g)
+		}
+	}
+	if !isClosed(h.captured) {
+		close(h.captured)
+	}
+	close(h.done)
+}
+
+// save runs the stages and returns the committed directory, or "" after a
+// failure (recorded by fail).
+func (fl *flush) save() string {
+	e, s := fl.e, fl.s
 	if s.Prepare != nil {
 		if err := s.Prepare(); err != nil {
-			fail(fmt.Errorf("checkpoint: save step %d: preparing the state: %w", s.Step, err))
-			finish("")
-			return
+			fl.fail(fmt.Errorf("checkpoint: save step %d: preparing the state: %w", s.Step, err))
+			return ""
 		}
 	}
 	// No other writer of this process between begin and retention (the
 	// kernel's lock keeps other processes out).
 	if err := e.lock.beginWrite(); err != nil {
-		fail(fmt.Errorf("checkpoint: save step %d: %w", s.Step, err))
-		finish("")
-		return
+		fl.fail(fmt.Errorf("checkpoint: save step %d: %w", s.Step, err))
+		return ""
 	}
 	defer e.lock.endWrite()
-	tx, err := begin(e.fs, e.root, p)
+	tx, err := begin(e.fs, e.root, fl.p)
 	if err != nil {
-		fail(err)
-		finish("")
-		return
+		fl.fail(err)
+		return ""
 	}
+	fl.tx = tx
 	f, df, direct, err := e.create(tx)
 	if err != nil {
 		tx.abort()
-		fail(err)
-		finish("")
-		return
+		fl.fail(err)
+		return ""
 	}
-	h.mu.Lock()
-	h.stats.Direct = direct
-	h.mu.Unlock()
+	fl.f, fl.df = f, df
+	fl.h.mu.Lock()
+	fl.h.stats.Direct = direct
+	fl.h.mu.Unlock()
 
-	// Writers: each chunk at its offset, then its span back to the ring.
-	work := make(chan chunk, nchunks)
-	var writers sync.WaitGroup
+	fl.work = make(chan chunk, fl.nchunks)
+	fl.copied = make([]chan pinned.Span, fl.nchunks)
+	for k := range fl.copied {
+		fl.copied[k] = make(chan pinned.Span, 1)
+	}
+	fl.crcs = make([]uint32, len(s.Tensors))
+	jobs := make(chan copyJob, fl.nchunks)
+	var writers, copiers, checksums sync.WaitGroup
 	for range e.opts.Writers {
-		writers.Go(func() {
-			for c := range work {
-				if ctx.Err() == nil && c.n > 0 {
-					w := f
-					if c.n == C && df != nil {
-						w = df // a full, aligned chunk
-					}
-					if err := writeFullAt(w, c.span.Bytes()[:c.n], c.off); err != nil {
-						fail(tx.fail(fmt.Sprintf("write %s at %d", tx.p.fileName, c.off), err))
-					}
-				}
-				if c.span.Len > 0 {
-					_ = e.ring.Release(c.span)
-				}
-			}
-		})
+		writers.Go(fl.write)
 	}
-
-	// Copiers: fill each chunk's span with its part of the file image.
-	type job struct {
-		k    int
-		span pinned.Span
-	}
-	jobs := make(chan job, nchunks)
-	copied := make([]chan pinned.Span, nchunks)
-	for k := range copied {
-		copied[k] = make(chan pinned.Span, 1)
-	}
-	var gmu sync.Mutex
-	var copiers sync.WaitGroup
 	for range e.opts.Copiers {
-		copiers.Go(func() {
-			for j := range jobs {
-				off := int64(j.k) * C
-				n := min(C, p.fileSize-off)
-				buf := j.span.Bytes()[:n]
-				if off < int64(len(p.header)) {
-					copy(buf, p.header[off:])
-				}
-				// The first piece ending after off, then those starting before off+n.
-				i := sort.Search(len(pieces), func(i int) bool { return pieces[i].off+int64(len(pieces[i].data)) > off })
-				for ; i < len(pieces) && pieces[i].off < off+n; i++ {
-					pc := pieces[i]
-					lo := max(off, pc.off)
-					hi := min(off+n, pc.off+int64(len(pc.data)))
-					copy(buf[lo-off:hi-off], pc.data[lo-pc.off:hi-pc.off])
-				}
-				gmu.Lock()
-				for _, g := range chunkGroups[j.k] {
-					if left[g]--; left[g] == 0 {
-						close(h.groups[g])
-					}
-				}
-				gmu.Unlock()
-				copied[j.k] <- j.span
-			}
-		})
+		copiers.Go(func() { fl.copy(jobs) })
 	}
+	checksums.Go(fl.checksum)
+	fl.reserve(jobs)
+	copiers.Wait()
+	if fl.ctx.Err() == nil {
+		fl.h.mu.Lock()
+		fl.h.stats.Captured = time.Since(fl.h.start)
+		fl.h.mu.Unlock()
+		close(fl.h.captured)
+	}
+	checksums.Wait()
+	writers.Wait()
+	return fl.commit()
+}
 
-	// Checksums, in file order (CRC32C is sequential within a tensor),
-	// then on to the writers.
-	crcs := make([]uint32, len(s.Tensors))
-	var crcDone sync.WaitGroup
-	crcDone.Go(func() {
-		defer close(work)
-		t := 0 // the first tensor that may overlap the chunk
-		for k := range nchunks {
-			span := <-copied[k] // every chunk comes, an empty span after a failure
-			if ctx.Err() != nil || span.Len == 0 {
-				work <- chunk{span: span} // the writers give the span back unwritten
-				continue
-			}
-			off := int64(k) * C
-			n := min(C, p.fileSize-off)
-			buf := span.Bytes()[:n]
-			for ; t < len(crcs); t++ {
-				te := &p.manifest.Tensors[t]
-				lo, hi := max(off, te.Offset), min(off+n, te.Offset+te.Bytes)
-				if lo < hi {
-					crcs[t] = crc32.Update(crcs[t], castagnoli, buf[lo-off:hi-off])
-				}
-				if te.Offset+te.Bytes > off+n {
-					break // continues in the next chunk
-				}
-			}
-			work <- chunk{span: span, off: off, n: n}
-		}
-	})
-
-	// Reservations, in file order: a full ring waits for the writers.
+// reserve reserves every chunk's span in the ring, in file order, and
+// hands it to the copiers: a full ring waits for the writers
+// (backpressure). After a failure it lets the checksum stage finish.
+func (fl *flush) reserve(jobs chan<- copyJob) {
 	k := 0
-	for ; k < nchunks && ctx.Err() == nil; k++ {
-		span, err := e.ring.Reserve(ctx, C)
+	for ; k < fl.nchunks && fl.ctx.Err() == nil; k++ {
+		span, err := fl.e.ring.Reserve(fl.ctx, fl.chunkBytes)
 		if err != nil {
-			fail(tx.fail("staging ring", err))
+			fl.fail(fl.tx.fail("staging ring", err))
 			break
 		}
-		jobs <- job{k, span}
+		jobs <- copyJob{k, span}
 	}
 	close(jobs)
-	for ; k < nchunks; k++ { // after a failure: let the checksum stage finish
-		copied[k] <- pinned.Span{}
+	for ; k < fl.nchunks; k++ {
+		fl.copied[k] <- pinned.Span{}
 	}
-	copiers.Wait()
-	if ctx.Err() == nil {
-		h.mu.Lock()
-		h.stats.Captured = time.Since(h.start)
-		h.mu.Unlock()
-		close(h.captured)
-	}
-	crcDone.Wait()
-	writers.Wait()
-	if ctx.Err() == nil {
-		for i := range crcs {
-			tx.p.manifest.Tensors[i].CRC32C = crcs[i]
+}
+
+// copy fills each job's span with its chunk of the file image (header and
+// pieces), then counts the chunk off its groups: a group whose chunks are
+// all copied is captured, and its source memory may change.
+func (fl *flush) copy(jobs <-chan copyJob) {
+	C, p, pieces := fl.chunkBytes, fl.p, fl.pieces
+	for j := range jobs {
+		off := int64(j.k) * C
+		n := min(C, p.fileSize-off)
+		buf := j.span.Bytes()[:n]
+		if off < int64(len(p.header)) {
+			copy(buf, p.header[off:])
 		}
-		err = e.syncClose(tx, f, df)
+		// The first piece ending after off, then those starting before off+n.
+		i := sort.Search(len(pieces), func(i int) bool { return pieces[i].off+int64(len(pieces[i].data)) > off })
+		for ; i < len(pieces) && pieces[i].off < off+n; i++ {
+			pc := pieces[i]
+			lo := max(off, pc.off)
+			hi := min(off+n, pc.off+int64(len(pc.data)))
+			copy(buf[lo-off:hi-off], pc.data[lo-pc.off:hi-pc.off])
+		}
+		fl.gmu.Lock()
+		for _, g := range fl.chunkGroups[j.k] {
+			if fl.left[g]--; fl.left[g] == 0 {
+				close(fl.h.groups[g])
+			}
+		}
+		fl.gmu.Unlock()
+		fl.copied[j.k] <- j.span
+	}
+}
+
+// checksum takes the copied chunks in file order (CRC32C is sequential
+// within a tensor), adds them to their tensors' checksums and passes them
+// to the writers; after a failure it passes the spans on unwritten.
+func (fl *flush) checksum() {
+	defer close(fl.work)
+	C, p := fl.chunkBytes, fl.p
+	t := 0 // the first tensor that may overlap the chunk
+	for k := range fl.nchunks {
+		span := <-fl.copied[k] // every chunk comes, an empty span after a failure
+		if fl.ctx.Err() != nil || span.Len == 0 {
+			fl.work <- chunk{span: span} // the writers give the span back unwritten
+			continue
+		}
+		off := int64(k) * C
+		n := min(C, p.fileSize-off)
+		buf := span.Bytes()[:n]
+		for ; t < len(fl.crcs); t++ {
+			te := &p.manifest.Tensors[t]
+			lo, hi := max(off, te.Offset), min(off+n, te.Offset+te.Bytes)
+			if lo < hi {
+				fl.crcs[t] = crc32.Update(fl.crcs[t], castagnoli, buf[lo-off:hi-off])
+			}
+			if te.Offset+te.Bytes > off+n {
+				break // continues in the next chunk
+			}
+		}
+		fl.work <- chunk{span: span, off: off, n: n}
+	}
+}
+
+// write writes each chunk at its offset (a full, aligned one through the
+// O_DIRECT descriptor) and gives its span back to the ring.
+func (fl *flush) write() {
+	for c := range fl.work {
+		if fl.ctx.Err() == nil && c.n > 0 {
+			w := fl.f
+			if c.n == fl.chunkBytes && fl.df != nil {
+				w = fl.df
+			}
+			if err := writeFullAt(w, c.span.Bytes()[:c.n], c.off); err != nil {
+				fl.fail(fl.tx.fail(fmt.Sprintf("write %s at %d", fl.tx.p.fileName, c.off), err))
+			}
+		}
+		if c.span.Len > 0 {
+			_ = fl.e.ring.Release(c.span)
+		}
+	}
+}
+
+// commit syncs and closes the file, commits the checkpoint (the package's
+// protocol) and applies retention; it returns the directory, or "" after a
+// failure.
+func (fl *flush) commit() string {
+	var err error
+	if fl.ctx.Err() == nil {
+		for i, crc := range fl.crcs {
+			fl.tx.p.manifest.Tensors[i].CRC32C = crc
+		}
+		err = fl.e.syncClose(fl.tx, fl.f, fl.df)
 	} else {
-		closeQuiet(f, df)
-		err = h.Err()
+		closeQuiet(fl.f, fl.df)
+		err = fl.h.Err()
 	}
 	if err != nil {
-		tx.abort()
-		fail(err)
-		finish("")
-		return
+		fl.tx.abort()
+		fl.fail(err)
+		return ""
 	}
-	dir, err := tx.commit()
+	dir, err := fl.tx.commit()
 	if err != nil {
-		fail(err)
-		finish("")
-		return
+		fl.fail(err)
+		return ""
 	}
-	if e.opts.Keep > 0 {
-		_ = retain(e.fs, e.root, e.opts.Keep) // housekeeping: a failure leaves old checkpoints
+	if fl.e.opts.Keep > 0 {
+		_ = retain(fl.e.fs, fl.e.root, fl.e.opts.Keep) // housekeeping: a failure leaves old checkpoints
 	}
-	finish(dir)
+	return dir
 }
 
 // create makes the rank file in the temporary directory, fallocates it
