@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -41,96 +40,78 @@ type benchResult struct {
 }
 
 func runBench(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("dos bench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	params := fs.Int64("params", 0, "parameters `N` of the synthetic Llama-shaped model (0: as many as 35% of the available host memory holds at 12 B/param, at most 6e9)")
-	sgSize := fs.Int64("subgroup-size", 100_000_000, "parameters per subgroup `N`")
-	budget := fs.Float64("gpu-budget", 16, "GPU memory in `GiB` the update phase may use (resident state and staging)")
-	steps := fs.Int("steps", 3, "timed update phases per schedule, after one warm-up; the median is reported")
-	threads := fs.Int("threads", 0, fmt.Sprintf("CPU workers `N`, at most 4 × the CPUs (%d here) (0: GOMAXPROCS)", trainer.MaxThreads()))
-	profPath := fs.String("profile", "", "a dos calibrate --json profile of this machine (default: calibrate briefly first)")
-	sweep := fs.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the model's residents), 0 for none")
-	tracePath := fs.String("trace", "", "write the model's schedule's last update phase to `PATH` as Chrome trace-event JSON (Perfetto opens it)")
-	jsonPath := fs.String("json", "", "write the results to `PATH` as JSON")
-	timeline := fs.String("timeline", "", "draw the model's schedule's last update phase to `PATH` (.svg, .png or .pdf): one row per resource")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: dos bench [flags]\n\n"+
-			"Runs the update phase of a synthetic Llama-shaped parameter set on GPU 0 (bf16 gradients written on\n"+
+	c := newCLI("dos bench", "dos bench [--params N] [--subgroup-size N] [--gpu-budget GiB] [--profile PATH] [--json PATH] [--trace PATH] [--plot PATH]",
+		"Runs the update phase of a synthetic Llama-shaped parameter set on GPU 0 (bf16 gradients written on\n"+
 			"the device, a bf16 working copy, fp32 state in pinned host memory) under each strategy: all on the\n"+
 			"CPU (ZeRO-Offload), a static split (as many subgroups GPU-resident as the budget holds, the rest on\n"+
 			"the CPU: ZeRO-Offload++/TwinFlow), all resident when it fits, the performance model's interleaved\n"+
-			"schedule, and a sweep of the stride k. Prints the measured and predicted time of each.\n\nFlags:\n")
-		fs.PrintDefaults()
-	}
-	if rc, ok := parseNoArgs(fs, args, stderr); !ok {
+			"schedule, and a sweep of the stride k. Prints the measured and predicted time of each. Without a\n"+
+			"GPU it says so and exits 1.")
+	var params int64
+	sgSize := int64(100_000_000)
+	sizeVar(c, &params, "params", "parameters `N` of the synthetic Llama-shaped model (0: as many as 35% of the available host memory holds at 12 B/param, at most 6e9)")
+	sizeVar(c, &sgSize, "subgroup-size", "parameters per subgroup `N`")
+	budget := c.Float64("gpu-budget", 16, "GPU memory in `GiB` the update phase may use (resident state and staging)")
+	steps := c.Int("steps", 3, "timed update phases per schedule, after one warm-up; the median is reported")
+	threads := c.Int("threads", 0, fmt.Sprintf("CPU workers `N`, at most 4 × the CPUs (%d here) (0: GOMAXPROCS)", trainer.MaxThreads()))
+	profPath := c.String("profile", "", "a dos calibrate --json profile `PATH` of this machine (default: calibrate briefly first)")
+	sweep := c.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the model's residents), 0 for none")
+	out := outputFlags(c, "the results", "the model's schedule's last update phase", "the model's schedule's last update phase as a timeline, one row per resource,")
+	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
-	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "dos bench: "+format+"\n", a...)
-		return 2
-	}
+	usage := func(format string, a ...any) int { return c.usageError(stderr, format, a...) }
 	switch {
-	case *params < 0:
-		return fail("--params %d: want >= 0", *params)
-	case *sgSize <= 0:
-		return fail("--subgroup-size %d: want > 0", *sgSize)
+	case params < 0 || params > perfmodel.MaxParams:
+		return usage("--params %d: want 0 to %d", params, int64(perfmodel.MaxParams))
+	case sgSize <= 0:
+		return usage("--subgroup-size %d: want > 0", sgSize)
 	case !(*budget >= 0) || *budget > 1<<20:
-		return fail("--gpu-budget %v: want a number of GiB >= 0", *budget)
+		return usage("--gpu-budget %v: want a number of GiB >= 0", *budget)
 	case *steps < 1:
-		return fail("--steps %d: want >= 1", *steps)
+		return usage("--steps %d: want >= 1", *steps)
 	case *threads < 0 || *threads > trainer.MaxThreads():
-		return fail("--threads %d: want 0..%d (0: GOMAXPROCS; at most 4 × the CPUs, as more workers only time-share them)", *threads, trainer.MaxThreads())
+		return usage("--threads %d: want 0..%d (0: GOMAXPROCS; at most 4 × the CPUs, as more workers only time-share them)", *threads, trainer.MaxThreads())
 	case *sweep < 0:
-		return fail("--sweep %d: want >= 0", *sweep)
+		return usage("--sweep %d: want >= 0", *sweep)
 	}
-	for _, p := range []string{*tracePath, *jsonPath} {
-		if err := checkWritable(p); err != nil {
-			return fail("%v", err)
-		}
-	}
-	if *timeline != "" {
-		if err := checkPlotPath(*timeline); err != nil {
-			return fail("%v", strings.Replace(err.Error(), "--plot", "--timeline", 1))
-		}
+	if rc, ok := out.check(c, stderr); !ok {
+		return rc
 	}
 	dev, kern, release, err := kernels.Open(0)
 	if err != nil {
-		fmt.Fprintf(stderr, "dos bench: no GPU (%v): dos bench measures the GPU machine; dos calibrate --cpu-only measures this one\n", err)
-		return 2
+		return c.fail(stderr, "no GPU (%v): dos bench measures the GPU machine; dos calibrate --cpu-only measures this one", err)
 	}
 	defer release()
 	if *threads == 0 {
 		*threads = runtime.GOMAXPROCS(0)
 	}
-	if *params == 0 {
-		*params = defaultBenchParams()
+	if params == 0 {
+		params = defaultBenchParams()
 	}
-	sizes := llamaSubgroups(*params, *sgSize)
+	sizes := llamaSubgroups(params, sgSize)
 	n := int64(0)
 	for _, s := range sizes {
 		n += int64(s)
 	}
 	prof, err := benchProfile(*profPath, dev, kern, *threads, stderr)
 	if err != nil {
-		fmt.Fprintf(stderr, "dos bench: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
-	w := perfmodel.Workload{Params: n, SubgroupSize: *sgSize, GradDType: "bfloat16", CopyBytes: 2, Threads: *threads, GPUBudget: int64(*budget * (1 << 30))}
+	w := perfmodel.Workload{Params: n, SubgroupSize: sgSize, GradDType: "bfloat16", CopyBytes: 2, Threads: *threads, GPUBudget: int64(*budget * (1 << 30))}
 	choice, err := prof.Choose(w)
 	if err != nil {
-		fmt.Fprintf(stderr, "dos bench: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	nsg := len(sizes)
 	cands := strategies(w, choice, *sweep)
 	fmt.Fprintf(stdout, "dos bench: %.2fB parameters in %d subgroups of up to %dM, bf16 gradients and copy, %d CPU workers, GPU budget %g GiB, %s\n",
-		float64(n)/1e9, nsg, *sgSize/1_000_000, *threads, *budget, dev)
+		float64(n)/1e9, nsg, sgSize/1_000_000, *threads, *budget, dev)
 	fmt.Fprintf(stdout, "model's choice: %d CPU, %d GPU, %d resident subgroups, k = %s, upcast on GPU %v: %.3f s predicted, bottleneck %s\n",
 		choice.CPU, choice.GPU, choice.Resident, kString(choice.K), choice.UpcastOnGPU, choice.Makespan, choice.Bottleneck)
 	plan, err := scheduler.NewPlan(nsg, cands[0].s)
 	if err != nil {
-		fmt.Fprintf(stderr, "dos bench: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	pool := adam.NewPool(*threads)
 	defer pool.Close()
@@ -138,13 +119,11 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fmt.Fprintf(stderr, "dos bench: allocating %.1f GB of pinned host state and %.1f GB of device gradients and copies...\n", 12*float64(n)/1e9, 4*float64(n)/1e9)
 	e, err := scheduler.New(scheduler.Options{Device: scheduler.NewCUDA(dev, kern), Sizes: sizes, GradDType: adam.BF16, WorkingDType: adam.BF16, Pool: pool, Plan: plan})
 	if err != nil {
-		fmt.Fprintf(stderr, "dos bench: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	defer e.Close()
 	if err := fillBench(e, dev); err != nil {
-		fmt.Fprintf(stderr, "dos bench: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	fmt.Fprintf(stderr, "dos bench: set up in %s\n", time.Since(t0).Round(time.Millisecond))
 	h := adam.DefaultHyper()
@@ -157,19 +136,18 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fmt.Fprintf(stdout, "%-16s %4s %4s %4s %6s %6s %9s %9s %7s %10s %-6s %5s %5s %5s %5s %7s\n",
 		"schedule", "cpu", "gpu", "res", "k", "upcast", "update s", "model s", "error", "Gparam/s", "bneck", "cpu", "h2d", "d2h", "gpu", "overlap")
 	var modelOps []scheduler.Op
-	for _, c := range cands {
-		pr, err := prof.Predict(w, c.s)
+	for _, cand := range cands {
+		pr, err := prof.Predict(w, cand.s)
 		if err != nil {
-			fmt.Fprintf(stdout, "%-16s skipped: %v\n", c.name, err)
+			fmt.Fprintf(stdout, "%-16s skipped: %v\n", cand.name, err)
 			continue
 		}
-		p, err := scheduler.NewPlan(nsg, c.s)
+		p, err := scheduler.NewPlan(nsg, cand.s)
 		if err == nil {
 			err = e.Replan(p)
 		}
 		if err != nil {
-			fmt.Fprintf(stderr, "dos bench: %s: %v\n", c.name, err)
-			return 1
+			return c.fail(stderr, "%s: %v", cand.name, err)
 		}
 		var times []float64
 		for r := 0; r <= *steps; r++ {
@@ -177,8 +155,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 			co := h.Coeffs(step, 1, 1)
 			t := time.Now()
 			if err := e.Update(&co); err != nil {
-				fmt.Fprintf(stderr, "dos bench: %s: %v\n", c.name, err)
-				return 1
+				return c.fail(stderr, "%s: %v", cand.name, err)
 			}
 			if r > 0 { // the first is the warm-up
 				times = append(times, time.Since(t).Seconds())
@@ -186,26 +163,25 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		}
 		ops, err := e.Trace()
 		if err != nil {
-			fmt.Fprintf(stderr, "dos bench: trace: %v\n", err)
-			return 1
+			return c.fail(stderr, "trace: %v", err)
 		}
-		if c.name == "model" {
+		if cand.name == "model" {
 			modelOps = ops
 		}
 		sum := scheduler.Summarize(ops)
-		res := benchResult{Name: c.name, CPU: c.s.CPU, GPU: c.s.GPU, Resident: c.s.Resident, K: kString(c.s.K()), Upcast: c.s.UpcastOnGPU,
+		res := benchResult{Name: cand.name, CPU: cand.s.CPU, GPU: cand.s.GPU, Resident: cand.s.Resident, K: kString(cand.s.K()), Upcast: cand.s.UpcastOnGPU,
 			Seconds: median(times), Steps: times, Predicted: pr.Makespan, Bottleneck: pr.Bottleneck, Busy: map[string]float64{}, Overlap: sum.Overlap}
 		for _, r := range []string{"cpu", "h2d", "d2h", "gpu"} {
 			res.Busy[r] = sum.Fraction(r)
 		}
 		results = append(results, res)
 		fmt.Fprintf(stdout, "%-16s %4d %4d %4d %6s %6v %9.3f %9.3f %+6.1f%% %10.2f %-6s %5.2f %5.2f %5.2f %5.2f %7.2f\n",
-			c.name, c.s.CPU, c.s.GPU, c.s.Resident, res.K, c.s.UpcastOnGPU, res.Seconds, pr.Makespan, 100*(pr.Makespan/res.Seconds-1),
+			cand.name, cand.s.CPU, cand.s.GPU, cand.s.Resident, res.K, cand.s.UpcastOnGPU, res.Seconds, pr.Makespan, 100*(pr.Makespan/res.Seconds-1),
 			float64(n)/res.Seconds/1e9, pr.Bottleneck, res.Busy["cpu"], res.Busy["h2d"], res.Busy["d2h"], res.Busy["gpu"], res.Overlap)
 	}
 	benchVerdicts(stdout, results)
-	if *tracePath != "" && modelOps != nil {
-		err := writeAtomic(*tracePath, func(f *os.File) error {
+	if *out.trace != "" && modelOps != nil {
+		err := writeAtomic(*out.trace, func(f *os.File) error {
 			bw := bufio.NewWriter(f)
 			if err := scheduler.WriteChrome(bw, modelOps); err != nil {
 				return err
@@ -213,24 +189,21 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 			return bw.Flush()
 		})
 		if err != nil {
-			fmt.Fprintf(stderr, "dos bench: --trace: %v\n", err)
-			return 1
+			return c.fail(stderr, "--trace: %v", err)
 		}
-		fmt.Fprintf(stdout, "trace of the model's schedule written to %s\n", *tracePath)
+		fmt.Fprintf(stdout, "trace of the model's schedule written to %s\n", *out.trace)
 	}
-	if *timeline != "" && modelOps != nil {
-		if err := plotTimeline(modelOps, fmt.Sprintf("dos bench: the model's schedule, %.2fB parameters, %s", float64(n)/1e9, dev.Name), *timeline); err != nil {
-			fmt.Fprintf(stderr, "dos bench: --timeline: %v\n", err)
-			return 1
+	if *out.plot != "" && modelOps != nil {
+		if err := plotTimeline(modelOps, fmt.Sprintf("dos bench: the model's schedule, %.2fB parameters, %s", float64(n)/1e9, dev.Name), *out.plot); err != nil {
+			return c.fail(stderr, "--plot: %v", err)
 		}
-		fmt.Fprintf(stdout, "timeline written to %s\n", *timeline)
+		fmt.Fprintf(stdout, "timeline written to %s\n", *out.plot)
 	}
-	if *jsonPath != "" {
-		if err := writeJSON(*jsonPath, map[string]any{"params": n, "subgroups": nsg, "threads": *threads, "gpu_budget_gib": *budget, "results": results}); err != nil {
-			fmt.Fprintf(stderr, "dos bench: --json: %v\n", err)
-			return 1
+	if *out.json != "" {
+		if err := writeJSON(*out.json, map[string]any{"params": n, "subgroups": nsg, "threads": *threads, "gpu_budget_gib": *budget, "results": results}); err != nil {
+			return c.fail(stderr, "--json: %v", err)
 		}
-		fmt.Fprintf(stdout, "results written to %s\n", *jsonPath)
+		fmt.Fprintf(stdout, "results written to %s\n", *out.json)
 	}
 	return 0
 }

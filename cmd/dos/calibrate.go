@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -19,23 +18,29 @@ import (
 )
 
 func runCalibrate(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("dos calibrate", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	cpuOnly := fs.Bool("cpu-only", false, "measure the CPU update rate only (no GPU needed)")
-	budget := fs.Float64("gpu-budget", 16, "GPU memory in `GiB` the update phase may use, for the schedules printed")
-	thorough := fs.Bool("thorough", false, "five sizes and 11 repetitions instead of three and 5 (slower)")
-	jsonPath := fs.String("json", "", "write the measured profile to `PATH` (JSON, format dos-profile v1)")
-	plotPath := fs.String("plot", "", "draw the measured points and fitted lines to `PATH` (.svg, .png or .pdf)")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: dos calibrate [--cpu-only] [--thorough] [--gpu-budget GiB] [--json PATH] [--plot PATH]\n\n"+
-			"Measures the rates the performance model needs: the CPU pool's AdamW update rate Uc per\n"+
+	c := newCLI("dos calibrate", "dos calibrate [--cpu-only] [--thorough] [--gpu-budget GiB] [--subgroup-size N] [--json PATH] [--plot PATH]",
+		"Measures the rates the performance model needs: the CPU pool's AdamW update rate Uc per\n"+
 			"thread count and gradient dtype and, unless --cpu-only, on GPU 0 the pinned H2D and D2H\n"+
 			"bandwidth alone and both at once, the fused AdamW rate Ug and the bf16 cast rate Dc; each\n"+
 			"fitted as time = latency + size/rate. Prints the fits and the schedule the model picks for a\n"+
-			"few model sizes.\n\nFlags:\n")
-		fs.PrintDefaults()
+			"few model sizes. Without a GPU and without --cpu-only it says so and exits 1.")
+	cpuOnly := c.Bool("cpu-only", false, "measure the CPU update rate only (no GPU needed)")
+	budget := c.Float64("gpu-budget", 16, "GPU memory in `GiB` the update phase may use, for the schedules printed")
+	sgSize := int64(100_000_000)
+	sizeVar(c, &sgSize, "subgroup-size", "parameters per subgroup `N` of the schedules printed")
+	thorough := c.Bool("thorough", false, "five sizes and 11 repetitions instead of three and 5 (slower)")
+	out := outputFlags(c, "the measured profile (format dos-profile v1)", "", "the measured points and fitted lines, one panel per resource,")
+	jsonPath, plotPath := out.json, out.plot
+	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
+		return rc
 	}
-	if rc, ok := parseNoArgs(fs, args, stderr); !ok {
+	if !(*budget >= 0) || *budget > 1<<20 {
+		return c.usageError(stderr, "--gpu-budget %v: want a number of GiB from 0 to %d", *budget, 1<<20)
+	}
+	if sgSize <= 0 || sgSize > perfmodel.MaxParams {
+		return c.usageError(stderr, "--subgroup-size %d: want 1 to %d", sgSize, int64(perfmodel.MaxParams))
+	}
+	if rc, ok := out.check(c, stderr); !ok {
 		return rc
 	}
 	var dev *cuda.Device
@@ -43,26 +48,10 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	if !*cpuOnly {
 		var release func()
 		var err error
-		if dev, kern, release, err = kernels.Open(0); err == nil {
-			defer release()
-		} else {
-			fmt.Fprintf(stderr, "dos calibrate: no GPU to calibrate (%v); run dos calibrate --cpu-only\n", err)
-			return 2
+		if dev, kern, release, err = kernels.Open(0); err != nil {
+			return c.fail(stderr, "no GPU to calibrate (%v); run dos calibrate --cpu-only", err)
 		}
-	}
-	if *plotPath != "" {
-		if err := checkPlotPath(*plotPath); err != nil {
-			fmt.Fprintf(stderr, "dos calibrate: %v\n", err)
-			return 2
-		}
-	}
-	if err := checkWritable(*jsonPath); err != nil {
-		fmt.Fprintf(stderr, "dos calibrate: --json: %v\n", err)
-		return 2
-	}
-	if !(*budget >= 0) || *budget > 1<<20 {
-		fmt.Fprintf(stderr, "dos calibrate: --gpu-budget %v: want a number of GiB from 0 to %d\n", *budget, 1<<20)
-		return 2
+		defer release()
 	}
 	opts := perfmodel.CPUOptions{}
 	if *thorough {
@@ -84,8 +73,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprint(stderr, "\r\033[K")
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "dos calibrate: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC().Truncate(time.Second),
 		Machine: perfmodel.Here(), CPU: fits}
@@ -105,8 +93,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprint(stderr, "\r\033[K")
 		}
 		if err != nil {
-			fmt.Fprintf(stderr, "dos calibrate: GPU: %v\n", err)
-			return 1
+			return c.fail(stderr, "GPU: %v", err)
 		}
 		p.GPU = g
 		p.Machine.GPU, p.Machine.GPUMemBytes = dev.Name, dev.TotalMem
@@ -127,16 +114,15 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	if p.GPU != nil {
 		where = fmt.Sprintf("with a GPU budget of %g GiB", *budget)
 	}
-	fmt.Fprintf(stdout, "predicted update phase, %s, %d threads, bf16 gradients and copy, subgroups of 100M:\n", where, runtime.GOMAXPROCS(0))
+	fmt.Fprintf(stdout, "predicted update phase, %s, %d threads, bf16 gradients and copy, subgroups of %s:\n", where, runtime.GOMAXPROCS(0), formatSize(sgSize))
 	for _, params := range []int64{125e6, 1.3e9, 7e9} {
-		w := perfmodel.Workload{Params: params, SubgroupSize: 100e6, GradDType: "bfloat16", CopyBytes: 2, Threads: runtime.GOMAXPROCS(0)}
+		w := perfmodel.Workload{Params: params, SubgroupSize: sgSize, GradDType: "bfloat16", CopyBytes: 2, Threads: runtime.GOMAXPROCS(0)}
 		if p.GPU != nil {
 			w.GPUBudget = int64(*budget * (1 << 30))
 		}
 		pr, err := p.Choose(w)
 		if err != nil {
-			fmt.Fprintf(stderr, "dos calibrate: %v\n", err)
-			return 1
+			return c.fail(stderr, "%v", err)
 		}
 		k := "inf"
 		if !math.IsInf(pr.K, 1) {
@@ -147,15 +133,13 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	}
 	if *jsonPath != "" {
 		if err := writeJSON(*jsonPath, p); err != nil {
-			fmt.Fprintf(stderr, "dos calibrate: --json: %v\n", err)
-			return 1
+			return c.fail(stderr, "--json: %v", err)
 		}
 		fmt.Fprintf(stdout, "profile written to %s\n", *jsonPath)
 	}
 	if *plotPath != "" {
 		if err := plotProfile(p, *plotPath); err != nil {
-			fmt.Fprintf(stderr, "dos calibrate: plot: %v\n", err)
-			return 1
+			return c.fail(stderr, "--plot: %v", err)
 		}
 		fmt.Fprintf(stdout, "plot written to %s\n", *plotPath)
 	}

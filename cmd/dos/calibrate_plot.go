@@ -128,19 +128,29 @@ func newCanvas(path string, w, h vg.Length) (vg.CanvasSizer, func() error, error
 	return c, func() error { return writeAtomic(path, to) }, nil
 }
 
-// checkPlotPath refuses, before anything is measured, a plot path whose
-// format is unknown or whose directory does not exist.
-func checkPlotPath(path string) error {
+// checkPlotExt refuses a plot path whose extension names no format this
+// command draws: a usage error.
+func checkPlotExt(path string) error {
 	switch strings.ToLower(filepath.Ext(path)) {
 	case ".svg", ".png", ".pdf":
-	default:
-		return fmt.Errorf("--plot %s: want a .svg, .png or .pdf file", path)
+		return nil
+	}
+	return fmt.Errorf("%s: want a .svg, .png or .pdf file", path)
+}
+
+// checkPlotPath refuses, before anything is measured, a plot path whose
+// extension names no format (checkPlotExt), whose directory is missing, or
+// that is a directory. Its errors start with the path; callers put the
+// flag's name before it.
+func checkPlotPath(path string) error {
+	if err := checkPlotExt(path); err != nil {
+		return err
 	}
 	if st, err := os.Stat(filepath.Dir(path)); err != nil || !st.IsDir() {
-		return fmt.Errorf("--plot %s: no directory %s", path, filepath.Dir(path))
+		return fmt.Errorf("%s: no directory %s", path, filepath.Dir(path))
 	}
 	if st, err := os.Stat(path); err == nil && st.IsDir() {
-		return fmt.Errorf("--plot %s is a directory", path)
+		return fmt.Errorf("%s is a directory", path)
 	}
 	return nil
 }

@@ -2,8 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"maps"
@@ -34,21 +32,19 @@ const ckptUsage = `Usage:
 Exit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usage error.
 `
 
-// parseInterleaved parses fs's flags wherever they stand among the
-// arguments (flag alone stops at the first positional argument) and returns
-// the positional ones.
-func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
-	var pos []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, err
-		}
-		if fs.NArg() == 0 {
-			return pos, nil
-		}
-		pos = append(pos, fs.Arg(0))
-		args = fs.Args()[1:]
-	}
+// ckptSubcommands are dos ckpt's subcommands: the synopsis and what each
+// does, for its -h.
+var ckptSubcommands = map[string]struct{ synopsis, about string }{
+	"ls": {"dos ckpt ls ROOT", "Lists the committed checkpoints under ROOT, newest first (* marks latest), then what is not\n" +
+		"committed (leftovers of crashes) and any damage."},
+	"verify": {"dos ckpt verify [--rank N] PATH", "Opens the checkpoint at PATH (a step directory, or a root's latest), checks that manifest,\n" +
+		"index and file agree, every tensor's CRC32C, that the optimizer state is finite (exp_avg_sq >= 0)\n" +
+		"and its settings valid."},
+	"recover": {"dos ckpt recover [--rank N] ROOT", "Repairs ROOT for --resume: finishes a commit a crash cut short, points a missing or corrupt\n" +
+		"latest at the newest checkpoint that verifies, or sets aside (as ROOT/damaged-step-*) a latest\n" +
+		"checkpoint that does not verify."},
+	"inspect": {"dos ckpt inspect [--rank N] [--tensors] PATH", "Describes the checkpoint at PATH without reading tensor data: step, files and sizes, tensors by\n" +
+		"dtype, the optimizer's hyperparameters, the trainer's configuration; --tensors lists every tensor."},
 }
 
 func runCkpt(args []string, stdout, stderr io.Writer) int {
@@ -61,47 +57,34 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(stdout, ckptUsage)
 		return 0
-	case "ls", "verify", "inspect", "recover":
-	default:
+	}
+	info, ok := ckptSubcommands[sub]
+	if !ok {
 		fmt.Fprintf(stderr, "dos ckpt: unknown subcommand %q\n%s", sub, ckptUsage)
 		return 2
 	}
-	fs := flag.NewFlagSet("dos ckpt "+sub, flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	c := newCLI("dos ckpt "+sub, info.synopsis, info.about+"\nExit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usage error.")
 	rank := 0
 	all := false
 	if sub != "ls" {
-		fs.IntVar(&rank, "rank", 0, "the `rank` whose files to "+sub)
+		c.IntVar(&rank, "rank", 0, "the `rank` whose files to "+sub)
 	}
 	if sub == "inspect" {
-		fs.BoolVar(&all, "tensors", false, "list every tensor (name, dtype, shape, bytes, offset) and print the objects whole")
+		c.BoolVar(&all, "tensors", false, "list every tensor (name, dtype, shape, bytes, offset) and print the objects whole")
 	}
-	fs.Usage = func() {
-		fmt.Fprint(stderr, ckptUsage)
-		if sub != "ls" {
-			fmt.Fprintf(stderr, "\nFlags of %s:\n", sub)
-			fs.PrintDefaults()
-		}
-	}
-	pos, err := parseInterleaved(fs, args[1:])
-	if errors.Is(err, flag.ErrHelp) {
-		return 0
-	}
-	if err != nil {
-		return 2
+	pos, rc, ok := c.parse(args[1:], stdout, stderr)
+	if !ok {
+		return rc
 	}
 	if len(pos) != 1 {
-		fmt.Fprintf(stderr, "dos ckpt %s: want one directory, got %d arguments\n", sub, len(pos))
-		return 2
+		return c.usageError(stderr, "want one directory, got %d arguments", len(pos))
 	}
 	if rank < 0 {
-		fmt.Fprintf(stderr, "dos ckpt %s: --rank %d: want a rank >= 0\n", sub, rank)
-		return 2
+		return c.usageError(stderr, "--rank %d: want a rank >= 0", rank)
 	}
 	path := pos[0]
 	if _, err := os.Stat(path); err != nil {
-		fmt.Fprintf(stderr, "dos ckpt %s: %v\n", sub, err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	switch sub {
 	case "ls":

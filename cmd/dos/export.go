@@ -1,77 +1,127 @@
 package main
 
 import (
-	"errors"
-	"flag"
+	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math"
+	"slices"
+	"strings"
 
+	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/safetensors"
 	"github.com/deepstates/dos/trainer"
 )
 
+// trainCheckpoint reads the dos train configuration of the checkpoint at
+// path (a root's latest, or a step directory) and returns the directory it
+// read. A checkpoint without the trainer object that dos train writes, or
+// whose trainer object holds no valid model configuration (another
+// program's, such as examples/quickstart's), is "not written by dos train".
+func trainCheckpoint(path string) (string, trainer.TrainConfig, error) {
+	var cfg trainer.TrainConfig
+	c, err := checkpoint.OpenPath(checkpoint.OS, path, 0)
+	if err != nil {
+		return "", cfg, err
+	}
+	defer c.Close()
+	if _, ok := c.Manifest.Objects["trainer"]; !ok {
+		names := slices.Sorted(maps.Keys(c.Manifest.Objects))
+		return c.Dir, cfg, fmt.Errorf("%s was not written by dos train: it has no trainer object (objects: %s); dos ckpt inspect %s describes it",
+			c.Dir, strings.Join(names, ", "), c.Dir)
+	}
+	var obj map[string]json.RawMessage
+	if err := c.Object("trainer", &obj); err != nil {
+		return c.Dir, cfg, fmt.Errorf("%s was not written by dos train: %w", c.Dir, err)
+	}
+	raw, ok := obj["config"]
+	if ok {
+		err = json.Unmarshal(raw, &cfg)
+	}
+	if !ok || err != nil || cfg.Model.Validate() != nil {
+		return c.Dir, cfg, fmt.Errorf("%s was not written by dos train: its trainer object holds no dos train model configuration; dos ckpt inspect %s describes it", c.Dir, c.Dir)
+	}
+	return c.Dir, cfg, nil
+}
+
+// resumeSource returns the directory and the dos train configuration of
+// the checkpoint that dos train --resume continues from in root: the one
+// latest names or, where latest cannot be trusted (a root that the trainer
+// recovers first), the newest complete step directory that opens. ok is
+// false when there is none; the trainer then says why.
+func resumeSource(root string) (dir string, cfg trainer.TrainConfig, ok bool) {
+	info, err := checkpoint.Inspect(checkpoint.OS, root)
+	if err != nil {
+		return "", cfg, false
+	}
+	var dirs []string
+	if info.Latest != "" {
+		dirs = append(dirs, info.Latest)
+	} else {
+		for _, s := range info.Steps { // newest first
+			if s.Complete {
+				dirs = append(dirs, s.Dir)
+			}
+		}
+	}
+	for _, d := range dirs {
+		if dir, cfg, err := trainCheckpoint(d); err == nil {
+			return dir, cfg, true
+		}
+		if info.Latest != "" {
+			break
+		}
+	}
+	return "", cfg, false
+}
+
 func runExport(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("export", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	ckpt := fs.String("ckpt", "", "checkpoint `PATH`: a root (its latest checkpoint) or a step directory written by dos train")
-	hf := fs.String("hf", "", "write a Hugging Face GPT-2 model (config.json, model.safetensors) into this `DIR`")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: dos export --ckpt PATH --hf DIR\n\nExports the model of a dos train checkpoint for transformers.GPT2LMHeadModel.\n\nFlags:\n")
-		fs.PrintDefaults()
+	c := newCLI("dos export", "dos export --ckpt PATH --hf DIR", "Exports the model of a dos train checkpoint for transformers.GPT2LMHeadModel.")
+	ckpt := c.String("ckpt", "", "checkpoint `PATH`: a root (its latest checkpoint) or a step directory written by dos train")
+	hf := c.String("hf", "", "write a Hugging Face GPT-2 model (config.json, model.safetensors) into this `DIR`")
+	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
+		return rc
 	}
-	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-		return 0
-	} else if err != nil {
-		return 2
+	if *ckpt == "" || *hf == "" {
+		return c.usageError(stderr, "want --ckpt PATH and --hf DIR")
 	}
-	if *ckpt == "" || *hf == "" || fs.NArg() > 0 {
-		fmt.Fprintln(stderr, "dos export: want --ckpt PATH and --hf DIR, and no other arguments")
-		return 2
+	if _, _, err := trainCheckpoint(*ckpt); err != nil {
+		return c.fail(stderr, "%v", err)
 	}
 	dir, err := trainer.ExportHF(*ckpt, *hf)
 	if err != nil {
-		fmt.Fprintf(stderr, "dos export: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	fmt.Fprintf(stdout, "exported %s to %s (config.json, model.safetensors)\n", dir, *hf)
 	return 0
 }
 
 func runEval(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("eval", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	ckpt := fs.String("ckpt", "", "checkpoint `PATH`: a root (its latest checkpoint) or a step directory written by dos train")
-	text := fs.String("text", "Of the Refractions of Light", "the input, as bytes (at most the model's context length; the default is cut to it)")
-	logits := fs.String("logits", "", "write tokens (I32 [T]) and logits (F64 [T, vocab]) as safetensors to this `FILE`")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: dos eval --ckpt PATH [--text TEXT] [--logits FILE]\n\n"+
-			"Runs the checkpoint's model on TEXT in float64 and prints the mean next-byte loss (nats);\n"+
-			"--logits saves the logits for scripts/check_hf_export.py.\n\nFlags:\n")
-		fs.PrintDefaults()
+	c := newCLI("dos eval", "dos eval --ckpt PATH [--text TEXT] [--logits FILE]",
+		"Runs the checkpoint's model on TEXT in float64 and prints the mean next-byte loss (nats);\n"+
+			"--logits saves the logits for scripts/check_hf_export.py.")
+	ckpt := c.String("ckpt", "", "checkpoint `PATH`: a root (its latest checkpoint) or a step directory written by dos train")
+	text := c.String("text", "Of the Refractions of Light", "the input, as bytes (at most the model's context length; the default is cut to it)")
+	logits := c.String("logits", "", "write tokens (I32 [T]) and logits (F64 [T, vocab]) as safetensors to this `FILE`")
+	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
+		return rc
 	}
-	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-		return 0
-	} else if err != nil {
-		return 2
+	if *ckpt == "" {
+		return c.usageError(stderr, "want --ckpt PATH")
 	}
-	if *ckpt == "" || fs.NArg() > 0 {
-		fmt.Fprintln(stderr, "dos eval: want --ckpt PATH, and no other arguments")
-		return 2
+	if _, _, err := trainCheckpoint(*ckpt); err != nil {
+		return c.fail(stderr, "%v", err)
 	}
 	cfg, weights, dir, err := trainer.LoadWeights(*ckpt)
 	if err != nil {
-		fmt.Fprintf(stderr, "dos eval: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
-	textSet := false
-	fs.Visit(func(f *flag.Flag) { textSet = textSet || f.Name == "text" })
-	if !textSet && len(*text) > cfg.NCtx {
+	if !c.set("text") && len(*text) > cfg.NCtx {
 		*text = (*text)[:cfg.NCtx]
 	}
 	if len(*text) == 0 || len(*text) > cfg.NCtx {
-		fmt.Fprintf(stderr, "dos eval: --text has %d bytes; want 1 to %d (the context length)\n", len(*text), cfg.NCtx)
-		return 2
+		return c.usageError(stderr, "--text has %d bytes; want 1 to %d (the context length)", len(*text), cfg.NCtx)
 	}
 	tokens := make([]int32, len(*text))
 	for i := range tokens {
@@ -103,8 +153,7 @@ func runEval(args []string, stdout, stderr io.Writer) int {
 			err = writeFile(*logits, b)
 		}
 		if err != nil {
-			fmt.Fprintf(stderr, "dos eval: --logits: %v\n", err)
-			return 1
+			return c.fail(stderr, "--logits: %v", err)
 		}
 		fmt.Fprintf(stdout, "wrote %s\n", *logits)
 	}

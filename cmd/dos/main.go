@@ -9,17 +9,19 @@
 //	dos ckpt verify DIR          check every tensor's CRC32C of a checkpoint
 //	dos export --ckpt P --hf DIR  export a checkpoint as a Hugging Face GPT-2 model
 //	dos eval --ckpt P [--logits F] run a checkpoint's model on a text
+//	dos version                  the module version, the Go version, the VCS revision
 //	dos help                     list the commands
 //
-// Each command prints its own flags with -h.
+// Each command prints its own flags with -h (to stdout, exit 0); flags may
+// stand anywhere among its arguments. A usage error exits 2 and prints the
+// command's synopsis, a runtime failure exits 1 with one line.
 package main
 
 import (
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"os"
+	"runtime/debug"
 )
 
 type command struct {
@@ -36,6 +38,7 @@ var commands = []command{
 	{"ckpt", "list checkpoints (ls ROOT), verify one's checksums (verify DIR) or describe it (inspect DIR)", runCkpt},
 	{"export", "export a dos train checkpoint as a Hugging Face GPT-2 model (--hf DIR)", runExport},
 	{"eval", "run a dos train checkpoint on a text and print its loss; --logits saves the logits", runEval},
+	{"version", "print the module version, the Go version and the VCS revision (also dos --version)", runVersion},
 }
 
 func usage(w io.Writer) {
@@ -44,6 +47,49 @@ func usage(w io.Writer) {
 		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
 	}
 	fmt.Fprintf(w, "  %-10s %s\n\nRun 'dos COMMAND -h' for a command's flags.\n", "help", "print this list")
+}
+
+func runVersion(args []string, stdout, stderr io.Writer) int {
+	c := newCLI("dos version", "dos version", "Prints the module version, the Go version and the VCS revision this binary was\nbuilt from (runtime/debug.ReadBuildInfo; a revision only where the build stamped one).")
+	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
+		return rc
+	}
+	fmt.Fprintln(stdout, version())
+	return 0
+}
+
+// version returns the build's module version, Go version and VCS revision
+// (with its time, and "modified" for a dirty tree) where the build stamped
+// them (runtime/debug.ReadBuildInfo).
+func version() string {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "dos: no build information in this binary"
+	}
+	v := bi.Main.Version
+	if v == "" {
+		v = "(unknown)"
+	}
+	s := fmt.Sprintf("dos %s %s", v, bi.GoVersion)
+	settings := map[string]string{}
+	for _, kv := range bi.Settings {
+		settings[kv.Key] = kv.Value
+	}
+	if rev := settings["vcs.revision"]; rev != "" {
+		s += " " + settings["vcs"] + " " + rev
+		if t := settings["vcs.time"]; t != "" {
+			s += " " + t
+		}
+		if settings["vcs.modified"] == "true" {
+			s += " modified"
+		}
+	} else {
+		s += " (no VCS revision stamped)"
+	}
+	if goos, arch := settings["GOOS"], settings["GOARCH"]; goos != "" {
+		s += " " + goos + "/" + arch
+	}
+	return s
 }
 
 func main() {
@@ -59,6 +105,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "help", "-h", "-help", "--help":
 		usage(stdout)
 		return 0
+	case "-version", "--version":
+		return runVersion(args[1:], stdout, stderr)
 	}
 	for _, c := range commands {
 		if c.name == args[0] {
@@ -72,19 +120,3 @@ func run(args []string, stdout, stderr io.Writer) int {
 
 // writeFile writes b to path (mode 0644).
 func writeFile(path string, b []byte) error { return os.WriteFile(path, b, 0o644) }
-
-// parseNoArgs parses a command's flags, which take no positional
-// arguments. When it returns false the command exits with rc: 0 after -h,
-// 2 on a bad flag or an unexpected argument (reported to stderr).
-func parseNoArgs(fs *flag.FlagSet, args []string, stderr io.Writer) (rc int, ok bool) {
-	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-		return 0, false
-	} else if err != nil {
-		return 2, false
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "%s: unexpected argument %q\n", fs.Name(), fs.Arg(0))
-		return 2, false
-	}
-	return 0, true
-}

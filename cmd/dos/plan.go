@@ -2,61 +2,68 @@ package main
 
 import (
 	"bufio"
-	"flag"
 	"fmt"
 	"io"
-	"math"
 	"os"
 	"slices"
-	"strings"
 
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )
 
+// planResult is one schedule of dos plan, as --json writes it: the
+// performance model's prediction and the simulated device's replay, in
+// seconds per update phase of one rank.
+type planResult struct {
+	Name       string             `json:"name"`
+	CPU        int                `json:"cpu_subgroups"`
+	GPU        int                `json:"gpu_subgroups"`
+	Resident   int                `json:"resident_subgroups"`
+	K          string             `json:"k"`
+	Upcast     bool               `json:"upcast_on_gpu"`
+	Predicted  float64            `json:"predicted_s,omitempty"`
+	Replayed   float64            `json:"replay_s,omitempty"`
+	Bottleneck string             `json:"bottleneck,omitempty"` // the model's
+	Busy       map[string]float64 `json:"busy_fraction,omitempty"`
+	NotFit     string             `json:"does_not_fit,omitempty"` // why the budget does not hold it
+}
+
 func runPlan(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("dos plan", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	profPath := fs.String("profile", "", "a dos calibrate --json profile `PATH` (of any machine; required)")
-	params := fs.Float64("params", 20e9, "parameters `N` of the model")
-	ranks := fs.Int("ranks", 1, "GPUs (ranks) per host: each updates params/ranks with threads/ranks CPU workers over its own PCIe link")
-	sgSize := fs.Int64("subgroup-size", 100_000_000, "parameters per subgroup `N`")
-	budget := fs.Float64("gpu-budget", 16, "GPU memory in `GiB` per rank for the update phase (resident state and staging)")
-	threads := fs.Int("threads", 0, "CPU workers `N` on the host (0: the profile's largest measured count)")
-	cpuScale := fs.Float64("cpu-scale", 1, "multiply the profile's CPU update rate by `F` (a host with more cores or memory bandwidth)")
-	pcie := fs.Float64("pcie", 0, "PCIe bandwidth in `GB/s` each way (0: the profile's; both-directions rates scale with it)")
-	ug := fs.Float64("gpu-rate", 0, "the GPU's fused AdamW rate in `Gparam/s` (0: the profile's)")
-	gradDType := fs.String("grad-dtype", "bfloat16", "gradient dtype on the GPU: float32, bfloat16 or float16")
-	sweep := fs.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the chosen residents)")
-	tracePath := fs.String("trace", "", "write the replay of the model's schedule to `PATH` as Chrome trace-event JSON")
-	timeline := fs.String("timeline", "", "draw the replay of the model's schedule to `PATH` (.svg, .png or .pdf)")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: dos plan --profile PATH [flags]\n\n"+
-			"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile:\n"+
+	c := newCLI("dos plan", "dos plan --profile PATH [--params N] [--ranks R] [--subgroup-size N] [flags]",
+		"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile:\n"+
 			"the update phase of each strategy (all on the CPU, a static split, all resident when it fits, the\n"+
 			"performance model's interleaved schedule) and of a k sweep, per rank, as the performance model\n"+
 			"predicts it and as the simulated device replays the engine's schedule operation by operation\n"+
 			"(scheduler.Simulate). Flags describe another machine\n"+
 			"by scaling the profile's rates; the contention slow-downs stay the profile's, and ranks on one\n"+
-			"host are modelled as sharing only its cores.\n\nFlags:\n")
-		fs.PrintDefaults()
-	}
-	if rc, ok := parseNoArgs(fs, args, stderr); !ok {
+			"host are modelled as sharing only its cores.")
+	profPath := c.String("profile", "", "a dos calibrate --json profile `PATH` (of any machine; required)")
+	params := int64(20e9)
+	sgSize := int64(100_000_000)
+	sizeVar(c, &params, "params", "parameters `N` of the model")
+	ranks := c.Int("ranks", 1, "GPUs (ranks) per host: each updates params/ranks with threads/ranks CPU workers over its own PCIe link")
+	sizeVar(c, &sgSize, "subgroup-size", "parameters per subgroup `N`")
+	budget := c.Float64("gpu-budget", 16, "GPU memory in `GiB` per rank for the update phase (resident state and staging)")
+	threads := c.Int("threads", 0, "CPU workers `N` on the host (0: the profile's largest measured count)")
+	cpuScale := c.Float64("cpu-scale", 1, "multiply the profile's CPU update rate by `F` (a host with more cores or memory bandwidth)")
+	pcie := c.Float64("pcie", 0, "PCIe bandwidth in `GB/s` each way (0: the profile's; both-directions rates scale with it)")
+	ug := c.Float64("gpu-rate", 0, "the GPU's fused AdamW rate in `Gparam/s` (0: the profile's)")
+	gradDType := c.String("grad-dtype", "bfloat16", "gradient dtype on the GPU: float32, bfloat16 or float16")
+	sweep := c.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the chosen residents)")
+	out := outputFlags(c, "each schedule's prediction and replay", "the replay of the model's schedule", "the replay of the model's schedule as a timeline")
+	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
-	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "dos plan: "+format+"\n", a...)
-		return 2
-	}
+	fail := func(format string, a ...any) int { return c.usageError(stderr, format, a...) }
 	switch {
 	case *profPath == "":
 		return fail("--profile is required (dos calibrate --json PATH writes one; testdata/profiles/h200.json is the H200 machine's)")
-	case !(*params >= 1) || *params > perfmodel.MaxParams:
-		return fail("--params %v: want 1 to %d", *params, int64(perfmodel.MaxParams))
+	case params < 1 || params > perfmodel.MaxParams:
+		return fail("--params %d: want 1 to %d", params, int64(perfmodel.MaxParams))
 	case *ranks < 1 || *ranks > 1024:
 		return fail("--ranks %d: want 1 to 1024", *ranks)
-	case *sgSize <= 0:
-		return fail("--subgroup-size %d: want > 0", *sgSize)
+	case sgSize <= 0:
+		return fail("--subgroup-size %d: want > 0", sgSize)
 	case !(*budget >= 0) || *budget > 1<<20:
 		return fail("--gpu-budget %v: want a number of GiB >= 0", *budget)
 	case *threads < 0:
@@ -83,8 +90,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	prof, err := perfmodel.Read(*profPath)
 	if err != nil {
-		fmt.Fprintf(stderr, "dos plan: --profile: %v\n", err)
-		return 1
+		return c.fail(stderr, "--profile: %v", err)
 	}
 	if prof.GPU == nil {
 		return fail("--profile %s has no GPU rates (measured with --cpu-only)", *profPath)
@@ -113,46 +119,47 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	if *ug > 0 {
 		g.Update.Rate = *ug * 1e9
 	}
-	rankParams := int64(math.Ceil(*params / float64(*ranks)))
-	w := perfmodel.Workload{Params: rankParams, SubgroupSize: *sgSize, GradDType: *gradDType, CopyBytes: 2, Threads: perRank, GPUBudget: int64(*budget * (1 << 30))}
+	rankParams := (params + int64(*ranks) - 1) / int64(*ranks)
+	w := perfmodel.Workload{Params: rankParams, SubgroupSize: sgSize, GradDType: *gradDType, CopyBytes: 2, Threads: perRank, GPUBudget: int64(*budget * (1 << 30))}
 	if err := w.Validate(); err != nil {
 		return fail("%v", err)
 	}
 	if err := p.Validate(); err != nil {
 		return fail("--cpu-scale, --pcie or --gpu-rate leave no usable rate: %v", err)
 	}
-	if *timeline != "" {
-		if err := checkPlotPath(*timeline); err != nil {
-			return fail("%v", strings.Replace(err.Error(), "--plot", "--timeline", 1))
-		}
-	}
-	if err := checkWritable(*tracePath); err != nil {
-		return fail("--trace: %v", err)
+	if rc, ok := out.check(c, stderr); !ok {
+		return rc
 	}
 	choice, err := p.Choose(w)
 	if err != nil {
-		fmt.Fprintf(stderr, "dos plan: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
-	uc, _ := p.CPURate(perRank, *gradDType)
+	uc, err := p.CPURate(perRank, *gradDType)
+	if err != nil {
+		return c.fail(stderr, "--profile %s: %v", *profPath, err)
+	}
 	n := w.Subgroups()
 	fmt.Fprintf(stdout, "dos plan: %s parameters over %d rank(s): %s per rank in %d subgroups of up to %s, %d CPU workers per rank, GPU budget %g GiB per rank\n",
-		count(*params), *ranks, count(float64(rankParams)), n, count(float64(*sgSize)), perRank, *budget)
+		count(float64(params)), *ranks, count(float64(rankParams)), n, count(float64(sgSize)), perRank, *budget)
 	if perRank > measured {
 		fmt.Fprintf(stdout, "note: the profile measured at most %d workers; its rate there stands for %d (scale it with --cpu-scale)\n", measured, perRank)
 	}
 	fmt.Fprintf(stdout, "machine: Uc %.2f Gparam/s at %d workers, Ug %.1f Gparam/s, H2D/D2H %.1f/%.1f GB/s (both at once %.1f/%.1f), contention CPU %.2fx, PCIe %.2fx (from %s, measured on %s, %s)\n",
 		uc.Rate/1e9, perRank, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.Contention.CPU, g.Contention.PCIe, *profPath, prof.Machine.CPU, prof.Machine.GPU)
 	var sizes []int64
-	for off := int64(0); off < rankParams; off += *sgSize {
-		sizes = append(sizes, min(*sgSize, rankParams-off))
+	for off := int64(0); off < rankParams; off += sgSize {
+		sizes = append(sizes, min(sgSize, rankParams-off))
 	}
 	fmt.Fprintf(stdout, "%-12s %5s %5s %5s %7s %7s %9s %9s %12s %-6s %5s %5s %5s\n", "schedule", "cpu", "gpu", "res", "k", "upcast", "model s", "replay s", "Gparam/s", "bneck", "cpu", "h2d", "d2h")
 	var modelOps []scheduler.Op
+	var results []planResult
 	row := func(name string, s perfmodel.Schedule) error {
+		res := planResult{Name: name, CPU: s.CPU, GPU: s.GPU, Resident: s.Resident, K: kString(s.K()), Upcast: s.UpcastOnGPU}
 		pr, err := p.Predict(w, s)
 		if err != nil {
 			fmt.Fprintf(stdout, "%-12s %5d %5d %5d  does not fit: %v\n", name, s.CPU, s.GPU, s.Resident, err)
+			res.NotFit = err.Error()
+			results = append(results, res)
 			return nil
 		}
 		plan, err := scheduler.NewPlan(n, s)
@@ -167,6 +174,12 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			modelOps = ops
 		}
 		sum := scheduler.Summarize(ops)
+		res.Predicted, res.Replayed, res.Bottleneck = pr.Makespan, sum.Makespan.Seconds(), pr.Bottleneck
+		res.Busy = map[string]float64{}
+		for _, r := range []string{"cpu", "h2d", "d2h", "gpu"} {
+			res.Busy[r] = sum.Fraction(r)
+		}
+		results = append(results, res)
 		fmt.Fprintf(stdout, "%-12s %5d %5d %5d %7s %7v %9.3f %9.3f %12.2f %-6s %5.2f %5.2f %5.2f\n", name, s.CPU, s.GPU, s.Resident, kString(s.K()), s.UpcastOnGPU,
 			pr.Makespan, sum.Makespan.Seconds(), float64(rankParams)/pr.Makespan/1e9, pr.Bottleneck, sum.Fraction("cpu"), sum.Fraction("h2d"), sum.Fraction("d2h"))
 		return nil
@@ -174,14 +187,13 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	rows := strategies(w, choice, *sweep)
 	for _, x := range rows {
 		if err := row(x.name, x.s); err != nil {
-			fmt.Fprintf(stderr, "dos plan: %v\n", err)
-			return 1
+			return c.fail(stderr, "%v", err)
 		}
 	}
 	fmt.Fprintf(stdout, "the model's choice: k = %s (%d CPU, %d GPU, %d resident subgroups per rank), %.3f s per update phase, bottleneck %s\n",
 		kString(choice.K), choice.CPU, choice.GPU, choice.Resident, choice.Makespan, choice.Bottleneck)
-	if *tracePath != "" {
-		err := writeAtomic(*tracePath, func(f *os.File) error {
+	if *out.trace != "" {
+		err := writeAtomic(*out.trace, func(f *os.File) error {
 			bw := bufio.NewWriter(f)
 			if err := scheduler.WriteChrome(bw, modelOps); err != nil {
 				return err
@@ -189,17 +201,30 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			return bw.Flush()
 		})
 		if err != nil {
-			fmt.Fprintf(stderr, "dos plan: --trace: %v\n", err)
-			return 1
+			return c.fail(stderr, "--trace: %v", err)
 		}
-		fmt.Fprintf(stdout, "replay of the model's schedule written to %s\n", *tracePath)
+		fmt.Fprintf(stdout, "replay of the model's schedule written to %s\n", *out.trace)
 	}
-	if *timeline != "" {
-		if err := plotTimeline(modelOps, fmt.Sprintf("dos plan: the model's schedule replayed, %.3gB parameters per rank", float64(rankParams)/1e9), *timeline); err != nil {
-			fmt.Fprintf(stderr, "dos plan: --timeline: %v\n", err)
-			return 1
+	if *out.json != "" {
+		var model *planResult
+		for i := range results {
+			if results[i].Name == "model" {
+				model = &results[i]
+			}
 		}
-		fmt.Fprintf(stdout, "timeline written to %s\n", *timeline)
+		err := writeJSON(*out.json, map[string]any{"params": params, "ranks": *ranks, "rank_params": rankParams, "subgroups": n,
+			"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": *gradDType, "profile": *profPath,
+			"choice": model, "results": results})
+		if err != nil {
+			return c.fail(stderr, "--json: %v", err)
+		}
+		fmt.Fprintf(stdout, "results written to %s\n", *out.json)
+	}
+	if *out.plot != "" {
+		if err := plotTimeline(modelOps, fmt.Sprintf("dos plan: the model's schedule replayed, %.3gB parameters per rank", float64(rankParams)/1e9), *out.plot); err != nil {
+			return c.fail(stderr, "--plot: %v", err)
+		}
+		fmt.Fprintf(stdout, "timeline written to %s\n", *out.plot)
 	}
 	return 0
 }

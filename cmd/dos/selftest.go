@@ -1,8 +1,6 @@
 package main
 
 import (
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"runtime"
@@ -36,31 +34,17 @@ func selftestBackends() ([]adamcase.Backend, func(), string) {
 }
 
 func runSelftest(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("selftest", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	dir := fs.String("cases", "", "directory of adam-case/v1 `DIR`/*.safetensors files (default: the project's own cases, embedded in this binary)")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: dos selftest [--cases DIR]\n\n"+
-			"Replays every PyTorch AdamW reference case on every optimizer backend of this\n"+
+	c := newCLI("dos selftest", "dos selftest [--cases DIR]", fmt.Sprintf(
+		"Replays every PyTorch AdamW reference case on every optimizer backend of this\n"+
 			"machine and prints one line per case and backend with the max relative error\n"+
 			"(limit %g for fp32 state; 16-bit copies bit-exact). Exits 1 on any failure and\n"+
-			"on an empty or unreadable DIR.\n\nFlags:\n", adamcase.MaxRelErr)
-		fs.PrintDefaults()
+			"on an empty or unreadable DIR.", adamcase.MaxRelErr))
+	dir := c.String("cases", "", "directory of adam-case/v1 `DIR`/*.safetensors files (default: the project's own cases, embedded in this binary)")
+	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
+		return rc
 	}
-	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-		return 0
-	} else if err != nil {
-		return 2
-	}
-	casesSet := false
-	fs.Visit(func(f *flag.Flag) { casesSet = casesSet || f.Name == "cases" })
-	if casesSet && *dir == "" {
-		fmt.Fprintln(stderr, "dos selftest: --cases is empty; omit it to run the embedded cases")
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "dos selftest: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if c.set("cases") && *dir == "" {
+		return c.usageError(stderr, "--cases is empty; omit it to run the embedded cases")
 	}
 	var cases []*adamcase.Case
 	var err error
@@ -72,8 +56,7 @@ func runSelftest(args []string, stdout, stderr io.Writer) int {
 		cases, err = adamcase.LoadDir(*dir)
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "dos selftest: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	backends, release, noGPU := selftestBackends()
 	defer release()

@@ -1,10 +1,10 @@
 package main
 
 import (
-	"flag"
 	"fmt"
 	"io"
 	"os"
+	"strings"
 
 	"github.com/deepstates/dos"
 	"github.com/deepstates/dos/adam"
@@ -29,16 +29,43 @@ func (f dtypeFlag) Set(s string) error {
 	return nil
 }
 
+// trainAbout is what dos train -h says before the flags.
+const trainAbout = `Trains a byte-level GPT-2 on Newton's Opticks with the offloaded AdamW optimizer, checkpointing
+through dos's checkpointer. Losses are in nats per byte.
+
+With --resume the run continues from the latest checkpoint in --ckpt-dir and takes the model and
+dtype configuration from it: --layers, --heads, --embd, --ctx, --batch, --grad-dtype,
+--working-dtype and --subgroup-size, where not given on the command line. One given that differs
+is named: the dtypes and the subgroup size then change from here on; the model's shape and the
+batch cannot, and the run is refused.`
+
+// resumeFlags are the flags dos train --resume takes from the checkpoint
+// when they are not on the command line, with how to copy each.
+var resumeFlags = []struct {
+	name string
+	take func(cfg *trainer.TrainConfig, old trainer.TrainConfig)
+	show func(c trainer.TrainConfig) string
+}{
+	{"layers", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.Model.NLayer = o.Model.NLayer }, func(c trainer.TrainConfig) string { return fmt.Sprint(c.Model.NLayer) }},
+	{"heads", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.Model.NHead = o.Model.NHead }, func(c trainer.TrainConfig) string { return fmt.Sprint(c.Model.NHead) }},
+	{"embd", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.Model.NEmbd = o.Model.NEmbd }, func(c trainer.TrainConfig) string { return fmt.Sprint(c.Model.NEmbd) }},
+	{"ctx", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.Model.NCtx = o.Model.NCtx }, func(c trainer.TrainConfig) string { return fmt.Sprint(c.Model.NCtx) }},
+	{"batch", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.Batch = o.Batch }, func(c trainer.TrainConfig) string { return fmt.Sprint(c.Batch) }},
+	{"grad-dtype", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.GradDType = o.GradDType }, func(c trainer.TrainConfig) string { return c.GradDType.String() }},
+	{"working-dtype", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.WorkingDType = o.WorkingDType }, func(c trainer.TrainConfig) string { return c.WorkingDType.String() }},
+	{"subgroup-size", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.SubgroupSize = o.SubgroupSize }, func(c trainer.TrainConfig) string { return formatSize(int64(c.SubgroupSize)) }},
+}
+
 func runTrain(args []string, stdout, stderr io.Writer) int {
 	cfg := trainer.DefaultTrainConfig()
-	fs := flag.NewFlagSet("dos train", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	c := newCLI("dos train", "dos train [flags]", trainAbout)
+	fs := c.FlagSet
 	fs.IntVar(&cfg.Steps, "steps", cfg.Steps, "train to this iteration (one batch each); a resumed run continues to it")
-	fs.IntVar(&cfg.Model.NLayer, "layers", cfg.Model.NLayer, "transformer blocks")
-	fs.IntVar(&cfg.Model.NHead, "heads", cfg.Model.NHead, "attention heads (must divide --embd)")
-	fs.IntVar(&cfg.Model.NEmbd, "embd", cfg.Model.NEmbd, "embedding width (elements)")
-	fs.IntVar(&cfg.Model.NCtx, "ctx", cfg.Model.NCtx, "context length in tokens (bytes); every sequence is this long")
-	fs.IntVar(&cfg.Batch, "batch", cfg.Batch, "sequences per iteration")
+	fs.IntVar(&cfg.Model.NLayer, "layers", cfg.Model.NLayer, "transformer blocks (with --resume: the checkpoint's)")
+	fs.IntVar(&cfg.Model.NHead, "heads", cfg.Model.NHead, "attention heads (must divide --embd; with --resume: the checkpoint's)")
+	fs.IntVar(&cfg.Model.NEmbd, "embd", cfg.Model.NEmbd, "embedding width (elements; with --resume: the checkpoint's)")
+	fs.IntVar(&cfg.Model.NCtx, "ctx", cfg.Model.NCtx, "context length in tokens (bytes); every sequence is this long (with --resume: the checkpoint's)")
+	fs.IntVar(&cfg.Batch, "batch", cfg.Batch, "sequences per iteration (with --resume: the checkpoint's)")
 	fs.Float64Var(&cfg.LR, "lr", cfg.LR, "peak learning rate")
 	fs.Float64Var(&cfg.MinLRRatio, "min-lr-ratio", cfg.MinLRRatio, "the cosine's floor as a fraction of --lr")
 	fs.IntVar(&cfg.WarmupSteps, "warmup", cfg.WarmupSteps, "iterations of linear learning-rate warm-up")
@@ -49,10 +76,10 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.Float64Var(&cfg.Eps, "eps", cfg.Eps, "AdamW eps")
 	fs.Float64Var(&cfg.MaxGradNorm, "clip", cfg.MaxGradNorm, "global gradient-norm clipping max_norm (0: off)")
 	fs.Float64Var(&cfg.LossScale, "loss-scale", cfg.LossScale, "initial dynamic loss scale (0: off); halves on overflow, doubles after 2000 good steps")
-	fs.Var(dtypeFlag{&cfg.GradDType}, "grad-dtype", "gradient dtype handed to the optimizer: float32, bfloat16 or float16")
-	fs.Var(dtypeFlag{&cfg.WorkingDType}, "working-dtype", "dtype of the weights forward reads: none (fp32 master), bfloat16 or float16")
+	fs.Var(dtypeFlag{&cfg.GradDType}, "grad-dtype", "gradient dtype handed to the optimizer: float32, bfloat16 or float16 (with --resume: the checkpoint's)")
+	fs.Var(dtypeFlag{&cfg.WorkingDType}, "working-dtype", "dtype of the weights forward reads: none (fp32 master), bfloat16 or float16 (with --resume: the checkpoint's)")
 	fs.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "seed of initialisation and sampling")
-	fs.IntVar(&cfg.SubgroupSize, "subgroup-size", cfg.SubgroupSize, "optimizer subgroup size in elements (0: 1e9)")
+	sizeVar(c, &cfg.SubgroupSize, "subgroup-size", "optimizer subgroup size in elements `N` (0: 1e9; with --resume: the checkpoint's)")
 	fs.IntVar(&cfg.Threads, "threads", cfg.Threads, fmt.Sprintf("optimizer worker goroutines, at most 4 × the CPUs (%d here) (0: GOMAXPROCS)", trainer.MaxThreads()))
 	fs.Float64Var(&cfg.MaxMemory, "max-memory", cfg.MaxMemory, fmt.Sprintf("host memory in `GiB` the run may use, checked against the estimate before anything is allocated (0: the memory available now; at most %d)", trainer.MaxMemoryBytes>>30))
 	fs.StringVar(&cfg.CkptDir, "ckpt-dir", cfg.CkptDir, "checkpoint root directory (empty: no checkpoints)")
@@ -63,58 +90,60 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.Float64Var(&cfg.GPUBudget, "gpu-budget", cfg.GPUBudget, "with --device: device memory in `GiB` for resident state and staging (0: 16)")
 	fs.StringVar(&cfg.Schedule, "schedule", cfg.Schedule, "with --device: force `CPU,GPU,RESIDENT` subgroup counts, adding up to the subgroups (default: the model's with --profile, else a third of each; one subgroup is streamed through the GPU)")
 	fs.BoolVar(&cfg.CkptSync, "ckpt-sync", cfg.CkptSync, "write checkpoints synchronously instead of capturing them lazily and flushing in the background")
-	fs.BoolVar(&cfg.Resume, "resume", cfg.Resume, "continue from the latest checkpoint in --ckpt-dir")
+	fs.BoolVar(&cfg.Resume, "resume", cfg.Resume, "continue from the latest checkpoint in --ckpt-dir, with its model and dtypes unless given here")
 	fs.IntVar(&cfg.EvalEvery, "eval-every", cfg.EvalEvery, "iterations between validation losses (0: only at the start and the end)")
 	fs.IntVar(&cfg.EvalBatches, "eval-batches", cfg.EvalBatches, "validation batches per evaluation")
 	fs.IntVar(&cfg.LogEvery, "log-every", cfg.LogEvery, "iterations between progress lines")
-	fs.IntVar(&cfg.SampleBytes, "sample", cfg.SampleBytes, "bytes of text to generate at the end (0: none)")
-	text := fs.String("text", "", "train on this UTF-8/byte text file (default: Newton's Opticks, embedded)")
+	sizeVar(c, &cfg.SampleBytes, "sample", "bytes `N` of text to generate at the end (0: none)")
+	text := fs.String("text", "", "train on this UTF-8/byte text `FILE` (default: Newton's Opticks, embedded)")
 	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, initial_val_loss, steps, params, tokens_per_s, skipped_steps, sample, update_s, update_predicted_s} to this `PATH` (losses in nats per byte; update_s the mean update phase in seconds, update_predicted_s the model's with --profile; sample bytes that are not UTF-8 become U+FFFD)")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: dos train [flags]\n\n"+
-			"Trains a byte-level GPT-2 on Newton's Opticks with the offloaded AdamW optimizer, checkpointing\n"+
-			"through dos's checkpointer. Losses are in nats per byte.\n\nFlags:\n")
-		fs.PrintDefaults()
-	}
-	if rc, ok := parseNoArgs(fs, args, stderr); !ok {
+	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
+	if cfg.Resume && cfg.CkptDir != "" {
+		if dir, old, ok := resumeSource(cfg.CkptDir); ok {
+			var taken []string
+			for _, f := range resumeFlags {
+				if !c.set(f.name) {
+					f.take(&cfg, old)
+					taken = append(taken, "--"+f.name+" "+f.show(cfg))
+				}
+			}
+			if len(taken) > 0 {
+				fmt.Fprintf(stdout, "resume: from %s: %s\n", dir, strings.Join(taken, " "))
+			}
+		}
+	}
 	if err := cfg.Validate(); err != nil {
-		fmt.Fprintf(stderr, "dos train: %v\n", err)
-		return 2
+		return c.usageError(stderr, "%v", err)
 	}
 	data := dos.Opticks
 	if *text != "" {
 		b, err := readText(*text)
 		if err != nil {
-			fmt.Fprintf(stderr, "dos train: --text: %v\n", err)
-			return 1
+			return c.fail(stderr, "--text: %v", err)
 		}
 		data = b
 	}
 	if *summary != "" { // fail now, not after training, if it cannot be written
 		if err := writeFile(*summary, []byte("{}\n")); err != nil {
-			fmt.Fprintf(stderr, "dos train: --summary-json: %v\n", err)
-			return 1
+			return c.fail(stderr, "--summary-json: %v", err)
 		}
 	}
 	t, err := trainer.New(cfg, data, stdout)
 	if err != nil {
-		fmt.Fprintf(stderr, "dos train: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	defer t.Close()
 	sum, err := t.Run()
 	if err != nil {
-		fmt.Fprintf(stderr, "dos train: %v\n", err)
-		return 1
+		return c.fail(stderr, "%v", err)
 	}
 	fmt.Fprintf(stdout, "done: %d iterations, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
 		sum.Steps, sum.InitialLoss, sum.FinalLoss, sum.InitValLoss, sum.ValLoss, sum.TokensPerS)
 	if *summary != "" {
 		if err := writeJSON(*summary, sum); err != nil {
-			fmt.Fprintf(stderr, "dos train: --summary-json: %v\n", err)
-			return 1
+			return c.fail(stderr, "--summary-json: %v", err)
 		}
 	}
 	return 0
