@@ -66,11 +66,9 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 	default:
 		return nil, fmt.Errorf("scheduler: Simulate: gradient dtype %q", w.GradDType)
 	}
-	upcast := plan.Schedule.UpcastOnGPU && gb == 2
-	cpuDType := w.GradDType
-	cb := gb // bytes of a CPU subgroup's gradient moving D2H
-	if upcast {
-		cpuDType, cb = "float32", 4
+	cpuDType := w.GradDType // what the CPU workers read: fp32 after the upcast
+	if plan.Schedule.UpcastOnGPU && gb == 2 {
+		cpuDType = "float32"
 	}
 	uc, err := p.CPURate(max(1, m.Threads), cpuDType)
 	if err != nil {
@@ -78,72 +76,14 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 	}
 	g := p.GPU
 	fc, fl := max(1, g.Contention.CPU), max(1, g.Contention.PCIe)
-
-	s := &des{}
 	arrays := 3
 	if w.AMSGrad {
 		arrays = 4
 	}
-	chunk := func(kind int, what string, i int, n float64, deps ...*task) []*task {
-		// A state copy: each array (p, m, v, vmax) in CopyChunk pieces,
-		// each after the lane's piece two before (the engine's throttle),
-		// in order.
-		var out []*task
-		for range arrays {
-			for o := 0.0; o < 4*n; o += CopyChunk {
-				t := s.add(kind, what, i, min(CopyChunk, 4*n-o), deps...)
-				if k := len(s.lane[kind]); k >= 2 {
-					t.deps = append(t.deps, s.lane[kind][k-2])
-				}
-				s.lane[kind] = append(s.lane[kind], t)
-				out = append(out, t)
-			}
-		}
-		return out
-	}
-	// The GPU lane, in its order.
-	var lastOnSlot [2]*task // the last D2H piece of each slot's previous subgroup
-	var prevKernel *task
-	streamed := 0
-	for _, i := range plan.GPUOrder {
-		n := float64(w.Sizes[i])
-		if plan.Roles[i] == Resident {
-			k := s.add(resGPU, "AdamW", i, n, prevKernel)
-			prevKernel = k
-			continue
-		}
-		slot := streamed % 2
-		streamed++
-		h2d := chunk(resH2D, "state H2D", i, n, lastOnSlot[slot])
-		k := s.add(resGPU, "AdamW", i, n, h2d[len(h2d)-1], prevKernel)
-		prevKernel = k
-		d2h := chunk(resD2H, "state D2H", i, n, k)
-		lastOnSlot[slot] = d2h[len(d2h)-1]
-	}
-	// The CPU lane, in its order.
-	var cpuSteps, copies []*task
-	var prevCPU *task
-	for ci, i := range plan.CPUOrder {
-		n := float64(w.Sizes[i])
-		var token, slotFree *task
-		if ci >= 2 {
-			token, slotFree = cpuSteps[ci-2], copies[ci-2]
-		}
-		var gd *task
-		if upcast {
-			u := s.add(resUpcast, "upcast", i, n, token)
-			gd = s.add(resD2H, "grad D2H", i, cb*n, u)
-		} else {
-			gd = s.add(resD2H, "grad D2H", i, cb*n, token)
-		}
-		c := s.add(resCPU, "CPU AdamW", i, n, gd, slotFree, prevCPU)
-		prevCPU = c
-		cp := s.add(resH2D, "copy H2D", i, 2*n, c)
-		cpuSteps, copies = append(cpuSteps, c), append(copies, cp)
-	}
+	c := newCore(plan, shape{sizes: w.Sizes, arrays: arrays, gradBytes: int64(gb)})
 	// Rates: work units per second, given what else runs.
-	rate := func(t *task, busy [numRes]int) float64 {
-		switch t.res {
+	rate := func(r int, busy [numRes]int) float64 {
+		switch r {
 		case resCPU:
 			r := uc.Rate
 			if busy[resH2D] > 0 || busy[resD2H] > 0 {
@@ -156,37 +96,47 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 			return g.Convert.Rate
 		}
 		both := busy[resH2D] > 0 && busy[resD2H] > 0
-		r := g.H2D.Rate
+		x := g.H2D.Rate
 		switch {
-		case t.res == resH2D && both:
-			r = g.H2DBoth.Rate
-		case t.res == resD2H && both:
-			r = g.D2HBoth.Rate
-		case t.res == resD2H:
-			r = g.D2H.Rate
+		case r == resH2D && both:
+			x = g.H2DBoth.Rate
+		case r == resD2H && both:
+			x = g.D2HBoth.Rate
+		case r == resD2H:
+			x = g.D2H.Rate
 		}
 		if busy[resCPU] > 0 {
-			r /= fl
+			x /= fl
 		}
-		return r
+		return x
 	}
-	latency := func(t *task) float64 {
-		switch t.res {
-		case resCPU:
-			return uc.LatencyS
-		case resGPU:
-			return g.Update.LatencyS
-		case resUpcast:
-			return g.Convert.LatencyS
-		case resH2D:
-			return g.H2D.LatencyS
+	var latency [numRes]float64
+	latency[resCPU], latency[resGPU], latency[resUpcast] = uc.LatencyS, g.Update.LatencyS, g.Convert.LatencyS
+	latency[resH2D], latency[resD2H] = g.H2D.LatencyS, g.D2H.LatencyS
+	times, err := replay(c, rate, latency)
+	if err != nil {
+		return nil, err
+	}
+	// One Op per engine operation: a state copy's pieces become one.
+	ops := make([]Op, 0, c.numHeads)
+	at := make([]int, len(c.steps)) // each head's Op
+	for k, st := range c.steps {
+		t := times[k]
+		if !st.first {
+			o := &ops[at[st.head]]
+			o.Start = min(o.Start, dur(t.start))
+			o.End = max(o.End, dur(t.end))
+			o.Bytes += st.amount
+			continue
 		}
-		return g.D2H.LatencyS
+		at[k] = len(ops)
+		ops = append(ops, Op{Resource: resource(st.queue), What: opNames[st.op], Subgroup: int(st.sub), Start: dur(t.start), End: dur(t.end), Bytes: st.amount})
 	}
-	return s.run(rate, latency)
+	slices.SortStableFunc(ops, func(a, b Op) int { return int(a.Start - b.Start) })
+	return ops, nil
 }
 
-// Resources of the simulation: one server each, first come first served.
+// Resources of the replay: one server each, first come first served.
 const (
 	resCPU = iota
 	resH2D
@@ -196,159 +146,141 @@ const (
 	numRes
 )
 
-var resNames = [numRes]string{"cpu", "h2d", "d2h", "gpu", "gpu"}
+// queueRes is the resource of each queue.
+var queueRes = [numQueues]int{sH2D: resH2D, sKernel: resGPU, sD2H: resD2H, sUpcast: resUpcast, qCPU: resCPU}
 
-// task is one operation of the simulation: work units (bytes or params)
-// on a resource, after its dependencies end.
+// stepTime is a step's virtual start and end in seconds.
+type stepTime struct{ start, end float64 }
+
+// task is a step of the replay.
 type task struct {
-	res, sub   int
-	what       string
-	work, left float64 // units; left counts down once started
+	k          int32   // the step
+	res        int     // its resource
+	work, left float64 // units (bytes or params); left counts down once started
 	lat        float64 // seconds of latency left
-	deps       []*task
 	ready      float64 // when its dependencies had all ended
-	start, end float64
-	state      int // 0 waiting, 1 ready, 2 running, 3 done
-	seq        int
 	ndeps      int     // dependencies not yet ended
-	next       []*task // the tasks that depend on this one
+	next       []int32 // the tasks that wait for this one
 }
 
 // taskHeap orders ready tasks by the time they became ready, then by the
-// order they were added.
-type taskHeap []*task
-
-func (h taskHeap) Len() int { return len(h) }
-func (h taskHeap) Less(i, j int) bool {
-	return h[i].ready < h[j].ready || (h[i].ready == h[j].ready && h[i].seq < h[j].seq)
+// order of the steps.
+type taskHeap struct {
+	t  []task
+	ks []int32
 }
-func (h taskHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
-func (h *taskHeap) Push(x any)   { *h = append(*h, x.(*task)) }
+
+func (h *taskHeap) Len() int { return len(h.ks) }
+func (h *taskHeap) Less(i, j int) bool {
+	a, b := &h.t[h.ks[i]], &h.t[h.ks[j]]
+	return a.ready < b.ready || (a.ready == b.ready && a.k < b.k)
+}
+func (h *taskHeap) Swap(i, j int) { h.ks[i], h.ks[j] = h.ks[j], h.ks[i] }
+func (h *taskHeap) Push(x any)    { h.ks = append(h.ks, x.(int32)) }
 func (h *taskHeap) Pop() any {
-	old := *h
-	t := old[len(old)-1]
-	*h = old[:len(old)-1]
-	return t
-}
-
-type des struct {
-	tasks []*task
-	lane  [numRes][]*task // state pieces per copy lane, for the throttle
-}
-
-func (s *des) add(res int, what string, sub int, work float64, deps ...*task) *task {
-	t := &task{res: res, sub: sub, what: what, work: work, left: work, seq: len(s.tasks)}
-	for _, d := range deps {
-		if d != nil {
-			t.deps = append(t.deps, d)
-		}
-	}
-	s.tasks = append(s.tasks, t)
-	return t
+	k := h.ks[len(h.ks)-1]
+	h.ks = h.ks[:len(h.ks)-1]
+	return k
 }
 
 // maxSimSeconds bounds a replay's virtual time (about 31 years).
 const maxSimSeconds = 1e9
 
-// run advances virtual time from event to event: a task whose
-// dependencies have all ended becomes ready; each free resource starts its
-// earliest-ready task (ties: the order added, the order the engine
-// enqueues); running tasks progress at the rates of this moment. Each task
-// is pushed and popped once: O(T log T) for T tasks.
-func (s *des) run(rate func(*task, [numRes]int) float64, latency func(*task) float64) ([]Op, error) {
+// replay runs c's steps in virtual time and returns each one's span. It
+// advances from event to event: a step whose dependencies (every mode
+// alike, the throttle included) have all ended becomes ready; each free
+// resource starts its earliest-ready step (ties: the core's order, which
+// is the order the engine enqueues); running steps progress at rate(their
+// resource, which resources are busy) units per second after latency[their
+// resource] seconds. Each step is pushed and popped once: O(T log T) for T
+// steps.
+func replay(c *core, rate func(res int, busy [numRes]int) float64, latency [numRes]float64) ([]stepTime, error) {
+	ts := make([]task, len(c.steps))
+	for k := range c.steps {
+		st := &c.steps[k]
+		ts[k] = task{k: int32(k), res: queueRes[st.queue], work: float64(st.amount), left: float64(st.amount), ndeps: int(st.nDeps)}
+		for _, d := range st.waits() {
+			ts[d.step].next = append(ts[d.step].next, int32(k))
+		}
+	}
 	var queue [numRes]taskHeap
-	for _, t := range s.tasks {
-		t.ndeps = len(t.deps)
-		for _, d := range t.deps {
-			d.next = append(d.next, t)
+	for r := range queue {
+		queue[r].t = ts
+	}
+	for k := range ts {
+		if ts[k].ndeps == 0 {
+			heap.Push(&queue[ts[k].res], int32(k))
 		}
 	}
-	for _, t := range s.tasks {
-		if t.ndeps == 0 {
-			t.state = 1
-			heap.Push(&queue[t.res], t)
-		}
-	}
+	out := make([]stepTime, len(ts))
 	now := 0.0
 	done := 0
-	var running [numRes]*task
-	for done < len(s.tasks) {
+	var running [numRes]int32
+	for r := range running {
+		running[r] = -1
+	}
+	for done < len(ts) {
 		for r := range numRes {
-			if running[r] == nil && queue[r].Len() > 0 {
-				t := heap.Pop(&queue[r]).(*task)
-				t.state, t.start, t.lat = 2, now, latency(t)
-				running[r] = t
+			if running[r] < 0 && queue[r].Len() > 0 {
+				k := heap.Pop(&queue[r]).(int32)
+				ts[k].lat = latency[r]
+				out[k].start = now
+				running[r] = k
 			}
 		}
 		var busy [numRes]int
-		for r, t := range running {
-			if t != nil {
+		for r, k := range running {
+			if k >= 0 {
 				busy[r] = 1
 			}
 		}
 		if busy == ([numRes]int{}) {
-			return nil, errors.New("scheduler: Simulate: the schedule deadlocks") // cannot happen for a Plan
+			return nil, errors.New("scheduler: Simulate: the schedule deadlocks") // cannot happen for a core
 		}
 		// The next end at this moment's rates.
 		dt := math.Inf(1)
-		for _, t := range running {
-			if t != nil {
-				dt = min(dt, t.lat+t.left/rate(t, busy))
+		for r, k := range running {
+			if k >= 0 {
+				dt = min(dt, ts[k].lat+ts[k].left/rate(r, busy))
 			}
 		}
 		if now+dt > maxSimSeconds {
 			return nil, fmt.Errorf("scheduler: Simulate: the update phase would take over %.0f s", float64(maxSimSeconds))
 		}
-		var ended []*task
-		for r, t := range running {
-			if t == nil {
+		var ended [numRes]int32
+		nEnded := 0
+		for r, k := range running {
+			if k < 0 {
 				continue
 			}
+			t := &ts[k]
 			adv := dt
 			if t.lat > 0 {
 				l := min(t.lat, adv)
 				t.lat -= l
 				adv -= l
 			}
-			t.left -= adv * rate(t, busy)
+			t.left -= adv * rate(r, busy)
 			if t.lat <= 0 && t.left <= 1e-9*t.work+1e-9 {
-				t.state, t.end = 3, now+dt
-				running[r] = nil
-				ended = append(ended, t)
+				out[k].end = now + dt
+				running[r] = -1
+				ended[nEnded] = k
+				nEnded++
 				done++
 			}
 		}
 		now += dt
-		for _, t := range ended {
-			for _, n := range t.next {
+		for _, k := range ended[:nEnded] {
+			for _, x := range ts[k].next {
+				n := &ts[x]
 				if n.ndeps--; n.ndeps == 0 {
-					n.state, n.ready = 1, now
-					heap.Push(&queue[n.res], n)
+					n.ready = now
+					heap.Push(&queue[n.res], x)
 				}
 			}
 		}
 	}
-	// One Op per engine operation: a state copy's pieces become one.
-	type key struct {
-		sub  int
-		what string
-	}
-	merged := map[key]int{}
-	var ops []Op
-	for _, t := range s.tasks {
-		k := key{t.sub, t.what}
-		if j, ok := merged[k]; ok {
-			o := &ops[j]
-			o.Start = min(o.Start, dur(t.start))
-			o.End = max(o.End, dur(t.end))
-			o.Bytes += int64(t.work)
-			continue
-		}
-		merged[k] = len(ops)
-		ops = append(ops, Op{Resource: resNames[t.res], What: t.what, Subgroup: t.sub, Start: dur(t.start), End: dur(t.end), Bytes: int64(t.work)})
-	}
-	slices.SortStableFunc(ops, func(a, b Op) int { return int(a.Start - b.Start) })
-	return ops, nil
+	return out, nil
 }
 
 func dur(s float64) time.Duration { return time.Duration(s * 1e9) }

@@ -7,6 +7,52 @@ import (
 	"time"
 )
 
+// Op is one traced operation of the last Update.
+type Op struct {
+	Resource string        // "h2d", "d2h", "gpu" or "cpu" (perfmodel's resources)
+	What     string        // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"
+	Subgroup int           // its index
+	Start    time.Duration // from the start of the update phase
+	End      time.Duration
+	Bytes    int64 // moved over PCIe (copies) or params updated (kernels, CPU)
+}
+
+// Trace returns the operations of the last Update with their times: the
+// device's by its events (from an event recorded at the start), the CPU's
+// by the host clock from the same start, sorted by start. Errors: the
+// device's (Elapsed).
+func (e *Engine) Trace() ([]Op, error) {
+	var ops []Op
+	for i := range e.sizes {
+		for _, op := range e.core.ops(i) {
+			if e.done[i]&(1<<op) == 0 {
+				continue
+			}
+			r := e.core.opSteps[i][op]
+			o := Op{Resource: resource(e.core.steps[r[0]].queue), What: opNames[op], Subgroup: i}
+			for k := r[0]; k <= r[1]; k++ {
+				o.Bytes += e.core.steps[k].amount
+			}
+			if op == opCPU {
+				o.Start, o.End = e.cpuT[i][0], e.cpuT[i][1]
+			} else {
+				a, err := e.dev.Elapsed(e.base, e.startEv[r[0]])
+				if err != nil {
+					return nil, err
+				}
+				b, err := e.dev.Elapsed(e.base, e.endEv[r[1]])
+				if err != nil {
+					return nil, err
+				}
+				o.Start, o.End = a, b
+			}
+			ops = append(ops, o)
+		}
+	}
+	slices.SortStableFunc(ops, func(a, b Op) int { return int(a.Start - b.Start) })
+	return ops, nil
+}
+
 // Summary is what a trace says of one update phase.
 type Summary struct {
 	Makespan time.Duration            // from the first start to the last end

@@ -1,0 +1,211 @@
+package scheduler
+
+// The engine's memory: what New allocates once (allocBase) and what each
+// plan needs (allocPlan, freed by Replan and Close).
+
+import (
+	"errors"
+	"fmt"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+)
+
+func (e *Engine) devAlloc(list *[]any, bytes int64) (Mem, error) {
+	m, err := e.dev.Alloc(bytes)
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %d bytes of device memory: %w", bytes, err)
+	}
+	*list = append(*list, m)
+	return m, nil
+}
+
+func (e *Engine) hostAlloc(list *[]any, bytes int64) (Host, error) {
+	h, err := e.dev.AllocHost(bytes)
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %d bytes of pinned host memory: %w", bytes, err)
+	}
+	*list = append(*list, h)
+	return h, nil
+}
+
+// allocBase allocates what does not depend on the plan: the host state,
+// the device gradients and working copy, streams and events.
+func (e *Engine) allocBase() error {
+	var err error
+	views := []*[]float32{&e.state.Param, &e.state.ExpAvg, &e.state.ExpAvgSq, &e.state.MaxExpAvgSq}
+	for a := range e.nArr {
+		if e.host[a], err = e.hostAlloc(&e.allocs, 4*e.total); err != nil {
+			return err
+		}
+		*views[a] = unsafe.Slice((*float32)(unsafe.Pointer(&e.host[a].Bytes()[0])), e.total)
+	}
+	if e.grad, err = e.devAlloc(&e.allocs, e.gb*e.total); err != nil {
+		return err
+	}
+	if e.work, err = e.devAlloc(&e.allocs, 2*e.total); err != nil {
+		return err
+	}
+	for i := range e.s {
+		if e.s[i], err = e.dev.NewStream(); err != nil {
+			return err
+		}
+		e.allocs = append(e.allocs, e.s[i])
+	}
+	event := func() (Event, error) {
+		ev, err := e.dev.NewEvent()
+		if err == nil {
+			e.allocs = append(e.allocs, ev)
+		}
+		return ev, err
+	}
+	if e.xfer, err = e.hostAlloc(&e.allocs, 4*min(e.maxN, xferElems)); err != nil {
+		return err
+	}
+	if e.base, err = event(); err != nil {
+		return err
+	}
+	for i := range e.tail {
+		if e.tail[i], err = event(); err != nil {
+			return err
+		}
+	}
+	if e.dlEv, err = event(); err != nil {
+		return err
+	}
+	return nil
+}
+
+// allocPlan places p: the schedule core's steps and their events, the
+// resident state, the device staging slots, the upcast scratch, the host
+// staging slots.
+func (e *Engine) allocPlan(p *Plan) error {
+	e.plan = p
+	e.core = newCore(p, shape{sizes: e.sizes, arrays: e.nArr, gradBytes: e.gb, chunk: e.o.copyChunk})
+	e.cpuGD = e.o.GradDType
+	if e.core.upcast {
+		e.cpuGD = adam.F32
+	}
+	e.resOff = make([]int64, len(e.o.Sizes))
+	var nRes int64
+	for i, n := range e.o.Sizes {
+		if p.Roles[i] == Resident {
+			e.resOff[i] = nRes
+			nRes += int64(n)
+		}
+	}
+	e.res, e.stage, e.scr, e.gst, e.cst = [4]Mem{}, [4]Mem{}, nil, nil, nil
+	var err error
+	l := &e.planAllocs
+	if nRes > 0 {
+		for a := range e.nArr {
+			if e.res[a], err = e.devAlloc(l, 4*nRes); err != nil {
+				return err
+			}
+		}
+	}
+	if p.Schedule.GPU > 0 {
+		for a := range e.nArr {
+			if e.stage[a], err = e.devAlloc(l, 2*4*e.maxN); err != nil {
+				return err
+			}
+		}
+	}
+	if len(p.CPUOrder) > 0 {
+		if e.core.upcast {
+			if e.scr, err = e.devAlloc(l, 2*4*e.maxN); err != nil {
+				return err
+			}
+		}
+		if e.gst, err = e.hostAlloc(l, 2*elemBytes(e.cpuGD)*e.maxN); err != nil {
+			return err
+		}
+		if e.cst, err = e.hostAlloc(l, 2*2*e.maxN); err != nil {
+			return err
+		}
+	}
+	// An event at the end of every step on the device, and one at the
+	// start of every operation there.
+	steps := e.core.steps
+	e.startEv, e.endEv = make([]Event, len(steps)), make([]Event, len(steps))
+	event := func(ev *Event) error {
+		var err error
+		if *ev, err = e.dev.NewEvent(); err == nil {
+			*l = append(*l, *ev)
+		}
+		return err
+	}
+	for k := range steps {
+		if steps[k].queue == qCPU {
+			continue
+		}
+		if err := event(&e.endEv[k]); err != nil {
+			return err
+		}
+		if steps[k].first {
+			if err := event(&e.startEv[k]); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// Replan moves the engine to plan p (NewPlan over the same subgroups):
+// the resident state comes back to the host, the memory of the old plan
+// is freed, p's is allocated and its resident state moves to the device.
+//
+// Errors: a plan for other subgroups, a failed copy or allocation (the
+// engine is then broken: Close it).
+func (e *Engine) Replan(p *Plan) error {
+	if e.broken {
+		return ErrBroken
+	}
+	if p == nil || len(p.Roles) != len(e.o.Sizes) {
+		return fmt.Errorf("scheduler: Replan: the plan must place the %d subgroups", len(e.o.Sizes))
+	}
+	if err := e.Download(); err != nil {
+		return err
+	}
+	if err := e.freePlan(); err != nil {
+		// What the old plan held may still be in use by the device.
+		e.broken = true
+		return fmt.Errorf("%w: Replan: %v", ErrBroken, err)
+	}
+	if err := e.allocPlan(p); err != nil {
+		e.broken = true
+		return err
+	}
+	if err := e.upload(false); err != nil {
+		// The new resident state is not all on the device.
+		e.broken = true
+		return fmt.Errorf("%w: Replan: %v", ErrBroken, err)
+	}
+	return nil
+}
+
+// freePlan frees what allocPlan allocated and returns the Free errors.
+func (e *Engine) freePlan() error {
+	err := e.free(e.planAllocs)
+	e.planAllocs = nil
+	return err
+}
+
+// free frees list's objects, the last allocated first, and returns the
+// errors of those that failed.
+func (e *Engine) free(list []any) error {
+	var errs []error
+	for i := len(list) - 1; i >= 0; i-- {
+		if err := e.dev.Free(list[i]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func elemBytes(d adam.DType) int64 {
+	if d == adam.F32 {
+		return 4
+	}
+	return 2
+}

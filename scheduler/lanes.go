@@ -1,0 +1,216 @@
+package scheduler
+
+import (
+	"time"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// The lanes: Update executes the schedule core on the device. Each issuer
+// (the GPU lane on Update's goroutine; the state D2H copies, the CPU lane's
+// feed and its workers on three goroutines that live from New to Close)
+// walks its steps in the core's order: it waits for each step's
+// dependencies as the step says, then enqueues it (a CPU update runs it).
+// An issuer that needs another's step first waits until that issuer has
+// issued it (issued, under progMu).
+//
+// Every copy of one direction goes on one stream (e.s[sH2D], e.s[sD2H]),
+// in the order enqueued, and is enqueued only when it can run: on separate
+// streams the H200's copy engines served a stream that always had work
+// queued before another, and a CPU subgroup's 16-bit copy waited 160 ms
+// behind GPU subgroups' state (BENCHMARKS.md). laneMu keeps a copy with its
+// waits and events together on its stream.
+
+// runIssuer runs issuer l's steps once per message on e.start[l] until Close.
+func (e *Engine) runIssuer(l issuer) {
+	for range e.start[l] {
+		e.issue(l)
+		e.fin <- struct{}{}
+	}
+	e.fin <- struct{}{}
+}
+
+// issue runs issuer l's steps of this Update in order, until the lanes are
+// stopped, then says it ended.
+func (e *Engine) issue(l issuer) {
+	for _, k := range e.core.lanes[l] {
+		if e.abort.Load() || !e.step(k) {
+			break
+		}
+		e.progMu.Lock()
+		e.issued[l]++
+		e.progMu.Unlock()
+		e.progress.Broadcast()
+	}
+	e.progMu.Lock()
+	e.ended[l] = true
+	e.progMu.Unlock()
+	e.progress.Broadcast()
+}
+
+// issuedYet waits until the step ds has been issued by its issuer and
+// reports whether it was (false: that issuer stopped before it).
+func (e *Engine) issuedYet(ds *step) bool {
+	l := ds.issuer
+	e.progMu.Lock()
+	for e.issued[l] <= ds.seq && !e.ended[l] {
+		e.progress.Wait()
+	}
+	ok := e.issued[l] > ds.seq
+	e.progMu.Unlock()
+	return ok
+}
+
+// step waits for what step k depends on, then enqueues it (runs it, for a
+// CPU update) and marks its operation done after its last step. It reports
+// success; a failure is recorded (fail) and stops the lanes.
+func (e *Engine) step(k int32) bool {
+	st := &e.core.steps[k]
+	i, op := int(st.sub), int(st.op)
+	for _, d := range st.waits() {
+		ds := &e.core.steps[d.step]
+		if ds.issuer != st.issuer && !e.issuedYet(ds) {
+			return false // its issuer stopped: the fault is recorded
+		}
+		// A CPU update is done once issued.
+		if d.how.host() && ds.queue != qCPU && e.fail(i, op, e.wait(e.endEv[d.step])) {
+			return false
+		}
+	}
+	if e.fail(i, op, e.exec(k, int(st.slot), true)) {
+		return false
+	}
+	if st.last {
+		e.done[i] |= 1 << op
+	}
+	return true
+}
+
+// exec enqueues step k with staging slot slot (runs it, for a CPU update):
+// after the stream waits the step names when waits is set, between its
+// operation's start event (first step) and its own end event.
+func (e *Engine) exec(k int32, slot int, waits bool) error {
+	st := &e.core.steps[k]
+	i := int(st.sub)
+	n := e.sizes[i]
+	grad := Vec{Mem: e.grad, Off: e.off[i], N: n}
+	switch st.op {
+	case opH2D, opD2H:
+		if st.op == opD2H && st.first && e.gate != nil {
+			e.gate(i) // the state D2H writes subgroup i's host state
+		}
+		return e.statePiece(k, st, slot, waits)
+	case opKernel:
+		s := e.s[sKernel]
+		x := e.resState(i)
+		if e.plan.Roles[i] == OnGPU {
+			x = e.slotState(slot, i)
+		}
+		if waits {
+			if err := e.streamWaits(s, st); err != nil {
+				return err
+			}
+		}
+		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.c, x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.off[i], N: n}), e.dev.Record(e.endEv[k], s))
+	case opUpcast:
+		s := e.s[sUpcast]
+		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.Widen16(s, e.o.GradDType, Vec{Mem: e.scr, Off: int64(slot) * e.maxN, N: n}, grad), e.dev.Record(e.endEv[k], s))
+	case opGradD2H:
+		gb := elemBytes(e.cpuGD)
+		src, srcOff := e.grad, gb*e.off[i]
+		if e.core.upcast {
+			src, srcOff = e.scr, 4*int64(slot)*e.maxN
+		}
+		s := e.s[sD2H]
+		e.laneMu[sD2H].Lock()
+		defer e.laneMu[sD2H].Unlock()
+		if waits {
+			if err := e.streamWaits(s, st); err != nil {
+				return err
+			}
+		}
+		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.D2H(s, e.gst, gb*int64(slot)*e.maxN, src, srcOff, gb*n), e.dev.Record(e.endEv[k], s))
+	case opCPU:
+		e.cpu(i, slot)
+		return nil
+	case opCopyH2D:
+		s := e.s[sH2D]
+		e.laneMu[sH2D].Lock()
+		defer e.laneMu[sH2D].Unlock()
+		if waits {
+			if err := e.streamWaits(s, st); err != nil {
+				return err
+			}
+		}
+		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.H2D(s, e.work, 2*e.off[i], e.cst, 2*int64(slot)*e.maxN, 2*n), e.dev.Record(e.endEv[k], s))
+	}
+	panic("scheduler: unknown operation")
+}
+
+// streamWaits makes stream s wait for the steps st waits for on the
+// device.
+func (e *Engine) streamWaits(s Stream, st *step) error {
+	for _, d := range st.waits() {
+		if d.how.stream() {
+			if err := e.dev.Wait(s, e.endEv[d.step]); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// statePiece enqueues one piece of a state copy (step k) between the host
+// state and staging slot slot, on its lane's stream under the lane's lock:
+// after its stream waits, after the operation's start event when first,
+// then its end event.
+func (e *Engine) statePiece(k int32, st *step, slot int, waits bool) error {
+	l := int(st.queue)
+	s := e.s[l]
+	a := int(st.array)
+	h, off, _ := e.hostVec(a, int(st.sub))
+	off += st.off
+	dev := 4*int64(slot)*e.maxN + st.off
+	e.laneMu[l].Lock()
+	defer e.laneMu[l].Unlock()
+	if waits {
+		if err := e.streamWaits(s, st); err != nil {
+			return err
+		}
+	}
+	if st.first {
+		if err := e.dev.Record(e.startEv[k], s); err != nil {
+			return err
+		}
+	}
+	var err error
+	if l == sH2D {
+		err = e.dev.H2D(s, e.stage[a], dev, h, off, st.amount)
+	} else {
+		err = e.dev.D2H(s, h, off, e.stage[a], dev, st.amount)
+	}
+	return firstErr(err, e.dev.Record(e.endEv[k], s))
+}
+
+// cpu updates CPU subgroup i on the host from gradient slot slot, writing
+// its copy into copy slot slot.
+func (e *Engine) cpu(i, slot int) {
+	n := e.sizes[i]
+	lo := e.off[i]
+	var g adam.Grad
+	gs := e.gst.Bytes()
+	if e.cpuGD == adam.F32 {
+		g = adam.GradF32(unsafe.Slice((*float32)(unsafe.Pointer(&gs[4*int64(slot)*e.maxN])), n))
+	} else {
+		g = adam.Grad16(e.cpuGD, unsafe.Slice((*uint16)(unsafe.Pointer(&gs[2*int64(slot)*e.maxN])), n))
+	}
+	cs := e.cst.Bytes()
+	out := adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}
+	if e.gate != nil {
+		e.gate(i) // the update writes subgroup i's host state in place
+	}
+	e.cpuT[i][0] = time.Since(e.t0)
+	e.pool.Step(e.c, e.state.Slice(int(lo), int(lo+n)), g, out)
+	e.cpuT[i][1] = time.Since(e.t0)
+}

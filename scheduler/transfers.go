@@ -1,0 +1,191 @@
+package scheduler
+
+import (
+	"fmt"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// Transfers outside the update phase: the resident state and the working
+// copy to the device (Load), the resident state back (Download,
+// DownloadAsync), the gradients in and the working copy out through a
+// pinned staging buffer (SetGrad, GetWorking).
+
+// Load makes the device match the host state: it moves the resident
+// subgroups' state H2D and writes every subgroup's working copy, rounded
+// from the master weights. It waits for the copies.
+//
+// Errors: a failed copy or allocation.
+func (e *Engine) Load() error {
+	if e.broken {
+		return ErrBroken
+	}
+	return e.upload(true)
+}
+
+func (e *Engine) upload(working bool) error {
+	s := e.s[sH2D]
+	for i := range e.o.Sizes {
+		if e.plan.Roles[i] != Resident {
+			continue
+		}
+		for a := range e.nArr {
+			h, off, b := e.hostVec(a, i)
+			if err := e.dev.H2D(s, e.res[a], 4*e.resOff[i], h, off, b); err != nil {
+				return err
+			}
+		}
+	}
+	if err := firstErr(e.dev.Record(e.tail[sH2D], s), e.dev.Sync(e.tail[sH2D])); err != nil {
+		return err
+	}
+	if !working {
+		return nil
+	}
+	// The working copy, all subgroups flat, rounded on the host into the
+	// staging buffer piece by piece (the CPU's rounding is the kernels').
+	return e.pieces(2*e.total, e.work, true, func(st []byte, o int64) {
+		u := unsafe.Slice((*uint16)(unsafe.Pointer(&st[0])), len(st)/2)
+		adam.Round16(e.o.WorkingDType, u, e.state.Param[o/2:o/2+int64(len(u))])
+	})
+}
+
+// Download moves the resident subgroups' state D2H into the host state and
+// waits: afterwards HostState is current for every subgroup (for a
+// checkpoint or a comparison).
+//
+// Errors: a failed copy (the device's copy stays the one that counts).
+func (e *Engine) Download() error {
+	wait, err := e.DownloadAsync()
+	if err != nil {
+		return err
+	}
+	return wait()
+}
+
+// xferElems bounds the pinned staging of SetGrad and GetWorking in
+// elements.
+const xferElems = 16 << 20
+
+// SetGrad copies a host gradient of every subgroup, flat (total elements,
+// Options.GradDType), into the device gradients and waits: what a GPU
+// trainer's backward leaves there, for a trainer that computes on the
+// host.
+//
+// Errors: a gradient of another dtype or length, a failed copy.
+func (e *Engine) SetGrad(g adam.Grad) error {
+	if e.broken {
+		return ErrBroken
+	}
+	if g.DType != e.o.GradDType || int64(g.Len()) != e.total {
+		return fmt.Errorf("scheduler: SetGrad: a %v gradient of %d elements, want %v of %d", g.DType, g.Len(), e.o.GradDType, e.total)
+	}
+	var src []byte
+	if g.DType == adam.F32 {
+		src = unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(g.F32))), 4*len(g.F32))
+	} else {
+		src = unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(g.U16))), 2*len(g.U16))
+	}
+	return e.through(src, e.grad, true)
+}
+
+// GetWorking copies the device working copy, flat (total elements), into
+// dst and waits: for a trainer whose forward runs on the host.
+//
+// Errors: a dst of another length, a failed copy.
+func (e *Engine) GetWorking(dst []uint16) error {
+	if e.broken {
+		return ErrBroken
+	}
+	if int64(len(dst)) != e.total {
+		return fmt.Errorf("scheduler: GetWorking: %d elements, want %d", len(dst), e.total)
+	}
+	return e.through(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(dst))), 2*len(dst)), e.work, false)
+}
+
+// through copies host bytes b to device memory m (up) or m to b, through
+// the pinned staging buffer, piece by piece, waiting for each.
+func (e *Engine) through(b []byte, m Mem, up bool) error {
+	return e.pieces(int64(len(b)), m, up, func(st []byte, o int64) {
+		if up {
+			copy(st, b[o:])
+		} else {
+			copy(b[o:], st)
+		}
+	})
+}
+
+// pieces moves size bytes between the pinned staging buffer and device
+// memory m from offset 0, a staging buffer's worth at a time, waiting for
+// each: up, host fills the piece at byte o before it moves H2D; down, it
+// reads it after the D2H.
+func (e *Engine) pieces(size int64, m Mem, up bool, host func(st []byte, o int64)) error {
+	st := e.xfer.Bytes()
+	l := sH2D
+	if !up {
+		l = sD2H
+	}
+	s := e.s[l]
+	for o := int64(0); o < size; o += int64(len(st)) {
+		n := min(int64(len(st)), size-o)
+		if up {
+			host(st[:n], o)
+		}
+		var err error
+		e.laneMu[l].Lock()
+		if up {
+			err = e.dev.H2D(s, m, o, e.xfer, 0, n)
+		} else {
+			err = e.dev.D2H(s, e.xfer, 0, m, o, n)
+		}
+		err = firstErr(err, e.dev.Record(e.tail[l], s))
+		e.laneMu[l].Unlock()
+		if err = firstErr(err, e.dev.Sync(e.tail[l])); err != nil {
+			return err
+		}
+		if !up {
+			host(st[:n], o)
+		}
+	}
+	return nil
+}
+
+// DownloadAsync enqueues the resident subgroups' state D2H into the host
+// state and returns at once, with the function that waits for it: a lazy
+// checkpoint's capture (checkpoint.Snapshot.Prepare) calls it while
+// training goes on. The next Update's kernels wait for the copies on the
+// device (a stream wait, no host wait); nothing else may write the
+// resident subgroups' host state before wait returned.
+//
+// Errors: ErrBroken, a copy that cannot be enqueued (the device's copy of
+// the resident state stays the one that counts: the host's was stale).
+func (e *Engine) DownloadAsync() (wait func() error, err error) {
+	if e.broken {
+		return nil, ErrBroken
+	}
+	s := e.s[sD2H]
+	e.laneMu[sD2H].Lock()
+	defer e.laneMu[sD2H].Unlock()
+	for i := range e.o.Sizes {
+		if e.plan.Roles[i] != Resident {
+			continue
+		}
+		for a := range e.nArr {
+			h, off, b := e.hostVec(a, i)
+			if err := e.dev.D2H(s, h, off, e.res[a], 4*e.resOff[i], b); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if err := e.dev.Record(e.dlEv, s); err != nil {
+		return nil, err
+	}
+	// The resident state may change only once it has moved: the next
+	// kernels wait for the copies on the device, never on the host.
+	if err := e.dev.Wait(e.s[sKernel], e.dlEv); err != nil {
+		return nil, err
+	}
+	ev := e.dlEv
+	return func() error { return e.dev.Sync(ev) }, nil
+}
