@@ -37,10 +37,13 @@ type SimOptions struct {
 // memory; it executes each operation at once, when enqueued, with the
 // CPU's kernels (adam.DefaultPath), which is a valid order of the work
 // whenever the caller enqueues in an order that respects its own
-// dependencies, as the scheduler does. Streams, events and lanes keep a
-// virtual clock: an operation starts when its stream and its lane (H2D,
-// D2H or compute) are free, and events carry the time, so Elapsed gives
-// the schedule's virtual timeline.
+// dependencies, and it checks that the caller does (simorder.go): an
+// operation that reads data before the operation writing them is known
+// complete, by its stream, the waits and the host's syncs, fails with
+// ErrOrder. Streams, events and lanes keep a virtual clock: an operation
+// starts when its stream and its lane (H2D, D2H or compute) are free, and
+// events carry the time, so Elapsed gives the schedule's virtual
+// timeline.
 type Sim struct {
 	opts SimOptions
 
@@ -50,14 +53,34 @@ type Sim struct {
 	used     int64
 	ops      int              // copies and launches so far
 	lanes    [3]time.Duration // H2D, D2H, compute: when each is free
+
+	// The ordering check (simorder.go).
+	host     vclock                // what the host knows complete (Sync)
+	pos      [maxSimStreams]uint32 // operations enqueued per stream id
+	live     [maxSimStreams]bool   // stream ids in use
+	maxID    int                   // stream ids used so far: [0, maxID)
+	orderErr error                 // the first ErrOrder
+	logging  bool                  // tests: log every call
+	log      []simCall
 }
 
-type simMem struct{ b []byte }
-type simHost struct{ b []byte }
-type simStream struct{ t time.Duration }
+type simMem struct {
+	b  []byte
+	sh shadow
+}
+type simHost struct {
+	b  []byte
+	sh shadow
+}
+type simStream struct {
+	id uint8
+	t  time.Duration
+	vc vclock // what is known complete before its next operation
+}
 type simEvent struct {
 	t      time.Duration
 	stream *simStream
+	vc     vclock // what is complete when it is
 }
 
 func (m *simMem) Len() int64     { return int64(len(m.b)) }
@@ -130,8 +153,23 @@ func alignedBytes(n int64) []byte {
 	return b[off : off+int(n) : off+int(n)]
 }
 
-func (s *Sim) NewStream() (Stream, error) { return &simStream{}, nil }
-func (s *Sim) NewEvent() (Event, error)   { return &simEvent{}, nil }
+// NewStream returns a stream. Errors: more than 32 streams alive.
+func (s *Sim) NewStream() (Stream, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for id := range s.live {
+		if !s.live[id] {
+			s.live[id] = true
+			s.maxID = max(s.maxID, id+1)
+			ss := &simStream{id: uint8(id)}
+			ss.vc[id] = s.pos[id] // a reused id goes on counting
+			return ss, nil
+		}
+	}
+	return nil, fmt.Errorf("scheduler: sim: more than %d streams", maxSimStreams)
+}
+
+func (s *Sim) NewEvent() (Event, error) { return &simEvent{}, nil }
 
 // Free releases memory; streams and events need nothing.
 func (s *Sim) Free(x any) error {
@@ -145,7 +183,11 @@ func (s *Sim) Free(x any) error {
 		}
 	case *simHost:
 		x.b = nil
-	case *simStream, *simEvent, nil:
+	case *simStream:
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		s.live[x.id] = false
+	case *simEvent, nil:
 	default:
 		return fmt.Errorf("scheduler: Free of a %T, not from the simulated device", x)
 	}
@@ -158,14 +200,19 @@ const (
 	laneGPU
 )
 
-// op counts an operation, fails it when told to, and advances the virtual
-// clocks of its stream and lane by d. s.mu is held.
-func (s *Sim) op(st Stream, lane int, d time.Duration) error {
+// op counts an operation of kind with uses us, fails it when told to or
+// when out of order, and advances the virtual clocks of its stream and
+// lane by d. s.mu is held.
+func (s *Sim) op(st Stream, lane int, d time.Duration, kind uint8, us *uses) error {
 	s.ops++
 	if s.ops == s.opts.FailAt {
 		return fmt.Errorf("%w (operation %d)", ErrInjected, s.ops)
 	}
 	ss := st.(*simStream)
+	ss.vc.join(&s.host)
+	if err := s.order(ss, kind, us); err != nil {
+		return err
+	}
 	start := max(ss.t, s.lanes[lane])
 	ss.t = start + d
 	s.lanes[lane] = ss.t
@@ -203,9 +250,13 @@ func (s *Sim) H2D(st Stream, dst Mem, dstOff int64, src Host, srcOff, n int64) e
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if err := s.op(st, laneH2D, s.dur(s.gpu().H2D, n)); err != nil {
+	var us uses
+	us.add(memUse(d, dstOff, n, false, true))
+	us.add(hostUse(h, srcOff, n, true, false))
+	if err := s.op(st, laneH2D, s.dur(s.gpu().H2D, n), simH2D, &us); err != nil {
 		return err
 	}
+	s.logCall(simCall{kind: simH2D, stream: st.(*simStream).id, dst: d, src: h, dstOff: dstOff, srcOff: srcOff, n: n})
 	copy(d.b[dstOff:dstOff+n], h.b[srcOff:srcOff+n])
 	return nil
 }
@@ -217,9 +268,13 @@ func (s *Sim) D2H(st Stream, dst Host, dstOff int64, src Mem, srcOff, n int64) e
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if err := s.op(st, laneD2H, s.dur(s.gpu().D2H, n)); err != nil {
+	var us uses
+	us.add(hostUse(h, dstOff, n, false, true))
+	us.add(memUse(d, srcOff, n, true, false))
+	if err := s.op(st, laneD2H, s.dur(s.gpu().D2H, n), simD2H, &us); err != nil {
 		return err
 	}
+	s.logCall(simCall{kind: simD2H, stream: st.(*simStream).id, dst: h, src: d, dstOff: dstOff, srcOff: srcOff, n: n})
 	copy(h.b[dstOff:dstOff+n], d.b[srcOff:srcOff+n])
 	return nil
 }
@@ -228,7 +283,9 @@ func (s *Sim) Record(e Event, st Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ev, ss := e.(*simEvent), st.(*simStream)
-	ev.t, ev.stream = ss.t, ss
+	ss.vc.join(&s.host)
+	ev.t, ev.stream, ev.vc = ss.t, ss, ss.vc
+	s.logCall(simCall{kind: simRecord, stream: ss.id, ev: ev})
 	return nil
 }
 
@@ -237,12 +294,14 @@ func (s *Sim) Wait(st Stream, e Event) error {
 	defer s.mu.Unlock()
 	ss, ev := st.(*simStream), e.(*simEvent)
 	ss.t = max(ss.t, ev.t)
+	ss.vc.join(&ev.vc)
+	s.logCall(simCall{kind: simWait, stream: ss.id, ev: ev})
 	return nil
 }
 
-// Sync returns at once: the work is done when enqueued; the call FailSync
-// named fails with ErrInjected, as a fault inside a real device surfaces
-// when waiting.
+// Sync returns at once: the work is done when enqueued; the host now
+// knows it complete. The call FailSync named fails with ErrInjected, as a
+// fault inside a real device surfaces when waiting.
 func (s *Sim) Sync(e Event) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -250,6 +309,9 @@ func (s *Sim) Sync(e Event) error {
 	if s.syncs == s.failSync {
 		return fmt.Errorf("%w (a fault on the device, seen at wait %d)", ErrInjected, s.syncs)
 	}
+	ev := e.(*simEvent)
+	s.host.join(&ev.vc)
+	s.logCall(simCall{kind: simSync, ev: ev})
 	return nil
 }
 
@@ -337,9 +399,19 @@ func (s *Sim) AdamW(st Stream, c *adam.Coeffs, x State, gd adam.DType, g Vec, od
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if err := s.op(st, laneGPU, s.dur(s.gpu().Update, int64(len(as.Param)))); err != nil {
+	var us uses
+	us.add(vecUse(g, elemBytes(gd), true, false))
+	arrays := [...]Vec{x.Param, x.ExpAvg, x.ExpAvgSq, x.MaxExpAvgSq}
+	for _, v := range arrays[:3+boolInt(c.AMSGrad)] {
+		us.add(vecUse(v, 4, true, true))
+	}
+	if od != 0 {
+		us.add(vecUse(out, 2, false, true))
+	}
+	if err := s.op(st, laneGPU, s.dur(s.gpu().Update, int64(len(as.Param))), simAdamW, &us); err != nil {
 		return err
 	}
+	s.logCall(simCall{kind: simAdamW, stream: st.(*simStream).id, dst: x.Param.Mem, src: g.Mem, dstOff: x.Param.Off, srcOff: g.Off, n: x.Param.N})
 	adam.DefaultPath.Step(c, as, ag, o)
 	return nil
 }
@@ -358,21 +430,42 @@ func (s *Sim) Widen16(st Stream, d adam.DType, dst, src Vec) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if err := s.op(st, laneGPU, s.dur(s.gpu().Convert, int64(len(f)))); err != nil {
+	var us uses
+	us.add(vecUse(src, 2, true, false))
+	us.add(vecUse(dst, 4, false, true))
+	if err := s.op(st, laneGPU, s.dur(s.gpu().Convert, int64(len(f))), simWiden, &us); err != nil {
 		return err
 	}
+	s.logCall(simCall{kind: simWiden, stream: st.(*simStream).id, dst: dst.Mem, src: src.Mem, dstOff: dst.Off, srcOff: src.Off, n: dst.N})
 	adam.DefaultPath.Widen16(d, f, u)
 	return nil
 }
 
-// GradStats runs adam.DefaultPath.GradStats (the CPU's summation order).
+// GradStats runs adam.DefaultPath.GradStats (the CPU's summation order)
+// on st and waits for it. It is not counted among the copies and launches
+// (SimOptions.FailAt).
 func (s *Sim) GradStats(st Stream, gd adam.DType, g Vec, unscale float32) (bool, float64, error) {
 	ag, err := simGrad(gd, g)
 	if err != nil {
 		return false, 0, err
 	}
-	finite, ss := adam.DefaultPath.GradStats(ag, unscale)
-	return finite, ss, nil
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ss := st.(*simStream)
+	ss.vc.join(&s.host)
+	var us uses
+	us.add(vecUse(g, elemBytes(gd), true, false))
+	if err := s.order(ss, simStats, &us); err != nil {
+		return false, 0, err
+	}
+	s.host.join(&ss.vc) // the host waits for it
+	finite, sum := adam.DefaultPath.GradStats(ag, unscale)
+	return finite, sum, nil
+}
+
+// vecUse is the use of v's bytes, of elements of size bytes each.
+func vecUse(v Vec, size int64, read, write bool) use {
+	return memUse(v.Mem.(*simMem), size*v.Off, size*v.N, read, write)
 }
 
 func firstErr(errs ...error) error {

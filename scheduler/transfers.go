@@ -167,23 +167,24 @@ func (e *Engine) DownloadAsync() (wait func() error, err error) {
 	s := e.s[sD2H]
 	e.laneMu[sD2H].Lock()
 	defer e.laneMu[sD2H].Unlock()
+copies:
 	for i := range e.o.Sizes {
 		if e.plan.Roles[i] != Resident {
 			continue
 		}
 		for a := range e.nArr {
 			h, off, b := e.hostVec(a, i)
-			if err := e.dev.D2H(s, h, off, e.res[a], 4*e.resOff[i], b); err != nil {
-				return nil, err
+			if err = e.dev.D2H(s, h, off, e.res[a], 4*e.resOff[i], b); err != nil {
+				break copies
 			}
 		}
 	}
-	if err := e.dev.Record(e.dlEv, s); err != nil {
-		return nil, err
-	}
 	// The resident state may change only once it has moved: the next
-	// kernels wait for the copies on the device, never on the host.
-	if err := e.dev.Wait(e.s[sKernel], e.dlEv); err != nil {
+	// kernels wait for the copies on the device, never on the host; after
+	// a failure too, for the copies enqueued before it (found by the
+	// simulated device's ordering check: a kernel then overwrote the
+	// state such a copy was still reading).
+	if err := firstErr(err, e.dev.Record(e.dlEv, s), e.dev.Wait(e.s[sKernel], e.dlEv)); err != nil {
 		return nil, err
 	}
 	ev := e.dlEv
