@@ -74,13 +74,40 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 	if err != nil {
 		return nil, err
 	}
-	g := p.GPU
-	fc, fl := max(1, g.Contention.CPU), max(1, g.Contention.PCIe)
 	arrays := 3
 	if w.AMSGrad {
 		arrays = 4
 	}
 	c := newCore(plan, shape{sizes: w.Sizes, arrays: arrays, gradBytes: int64(gb)})
+	times, err := replayRates(c, uc, p.GPU)
+	if err != nil {
+		return nil, err
+	}
+	// One Op per engine operation: a state copy's pieces become one.
+	ops := make([]Op, 0, c.numHeads)
+	at := make([]int, len(c.steps)) // each head's Op
+	for k, st := range c.steps {
+		t := times[k]
+		if !st.first {
+			o := &ops[at[st.head]]
+			o.Start = min(o.Start, dur(t.start))
+			o.End = max(o.End, dur(t.end))
+			o.Bytes += st.amount
+			continue
+		}
+		at[k] = len(ops)
+		ops = append(ops, Op{Resource: resource(st.queue), What: opNames[st.op], Subgroup: int(st.sub), Start: dur(t.start), End: dur(t.end), Bytes: st.amount})
+	}
+	slices.SortStableFunc(ops, func(a, b Op) int { return int(a.Start - b.Start) })
+	return ops, nil
+}
+
+// replayRates replays c with the CPU workers' fit uc and the GPU rates g:
+// the two PCIe directions run at their both-at-once rates while both carry
+// copies, and the CPU workers and the copies slow each other down by g's
+// contention while both run.
+func replayRates(c *core, uc perfmodel.Fit, g *perfmodel.GPUProfile) ([]stepTime, error) {
+	fc, fl := max(1, g.Contention.CPU), max(1, g.Contention.PCIe)
 	// Rates: work units per second, given what else runs.
 	rate := func(r int, busy [numRes]int) float64 {
 		switch r {
@@ -113,27 +140,7 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 	var latency [numRes]float64
 	latency[resCPU], latency[resGPU], latency[resUpcast] = uc.LatencyS, g.Update.LatencyS, g.Convert.LatencyS
 	latency[resH2D], latency[resD2H] = g.H2D.LatencyS, g.D2H.LatencyS
-	times, err := replay(c, rate, latency)
-	if err != nil {
-		return nil, err
-	}
-	// One Op per engine operation: a state copy's pieces become one.
-	ops := make([]Op, 0, c.numHeads)
-	at := make([]int, len(c.steps)) // each head's Op
-	for k, st := range c.steps {
-		t := times[k]
-		if !st.first {
-			o := &ops[at[st.head]]
-			o.Start = min(o.Start, dur(t.start))
-			o.End = max(o.End, dur(t.end))
-			o.Bytes += st.amount
-			continue
-		}
-		at[k] = len(ops)
-		ops = append(ops, Op{Resource: resource(st.queue), What: opNames[st.op], Subgroup: int(st.sub), Start: dur(t.start), End: dur(t.end), Bytes: st.amount})
-	}
-	slices.SortStableFunc(ops, func(a, b Op) int { return int(a.Start - b.Start) })
-	return ops, nil
+	return replay(c, rate, latency)
 }
 
 // Resources of the replay: one server each, first come first served.
