@@ -60,12 +60,17 @@ func runVersion(args []string, stdout, stderr io.Writer) int {
 
 // version returns the build's module version, Go version and VCS revision
 // (with its time, and "modified" for a dirty tree) where the build stamped
-// them (runtime/debug.ReadBuildInfo).
+// them (runtime/debug.ReadBuildInfo; go build -buildvcs=true).
 func version() string {
 	bi, ok := debug.ReadBuildInfo()
 	if !ok {
 		return "dos: no build information in this binary"
 	}
+	return versionOf(bi)
+}
+
+// versionOf is version's line for the build information bi.
+func versionOf(bi *debug.BuildInfo) string {
 	v := bi.Main.Version
 	if v == "" {
 		v = "(unknown)"
