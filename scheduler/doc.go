@@ -13,15 +13,43 @@
 // on the device. The streamed GPU subgroups are spread evenly among the CPU
 // ones (the stride k = CPU/GPU, DESIGN.md's definition).
 //
+// # The schedule core
+//
+// The rules of the update phase are written once, in core.go: newCore
+// turns a plan into the steps of one update phase, each with the issuer
+// that enqueues it, its stream (or the CPU workers), its subgroup, staging
+// slot and piece, and the steps it waits for with how it waits: on the
+// host, on the device (a stream wait), both, or already ordered; the copy
+// throttle is one of them. Like etcd-io/raft's RawNode it starts no
+// goroutine, reads no clock and touches no device; two users drive it:
+//
+//  1. The engine executes it (Engine.Update, lanes.go). Each issuer walks
+//     its steps in order: it waits until a step it depends on has been
+//     issued by its own issuer, blocks on the host where the step says so,
+//     makes the step's stream wait where it says so, enqueues it (a CPU
+//     update runs it) between its events, and says it issued it.
+//  2. The replay times it (Simulate): a step is ready once every step it
+//     waits for has ended, and each resource serves its ready steps first
+//     come first served, at the profile's rates.
+//
+// testdata/core.txt and testdata/replay.txt print the steps and the replay
+// of small plans (TestGolden; -rewrite regenerates them).
+// TestEngineAgreesWithReplay checks, through the simulated device's log,
+// that the engine issues exactly these steps, each after what it depends
+// on, waiting as the core says, and that the replay orders them the same
+// way.
+//
 // # The engine
 //
-// Engine.Update runs the plan with every resource busy at once:
+// Engine.Update runs the plan with every resource busy at once, on four
+// issuers:
 //
-//	the CPU lane:  feeder goroutine  gradient D2H into two pinned host slots
-//	               worker goroutine  the SIMD workers, then the copy's H2D
-//	the GPU lane:  this goroutine    state H2D (after the slot's previous
-//	                                 state left), then the kernel
-//	               drainer goroutine state D2H (after the kernel)
+//	the GPU lane:  this goroutine   state H2D pieces (after the slot's
+//	                                previous state left), the kernels
+//	               drain goroutine  state D2H pieces (after the kernel)
+//	the CPU lane:  feed goroutine   the upcast and gradient D2H into two
+//	                                pinned host slots
+//	               work goroutine   the SIMD workers, then the copy's H2D
 //
 // Four streams (the H2D copies, the kernels, the D2H copies, the upcasts)
 // and events order the work; the host waits only on events, never on the
@@ -44,19 +72,28 @@
 // fault inside the device (reported when waiting) or during the completion
 // leaves the state unknown: Update returns ErrBroken, and so does every
 // later call. Tests fail the i-th operation for every i on the simulated
-// device (NewSim), which executes each operation at once on the CPU and
-// keeps a virtual clock per stream and lane.
+// device (NewSim).
+//
+// # The simulated device
+//
+// NewSim executes each operation at once on the CPU, which would hide a
+// missing wait; so it checks ordering instead (simorder.go): per buffer
+// range it keeps the last writer and the readers since, per stream a
+// vector clock of what is known complete (stream order, Wait, and what the
+// host's Syncs saw), and fails with ErrOrder an operation that reads data
+// before their writer is known complete or overwrites data still in use.
+// It also keeps a virtual clock per stream and lane for Elapsed (1 µs an
+// operation, or a profile's fits): a test device's timeline, not a
+// planning tool.
 //
 // # Planning
 //
-// Simulate replays the engine's schedule in virtual time from a Profile,
-// with no memory or math, operation by operation (the lanes, the slots,
-// the pieces, the host waits, and contention between the CPU workers and
-// the copies as a fluid model): the simulated device's timing half, which
-// dos plan runs for sizes and machines one does not have. It codes the
-// engine's policy a second time; TestSimulateAgainstModel holds it within
-// 5 % of the performance model, and BENCHMARKS.md compares both with the
-// measured engine.
+// Simulate replays the core's steps in virtual time from a Profile, with
+// no memory or math (the lanes, the slots, the pieces, the host waits, and
+// contention between the CPU workers and the copies as a fluid model), for
+// sizes and machines one does not have (dos plan).
+// TestSimulateAgainstModel holds it within 5 % of the performance model,
+// and BENCHMARKS.md compares both with the measured engine.
 //
 // # Traces
 //
