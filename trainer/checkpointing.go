@@ -1,0 +1,89 @@
+package trainer
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/deepstates/dos/checkpoint"
+)
+
+func (t *Trainer) save() error {
+	if t.cfg.CkptDir == "" {
+		return nil
+	}
+	t.state.LoaderPos = t.loader.Pos
+	rng, err := t.rng.MarshalBinary()
+	if err != nil {
+		return err
+	}
+	t.state.RNG = rng
+	t.state.Config = t.cfg
+	objects := map[string]any{"trainer": t.state}
+	step := int64(t.state.Iteration) // skipped optimizer steps still count as iterations
+	if !t.cfg.CkptSync {
+		return t.saveLazily(step, objects)
+	}
+	snap, err := t.opt.Snapshot(objects)
+	if err != nil {
+		return err
+	}
+	snap.Step = step
+	t0 := time.Now()
+	dir, err := checkpoint.Save(checkpoint.OS, t.cfg.CkptDir, snap)
+	if err != nil {
+		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", t.state.Iteration, err)
+	}
+	var bytes int
+	for _, tn := range snap.Tensors {
+		for _, r := range tn.Data {
+			bytes += len(r)
+		}
+	}
+	t.logf("checkpoint %s (%.1f MB, synchronous, %v)\n", dir, float64(bytes)/1e6, time.Since(t0).Round(time.Millisecond))
+	if t.cfg.CkptKeep > 0 {
+		return checkpoint.Retain(checkpoint.OS, t.cfg.CkptDir, t.cfg.CkptKeep)
+	}
+	return nil
+}
+
+// saveLazily hands the checkpoint to the lazy engine and returns; the
+// engine's staging ring holds two copies of the state, at most 256 MiB.
+func (t *Trainer) saveLazily(step int64, objects map[string]any) error {
+	if t.engine == nil {
+		const chunk = checkpoint.DefaultChunkBytes
+		state := int64(t.opt.NumParams()) * 16 // fp32 master, exp_avg, exp_avg_sq (and max_exp_avg_sq)
+		ring := min(max(2*((state+chunk-1)/chunk*chunk), 2*chunk), 256<<20)
+		e, err := checkpoint.NewEngine(checkpoint.OS, t.cfg.CkptDir, checkpoint.EngineOptions{ChunkBytes: chunk, RingBytes: ring, Keep: t.cfg.CkptKeep})
+		if err != nil {
+			return fmt.Errorf("trainer: checkpoint engine: %w", err)
+		}
+		t.engine = e
+	}
+	// The engine runs one save at a time (its Save waits for the last
+	// one to be durable): report the last one first, never drop it.
+	if err := t.reportSave(true); err != nil {
+		return err
+	}
+	h, err := t.opt.SaveAsync(t.engine, step, objects)
+	if err != nil {
+		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", step, err)
+	}
+	t.last = h
+	return nil
+}
+
+// reportSave logs the last lazy save once it is durable (waiting for it
+// with wait) and returns its error.
+func (t *Trainer) reportSave(wait bool) error {
+	h := t.last
+	if h == nil || (!wait && !h.Done()) {
+		return nil
+	}
+	t.last = nil
+	dir, err := h.Wait()
+	if err != nil {
+		return fmt.Errorf("trainer: checkpoint at iteration %d: %w", h.Stats().Step, err)
+	}
+	t.logf("checkpoint %s (%v)\n", dir, h.Stats())
+	return nil
+}

@@ -1,0 +1,174 @@
+package trainer
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/deepstates/dos/checkpoint"
+)
+
+// openRoot takes the lock of cfg.CkptDir (checkpoint.Lock: it creates the
+// directory, refuses a step directory, an unwritable directory and one
+// that another process writes under) and decides where the run starts:
+// without cfg.Resume the root must be fresh (no latest in any state, no
+// step directory), since a run from scratch would replace checkpoints;
+// with it, checkpoint.Recover gives the checkpoint to resume, repairing a
+// damaged root (an interrupted first commit, a missing or corrupt latest)
+// and saying so on out; a root without any checkpoint gives nil.
+func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoint.Recovery, error) {
+	root := cfg.CkptDir
+	lock, err := checkpoint.Lock(checkpoint.OS, root)
+	if err != nil {
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
+	}
+	info, err := checkpoint.Inspect(checkpoint.OS, root)
+	if err != nil {
+		lock.Unlock()
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
+	}
+	if !cfg.Resume {
+		switch {
+		case info.Fresh():
+			return lock, nil, nil
+		case info.Latest != "":
+			err = fmt.Errorf("trainer: --ckpt-dir %s already holds checkpoints (latest %s): pass --resume to continue, or choose another --ckpt-dir", root, info.Latest)
+		default:
+			err = fmt.Errorf("trainer: --ckpt-dir %s holds checkpoints but is damaged (%w): pass --resume to recover from the newest step directory that verifies, or choose another --ckpt-dir; nothing was changed", root, info.Problem)
+		}
+		lock.Unlock()
+		return nil, nil, err
+	}
+	rec, err := checkpoint.Recover(checkpoint.OS, root, 0)
+	if errors.Is(err, checkpoint.ErrNoCheckpoint) {
+		fmt.Fprintf(out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
+		return lock, nil, nil
+	}
+	if err != nil {
+		lock.Unlock()
+		return nil, nil, fmt.Errorf("trainer: resume from %s: %w", root, err)
+	}
+	if rec.Repaired {
+		fmt.Fprintf(out, "resume: recovered %s: %s\n", root, rec.Note)
+	}
+	return lock, rec, nil
+}
+
+// resume restores the run from the checkpoint directory dir.
+func (t *Trainer) resume(dir string) error {
+	root := t.cfg.CkptDir
+	// Read the trainer's object first, so a different model gets a message
+	// about the model rather than about a tensor.
+	c, err := checkpoint.Open(checkpoint.OS, dir, 0)
+	if err != nil {
+		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
+	}
+	var st trainerState
+	err = c.Object("trainer", &st)
+	c.Close()
+	if err != nil {
+		return fmt.Errorf("trainer: resume from %s: not a dos train checkpoint: %w", dir, err)
+	}
+	// The model's shape and the batch cannot change: name every flag that
+	// differs (dos train takes the ones not given from the checkpoint).
+	var differ []string
+	for _, d := range []struct {
+		flag      string
+		now, then int
+	}{
+		{"--layers", t.cfg.Model.NLayer, st.Config.Model.NLayer}, {"--heads", t.cfg.Model.NHead, st.Config.Model.NHead},
+		{"--embd", t.cfg.Model.NEmbd, st.Config.Model.NEmbd}, {"--ctx", t.cfg.Model.NCtx, st.Config.Model.NCtx},
+		{"--batch", t.cfg.Batch, st.Config.Batch}, {"vocabulary (no flag)", t.cfg.Model.VocabSize, st.Config.Model.VocabSize},
+	} {
+		if d.now != d.then {
+			differ = append(differ, fmt.Sprintf("%s %d (the checkpoint's: %d)", d.flag, d.now, d.then))
+		}
+	}
+	if len(differ) > 0 {
+		return fmt.Errorf("trainer: resume from %s: %s: a resumed run keeps the model's shape and batch (it was trained with %s); omit these flags",
+			dir, strings.Join(differ, ", "), st.Config.shapeFlags())
+	}
+	if _, _, err := t.opt.LoadCheckpoint(checkpoint.OS, dir); err != nil {
+		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
+	}
+	if st.TextCRC != t.state.TextCRC || st.TextBytes != t.state.TextBytes {
+		return fmt.Errorf("trainer: resume from %s: it was trained on another text (%d bytes, crc32 %#08x; this run: %d bytes, %#08x)",
+			dir, st.TextBytes, st.TextCRC, t.state.TextBytes, t.state.TextCRC)
+	}
+	if st.Iteration < 0 || int64(st.Iteration) < t.opt.StepCount() || (st.LossScale != 0 && !validScale(st.LossScale)) {
+		return fmt.Errorf("trainer: resume from %s: inconsistent trainer state (iteration %d, optimizer step %d, loss scale %v)",
+			dir, st.Iteration, t.opt.StepCount(), st.LossScale)
+	}
+	if err := t.loader.SetPos(st.LoaderPos); err != nil {
+		return fmt.Errorf("trainer: resume from %s: %w", dir, err)
+	}
+	if err := t.rng.UnmarshalBinary(st.RNG); err != nil {
+		return fmt.Errorf("trainer: resume from %s: RNG state: %w", dir, err)
+	}
+	// The optimizer restored its hyperparameters (PyTorch's load_state_dict)
+	// and the loss scaler continues from its saved state: say so where this
+	// run's flags differ. The learning rate follows this run's schedule.
+	h := t.opt.Options().Hyper
+	flags := t.cfg.optimizerOptions().Hyper // what this run's flags ask for
+	old := st.Config
+	for _, d := range []struct {
+		flag      string
+		now, then any
+	}{
+		{"--weight-decay", t.cfg.WeightDecay, h.WeightDecay}, {"--beta1", t.cfg.Betas[0], h.Betas[0]},
+		{"--beta2", t.cfg.Betas[1], h.Betas[1]}, {"--eps", t.cfg.Eps, h.Eps},
+		{"mode (no flag: dos train runs AdamW)", flags.Mode, h.Mode},
+		{"maximize (no flag: dos train minimizes)", flags.Maximize, h.Maximize},
+		{"amsgrad (no flag)", flags.AMSGrad, h.AMSGrad},
+		{"--loss-scale", t.cfg.LossScale, old.LossScale}, {"--seed", t.cfg.Seed, old.Seed},
+	} {
+		if d.now != d.then {
+			fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; the checkpoint's state continues\n", d.flag, d.now, d.then)
+		}
+	}
+	for _, d := range []struct {
+		flag      string
+		now, then any
+	}{
+		{"--lr", t.cfg.LR, old.LR}, {"--warmup", t.cfg.WarmupSteps, old.WarmupSteps},
+		{"--min-lr-ratio", t.cfg.MinLRRatio, old.MinLRRatio},
+		{"--clip", t.cfg.MaxGradNorm, old.MaxGradNorm},
+		{"--grad-dtype", t.cfg.GradDType, old.GradDType}, {"--working-dtype", t.cfg.WorkingDType, old.WorkingDType},
+		{"--subgroup-size", t.cfg.SubgroupSize, old.SubgroupSize}, {"--threads", t.cfg.Threads, old.Threads},
+	} {
+		if d.now != d.then {
+			fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; this run's value applies from here on\n", d.flag, d.now, d.then)
+		}
+	}
+	if now, then := t.cfg.horizon(), old.horizon(); now != then {
+		fmt.Fprintf(t.out, "resume: the cosine's horizon is %d iterations (--decay-steps, or --steps when it is 0), the checkpoint's %d: this run's applies from here on; pass --decay-steps %d to keep the schedule\n", now, then, then)
+	}
+
+	if err := t.opt.SetLR(t.cfg.LRAt(max(st.Iteration, 1))); err != nil {
+		return err
+	}
+	t.cfg.WeightDecay, t.cfg.Betas, t.cfg.Eps = h.WeightDecay, h.Betas, h.Eps
+	t.cfg.LossScale, t.cfg.Seed = old.LossScale, old.Seed
+	st.Config = t.cfg
+	t.state = st
+	fmt.Fprintf(t.out, "resume: %s at iteration %d (optimizer step %d)\n", dir, st.Iteration, t.opt.StepCount())
+	if st.Iteration >= t.cfg.Steps {
+		fmt.Fprintf(t.out, "resume: already at iteration %d, at or past --steps %d: nothing to train\n", st.Iteration, t.cfg.Steps)
+	}
+	return nil
+}
+
+// shapeFlags spells the model's shape and the batch as dos train's flags.
+func (c *TrainConfig) shapeFlags() string {
+	m := c.Model
+	return fmt.Sprintf("--layers %d --heads %d --embd %d --ctx %d --batch %d (vocabulary %d)", m.NLayer, m.NHead, m.NEmbd, m.NCtx, c.Batch, m.VocabSize)
+}
+
+// recoverHint tells the user of a damaged latest checkpoint the way out.
+func recoverHint(err error, root string) string {
+	if !errors.Is(err, checkpoint.ErrCorrupt) {
+		return ""
+	}
+	return fmt.Sprintf("; `dos ckpt recover %s` sets this checkpoint aside and points latest at the newest one that verifies", root)
+}

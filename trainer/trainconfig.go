@@ -1,0 +1,379 @@
+package trainer
+
+import (
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/offload"
+)
+
+// TrainConfig configures Train. The flags of `dos train` set these fields;
+// the JSON names are theirs too.
+type TrainConfig struct {
+	Model Config `json:"model"`
+	// Steps is the iteration to train to (one batch each). A resumed run
+	// continues from the checkpoint's iteration up to Steps.
+	Steps int `json:"steps"`
+	Batch int `json:"batch"` // sequences per iteration (B); each is Model.NCtx tokens long
+	// LR is the peak learning rate, reached after WarmupSteps of linear
+	// warm-up, then decayed along a cosine to LR*MinLRRatio at DecaySteps
+	// and held there (Megatron's --lr-warmup-iters, --lr-decay-iters,
+	// --min-lr).
+	LR          float64 `json:"lr"`
+	MinLRRatio  float64 `json:"min_lr_ratio"`
+	WarmupSteps int     `json:"warmup_steps"`
+	// DecaySteps is the cosine's horizon in iterations; 0 means Steps. Keep
+	// it fixed across a run and its resumptions so the schedule is the same.
+	DecaySteps  int        `json:"decay_steps"`
+	WeightDecay float64    `json:"weight_decay"`
+	Betas       [2]float64 `json:"betas"`
+	Eps         float64    `json:"eps"`
+	MaxGradNorm float64    `json:"max_grad_norm"` // 0 disables clipping
+	// GradDType is the dtype of the gradients handed to the optimizer;
+	// WorkingDType that of the copy the forward pass reads (0: the fp32
+	// master weights themselves).
+	GradDType    adam.DType `json:"grad_dtype"`
+	WorkingDType adam.DType `json:"working_dtype"`
+	// LossScale, when > 0, is the initial dynamic loss scale, in [1, 2^64]:
+	// halved on a step with a non-finite gradient (which the optimizer
+	// skips), doubled after ScaleGrowthInterval good steps
+	// (torch.amp.GradScaler), and kept within [1, 2^64].
+	LossScale    float64 `json:"loss_scale"`
+	Seed         uint64  `json:"seed"`
+	SubgroupSize int     `json:"subgroup_size"` // elements; 0: offload's default
+	Threads      int     `json:"threads"`       // optimizer goroutines, 0..MaxThreads(); 0: GOMAXPROCS
+	CkptDir      string  `json:"ckpt_dir"`      // "" disables checkpoints
+	CkptEvery    int     `json:"ckpt_every"`    // iterations between checkpoints (and one at the end)
+	// CkptSync writes checkpoints synchronously (checkpoint.Save) instead
+	// of handing them to the lazy engine (checkpoint.Engine), which
+	// captures the state while training goes on and flushes it in the
+	// background.
+	CkptSync bool `json:"ckpt_sync"`
+	CkptKeep int  `json:"ckpt_keep"` // keep the newest N checkpoints (0: all)
+	// Profile is a dos calibrate profile of this machine: the optimizer
+	// plans its update phase with it, and the summary compares the
+	// predicted update time with the measured one. "" for none.
+	Profile string `json:"profile"`
+	// Device runs the optimizer's update phase through the interleaved
+	// engine on "sim" (the simulated device: a test of the engine) or
+	// "cuda" (GPU 0); "" keeps it on the host. The trainer's forward and
+	// backward stay on the host: its gradients are uploaded and the
+	// working copy downloaded around each step.
+	Device string `json:"device"`
+	// GPUBudget is the device memory in GiB the update phase may use
+	// (resident state and staging); 0 means DefaultGPUBudget.
+	GPUBudget float64 `json:"gpu_budget_gib"`
+	// MaxMemory is the host memory in GiB the run may use (--max-memory):
+	// Validate refuses a configuration whose MemoryBytes exceeds it. 0
+	// means the memory available when Validate runs (MemAvailable in
+	// /proc/meminfo; where the system does not say, only MaxMemoryBytes
+	// bounds it). At most MaxMemoryBytes.
+	MaxMemory float64 `json:"max_memory_gib"`
+	// Schedule forces the device's split as "CPU,GPU,RESIDENT" subgroup
+	// counts; "" for the model's choice with Profile, else
+	// offload.MixedSchedule.
+	Schedule    string  `json:"schedule"`
+	Resume      bool    `json:"resume"`       // continue from CkptDir's latest checkpoint
+	EvalEvery   int     `json:"eval_every"`   // iterations between validation losses (0: only at the start and the end)
+	EvalBatches int     `json:"eval_batches"` // batches of the validation split per evaluation
+	LogEvery    int     `json:"log_every"`    // iterations between plain progress lines
+	SampleBytes int     `json:"sample_bytes"` // bytes of text generated at the end
+	ValFraction float64 `json:"val_fraction"` // tail of the text held out for validation
+}
+
+// horizon is the iteration the cosine schedule decays to MinLRRatio at:
+// DecaySteps, or Steps when DecaySteps is 0.
+func (c TrainConfig) horizon() int {
+	if c.DecaySteps > 0 {
+		return c.DecaySteps
+	}
+	return c.Steps
+}
+
+// ScaleGrowthInterval is how many consecutive good steps double the dynamic
+// loss scale (torch.amp.GradScaler's growth_interval).
+const ScaleGrowthInterval = 2000
+
+// DefaultTrainConfig is the main job's default: a 4-layer byte-level GPT
+// that trains on 2 cores in about a minute.
+func DefaultTrainConfig() TrainConfig {
+	return TrainConfig{
+		Model:       Config{VocabSize: VocabSize, NCtx: 64, NLayer: 4, NHead: 4, NEmbd: 128},
+		Steps:       150,
+		Batch:       16,
+		LR:          3e-3,
+		MinLRRatio:  0.1,
+		WarmupSteps: 30,
+		WeightDecay: 0.1,
+		Betas:       [2]float64{0.9, 0.95},
+		Eps:         1e-8,
+		MaxGradNorm: 1,
+		GradDType:   adam.F32,
+		Seed:        1337,
+		CkptEvery:   50,
+		EvalEvery:   25,
+		EvalBatches: 8,
+		LogEvery:    10,
+		SampleBytes: 200,
+		ValFraction: 0.1,
+	}
+}
+
+// Validate reports the first invalid field, named by the `dos train` flag
+// that sets it (--heads, --threads, ...; Model.VocabSize, which no flag
+// sets, by its config.json name), with its value and what is allowed.
+//
+// Last it compares MemoryBytes with the memory the run may use: MaxMemory
+// GiB, or, when that is 0, the memory available now (MemAvailable in
+// /proc/meminfo, the one thing Validate reads from the system; skipped
+// where the system does not say), and never more than MaxMemoryBytes. So a
+// run too large for the machine is refused before anything is allocated.
+func (c *TrainConfig) Validate() error {
+	m := c.Model
+	switch {
+	case m.NLayer < 1 || m.NLayer > MaxNLayer:
+		return fmt.Errorf("trainer: --layers %d: want 1..%d", m.NLayer, MaxNLayer)
+	case m.NEmbd < 1 || m.NEmbd > MaxNEmbd:
+		return fmt.Errorf("trainer: --embd %d: want 1..%d", m.NEmbd, MaxNEmbd)
+	case m.NHead < 1 || m.NEmbd%m.NHead != 0:
+		return fmt.Errorf("trainer: --heads %d must divide --embd %d", m.NHead, m.NEmbd)
+	case m.NCtx < 1 || m.NCtx > MaxNCtx:
+		return fmt.Errorf("trainer: --ctx %d: want 1..%d", m.NCtx, MaxNCtx)
+	case m.VocabSize != VocabSize:
+		return fmt.Errorf("trainer: vocab_size %d: the byte-level data needs %d", m.VocabSize, VocabSize)
+	}
+	if err := m.Validate(); err != nil { // passes after the checks above; kept so the two cannot drift apart
+		return err
+	}
+	for _, f := range []struct {
+		flag   string
+		v, lo  int
+		hi     int // math.MaxInt: no upper bound here (MemoryBytes bounds --batch)
+		suffix string
+	}{
+		{"--steps", c.Steps, 1, math.MaxInt, ""},
+		{"--batch", c.Batch, 1, math.MaxInt, ""},
+		{"--warmup", c.WarmupSteps, 0, math.MaxInt, ""},
+		{"--decay-steps", c.DecaySteps, 0, math.MaxInt, " (0: --steps)"},
+		{"--subgroup-size", c.SubgroupSize, 0, math.MaxInt, " elements (0: the default)"},
+		{"--threads", c.Threads, 0, MaxThreads(), " (0: GOMAXPROCS; at most 4 × the CPUs, as more workers only time-share them)"},
+		{"--ckpt-every", c.CkptEvery, 0, math.MaxInt, ""},
+		{"--ckpt-keep", c.CkptKeep, 0, math.MaxInt, " (0: keep all)"},
+		{"--eval-every", c.EvalEvery, 0, math.MaxInt, ""},
+		{"--eval-batches", c.EvalBatches, 0, 1 << 16, ""},
+		{"--log-every", c.LogEvery, 0, math.MaxInt, ""},
+		{"--sample", c.SampleBytes, 0, 1 << 20, " bytes"},
+	} {
+		if f.v < f.lo || f.v > f.hi {
+			want := fmt.Sprintf(">= %d", f.lo)
+			if f.hi != math.MaxInt {
+				want = fmt.Sprintf("%d..%d", f.lo, f.hi)
+			}
+			return fmt.Errorf("trainer: %s %d: want %s%s", f.flag, f.v, want, f.suffix)
+		}
+	}
+	switch {
+	case !(c.LR > 0) || math.IsInf(c.LR, 0):
+		return fmt.Errorf("trainer: --lr %v: want a finite value > 0", c.LR)
+	case !(c.MinLRRatio >= 0 && c.MinLRRatio <= 1):
+		return fmt.Errorf("trainer: --min-lr-ratio %v: want a value in [0, 1]", c.MinLRRatio)
+	case !(c.Betas[0] >= 0 && c.Betas[0] < 1):
+		return fmt.Errorf("trainer: --beta1 %v: want a value in [0, 1)", c.Betas[0])
+	case !(c.Betas[1] >= 0 && c.Betas[1] < 1):
+		return fmt.Errorf("trainer: --beta2 %v: want a value in [0, 1)", c.Betas[1])
+	case !(c.Eps > 0) || math.IsInf(c.Eps, 0) || float32(c.Eps) == 0 || math.IsInf(float64(float32(c.Eps)), 0):
+		return fmt.Errorf("trainer: --eps %v: want a finite value > 0 that stays so in fp32 (>= 1e-45)", c.Eps)
+	case !(c.WeightDecay >= 0) || math.IsInf(c.WeightDecay, 0):
+		return fmt.Errorf("trainer: --weight-decay %v: want a finite value >= 0", c.WeightDecay)
+	case !(c.MaxGradNorm >= 0) || c.MaxGradNorm > 1e38:
+		return fmt.Errorf("trainer: --clip %v: want a finite value >= 0 (0: off)", c.MaxGradNorm)
+	case c.LossScale != 0 && !validScale(c.LossScale):
+		return fmt.Errorf("trainer: --loss-scale %v: want 0 (off) or an initial scale in [1, 2^64]", c.LossScale)
+	case c.GradDType == 0:
+		return errors.New("trainer: --grad-dtype none: the gradients need a dtype: float32, bfloat16 or float16")
+	case c.GradDType != adam.F32 && c.GradDType != adam.BF16 && c.GradDType != adam.F16:
+		return fmt.Errorf("trainer: --grad-dtype %v: want float32, bfloat16 or float16", c.GradDType)
+	case c.WorkingDType != 0 && c.WorkingDType != adam.BF16 && c.WorkingDType != adam.F16:
+		return fmt.Errorf("trainer: --working-dtype %v: want bfloat16, float16 or none", c.WorkingDType)
+	case !(c.MaxMemory >= 0) || c.MaxMemory > MaxMemoryBytes>>30:
+		return fmt.Errorf("trainer: --max-memory %v GiB: want 0 (the available memory) to %d", c.MaxMemory, MaxMemoryBytes>>30)
+	case c.Resume && c.CkptDir == "":
+		return errors.New("trainer: --resume needs --ckpt-dir")
+	case c.Device != "" && c.Device != "sim" && c.Device != "cuda":
+		return fmt.Errorf("trainer: --device %q: want sim or cuda (or none: the host)", c.Device)
+	case c.Device != "" && c.WorkingDType == 0:
+		return fmt.Errorf("trainer: --device %s needs a 16-bit --working-dtype (the working copy lives on the device)", c.Device)
+	case c.Device == "" && (c.Schedule != "" || c.GPUBudget != 0):
+		return errors.New("trainer: --schedule and --gpu-budget need --device")
+	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:
+		return fmt.Errorf("trainer: --gpu-budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
+	}
+	if c.Schedule != "" {
+		s, err := offload.ParseSchedule(c.Schedule)
+		if err != nil {
+			return fmt.Errorf("trainer: --schedule: %w", err)
+		}
+		if n := c.subgroups(); s.CPU+s.GPU+s.Resident != n {
+			return fmt.Errorf("trainer: --schedule %s: %d subgroups, but the model's %d parameters in subgroups of %d make %d", c.Schedule, s.CPU+s.GPU+s.Resident, c.paramCount(), c.optimizerOptions().SubgroupSize, n)
+		}
+	}
+	if err := c.optimizerOptions().Validate(); err != nil { // passes after the checks above
+		return fmt.Errorf("trainer: %w", err)
+	}
+	return c.checkMemory()
+}
+
+// checkMemory compares MemoryBytes with the memory the run may use (see
+// Validate).
+func (c *TrainConfig) checkMemory() error {
+	const gib = 1 << 30
+	need := c.MemoryBytes()
+	limit, over, advice := float64(MaxMemoryBytes), fmt.Sprintf("dos's limit of %d GiB", MaxMemoryBytes>>30), ""
+	if c.MaxMemory > 0 {
+		limit, over = c.MaxMemory*gib, fmt.Sprintf("--max-memory %g GiB", c.MaxMemory)
+		advice = fmt.Sprintf(", or raise --max-memory (at most %d GiB)", MaxMemoryBytes>>30)
+	} else if avail, ok := memAvailable(); ok && float64(avail) < limit {
+		limit, over = float64(avail), fmt.Sprintf("the %.1f GiB available (MemAvailable in /proc/meminfo)", float64(avail)/gib)
+		advice = fmt.Sprintf(", or pass --max-memory GiB (at most %d) to allow more than is available now", MaxMemoryBytes>>30)
+	}
+	if need > limit {
+		return fmt.Errorf("trainer: --layers %d --embd %d --ctx %d --batch %d need about %.3g GiB of memory (parameters, optimizer state, activations), over %s: make the model or --batch smaller%s",
+			c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, need/gib, over, advice)
+	}
+	return nil
+}
+
+// MaxMemoryBytes bounds MemoryBytes: a configuration that needs more is
+// refused before anything is allocated, whatever MaxMemory says.
+const MaxMemoryBytes = 64 << 30
+
+// MemoryBytes estimates the bytes of host memory a run allocates, in
+// float64 so that no product overflows:
+//
+//   - per parameter: the fp32 master weights and moments (12 B), the
+//     gradients (4 B in fp32, 2 B in 16 bits), the 16-bit working copy
+//     (2 B, if any), the trainer's fp32 copies of 16-bit gradients and of a
+//     16-bit working copy (4 B each), and the initial weights, live while
+//     New hands them to the optimizer (4 B): 20 B with fp32 gradients and
+//     no working copy, 28 B with bf16 gradients and working copy;
+//   - the activations of one batch, llm.c's count of about
+//     L*(16C + H*T) + 13C + 2V + max(4C, V) floats per position, the
+//     transposed-weight buffer (max(4C², VC) floats) and one attention
+//     scratch (3T² + 4TC/H floats) per goroutine of the model (GOMAXPROCS,
+//     at most B*H);
+//   - the lazy checkpoint engine's staging ring (two copies of the 16 B of
+//     state per parameter, at most 256 MiB) when CkptDir is set without
+//     CkptSync.
+//
+// What New allocates (runtime.MemStats.TotalAlloc) is within 1 % of it
+// (TestMemoryBytesMeasured); the peak RSS of `dos train` on the 2-core
+// development machine was 9 % below to 2 % above it, from 0.8 to 2.4 GiB,
+// for parameter-bound and activation-bound models in fp32 and bf16.
+func (c *TrainConfig) MemoryBytes() float64 {
+	m := c.Model
+	L, C, H, T, V := float64(m.NLayer), float64(m.NEmbd), float64(m.NHead), float64(m.NCtx), float64(m.VocabSize)
+	params := V*C + T*C + L*(12*C*C+13*C) + 2*C
+	perParam := 12.0 + 4 // master, moments; initial weights
+	if c.GradDType == adam.F32 {
+		perParam += 4
+	} else {
+		perParam += 2 + 4 // 16-bit gradients and the trainer's fp32 ones
+	}
+	if c.WorkingDType != 0 {
+		perParam += 2 + 4 // 16-bit working copy and the trainer's fp32 one
+	}
+	perPos := L*(16*C+H*T) + 13*C + 2*V + math.Max(4*C, V)
+	floats := perPos*float64(c.Batch)*T + math.Max(4*C*C, V*C) + math.Min(float64(workers()), float64(c.Batch)*H)*(3*T*T+4*T*C/H)
+	ring := 0.0
+	if c.CkptDir != "" && !c.CkptSync {
+		ring = math.Min(2*16*params, 256<<20)
+	}
+	return perParam*params + 4*floats + ring
+}
+
+// validScale reports whether s can be a loss scale: within [1, 2^64], so
+// that it and its reciprocal are normal float32 values.
+func validScale(s float64) bool { return s >= 1 && s <= 1<<64 }
+
+// device opens c.Device into o (with the schedule c.Schedule, or the
+// mixed one when there is no profile) through offload.OpenDevice, and
+// returns the function that closes it.
+func (c *TrainConfig) device(o *offload.Options) (func(), error) {
+	if c.Device == "" {
+		return func() {}, nil
+	}
+	dev, closeDev, err := offload.OpenDevice(c.Device)
+	if err != nil {
+		return nil, fmt.Errorf("trainer: --device %s: %w", c.Device, err)
+	}
+	o.Device = dev
+	o.GPUBudget = int64(c.GPUBudget * (1 << 30))
+	if o.GPUBudget == 0 {
+		o.GPUBudget = DefaultGPUBudget
+	}
+	switch {
+	case c.Schedule != "":
+		s, err := offload.ParseSchedule(c.Schedule)
+		if err != nil {
+			closeDev()
+			return nil, fmt.Errorf("trainer: --schedule: %w", err)
+		}
+		o.Schedule = &s
+	case c.Profile == "":
+		s := offload.MixedSchedule(c.subgroups())
+		o.Schedule = &s
+	}
+	return closeDev, nil
+}
+
+// paramCount returns the model's parameters.
+func (c *TrainConfig) paramCount() int {
+	total := 0
+	for _, p := range c.Model.Params() {
+		n := 1
+		for _, d := range p.Shape {
+			n *= d
+		}
+		total += n
+	}
+	return total
+}
+
+// subgroups returns the optimizer's subgroup count for the model.
+func (c *TrainConfig) subgroups() int {
+	return offload.SubgroupCount(c.paramCount(), c.optimizerOptions().SubgroupSize)
+}
+
+// DefaultGPUBudget is the device memory in bytes the update phase may use
+// when TrainConfig.GPUBudget is 0: 16 GiB.
+const DefaultGPUBudget = 16 << 30
+
+// optimizerOptions returns the offload options of c.
+func (c *TrainConfig) optimizerOptions() *offload.Options {
+	o := &offload.Options{
+		Hyper:        adam.Hyper{Mode: adam.AdamW, LR: c.LR, Betas: c.Betas, Eps: c.Eps, WeightDecay: c.WeightDecay},
+		SubgroupSize: c.SubgroupSize, GradDType: c.GradDType, WorkingDType: c.WorkingDType,
+		MaxGradNorm: c.MaxGradNorm, Threads: c.Threads,
+	}
+	return o.EnsureDefaults()
+}
+
+// LRAt returns the learning rate of iteration it (1-based): linear warm-up
+// over WarmupSteps, cosine decay to LR*MinLRRatio at DecaySteps, then flat.
+func (c *TrainConfig) LRAt(it int) float64 {
+	if c.WarmupSteps > 0 && it <= c.WarmupSteps {
+		return c.LR * float64(it) / float64(c.WarmupSteps)
+	}
+	decay := c.DecaySteps
+	if decay == 0 {
+		decay = c.Steps
+	}
+	min := c.LR * c.MinLRRatio
+	if it >= decay || decay <= c.WarmupSteps {
+		return min
+	}
+	frac := float64(it-c.WarmupSteps) / float64(decay-c.WarmupSteps)
+	return min + 0.5*(c.LR-min)*(1+math.Cos(math.Pi*frac))
+}
