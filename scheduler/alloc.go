@@ -191,12 +191,25 @@ func (e *Engine) freePlan() error {
 	return err
 }
 
-// free frees list's objects, the last allocated first, and returns the
-// errors of those that failed.
+// free frees list's objects (each a Stream, an Event, a Host or a Mem),
+// the last allocated first, and returns the errors of those that failed.
 func (e *Engine) free(list []any) error {
 	var errs []error
 	for i := len(list) - 1; i >= 0; i-- {
-		if err := e.dev.Free(list[i]); err != nil {
+		var err error
+		switch x := list[i].(type) {
+		case Stream:
+			err = e.dev.FreeStream(x)
+		case Event:
+			err = e.dev.FreeEvent(x)
+		case Host: // before Mem: a CUDA host buffer has a length too
+			err = e.dev.FreeHost(x)
+		case Mem:
+			err = e.dev.FreeMem(x)
+		default:
+			panic(fmt.Sprintf("scheduler: freeing a %T", x))
+		}
+		if err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -15,6 +15,13 @@ type cudaDevice struct {
 	k *kernels.Kernels
 }
 
+// cudaStream and cudaEvent are the Stream and Event of a CUDA device.
+type cudaStream struct{ s *cuda.Stream }
+type cudaEvent struct{ e *cuda.Event }
+
+func (cudaStream) isStream() {}
+func (cudaEvent) isEvent()   {}
+
 // NewCUDA returns the Device for d, launching k's kernels. The caller
 // keeps d and k open while the Device is in use, and closes them after.
 func NewCUDA(d *cuda.Device, k *kernels.Kernels) Device { return &cudaDevice{d: d, k: k} }
@@ -27,39 +34,64 @@ func (c *cudaDevice) Alloc(bytes int64) (Mem, error) { return c.d.Alloc(bytes) }
 // and page-aligned.
 func (c *cudaDevice) AllocHost(bytes int64) (Host, error) { return c.d.HostRegister(bytes) }
 
-func (c *cudaDevice) NewStream() (Stream, error) { return c.d.NewStream() }
-func (c *cudaDevice) NewEvent() (Event, error)   { return c.d.NewEvent(true) }
-
-func (c *cudaDevice) Free(x any) error {
-	switch x := x.(type) {
-	case *cuda.Buffer:
-		return x.Free()
-	case *cuda.HostBuffer:
-		return x.Free()
-	case *cuda.Stream:
-		return x.Free()
-	case *cuda.Event:
-		return x.Free()
-	case nil:
-		return nil
+func (c *cudaDevice) NewStream() (Stream, error) {
+	s, err := c.d.NewStream()
+	if err != nil {
+		return nil, err
 	}
-	return fmt.Errorf("scheduler: Free of a %T, not from a CUDA device", x)
+	return cudaStream{s}, nil
+}
+
+func (c *cudaDevice) NewEvent() (Event, error) {
+	e, err := c.d.NewEvent(true)
+	if err != nil {
+		return nil, err
+	}
+	return cudaEvent{e}, nil
+}
+
+func (c *cudaDevice) FreeMem(m Mem) error {
+	if b, ok := m.(*cuda.Buffer); ok {
+		return b.Free()
+	}
+	return fmt.Errorf("scheduler: FreeMem of a %T, not from a CUDA device", m)
+}
+
+func (c *cudaDevice) FreeHost(h Host) error {
+	if b, ok := h.(*cuda.HostBuffer); ok {
+		return b.Free()
+	}
+	return fmt.Errorf("scheduler: FreeHost of a %T, not from a CUDA device", h)
+}
+
+func (c *cudaDevice) FreeStream(s Stream) error {
+	if x, ok := s.(cudaStream); ok {
+		return x.s.Free()
+	}
+	return fmt.Errorf("scheduler: FreeStream of a %T, not from a CUDA device", s)
+}
+
+func (c *cudaDevice) FreeEvent(e Event) error {
+	if x, ok := e.(cudaEvent); ok {
+		return x.e.Free()
+	}
+	return fmt.Errorf("scheduler: FreeEvent of a %T, not from a CUDA device", e)
 }
 
 func (c *cudaDevice) H2D(s Stream, dst Mem, dstOff int64, src Host, srcOff, n int64) error {
-	return s.(*cuda.Stream).CopyHtoD(dst.(*cuda.Buffer), dstOff, src.(*cuda.HostBuffer), srcOff, n)
+	return s.(cudaStream).s.CopyHtoD(dst.(*cuda.Buffer), dstOff, src.(*cuda.HostBuffer), srcOff, n)
 }
 
 func (c *cudaDevice) D2H(s Stream, dst Host, dstOff int64, src Mem, srcOff, n int64) error {
-	return s.(*cuda.Stream).CopyDtoH(dst.(*cuda.HostBuffer), dstOff, src.(*cuda.Buffer), srcOff, n)
+	return s.(cudaStream).s.CopyDtoH(dst.(*cuda.HostBuffer), dstOff, src.(*cuda.Buffer), srcOff, n)
 }
 
-func (c *cudaDevice) Record(e Event, s Stream) error { return e.(*cuda.Event).Record(s.(*cuda.Stream)) }
-func (c *cudaDevice) Wait(s Stream, e Event) error   { return s.(*cuda.Stream).Wait(e.(*cuda.Event)) }
-func (c *cudaDevice) Sync(e Event) error             { return e.(*cuda.Event).Sync() }
+func (c *cudaDevice) Record(e Event, s Stream) error { return e.(cudaEvent).e.Record(s.(cudaStream).s) }
+func (c *cudaDevice) Wait(s Stream, e Event) error   { return s.(cudaStream).s.Wait(e.(cudaEvent).e) }
+func (c *cudaDevice) Sync(e Event) error             { return e.(cudaEvent).e.Sync() }
 
 func (c *cudaDevice) Elapsed(a, b Event) (time.Duration, error) {
-	return cuda.Elapsed(a.(*cuda.Event), b.(*cuda.Event))
+	return cuda.Elapsed(a.(cudaEvent).e, b.(cudaEvent).e)
 }
 
 func kvec(v Vec) kernels.Vec {
@@ -71,13 +103,13 @@ func kvec(v Vec) kernels.Vec {
 
 func (c *cudaDevice) AdamW(s Stream, co *adam.Coeffs, st State, gd adam.DType, g Vec, od adam.DType, out Vec) error {
 	ks := kernels.State{Param: kvec(st.Param), ExpAvg: kvec(st.ExpAvg), ExpAvgSq: kvec(st.ExpAvgSq), MaxExpAvgSq: kvec(st.MaxExpAvgSq)}
-	return c.k.AdamW(s.(*cuda.Stream), co, ks, kernels.Grad{DType: gd, Vec: kvec(g)}, kernels.Copy16{DType: od, Vec: kvec(out)})
+	return c.k.AdamW(s.(cudaStream).s, co, ks, kernels.Grad{DType: gd, Vec: kvec(g)}, kernels.Copy16{DType: od, Vec: kvec(out)})
 }
 
 func (c *cudaDevice) Widen16(s Stream, d adam.DType, dst, src Vec) error {
-	return c.k.Widen16(s.(*cuda.Stream), d, kvec(dst), kvec(src))
+	return c.k.Widen16(s.(cudaStream).s, d, kvec(dst), kvec(src))
 }
 
 func (c *cudaDevice) GradStats(s Stream, gd adam.DType, g Vec, unscale float32) (bool, float64, error) {
-	return c.k.GradStats(s.(*cuda.Stream), kernels.Grad{DType: gd, Vec: kvec(g)}, unscale)
+	return c.k.GradStats(s.(cudaStream).s, kernels.Grad{DType: gd, Vec: kvec(g)}, unscale)
 }

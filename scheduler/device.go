@@ -13,13 +13,14 @@ type Mem interface{ Len() int64 }
 // and from it asynchronously.
 type Host interface{ Bytes() []byte }
 
-// Stream is an in-order queue of device work (a CUDA stream).
-type Stream any
+// Stream is an in-order queue of device work (a CUDA stream), from
+// Device.NewStream.
+type Stream interface{ isStream() }
 
-// Event marks a point in a stream's work (a CUDA event): other streams wait
-// for it, the host blocks on it, and two completed events give the time
-// between them.
-type Event any
+// Event marks a point in a stream's work (a CUDA event), from
+// Device.NewEvent: other streams wait for it, the host blocks on it, and
+// two completed events give the time between them.
+type Event interface{ isEvent() }
 
 // Vec is N elements of device memory from element Off of Mem; the element
 // size (4 for fp32, 2 for bf16 and fp16) comes from where it is used.
@@ -54,8 +55,13 @@ type Device interface {
 	// timed).
 	NewStream() (Stream, error)
 	NewEvent() (Event, error)
-	// Free releases a Mem, Host, Stream or Event from this device.
-	Free(x any) error
+	// FreeMem, FreeHost, FreeStream and FreeEvent release what this
+	// device returned. Errors: the driver's, or a handle from another
+	// device.
+	FreeMem(m Mem) error
+	FreeHost(h Host) error
+	FreeStream(s Stream) error
+	FreeEvent(e Event) error
 	// H2D copies n bytes from src at srcOff to dst at dstOff on s; D2H
 	// the other way.
 	H2D(s Stream, dst Mem, dstOff int64, src Host, srcOff, n int64) error

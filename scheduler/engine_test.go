@@ -86,12 +86,12 @@ func put(t testing.TB, d Device, m Mem, off int64, b []byte) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d.Free(h)
+	defer d.FreeHost(h)
 	copy(h.Bytes(), b)
 	s, _ := d.NewStream()
 	ev, _ := d.NewEvent()
-	defer d.Free(s)
-	defer d.Free(ev)
+	defer d.FreeStream(s)
+	defer d.FreeEvent(ev)
 	if err := firstErr(d.H2D(s, m, off, h, 0, int64(len(b))), d.Record(ev, s), d.Sync(ev)); err != nil {
 		t.Fatal(err)
 	}
@@ -104,11 +104,11 @@ func get(t testing.TB, d Device, m Mem, off, n int64) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d.Free(h)
+	defer d.FreeHost(h)
 	s, _ := d.NewStream()
 	ev, _ := d.NewEvent()
-	defer d.Free(s)
-	defer d.Free(ev)
+	defer d.FreeStream(s)
+	defer d.FreeEvent(ev)
 	if err := firstErr(d.D2H(s, h, 0, m, off, n), d.Record(ev, s), d.Sync(ev)); err != nil {
 		t.Fatal(err)
 	}

@@ -171,25 +171,52 @@ func (s *Sim) NewStream() (Stream, error) {
 
 func (s *Sim) NewEvent() (Event, error) { return &simEvent{}, nil }
 
-// Free releases memory; streams and events need nothing.
-func (s *Sim) Free(x any) error {
-	switch x := x.(type) {
-	case *simMem:
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		if x.b != nil {
-			s.used -= int64(len(x.b))
-			x.b = nil
-		}
-	case *simHost:
+func (*simStream) isStream() {}
+func (*simEvent) isEvent()   {}
+
+// FreeMem releases device memory. Errors: memory from another device.
+func (s *Sim) FreeMem(m Mem) error {
+	x, ok := m.(*simMem)
+	if !ok {
+		return fmt.Errorf("scheduler: FreeMem of a %T, not from the simulated device", m)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if x.b != nil {
+		s.used -= int64(len(x.b))
 		x.b = nil
-	case *simStream:
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		s.live[x.id] = false
-	case *simEvent, nil:
-	default:
-		return fmt.Errorf("scheduler: Free of a %T, not from the simulated device", x)
+	}
+	return nil
+}
+
+// FreeHost releases pinned host memory. Errors: memory from another
+// device.
+func (s *Sim) FreeHost(h Host) error {
+	x, ok := h.(*simHost)
+	if !ok {
+		return fmt.Errorf("scheduler: FreeHost of a %T, not from the simulated device", h)
+	}
+	x.b = nil
+	return nil
+}
+
+// FreeStream releases a stream's id for a new one. Errors: a stream from
+// another device.
+func (s *Sim) FreeStream(st Stream) error {
+	x, ok := st.(*simStream)
+	if !ok {
+		return fmt.Errorf("scheduler: FreeStream of a %T, not from the simulated device", st)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.live[x.id] = false
+	return nil
+}
+
+// FreeEvent does nothing. Errors: an event from another device.
+func (s *Sim) FreeEvent(e Event) error {
+	if _, ok := e.(*simEvent); !ok {
+		return fmt.Errorf("scheduler: FreeEvent of a %T, not from the simulated device", e)
 	}
 	return nil
 }

@@ -61,7 +61,7 @@ func TestSimOrder(t *testing.T) {
 	for range 3 * maxSimStreams {
 		s, err := d.NewStream()
 		must("NewStream", err)
-		must("Free", d.Free(s))
+		must("Free", d.FreeStream(s))
 	}
 	for range maxSimStreams - 2 {
 		_, err := d.NewStream()
