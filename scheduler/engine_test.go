@@ -530,3 +530,31 @@ func TestEngineDeviceFault(t *testing.T) {
 		t.Errorf("Update after Close: %v", err)
 	}
 }
+
+// freeFailing is the simulated device whose FreeMem fails.
+type freeFailing struct{ *Sim }
+
+var errFree = errors.New("free refused")
+
+func (d freeFailing) FreeMem(m Mem) error { return errors.Join(d.Sim.FreeMem(m), errFree) }
+
+// TestEngineCloseErrors: Close returns what the device could not free
+// (it frees the rest), and the engine is closed afterwards.
+func TestEngineCloseErrors(t *testing.T) {
+	d := freeFailing{NewSim(SimOptions{})}
+	plan, _ := NewPlan(3, perfmodel.Schedule{CPU: 1, GPU: 1, Resident: 1})
+	e, err := New(Options{Device: d, Sizes: []int{4, 4, 4}, GradDType: adam.BF16, WorkingDType: adam.BF16, Plan: plan})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(); !errors.Is(err, errFree) {
+		t.Fatalf("Close: %v, want the Free errors", err)
+	}
+	if d.Used() != 0 {
+		t.Errorf("%d bytes of device memory left", d.Used())
+	}
+	c := adam.DefaultHyper().Coeffs(1, 1, 1)
+	if err := e.Update(&c); !errors.Is(err, ErrEngineClosed) {
+		t.Errorf("Update after Close: %v", err)
+	}
+}
