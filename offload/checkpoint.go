@@ -2,6 +2,7 @@ package offload
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 
 	"github.com/deepstates/dos/adam"
@@ -308,17 +309,21 @@ func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string,
 // (every call that needs the state says so; LoadCheckpoint tries again).
 // The optimizer stays broken until a load succeeds.
 func (o *Optimizer) replaceEngine() error {
+	// The broken engine's memory may be in any state after the fault: a
+	// failure to free it says nothing about the new one, and is reported
+	// only when no new engine could be built.
 	eng, pred, err := o.buildEngine()
+	var closeErr error
 	if err != nil && o.eng != nil {
-		o.eng.Close()
+		closeErr = o.eng.Close()
 		o.eng, o.state = nil, adam.State{}
 		eng, pred, err = o.buildEngine()
 	}
 	if err != nil {
-		return fmt.Errorf("offload: a new engine after the device fault: %w (still broken: LoadCheckpoint tries again)", err)
+		return fmt.Errorf("offload: a new engine after the device fault: %w (still broken: LoadCheckpoint tries again)", errors.Join(err, closeErr))
 	}
 	if o.eng != nil {
-		o.eng.Close()
+		_ = o.eng.Close()
 	}
 	o.eng, o.state = eng, eng.HostState()
 	if pred != nil {

@@ -429,19 +429,26 @@ func (o *Optimizer) Plan() (plan perfmodel.Prediction, ok bool) {
 // Afterwards Step, SetParam, SetLR, Snapshot, SaveCheckpoint, SaveAsync and
 // LoadCheckpoint return ErrClosed; the views of Grad and Working stay
 // readable. Close may be called more than once, from any goroutine.
-func (o *Optimizer) Close() {
+//
+// Errors: the engine's failure to free device or pinned memory
+// (scheduler.Engine.Close); everything is released whatever it says.
+func (o *Optimizer) Close() error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.pending.waitCapture()
 	o.pending = lazySave{}
+	var err error
 	if o.eng != nil {
-		o.eng.Close()
+		if cerr := o.eng.Close(); cerr != nil {
+			err = fmt.Errorf("offload: closing the engine: %w", cerr)
+		}
 		o.eng = nil
 	}
 	if o.pool != nil {
 		o.pool.Close()
 		o.pool = nil
 	}
+	return err
 }
 
 // Options returns the options in effect, defaults filled in (Hyper as

@@ -47,7 +47,11 @@ func newTest(t *testing.T, opts Options) *Optimizer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(o.Close)
+	t.Cleanup(func() {
+		if err := o.Close(); err != nil {
+			t.Error(err)
+		}
+	})
 	r := rand.New(rand.NewPCG(1, 1))
 	for _, p := range o.Params() {
 		v := make([]float32, p.Len)

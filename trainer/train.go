@@ -1,6 +1,7 @@
 package trainer
 
 import (
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"io"
@@ -70,7 +71,8 @@ type Trainer struct {
 	engine   *checkpoint.Engine   // the lazy checkpointer, made at the first save
 	closeDev func()               // releases the update phase's device (cfg.Device)
 	lock     *checkpoint.RootLock // cfg.CkptDir's, for the whole run
-	last     *checkpoint.Handle   // its last save, reported when it is durable
+	closed   bool
+	last     *checkpoint.Handle // its last save, reported when it is durable
 }
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
@@ -153,14 +155,12 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 	}
 	for i, v := range InitParams(cfg.Model, cfg.Seed) {
 		if err := opt.SetParam(opt.Params()[i].Name, v); err != nil {
-			t.Close()
-			return nil, err
+			return nil, errors.Join(err, t.Close())
 		}
 	}
 	if from != nil {
 		if err := t.resume(from.Dir); err != nil {
-			t.Close()
-			return nil, err
+			return nil, errors.Join(err, t.Close())
 		}
 	}
 	t.bind()
@@ -195,18 +195,27 @@ func (t *Trainer) bind() {
 
 // Close releases the optimizer's workers, the update phase's device, the
 // lazy checkpoint engine (waiting for its save in flight) and the lock of
-// cfg.CkptDir.
-func (t *Trainer) Close() {
-	t.opt.Close()
+// cfg.CkptDir. A second Close does nothing.
+//
+// Errors: the optimizer's (device memory not freed) and a lazy checkpoint
+// that failed and was not reported yet (checkpoint.Engine.Close); all is
+// released whatever they say.
+func (t *Trainer) Close() error {
+	var errs []error
+	if !t.closed {
+		errs = append(errs, t.opt.Close())
+		t.closed = true
+	}
 	if t.closeDev != nil {
 		t.closeDev()
 		t.closeDev = nil
 	}
 	if t.engine != nil {
-		_ = t.engine.Close()
+		errs = append(errs, t.engine.Close())
 		t.engine = nil
 	}
 	t.lock.Unlock()
+	return errors.Join(errs...)
 }
 
 // NumParams returns the model's parameter count.

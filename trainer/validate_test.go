@@ -136,7 +136,9 @@ func TestMemoryBytesMeasured(t *testing.T) {
 			t.Fatal(err)
 		}
 		runtime.ReadMemStats(&after)
-		tr.Close()
+		if err := tr.Close(); err != nil {
+			t.Fatal(err)
+		}
 		got, est := float64(after.TotalAlloc-before.TotalAlloc), c.MemoryBytes()
 		t.Logf("grad/working %v/%v: New allocated %.1f MiB, MemoryBytes %.1f MiB (%.3f)", c.GradDType, c.WorkingDType, got/(1<<20), est/(1<<20), got/est)
 		if r := got / est; r < 0.9 || r > 1.1 {

@@ -134,8 +134,10 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	defer t.Close()
 	sum, err := t.Run()
+	if cerr := t.Close(); err == nil {
+		err = cerr
+	}
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
