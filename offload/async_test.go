@@ -168,7 +168,7 @@ func mustStep(t *testing.T, o *Optimizer) {
 // the CPU, the time the CPU fit gives for its parameters.
 func TestPlan(t *testing.T) {
 	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion,
-		CPU: []perfmodel.CPUFit{{Threads: 1, GradDType: "bfloat16", Fit: perfmodel.Fit{Rate: 1e6}}}}
+		CPU: []perfmodel.CPUFit{{Threads: 1, GradDType: adam.BF16, Fit: perfmodel.Fit{Rate: 1e6}}}}
 	o, err := New(testParams, Options{GradDType: adam.BF16, WorkingDType: adam.BF16, Threads: 2, Profile: p})
 	if err != nil {
 		t.Fatal(err)

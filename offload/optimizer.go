@@ -293,7 +293,7 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 		opts.Profile = &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC(), CPU: fits}
 	}
 	if opts.Profile != nil {
-		w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), GradDType: opts.GradDType.String(),
+		w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), GradDType: opts.GradDType,
 			AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads()}
 		if opts.WorkingDType != 0 {
 			w.CopyBytes = 2
@@ -335,7 +335,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 	opts := o.opts
 	n := len(o.subgroups)
 	s := perfmodel.Schedule{CPU: n}
-	w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), GradDType: opts.GradDType.String(),
+	w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), GradDType: opts.GradDType,
 		CopyBytes: 2, AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: opts.GPUBudget}
 	if opts.Schedule != nil {
 		s = *opts.Schedule

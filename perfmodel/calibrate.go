@@ -79,7 +79,7 @@ func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, er
 		return nil, fmt.Errorf("perfmodel: CPU calibration threads %v: want distinct counts >= 1", opts.Threads)
 	}
 	for _, d := range opts.GradDTypes {
-		if _, err := gradBytes(d.String()); err != nil {
+		if _, err := gradBytes(d); err != nil {
 			return nil, fmt.Errorf("perfmodel: CPU calibration: %w", err)
 		}
 	}
@@ -145,7 +145,7 @@ func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, er
 				pool.Close()
 				return nil, fmt.Errorf("perfmodel: CPU gradient checks at %d threads, %v gradients: %w", th, d, err)
 			}
-			fits = append(fits, CPUFit{Threads: th, GradDType: d.String(), Fit: f, Stats: sf})
+			fits = append(fits, CPUFit{Threads: th, GradDType: d, Fit: f, Stats: sf})
 		}
 		pool.Close()
 	}

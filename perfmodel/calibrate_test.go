@@ -33,7 +33,7 @@ func TestCalibrateCPU(t *testing.T) {
 			t.Errorf("%d threads %s: %g params/s is implausible", f.Threads, f.GradDType, f.Rate)
 		}
 	}
-	if _, err := p.CPURate(8, "bfloat16"); err != nil { // the largest measured count below 8
+	if _, err := p.CPURate(8, adam.BF16); err != nil { // the largest measured count below 8
 		t.Error(err)
 	}
 }

@@ -6,16 +6,18 @@ import (
 	"fmt"
 	"math"
 	"slices"
+
+	"github.com/deepstates/dos/adam"
 )
 
 // Workload is one rank's update phase.
 type Workload struct {
-	Params       int64  // parameters of the rank, > 0
-	SubgroupSize int64  // parameters per subgroup, > 0 (the last may be smaller)
-	GradDType    string // "float32", "bfloat16" or "float16": the gradient on the GPU
-	CopyBytes    int    // bytes per parameter of the 16-bit working copy: 2, or 0 for none
-	AMSGrad      bool   // the state holds max_exp_avg_sq too (16 B/param instead of 12)
-	Threads      int    // CPU workers, >= 1
+	Params       int64      // parameters of the rank, > 0
+	SubgroupSize int64      // parameters per subgroup, > 0 (the last may be smaller)
+	GradDType    adam.DType // adam.F32, BF16 or F16: the gradient on the GPU
+	CopyBytes    int        // bytes per parameter of the 16-bit working copy: 2, or 0 for none
+	AMSGrad      bool       // the state holds max_exp_avg_sq too (16 B/param instead of 12)
+	Threads      int        // CPU workers, >= 1
 	// GPUBudget is the GPU memory the update phase may use, in bytes:
 	// resident state plus double-buffered staging for GPU subgroups.
 	GPUBudget int64
@@ -95,14 +97,12 @@ func (w Workload) stateBytes() float64 {
 	return 12
 }
 
-func gradBytes(d string) (float64, error) {
+func gradBytes(d adam.DType) (float64, error) {
 	switch d {
-	case "float32":
-		return 4, nil
-	case "bfloat16", "float16":
-		return 2, nil
+	case adam.F32, adam.BF16, adam.F16:
+		return float64(d.Size()), nil
 	}
-	return 0, fmt.Errorf("perfmodel: gradient dtype %q", d)
+	return 0, fmt.Errorf("perfmodel: gradient dtype %v: want float32, bfloat16 or float16", d)
 }
 
 // Predict returns the model's makespan for s (package doc).
@@ -165,7 +165,7 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 	cpuDType := w.GradDType
 	down := gb * sz // bytes of a CPU subgroup's gradient
 	if s.UpcastOnGPU && gb == 2 {
-		cpuDType, down = "float32", 4*sz
+		cpuDType, down = adam.F32, 4*sz
 	}
 	cf, err := p.cpuFit(w.Threads, cpuDType)
 	if err != nil {

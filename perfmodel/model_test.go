@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/deepstates/dos/adam"
 )
 
 func rate(r float64) Fit { return Fit{Rate: r} }
@@ -16,7 +18,7 @@ func rate(r float64) Fit { return Fit{Rate: r} }
 // and, when gpu, a GPU with the given rates (duplex = one-way).
 func profile(uc float64, gpu bool, ug, pcie float64) *Profile {
 	p := &Profile{Format: ProfileFormat, Version: ProfileVersion, Machine: Machine{CPU: "test"}}
-	for _, d := range []string{"float32", "bfloat16", "float16"} {
+	for _, d := range []adam.DType{adam.F32, adam.BF16, adam.F16} {
 		p.CPU = append(p.CPU, CPUFit{Threads: 1, GradDType: d, Fit: rate(uc)})
 	}
 	if gpu {
@@ -28,7 +30,7 @@ func profile(uc float64, gpu bool, ug, pcie float64) *Profile {
 func near(a, b float64) bool { return math.Abs(a-b) <= 1e-9*math.Max(1, math.Abs(b)) }
 
 // A 12-subgroup workload of 1M parameters each, bf16 gradients and copy.
-var w12 = Workload{Params: 12e6, SubgroupSize: 1e6, GradDType: "bfloat16", CopyBytes: 2, Threads: 1}
+var w12 = Workload{Params: 12e6, SubgroupSize: 1e6, GradDType: adam.BF16, CopyBytes: 2, Threads: 1}
 
 // TestCPUOnly: without a GPU everything is on the CPU and there are no
 // transfers (gradients and weights live on the host): exactly 12 x 3 s.
@@ -164,7 +166,7 @@ func TestLoad(t *testing.T) {
 		t.Errorf("old version: %v", err)
 	}
 	bad := *p
-	bad.CPU = []CPUFit{{Threads: 1, GradDType: "float32", Fit: Fit{Rate: -1}}}
+	bad.CPU = []CPUFit{{Threads: 1, GradDType: adam.F32, Fit: Fit{Rate: -1}}}
 	if _, err := Load(write(&bad), here); err == nil {
 		t.Error("a negative rate was accepted")
 	}
@@ -177,7 +179,7 @@ func TestLoad(t *testing.T) {
 // TestEdges: regressions from adversarial testing.
 func TestEdges(t *testing.T) {
 	p := profile(1e6, true, 1e6, 1e9)
-	if _, err := p.Choose(Workload{Params: 1000, GradDType: "float32", Threads: 1}); err == nil || !strings.Contains(err.Error(), "SubgroupSize") {
+	if _, err := p.Choose(Workload{Params: 1000, GradDType: adam.F32, Threads: 1}); err == nil || !strings.Contains(err.Error(), "SubgroupSize") {
 		t.Errorf("SubgroupSize 0: %v", err)
 	}
 	var nilp *Profile
@@ -191,13 +193,13 @@ func TestEdges(t *testing.T) {
 	q.GPU.Update = Fit{LatencyS: 0.9, Rate: 1e15}
 	q.GPU.H2D, q.GPU.H2DBoth = rate(2400), rate(2400)
 	q.GPU.D2H, q.GPU.D2HBoth = rate(4000), rate(4000)
-	w := Workload{Params: 1000, SubgroupSize: 100, GradDType: "bfloat16", CopyBytes: 2, Threads: 1, GPUBudget: 1 << 30}
+	w := Workload{Params: 1000, SubgroupSize: 100, GradDType: adam.BF16, CopyBytes: 2, Threads: 1, GPUBudget: 1 << 30}
 	pr, err := q.Predict(w, Schedule{CPU: 9, GPU: 1})
 	if err != nil || pr.Makespan < 1.7-1e-9 || pr.Bottleneck != ResGPU {
 		t.Errorf("makespan %v on %s (%v), want at least 1.7 s on the GPU", pr.Makespan, pr.Bottleneck, err)
 	}
 	// A subgroup size above the parameters: the memory of the real subgroup.
-	small := Workload{Params: 100, SubgroupSize: 1e9, GradDType: "float32", Threads: 1, GPUBudget: 1 << 30}
+	small := Workload{Params: 100, SubgroupSize: 1e9, GradDType: adam.F32, Threads: 1, GPUBudget: 1 << 30}
 	if _, err := p.Predict(small, Schedule{GPU: 1}); err != nil {
 		t.Errorf("one small GPU subgroup: %v", err)
 	}
@@ -207,7 +209,7 @@ func TestEdges(t *testing.T) {
 		t.Error("two fits for the same threads and dtype accepted")
 	}
 	odd := profile(1e6, false, 0, 0)
-	odd.CPU[0].GradDType = "float64"
+	odd.CPU[0].GradDType = adam.DType(9)
 	if err := odd.Validate(); err == nil {
 		t.Error("an unknown dtype accepted")
 	}
@@ -255,7 +257,7 @@ func TestChooseSearch(t *testing.T) {
 		p.CPU[0].Rate *= lg(0.5, 2) // float32 differs from bf16
 		n := 1 + r.IntN(40)
 		sub := int64(1e6 * lg(1, 100))
-		w := Workload{Params: int64(n) * sub, SubgroupSize: sub, GradDType: []string{"float32", "bfloat16"}[r.IntN(2)],
+		w := Workload{Params: int64(n) * sub, SubgroupSize: sub, GradDType: []adam.DType{adam.F32, adam.BF16}[r.IntN(2)],
 			CopyBytes: 2 * r.IntN(2), Threads: 1, GPUBudget: int64(float64(n) * float64(sub) * 12 * r.Float64() * 1.2), AMSGrad: r.IntN(4) == 0}
 		got, err := p.Choose(w)
 		if err != nil {
@@ -330,14 +332,14 @@ func TestPredictionJSON(t *testing.T) {
 // TestWorkloadBounds: a subgroup size near MaxInt64 does not overflow the
 // subgroup count, and too many subgroups are refused.
 func TestWorkloadBounds(t *testing.T) {
-	w := Workload{Params: 834304, SubgroupSize: math.MaxInt64, GradDType: "float32", Threads: 1}
+	w := Workload{Params: 834304, SubgroupSize: math.MaxInt64, GradDType: adam.F32, Threads: 1}
 	if w.Subgroups() != 1 {
 		t.Errorf("Subgroups %d, want 1", w.Subgroups())
 	}
 	if pr, err := profile(1e6, false, 0, 0).Choose(w); err != nil || pr.CPU != 1 || !(pr.Makespan > 0) {
 		t.Errorf("%+v %v", pr, err)
 	}
-	w = Workload{Params: 1e6, SubgroupSize: 1, GradDType: "float32", Threads: 1}
+	w = Workload{Params: 1e6, SubgroupSize: 1, GradDType: adam.F32, Threads: 1}
 	if err := w.Validate(); err == nil {
 		t.Error("a million subgroups accepted")
 	}

@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/deepstates/dos/adam"
 	"github.com/klauspost/cpuid/v2"
 )
 
@@ -32,8 +33,8 @@ type Machine struct {
 // gradients of GradDType ("float32", "bfloat16", "float16"): Size in
 // parameters, Rate in params/s (Uc).
 type CPUFit struct {
-	Threads   int    `json:"threads"`
-	GradDType string `json:"grad_dtype"`
+	Threads   int        `json:"threads"`
+	GradDType adam.DType `json:"grad_dtype"`
 	Fit
 	// Stats is the one-pass non-finite check and sum of squares over the
 	// gradient (adam.Pool.GradStats), params/s: the CPU runs it when the
@@ -80,24 +81,24 @@ type Profile struct {
 // thread count, or else the largest measured count below it.
 //
 // Errors: no fit for that dtype at or below threads.
-func (p *Profile) CPURate(threads int, gradDType string) (Fit, error) {
+func (p *Profile) CPURate(threads int, gradDType adam.DType) (Fit, error) {
 	f, err := p.cpuFit(threads, gradDType)
 	return f.Fit, err
 }
 
-func (p *Profile) cpuFit(threads int, gradDType string) (CPUFit, error) {
+func (p *Profile) cpuFit(threads int, gradDType adam.DType) (CPUFit, error) {
 	f, err := p.cpuFitExact(threads, gradDType)
-	if err != nil && gradDType == "float16" {
+	if err != nil && gradDType == adam.F16 {
 		// dos calibrate measures float32 and bfloat16: a float16
 		// gradient moves the same bytes as a bfloat16 one.
-		if f, err2 := p.cpuFitExact(threads, "bfloat16"); err2 == nil {
+		if f, err2 := p.cpuFitExact(threads, adam.BF16); err2 == nil {
 			return f, nil
 		}
 	}
 	return f, err
 }
 
-func (p *Profile) cpuFitExact(threads int, gradDType string) (CPUFit, error) {
+func (p *Profile) cpuFitExact(threads int, gradDType adam.DType) (CPUFit, error) {
 	best := -1
 	for i, c := range p.CPU {
 		if c.GradDType == gradDType && c.Threads <= threads && (best < 0 || c.Threads > p.CPU[best].Threads) {
@@ -129,7 +130,7 @@ func (p *Profile) Validate() error {
 		if (!c.Stats.zero() && !c.Stats.Valid()) || !c.Valid() || c.Threads < 1 {
 			return fmt.Errorf("perfmodel: CPU rate at %d threads for %s: invalid fit (rate %g, latency %g s, residual %g)", c.Threads, c.GradDType, c.Rate, c.LatencyS, c.Residual)
 		}
-		key := [2]string{fmt.Sprint(c.Threads), c.GradDType}
+		key := [2]string{fmt.Sprint(c.Threads), c.GradDType.String()}
 		if seen[key] {
 			return fmt.Errorf("perfmodel: two CPU rates for %d threads and %s", c.Threads, c.GradDType)
 		}

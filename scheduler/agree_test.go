@@ -165,7 +165,7 @@ func testAgreement(t *testing.T, p *problem, s perfmodel.Schedule, ams bool, chu
 
 	// The replay of the same steps.
 	prof := simProfile(1e6, 1e7, 12e6, perfmodel.Contention{CPU: 1.5, PCIe: 1.2})
-	uc, err := prof.CPURate(1, "float32")
+	uc, err := prof.CPURate(1, adam.F32)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -186,11 +186,7 @@ func testAgreement(t *testing.T, p *problem, s perfmodel.Schedule, ams bool, chu
 	for i, n := range testSizes {
 		sizes[i] = int64(n)
 	}
-	gd := "bfloat16"
-	if p.gd == adam.F32 {
-		gd = "float32"
-	}
-	sim, err := Simulate(Machine{Profile: prof, Threads: 1}, SimWorkload{Sizes: sizes, GradDType: gd, AMSGrad: ams}, plan)
+	sim, err := Simulate(Machine{Profile: prof, Threads: 1}, SimWorkload{Sizes: sizes, GradDType: p.gd, AMSGrad: ams}, plan)
 	if err != nil {
 		t.Fatal(err)
 	}

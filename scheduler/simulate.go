@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/perfmodel"
 )
 
@@ -21,9 +22,9 @@ type Machine struct {
 // SimWorkload is the update phase Simulate replays: the subgroups'
 // lengths in parameters and the dtypes' sizes.
 type SimWorkload struct {
-	Sizes     []int64 // parameters per subgroup, > 0 each
-	GradDType string  // "float32", "bfloat16" or "float16": the gradient on the device
-	AMSGrad   bool    // 16 B/param of state instead of 12
+	Sizes     []int64    // parameters per subgroup, > 0 each
+	GradDType adam.DType // adam.F32, BF16 or F16: the gradient on the device
+	AMSGrad   bool       // 16 B/param of state instead of 12
 }
 
 // Simulate replays Engine.Update's schedule for plan in virtual time, with
@@ -59,16 +60,14 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 	}
 	var gb float64
 	switch w.GradDType {
-	case "float32":
-		gb = 4
-	case "bfloat16", "float16":
-		gb = 2
+	case adam.F32, adam.BF16, adam.F16:
+		gb = float64(w.GradDType.Size())
 	default:
-		return nil, fmt.Errorf("scheduler: Simulate: gradient dtype %q", w.GradDType)
+		return nil, fmt.Errorf("scheduler: Simulate: gradient dtype %v: want float32, bfloat16 or float16", w.GradDType)
 	}
 	cpuDType := w.GradDType // what the CPU workers read: fp32 after the upcast
 	if plan.Schedule.UpcastOnGPU && gb == 2 {
-		cpuDType = "float32"
+		cpuDType = adam.F32
 	}
 	uc, err := p.CPURate(max(1, m.Threads), cpuDType)
 	if err != nil {

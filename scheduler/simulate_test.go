@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/perfmodel"
 )
 
@@ -13,7 +14,7 @@ import (
 func simProfile(uc, ug, b float64, c perfmodel.Contention) *perfmodel.Profile {
 	f := func(r float64) perfmodel.Fit { return perfmodel.Fit{Rate: r} }
 	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion}
-	for _, d := range []string{"float32", "bfloat16"} {
+	for _, d := range []adam.DType{adam.F32, adam.BF16} {
 		p.CPU = append(p.CPU, perfmodel.CPUFit{Threads: 1, GradDType: d, Fit: f(uc)})
 	}
 	p.GPU = &perfmodel.GPUProfile{Update: f(ug), H2D: f(b), D2H: f(b), H2DBoth: f(b), D2HBoth: f(b), Convert: f(1e18), Contention: c}
@@ -26,7 +27,7 @@ func simulate(t *testing.T, p *perfmodel.Profile, sizes []int64, s perfmodel.Sch
 	if err != nil {
 		t.Fatal(err)
 	}
-	ops, err := Simulate(Machine{Profile: p, Threads: 1}, SimWorkload{Sizes: sizes, GradDType: "bfloat16"}, plan)
+	ops, err := Simulate(Machine{Profile: p, Threads: 1}, SimWorkload{Sizes: sizes, GradDType: adam.BF16}, plan)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,14 +93,14 @@ func TestSimulateAgainstModel(t *testing.T) {
 		sizes = append(sizes, min(sg, total-off))
 	}
 	n := len(sizes)
-	w := perfmodel.Workload{Params: total, SubgroupSize: sg, GradDType: "bfloat16", CopyBytes: 2, Threads: 16, GPUBudget: 16 << 30}
+	w := perfmodel.Workload{Params: total, SubgroupSize: sg, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 16 << 30}
 	ss := []perfmodel.Schedule{{CPU: n}, {CPU: n - 28, Resident: 28}}
 	for gpu := 0; gpu <= 53; gpu += 9 {
 		ss = append(ss, perfmodel.Schedule{CPU: 53 - gpu, GPU: gpu, Resident: 26})
 	}
 	for _, s := range ss {
 		plan, _ := NewPlan(n, s)
-		ops, err := Simulate(Machine{Profile: p, Threads: 16}, SimWorkload{Sizes: sizes, GradDType: "bfloat16"}, plan)
+		ops, err := Simulate(Machine{Profile: p, Threads: 16}, SimWorkload{Sizes: sizes, GradDType: adam.BF16}, plan)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -123,23 +124,23 @@ func TestSimulateRefuses(t *testing.T) {
 	plan1, _ := NewPlan(1, perfmodel.Schedule{GPU: 1})
 	plan2, _ := NewPlan(2, perfmodel.Schedule{CPU: 1, GPU: 1})
 	for _, sizes := range [][]int64{{0}, {-5}} {
-		if _, err := Simulate(m, SimWorkload{Sizes: sizes, GradDType: "bfloat16"}, plan1); err == nil {
+		if _, err := Simulate(m, SimWorkload{Sizes: sizes, GradDType: adam.BF16}, plan1); err == nil {
 			t.Errorf("sizes %v accepted", sizes)
 		}
 	}
-	if _, err := Simulate(m, SimWorkload{GradDType: "bfloat16"}, &Plan{}); err == nil {
+	if _, err := Simulate(m, SimWorkload{GradDType: adam.BF16}, &Plan{}); err == nil {
 		t.Error("no subgroups accepted")
 	}
-	if _, err := Simulate(m, SimWorkload{Sizes: []int64{1, 1}, GradDType: "float64"}, plan2); err == nil {
+	if _, err := Simulate(m, SimWorkload{Sizes: []int64{1, 1}, GradDType: adam.DType(9)}, plan2); err == nil {
 		t.Error("a float64 gradient accepted")
 	}
 	bad := simProfile(1e6, 1e7, 12e6, perfmodel.Contention{})
 	bad.GPU.Convert.Rate = 0
-	if _, err := Simulate(Machine{Profile: bad, Threads: 1}, SimWorkload{Sizes: []int64{1, 1}, GradDType: "bfloat16"}, plan2); err == nil {
+	if _, err := Simulate(Machine{Profile: bad, Threads: 1}, SimWorkload{Sizes: []int64{1, 1}, GradDType: adam.BF16}, plan2); err == nil {
 		t.Error("an invalid profile accepted")
 	}
 	slow := simProfile(1, 1, 1, perfmodel.Contention{})
-	if _, err := Simulate(Machine{Profile: slow, Threads: 1}, SimWorkload{Sizes: []int64{1 << 40}, GradDType: "bfloat16"}, plan1); err == nil {
+	if _, err := Simulate(Machine{Profile: slow, Threads: 1}, SimWorkload{Sizes: []int64{1 << 40}, GradDType: adam.BF16}, plan1); err == nil {
 		t.Error("an update phase of 35,000 years replayed")
 	}
 }

@@ -98,7 +98,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	w := perfmodel.Workload{Params: n, SubgroupSize: sgSize, GradDType: "bfloat16", CopyBytes: 2, Threads: *threads, GPUBudget: int64(*budget * (1 << 30))}
+	w := perfmodel.Workload{Params: n, SubgroupSize: sgSize, GradDType: adam.BF16, CopyBytes: 2, Threads: *threads, GPUBudget: int64(*budget * (1 << 30))}
 	choice, err := prof.Choose(w)
 	if err != nil {
 		return c.fail(stderr, "%v", err)
@@ -243,7 +243,7 @@ func benchVerdicts(w io.Writer, rs []benchResult) {
 }
 
 func cpuRate(p *perfmodel.Profile, threads int) float64 {
-	f, err := p.CPURate(threads, "bfloat16")
+	f, err := p.CPURate(threads, adam.BF16)
 	if err != nil {
 		return 0
 	}

@@ -116,7 +116,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stdout, "predicted update phase, %s, %d threads, bf16 gradients and copy, subgroups of %s:\n", where, runtime.GOMAXPROCS(0), formatSize(sgSize))
 	for _, params := range []int64{125e6, 1.3e9, 7e9} {
-		w := perfmodel.Workload{Params: params, SubgroupSize: sgSize, GradDType: "bfloat16", CopyBytes: 2, Threads: runtime.GOMAXPROCS(0)}
+		w := perfmodel.Workload{Params: params, SubgroupSize: sgSize, GradDType: adam.BF16, CopyBytes: 2, Threads: runtime.GOMAXPROCS(0)}
 		if p.GPU != nil {
 			w.GPUBudget = int64(*budget * (1 << 30))
 		}

@@ -158,7 +158,7 @@ func TestPlotProfile(t *testing.T) {
 		return f
 	}
 	p := &perfmodel.Profile{Machine: perfmodel.Machine{CPU: "test CPU", GPU: "test GPU"},
-		CPU: []perfmodel.CPUFit{{Threads: 2, GradDType: "bfloat16", Fit: fit(1.3e9, 0, 16e6, 32e6, 64e6)}},
+		CPU: []perfmodel.CPUFit{{Threads: 2, GradDType: adam.BF16, Fit: fit(1.3e9, 0, 16e6, 32e6, 64e6)}},
 		GPU: &perfmodel.GPUProfile{Update: fit(1.5e11, 5e-6, 16e6, 64e6, 128e6), Convert: fit(4e11, 3e-6, 16e6, 64e6, 128e6),
 			H2D: fit(5.5e10, 1e-5, 8<<20, 64<<20, 1<<30), D2H: fit(5.5e10, 1e-5, 8<<20, 64<<20, 1<<30),
 			H2DBoth: fit(4.8e10, 1e-5, 8<<20, 64<<20, 1<<30), D2HBoth: fit(4.8e10, 1e-5, 8<<20, 64<<20, 1<<30)}}

@@ -7,6 +7,7 @@ import (
 	"os"
 	"slices"
 
+	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )
@@ -48,7 +49,8 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	cpuScale := c.Float64("cpu-scale", 1, "multiply the profile's CPU update rate by `F` (a host with more cores or memory bandwidth)")
 	pcie := c.Float64("pcie", 0, "PCIe bandwidth in `GB/s` each way (0: the profile's; both-directions rates scale with it)")
 	ug := c.Float64("gpu-rate", 0, "the GPU's fused AdamW rate in `Gparam/s` (0: the profile's)")
-	gradDType := c.String("grad-dtype", "bfloat16", "gradient dtype on the GPU: float32, bfloat16 or float16")
+	gradDType := adam.BF16
+	c.Var(dtypeFlag{&gradDType}, "grad-dtype", "gradient dtype on the GPU: float32, bfloat16 or float16 (default bfloat16)")
 	sweep := c.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the chosen residents)")
 	out := outputFlags(c, "each schedule's prediction and replay", "the replay of the model's schedule", "the replay of the model's schedule as a timeline")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
@@ -77,16 +79,8 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	case *sweep < 0 || *sweep > 1000:
 		return fail("--sweep %d: want 0 to 1000", *sweep)
 	}
-	switch *gradDType {
-	case "bf16":
-		*gradDType = "bfloat16"
-	case "fp16":
-		*gradDType = "float16"
-	case "fp32":
-		*gradDType = "float32"
-	case "bfloat16", "float16", "float32":
-	default:
-		return fail("--grad-dtype %q: want bfloat16, float16 or float32", *gradDType)
+	if gradDType == 0 {
+		return fail("--grad-dtype none: want bfloat16, float16 or float32")
 	}
 	prof, err := perfmodel.Read(*profPath)
 	if err != nil {
@@ -120,7 +114,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		g.Update.Rate = *ug * 1e9
 	}
 	rankParams := (params + int64(*ranks) - 1) / int64(*ranks)
-	w := perfmodel.Workload{Params: rankParams, SubgroupSize: sgSize, GradDType: *gradDType, CopyBytes: 2, Threads: perRank, GPUBudget: int64(*budget * (1 << 30))}
+	w := perfmodel.Workload{Params: rankParams, SubgroupSize: sgSize, GradDType: gradDType, CopyBytes: 2, Threads: perRank, GPUBudget: int64(*budget * (1 << 30))}
 	if err := w.Validate(); err != nil {
 		return fail("%v", err)
 	}
@@ -134,7 +128,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	uc, err := p.CPURate(perRank, *gradDType)
+	uc, err := p.CPURate(perRank, gradDType)
 	if err != nil {
 		return c.fail(stderr, "--profile %s: %v", *profPath, err)
 	}
@@ -166,7 +160,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		if err != nil {
 			return err
 		}
-		ops, err := scheduler.Simulate(scheduler.Machine{Profile: &p, Threads: perRank}, scheduler.SimWorkload{Sizes: sizes, GradDType: *gradDType}, plan)
+		ops, err := scheduler.Simulate(scheduler.Machine{Profile: &p, Threads: perRank}, scheduler.SimWorkload{Sizes: sizes, GradDType: gradDType}, plan)
 		if err != nil {
 			return err
 		}
@@ -213,7 +207,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			}
 		}
 		err := writeJSON(*out.json, map[string]any{"params": params, "ranks": *ranks, "rank_params": rankParams, "subgroups": n,
-			"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": *gradDType, "profile": *profPath,
+			"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": gradDType, "profile": *profPath,
 			"choice": model, "results": results})
 		if err != nil {
 			return c.fail(stderr, "--json: %v", err)
