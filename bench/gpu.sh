@@ -8,9 +8,9 @@
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 log="$(mktemp)"
-cd "$root/kernels"
-DOS_REQUIRE_GPU=1 ../bin/test/kernels.test -test.run '^$' -test.bench 'BenchmarkGPU' -test.benchtime 20x -test.count 3 | tee -a "$log"
-python3 ../bench/torch_gpu.py --reps 20 | tee -a "$log"
+cd "$root/internal/kernels"
+DOS_REQUIRE_GPU=1 ../../bin/test/internal_kernels.test -test.run '^$' -test.bench 'BenchmarkGPU' -test.benchtime 20x -test.count 3 | tee -a "$log"
+python3 ../../bench/torch_gpu.py --reps 20 | tee -a "$log"
 python3 - "$log" <<'PY'
 import re, statistics, sys
 dos, torch = {}, {}

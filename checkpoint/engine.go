@@ -14,7 +14,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/deepstates/dos/pinned"
+	"github.com/deepstates/dos/internal/pinned"
 )
 
 // DirectMode says whether the Engine writes with O_DIRECT.

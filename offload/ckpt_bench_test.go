@@ -11,7 +11,7 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
-	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/scheduler"
 )
 

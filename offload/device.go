@@ -3,7 +3,7 @@ package offload
 import (
 	"fmt"
 
-	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )

@@ -9,8 +9,8 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
-	"github.com/deepstates/dos/cuda"
-	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )

@@ -8,8 +8,8 @@ import (
 	"time"
 
 	"github.com/deepstates/dos/adam"
-	"github.com/deepstates/dos/cuda"
-	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/kernels"
 )
 
 // GPUOptions sets what CalibrateGPU measures.

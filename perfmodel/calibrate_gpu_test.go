@@ -4,8 +4,8 @@ import (
 	"os"
 	"testing"
 
-	"github.com/deepstates/dos/cuda"
-	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/kernels"
 )
 
 // TestCalibrateGPU: on a GPU (DOS_REQUIRE_GPU=1 makes its absence a

@@ -4,7 +4,7 @@ import (
 	"testing"
 
 	"github.com/deepstates/dos"
-	"github.com/deepstates/dos/adam/adamcase"
+	"github.com/deepstates/dos/internal/adamcase"
 )
 
 // TestCases replays every PyTorch reference case through the hybrid

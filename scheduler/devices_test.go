@@ -4,8 +4,8 @@ import (
 	"os"
 	"testing"
 
-	"github.com/deepstates/dos/cuda"
-	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/kernels"
 )
 
 // forDevices runs f on the simulated device and, when there is one, on

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles kernels/*.cu to PTX with nvcc (on the GPU machine) and stamps each
+# Compiles internal/kernels/*.cu to PTX with nvcc (on the GPU machine) and stamps each
 # .ptx with its source's SHA-256 on the first line; kernels' stamp test
 # fails in CI when a .cu changes and its .ptx does not. Copies the results
 # to $OUT when set, so they come back from the GPU machine to be committed.
@@ -8,7 +8,7 @@
 # actual GPU (sm_90 on the H200). -fmad=false: no multiply-add contraction,
 # so the kernels round like the CPU path.
 set -euo pipefail
-cd "$(dirname "$0")/../kernels"
+cd "$(dirname "$0")/../internal/kernels"
 for cu in *.cu; do
 	ptx="${cu%.cu}.ptx"
 	sum=$(sha256sum "$cu" | cut -d' ' -f1)

@@ -16,8 +16,8 @@ import (
 	"unsafe"
 
 	"github.com/deepstates/dos/adam"
-	"github.com/deepstates/dos/cuda"
-	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 	"github.com/deepstates/dos/trainer"

@@ -11,7 +11,7 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/cuda"
 	"github.com/deepstates/dos/offload"
 )
 

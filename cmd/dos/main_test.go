@@ -8,7 +8,7 @@ import (
 	"testing"
 
 	"github.com/deepstates/dos/adam"
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/cuda"
 	"github.com/deepstates/dos/perfmodel"
 )
 

@@ -6,8 +6,8 @@ import (
 	"runtime"
 
 	"github.com/deepstates/dos"
-	"github.com/deepstates/dos/adam/adamcase"
-	"github.com/deepstates/dos/kernels"
+	"github.com/deepstates/dos/internal/adamcase"
+	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/scheduler"
 )
 

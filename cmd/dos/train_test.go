@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/cuda"
 	"github.com/deepstates/dos/safetensors"
 	"github.com/deepstates/dos/trainer"
 )

@@ -5,7 +5,7 @@ import (
 	"testing"
 
 	"github.com/deepstates/dos/adam"
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/cuda"
 )
 
 // The GPU benchmarks: bench/gpu.sh runs them beside bench/torch_gpu.py.

@@ -18,7 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/cuda"
 )
 
 // ErrExhausted is returned by Arena.Alloc when the arena has no room left.

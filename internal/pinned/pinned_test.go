@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/cuda"
 )
 
 // device returns the GPU when there is one (nil otherwise); with

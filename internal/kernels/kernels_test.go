@@ -16,8 +16,8 @@ import (
 
 	dos "github.com/deepstates/dos"
 	"github.com/deepstates/dos/adam"
-	"github.com/deepstates/dos/adam/adamcase"
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/adamcase"
+	"github.com/deepstates/dos/internal/cuda"
 )
 
 // TestStamp runs everywhere (CI included): the committed PTX was built from
@@ -111,7 +111,7 @@ func TestCases(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if dir := "../../shared/adam-cases"; dirExists(dir) {
+	if dir := "../../../shared/adam-cases"; dirExists(dir) {
 		more, err := adamcase.LoadDir(dir)
 		if err != nil {
 			t.Fatal(err)

@@ -24,7 +24,7 @@ import (
 	"unsafe"
 
 	"github.com/deepstates/dos/adam"
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/cuda"
 )
 
 //go:embed adamw.ptx

@@ -5,7 +5,7 @@ import (
 	"unsafe"
 
 	"github.com/deepstates/dos/adam"
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/cuda"
 )
 
 // Tensor is one tensor of a multi-tensor AdamW launch: its state, gradient

@@ -5,7 +5,7 @@ import (
 	"unsafe"
 
 	"github.com/deepstates/dos/adam"
-	"github.com/deepstates/dos/cuda"
+	"github.com/deepstates/dos/internal/cuda"
 )
 
 // CaseBackend replays adam-case/v1 reference cases (package adamcase) on
