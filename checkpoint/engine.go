@@ -263,7 +263,7 @@ func isClosed(c chan struct{}) bool {
 //
 // Save first waits for the previous save to finish. Errors: an invalid
 // snapshot (as Save's), the previous background save's error (once; s is
-// then not saved), ErrClosed... see Engine.Close. Panics as the package
+// then not saved), ErrClosed after Close. Panics as the package
 // Save does.
 func (e *Engine) Save(s *Snapshot) (*Handle, error) {
 	if s == nil {
@@ -289,7 +289,7 @@ func (e *Engine) Save(s *Snapshot) (*Handle, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
-		return nil, errEngineClosed
+		return nil, ErrClosed
 	}
 	if err := e.waitCur(); err != nil {
 		return nil, fmt.Errorf("checkpoint: the previous save failed, step %d not saved: %w", s.Step, err)
@@ -321,7 +321,8 @@ func (e *Engine) waitCur() error {
 	return e.cur.Err()
 }
 
-var errEngineClosed = errors.New("checkpoint: engine closed")
+// ErrClosed is returned by Engine.Save after Engine.Close.
+var ErrClosed = errors.New("checkpoint: engine closed")
 
 // Close waits for the save in flight, frees the ring, and returns that
 // save's error if it failed and was not yet reported. Later Saves fail.

@@ -324,8 +324,8 @@ func TestEngineOptions(t *testing.T) {
 		t.Error("groups of the wrong length accepted")
 	}
 	e.Close()
-	if _, err := e.Save(testSnapshot(2)); err == nil {
-		t.Error("Save after Close accepted")
+	if _, err := e.Save(testSnapshot(2)); !errors.Is(err, ErrClosed) {
+		t.Errorf("Save after Close: %v, want ErrClosed", err)
 	}
 }
 
