@@ -44,23 +44,31 @@ func (s Schedule) K() float64 {
 	return float64(s.CPU) / float64(s.GPU)
 }
 
-// Resources of the update phase.
+// Resource is one of the update phase's resources: the CPU workers, each
+// PCIe copy direction, the GPU's kernels. Its value is the name traces,
+// profiles and tables use.
+type Resource string
+
+// The resources of the update phase.
 const (
-	ResCPU = "cpu"
-	ResH2D = "h2d"
-	ResD2H = "d2h"
-	ResGPU = "gpu"
+	ResCPU Resource = "cpu"
+	ResH2D Resource = "h2d"
+	ResD2H Resource = "d2h"
+	ResGPU Resource = "gpu"
 )
+
+// Resources lists every resource, in the order tables print them.
+var Resources = [...]Resource{ResCPU, ResH2D, ResD2H, ResGPU}
 
 // Prediction is the model's makespan for a schedule.
 type Prediction struct {
 	Schedule
-	K          float64            // Schedule.K
-	Makespan   float64            // seconds
-	Bottleneck string             // the busiest resource (ResCPU, ...)
-	Busy       map[string]float64 // seconds each resource works
-	Fill       float64            // seconds before the bottleneck's first item
-	Drain      float64            // seconds after its last one
+	K          float64              // Schedule.K
+	Makespan   float64              // seconds
+	Bottleneck Resource             // the busiest resource
+	Busy       map[Resource]float64 // seconds each resource works
+	Fill       float64              // seconds before the bottleneck's first item
+	Drain      float64              // seconds after its last one
 }
 
 // MarshalJSON writes a Prediction with K as the string "inf" when it is
@@ -196,14 +204,14 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 	if s.UpcastOnGPU && gb == 2 {
 		tGPU += c * conv.Time(sz)
 	}
-	busy := map[string]float64{ResCPU: tCPU, ResH2D: tH2D, ResD2H: tD2H, ResGPU: tGPU}
+	busy := map[Resource]float64{ResCPU: tCPU, ResH2D: tH2D, ResD2H: tD2H, ResGPU: tGPU}
 	if g != nil && tCPU > 0 && (g.Contention.CPU > 1 || g.Contention.PCIe > 1) {
 		// The CPU workers and the copies share the host's memory: both
 		// run slowed down until one is done, the other then at its own
 		// rate (package doc).
 		fc, fl := max(1, g.Contention.CPU), max(1, g.Contention.PCIe)
 		cpuEnd := tCPU
-		for _, lane := range []string{ResH2D, ResD2H} {
+		for _, lane := range []Resource{ResH2D, ResD2H} {
 			tl := busy[lane]
 			if tl == 0 {
 				continue
@@ -226,7 +234,7 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 	}
 	// Each resource's fill and drain (package doc); the makespan is the
 	// largest busy + fill + drain.
-	fd := func(res string) (fill, drain float64) {
+	fd := func(res Resource) (fill, drain float64) {
 		if busy[res] == 0 {
 			return 0, 0
 		}
@@ -258,7 +266,7 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 		return fill, drain
 	}
 	pr := Prediction{Schedule: s, K: s.K(), Busy: busy, Bottleneck: ResCPU}
-	for _, res := range []string{ResCPU, ResGPU, ResH2D, ResD2H} { // ties: the compute resources first
+	for _, res := range []Resource{ResCPU, ResGPU, ResH2D, ResD2H} { // ties: the compute resources first
 		fill, drain := fd(res)
 		if t := busy[res] + fill + drain; t > pr.Makespan {
 			pr.Makespan, pr.Bottleneck, pr.Fill, pr.Drain = t, res, fill, drain

@@ -320,8 +320,8 @@ func (c *core) ops(i int) []int {
 	return cpuOps
 }
 
-// resource returns perfmodel's name of the resource queue q uses.
-func resource(q uint8) string {
+// resource returns the perfmodel resource that queue q uses.
+func resource(q uint8) perfmodel.Resource {
 	switch q {
 	case sH2D:
 		return perfmodel.ResH2D

@@ -5,14 +5,16 @@ import (
 	"io"
 	"slices"
 	"time"
+
+	"github.com/deepstates/dos/perfmodel"
 )
 
 // Op is one traced operation of the last Update.
 type Op struct {
-	Resource string        // "h2d", "d2h", "gpu" or "cpu" (perfmodel's resources)
-	What     string        // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"
-	Subgroup int           // its index
-	Start    time.Duration // from the start of the update phase
+	Resource perfmodel.Resource // where it ran
+	What     string             // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"
+	Subgroup int                // its index
+	Start    time.Duration      // from the start of the update phase
 	End      time.Duration
 	Bytes    int64 // moved over PCIe (copies) or params updated (kernels, CPU)
 }
@@ -55,15 +57,15 @@ func (e *Engine) Trace() ([]Op, error) {
 
 // Summary is what a trace says of one update phase.
 type Summary struct {
-	Makespan time.Duration            // from the first start to the last end
-	Busy     map[string]time.Duration // per resource: the union of its operations' intervals
+	Makespan time.Duration                        // from the first start to the last end
+	Busy     map[perfmodel.Resource]time.Duration // per resource: the union of its operations' intervals
 	// Overlap is the fraction of the makespan during which at least two
 	// resources were busy at once.
 	Overlap float64
 }
 
 // Fraction returns resource r's busy time over the makespan (0 to 1).
-func (s Summary) Fraction(r string) float64 {
+func (s Summary) Fraction(r perfmodel.Resource) float64 {
 	if s.Makespan <= 0 {
 		return 0
 	}
@@ -73,14 +75,14 @@ func (s Summary) Fraction(r string) float64 {
 // Summarize computes the makespan, each resource's busy time and the
 // overlap of ops (Engine.Trace).
 func Summarize(ops []Op) Summary {
-	s := Summary{Busy: map[string]time.Duration{}}
+	s := Summary{Busy: map[perfmodel.Resource]time.Duration{}}
 	if len(ops) == 0 {
 		return s
 	}
 	type edge struct {
 		t     time.Duration
 		delta int
-		res   string
+		res   perfmodel.Resource
 	}
 	var edges []edge
 	lo, hi := ops[0].Start, ops[0].End
@@ -95,7 +97,7 @@ func Summarize(ops []Op) Summary {
 		}
 		return a.delta - b.delta // ends before starts at the same instant
 	})
-	count := map[string]int{}
+	count := map[perfmodel.Resource]int{}
 	busyRes := 0
 	var overlap time.Duration
 	prev := lo
@@ -131,14 +133,14 @@ func Summarize(ops []Op) Summary {
 // subgroup and bytes (or params) in its args.
 func WriteChrome(w io.Writer, ops []Op) error {
 	type event struct {
-		Name string         `json:"name"`
-		Cat  string         `json:"cat"`
-		Ph   string         `json:"ph"`
-		Ts   float64        `json:"ts"`
-		Dur  float64        `json:"dur"`
-		Pid  int            `json:"pid"`
-		Tid  string         `json:"tid"`
-		Args map[string]any `json:"args"`
+		Name string             `json:"name"`
+		Cat  perfmodel.Resource `json:"cat"`
+		Ph   string             `json:"ph"`
+		Ts   float64            `json:"ts"`
+		Dur  float64            `json:"dur"`
+		Pid  int                `json:"pid"`
+		Tid  perfmodel.Resource `json:"tid"`
+		Args map[string]any     `json:"args"`
 	}
 	evs := make([]event, 0, len(ops))
 	for _, o := range ops {

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"testing"
 	"time"
+
+	"github.com/deepstates/dos/perfmodel"
 )
 
 // TestSummarize: busy times are unions per resource, overlap is the time
@@ -21,7 +23,7 @@ func TestSummarize(t *testing.T) {
 	if s.Makespan != 10*ms {
 		t.Errorf("makespan %v, want 10ms", s.Makespan)
 	}
-	for r, want := range map[string]time.Duration{"h2d": 6 * ms, "gpu": 2 * ms, "cpu": 9 * ms} {
+	for r, want := range map[perfmodel.Resource]time.Duration{perfmodel.ResH2D: 6 * ms, perfmodel.ResGPU: 2 * ms, perfmodel.ResCPU: 9 * ms} {
 		if s.Busy[r] != want {
 			t.Errorf("%s busy %v, want %v", r, s.Busy[r], want)
 		}

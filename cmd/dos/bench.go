@@ -25,18 +25,18 @@ import (
 
 // benchResult is one measured schedule of dos bench.
 type benchResult struct {
-	Name       string             `json:"name"`
-	CPU        int                `json:"cpu_subgroups"`
-	GPU        int                `json:"gpu_subgroups"`
-	Resident   int                `json:"resident_subgroups"`
-	K          string             `json:"k"`
-	Upcast     bool               `json:"upcast_on_gpu"`
-	Seconds    float64            `json:"update_s"` // median over the timed steps
-	Steps      []float64          `json:"steps_s"`  // every timed step
-	Predicted  float64            `json:"predicted_s"`
-	Bottleneck string             `json:"bottleneck"` // the model's
-	Busy       map[string]float64 `json:"busy_fraction"`
-	Overlap    float64            `json:"overlap"`
+	Name       string                         `json:"name"`
+	CPU        int                            `json:"cpu_subgroups"`
+	GPU        int                            `json:"gpu_subgroups"`
+	Resident   int                            `json:"resident_subgroups"`
+	K          string                         `json:"k"`
+	Upcast     bool                           `json:"upcast_on_gpu"`
+	Seconds    float64                        `json:"update_s"` // median over the timed steps
+	Steps      []float64                      `json:"steps_s"`  // every timed step
+	Predicted  float64                        `json:"predicted_s"`
+	Bottleneck perfmodel.Resource             `json:"bottleneck"` // the model's
+	Busy       map[perfmodel.Resource]float64 `json:"busy_fraction"`
+	Overlap    float64                        `json:"overlap"`
 }
 
 func runBench(args []string, stdout, stderr io.Writer) int {
@@ -170,14 +170,14 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		}
 		sum := scheduler.Summarize(ops)
 		res := benchResult{Name: cand.name, CPU: cand.s.CPU, GPU: cand.s.GPU, Resident: cand.s.Resident, K: kString(cand.s.K()), Upcast: cand.s.UpcastOnGPU,
-			Seconds: median(times), Steps: times, Predicted: pr.Makespan, Bottleneck: pr.Bottleneck, Busy: map[string]float64{}, Overlap: sum.Overlap}
-		for _, r := range []string{"cpu", "h2d", "d2h", "gpu"} {
+			Seconds: median(times), Steps: times, Predicted: pr.Makespan, Bottleneck: pr.Bottleneck, Busy: map[perfmodel.Resource]float64{}, Overlap: sum.Overlap}
+		for _, r := range perfmodel.Resources {
 			res.Busy[r] = sum.Fraction(r)
 		}
 		results = append(results, res)
 		fmt.Fprintf(stdout, "%-16s %4d %4d %4d %6s %6v %9.3f %9.3f %+6.1f%% %10.2f %-6s %5.2f %5.2f %5.2f %5.2f %7.2f\n",
 			cand.name, cand.s.CPU, cand.s.GPU, cand.s.Resident, res.K, cand.s.UpcastOnGPU, res.Seconds, pr.Makespan, 100*(pr.Makespan/res.Seconds-1),
-			float64(n)/res.Seconds/1e9, pr.Bottleneck, res.Busy["cpu"], res.Busy["h2d"], res.Busy["d2h"], res.Busy["gpu"], res.Overlap)
+			float64(n)/res.Seconds/1e9, pr.Bottleneck, res.Busy[perfmodel.ResCPU], res.Busy[perfmodel.ResH2D], res.Busy[perfmodel.ResD2H], res.Busy[perfmodel.ResGPU], res.Overlap)
 	}
 	benchVerdicts(stdout, results)
 	if *out.trace != "" && modelOps != nil {

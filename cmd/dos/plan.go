@@ -16,17 +16,17 @@ import (
 // performance model's prediction and the simulated device's replay, in
 // seconds per update phase of one rank.
 type planResult struct {
-	Name       string             `json:"name"`
-	CPU        int                `json:"cpu_subgroups"`
-	GPU        int                `json:"gpu_subgroups"`
-	Resident   int                `json:"resident_subgroups"`
-	K          string             `json:"k"`
-	Upcast     bool               `json:"upcast_on_gpu"`
-	Predicted  float64            `json:"predicted_s,omitempty"`
-	Replayed   float64            `json:"replay_s,omitempty"`
-	Bottleneck string             `json:"bottleneck,omitempty"` // the model's
-	Busy       map[string]float64 `json:"busy_fraction,omitempty"`
-	NotFit     string             `json:"does_not_fit,omitempty"` // why the budget does not hold it
+	Name       string                         `json:"name"`
+	CPU        int                            `json:"cpu_subgroups"`
+	GPU        int                            `json:"gpu_subgroups"`
+	Resident   int                            `json:"resident_subgroups"`
+	K          string                         `json:"k"`
+	Upcast     bool                           `json:"upcast_on_gpu"`
+	Predicted  float64                        `json:"predicted_s,omitempty"`
+	Replayed   float64                        `json:"replay_s,omitempty"`
+	Bottleneck perfmodel.Resource             `json:"bottleneck,omitempty"` // the model's
+	Busy       map[perfmodel.Resource]float64 `json:"busy_fraction,omitempty"`
+	NotFit     string                         `json:"does_not_fit,omitempty"` // why the budget does not hold it
 }
 
 func runPlan(args []string, stdout, stderr io.Writer) int {
@@ -169,13 +169,13 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		}
 		sum := scheduler.Summarize(ops)
 		res.Predicted, res.Replayed, res.Bottleneck = pr.Makespan, sum.Makespan.Seconds(), pr.Bottleneck
-		res.Busy = map[string]float64{}
-		for _, r := range []string{"cpu", "h2d", "d2h", "gpu"} {
+		res.Busy = map[perfmodel.Resource]float64{}
+		for _, r := range perfmodel.Resources {
 			res.Busy[r] = sum.Fraction(r)
 		}
 		results = append(results, res)
 		fmt.Fprintf(stdout, "%-12s %5d %5d %5d %7s %7v %9.3f %9.3f %12.2f %-6s %5.2f %5.2f %5.2f\n", name, s.CPU, s.GPU, s.Resident, kString(s.K()), s.UpcastOnGPU,
-			pr.Makespan, sum.Makespan.Seconds(), float64(rankParams)/pr.Makespan/1e9, pr.Bottleneck, sum.Fraction("cpu"), sum.Fraction("h2d"), sum.Fraction("d2h"))
+			pr.Makespan, sum.Makespan.Seconds(), float64(rankParams)/pr.Makespan/1e9, pr.Bottleneck, sum.Fraction(perfmodel.ResCPU), sum.Fraction(perfmodel.ResH2D), sum.Fraction(perfmodel.ResD2H))
 		return nil
 	}
 	rows := strategies(w, choice, *sweep)

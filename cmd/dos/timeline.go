@@ -10,11 +10,12 @@ import (
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
 
+	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )
 
 // timelineRows are the resources of an update phase, bottom to top.
-var timelineRows = []string{"gpu", "d2h", "h2d", "cpu"}
+var timelineRows = []perfmodel.Resource{perfmodel.ResGPU, perfmodel.ResD2H, perfmodel.ResH2D, perfmodel.ResCPU}
 
 // opColors colours each kind of operation.
 var opColors = map[string]color.Color{
@@ -30,7 +31,7 @@ var opColors = map[string]color.Color{
 // gantt is a plot.Plotter of operations as bars, one row per resource.
 type gantt struct{ ops []scheduler.Op }
 
-func (g gantt) row(r string) float64 {
+func (g gantt) row(r perfmodel.Resource) float64 {
 	for i, x := range timelineRows {
 		if x == r {
 			return float64(i)

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )
 
@@ -53,7 +54,7 @@ func readChrome(t *testing.T, path string) []scheduler.Op {
 	}
 	var ops []scheduler.Op
 	for _, e := range doc.TraceEvents {
-		ops = append(ops, scheduler.Op{Resource: e.Tid, What: e.Name, Subgroup: e.Args.Subgroup,
+		ops = append(ops, scheduler.Op{Resource: perfmodel.Resource(e.Tid), What: e.Name, Subgroup: e.Args.Subgroup,
 			Start: time.Duration(e.Ts * 1e3), End: time.Duration((e.Ts + e.Dur) * 1e3)})
 	}
 	return ops
