@@ -55,7 +55,7 @@ func SubgroupCount(total, size int) int {
 	if size < 1 {
 		panic("offload: SubgroupCount with a size below 1")
 	}
-	return (total + size - 1) / size
+	return perfmodel.SubgroupCount(int64(total), int64(size))
 }
 
 // LoadProfile reads the performance model's profile at path (a dos

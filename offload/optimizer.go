@@ -250,8 +250,10 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 			return nil, fmt.Errorf("offload: more than 2^40 parameters")
 		}
 	}
-	for off := 0; off < o.total; off += opts.SubgroupSize {
-		o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: off, Len: min(opts.SubgroupSize, o.total-off)})
+	off := 0
+	for i, n := range perfmodel.SubgroupSizes(int64(o.total), int64(opts.SubgroupSize)) {
+		o.subgroups = append(o.subgroups, Subgroup{Index: i, Offset: off, Len: int(n)})
+		off += int(n)
 	}
 	if opts.Device == nil {
 		o.state = adam.State{Param: make([]float32, o.total), ExpAvg: make([]float32, o.total), ExpAvgSq: make([]float32, o.total)}

@@ -85,13 +85,29 @@ func (p Prediction) MarshalJSON() ([]byte, error) {
 	return json.Marshal(v)
 }
 
-// Subgroups returns the number of subgroups of w.
-// It is 0 for a workload without parameters or subgroup size.
-func (w Workload) Subgroups() int {
-	if w.Params <= 0 || w.SubgroupSize <= 0 {
+// Subgroups returns the number of subgroups of w (SubgroupCount).
+func (w Workload) Subgroups() int { return SubgroupCount(w.Params, w.SubgroupSize) }
+
+// SubgroupCount returns how many subgroups total parameters make in
+// subgroups of size elements, the last one shorter (DeepSpeed's
+// sub_group_size): ceil(total/size). It is 0 when total or size is not
+// positive. The one definition of the cut: offload's optimizer, the
+// engine's plans, dos bench and dos plan use it or SubgroupSizes.
+func SubgroupCount(total, size int64) int {
+	if total <= 0 || size <= 0 {
 		return 0
 	}
-	return int((w.Params-1)/w.SubgroupSize + 1) // no overflow
+	return int((total-1)/size + 1) // no overflow
+}
+
+// SubgroupSizes returns the sizes of the SubgroupCount(total, size)
+// subgroups, in order: size each, the last one the rest.
+func SubgroupSizes(total, size int64) []int64 {
+	sizes := make([]int64, SubgroupCount(total, size))
+	for i := range sizes {
+		sizes[i] = min(size, total-int64(i)*size)
+	}
+	return sizes
 }
 
 // MaxSubgroups bounds Workload.Subgroups (Choose's search is linear in

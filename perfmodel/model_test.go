@@ -351,3 +351,29 @@ func TestWorkloadBounds(t *testing.T) {
 		t.Error("a latency of 1e308 s is valid")
 	}
 }
+
+func TestSubgroupSizes(t *testing.T) {
+	for _, tc := range []struct {
+		total, size int64
+		want        []int64
+	}{
+		{10, 4, []int64{4, 4, 2}},
+		{8, 4, []int64{4, 4}},
+		{3, 4, []int64{3}},
+		{0, 4, []int64{}},
+		{5, 0, []int64{}},
+	} {
+		got := SubgroupSizes(tc.total, tc.size)
+		if len(got) != len(tc.want) || SubgroupCount(tc.total, tc.size) != len(tc.want) {
+			t.Fatalf("SubgroupSizes(%d, %d) = %v, want %v", tc.total, tc.size, got, tc.want)
+		}
+		for i := range got {
+			if got[i] != tc.want[i] {
+				t.Fatalf("SubgroupSizes(%d, %d) = %v, want %v", tc.total, tc.size, got, tc.want)
+			}
+		}
+	}
+	if n := SubgroupCount(math.MaxInt64, 1<<40); n != 1<<23 {
+		t.Errorf("SubgroupCount(MaxInt64, 2^40) = %d", n)
+	}
+}

@@ -317,8 +317,8 @@ func llamaSubgroups(params, sg int64) []int {
 	layers := max(1, (params-fixed+layer/2)/layer)
 	total := fixed + layers*layer
 	var sizes []int
-	for off := int64(0); off < total; off += sg {
-		sizes = append(sizes, int(min(sg, total-off)))
+	for _, n := range perfmodel.SubgroupSizes(total, sg) {
+		sizes = append(sizes, int(n))
 	}
 	return sizes
 }

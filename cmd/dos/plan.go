@@ -140,10 +140,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stdout, "machine: Uc %.2f Gparam/s at %d workers, Ug %.1f Gparam/s, H2D/D2H %.1f/%.1f GB/s (both at once %.1f/%.1f), contention CPU %.2fx, PCIe %.2fx (from %s, measured on %s, %s)\n",
 		uc.Rate/1e9, perRank, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.Contention.CPU, g.Contention.PCIe, *profPath, prof.Machine.CPU, prof.Machine.GPU)
-	var sizes []int64
-	for off := int64(0); off < rankParams; off += sgSize {
-		sizes = append(sizes, min(sgSize, rankParams-off))
-	}
+	sizes := perfmodel.SubgroupSizes(rankParams, sgSize)
 	fmt.Fprintf(stdout, "%-12s %5s %5s %5s %7s %7s %9s %9s %12s %-6s %5s %5s %5s\n", "schedule", "cpu", "gpu", "res", "k", "upcast", "model s", "replay s", "Gparam/s", "bneck", "cpu", "h2d", "d2h")
 	var modelOps []scheduler.Op
 	var results []planResult
