@@ -95,8 +95,9 @@ type Engine struct {
 	planAllocs []any       // freed by Replan and Close
 
 	// Per Update.
-	c           *adam.Coeffs
-	done        []uint8 // bit per operation done (enqueued, or run on the CPU)
+	c           *adam.Coeffs  // the phase's scalars (Update), or
+	cs          []adam.Coeffs // each subgroup's (UpdatePer)
+	done        []uint8       // bit per operation done (enqueued, or run on the CPU)
 	cpuT        [][2]time.Duration
 	t0          time.Time
 	abort       atomic.Bool
@@ -282,17 +283,45 @@ func (e *Engine) Stats(unscale float32) (finite bool, sumSquares float64, err er
 // subgroup by subgroup: the state is fully advanced); ErrBroken when
 // work failed on the device or the completion failed (the state may be
 // mixed: restore from a checkpoint).
-func (e *Engine) Update(c *adam.Coeffs) error {
+func (e *Engine) Update(c *adam.Coeffs) error { return e.update(c, nil) }
+
+// UpdatePer is Update with each subgroup's own scalars: cs[i] for subgroup
+// i (parameter groups with their own lr and weight_decay, as
+// torch.optim's param_groups; the step, unscale and clip factors the
+// same). cs is read while the phase runs; it allocates nothing.
+//
+// Errors: those of Update; len(cs) other than the subgroup count.
+func (e *Engine) UpdatePer(cs []adam.Coeffs) error {
+	if len(cs) != len(e.sizes) {
+		return fmt.Errorf("scheduler: UpdatePer with %d coefficients for %d subgroups", len(cs), len(e.sizes))
+	}
+	return e.update(nil, cs)
+}
+
+// coeffs returns subgroup i's scalars in the running phase.
+func (e *Engine) coeffs(i int) *adam.Coeffs {
+	if e.cs != nil {
+		return &e.cs[i]
+	}
+	return e.c
+}
+
+func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 	if e.broken {
 		return ErrBroken
 	}
 	if !e.running {
 		return ErrEngineClosed
 	}
-	if c.AMSGrad != (e.nArr == 4) {
-		return fmt.Errorf("scheduler: Update with amsgrad %v on an engine built with AMSGrad %v", c.AMSGrad, e.nArr == 4)
+	e.c, e.cs = c, cs
+	for i := range e.sizes {
+		if x := e.coeffs(i); x.AMSGrad != (e.nArr == 4) {
+			return fmt.Errorf("scheduler: Update with amsgrad %v on an engine built with AMSGrad %v", x.AMSGrad, e.nArr == 4)
+		}
+		if cs == nil {
+			break
+		}
 	}
-	e.c = c
 	clear(e.done)
 	e.first = nil
 	e.abort.Store(false)

@@ -112,7 +112,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 				return err
 			}
 		}
-		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.c, x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.off[i], N: n}), e.dev.Record(e.endEv[k], s))
+		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.coeffs(i), x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.off[i], N: n}), e.dev.Record(e.endEv[k], s))
 	case opUpcast:
 		s := e.s[sUpcast]
 		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.Widen16(s, e.o.GradDType, Vec{Mem: e.scr, Off: int64(slot) * e.maxN, N: n}, grad), e.dev.Record(e.endEv[k], s))
@@ -211,6 +211,6 @@ func (e *Engine) cpu(i, slot int) {
 		e.gate(i) // the update writes subgroup i's host state in place
 	}
 	e.cpuT[i][0] = time.Since(e.t0)
-	e.pool.Step(e.c, e.state.Slice(int(lo), int(lo+n)), g, out)
+	e.pool.Step(e.coeffs(i), e.state.Slice(int(lo), int(lo+n)), g, out)
 	e.cpuT[i][1] = time.Since(e.t0)
 }
