@@ -1,9 +1,12 @@
 package offload
 
 import (
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
+	"sort"
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
@@ -110,13 +113,15 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 	// lazy engine captures subgroup 0's state first, then subgroup 1's...
 	// Each tensor's data is cut at subgroup boundaries, the pieces tagged
 	// with their subgroup (checkpoint.Tensor.Groups).
-	slices := o.stateSlices()
-	for _, p := range o.params {
+	state := o.stateSlices()
+	byOffset := slices.Clone(o.params) // the groups' order in the flat space
+	slices.SortStableFunc(byOffset, func(a, b ParamInfo) int { return cmp.Compare(a.Offset, b.Offset) })
+	for _, p := range byOffset {
 		shape := make([]int64, len(p.Shape))
 		for i, d := range p.Shape {
 			shape[i] = int64(d)
 		}
-		for k, buf := range slices {
+		for k, buf := range state {
 			t := checkpoint.Tensor{Name: p.Name + stateSuffixes[k], DType: safetensors.F32, Shape: shape}
 			for lo := p.Offset; lo < p.Offset+p.Len; {
 				g := o.subgroupOf(lo)
@@ -133,8 +138,7 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 
 // subgroupOf returns the index of the subgroup holding element i.
 func (o *Optimizer) subgroupOf(i int) int {
-	sz := o.subgroups[0].Len
-	return min(i/sz, len(o.subgroups)-1)
+	return sort.Search(len(o.subgroups), func(k int) bool { return o.subgroups[k].Offset+o.subgroups[k].Len > i })
 }
 
 // SaveAsync hands the optimizer's state and the trainer's objects (see
@@ -345,6 +349,18 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 	if obj.Hyper.AMSGrad != o.opts.Hyper.AMSGrad {
 		return nil, fmt.Errorf("offload: %s was saved with amsgrad=%t; this optimizer has amsgrad=%t", dir, obj.Hyper.AMSGrad, o.opts.Hyper.AMSGrad)
 	}
+	if len(obj.Options.Groups) != len(o.opts.Groups) {
+		return nil, fmt.Errorf("offload: %s was saved with %d parameter groups; this optimizer has %d", dir, len(obj.Options.Groups), len(o.opts.Groups))
+	}
+	saved := make(map[string]int, len(obj.Params))
+	for _, p := range obj.Params {
+		saved[p.Name] = p.Group
+	}
+	for _, p := range o.params {
+		if g, ok := saved[p.Name]; ok && g != p.Group {
+			return nil, fmt.Errorf("offload: %s: parameter %q was in group %d; this optimizer has it in group %d", dir, p.Name, g, p.Group)
+		}
+	}
 	fresh := make([][]float32, len(o.stateSlices()))
 	for k := range fresh {
 		fresh[k] = make([]float32, o.total)
@@ -380,6 +396,7 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 	}
 	o.step = obj.Step
 	o.opts.Hyper = obj.Hyper
+	copy(o.opts.Groups, obj.Options.Groups) // their lr and weight_decay, as load_state_dict
 	o.refreshWorking(0, o.total)
 	return c.Manifest.Objects, nil
 }

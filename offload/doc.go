@@ -32,7 +32,19 @@
 // # Subgroups
 //
 // The parameters are laid end to end in one flat space of P elements, in the
-// order given to New. Subgroup i covers elements [i*S, min((i+1)*S, P)) for
-// S = Options.SubgroupSize, as DeepSpeed ZeRO-3 cuts its flat partition into
-// sub_group_size pieces; a parameter may span two or more subgroups.
+// order given to New, group after group (Options.Groups: parameter group 0's
+// first). Each group's span is cut into subgroups of S = Options.SubgroupSize
+// elements, the last one shorter, as DeepSpeed ZeRO-3 cuts its flat
+// partition into sub_group_size pieces (perfmodel.SubgroupSizes); a
+// parameter may span two or more subgroups, a subgroup never two groups, so
+// that each subgroup is updated with one group's lr and weight_decay.
+//
+// # Parameter groups
+//
+// As torch.optim's param_groups, Options.Groups gives groups of parameters
+// their own lr and weight_decay (Param.Group picks one); the other
+// hyperparameters, the step counter, the non-finite check and the global
+// gradient norm are shared: clipping scales every group by the one
+// clip_grad_norm_ factor over all parameters. SetLR sets every group's
+// rate, SetGroupLR one's; checkpoints save and restore both.
 package offload

@@ -19,6 +19,10 @@ import (
 type Param struct {
 	Name  string
 	Shape []int
+	// Group is the index of the parameter's group in Options.Groups (its
+	// own lr and weight_decay, as torch.optim's param_groups); 0 without
+	// groups.
+	Group int `json:"Group,omitempty"`
 }
 
 // ParamInfo is a Param with its place in the flat parameter space.
@@ -34,6 +38,7 @@ type Subgroup struct {
 	Index  int
 	Offset int
 	Len    int
+	Group  int // the parameter group of all its elements
 }
 
 // Tensor is one parameter's buffer owned by the Optimizer: a gradient the
@@ -158,7 +163,9 @@ type Optimizer struct {
 	pool  *adam.Pool
 
 	pending lazySave              // the lazy save whose capture may still read the state
-	coeffs  adam.Coeffs           // the device Step's coefficients, read by the engine's lanes
+	coeffs   adam.Coeffs   // the device Step's coefficients, read by the engine's lanes
+	gcoeffs  []adam.Coeffs // per parameter group, this step's
+	sgcoeffs []adam.Coeffs // per subgroup, with several groups on a device
 	plan    *perfmodel.Prediction // the model's schedule, with Options.Profile
 
 	// With Options.Device: the engine owns the state (o.state views its
@@ -243,17 +250,36 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 			}
 			n *= d
 		}
+		if p.Group < 0 || p.Group >= len(opts.groups()) {
+			return nil, fmt.Errorf("offload: parameter %q: group %d, but Options.Groups has %d", p.Name, p.Group, len(opts.Groups))
+		}
 		o.byName[p.Name] = i
-		o.params = append(o.params, ParamInfo{Param: Param{Name: p.Name, Shape: append([]int(nil), p.Shape...)}, Offset: o.total, Len: n})
+		o.params = append(o.params, ParamInfo{Param: Param{Name: p.Name, Shape: append([]int(nil), p.Shape...), Group: p.Group}, Len: n})
 		o.total += n
 		if o.total > 1<<40 {
 			return nil, fmt.Errorf("offload: more than 2^40 parameters")
 		}
 	}
+	// The flat space holds the groups one after the other (each in the
+	// parameters' order), and subgroups are cut within a group: a
+	// subgroup is updated with one group's lr and weight_decay.
 	off := 0
-	for i, n := range perfmodel.SubgroupSizes(int64(o.total), int64(opts.SubgroupSize)) {
-		o.subgroups = append(o.subgroups, Subgroup{Index: i, Offset: off, Len: int(n)})
-		off += int(n)
+	for g := range opts.groups() {
+		start := off
+		for i := range o.params {
+			if o.params[i].Group == g {
+				o.params[i].Offset = off
+				off += o.params[i].Len
+			}
+		}
+		for _, n := range perfmodel.SubgroupSizes(int64(off-start), int64(opts.SubgroupSize)) {
+			o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: start, Len: int(n), Group: g})
+			start += int(n)
+		}
+	}
+	o.gcoeffs = make([]adam.Coeffs, len(opts.groups()))
+	if len(o.gcoeffs) > 1 {
+		o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
 	}
 	if opts.Device == nil {
 		o.state = adam.State{Param: make([]float32, o.total), ExpAvg: make([]float32, o.total), ExpAvgSq: make([]float32, o.total)}
@@ -495,6 +521,35 @@ func (o *Optimizer) SetLR(lr float64) error {
 		return fmt.Errorf("offload: SetLR: %w", err)
 	}
 	o.opts.Hyper.LR = lr
+	for g := range o.opts.Groups {
+		o.opts.Groups[g].LR = lr
+	}
+	return nil
+}
+
+// SetGroupLR sets parameter group g's learning rate for the next steps, as
+// assigning param_groups[g]["lr"] does in PyTorch (a schedule that scales
+// each group's own base rate).
+//
+// Errors: ErrClosed; no group g; lr negative or not finite.
+func (o *Optimizer) SetGroupLR(g int, lr float64) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.pool == nil {
+		return ErrClosed
+	}
+	groups := o.opts.groups()
+	if g < 0 || g >= len(groups) {
+		return fmt.Errorf("offload: SetGroupLR: group %d: the optimizer has %d", g, len(groups))
+	}
+	if !(lr >= 0) || math.IsInf(lr, 0) {
+		return fmt.Errorf("offload: SetGroupLR: group %d: lr %v: want a finite value >= 0", g, lr)
+	}
+	if len(o.opts.Groups) == 0 {
+		o.opts.Hyper.LR = lr
+		return nil
+	}
+	o.opts.Groups[g].LR = lr
 	return nil
 }
 
@@ -715,7 +770,7 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 		res.ClipCoef = float64(clip)
 	}
 	o.step++
-	c := o.opts.Hyper.Coeffs(o.step, unscale, clip)
+	o.groupCoeffs(o.step, unscale, clip)
 	for _, sg := range o.subgroups {
 		lo, hi := sg.Offset, sg.Offset+sg.Len
 		if o.pending.h != nil {
@@ -724,11 +779,25 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 			// comes back from the handle and the next Step (settle).
 			_ = o.pending.h.WaitGroup(sg.Index)
 		}
-		o.pool.Step(&c, o.state.Slice(lo, hi), o.grad.Slice(lo, hi), o.work.Slice(lo, hi))
+		o.pool.Step(&o.gcoeffs[sg.Group], o.state.Slice(lo, hi), o.grad.Slice(lo, hi), o.work.Slice(lo, hi))
 	}
 	res.Step = o.step
 	res.Elapsed = time.Since(start)
 	return res, nil
+}
+
+// groupCoeffs computes every parameter group's scalars for step: Hyper
+// with the group's lr and weight_decay. It allocates nothing.
+func (o *Optimizer) groupCoeffs(step int64, unscale, clip float32) {
+	if len(o.opts.Groups) == 0 {
+		o.gcoeffs[0] = o.opts.Hyper.Coeffs(step, unscale, clip)
+		return
+	}
+	for g, grp := range o.opts.Groups {
+		h := o.opts.Hyper
+		h.LR, h.WeightDecay = grp.LR, grp.WeightDecay
+		o.gcoeffs[g] = h.Coeffs(step, unscale, clip)
+	}
 }
 
 // isFault reports whether err is a scheduler.FaultError: the phase
@@ -770,10 +839,19 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult)
 		clip, res.GradNorm = clipCoef(ss, o.opts.MaxGradNorm)
 		res.ClipCoef = float64(clip)
 	}
-	// In a field: the engine's lanes read the coefficients, so a local
+	// In fields: the engine's lanes read the coefficients, so a local
 	// would escape and cost an allocation per Step.
-	o.coeffs = o.opts.Hyper.Coeffs(o.step+1, unscale, clip)
-	if err = o.eng.Update(&o.coeffs); err != nil && !isFault(err) {
+	o.groupCoeffs(o.step+1, unscale, clip)
+	if o.sgcoeffs == nil {
+		o.coeffs = o.gcoeffs[0]
+		err = o.eng.Update(&o.coeffs)
+	} else {
+		for i, sg := range o.subgroups {
+			o.sgcoeffs[i] = o.gcoeffs[sg.Group]
+		}
+		err = o.eng.UpdatePer(o.sgcoeffs)
+	}
+	if err != nil && !isFault(err) {
 		if o.eng.Broken() {
 			o.dev = devBroken
 		}

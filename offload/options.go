@@ -64,10 +64,34 @@ type Options struct {
 	// working copy, so all on the CPU); a forced Schedule must fit it
 	// unless it is 0 (no limit checked).
 	GPUBudget int64 `json:"-"`
+	// Groups are the parameter groups, as torch.optim's param_groups: each
+	// with its own lr and weight_decay (so biases and norms can skip
+	// decay); Param.Group indexes them. The other hyperparameters (betas,
+	// eps, mode, amsgrad, maximize) are Hyper's for every group. Without
+	// groups every parameter is in one group with Hyper's lr and
+	// weight_decay; with them, Hyper's lr and weight_decay are not used.
+	// Saved and restored with the checkpoint (LoadCheckpoint restores the
+	// groups' lr and weight_decay, as load_state_dict does).
+	Groups []Group `json:"groups,omitempty"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,
 	// ceil(parameters / SubgroupSize) (Optimizer.Subgroups after New).
 	Schedule *perfmodel.Schedule `json:"-"`
+}
+
+// Group is one parameter group's own hyperparameters (Options.Groups).
+type Group struct {
+	LR          float64 `json:"lr"`           // learning rate, >= 0
+	WeightDecay float64 `json:"weight_decay"` // >= 0, decoupled in mode AdamW
+}
+
+// groups returns the parameter groups in effect: Groups, or one group with
+// Hyper's lr and weight_decay.
+func (o *Options) groups() []Group {
+	if len(o.Groups) > 0 {
+		return o.Groups
+	}
+	return []Group{{LR: o.Hyper.LR, WeightDecay: o.Hyper.WeightDecay}}
 }
 
 // EnsureDefaults fills zero fields with their defaults and returns o.
@@ -113,6 +137,13 @@ func (o *Options) Validate() error {
 	if o.Threads < 0 {
 		return fmt.Errorf("offload: Threads %d: want >= 0 (0 means GOMAXPROCS)", o.Threads)
 	}
+	for g, grp := range o.Groups {
+		h := o.Hyper
+		h.LR, h.WeightDecay = grp.LR, grp.WeightDecay
+		if err := h.Validate(); err != nil {
+			return fmt.Errorf("offload: Groups[%d]: %w", g, err)
+		}
+	}
 	if o.Device != nil && o.WorkingDType == 0 {
 		return fmt.Errorf("offload: Device %s needs a 16-bit WorkingDType (the working copy lives in device memory)", o.Device.Name())
 	}
@@ -127,6 +158,10 @@ func (o *Options) Validate() error {
 
 // String formats the options on one line.
 func (o Options) String() string {
-	return fmt.Sprintf("%v subgroup_size=%d grad_dtype=%v working_dtype=%v max_grad_norm=%g threads=%d",
+	s := fmt.Sprintf("%v subgroup_size=%d grad_dtype=%v working_dtype=%v max_grad_norm=%g threads=%d",
 		o.Hyper, o.SubgroupSize, o.GradDType, o.WorkingDType, o.MaxGradNorm, o.Threads)
+	for g, grp := range o.Groups {
+		s += fmt.Sprintf(" group%d(lr=%g weight_decay=%g)", g, grp.LR, grp.WeightDecay)
+	}
+	return s
 }

@@ -191,6 +191,18 @@ func checkObject(c *checkpoint.Checkpoint) (optimizerObject, error) {
 	if err := obj.Hyper.Validate(); err != nil {
 		return obj, fmt.Errorf("offload: %s: %w: optimizer object: %w", c.Dir, checkpoint.ErrCorrupt, err)
 	}
+	for g, grp := range obj.Options.Groups {
+		h := obj.Hyper
+		h.LR, h.WeightDecay = grp.LR, grp.WeightDecay
+		if err := h.Validate(); err != nil {
+			return obj, fmt.Errorf("offload: %s: %w: optimizer object: group %d: %w", c.Dir, checkpoint.ErrCorrupt, g, err)
+		}
+	}
+	for _, p := range obj.Params {
+		if p.Group < 0 || p.Group >= max(1, len(obj.Options.Groups)) {
+			return obj, fmt.Errorf("offload: %s: %w: optimizer object: parameter %.80q in group %d of %d", c.Dir, checkpoint.ErrCorrupt, p.Name, p.Group, len(obj.Options.Groups))
+		}
+	}
 	if obj.Step < 0 || obj.Step > c.Manifest.Step {
 		return obj, fmt.Errorf("offload: %s: %w: optimizer step %d is outside [0, %d], the checkpoint's step", c.Dir, checkpoint.ErrCorrupt, obj.Step, c.Manifest.Step)
 	}
