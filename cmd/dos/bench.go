@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -126,7 +127,6 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return c.fail(stderr, "%v", err)
 	}
 	fmt.Fprintf(stderr, "dos bench: set up in %s\n", time.Since(t0).Round(time.Millisecond))
-	h := adam.DefaultHyper()
 	step := int64(0)
 	var results []benchResult
 	if g := prof.GPU; g != nil {
@@ -137,58 +137,25 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		"schedule", "cpu", "gpu", "res", "k", "upcast", "update s", "model s", "error", "Gparam/s", "bneck", "cpu", "h2d", "d2h", "gpu", "overlap")
 	var modelOps []scheduler.Op
 	for _, cand := range cands {
-		pr, err := prof.Predict(w, cand.s)
-		if err != nil {
+		res, ops, err := measureSchedule(e, prof, w, cand, *steps, &step)
+		if errors.Is(err, errDoesNotFit) {
 			fmt.Fprintf(stdout, "%-16s skipped: %v\n", cand.name, err)
 			continue
-		}
-		p, err := scheduler.NewPlan(nsg, cand.s)
-		if err == nil {
-			err = e.Replan(p)
 		}
 		if err != nil {
 			return c.fail(stderr, "%s: %v", cand.name, err)
 		}
-		var times []float64
-		for r := 0; r <= *steps; r++ {
-			step++
-			co := h.Coeffs(step, 1, 1)
-			t := time.Now()
-			if err := e.Update(&co); err != nil {
-				return c.fail(stderr, "%s: %v", cand.name, err)
-			}
-			if r > 0 { // the first is the warm-up
-				times = append(times, time.Since(t).Seconds())
-			}
-		}
-		ops, err := e.Trace()
-		if err != nil {
-			return c.fail(stderr, "trace: %v", err)
-		}
 		if cand.name == "model" {
 			modelOps = ops
 		}
-		sum := scheduler.Summarize(ops)
-		res := benchResult{Name: cand.name, CPU: cand.s.CPU, GPU: cand.s.GPU, Resident: cand.s.Resident, K: kString(cand.s.K()), Upcast: cand.s.UpcastOnGPU,
-			Seconds: median(times), Steps: times, Predicted: pr.Makespan, Bottleneck: pr.Bottleneck, Busy: map[perfmodel.Resource]float64{}, Overlap: sum.Overlap}
-		for _, r := range perfmodel.Resources {
-			res.Busy[r] = sum.Fraction(r)
-		}
 		results = append(results, res)
 		fmt.Fprintf(stdout, "%-16s %4d %4d %4d %6s %6v %9.3f %9.3f %+6.1f%% %10.2f %-6s %5.2f %5.2f %5.2f %5.2f %7.2f\n",
-			cand.name, cand.s.CPU, cand.s.GPU, cand.s.Resident, res.K, cand.s.UpcastOnGPU, res.Seconds, pr.Makespan, 100*(pr.Makespan/res.Seconds-1),
-			float64(n)/res.Seconds/1e9, pr.Bottleneck, res.Busy[perfmodel.ResCPU], res.Busy[perfmodel.ResH2D], res.Busy[perfmodel.ResD2H], res.Busy[perfmodel.ResGPU], res.Overlap)
+			cand.name, cand.s.CPU, cand.s.GPU, cand.s.Resident, res.K, cand.s.UpcastOnGPU, res.Seconds, res.Predicted, 100*(res.Predicted/res.Seconds-1),
+			float64(n)/res.Seconds/1e9, res.Bottleneck, res.Busy[perfmodel.ResCPU], res.Busy[perfmodel.ResH2D], res.Busy[perfmodel.ResD2H], res.Busy[perfmodel.ResGPU], res.Overlap)
 	}
 	benchVerdicts(stdout, results)
 	if *out.trace != "" && modelOps != nil {
-		err := writeAtomic(*out.trace, func(f *os.File) error {
-			bw := bufio.NewWriter(f)
-			if err := scheduler.WriteChrome(bw, modelOps); err != nil {
-				return err
-			}
-			return bw.Flush()
-		})
-		if err != nil {
+		if err := writeTrace(*out.trace, modelOps); err != nil {
 			return c.fail(stderr, "--trace: %v", err)
 		}
 		fmt.Fprintf(stdout, "trace of the model's schedule written to %s\n", *out.trace)
@@ -391,4 +358,63 @@ func fillBench(e *scheduler.Engine, dev *cuda.Device) error {
 		}
 	}
 	return s.Sync()
+}
+
+// errDoesNotFit: the performance model cannot place a schedule (over the
+// GPU budget, no rate): dos bench skips it.
+var errDoesNotFit = errors.New("does not fit")
+
+// measureSchedule runs candidate cand on e: its plan installed (Replan),
+// a warm-up update phase, then steps timed ones (wall clock; *step counts
+// the optimizer steps across schedules); it returns the result with the
+// model's prediction and the busy fractions of the last phase's trace.
+//
+// Errors: errDoesNotFit wrapping the model's reason; the engine's.
+func measureSchedule(e *scheduler.Engine, prof *perfmodel.Profile, w perfmodel.Workload, cand strategy, steps int, step *int64) (benchResult, []scheduler.Op, error) {
+	pr, err := prof.Predict(w, cand.s)
+	if err != nil {
+		return benchResult{}, nil, fmt.Errorf("%w: %v", errDoesNotFit, err)
+	}
+	p, err := scheduler.NewPlan(w.Subgroups(), cand.s)
+	if err == nil {
+		err = e.Replan(p)
+	}
+	if err != nil {
+		return benchResult{}, nil, err
+	}
+	h := adam.DefaultHyper()
+	var times []float64
+	for r := 0; r <= steps; r++ {
+		*step++
+		co := h.Coeffs(*step, 1, 1)
+		t := time.Now()
+		if err := e.Update(&co); err != nil {
+			return benchResult{}, nil, err
+		}
+		if r > 0 { // the first is the warm-up
+			times = append(times, time.Since(t).Seconds())
+		}
+	}
+	ops, err := e.Trace()
+	if err != nil {
+		return benchResult{}, nil, fmt.Errorf("trace: %w", err)
+	}
+	sum := scheduler.Summarize(ops)
+	res := benchResult{Name: cand.name, CPU: cand.s.CPU, GPU: cand.s.GPU, Resident: cand.s.Resident, K: kString(cand.s.K()), Upcast: cand.s.UpcastOnGPU,
+		Seconds: median(times), Steps: times, Predicted: pr.Makespan, Bottleneck: pr.Bottleneck, Busy: map[perfmodel.Resource]float64{}, Overlap: sum.Overlap}
+	for _, r := range perfmodel.Resources {
+		res.Busy[r] = sum.Fraction(r)
+	}
+	return res, ops, nil
+}
+
+// writeTrace writes ops as Chrome trace-event JSON to path, atomically.
+func writeTrace(path string, ops []scheduler.Op) error {
+	return writeAtomic(path, func(f *os.File) error {
+		bw := bufio.NewWriter(f)
+		if err := scheduler.WriteChrome(bw, ops); err != nil {
+			return err
+		}
+		return bw.Flush()
+	})
 }

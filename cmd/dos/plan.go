@@ -1,10 +1,8 @@
 package main
 
 import (
-	"bufio"
 	"fmt"
 	"io"
-	"os"
 	"slices"
 
 	"github.com/deepstates/dos/adam"
@@ -97,22 +95,8 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		*threads = measured
 	}
 	perRank := max(1, *threads / *ranks)
-	// The machine: the profile's rates, scaled.
-	p := *prof
-	g := *prof.GPU
-	p.GPU = &g
-	p.CPU = slices.Clone(prof.CPU)
-	for i := range p.CPU {
-		p.CPU[i].Rate *= *cpuScale
-		p.CPU[i].Stats.Rate *= *cpuScale
-	}
-	if *pcie > 0 {
-		f := *pcie * 1e9 / ((g.H2D.Rate + g.D2H.Rate) / 2)
-		g.H2D.Rate, g.D2H.Rate, g.H2DBoth.Rate, g.D2HBoth.Rate = g.H2D.Rate*f, g.D2H.Rate*f, g.H2DBoth.Rate*f, g.D2HBoth.Rate*f
-	}
-	if *ug > 0 {
-		g.Update.Rate = *ug * 1e9
-	}
+	p := scaledProfile(prof, *cpuScale, *pcie, *ug) // the machine
+	g := *p.GPU
 	rankParams := (params + int64(*ranks) - 1) / int64(*ranks)
 	w := perfmodel.Workload{Params: rankParams, SubgroupSize: sgSize, GradDType: gradDType, CopyBytes: 2, Threads: perRank, GPUBudget: int64(*budget * (1 << 30))}
 	if err := w.Validate(); err != nil {
@@ -142,80 +126,19 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		uc.Rate/1e9, perRank, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.Contention.CPU, g.Contention.PCIe, *profPath, prof.Machine.CPU, prof.Machine.GPU)
 	sizes := perfmodel.SubgroupSizes(rankParams, sgSize)
 	fmt.Fprintf(stdout, "%-12s %5s %5s %5s %7s %7s %9s %9s %12s %-6s %5s %5s %5s\n", "schedule", "cpu", "gpu", "res", "k", "upcast", "model s", "replay s", "Gparam/s", "bneck", "cpu", "h2d", "d2h")
-	var modelOps []scheduler.Op
-	var results []planResult
-	row := func(name string, s perfmodel.Schedule) error {
-		res := planResult{Name: name, CPU: s.CPU, GPU: s.GPU, Resident: s.Resident, K: kString(s.K()), Upcast: s.UpcastOnGPU}
-		pr, err := p.Predict(w, s)
-		if err != nil {
-			fmt.Fprintf(stdout, "%-12s %5d %5d %5d  does not fit: %v\n", name, s.CPU, s.GPU, s.Resident, err)
-			res.NotFit = err.Error()
-			results = append(results, res)
-			return nil
-		}
-		plan, err := scheduler.NewPlan(n, s)
-		if err != nil {
-			return err
-		}
-		ops, err := scheduler.Simulate(scheduler.Machine{Profile: &p, Threads: perRank}, scheduler.SimWorkload{Sizes: sizes, GradDType: gradDType}, plan)
-		if err != nil {
-			return err
-		}
-		if name == "model" {
-			modelOps = ops
-		}
-		sum := scheduler.Summarize(ops)
-		res.Predicted, res.Replayed, res.Bottleneck = pr.Makespan, sum.Makespan.Seconds(), pr.Bottleneck
-		res.Busy = map[perfmodel.Resource]float64{}
-		for _, r := range perfmodel.Resources {
-			res.Busy[r] = sum.Fraction(r)
-		}
-		results = append(results, res)
-		fmt.Fprintf(stdout, "%-12s %5d %5d %5d %7s %7v %9.3f %9.3f %12.2f %-6s %5.2f %5.2f %5.2f\n", name, s.CPU, s.GPU, s.Resident, kString(s.K()), s.UpcastOnGPU,
-			pr.Makespan, sum.Makespan.Seconds(), float64(rankParams)/pr.Makespan/1e9, pr.Bottleneck, sum.Fraction(perfmodel.ResCPU), sum.Fraction(perfmodel.ResH2D), sum.Fraction(perfmodel.ResD2H))
-		return nil
-	}
-	rows := strategies(w, choice, *sweep)
-	for _, x := range rows {
-		if err := row(x.name, x.s); err != nil {
+	pl := &planner{p: &p, w: w, sizes: sizes, threads: perRank, out: stdout}
+	for _, x := range strategies(w, choice, *sweep) {
+		if err := pl.row(x.name, x.s); err != nil {
 			return c.fail(stderr, "%v", err)
 		}
 	}
+	modelOps, results := pl.modelOps, pl.results
 	fmt.Fprintf(stdout, "the model's choice: k = %s (%d CPU, %d GPU, %d resident subgroups per rank), %.3f s per update phase, bottleneck %s\n",
 		kString(choice.K), choice.CPU, choice.GPU, choice.Resident, choice.Makespan, choice.Bottleneck)
-	if *out.trace != "" {
-		err := writeAtomic(*out.trace, func(f *os.File) error {
-			bw := bufio.NewWriter(f)
-			if err := scheduler.WriteChrome(bw, modelOps); err != nil {
-				return err
-			}
-			return bw.Flush()
-		})
-		if err != nil {
-			return c.fail(stderr, "--trace: %v", err)
-		}
-		fmt.Fprintf(stdout, "replay of the model's schedule written to %s\n", *out.trace)
-	}
-	if *out.json != "" {
-		var model *planResult
-		for i := range results {
-			if results[i].Name == "model" {
-				model = &results[i]
-			}
-		}
-		err := writeJSON(*out.json, map[string]any{"params": params, "ranks": *ranks, "rank_params": rankParams, "subgroups": n,
-			"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": gradDType, "profile": *profPath,
-			"choice": model, "results": results})
-		if err != nil {
-			return c.fail(stderr, "--json: %v", err)
-		}
-		fmt.Fprintf(stdout, "results written to %s\n", *out.json)
-	}
-	if *out.plot != "" {
-		if err := plotTimeline(modelOps, fmt.Sprintf("dos plan: the model's schedule replayed, %.3gB parameters per rank", float64(rankParams)/1e9), *out.plot); err != nil {
-			return c.fail(stderr, "--plot: %v", err)
-		}
-		fmt.Fprintf(stdout, "timeline written to %s\n", *out.plot)
+	meta := map[string]any{"params": params, "ranks": *ranks, "rank_params": rankParams, "subgroups": n,
+		"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": gradDType, "profile": *profPath}
+	if err := writePlanOutputs(out, stdout, meta, results, modelOps, rankParams); err != nil {
+		return c.fail(stderr, "%v", err)
 	}
 	return 0
 }
@@ -231,4 +154,110 @@ func count(n float64) string {
 		return fmt.Sprintf("%.3gK", n/1e3)
 	}
 	return fmt.Sprintf("%.0f", n)
+}
+
+// scaledProfile returns prof with its rates scaled to describe another
+// machine: the CPU's by cpuScale, the PCIe links' to pcie GB/s each way
+// (0: unchanged; both-directions rates in proportion), the GPU's fused
+// AdamW to ug Gparam/s (0: unchanged). The contention slow-downs stay the
+// profile's. prof must have GPU rates; it is not modified.
+func scaledProfile(prof *perfmodel.Profile, cpuScale, pcie, ug float64) perfmodel.Profile {
+	p := *prof
+	g := *prof.GPU
+	p.GPU = &g
+	p.CPU = slices.Clone(prof.CPU)
+	for i := range p.CPU {
+		p.CPU[i].Rate *= cpuScale
+		p.CPU[i].Stats.Rate *= cpuScale
+	}
+	if pcie > 0 {
+		f := pcie * 1e9 / ((g.H2D.Rate + g.D2H.Rate) / 2)
+		g.H2D.Rate, g.D2H.Rate, g.H2DBoth.Rate, g.D2HBoth.Rate = g.H2D.Rate*f, g.D2H.Rate*f, g.H2DBoth.Rate*f, g.D2HBoth.Rate*f
+	}
+	if ug > 0 {
+		g.Update.Rate = ug * 1e9
+	}
+	return p
+}
+
+// planner predicts and replays schedules of one workload on one machine,
+// printing a row each and keeping the results (and the model's schedule's
+// replay, for the trace and the timeline).
+type planner struct {
+	p        *perfmodel.Profile
+	w        perfmodel.Workload
+	sizes    []int64 // the subgroups, perfmodel.SubgroupSizes
+	threads  int     // CPU workers per rank
+	out      io.Writer
+	results  []planResult
+	modelOps []scheduler.Op
+}
+
+// row predicts schedule s (named name), replays it with scheduler.Simulate
+// and prints the row; a schedule that does not fit is a row saying why.
+//
+// Errors: those of scheduler.NewPlan and Simulate.
+func (pl *planner) row(name string, s perfmodel.Schedule) error {
+	res := planResult{Name: name, CPU: s.CPU, GPU: s.GPU, Resident: s.Resident, K: kString(s.K()), Upcast: s.UpcastOnGPU}
+	pr, err := pl.p.Predict(pl.w, s)
+	if err != nil {
+		fmt.Fprintf(pl.out, "%-12s %5d %5d %5d  does not fit: %v\n", name, s.CPU, s.GPU, s.Resident, err)
+		res.NotFit = err.Error()
+		pl.results = append(pl.results, res)
+		return nil
+	}
+	plan, err := scheduler.NewPlan(len(pl.sizes), s)
+	if err != nil {
+		return err
+	}
+	ops, err := scheduler.Simulate(scheduler.Machine{Profile: pl.p, Threads: pl.threads}, scheduler.SimWorkload{Sizes: pl.sizes, GradDType: pl.w.GradDType}, plan)
+	if err != nil {
+		return err
+	}
+	if name == "model" {
+		pl.modelOps = ops
+	}
+	sum := scheduler.Summarize(ops)
+	res.Predicted, res.Replayed, res.Bottleneck = pr.Makespan, sum.Makespan.Seconds(), pr.Bottleneck
+	res.Busy = map[perfmodel.Resource]float64{}
+	for _, r := range perfmodel.Resources {
+		res.Busy[r] = sum.Fraction(r)
+	}
+	pl.results = append(pl.results, res)
+	fmt.Fprintf(pl.out, "%-12s %5d %5d %5d %7s %7v %9.3f %9.3f %12.2f %-6s %5.2f %5.2f %5.2f\n", name, s.CPU, s.GPU, s.Resident, kString(s.K()), s.UpcastOnGPU,
+		pr.Makespan, sum.Makespan.Seconds(), float64(pl.w.Params)/pr.Makespan/1e9, pr.Bottleneck, sum.Fraction(perfmodel.ResCPU), sum.Fraction(perfmodel.ResH2D), sum.Fraction(perfmodel.ResD2H))
+	return nil
+}
+
+// writePlanOutputs writes dos plan's outputs that were asked for: the
+// model's schedule's replay as a Chrome trace and as a timeline, and every
+// result as JSON (meta, the model's choice, the results), saying where.
+//
+// Errors: the output's, naming its flag.
+func writePlanOutputs(out *outputs, stdout io.Writer, meta map[string]any, results []planResult, modelOps []scheduler.Op, rankParams int64) error {
+	if *out.trace != "" {
+		if err := writeTrace(*out.trace, modelOps); err != nil {
+			return fmt.Errorf("--trace: %w", err)
+		}
+		fmt.Fprintf(stdout, "replay of the model's schedule written to %s\n", *out.trace)
+	}
+	if *out.json != "" {
+		for i := range results {
+			if results[i].Name == "model" {
+				meta["choice"] = &results[i]
+			}
+		}
+		meta["results"] = results
+		if err := writeJSON(*out.json, meta); err != nil {
+			return fmt.Errorf("--json: %w", err)
+		}
+		fmt.Fprintf(stdout, "results written to %s\n", *out.json)
+	}
+	if *out.plot != "" {
+		if err := plotTimeline(modelOps, fmt.Sprintf("dos plan: the model's schedule replayed, %.3gB parameters per rank", float64(rankParams)/1e9), *out.plot); err != nil {
+			return fmt.Errorf("--plot: %w", err)
+		}
+		fmt.Fprintf(stdout, "timeline written to %s\n", *out.plot)
+	}
+	return nil
 }
