@@ -367,19 +367,30 @@ func Recover(fsys FS, root string, rank int) (*Recovery, error) {
 	if info.Problem == nil {
 		return nil, fmt.Errorf("checkpoint: %s: %w", root, ErrNoCheckpoint)
 	}
+	var rec *Recovery
+	err = writing(fsys, root, func() error {
+		info, err := Inspect(fsys, root) // again, now that no one else writes
+		if err == nil {
+			rec, err = recoverLocked(fsys, root, rank, info, nil)
+		}
+		return err
+	})
+	return rec, err
+}
+
+// writing runs fn holding root's lock and its write (Lock, beginWrite):
+// no other writer, of this process or another, runs meanwhile.
+func writing(fsys FS, root string, fn func() error) error {
 	lock, err := lockRoot(fsys, root, false)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	defer lock.Unlock()
 	if err := lock.beginWrite(); err != nil {
-		return nil, err
+		return err
 	}
 	defer lock.endWrite()
-	if info, err = Inspect(fsys, root); err != nil { // again, now that no one else writes
-		return nil, err
-	}
-	return recoverLocked(fsys, root, rank, info, nil)
+	return fn()
 }
 
 // Rollback is Recover for a root whose latest names a checkpoint that does
@@ -397,15 +408,17 @@ func Recover(fsys FS, root string, rank int) (*Recovery, error) {
 // (the bad checkpoint is then set aside and latest names it no more: the
 // root is damaged, and every step directory is still there).
 func Rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*Recovery, error) {
-	lock, err := lockRoot(fsys, root, false)
-	if err != nil {
-		return nil, err
-	}
-	defer lock.Unlock()
-	if err := lock.beginWrite(); err != nil {
-		return nil, err
-	}
-	defer lock.endWrite()
+	var rec *Recovery
+	err := writing(fsys, root, func() (err error) {
+		rec, err = rollback(fsys, root, rank, verify)
+		return err
+	})
+	return rec, err
+}
+
+// rollback is Rollback for a caller that holds the root's lock and its
+// write.
+func rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*Recovery, error) {
 	info, err := Inspect(fsys, root)
 	if err != nil {
 		return nil, err
@@ -545,16 +558,7 @@ func Retain(fsys FS, root string, keep int) error {
 	if keep < 1 {
 		return fmt.Errorf("checkpoint: Retain %d: keep at least 1", keep)
 	}
-	lock, err := lockRoot(fsys, root, false)
-	if err != nil {
-		return err
-	}
-	defer lock.Unlock()
-	if err := lock.beginWrite(); err != nil {
-		return err
-	}
-	defer lock.endWrite()
-	return retain(fsys, root, keep)
+	return writing(fsys, root, func() error { return retain(fsys, root, keep) })
 }
 
 // retain is Retain for a caller that holds the root's lock and its write.
