@@ -503,3 +503,10 @@ func firstErr(errs ...error) error {
 	}
 	return nil
 }
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/deepstates/dos"
 	"github.com/deepstates/dos/internal/adamcase"
+	"github.com/deepstates/dos/internal/hybridcase"
 	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/scheduler"
 )
@@ -18,7 +19,7 @@ import (
 // when they are there).
 func selftestBackends() ([]adamcase.Backend, func(), string) {
 	bs, release := adamcase.Backends(runtime.GOMAXPROCS(0))
-	bs = append(bs, scheduler.CaseBackend{Label: "sim", NewDevice: func() scheduler.Device { return scheduler.NewSim(scheduler.SimOptions{}) }})
+	bs = append(bs, hybridcase.Backend{Label: "sim", NewDevice: func() scheduler.Device { return scheduler.NewSim(scheduler.SimOptions{}) }})
 	d, k, closeGPU, err := kernels.Open(0)
 	if err != nil {
 		return bs, release, err.Error()
@@ -29,7 +30,7 @@ func selftestBackends() ([]adamcase.Backend, func(), string) {
 		return bs, release, err.Error()
 	}
 	bs = append(bs, kernels.CaseBackend{K: k, S: s, D: d},
-		scheduler.CaseBackend{Label: d.Name, NewDevice: func() scheduler.Device { return scheduler.NewCUDA(d, k) }})
+		hybridcase.Backend{Label: d.Name, NewDevice: func() scheduler.Device { return scheduler.NewCUDA(d, k) }})
 	return bs, func() { release(); s.Free(); closeGPU() }, ""
 }
 

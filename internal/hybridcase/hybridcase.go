@@ -1,35 +1,40 @@
-package scheduler
+// Package hybridcase replays the PyTorch reference cases (internal/adamcase)
+// through the interleaved engine (package scheduler) on a device: the hybrid
+// backend of dos selftest and of the engine's numerics tests.
+package hybridcase
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
 )
 
-// CaseBackend replays the PyTorch reference cases (adam/adamcase) through
+// Backend replays the PyTorch reference cases (internal/adamcase) through
 // the whole hybrid engine on a device: each step cuts the case's
 // parameters into up to five subgroups, some updated by the CPU workers
 // (with and without the GPU upcast), some streamed through the GPU, one
-// resident (CaseSchedule), and moves the state, gradient and copy between
+// resident (Schedule), and moves the state, gradient and copy between
 // the case and the engine. It implements adamcase.Backend.
-type CaseBackend struct {
+type Backend struct {
 	// Label names the device in Name ("sim", "H200").
 	Label string
 	// NewDevice returns the device to run on (called once per step).
-	NewDevice func() Device
+	NewDevice func() scheduler.Device
 	// Pool is the CPU workers (nil: a pool per step).
 	Pool *adam.Pool
 }
 
 // Name returns "hybrid/" + Label.
-func (b CaseBackend) Name() string { return "hybrid/" + b.Label }
+func (b Backend) Name() string { return "hybrid/" + b.Label }
 
-// CaseSchedule returns the mixed schedule CaseBackend uses for n
+// Schedule returns the mixed schedule Backend uses for n
 // parameters, and the subgroup sizes: min(n, 5) subgroups, one resident
 // when there are five, then as many streamed GPU as CPU ones (the CPU
 // taking the odd one); the upcast on the GPU for odd n.
-func CaseSchedule(n int) ([]int, perfmodel.Schedule) {
+func Schedule(n int) ([]int, perfmodel.Schedule) {
 	k := min(n, 5)
 	sizes := make([]int, k)
 	for i := range sizes {
@@ -48,17 +53,17 @@ func boolInt(b bool) int {
 	return 0
 }
 
-func (b CaseBackend) engine(n int, gd, od adam.DType, amsgrad bool) (*Engine, error) {
-	sizes, s := CaseSchedule(n)
-	plan, err := NewPlan(len(sizes), s)
+func (b Backend) engine(n int, gd, od adam.DType, amsgrad bool) (*scheduler.Engine, error) {
+	sizes, s := Schedule(n)
+	plan, err := scheduler.NewPlan(len(sizes), s)
 	if err != nil {
 		return nil, err
 	}
-	return New(Options{Device: b.NewDevice(), Sizes: sizes, GradDType: gd, WorkingDType: od, AMSGrad: amsgrad, Pool: b.Pool, Plan: plan})
+	return scheduler.New(scheduler.Options{Device: b.NewDevice(), Sizes: sizes, GradDType: gd, WorkingDType: od, AMSGrad: amsgrad, Pool: b.Pool, Plan: plan})
 }
 
 // AllFinite runs the engine's global check (Engine.Stats) on g.
-func (b CaseBackend) AllFinite(g adam.Grad) (bool, error) {
+func (b Backend) AllFinite(g adam.Grad) (bool, error) {
 	if g.Len() == 0 {
 		return true, nil
 	}
@@ -76,7 +81,7 @@ func (b CaseBackend) AllFinite(g adam.Grad) (bool, error) {
 
 // Step runs one update phase over st with gradient g, writing out when it
 // has a dtype.
-func (b CaseBackend) Step(c *adam.Coeffs, st adam.State, g adam.Grad, out adam.Copy16) error {
+func (b Backend) Step(c *adam.Coeffs, st adam.State, g adam.Grad, out adam.Copy16) error {
 	n := st.Len()
 	if n == 0 {
 		return nil
@@ -95,7 +100,7 @@ func (b CaseBackend) Step(c *adam.Coeffs, st adam.State, g adam.Grad, out adam.C
 	copy(hs.ExpAvg, st.ExpAvg)
 	copy(hs.ExpAvgSq, st.ExpAvgSq)
 	copy(hs.MaxExpAvgSq, st.MaxExpAvgSq)
-	if err := firstErr(e.Load(), e.SetGrad(g)); err != nil {
+	if err := errors.Join(e.Load(), e.SetGrad(g)); err != nil {
 		return err
 	}
 	if err := e.Update(c); err != nil {

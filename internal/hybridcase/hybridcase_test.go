@@ -1,10 +1,14 @@
-package scheduler
+package hybridcase
 
 import (
+	"os"
 	"testing"
 
 	"github.com/deepstates/dos"
 	"github.com/deepstates/dos/internal/adamcase"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/kernels"
+	"github.com/deepstates/dos/scheduler"
 )
 
 // TestCases replays every PyTorch reference case through the hybrid
@@ -12,12 +16,12 @@ import (
 // device.
 func TestCases(t *testing.T) { forDevices(t, testCases) }
 
-func testCases(t *testing.T, newDev func() Device) {
+func testCases(t *testing.T, newDev func() scheduler.Device) {
 	cases, err := adamcase.LoadFS(dos.AdamCases, dos.AdamCasesDir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := CaseBackend{Label: "test", NewDevice: newDev}
+	b := Backend{Label: "test", NewDevice: newDev}
 	for _, c := range cases {
 		r := adamcase.Run(c, b)
 		if !r.Passed() {
@@ -35,7 +39,7 @@ func testCases(t *testing.T, newDev func() Device) {
 // five parameters.
 func TestCaseSchedule(t *testing.T) {
 	for _, n := range []int{1, 2, 3, 4, 5, 6, 1000, 1001} {
-		sizes, s := CaseSchedule(n)
+		sizes, s := Schedule(n)
 		sum := 0
 		for _, x := range sizes {
 			sum += x
@@ -50,4 +54,20 @@ func TestCaseSchedule(t *testing.T) {
 			t.Errorf("n=%d: %+v does not mix every role", n, s)
 		}
 	}
+}
+
+// forDevices runs f on the simulated device and, where there is one, on
+// GPU 0 (DOS_REQUIRE_GPU=1 makes its absence a failure).
+func forDevices(t *testing.T, f func(t *testing.T, newDev func() scheduler.Device)) {
+	t.Run("sim", func(t *testing.T) { f(t, func() scheduler.Device { return scheduler.NewSim(scheduler.SimOptions{}) }) })
+	d, k, release, err := kernels.Open(0)
+	if err != nil {
+		if cuda.Available() == nil || os.Getenv("DOS_REQUIRE_GPU") == "1" {
+			t.Fatalf("GPU 0: %v", err)
+		}
+		t.Logf("cuda: skipped (%v)", err)
+		return
+	}
+	defer release()
+	t.Run("cuda", func(t *testing.T) { f(t, func() scheduler.Device { return scheduler.NewCUDA(d, k) }) })
 }
