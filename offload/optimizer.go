@@ -162,11 +162,11 @@ type Optimizer struct {
 	work  adam.Copy16
 	pool  *adam.Pool
 
-	pending lazySave              // the lazy save whose capture may still read the state
-	coeffs   adam.Coeffs   // the device Step's coefficients, read by the engine's lanes
-	gcoeffs  []adam.Coeffs // per parameter group, this step's
-	sgcoeffs []adam.Coeffs // per subgroup, with several groups on a device
-	plan    *perfmodel.Prediction // the model's schedule, with Options.Profile
+	pending  lazySave              // the lazy save whose capture may still read the state
+	coeffs   adam.Coeffs           // the device Step's coefficients, read by the engine's lanes
+	gcoeffs  []adam.Coeffs         // per parameter group, this step's
+	sgcoeffs []adam.Coeffs         // per subgroup, with several groups on a device
+	plan     *perfmodel.Prediction // the model's schedule, with Options.Profile
 
 	// With Options.Device: the engine owns the state (o.state views its
 	// pinned memory); o.grad and o.work are host mirrors; dev says where
