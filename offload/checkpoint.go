@@ -163,6 +163,9 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 	if o.pool == nil {
 		return nil, ErrClosed
 	}
+	if e == nil {
+		return nil, errors.New("offload: SaveAsync: a nil checkpoint engine (checkpoint.NewEngine makes one)")
+	}
 	if step < o.step {
 		return nil, fmt.Errorf("offload: SaveAsync: step %d is below the optimizer's step counter %d", step, o.step)
 	}
@@ -350,7 +353,13 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 		return nil, fmt.Errorf("offload: %s was saved with amsgrad=%t; this optimizer has amsgrad=%t", dir, obj.Hyper.AMSGrad, o.opts.Hyper.AMSGrad)
 	}
 	if len(obj.Options.Groups) != len(o.opts.Groups) {
-		return nil, fmt.Errorf("offload: %s was saved with %d parameter groups; this optimizer has %d", dir, len(obj.Options.Groups), len(o.opts.Groups))
+		groups := func(n int) string {
+			if n == 0 {
+				return "no parameter groups (one implicit)"
+			}
+			return fmt.Sprintf("%d parameter groups", n)
+		}
+		return nil, fmt.Errorf("offload: %s was saved with %s; this optimizer has %s", dir, groups(len(obj.Options.Groups)), groups(len(o.opts.Groups)))
 	}
 	saved := make(map[string]int, len(obj.Params))
 	for _, p := range obj.Params {

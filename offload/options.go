@@ -47,9 +47,10 @@ type Options struct {
 	// of memory while it runs) and plan with it. Not saved in checkpoints.
 	Calibrate bool `json:"-"`
 	// Device, when set, runs every update phase through the interleaved
-	// engine (scheduler.Engine) on this device (scheduler.NewCUDA, or
-	// scheduler.NewSim in tests): the gradients and the 16-bit working
-	// copy live in device memory, the state in pinned host memory, some
+	// engine (scheduler.Engine) on this device (OpenDevice: "cuda" for
+	// GPU 0, "sim" for the simulated device in tests): the gradients and
+	// the 16-bit working copy live in device memory, the state in pinned
+	// host memory, some
 	// subgroups GPU-resident within GPUBudget, and the performance
 	// model's schedule (with Profile; Schedule forces one; all on the CPU
 	// without either). Grad and Working stay host views: Step uploads the
