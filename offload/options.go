@@ -50,9 +50,8 @@ type Options struct {
 	// engine (scheduler.Engine) on this device (OpenDevice: "cuda" for
 	// GPU 0, "sim" for the simulated device in tests): the gradients and
 	// the 16-bit working copy live in device memory, the state in pinned
-	// host memory, some
-	// subgroups GPU-resident within GPUBudget, and the performance
-	// model's schedule (with Profile; Schedule forces one; all on the CPU
+	// host memory, some subgroups GPU-resident within GPUBudget, and the
+	// performance model's schedule (with Profile; Schedule forces one; all on the CPU
 	// without either). Grad and Working stay host views: Step uploads the
 	// gradients first, as a GPU trainer's backward would leave them, and
 	// downloads the working copy after. WorkingDType is then required.
