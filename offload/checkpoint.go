@@ -183,7 +183,7 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 		// the trainer's next forward and backward run meanwhile.
 		wait, err := o.eng.DownloadAsync()
 		if err != nil {
-			return nil, fmt.Errorf("offload: %w", err)
+			return nil, o.engineErr(err)
 		}
 		snap.Prepare, d2h = wait, true
 		o.dev = devSynced
@@ -288,10 +288,16 @@ func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string,
 	if o.pool == nil {
 		return "", nil, ErrClosed
 	}
-	if dir, err = checkpoint.Resolve(fsys, path); err != nil {
-		return "", nil, err
+	if h := o.pending.h; h != nil {
+		// A lazy save of this optimizer in flight may be committing into
+		// the root being read: let it finish (settle reports its error),
+		// so the root is seen committed, never mid-commit.
+		_, _ = h.Wait()
 	}
 	if err := o.settle(true); err != nil {
+		return "", nil, err
+	}
+	if dir, err = checkpoint.Resolve(fsys, path); err != nil {
 		return "", nil, err
 	}
 	if o.opts.Device != nil && o.dev == devBroken {

@@ -48,9 +48,10 @@ func ParseSchedule(text string) (perfmodel.Schedule, error) { return scheduler.P
 func MixedSchedule(n int) perfmodel.Schedule { return scheduler.MixedSchedule(n) }
 
 // SubgroupCount returns how many subgroups New cuts total parameters into
-// with subgroups of size elements (the last one may be shorter): the
-// count a schedule's CPU+GPU+RESIDENT must add up to. It panics when size
-// < 1.
+// with subgroups of size elements (the last one may be shorter), without
+// Options.Groups: the count a schedule's CPU+GPU+RESIDENT must add up to.
+// With groups each is cut apart: len(Optimizer.Subgroups()). It panics
+// when size < 1.
 func SubgroupCount(total, size int) int {
 	if size < 1 {
 		panic("offload: SubgroupCount with a size below 1")

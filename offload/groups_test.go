@@ -10,6 +10,7 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
 )
 
 // groupParams interleaves two groups, as a model's weights (decayed) and
@@ -184,5 +185,33 @@ func TestGroupsValidate(t *testing.T) {
 		if _, err := New(tc.params, Options{Groups: tc.groups}); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%+v %+v: %v, want %q", tc.params, tc.groups, err, tc.want)
 		}
+	}
+}
+
+// TestGroupsWithProfile: with groups, the performance model plans the
+// real subgroups (each group cut apart), on the host and with a device;
+// the caller's Groups slice is not the optimizer's.
+func TestGroupsWithProfile(t *testing.T) {
+	prof := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion,
+		CPU: []perfmodel.CPUFit{{Threads: 1, GradDType: adam.BF16, Fit: perfmodel.Fit{Rate: 1e9}}, {Threads: 1, GradDType: adam.F32, Fit: perfmodel.Fit{Rate: 1e9}}},
+		GPU: &perfmodel.GPUProfile{Update: perfmodel.Fit{Rate: 1e11}, H2D: perfmodel.Fit{Rate: 2e10}, D2H: perfmodel.Fit{Rate: 2e10},
+			H2DBoth: perfmodel.Fit{Rate: 2e10}, D2HBoth: perfmodel.Fit{Rate: 2e10}, Convert: perfmodel.Fit{Rate: 1e12}}}
+	gs := append([]Group(nil), twoGroups...)
+	for _, device := range []bool{false, true} {
+		opts := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Threads: 1, Groups: gs, Profile: prof}
+		if device {
+			opts.Device, opts.GPUBudget = scheduler.NewSim(scheduler.SimOptions{}), 1<<30
+		}
+		o := newGrouped(t, groupParams, opts)
+		plan, ok := o.Plan()
+		if !ok || plan.CPU+plan.GPU+plan.Resident != len(o.Subgroups()) || len(o.Subgroups()) != 7 {
+			t.Fatalf("device=%v: plan %+v for %d subgroups", device, plan, len(o.Subgroups()))
+		}
+		if err := o.SetGroupLR(1, 0.5); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if gs[1].LR != twoGroups[1].LR {
+		t.Fatalf("SetGroupLR changed the caller's Groups: %+v", gs)
 	}
 }

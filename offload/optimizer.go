@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -128,8 +129,8 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // synchronous save, a load; and the capture of a SaveAsync's state), and
 // the calls after it return ErrClosed: Step, SetParam, SetLR, Snapshot,
 // SaveAsync, SaveCheckpoint, LoadCheckpoint. ZeroGrad, StepCount, Options
-// and Schedule keep working after Close; Master panics after Close with
-// Options.Device (its state was freed).
+// and Schedule keep working after Close; Master returns ErrClosed after
+// Close with Options.Device (its state was freed).
 //
 // Params, Subgroups, NumParams, Index, Plan, Grad and Working read only what
 // New set, take no lock, and are safe with any call, Close included.
@@ -229,6 +230,7 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	if len(params) == 0 {
 		return nil, errors.New("offload: no parameters")
 	}
+	opts.Groups = slices.Clone(opts.Groups) // the caller's slice is not the optimizer's
 	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params))}
 	for i, p := range params {
 		if p.Name == "" {
@@ -321,7 +323,7 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 		opts.Profile = &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC(), CPU: fits}
 	}
 	if opts.Profile != nil {
-		w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), GradDType: opts.GradDType,
+		w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), Sizes: o.subgroupSizes(), GradDType: opts.GradDType,
 			AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads()}
 		if opts.WorkingDType != 0 {
 			w.CopyBytes = 2
@@ -363,7 +365,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 	opts := o.opts
 	n := len(o.subgroups)
 	s := perfmodel.Schedule{CPU: n}
-	w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), GradDType: opts.GradDType,
+	w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), Sizes: o.subgroupSizes(), GradDType: opts.GradDType,
 		CopyBytes: 2, AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: opts.GPUBudget}
 	if opts.Schedule != nil {
 		s = *opts.Schedule
@@ -434,7 +436,7 @@ func (o *Optimizer) syncHost() error {
 	// covers only Update).
 	o.pending.waitCapture()
 	if err := o.eng.Download(); err != nil {
-		return fmt.Errorf("offload: %w", err)
+		return o.engineErr(err)
 	}
 	o.dev = devSynced
 	return nil
@@ -484,7 +486,9 @@ func (o *Optimizer) Close() error {
 func (o *Optimizer) Options() Options {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	return o.opts
+	opts := o.opts
+	opts.Groups = slices.Clone(opts.Groups) // a copy: SetGroupLR changes them
+	return opts
 }
 
 // Params returns the parameters with their offsets, in order. The slice is
@@ -505,8 +509,9 @@ func (o *Optimizer) StepCount() int64 {
 	return o.step
 }
 
-// SetLR sets the learning rate for the next steps, as assigning
-// param_groups[0]["lr"] does in PyTorch (for schedules).
+// SetLR sets the learning rate of every parameter group for the next
+// steps, as assigning each param_groups[g]["lr"] does in PyTorch (for
+// schedules; SetGroupLR sets one group's).
 //
 // Errors: ErrClosed, or lr negative or not finite.
 func (o *Optimizer) SetLR(lr float64) error {
@@ -786,6 +791,15 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	return res, nil
 }
 
+// subgroupSizes returns the subgroups' sizes, for the performance model.
+func (o *Optimizer) subgroupSizes() []int64 {
+	sizes := make([]int64, len(o.subgroups))
+	for i, sg := range o.subgroups {
+		sizes[i] = int64(sg.Len)
+	}
+	return sizes
+}
+
 // groupCoeffs computes every parameter group's scalars for step: Hyper
 // with the group's lr and weight_decay. It allocates nothing.
 func (o *Optimizer) groupCoeffs(step int64, unscale, clip float32) {
@@ -797,6 +811,22 @@ func (o *Optimizer) groupCoeffs(step int64, unscale, clip float32) {
 		h := o.opts.Hyper
 		h.LR, h.WeightDecay = grp.LR, grp.WeightDecay
 		o.gcoeffs[g] = h.Coeffs(step, unscale, clip)
+	}
+}
+
+// engineErr wraps an error of the engine outside the update phase and,
+// when the engine says it is broken (a wait failed with work in flight),
+// makes the optimizer broken: only LoadCheckpoint, with a new engine,
+// helps then.
+func (o *Optimizer) engineErr(err error) error {
+	o.noteBroken()
+	return fmt.Errorf("offload: %w", err)
+}
+
+// noteBroken makes the optimizer broken when its engine is.
+func (o *Optimizer) noteBroken() {
+	if o.eng.Broken() {
+		o.dev = devBroken
 	}
 }
 
@@ -818,16 +848,16 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult)
 	// wait for the capture before bringing resident state back.
 	if o.dev == devHostAhead {
 		if err := o.eng.Load(); err != nil {
-			return res, fmt.Errorf("offload: %w", err)
+			return res, o.engineErr(err)
 		}
 		o.dev = devSynced
 	}
 	if err := o.eng.SetGrad(o.grad); err != nil {
-		return res, fmt.Errorf("offload: %w", err)
+		return res, o.engineErr(err)
 	}
 	finite, ss, err := o.eng.Stats(unscale)
 	if err != nil {
-		return res, fmt.Errorf("offload: %w", err)
+		return res, o.engineErr(err)
 	}
 	if !finite {
 		res.Skipped = true
@@ -864,6 +894,7 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult)
 	}
 	res.Step = o.step
 	if gerr := o.eng.GetWorking(o.work.Data); gerr != nil && err == nil {
+		o.noteBroken()
 		err = fmt.Errorf("offload: step %d was taken, but its working copy did not come back: %w", o.step, gerr)
 	}
 	res.Elapsed = time.Since(start)

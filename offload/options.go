@@ -75,7 +75,9 @@ type Options struct {
 	Groups []Group `json:"groups,omitempty"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,
-	// ceil(parameters / SubgroupSize) (Optimizer.Subgroups after New).
+	// ceil(parameters / SubgroupSize) without Groups, the sum of each
+	// group's ceil(its parameters / SubgroupSize) with them
+	// (len(Optimizer.Subgroups()) after New).
 	Schedule *perfmodel.Schedule `json:"-"`
 }
 

@@ -21,6 +21,11 @@ type Workload struct {
 	// GPUBudget is the GPU memory the update phase may use, in bytes:
 	// resident state plus double-buffered staging for GPU subgroups.
 	GPUBudget int64
+	// Subgroups, when set, are the subgroups' sizes, each at most
+	// SubgroupSize, adding up to Params: a cut other than SubgroupSizes'
+	// (offload's parameter groups cut each group apart). Nil: the
+	// SubgroupSizes(Params, SubgroupSize) cut.
+	Sizes []int64
 }
 
 // Schedule is how many subgroups update where; they add up to the
@@ -85,8 +90,14 @@ func (p Prediction) MarshalJSON() ([]byte, error) {
 	return json.Marshal(v)
 }
 
-// Subgroups returns the number of subgroups of w (SubgroupCount).
-func (w Workload) Subgroups() int { return SubgroupCount(w.Params, w.SubgroupSize) }
+// Subgroups returns the number of subgroups of w: len(Sizes), or
+// SubgroupCount(Params, SubgroupSize).
+func (w Workload) Subgroups() int {
+	if w.Sizes != nil {
+		return len(w.Sizes)
+	}
+	return SubgroupCount(w.Params, w.SubgroupSize)
+}
 
 // SubgroupCount returns how many subgroups total parameters make in
 // subgroups of size elements, the last one shorter (DeepSpeed's
@@ -165,6 +176,18 @@ func (w Workload) Validate() error {
 		return fmt.Errorf("perfmodel: workload GPUBudget %d: want >= 0", w.GPUBudget)
 	case w.CopyBytes != 0 && w.CopyBytes != 2:
 		return fmt.Errorf("perfmodel: workload CopyBytes %d: want 0 or 2", w.CopyBytes)
+	}
+	if w.Sizes != nil {
+		var sum int64
+		for i, n := range w.Sizes {
+			if n <= 0 || n > w.SubgroupSize {
+				return fmt.Errorf("perfmodel: workload subgroup %d of %d parameters: want 1 to SubgroupSize %d", i, n, w.SubgroupSize)
+			}
+			sum += n
+		}
+		if sum != w.Params {
+			return fmt.Errorf("perfmodel: workload Sizes add up to %d, Params is %d", sum, w.Params)
+		}
 	}
 	_, err := gradBytes(w.GradDType)
 	return err

@@ -33,6 +33,11 @@ func (e *Engine) upload(working bool) error {
 		for a := range e.nArr {
 			h, off, b := e.hostVec(a, i)
 			if err := e.dev.H2D(s, e.res[a], 4*e.resOff[i], h, off, b); err != nil {
+				// The copies before it still read the host state: wait
+				// for them (a broken engine when that fails too).
+				if werr := firstErr(e.dev.Record(e.tail[sH2D], s), e.dev.Sync(e.tail[sH2D])); werr != nil {
+					e.broken = true
+				}
 				return err
 			}
 		}
@@ -141,7 +146,14 @@ func (e *Engine) pieces(size int64, m Mem, up bool, host func(st []byte, o int64
 		}
 		err = firstErr(err, e.dev.Record(e.tail[l], s))
 		e.laneMu[l].Unlock()
-		if err = firstErr(err, e.dev.Sync(e.tail[l])); err != nil {
+		if serr := e.dev.Sync(e.tail[l]); serr != nil {
+			// The piece may still be moving through the staging buffer,
+			// which the next transfer would reuse unordered: the engine
+			// is broken (LoadCheckpoint gives a new one).
+			e.broken = true
+			return firstErr(err, serr)
+		}
+		if err != nil {
 			return err
 		}
 		if !up {
@@ -180,11 +192,21 @@ copies:
 		}
 	}
 	// The resident state may change only once it has moved: the next
-	// kernels wait for the copies on the device, never on the host; after
-	// a failure too, for the copies enqueued before it (found by the
-	// simulated device's ordering check: a kernel then overwrote the
-	// state such a copy was still reading).
-	if err := firstErr(err, e.dev.Record(e.dlEv, s), e.dev.Wait(e.s[sKernel], e.dlEv)); err != nil {
+	// kernels wait for the copies on the device, never on the host.
+	if err != nil {
+		// The copies enqueued before the failure still read the device
+		// state and write the host's: wait for them here, so that neither
+		// the next kernels, nor an upload, nor the host (a LoadCheckpoint)
+		// touches what they use (found by the simulated device's
+		// ordering check and an adversarial review). When even that wait
+		// fails, the engine is broken.
+		if werr := firstErr(e.dev.Record(e.dlEv, s), e.dev.Sync(e.dlEv)); werr != nil {
+			e.broken = true
+			return nil, fmt.Errorf("%w (and waiting for the copies before it: %v)", err, werr)
+		}
+		return nil, err
+	}
+	if err := firstErr(e.dev.Record(e.dlEv, s), e.dev.Wait(e.s[sKernel], e.dlEv)); err != nil {
 		return nil, err
 	}
 	ev := e.dlEv
