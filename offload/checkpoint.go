@@ -264,11 +264,13 @@ func (o *Optimizer) SaveCheckpoint(fsys checkpoint.FS, root string, objects map[
 // checkpoint.Resolve finds it) or one step directory, rank 0. It restores
 // the master weights, exp_avg, exp_avg_sq, max_exp_avg_sq, the step counter
 // and, as torch.optim.Optimizer.load_state_dict does, the hyperparameters
-// (lr, betas, eps, weight_decay, maximize, mode): call SetLR afterwards to
-// follow a schedule. The other Options (subgroup size, dtypes, clipping,
-// threads) stay this optimizer's. The working copy is refreshed from the
-// master weights. It returns the directory loaded and the checkpoint's
-// objects, so the trainer can restore its own.
+// (lr, betas, eps, weight_decay, maximize, mode, and the parameter groups'
+// lr and weight_decay): call SetLR afterwards to follow a schedule. The
+// other Options (subgroup size, dtypes, clipping, threads) stay this
+// optimizer's. The working copy is refreshed from the master weights. A
+// lazy save of this optimizer in flight (SaveAsync) is waited for first,
+// so that the root is read committed. It returns the directory loaded and
+// the checkpoint's objects, so the trainer can restore its own.
 //
 // Every tensor is read, checksummed and checked (CheckState) into new
 // buffers before anything changes: on any error the optimizer is untouched.
