@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"math/rand/v2"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -39,8 +40,10 @@ func (noCheckpoint) Unwrap() error { return fs.ErrNotExist }
 // directory's name, names a directory without manifest.json, or is missing
 // while step directories or latest.tmp exist (a first commit interrupted,
 // or latest removed: Recover repairs it), so that a caller never mistakes
-// a damaged root for a fresh start; or an I/O error. Temporary directories
-// of saves that crashed are never returned.
+// a damaged root for a fresh start; or an I/O error. While another live
+// process holds the root's lock (Holder), a missing latest beside step
+// directories is its first commit in progress: ErrNoCheckpoint, saying so.
+// Temporary directories of saves that crashed are never returned.
 //
 // A writer may move latest and retire the checkpoint it named while Latest
 // reads: Latest then reads latest again (up to 8 times) rather than report a
@@ -77,6 +80,13 @@ func readLatest(fsys FS, root string) (string, int64, error) {
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
 			if damage := unmarkedCheckpoints(fsys, root); damage != "" {
+				// Another live process holds the root: it is committing
+				// its first checkpoint (a writer refuses a damaged root,
+				// and a crashed one holds no lock). Not damage, not yet a
+				// checkpoint.
+				if h := Holder(fsys, root); h != "" && !strings.HasPrefix(h, fmt.Sprintf("PID %d ", os.Getpid())) {
+					return "", 0, fmt.Errorf("checkpoint: %s: %s is committing its first checkpoint (%s): %w", root, h, damage, ErrNoCheckpoint)
+				}
 				return "", 0, fmt.Errorf("%w: %s has no %s, but holds %s: a first commit was interrupted or %s was removed; checkpoint.Recover (dos train --resume) takes the newest step directory that verifies",
 					ErrCorrupt, root, LatestFile, damage, LatestFile)
 			}

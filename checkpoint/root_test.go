@@ -709,3 +709,44 @@ func TestStatsString(t *testing.T) {
 		t.Errorf("%q, want %q", got, want)
 	}
 }
+
+// TestLatestDuringAnotherFirstCommit: a root without latest but with a
+// step directory and latest.tmp, while another live process holds its
+// lock, is that process's first commit in progress: no checkpoint yet,
+// not damage; once the holder is gone, the same root is damaged.
+func TestLatestDuringAnotherFirstCommit(t *testing.T) {
+	if testing.Short() {
+		t.Skip("spawns a process")
+	}
+	root := filepath.Join(t.TempDir(), "ckpt")
+	mustSave(t, OS, root, testSnapshot(1))
+	if err := os.Rename(filepath.Join(root, LatestFile), filepath.Join(root, pendingLatest)); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "DOS_CKPT_LOCK_CHILD="+root)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	if line, err := bufio.NewReader(stdout).ReadString('\n'); err != nil || line != "locked\n" {
+		t.Fatalf("child: %q, %v", line, err)
+	}
+	pid := fmt.Sprintf("PID %d", cmd.Process.Pid)
+	_, err = Latest(OS, root)
+	if !errors.Is(err, ErrNoCheckpoint) || errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), pid) {
+		t.Fatalf("Latest during another process's first commit: %v", err)
+	}
+	if info, err := Inspect(OS, root); err != nil || info.Problem != nil {
+		t.Fatalf("Inspect: %+v, %v", info, err)
+	}
+	cmd.Process.Signal(syscall.SIGKILL)
+	cmd.Wait()
+	if _, err := Latest(OS, root); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("Latest once the holder died: %v", err)
+	}
+}
