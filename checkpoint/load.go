@@ -171,13 +171,20 @@ func (s *keyScan) object(t reflect.Type) error {
 			s.i++
 			s.space()
 		}
-		key, err := s.str()
+		raw, escaped, err := s.strSpan()
 		if err != nil {
 			return err
 		}
-		ft, ok := fields[key]
+		key := ""
+		ft, ok := fields[string(raw)] // no allocation
+		if escaped {
+			if key, err = unquote(raw); err != nil {
+				return err
+			}
+			ft, ok = fields[key]
+		}
 		if !ok {
-			return &keyError{key: key}
+			return &keyError{key: cmp.Or(key, string(raw))}
 		}
 		s.space()
 		if s.i >= len(s.b) || s.b[s.i] != ':' {
@@ -187,7 +194,7 @@ func (s *keyScan) object(t reflect.Type) error {
 		if err := s.value(ft); err != nil {
 			var ke *keyError
 			if errors.As(err, &ke) {
-				ke.where = "." + key + ke.where
+				ke.where = "." + cmp.Or(key, string(raw)) + ke.where
 			}
 			return err
 		}
@@ -218,12 +225,13 @@ func (s *keyScan) array(elem reflect.Type) error {
 	}
 }
 
-// str reads the string at s.i and returns its decoded contents.
-func (s *keyScan) str() (string, error) {
+// strSpan moves past the string at s.i and returns its bytes between the
+// quotes, and whether they hold an escape. It allocates nothing.
+func (s *keyScan) strSpan() ([]byte, bool, error) {
 	if s.i >= len(s.b) || s.b[s.i] != '"' {
-		return "", errJSONEnd
+		return nil, false, errJSONEnd
 	}
-	start, escaped := s.i, false
+	start, escaped := s.i+1, false
 	for s.i++; s.i < len(s.b); s.i++ {
 		switch s.b[s.i] {
 		case '\\':
@@ -231,16 +239,17 @@ func (s *keyScan) str() (string, error) {
 			s.i++
 		case '"':
 			s.i++
-			raw := s.b[start:s.i]
-			if !escaped {
-				return string(raw[1 : len(raw)-1]), nil
-			}
-			var out string
-			err := json.Unmarshal(raw, &out)
-			return out, err
+			return s.b[start : s.i-1], escaped, nil
 		}
 	}
-	return "", errJSONEnd
+	return nil, false, errJSONEnd
+}
+
+// unquote decodes the escapes of a JSON string's contents.
+func unquote(raw []byte) (string, error) {
+	var out string
+	err := json.Unmarshal(append(append([]byte{'"'}, raw...), '"'), &out)
+	return out, err
 }
 
 // skip moves past the value at s.i.
@@ -249,7 +258,7 @@ func (s *keyScan) skip() error {
 	for s.i < len(s.b) {
 		switch c := s.b[s.i]; c {
 		case '"':
-			if _, err := s.str(); err != nil {
+			if _, _, err := s.strSpan(); err != nil {
 				return err
 			}
 			if depth == 0 {
