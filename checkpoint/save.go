@@ -165,11 +165,7 @@ func begin(fsys FS, root string, p *plan) (*saveTx, error) {
 	switch dir, err := Latest(fsys, root); {
 	case err == nil:
 		latestStep, _ = parseStepDirName(filepath.Base(dir))
-		b, err := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096)
-		if err != nil {
-			return nil, tx.fail("read latest", err)
-		}
-		tx.prevLatest, tx.hadLatest = b, true
+		tx.prevLatest, tx.hadLatest = []byte(filepath.Base(dir)+"\n"), true // what latest holds
 	case errors.Is(err, ErrCorrupt):
 		return nil, tx.fail("check root", fmt.Errorf("%w; refusing to save into a damaged root: recover it first (checkpoint.Recover, dos train --resume) or choose another", err))
 	case !errors.Is(err, ErrNoCheckpoint):
@@ -439,24 +435,18 @@ func readSmallFile(fsys FS, name string, max int64) ([]byte, error) {
 // openRegular opens name for reading only if it is a regular file (or a
 // link to one): a FIFO, a device or a directory in its place is bad
 // contents, never something to block on or read without end. The open
-// does not block (O_NONBLOCK, which regular files ignore), and the file is
-// checked again once open.
+// does not block (O_NONBLOCK, which regular files ignore), and the open
+// file is checked.
 //
-// Errors: those of Stat and OpenFile (fs.ErrNotExist when it is missing);
-// an error wrapping ErrCorrupt naming the file and its kind.
+// Errors: those of OpenFile (fs.ErrNotExist when it is missing) and
+// Stat; an error wrapping ErrCorrupt naming the file and its kind.
 func openRegular(fsys FS, name string) (File, os.FileInfo, error) {
-	st, err := fsys.Stat(name)
-	if err != nil {
-		return nil, nil, err
-	}
-	if !st.Mode().IsRegular() {
-		return nil, nil, fmt.Errorf("%w: %s is a %s, not a regular file", ErrCorrupt, name, fileKind(st.Mode()))
-	}
 	f, err := fsys.OpenFile(name, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, nil, err
 	}
-	if st, err = f.Stat(); err != nil {
+	st, err := f.Stat()
+	if err != nil {
 		f.Close()
 		return nil, nil, err
 	}
