@@ -43,9 +43,9 @@ type RootLock struct {
 // engine hold it together; the kernel's lock is released with the last
 // Unlock.
 //
-// Only OS locks, with flock(2) on root/.lock (LockFile); on another FS
-// Lock checks root the same way and locks nothing (an in-memory FS has one
-// process).
+// Only OS locks against other processes, with flock(2) on root/.lock
+// (LockFile); on another FS Lock checks root the same way and serializes
+// only this process's writers (an in-memory FS has one process).
 //
 // Errors: an error wrapping ErrLocked that names the holder's PID and
 // command line when another process holds the lock; an error naming root
