@@ -164,9 +164,8 @@ type Optimizer struct {
 	pool  *adam.Pool
 
 	pending  lazySave              // the lazy save whose capture may still read the state
-	coeffs   adam.Coeffs           // the device Step's coefficients, read by the engine's lanes
 	gcoeffs  []adam.Coeffs         // per parameter group, this step's
-	sgcoeffs []adam.Coeffs         // per subgroup, with several groups on a device
+	sgcoeffs []adam.Coeffs         // per subgroup, this step's: its group's, for the engine
 	plan     *perfmodel.Prediction // the model's schedule, with Options.Profile
 
 	// With Options.Device: the engine owns the state (o.state views its
@@ -280,9 +279,7 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 		}
 	}
 	o.gcoeffs = make([]adam.Coeffs, len(opts.groups()))
-	if len(o.gcoeffs) > 1 {
-		o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
-	}
+	o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
 	if opts.Device == nil {
 		o.state = adam.State{Param: make([]float32, o.total), ExpAvg: make([]float32, o.total), ExpAvgSq: make([]float32, o.total)}
 		if opts.Hyper.AMSGrad {
@@ -869,19 +866,13 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult)
 		clip, res.GradNorm = clipCoef(ss, o.opts.MaxGradNorm)
 		res.ClipCoef = float64(clip)
 	}
-	// In fields: the engine's lanes read the coefficients, so a local
+	// In fields: the engine's lanes read the coefficients, so locals
 	// would escape and cost an allocation per Step.
 	o.groupCoeffs(o.step+1, unscale, clip)
-	if o.sgcoeffs == nil {
-		o.coeffs = o.gcoeffs[0]
-		err = o.eng.Update(&o.coeffs)
-	} else {
-		for i, sg := range o.subgroups {
-			o.sgcoeffs[i] = o.gcoeffs[sg.Group]
-		}
-		err = o.eng.UpdatePer(o.sgcoeffs)
+	for i, sg := range o.subgroups {
+		o.sgcoeffs[i] = o.gcoeffs[sg.Group]
 	}
-	if err != nil && !isFault(err) {
+	if err = o.eng.UpdatePer(o.sgcoeffs); err != nil && !isFault(err) {
 		if o.eng.Broken() {
 			o.dev = devBroken
 		}
