@@ -1,11 +1,9 @@
 package offload
 
 import (
-	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
 	"sort"
 
 	"github.com/deepstates/dos/adam"
@@ -114,9 +112,8 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 	// Each tensor's data is cut at subgroup boundaries, the pieces tagged
 	// with their subgroup (checkpoint.Tensor.Groups).
 	state := o.stateSlices()
-	byOffset := slices.Clone(o.params) // the groups' order in the flat space
-	slices.SortStableFunc(byOffset, func(a, b ParamInfo) int { return cmp.Compare(a.Offset, b.Offset) })
-	for _, p := range byOffset {
+	for _, i := range o.layout {
+		p := o.params[i]
 		shape := make([]int64, len(p.Shape))
 		for i, d := range p.Shape {
 			shape[i] = int64(d)

@@ -153,6 +153,7 @@ type Optimizer struct {
 
 	opts      Options
 	params    []ParamInfo
+	layout    []int // the params' indices in the flat space's order (group after group)
 	byName    map[string]int
 	subgroups []Subgroup
 	total     int
@@ -271,6 +272,7 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 			if o.params[i].Group == g {
 				o.params[i].Offset = off
 				off += o.params[i].Len
+				o.layout = append(o.layout, i)
 			}
 		}
 		for _, n := range perfmodel.SubgroupSizes(int64(off-start), int64(opts.SubgroupSize)) {
