@@ -35,7 +35,7 @@ type stateScan struct {
 // finite, and >= 0 (-0.0 included) for the .exp_avg_sq and .max_exp_avg_sq
 // suffixes.
 func newStateScan(name string) stateScan {
-	return stateScan{nonNeg: strings.HasSuffix(name, ".exp_avg_sq") || strings.HasSuffix(name, ".max_exp_avg_sq")}
+	return stateScan{nonNeg: strings.HasSuffix(name, ExpAvgSqSuffix) || strings.HasSuffix(name, MaxExpAvgSqSuffix)}
 }
 
 // scan checks the elements in b, len(b)/4 of them (a multiple of 4 bytes),
@@ -126,15 +126,7 @@ func CheckState(name string, v []float32) error {
 // isStateTensor reports whether the tensor e holds optimizer state that
 // VerifyCheckpoint checks: F32, with one of the state suffixes.
 func isStateTensor(e checkpoint.TensorEntry) bool {
-	if e.DType != safetensors.F32 {
-		return false
-	}
-	for _, s := range stateSuffixes {
-		if strings.HasSuffix(e.Name, s) && len(e.Name) > len(s) {
-			return true
-		}
-	}
-	return false
+	return e.DType == safetensors.F32 && trimStateSuffix(e.Name) != e.Name
 }
 
 // VerifyCheckpoint checks the checkpoint c that an Optimizer saved
