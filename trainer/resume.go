@@ -115,31 +115,28 @@ func (t *Trainer) resume(dir string) error {
 	for _, d := range []struct {
 		flag      string
 		now, then any
+		kept      bool // the checkpoint's value continues (else this run's applies)
 	}{
-		{"--weight-decay", t.cfg.WeightDecay, h.WeightDecay}, {"--beta1", t.cfg.Betas[0], h.Betas[0]},
-		{"--beta2", t.cfg.Betas[1], h.Betas[1]}, {"--eps", t.cfg.Eps, h.Eps},
-		{"mode (no flag: dos train runs AdamW)", flags.Mode, h.Mode},
-		{"maximize (no flag: dos train minimizes)", flags.Maximize, h.Maximize},
-		{"amsgrad (no flag)", flags.AMSGrad, h.AMSGrad},
-		{"--loss-scale", t.cfg.LossScale, old.LossScale}, {"--seed", t.cfg.Seed, old.Seed},
+		{"--weight-decay", t.cfg.WeightDecay, h.WeightDecay, true}, {"--beta1", t.cfg.Betas[0], h.Betas[0], true},
+		{"--beta2", t.cfg.Betas[1], h.Betas[1], true}, {"--eps", t.cfg.Eps, h.Eps, true},
+		{"mode (no flag: dos train runs AdamW)", flags.Mode, h.Mode, true},
+		{"maximize (no flag: dos train minimizes)", flags.Maximize, h.Maximize, true},
+		{"amsgrad (no flag)", flags.AMSGrad, h.AMSGrad, true},
+		{"--loss-scale", t.cfg.LossScale, old.LossScale, true}, {"--seed", t.cfg.Seed, old.Seed, true},
+		{"--lr", t.cfg.LR, old.LR, false}, {"--warmup", t.cfg.WarmupSteps, old.WarmupSteps, false},
+		{"--min-lr-ratio", t.cfg.MinLRRatio, old.MinLRRatio, false},
+		{"--clip", t.cfg.MaxGradNorm, old.MaxGradNorm, false},
+		{"--grad-dtype", t.cfg.GradDType, old.GradDType, false}, {"--working-dtype", t.cfg.WorkingDType, old.WorkingDType, false},
+		{"--subgroup-size", t.cfg.SubgroupSize, old.SubgroupSize, false}, {"--threads", t.cfg.Threads, old.Threads, false},
 	} {
-		if d.now != d.then {
-			fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; the checkpoint's state continues\n", d.flag, d.now, d.then)
+		if d.now == d.then {
+			continue
 		}
-	}
-	for _, d := range []struct {
-		flag      string
-		now, then any
-	}{
-		{"--lr", t.cfg.LR, old.LR}, {"--warmup", t.cfg.WarmupSteps, old.WarmupSteps},
-		{"--min-lr-ratio", t.cfg.MinLRRatio, old.MinLRRatio},
-		{"--clip", t.cfg.MaxGradNorm, old.MaxGradNorm},
-		{"--grad-dtype", t.cfg.GradDType, old.GradDType}, {"--working-dtype", t.cfg.WorkingDType, old.WorkingDType},
-		{"--subgroup-size", t.cfg.SubgroupSize, old.SubgroupSize}, {"--threads", t.cfg.Threads, old.Threads},
-	} {
-		if d.now != d.then {
-			fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; this run's value applies from here on\n", d.flag, d.now, d.then)
+		consequence := "this run's value applies from here on"
+		if d.kept {
+			consequence = "the checkpoint's state continues"
 		}
+		fmt.Fprintf(t.out, "resume: %s %v differs from the checkpoint's %v; %s\n", d.flag, d.now, d.then, consequence)
 	}
 	if now, then := t.cfg.horizon(), old.horizon(); now != then {
 		fmt.Fprintf(t.out, "resume: the cosine's horizon is %d iterations (--decay-steps, or --steps when it is 0), the checkpoint's %d: this run's applies from here on; pass --decay-steps %d to keep the schedule\n", now, then, then)
