@@ -246,20 +246,7 @@ func TestLockOneWriter(t *testing.T) {
 	b.Unlock()
 	b.Unlock() // a second Unlock does nothing
 
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "DOS_CKPT_LOCK_CHILD="+root)
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer cmd.Process.Kill()
-	if line, err := bufio.NewReader(stdout).ReadString('\n'); err != nil || line != "locked\n" {
-		t.Fatalf("child: %q, %v", line, err)
-	}
-	pid := fmt.Sprintf("PID %d", cmd.Process.Pid)
+	cmd, pid := lockChild(t, root)
 	check := func(what string, err error) {
 		t.Helper()
 		if !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), pid) {
@@ -723,21 +710,8 @@ func TestLatestDuringAnotherFirstCommit(t *testing.T) {
 	if err := os.Rename(filepath.Join(root, LatestFile), filepath.Join(root, pendingLatest)); err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "DOS_CKPT_LOCK_CHILD="+root)
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer cmd.Process.Kill()
-	if line, err := bufio.NewReader(stdout).ReadString('\n'); err != nil || line != "locked\n" {
-		t.Fatalf("child: %q, %v", line, err)
-	}
-	pid := fmt.Sprintf("PID %d", cmd.Process.Pid)
-	_, err = Latest(OS, root)
+	cmd, pid := lockChild(t, root)
+	_, err := Latest(OS, root)
 	if !errors.Is(err, ErrNoCheckpoint) || errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), pid) {
 		t.Fatalf("Latest during another process's first commit: %v", err)
 	}
@@ -749,4 +723,25 @@ func TestLatestDuringAnotherFirstCommit(t *testing.T) {
 	if _, err := Latest(OS, root); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("Latest once the holder died: %v", err)
 	}
+}
+
+// lockChild starts a process that takes root's lock (TestMain's
+// DOS_CKPT_LOCK_CHILD) and returns once it holds it, with "PID n"; the
+// process is killed at the test's end.
+func lockChild(t *testing.T, root string) (*exec.Cmd, string) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "DOS_CKPT_LOCK_CHILD="+root)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	if line, err := bufio.NewReader(stdout).ReadString('\n'); err != nil || line != "locked\n" {
+		t.Fatalf("child: %q, %v", line, err)
+	}
+	return cmd, fmt.Sprintf("PID %d", cmd.Process.Pid)
 }
