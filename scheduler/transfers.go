@@ -33,11 +33,8 @@ func (e *Engine) upload(working bool) error {
 		for a := range e.nArr {
 			h, off, b := e.hostVec(a, i)
 			if err := e.dev.H2D(s, e.res[a], 4*e.resOff[i], h, off, b); err != nil {
-				// The copies before it still read the host state: wait
-				// for them (a broken engine when that fails too).
-				if werr := firstErr(e.dev.Record(e.tail[sH2D], s), e.dev.Sync(e.tail[sH2D])); werr != nil {
-					e.broken = true
-				}
+				// The copies before it still read the host state.
+				_ = e.drainAfterFailure(s, e.tail[sH2D])
 				return err
 			}
 		}
@@ -200,8 +197,7 @@ copies:
 		// touches what they use (found by the simulated device's
 		// ordering check and an adversarial review). When even that wait
 		// fails, the engine is broken.
-		if werr := firstErr(e.dev.Record(e.dlEv, s), e.dev.Sync(e.dlEv)); werr != nil {
-			e.broken = true
+		if werr := e.drainAfterFailure(s, e.dlEv); werr != nil {
 			return nil, fmt.Errorf("%w (and waiting for the copies before it: %v)", err, werr)
 		}
 		return nil, err
@@ -211,4 +207,16 @@ copies:
 	}
 	ev := e.dlEv
 	return func() error { return e.dev.Sync(ev) }, nil
+}
+
+// drainAfterFailure waits on the host for the work enqueued on s before a
+// copy failed to enqueue (recording ev after it), so that nothing reuses
+// the memory that work still uses; when even that wait fails the engine is
+// broken, and its error is returned.
+func (e *Engine) drainAfterFailure(s Stream, ev Event) error {
+	if err := firstErr(e.dev.Record(ev, s), e.dev.Sync(ev)); err != nil {
+		e.broken = true
+		return err
+	}
+	return nil
 }
