@@ -146,10 +146,6 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 // count formats a parameter count: 3.91B, 50M, 834K.
 func count(n float64) string {
 	switch {
-	case n >= 1e15:
-		return fmt.Sprintf("%.3g", n)
-	case n >= 1e12:
-		return fmt.Sprintf("%.3gT", n/1e12)
 	case n >= 1e9:
 		return fmt.Sprintf("%.3gB", n/1e9)
 	case n >= 1e6:
