@@ -67,7 +67,7 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	rank := 0
 	all := false
 	if sub != "ls" {
-		c.IntVar(&rank, "rank", 0, "the `rank` whose files to "+sub)
+		c.IntVar(&rank, "rank", 0, "the `rank` whose files to "+sub+" (default 0: the first)")
 	}
 	if sub == "inspect" {
 		c.BoolVar(&all, "tensors", false, "list every tensor (name, dtype, shape, bytes, offset) and print the objects whole")
