@@ -116,6 +116,25 @@ func (d *Device) enter() error {
 
 func exit() { runtime.UnlockOSThread() }
 
+// Lock locks the calling goroutine to its OS thread and makes the device's
+// primary context current there, for calls into other CUDA libraries
+// (cuBLASLt, through Call) that use the current context. On success the
+// caller must call Unlock when those calls are done; on error nothing is
+// locked.
+//
+// Locks nest (runtime.LockOSThread counts), so this package's methods may
+// be called between Lock and Unlock; but a method on another device makes
+// that device's context current on the thread: call Lock again after one.
+//
+// Errors: a Device not made by Open, a closed device, a failed
+// cuCtxSetCurrent.
+func (d *Device) Lock() error { return d.enter() }
+
+// Unlock undoes one successful Device.Lock or Stream.Lock: the goroutine
+// may move between OS threads again. The context stays current on the
+// thread, which does no harm: every call of this package sets its own.
+func Unlock() { exit() }
+
 // release runs the driver's destroy call fn(h) once: the first call marks
 // freed and destroys; later calls do nothing.
 func (d *Device) release(freed *atomic.Bool, name string, fn, h uintptr) error {

@@ -21,8 +21,16 @@
 // argument arrays, out-parameters) is never Go heap memory: pinned host
 // buffers come from cuMemHostAlloc or from mmap plus cuMemHostRegister, and
 // kernel arguments live in an off-heap Args block. The hot path (Launch,
-// the async copies, Event.Record, Stream.Wait) calls the driver through
-// purego.SyscallN with plain integers and does not allocate.
+// the async copies, Event.Record, Stream.Wait) calls the driver with plain
+// integers through purego's trampoline, on an argument block kept on the
+// stack, and does not allocate.
+//
+// # Other CUDA libraries
+//
+// Bindings of other CUDA libraries (internal/cublas) reach them through the
+// same allocation-free path, Call, with the device's context made current
+// by Device.Lock or Stream.Lock and released by Unlock, and enqueue their
+// work on Stream.Handle.
 //
 // Every object comes from its constructor (Open, Device.Alloc, NewStream,
 // NewArgs, ...); a zero value is not usable and methods on nil objects

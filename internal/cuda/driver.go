@@ -195,8 +195,26 @@ func DeviceCount() (int, error) {
 	return int(n), err
 }
 
-// call invokes a C function with up to 11 integer or pointer arguments
-// and returns its int result (a CUresult). It does not allocate.
+// MaxCallArgs is the most integer or pointer arguments Call passes: the
+// size of purego's argument block.
+const MaxCallArgs = 32
+
+// Call invokes the C function at fn (from purego.Dlsym) with up to
+// MaxCallArgs integer or pointer arguments and returns the low 32 bits of
+// its result, sign-extended: a C int or enum such as a CUresult or a
+// cublasStatus_t. It panics with more than MaxCallArgs arguments. It does
+// not allocate, so it suits hot paths into other CUDA libraries (cuBLASLt's
+// cublasLtMatmul takes 16 arguments). Float arguments and results wider
+// than 32 bits are out of its reach: use purego.SyscallN for those.
+//
+// Memory that the arguments point to must stay valid during the call and
+// must not be Go heap memory the garbage collector could free meanwhile:
+// this package keeps such memory off the heap (mmap'd pages). A function
+// that needs a CUDA context current, as most CUDA libraries do, must be
+// called between Device.Lock (or Stream.Lock) and Unlock.
+func Call(fn uintptr, args ...uintptr) int { return call(fn, args...) }
+
+// call is Call, for this package.
 //
 // It is purego.SyscallN without SyscallN's one heap allocation per call
 // (its variadic argument escapes, a consequence of go:uintptrescapes): the
@@ -206,14 +224,11 @@ func DeviceCount() (int, error) {
 // are purego v0.11.3's (go.mod pins it); TestCallABI checks them on every
 // machine with libc.
 func call(fn uintptr, args ...uintptr) int {
+	if len(args) > MaxCallArgs {
+		panic(fmt.Sprintf("cuda: call with %d arguments, more than %d", len(args), MaxCallArgs))
+	}
 	s := syscallArgs{fn: fn}
-	a := [11]*uintptr{&s.a1, &s.a2, &s.a3, &s.a4, &s.a5, &s.a6, &s.a7, &s.a8, &s.a9, &s.a10, &s.a11}
-	if len(args) > len(a) {
-		panic("cuda: call with more than 11 arguments")
-	}
-	for i, x := range args {
-		*a[i] = x
-	}
+	copy(s.ints()[:], args)
 	runtime_cgocall(syscallXABI0, unsafe.Pointer(&s))
 	return int(int32(s.a1))
 }
@@ -228,6 +243,13 @@ type syscallArgs struct {
 	a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32 uintptr
 	f1, f2, f3, f4, f5, f6, f7, f8                                                      uintptr
 	arm64R8                                                                             uintptr
+}
+
+// ints is the block's integer arguments a1..a32 as an array: the fields are
+// consecutive uintptrs of a HostLayout struct, so nothing pads them
+// (TestCallArgsLayout checks it).
+func (s *syscallArgs) ints() *[MaxCallArgs]uintptr {
+	return (*[MaxCallArgs]uintptr)(unsafe.Pointer(&s.a1))
 }
 
 // runtime.cgocall, as purego reaches it (the runtime allows this link for

@@ -41,6 +41,19 @@ func (s *Stream) enter() error {
 	return s.d.enter()
 }
 
+// Handle returns the raw CUstream, for CUDA libraries that take a stream
+// (a CUstream is a cudaStream_t). It is valid until Free; work enqueued on
+// it through another library runs in order with the stream's other work.
+func (s *Stream) Handle() uintptr { return s.h }
+
+// Device returns the device the stream was created on.
+func (s *Stream) Device() *Device { return s.d }
+
+// Lock is Device.Lock for the stream's device, after checking that the
+// stream was not freed (ErrFreed): the way into a library call that
+// enqueues on Handle. Undo it with Unlock.
+func (s *Stream) Lock() error { return s.enter() }
+
 // Sync waits until all work on the stream is done (cuStreamSynchronize);
 // an asynchronous error of that work surfaces here.
 func (s *Stream) Sync() error {
