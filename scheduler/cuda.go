@@ -110,6 +110,10 @@ func (c *cudaDevice) Widen16(s Stream, d adam.DType, dst, src Vec) error {
 	return c.k.Widen16(s.(cudaStream).s, d, kvec(dst), kvec(src))
 }
 
+func (c *cudaDevice) Zero(s Stream, m Mem, off, n int64) error {
+	return s.(cudaStream).s.Memset(m.(*cuda.Buffer), off, n, 0)
+}
+
 func (c *cudaDevice) GradStats(s Stream, gd adam.DType, g Vec, unscale float32) (bool, float64, error) {
 	return c.k.GradStats(s.(cudaStream).s, kernels.Grad{DType: gd, Vec: kvec(g)}, unscale)
 }

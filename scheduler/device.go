@@ -39,8 +39,8 @@ type State struct {
 // defined where it is consumed). NewCUDA implements it on a CUDA device
 // with dos's kernels; NewSim is the simulated device for tests.
 //
-// Enqueueing methods (H2D, D2H, Record, Wait, AdamW, Widen16) return an
-// error when the work could not be enqueued; such a call has no effect.
+// Enqueueing methods (H2D, D2H, Record, Wait, AdamW, Widen16, Zero) return
+// an error when the work could not be enqueued; such a call has no effect.
 // Work that fails later, on the device, is reported by Sync or GradStats.
 // Methods may be called from several goroutines.
 type Device interface {
@@ -79,6 +79,8 @@ type Device interface {
 	AdamW(s Stream, c *adam.Coeffs, st State, gd adam.DType, g Vec, od adam.DType, out Vec) error
 	// Widen16 enqueues dst = float32(src) for a BF16 or F16 src.
 	Widen16(s Stream, d adam.DType, dst, src Vec) error
+	// Zero enqueues setting n bytes of m from off to zero (a memset).
+	Zero(s Stream, m Mem, off, n int64) error
 	// GradStats runs adam.Path.GradStats on a gradient of dtype gd on the
 	// device, on s, and waits for it: whether every element is finite,
 	// and the sum of squares of the unscaled elements (its summation

@@ -213,11 +213,18 @@ func (e *Engine) Broken() bool { return e.broken }
 func (e *Engine) HostState() adam.State { return e.state }
 
 // Grad returns the device gradients, all subgroups flat in order, of
-// Options.GradDType: the trainer's backward writes them.
+// Options.GradDType: the trainer's backward writes them. The memory is
+// the engine's from New to Close (Replan does not move it); Stats and
+// Update read it, SetGrad and ZeroGrad write it.
 func (e *Engine) Grad() Vec { return Vec{Mem: e.grad, N: e.total} }
 
 // Working returns the device working copy (Options.WorkingDType), all
-// subgroups flat in order: forward and backward read it.
+// subgroups flat in order: forward and backward read it. The memory is
+// the engine's from New to Close (Replan does not move it); Load and
+// Update write it, GetWorking reads it. When Update returns, every write
+// of the phase to it is complete, the CPU subgroups' copies H2D included
+// (Update drains every stream): work enqueued afterwards on any stream
+// reads the new copy.
 func (e *Engine) Working() Vec { return Vec{Mem: e.work, N: e.total} }
 
 // Plan returns the plan.

@@ -23,8 +23,8 @@ type SimOptions struct {
 	// Capacity is the device memory in bytes; 0 means 1 GiB.
 	Capacity int64
 	// FailAt, when > 0, makes the FailAt-th copy or launch (H2D, D2H,
-	// AdamW, Widen16, counted from 1 over the device's life) fail with
-	// ErrInjected, doing nothing.
+	// AdamW, Widen16, Zero, counted from 1 over the device's life) fail
+	// with ErrInjected, doing nothing.
 	FailAt int
 	// Profile, when set, gives each operation a duration from its fits
 	// (H2D, D2H, Update, Convert) on a virtual clock that Elapsed reads;
@@ -466,6 +466,51 @@ func (s *Sim) Widen16(st Stream, d adam.DType, dst, src Vec) error {
 	s.logCall(simCall{kind: simWiden, stream: st.(*simStream).id, dst: dst.Mem, src: src.Mem, dstOff: dst.Off, srcOff: src.Off, n: dst.N})
 	adam.DefaultPath.Widen16(d, f, u)
 	return nil
+}
+
+// Zero sets n bytes of m from off to zero: a write on the compute lane,
+// timed as a cast of n/4 elements.
+func (s *Sim) Zero(st Stream, m Mem, off, n int64) error {
+	d := m.(*simMem)
+	if err := span("Zero", d.b, off, n); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var us uses
+	us.add(memUse(d, off, n, false, true))
+	if err := s.op(st, laneGPU, s.dur(s.gpu().Convert, n/4), simZero, &us); err != nil {
+		return err
+	}
+	s.logCall(simCall{kind: simZero, stream: st.(*simStream).id, dst: d, dstOff: off, n: n})
+	clear(d.b[off : off+n])
+	return nil
+}
+
+// HostView returns the bytes of v, elements of size bytes each (4 for
+// fp32, 2 for bf16 and fp16), in the simulated device's memory, which is
+// host memory: a test, standing in for a GPU trainer's kernels, writes the
+// gradients and reads the working copy there (offload's device views).
+// The ordering check does not see these accesses: make them only while
+// no work of the device's users is in flight on that memory (between the
+// engine's calls, as a GPU trainer synchronizes its stream first).
+//
+// Errors: memory not from a simulated device, freed memory (its engine
+// was closed), a range outside it.
+func (s *Sim) HostView(v Vec, size int64) ([]byte, error) {
+	m, ok := v.Mem.(*simMem)
+	if !ok {
+		return nil, fmt.Errorf("scheduler: sim HostView of a %T, not the simulated device's memory", v.Mem)
+	}
+	if size < 1 {
+		return nil, fmt.Errorf("scheduler: sim HostView with %d-byte elements", size)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := span("HostView", m.b, size*v.Off, size*v.N); err != nil {
+		return nil, err
+	}
+	return m.b[size*v.Off : size*(v.Off+v.N) : size*(v.Off+v.N)], nil
 }
 
 // GradStats runs adam.DefaultPath.GradStats (the CPU's summation order)

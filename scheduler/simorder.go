@@ -52,9 +52,10 @@ const (
 	simWait
 	simSync
 	simNote
+	simZero
 )
 
-var simKinds = [...]string{"", "H2D", "D2H", "AdamW", "Widen16", "GradStats", "Record", "Wait", "Sync", "note"}
+var simKinds = [...]string{"", "H2D", "D2H", "AdamW", "Widen16", "GradStats", "Record", "Wait", "Sync", "note", "Zero"}
 
 // access is an operation's use of a byte range: its position on its
 // stream (from 1; 0 for none) and its kind.

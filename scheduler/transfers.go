@@ -10,7 +10,8 @@ import (
 // Transfers outside the update phase: the resident state and the working
 // copy to the device (Load), the resident state back (Download,
 // DownloadAsync), the gradients in and the working copy out through a
-// pinned staging buffer (SetGrad, GetWorking).
+// pinned staging buffer (SetGrad, GetWorking), the gradients zeroed on the
+// device (ZeroGrad).
 
 // Load makes the device match the host state: it moves the resident
 // subgroups' state H2D and writes every subgroup's working copy, rounded
@@ -90,6 +91,26 @@ func (e *Engine) SetGrad(g adam.Grad) error {
 		src = unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(g.U16))), 2*len(g.U16))
 	}
 	return e.through(src, e.grad, true)
+}
+
+// ZeroGrad sets the device gradients to zero (a memset on the device) and
+// waits.
+//
+// Errors: ErrBroken, a memset that could not be enqueued, a failed wait
+// (the engine is then broken).
+func (e *Engine) ZeroGrad() error {
+	if e.broken {
+		return ErrBroken
+	}
+	s := e.s[sH2D]
+	e.laneMu[sH2D].Lock()
+	err := firstErr(e.dev.Zero(s, e.grad, 0, e.gb*e.total), e.dev.Record(e.tail[sH2D], s))
+	e.laneMu[sH2D].Unlock()
+	if serr := e.dev.Sync(e.tail[sH2D]); serr != nil {
+		e.broken = true
+		return firstErr(err, serr)
+	}
+	return err
 }
 
 // GetWorking copies the device working copy, flat (total elements), into
