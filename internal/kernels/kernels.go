@@ -35,8 +35,11 @@ func PTX() []byte { return bytes.Clone(adamwPTX) }
 
 // Stamp returns the SHA-256 of adamw.cu recorded on the PTX's first line
 // ("// dos-source-sha256: HEX adamw.cu"), or "" when it is missing.
-func Stamp() string {
-	line, _, _ := bytes.Cut(adamwPTX, []byte("\n"))
+func Stamp() string { return stampOf(adamwPTX) }
+
+// stampOf reads the "// dos-source-sha256: HEX NAME.cu" first line of a PTX.
+func stampOf(ptx []byte) string {
+	line, _, _ := bytes.Cut(ptx, []byte("\n"))
 	f := bytes.Fields(line)
 	if len(f) < 3 || string(f[1]) != "dos-source-sha256:" {
 		return ""

@@ -1,0 +1,414 @@
+// dos GPU kernels of the GPT-2 model: everything of forward and backward
+// that is not a matrix product (those run in cuBLASLt, internal/cublas).
+//
+// Data types follow llm.c's mixed precision, with one change: activations
+// and weights are bf16, every reduction and every element-wise formula
+// runs in fp32, and the residual stream and its gradient stay fp32 (as
+// PyTorch's autocast keeps them: its residual adds mix an fp32 stream with
+// bf16 sublayer outputs), so the model tracks PyTorch's bf16-autocast GPT-2
+// closely.
+//
+// Every kernel is deterministic: each sum runs in a fixed order (a lane's
+// strided elements, then a butterfly over the warp, then warps or chunks in
+// index order); no atomics. So a step computed twice from the same weights
+// and batch gives the same bits, and resuming a run reproduces it.
+//
+// Shapes, row-major: BT = B*T rows of the residual stream of width C; NH
+// heads of size HS = C/NH; V columns of the logits (the padded vocabulary).
+// Semantics: Hugging Face transformers' GPT2LMHeadModel (GPT2Block,
+// GPT2Attention, NewGELUActivation, LayerNorm eps 1e-5 with the biased
+// variance); the kernel split follows llm.c's train_gpt2.cu.
+//
+// Compiled to PTX by scripts/build-kernels.sh with adamw.cu; the PTX is
+// committed beside this file and stamped with its SHA-256.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define LN_EPS 1e-5f
+#define GELU_K 0.7978845608028654f // sqrt(2/pi)
+#define GELU_C 0.044715f
+
+__device__ __forceinline__ float bf(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ bf16 tobf(float x) { return __float2bfloat16_rn(x); }
+
+// A butterfly over the warp: every lane gets the same sum, in the same
+// order on every run.
+__device__ __forceinline__ float warp_sum(float v) {
+	for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+	return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+	for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+	return v;
+}
+
+// block_sum and block_max reduce over a block of up to 1024 threads (a
+// multiple of 32); every thread gets the result. buf holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float *buf) {
+	int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+	v = warp_sum(v);
+	__syncthreads(); // buf may still be read by an earlier reduction
+	if (lane == 0) buf[warp] = v;
+	__syncthreads();
+	v = lane < nw ? buf[lane] : 0.0f;
+	return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float *buf) {
+	int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+	v = warp_max(v);
+	__syncthreads();
+	if (lane == 0) buf[warp] = v;
+	__syncthreads();
+	v = lane < nw ? buf[lane] : -INFINITY;
+	return warp_max(v);
+}
+
+#define GRID_STRIDE(i, n) \
+	for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long)gridDim.x * blockDim.x)
+
+// The row a warp of a warp-per-row kernel owns, or -1.
+__device__ __forceinline__ int warp_row(int n) {
+	int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+	return row < n ? row : -1;
+}
+
+// ---- embeddings ----
+
+// out[b,t,:] = wte[tok[b,t],:] + wpe[t,:], fp32. tok [BT], wte [V, C],
+// wpe [NCtx, C] with T <= NCtx.
+extern "C" __global__ void gpt_encoder_forward(float *__restrict__ out, const int *__restrict__ tok,
+                                               const bf16 *__restrict__ wte, const bf16 *__restrict__ wpe,
+                                               int BT, int T, int C) {
+	GRID_STRIDE(i, (long)BT * C) {
+		int bt = (int)(i / C), c = (int)(i % C);
+		out[i] = bf(wte[(long)tok[bt] * C + c]) + bf(wpe[(long)(bt % T) * C + c]);
+	}
+}
+
+// dwpe[t,c] = sum over b (ascending) of dres[b,t,c] for t < T, and 0 for
+// the rows T..NCtx-1 that the batch did not use.
+extern "C" __global__ void gpt_wpe_backward(bf16 *__restrict__ dwpe, const float *__restrict__ dres,
+                                            int B, int T, int NCtx, int C) {
+	long used = (long)T * C;
+	GRID_STRIDE(i, (long)NCtx * C) {
+		float s = 0.0f;
+		if (i < used)
+			for (int b = 0; b < B; b++) s += dres[(long)b * used + i];
+		dwpe[i] = tobf(s);
+	}
+}
+
+// dwte[tok,:] += the rows of dres whose token is tok, in ascending
+// position. The host sorts the positions by token: segment s holds
+// pos[seg[s]..seg[s+1]) (ascending), all of token segTok[s]. fp32.
+extern "C" __global__ void gpt_wte_backward(float *__restrict__ dwte, const float *__restrict__ dres,
+                                            const int *__restrict__ pos, const int *__restrict__ seg,
+                                            const int *__restrict__ segTok, int nseg, int C) {
+	for (int s = blockIdx.x; s < nseg; s += gridDim.x) {
+		long tok = segTok[s];
+		int p0 = seg[s], p1 = seg[s + 1];
+		for (int c = threadIdx.x; c < C; c += blockDim.x) {
+			float acc = dwte[tok * C + c];
+			for (int p = p0; p < p1; p++) acc += dres[(long)pos[p] * C + c];
+			dwte[tok * C + c] = acc;
+		}
+	}
+}
+
+// out = bf16(in), n elements.
+extern "C" __global__ void gpt_cast_bf16(bf16 *__restrict__ out, const float *__restrict__ in, long n) {
+	GRID_STRIDE(i, n) out[i] = tobf(in[i]);
+}
+
+// ---- LayerNorm ----
+
+// One warp per row of N rows of width C. With y, first res_out = res_in +
+// y (the residual add; res_out may equal res_in), then LayerNorm of
+// res_out; without y, LayerNorm of res_in. out = (x - mean) * rstd * w + b
+// in bf16; mean and rstd (fp32, [N]) are kept for backward. The variance
+// is the biased one, computed in a second pass over the row.
+extern "C" __global__ void gpt_layernorm_forward(bf16 *__restrict__ out, float *__restrict__ mean,
+                                                 float *__restrict__ rstd, float *res_out, const float *res_in,
+                                                 const bf16 *__restrict__ y, const bf16 *__restrict__ w,
+                                                 const bf16 *__restrict__ b, int N, int C) {
+	int row = warp_row(N);
+	if (row < 0) return;
+	int lane = threadIdx.x % 32;
+	const float *x = res_in + (long)row * C;
+	float s = 0.0f;
+	if (y != 0) {
+		const bf16 *yr = y + (long)row * C;
+		float *xo = res_out + (long)row * C;
+		for (int c = lane; c < C; c += 32) {
+			float r = x[c] + bf(yr[c]);
+			xo[c] = r;
+			s += r;
+		}
+		x = xo; // each lane reads back only what it wrote
+	} else {
+		for (int c = lane; c < C; c += 32) s += x[c];
+	}
+	float m = warp_sum(s) / C;
+	float v = 0.0f;
+	for (int c = lane; c < C; c += 32) {
+		float d = x[c] - m;
+		v += d * d;
+	}
+	float rs = 1.0f / sqrtf(warp_sum(v) / C + LN_EPS);
+	bf16 *o = out + (long)row * C;
+	for (int c = lane; c < C; c += 32) o[c] = tobf((x[c] - m) * rs * bf(w[c]) + bf(b[c]));
+	if (lane == 0) {
+		mean[row] = m;
+		rstd[row] = rs;
+	}
+}
+
+// LayerNorm backward to its input, one warp per row: with xhat = (x -
+// mean) * rstd and g = dout * w, dx = (g - mean(g) - xhat * mean(g *
+// xhat)) * rstd. dres = dx (accumulate 0) or dres += dx (accumulate 1);
+// dres16, when not null, receives bf16(dres) for the matrix products that
+// read the residual gradient. The weight and bias gradients are
+// gpt_colsum_partial's.
+extern "C" __global__ void gpt_layernorm_backward(float *__restrict__ dres, bf16 *__restrict__ dres16,
+                                                  const bf16 *__restrict__ dout, const float *__restrict__ inp,
+                                                  const bf16 *__restrict__ w, const float *__restrict__ mean,
+                                                  const float *__restrict__ rstd, int accumulate, int N, int C) {
+	int row = warp_row(N);
+	if (row < 0) return;
+	int lane = threadIdx.x % 32;
+	const float *x = inp + (long)row * C;
+	const bf16 *d = dout + (long)row * C;
+	float m = mean[row], rs = rstd[row];
+	float a = 0.0f, bsum = 0.0f;
+	for (int c = lane; c < C; c += 32) {
+		float xh = (x[c] - m) * rs;
+		float g = bf(d[c]) * bf(w[c]);
+		a += g;
+		bsum += g * xh;
+	}
+	a = warp_sum(a) / C;
+	bsum = warp_sum(bsum) / C;
+	float *dr = dres + (long)row * C;
+	bf16 *dr16 = dres16 != 0 ? dres16 + (long)row * C : 0;
+	for (int c = lane; c < C; c += 32) {
+		float xh = (x[c] - m) * rs;
+		float g = bf(d[c]) * bf(w[c]);
+		float dx = (g - a - xh * bsum) * rs;
+		float r = accumulate ? dr[c] + dx : dx;
+		dr[c] = r;
+		if (dr16 != 0) dr16[c] = tobf(r);
+	}
+}
+
+// ---- column sums (bias and LayerNorm parameter gradients) ----
+
+#define CS_ROWS 8 // threadIdx.y extent of gpt_colsum_partial
+
+// Column sums over N rows of width C in two deterministic stages. Grid
+// (ceil(C/32), R), block (32, CS_ROWS): block (bx, r) sums columns
+// bx*32..bx*32+31 over the rows of chunk r, [r*rows, min(N, (r+1)*rows)),
+// and writes part[r][0][col] = sum dout; with inp (LayerNorm mode) also
+// part[r][1][col] = sum dout * (inp - mean) * rstd. part is [R][W][C],
+// W = 2 with inp, else 1.
+extern "C" __global__ void gpt_colsum_partial(float *__restrict__ part, const bf16 *__restrict__ dout,
+                                              const float *__restrict__ inp, const float *__restrict__ mean,
+                                              const float *__restrict__ rstd, int N, int C, int rows) {
+	__shared__ float sb[CS_ROWS][33], sw[CS_ROWS][33];
+	int col = blockIdx.x * 32 + threadIdx.x;
+	int r0 = blockIdx.y * rows, r1 = min(N, r0 + rows);
+	float ab = 0.0f, aw = 0.0f;
+	if (col < C) {
+		for (int r = r0 + threadIdx.y; r < r1; r += CS_ROWS) {
+			float d = bf(dout[(long)r * C + col]);
+			ab += d;
+			if (inp != 0) aw += d * ((inp[(long)r * C + col] - mean[r]) * rstd[r]);
+		}
+	}
+	sb[threadIdx.y][threadIdx.x] = ab;
+	sw[threadIdx.y][threadIdx.x] = aw;
+	__syncthreads();
+	if (threadIdx.y == 0 && col < C) {
+		float tb = 0.0f, tw = 0.0f;
+		for (int i = 0; i < CS_ROWS; i++) {
+			tb += sb[i][threadIdx.x];
+			tw += sw[i][threadIdx.x];
+		}
+		int W = inp != 0 ? 2 : 1;
+		float *p = part + (long)blockIdx.y * W * C;
+		p[col] = tb;
+		if (inp != 0) p[C + col] = tw;
+	}
+}
+
+// The second stage: db[col] = sum over r (ascending) of part[r][0][col],
+// and with dw, dw[col] = sum of part[r][1][col]; written in bf16.
+extern "C" __global__ void gpt_colsum_finish(bf16 *__restrict__ db, bf16 *__restrict__ dw,
+                                             const float *__restrict__ part, int R, int C) {
+	int W = dw != 0 ? 2 : 1;
+	GRID_STRIDE(col, (long)C) {
+		float sb = 0.0f, sw = 0.0f;
+		for (int r = 0; r < R; r++) {
+			const float *p = part + (long)r * W * C;
+			sb += p[col];
+			if (dw != 0) sw += p[C + col];
+		}
+		db[col] = tobf(sb);
+		if (dw != 0) dw[col] = tobf(sw);
+	}
+}
+
+// ---- GELU (tanh approximation, HF "gelu_new") ----
+
+// out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), n elements.
+extern "C" __global__ void gpt_gelu_forward(bf16 *__restrict__ out, const bf16 *__restrict__ inp, long n) {
+	GRID_STRIDE(i, n) {
+		float x = bf(inp[i]);
+		float u = GELU_K * (x + GELU_C * x * x * x);
+		out[i] = tobf(0.5f * x * (1.0f + tanhf(u)));
+	}
+}
+
+// dinp = dout * gelu'(inp), the derivative of gpt_gelu_forward's formula.
+extern "C" __global__ void gpt_gelu_backward(bf16 *__restrict__ dinp, const bf16 *__restrict__ inp,
+                                             const bf16 *__restrict__ dout, long n) {
+	GRID_STRIDE(i, n) {
+		float x = bf(inp[i]);
+		float u = GELU_K * (x + GELU_C * x * x * x);
+		float th = tanhf(u);
+		float du = GELU_K * (1.0f + 3.0f * GELU_C * x * x);
+		float g = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
+		dinp[i] = tobf(g * bf(dout[i]));
+	}
+}
+
+// ---- attention ----
+
+// Index helpers: i runs over [B, NH, T, HS]; qkv_index is where element i
+// of q sits in qkv [B, T, 3, NH, HS] (k and v follow at +NH*HS and
+// +2*NH*HS); bthd_index where it sits in [B, T, NH, HS].
+__device__ __forceinline__ long qkv_index(long i, int T, int NH, int HS) {
+	int d = (int)(i % HS);
+	long r = i / HS;
+	int t = (int)(r % T);
+	r /= T;
+	int h = (int)(r % NH);
+	long b = r / NH;
+	return ((b * T + t) * 3 * NH + h) * HS + d;
+}
+
+__device__ __forceinline__ long bthd_index(long i, int T, int NH, int HS) {
+	int d = (int)(i % HS);
+	long r = i / HS;
+	int t = (int)(r % T);
+	r /= T;
+	int h = (int)(r % NH);
+	long b = r / NH;
+	return ((b * T + t) * NH + h) * HS + d;
+}
+
+// q, k, v [B, NH, T, HS] from qkv [B, T, 3C] (HF's split of c_attn's output).
+extern "C" __global__ void gpt_permute_qkv(bf16 *__restrict__ q, bf16 *__restrict__ k, bf16 *__restrict__ v,
+                                           const bf16 *__restrict__ qkv, int B, int T, int NH, int HS) {
+	long hs = (long)NH * HS;
+	GRID_STRIDE(i, (long)B * T * hs) {
+		long s = qkv_index(i, T, NH, HS);
+		q[i] = qkv[s];
+		k[i] = qkv[s + hs];
+		v[i] = qkv[s + 2 * hs];
+	}
+}
+
+// The inverse: dqkv [B, T, 3C] from dq, dk, dv [B, NH, T, HS].
+extern "C" __global__ void gpt_permute_qkv_backward(bf16 *__restrict__ dqkv, const bf16 *__restrict__ dq,
+                                                    const bf16 *__restrict__ dk, const bf16 *__restrict__ dv,
+                                                    int B, int T, int NH, int HS) {
+	long hs = (long)NH * HS;
+	GRID_STRIDE(i, (long)B * T * hs) {
+		long s = qkv_index(i, T, NH, HS);
+		dqkv[s] = dq[i];
+		dqkv[s + hs] = dk[i];
+		dqkv[s + 2 * hs] = dv[i];
+	}
+}
+
+// out [B, T, NH, HS] = y [B, NH, T, HS] (the heads side by side again).
+extern "C" __global__ void gpt_unpermute(bf16 *__restrict__ out, const bf16 *__restrict__ y, int B, int T, int NH,
+                                         int HS) {
+	GRID_STRIDE(i, (long)B * T * NH * HS) out[bthd_index(i, T, NH, HS)] = y[i];
+}
+
+// The inverse: dy [B, NH, T, HS] from dout [B, T, NH, HS].
+extern "C" __global__ void gpt_unpermute_backward(bf16 *__restrict__ dy, const bf16 *__restrict__ dout, int B,
+                                                  int T, int NH, int HS) {
+	GRID_STRIDE(i, (long)B * T * NH * HS) dy[i] = dout[bthd_index(i, T, NH, HS)];
+}
+
+// Causal softmax, one warp per row of rows = B*NH*T rows of length T: row
+// r is query t = r % T; att[j] = exp(pre[j] - max) / sum over j <= t, and 0
+// for j > t. pre is fp32, already scaled by 1/sqrt(HS) (the product's
+// alpha).
+extern "C" __global__ void gpt_softmax_forward(bf16 *__restrict__ att, const float *__restrict__ pre, int rows,
+                                               int T) {
+	int row = warp_row(rows);
+	if (row < 0) return;
+	int lane = threadIdx.x % 32, t = row % T;
+	const float *x = pre + (long)row * T;
+	bf16 *y = att + (long)row * T;
+	float m = -INFINITY;
+	for (int j = lane; j <= t; j += 32) m = fmaxf(m, x[j]);
+	m = warp_max(m);
+	float s = 0.0f;
+	for (int j = lane; j <= t; j += 32) s += expf(x[j] - m);
+	float inv = 1.0f / warp_sum(s);
+	for (int j = lane; j < T; j += 32) y[j] = tobf(j <= t ? expf(x[j] - m) * inv : 0.0f);
+}
+
+// Its backward, one warp per row: dpre[j] = att[j] (datt[j] - sum_k att[k]
+// datt[k]) * scale for j <= t, 0 beyond; datt fp32, dpre bf16. scale is
+// forward's 1/sqrt(HS), so dpre is the gradient of q kᵀ unscaled.
+extern "C" __global__ void gpt_softmax_backward(bf16 *__restrict__ dpre, const float *__restrict__ datt,
+                                                const bf16 *__restrict__ att, float scale, int rows, int T) {
+	int row = warp_row(rows);
+	if (row < 0) return;
+	int lane = threadIdx.x % 32, t = row % T;
+	const float *da = datt + (long)row * T;
+	const bf16 *a = att + (long)row * T;
+	bf16 *dp = dpre + (long)row * T;
+	float s = 0.0f;
+	for (int j = lane; j <= t; j += 32) s += bf(a[j]) * da[j];
+	s = warp_sum(s);
+	for (int j = lane; j < T; j += 32) dp[j] = tobf(j <= t ? bf(a[j]) * (da[j] - s) * scale : 0.0f);
+}
+
+// ---- the classifier ----
+
+// Softmax cross-entropy over V columns, one block per row of logits [N, V]
+// (bf16): loss[row] = log(sum exp(x - max)) + max - x[target], fp32. With
+// dloss != 0 the row is overwritten by its gradient, (softmax(x) -
+// onehot(target)) * dloss, in bf16; dloss is the weight of each row's loss
+// in the total (1/N for the mean). Targets must lie in [0, V).
+extern "C" __global__ void gpt_classifier(bf16 *__restrict__ logits, float *__restrict__ losses,
+                                          const int *__restrict__ targets, float dloss, int V) {
+	__shared__ float buf[32];
+	bf16 *x = logits + (long)blockIdx.x * V;
+	int tg = targets[blockIdx.x];
+	float xt = bf(x[tg]); // read before any thread overwrites the row
+	float m = -INFINITY;
+	for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, bf(x[j]));
+	m = block_max(m, buf);
+	float s = 0.0f;
+	for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(bf(x[j]) - m);
+	s = block_sum(s, buf);
+	if (threadIdx.x == 0) losses[blockIdx.x] = logf(s) + m - xt;
+	if (dloss == 0.0f) return;
+	float inv = 1.0f / s;
+	for (int j = threadIdx.x; j < V; j += blockDim.x) {
+		float p = expf(bf(x[j]) - m) * inv;
+		x[j] = tobf((p - (j == tg ? 1.0f : 0.0f)) * dloss);
+	}
+}
