@@ -15,7 +15,7 @@ import (
 // LoadWeights reads, from the checkpoint at path (a root, whose latest
 // checkpoint is read, or a step directory) that Train wrote, the model
 // configuration and the fp32 master weights of every parameter, in
-// Config.Params order. It returns the directory read too.
+// Config.Tensors order. It returns the directory read too.
 //
 // Errors: those of checkpoint.OpenPath and ReadTensor (checksums are
 // verified); a checkpoint without the trainer's object or a parameter; an
@@ -41,7 +41,7 @@ func LoadWeights(path string) (Config, [][]float32, string, error) {
 		return Config{}, nil, "", fmt.Errorf("trainer: %s: vocab_size %d, but dos train's byte-level models have %d", dir, cfg.VocabSize, VocabSize)
 	}
 	var weights [][]float32
-	for _, p := range cfg.Params() {
+	for _, p := range cfg.Tensors() {
 		// Check the entry before allocating: the manifest, not the trainer
 		// object, says how large the tensor is.
 		name := offload.MasterName(p.Name)
@@ -117,7 +117,7 @@ func ExportHF(path, outDir string) (string, error) {
 		return "", err
 	}
 	var ts []safetensors.Tensor
-	for i, p := range cfg.Params() {
+	for i, p := range cfg.Tensors() {
 		shape := make([]int64, len(p.Shape))
 		for j, d := range p.Shape {
 			shape[j] = int64(d)

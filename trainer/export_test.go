@@ -25,7 +25,7 @@ func saveWeights(t *testing.T, cfg Config, bad, idx int, val float32) string {
 	}
 	snap := &checkpoint.Snapshot{Step: 1, Objects: map[string]json.RawMessage{"trainer": obj}}
 	for i, w := range InitParams(cfg, 1) {
-		p := cfg.Params()[i]
+		p := cfg.Tensors()[i]
 		if i == bad {
 			w[idx] = val
 		}
@@ -49,12 +49,12 @@ func saveWeights(t *testing.T, cfg Config, bad, idx int, val float32) string {
 // nothing); finite ones load.
 func TestLoadWeightsRefusesNaN(t *testing.T) {
 	cfg := Config{VocabSize: VocabSize, NCtx: 4, NLayer: 1, NHead: 1, NEmbd: 4}
-	if _, w, _, err := LoadWeights(saveWeights(t, cfg, -1, 0, 0)); err != nil || len(w) != len(cfg.Params()) {
+	if _, w, _, err := LoadWeights(saveWeights(t, cfg, -1, 0, 0)); err != nil || len(w) != len(cfg.Tensors()) {
 		t.Fatalf("clean checkpoint: %d tensors, %v", len(w), err)
 	}
 	for _, val := range []float32{float32(math.NaN()), float32(math.Inf(-1))} {
 		bad := 2 // h.0.ln_1.weight
-		name := cfg.Params()[bad].Name + ".master"
+		name := cfg.Tensors()[bad].Name + ".master"
 		dir := saveWeights(t, cfg, bad, 3, val)
 		_, _, _, err := LoadWeights(dir)
 		for _, want := range []string{dir, `"` + name + `"`, "element 3 is "} {

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+
+	"github.com/deepstates/dos/gpt"
 )
 
 // Model is a GPT-2 language model (Hugging Face GPT2LMHeadModel in eval mode)
@@ -11,7 +13,7 @@ import (
 // train_gpt2.c does, for a batch of B sequences of T tokens (T <= NCtx) in
 // float type F. It owns the activations and scratch buffers, allocated once by
 // NewModel; the parameters and gradients are the caller's, passed to each
-// call as slices in Config.Params order.
+// call as slices in Config.Tensors order.
 //
 // The model, per position (b, t):
 //
@@ -138,8 +140,8 @@ func NewModel[F float32 | float64](c Config, B, T int) *Model[F] {
 	}
 	BT := B * T
 	m := &Model[F]{cfg: c, b: B, t: T, bt: BT, hs: C / NH, pool: newPool()}
-	for _, p := range c.Params() {
-		m.sizes = append(m.sizes, numel(p.Shape))
+	for _, p := range c.Tensors() {
+		m.sizes = append(m.sizes, p.Numel())
 	}
 	m.tokens = make([]int32, BT)
 	m.targets = make([]int32, BT)
@@ -201,17 +203,17 @@ func (m *Model[F]) Shape() (B, T int) { return m.b, m.t }
 // its tensor's length.
 func (m *Model[F]) checkTensors(ts [][]F, what string) {
 	if len(ts) != len(m.sizes) {
-		panic(fmt.Sprintf("trainer: %d %s tensors, want %d (Config.Params order)", len(ts), what, len(m.sizes)))
+		panic(fmt.Sprintf("trainer: %d %s tensors, want %d (Config.Tensors order)", len(ts), what, len(m.sizes)))
 	}
 	for i, n := range m.sizes {
 		if len(ts[i]) != n {
-			panic(fmt.Sprintf("trainer: %s tensor %d (%s) has %d elements, want %d", what, i, m.cfg.Params()[i].Name, len(ts[i]), n))
+			panic(fmt.Sprintf("trainer: %s tensor %d (%s) has %d elements, want %d", what, i, m.cfg.Tensors()[i].Name, len(ts[i]), n))
 		}
 	}
 }
 
 // Forward runs the model on tokens, [B*T] token ids row-major over (b, t),
-// with params, one slice per tensor of Config.Params in that order (lengths
+// with params, one slice per tensor of Config.Tensors in that order (lengths
 // the products of the shapes). Position t of every sequence uses wpe row t.
 //
 // If targets is not nil, it holds the [B*T] next-token ids, and Forward
@@ -245,7 +247,7 @@ func (m *Model[F]) Forward(params [][]F, tokens, targets []int32) F {
 	copy(m.tokens, tokens)
 	m.forwd, m.hasTgt = false, false
 
-	wte, wpe := params[pWte], params[pWpe]
+	wte, wpe := params[gpt.Wte], params[gpt.Wpe]
 	for i, tok := range tokens {
 		t := i % m.t
 		e, te, pe := m.encoded[i*C:(i+1)*C], wte[int(tok)*C:][:C], wpe[t*C:][:C]
@@ -256,7 +258,7 @@ func (m *Model[F]) Forward(params [][]F, tokens, targets []int32) F {
 
 	inp := m.encoded
 	for l := 0; l < L; l++ {
-		p := params[layerBase(l):]
+		p := params[gpt.LayerBase(l):]
 		act, stat := l*BT*C, l*BT
 		ln1, ln1Mean, ln1Rstd := m.ln1[act:act+BT*C], m.ln1Mean[stat:stat+BT], m.ln1Rstd[stat:stat+BT]
 		qkv := m.qkv[3*act : 3*act+3*BT*C]
@@ -265,22 +267,22 @@ func (m *Model[F]) Forward(params [][]F, tokens, targets []int32) F {
 		fch, fchGelu := m.fch[4*act:4*act+4*BT*C], m.fchGelu[4*act:4*act+4*BT*C]
 		res3 := m.res3[act : act+BT*C]
 
-		m.layerNorm(ln1, ln1Mean, ln1Rstd, inp, p[pLn1W], p[pLn1B])
-		m.linear(qkv, ln1, p[pAttnW], p[pAttnB], C, 3*C)
+		m.layerNorm(ln1, ln1Mean, ln1Rstd, inp, p[gpt.Ln1W], p[gpt.Ln1B])
+		m.linear(qkv, ln1, p[gpt.AttnW], p[gpt.AttnB], C, 3*C)
 		m.k.l = l
 		m.runAttn(m.fnAttnFwd)
-		m.linear(m.proj, atty, p[pAttnProjW], p[pAttnProjB], C, C)
+		m.linear(m.proj, atty, p[gpt.AttnProjW], p[gpt.AttnProjB], C, C)
 		add(res2, inp, m.proj)
-		m.layerNorm(ln2, ln2Mean, ln2Rstd, res2, p[pLn2W], p[pLn2B])
-		m.linear(fch, ln2, p[pFcW], p[pFcB], C, 4*C)
+		m.layerNorm(ln2, ln2Mean, ln2Rstd, res2, p[gpt.Ln2W], p[gpt.Ln2B])
+		m.linear(fch, ln2, p[gpt.FcW], p[gpt.FcB], C, 4*C)
 		m.k.inp, m.k.out, m.k.cols = fch, fchGelu, 4*C
 		m.runRows(m.fnGeluFwd)
-		m.linear(m.proj, fchGelu, p[pFcProjW], p[pFcProjB], 4*C, C)
+		m.linear(m.proj, fchGelu, p[gpt.FcProjW], p[gpt.FcProjB], 4*C, C)
 		add(res3, res2, m.proj)
 		inp = res3
 	}
-	lnf := layerBase(L)
-	m.layerNorm(m.lnf, m.lnfMean, m.lnfRstd, inp, params[lnf], params[lnf+1])
+	lnf := gpt.LayerBase(L)
+	m.layerNorm(m.lnf, m.lnfMean, m.lnfRstd, inp, params[lnf+gpt.LnfW], params[lnf+gpt.LnfB])
 	m.matmul(false, true, BT, V, C, m.lnf, C, wte, C, 0, m.logits, V)
 	m.k = kernelArgs[F]{}
 	m.forwd = true
@@ -305,7 +307,7 @@ func (m *Model[F]) Logits() []F { return m.logits }
 // Backward computes the gradient of scale*loss, loss being the mean
 // cross-entropy of the last Forward (which must have had targets), with
 // respect to every parameter, and writes it into grads (one slice per tensor,
-// Config.Params order and lengths): every element is overwritten, not
+// Config.Tensors order and lengths): every element is overwritten, not
 // accumulated, so grads need no zeroing; wpe rows T..NCtx-1 get 0. params must
 // be the slices (and values) given to that Forward. scale is the loss scale
 // (1 for none); it multiplies the gradient of the loss at the start, so a
@@ -327,19 +329,19 @@ func (m *Model[F]) Backward(params, grads [][]F, scale F) {
 	m.runRows(m.fnCEBwd)
 	m.transpose(m.aT, m.dlogits, BT, V)
 	m.transpose(m.yT, m.lnf, BT, C)
-	m.matmul(false, true, V, C, BT, m.aT, BT, m.yT, BT, 0, grads[pWte], C) // d wte = d logitsᵀ @ lnf
-	m.transpose(m.wT, params[pWte], V, C)
+	m.matmul(false, true, V, C, BT, m.aT, BT, m.yT, BT, 0, grads[gpt.Wte], C) // d wte = d logitsᵀ @ lnf
+	m.transpose(m.wT, params[gpt.Wte], V, C)
 	m.matmul(false, true, BT, C, V, m.dlogits, V, m.wT, V, 0, m.dln, C) // d lnf = d logits @ wte
-	lnf := layerBase(L)
+	lnf := gpt.LayerBase(L)
 	clear(m.dres)
 	last := m.encoded
 	if L > 0 {
 		last = m.res3[(L-1)*BT*C : L*BT*C]
 	}
-	m.layerNormBackward(m.dres, grads[lnf], grads[lnf+1], m.dln, last, params[lnf], m.lnfMean, m.lnfRstd)
+	m.layerNormBackward(m.dres, grads[lnf+gpt.LnfW], grads[lnf+gpt.LnfB], m.dln, last, params[lnf+gpt.LnfW], m.lnfMean, m.lnfRstd)
 
 	for l := L - 1; l >= 0; l-- {
-		p, g := params[layerBase(l):], grads[layerBase(l):]
+		p, g := params[gpt.LayerBase(l):], grads[gpt.LayerBase(l):]
 		act, stat := l*BT*C, l*BT
 		inp := m.encoded
 		if l > 0 {
@@ -352,23 +354,23 @@ func (m *Model[F]) Backward(params, grads [][]F, scale F) {
 		dfch, dqkv := m.dbig[:4*BT*C], m.dbig[:3*BT*C]
 
 		// MLP: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2)))).
-		m.linearBackward(dfch, g[pFcProjW], g[pFcProjB], m.dres, fchGelu, p[pFcProjW], 4*C, C)
+		m.linearBackward(dfch, g[gpt.FcProjW], g[gpt.FcProjB], m.dres, fchGelu, p[gpt.FcProjW], 4*C, C)
 		m.k.inp, m.k.dout, m.k.cols = fch, dfch, 4*C
 		m.runRows(m.fnGeluBwd)
-		m.linearBackward(m.dln, g[pFcW], g[pFcB], dfch, ln2, p[pFcW], C, 4*C)
-		m.layerNormBackward(m.dres, g[pLn2W], g[pLn2B], m.dln, res2, p[pLn2W], ln2Mean, ln2Rstd)
+		m.linearBackward(m.dln, g[gpt.FcW], g[gpt.FcB], dfch, ln2, p[gpt.FcW], C, 4*C)
+		m.layerNormBackward(m.dres, g[gpt.Ln2W], g[gpt.Ln2B], m.dln, res2, p[gpt.Ln2W], ln2Mean, ln2Rstd)
 
 		// Attention: res2 = inp + c_proj(attn(c_attn(ln_1(inp)))).
-		m.linearBackward(m.dln, g[pAttnProjW], g[pAttnProjB], m.dres, atty, p[pAttnProjW], C, C)
+		m.linearBackward(m.dln, g[gpt.AttnProjW], g[gpt.AttnProjB], m.dres, atty, p[gpt.AttnProjW], C, C)
 		m.k.l, m.k.dout, m.k.dinp = l, m.dln, dqkv
 		m.runAttn(m.fnAttnBwd)
-		m.linearBackward(m.dln, g[pAttnW], g[pAttnB], dqkv, ln1, p[pAttnW], C, 3*C)
-		m.layerNormBackward(m.dres, g[pLn1W], g[pLn1B], m.dln, inp, p[pLn1W], ln1Mean, ln1Rstd)
+		m.linearBackward(m.dln, g[gpt.AttnW], g[gpt.AttnB], dqkv, ln1, p[gpt.AttnW], C, 3*C)
+		m.layerNormBackward(m.dres, g[gpt.Ln1W], g[gpt.Ln1B], m.dln, inp, p[gpt.Ln1W], ln1Mean, ln1Rstd)
 	}
 
 	// Embeddings: encoded = wte[token] + wpe[t]. Positions sharing a token
 	// add into the same wte row, in position order.
-	dwte, dwpe := grads[pWte], grads[pWpe]
+	dwte, dwpe := grads[gpt.Wte], grads[gpt.Wpe]
 	clear(dwpe)
 	for i, tok := range m.tokens {
 		t := i % m.t

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/deepstates/dos/gpt"
 )
 
 // tiny is the gradient-check configuration: T = 4 < NCtx = 5 leaves wpe row 4
@@ -20,8 +22,8 @@ var tiny = Config{VocabSize: 11, NCtx: 5, NLayer: 2, NHead: 2, NEmbd: 8}
 func randomParams(c Config, seed uint64, std float64) [][]float64 {
 	r := rand.New(rand.NewPCG(seed, 99))
 	var out [][]float64
-	for _, p := range c.Params() {
-		x := make([]float64, numel(p.Shape))
+	for _, p := range c.Tensors() {
+		x := make([]float64, p.Numel())
 		for i := range x {
 			switch {
 			case strings.Contains(p.Name, "ln_") && strings.HasSuffix(p.Name, ".weight"):
@@ -267,7 +269,7 @@ func gradientCheck(t *testing.T, c Config, B, T int) {
 	m.Backward(params, grads, 1)
 
 	const h = 1e-4
-	names := c.Params()
+	names := c.Tensors()
 	worstRel, worstAbs := 0.0, 0.0
 	for pi, p := range params {
 		for i := range p {
@@ -294,14 +296,14 @@ func gradientCheck(t *testing.T, c Config, B, T int) {
 	// wpe rows T..NCtx-1 are unused: exactly zero. Every wte row feeds the
 	// tied head, so none is zero.
 	C := c.NEmbd
-	for i, g := range grads[pWpe][T*C:] {
+	for i, g := range grads[gpt.Wpe][T*C:] {
 		if g != 0 {
 			t.Errorf("wpe.weight[%d] grad = %v, want 0 (row >= T)", T*C+i, g)
 		}
 	}
 	for v := 0; v < c.VocabSize; v++ {
 		zero := true
-		for _, g := range grads[pWte][v*C : (v+1)*C] {
+		for _, g := range grads[gpt.Wte][v*C : (v+1)*C] {
 			zero = zero && g == 0
 		}
 		if zero {
@@ -315,8 +317,8 @@ func TestFloat32MatchesFloat64(t *testing.T) {
 	B, T := 2, 32
 	p32 := InitParams(c, 11)
 	// Scale wte up so the logits are O(1), not GPT-2 init's O(0.1).
-	for j := range p32[pWte] {
-		p32[pWte][j] *= 5
+	for j := range p32[gpt.Wte] {
+		p32[gpt.Wte][j] *= 5
 	}
 	p64 := toF64(p32)
 	tokens := randomTokens(B*T, c.VocabSize, 12)
@@ -372,7 +374,7 @@ func checkDeterminism[F float32 | float64](t *testing.T, c Config, B, T int, par
 			for j := range grads[i] {
 				if grads[i][j] != refGrads[i][j] {
 					t.Fatalf("GOMAXPROCS=%d: grad %s[%d] = %v, GOMAXPROCS=1: %v",
-						procs, c.Params()[i].Name, j, grads[i][j], refGrads[i][j])
+						procs, c.Tensors()[i].Name, j, grads[i][j], refGrads[i][j])
 				}
 			}
 		}
@@ -404,10 +406,10 @@ func checkOverwriteScale[F float32 | float64](t *testing.T, c Config, B, T int, 
 	for i := range g1 {
 		for j := range g1[i] {
 			if g2[i][j] != g1[i][j] {
-				t.Fatalf("%s[%d]: second Backward %v, first %v", c.Params()[i].Name, j, g2[i][j], g1[i][j])
+				t.Fatalf("%s[%d]: second Backward %v, first %v", c.Tensors()[i].Name, j, g2[i][j], g1[i][j])
 			}
 			if g8[i][j] != 8*g1[i][j] {
-				t.Fatalf("%s[%d]: scale 8 gives %v, 8 * scale 1 = %v", c.Params()[i].Name, j, g8[i][j], 8*g1[i][j])
+				t.Fatalf("%s[%d]: scale 8 gives %v, 8 * scale 1 = %v", c.Tensors()[i].Name, j, g8[i][j], 8*g1[i][j])
 			}
 		}
 	}
@@ -478,7 +480,7 @@ func TestInitParams(t *testing.T) {
 	c := Config{VocabSize: 300, NCtx: 64, NLayer: 3, NHead: 4, NEmbd: 64}
 	a, b := InitParams(c, 5), InitParams(c, 5)
 	other := InitParams(c, 6)
-	ps := c.Params()
+	ps := c.Tensors()
 	if len(a) != len(ps) {
 		t.Fatalf("%d tensors, want %d", len(a), len(ps))
 	}
@@ -490,8 +492,8 @@ func TestInitParams(t *testing.T) {
 		return math.Sqrt(s / float64(len(x)))
 	}
 	for i, p := range ps {
-		if len(a[i]) != numel(p.Shape) {
-			t.Fatalf("%s: %d elements, want %d", p.Name, len(a[i]), numel(p.Shape))
+		if len(a[i]) != p.Numel() {
+			t.Fatalf("%s: %d elements, want %d", p.Name, len(a[i]), p.Numel())
 		}
 		for j := range a[i] {
 			if a[i][j] != b[i][j] {
@@ -542,13 +544,13 @@ func TestGPT2SmallParams(t *testing.T) {
 	if err := c.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	ps := c.Params()
+	ps := c.Tensors()
 	if len(ps) != 2+12*12+2 {
 		t.Fatalf("%d tensors, want %d", len(ps), 2+12*12+2)
 	}
 	total := 0
 	for _, p := range ps {
-		total += numel(p.Shape)
+		total += p.Numel()
 	}
 	const want = 124_439_808
 	if total != want || c.NumParams() != want {

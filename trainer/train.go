@@ -139,7 +139,7 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 		}
 		oo.Profile = p
 	}
-	opt, err := offload.New(cfg.Model.Params(), *oo)
+	opt, err := offload.New(offloadParams(cfg.Model), *oo)
 	if err != nil {
 		closeDev()
 		return nil, err

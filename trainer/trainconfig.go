@@ -330,15 +330,7 @@ func (c *TrainConfig) device(o *offload.Options) (func(), error) {
 
 // paramCount returns the model's parameters.
 func (c *TrainConfig) paramCount() int {
-	total := 0
-	for _, p := range c.Model.Params() {
-		n := 1
-		for _, d := range p.Shape {
-			n *= d
-		}
-		total += n
-	}
-	return total
+	return c.Model.NumParams()
 }
 
 // subgroups returns the optimizer's subgroup count for the model.

@@ -196,10 +196,10 @@ func TestExportEval(t *testing.T) {
 		t.Fatal(err)
 	}
 	model := trainer.Config{VocabSize: 256, NCtx: 16, NLayer: 1, NHead: 2, NEmbd: 16}
-	if len(f.Tensors) != len(model.Params()) {
-		t.Fatalf("%d tensors, want %d", len(f.Tensors), len(model.Params()))
+	if len(f.Tensors) != len(model.Tensors()) {
+		t.Fatalf("%d tensors, want %d", len(f.Tensors), len(model.Tensors()))
 	}
-	for _, p := range model.Params() {
+	for _, p := range model.Tensors() {
 		ti, ok := f.Find(p.Name)
 		if !ok || ti.DType != safetensors.F32 || len(ti.Shape) != len(p.Shape) || ti.Shape[0] != int64(p.Shape[0]) {
 			t.Fatalf("tensor %s: %+v, want F32 %v", p.Name, ti, p.Shape)
