@@ -264,7 +264,12 @@ func (o *Optimizer) SaveCheckpoint(fsys checkpoint.FS, root string, objects map[
 // (lr, betas, eps, weight_decay, maximize, mode, and the parameter groups'
 // lr and weight_decay): call SetLR afterwards to follow a schedule. The
 // other Options (subgroup size, dtypes, clipping, threads) stay this
-// optimizer's. The working copy is refreshed from the master weights. A
+// optimizer's. The working copy is refreshed from the master weights: in
+// the host buffers (Working) at once, on the device (DeviceWorking) at
+// the next SyncDevice or Step, so a GPU trainer calls SyncDevice before
+// its next forward. After a device fault (scheduler.ErrBroken) the load
+// replaces the engine: DeviceGrad and DeviceWorking views taken before
+// are stale (DeviceTensor.Valid), ask for them again. A
 // lazy save of this optimizer in flight (SaveAsync) is waited for first,
 // so that the root is read committed. It returns the directory loaded and
 // the checkpoint's objects, so the trainer can restore its own.
@@ -305,8 +310,14 @@ func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string,
 		}
 	}
 	objects, err = o.load(fsys, dir)
+	if err == nil {
+		// load rounded the whole host working copy from the loaded
+		// master weights.
+		o.workStale.Store(false)
+	}
 	if err == nil && o.eng != nil {
-		// The host state is the checkpoint's: the device follows it.
+		// The host state is the checkpoint's: the device follows it (at
+		// the next SyncDevice or Step).
 		o.dev = devHostAhead
 	}
 	return dir, objects, err

@@ -22,3 +22,22 @@ func TestStepDeviceNoAllocs(t *testing.T) {
 		t.Fatalf("Step on the device allocates %v times", a)
 	}
 }
+
+// TestStepGradOnDeviceNoAllocs: Step with GradOnDevice (no gradient H2D,
+// no working copy D2H) allocates nothing either.
+func TestStepGradOnDeviceNoAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts are checked without -race (make test runs them)")
+	}
+	opts, _ := deviceOpts(Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, MaxGradNorm: 1, Threads: 2},
+		perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 2})
+	o := newTest(t, opts)
+	fill(o, 1)
+	o.Step(StepArgs{LossScale: 2}) // the first Step loads the state onto the device and its gradients
+	if a := testing.AllocsPerRun(10, func() { o.Step(StepArgs{LossScale: 2, GradOnDevice: true}) }); a != 0 {
+		t.Fatalf("Step with GradOnDevice allocates %v times", a)
+	}
+	if o.StepCount() != 12 {
+		t.Fatalf("step %d: the steps were not taken", o.StepCount())
+	}
+}

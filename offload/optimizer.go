@@ -6,6 +6,7 @@ import (
 	"math"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -88,6 +89,27 @@ type StepArgs struct {
 	// LossScale S: the gradients hold S times the true gradient and are
 	// multiplied by 1/S (torch.amp.GradScaler.unscale_). 0 or 1 mean none.
 	LossScale float64
+	// GradOnDevice, with Options.Device, says the gradients are in the
+	// device buffers (DeviceGrad), where a GPU trainer's backward wrote
+	// them: Step reads them there instead of moving the host buffers
+	// (Grad) to the device, and leaves the new working copy on the device
+	// only (DeviceWorking), with no copy to the host: Working fetches it
+	// when next called (the host copy is stale until then). The checks,
+	// clipping and skip are Step's as without it.
+	//
+	// Order: before Step, every device write of the trainer to the
+	// gradients and every read of the working copy must be complete
+	// (synchronize the stream of the backward first: Step runs on the
+	// engine's streams, which do not wait for the trainer's). When Step
+	// returns, taken or skipped, no work of the optimizer on the device
+	// buffers is in flight: every write of this step to the working copy
+	// is complete, the CPU subgroups' copies H2D included, and the next
+	// forward, on any stream, reads the new weights.
+	//
+	// Step refuses (the step not taken) when SyncDevice was due: after
+	// New, SetParam or LoadCheckpoint the device working copy the
+	// gradients came from was not the master weights'.
+	GradOnDevice bool
 }
 
 // StepResult reports what Step did.
@@ -122,7 +144,8 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // One mutex serializes the methods that read or write the optimizer state,
 // the step counter, the hyperparameters, the worker pool or the engine:
 // Step, ZeroGrad, SetParam, SetLR, Master, StepCount, Options, Schedule,
-// Snapshot, SaveAsync, SaveCheckpoint, LoadCheckpoint and Close. Each may be
+// Snapshot, SaveAsync, SaveCheckpoint, LoadCheckpoint, SyncDevice,
+// SyncHost, DeviceGrad, DeviceWorking and Close. Each may be
 // called from any goroutine at any time: two calls run one after the other,
 // never interleaved (Step with Step, Step with SaveCheckpoint, ...), in an
 // unspecified order. Close waits for the call in flight (a Step, a
@@ -133,7 +156,9 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // Close with Options.Device (its state was freed).
 //
 // Params, Subgroups, NumParams, Index, Plan, Grad and Working read only what
-// New set, take no lock, and are safe with any call, Close included.
+// New set, take no lock, and are safe with any call, Close included; but
+// Working, after a Step with StepArgs.GradOnDevice, takes the lock to
+// fetch the working copy from the device once.
 //
 // The memory behind the views is not synchronized: the Tensors that Grad and
 // Working return, and a Snapshot's tensors. Step reads the gradients and
@@ -145,7 +170,14 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // channel or WaitGroup between the two). A Snapshot's views hold until the
 // next Step, SetParam or LoadCheckpoint, and with Options.Device until
 // Close. After Close the views of Grad and Working stay readable (host
-// memory).
+// memory; Close brings the working copy back from the device first).
+//
+// The device views (DeviceGrad, DeviceWorking) are device memory the
+// optimizer's calls read and write on the engine's streams: the trainer's
+// own device work on them must be complete before it calls Step,
+// ZeroGrad, SyncDevice, Close or a LoadCheckpoint (synchronize its
+// stream), and what those calls enqueue is complete when they return
+// (StepArgs.GradOnDevice).
 type Optimizer struct {
 	// mu serializes the methods that use the state, the pool or the
 	// engine (see Concurrency). A sync.Mutex costs Step no allocation.
@@ -174,6 +206,10 @@ type Optimizer struct {
 	// the current state is.
 	eng *scheduler.Engine
 	dev devState
+	// workStale: a Step with GradOnDevice left the new working copy on
+	// the device only; o.work (the host mirror) is behind until
+	// syncWorking fetches it. Written under mu; Working reads it without.
+	workStale atomic.Bool
 }
 
 // devState says, with Options.Device, where the optimizer's current state
@@ -184,10 +220,20 @@ type Optimizer struct {
 //	any but broken SetParam, LoadCheckpoint                      hostAhead
 //	hostAhead     Step (Load: host -> device, then the update)   deviceAhead with resident subgroups, else synced
 //	synced        Step                                           deviceAhead with resident subgroups, else synced
-//	deviceAhead   Master, Snapshot, SaveCheckpoint, SetParam     synced (syncHost: Download)
+//	deviceAhead   Master, Snapshot, SaveCheckpoint, SetParam,    synced (syncHost: Download)
+//	              SyncHost
 //	deviceAhead   SaveAsync                                      synced (DownloadAsync; the capture waits for it: lazySave.d2h)
 //	any           a device fault that leaves the state torn      broken
 //	broken        LoadCheckpoint                                 hostAhead (a new engine; broken until the load succeeds)
+//	hostAhead     SyncDevice (Load)                              synced
+//	hostAhead     Step with GradOnDevice                         hostAhead (refused: the device copy was stale)
+//
+// Beside it, the working copy's host mirror has its own flag, workStale:
+// set by a taken Step with GradOnDevice (the new copy stays on the
+// device) and by a Step whose copy back failed; cleared when the copy
+// comes back (syncWorking: Working, WorkingOf, SyncHost, SetParam, Close;
+// a Step without GradOnDevice) and by LoadCheckpoint (the mirror is
+// rounded from the loaded master weights).
 type devState uint8
 
 const (
@@ -468,8 +514,13 @@ func (o *Optimizer) Close() error {
 	o.pending = lazySave{}
 	var err error
 	if o.eng != nil {
+		// The views of Working outlive the engine: bring the device's
+		// copy back first when a Step with GradOnDevice left it there.
+		if o.dev != devBroken {
+			err = o.syncWorking()
+		}
 		if cerr := o.eng.Close(); cerr != nil {
-			err = fmt.Errorf("offload: closing the engine: %w", cerr)
+			err = errors.Join(err, fmt.Errorf("offload: closing the engine: %w", cerr))
 		}
 		o.eng = nil
 	}
@@ -626,8 +677,22 @@ func (o *Optimizer) MasterOf(name string) ([]float32, error) {
 // Its contents change with Step, SetParam and LoadCheckpoint: read it
 // between those calls, not during them (see Optimizer's Concurrency).
 // Panics if i is out of range.
+//
+// After a Step with StepArgs.GradOnDevice the new copy is on the device
+// only: Working then first fetches the whole copy into the host buffers
+// (scheduler.Engine.GetWorking, under the lock the other calls take), so
+// that the views it returns, and those it returned before, hold the
+// post-step values; until then a view returned earlier holds the values
+// as of the last fetch. Working cannot report a failed fetch (a device
+// fault): the views then keep the last values fetched, and SyncHost
+// returns the error.
 func (o *Optimizer) Working(i int) Tensor {
 	lo, hi := o.span(i)
+	if o.workStale.Load() {
+		o.mu.Lock()
+		_ = o.syncWorking() // its error: see above
+		o.mu.Unlock()
+	}
 	if o.work.DType == 0 {
 		return Tensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: adam.F32, f32: o.state.Param[lo:hi:hi]}
 	}
@@ -684,6 +749,12 @@ func (o *Optimizer) SetParam(name string, values []float32) error {
 	if err := o.syncHost(); err != nil {
 		return err
 	}
+	// The other parameters' copy must be current in the host buffers
+	// too: Load rounds every one from the master weights anyway, but
+	// Working reads the host buffers.
+	if err := o.syncWorking(); err != nil {
+		return err
+	}
 	copy(o.state.Param[lo:hi], values)
 	o.refreshWorking(lo, hi)
 	if o.eng != nil {
@@ -698,13 +769,34 @@ func (o *Optimizer) refreshWorking(lo, hi int) {
 	}
 }
 
-// ZeroGrad sets every gradient to zero (optimizer.zero_grad(set_to_none=False)).
-// After Close it still clears the host buffers.
-func (o *Optimizer) ZeroGrad() {
+// ZeroGrad sets every gradient to zero (optimizer.zero_grad(set_to_none=False)):
+// the host buffers (Grad) and, with Options.Device, the device buffers
+// (DeviceGrad) too, with a memset on the device that it waits for, so
+// that either kind of Step (StepArgs.GradOnDevice) reads zeros where the
+// trainer wrote nothing. No device work of the trainer on the gradients
+// may be in flight. A GPU trainer whose backward overwrites every
+// gradient need not call it. After Close it still clears the host
+// buffers (and returns nil).
+//
+// Errors: with Options.Device, scheduler.ErrBroken (wrapped) after a
+// device fault, or a memset that failed; the host buffers are cleared
+// whatever it says.
+func (o *Optimizer) ZeroGrad() error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	clear(o.grad.F32)
 	clear(o.grad.U16)
+	switch {
+	case o.opts.Device == nil || o.pool == nil:
+		return nil
+	case o.dev == devBroken:
+		return fmt.Errorf("offload: ZeroGrad: %w (the device gradients were not cleared)", scheduler.ErrBroken)
+	}
+	if err := o.eng.ZeroGrad(); err != nil {
+		o.noteBroken()
+		return fmt.Errorf("offload: ZeroGrad of the device gradients: %w", err)
+	}
+	return nil
 }
 
 // Step runs one update phase over every subgroup: the global non-finite
@@ -726,11 +818,17 @@ func (o *Optimizer) ZeroGrad() {
 // While a lazy checkpoint (SaveAsync) is being captured, the update of each
 // subgroup first waits for that subgroup's capture.
 //
+// With StepArgs.GradOnDevice it reads the gradients from the device
+// buffers (DeviceGrad) and leaves the new working copy there
+// (DeviceWorking), not in the host buffers until Working fetches it; the
+// order of the trainer's device work around it is StepArgs.GradOnDevice's.
+//
 // Errors: ErrClosed; a LossScale that is negative, not finite, or so small
 // or large that 1/LossScale is not a finite, non-zero float32; the failure
 // of the last SaveAsync's background save (reported once; the step is not
-// taken). A skipped step is not an error: it is reported in
-// StepResult.Skipped.
+// taken); GradOnDevice without Options.Device (ErrNoDevice) or when
+// SyncDevice was due (the step is not taken). A skipped step is not an
+// error: it is reported in StepResult.Skipped.
 func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -754,7 +852,10 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	}
 	res := StepResult{Step: o.step, ClipCoef: 1}
 	if o.eng != nil {
-		return o.stepDevice(start, unscale, res)
+		return o.stepDevice(start, unscale, res, args.GradOnDevice)
+	}
+	if args.GradOnDevice {
+		return res, fmt.Errorf("offload: StepArgs.GradOnDevice: %w", ErrNoDevice)
 	}
 	// One pass over every gradient: the non-finite check and, when
 	// clipping, the sum of squares (adam.Pool.GradStats).
@@ -837,22 +938,28 @@ func isFault(err error) bool {
 }
 
 // stepDevice is Step through the engine on Options.Device: the gradients
-// move to the device, the global checks run there over every subgroup
-// whatever its role, then the update phase, then the working copy comes
-// back to the host mirror.
-func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult) (StepResult, error) {
+// move to the device (unless onDevice: they are there), the global checks
+// run there over every subgroup whatever its role, then the update phase,
+// then the working copy comes back to the host mirror (unless onDevice:
+// the mirror is then stale, workStale).
+func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult, onDevice bool) (StepResult, error) {
 	// A lazy checkpoint in capture: the engine waits per subgroup (Hold,
 	// set by SaveAsync); the resident state's D2H is ordered before the
 	// kernels on the device. o.pending.d2h stays: syncHost must still
 	// wait for the capture before bringing resident state back.
-	if o.dev == devHostAhead {
-		if err := o.eng.Load(); err != nil {
+	if o.dev == devHostAhead && onDevice {
+		// The trainer's forward read a device copy that was not the
+		// master weights' (SyncDevice was due): its gradients are not
+		// theirs.
+		return res, errors.New("offload: Step with GradOnDevice, but New, SetParam or LoadCheckpoint changed the master weights since the last SyncDevice: the gradients came from a stale device working copy (call SyncDevice before the forward)")
+	}
+	if err := o.loadDevice(); err != nil {
+		return res, err
+	}
+	if !onDevice {
+		if err := o.eng.SetGrad(o.grad); err != nil {
 			return res, o.engineErr(err)
 		}
-		o.dev = devSynced
-	}
-	if err := o.eng.SetGrad(o.grad); err != nil {
-		return res, o.engineErr(err)
 	}
 	finite, ss, err := o.eng.Stats(unscale)
 	if err != nil {
@@ -886,12 +993,65 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult)
 		o.dev = devDeviceAhead
 	}
 	res.Step = o.step
-	if gerr := o.eng.GetWorking(o.work.Data); gerr != nil && err == nil {
+	if onDevice {
+		o.workStale.Store(true) // Working fetches it
+	} else if gerr := o.eng.GetWorking(o.work.Data); gerr != nil {
+		o.workStale.Store(true) // Working tries again
 		o.noteBroken()
-		err = fmt.Errorf("offload: step %d was taken, but its working copy did not come back: %w", o.step, gerr)
+		if err == nil {
+			err = fmt.Errorf("offload: step %d was taken, but its working copy did not come back: %w", o.step, gerr)
+		}
+	} else {
+		o.workStale.Store(false)
 	}
 	res.Elapsed = time.Since(start)
 	return res, err
+}
+
+// syncWorking brings the device working copy into the host buffers when a
+// Step with GradOnDevice left them behind (workStale). The caller holds
+// o.mu.
+func (o *Optimizer) syncWorking() error {
+	switch {
+	case !o.workStale.Load():
+		return nil
+	case o.pool == nil:
+		return fmt.Errorf("%w: the working copy did not come back from the device at Close; the host copy is a step or more behind", ErrClosed)
+	case o.dev == devBroken || o.eng == nil:
+		return fmt.Errorf("offload: %w: the host working copy is a step or more behind the device's, which cannot be read (LoadCheckpoint restores both)", scheduler.ErrBroken)
+	}
+	if err := o.eng.GetWorking(o.work.Data); err != nil {
+		o.noteBroken()
+		return fmt.Errorf("offload: fetching the working copy from the device: %w", err)
+	}
+	o.workStale.Store(false)
+	return nil
+}
+
+// SyncHost makes every host view current after Steps with
+// StepArgs.GradOnDevice: the working copy (Working, which fetches it on
+// its own but cannot report an error) and, with resident subgroups, the
+// master state (which Master, Snapshot and SaveCheckpoint fetch on their
+// own). Without Options.Device, or when nothing is behind, it does
+// nothing.
+//
+// Errors: ErrClosed; scheduler.ErrBroken (wrapped) after a device fault; a
+// failed copy.
+func (o *Optimizer) SyncHost() error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	switch {
+	case o.pool == nil:
+		return ErrClosed
+	case o.opts.Device == nil:
+		return nil
+	case o.dev == devBroken:
+		return fmt.Errorf("offload: %w (LoadCheckpoint restores one)", scheduler.ErrBroken)
+	}
+	if err := o.syncHost(); err != nil {
+		return err
+	}
+	return o.syncWorking()
 }
 
 // clipCoef follows torch.nn.utils.clip_grad_norm_ in fp32: the total norm is

@@ -1,0 +1,207 @@
+package offload
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// ErrNoDevice is the error of the device views, SyncDevice and
+// StepArgs.GradOnDevice on an optimizer without Options.Device: its
+// gradients and working copy are host memory only (Grad, Working).
+var ErrNoDevice = errors.New("offload: no device buffers: Options.Device is not set (the gradients and working copy are in host memory: Grad, Working)")
+
+// ErrStaleView is DeviceTensor.Valid's error for a view of an engine the
+// optimizer no longer has: LoadCheckpoint replaced it after a device
+// fault. Ask DeviceGrad or DeviceWorking again.
+var ErrStaleView = errors.New("offload: a stale device view: LoadCheckpoint replaced the engine after a device fault (ask DeviceGrad or DeviceWorking again)")
+
+// DeviceTensor is one parameter's buffer in the device memory of
+// Options.Device, the one the update phase reads or writes: its gradient,
+// which a GPU trainer's backward writes (DeviceGrad), or its 16-bit working
+// copy, which its forward and backward read (DeviceWorking). Len elements
+// of DType, contiguous, row-major in Shape, as Grad and Working on the
+// host.
+//
+// A view stays valid, at the same address, from the call that returned it
+// until Close, or until a LoadCheckpoint that replaces the engine (the one
+// that follows a device fault, scheduler.ErrBroken); Valid says which.
+// Nothing else moves it: Step, SetParam, SaveCheckpoint, SaveAsync and a
+// LoadCheckpoint of a working optimizer keep it. Its contents follow the
+// rules of Optimizer.DeviceGrad and DeviceWorking.
+type DeviceTensor struct {
+	Name  string
+	Shape []int
+	DType adam.DType // Options.GradDType for a gradient, Options.WorkingDType for the working copy
+	Len   int        // elements, the product of Shape
+	// Ptr is the device address of the first element (a CUdeviceptr) on
+	// a CUDA device; 0 on a device without addresses (the simulated
+	// one). The parameters lie end to end in one flat buffer (ParamInfo's
+	// Offset), so Ptr is aligned to DType's size only, and to 16 bytes
+	// when the elements before it in the flat space are a multiple of
+	// 16 bytes.
+	Ptr uint64
+	// Vec is the same memory as the engine addresses it: elements
+	// [Vec.Off, Vec.Off+Vec.N) of DType in the flat buffer Vec.Mem (on
+	// the simulated device, scheduler.Sim.HostView reads and writes
+	// them).
+	Vec scheduler.Vec
+
+	o   *Optimizer
+	eng *scheduler.Engine
+}
+
+// Bytes returns the view's size in bytes: Len times DType's size.
+func (t DeviceTensor) Bytes() int64 { return int64(t.Len) * int64(t.DType.Size()) }
+
+// Valid reports whether t still addresses the optimizer's device memory
+// and may be used.
+//
+// Errors: ErrClosed after Close; ErrStaleView after a LoadCheckpoint
+// replaced the engine; scheduler.ErrBroken (wrapped) while a device fault
+// left the optimizer broken (the LoadCheckpoint that repairs it replaces
+// the engine); an error for a DeviceTensor no optimizer returned.
+func (t DeviceTensor) Valid() error {
+	if t.o == nil {
+		return errors.New("offload: a DeviceTensor that no optimizer returned")
+	}
+	o := t.o
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	switch {
+	case o.pool == nil:
+		return ErrClosed
+	case o.eng != t.eng:
+		return ErrStaleView
+	case o.dev == devBroken:
+		return fmt.Errorf("offload: %w (the LoadCheckpoint that restores one replaces the device buffers)", scheduler.ErrBroken)
+	}
+	return nil
+}
+
+// DeviceGrad returns the device gradient of parameter i (in New's order),
+// of Options.GradDType: where a GPU trainer's backward writes it for a
+// Step with StepArgs.GradOnDevice. A Step without GradOnDevice overwrites
+// it with the host gradient (Grad); ZeroGrad zeroes it; nothing else
+// writes it. See DeviceTensor for how long the view holds, and StepArgs.
+// GradOnDevice for the order of the trainer's device work and the
+// optimizer's calls. Panics if i is out of range.
+//
+// Errors: ErrNoDevice without Options.Device; ErrClosed; scheduler.
+// ErrBroken (wrapped) while a device fault left the optimizer broken.
+func (o *Optimizer) DeviceGrad(i int) (DeviceTensor, error) {
+	lo, hi := o.span(i)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if err := o.deviceViews(); err != nil {
+		return DeviceTensor{}, err
+	}
+	return o.deviceTensor(i, o.opts.GradDType, o.eng.Grad(), lo, hi), nil
+}
+
+// DeviceWorking returns the device working copy of parameter i (in New's
+// order), of Options.WorkingDType: what a GPU trainer's forward and
+// backward read. Step writes it (every update, with or without
+// StepArgs.GradOnDevice), and so does SyncDevice; after New, SetParam
+// and LoadCheckpoint it is behind the master weights until SyncDevice
+// (or a Step without GradOnDevice) moves them there: call SyncDevice
+// before the first forward that reads it. See DeviceTensor for how long
+// the view holds. Panics if i is out of range.
+//
+// Errors: those of DeviceGrad.
+func (o *Optimizer) DeviceWorking(i int) (DeviceTensor, error) {
+	lo, hi := o.span(i)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if err := o.deviceViews(); err != nil {
+		return DeviceTensor{}, err
+	}
+	return o.deviceTensor(i, o.opts.WorkingDType, o.eng.Working(), lo, hi), nil
+}
+
+// DeviceGradOf is DeviceGrad of the parameter named name.
+//
+// Errors: no such parameter (the error names it); those of DeviceGrad.
+func (o *Optimizer) DeviceGradOf(name string) (DeviceTensor, error) {
+	i, err := o.Index(name)
+	if err != nil {
+		return DeviceTensor{}, err
+	}
+	return o.DeviceGrad(i)
+}
+
+// DeviceWorkingOf is DeviceWorking of the parameter named name.
+//
+// Errors: no such parameter (the error names it); those of DeviceGrad.
+func (o *Optimizer) DeviceWorkingOf(name string) (DeviceTensor, error) {
+	i, err := o.Index(name)
+	if err != nil {
+		return DeviceTensor{}, err
+	}
+	return o.DeviceWorking(i)
+}
+
+// deviceViews says why there are no device views now, if so. The caller
+// holds o.mu.
+func (o *Optimizer) deviceViews() error {
+	switch {
+	case o.opts.Device == nil:
+		return ErrNoDevice
+	case o.pool == nil:
+		return ErrClosed
+	case o.dev == devBroken || o.eng == nil:
+		return fmt.Errorf("offload: %w: no device views until LoadCheckpoint restores a state", scheduler.ErrBroken)
+	}
+	return nil
+}
+
+// deviceTensor is the view of elements [lo, hi) of the flat device buffer
+// all of dtype d, for parameter i. The caller holds o.mu.
+func (o *Optimizer) deviceTensor(i int, d adam.DType, all scheduler.Vec, lo, hi int) DeviceTensor {
+	t := DeviceTensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: d, Len: hi - lo,
+		Vec: scheduler.Vec{Mem: all.Mem, Off: all.Off + int64(lo), N: int64(hi - lo)}, o: o, eng: o.eng}
+	// A CUDA device's memory has an address (scheduler's CUDA Mem is a
+	// *cuda.Buffer); the simulated device's has none.
+	if a, ok := all.Mem.(interface{ Ptr() uint64 }); ok {
+		t.Ptr = a.Ptr() + uint64(t.Vec.Off)*uint64(d.Size())
+	}
+	return t
+}
+
+// SyncDevice makes the device buffers current for a GPU trainer's
+// forward: when New (the master weights at zero), SetParam or
+// LoadCheckpoint changed the host state since the last Step or
+// SyncDevice, it moves the state to the device (the resident subgroups'
+// state, and the working copy of every parameter rounded from the master
+// weights, scheduler.Engine.Load) and waits for the copies; otherwise it
+// does nothing. Call it after setting the initial values or loading a
+// checkpoint, before the first forward that reads DeviceWorking, with no
+// device work of the trainer in flight on the working copy. A Step with
+// StepArgs.GradOnDevice refuses to run when it was needed and not called
+// (the gradients were computed from stale weights).
+//
+// Errors: ErrNoDevice without Options.Device; ErrClosed; scheduler.
+// ErrBroken (wrapped) after a device fault; a failed copy.
+func (o *Optimizer) SyncDevice() error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if err := o.deviceViews(); err != nil {
+		return err
+	}
+	return o.loadDevice()
+}
+
+// loadDevice moves the host state to the device when it is ahead. The
+// caller holds o.mu.
+func (o *Optimizer) loadDevice() error {
+	if o.dev != devHostAhead {
+		return nil
+	}
+	if err := o.eng.Load(); err != nil {
+		return o.engineErr(err)
+	}
+	o.dev = devSynced
+	return nil
+}
