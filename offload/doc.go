@@ -29,6 +29,34 @@
 // workers and the device (Deep Optimizer States, Maurya et al., Middleware
 // 2024, §4), behind the same API.
 //
+// # A trainer on the GPU
+//
+// A trainer whose forward and backward run on Options.Device (a CUDA
+// device) reads and writes the engine's device buffers themselves, with no
+// copy through the host: DeviceWorking(i) is parameter i's 16-bit working
+// copy (Options.WorkingDType) and DeviceGrad(i) its gradient
+// (Options.GradDType), DeviceTensor.Ptr their device addresses. The loop
+// becomes:
+//
+//  1. once, after SetParam (or LoadCheckpoint), SyncDevice: the master
+//     weights reach the device working copy;
+//  2. forward and backward on the trainer's stream, reading DeviceWorking
+//     and writing every DeviceGrad; then synchronize that stream;
+//  3. Step with StepArgs.GradOnDevice: the checks and clipping run on the
+//     device gradients as always, the update leaves the new working copy
+//     on the device, and every write of it is complete when Step returns,
+//     so the next forward, on any stream, reads it.
+//
+// The host buffers are then secondary: Working fetches the working copy
+// from the device when a Step with GradOnDevice left it behind (SyncHost
+// does it and reports errors); Master, Snapshot and the checkpoints read
+// the master state as always. The views hold until Close, or until a
+// LoadCheckpoint that replaces the engine after a device fault
+// (DeviceTensor.Valid). Options.GPUBudget bounds the update phase's own
+// device memory; Options.DeviceBytes is what the gradients and the working
+// copy take besides. On the simulated device ("sim") the same path runs
+// on the CPU, its memory reached through scheduler.Sim.HostView.
+//
 // # Subgroups
 //
 // The parameters are laid end to end in one flat space of P elements, in the

@@ -54,7 +54,9 @@ type Options struct {
 	// performance model's schedule (with Profile; Schedule forces one; all on the CPU
 	// without either). Grad and Working stay host views: Step uploads the
 	// gradients first, as a GPU trainer's backward would leave them, and
-	// downloads the working copy after. WorkingDType is then required.
+	// downloads the working copy after. A GPU trainer instead reads and
+	// writes the device buffers themselves (DeviceWorking, DeviceGrad,
+	// StepArgs.GradOnDevice). WorkingDType is then required.
 	// Not saved in checkpoints.
 	Device scheduler.Device `json:"-"`
 	// GPUBudget is the device memory in bytes the update phase may use on
@@ -62,7 +64,12 @@ type Options struct {
 	// scratch), perfmodel.Workload.GPUBudget. With Profile the model
 	// chooses within it (0: nothing on the GPU but the gradients and the
 	// working copy, so all on the CPU); a forced Schedule must fit it
-	// unless it is 0 (no limit checked).
+	// unless it is 0 (no limit checked). It does not count the gradients
+	// and the working copy, which New allocates on Device whatever it is
+	// (DeviceBytes). The engine holds all of it from New to Close. A GPU
+	// trainer sizes it from cuMemGetInfo's free memory once its own
+	// buffers (activations, workspaces) are allocated, less DeviceBytes,
+	// less a margin.
 	GPUBudget int64 `json:"-"`
 	// Groups are the parameter groups, as torch.optim's param_groups: each
 	// with its own lr and weight_decay (so biases and norms can skip
@@ -156,6 +163,17 @@ func (o *Options) Validate() error {
 		return errors.New("offload: Schedule and GPUBudget need a Device")
 	}
 	return nil
+}
+
+// DeviceBytes returns the device memory in bytes that New allocates on
+// Options.Device for params parameters (elements) outside GPUBudget: the
+// gradients (GradDType) and the 16-bit working copy (WorkingDType), as
+// many elements each. The update phase's own memory comes on top, within
+// GPUBudget (perfmodel.Workload.GPUMemory of the schedule). Zero fields
+// count with their defaults (GradDType F32).
+func (o Options) DeviceBytes(params int) int64 {
+	o.EnsureDefaults()
+	return int64(params) * int64(o.GradDType.Size()+2)
 }
 
 // String formats the options on one line.
