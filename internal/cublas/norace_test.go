@@ -1,0 +1,5 @@
+//go:build !race
+
+package cublas
+
+const raceEnabled = false
