@@ -3,6 +3,7 @@ package cublas
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"unsafe"
 
@@ -56,7 +57,9 @@ const statusNotSupported = 15
 func newError(call string, status int) *Error {
 	e := &Error{Call: call, Status: status}
 	e.Name = cStringResult(lib.getStatusName, status)
-	if e.Name == "" || e.Name == "<unknown>" {
+	// The library names a status it does not know "unrecognized status"
+	// (cuBLASLt 13) or "<unknown>": not a name.
+	if !strings.HasPrefix(e.Name, "CUBLAS_STATUS_") {
 		if n, ok := statusNames[status]; ok {
 			e.Name = n
 		} else {
