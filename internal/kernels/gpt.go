@@ -36,6 +36,10 @@ const (
 	gSoftmaxFwd
 	gSoftmaxBwd
 	gClassifier
+	gFlashFwd
+	gFlashBwdPre
+	gFlashBwdKV
+	gFlashBwdQ
 	numGPT
 )
 
@@ -44,7 +48,8 @@ var gptNames = [numGPT]string{
 	"gpt_layernorm_forward", "gpt_layernorm_backward", "gpt_colsum_partial", "gpt_colsum_finish",
 	"gpt_gelu_forward", "gpt_gelu_backward", "gpt_permute_qkv", "gpt_permute_qkv_backward",
 	"gpt_unpermute", "gpt_unpermute_backward", "gpt_softmax_forward", "gpt_softmax_backward",
-	"gpt_classifier",
+	"gpt_classifier", "gpt_flash_forward", "gpt_flash_backward_pre", "gpt_flash_backward_kv",
+	"gpt_flash_backward_q",
 }
 
 // GPT is gpt2.cu loaded on one device: the GPT-2 model's kernels other than
@@ -399,4 +404,51 @@ func ptxSource(name string, embedded []byte) ([]byte, error) {
 		return nil, fmt.Errorf("kernels: %s is set: %w", KernelsDirEnv, err)
 	}
 	return b, nil
+}
+
+// FlashHeadSize is the head size the flash-attention kernels take.
+const FlashHeadSize = 64
+
+// flashGrid is the launch shape of the flash-attention kernels: a block of
+// 128 threads per 64-row tile of each (b, h).
+func flashGrid(B, T, NH int) (cuda.Dim3, cuda.Dim3) {
+	return cuda.Dim3{X: uint32((T + 63) / 64), Y: uint32(B * NH), Z: 1}, cuda.Dim3{X: 128, Y: 1, Z: 1}
+}
+
+// FlashForward is causal self-attention for head size 64 without the T×T
+// matrices in memory (FlashAttention-2's forward, on bf16 tensor cores):
+// q, k, v are read in place from qkv16 [B, T, 3, NH, 64] (c_attn's output),
+// the output goes to out16 [B, T, NH, 64] (c_proj's input), and lse (fp32
+// [B, NH, T]) keeps each row's log-sum-exp of the scaled scores for
+// FlashBackward. scale is 1/sqrt(64). Deterministic.
+func (g *GPT) FlashForward(s *cuda.Stream, out, lse, qkv uint64, B, T, NH int, scale float32) error {
+	if err := positive(gFlashFwd, B, T, NH); err != nil {
+		return err
+	}
+	grid, block := flashGrid(B, T, NH)
+	g.begin().U64(out).U64(lse).U64(qkv).I32(int32(B)).I32(int32(T)).I32(int32(NH)).F32(scale)
+	return g.end(gFlashFwd, s, grid, block)
+}
+
+// FlashBackward is FlashForward's backward: from qkv16, its output out16,
+// the output's gradient dout16 [B, T, NH, 64] and lse, it writes dqkv16
+// [B, T, 3, NH, 64] (every element), using D (fp32 [B, NH, T]) as scratch
+// for rowsum(dout ∘ out). Three launches, no atomics: deterministic.
+func (g *GPT) FlashBackward(s *cuda.Stream, dqkv, qkv, out, dout, lse, D uint64, B, T, NH int, scale float32) error {
+	if err := positive(gFlashBwdPre, B, T, NH, B*T*NH); err != nil {
+		return err
+	}
+	grid, block := perRow(B * T * NH)
+	g.begin().U64(D).U64(out).U64(dout).I32(int32(B)).I32(int32(T)).I32(int32(NH))
+	if err := g.end(gFlashBwdPre, s, grid, block); err != nil {
+		return err
+	}
+	grid, block = flashGrid(B, T, NH)
+	for _, k := range []int{gFlashBwdKV, gFlashBwdQ} {
+		g.begin().U64(dqkv).U64(qkv).U64(dout).U64(lse).U64(D).I32(int32(B)).I32(int32(T)).I32(int32(NH)).F32(scale)
+		if err := g.end(k, s, grid, block); err != nil {
+			return err
+		}
+	}
+	return nil
 }

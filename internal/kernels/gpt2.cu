@@ -412,3 +412,313 @@ extern "C" __global__ void gpt_classifier(bf16 *__restrict__ logits, float *__re
 		x[j] = tobf((p - (j == tg ? 1.0f : 0.0f)) * dloss);
 	}
 }
+
+// ---- flash attention (head size 64) ----
+//
+// Causal attention without the T×T matrices in memory (Dao et al.,
+// FlashAttention-2, 2023): a block of 4 warps takes 64 query rows of one
+// (b, h); each warp owns 16 of them and walks the 64-key tiles up to the
+// diagonal with an online softmax, on bf16 tensor cores (nvcuda::wmma,
+// 16×16×16, fp32 accumulation). q, k and v are read in place from c_attn's
+// output qkv [B, T, 3, NH, 64] and the output goes straight to [B, T, NH,
+// 64], so no permutes run. Forward keeps the log-sum-exp of each row (lse
+// [B, NH, T], in units of the scaled scores) for backward.
+//
+// Backward is deterministic (no atomics): one kernel accumulates dK and dV
+// of a 64-key tile over the query tiles at or below the diagonal, another
+// dQ of a 64-query tile over the key tiles, each recomputing the
+// probabilities from lse. D = rowsum(dO ∘ O) comes from a small kernel
+// first. T need not be a multiple of 64: rows past T are zero and masked.
+
+#include <mma.h>
+using namespace nvcuda;
+
+#define FA_D 64  // head size
+#define FA_BR 64 // rows of a tile
+#define FA_THREADS 128
+
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> frag_a;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> frag_b_row;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> frag_b_col;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> frag_c;
+
+// fa_load copies rows t0..t0+63 of a [B*T, ld]-strided bf16 matrix (columns
+// col..col+63 of batch b) into a 64×64 shared tile, zeros past T.
+__device__ __forceinline__ void fa_load(bf16 *tile, const bf16 *src, long b, int t0, int T, long ld, long col) {
+	for (int i = threadIdx.x; i < FA_BR * FA_D / 8; i += FA_THREADS) {
+		int r = i / (FA_D / 8), c8 = i % (FA_D / 8);
+		uint4 v = make_uint4(0, 0, 0, 0);
+		int t = t0 + r;
+		if (t < T) v = *(const uint4 *)(src + (b * T + t) * ld + col + 8 * c8);
+		*(uint4 *)(tile + r * FA_D + 8 * c8) = v;
+	}
+}
+
+// fa_mma16x64 computes acc[n] (16×16 each, n = 0..3: a 16×64 result) = A
+// (16×64, four row-major fragments a[k]) · B (64×64 in shared memory): with
+// col, B is the transpose of the row-major tile (B[k][n] = tile[n][k]).
+__device__ __forceinline__ void fa_mma_tile(frag_c acc[4], const frag_a a[4], const bf16 *tile, bool transposed) {
+	for (int n = 0; n < 4; n++) {
+		wmma::fill_fragment(acc[n], 0.0f);
+		for (int k = 0; k < 4; k++) {
+			if (transposed) {
+				frag_b_col bfr;
+				wmma::load_matrix_sync(bfr, tile + (16 * n) * FA_D + 16 * k, FA_D);
+				wmma::mma_sync(acc[n], a[k], bfr, acc[n]);
+			} else {
+				frag_b_row bfr;
+				wmma::load_matrix_sync(bfr, tile + (16 * k) * FA_D + 16 * n, FA_D);
+				wmma::mma_sync(acc[n], a[k], bfr, acc[n]);
+			}
+		}
+	}
+}
+
+// The same with A from a warp's 16×64 bf16 buffer in shared memory,
+// accumulating into acc.
+__device__ __forceinline__ void fa_mma_acc(frag_c acc[4], const bf16 *a16, const bf16 *tile, bool transposed) {
+	frag_a a[4];
+	for (int k = 0; k < 4; k++) wmma::load_matrix_sync(a[k], a16 + 16 * k, FA_D);
+	for (int n = 0; n < 4; n++) {
+		for (int k = 0; k < 4; k++) {
+			if (transposed) {
+				frag_b_col bfr;
+				wmma::load_matrix_sync(bfr, tile + (16 * n) * FA_D + 16 * k, FA_D);
+				wmma::mma_sync(acc[n], a[k], bfr, acc[n]);
+			} else {
+				frag_b_row bfr;
+				wmma::load_matrix_sync(bfr, tile + (16 * k) * FA_D + 16 * n, FA_D);
+				wmma::mma_sync(acc[n], a[k], bfr, acc[n]);
+			}
+		}
+	}
+}
+
+__device__ __forceinline__ void fa_store(float *s, const frag_c acc[4]) {
+	for (int n = 0; n < 4; n++) wmma::store_matrix_sync(s + 16 * n, acc[n], FA_D, wmma::mem_row_major);
+}
+
+// Forward. Grid (ceil(T/64), B*NH), 128 threads. out [B, T, NH*64] bf16,
+// lse [B, NH, T] fp32, qkv [B, T, 3*NH*64] bf16.
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+gpt_flash_forward(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ qkv, int B, int T, int NH,
+                  float scale) {
+	__shared__ __align__(32) bf16 Ks[FA_BR * FA_D];
+	__shared__ __align__(32) bf16 Vs[FA_BR * FA_D];
+	__shared__ __align__(32) float Ss[4][16 * FA_D];
+	__shared__ __align__(32) bf16 QPs[4][16 * FA_D]; // Q's tile first, then each warp's P
+	int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	int qt = blockIdx.x, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+	long C = (long)NH * FA_D, ld = 3 * C;
+	int q0 = qt * FA_BR;
+	fa_load(&QPs[0][0], qkv, b, q0, T, ld, (long)h * FA_D);
+	__syncthreads();
+	frag_a qf[4];
+	for (int k = 0; k < 4; k++) wmma::load_matrix_sync(qf[k], &QPs[warp][0] + 16 * k, FA_D);
+	__syncthreads();
+	int r = lane >> 1, c0 = (lane & 1) * 32;
+	int q = q0 + warp * 16 + r; // this lane's query row
+	float o[32];
+	for (int i = 0; i < 32; i++) o[i] = 0.0f;
+	float m = -INFINITY, l = 0.0f;
+	float *S = Ss[warp];
+	bf16 *P = QPs[warp];
+	int last = min(qt, (T - 1) / FA_BR);
+	for (int kt = 0; kt <= last; kt++) {
+		int k0 = kt * FA_BR;
+		fa_load(Ks, qkv, b, k0, T, ld, C + (long)h * FA_D);
+		fa_load(Vs, qkv, b, k0, T, ld, 2 * C + (long)h * FA_D);
+		__syncthreads();
+		frag_c acc[4];
+		fa_mma_tile(acc, qf, Ks, true); // S = Q Kᵀ
+		fa_store(S, acc);
+		__syncwarp();
+		float mx = -INFINITY;
+		for (int i = 0; i < 32; i++) {
+			int key = k0 + c0 + i;
+			float s = S[r * FA_D + c0 + i] * scale;
+			if (key > q || key >= T) s = -INFINITY;
+			S[r * FA_D + c0 + i] = s;
+			mx = fmaxf(mx, s);
+		}
+		mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+		float mn = fmaxf(m, mx);
+		float mu = mn == -INFINITY ? 0.0f : mn; // a row with nothing yet (past T)
+		float alpha = __expf(m - mu), rs = 0.0f;
+		for (int i = 0; i < 32; i++) {
+			float p = __expf(S[r * FA_D + c0 + i] - mu);
+			rs += p;
+			P[r * FA_D + c0 + i] = tobf(p);
+		}
+		rs += __shfl_xor_sync(0xffffffffu, rs, 1);
+		l = l * alpha + rs;
+		m = mn;
+		for (int i = 0; i < 32; i++) o[i] *= alpha;
+		__syncwarp();
+		for (int n = 0; n < 4; n++) wmma::fill_fragment(acc[n], 0.0f);
+		fa_mma_acc(acc, P, Vs, false); // P V
+		fa_store(S, acc);
+		__syncwarp();
+		for (int i = 0; i < 32; i++) o[i] += S[r * FA_D + c0 + i];
+		__syncthreads(); // Ks, Vs are reloaded
+	}
+	if (q < T) {
+		float inv = 1.0f / l;
+		bf16 *dst = out + ((long)b * T + q) * C + (long)h * FA_D + c0;
+		for (int i = 0; i < 32; i++) dst[i] = tobf(o[i] * inv);
+		if ((lane & 1) == 0) lse[(long)bh * T + q] = m + logf(l);
+	}
+}
+
+// D[b, h, t] = sum over d of dout[b, t, h, d] * out[b, t, h, d], one warp per
+// (b, t, h); fp32.
+extern "C" __global__ void gpt_flash_backward_pre(float *__restrict__ D, const bf16 *__restrict__ out,
+                                                  const bf16 *__restrict__ dout, int B, int T, int NH) {
+	int row = warp_row(B * T * NH);
+	if (row < 0) return;
+	int lane = threadIdx.x % 32;
+	int h = row % NH, bt = row / NH, b = bt / T, t = bt % T;
+	long base = (long)row * FA_D;
+	float s = bf(out[base + lane]) * bf(dout[base + lane]) + bf(out[base + lane + 32]) * bf(dout[base + lane + 32]);
+	s = warp_sum(s);
+	if (lane == 0) D[((long)b * NH + h) * T + t] = s;
+}
+
+// dK, dV. Grid (ceil(T/64), B*NH): block (kt, bh) owns keys kt*64.. and
+// sums over query tiles qt >= kt. dqkv [B, T, 3*NH*64]: its k and v parts.
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+gpt_flash_backward_kv(bf16 *__restrict__ dqkv, const bf16 *__restrict__ qkv, const bf16 *__restrict__ dout,
+                      const float *__restrict__ lse, const float *__restrict__ D, int B, int T, int NH, float scale) {
+	__shared__ __align__(32) bf16 As[FA_BR * FA_D]; // K, then Q tiles
+	__shared__ __align__(32) bf16 Bs[FA_BR * FA_D]; // V, then dO tiles
+	__shared__ __align__(32) float Ss[4][16 * FA_D];
+	__shared__ __align__(32) bf16 Ps[4][16 * FA_D];
+	__shared__ float Ls[FA_BR], Ds[FA_BR];
+	int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	int kt = blockIdx.x, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+	long C = (long)NH * FA_D, ld = 3 * C;
+	int k0 = kt * FA_BR;
+	fa_load(As, qkv, b, k0, T, ld, C + (long)h * FA_D);
+	fa_load(Bs, qkv, b, k0, T, ld, 2 * C + (long)h * FA_D);
+	__syncthreads();
+	frag_a kf[4], vf[4];
+	for (int k = 0; k < 4; k++) {
+		wmma::load_matrix_sync(kf[k], As + (warp * 16) * FA_D + 16 * k, FA_D);
+		wmma::load_matrix_sync(vf[k], Bs + (warp * 16) * FA_D + 16 * k, FA_D);
+	}
+	frag_c dk[4], dv[4];
+	for (int n = 0; n < 4; n++) {
+		wmma::fill_fragment(dk[n], 0.0f);
+		wmma::fill_fragment(dv[n], 0.0f);
+	}
+	int r = lane >> 1, c0 = (lane & 1) * 32;
+	int key = k0 + warp * 16 + r; // this lane's key row
+	float *S = Ss[warp];
+	bf16 *P = Ps[warp];
+	float p[32];
+	int nq = (T + FA_BR - 1) / FA_BR;
+	for (int qt = kt; qt < nq; qt++) {
+		int q0 = qt * FA_BR;
+		__syncthreads(); // As, Bs are reloaded
+		fa_load(As, qkv, b, q0, T, ld, (long)h * FA_D);
+		fa_load(Bs, dout, b, q0, T, C, (long)h * FA_D);
+		for (int i = threadIdx.x; i < FA_BR; i += FA_THREADS) {
+			int q = q0 + i;
+			Ls[i] = q < T ? lse[(long)bh * T + q] : 0.0f;
+			Ds[i] = q < T ? D[(long)bh * T + q] : 0.0f;
+		}
+		__syncthreads();
+		frag_c acc[4];
+		fa_mma_tile(acc, kf, As, true); // Sᵀ = K Qᵀ (16 keys × 64 queries)
+		fa_store(S, acc);
+		__syncwarp();
+		for (int i = 0; i < 32; i++) {
+			int q = q0 + c0 + i;
+			bool ok = q >= key && q < T && key < T;
+			p[i] = ok ? __expf(S[r * FA_D + c0 + i] * scale - Ls[c0 + i]) : 0.0f;
+			P[r * FA_D + c0 + i] = tobf(p[i]);
+		}
+		__syncwarp();
+		fa_mma_acc(dv, P, Bs, false); // dV += Pᵀ dO
+		fa_mma_tile(acc, vf, Bs, true); // dPᵀ = V dOᵀ
+		fa_store(S, acc);
+		__syncwarp();
+		for (int i = 0; i < 32; i++) P[r * FA_D + c0 + i] = tobf(p[i] * (S[r * FA_D + c0 + i] - Ds[c0 + i]));
+		__syncwarp();
+		fa_mma_acc(dk, P, As, false); // dK += dSᵀ Q
+	}
+	// Out through the warp's S buffer: dK (scaled) and dV in bf16.
+	for (int pass = 0; pass < 2; pass++) {
+		__syncwarp();
+		fa_store(S, pass == 0 ? dk : dv);
+		__syncwarp();
+		if (key < T) {
+			float f = pass == 0 ? scale : 1.0f;
+			bf16 *dst = dqkv + ((long)b * T + key) * ld + (pass + 1) * C + (long)h * FA_D + c0;
+			for (int i = 0; i < 32; i++) dst[i] = tobf(S[r * FA_D + c0 + i] * f);
+		}
+	}
+}
+
+// dQ. Grid (ceil(T/64), B*NH): block (qt, bh) owns queries qt*64.. and sums
+// over key tiles kt <= qt. Writes dqkv's q part.
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+gpt_flash_backward_q(bf16 *__restrict__ dqkv, const bf16 *__restrict__ qkv, const bf16 *__restrict__ dout,
+                     const float *__restrict__ lse, const float *__restrict__ D, int B, int T, int NH, float scale) {
+	__shared__ __align__(32) bf16 As[FA_BR * FA_D]; // Q, then K tiles
+	__shared__ __align__(32) bf16 Bs[FA_BR * FA_D]; // dO, then V tiles
+	__shared__ __align__(32) float Ss[4][16 * FA_D];
+	__shared__ __align__(32) bf16 Ps[4][16 * FA_D];
+	int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	int qt = blockIdx.x, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+	long C = (long)NH * FA_D, ld = 3 * C;
+	int q0 = qt * FA_BR;
+	fa_load(As, qkv, b, q0, T, ld, (long)h * FA_D);
+	fa_load(Bs, dout, b, q0, T, C, (long)h * FA_D);
+	__syncthreads();
+	frag_a qf[4], dof[4];
+	for (int k = 0; k < 4; k++) {
+		wmma::load_matrix_sync(qf[k], As + (warp * 16) * FA_D + 16 * k, FA_D);
+		wmma::load_matrix_sync(dof[k], Bs + (warp * 16) * FA_D + 16 * k, FA_D);
+	}
+	frag_c dq[4];
+	for (int n = 0; n < 4; n++) wmma::fill_fragment(dq[n], 0.0f);
+	int r = lane >> 1, c0 = (lane & 1) * 32;
+	int q = q0 + warp * 16 + r; // this lane's query row
+	float L = q < T ? lse[(long)bh * T + q] : 0.0f;
+	float Dq = q < T ? D[(long)bh * T + q] : 0.0f;
+	float *S = Ss[warp];
+	bf16 *P = Ps[warp];
+	float p[32];
+	int last = min(qt, (T - 1) / FA_BR);
+	for (int kt = 0; kt <= last; kt++) {
+		int k0 = kt * FA_BR;
+		__syncthreads(); // As, Bs are reloaded
+		fa_load(As, qkv, b, k0, T, ld, C + (long)h * FA_D);
+		fa_load(Bs, qkv, b, k0, T, ld, 2 * C + (long)h * FA_D);
+		__syncthreads();
+		frag_c acc[4];
+		fa_mma_tile(acc, qf, As, true); // S = Q Kᵀ
+		fa_store(S, acc);
+		__syncwarp();
+		for (int i = 0; i < 32; i++) {
+			int key = k0 + c0 + i;
+			bool ok = key <= q && key < T && q < T;
+			p[i] = ok ? __expf(S[r * FA_D + c0 + i] * scale - L) : 0.0f;
+		}
+		__syncwarp();
+		fa_mma_tile(acc, dof, Bs, true); // dP = dO Vᵀ
+		fa_store(S, acc);
+		__syncwarp();
+		for (int i = 0; i < 32; i++) P[r * FA_D + c0 + i] = tobf(p[i] * (S[r * FA_D + c0 + i] - Dq));
+		__syncwarp();
+		fa_mma_acc(dq, P, As, false); // dQ += dS K
+	}
+	__syncwarp();
+	fa_store(S, dq);
+	__syncwarp();
+	if (q < T) {
+		bf16 *dst = dqkv + ((long)b * T + q) * ld + (long)h * FA_D + c0;
+		for (int i = 0; i < 32; i++) dst[i] = tobf(S[r * FA_D + c0 + i] * scale);
+	}
+}

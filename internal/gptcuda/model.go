@@ -1,0 +1,413 @@
+// Package gptcuda is the GPT-2 model on a CUDA device: forward and backward
+// of Hugging Face's GPT2LMHeadModel (the architecture gpt.Config describes)
+// in bf16 with fp32 accumulation, the way llm.c's train_gpt2.cu computes it
+// in C. The matrix products run in cuBLASLt (internal/cublas), everything
+// else in dos's kernels (internal/kernels, gpt2.cu).
+//
+// The model owns its activations; the weights it reads and the gradients it
+// writes are the caller's device memory, given per tensor as raw device
+// addresses of bf16 arrays in gpt.Config.Tensors order: a trainer hands it
+// offload.Optimizer's device views, so forward reads the optimizer's 16-bit
+// working copy and backward writes the gradients where the update phase
+// reads them, with no host round trip.
+//
+// Precision: weights, activations and gradients are bf16; the residual
+// stream and its gradient are fp32, as PyTorch's autocast keeps them; every
+// sum and element-wise formula is fp32; wte's gradient (the classifier's
+// and the embedding's contributions) is summed in fp32 and rounded once.
+// Every kernel is deterministic, so equal inputs give equal bits.
+//
+// Attention is cuBLAS's strided-batched products around a causal softmax
+// kernel, keeping every layer's attention matrix for backward (B·NH·T²
+// bf16 per layer; MemoryBytes counts it), or, for head size 64, dos's
+// flash-attention kernels, which store no T×T matrix (Options.Attention).
+//
+// A Model is not safe for concurrent use; all its work runs in order on one
+// stream.
+package gptcuda
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"unsafe"
+
+	"github.com/deepstates/dos/gpt"
+	"github.com/deepstates/dos/internal/cublas"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/kernels"
+)
+
+// Attention picks how a Model computes causal self-attention.
+type Attention int
+
+const (
+	// AttentionAuto is AttentionCuBLAS for now: the flash kernels use a
+	// third of the memory but run slower (BENCHMARKS.md).
+	AttentionAuto Attention = iota
+	// AttentionFlash runs kernels.GPT's flash-attention kernels (head size
+	// 64 only): no T×T matrix is stored.
+	AttentionFlash
+	// AttentionCuBLAS runs cuBLASLt's strided-batched products around a
+	// causal softmax kernel and keeps each layer's B·NH·T² attention
+	// matrix for backward.
+	AttentionCuBLAS
+)
+
+func (a Attention) String() string {
+	switch a {
+	case AttentionAuto:
+		return "auto"
+	case AttentionFlash:
+		return "flash"
+	case AttentionCuBLAS:
+		return "cublas"
+	}
+	return fmt.Sprintf("Attention(%d)", int(a))
+}
+
+// Options configure New; the zero value is the default.
+type Options struct {
+	Attention Attention
+}
+
+// resolve returns the attention New uses for head size hs.
+func (o Options) resolve(hs int) (Attention, error) {
+	switch o.Attention {
+	case AttentionAuto:
+		return AttentionCuBLAS, nil
+	case AttentionFlash:
+		if hs != kernels.FlashHeadSize {
+			return 0, fmt.Errorf("gptcuda: flash attention needs head size %d, not %d", kernels.FlashHeadSize, hs)
+		}
+		return AttentionFlash, nil
+	case AttentionCuBLAS:
+		return AttentionCuBLAS, nil
+	}
+	return 0, fmt.Errorf("gptcuda: unknown %v", o.Attention)
+}
+
+// Model is GPT-2 forward and backward on one device for a fixed batch B and
+// sequence length T.
+type Model struct {
+	cfg                gpt.Config
+	b, t               int
+	bt, c, nh, hs, v   int
+	l                  int
+	attn               Attention // resolved: flash or cublas
+	s                  *cuda.Stream
+	k                  *kernels.GPT
+	blas               *cublas.Handle
+	bufs               []*cuda.Buffer
+	host               *cuda.HostBuffer // tokens, targets, the wte segments; losses coming back
+	in                 *cuda.Buffer     // their device copy
+	trained            bool             // the last Forward computed the classifier's gradient
+	hasLoss            bool             // the last Forward computed the losses
+	count              []int32          // the segments' counting sort, VocabSize+1
+	lossBuf, logitBuf  *cuda.Buffer     // the buffers of act.lossesDev and act.logits
+	nseg               int              // wte segments of the last Forward
+	logitsHost         *cuda.HostBuffer
+	ok                 bool
+	act                activations
+	gemm               gemms
+	tokOff, tgtOff     int64 // byte offsets in host/in
+	posOff, segOff     int64
+	segTokOff, lossOff int64
+}
+
+// activations are the device addresses of what forward keeps for backward
+// and the scratch of both passes.
+type activations struct {
+	resid, resid2    uint64 // fp32 [L+1, BT, C], [L, BT, C]
+	ln1, ln2         uint64 // bf16 [L, BT, C]
+	ln1Stat, ln2Stat uint64 // fp32 [L, 2, BT]: mean, rstd
+	qkv              uint64 // bf16 [L, BT, 3C]
+	att              uint64 // bf16 [L, B*NH, T, T]
+	atty             uint64 // bf16 [L, BT, C]
+	fch, fchg        uint64 // bf16 [L, BT, 4C]: pre-GELU, post-GELU
+	lnf, lnfStat     uint64 // bf16 [BT, C], fp32 [2, BT]
+	logits           uint64 // bf16 [BT, V]
+	q, k, v, y       uint64 // bf16 [B, NH, T, HS]
+	dq, dk, dv       uint64
+	pre              uint64 // fp32 [B*NH, T, T]: scores, then their gradient
+	dpre             uint64 // bf16 [B*NH, T, T]
+	yproj            uint64 // bf16 [BT, C]: a projection's output before the residual add
+	dres             uint64 // fp32 [BT, C]
+	dres16, dln      uint64 // bf16 [BT, C]
+	dbig, dbig2      uint64 // bf16 [BT, 4C]
+	dwte             uint64 // fp32 [V, C]
+	part             uint64 // fp32 [ColSumChunks, 2, 4C]
+	tokens, targets  uint64 // int32 [BT], inside m.in
+	pos, seg, segTok uint64 // int32 [BT], [BT+1], [BT], inside m.in
+	lossesDev        uint64 // fp32 [BT]: each position's loss
+	lse, dsum        uint64 // flash: fp32 [L, B*NH, T] log-sum-exps; [B*NH, T] rowsum(dO ∘ O)
+}
+
+// gemms are the model's matrix products, built once (cuBLASLt caches its
+// descriptors per shape).
+type gemms struct {
+	qkv, proj, fc, fcproj, logits cublas.GEMM // forward
+	scores, attV                  cublas.GEMM
+	dW, dX                        [4]cublas.GEMM // qkv, proj, fc, fcproj
+	dwte, dlnf                    cublas.GEMM
+	datt, dv, dq, dk              cublas.GEMM
+}
+
+// MemoryBytes returns the device memory New allocates for cfg at batch B
+// and sequence length T with opts (activations, scratch and cuBLASLt's
+// workspace), in bytes; 0 when New would refuse the options. The caller's
+// weights and gradients are not included.
+func MemoryBytes(cfg gpt.Config, B, T int, opts Options) int64 {
+	list := arrays(cfg, B, T, opts)
+	if list == nil {
+		return 0
+	}
+	var n int64
+	for _, a := range list {
+		n += a.bytes
+	}
+	return n + cublas.WorkspaceBytes
+}
+
+// array is one device array of a Model: where its address goes, and its
+// size in bytes.
+type array struct {
+	p     func(*activations) *uint64
+	bytes int64
+}
+
+// arrays lists the Model's device arrays for cfg, B, T and opts (nil when
+// opts do not resolve).
+func arrays(cfg gpt.Config, B, T int, opts Options) []array {
+	attn, err := opts.resolve(cfg.NEmbd / cfg.NHead)
+	if err != nil {
+		return nil
+	}
+	L, BT, C, V := int64(cfg.NLayer), int64(B)*int64(T), int64(cfg.NEmbd), int64(cfg.VocabSize)
+	rows := int64(B) * int64(cfg.NHead) * int64(T) // attention rows, B*NH*T
+	att := rows * int64(T)
+	a := func(p func(*activations) *uint64, bytes int64) array { return array{p, bytes} }
+	list := []array{
+		a(func(x *activations) *uint64 { return &x.resid }, 4*(L+1)*BT*C),
+		a(func(x *activations) *uint64 { return &x.resid2 }, 4*L*BT*C),
+		a(func(x *activations) *uint64 { return &x.ln1 }, 2*L*BT*C),
+		a(func(x *activations) *uint64 { return &x.ln2 }, 2*L*BT*C),
+		a(func(x *activations) *uint64 { return &x.ln1Stat }, 4*L*2*BT),
+		a(func(x *activations) *uint64 { return &x.ln2Stat }, 4*L*2*BT),
+		a(func(x *activations) *uint64 { return &x.qkv }, 2*L*BT*3*C),
+		a(func(x *activations) *uint64 { return &x.atty }, 2*L*BT*C),
+		a(func(x *activations) *uint64 { return &x.fch }, 2*L*BT*4*C),
+		a(func(x *activations) *uint64 { return &x.fchg }, 2*L*BT*4*C),
+		a(func(x *activations) *uint64 { return &x.lnf }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.lnfStat }, 4*2*BT),
+		a(func(x *activations) *uint64 { return &x.logits }, 2*BT*V),
+		a(func(x *activations) *uint64 { return &x.yproj }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.dres }, 4*BT*C),
+		a(func(x *activations) *uint64 { return &x.dres16 }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.dln }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.dbig }, 2*BT*4*C),
+		a(func(x *activations) *uint64 { return &x.dbig2 }, 2*BT*4*C),
+		a(func(x *activations) *uint64 { return &x.dwte }, 4*V*C),
+		a(func(x *activations) *uint64 { return &x.part }, 4*kernels.ColSumChunks*2*4*C),
+		a(func(x *activations) *uint64 { return &x.lossesDev }, 4*BT),
+	}
+	if attn == AttentionFlash {
+		return append(list,
+			a(func(x *activations) *uint64 { return &x.lse }, 4*L*rows),
+			a(func(x *activations) *uint64 { return &x.dsum }, 4*rows))
+	}
+	return append(list,
+		a(func(x *activations) *uint64 { return &x.att }, 2*L*att),
+		a(func(x *activations) *uint64 { return &x.q }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.k }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.v }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.y }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.dq }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.dk }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.dv }, 2*BT*C),
+		a(func(x *activations) *uint64 { return &x.pre }, 4*att),
+		a(func(x *activations) *uint64 { return &x.dpre }, 2*att))
+}
+
+// New allocates a Model for cfg at batch B and sequence length T (1 <= T
+// <= cfg.NCtx) on s's device, with kernels k (kernels.LoadGPT) and a
+// cuBLASLt handle on s.
+//
+// Errors: an invalid cfg, B or T; cuBLASLt missing (cublas.Available's
+// reason); out of device memory (the error says how much MemoryBytes
+// wanted). Nothing is left allocated on error.
+func New(s *cuda.Stream, k *kernels.GPT, cfg gpt.Config, B, T int, opts Options) (*Model, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("gptcuda: %w", err)
+	}
+	if B < 1 || T < 1 || T > cfg.NCtx {
+		return nil, fmt.Errorf("gptcuda: batch %d, sequence length %d: want B >= 1 and 1 <= T <= n_positions = %d", B, T, cfg.NCtx)
+	}
+	if int64(B)*int64(T) > 1<<30 {
+		return nil, fmt.Errorf("gptcuda: batch %d × sequence length %d tokens is too many", B, T)
+	}
+	attn, err := opts.resolve(cfg.NEmbd / cfg.NHead)
+	if err != nil {
+		return nil, err
+	}
+	m := &Model{cfg: cfg, b: B, t: T, bt: B * T, c: cfg.NEmbd, nh: cfg.NHead, hs: cfg.NEmbd / cfg.NHead,
+		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, s: s, k: k}
+	if m.blas, err = cublas.New(s.Device(), s); err != nil {
+		return nil, fmt.Errorf("gptcuda: %w", err)
+	}
+	if err = m.alloc(); err != nil {
+		m.Close()
+		if cuda.IsOutOfMemory(err) {
+			return nil, fmt.Errorf("gptcuda: a GPT of %d layers, width %d, at batch %d × %d tokens needs %.2f GiB of device memory for activations: %w",
+				cfg.NLayer, cfg.NEmbd, B, T, float64(MemoryBytes(cfg, B, T, opts))/(1<<30), err)
+		}
+		return nil, fmt.Errorf("gptcuda: %w", err)
+	}
+	m.buildGEMMs()
+	m.ok = true
+	return m, nil
+}
+
+// alloc allocates every activation and scratch array.
+func (m *Model) alloc() error {
+	d := m.s.Device()
+	BT := int64(m.bt)
+	get := func(p *uint64, bytes int64) error {
+		b, err := d.Alloc(bytes)
+		if err != nil {
+			return err
+		}
+		m.bufs = append(m.bufs, b)
+		*p = b.Ptr()
+		return nil
+	}
+	for _, x := range arrays(m.cfg, m.b, m.t, Options{Attention: m.attn}) {
+		p := x.p(&m.act)
+		if err := get(p, x.bytes); err != nil {
+			return err
+		}
+		switch p {
+		case &m.act.lossesDev:
+			m.lossBuf = m.bufs[len(m.bufs)-1]
+		case &m.act.logits:
+			m.logitBuf = m.bufs[len(m.bufs)-1]
+		}
+	}
+	a := &m.act
+	// The per-batch inputs: tokens, targets, positions by token, segment
+	// starts, segment tokens (int32), laid out alike on the host and the
+	// device; the losses come back through the same pinned buffer.
+	m.tokOff, m.tgtOff = 0, 4*BT
+	m.posOff, m.segOff = 8*BT, 12*BT
+	m.segTokOff = 12*BT + 4*(BT+1)
+	inBytes := m.segTokOff + 4*BT
+	m.lossOff = (inBytes + 255) &^ 255
+	var err error
+	if m.host, err = d.HostAlloc(m.lossOff + 4*BT); err != nil {
+		return err
+	}
+	if m.in, err = d.Alloc(inBytes); err != nil {
+		return err
+	}
+	base := m.in.Ptr()
+	a.tokens, a.targets = base+uint64(m.tokOff), base+uint64(m.tgtOff)
+	a.pos, a.seg, a.segTok = base+uint64(m.posOff), base+uint64(m.segOff), base+uint64(m.segTokOff)
+	return nil
+}
+
+// buildGEMMs describes every matrix product once. Row-major: a linear
+// layer is y [BT, out] = x [BT, in] · W [in, out] (HF Conv1D); its
+// backward dx = dy · Wᵀ and dW = xᵀ · dy.
+func (m *Model) buildGEMMs() {
+	BT, C, V, T, HS := m.bt, m.c, m.v, m.t, m.hs
+	g := &m.gemm
+	lin := func(in, out int, ep cublas.Epilogue) cublas.GEMM {
+		return cublas.GEMM{M: BT, N: out, K: in, AType: cublas.BF16, CType: cublas.BF16, Epilogue: ep}
+	}
+	g.qkv, g.proj = lin(C, 3*C, cublas.Bias), lin(C, C, cublas.Bias)
+	g.fc, g.fcproj = lin(C, 4*C, cublas.Bias), lin(4*C, C, cublas.Bias)
+	g.logits = cublas.GEMM{M: BT, N: V, K: C, TransB: true, AType: cublas.BF16, CType: cublas.BF16}
+	for i, io := range [4][2]int{{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}} {
+		in, out := io[0], io[1]
+		g.dW[i] = cublas.GEMM{M: in, N: out, K: BT, TransA: true, AType: cublas.BF16, CType: cublas.BF16}
+		g.dX[i] = cublas.GEMM{M: BT, N: in, K: out, TransB: true, AType: cublas.BF16, CType: cublas.BF16}
+	}
+	g.dwte = cublas.GEMM{M: V, N: C, K: BT, TransA: true, AType: cublas.BF16, CType: cublas.F32}
+	g.dlnf = cublas.GEMM{M: BT, N: C, K: V, AType: cublas.BF16, CType: cublas.BF16}
+	batch := m.b * m.nh
+	tt, ths := int64(T)*int64(T), int64(T)*int64(HS)
+	bat := func(M, N, K int, ta, tb bool, sa, sb, sc int64, ct cublas.DType, alpha float32) cublas.GEMM {
+		return cublas.GEMM{M: M, N: N, K: K, TransA: ta, TransB: tb, Batch: batch, StrideA: sa, StrideB: sb, StrideC: sc,
+			AType: cublas.BF16, CType: ct, Alpha: alpha}
+	}
+	scale := float32(1 / math.Sqrt(float64(HS)))
+	g.scores = bat(T, T, HS, false, true, ths, ths, tt, cublas.F32, scale) // q kᵀ / sqrt(HS)
+	g.attV = bat(T, HS, T, false, false, tt, ths, ths, cublas.BF16, 0)     // att v
+	g.datt = bat(T, T, HS, false, true, ths, ths, tt, cublas.F32, 0)       // dy vᵀ
+	g.dv = bat(T, HS, T, true, false, tt, ths, ths, cublas.BF16, 0)        // attᵀ dy
+	g.dq = bat(T, HS, T, false, false, tt, ths, ths, cublas.BF16, 0)       // dpre k
+	g.dk = bat(T, HS, T, true, false, tt, ths, ths, cublas.BF16, 0)        // dpreᵀ q
+}
+
+// Attention returns the attention the model computes with (flash or
+// cublas).
+func (m *Model) Attention() Attention { return m.attn }
+
+// Config returns the model's configuration.
+func (m *Model) Config() gpt.Config { return m.cfg }
+
+// Shape returns the batch size B and sequence length T.
+func (m *Model) Shape() (B, T int) { return m.b, m.t }
+
+// Close frees the model's device and pinned memory and its cuBLASLt
+// handle, after the stream's work is done. A second Close does nothing.
+func (m *Model) Close() error {
+	var errs []error
+	if m.s != nil && m.ok {
+		errs = append(errs, m.s.Sync())
+	}
+	m.ok = false
+	for i := len(m.bufs) - 1; i >= 0; i-- {
+		errs = append(errs, m.bufs[i].Free())
+	}
+	m.bufs = nil
+	if m.in != nil {
+		errs = append(errs, m.in.Free())
+		m.in = nil
+	}
+	for _, h := range []**cuda.HostBuffer{&m.host, &m.logitsHost} {
+		if *h != nil {
+			errs = append(errs, (*h).Free())
+			*h = nil
+		}
+	}
+	if m.blas != nil {
+		errs = append(errs, m.blas.Close())
+		m.blas = nil
+	}
+	return errors.Join(errs...)
+}
+
+// ErrClosed is returned by a Model's methods after Close.
+var ErrClosed = errors.New("gptcuda: model closed")
+
+// tensors checks a tensor address list.
+func (m *Model) tensors(ts []uint64, what string) error {
+	if !m.ok {
+		return ErrClosed
+	}
+	if want := len(m.cfg.Tensors()); len(ts) != want {
+		return fmt.Errorf("gptcuda: %d %s tensors, want %d (gpt.Config.Tensors order)", len(ts), what, want)
+	}
+	for i, p := range ts {
+		if p == 0 {
+			return fmt.Errorf("gptcuda: %s tensor %d (%s) has a nil device address", what, i, m.cfg.Tensors()[i].Name)
+		}
+	}
+	return nil
+}
+
+// int32s views the pinned input buffer at byte offset off as n int32s.
+func (m *Model) int32s(off int64, n int) []int32 {
+	return unsafe.Slice((*int32)(unsafe.Pointer(&m.host.Bytes()[off])), n)
+}

@@ -1,0 +1,455 @@
+package gptcuda
+
+import (
+	"fmt"
+	"math"
+	"unsafe"
+
+	"github.com/deepstates/dos/gpt"
+)
+
+// Tensor indices in gpt.Config.Tensors order: the two embeddings, each
+// block's twelve tensors from gpt.LayerBase(l), and ln_f's two at the end.
+const (
+	tWte = gpt.Wte
+	tWpe = gpt.Wpe
+)
+
+// layer returns block l's tensor of index off (gpt.Ln1W ... gpt.FcProjB).
+func layer(ts []uint64, l, off int) uint64 { return ts[gpt.LayerBase(l)+off] }
+
+// lnf returns ln_f's weight and bias.
+func lnf(ts []uint64) (w, b uint64) { return ts[len(ts)-2], ts[len(ts)-1] }
+
+// Forward runs the model on a batch: tokens and targets are [B*T] token
+// ids, row-major over (b, t), each in [0, VocabSize); targets may be nil
+// when gradScale is 0 (then Loss is not available). weights are the bf16
+// tensors' device addresses in gpt.Config.Tensors order. The loss is the
+// mean cross-entropy over the B*T positions. With gradScale > 0 (1, or a
+// loss scale) the classifier also computes the gradient of gradScale ×
+// loss, which Backward carries through the model.
+//
+// Forward enqueues its work on the model's stream and returns: the host
+// slices are copied before it returns (through pinned memory), the device
+// work is not awaited. It allocates nothing.
+//
+// Errors: wrong lengths, a token or target out of range (naming the
+// position), a closed model, a failed launch.
+func (m *Model) Forward(weights []uint64, tokens, targets []int32, gradScale float32) error {
+	train := gradScale != 0
+	if !(gradScale >= 0) || math.IsInf(float64(gradScale), 0) {
+		return fmt.Errorf("gptcuda: Forward: gradient scale %v, want a finite value >= 0", gradScale)
+	}
+	if err := m.tensors(weights, "weight"); err != nil {
+		return err
+	}
+	if len(tokens) != m.bt {
+		return fmt.Errorf("gptcuda: Forward: %d tokens, want B*T = %d", len(tokens), m.bt)
+	}
+	if train && targets == nil {
+		return fmt.Errorf("gptcuda: Forward: training needs targets")
+	}
+	if targets != nil && len(targets) != m.bt {
+		return fmt.Errorf("gptcuda: Forward: %d targets, want B*T = %d", len(targets), m.bt)
+	}
+	// The previous batch's upload must be done before the pinned buffer
+	// is rewritten (a no-op when Loss or Backward already waited).
+	if err := m.s.Sync(); err != nil {
+		return fmt.Errorf("gptcuda: Forward: %w", err)
+	}
+	if err := m.stageInputs(tokens, targets, train); err != nil {
+		return err
+	}
+	m.trained = false
+	if err := m.forward(weights, targets != nil, gradScale); err != nil {
+		return fmt.Errorf("gptcuda: Forward: %w", err)
+	}
+	m.trained = train
+	m.hasLoss = targets != nil
+	return nil
+}
+
+// stageInputs writes tokens, targets and (for training) wte's segments
+// into the pinned buffer and uploads them.
+func (m *Model) stageInputs(tokens, targets []int32, train bool) error {
+	tok := m.int32s(m.tokOff, m.bt)
+	for i, x := range tokens {
+		if x < 0 || int(x) >= m.v {
+			return fmt.Errorf("gptcuda: Forward: token %d at position %d is outside the vocabulary [0, %d)", x, i, m.v)
+		}
+		tok[i] = x
+	}
+	n := m.tgtOff
+	if targets != nil {
+		tgt := m.int32s(m.tgtOff, m.bt)
+		for i, x := range targets {
+			if x < 0 || int(x) >= m.v {
+				return fmt.Errorf("gptcuda: Forward: target %d at position %d is outside the vocabulary [0, %d)", x, i, m.v)
+			}
+			tgt[i] = x
+		}
+		n = m.posOff
+	}
+	if train {
+		m.nseg = m.segments(tok)
+		n = m.segTokOff + 4*int64(m.nseg)
+	}
+	return m.s.CopyHtoD(m.in, 0, m.host, 0, n)
+}
+
+// segments sorts the positions by token (stably, a counting sort) for wte's
+// deterministic backward: segment s holds positions pos[seg[s]:seg[s+1]]
+// of token segTok[s]. It returns the number of segments.
+func (m *Model) segments(tok []int32) int {
+	if m.count == nil {
+		m.count = make([]int32, m.v+1)
+	}
+	cnt := m.count
+	clear(cnt)
+	for _, x := range tok {
+		cnt[x+1]++
+	}
+	seg := m.int32s(m.segOff, m.bt+1)
+	segTok := m.int32s(m.segTokOff, m.bt)
+	ns := 0
+	var start int32
+	for v := 0; v < m.v; v++ {
+		c := cnt[v+1]
+		cnt[v+1] = start // the next free slot of token v, then its start
+		if c > 0 {
+			seg[ns], segTok[ns] = start, int32(v)
+			ns++
+		}
+		start += c
+	}
+	seg[ns] = start
+	pos := m.int32s(m.posOff, m.bt)
+	for p, x := range tok {
+		pos[cnt[x+1]] = int32(p)
+		cnt[x+1]++
+	}
+	return ns
+}
+
+// forward enqueues the forward pass. With loss, the classifier computes
+// each position's loss; with gradScale > 0, it also leaves the gradient
+// of gradScale × the mean loss in place of the logits.
+func (m *Model) forward(w []uint64, loss bool, gradScale float32) error {
+	a, g, k, s := &m.act, &m.gemm, m.k, m.s
+	BT, C, L, T := m.bt, m.c, m.l, m.t
+	bc := int64(BT) * int64(C)
+	att := int64(m.b) * int64(m.nh) * int64(T) * int64(T)
+	if err := k.EncoderForward(s, a.resid, a.tokens, w[tWte], w[tWpe], BT, T, C); err != nil {
+		return err
+	}
+	if err := k.LayerNormForward(s, a.ln1, a.ln1Stat, a.ln1Stat+4*uint64(BT), 0, a.resid, 0,
+		layer(w, 0, gpt.Ln1W), layer(w, 0, gpt.Ln1B), BT, C); err != nil {
+		return err
+	}
+	for l := range L {
+		lu := uint64(l)
+		resid, resid2 := a.resid+4*lu*uint64(bc), a.resid2+4*lu*uint64(bc)
+		ln1, ln2 := a.ln1+2*lu*uint64(bc), a.ln2+2*lu*uint64(bc)
+		st2 := a.ln2Stat + 4*lu*2*uint64(BT)
+		qkv := a.qkv + 2*lu*3*uint64(bc)
+		attL := a.att + 2*lu*uint64(att)
+		atty := a.atty + 2*lu*uint64(bc)
+		fch, fchg := a.fch+2*lu*4*uint64(bc), a.fchg+2*lu*4*uint64(bc)
+		if err := m.blas.Matmul(&g.qkv, qkv, ln1, layer(w, l, gpt.AttnW), layer(w, l, gpt.AttnB), 0); err != nil {
+			return at(l, 0, err)
+		}
+		if err := m.attention(l, qkv, attL, atty); err != nil {
+			return at(l, 1, err)
+		}
+		if err := m.blas.Matmul(&g.proj, a.yproj, atty, layer(w, l, gpt.AttnProjW), layer(w, l, gpt.AttnProjB), 0); err != nil {
+			return at(l, 2, err)
+		}
+		if err := k.LayerNormForward(s, ln2, st2, st2+4*uint64(BT), resid2, resid, a.yproj,
+			layer(w, l, gpt.Ln2W), layer(w, l, gpt.Ln2B), BT, C); err != nil {
+			return at(l, 3, err)
+		}
+		if err := m.blas.Matmul(&g.fc, fch, ln2, layer(w, l, gpt.FcW), layer(w, l, gpt.FcB), 0); err != nil {
+			return at(l, 4, err)
+		}
+		if err := k.GELUForward(s, fchg, fch, 4*bc); err != nil {
+			return at(l, 5, err)
+		}
+		if err := m.blas.Matmul(&g.fcproj, a.yproj, fchg, layer(w, l, gpt.FcProjW), layer(w, l, gpt.FcProjB), 0); err != nil {
+			return at(l, 6, err)
+		}
+		// The residual add and the next LayerNorm: ln_1 of block l+1, or ln_f.
+		next := resid + 4*uint64(bc)
+		var err error
+		if l+1 < L {
+			st1 := a.ln1Stat + 4*(lu+1)*2*uint64(BT)
+			err = k.LayerNormForward(s, ln1+2*uint64(bc), st1, st1+4*uint64(BT), next, resid2, a.yproj,
+				layer(w, l+1, gpt.Ln1W), layer(w, l+1, gpt.Ln1B), BT, C)
+		} else {
+			fw, fb := lnf(w)
+			err = k.LayerNormForward(s, a.lnf, a.lnfStat, a.lnfStat+4*uint64(BT), next, resid2, a.yproj, fw, fb, BT, C)
+		}
+		if err != nil {
+			return at(l, 7, err)
+		}
+	}
+	if err := m.blas.Matmul(&g.logits, a.logits, a.lnf, w[tWte], 0, 0); err != nil {
+		return fmt.Errorf("logits: %w", err)
+	}
+	if !loss {
+		return nil
+	}
+	dloss := float32(float64(gradScale) / float64(BT))
+	return k.Classifier(s, a.logits, a.lossesDev, a.targets, dloss, BT, m.v)
+}
+
+// Loss waits for the last Forward and returns its mean cross-entropy over
+// the B*T positions, in nats, summed on the host in float64 in position
+// order.
+//
+// Errors: no Forward with targets since the last Backward, a device fault.
+func (m *Model) Loss() (float64, error) {
+	if !m.ok {
+		return 0, ErrClosed
+	}
+	if !m.hasLoss {
+		return 0, fmt.Errorf("gptcuda: Loss: no Forward with targets")
+	}
+	if err := m.s.CopyDtoH(m.host, m.lossOff, m.lossBuf, 0, 4*int64(m.bt)); err != nil {
+		return 0, fmt.Errorf("gptcuda: Loss: %w", err)
+	}
+	if err := m.s.Sync(); err != nil {
+		return 0, fmt.Errorf("gptcuda: Loss: %w", err)
+	}
+	losses := unsafe.Slice((*float32)(unsafe.Pointer(&m.host.Bytes()[m.lossOff])), m.bt)
+	var sum float64
+	for _, x := range losses {
+		sum += float64(x)
+	}
+	return sum / float64(m.bt), nil
+}
+
+// Backward computes the gradient of the last Forward's mean loss (which
+// must have had train set) with respect to every weight and writes it,
+// overwriting every element, into grads (bf16 device arrays in
+// gpt.Config.Tensors order, each the length of its tensor). weights must
+// be what that Forward read, unchanged. It enqueues on the model's stream
+// and returns; the gradients are complete once the stream's work is (sync
+// the stream, or wait on an event recorded after Backward, before an
+// optimizer reads them). It allocates nothing.
+//
+// Errors: no training Forward before it, wrong tensor lists, a failed
+// launch.
+func (m *Model) Backward(weights, grads []uint64) error {
+	if err := m.tensors(weights, "weight"); err != nil {
+		return err
+	}
+	if err := m.tensors(grads, "gradient"); err != nil {
+		return err
+	}
+	if !m.trained {
+		return fmt.Errorf("gptcuda: Backward without a training Forward before it")
+	}
+	m.trained = false
+	if err := m.backward(weights, grads); err != nil {
+		return fmt.Errorf("gptcuda: Backward: %w", err)
+	}
+	return nil
+}
+
+func (m *Model) backward(w, dw []uint64) error {
+	a, g, k, s := &m.act, &m.gemm, m.k, m.s
+	BT, C, L, T, V := m.bt, m.c, m.l, m.t, m.v
+	bc := int64(BT) * int64(C)
+	att := int64(m.b) * int64(m.nh) * int64(T) * int64(T)
+	statOff := 4 * uint64(BT)
+	// The classifier: logits now hold dlogits.
+	if err := m.blas.Matmul(&g.dwte, a.dwte, a.logits, a.lnf, 0, 0); err != nil {
+		return fmt.Errorf("dwte: %w", err)
+	}
+	if err := m.blas.Matmul(&g.dlnf, a.dln, a.logits, w[tWte], 0, 0); err != nil {
+		return fmt.Errorf("dlnf: %w", err)
+	}
+	fw, _ := lnf(w)
+	dfw, dfb := lnf(dw)
+	residL := a.resid + 4*uint64(L)*uint64(bc)
+	if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, residL, fw, a.lnfStat, a.lnfStat+statOff, false, BT, C); err != nil {
+		return err
+	}
+	if err := k.ColSum(s, dfb, dfw, a.part, a.dln, residL, a.lnfStat, a.lnfStat+statOff, BT, C); err != nil {
+		return err
+	}
+	for l := L - 1; l >= 0; l-- {
+		lu := uint64(l)
+		resid, resid2 := a.resid+4*lu*uint64(bc), a.resid2+4*lu*uint64(bc)
+		ln1, ln2 := a.ln1+2*lu*uint64(bc), a.ln2+2*lu*uint64(bc)
+		st1, st2 := a.ln1Stat+4*lu*2*uint64(BT), a.ln2Stat+4*lu*2*uint64(BT)
+		qkv := a.qkv + 2*lu*3*uint64(bc)
+		attL := a.att + 2*lu*uint64(att)
+		atty := a.atty + 2*lu*uint64(bc)
+		fch, fchg := a.fch+2*lu*4*uint64(bc), a.fchg+2*lu*4*uint64(bc)
+		// The MLP: dres16 is the gradient of c_proj's output.
+		if err := m.blas.Matmul(&g.dW[3], layer(dw, l, gpt.FcProjW), fchg, a.dres16, 0, 0); err != nil {
+			return at(l, 0, err)
+		}
+		if err := k.ColSum(s, layer(dw, l, gpt.FcProjB), 0, a.part, a.dres16, 0, 0, 0, BT, C); err != nil {
+			return at(l, 1, err)
+		}
+		if err := m.blas.Matmul(&g.dX[3], a.dbig, a.dres16, layer(w, l, gpt.FcProjW), 0, 0); err != nil {
+			return at(l, 2, err)
+		}
+		if err := k.GELUBackward(s, a.dbig2, fch, a.dbig, 4*bc); err != nil {
+			return at(l, 3, err)
+		}
+		if err := m.blas.Matmul(&g.dW[2], layer(dw, l, gpt.FcW), ln2, a.dbig2, 0, 0); err != nil {
+			return at(l, 4, err)
+		}
+		if err := k.ColSum(s, layer(dw, l, gpt.FcB), 0, a.part, a.dbig2, 0, 0, 0, BT, 4*C); err != nil {
+			return at(l, 5, err)
+		}
+		if err := m.blas.Matmul(&g.dX[2], a.dln, a.dbig2, layer(w, l, gpt.FcW), 0, 0); err != nil {
+			return at(l, 6, err)
+		}
+		if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, resid2, layer(w, l, gpt.Ln2W), st2, st2+statOff, true, BT, C); err != nil {
+			return at(l, 7, err)
+		}
+		if err := k.ColSum(s, layer(dw, l, gpt.Ln2B), layer(dw, l, gpt.Ln2W), a.part, a.dln, resid2, st2, st2+statOff, BT, C); err != nil {
+			return at(l, 8, err)
+		}
+		// Attention's output projection.
+		if err := m.blas.Matmul(&g.dW[1], layer(dw, l, gpt.AttnProjW), atty, a.dres16, 0, 0); err != nil {
+			return at(l, 9, err)
+		}
+		if err := k.ColSum(s, layer(dw, l, gpt.AttnProjB), 0, a.part, a.dres16, 0, 0, 0, BT, C); err != nil {
+			return at(l, 10, err)
+		}
+		if err := m.blas.Matmul(&g.dX[1], a.dln, a.dres16, layer(w, l, gpt.AttnProjW), 0, 0); err != nil {
+			return at(l, 11, err)
+		}
+		// Attention: dbig gets dqkv from datty (dln).
+		if err := m.attentionBackward(l, qkv, attL, atty); err != nil {
+			return at(l, 12, err)
+		}
+		// c_attn: dbig holds dqkv [BT, 3C].
+		if err := m.blas.Matmul(&g.dW[0], layer(dw, l, gpt.AttnW), ln1, a.dbig, 0, 0); err != nil {
+			return at(l, 13, err)
+		}
+		if err := k.ColSum(s, layer(dw, l, gpt.AttnB), 0, a.part, a.dbig, 0, 0, 0, BT, 3*C); err != nil {
+			return at(l, 14, err)
+		}
+		if err := m.blas.Matmul(&g.dX[0], a.dln, a.dbig, layer(w, l, gpt.AttnW), 0, 0); err != nil {
+			return at(l, 15, err)
+		}
+		if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, resid, layer(w, l, gpt.Ln1W), st1, st1+statOff, true, BT, C); err != nil {
+			return at(l, 16, err)
+		}
+		if err := k.ColSum(s, layer(dw, l, gpt.Ln1B), layer(dw, l, gpt.Ln1W), a.part, a.dln, resid, st1, st1+statOff, BT, C); err != nil {
+			return at(l, 17, err)
+		}
+	}
+	// The embeddings: dres is the gradient of wte[tok] + wpe[t].
+	if err := k.WpeBackward(s, dw[tWpe], a.dres, m.b, T, m.cfg.NCtx, C); err != nil {
+		return err
+	}
+	if m.nseg > 0 {
+		if err := k.WteBackward(s, a.dwte, a.dres, a.pos, a.seg, a.segTok, m.nseg, C); err != nil {
+			return err
+		}
+	}
+	return k.CastBF16(s, dw[tWte], a.dwte, int64(V)*int64(C))
+}
+
+// Logits waits for the last Forward and copies its logits, [B*T,
+// VocabSize] row-major, into dst as float32 (exact: they are bf16). After a
+// training Forward they hold the loss's gradient instead, and Logits
+// returns an error.
+func (m *Model) Logits(dst []float32) error {
+	if !m.ok {
+		return ErrClosed
+	}
+	n := m.bt * m.v
+	if len(dst) != n {
+		return fmt.Errorf("gptcuda: Logits: %d elements, want B*T*V = %d", len(dst), n)
+	}
+	if m.trained {
+		return fmt.Errorf("gptcuda: Logits: the last Forward trained; its logits were replaced by their gradient")
+	}
+	if m.logitsHost == nil {
+		h, err := m.s.Device().HostAlloc(2 * int64(n))
+		if err != nil {
+			return fmt.Errorf("gptcuda: Logits: %w", err)
+		}
+		m.logitsHost = h
+	}
+	if err := m.s.CopyDtoH(m.logitsHost, 0, m.logitBuf, 0, 2*int64(n)); err != nil {
+		return fmt.Errorf("gptcuda: Logits: %w", err)
+	}
+	if err := m.s.Sync(); err != nil {
+		return fmt.Errorf("gptcuda: Logits: %w", err)
+	}
+	src := unsafe.Slice((*uint16)(unsafe.Pointer(&m.logitsHost.Bytes()[0])), n)
+	for i, x := range src {
+		dst[i] = math.Float32frombits(uint32(x) << 16)
+	}
+	return nil
+}
+
+// at wraps the error of step i of block l's pass.
+func at(l, i int, err error) error { return fmt.Errorf("block %d, step %d: %w", l, i, err) }
+
+// attention enqueues block l's causal self-attention from qkv [BT, 3C] to
+// atty [BT, C]; attL is the layer's attention matrix (cuBLAS path only).
+func (m *Model) attention(l int, qkv, attL, atty uint64) error {
+	a, g, k, s, T := &m.act, &m.gemm, m.k, m.s, m.t
+	if m.attn == AttentionFlash {
+		rows := uint64(m.b) * uint64(m.nh) * uint64(T)
+		return k.FlashForward(s, atty, a.lse+4*uint64(l)*rows, qkv, m.b, T, m.nh, m.scale())
+	}
+	if err := k.PermuteQKV(s, a.q, a.k, a.v, qkv, m.b, T, m.nh, m.hs); err != nil {
+		return err
+	}
+	if err := m.blas.Matmul(&g.scores, a.pre, a.q, a.k, 0, 0); err != nil {
+		return err
+	}
+	if err := k.SoftmaxForward(s, attL, a.pre, m.b*m.nh*T, T); err != nil {
+		return err
+	}
+	if err := m.blas.Matmul(&g.attV, a.y, attL, a.v, 0, 0); err != nil {
+		return err
+	}
+	return k.Unpermute(s, atty, a.y, m.b, T, m.nh, m.hs)
+}
+
+// attentionBackward enqueues block l's attention backward: from datty (in
+// act.dln) to dqkv (in act.dbig, [BT, 3C]).
+func (m *Model) attentionBackward(l int, qkv, attL, atty uint64) error {
+	a, g, k, s, T := &m.act, &m.gemm, m.k, m.s, m.t
+	if m.attn == AttentionFlash {
+		rows := uint64(m.b) * uint64(m.nh) * uint64(T)
+		return k.FlashBackward(s, a.dbig, qkv, atty, a.dln, a.lse+4*uint64(l)*rows, a.dsum, m.b, T, m.nh, m.scale())
+	}
+	if err := k.UnpermuteBackward(s, a.y, a.dln, m.b, T, m.nh, m.hs); err != nil {
+		return err
+	}
+	if err := k.PermuteQKV(s, a.q, a.k, a.v, qkv, m.b, T, m.nh, m.hs); err != nil {
+		return err
+	}
+	if err := m.blas.Matmul(&g.datt, a.pre, a.y, a.v, 0, 0); err != nil {
+		return err
+	}
+	if err := m.blas.Matmul(&g.dv, a.dv, attL, a.y, 0, 0); err != nil {
+		return err
+	}
+	if err := k.SoftmaxBackward(s, a.dpre, a.pre, attL, m.scale(), m.b*m.nh*T, T); err != nil {
+		return err
+	}
+	if err := m.blas.Matmul(&g.dq, a.dq, a.dpre, a.k, 0, 0); err != nil {
+		return err
+	}
+	if err := m.blas.Matmul(&g.dk, a.dk, a.dpre, a.q, 0, 0); err != nil {
+		return err
+	}
+	return k.PermuteQKVBackward(s, a.dbig, a.dq, a.dk, a.dv, m.b, T, m.nh, m.hs)
+}
+
+// scale is attention's 1/sqrt(head size).
+func (m *Model) scale() float32 { return float32(1 / math.Sqrt(float64(m.hs))) }
