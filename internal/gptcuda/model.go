@@ -42,8 +42,8 @@ import (
 type Attention int
 
 const (
-	// AttentionAuto is AttentionCuBLAS for now: the flash kernels use a
-	// third of the memory but run slower (BENCHMARKS.md).
+	// AttentionAuto is AttentionFlash where the head size is 64 (every
+	// GPT-2 preset), else AttentionCuBLAS.
 	AttentionAuto Attention = iota
 	// AttentionFlash runs kernels.GPT's flash-attention kernels (head size
 	// 64 only): no T×T matrix is stored.
@@ -69,12 +69,19 @@ func (a Attention) String() string {
 // Options configure New; the zero value is the default.
 type Options struct {
 	Attention Attention
+	// SeparateGELU runs the GELU and its backward as kernels of their own
+	// instead of in cuBLASLt's epilogues (GELU_AUX_BIAS, DGELU) of the
+	// products around them.
+	SeparateGELU bool
 }
 
 // resolve returns the attention New uses for head size hs.
 func (o Options) resolve(hs int) (Attention, error) {
 	switch o.Attention {
 	case AttentionAuto:
+		if hs == kernels.FlashHeadSize {
+			return AttentionFlash, nil
+		}
 		return AttentionCuBLAS, nil
 	case AttentionFlash:
 		if hs != kernels.FlashHeadSize {
@@ -95,6 +102,7 @@ type Model struct {
 	bt, c, nh, hs, v   int
 	l                  int
 	attn               Attention // resolved: flash or cublas
+	fusedGELU          bool      // !Options.SeparateGELU
 	s                  *cuda.Stream
 	k                  *kernels.GPT
 	blas               *cublas.Handle
@@ -146,6 +154,7 @@ type activations struct {
 // gemms are the model's matrix products, built once (cuBLASLt caches its
 // descriptors per shape).
 type gemms struct {
+	fcGELU, dXGELU                cublas.GEMM // c_fc with the GELU epilogue; c_proj's dX with DGELU
 	qkv, proj, fc, fcproj, logits cublas.GEMM // forward
 	scores, attV                  cublas.GEMM
 	dW, dX                        [4]cublas.GEMM // qkv, proj, fc, fcproj
@@ -251,7 +260,7 @@ func New(s *cuda.Stream, k *kernels.GPT, cfg gpt.Config, B, T int, opts Options)
 		return nil, err
 	}
 	m := &Model{cfg: cfg, b: B, t: T, bt: B * T, c: cfg.NEmbd, nh: cfg.NHead, hs: cfg.NEmbd / cfg.NHead,
-		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, s: s, k: k}
+		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, fusedGELU: !opts.SeparateGELU, s: s, k: k}
 	if m.blas, err = cublas.New(s.Device(), s); err != nil {
 		return nil, fmt.Errorf("gptcuda: %w", err)
 	}
@@ -326,12 +335,15 @@ func (m *Model) buildGEMMs() {
 	}
 	g.qkv, g.proj = lin(C, 3*C, cublas.Bias), lin(C, C, cublas.Bias)
 	g.fc, g.fcproj = lin(C, 4*C, cublas.Bias), lin(4*C, C, cublas.Bias)
+	g.fcGELU = lin(C, 4*C, cublas.GELUAuxBias)
 	g.logits = cublas.GEMM{M: BT, N: V, K: C, TransB: true, AType: cublas.BF16, CType: cublas.BF16}
 	for i, io := range [4][2]int{{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}} {
 		in, out := io[0], io[1]
 		g.dW[i] = cublas.GEMM{M: in, N: out, K: BT, TransA: true, AType: cublas.BF16, CType: cublas.BF16}
 		g.dX[i] = cublas.GEMM{M: BT, N: in, K: out, TransB: true, AType: cublas.BF16, CType: cublas.BF16}
 	}
+	g.dXGELU = g.dX[3]
+	g.dXGELU.Epilogue = cublas.DGELU
 	g.dwte = cublas.GEMM{M: V, N: C, K: BT, TransA: true, AType: cublas.BF16, CType: cublas.F32}
 	g.dlnf = cublas.GEMM{M: BT, N: C, K: V, AType: cublas.BF16, CType: cublas.BF16}
 	batch := m.b * m.nh

@@ -39,7 +39,7 @@ func TestOptions(t *testing.T) {
 		want Attention
 		err  string
 	}{
-		{AttentionAuto, 64, AttentionCuBLAS, ""},
+		{AttentionAuto, 64, AttentionFlash, ""},
 		{AttentionAuto, 16, AttentionCuBLAS, ""},
 		{AttentionFlash, 64, AttentionFlash, ""},
 		{AttentionFlash, 32, 0, "head size 64, not 32"},

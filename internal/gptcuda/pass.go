@@ -168,14 +168,11 @@ func (m *Model) forward(w []uint64, loss bool, gradScale float32) error {
 			layer(w, l, gpt.Ln2W), layer(w, l, gpt.Ln2B), BT, C); err != nil {
 			return at(l, 3, err)
 		}
-		if err := m.blas.Matmul(&g.fc, fch, ln2, layer(w, l, gpt.FcW), layer(w, l, gpt.FcB), 0); err != nil {
+		if err := m.mlpUp(l, w, ln2, fch, fchg); err != nil {
 			return at(l, 4, err)
 		}
-		if err := k.GELUForward(s, fchg, fch, 4*bc); err != nil {
-			return at(l, 5, err)
-		}
 		if err := m.blas.Matmul(&g.fcproj, a.yproj, fchg, layer(w, l, gpt.FcProjW), layer(w, l, gpt.FcProjB), 0); err != nil {
-			return at(l, 6, err)
+			return at(l, 5, err)
 		}
 		// The residual add and the next LayerNorm: ln_1 of block l+1, or ln_f.
 		next := resid + 4*uint64(bc)
@@ -189,7 +186,7 @@ func (m *Model) forward(w []uint64, loss bool, gradScale float32) error {
 			err = k.LayerNormForward(s, a.lnf, a.lnfStat, a.lnfStat+4*uint64(BT), next, resid2, a.yproj, fw, fb, BT, C)
 		}
 		if err != nil {
-			return at(l, 7, err)
+			return at(l, 6, err)
 		}
 	}
 	if err := m.blas.Matmul(&g.logits, a.logits, a.lnf, w[tWte], 0, 0); err != nil {
@@ -294,56 +291,53 @@ func (m *Model) backward(w, dw []uint64) error {
 		if err := k.ColSum(s, layer(dw, l, gpt.FcProjB), 0, a.part, a.dres16, 0, 0, 0, BT, C); err != nil {
 			return at(l, 1, err)
 		}
-		if err := m.blas.Matmul(&g.dX[3], a.dbig, a.dres16, layer(w, l, gpt.FcProjW), 0, 0); err != nil {
+		if err := m.mlpDown(l, w, fch); err != nil {
 			return at(l, 2, err)
 		}
-		if err := k.GELUBackward(s, a.dbig2, fch, a.dbig, 4*bc); err != nil {
+		if err := m.blas.Matmul(&g.dW[2], layer(dw, l, gpt.FcW), ln2, a.dbig2, 0, 0); err != nil {
 			return at(l, 3, err)
 		}
-		if err := m.blas.Matmul(&g.dW[2], layer(dw, l, gpt.FcW), ln2, a.dbig2, 0, 0); err != nil {
+		if err := k.ColSum(s, layer(dw, l, gpt.FcB), 0, a.part, a.dbig2, 0, 0, 0, BT, 4*C); err != nil {
 			return at(l, 4, err)
 		}
-		if err := k.ColSum(s, layer(dw, l, gpt.FcB), 0, a.part, a.dbig2, 0, 0, 0, BT, 4*C); err != nil {
+		if err := m.blas.Matmul(&g.dX[2], a.dln, a.dbig2, layer(w, l, gpt.FcW), 0, 0); err != nil {
 			return at(l, 5, err)
 		}
-		if err := m.blas.Matmul(&g.dX[2], a.dln, a.dbig2, layer(w, l, gpt.FcW), 0, 0); err != nil {
+		if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, resid2, layer(w, l, gpt.Ln2W), st2, st2+statOff, true, BT, C); err != nil {
 			return at(l, 6, err)
 		}
-		if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, resid2, layer(w, l, gpt.Ln2W), st2, st2+statOff, true, BT, C); err != nil {
-			return at(l, 7, err)
-		}
 		if err := k.ColSum(s, layer(dw, l, gpt.Ln2B), layer(dw, l, gpt.Ln2W), a.part, a.dln, resid2, st2, st2+statOff, BT, C); err != nil {
-			return at(l, 8, err)
+			return at(l, 7, err)
 		}
 		// Attention's output projection.
 		if err := m.blas.Matmul(&g.dW[1], layer(dw, l, gpt.AttnProjW), atty, a.dres16, 0, 0); err != nil {
-			return at(l, 9, err)
+			return at(l, 8, err)
 		}
 		if err := k.ColSum(s, layer(dw, l, gpt.AttnProjB), 0, a.part, a.dres16, 0, 0, 0, BT, C); err != nil {
-			return at(l, 10, err)
+			return at(l, 9, err)
 		}
 		if err := m.blas.Matmul(&g.dX[1], a.dln, a.dres16, layer(w, l, gpt.AttnProjW), 0, 0); err != nil {
-			return at(l, 11, err)
+			return at(l, 10, err)
 		}
 		// Attention: dbig gets dqkv from datty (dln).
 		if err := m.attentionBackward(l, qkv, attL, atty); err != nil {
-			return at(l, 12, err)
+			return at(l, 11, err)
 		}
 		// c_attn: dbig holds dqkv [BT, 3C].
 		if err := m.blas.Matmul(&g.dW[0], layer(dw, l, gpt.AttnW), ln1, a.dbig, 0, 0); err != nil {
-			return at(l, 13, err)
+			return at(l, 12, err)
 		}
 		if err := k.ColSum(s, layer(dw, l, gpt.AttnB), 0, a.part, a.dbig, 0, 0, 0, BT, 3*C); err != nil {
-			return at(l, 14, err)
+			return at(l, 13, err)
 		}
 		if err := m.blas.Matmul(&g.dX[0], a.dln, a.dbig, layer(w, l, gpt.AttnW), 0, 0); err != nil {
-			return at(l, 15, err)
+			return at(l, 14, err)
 		}
 		if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, resid, layer(w, l, gpt.Ln1W), st1, st1+statOff, true, BT, C); err != nil {
-			return at(l, 16, err)
+			return at(l, 15, err)
 		}
 		if err := k.ColSum(s, layer(dw, l, gpt.Ln1B), layer(dw, l, gpt.Ln1W), a.part, a.dln, resid, st1, st1+statOff, BT, C); err != nil {
-			return at(l, 17, err)
+			return at(l, 16, err)
 		}
 	}
 	// The embeddings: dres is the gradient of wte[tok] + wpe[t].
@@ -453,3 +447,31 @@ func (m *Model) attentionBackward(l int, qkv, attL, atty uint64) error {
 
 // scale is attention's 1/sqrt(head size).
 func (m *Model) scale() float32 { return float32(1 / math.Sqrt(float64(m.hs))) }
+
+// mlpUp enqueues c_fc and the GELU: fchg = gelu(ln2 · W + b), the
+// pre-activation kept in fch; in one product with the GELU epilogue, or a
+// product and gpt_gelu_forward.
+func (m *Model) mlpUp(l int, w []uint64, ln2, fch, fchg uint64) error {
+	W, b := layer(w, l, gpt.FcW), layer(w, l, gpt.FcB)
+	if m.fusedGELU {
+		return m.blas.Matmul(&m.gemm.fcGELU, fchg, ln2, W, b, fch)
+	}
+	if err := m.blas.Matmul(&m.gemm.fc, fch, ln2, W, b, 0); err != nil {
+		return err
+	}
+	return m.k.GELUForward(m.s, fchg, fch, 4*int64(m.bt)*int64(m.c))
+}
+
+// mlpDown enqueues the gradient through c_proj's input and the GELU: dbig2
+// = (dres16 · Wᵀ) ∘ gelu'(fch); in one product with the DGELU epilogue, or
+// a product and gpt_gelu_backward.
+func (m *Model) mlpDown(l int, w []uint64, fch uint64) error {
+	a, W := &m.act, layer(w, l, gpt.FcProjW)
+	if m.fusedGELU {
+		return m.blas.Matmul(&m.gemm.dXGELU, a.dbig2, a.dres16, W, 0, fch)
+	}
+	if err := m.blas.Matmul(&m.gemm.dX[3], a.dbig, a.dres16, W, 0, 0); err != nil {
+		return err
+	}
+	return m.k.GELUBackward(m.s, a.dbig2, fch, a.dbig, 4*int64(m.bt)*int64(m.c))
+}

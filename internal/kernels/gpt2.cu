@@ -415,14 +415,17 @@ extern "C" __global__ void gpt_classifier(bf16 *__restrict__ logits, float *__re
 
 // ---- flash attention (head size 64) ----
 //
-// Causal attention without the T×T matrices in memory (Dao et al.,
-// FlashAttention-2, 2023): a block of 4 warps takes 64 query rows of one
-// (b, h); each warp owns 16 of them and walks the 64-key tiles up to the
-// diagonal with an online softmax, on bf16 tensor cores (nvcuda::wmma,
-// 16×16×16, fp32 accumulation). q, k and v are read in place from c_attn's
-// output qkv [B, T, 3, NH, 64] and the output goes straight to [B, T, NH,
-// 64], so no permutes run. Forward keeps the log-sum-exp of each row (lse
-// [B, NH, T], in units of the scaled scores) for backward.
+// Causal attention without the T×T matrices in memory (Dao, FlashAttention-2,
+// 2023): a block of 4 warps takes 64 query rows of one (b, h); each warp owns
+// 16 of them and walks the 64-key tiles up to the diagonal with an online
+// softmax. The products run on bf16 tensor cores through mma.sync
+// m16n8k16 (fp32 accumulation), whose register layout (PTX ISA, "Matrix
+// Fragments for mma.m16n8k16") lets the probabilities go from the score
+// accumulators straight into the next product's A operand. q, k and v are
+// read in place from c_attn's output qkv [B, T, 3, NH, 64] and the output
+// goes straight to [B, T, NH, 64], so no permutes run. Forward keeps the
+// log-sum-exp of each row (lse [B, NH, T], in units of the scaled scores)
+// for backward.
 //
 // Backward is deterministic (no atomics): one kernel accumulates dK and dV
 // of a 64-key tile over the query tiles at or below the diagonal, another
@@ -430,17 +433,10 @@ extern "C" __global__ void gpt_classifier(bf16 *__restrict__ logits, float *__re
 // probabilities from lse. D = rowsum(dO ∘ O) comes from a small kernel
 // first. T need not be a multiple of 64: rows past T are zero and masked.
 
-#include <mma.h>
-using namespace nvcuda;
-
-#define FA_D 64  // head size
-#define FA_BR 64 // rows of a tile
+#define FA_D 64       // head size
+#define FA_BR 64      // rows of a tile
+#define FA_LD 72      // a shared tile's row stride: 144 bytes, so fragment loads hit distinct banks
 #define FA_THREADS 128
-
-typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> frag_a;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> frag_b_row;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> frag_b_col;
-typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> frag_c;
 
 // fa_load copies rows t0..t0+63 of a [B*T, ld]-strided bf16 matrix (columns
 // col..col+63 of batch b) into a 64×64 shared tile, zeros past T.
@@ -450,52 +446,82 @@ __device__ __forceinline__ void fa_load(bf16 *tile, const bf16 *src, long b, int
 		uint4 v = make_uint4(0, 0, 0, 0);
 		int t = t0 + r;
 		if (t < T) v = *(const uint4 *)(src + (b * T + t) * ld + col + 8 * c8);
-		*(uint4 *)(tile + r * FA_D + 8 * c8) = v;
+		*(uint4 *)(tile + r * FA_LD + 8 * c8) = v;
 	}
 }
 
-// fa_mma16x64 computes acc[n] (16×16 each, n = 0..3: a 16×64 result) = A
-// (16×64, four row-major fragments a[k]) · B (64×64 in shared memory): with
-// col, B is the transpose of the row-major tile (B[k][n] = tile[n][k]).
-__device__ __forceinline__ void fa_mma_tile(frag_c acc[4], const frag_a a[4], const bf16 *tile, bool transposed) {
-	for (int n = 0; n < 4; n++) {
-		wmma::fill_fragment(acc[n], 0.0f);
-		for (int k = 0; k < 4; k++) {
-			if (transposed) {
-				frag_b_col bfr;
-				wmma::load_matrix_sync(bfr, tile + (16 * n) * FA_D + 16 * k, FA_D);
-				wmma::mma_sync(acc[n], a[k], bfr, acc[n]);
-			} else {
-				frag_b_row bfr;
-				wmma::load_matrix_sync(bfr, tile + (16 * k) * FA_D + 16 * n, FA_D);
-				wmma::mma_sync(acc[n], a[k], bfr, acc[n]);
-			}
+// D += A·B for one 16×8 tile, A 16×16 (4 registers of bf16 pairs), B 16×8
+// (2 registers), fp32 accumulators.
+__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+	asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+	             "{%0,%1,%2,%3};\n"
+	             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+	             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t ld32(const bf16 *p) { return *(const uint32_t *)p; }
+
+__device__ __forceinline__ uint32_t pack2(bf16 lo, bf16 hi) {
+	return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
+}
+
+__device__ __forceinline__ uint32_t packf(float lo, float hi) { return pack2(tobf(lo), tobf(hi)); }
+
+// In the helpers below g = lane / 4 and t = lane % 4. An accumulator tile
+// acc[8][4] is 16×64: element (j, i) is row g + 8*(i/2), column 8j + 2t +
+// i%2. An A operand a[4][4] is 16×64: a[kc] covers columns 16kc..16kc+15.
+
+// fa_load_a loads a warp's A operand: rows row0..row0+15 of a shared tile.
+__device__ __forceinline__ void fa_load_a(uint32_t a[4][4], const bf16 *tile, int row0, int g, int t) {
+	for (int kc = 0; kc < 4; kc++) {
+		const bf16 *p = tile + (row0 + g) * FA_LD + 16 * kc + 2 * t;
+		a[kc][0] = ld32(p);
+		a[kc][1] = ld32(p + 8 * FA_LD);
+		a[kc][2] = ld32(p + 8);
+		a[kc][3] = ld32(p + 8 * FA_LD + 8);
+	}
+}
+
+// fa_mma_abt: acc = A · tileᵀ (tile [64 n][64 k]), e.g. S = Q Kᵀ.
+__device__ __forceinline__ void fa_mma_abt(float acc[8][4], const uint32_t a[4][4], const bf16 *tile, int g, int t) {
+	for (int j = 0; j < 8; j++) {
+		acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+		for (int kc = 0; kc < 4; kc++) {
+			const bf16 *p = tile + (8 * j + g) * FA_LD + 16 * kc + 2 * t;
+			mma16816(acc[j], a[kc], ld32(p), ld32(p + 8));
 		}
 	}
 }
 
-// The same with A from a warp's 16×64 bf16 buffer in shared memory,
-// accumulating into acc.
-__device__ __forceinline__ void fa_mma_acc(frag_c acc[4], const bf16 *a16, const bf16 *tile, bool transposed) {
-	frag_a a[4];
-	for (int k = 0; k < 4; k++) wmma::load_matrix_sync(a[k], a16 + 16 * k, FA_D);
-	for (int n = 0; n < 4; n++) {
-		for (int k = 0; k < 4; k++) {
-			if (transposed) {
-				frag_b_col bfr;
-				wmma::load_matrix_sync(bfr, tile + (16 * n) * FA_D + 16 * k, FA_D);
-				wmma::mma_sync(acc[n], a[k], bfr, acc[n]);
-			} else {
-				frag_b_row bfr;
-				wmma::load_matrix_sync(bfr, tile + (16 * k) * FA_D + 16 * n, FA_D);
-				wmma::mma_sync(acc[n], a[k], bfr, acc[n]);
-			}
+// fa_mma_ab: acc += A · tile (tile [64 k][64 n]), e.g. O += P V.
+__device__ __forceinline__ void fa_mma_ab(float acc[8][4], const uint32_t a[4][4], const bf16 *tile, int g, int t) {
+	for (int j = 0; j < 8; j++) {
+		for (int kc = 0; kc < 4; kc++) {
+			const bf16 *p = tile + (16 * kc + 2 * t) * FA_LD + 8 * j + g;
+			mma16816(acc[j], a[kc], pack2(p[0], p[FA_LD]), pack2(p[8 * FA_LD], p[9 * FA_LD]));
 		}
 	}
 }
 
-__device__ __forceinline__ void fa_store(float *s, const frag_c acc[4]) {
-	for (int n = 0; n < 4; n++) wmma::store_matrix_sync(s + 16 * n, acc[n], FA_D, wmma::mem_row_major);
+// fa_acc_to_a rounds a 16×64 accumulator tile into an A operand.
+__device__ __forceinline__ void fa_acc_to_a(uint32_t a[4][4], const float acc[8][4]) {
+	for (int kc = 0; kc < 4; kc++) {
+		a[kc][0] = packf(acc[2 * kc][0], acc[2 * kc][1]);
+		a[kc][1] = packf(acc[2 * kc][2], acc[2 * kc][3]);
+		a[kc][2] = packf(acc[2 * kc + 1][0], acc[2 * kc + 1][1]);
+		a[kc][3] = packf(acc[2 * kc + 1][2], acc[2 * kc + 1][3]);
+	}
+}
+
+// fa_store writes rows (row[r], r = 0, 1: the lane's two rows) of a 16×64
+// accumulator tile times f into dst (row stride ld), skipping rows >= T.
+__device__ __forceinline__ void fa_store(bf16 *dst, long ld, const int row[2], int T, const float acc[8][4], float f,
+                                         int t) {
+	for (int r = 0; r < 2; r++) {
+		if (row[r] >= T) continue;
+		bf16 *d = dst + (long)row[r] * ld + 2 * t;
+		for (int j = 0; j < 8; j++) *(uint32_t *)(d + 8 * j) = packf(acc[j][2 * r] * f, acc[j][2 * r + 1] * f);
+	}
 }
 
 // Forward. Grid (ceil(T/64), B*NH), 128 threads. out [B, T, NH*64] bf16,
@@ -503,70 +529,72 @@ __device__ __forceinline__ void fa_store(float *s, const frag_c acc[4]) {
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
 gpt_flash_forward(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ qkv, int B, int T, int NH,
                   float scale) {
-	__shared__ __align__(32) bf16 Ks[FA_BR * FA_D];
-	__shared__ __align__(32) bf16 Vs[FA_BR * FA_D];
-	__shared__ __align__(32) float Ss[4][16 * FA_D];
-	__shared__ __align__(32) bf16 QPs[4][16 * FA_D]; // Q's tile first, then each warp's P
-	int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	__shared__ __align__(16) bf16 Qs[FA_BR * FA_LD];
+	__shared__ __align__(16) bf16 Ks[FA_BR * FA_LD];
+	__shared__ __align__(16) bf16 Vs[FA_BR * FA_LD];
+	int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
 	int qt = blockIdx.x, bh = blockIdx.y, b = bh / NH, h = bh % NH;
 	long C = (long)NH * FA_D, ld = 3 * C;
 	int q0 = qt * FA_BR;
-	fa_load(&QPs[0][0], qkv, b, q0, T, ld, (long)h * FA_D);
+	fa_load(Qs, qkv, b, q0, T, ld, (long)h * FA_D);
 	__syncthreads();
-	frag_a qf[4];
-	for (int k = 0; k < 4; k++) wmma::load_matrix_sync(qf[k], &QPs[warp][0] + 16 * k, FA_D);
-	__syncthreads();
-	int r = lane >> 1, c0 = (lane & 1) * 32;
-	int q = q0 + warp * 16 + r; // this lane's query row
-	float o[32];
-	for (int i = 0; i < 32; i++) o[i] = 0.0f;
-	float m = -INFINITY, l = 0.0f;
-	float *S = Ss[warp];
-	bf16 *P = QPs[warp];
-	int last = min(qt, (T - 1) / FA_BR);
-	for (int kt = 0; kt <= last; kt++) {
+	uint32_t qa[4][4];
+	fa_load_a(qa, Qs, warp * 16, g, t);
+	int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+	float o[8][4], s[8][4];
+	for (int j = 0; j < 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+	float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+	for (int kt = 0; kt <= qt; kt++) {
 		int k0 = kt * FA_BR;
+		__syncthreads(); // Ks, Vs are reloaded
 		fa_load(Ks, qkv, b, k0, T, ld, C + (long)h * FA_D);
 		fa_load(Vs, qkv, b, k0, T, ld, 2 * C + (long)h * FA_D);
 		__syncthreads();
-		frag_c acc[4];
-		fa_mma_tile(acc, qf, Ks, true); // S = Q Kᵀ
-		fa_store(S, acc);
-		__syncwarp();
-		float mx = -INFINITY;
-		for (int i = 0; i < 32; i++) {
-			int key = k0 + c0 + i;
-			float s = S[r * FA_D + c0 + i] * scale;
-			if (key > q || key >= T) s = -INFINITY;
-			S[r * FA_D + c0 + i] = s;
-			mx = fmaxf(mx, s);
+		fa_mma_abt(s, qa, Ks, g, t); // S = Q Kᵀ
+		float mx[2] = {-INFINITY, -INFINITY};
+		for (int j = 0; j < 8; j++) {
+			for (int i = 0; i < 4; i++) {
+				int key = k0 + 8 * j + 2 * t + (i & 1), r = i >> 1;
+				float v = s[j][i] * scale;
+				if (key > row[r] || key >= T) v = -INFINITY;
+				s[j][i] = v;
+				mx[r] = fmaxf(mx[r], v);
+			}
 		}
-		mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-		float mn = fmaxf(m, mx);
-		float mu = mn == -INFINITY ? 0.0f : mn; // a row with nothing yet (past T)
-		float alpha = __expf(m - mu), rs = 0.0f;
-		for (int i = 0; i < 32; i++) {
-			float p = __expf(S[r * FA_D + c0 + i] - mu);
-			rs += p;
-			P[r * FA_D + c0 + i] = tobf(p);
+		float mu[2], alpha[2], rs[2] = {0.0f, 0.0f};
+		for (int r = 0; r < 2; r++) {
+			mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+			mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+			float mn = fmaxf(m[r], mx[r]);
+			mu[r] = mn == -INFINITY ? 0.0f : mn; // a row with nothing yet (past T)
+			alpha[r] = __expf(m[r] - mu[r]);
+			m[r] = mn;
 		}
-		rs += __shfl_xor_sync(0xffffffffu, rs, 1);
-		l = l * alpha + rs;
-		m = mn;
-		for (int i = 0; i < 32; i++) o[i] *= alpha;
-		__syncwarp();
-		for (int n = 0; n < 4; n++) wmma::fill_fragment(acc[n], 0.0f);
-		fa_mma_acc(acc, P, Vs, false); // P V
-		fa_store(S, acc);
-		__syncwarp();
-		for (int i = 0; i < 32; i++) o[i] += S[r * FA_D + c0 + i];
-		__syncthreads(); // Ks, Vs are reloaded
+		for (int j = 0; j < 8; j++) {
+			for (int i = 0; i < 4; i++) {
+				float p = __expf(s[j][i] - mu[i >> 1]);
+				s[j][i] = p;
+				rs[i >> 1] += p;
+				o[j][i] *= alpha[i >> 1];
+			}
+		}
+		for (int r = 0; r < 2; r++) {
+			rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
+			rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
+			l[r] = l[r] * alpha[r] + rs[r];
+		}
+		uint32_t pa[4][4];
+		fa_acc_to_a(pa, s);
+		fa_mma_ab(o, pa, Vs, g, t); // O += P V
 	}
-	if (q < T) {
-		float inv = 1.0f / l;
-		bf16 *dst = out + ((long)b * T + q) * C + (long)h * FA_D + c0;
-		for (int i = 0; i < 32; i++) dst[i] = tobf(o[i] * inv);
-		if ((lane & 1) == 0) lse[(long)bh * T + q] = m + logf(l);
+	float inv[2] = {1.0f / l[0], 1.0f / l[1]};
+	for (int j = 0; j < 8; j++) {
+		for (int i = 0; i < 4; i++) o[j][i] *= inv[i >> 1];
+	}
+	fa_store(out + (long)b * T * C + (long)h * FA_D, C, row, T, o, 1.0f, t);
+	if (t == 0) {
+		for (int r = 0; r < 2; r++)
+			if (row[r] < T) lse[(long)bh * T + row[r]] = m[r] + logf(l[r]);
 	}
 }
 
@@ -585,37 +613,29 @@ extern "C" __global__ void gpt_flash_backward_pre(float *__restrict__ D, const b
 }
 
 // dK, dV. Grid (ceil(T/64), B*NH): block (kt, bh) owns keys kt*64.. and
-// sums over query tiles qt >= kt. dqkv [B, T, 3*NH*64]: its k and v parts.
+// sums over query tiles qt >= kt; each warp owns 16 keys. dqkv [B, T,
+// 3*NH*64]: its k and v parts.
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
 gpt_flash_backward_kv(bf16 *__restrict__ dqkv, const bf16 *__restrict__ qkv, const bf16 *__restrict__ dout,
                       const float *__restrict__ lse, const float *__restrict__ D, int B, int T, int NH, float scale) {
-	__shared__ __align__(32) bf16 As[FA_BR * FA_D]; // K, then Q tiles
-	__shared__ __align__(32) bf16 Bs[FA_BR * FA_D]; // V, then dO tiles
-	__shared__ __align__(32) float Ss[4][16 * FA_D];
-	__shared__ __align__(32) bf16 Ps[4][16 * FA_D];
+	__shared__ __align__(16) bf16 As[FA_BR * FA_LD]; // K, then Q tiles
+	__shared__ __align__(16) bf16 Bs[FA_BR * FA_LD]; // V, then dO tiles
 	__shared__ float Ls[FA_BR], Ds[FA_BR];
-	int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
 	int kt = blockIdx.x, bh = blockIdx.y, b = bh / NH, h = bh % NH;
 	long C = (long)NH * FA_D, ld = 3 * C;
 	int k0 = kt * FA_BR;
 	fa_load(As, qkv, b, k0, T, ld, C + (long)h * FA_D);
 	fa_load(Bs, qkv, b, k0, T, ld, 2 * C + (long)h * FA_D);
 	__syncthreads();
-	frag_a kf[4], vf[4];
-	for (int k = 0; k < 4; k++) {
-		wmma::load_matrix_sync(kf[k], As + (warp * 16) * FA_D + 16 * k, FA_D);
-		wmma::load_matrix_sync(vf[k], Bs + (warp * 16) * FA_D + 16 * k, FA_D);
+	uint32_t ka[4][4], va[4][4], pa[4][4];
+	fa_load_a(ka, As, warp * 16, g, t);
+	fa_load_a(va, Bs, warp * 16, g, t);
+	float dk[8][4], dv[8][4], s[8][4], dp[8][4];
+	for (int j = 0; j < 8; j++) {
+		for (int i = 0; i < 4; i++) dk[j][i] = dv[j][i] = 0.0f;
 	}
-	frag_c dk[4], dv[4];
-	for (int n = 0; n < 4; n++) {
-		wmma::fill_fragment(dk[n], 0.0f);
-		wmma::fill_fragment(dv[n], 0.0f);
-	}
-	int r = lane >> 1, c0 = (lane & 1) * 32;
-	int key = k0 + warp * 16 + r; // this lane's key row
-	float *S = Ss[warp];
-	bf16 *P = Ps[warp];
-	float p[32];
+	int row[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8}; // this lane's keys
 	int nq = (T + FA_BR - 1) / FA_BR;
 	for (int qt = kt; qt < nq; qt++) {
 		int q0 = qt * FA_BR;
@@ -628,97 +648,73 @@ gpt_flash_backward_kv(bf16 *__restrict__ dqkv, const bf16 *__restrict__ qkv, con
 			Ds[i] = q < T ? D[(long)bh * T + q] : 0.0f;
 		}
 		__syncthreads();
-		frag_c acc[4];
-		fa_mma_tile(acc, kf, As, true); // Sᵀ = K Qᵀ (16 keys × 64 queries)
-		fa_store(S, acc);
-		__syncwarp();
-		for (int i = 0; i < 32; i++) {
-			int q = q0 + c0 + i;
-			bool ok = q >= key && q < T && key < T;
-			p[i] = ok ? __expf(S[r * FA_D + c0 + i] * scale - Ls[c0 + i]) : 0.0f;
-			P[r * FA_D + c0 + i] = tobf(p[i]);
+		fa_mma_abt(s, ka, As, g, t); // Sᵀ = K Qᵀ (16 keys × 64 queries)
+		for (int j = 0; j < 8; j++) {
+			for (int i = 0; i < 4; i++) {
+				int c = 8 * j + 2 * t + (i & 1), q = q0 + c, key = row[i >> 1];
+				bool ok = q >= key && q < T && key < T;
+				s[j][i] = ok ? __expf(s[j][i] * scale - Ls[c]) : 0.0f; // Pᵀ
+			}
 		}
-		__syncwarp();
-		fa_mma_acc(dv, P, Bs, false); // dV += Pᵀ dO
-		fa_mma_tile(acc, vf, Bs, true); // dPᵀ = V dOᵀ
-		fa_store(S, acc);
-		__syncwarp();
-		for (int i = 0; i < 32; i++) P[r * FA_D + c0 + i] = tobf(p[i] * (S[r * FA_D + c0 + i] - Ds[c0 + i]));
-		__syncwarp();
-		fa_mma_acc(dk, P, As, false); // dK += dSᵀ Q
-	}
-	// Out through the warp's S buffer: dK (scaled) and dV in bf16.
-	for (int pass = 0; pass < 2; pass++) {
-		__syncwarp();
-		fa_store(S, pass == 0 ? dk : dv);
-		__syncwarp();
-		if (key < T) {
-			float f = pass == 0 ? scale : 1.0f;
-			bf16 *dst = dqkv + ((long)b * T + key) * ld + (pass + 1) * C + (long)h * FA_D + c0;
-			for (int i = 0; i < 32; i++) dst[i] = tobf(S[r * FA_D + c0 + i] * f);
+		fa_acc_to_a(pa, s);
+		fa_mma_ab(dv, pa, Bs, g, t);  // dV += Pᵀ dO
+		fa_mma_abt(dp, va, Bs, g, t); // dPᵀ = V dOᵀ
+		for (int j = 0; j < 8; j++) {
+			for (int i = 0; i < 4; i++) dp[j][i] = s[j][i] * (dp[j][i] - Ds[8 * j + 2 * t + (i & 1)]);
 		}
+		fa_acc_to_a(pa, dp);
+		fa_mma_ab(dk, pa, As, g, t); // dK += dSᵀ Q
 	}
+	bf16 *base = dqkv + (long)b * T * ld + (long)h * FA_D;
+	fa_store(base + C, ld, row, T, dk, scale, t);
+	fa_store(base + 2 * C, ld, row, T, dv, 1.0f, t);
 }
 
 // dQ. Grid (ceil(T/64), B*NH): block (qt, bh) owns queries qt*64.. and sums
-// over key tiles kt <= qt. Writes dqkv's q part.
+// over key tiles kt <= qt; each warp owns 16 queries. Writes dqkv's q part.
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
 gpt_flash_backward_q(bf16 *__restrict__ dqkv, const bf16 *__restrict__ qkv, const bf16 *__restrict__ dout,
                      const float *__restrict__ lse, const float *__restrict__ D, int B, int T, int NH, float scale) {
-	__shared__ __align__(32) bf16 As[FA_BR * FA_D]; // Q, then K tiles
-	__shared__ __align__(32) bf16 Bs[FA_BR * FA_D]; // dO, then V tiles
-	__shared__ __align__(32) float Ss[4][16 * FA_D];
-	__shared__ __align__(32) bf16 Ps[4][16 * FA_D];
-	int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	__shared__ __align__(16) bf16 As[FA_BR * FA_LD]; // Q, then K tiles
+	__shared__ __align__(16) bf16 Bs[FA_BR * FA_LD]; // dO, then V tiles
+	int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
 	int qt = blockIdx.x, bh = blockIdx.y, b = bh / NH, h = bh % NH;
 	long C = (long)NH * FA_D, ld = 3 * C;
 	int q0 = qt * FA_BR;
 	fa_load(As, qkv, b, q0, T, ld, (long)h * FA_D);
 	fa_load(Bs, dout, b, q0, T, C, (long)h * FA_D);
 	__syncthreads();
-	frag_a qf[4], dof[4];
-	for (int k = 0; k < 4; k++) {
-		wmma::load_matrix_sync(qf[k], As + (warp * 16) * FA_D + 16 * k, FA_D);
-		wmma::load_matrix_sync(dof[k], Bs + (warp * 16) * FA_D + 16 * k, FA_D);
+	uint32_t qa[4][4], da[4][4], pa[4][4];
+	fa_load_a(qa, As, warp * 16, g, t);
+	fa_load_a(da, Bs, warp * 16, g, t);
+	int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8}; // this lane's queries
+	float L[2], Dq[2];
+	for (int r = 0; r < 2; r++) {
+		L[r] = row[r] < T ? lse[(long)bh * T + row[r]] : 0.0f;
+		Dq[r] = row[r] < T ? D[(long)bh * T + row[r]] : 0.0f;
 	}
-	frag_c dq[4];
-	for (int n = 0; n < 4; n++) wmma::fill_fragment(dq[n], 0.0f);
-	int r = lane >> 1, c0 = (lane & 1) * 32;
-	int q = q0 + warp * 16 + r; // this lane's query row
-	float L = q < T ? lse[(long)bh * T + q] : 0.0f;
-	float Dq = q < T ? D[(long)bh * T + q] : 0.0f;
-	float *S = Ss[warp];
-	bf16 *P = Ps[warp];
-	float p[32];
-	int last = min(qt, (T - 1) / FA_BR);
-	for (int kt = 0; kt <= last; kt++) {
+	float dq[8][4], s[8][4], dp[8][4];
+	for (int j = 0; j < 8; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
+	for (int kt = 0; kt <= qt; kt++) {
 		int k0 = kt * FA_BR;
 		__syncthreads(); // As, Bs are reloaded
 		fa_load(As, qkv, b, k0, T, ld, C + (long)h * FA_D);
 		fa_load(Bs, qkv, b, k0, T, ld, 2 * C + (long)h * FA_D);
 		__syncthreads();
-		frag_c acc[4];
-		fa_mma_tile(acc, qf, As, true); // S = Q Kᵀ
-		fa_store(S, acc);
-		__syncwarp();
-		for (int i = 0; i < 32; i++) {
-			int key = k0 + c0 + i;
-			bool ok = key <= q && key < T && q < T;
-			p[i] = ok ? __expf(S[r * FA_D + c0 + i] * scale - L) : 0.0f;
+		fa_mma_abt(s, qa, As, g, t); // S = Q Kᵀ
+		for (int j = 0; j < 8; j++) {
+			for (int i = 0; i < 4; i++) {
+				int key = k0 + 8 * j + 2 * t + (i & 1), r = i >> 1;
+				bool ok = key <= row[r] && key < T && row[r] < T;
+				s[j][i] = ok ? __expf(s[j][i] * scale - L[r]) : 0.0f; // P
+			}
 		}
-		__syncwarp();
-		fa_mma_tile(acc, dof, Bs, true); // dP = dO Vᵀ
-		fa_store(S, acc);
-		__syncwarp();
-		for (int i = 0; i < 32; i++) P[r * FA_D + c0 + i] = tobf(p[i] * (S[r * FA_D + c0 + i] - Dq));
-		__syncwarp();
-		fa_mma_acc(dq, P, As, false); // dQ += dS K
+		fa_mma_abt(dp, da, Bs, g, t); // dP = dO Vᵀ
+		for (int j = 0; j < 8; j++) {
+			for (int i = 0; i < 4; i++) dp[j][i] = s[j][i] * (dp[j][i] - Dq[i >> 1]);
+		}
+		fa_acc_to_a(pa, dp);
+		fa_mma_ab(dq, pa, As, g, t); // dQ += dS K
 	}
-	__syncwarp();
-	fa_store(S, dq);
-	__syncwarp();
-	if (q < T) {
-		bf16 *dst = dqkv + ((long)b * T + q) * ld + (long)h * FA_D + c0;
-		for (int i = 0; i < 32; i++) dst[i] = tobf(S[r * FA_D + c0 + i] * scale);
-	}
+	fa_store(dqkv + (long)b * T * ld + (long)h * FA_D, ld, row, T, dq, scale, t);
 }
