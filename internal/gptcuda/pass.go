@@ -352,6 +352,20 @@ func (m *Model) backward(w, dw []uint64) error {
 	return k.CastBF16(s, dw[tWte], a.dwte, int64(V)*int64(C))
 }
 
+// LogitsAt waits for the last Forward and copies the logits of position
+// pos (row-major over (b, t), in [0, B*T)) into dst, VocabSize float32s
+// (exact: they are bf16): what sampling reads. The errors are Logits's,
+// and a pos out of range.
+func (m *Model) LogitsAt(pos int, dst []float32) error {
+	if !m.ok {
+		return ErrClosed
+	}
+	if pos < 0 || pos >= m.bt || len(dst) != m.v {
+		return fmt.Errorf("gptcuda: LogitsAt(%d): %d elements; want a position in [0, %d) and VocabSize = %d elements", pos, len(dst), m.bt, m.v)
+	}
+	return m.copyLogits(dst, int64(pos)*int64(m.v))
+}
+
 // Logits waits for the last Forward and copies its logits, [B*T,
 // VocabSize] row-major, into dst as float32 (exact: they are bf16). After a
 // training Forward they hold the loss's gradient instead, and Logits
@@ -364,17 +378,29 @@ func (m *Model) Logits(dst []float32) error {
 	if len(dst) != n {
 		return fmt.Errorf("gptcuda: Logits: %d elements, want B*T*V = %d", len(dst), n)
 	}
+	return m.copyLogits(dst, 0)
+}
+
+// copyLogits copies len(dst) logits from element off through pinned memory.
+func (m *Model) copyLogits(dst []float32, off int64) error {
 	if m.trained {
 		return fmt.Errorf("gptcuda: Logits: the last Forward trained; its logits were replaced by their gradient")
 	}
-	if m.logitsHost == nil {
-		h, err := m.s.Device().HostAlloc(2 * int64(n))
+	n := int64(len(dst))
+	if m.logitsHost == nil || m.logitsHost.Len() < 2*n {
+		if m.logitsHost != nil {
+			if err := m.logitsHost.Free(); err != nil {
+				return fmt.Errorf("gptcuda: Logits: %w", err)
+			}
+			m.logitsHost = nil
+		}
+		h, err := m.s.Device().HostAlloc(2 * n)
 		if err != nil {
 			return fmt.Errorf("gptcuda: Logits: %w", err)
 		}
 		m.logitsHost = h
 	}
-	if err := m.s.CopyDtoH(m.logitsHost, 0, m.logitBuf, 0, 2*int64(n)); err != nil {
+	if err := m.s.CopyDtoH(m.logitsHost, 0, m.logitBuf, 2*off, 2*n); err != nil {
 		return fmt.Errorf("gptcuda: Logits: %w", err)
 	}
 	if err := m.s.Sync(); err != nil {
