@@ -11,7 +11,7 @@ func (t *Trainer) save() error {
 	if t.cfg.CkptDir == "" {
 		return nil
 	}
-	t.state.LoaderPos = t.loader.Pos
+	t.state.LoaderPos = t.loader.position()
 	rng, err := t.rng.MarshalBinary()
 	if err != nil {
 		return err

@@ -1,15 +1,41 @@
 // Package trainer is dos's Megatron-style example trainer and main job: a
 // GPT-2-architecture language model written out in Go (forward and backward
 // by hand, as llm.c does in C; matrix products through gonum's BLAS),
-// trained byte by byte on Newton's Opticks with the offloaded AdamW of
-// package offload, exactly as a user's trainer embeds it: the optimizer owns
+// trained (by default byte by byte on Newton's Opticks; GPT-2's sizes and
+// BPE with package gpt's presets) with the offloaded AdamW of package
+// offload, exactly as a user's trainer embeds it: the optimizer owns
 // the parameters, the model reads the working copy and writes gradients into
 // the optimizer's buffers, and checkpoints carry the trainer's own objects
 // (iteration, loader position, RNG state, loss scale, configuration).
 //
 // Parameters are named and laid out as Hugging Face's GPT-2 (wte.weight,
-// h.0.attn.c_attn.weight as [in, out], ...), so ExportHF writes a model that
+// h.0.attn.c_attn.weight as [in, out], ...; package gpt describes them for
+// every trainer), so ExportHF writes a model that
 // transformers.GPT2LMHeadModel loads.
+//
+// # Data
+//
+// A run reads one of two kinds of data, each with its batch order:
+//
+//   - a text (New; dos train --text, or the embedded Opticks), tokenized by
+//     TrainConfig.Tokenizer: "byte" (one token per byte) or "gpt2" (GPT-2's
+//     BPE; see Tokenizer). The last ValFraction of its tokens validates
+//     (NewDataset), and Loader reads the rest: batch i reads from position
+//     p_i, rows of T tokens one after the other, p_0 = 0, p_{i+1} = p_i + B*T,
+//     and p goes back to 0 when the batch there and its last target would
+//     not fit. With at least B*T+1 tokens that is llm.c's order below; a
+//     shorter text repeats its rows to fill a batch.
+//   - pre-tokenized data (NewTokens; dos train --data), uint16 tokens in
+//     llm.c's or nanoGPT's file layout (ReadTokens, WriteTokens), read in
+//     llm.c's DataLoader order exactly (TokenBatches): batch i (i = 0, 1,
+//     ...) takes the B*T+1 tokens from position p_i, input row b being
+//     tokens[p_i + b*T : p_i + b*T + T] and its targets the same shifted by
+//     one; p_0 = 0, p_{i+1} = p_i + B*T, and when p_{i+1} + B*T + 1 exceeds
+//     the number of tokens, p_{i+1} = 0. Validation reads separate tokens,
+//     or the data's last ValFraction, which training then leaves out.
+//
+// The checkpoint records the position of the next batch, so a resumed run
+// reads the batches a straight one would.
 //
 // References:
 //   - Radford et al. Language Models are Unsupervised Multitask Learners (GPT-2), 2019.

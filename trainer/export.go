@@ -18,27 +18,35 @@ import (
 // Config.Tensors order. It returns the directory read too.
 //
 // Errors: those of checkpoint.OpenPath and ReadTensor (checksums are
-// verified); a checkpoint without the trainer's object or a parameter; an
+// verified); a checkpoint without the trainer's object or a parameter, or
+// whose vocab_size does not fit its tokenizer (TrainConfig.Tokenizer); an
 // error wrapping checkpoint.ErrCorrupt, naming the directory and the
 // tensor, for master weights that are not finite (offload.CheckState: a
 // checksum does not catch a NaN that was saved).
 func LoadWeights(path string) (Config, [][]float32, string, error) {
+	tc, w, dir, err := loadWeights(path)
+	return tc.Model, w, dir, err
+}
+
+// loadWeights is LoadWeights returning the whole training configuration
+// (the tokenizer with the model).
+func loadWeights(path string) (TrainConfig, [][]float32, string, error) {
 	c, err := checkpoint.OpenPath(checkpoint.OS, path, 0)
 	if err != nil {
-		return Config{}, nil, "", err
+		return TrainConfig{}, nil, "", err
 	}
 	defer c.Close()
 	dir := c.Dir
 	var st trainerState
 	if err := c.Object("trainer", &st); err != nil {
-		return Config{}, nil, "", fmt.Errorf("trainer: %s was not written by dos train: %w", dir, err)
+		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s was not written by dos train: %w", dir, err)
 	}
 	cfg := st.Config.Model
 	if err := cfg.Validate(); err != nil {
-		return Config{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
+		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
 	}
-	if cfg.VocabSize != VocabSize {
-		return Config{}, nil, "", fmt.Errorf("trainer: %s: vocab_size %d, but dos train's byte-level models have %d", dir, cfg.VocabSize, VocabSize)
+	if err := st.Config.checkVocab(); err != nil {
+		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
 	}
 	var weights [][]float32
 	for _, p := range cfg.Tensors() {
@@ -47,25 +55,25 @@ func LoadWeights(path string) (Config, [][]float32, string, error) {
 		name := offload.MasterName(p.Name)
 		e, ok := c.Entry(name)
 		if !ok || e.DType != safetensors.F32 || len(e.Shape) != len(p.Shape) {
-			return Config{}, nil, "", fmt.Errorf("trainer: %s: no F32 tensor %q of shape %v", dir, name, p.Shape)
+			return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s: no F32 tensor %q of shape %v", dir, name, p.Shape)
 		}
 		n := 1
 		for i, d := range p.Shape {
 			if e.Shape[i] != int64(d) {
-				return Config{}, nil, "", fmt.Errorf("trainer: %s: tensor %q has shape %v, the model config says %v", dir, name, e.Shape, p.Shape)
+				return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s: tensor %q has shape %v, the model config says %v", dir, name, e.Shape, p.Shape)
 			}
 			n *= d
 		}
 		w := make([]float32, n)
 		if err := c.ReadTensor(name, safetensors.Float32View(w)); err != nil {
-			return Config{}, nil, "", err
+			return TrainConfig{}, nil, "", err
 		}
 		if err := offload.CheckState(name, w); err != nil {
-			return Config{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
+			return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
 		}
 		weights = append(weights, w)
 	}
-	return cfg, weights, dir, nil
+	return st.Config, weights, dir, nil
 }
 
 // hfConfig is Hugging Face's GPT2Config as config.json spells it.
@@ -95,14 +103,23 @@ type hfConfig struct {
 // GPT-2 model in outDir: config.json (GPT2Config: gelu_new, layer norm
 // epsilon 1e-5, tied embeddings, no dropout) and model.safetensors holding
 // every parameter in fp32 under its GPT-2 name (wte.weight, h.0.ln_1.weight,
-// ...), which transformers.GPT2LMHeadModel.from_pretrained loads. It
-// returns the checkpoint directory exported.
+// ...), which transformers.GPT2LMHeadModel.from_pretrained loads. Its
+// bos_token_id and eos_token_id are GPT-2's <|endoftext|> (50256) for a
+// model trained with the gpt2 tokenizer (whose HF tokenizer is "gpt2"'s:
+// GPT2TokenizerFast.from_pretrained("gpt2")), vocab_size-1 byte-level.
+// A padded vocab_size (50304) is exported as it is: the model's softmax
+// runs over every column, as dos's does. It returns the checkpoint
+// directory exported.
 //
 // Errors: those of LoadWeights, and I/O errors writing outDir.
 func ExportHF(path, outDir string) (string, error) {
-	cfg, weights, dir, err := LoadWeights(path)
+	tc, weights, dir, err := loadWeights(path)
 	if err != nil {
 		return "", err
+	}
+	cfg, eos := tc.Model, tc.Model.VocabSize-1 // byte-level: no end-of-text token
+	if tc.Tokenizer == "gpt2" {
+		eos = gpt2EOT
 	}
 	if err := os.MkdirAll(outDir, 0o755); err != nil {
 		return "", err
@@ -111,7 +128,7 @@ func ExportHF(path, outDir string) (string, error) {
 		Architectures: []string{"GPT2LMHeadModel"}, ModelType: "gpt2",
 		VocabSize: cfg.VocabSize, NPositions: cfg.NCtx, NCtx: cfg.NCtx, NEmbd: cfg.NEmbd, NLayer: cfg.NLayer, NHead: cfg.NHead,
 		Activation: "gelu_new", LayerNormEpsilon: LayerNormEps, InitializerRange: 0.02, TieWordEmbeddings: true,
-		BOSTokenID: cfg.VocabSize - 1, EOSTokenID: cfg.VocabSize - 1, TorchDType: "float32",
+		BOSTokenID: eos, EOSTokenID: eos, TorchDType: "float32",
 	}, "", "  ")
 	if err != nil {
 		return "", err

@@ -73,16 +73,22 @@ func (t *Trainer) resume(dir string) error {
 	// The model's shape and the batch cannot change: name every flag that
 	// differs (dos train takes the ones not given from the checkpoint).
 	var differ []string
+	then, _ := NewTokenizer(st.Config.Tokenizer) // "" (older checkpoints) is byte
+	thenTok := st.Config.Tokenizer
+	if then != nil {
+		thenTok = then.Name()
+	}
 	for _, d := range []struct {
 		flag      string
-		now, then int
+		now, then any
 	}{
 		{"--layers", t.cfg.Model.NLayer, st.Config.Model.NLayer}, {"--heads", t.cfg.Model.NHead, st.Config.Model.NHead},
 		{"--embd", t.cfg.Model.NEmbd, st.Config.Model.NEmbd}, {"--ctx", t.cfg.Model.NCtx, st.Config.Model.NCtx},
-		{"--batch", t.cfg.Batch, st.Config.Batch}, {"vocabulary (no flag)", t.cfg.Model.VocabSize, st.Config.Model.VocabSize},
+		{"--batch", t.cfg.Batch, st.Config.Batch}, {"--tokenizer", t.tok.Name(), thenTok},
+		{"vocabulary (no flag)", t.cfg.Model.VocabSize, st.Config.Model.VocabSize},
 	} {
 		if d.now != d.then {
-			differ = append(differ, fmt.Sprintf("%s %d (the checkpoint's: %d)", d.flag, d.now, d.then))
+			differ = append(differ, fmt.Sprintf("%s %v (the checkpoint's: %v)", d.flag, d.now, d.then))
 		}
 	}
 	if len(differ) > 0 {
@@ -92,9 +98,20 @@ func (t *Trainer) resume(dir string) error {
 	if _, _, err := t.opt.LoadCheckpoint(checkpoint.OS, dir); err != nil {
 		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
 	}
+	if st.Data != t.state.Data {
+		was, is := "a text (--text)", "pre-tokenized data (--data)"
+		if st.Data != "" {
+			was, is = is, was
+		}
+		return fmt.Errorf("trainer: resume from %s: it was trained on %s, this run on %s", dir, was, is)
+	}
 	if st.TextCRC != t.state.TextCRC || st.TextBytes != t.state.TextBytes {
-		return fmt.Errorf("trainer: resume from %s: it was trained on another text (%d bytes, crc32 %#08x; this run: %d bytes, %#08x)",
-			dir, st.TextBytes, st.TextCRC, t.state.TextBytes, t.state.TextCRC)
+		what := "text"
+		if st.Data != "" {
+			what = "token data"
+		}
+		return fmt.Errorf("trainer: resume from %s: it was trained on another %s (%d bytes, crc32 %#08x; this run: %d bytes, %#08x)",
+			dir, what, st.TextBytes, st.TextCRC, t.state.TextBytes, t.state.TextCRC)
 	}
 	if st.Iteration < 0 || int64(st.Iteration) < t.opt.StepCount() || (st.LossScale != 0 && !validScale(st.LossScale)) {
 		return fmt.Errorf("trainer: resume from %s: inconsistent trainer state (iteration %d, optimizer step %d, loss scale %v)",
@@ -159,7 +176,11 @@ func (t *Trainer) resume(dir string) error {
 // shapeFlags spells the model's shape and the batch as dos train's flags.
 func (c *TrainConfig) shapeFlags() string {
 	m := c.Model
-	return fmt.Sprintf("--layers %d --heads %d --embd %d --ctx %d --batch %d (vocabulary %d)", m.NLayer, m.NHead, m.NEmbd, m.NCtx, c.Batch, m.VocabSize)
+	tok := c.Tokenizer
+	if tok == "" {
+		tok = "byte"
+	}
+	return fmt.Sprintf("--layers %d --heads %d --embd %d --ctx %d --batch %d --tokenizer %s (vocabulary %d)", m.NLayer, m.NHead, m.NEmbd, m.NCtx, c.Batch, tok, m.VocabSize)
 }
 
 // recoverHint tells the user of a damaged latest checkpoint the way out.

@@ -1,6 +1,7 @@
 package trainer
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -37,26 +38,42 @@ type Summary struct {
 
 // trainerState is the trainer's object in a checkpoint's manifest.
 type trainerState struct {
-	Iteration   int         `json:"iteration"`
-	LoaderPos   int64       `json:"loader_pos"`
-	RNG         []byte      `json:"rng"` // math/rand/v2 PCG state, MarshalBinary
-	LossScale   float64     `json:"loss_scale"`
-	GoodSteps   int         `json:"good_steps"`
-	InitialLoss float64     `json:"initial_loss"`
-	InitValLoss float64     `json:"initial_val_loss"`
-	LastLoss    float64     `json:"last_loss"`
-	TextCRC     uint32      `json:"text_crc32"` // of the whole training text: resuming on other data is refused
-	TextBytes   int         `json:"text_bytes"`
-	Config      TrainConfig `json:"config"`
+	Iteration   int     `json:"iteration"`
+	LoaderPos   int64   `json:"loader_pos"` // the next training batch's first token (Loader.Pos, TokenBatches.Pos)
+	RNG         []byte  `json:"rng"`        // math/rand/v2 PCG state, MarshalBinary
+	LossScale   float64 `json:"loss_scale"`
+	GoodSteps   int     `json:"good_steps"`
+	InitialLoss float64 `json:"initial_loss"`
+	InitValLoss float64 `json:"initial_val_loss"`
+	LastLoss    float64 `json:"last_loss"`
+	// TextCRC and TextBytes identify the data, so that resuming on other
+	// data is refused: the CRC-32 (IEEE) and length of the whole text, or,
+	// for pre-tokenized data (Data "tokens"), of its tokens as
+	// little-endian uint16, the training tokens then the validation ones.
+	TextCRC   uint32 `json:"text_crc32"`
+	TextBytes int    `json:"text_bytes"`
+	// Data is "" for a text (New; its batches are Loader's) and "tokens"
+	// for pre-tokenized data (NewTokens; TokenBatches').
+	Data   string      `json:"data,omitempty"`
+	Config TrainConfig `json:"config"`
+}
+
+// batches is what a run reads its batches from: a Loader over a text, or
+// TokenBatches over pre-tokenized data.
+type batches interface {
+	Next(inputs, targets []int32)
+	SetPos(pos int64) error
+	position() int64
 }
 
 // Trainer is one training run: the model, the data, and the offloaded
 // optimizer that owns the parameters.
 type Trainer struct {
 	cfg    TrainConfig
-	data   *Dataset
-	loader *Loader
-	val    *Loader // the validation split's, read from its start by Evaluate
+	tok    Tokenizer
+	loader batches
+	val    batches // the validation data's, read from its start by Evaluate
+	about  string  // the data, said after the model (none for the default: a byte-level text)
 	opt    *offload.Optimizer
 	model  *Model[float32]
 	rng    *rand.PCG
@@ -80,6 +97,10 @@ type Trainer struct {
 // in cfg.CkptDir (a fresh start when there is none). Progress goes to out
 // (nil discards it).
 //
+// The text is tokenized by cfg.Tokenizer (the byte-level tokenizer reads
+// it in place) and split by cfg.ValFraction (NewDataset); the batches are
+// Loader's.
+//
 // With cfg.CkptDir, New takes the directory's lock for the run
 // (checkpoint.Lock; Close releases it) and checks it before allocating
 // anything; with cfg.Resume a damaged root is repaired first
@@ -90,23 +111,130 @@ type Trainer struct {
 // process writes under (checkpoint.ErrLocked); one that is not fresh
 // without cfg.Resume (it holds checkpoints, or is damaged); a damaged root
 // where no step directory verifies; a checkpoint that cannot be loaded
-// or was made with another model, batch shape or text.
+// or was made with another model, batch shape, tokenizer or text.
 func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	data, err := NewDataset(text, cfg.ValFraction, cfg.Model.NCtx)
+	tok, err := NewTokenizer(cfg.Tokenizer)
 	if err != nil {
 		return nil, err
 	}
-	loader, err := NewLoader(data.Train, cfg.Batch, cfg.Model.NCtx)
+	id := trainerState{TextCRC: crc32.ChecksumIEEE(text), TextBytes: len(text)}
+	if tok.Name() == "byte" { // the bytes are the tokens
+		train, val, _, err := textBatches(text, &cfg)
+		if err != nil {
+			return nil, err
+		}
+		return newTrainer(cfg, tok, train, val, id, "", out)
+	}
+	toks, err := tok.Encode(text)
 	if err != nil {
 		return nil, err
 	}
-	val, err := NewLoader(data.Val, cfg.Batch, cfg.Model.NCtx)
+	train, val, d, err := textBatches(toks, &cfg)
 	if err != nil {
-		return nil, fmt.Errorf("trainer: the validation split: %w", err)
+		return nil, err
 	}
+	about := fmt.Sprintf("data: a text of %d bytes, %d %s tokens: %d training, %d validation\n", len(text), len(toks), tok.Name(), len(d.Train), len(d.Val))
+	return newTrainer(cfg, tok, train, val, id, about, out)
+}
+
+// textBatches splits a text's tokens by cfg.ValFraction and returns the
+// Loaders of both parts.
+func textBatches[E Token](text []E, cfg *TrainConfig) (train, val batches, d *Dataset[E], err error) {
+	d, err = NewDataset(text, cfg.ValFraction, cfg.Model.NCtx)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	train, err = NewLoader(d.Train, cfg.Batch, cfg.Model.NCtx)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	val, err = NewLoader(d.Val, cfg.Batch, cfg.Model.NCtx)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("trainer: the validation split: %w", err)
+	}
+	return train, val, d, nil
+}
+
+// NewTokens builds a trainer over pre-tokenized data (dos train --data; see
+// ReadTokens), as New does over a text. The training batches are
+// TokenBatches' over train: llm.c's DataLoader order. val validates; when
+// it is nil, the last cfg.ValFraction of train is held out instead (as
+// NewDataset splits a text: training then reads
+// train[:int(len(train)*(1-ValFraction))]). Evaluate reads the validation
+// tokens from their start in the same order (Loader, which repeats rows
+// when they hold less than a batch).
+//
+// Errors: those of New; a token outside the tokenizer's vocabulary; fewer
+// training tokens than a batch and its last target (B*T+1), or validation
+// tokens fewer than a sequence and its target.
+func NewTokens(cfg TrainConfig, train, val []uint16, out io.Writer) (*Trainer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	tok, err := NewTokenizer(cfg.Tokenizer)
+	if err != nil {
+		return nil, err
+	}
+	for _, part := range []struct {
+		name string
+		toks []uint16
+	}{{"training", train}, {"validation", val}} {
+		for i, x := range part.toks {
+			if int(x) >= tok.VocabSize() {
+				return nil, fmt.Errorf("trainer: %s token %d at index %d is outside --tokenizer %s's %d tokens", part.name, x, i, tok.Name(), tok.VocabSize())
+			}
+		}
+	}
+	crc, n := tokensCRC(train, val)
+	id := trainerState{TextCRC: crc, TextBytes: n, Data: "tokens"}
+	held := ""
+	if val == nil {
+		d, err := NewDataset(train, cfg.ValFraction, cfg.Model.NCtx)
+		if err != nil {
+			return nil, err
+		}
+		train, val = d.Train, d.Val
+		held = fmt.Sprintf(" (the last %g of the data)", cfg.ValFraction)
+	}
+	tb, err := NewTokenBatches(train, cfg.Batch, cfg.Model.NCtx)
+	if err != nil {
+		return nil, fmt.Errorf("%w: pass a smaller --batch or --ctx, or more data", err)
+	}
+	vl, err := NewLoader(val, cfg.Batch, cfg.Model.NCtx)
+	if err != nil {
+		return nil, fmt.Errorf("trainer: the validation data: %s", strings.TrimPrefix(err.Error(), "trainer: "))
+	}
+	about := fmt.Sprintf("data: %d training tokens in llm.c's order (%d batches a pass), %d validation tokens%s\n", len(train), tb.Batches(), len(val), held)
+	return newTrainer(cfg, tok, tb, vl, id, about, out)
+}
+
+// tokensCRC returns the CRC-32 (IEEE) and the length in bytes of parts'
+// tokens as little-endian uint16, one after the other.
+func tokensCRC(parts ...[]uint16) (uint32, int) {
+	var crc uint32
+	n := 0
+	buf := make([]byte, 0, 1<<16)
+	for _, p := range parts {
+		for i, x := range p {
+			buf = binary.LittleEndian.AppendUint16(buf, x)
+			if len(buf) == cap(buf) || i == len(p)-1 {
+				crc = crc32.Update(crc, crc32.IEEETable, buf)
+				n += len(buf)
+				buf = buf[:0]
+			}
+		}
+	}
+	return crc, n
+}
+
+// newTrainer is New and NewTokens once the data is ready: id holds the
+// data's identity (TextCRC, TextBytes, Data) and about is said after the
+// model's line.
+func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerState, about string, out io.Writer) (*Trainer, error) {
+	var err error
 	if out == nil {
 		out = io.Discard
 	}
@@ -144,9 +272,9 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 		closeDev()
 		return nil, err
 	}
-	t := &Trainer{cfg: cfg, data: data, loader: loader, val: val, opt: opt, out: out, closeDev: closeDev, lock: lock,
-		rng:   rand.NewPCG(cfg.Seed, 0x5eed),
-		state: trainerState{LossScale: cfg.LossScale, InitialLoss: math.NaN(), InitValLoss: math.NaN(), TextCRC: crc32.ChecksumIEEE(text), TextBytes: len(text)},
+	id.LossScale, id.InitialLoss, id.InitValLoss = cfg.LossScale, math.NaN(), math.NaN()
+	t := &Trainer{cfg: cfg, tok: tok, loader: loader, val: val, about: about, opt: opt, out: out, closeDev: closeDev, lock: lock,
+		rng: rand.NewPCG(cfg.Seed, 0x5eed), state: id,
 	}
 	if f, ok := out.(*os.File); ok {
 		if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
@@ -246,7 +374,7 @@ func (t *Trainer) handOver() {
 // validation split, read from its start (the same batches every time).
 func (t *Trainer) Evaluate() float64 {
 	n := max(t.cfg.EvalBatches, 1)
-	t.val.Pos = 0
+	t.val.SetPos(0) // cannot fail: every loader holds a sequence
 	t.refresh()
 	var sum float64
 	for range n {
@@ -272,6 +400,7 @@ func (t *Trainer) Run() (Summary, error) {
 	tokens := cfg.Batch * cfg.Model.NCtx
 	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; %v\n",
 		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, t.opt.Options())
+	fmt.Fprint(t.out, t.about)
 	if s, ok := t.opt.Schedule(); ok {
 		k := "inf"
 		if !math.IsInf(s.K(), 1) {
@@ -383,32 +512,45 @@ func (t *Trainer) Run() (Summary, error) {
 	return sum, nil
 }
 
-// Sample continues prompt by n bytes drawn from the model's distribution
-// (temperature 1) with the trainer's RNG, and returns the whole text.
+// Sample continues prompt by at least n bytes drawn from the model's
+// distribution (temperature 1, over the tokenizer's vocabulary: never a
+// padding id) with the trainer's RNG, and returns the whole text. It draws
+// tokens until they decode to n bytes or more, n at most (byte-level: n
+// tokens, n bytes). An empty prompt starts from GPT-2's <|endoftext|>, or
+// a newline byte-level.
 func (t *Trainer) Sample(prompt []byte, n int) string {
-	T := t.cfg.Model.NCtx
+	T, V := t.cfg.Model.NCtx, t.cfg.Model.VocabSize
 	m := NewModel[float32](t.cfg.Model, 1, T)
 	r := rand.New(t.rng)
 	t.refresh()
-	ctx := append([]byte(nil), prompt...)
-	toks := make([]int32, T)
-	var b strings.Builder
-	b.Write(prompt)
-	for range n {
-		window := ctx[max(0, len(ctx)-T):]
-		for i := range toks {
-			toks[i] = 0
-		}
-		for i, c := range window {
-			toks[i] = int32(c)
-		}
-		m.Forward(t.params, toks, nil)
-		logits := m.Logits()[(len(window)-1)*VocabSize : len(window)*VocabSize]
-		next := sampleLogits(logits, r.Float64())
-		ctx = append(ctx, byte(next))
-		b.WriteByte(byte(next))
+	p, err := t.tok.Encode(prompt)
+	if err != nil {
+		return string(prompt) // unreachable: the tokenizers encode any bytes
 	}
-	return b.String()
+	ctx := make([]int32, len(p), len(p)+n)
+	for i, x := range p {
+		ctx[i] = int32(x)
+	}
+	if len(ctx) == 0 {
+		ctx = append(ctx, '\n')
+		if t.tok.Name() == "gpt2" {
+			ctx[0] = gpt2EOT
+		}
+	}
+	toks := make([]int32, T)
+	out := append([]byte(nil), prompt...)
+	for made := 0; made < n && len(out)-len(prompt) < n; made++ {
+		window := ctx[max(0, len(ctx)-T):]
+		clear(toks)
+		copy(toks, window)
+		m.Forward(t.params, toks, nil)
+		row := (len(window) - 1) * V
+		next := int32(sampleLogits(m.Logits()[row:row+t.tok.VocabSize()], r.Float64()))
+		ctx = append(ctx, next)
+		piece, _ := t.tok.Decode([]int32{next}) // next is in the vocabulary
+		out = append(out, piece...)
+	}
+	return string(out)
 }
 
 // sampleLogits draws an index from softmax(logits) with the uniform u.

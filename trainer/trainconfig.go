@@ -6,6 +6,7 @@ import (
 	"math"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/offload"
 )
 
@@ -13,6 +14,11 @@ import (
 // the JSON names are theirs too.
 type TrainConfig struct {
 	Model Config `json:"model"`
+	// Tokenizer names the tokenizer of the text and of samples: "byte" or
+	// "gpt2" (NewTokenizer; "" is "byte", as in checkpoints that predate
+	// the field). Model.VocabSize must hold its tokens: at least its
+	// VocabSize, at most that padded to a multiple of 128 (gpt.PadVocab).
+	Tokenizer string `json:"tokenizer"`
 	// Steps is the iteration to train to (one batch each). A resumed run
 	// continues from the checkpoint's iteration up to Steps.
 	Steps int `json:"steps"`
@@ -79,7 +85,7 @@ type TrainConfig struct {
 	EvalEvery   int     `json:"eval_every"`   // iterations between validation losses (0: only at the start and the end)
 	EvalBatches int     `json:"eval_batches"` // batches of the validation split per evaluation
 	LogEvery    int     `json:"log_every"`    // iterations between plain progress lines
-	SampleBytes int     `json:"sample_bytes"` // bytes of text generated at the end
+	SampleBytes int     `json:"sample_bytes"` // bytes of text generated at the end (GPT-2: tokens until that many bytes, at most that many tokens)
 	ValFraction float64 `json:"val_fraction"` // tail of the text held out for validation
 }
 
@@ -101,6 +107,7 @@ const ScaleGrowthInterval = 2000
 func DefaultTrainConfig() TrainConfig {
 	return TrainConfig{
 		Model:       Config{VocabSize: VocabSize, NCtx: 64, NLayer: 4, NHead: 4, NEmbd: 128},
+		Tokenizer:   "byte",
 		Steps:       150,
 		Batch:       16,
 		LR:          3e-3,
@@ -123,7 +130,8 @@ func DefaultTrainConfig() TrainConfig {
 
 // Validate reports the first invalid field, named by the `dos train` flag
 // that sets it (--heads, --threads, ...; Model.VocabSize, which no flag
-// sets, by its config.json name), with its value and what is allowed.
+// sets (dos train derives it from --tokenizer), by its config.json name),
+// with its value and what is allowed.
 //
 // Last it compares MemoryBytes with the memory the run may use: MaxMemory
 // GiB, or, when that is 0, the memory available now (MemAvailable in
@@ -141,8 +149,9 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --heads %d must divide --embd %d", m.NHead, m.NEmbd)
 	case m.NCtx < 1 || m.NCtx > MaxNCtx:
 		return fmt.Errorf("trainer: --ctx %d: want 1..%d", m.NCtx, MaxNCtx)
-	case m.VocabSize != VocabSize:
-		return fmt.Errorf("trainer: vocab_size %d: the byte-level data needs %d", m.VocabSize, VocabSize)
+	}
+	if err := c.checkVocab(); err != nil {
+		return err
 	}
 	if err := m.Validate(); err != nil { // passes after the checks above; kept so the two cannot drift apart
 		return err
@@ -223,6 +232,25 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: %w", err)
 	}
 	return c.checkMemory()
+}
+
+// checkVocab checks Tokenizer and that Model.VocabSize holds its tokens
+// (see TrainConfig.Tokenizer).
+func (c *TrainConfig) checkVocab() error {
+	tok, err := NewTokenizer(c.Tokenizer)
+	if err != nil {
+		return err
+	}
+	v, lo, hi := c.Model.VocabSize, tok.VocabSize(), gpt.PadVocab(tok.VocabSize())
+	if v < lo || v > hi {
+		want := fmt.Sprint(lo)
+		if hi != lo {
+			want = fmt.Sprintf("%d..%d", lo, hi)
+		}
+		return fmt.Errorf("trainer: vocab_size %d does not fit --tokenizer %s's %d tokens: want %s (dos train sets %d, the tokenizer's vocabulary padded to a multiple of 128, as --model's presets have it for gpt2)",
+			v, tok.Name(), lo, want, hi)
+	}
+	return nil
 }
 
 // checkMemory compares MemoryBytes with the memory the run may use (see
