@@ -99,10 +99,11 @@ func runExport(args []string, stdout, stderr io.Writer) int {
 
 func runEval(args []string, stdout, stderr io.Writer) int {
 	c := newCLI("dos eval", "dos eval --ckpt PATH [--text TEXT] [--logits FILE]",
-		"Runs the checkpoint's model on TEXT in float64 and prints the mean next-byte loss (nats);\n"+
-			"--logits saves the logits for scripts/check_hf_export.py.")
+		"Runs the checkpoint's model on TEXT, tokenized by the checkpoint's tokenizer, in float64 and prints\n"+
+			"the mean next-token loss (nats; next-byte byte-level); --logits saves the logits for\n"+
+			"scripts/check_hf_export.py.")
 	ckpt := c.String("ckpt", "", "checkpoint `PATH`: a root (its latest checkpoint) or a step directory written by dos train")
-	text := c.String("text", "Of the Refractions of Light", "the input, as bytes (at most the model's context length; the default is cut to it)")
+	text := c.String("text", "Of the Refractions of Light", "the input, tokenized by the checkpoint's tokenizer (at most the model's context length in tokens; the default is cut to it)")
 	logits := c.String("logits", "", "write tokens (I32 [T]) and logits (F64 [T, vocab]) as safetensors to this `FILE`")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
@@ -110,28 +111,41 @@ func runEval(args []string, stdout, stderr io.Writer) int {
 	if *ckpt == "" {
 		return c.usageError(stderr, "want --ckpt PATH")
 	}
-	if _, _, err := trainCheckpoint(*ckpt); err != nil {
+	_, tc, err := trainCheckpoint(*ckpt)
+	if err != nil {
 		return c.fail(stderr, "%v", err)
+	}
+	tok, err := trainer.NewTokenizer(tc.Tokenizer)
+	if err != nil {
+		return c.fail(stderr, "%s: %v", *ckpt, err)
 	}
 	cfg, weights, dir, err := trainer.LoadWeights(*ckpt)
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	if !c.set("text") && len(*text) > cfg.NCtx {
-		*text = (*text)[:cfg.NCtx]
+	toks, err := tok.Encode([]byte(*text))
+	if err != nil {
+		return c.fail(stderr, "--text: %v", err)
 	}
-	if len(*text) == 0 || len(*text) > cfg.NCtx {
-		return c.usageError(stderr, "--text has %d bytes; want 1 to %d (the context length)", len(*text), cfg.NCtx)
+	if !c.set("text") && len(toks) > cfg.NCtx {
+		toks = toks[:cfg.NCtx]
 	}
-	tokens := make([]int32, len(*text))
-	for i := range tokens {
-		tokens[i] = int32((*text)[i])
+	unit, next := "tokens", "next-token"
+	if tok.Name() == "byte" {
+		unit, next = "bytes", "next-byte"
+	}
+	if len(toks) == 0 || len(toks) > cfg.NCtx {
+		return c.usageError(stderr, "--text has %d %s; want 1 to %d (the context length)", len(toks), unit, cfg.NCtx)
+	}
+	tokens := make([]int32, len(toks))
+	for i, x := range toks {
+		tokens[i] = int32(x)
 	}
 	out, loss := trainer.Logits(cfg, weights, tokens)
 	if len(tokens) > 1 {
-		fmt.Fprintf(stdout, "%s: %d tokens, mean next-byte loss %.6f nats\n", dir, len(tokens), loss)
+		fmt.Fprintf(stdout, "%s: %d tokens, mean %s loss %.6f nats\n", dir, len(tokens), next, loss)
 	} else {
-		fmt.Fprintf(stdout, "%s: 1 token, no next-byte loss to score\n", dir)
+		fmt.Fprintf(stdout, "%s: 1 token, no %s loss to score\n", dir, next)
 	}
 	if *logits != "" {
 		tb := make([]byte, 4*len(tokens))

@@ -1,6 +1,7 @@
 // Command dos is the command-line tool of the dos optimizer runtime.
 //
-//	dos train [flags]            train a byte-level GPT-2 with the offloaded optimizer
+//	dos train [flags]            train a GPT-2 with the offloaded optimizer
+//	dos tokenize --text F --out B  write a text's GPT-2 tokens as an llm.c token file
 //	dos selftest [--cases DIR]   run the PyTorch reference cases on every backend
 //	dos calibrate --cpu-only     measure the CPU update rate for the performance model
 //	dos bench                    the update phase on GPU 0 under each strategy and a k sweep
@@ -30,7 +31,8 @@ type command struct {
 }
 
 var commands = []command{
-	{"train", "train a byte-level GPT-2 on Newton's Opticks with the offloaded optimizer (the main job)", runTrain},
+	{"train", "train a GPT-2 with the offloaded optimizer: by default byte-level on Newton's Opticks (the main job)", runTrain},
+	{"tokenize", "tokenize a text with GPT-2's BPE into an llm.c token file for dos train --data", runTokenize},
 	{"selftest", "run the PyTorch AdamW reference cases on every optimizer backend of this machine", runSelftest},
 	{"calibrate", "measure the rates of the performance model (--cpu-only: the CPU update rate) and print the schedule it picks", runCalibrate},
 	{"bench", "measure the update phase on GPU 0 under each strategy (CPU-only, static split, the model's interleaved schedule, a k sweep)", runBench},

@@ -8,6 +8,7 @@ import (
 
 	"github.com/deepstates/dos"
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/trainer"
 )
 
@@ -30,14 +31,18 @@ func (f dtypeFlag) Set(s string) error {
 }
 
 // trainAbout is what dos train -h says before the flags.
-const trainAbout = `Trains a byte-level GPT-2 on Newton's Opticks with the offloaded AdamW optimizer, checkpointing
-through dos's checkpointer. Losses are in nats per byte.
+const trainAbout = `Trains a GPT-2 with the offloaded AdamW optimizer, checkpointing through dos's checkpointer: by
+default a small byte-level model on Newton's Opticks (losses in nats per byte). --model gpt2 (or
+gpt2-medium, gpt2-large, gpt2-xl) takes GPT-2's size and its BPE tokenizer (losses in nats per
+token); --text trains on a text file, tokenized by --tokenizer; --data on a file of tokens
+(llm.c's or nanoGPT's .bin; dos tokenize writes one), read in llm.c's batch order.
 
 With --resume the run continues from the latest checkpoint in --ckpt-dir and takes the model and
 dtype configuration from it: --layers, --heads, --embd, --ctx, --batch, --grad-dtype,
---working-dtype and --subgroup-size, where not given on the command line. One given that differs
-is named: the dtypes and the subgroup size then change from here on; the model's shape and the
-batch cannot, and the run is refused.`
+--working-dtype, --subgroup-size and --tokenizer, where not given on the command line (--model
+gives the first four). One given that differs is named: the dtypes and the subgroup size then
+change from here on; the model's shape, the tokenizer and the batch cannot, and the run is
+refused.`
 
 // resumeFlags are the flags dos train --resume takes from the checkpoint
 // when they are not on the command line, with how to copy each.
@@ -61,10 +66,12 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	c := newCLI("dos train", "dos train [flags]", trainAbout)
 	fs := c.FlagSet
 	fs.IntVar(&cfg.Steps, "steps", cfg.Steps, "train to this iteration (one batch each); a resumed run continues to it")
-	fs.IntVar(&cfg.Model.NLayer, "layers", cfg.Model.NLayer, "transformer blocks (with --resume: the checkpoint's)")
-	fs.IntVar(&cfg.Model.NHead, "heads", cfg.Model.NHead, "attention heads (must divide --embd; with --resume: the checkpoint's)")
-	fs.IntVar(&cfg.Model.NEmbd, "embd", cfg.Model.NEmbd, "embedding width (elements; with --resume: the checkpoint's)")
-	fs.IntVar(&cfg.Model.NCtx, "ctx", cfg.Model.NCtx, "context length in tokens (bytes); every sequence is this long (with --resume: the checkpoint's)")
+	model := fs.String("model", "", "a GPT-2 preset `NAME`: gpt2, gpt2-medium, gpt2-large or gpt2-xl (124M to 1.5B: GPT-2's layers, heads and width, context 1024, vocabulary 50304); --layers, --heads, --embd and --ctx given too override the preset's; the tokenizer becomes gpt2")
+	fs.IntVar(&cfg.Model.NLayer, "layers", cfg.Model.NLayer, "transformer blocks (overrides --model's; with --resume: the checkpoint's)")
+	fs.IntVar(&cfg.Model.NHead, "heads", cfg.Model.NHead, "attention heads (must divide --embd; overrides --model's; with --resume: the checkpoint's)")
+	fs.IntVar(&cfg.Model.NEmbd, "embd", cfg.Model.NEmbd, "embedding width (elements; overrides --model's; with --resume: the checkpoint's)")
+	fs.IntVar(&cfg.Model.NCtx, "ctx", cfg.Model.NCtx, "context length in tokens; every sequence is this long (overrides --model's; with --resume: the checkpoint's)")
+	tokName := fs.String("tokenizer", "", "`NAME`: byte (one token per byte) or gpt2 (GPT-2's BPE, r50k_base); sets the vocabulary: 256, or 50304 (50257 padded to a multiple of 128) (default byte, gpt2 with --model; with --resume: the checkpoint's)")
 	fs.IntVar(&cfg.Batch, "batch", cfg.Batch, "sequences per iteration (with --resume: the checkpoint's)")
 	fs.Float64Var(&cfg.LR, "lr", cfg.LR, "peak learning rate")
 	fs.Float64Var(&cfg.MinLRRatio, "min-lr-ratio", cfg.MinLRRatio, "the cosine's floor as a fraction of --lr")
@@ -94,20 +101,59 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.EvalEvery, "eval-every", cfg.EvalEvery, "iterations between validation losses (0: only at the start and the end)")
 	fs.IntVar(&cfg.EvalBatches, "eval-batches", cfg.EvalBatches, "validation batches per evaluation")
 	fs.IntVar(&cfg.LogEvery, "log-every", cfg.LogEvery, "iterations between progress lines")
-	sizeVar(c, &cfg.SampleBytes, "sample", "bytes `N` of text to generate at the end (0: none)")
-	text := fs.String("text", "", "train on this UTF-8/byte text `FILE` (default: Newton's Opticks, embedded)")
-	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, initial_val_loss, steps, params, tokens_per_s, skipped_steps, sample, update_s, update_predicted_s} to this `PATH` (losses in nats per byte; update_s the mean update phase in seconds, update_predicted_s the model's with --profile; sample bytes that are not UTF-8 become U+FFFD)")
+	sizeVar(c, &cfg.SampleBytes, "sample", "bytes `N` of text to generate at the end (GPT-2: tokens until N bytes, at most N tokens; 0: none)")
+	text := fs.String("text", "", "train on this UTF-8/byte text `FILE`, tokenized by --tokenizer; the last 10% validates (default: Newton's Opticks, embedded)")
+	dataFile := fs.String("data", "", "train on this `FILE` of uint16 tokens instead of a text: llm.c's .bin (its 1024-byte header, magic 20240520) or nanoGPT's (no header), in llm.c's batch order; the last 10% validates unless --val-data")
+	valFile := fs.String("val-data", "", "with --data: validate on this token `FILE` (same formats) instead of --data's last 10%")
+	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, initial_val_loss, steps, params, tokens_per_s, skipped_steps, sample, update_s, update_predicted_s} to this `PATH` (losses in nats per token: per byte byte-level; update_s the mean update phase in seconds, update_predicted_s the model's with --profile; sample bytes that are not UTF-8 become U+FFFD)")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
+	// --model's fields count as given (not taken from a checkpoint), and
+	// the vocabulary follows the tokenizer.
+	given := c.set
+	if *model != "" {
+		p, err := gpt.Preset(*model)
+		if err != nil {
+			return c.usageError(stderr, "--model %q: want one of %s", *model, strings.Join(gpt.PresetNames(), ", "))
+		}
+		for _, f := range []struct {
+			name     string
+			dst, src *int
+		}{{"layers", &cfg.Model.NLayer, &p.NLayer}, {"heads", &cfg.Model.NHead, &p.NHead}, {"embd", &cfg.Model.NEmbd, &p.NEmbd}, {"ctx", &cfg.Model.NCtx, &p.NCtx}} {
+			if !c.set(f.name) {
+				*f.dst = *f.src
+			}
+		}
+		given = func(name string) bool {
+			return c.set(name) || name == "layers" || name == "heads" || name == "embd" || name == "ctx"
+		}
+		cfg.Tokenizer = "gpt2"
+	}
+	if c.set("tokenizer") {
+		cfg.Tokenizer = *tokName
+	}
+	tok, err := trainer.NewTokenizer(cfg.Tokenizer)
+	if err != nil {
+		return c.usageError(stderr, "%v", err)
+	}
+	cfg.Model.VocabSize = gpt.PadVocab(tok.VocabSize())
 	if cfg.Resume && cfg.CkptDir != "" {
 		if dir, old, ok := resumeSource(cfg.CkptDir); ok {
 			var taken []string
 			for _, f := range resumeFlags {
-				if !c.set(f.name) {
+				if !given(f.name) {
 					f.take(&cfg, old)
 					taken = append(taken, "--"+f.name+" "+f.show(cfg))
 				}
+			}
+			// The tokenizer and its vocabulary: named when they differ
+			// from what this command line gives without the checkpoint.
+			if ot, err := trainer.NewTokenizer(old.Tokenizer); err == nil && !c.set("tokenizer") {
+				if ot.Name() != tok.Name() {
+					taken = append(taken, "--tokenizer "+ot.Name())
+				}
+				cfg.Tokenizer, cfg.Model.VocabSize, tok = ot.Name(), old.Model.VocabSize, ot
 			}
 			if len(taken) > 0 {
 				fmt.Fprintf(stdout, "resume: from %s: %s\n", dir, strings.Join(taken, " "))
@@ -117,6 +163,12 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	if err := cfg.Validate(); err != nil {
 		return c.usageError(stderr, "%v", err)
 	}
+	switch {
+	case *dataFile != "" && *text != "":
+		return c.usageError(stderr, "--data and --text: give one (tokens or a text)")
+	case *valFile != "" && *dataFile == "":
+		return c.usageError(stderr, "--val-data needs --data")
+	}
 	data := dos.Opticks
 	if *text != "" {
 		b, err := readText(*text)
@@ -125,12 +177,36 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		}
 		data = b
 	}
+	var trainToks, valToks []uint16
+	for _, f := range []struct {
+		flag, path string
+		dst        *[]uint16
+	}{{"--data", *dataFile, &trainToks}, {"--val-data", *valFile, &valToks}} {
+		if f.path == "" {
+			continue
+		}
+		toks, format, err := trainer.ReadTokens(f.path, tok.VocabSize())
+		if err != nil {
+			hint := ""
+			if tok.Name() == "byte" && strings.Contains(err.Error(), "outside the vocabulary") {
+				hint = " (the byte tokenizer's; for GPT-2 tokens pass --model or --tokenizer gpt2)"
+			}
+			return c.fail(stderr, "%s: %v%s", f.flag, err, hint)
+		}
+		fmt.Fprintf(stdout, "%s %s: %s token file, %d tokens\n", f.flag, f.path, format, len(toks))
+		*f.dst = toks
+	}
 	if *summary != "" { // fail now, not after training, if it cannot be written
 		if err := writeFile(*summary, []byte("{}\n")); err != nil {
 			return c.fail(stderr, "--summary-json: %v", err)
 		}
 	}
-	t, err := trainer.New(cfg, data, stdout)
+	var t *trainer.Trainer
+	if *dataFile != "" {
+		t, err = trainer.NewTokens(cfg, trainToks, valToks, stdout)
+	} else {
+		t, err = trainer.New(cfg, data, stdout)
+	}
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
