@@ -2,6 +2,7 @@ package trainer
 
 import (
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -19,13 +20,13 @@ import (
 
 // Summary is what `dos train --summary-json` writes.
 type Summary struct {
-	InitialLoss float64 `json:"initial_loss"` // training loss of iteration 1 (nats/token)
+	InitialLoss float64 `json:"initial_loss"` // training loss of iteration 1 (nats/token); 0 when no iteration ran
 	FinalLoss   float64 `json:"final_loss"`   // training loss of the last iteration
 	ValLoss     float64 `json:"val_loss"`     // validation loss at the end
 	InitValLoss float64 `json:"initial_val_loss"`
-	Steps       int     `json:"steps"`  // iterations done, in all runs
-	Params      int     `json:"params"` // model parameters
-	TokensPerS  float64 `json:"tokens_per_s"`
+	Steps       int     `json:"steps"`         // iterations done, in all runs
+	Params      int     `json:"params"`        // model parameters
+	TokensPerS  float64 `json:"tokens_per_s"`  // this run's, its first iteration left out when there are two or more
 	Skipped     int     `json:"skipped_steps"` // optimizer steps skipped for non-finite gradients, this run
 	Sample      string  `json:"sample"`
 	// UpdateS is the mean wall time of the optimizer's update phase this
@@ -34,18 +35,22 @@ type Summary struct {
 	// profile).
 	UpdateS          float64 `json:"update_s"`
 	UpdatePredictedS float64 `json:"update_predicted_s,omitempty"`
+	// MFU is the model FLOP utilization of the GPU trainer: TokensPerS ×
+	// gpt.Config.FLOPsPerToken over PeakFLOPS (llm.c's count); 0 on the
+	// host.
+	MFU float64 `json:"mfu,omitempty"`
 }
 
 // trainerState is the trainer's object in a checkpoint's manifest.
 type trainerState struct {
-	Iteration   int     `json:"iteration"`
-	LoaderPos   int64   `json:"loader_pos"` // the next training batch's first token (Loader.Pos, TokenBatches.Pos)
-	RNG         []byte  `json:"rng"`        // math/rand/v2 PCG state, MarshalBinary
-	LossScale   float64 `json:"loss_scale"`
-	GoodSteps   int     `json:"good_steps"`
-	InitialLoss float64 `json:"initial_loss"`
-	InitValLoss float64 `json:"initial_val_loss"`
-	LastLoss    float64 `json:"last_loss"`
+	Iteration   int       `json:"iteration"`
+	LoaderPos   int64     `json:"loader_pos"` // the next training batch's first token (Loader.Pos, TokenBatches.Pos)
+	RNG         []byte    `json:"rng"`        // math/rand/v2 PCG state, MarshalBinary
+	LossScale   float64   `json:"loss_scale"`
+	GoodSteps   int       `json:"good_steps"`
+	InitialLoss maybeLoss `json:"initial_loss"` // NaN (null in JSON) until the first iteration
+	InitValLoss maybeLoss `json:"initial_val_loss"`
+	LastLoss    float64   `json:"last_loss"`
 	// TextCRC and TextBytes identify the data, so that resuming on other
 	// data is refused: the CRC-32 (IEEE) and length of the whole text, or,
 	// for pre-tokenized data (Data "tokens"), of its tokens as
@@ -69,14 +74,16 @@ type batches interface {
 // Trainer is one training run: the model, the data, and the offloaded
 // optimizer that owns the parameters.
 type Trainer struct {
-	cfg    TrainConfig
-	tok    Tokenizer
-	loader batches
-	val    batches // the validation data's, read from its start by Evaluate
-	about  string  // the data, said after the model (none for the default: a byte-level text)
-	opt    *offload.Optimizer
-	model  *Model[float32]
-	rng    *rand.PCG
+	cfg     TrainConfig
+	tok     Tokenizer
+	loader  batches
+	val     batches // the validation data's, read from its start by Evaluate
+	about   string  // the data, said after the model (none for the default: a byte-level text)
+	opt     *offload.Optimizer
+	model   *Model[float32] // forward and backward on the host, or
+	gpu     *gpuTrainer     // on the GPU (Device "cuda")
+	rng     *rand.PCG
+	logJSON *os.File // cfg.LogJSON's
 
 	params, grads [][]float32 // what the model reads and writes
 	own16         bool        // params are fp32 copies of the 16-bit working copy
@@ -254,26 +261,41 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 			return nil, err
 		}
 	}
+	// The GPU model first: its activations are allocated before the
+	// update phase's budget is taken from what is left.
+	var gpu *gpuTrainer
+	if cfg.Device == "cuda" {
+		if gpu, err = openGPU(&cfg); err != nil {
+			return nil, err
+		}
+	}
 	oo := cfg.optimizerOptions()
 	closeDev, err := cfg.device(oo)
 	if err != nil {
-		return nil, err
+		return nil, errors.Join(err, gpu.close())
+	}
+	release := func() error {
+		closeDev()
+		return gpu.close()
 	}
 	if cfg.Profile != "" {
 		p, err := offload.LoadProfile(cfg.Profile, oo.Device)
 		if err != nil {
-			closeDev()
-			return nil, fmt.Errorf("trainer: --profile: %w", err)
+			return nil, errors.Join(fmt.Errorf("trainer: --profile: %w", err), release())
 		}
 		oo.Profile = p
 	}
+	if gpu != nil {
+		if err := gpu.plan(&cfg, oo, out); err != nil {
+			return nil, errors.Join(err, release())
+		}
+	}
 	opt, err := offload.New(offloadParams(cfg.Model), *oo)
 	if err != nil {
-		closeDev()
-		return nil, err
+		return nil, errors.Join(err, release())
 	}
-	id.LossScale, id.InitialLoss, id.InitValLoss = cfg.LossScale, math.NaN(), math.NaN()
-	t := &Trainer{cfg: cfg, tok: tok, loader: loader, val: val, about: about, opt: opt, out: out, closeDev: closeDev, lock: lock,
+	id.LossScale, id.InitialLoss, id.InitValLoss = cfg.LossScale, maybeLoss(math.NaN()), maybeLoss(math.NaN())
+	t := &Trainer{cfg: cfg, tok: tok, loader: loader, val: val, about: about, opt: opt, gpu: gpu, out: out, closeDev: closeDev, lock: lock,
 		rng: rand.NewPCG(cfg.Seed, 0x5eed), state: id,
 	}
 	if f, ok := out.(*os.File); ok {
@@ -291,19 +313,31 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 			return nil, errors.Join(err, t.Close())
 		}
 	}
-	t.bind()
+	if err := t.bind(); err != nil {
+		return nil, errors.Join(err, t.Close())
+	}
+	if cfg.LogJSON != "" {
+		if t.logJSON, err = os.OpenFile(cfg.LogJSON, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644); err != nil {
+			return nil, errors.Join(fmt.Errorf("trainer: --log-json: %w", err), t.Close())
+		}
+	}
 	ok = true
 	return t, nil
 }
 
 // bind points the model's parameter and gradient slices at the optimizer's
 // buffers where the dtypes allow (fp32: no copy), else at fp32 buffers the
-// trainer converts from and to.
-func (t *Trainer) bind() {
+// trainer converts from and to. On the GPU, the model takes the
+// optimizer's device views instead, and the optimizer's state goes to the
+// device.
+func (t *Trainer) bind() error {
 	T := t.cfg.Model.NCtx
-	t.model = NewModel[float32](t.cfg.Model, t.cfg.Batch, T)
 	t.inputs = make([]int32, t.cfg.Batch*T)
 	t.tgts = make([]int32, t.cfg.Batch*T)
+	if t.gpu != nil {
+		return t.gpu.bind(t.opt)
+	}
+	t.model = NewModel[float32](t.cfg.Model, t.cfg.Batch, T)
 	n := len(t.opt.Params())
 	t.params, t.grads = make([][]float32, n), make([][]float32, n)
 	t.own16 = t.cfg.WorkingDType != 0
@@ -319,6 +353,7 @@ func (t *Trainer) bind() {
 			t.grads[i] = make([]float32, p.Len)
 		}
 	}
+	return nil
 }
 
 // Close releases the optimizer's workers, the update phase's device, the
@@ -337,6 +372,12 @@ func (t *Trainer) Close() error {
 	if t.closeDev != nil {
 		t.closeDev()
 		t.closeDev = nil
+	}
+	errs = append(errs, t.gpu.close())
+	t.gpu = nil
+	if t.logJSON != nil {
+		errs = append(errs, t.logJSON.Close())
+		t.logJSON = nil
 	}
 	if t.engine != nil {
 		errs = append(errs, t.engine.Close())
@@ -372,16 +413,42 @@ func (t *Trainer) handOver() {
 
 // Evaluate returns the mean loss over cfg.EvalBatches batches of the
 // validation split, read from its start (the same batches every time).
-func (t *Trainer) Evaluate() float64 {
+//
+// Errors: only on the GPU (a device fault).
+func (t *Trainer) Evaluate() (float64, error) {
 	n := max(t.cfg.EvalBatches, 1)
 	t.val.SetPos(0) // cannot fail: every loader holds a sequence
 	t.refresh()
 	var sum float64
 	for range n {
 		t.val.Next(t.inputs, t.tgts)
+		if t.gpu != nil {
+			l, err := t.gpu.loss(t.inputs, t.tgts)
+			if err != nil {
+				return 0, err
+			}
+			sum += l
+			continue
+		}
 		sum += float64(t.model.Forward(t.params, t.inputs, t.tgts))
 	}
-	return sum / float64(n)
+	return sum / float64(n), nil
+}
+
+// forwardBackward computes the batch's loss and the gradients of scale ×
+// loss where the optimizer reads them, on the host or the GPU.
+func (t *Trainer) forwardBackward(scale float32) (float64, error) {
+	if t.gpu != nil {
+		return t.gpu.step(t.inputs, t.tgts, scale)
+	}
+	t.refresh()
+	loss := float64(t.model.Forward(t.params, t.inputs, t.tgts))
+	if math.IsNaN(loss) || math.IsInf(loss, 0) {
+		return loss, nil
+	}
+	t.model.Backward(t.params, t.grads, scale)
+	t.handOver()
+	return loss, nil
 }
 
 func (t *Trainer) logf(format string, args ...any) {
@@ -391,49 +458,85 @@ func (t *Trainer) logf(format string, args ...any) {
 	fmt.Fprintf(t.out, format, args...)
 }
 
+// PeakFLOPS is the dense bf16 peak MFU is measured against, in FLOP/s:
+// the H100 and H200 SXM datasheets' 989 TFLOP/s.
+const PeakFLOPS = 989e12
+
+// stepRecord is one line of --log-json: an optimizer step.
+type stepRecord struct {
+	Step     int     `json:"step"`      // the iteration, from 1
+	Loss     float64 `json:"loss"`      // the batch's mean loss before the update, nats per token
+	LR       float64 `json:"lr"`        // the learning rate of the update
+	GradNorm float64 `json:"grad_norm"` // global L2 norm before clipping (0 without clipping)
+	Skipped  bool    `json:"skipped"`   // a non-finite gradient skipped the update
+	Pos      int64   `json:"pos"`       // the batch's first token in the training data
+	Seconds  float64 `json:"seconds"`   // the iteration's wall time
+	UpdateS  float64 `json:"update_s"`  // the optimizer step's wall time
+}
+
 // Run trains from the current iteration to cfg.Steps and returns the
 // summary. A non-finite loss stops it with an error; the last checkpoint
-// written before stays the latest.
+// written before stays the latest. With cfg.Steps equal to the current
+// iteration (0 for a fresh run) it trains nothing and saves the
+// checkpoint of that iteration: step 0 is the initial weights.
 func (t *Trainer) Run() (Summary, error) {
 	cfg := &t.cfg
 	sum := Summary{Params: t.NumParams()}
 	tokens := cfg.Batch * cfg.Model.NCtx
-	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; %v\n",
-		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, t.opt.Options())
+	flops := cfg.Model.FLOPsPerToken(cfg.Model.NCtx)
+	where := "CPU"
+	if t.gpu != nil {
+		where = "GPU"
+	}
+	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; forward and backward on the %s; %v\n",
+		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, where, t.opt.Options())
 	fmt.Fprint(t.out, t.about)
+	sched := ""
 	if s, ok := t.opt.Schedule(); ok {
 		k := "inf"
 		if !math.IsInf(s.K(), 1) {
 			k = fmt.Sprintf("%.2f", s.K())
 		}
+		sched = fmt.Sprintf("%d/%d/%d", s.CPU, s.GPU, s.Resident)
 		fmt.Fprintf(t.out, "update phase on %s: %d of %d subgroups on the CPU, %d streamed through the GPU, %d resident (k = %s, upcast on the GPU: %v)\n",
 			t.opt.Options().Device.Name(), s.CPU, len(t.opt.Subgroups()), s.GPU, s.Resident, k, s.UpcastOnGPU)
 	}
-	if math.IsNaN(t.state.InitValLoss) {
-		t.state.InitValLoss = t.Evaluate()
+	if t.gpu != nil {
+		used, total := t.gpu.memory()
+		fmt.Fprintf(t.out, "GPU memory: %.1f of %.1f GiB in use (model activations %.1f GiB)\n", float64(used)/(1<<30), float64(total)/(1<<30), float64(t.gpu.activations)/(1<<30))
+	}
+	if math.IsNaN(float64(t.state.InitValLoss)) {
+		l, err := t.Evaluate()
+		if err != nil {
+			return sum, err
+		}
+		t.state.InitValLoss = maybeLoss(l)
 		t.logf("iter %5d  val_loss %.4f\n", t.state.Iteration, t.state.InitValLoss)
 	}
 	start := time.Now()
+	var warm time.Time // the end of this run's first iteration
 	done := 0
 	var updates time.Duration
 	for t.state.Iteration < cfg.Steps {
 		it := t.state.Iteration + 1
+		t0 := time.Now()
 		if err := t.opt.SetLR(cfg.LRAt(it)); err != nil {
 			return sum, err
 		}
+		pos := t.loader.position()
 		t.loader.Next(t.inputs, t.tgts)
-		t.refresh()
 		scale := float32(1)
 		if t.state.LossScale > 0 {
 			scale = float32(t.state.LossScale)
 		}
-		loss := float64(t.model.Forward(t.params, t.inputs, t.tgts))
+		loss, err := t.forwardBackward(scale)
+		if err != nil {
+			return sum, err
+		}
 		if math.IsNaN(loss) || math.IsInf(loss, 0) {
 			return sum, fmt.Errorf("trainer: loss %v at iteration %d: diverged", loss, it)
 		}
-		t.model.Backward(t.params, t.grads, scale)
-		t.handOver()
-		res, err := t.opt.Step(offload.StepArgs{LossScale: float64(scale)})
+		res, err := t.opt.Step(offload.StepArgs{LossScale: float64(scale), GradOnDevice: t.gpu != nil})
 		if err != nil {
 			return sum, err
 		}
@@ -455,22 +558,48 @@ func (t *Trainer) Run() (Summary, error) {
 		t.state.Iteration = it
 		t.state.LastLoss = loss
 		done++
-		if math.IsNaN(t.state.InitialLoss) {
-			t.state.InitialLoss = loss
+		if math.IsNaN(float64(t.state.InitialLoss)) {
+			t.state.InitialLoss = maybeLoss(loss)
 		}
-		rate := float64(done*tokens) / time.Since(start).Seconds()
+		now := time.Now()
+		if done == 1 {
+			warm = now
+		}
+		if t.logJSON != nil {
+			rec := stepRecord{Step: it, Loss: loss, LR: cfg.LRAt(it), GradNorm: res.GradNorm, Skipped: res.Skipped, Pos: pos,
+				Seconds: now.Sub(t0).Seconds(), UpdateS: res.Elapsed.Seconds()}
+			if err := writeRecord(t.logJSON, rec); err != nil {
+				return sum, fmt.Errorf("trainer: --log-json: %w", err)
+			}
+		}
+		// The rate leaves the first iteration out (warm-up: cuBLASLt's
+		// plans, page faults), once there is a second.
+		rate := float64(done*tokens) / now.Sub(start).Seconds()
+		if done > 1 {
+			rate = float64((done-1)*tokens) / now.Sub(warm).Seconds()
+		}
+		line := fmt.Sprintf("iter %5d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", it, cfg.Steps, loss, cfg.LRAt(it), res.GradNorm, rate)
+		if t.gpu != nil {
+			used, _ := t.gpu.memory()
+			line += fmt.Sprintf("  MFU %.1f%%  update %.0f ms (%s)  GPU %.1f GiB", 100*rate*flops/PeakFLOPS, 1e3*res.Elapsed.Seconds(), sched, float64(used)/(1<<30))
+		}
+		line += "  ETA " + eta(float64(cfg.Steps-it)*float64(tokens)/rate)
 		if t.tty {
-			fmt.Fprintf(t.out, "\r\033[Kiter %5d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", it, cfg.Steps, loss, cfg.LRAt(it), res.GradNorm, rate)
+			fmt.Fprint(t.out, "\r\033[K"+line)
 		}
 		if cfg.LogEvery > 0 && (it%cfg.LogEvery == 0 || it == cfg.Steps) {
 			skipped := ""
 			if res.Skipped {
 				skipped = fmt.Sprintf("  SKIPPED (loss scale now %g)", t.state.LossScale)
 			}
-			t.logf("iter %5d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s%s\n", it, loss, cfg.LRAt(it), res.GradNorm, rate, skipped)
+			t.logf("%s%s\n", line, skipped)
 		}
 		if cfg.EvalEvery > 0 && it%cfg.EvalEvery == 0 && it != cfg.Steps {
-			t.logf("iter %5d  val_loss %.4f\n", it, t.Evaluate())
+			l, err := t.Evaluate()
+			if err != nil {
+				return sum, err
+			}
+			t.logf("iter %5d  val_loss %.4f\n", it, l)
 		}
 		if err := t.reportSave(false); err != nil { // a lazy checkpoint durable since the last iteration
 			return sum, err
@@ -491,25 +620,62 @@ func (t *Trainer) Run() (Summary, error) {
 				1e3*sum.UpdateS, done, 1e3*plan.Makespan, plan.CPU, plan.GPU, plan.Resident, plan.Bottleneck)
 		}
 		sum.TokensPerS = float64(done*tokens) / time.Since(start).Seconds()
-		if cfg.CkptEvery == 0 || t.state.Iteration%cfg.CkptEvery != 0 {
-			if err := t.save(); err != nil {
-				return sum, err
-			}
+		if done > 1 {
+			sum.TokensPerS = float64((done-1)*tokens) / time.Since(warm).Seconds()
+		}
+		if t.gpu != nil {
+			sum.MFU = sum.TokensPerS * flops / PeakFLOPS
+		}
+	}
+	if cfg.CkptDir != "" && (done > 0 && (cfg.CkptEvery == 0 || t.state.Iteration%cfg.CkptEvery != 0) || done == 0 && t.state.Iteration == 0) {
+		if err := t.save(); err != nil {
+			return sum, err
 		}
 	}
 	if err := t.reportSave(true); err != nil { // the last checkpoint is durable before Run returns
 		return sum, err
 	}
 	sum.FinalLoss = t.state.LastLoss
-	sum.InitialLoss, sum.InitValLoss = t.state.InitialLoss, t.state.InitValLoss
-	sum.ValLoss = t.Evaluate()
+	sum.InitialLoss, sum.InitValLoss = t.state.InitialLoss.or0(), t.state.InitValLoss.or0()
+	l, err := t.Evaluate()
+	if err != nil {
+		return sum, err
+	}
+	sum.ValLoss = l
 	sum.Steps = t.state.Iteration
 	t.logf("iter %5d  val_loss %.4f (from %.4f)\n", t.state.Iteration, sum.ValLoss, sum.InitValLoss)
 	if cfg.SampleBytes > 0 {
-		sum.Sample = t.Sample([]byte("\nLight "), cfg.SampleBytes)
+		if sum.Sample, err = t.Sample([]byte("\nLight "), cfg.SampleBytes); err != nil {
+			return sum, err
+		}
 		fmt.Fprintf(t.out, "sample: %q\n", sum.Sample)
 	}
 	return sum, nil
+}
+
+// writeRecord writes rec as one JSON line.
+func writeRecord(w io.Writer, rec stepRecord) error {
+	b, err := json.Marshal(rec)
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(append(b, '\n'))
+	return err
+}
+
+// eta formats a duration in seconds as 1h02m, 3m04s or 5s.
+func eta(sec float64) string {
+	if !(sec >= 0) || math.IsInf(sec, 0) {
+		return "?"
+	}
+	d := time.Duration(sec * float64(time.Second)).Round(time.Second)
+	switch h, m := int(d.Hours()), int(d.Minutes())%60; {
+	case h > 0:
+		return fmt.Sprintf("%dh%02dm", h, m)
+	case m > 0:
+		return fmt.Sprintf("%dm%02ds", m, int(d.Seconds())%60)
+	}
+	return fmt.Sprintf("%ds", int(d.Seconds()))
 }
 
 // Sample continues prompt by at least n bytes drawn from the model's
@@ -518,14 +684,20 @@ func (t *Trainer) Run() (Summary, error) {
 // tokens until they decode to n bytes or more, n at most (byte-level: n
 // tokens, n bytes). An empty prompt starts from GPT-2's <|endoftext|>, or
 // a newline byte-level.
-func (t *Trainer) Sample(prompt []byte, n int) string {
+//
+// Errors: only on the GPU (a device fault, out of memory for the B = 1
+// model).
+func (t *Trainer) Sample(prompt []byte, n int) (string, error) {
 	T, V := t.cfg.Model.NCtx, t.cfg.Model.VocabSize
-	m := NewModel[float32](t.cfg.Model, 1, T)
+	var m *Model[float32]
+	if t.gpu == nil {
+		m = NewModel[float32](t.cfg.Model, 1, T)
+	}
 	r := rand.New(t.rng)
 	t.refresh()
 	p, err := t.tok.Encode(prompt)
 	if err != nil {
-		return string(prompt) // unreachable: the tokenizers encode any bytes
+		return string(prompt), nil // unreachable: the tokenizers encode any bytes
 	}
 	ctx := make([]int32, len(p), len(p)+n)
 	for i, x := range p {
@@ -541,16 +713,24 @@ func (t *Trainer) Sample(prompt []byte, n int) string {
 	out := append([]byte(nil), prompt...)
 	for made := 0; made < n && len(out)-len(prompt) < n; made++ {
 		window := ctx[max(0, len(ctx)-T):]
-		clear(toks)
-		copy(toks, window)
-		m.Forward(t.params, toks, nil)
-		row := (len(window) - 1) * V
-		next := int32(sampleLogits(m.Logits()[row:row+t.tok.VocabSize()], r.Float64()))
+		var logits []float32
+		if t.gpu != nil {
+			if logits, err = t.gpu.next(&t.cfg, window); err != nil {
+				return string(out), err
+			}
+		} else {
+			clear(toks)
+			copy(toks, window)
+			m.Forward(t.params, toks, nil)
+			row := (len(window) - 1) * V
+			logits = m.Logits()[row : row+V]
+		}
+		next := int32(sampleLogits(logits[:t.tok.VocabSize()], r.Float64()))
 		ctx = append(ctx, next)
 		piece, _ := t.tok.Decode([]int32{next}) // next is in the vocabulary
 		out = append(out, piece...)
 	}
-	return string(out)
+	return string(out), nil
 }
 
 // sampleLogits draws an index from softmax(logits) with the uniform u.
@@ -571,4 +751,31 @@ func sampleLogits(logits []float32, u float64) int {
 		}
 	}
 	return len(logits) - 1
+}
+
+// maybeLoss is a loss that may not be known yet: NaN, written as null in
+// JSON and read back as NaN.
+type maybeLoss float64
+
+func (l maybeLoss) MarshalJSON() ([]byte, error) {
+	if math.IsNaN(float64(l)) {
+		return []byte("null"), nil
+	}
+	return json.Marshal(float64(l))
+}
+
+func (l *maybeLoss) UnmarshalJSON(b []byte) error {
+	if string(b) == "null" {
+		*l = maybeLoss(math.NaN())
+		return nil
+	}
+	return json.Unmarshal(b, (*float64)(l))
+}
+
+// or0 is the loss, or 0 when it is not known.
+func (l maybeLoss) or0() float64 {
+	if math.IsNaN(float64(l)) {
+		return 0
+	}
+	return float64(l)
 }

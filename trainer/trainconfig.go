@@ -62,14 +62,24 @@ type TrainConfig struct {
 	// plans its update phase with it, and the summary compares the
 	// predicted update time with the measured one. "" for none.
 	Profile string `json:"profile"`
-	// Device runs the optimizer's update phase through the interleaved
-	// engine on "sim" (the simulated device: a test of the engine) or
-	// "cuda" (GPU 0); "" keeps it on the host. The trainer's forward and
-	// backward stay on the host: its gradients are uploaded and the
-	// working copy downloaded around each step.
+	// Device is where training runs. "" keeps everything on the host.
+	// "cuda" trains on GPU 0: forward and backward run there
+	// (internal/gptcuda, bf16), reading the optimizer's device working
+	// copy and writing its device gradients, and the update phase runs
+	// through the interleaved engine with the optimizer state in pinned
+	// host memory; it needs bf16 --working-dtype and --grad-dtype. "sim"
+	// keeps forward and backward on the host and runs the update phase on
+	// the simulated device (a test of the engine): the gradients are
+	// uploaded and the working copy downloaded around each step.
 	Device string `json:"device"`
+	// LogJSON, when set, is a file that gets one JSON line per
+	// optimizer step (stepRecord: step, loss, lr, grad_norm, skipped, pos,
+	// seconds, update_s), appended to. Not saved in checkpoints.
+	LogJSON string `json:"-"`
 	// GPUBudget is the device memory in GiB the update phase may use
-	// (resident state and staging); 0 means DefaultGPUBudget.
+	// (resident state and staging); 0 means DefaultGPUBudget, or, with
+	// Device "cuda", what the model's activations leave (less the
+	// gradients, the working copy and a 2 GiB margin).
 	GPUBudget float64 `json:"gpu_budget_gib"`
 	// MaxMemory is the host memory in GiB the run may use (--max-memory):
 	// Validate refuses a configuration whose MemoryBytes exceeds it. 0
@@ -162,7 +172,7 @@ func (c *TrainConfig) Validate() error {
 		hi     int // math.MaxInt: no upper bound here (MemoryBytes bounds --batch)
 		suffix string
 	}{
-		{"--steps", c.Steps, 1, math.MaxInt, ""},
+		{"--steps", c.Steps, 0, math.MaxInt, " (0: save the initial weights' checkpoint and stop)"},
 		{"--batch", c.Batch, 1, math.MaxInt, ""},
 		{"--warmup", c.WarmupSteps, 0, math.MaxInt, ""},
 		{"--decay-steps", c.DecaySteps, 0, math.MaxInt, " (0: --steps)"},
@@ -214,6 +224,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --device %q: want sim or cuda (or none: the host)", c.Device)
 	case c.Device != "" && c.WorkingDType == 0:
 		return fmt.Errorf("trainer: --device %s needs a 16-bit --working-dtype (the working copy lives on the device)", c.Device)
+	case c.Device == "cuda" && (c.WorkingDType != adam.BF16 || c.GradDType != adam.BF16):
+		return fmt.Errorf("trainer: --device cuda trains in bf16: --working-dtype %v --grad-dtype %v, want bfloat16 for both", c.WorkingDType, c.GradDType)
 	case c.Device == "" && (c.Schedule != "" || c.GPUBudget != 0):
 		return errors.New("trainer: --schedule and --gpu-budget need --device")
 	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:
@@ -295,6 +307,9 @@ const MaxMemoryBytes = 64 << 30
 //     state per parameter, at most 256 MiB) when CkptDir is set without
 //     CkptSync.
 //
+// With Device "cuda" the activations are on the GPU and there are no fp32
+// copies: 20 B per parameter and the ring.
+//
 // What New allocates (runtime.MemStats.TotalAlloc) is within 1 % of it
 // (TestMemoryBytesMeasured); the peak RSS of `dos train` on the 2-core
 // development machine was 9 % below to 2 % above it, from 0.8 to 2.4 GiB,
@@ -314,6 +329,11 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	}
 	perPos := L*(16*C+H*T) + 13*C + 2*V + math.Max(4*C, V)
 	floats := perPos*float64(c.Batch)*T + math.Max(4*C*C, V*C) + math.Min(float64(workers()), float64(c.Batch)*H)*(3*T*T+4*T*C/H)
+	if c.Device == "cuda" {
+		// The GPU holds the activations and reads the 16-bit copies
+		// itself: no fp32 copies on the host.
+		perParam, floats = 12+4+2+2, 0
+	}
 	ring := 0.0
 	if c.CkptDir != "" && !c.CkptSync {
 		ring = math.Min(2*16*params, 256<<20)

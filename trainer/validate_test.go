@@ -162,7 +162,7 @@ func TestValidateNamesFlags(t *testing.T) {
 		{func(c *TrainConfig) { c.Model.NEmbd = 0 }, "--embd 0: want 1..65536"},
 		{func(c *TrainConfig) { c.Model.NLayer = 0 }, "--layers 0: want 1..1024"},
 		{func(c *TrainConfig) { c.Model.NCtx = -1 }, "--ctx -1: want 1..1048576"},
-		{func(c *TrainConfig) { c.Steps = 0 }, "--steps 0: want >= 1"},
+		{func(c *TrainConfig) { c.Steps = -1 }, "--steps -1: want >= 0"},
 		{func(c *TrainConfig) { c.Batch = 0 }, "--batch 0: want >= 1"},
 		{func(c *TrainConfig) { c.WarmupSteps = -1 }, "--warmup -1"},
 		{func(c *TrainConfig) { c.DecaySteps = -1 }, "--decay-steps -1"},

@@ -93,8 +93,8 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.CkptEvery, "ckpt-every", cfg.CkptEvery, "iterations between checkpoints (a final one is always written)")
 	fs.IntVar(&cfg.CkptKeep, "ckpt-keep", cfg.CkptKeep, "keep only the newest `N` checkpoints (0: keep all)")
 	fs.StringVar(&cfg.Profile, "profile", cfg.Profile, "a dos calibrate --json `PATH` of this machine: print the performance model's predicted update time next to the measured one")
-	fs.StringVar(&cfg.Device, "device", cfg.Device, "run the optimizer's update phase through the interleaved engine on `DEV`: cuda (GPU 0) or sim (the simulated device); empty: on the host. Needs --working-dtype bfloat16 or float16")
-	fs.Float64Var(&cfg.GPUBudget, "gpu-budget", cfg.GPUBudget, "with --device: device memory in `GiB` for resident state and staging (0: 16)")
+	fs.StringVar(&cfg.Device, "device", cfg.Device, "train on `DEV`: cuda (GPU 0: forward and backward in bf16 on the GPU, the update phase interleaved between the CPU and the GPU with the optimizer state in pinned host memory; bfloat16 --working-dtype and --grad-dtype by default) or sim (forward and backward on the host, the update phase on the simulated device: a test); empty: all on the host")
+	fs.Float64Var(&cfg.GPUBudget, "gpu-budget", cfg.GPUBudget, "with --device: device memory in `GiB` for the update phase's resident state and staging (0: with cuda, what the model leaves less 2 GiB; with sim, 16)")
 	fs.StringVar(&cfg.Schedule, "schedule", cfg.Schedule, "with --device: force `CPU,GPU,RESIDENT` subgroup counts, adding up to the subgroups (default: the model's with --profile, else a third of each; one subgroup is streamed through the GPU)")
 	fs.BoolVar(&cfg.CkptSync, "ckpt-sync", cfg.CkptSync, "write checkpoints synchronously instead of capturing them lazily and flushing in the background")
 	fs.BoolVar(&cfg.Resume, "resume", cfg.Resume, "continue from the latest checkpoint in --ckpt-dir, with its model and dtypes unless given here")
@@ -105,7 +105,8 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	text := fs.String("text", "", "train on this UTF-8/byte text `FILE`, tokenized by --tokenizer; the last 10% validates (default: Newton's Opticks, embedded)")
 	dataFile := fs.String("data", "", "train on this `FILE` of uint16 tokens instead of a text: llm.c's .bin (its 1024-byte header, magic 20240520) or nanoGPT's (no header), in llm.c's batch order; the last 10% validates unless --val-data")
 	valFile := fs.String("val-data", "", "with --data: validate on this token `FILE` (same formats) instead of --data's last 10%")
-	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, initial_val_loss, steps, params, tokens_per_s, skipped_steps, sample, update_s, update_predicted_s} to this `PATH` (losses in nats per token: per byte byte-level; update_s the mean update phase in seconds, update_predicted_s the model's with --profile; sample bytes that are not UTF-8 become U+FFFD)")
+	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, initial_val_loss, steps, params, tokens_per_s, skipped_steps, sample, update_s, update_predicted_s, mfu} to this `PATH` (losses in nats per token: per byte byte-level; tokens_per_s leaves the run's first iteration out; update_s the mean update phase in seconds, update_predicted_s the model's with --profile; mfu on the GPU, against 989 TFLOP/s; sample bytes that are not UTF-8 become U+FFFD)")
+	fs.StringVar(&cfg.LogJSON, "log-json", "", "append one JSON line per optimizer step to `PATH`: {step, loss, lr, grad_norm, skipped, pos, seconds, update_s}")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
@@ -132,6 +133,14 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	}
 	if c.set("tokenizer") {
 		cfg.Tokenizer = *tokName
+	}
+	if cfg.Device == "cuda" { // the GPU trains in bf16
+		if !c.set("working-dtype") {
+			cfg.WorkingDType = adam.BF16
+		}
+		if !c.set("grad-dtype") {
+			cfg.GradDType = adam.BF16
+		}
 	}
 	tok, err := trainer.NewTokenizer(cfg.Tokenizer)
 	if err != nil {

@@ -1,0 +1,224 @@
+package trainer
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/deepstates/dos/adam"
+
+	"github.com/deepstates/dos/internal/cublas"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/gptcuda"
+	"github.com/deepstates/dos/internal/kernels"
+	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/perfmodel"
+)
+
+// gpuMargin is the device memory left free when the update phase's budget
+// defaults to what the model leaves: cuBLASLt's and the driver's own
+// allocations, fragmentation.
+const gpuMargin = 2 << 30
+
+// gpuTrainer is forward and backward on the GPU (gptcuda) for a Trainer
+// with Device "cuda": the model reads the optimizer's device working copy
+// and writes its gradients where the update phase reads them.
+type gpuTrainer struct {
+	dev     *cuda.Device
+	s       *cuda.Stream
+	k       *kernels.GPT
+	m       *gptcuda.Model // the training batch's
+	sampler *gptcuda.Model // B = 1, made by the first Sample
+	w, g    []uint64       // the optimizer's device views, in gpt.Config.Tensors order
+	logits  []float32      // one row, for sampling
+	// activations is the model's device memory (gptcuda.MemoryBytes).
+	activations int64
+}
+
+// openGPU opens GPU 0 (it shares the primary context with the optimizer's
+// device), loads the GPT kernels and allocates the model's activations.
+//
+// Errors: no GPU or no cuBLASLt (their reasons), out of device memory.
+func openGPU(cfg *TrainConfig) (*gpuTrainer, error) {
+	if err := cublas.Available(); err != nil {
+		return nil, fmt.Errorf("trainer: --device cuda: %w", err)
+	}
+	d, err := cuda.Open(0)
+	if err != nil {
+		return nil, fmt.Errorf("trainer: --device cuda: %w", err)
+	}
+	g := &gpuTrainer{dev: d}
+	fail := func(err error) (*gpuTrainer, error) {
+		return nil, errors.Join(fmt.Errorf("trainer: --device cuda: %w", err), g.close())
+	}
+	if g.s, err = d.NewStream(); err != nil {
+		return fail(err)
+	}
+	if g.k, err = kernels.LoadGPT(d); err != nil {
+		return fail(err)
+	}
+	if g.m, err = gptcuda.New(g.s, g.k, cfg.Model, cfg.Batch, cfg.Model.NCtx, gptcuda.Options{}); err != nil {
+		return fail(err)
+	}
+	g.activations = gptcuda.MemoryBytes(cfg.Model, cfg.Batch, cfg.Model.NCtx, gptcuda.Options{})
+	return g, nil
+}
+
+// plan sets the update phase's budget and schedule in o: GPUBudget, when
+// cfg leaves it 0, to what the model left (budget); with neither --profile
+// nor --schedule, the performance model's schedule from a short
+// calibration of this machine's CPU and GPU rates (perfmodel.CalibrateCPU
+// and CalibrateGPU at reduced sizes, a few seconds), said on out.
+func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) error {
+	if cfg.GPUBudget == 0 {
+		b, err := g.budget(o, cfg.paramCount())
+		if err != nil {
+			return err
+		}
+		o.GPUBudget = b
+	}
+	if cfg.Profile != "" || cfg.Schedule != "" {
+		return nil
+	}
+	start := time.Now()
+	fmt.Fprintf(out, "calibrating the update phase (no --profile: dos calibrate writes one that skips this)...\n")
+	k, err := kernels.Load(g.dev)
+	if err != nil {
+		return fmt.Errorf("trainer: --device cuda: %w", err)
+	}
+	defer k.Close()
+	gp, err := perfmodel.CalibrateGPU(g.dev, k, perfmodel.GPUOptions{
+		CopySizes: []int64{16 << 20, 64 << 20, 256 << 20}, UpdateSizes: []int64{16 << 20, 64 << 20}, Reps: 3,
+		Threads: o.Threads, HostMemSeconds: 0.2}, nil)
+	if err != nil {
+		return fmt.Errorf("trainer: calibrating the GPU: %w", err)
+	}
+	cpu, err := perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{cpuThreads(o)}, Reps: 3, GradDTypes: []adam.DType{o.GradDType}}, nil)
+	if err != nil {
+		return fmt.Errorf("trainer: calibrating the CPU: %w", err)
+	}
+	o.Profile = &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC(), CPU: cpu, GPU: gp}
+	o.Schedule = nil
+	fmt.Fprintf(out, "calibrated in %.1f s\n", time.Since(start).Seconds())
+	return nil
+}
+
+// cpuThreads is the optimizer's worker count: Options.Threads, or
+// GOMAXPROCS.
+func cpuThreads(o *offload.Options) int {
+	if o.Threads > 0 {
+		return o.Threads
+	}
+	return workers()
+}
+
+// budget returns the update phase's default GPU budget in bytes: the device
+// memory free now (after the model's activations) less what offload.New
+// allocates outside the budget (gradients and working copy) and a margin.
+func (g *gpuTrainer) budget(o *offload.Options, params int) (int64, error) {
+	free, _, err := g.dev.MemInfo()
+	if err != nil {
+		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
+	}
+	return max(free-o.DeviceBytes(params)-gpuMargin, 0), nil
+}
+
+// bind takes the optimizer's device views and brings its state to the
+// device.
+func (g *gpuTrainer) bind(opt *offload.Optimizer) error {
+	n := len(opt.Params())
+	g.w, g.g = make([]uint64, n), make([]uint64, n)
+	for i := range n {
+		w, err := opt.DeviceWorking(i)
+		if err != nil {
+			return err
+		}
+		gr, err := opt.DeviceGrad(i)
+		if err != nil {
+			return err
+		}
+		g.w[i], g.g[i] = w.Ptr, gr.Ptr
+	}
+	return opt.SyncDevice()
+}
+
+// step runs forward and backward on a batch with the loss scaled by scale
+// and returns the mean loss; the gradients are complete on the device when
+// it returns (Loss waits for the stream).
+func (g *gpuTrainer) step(inputs, targets []int32, scale float32) (float64, error) {
+	if err := g.m.Forward(g.w, inputs, targets, scale); err != nil {
+		return 0, err
+	}
+	if err := g.m.Backward(g.w, g.g); err != nil {
+		return 0, err
+	}
+	return g.m.Loss()
+}
+
+// loss returns the mean loss of a batch without gradients.
+func (g *gpuTrainer) loss(inputs, targets []int32) (float64, error) {
+	if err := g.m.Forward(g.w, inputs, targets, 0); err != nil {
+		return 0, err
+	}
+	return g.m.Loss()
+}
+
+// next returns the logits after the tokens of window (at most NCtx) for
+// sampling, on a B = 1 model made at the first call.
+func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
+	T := cfg.Model.NCtx
+	if g.sampler == nil {
+		m, err := gptcuda.New(g.s, g.k, cfg.Model, 1, T, gptcuda.Options{})
+		if err != nil {
+			return nil, err
+		}
+		g.sampler = m
+		g.logits = make([]float32, cfg.Model.VocabSize)
+	}
+	toks := make([]int32, T)
+	copy(toks, window)
+	if err := g.sampler.Forward(g.w, toks, nil, 0); err != nil {
+		return nil, err
+	}
+	if err := g.sampler.LogitsAt(len(window)-1, g.logits); err != nil {
+		return nil, err
+	}
+	return g.logits, nil
+}
+
+// memory returns the device memory in use, in bytes.
+func (g *gpuTrainer) memory() (used, total int64) {
+	free, total, err := g.dev.MemInfo()
+	if err != nil {
+		return 0, 0
+	}
+	return total - free, total
+}
+
+// close frees the models, the kernels, the stream and the device handle.
+func (g *gpuTrainer) close() error {
+	if g == nil {
+		return nil
+	}
+	var errs []error
+	for _, m := range []**gptcuda.Model{&g.sampler, &g.m} {
+		if *m != nil {
+			errs = append(errs, (*m).Close())
+			*m = nil
+		}
+	}
+	if g.k != nil {
+		errs = append(errs, g.k.Close())
+		g.k = nil
+	}
+	if g.s != nil {
+		errs = append(errs, g.s.Free())
+		g.s = nil
+	}
+	if g.dev != nil {
+		errs = append(errs, g.dev.Close())
+		g.dev = nil
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,349 @@
+package trainer
+
+import (
+	"math"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/gpt"
+	"github.com/deepstates/dos/internal/cublas"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/gptcuda"
+	"github.com/deepstates/dos/internal/kernels"
+)
+
+// gpuEnv opens GPU 0, a stream and the GPT kernels, or skips the test (fails
+// it with DOS_REQUIRE_GPU=1) when there is no GPU or no cuBLASLt.
+func gpuEnv(t testing.TB) (*cuda.Stream, *kernels.GPT) {
+	t.Helper()
+	need := os.Getenv("DOS_REQUIRE_GPU") == "1"
+	for _, err := range []error{cuda.Available(), cublas.Available()} {
+		if err != nil {
+			if need {
+				t.Fatalf("DOS_REQUIRE_GPU=1 but: %v", err)
+			}
+			t.Skipf("no GPU: %v", err)
+		}
+	}
+	d, err := cuda.Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	s, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Free() })
+	k, err := kernels.LoadGPT(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { k.Close() })
+	return s, k
+}
+
+// devTensors holds bf16 tensors on the device, one buffer each, and a
+// pinned staging buffer for moving them.
+type devTensors struct {
+	s     *cuda.Stream
+	bufs  []*cuda.Buffer
+	ptrs  []uint64
+	stage *cuda.HostBuffer
+}
+
+func newDevTensors(t testing.TB, s *cuda.Stream, c Config) *devTensors {
+	t.Helper()
+	dt := &devTensors{s: s}
+	most := 0
+	for _, p := range c.Tensors() {
+		b, err := s.Device().Alloc(int64(2 * p.Numel()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { b.Free() })
+		dt.bufs = append(dt.bufs, b)
+		dt.ptrs = append(dt.ptrs, b.Ptr())
+		most = max(most, p.Numel())
+	}
+	h, err := s.Device().HostAlloc(int64(2 * most))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Free() })
+	dt.stage = h
+	return dt
+}
+
+func (dt *devTensors) host16(n int) []uint16 {
+	return unsafe.Slice((*uint16)(unsafe.Pointer(&dt.stage.Bytes()[0])), n)
+}
+
+// set uploads vals (rounded to bf16) into tensor i.
+func (dt *devTensors) set(t testing.TB, i int, vals []float64) {
+	h := dt.host16(len(vals))
+	for j, v := range vals {
+		h[j] = adam.F32ToBF16(float32(v))
+	}
+	if err := dt.s.CopyHtoD(dt.bufs[i], 0, dt.stage, 0, int64(2*len(vals))); err != nil {
+		t.Fatal(err)
+	}
+	if err := dt.s.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// get downloads tensor i (n elements) as float64.
+func (dt *devTensors) get(t testing.TB, i, n int) []float64 {
+	if err := dt.s.CopyDtoH(dt.stage, 0, dt.bufs[i], 0, int64(2*n)); err != nil {
+		t.Fatal(err)
+	}
+	if err := dt.s.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	out := make([]float64, n)
+	for j, x := range dt.host16(n) {
+		out[j] = float64(adam.BF16ToF32(x))
+	}
+	return out
+}
+
+// bf16Params returns InitParams(c, seed) rounded to bf16, as float64: the
+// weights both sides compute with.
+func bf16Params(c Config, seed uint64) [][]float64 {
+	p := InitParams(c, seed)
+	out := make([][]float64, len(p))
+	for i, ts := range p {
+		out[i] = make([]float64, len(ts))
+		for j, x := range ts {
+			out[i][j] = float64(adam.BF16ToF32(adam.F32ToBF16(x)))
+		}
+	}
+	return out
+}
+
+// relL2 returns ‖got − want‖ / ‖want‖ (or ‖got‖ when want is zero).
+func relL2(got, want []float64) float64 {
+	var d, n float64
+	for i := range want {
+		d += (got[i] - want[i]) * (got[i] - want[i])
+		n += want[i] * want[i]
+	}
+	if n == 0 {
+		return math.Sqrt(d)
+	}
+	return math.Sqrt(d / n)
+}
+
+// TestGPUMatchesCPU runs the CUDA model and the float64 CPU model from the
+// same bf16 weights and batch: the loss, the logits and every gradient
+// agree within bf16 tolerance; a second pass gives the same bits; wpe's
+// rows beyond T get exactly zero.
+func TestGPUMatchesCPU(t *testing.T) {
+	s, k := gpuEnv(t)
+	for _, tc := range []struct {
+		c    Config
+		B, T int
+		attn gptcuda.Attention
+		sep  bool // Options.SeparateGELU
+	}{
+		{Config{VocabSize: 256, NCtx: 64, NLayer: 2, NHead: 4, NEmbd: 64}, 4, 64, gptcuda.AttentionCuBLAS, false},
+		{Config{VocabSize: 256, NCtx: 64, NLayer: 2, NHead: 4, NEmbd: 64}, 4, 64, gptcuda.AttentionCuBLAS, true},
+		{Config{VocabSize: 200, NCtx: 48, NLayer: 3, NHead: 3, NEmbd: 96}, 3, 40, gptcuda.AttentionCuBLAS, false},
+		// Head size 64: flash attention, with a last tile of 22 rows,
+		// and the cuBLAS path on the same model.
+		{Config{VocabSize: 320, NCtx: 160, NLayer: 2, NHead: 2, NEmbd: 128}, 2, 150, gptcuda.AttentionFlash, false},
+		{Config{VocabSize: 320, NCtx: 160, NLayer: 2, NHead: 2, NEmbd: 128}, 2, 150, gptcuda.AttentionCuBLAS, false},
+		{Config{VocabSize: 256, NCtx: 128, NLayer: 2, NHead: 3, NEmbd: 192}, 3, 128, gptcuda.AttentionFlash, true},
+	} {
+		c, B, T := tc.c, tc.B, tc.T
+		params := bf16Params(c, 7)
+		// Larger embeddings, so the logits are O(1) and the loss's
+		// gradient is not vanishingly small.
+		for j := range params[gpt.Wte] {
+			params[gpt.Wte][j] = float64(adam.BF16ToF32(adam.F32ToBF16(float32(params[gpt.Wte][j] * 8))))
+		}
+		tokens := randomTokens(B*T, c.VocabSize, 3)
+		targets := randomTokens(B*T, c.VocabSize, 4)
+
+		cpu := NewModel[float64](c, B, T)
+		wantLoss := cpu.Forward(params, tokens, targets)
+		wantLogits := append([]float64(nil), cpu.Logits()...)
+		wantGrads := make([][]float64, len(params))
+		for i, p := range params {
+			wantGrads[i] = make([]float64, len(p))
+		}
+		cpu.Backward(params, wantGrads, 1)
+
+		w, g := newDevTensors(t, s, c), newDevTensors(t, s, c)
+		for i, p := range params {
+			w.set(t, i, p)
+		}
+		m, err := gptcuda.New(s, k, c, B, T, gptcuda.Options{Attention: tc.attn, SeparateGELU: tc.sep})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer m.Close()
+		if err := m.Forward(w.ptrs, tokens, targets, 0); err != nil {
+			t.Fatal(err)
+		}
+		loss, err := m.Loss()
+		if err != nil {
+			t.Fatal(err)
+		}
+		logits := make([]float32, B*T*c.VocabSize)
+		if err := m.Logits(logits); err != nil {
+			t.Fatal(err)
+		}
+		worst, scale := 0.0, 0.0
+		for i, x := range logits {
+			worst = math.Max(worst, math.Abs(float64(x)-wantLogits[i]))
+			scale = math.Max(scale, math.Abs(wantLogits[i]))
+		}
+		t.Logf("%+v B=%d T=%d %v attention, separate GELU %v: loss GPU %.6f CPU %.6f; logits max |diff| %.4f of max |logit| %.3f", c, B, T, m.Attention(), tc.sep, loss, wantLoss, worst, scale)
+		if d := math.Abs(loss - wantLoss); d > 0.01*wantLoss {
+			t.Errorf("loss GPU %v, CPU %v: differ by %.3g > 1%%", loss, wantLoss, d)
+		}
+		if worst > 0.03*scale {
+			t.Errorf("logits differ by up to %.4g > 3%% of max |logit| %.4g", worst, scale)
+		}
+
+		grads := func() [][]float64 {
+			if err := m.Forward(w.ptrs, tokens, targets, 1); err != nil {
+				t.Fatal(err)
+			}
+			if err := m.Backward(w.ptrs, g.ptrs); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			out := make([][]float64, len(params))
+			for i, p := range params {
+				out[i] = g.get(t, i, len(p))
+			}
+			return out
+		}
+		got := grads()
+		worstRel, worstName := 0.0, ""
+		for i, p := range c.Tensors() {
+			r := relL2(got[i], wantGrads[i])
+			if r > worstRel {
+				worstRel, worstName = r, p.Name
+			}
+			if r > 0.05 {
+				t.Errorf("%s: gradient relative L2 error %.4f > 0.05", p.Name, r)
+			}
+		}
+		t.Logf("gradients: worst relative L2 error %.4f (%s)", worstRel, worstName)
+		for j := T * c.NEmbd; j < len(got[gpt.Wpe]); j++ {
+			if got[gpt.Wpe][j] != 0 {
+				t.Fatalf("wpe.weight grad[%d] = %v, want 0 (row >= T)", j, got[gpt.Wpe][j])
+			}
+		}
+		again := grads()
+		for i := range got {
+			for j := range got[i] {
+				if math.Float64bits(got[i][j]) != math.Float64bits(again[i][j]) {
+					t.Fatalf("%s[%d]: second pass %v, first %v: not deterministic", c.Tensors()[i].Name, j, again[i][j], got[i][j])
+				}
+			}
+		}
+	}
+}
+
+// BenchmarkGPUForwardBackward times forward and backward of the CUDA model
+// (no optimizer step) at GPT-2 sizes, T = 1024: tokens/s and the MFU of
+// those two passes (bf16 dense peak 989 TFLOP/s, llm.c's FLOP count).
+// DOS_BENCH_MODELS picks presets and batches, e.g. "gpt2:16,gpt2-xl:8".
+func BenchmarkGPUForwardBackward(b *testing.B) {
+	spec := os.Getenv("DOS_BENCH_MODELS")
+	if spec == "" {
+		spec = "gpt2:16"
+	}
+	for _, item := range splitList(spec) {
+		name, batch := item[0], item[1]
+		b.Run(name, func(b *testing.B) { benchGPU(b, name, batch) })
+	}
+}
+
+// splitList parses "name:batch,name:batch".
+func splitList(spec string) [][2]string {
+	var out [][2]string
+	for _, it := range strings.Split(spec, ",") {
+		name, batch, _ := strings.Cut(strings.TrimSpace(it), ":")
+		out = append(out, [2]string{name, batch})
+	}
+	return out
+}
+
+func benchGPU(b *testing.B, name, batch string) {
+	s, k := gpuEnv(b)
+	c, err := gpt.Preset(name)
+	if err != nil {
+		b.Fatal(err)
+	}
+	B, err := strconv.Atoi(batch)
+	if err != nil {
+		b.Fatal(err)
+	}
+	T := c.NCtx
+	w, g := newDevTensors(b, s, c), newDevTensors(b, s, c)
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i, p := range c.Tensors() {
+		vals := make([]float64, p.Numel())
+		for j := range vals {
+			vals[j] = 0.02 * rng.NormFloat64()
+		}
+		if len(p.Shape) == 1 && strings.Contains(p.Name, "ln_") && strings.HasSuffix(p.Name, ".weight") {
+			for j := range vals {
+				vals[j] = 1
+			}
+		}
+		w.set(b, i, vals)
+	}
+	var opts gptcuda.Options
+	switch os.Getenv("DOS_BENCH_ATTN") {
+	case "cublas":
+		opts.Attention = gptcuda.AttentionCuBLAS
+	case "flash":
+		opts.Attention = gptcuda.AttentionFlash
+	}
+	opts.SeparateGELU = os.Getenv("DOS_BENCH_GELU") == "separate"
+	m, err := gptcuda.New(s, k, c, B, T, opts)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer m.Close()
+	tokens := randomTokens(B*T, gpt.GPT2VocabSize, 5)
+	targets := randomTokens(B*T, gpt.GPT2VocabSize, 6)
+	step := func() {
+		if err := m.Forward(w.ptrs, tokens, targets, 1); err != nil {
+			b.Fatal(err)
+		}
+		if err := m.Backward(w.ptrs, g.ptrs); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := m.Loss(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	step() // warm-up: cuBLASLt's heuristics, the first launches
+	b.ResetTimer()
+	start := time.Now()
+	for range b.N {
+		step()
+	}
+	sec := time.Since(start).Seconds() / float64(b.N)
+	tok := float64(B*T) / sec
+	b.ReportMetric(tok, "tokens/s")
+	b.ReportMetric(100*tok*c.FLOPsPerToken(T)/989e12, "MFU%")
+	b.Logf("%s B=%d T=%d %v attention, separate GELU %v: %.1f ms per forward+backward, %.0f tokens/s, MFU %.1f%%, activations %.2f GiB",
+		name, B, T, m.Attention(), opts.SeparateGELU, 1e3*sec, tok, 100*tok*c.FLOPsPerToken(T)/989e12, float64(gptcuda.MemoryBytes(c, B, T, opts))/(1<<30))
+}
