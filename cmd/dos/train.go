@@ -86,7 +86,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.Var(dtypeFlag{&cfg.GradDType}, "grad-dtype", "gradient dtype handed to the optimizer: float32, bfloat16 or float16 (with --resume: the checkpoint's)")
 	fs.Var(dtypeFlag{&cfg.WorkingDType}, "working-dtype", "dtype of the weights forward reads: none (fp32 master), bfloat16 or float16 (with --resume: the checkpoint's)")
 	fs.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "seed of initialisation and sampling")
-	sizeVar(c, &cfg.SubgroupSize, "subgroup-size", "optimizer subgroup size in elements `N` (0: 1e9; with --resume: the checkpoint's)")
+	sizeVar(c, &cfg.SubgroupSize, "subgroup-size", "optimizer subgroup size in elements `N` (0: 1e9; with --device cuda the default is 1e8; with --resume: the checkpoint's)")
 	fs.IntVar(&cfg.Threads, "threads", cfg.Threads, fmt.Sprintf("optimizer worker goroutines, at most 4 × the CPUs (%d here) (0: GOMAXPROCS)", trainer.MaxThreads()))
 	fs.Float64Var(&cfg.MaxMemory, "max-memory", cfg.MaxMemory, fmt.Sprintf("host memory in `GiB` the run may use, checked against the estimate before anything is allocated (0: the memory available now; at most %d)", trainer.MaxMemoryBytes>>30))
 	fs.StringVar(&cfg.CkptDir, "ckpt-dir", cfg.CkptDir, "checkpoint root directory (empty: no checkpoints)")
@@ -140,6 +140,12 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		}
 		if !c.set("grad-dtype") {
 			cfg.GradDType = adam.BF16
+		}
+		// Subgroups of 100M parameters (1.2 GB of state) give the
+		// performance model a split to choose: one subgroup per
+		// billion parameters leaves it all or nothing.
+		if !c.set("subgroup-size") {
+			cfg.SubgroupSize = CUDASubgroupSize
 		}
 	}
 	tok, err := trainer.NewTokenizer(cfg.Tokenizer)
@@ -235,6 +241,9 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	}
 	return 0
 }
+
+// CUDASubgroupSize is dos train's --subgroup-size with --device cuda.
+const CUDASubgroupSize = 100_000_000
 
 // maxText is the largest --text file dos train reads, in bytes.
 const maxText = 1 << 30

@@ -224,9 +224,10 @@ func TestExportEval(t *testing.T) {
 
 // TestTrainDevice: the main job through the interleaved engine (CPU,
 // streamed and resident subgroups; clipping on) has the host run's loss
-// trajectory: bitwise on the simulated device, within 1e-4 relative on a
-// GPU (its gradient norm sums in another order); and a device run resumed
-// from its checkpoint ends bitwise where a straight one does.
+// trajectory: bitwise on the simulated device; within 1e-3 relative on a
+// GPU, where forward and backward run in bf16 on the device (the host's
+// model computes in fp32 from the same bf16 weights); and a device run
+// resumed from its checkpoint ends bitwise where a straight one does.
 func TestTrainDevice(t *testing.T) {
 	args := []string{"--steps", "30", "--working-dtype", "bfloat16", "--grad-dtype", "bfloat16", "--subgroup-size", "1000", "--clip", "0.5"}
 	host := train(t, args...)
@@ -239,9 +240,9 @@ func TestTrainDevice(t *testing.T) {
 		t.Logf("%s: final %v val %v; host: final %v val %v", dev, d.FinalLoss, d.ValLoss, host.FinalLoss, host.ValLoss)
 		tol := 0.0
 		if dev == "cuda" {
-			tol = 1e-4
+			tol = 1e-3
 		}
-		if math.Abs(d.FinalLoss-host.FinalLoss) > tol*host.FinalLoss || math.Abs(d.ValLoss-host.ValLoss) > tol*host.ValLoss || d.InitialLoss != host.InitialLoss {
+		if math.Abs(d.FinalLoss-host.FinalLoss) > tol*host.FinalLoss || math.Abs(d.ValLoss-host.ValLoss) > tol*host.ValLoss || math.Abs(d.InitialLoss-host.InitialLoss) > tol*host.InitialLoss {
 			t.Errorf("%s: losses %v/%v/%v, host %v/%v/%v", dev, d.InitialLoss, d.FinalLoss, d.ValLoss, host.InitialLoss, host.FinalLoss, host.ValLoss)
 		}
 	}
