@@ -105,8 +105,10 @@ type hfConfig struct {
 // every parameter in fp32 under its GPT-2 name (wte.weight, h.0.ln_1.weight,
 // ...), which transformers.GPT2LMHeadModel.from_pretrained loads. Its
 // bos_token_id and eos_token_id are GPT-2's <|endoftext|> (50256) for a
-// model trained with the gpt2 tokenizer (whose HF tokenizer is "gpt2"'s:
-// GPT2TokenizerFast.from_pretrained("gpt2")), vocab_size-1 byte-level.
+// model trained with the gpt2 tokenizer, whose Hugging Face tokenizer
+// files (HFTokenizerFiles: GPT-2's vocab.json and merges.txt) it writes
+// beside the model, so AutoTokenizer.from_pretrained(outDir) works
+// offline; vocab_size-1 byte-level.
 // A padded vocab_size (50304) is exported as it is: the model's softmax
 // runs over every column, as dos's does. It returns the checkpoint
 // directory exported.
@@ -150,6 +152,11 @@ func ExportHF(path, outDir string) (string, error) {
 	}
 	if err := os.WriteFile(filepath.Join(outDir, "model.safetensors"), file, 0o644); err != nil {
 		return "", err
+	}
+	if tc.Tokenizer == "gpt2" {
+		if err := writeGPT2Tokenizer(outDir); err != nil {
+			return "", err
+		}
 	}
 	return dir, nil
 }

@@ -6,6 +6,8 @@ import (
 	"io"
 	"maps"
 	"math"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 
@@ -79,7 +81,7 @@ func resumeSource(root string) (dir string, cfg trainer.TrainConfig, ok bool) {
 func runExport(args []string, stdout, stderr io.Writer) int {
 	c := newCLI("dos export", "dos export --ckpt PATH --hf DIR", "Exports the model of a dos train checkpoint for transformers.GPT2LMHeadModel.")
 	ckpt := c.String("ckpt", "", "checkpoint `PATH`: a root (its latest checkpoint) or a step directory written by dos train")
-	hf := c.String("hf", "", "write a Hugging Face GPT-2 model (config.json, model.safetensors) into this `DIR`")
+	hf := c.String("hf", "", "write a Hugging Face GPT-2 model (config.json, model.safetensors; with the gpt2 tokenizer also its vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json) into this `DIR`")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
@@ -93,7 +95,11 @@ func runExport(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	fmt.Fprintf(stdout, "exported %s to %s (config.json, model.safetensors)\n", dir, *hf)
+	files := []string{"config.json", "model.safetensors"}
+	if _, err := os.Stat(filepath.Join(*hf, trainer.HFTokenizerFiles[0])); err == nil {
+		files = append(files, trainer.HFTokenizerFiles...)
+	}
+	fmt.Fprintf(stdout, "exported %s to %s (%s)\n", dir, *hf, strings.Join(files, ", "))
 	return 0
 }
 

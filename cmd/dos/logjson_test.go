@@ -62,3 +62,28 @@ func fmtInts(v []int) string {
 	b, _ := json.Marshal(v)
 	return strings.ReplaceAll(string(b), ",", " ")
 }
+
+// TestExportGPT2Tokenizer: a gpt2-tokenized checkpoint exports GPT-2's
+// tokenizer files beside the model (transformers loads them offline); a
+// byte-level one does not.
+func TestExportGPT2Tokenizer(t *testing.T) {
+	dir := t.TempDir()
+	ck := filepath.Join(dir, "ck")
+	train(t, "--tokenizer", "gpt2", "--steps", "0", "--ckpt-dir", ck)
+	out, err := dosCmd("export", "--ckpt", ck, "--hf", filepath.Join(dir, "hf")).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "merges.txt") {
+		t.Fatalf("dos export: %v\n%s", err, out)
+	}
+	m, err := os.ReadFile(filepath.Join(dir, "hf", "merges.txt"))
+	if err != nil || !strings.HasPrefix(string(m), "#version: 0.2\nĠ t\n") || strings.Count(string(m), "\n") != 50001 {
+		t.Errorf("merges.txt: %v, %d lines, want GPT-2's 50000 merges after the version line", err, strings.Count(string(m), "\n"))
+	}
+	byteCk := filepath.Join(dir, "bck")
+	train(t, "--steps", "0", "--ckpt-dir", byteCk)
+	if out, err := dosCmd("export", "--ckpt", byteCk, "--hf", filepath.Join(dir, "bhf")).CombinedOutput(); err != nil || strings.Contains(string(out), "merges.txt") {
+		t.Fatalf("byte-level export: %v\n%s", err, out)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "bhf", "vocab.json")); err == nil {
+		t.Error("a byte-level export wrote vocab.json")
+	}
+}
