@@ -41,8 +41,8 @@ type gpuTrainer struct {
 //
 // Errors: no GPU or no cuBLASLt (their reasons), out of device memory.
 func openGPU(cfg *TrainConfig) (*gpuTrainer, error) {
-	if err := cublas.Available(); err != nil {
-		return nil, fmt.Errorf("trainer: --device cuda: %w", err)
+	if err := gpuAvailable(); err != nil {
+		return nil, err
 	}
 	d, err := cuda.Open(0)
 	if err != nil {
@@ -66,7 +66,8 @@ func openGPU(cfg *TrainConfig) (*gpuTrainer, error) {
 }
 
 // plan sets the update phase's budget and schedule in o: GPUBudget, when
-// cfg leaves it 0, to what the model left (budget); with neither --profile
+// cfg leaves it 0, to what the model left (budget), less the sampler's
+// model when the run samples; with neither --profile
 // nor --schedule, the performance model's schedule from a short
 // calibration of this machine's CPU and GPU rates (perfmodel.CalibrateCPU
 // and CalibrateGPU at reduced sizes, a few seconds), said on out.
@@ -75,6 +76,9 @@ func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) e
 		b, err := g.budget(o, cfg.paramCount())
 		if err != nil {
 			return err
+		}
+		if cfg.SampleBytes > 0 { // room for the sampler's B = 1 model, made at the end
+			b = max(b-gptcuda.MemoryBytes(cfg.Model, 1, cfg.Model.NCtx, gptcuda.Options{}), 0)
 		}
 		o.GPUBudget = b
 	}
@@ -111,6 +115,18 @@ func cpuThreads(o *offload.Options) int {
 		return o.Threads
 	}
 	return workers()
+}
+
+// gpuAvailable says why --device cuda cannot train here: no CUDA driver or
+// device first (cuda.Available), then no cuBLASLt.
+func gpuAvailable() error {
+	if err := cuda.Available(); err != nil {
+		return fmt.Errorf("trainer: --device cuda: no GPU: %w", err)
+	}
+	if err := cublas.Available(); err != nil {
+		return fmt.Errorf("trainer: --device cuda: %w", err)
+	}
+	return nil
 }
 
 // budget returns the update phase's default GPU budget in bytes: the device

@@ -256,6 +256,11 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 			lock.Unlock()
 		}
 	}()
+	if cfg.Device == "cuda" { // no GPU: said before anything is locked or allocated
+		if err := gpuAvailable(); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.CkptDir != "" {
 		if lock, from, err = openRoot(&cfg, out); err != nil {
 			return nil, err

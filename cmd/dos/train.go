@@ -94,7 +94,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.CkptKeep, "ckpt-keep", cfg.CkptKeep, "keep only the newest `N` checkpoints (0: keep all)")
 	fs.StringVar(&cfg.Profile, "profile", cfg.Profile, "a dos calibrate --json `PATH` of this machine: print the performance model's predicted update time next to the measured one")
 	fs.StringVar(&cfg.Device, "device", cfg.Device, "train on `DEV`: cuda (GPU 0: forward and backward in bf16 on the GPU, the update phase interleaved between the CPU and the GPU with the optimizer state in pinned host memory; bfloat16 --working-dtype and --grad-dtype by default) or sim (forward and backward on the host, the update phase on the simulated device: a test); empty: all on the host")
-	fs.Float64Var(&cfg.GPUBudget, "gpu-budget", cfg.GPUBudget, "with --device: device memory in `GiB` for the update phase's resident state and staging (0: with cuda, what the model leaves less 2 GiB; with sim, 16)")
+	fs.Float64Var(&cfg.GPUBudget, "gpu-budget", cfg.GPUBudget, "with --device: device memory in `GiB` for the update phase's resident state and staging (0: with cuda, what the model leaves less the gradients, the working copy and 2 GiB; with sim, 16)")
 	fs.StringVar(&cfg.Schedule, "schedule", cfg.Schedule, "with --device: force `CPU,GPU,RESIDENT` subgroup counts, adding up to the subgroups (default: the model's with --profile, else a third of each; one subgroup is streamed through the GPU)")
 	fs.BoolVar(&cfg.CkptSync, "ckpt-sync", cfg.CkptSync, "write checkpoints synchronously instead of capturing them lazily and flushing in the background")
 	fs.BoolVar(&cfg.Resume, "resume", cfg.Resume, "continue from the latest checkpoint in --ckpt-dir, with its model and dtypes unless given here")
@@ -232,8 +232,12 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	fmt.Fprintf(stdout, "done: %d iterations, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
-		sum.Steps, sum.InitialLoss, sum.FinalLoss, sum.InitValLoss, sum.ValLoss, sum.TokensPerS)
+	if sum.Steps == 0 {
+		fmt.Fprintf(stdout, "done: no iteration trained (the initial weights are step 0 where --ckpt-dir is set), val_loss %.4f\n", sum.ValLoss)
+	} else {
+		fmt.Fprintf(stdout, "done: %d iterations, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
+			sum.Steps, sum.InitialLoss, sum.FinalLoss, sum.InitValLoss, sum.ValLoss, sum.TokensPerS)
+	}
 	if *summary != "" {
 		if err := writeJSON(*summary, sum); err != nil {
 			return c.fail(stderr, "--summary-json: %v", err)
