@@ -49,7 +49,8 @@ type Loader[E Token] struct {
 	data []E
 	B, T int
 	// Pos is the index of the next batch's first token.
-	Pos int64
+	Pos  int64
+	last int64 // the last batch's first token
 }
 
 // NewLoader returns a loader over data at position 0.
@@ -83,6 +84,7 @@ func (l *Loader[E]) Next(inputs, targets []int32) {
 	if l.Pos < 0 || l.Pos+int64(l.rows()*l.T)+1 > int64(len(l.data)) {
 		l.Pos = 0
 	}
+	l.last = l.Pos
 	for b := 0; b < l.B; b++ {
 		start := l.Pos + int64((b%l.rows())*l.T)
 		for t := 0; t < l.T; t++ {
@@ -106,3 +108,7 @@ func (l *Loader[E]) SetPos(pos int64) error {
 
 // position returns Pos (the batches interface).
 func (l *Loader[E]) position() int64 { return l.Pos }
+
+// lastStart is where the batch the last Next read began (after a wrap:
+// 0).
+func (l *Loader[E]) lastStart() int64 { return l.last }

@@ -113,6 +113,10 @@ func (t *Trainer) resume(dir string) error {
 		return fmt.Errorf("trainer: resume from %s: it was trained on another %s (%d bytes, crc32 %#08x; this run: %d bytes, %#08x)",
 			dir, what, st.TextBytes, st.TextCRC, t.state.TextBytes, t.state.TextCRC)
 	}
+	if st.TrainTokens != 0 && st.TrainTokens != t.state.TrainTokens {
+		return fmt.Errorf("trainer: resume from %s: the same tokens split another way: %d of them trained, this run would train on %d (--val-data, or its absence, differs)",
+			dir, st.TrainTokens, t.state.TrainTokens)
+	}
 	if st.Iteration < 0 || int64(st.Iteration) < t.opt.StepCount() || (st.LossScale != 0 && !validScale(st.LossScale)) {
 		return fmt.Errorf("trainer: resume from %s: inconsistent trainer state (iteration %d, optimizer step %d, loss scale %v)",
 			dir, st.Iteration, t.opt.StepCount(), st.LossScale)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"syscall"
 	"unsafe"
 )
 
@@ -55,7 +56,13 @@ const (
 // (truncated, or bytes after the last token); a headerless file of an odd
 // number of bytes; a token >= vocab. No file's contents make it panic.
 func ReadTokens(path string, vocab int) ([]uint16, ShardFormat, error) {
-	f, err := os.Open(path)
+	// Stat first: opening a FIFO would wait for a writer.
+	if info, err := os.Stat(path); err != nil {
+		return nil, "", err
+	} else if !info.Mode().IsRegular() {
+		return nil, "", fmt.Errorf("%s is not a regular file", path)
+	}
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0) // replaced by a FIFO since: do not wait
 	if err != nil {
 		return nil, "", err
 	}
@@ -186,6 +193,7 @@ type TokenBatches struct {
 	tokens []uint16
 	B, T   int
 	pos    int64 // p of the next batch
+	last   int64 // p of the last batch read
 }
 
 // NewTokenBatches returns the batches of tokens from batch 0.
@@ -215,12 +223,16 @@ func (d *TokenBatches) Pos() int64 { return d.pos }
 // position returns Pos (the batches interface).
 func (d *TokenBatches) position() int64 { return d.pos }
 
+// lastStart is where the batch the last Next read began.
+func (d *TokenBatches) lastStart() int64 { return d.last }
+
 // Next fills inputs and targets ([B*T], row-major (b, t)) with the batch at
 // Pos and advances to the next (see TokenBatches). Panics if a slice is
 // shorter than B*T.
 func (d *TokenBatches) Next(inputs, targets []int32) {
 	n := d.B * d.T
 	inputs, targets = inputs[:n], targets[:n]
+	d.last = d.pos
 	src := d.tokens[d.pos : d.pos+int64(n)+1]
 	for i := range n {
 		inputs[i] = int32(src[i])

@@ -57,6 +57,10 @@ type trainerState struct {
 	// little-endian uint16, the training tokens then the validation ones.
 	TextCRC   uint32 `json:"text_crc32"`
 	TextBytes int    `json:"text_bytes"`
+	// TrainTokens is, for token data, how many of them train (the rest
+	// validates): a resumed run must split the same tokens the same way.
+	// 0 in older checkpoints (not checked).
+	TrainTokens int `json:"train_tokens,omitempty"`
 	// Data is "" for a text (New; its batches are Loader's) and "tokens"
 	// for pre-tokenized data (NewTokens; TokenBatches').
 	Data   string      `json:"data,omitempty"`
@@ -69,6 +73,7 @@ type batches interface {
 	Next(inputs, targets []int32)
 	SetPos(pos int64) error
 	position() int64
+	lastStart() int64 // where the batch the last Next read began
 }
 
 // Trainer is one training run: the model, the data, and the offloaded
@@ -97,6 +102,7 @@ type Trainer struct {
 	lock     *checkpoint.RootLock // cfg.CkptDir's, for the whole run
 	closed   bool
 	last     *checkpoint.Handle // its last save, reported when it is durable
+	resumed  bool               // New loaded a checkpoint
 }
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
@@ -215,6 +221,7 @@ func NewTokens(cfg TrainConfig, train, val []uint16, out io.Writer) (*Trainer, e
 		return nil, fmt.Errorf("trainer: the validation data: %s", strings.TrimPrefix(err.Error(), "trainer: "))
 	}
 	about := fmt.Sprintf("data: %d training tokens in llm.c's order (%d batches a pass), %d validation tokens%s\n", len(train), tb.Batches(), len(val), held)
+	id.TrainTokens = len(train)
 	return newTrainer(cfg, tok, tb, vl, id, about, out)
 }
 
@@ -317,6 +324,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 		if err := t.resume(from.Dir); err != nil {
 			return nil, errors.Join(err, t.Close())
 		}
+		t.resumed = true
 	}
 	if err := t.bind(); err != nil {
 		return nil, errors.Join(err, t.Close())
@@ -528,8 +536,8 @@ func (t *Trainer) Run() (Summary, error) {
 		if err := t.opt.SetLR(cfg.LRAt(it)); err != nil {
 			return sum, err
 		}
-		pos := t.loader.position()
 		t.loader.Next(t.inputs, t.tgts)
+		pos := t.loader.lastStart()
 		scale := float32(1)
 		if t.state.LossScale > 0 {
 			scale = float32(t.state.LossScale)
@@ -632,7 +640,7 @@ func (t *Trainer) Run() (Summary, error) {
 			sum.MFU = sum.TokensPerS * flops / PeakFLOPS
 		}
 	}
-	if cfg.CkptDir != "" && (done > 0 && (cfg.CkptEvery == 0 || t.state.Iteration%cfg.CkptEvery != 0) || done == 0 && t.state.Iteration == 0) {
+	if cfg.CkptDir != "" && (done > 0 && (cfg.CkptEvery == 0 || t.state.Iteration%cfg.CkptEvery != 0) || done == 0 && t.state.Iteration == 0 && !t.resumed) {
 		if err := t.save(); err != nil {
 			return sum, err
 		}

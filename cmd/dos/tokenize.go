@@ -48,7 +48,24 @@ func runTokenize(args []string, stdout, stderr io.Writer) int {
 // writeTokens writes toks as an llm.c token file to path: into a
 // temporary file beside it, synced, then renamed over path, so that path
 // is either as it was or complete.
+//
+// Errors: path exists and is not a regular file (a symlink, a device, a
+// FIFO, a directory: never replaced), and I/O errors.
 func writeTokens(path string, toks []uint16) (err error) {
+	if fi, err := os.Lstat(path); err == nil && !fi.Mode().IsRegular() {
+		what := "not a regular file"
+		switch m := fi.Mode(); {
+		case m&os.ModeSymlink != 0:
+			what = "a symlink"
+		case m.IsDir():
+			what = "a directory"
+		case m&os.ModeDevice != 0:
+			what = "a device"
+		case m&os.ModeNamedPipe != 0:
+			what = "a FIFO"
+		}
+		return fmt.Errorf("%s exists and is %s: refusing to replace it (name a regular file or a new one)", path, what)
+	}
 	f, err := os.CreateTemp(filepath.Dir(path), ".tokenize-*")
 	if err != nil {
 		return err

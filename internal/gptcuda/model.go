@@ -71,9 +71,14 @@ type Options struct {
 	Attention Attention
 	// SeparateGELU runs the GELU and its backward as kernels of their own
 	// instead of in cuBLASLt's epilogues (GELU_AUX_BIAS, DGELU) of the
-	// products around them.
+	// products around them. They are separate anyway when 4·NEmbd is not
+	// a multiple of 8 (the epilogues' auxiliary output needs it).
 	SeparateGELU bool
 }
+
+// fusedGELU reports whether the GELU runs in cuBLASLt's epilogues at
+// width C: unless SeparateGELU, and only when 4C is a multiple of 8.
+func (o Options) fusedGELU(C int) bool { return !o.SeparateGELU && 4*C%8 == 0 }
 
 // resolve returns the attention New uses for head size hs.
 func (o Options) resolve(hs int) (Attention, error) {
@@ -260,7 +265,7 @@ func New(s *cuda.Stream, k *kernels.GPT, cfg gpt.Config, B, T int, opts Options)
 		return nil, err
 	}
 	m := &Model{cfg: cfg, b: B, t: T, bt: B * T, c: cfg.NEmbd, nh: cfg.NHead, hs: cfg.NEmbd / cfg.NHead,
-		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, fusedGELU: !opts.SeparateGELU, s: s, k: k}
+		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, fusedGELU: opts.fusedGELU(cfg.NEmbd), s: s, k: k}
 	if m.blas, err = cublas.New(s.Device(), s); err != nil {
 		return nil, fmt.Errorf("gptcuda: %w", err)
 	}
