@@ -78,7 +78,7 @@ func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) e
 			return err
 		}
 		if cfg.SampleBytes > 0 { // room for the sampler's B = 1 model, made at the end
-			b = max(b-gptcuda.MemoryBytes(cfg.Model, 1, cfg.Model.NCtx, gptcuda.Options{}), 0)
+			b = max(b-gptcuda.MemoryBytes(cfg.Model, 1, cfg.Model.NCtx, gptcuda.Options{}), 1)
 		}
 		o.GPUBudget = b
 	}
@@ -137,7 +137,7 @@ func (g *gpuTrainer) budget(o *offload.Options, params int) (int64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
 	}
-	return max(free-o.DeviceBytes(params)-gpuMargin, 0), nil
+	return max(free-o.DeviceBytes(params)-gpuMargin, 1), nil // 1, not 0: offload reads 0 as no limit
 }
 
 // bind takes the optimizer's device views and brings its state to the

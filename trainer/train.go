@@ -378,6 +378,10 @@ func (t *Trainer) bind() error {
 // released whatever they say.
 func (t *Trainer) Close() error {
 	var errs []error
+	// The GPU model first: its stream's work reads the optimizer's device
+	// buffers.
+	errs = append(errs, t.gpu.close())
+	t.gpu = nil
 	if !t.closed {
 		errs = append(errs, t.opt.Close())
 		t.closed = true
@@ -386,8 +390,6 @@ func (t *Trainer) Close() error {
 		t.closeDev()
 		t.closeDev = nil
 	}
-	errs = append(errs, t.gpu.close())
-	t.gpu = nil
 	if t.logJSON != nil {
 		errs = append(errs, t.logJSON.Close())
 		t.logJSON = nil

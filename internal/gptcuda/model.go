@@ -99,6 +99,10 @@ func (o Options) resolve(hs int) (Attention, error) {
 	return 0, fmt.Errorf("gptcuda: unknown %v", o.Attention)
 }
 
+// maxGridY is CUDA's limit on a grid's y extent: the flash kernels launch
+// B*NH blocks along y.
+const maxGridY = 65535
+
 // Model is GPT-2 forward and backward on one device for a fixed batch B and
 // sequence length T.
 type Model struct {
@@ -263,6 +267,12 @@ func New(s *cuda.Stream, k *kernels.GPT, cfg gpt.Config, B, T int, opts Options)
 	attn, err := opts.resolve(cfg.NEmbd / cfg.NHead)
 	if err != nil {
 		return nil, err
+	}
+	if attn == AttentionFlash && B*cfg.NHead > maxGridY {
+		if opts.Attention == AttentionFlash {
+			return nil, fmt.Errorf("gptcuda: flash attention takes at most %d batch rows × heads, not %d × %d", maxGridY, B, cfg.NHead)
+		}
+		attn = AttentionCuBLAS
 	}
 	m := &Model{cfg: cfg, b: B, t: T, bt: B * T, c: cfg.NEmbd, nh: cfg.NHead, hs: cfg.NEmbd / cfg.NHead,
 		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, fusedGELU: opts.fusedGELU(cfg.NEmbd), s: s, k: k}
