@@ -216,6 +216,10 @@ def main():
     ap.add_argument("--loss-vocab", type=int, default=0,
                     help="score the loss over the first N logit columns only (0: all vocab_size columns)")
     ap.add_argument("--device", default="cuda", help="torch device (cuda; cpu only for a smoke test)")
+    ap.add_argument("--bf16-params", action="store_true",
+                    help="a diagnostic, not the oracle: forward and backward read every parameter rounded to bf16 "
+                         "(LayerNorm and embeddings included, as dos's working copy) and every gradient is rounded to "
+                         "bf16 before clipping and the fp32 AdamW (as dos's gradients): dos's precision recipe in PyTorch")
     ap.add_argument("--out", help="write both curves and the verdict as JSON to this path")
     a = ap.parse_args()
 
@@ -279,10 +283,20 @@ def main():
             sys.exit(2)
         x = torch.tensor(x, dtype=torch.long, device=dev)
         y = torch.tensor(y, dtype=torch.long, device=dev)
+        if a.bf16_params:  # the fp32 masters aside, bf16 values in the model
+            masters = [p.data.clone() for p in params]
+            for p in params:
+                p.data.copy_(p.data.bfloat16().float())
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             logits = model(input_ids=x, use_cache=False).logits
         loss = F.cross_entropy(logits[..., :Vloss].float().reshape(-1, Vloss), y.reshape(-1))
         loss.backward()
+        if a.bf16_params:
+            for p, m in zip(params, masters):
+                p.data.copy_(m)
+                if p.grad is not None:
+                    p.grad.copy_(p.grad.bfloat16().float())
+            del masters
         if a.max_grad_norm > 0:
             gnorm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
         else:
