@@ -16,6 +16,10 @@ import (
 	"github.com/deepstates/dos/perfmodel"
 )
 
+// samplerOptions are the sampler's: it runs forward only, so one block's
+// activations do (Recompute).
+var samplerOptions = gptcuda.Options{Recompute: true}
+
 // gpuMargin is the device memory left free when the update phase's budget
 // defaults to what the model leaves: cuBLASLt's and the driver's own
 // allocations, fragmentation.
@@ -58,10 +62,11 @@ func openGPU(cfg *TrainConfig) (*gpuTrainer, error) {
 	if g.k, err = kernels.LoadGPT(d); err != nil {
 		return fail(err)
 	}
-	if g.m, err = gptcuda.New(g.s, g.k, cfg.Model, cfg.Batch, cfg.Model.NCtx, gptcuda.Options{}); err != nil {
+	opts := gptcuda.Options{Recompute: cfg.Recompute}
+	if g.m, err = gptcuda.New(g.s, g.k, cfg.Model, cfg.Batch, cfg.Model.NCtx, opts); err != nil {
 		return fail(err)
 	}
-	g.activations = gptcuda.MemoryBytes(cfg.Model, cfg.Batch, cfg.Model.NCtx, gptcuda.Options{})
+	g.activations = gptcuda.MemoryBytes(cfg.Model, cfg.Batch, cfg.Model.NCtx, opts)
 	return g, nil
 }
 
@@ -78,7 +83,7 @@ func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) e
 			return err
 		}
 		if cfg.SampleBytes > 0 { // room for the sampler's B = 1 model, made at the end
-			b = max(b-gptcuda.MemoryBytes(cfg.Model, 1, cfg.Model.NCtx, gptcuda.Options{}), 1)
+			b = max(b-gptcuda.MemoryBytes(cfg.Model, 1, cfg.Model.NCtx, samplerOptions), 1)
 		}
 		o.GPUBudget = b
 	}
@@ -185,7 +190,7 @@ func (g *gpuTrainer) loss(inputs, targets []int32) (float64, error) {
 func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 	T := cfg.Model.NCtx
 	if g.sampler == nil {
-		m, err := gptcuda.New(g.s, g.k, cfg.Model, 1, T, gptcuda.Options{})
+		m, err := gptcuda.New(g.s, g.k, cfg.Model, 1, T, samplerOptions)
 		if err != nil {
 			return nil, err
 		}

@@ -316,6 +316,7 @@ func benchGPU(b *testing.B, name, batch string) {
 		opts.Attention = gptcuda.AttentionFlash
 	}
 	opts.SeparateGELU = os.Getenv("DOS_BENCH_GELU") == "separate"
+	opts.Recompute = os.Getenv("DOS_BENCH_RECOMPUTE") == "1"
 	m, err := gptcuda.New(s, k, c, B, T, opts)
 	if err != nil {
 		b.Fatal(err)
@@ -344,8 +345,8 @@ func benchGPU(b *testing.B, name, batch string) {
 	tok := float64(B*T) / sec
 	b.ReportMetric(tok, "tokens/s")
 	b.ReportMetric(100*tok*c.FLOPsPerToken(T)/989e12, "MFU%")
-	b.Logf("%s B=%d T=%d %v attention, separate GELU %v: %.1f ms per forward+backward, %.0f tokens/s, MFU %.1f%%, activations %.2f GiB",
-		name, B, T, m.Attention(), opts.SeparateGELU, 1e3*sec, tok, 100*tok*c.FLOPsPerToken(T)/989e12, float64(gptcuda.MemoryBytes(c, B, T, opts))/(1<<30))
+	b.Logf("%s B=%d T=%d %v attention, separate GELU %v, recompute %v: %.1f ms per forward+backward, %.0f tokens/s, MFU %.1f%%, activations %.2f GiB",
+		name, B, T, m.Attention(), opts.SeparateGELU, opts.Recompute, 1e3*sec, tok, 100*tok*c.FLOPsPerToken(T)/989e12, float64(gptcuda.MemoryBytes(c, B, T, opts))/(1<<30))
 }
 
 // TestGPUTrainResumeBitwise trains on the GPU (--device cuda) for 6
@@ -411,4 +412,63 @@ func TestGPUTrainResumeBitwise(t *testing.T) {
 		}
 	}
 	t.Logf("6 iterations on the GPU: loss %.4f -> %.4f, straight and resumed equal", sa.InitialLoss, sa.FinalLoss)
+}
+
+// TestGPURecomputeBitwise: with Options.Recompute (one block's activations
+// kept, the others recomputed in backward) the loss and every gradient are
+// the same bits as without, for flash and cuBLAS attention.
+func TestGPURecomputeBitwise(t *testing.T) {
+	s, k := gpuEnv(t)
+	for _, tc := range []struct {
+		c    Config
+		B, T int
+		attn gptcuda.Attention
+	}{
+		{Config{VocabSize: 320, NCtx: 160, NLayer: 3, NHead: 2, NEmbd: 128}, 2, 150, gptcuda.AttentionFlash},
+		{Config{VocabSize: 256, NCtx: 64, NLayer: 3, NHead: 4, NEmbd: 64}, 4, 64, gptcuda.AttentionCuBLAS},
+	} {
+		c := tc.c
+		params := bf16Params(c, 9)
+		tokens := randomTokens(tc.B*tc.T, c.VocabSize, 5)
+		targets := randomTokens(tc.B*tc.T, c.VocabSize, 6)
+		w := newDevTensors(t, s, c)
+		for i, p := range params {
+			w.set(t, i, p)
+		}
+		var got [2][][]float64
+		var loss [2]float64
+		for r, recompute := range []bool{false, true} {
+			m, err := gptcuda.New(s, k, c, tc.B, tc.T, gptcuda.Options{Attention: tc.attn, Recompute: recompute})
+			if err != nil {
+				t.Fatal(err)
+			}
+			g := newDevTensors(t, s, c)
+			if err := m.Forward(w.ptrs, tokens, targets, 1); err != nil {
+				t.Fatal(err)
+			}
+			if err := m.Backward(w.ptrs, g.ptrs); err != nil {
+				t.Fatal(err)
+			}
+			if loss[r], err = m.Loss(); err != nil {
+				t.Fatal(err)
+			}
+			for i, p := range params {
+				got[r] = append(got[r], g.get(t, i, len(p)))
+			}
+			if err := m.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if loss[0] != loss[1] {
+			t.Errorf("%v: loss %v, recomputing %v", tc.attn, loss[0], loss[1])
+		}
+		for i := range got[0] {
+			for j := range got[0][i] {
+				if math.Float64bits(got[0][i][j]) != math.Float64bits(got[1][i][j]) {
+					t.Fatalf("%v: %s[%d]: %v, recomputing %v", tc.attn, c.Tensors()[i].Name, j, got[0][i][j], got[1][i][j])
+				}
+			}
+		}
+		t.Logf("%v attention, %d blocks: recomputing gives the same loss (%.6f) and gradients, bit for bit", tc.attn, c.NLayer, loss[0])
+	}
 }

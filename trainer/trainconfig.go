@@ -72,6 +72,10 @@ type TrainConfig struct {
 	// the simulated device (a test of the engine): the gradients are
 	// uploaded and the working copy downloaded around each step.
 	Device string `json:"device"`
+	// Recompute, with Device "cuda", keeps only each block's input through
+	// forward and recomputes the block in backward (gptcuda's
+	// Options.Recompute): for when the activations do not fit.
+	Recompute bool `json:"recompute,omitempty"`
 	// LogJSON, when set, is a file that gets one JSON line per
 	// optimizer step (stepRecord: step, loss, lr, grad_norm, skipped, pos,
 	// seconds, update_s), appended to. Not saved in checkpoints.
@@ -226,6 +230,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --device %s needs a 16-bit --working-dtype (the working copy lives on the device)", c.Device)
 	case c.Device == "cuda" && (c.WorkingDType != adam.BF16 || c.GradDType != adam.BF16):
 		return fmt.Errorf("trainer: --device cuda trains in bf16: --working-dtype %v --grad-dtype %v, want bfloat16 for both", c.WorkingDType, c.GradDType)
+	case c.Recompute && c.Device != "cuda":
+		return errors.New("trainer: --recompute needs --device cuda (the host's model keeps its activations)")
 	case c.Device == "" && (c.Schedule != "" || c.GPUBudget != 0):
 		return errors.New("trainer: --schedule and --gpu-budget need --device")
 	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:

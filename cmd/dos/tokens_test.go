@@ -123,7 +123,7 @@ func TestTokenizeData(t *testing.T) {
 	}{
 		{[]string{"--data", cut}, 1, "--data: " + cut + ": truncated: its header (byte offset 8) says " + strconv.Itoa(len(toks)) + " tokens"},
 		{[]string{"--data", short}, 1, "too short"},
-		{[]string{"--data", filepath.Join(dir, "missing.bin")}, 1, "--data: open"},
+		{[]string{"--data", filepath.Join(dir, "missing.bin")}, 1, "missing.bin: no such file or directory"},
 		{[]string{"--data", shard, "--tokenizer", "byte"}, 1, "is outside the vocabulary of 256 tokens (the byte tokenizer's; for GPT-2 tokens pass --model or --tokenizer gpt2)"},
 		{[]string{"--data", shard, "--text", textFile}, 2, "--data and --text: give one"},
 		{[]string{"--val-data", shard}, 2, "--val-data needs --data"},

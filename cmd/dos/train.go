@@ -106,6 +106,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	dataFile := fs.String("data", "", "train on this `FILE` of uint16 tokens instead of a text: llm.c's .bin (its 1024-byte header, magic 20240520) or nanoGPT's (no header), in llm.c's batch order; the last 10% validates unless --val-data")
 	valFile := fs.String("val-data", "", "with --data: validate on this token `FILE` (same formats) instead of --data's last 10%")
 	summary := fs.String("summary-json", "", "write {initial_loss, final_loss, val_loss, initial_val_loss, steps, params, tokens_per_s, skipped_steps, sample, update_s, update_predicted_s, mfu} to this `PATH` (losses in nats per token: per byte byte-level; tokens_per_s leaves the run's first iteration out; update_s the mean update phase in seconds, update_predicted_s the model's with --profile; mfu on the GPU, against 989 TFLOP/s; sample bytes that are not UTF-8 become U+FFFD)")
+	fs.BoolVar(&cfg.Recompute, "recompute", cfg.Recompute, "with --device cuda: keep one block's activations and recompute each block's forward in backward (about a third more compute, a fraction of the activation memory)")
 	fs.StringVar(&cfg.LogJSON, "log-json", "", "append one JSON line per optimizer step to `PATH`: {step, loss, lr, grad_norm, skipped, pos, seconds, update_s} (a run resumed after a crash appends the steps past its checkpoint again: the later line of a step is the one that counts)")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc

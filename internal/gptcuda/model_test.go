@@ -27,6 +27,10 @@ func TestMemoryBytes(t *testing.T) {
 	if got, want := MemoryBytes(c, B, T, Options{Attention: AttentionCuBLAS}), common+2*L*att+7*2*BT*C+4*att+2*att; got != want {
 		t.Errorf("cublas: MemoryBytes = %d, want %d", got, want)
 	}
+	perBlock := 4*BT*C + 2*2*BT*C + 2*4*2*BT + 2*BT*3*C + 2*BT*C + 2*2*BT*4*C + 4*rows // resid2, ln_1, ln_2, stats, qkv, atty, fch, fchg, lse
+	if got, want := MemoryBytes(c, B, T, Options{Attention: AttentionFlash, Recompute: true}), common+4*L*rows+4*rows-(L-1)*perBlock; got != want {
+		t.Errorf("flash, recomputing: MemoryBytes = %d, want %d (one block's activations)", got, want)
+	}
 	if got := MemoryBytes(gpt.Config{VocabSize: 8, NCtx: 8, NLayer: 1, NHead: 2, NEmbd: 32}, 1, 8, Options{Attention: AttentionFlash}); got != 0 {
 		t.Errorf("flash at head size 16: MemoryBytes = %d, want 0 (refused)", got)
 	}

@@ -131,62 +131,59 @@ func (m *Model) segments(tok []int32) int {
 	return ns
 }
 
+// blockActs are the device addresses of block l's activations: its input
+// residual (always block l's own) and the arrays forward keeps for backward,
+// in the block's slot (l, or 0 with recomputation: one block's worth).
+type blockActs struct {
+	resid, resid2  uint64
+	ln1, ln2       uint64
+	st1, st2       uint64 // mean, then rstd at +4*BT
+	qkv, att, atty uint64
+	fch, fchg, lse uint64
+	next, nextLN1  uint64 // resid of block l+1 and its ln_1 slot
+	nextSt1        uint64
+}
+
+// acts returns block l's addresses.
+func (m *Model) acts(l int) blockActs {
+	a := &m.act
+	bc := uint64(m.bt) * uint64(m.c)
+	bt := uint64(m.bt)
+	rows := uint64(m.b) * uint64(m.nh) * uint64(m.t)
+	slot := func(l int) uint64 {
+		if m.recompute {
+			return 0
+		}
+		return uint64(l)
+	}
+	s, n := slot(l), slot(l+1)
+	return blockActs{
+		resid: a.resid + 4*uint64(l)*bc, resid2: a.resid2 + 4*s*bc,
+		ln1: a.ln1 + 2*s*bc, ln2: a.ln2 + 2*s*bc,
+		st1: a.ln1Stat + 4*s*2*bt, st2: a.ln2Stat + 4*s*2*bt,
+		qkv: a.qkv + 2*s*3*bc, att: a.att + 2*s*rows*uint64(m.t), atty: a.atty + 2*s*bc,
+		fch: a.fch + 2*s*4*bc, fchg: a.fchg + 2*s*4*bc, lse: a.lse + 4*s*rows,
+		next: a.resid + 4*uint64(l+1)*bc, nextLN1: a.ln1 + 2*n*bc, nextSt1: a.ln1Stat + 4*n*2*bt,
+	}
+}
+
 // forward enqueues the forward pass. With loss, the classifier computes
 // each position's loss; with gradScale > 0, it also leaves the gradient
 // of gradScale × the mean loss in place of the logits.
 func (m *Model) forward(w []uint64, loss bool, gradScale float32) error {
 	a, g, k, s := &m.act, &m.gemm, m.k, m.s
-	BT, C, L, T := m.bt, m.c, m.l, m.t
-	bc := int64(BT) * int64(C)
-	att := int64(m.b) * int64(m.nh) * int64(T) * int64(T)
+	BT, C, T := m.bt, m.c, m.t
 	if err := k.EncoderForward(s, a.resid, a.tokens, w[tWte], w[tWpe], BT, T, C); err != nil {
 		return err
 	}
-	if err := k.LayerNormForward(s, a.ln1, a.ln1Stat, a.ln1Stat+4*uint64(BT), 0, a.resid, 0,
+	b0 := m.acts(0)
+	if err := k.LayerNormForward(s, b0.ln1, b0.st1, b0.st1+4*uint64(BT), 0, a.resid, 0,
 		layer(w, 0, gpt.Ln1W), layer(w, 0, gpt.Ln1B), BT, C); err != nil {
 		return err
 	}
-	for l := range L {
-		lu := uint64(l)
-		resid, resid2 := a.resid+4*lu*uint64(bc), a.resid2+4*lu*uint64(bc)
-		ln1, ln2 := a.ln1+2*lu*uint64(bc), a.ln2+2*lu*uint64(bc)
-		st2 := a.ln2Stat + 4*lu*2*uint64(BT)
-		qkv := a.qkv + 2*lu*3*uint64(bc)
-		attL := a.att + 2*lu*uint64(att)
-		atty := a.atty + 2*lu*uint64(bc)
-		fch, fchg := a.fch+2*lu*4*uint64(bc), a.fchg+2*lu*4*uint64(bc)
-		if err := m.blas.Matmul(&g.qkv, qkv, ln1, layer(w, l, gpt.AttnW), layer(w, l, gpt.AttnB), 0); err != nil {
-			return at(l, 0, err)
-		}
-		if err := m.attention(l, qkv, attL, atty); err != nil {
-			return at(l, 1, err)
-		}
-		if err := m.blas.Matmul(&g.proj, a.yproj, atty, layer(w, l, gpt.AttnProjW), layer(w, l, gpt.AttnProjB), 0); err != nil {
-			return at(l, 2, err)
-		}
-		if err := k.LayerNormForward(s, ln2, st2, st2+4*uint64(BT), resid2, resid, a.yproj,
-			layer(w, l, gpt.Ln2W), layer(w, l, gpt.Ln2B), BT, C); err != nil {
-			return at(l, 3, err)
-		}
-		if err := m.mlpUp(l, w, ln2, fch, fchg); err != nil {
-			return at(l, 4, err)
-		}
-		if err := m.blas.Matmul(&g.fcproj, a.yproj, fchg, layer(w, l, gpt.FcProjW), layer(w, l, gpt.FcProjB), 0); err != nil {
-			return at(l, 5, err)
-		}
-		// The residual add and the next LayerNorm: ln_1 of block l+1, or ln_f.
-		next := resid + 4*uint64(bc)
-		var err error
-		if l+1 < L {
-			st1 := a.ln1Stat + 4*(lu+1)*2*uint64(BT)
-			err = k.LayerNormForward(s, ln1+2*uint64(bc), st1, st1+4*uint64(BT), next, resid2, a.yproj,
-				layer(w, l+1, gpt.Ln1W), layer(w, l+1, gpt.Ln1B), BT, C)
-		} else {
-			fw, fb := lnf(w)
-			err = k.LayerNormForward(s, a.lnf, a.lnfStat, a.lnfStat+4*uint64(BT), next, resid2, a.yproj, fw, fb, BT, C)
-		}
-		if err != nil {
-			return at(l, 6, err)
+	for l := range m.l {
+		if err := m.block(w, l, true); err != nil {
+			return err
 		}
 	}
 	if err := m.blas.Matmul(&g.logits, a.logits, a.lnf, w[tWte], 0, 0); err != nil {
@@ -197,6 +194,63 @@ func (m *Model) forward(w []uint64, loss bool, gradScale float32) error {
 	}
 	dloss := float32(float64(gradScale) / float64(BT))
 	return k.Classifier(s, a.logits, a.lossesDev, a.targets, dloss, BT, m.v)
+}
+
+// block enqueues block l's forward from its ln_1 output (already in its
+// slot) to resid2, ln_2, the MLP, and, with next, the residual add into
+// block l+1's input fused with its ln_1 (or ln_f after the last block).
+// Recomputation in backward runs it again without next: every kernel is
+// deterministic, so it rewrites the same bits.
+func (m *Model) block(w []uint64, l int, next bool) error {
+	a, g, k, s := &m.act, &m.gemm, m.k, m.s
+	BT, C := m.bt, m.c
+	b := m.acts(l)
+	if err := m.blas.Matmul(&g.qkv, b.qkv, b.ln1, layer(w, l, gpt.AttnW), layer(w, l, gpt.AttnB), 0); err != nil {
+		return at(l, 0, err)
+	}
+	if err := m.attention(b.qkv, b.att, b.atty, b.lse); err != nil {
+		return at(l, 1, err)
+	}
+	if err := m.blas.Matmul(&g.proj, a.yproj, b.atty, layer(w, l, gpt.AttnProjW), layer(w, l, gpt.AttnProjB), 0); err != nil {
+		return at(l, 2, err)
+	}
+	if err := k.LayerNormForward(s, b.ln2, b.st2, b.st2+4*uint64(BT), b.resid2, b.resid, a.yproj,
+		layer(w, l, gpt.Ln2W), layer(w, l, gpt.Ln2B), BT, C); err != nil {
+		return at(l, 3, err)
+	}
+	if err := m.mlpUp(l, w, b.ln2, b.fch, b.fchg); err != nil {
+		return at(l, 4, err)
+	}
+	if !next {
+		return nil
+	}
+	if err := m.blas.Matmul(&g.fcproj, a.yproj, b.fchg, layer(w, l, gpt.FcProjW), layer(w, l, gpt.FcProjB), 0); err != nil {
+		return at(l, 5, err)
+	}
+	// The residual add and the next LayerNorm: ln_1 of block l+1, or ln_f.
+	var err error
+	if l+1 < m.l {
+		err = k.LayerNormForward(s, b.nextLN1, b.nextSt1, b.nextSt1+4*uint64(BT), b.next, b.resid2, a.yproj,
+			layer(w, l+1, gpt.Ln1W), layer(w, l+1, gpt.Ln1B), BT, C)
+	} else {
+		fw, fb := lnf(w)
+		err = k.LayerNormForward(s, a.lnf, a.lnfStat, a.lnfStat+4*uint64(BT), b.next, b.resid2, a.yproj, fw, fb, BT, C)
+	}
+	if err != nil {
+		return at(l, 6, err)
+	}
+	return nil
+}
+
+// recomputeBlock enqueues block l's forward again from its input residual,
+// into the one block's worth of activations recomputation keeps.
+func (m *Model) recomputeBlock(w []uint64, l int) error {
+	b := m.acts(l)
+	if err := m.k.LayerNormForward(m.s, b.ln1, b.st1, b.st1+4*uint64(m.bt), 0, b.resid, 0,
+		layer(w, l, gpt.Ln1W), layer(w, l, gpt.Ln1B), m.bt, m.c); err != nil {
+		return at(l, 0, err)
+	}
+	return m.block(w, l, false)
 }
 
 // Loss waits for the last Forward and returns its mean cross-entropy over
@@ -256,8 +310,6 @@ func (m *Model) Backward(weights, grads []uint64) error {
 func (m *Model) backward(w, dw []uint64) error {
 	a, g, k, s := &m.act, &m.gemm, m.k, m.s
 	BT, C, L, T, V := m.bt, m.c, m.l, m.t, m.v
-	bc := int64(BT) * int64(C)
-	att := int64(m.b) * int64(m.nh) * int64(T) * int64(T)
 	statOff := 4 * uint64(BT)
 	// The classifier: logits now hold dlogits.
 	if err := m.blas.Matmul(&g.dwte, a.dwte, a.logits, a.lnf, 0, 0); err != nil {
@@ -268,7 +320,7 @@ func (m *Model) backward(w, dw []uint64) error {
 	}
 	fw, _ := lnf(w)
 	dfw, dfb := lnf(dw)
-	residL := a.resid + 4*uint64(L)*uint64(bc)
+	residL := a.resid + 4*uint64(L)*uint64(BT)*uint64(C)
 	if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, residL, fw, a.lnfStat, a.lnfStat+statOff, false, BT, C); err != nil {
 		return err
 	}
@@ -276,14 +328,14 @@ func (m *Model) backward(w, dw []uint64) error {
 		return err
 	}
 	for l := L - 1; l >= 0; l-- {
-		lu := uint64(l)
-		resid, resid2 := a.resid+4*lu*uint64(bc), a.resid2+4*lu*uint64(bc)
-		ln1, ln2 := a.ln1+2*lu*uint64(bc), a.ln2+2*lu*uint64(bc)
-		st1, st2 := a.ln1Stat+4*lu*2*uint64(BT), a.ln2Stat+4*lu*2*uint64(BT)
-		qkv := a.qkv + 2*lu*3*uint64(bc)
-		attL := a.att + 2*lu*uint64(att)
-		atty := a.atty + 2*lu*uint64(bc)
-		fch, fchg := a.fch+2*lu*4*uint64(bc), a.fchg+2*lu*4*uint64(bc)
+		if m.recompute && l < L-1 { // the last block's are still there from forward
+			if err := m.recomputeBlock(w, l); err != nil {
+				return fmt.Errorf("recomputing: %w", err)
+			}
+		}
+		b := m.acts(l)
+		resid, resid2, ln1, ln2, st1, st2 := b.resid, b.resid2, b.ln1, b.ln2, b.st1, b.st2
+		qkv, atty, fch, fchg := b.qkv, b.atty, b.fch, b.fchg
 		// The MLP: dres16 is the gradient of c_proj's output.
 		if err := m.blas.Matmul(&g.dW[3], layer(dw, l, gpt.FcProjW), fchg, a.dres16, 0, 0); err != nil {
 			return at(l, 0, err)
@@ -320,7 +372,7 @@ func (m *Model) backward(w, dw []uint64) error {
 			return at(l, 10, err)
 		}
 		// Attention: dbig gets dqkv from datty (dln).
-		if err := m.attentionBackward(l, qkv, attL, atty); err != nil {
+		if err := m.attentionBackward(qkv, b.att, atty, b.lse); err != nil {
 			return at(l, 11, err)
 		}
 		// c_attn: dbig holds dqkv [BT, 3C].
@@ -416,13 +468,13 @@ func (m *Model) copyLogits(dst []float32, off int64) error {
 // at wraps the error of step i of block l's pass.
 func at(l, i int, err error) error { return fmt.Errorf("block %d, step %d: %w", l, i, err) }
 
-// attention enqueues block l's causal self-attention from qkv [BT, 3C] to
-// atty [BT, C]; attL is the layer's attention matrix (cuBLAS path only).
-func (m *Model) attention(l int, qkv, attL, atty uint64) error {
+// attention enqueues a block's causal self-attention from qkv [BT, 3C] to
+// atty [BT, C]; attL is the block's attention matrix (cuBLAS path), lse
+// its log-sum-exps (flash).
+func (m *Model) attention(qkv, attL, atty, lse uint64) error {
 	a, g, k, s, T := &m.act, &m.gemm, m.k, m.s, m.t
 	if m.attn == AttentionFlash {
-		rows := uint64(m.b) * uint64(m.nh) * uint64(T)
-		return k.FlashForward(s, atty, a.lse+4*uint64(l)*rows, qkv, m.b, T, m.nh, m.scale())
+		return k.FlashForward(s, atty, lse, qkv, m.b, T, m.nh, m.scale())
 	}
 	if err := k.PermuteQKV(s, a.q, a.k, a.v, qkv, m.b, T, m.nh, m.hs); err != nil {
 		return err
@@ -439,13 +491,12 @@ func (m *Model) attention(l int, qkv, attL, atty uint64) error {
 	return k.Unpermute(s, atty, a.y, m.b, T, m.nh, m.hs)
 }
 
-// attentionBackward enqueues block l's attention backward: from datty (in
+// attentionBackward enqueues a block's attention backward: from datty (in
 // act.dln) to dqkv (in act.dbig, [BT, 3C]).
-func (m *Model) attentionBackward(l int, qkv, attL, atty uint64) error {
+func (m *Model) attentionBackward(qkv, attL, atty, lse uint64) error {
 	a, g, k, s, T := &m.act, &m.gemm, m.k, m.s, m.t
 	if m.attn == AttentionFlash {
-		rows := uint64(m.b) * uint64(m.nh) * uint64(T)
-		return k.FlashBackward(s, a.dbig, qkv, atty, a.dln, a.lse+4*uint64(l)*rows, a.dsum, m.b, T, m.nh, m.scale())
+		return k.FlashBackward(s, a.dbig, qkv, atty, a.dln, lse, a.dsum, m.b, T, m.nh, m.scale())
 	}
 	if err := k.UnpermuteBackward(s, a.y, a.dln, m.b, T, m.nh, m.hs); err != nil {
 		return err
