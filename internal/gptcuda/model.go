@@ -54,6 +54,8 @@ const (
 	AttentionCuBLAS
 )
 
+// String names the attention as Options and dos's output spell it: auto,
+// flash, cublas.
 func (a Attention) String() string {
 	switch a {
 	case AttentionAuto:
