@@ -129,6 +129,7 @@ type Model struct {
 	in                 *cuda.Buffer     // their device copy
 	trained            bool             // the last Forward computed the classifier's gradient
 	hasLoss            bool             // the last Forward computed the losses
+	hasLogits          bool             // the last Forward left its logits (gradScale 0)
 	count              []int32          // the segments' counting sort, VocabSize+1
 	lossBuf, logitBuf  *cuda.Buffer     // the buffers of act.lossesDev and act.logits
 	nseg               int              // wte segments of the last Forward

@@ -60,11 +60,11 @@ func (m *Model) Forward(weights []uint64, tokens, targets []int32, gradScale flo
 	if err := m.stageInputs(tokens, targets, train); err != nil {
 		return err
 	}
-	m.trained = false
+	m.trained, m.hasLogits = false, false
 	if err := m.forward(weights, targets != nil, gradScale); err != nil {
 		return fmt.Errorf("gptcuda: Forward: %w", err)
 	}
-	m.trained = train
+	m.trained, m.hasLogits = train, !train
 	m.hasLoss = targets != nil
 	return nil
 }
@@ -435,8 +435,8 @@ func (m *Model) Logits(dst []float32) error {
 
 // copyLogits copies len(dst) logits from element off through pinned memory.
 func (m *Model) copyLogits(dst []float32, off int64) error {
-	if m.trained {
-		return fmt.Errorf("gptcuda: Logits: the last Forward trained; its logits were replaced by their gradient")
+	if !m.hasLogits {
+		return fmt.Errorf("gptcuda: Logits: no logits: the last Forward trained (its logits were replaced by their gradient), or there was none")
 	}
 	n := int64(len(dst))
 	if m.logitsHost == nil || m.logitsHost.Len() < 2*n {
