@@ -8,6 +8,19 @@
 // the optimizer's buffers, and checkpoints carry the trainer's own objects
 // (iteration, loader position, RNG state, loss scale, configuration).
 //
+// # On the GPU
+//
+// With TrainConfig.Device "cuda" the same model runs on GPU 0 through
+// internal/gptcuda (bf16 with fp32 accumulation and residual stream, flash
+// attention, cuBLASLt products, every kernel deterministic): forward reads
+// the optimizer's device working copy (offload.Optimizer.DeviceWorking) and
+// backward writes the device gradients (DeviceGrad), so offload's Step
+// (StepArgs.GradOnDevice) checks, clips and updates them where they are,
+// with the optimizer state in pinned host memory and the update phase
+// interleaved between the CPU and the GPU in the performance model's
+// schedule (a short calibration at start without TrainConfig.Profile). The
+// host model stays the float64 reference the GPU model is tested against.
+//
 // Parameters are named and laid out as Hugging Face's GPT-2 (wte.weight,
 // h.0.attn.c_attn.weight as [in, out], ...; package gpt describes them for
 // every trainer), so ExportHF writes a model that
@@ -40,6 +53,7 @@
 // References:
 //   - Radford et al. Language Models are Unsupervised Multitask Learners (GPT-2), 2019.
 //   - Hugging Face transformers, models/gpt2/modeling_gpt2.py.
-//   - Karpathy, llm.c: train_gpt2.c (forward and backward passes).
+//   - Karpathy, llm.c: train_gpt2.c (forward and backward passes), train_gpt2.cu (the GPU's).
+//   - Dao, FlashAttention-2, 2023 (the GPU model's attention).
 //   - Shoeybi et al. Megatron-LM (learning-rate schedule flags), 2019.
 package trainer
