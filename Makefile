@@ -3,11 +3,12 @@ GO      ?= go
 BIN     ?= bin
 PKGS    := ./...
 
-.PHONY: help test vet fmt-check gen-check generate test-short demo bench gpu-bins gpu-test gpu-check clean
+.PHONY: help test vet fmt-check gen-check generate test-short demo bench gpu-bins gpu-test gpu-check clean python python-test
 
 help:
 	@echo "make demo       run the main job on its embedded default"
-	@echo "make test       vet, gofmt check, generated files current, go test -race ./..., and the allocation tests without -race (what CI runs)"
+	@echo "make test       vet, gofmt check, generated files current, go test -race ./..., the allocation tests without -race, and the Python package's tests (what CI runs)"
+	@echo "make python     build the Python package's library (python/dos/libdos.so, cgo): PYTHONPATH=python python3 -c 'import dos.torch'"
 	@echo "make bench      CPU AdamW benchmarks (params/s, GB/s) against copy and the naive loop"
 	@echo "make gpu-bins   build bin/dos and one test binary per package for the GPU machine"
 	@echo "make gpu-test   run bin/test/* with DOS_REQUIRE_GPU=1 (on the GPU machine)"
@@ -19,6 +20,24 @@ help:
 test: vet fmt-check gen-check
 	$(GO) test -race -count=1 $(PKGS)
 	$(GO) test -count=1 -run 'NoAllocs' $(PKGS)
+	$(MAKE) --no-print-directory python-test
+
+# The Python package (python/dos): its shared library is the one artifact
+# built with cgo (needs a C compiler); the dos CLI stays CGO-free.
+python:
+	CGO_ENABLED=1 $(GO) build -buildmode=c-shared -o python/dos/libdos.so ./capi
+
+# A python3 with torch and pytest: the first of python3 and /usr/bin/python3
+# (Debian's python3-torch) that imports both. Without one the Python tests
+# are skipped, except where CI is set: there it is a failure.
+PYTHON ?= $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch, pytest' 2>/dev/null && echo $$p && break; done)
+
+python-test:
+	@if [ -z "$(PYTHON)" ]; then \
+		if [ -n "$$CI" ]; then echo "python-test: no python3 with torch and pytest (CI: .ci/run installs python3-torch and python3-pytest)"; exit 1; fi; \
+		echo "python-test: skipped: no python3 with torch and pytest (apt install python3-torch python3-pytest)"; exit 0; \
+	fi; \
+	$(MAKE) --no-print-directory python && PYTHONPATH=python $(PYTHON) -m pytest -q python/tests
 
 vet:
 	$(GO) vet $(PKGS)

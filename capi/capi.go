@@ -1,0 +1,218 @@
+package main
+
+/*
+#include <stdint.h>
+#include <stdlib.h>
+*/
+import "C"
+
+import (
+	"encoding/json"
+	"fmt"
+	"runtime/debug"
+	"sync"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/offload"
+)
+
+// spec is dos_adamw_new's JSON: torch.optim.AdamW's arguments and param
+// groups, and the offload options DeepSpeed names so.
+type spec struct {
+	Params []struct {
+		Name  string `json:"name"`
+		Shape []int  `json:"shape"`
+		Group int    `json:"group"`
+	} `json:"params"`
+	Groups []struct {
+		LR          float64 `json:"lr"`
+		WeightDecay float64 `json:"weight_decay"`
+	} `json:"groups"`
+	Betas        [2]float64 `json:"betas"`
+	Eps          float64    `json:"eps"`
+	AMSGrad      bool       `json:"amsgrad"`
+	Maximize     bool       `json:"maximize"`
+	MaxGradNorm  float64    `json:"max_grad_norm"`
+	SubGroupSize int        `json:"sub_group_size"`
+	Threads      int        `json:"threads"`
+}
+
+// handles holds the live optimizers by handle.
+var handles struct {
+	sync.Mutex
+	next int64
+	m    map[int64]*offload.Optimizer
+}
+
+func lookup(h C.int64_t) (*offload.Optimizer, error) {
+	handles.Lock()
+	defer handles.Unlock()
+	o := handles.m[int64(h)]
+	if o == nil {
+		return nil, fmt.Errorf("dos: no optimizer with handle %d (closed?)", int64(h))
+	}
+	return o, nil
+}
+
+// fail stores err's message in *errOut (malloc'd) when errOut is not nil.
+func fail(errOut **C.char, err error) {
+	if errOut != nil {
+		*errOut = C.CString(err.Error())
+	}
+}
+
+// guard turns a panic into an error, so none crosses into C.
+func guard(err *error) {
+	if r := recover(); r != nil {
+		*err = fmt.Errorf("dos: internal error: %v\n%s", r, debug.Stack())
+	}
+}
+
+//export dos_version
+func dos_version() *C.char { return cVersion }
+
+var cVersion = C.CString("dos capi 1")
+
+//export dos_free
+func dos_free(p *C.char) { C.free(unsafe.Pointer(p)) }
+
+//export dos_adamw_new
+func dos_adamw_new(specJSON *C.char, errOut **C.char) (h C.int64_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			h = 0
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	var s spec
+	if err = json.Unmarshal([]byte(C.GoString(specJSON)), &s); err != nil {
+		err = fmt.Errorf("dos: the optimizer's spec: %w", err)
+		return 0
+	}
+	if len(s.Groups) == 0 {
+		err = fmt.Errorf("dos: no parameter group")
+		return 0
+	}
+	params := make([]offload.Param, len(s.Params))
+	for i, p := range s.Params {
+		params[i] = offload.Param{Name: p.Name, Shape: p.Shape, Group: p.Group}
+	}
+	opts := offload.Options{
+		Hyper: adam.Hyper{Mode: adam.AdamW, LR: s.Groups[0].LR, Betas: s.Betas, Eps: s.Eps, WeightDecay: s.Groups[0].WeightDecay,
+			AMSGrad: s.AMSGrad, Maximize: s.Maximize},
+		SubgroupSize: s.SubGroupSize, GradDType: adam.F32, MaxGradNorm: s.MaxGradNorm, Threads: s.Threads,
+	}
+	for _, g := range s.Groups {
+		opts.Groups = append(opts.Groups, offload.Group{LR: g.LR, WeightDecay: g.WeightDecay})
+	}
+	o, err := offload.New(params, *opts.EnsureDefaults())
+	if err != nil {
+		return 0
+	}
+	handles.Lock()
+	defer handles.Unlock()
+	if handles.m == nil {
+		handles.m = map[int64]*offload.Optimizer{}
+	}
+	handles.next++
+	handles.m[handles.next] = o
+	return C.int64_t(handles.next)
+}
+
+//export dos_adamw_set
+func dos_adamw_set(h C.int64_t, i C.int32_t, data *C.float, n C.int64_t, errOut **C.char) (rc C.int32_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			rc = -1
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	o, err := lookup(h)
+	if err != nil {
+		return -1
+	}
+	ps := o.Params()
+	if int(i) < 0 || int(i) >= len(ps) {
+		err = fmt.Errorf("dos: parameter %d of %d", int(i), len(ps))
+		return -1
+	}
+	if int(n) != ps[i].Len {
+		err = fmt.Errorf("dos: parameter %s has %d elements, not %d (its shape changed?)", ps[i].Name, ps[i].Len, int64(n))
+		return -1
+	}
+	err = o.SetParam(ps[i].Name, unsafe.Slice((*float32)(unsafe.Pointer(data)), int(n)))
+	return 0
+}
+
+//export dos_adamw_step
+func dos_adamw_step(h C.int64_t, params **C.float, grads **C.float, lrs *C.double, ngroups C.int32_t, lossScale C.double, errOut **C.char) (rc C.int32_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			rc = -1
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	o, err := lookup(h)
+	if err != nil {
+		return -1
+	}
+	ps := o.Params()
+	if len(o.Options().Groups) != int(ngroups) {
+		err = fmt.Errorf("dos: %d learning rates for %d parameter groups", int(ngroups), len(o.Options().Groups))
+		return -1
+	}
+	for g, lr := range unsafe.Slice((*float64)(unsafe.Pointer(lrs)), int(ngroups)) {
+		if err = o.SetGroupLR(g, lr); err != nil {
+			return -1
+		}
+	}
+	gp := unsafe.Slice((**C.float)(unsafe.Pointer(grads)), len(ps))
+	pp := unsafe.Slice((**C.float)(unsafe.Pointer(params)), len(ps))
+	for i, p := range ps {
+		dst := o.Grad(i).Float32()
+		if gp[i] == nil { // no gradient: zero, as torch skips the parameter
+			clear(dst)
+			continue
+		}
+		copy(dst, unsafe.Slice((*float32)(unsafe.Pointer(gp[i])), p.Len))
+	}
+	res, err := o.Step(offload.StepArgs{LossScale: float64(lossScale)})
+	if err != nil {
+		return -1
+	}
+	if res.Skipped {
+		return 0
+	}
+	for i, p := range ps {
+		copy(unsafe.Slice((*float32)(unsafe.Pointer(pp[i])), p.Len), o.Working(i).Float32())
+	}
+	return 1
+}
+
+//export dos_adamw_close
+func dos_adamw_close(h C.int64_t, errOut **C.char) (rc C.int32_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			rc = -1
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	handles.Lock()
+	o := handles.m[int64(h)]
+	delete(handles.m, int64(h))
+	handles.Unlock()
+	if o == nil {
+		return 0
+	}
+	err = o.Close()
+	return 0
+}

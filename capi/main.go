@@ -1,0 +1,23 @@
+// Command capi is dos's C API for other languages, built as a shared
+// library (go build -buildmode=c-shared -o python/dos/libdos.so ./capi;
+// `make python`): the offloaded AdamW of package offload behind a few C
+// functions that the Python package dos (python/dos) calls through ctypes.
+// It is the one artifact built with cgo; the dos CLI stays CGO-free.
+//
+// The functions (capi.go; their C declarations are in the generated
+// libdos.h):
+//
+//	int64_t dos_adamw_new(const char *spec, char **err);
+//	int32_t dos_adamw_set(int64_t h, int32_t i, const float *data, int64_t n, char **err);
+//	int32_t dos_adamw_step(int64_t h, float **params, const float **grads, const double *lrs, int32_t ngroups, double loss_scale, char **err);
+//	int32_t dos_adamw_close(int64_t h, char **err);
+//	void dos_free(char *p);
+//	const char *dos_version(void);
+//
+// A handle (int64_t, > 0) names one optimizer. Errors come back as a
+// malloc'd message in *err, which the caller frees with dos_free, and a
+// return value of 0 (dos_adamw_new) or -1; no function panics across the
+// boundary (a Go panic becomes an error message).
+package main
+
+func main() {}

@@ -1,0 +1,65 @@
+"""The C API of libdos.so (capi/ in the Go repository) through ctypes.
+
+The library is found beside this file, or at $DOS_LIB. Every call that can fail returns its Go
+error message, raised here as DosError.
+"""
+import ctypes
+import os
+
+__all__ = ["DosError", "library_path", "lib", "call"]
+
+
+class DosError(RuntimeError):
+    """An error from dos's Go runtime; the message is Go's."""
+
+
+def library_path():
+    """Where libdos.so is loaded from: $DOS_LIB, or beside this package."""
+    return os.environ.get("DOS_LIB") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "libdos.so")
+
+
+_lib = None
+
+# The exported functions and their C signatures (capi/capi.go); test_native checks them against the
+# library's header.
+SIGNATURES = {
+    "dos_version": (ctypes.c_char_p, []),
+    "dos_free": (None, [ctypes.c_void_p]),
+    "dos_adamw_new": (ctypes.c_int64, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_adamw_set": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+                                       ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_adamw_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+                                        ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_double,
+                                        ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_adamw_close": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
+}
+
+
+def lib():
+    """The loaded library (loaded once). Raises DosError when it is missing."""
+    global _lib
+    if _lib is None:
+        path = library_path()
+        if not os.path.exists(path):
+            raise DosError(f"dos: {path} is missing: build it with `make python` (or set DOS_LIB)")
+        l = ctypes.CDLL(path)
+        for name, (res, args) in SIGNATURES.items():
+            f = getattr(l, name)
+            f.restype, f.argtypes = res, args
+        _lib = l
+    return _lib
+
+
+def call(name, *args):
+    """Calls a function whose last argument is char **err; raises DosError with Go's message when it
+    fails (a return value of 0 for dos_adamw_new, -1 for the others)."""
+    err = ctypes.c_void_p()
+    f = getattr(lib(), name)
+    r = f(*args, ctypes.byref(err))
+    if err.value:
+        msg = ctypes.string_at(err.value).decode("utf-8", "replace")
+        lib().dos_free(err)
+        raise DosError(msg)
+    if (name == "dos_adamw_new" and r == 0) or (name != "dos_adamw_new" and r < 0):
+        raise DosError(f"dos: {name} failed without a message")
+    return r
