@@ -216,3 +216,93 @@ func dos_adamw_close(h C.int64_t, errOut **C.char) (rc C.int32_t) {
 	err = o.Close()
 	return 0
 }
+
+// stateKinds maps the C API's state kind (0 master, 1 exp_avg, 2
+// exp_avg_sq, 3 max_exp_avg_sq) to offload's.
+var stateKinds = []offload.StateKind{offload.MasterWeights, offload.ExpAvg, offload.ExpAvgSq, offload.MaxExpAvgSq}
+
+// stateArgs resolves a state call's optimizer, kind and buffer.
+func stateArgs(h C.int64_t, kind C.int32_t, data *C.float, n C.int64_t) (*offload.Optimizer, offload.StateKind, []float32, error) {
+	o, err := lookup(h)
+	if err != nil {
+		return nil, 0, nil, err
+	}
+	if int(kind) < 0 || int(kind) >= len(stateKinds) {
+		return nil, 0, nil, fmt.Errorf("dos: state kind %d: want 0 (master) to 3 (max_exp_avg_sq)", int(kind))
+	}
+	if n < 0 || (n > 0 && data == nil) {
+		return nil, 0, nil, fmt.Errorf("dos: a state buffer of %d elements at %p", int64(n), data)
+	}
+	return o, stateKinds[kind], unsafe.Slice((*float32)(unsafe.Pointer(data)), int(n)), nil
+}
+
+//export dos_adamw_state_get
+func dos_adamw_state_get(h C.int64_t, i, kind C.int32_t, data *C.float, n C.int64_t, errOut **C.char) (rc C.int32_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			rc = -1
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	o, k, buf, err := stateArgs(h, kind, data, n)
+	if err != nil {
+		return -1
+	}
+	err = o.ReadState(int(i), k, buf)
+	return 0
+}
+
+//export dos_adamw_state_set
+func dos_adamw_state_set(h C.int64_t, i, kind C.int32_t, data *C.float, n C.int64_t, errOut **C.char) (rc C.int32_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			rc = -1
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	o, k, buf, err := stateArgs(h, kind, data, n)
+	if err != nil {
+		return -1
+	}
+	err = o.WriteState(int(i), k, buf)
+	return 0
+}
+
+//export dos_adamw_get_step
+func dos_adamw_get_step(h C.int64_t, errOut **C.char) (step C.int64_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			step = -1
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	o, err := lookup(h)
+	if err != nil {
+		return -1
+	}
+	return C.int64_t(o.StepCount())
+}
+
+//export dos_adamw_set_step
+func dos_adamw_set_step(h C.int64_t, step C.int64_t, errOut **C.char) (rc C.int32_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			rc = -1
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	o, err := lookup(h)
+	if err != nil {
+		return -1
+	}
+	err = o.SetStepCount(int64(step))
+	return 0
+}

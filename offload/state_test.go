@@ -1,95 +1,126 @@
 package offload
 
 import (
-	"errors"
+	"math"
+	"math/rand/v2"
 	"strings"
-	"sync/atomic"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
-	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/perfmodel"
-	"github.com/deepstates/dos/scheduler"
 )
 
-// refusingDevice is the simulated device whose allocations can be refused,
-// as a device whose memory is taken.
-type refusingDevice struct {
-	*scheduler.Sim
-	refuse atomic.Bool
+// TestStateRoundTrip: a second optimizer given the first one's state
+// (ReadState, WriteState, SetStepCount: what a torch state dict carries)
+// steps on bit for bit with it, on the host and through the simulated
+// device with CPU, streamed and resident subgroups.
+func TestStateRoundTrip(t *testing.T) {
+	params := []Param{{Name: "a", Shape: []int{300}}, {Name: "b", Shape: []int{17, 9}}, {Name: "c", Shape: []int{5}}}
+	base := Options{Hyper: adam.Hyper{Mode: adam.AdamW, LR: 1e-2, Betas: [2]float64{0.9, 0.99}, Eps: 1e-8, WeightDecay: 0.1, AMSGrad: true},
+		SubgroupSize: 100, GradDType: adam.F32}
+	for _, dev := range []bool{false, true} {
+		mk := func() *Optimizer {
+			opts := base
+			if dev {
+				opts, _ = deviceOpts(opts, perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 1})
+				opts.WorkingDType = adam.BF16
+			}
+			o, err := New(params, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { o.Close() })
+			return o
+		}
+		r := rand.New(rand.NewPCG(1, 2))
+		grads := func(o *Optimizer, seed uint64) {
+			g := rand.New(rand.NewPCG(seed, 3))
+			for i := range o.Params() {
+				for j := range o.Grad(i).Float32() {
+					o.Grad(i).Float32()[j] = float32(g.NormFloat64())
+				}
+			}
+		}
+		a := mk()
+		for i, p := range a.Params() {
+			v := make([]float32, p.Len)
+			for j := range v {
+				v[j] = float32(r.NormFloat64())
+			}
+			if err := a.SetParam(params[i].Name, v); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for s := range 3 {
+			grads(a, uint64(s))
+			if _, err := a.Step(StepArgs{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		b := mk()
+		for i, p := range a.Params() {
+			for _, k := range []StateKind{MasterWeights, ExpAvg, ExpAvgSq, MaxExpAvgSq} {
+				v := make([]float32, p.Len)
+				if err := a.ReadState(i, k, v); err != nil {
+					t.Fatal(err)
+				}
+				if err := b.WriteState(i, k, v); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		if err := b.SetStepCount(a.StepCount()); err != nil {
+			t.Fatal(err)
+		}
+		for s := 3; s < 6; s++ {
+			grads(a, uint64(s))
+			grads(b, uint64(s))
+			for _, o := range []*Optimizer{a, b} {
+				if _, err := o.Step(StepArgs{}); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		for i, p := range a.Params() {
+			for _, k := range []StateKind{MasterWeights, ExpAvg, ExpAvgSq, MaxExpAvgSq} {
+				x, y := make([]float32, p.Len), make([]float32, p.Len)
+				if err := a.ReadState(i, k, x); err != nil {
+					t.Fatal(err)
+				}
+				if err := b.ReadState(i, k, y); err != nil {
+					t.Fatal(err)
+				}
+				for j := range x {
+					if math.Float32bits(x[j]) != math.Float32bits(y[j]) {
+						t.Fatalf("device %v: %s %v[%d]: %v, restored %v", dev, p.Name, k, j, x[j], y[j])
+					}
+				}
+			}
+		}
+	}
 }
 
-var errRefused = errors.New("device memory refused")
-
-func (d *refusingDevice) Alloc(n int64) (scheduler.Mem, error) {
-	if d.refuse.Load() {
-		return nil, errRefused
-	}
-	return d.Sim.Alloc(n)
-}
-
-func (d *refusingDevice) AllocHost(n int64) (scheduler.Host, error) {
-	if d.refuse.Load() {
-		return nil, errRefused
-	}
-	return d.Sim.AllocHost(n)
-}
-
-// TestLoadAfterFaultWithoutMemory: after a device fault breaks the
-// optimizer, a LoadCheckpoint whose new engine the device refuses leaves
-// it broken, never panicking: every call says so, and a later
-// LoadCheckpoint recovers, bit for bit.
-func TestLoadAfterFaultWithoutMemory(t *testing.T) {
-	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Threads: 2}
-	opts, sim := deviceOpts(base, perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 2})
-	d := &refusingDevice{Sim: sim}
-	opts.Device = d
-	o := newTest(t, opts)
-	good := t.TempDir()
-	for step := int64(1); step <= 2; step++ {
-		fill(o, step)
-		mustStep(t, o)
-	}
-	if _, err := o.SaveCheckpoint(checkpoint.OS, good, nil); err != nil {
+func TestStateErrors(t *testing.T) {
+	o, err := New([]Param{{Name: "a", Shape: []int{4}}}, Options{})
+	if err != nil {
 		t.Fatal(err)
 	}
-	for k := 1; o.dev != devBroken; k++ {
-		if k > 50 {
-			t.Fatal("no fault broke the optimizer")
+	for _, tc := range []struct {
+		err  error
+		want string
+	}{
+		{o.ReadState(1, ExpAvg, make([]float32, 4)), "parameter 1 of 1"},
+		{o.ReadState(0, ExpAvg, make([]float32, 3)), "3 elements, want 4"},
+		{o.ReadState(0, MaxExpAvgSq, make([]float32, 4)), "no amsgrad"},
+		{o.WriteState(0, StateKind(9), make([]float32, 4)), "unknown StateKind(9)"},
+		{o.SetStepCount(-1), "want >= 0"},
+	} {
+		if tc.err == nil || !strings.Contains(tc.err.Error(), tc.want) {
+			t.Errorf("error %v, want %q", tc.err, tc.want)
 		}
-		sim.FailSync(k)
-		fill(o, 3)
-		o.Step(StepArgs{})
 	}
-	sim.FailSync(0)
-	d.refuse.Store(true)
-	for range 2 {
-		if _, _, err := o.LoadCheckpoint(checkpoint.OS, good); !errors.Is(err, errRefused) || !strings.Contains(err.Error(), "still broken") {
-			t.Fatalf("LoadCheckpoint without device memory: %v", err)
-		}
+	o.Close()
+	if err := o.ReadState(0, ExpAvg, make([]float32, 4)); err != ErrClosed {
+		t.Errorf("after Close: %v, want ErrClosed", err)
 	}
-	if _, err := o.Step(StepArgs{}); !errors.Is(err, scheduler.ErrBroken) {
-		t.Errorf("Step: %v", err)
-	}
-	if _, err := o.Master(0); !errors.Is(err, scheduler.ErrBroken) {
-		t.Errorf("Master: %v", err)
-	}
-	if err := o.SetParam(o.Params()[0].Name, make([]float32, o.Params()[0].Len)); !errors.Is(err, scheduler.ErrBroken) {
-		t.Errorf("SetParam: %v", err)
-	}
-	if _, err := o.SaveCheckpoint(checkpoint.OS, t.TempDir(), nil); !errors.Is(err, scheduler.ErrBroken) {
-		t.Errorf("SaveCheckpoint: %v", err)
-	}
-	d.refuse.Store(false)
-	if _, _, err := o.LoadCheckpoint(checkpoint.OS, good); err != nil {
-		t.Fatalf("LoadCheckpoint with memory again: %v", err)
-	}
-	fill(o, 3)
-	mustStep(t, o)
-	want := newTest(t, base)
-	for step := int64(1); step <= 3; step++ {
-		fill(want, step)
-		mustStep(t, want)
-	}
-	sameState(t, want, synced(t, o))
 }

@@ -31,6 +31,12 @@ SIGNATURES = {
     "dos_adamw_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                                         ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_double,
                                         ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_adamw_state_get": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_adamw_state_set": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_adamw_get_step": (ctypes.c_int64, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_adamw_set_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_close": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
 }
 

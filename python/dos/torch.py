@@ -29,8 +29,10 @@ class AdamW(torch.optim.Optimizer):
     ``sub_group_size`` (elements per subgroup), ``threads`` (CPU workers, 0: all), and ``max_grad_norm``
     (global clipping as ``clip_grad_norm_``, 0: off).
 
-    Limits of this version: CPU float32 tensors, every parameter needs a gradient at every step, and
-    ``state_dict``/``load_state_dict`` raise NotImplementedError (dos's own checkpoints come next).
+    ``state_dict``/``load_state_dict`` use torch.optim.AdamW's format, so state moves between the two.
+    Limits of this version: CPU float32 tensors; every parameter needs a gradient at every step; the
+    hyperparameters other than lr and weight_decay are fixed at construction (a loaded state dict's groups
+    must agree with them); dos's lazy checkpoints (save/load) come next.
     Errors from Go are raised as ``dos.DosError`` with Go's message.
     """
 
@@ -57,6 +59,8 @@ class AdamW(torch.optim.Optimizer):
                 "amsgrad": bool(first["amsgrad"]), "maximize": bool(first["maximize"]),
                 "max_grad_norm": float(max_grad_norm), "sub_group_size": int(sub_group_size), "threads": int(threads)}
         self._shapes = [p.shape for p in self._params]
+        self._fixed = [(float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g["maximize"]))
+                       for g in self.param_groups]
         self._h = _native.call("dos_adamw_new", json.dumps(spec).encode())
         for i, p in enumerate(self._params):
             _native.call("dos_adamw_set", self._h, i, p.data.data_ptr(), p.numel())
@@ -92,11 +96,62 @@ class AdamW(torch.optim.Optimizer):
         _native.call("dos_adamw_step", self._h, params, grads, lrs, len(self.param_groups), 0.0)
         return loss
 
+    _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
+
     def state_dict(self):
-        raise NotImplementedError("dos.torch.AdamW.state_dict: not implemented yet (issue 18 is in progress)")
+        """torch.optim.AdamW's state dict: per parameter ``step`` (a float tensor, as torch keeps it),
+        ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), copied out of dos, and the
+        param groups. ``torch.optim.AdamW.load_state_dict`` loads it, and ``load_state_dict`` here loads one
+        of torch's."""
+        step = _native.call("dos_adamw_get_step", self._h)
+        amsgrad = self.param_groups[0]["amsgrad"]
+        for i, p in enumerate(self._params):
+            st = {"step": torch.tensor(float(step))}
+            if step > 0:
+                for k, kind in self._KINDS.items():
+                    if k == "max_exp_avg_sq" and not amsgrad:
+                        continue
+                    t = torch.empty(p.shape, dtype=torch.float32)
+                    _native.call("dos_adamw_state_get", self._h, i, kind, t.data_ptr(), t.numel())
+                    st[k] = t
+            self.state[p] = st
+        try:
+            return super().state_dict()
+        finally:
+            self.state.clear()
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError("dos.torch.AdamW.load_state_dict: not implemented yet (issue 18 is in progress)")
+        """Loads a state dict of this class or of torch.optim.AdamW (same parameters, same shapes) into
+        dos: the moments, the step (every parameter's must be the same: dos keeps one) and the groups'
+        hyperparameters; the master weights are the parameters' current values (load the model first)."""
+        super().load_state_dict(state_dict)
+        try:
+            for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
+                now = (float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g["maximize"]))
+                if now != fixed:
+                    raise ValueError(f"dos.torch.AdamW.load_state_dict: group {gi}'s (weight_decay, betas, eps, amsgrad, maximize) "
+                                     f"are {now} in the state dict, {fixed} in this optimizer: dos fixes them at construction")
+            steps = set()
+            for i, p in enumerate(self._params):
+                st = self.state.get(p, {})
+                steps.add(int(float(st["step"])) if "step" in st else 0)
+                _native.call("dos_adamw_state_set", self._h, i, 0, p.data.data_ptr(), p.numel())
+                for k, kind in self._KINDS.items():
+                    if k not in st:
+                        continue
+                    if k == "max_exp_avg_sq" and not self.param_groups[0]["amsgrad"]:
+                        continue
+                    t = st[k].detach().to(torch.float32).contiguous()
+                    if t.shape != p.shape:
+                        raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s {k} has shape {tuple(t.shape)}, "
+                                         f"the parameter {tuple(p.shape)}")
+                    _native.call("dos_adamw_state_set", self._h, i, kind, t.data_ptr(), t.numel())
+            if len(steps) > 1:
+                raise ValueError(f"dos.torch.AdamW.load_state_dict: the parameters' steps differ ({sorted(steps)}); "
+                                 "dos keeps one step count")
+            _native.call("dos_adamw_set_step", self._h, steps.pop() if steps else 0)
+        finally:
+            self.state.clear()
 
     def close(self):
         """Frees dos's optimizer state; later steps raise. Called when the optimizer is collected."""
