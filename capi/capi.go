@@ -14,6 +14,7 @@ import (
 	"unsafe"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/offload"
 )
 
@@ -38,11 +39,19 @@ type spec struct {
 	Threads      int        `json:"threads"`
 }
 
-// handles holds the live optimizers by handle.
+// handles holds the live optimizers and saves by handle.
 var handles struct {
 	sync.Mutex
-	next int64
-	m    map[int64]*offload.Optimizer
+	next  int64
+	m     map[int64]*offload.Optimizer
+	eng   map[int64]*saver             // an optimizer's lazy checkpoint engine, by the optimizer's handle
+	saves map[int64]*checkpoint.Handle // saves in flight or done, by their own handle
+}
+
+// saver is an optimizer's checkpoint engine on one root.
+type saver struct {
+	root string
+	e    *checkpoint.Engine
 }
 
 func lookup(h C.int64_t) (*offload.Optimizer, error) {
@@ -53,6 +62,15 @@ func lookup(h C.int64_t) (*offload.Optimizer, error) {
 		return nil, fmt.Errorf("dos: no optimizer with handle %d (closed?)", int64(h))
 	}
 	return o, nil
+}
+
+// newHandle registers and returns the next handle; hold handles.
+func newHandle() int64 {
+	if handles.m == nil {
+		handles.m, handles.eng, handles.saves = map[int64]*offload.Optimizer{}, map[int64]*saver{}, map[int64]*checkpoint.Handle{}
+	}
+	handles.next++
+	return handles.next
 }
 
 // fail stores err's message in *errOut (malloc'd) when errOut is not nil.
@@ -114,12 +132,9 @@ func dos_adamw_new(specJSON *C.char, errOut **C.char) (h C.int64_t) {
 	}
 	handles.Lock()
 	defer handles.Unlock()
-	if handles.m == nil {
-		handles.m = map[int64]*offload.Optimizer{}
-	}
-	handles.next++
-	handles.m[handles.next] = o
-	return C.int64_t(handles.next)
+	id := newHandle()
+	handles.m[id] = o
+	return C.int64_t(id)
 }
 
 //export dos_adamw_set
@@ -207,13 +222,23 @@ func dos_adamw_close(h C.int64_t, errOut **C.char) (rc C.int32_t) {
 	}()
 	defer guard(&err)
 	handles.Lock()
-	o := handles.m[int64(h)]
+	o, sv := handles.m[int64(h)], handles.eng[int64(h)]
 	delete(handles.m, int64(h))
+	delete(handles.eng, int64(h))
 	handles.Unlock()
 	if o == nil {
 		return 0
 	}
-	err = o.Close()
+	var errs []error
+	if sv != nil {
+		errs = append(errs, sv.e.Close()) // waits for the save in flight
+	}
+	errs = append(errs, o.Close())
+	for _, e := range errs {
+		if e != nil && err == nil {
+			err = e
+		}
+	}
 	return 0
 }
 
@@ -304,5 +329,129 @@ func dos_adamw_set_step(h C.int64_t, step C.int64_t, errOut **C.char) (rc C.int3
 		return -1
 	}
 	err = o.SetStepCount(int64(step))
+	return 0
+}
+
+//export dos_adamw_save
+func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, errOut **C.char) (sh C.int64_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			sh = 0
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	o, err := lookup(h)
+	if err != nil {
+		return 0
+	}
+	var objs map[string]any
+	if objects != nil {
+		if err = json.Unmarshal([]byte(C.GoString(objects)), &objs); err != nil {
+			err = fmt.Errorf("dos: save: the objects: %w", err)
+			return 0
+		}
+	}
+	dir := C.GoString(root)
+	handles.Lock()
+	sv := handles.eng[int64(h)]
+	handles.Unlock()
+	if sv == nil || sv.root != dir {
+		if sv != nil {
+			if err = sv.e.Close(); err != nil {
+				return 0
+			}
+		}
+		e, err2 := checkpoint.NewEngine(checkpoint.OS, dir, checkpoint.EngineOptions{})
+		if err = err2; err != nil {
+			return 0
+		}
+		sv = &saver{root: dir, e: e}
+		handles.Lock()
+		handles.eng[int64(h)] = sv
+		handles.Unlock()
+	}
+	hd, err := o.SaveAsync(sv.e, o.StepCount(), objs)
+	if err != nil {
+		return 0
+	}
+	handles.Lock()
+	defer handles.Unlock()
+	id := newHandle()
+	handles.saves[id] = hd
+	return C.int64_t(id)
+}
+
+//export dos_save_done
+func dos_save_done(sh C.int64_t) C.int32_t {
+	handles.Lock()
+	hd := handles.saves[int64(sh)]
+	handles.Unlock()
+	if hd == nil || hd.Done() {
+		return 1
+	}
+	return 0
+}
+
+//export dos_save_wait
+func dos_save_wait(sh C.int64_t, dirOut **C.char, errOut **C.char) (rc C.int32_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			rc = -1
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	handles.Lock()
+	hd := handles.saves[int64(sh)]
+	handles.Unlock()
+	if hd == nil {
+		err = fmt.Errorf("dos: no save with handle %d", int64(sh))
+		return -1
+	}
+	dir, err := hd.Wait()
+	if err != nil {
+		return -1
+	}
+	if dirOut != nil {
+		*dirOut = C.CString(dir)
+	}
+	return 0
+}
+
+//export dos_save_free
+func dos_save_free(sh C.int64_t) {
+	handles.Lock()
+	delete(handles.saves, int64(sh))
+	handles.Unlock()
+}
+
+//export dos_adamw_load
+func dos_adamw_load(h C.int64_t, path *C.char, objectsOut **C.char, errOut **C.char) (rc C.int32_t) {
+	var err error
+	defer func() {
+		if err != nil {
+			rc = -1
+			fail(errOut, err)
+		}
+	}()
+	defer guard(&err)
+	o, err := lookup(h)
+	if err != nil {
+		return -1
+	}
+	_, objs, err := o.LoadCheckpoint(checkpoint.OS, C.GoString(path))
+	if err != nil {
+		return -1
+	}
+	if objectsOut != nil {
+		b, err2 := json.Marshal(objs)
+		if err = err2; err != nil {
+			return -1
+		}
+		*objectsOut = C.CString(string(b))
+	}
 	return 0
 }

@@ -14,13 +14,20 @@
 //	int32_t dos_adamw_state_set(int64_t h, int32_t i, int32_t kind, const float *data, int64_t n, char **err);
 //	int64_t dos_adamw_get_step(int64_t h, char **err);
 //	int32_t dos_adamw_set_step(int64_t h, int64_t step, char **err);
+//	int64_t dos_adamw_save(int64_t h, const char *root, const char *objects_json, char **err);
+//	int32_t dos_save_done(int64_t save);
+//	int32_t dos_save_wait(int64_t save, char **dir, char **err);
+//	void dos_save_free(int64_t save);
+//	int32_t dos_adamw_load(int64_t h, const char *path, char **objects_json, char **err);
 //	int32_t dos_adamw_close(int64_t h, char **err);
 //	void dos_free(char *p);
 //	const char *dos_version(void);
 //
 // kind is 0 (the fp32 master weights), 1 (exp_avg), 2 (exp_avg_sq) or 3
 // (max_exp_avg_sq, amsgrad only). A handle (int64_t, > 0) names one
-// optimizer. Errors come back as a
+// optimizer, another one a lazy save (offload.Optimizer.SaveAsync into
+// a checkpoint.Engine on the root, DataStates-LLM): dos_save_wait returns
+// when it is durable, with its directory. Errors come back as a
 // malloc'd message in *err, which the caller frees with dos_free, and a
 // return value of 0 (dos_adamw_new) or -1; no function panics across the
 // boundary (a Go panic becomes an error message).

@@ -37,6 +37,12 @@ SIGNATURES = {
                                              ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_get_step": (ctypes.c_int64, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_set_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_adamw_save": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_save_done": (ctypes.c_int32, [ctypes.c_int64]),
+    "dos_save_wait": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_save_free": (None, [ctypes.c_int64]),
+    "dos_adamw_load": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                        ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_close": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
 }
 
@@ -56,6 +62,15 @@ def lib():
     return _lib
 
 
+def take_string(ptr):
+    """The C string at ptr (a c_void_p the library malloc'd), freed; None for NULL."""
+    if not ptr.value:
+        return None
+    s = ctypes.string_at(ptr.value).decode("utf-8", "replace")
+    lib().dos_free(ptr)
+    return s
+
+
 def call(name, *args):
     """Calls a function whose last argument is char **err; raises DosError with Go's message when it
     fails (a return value of 0 for dos_adamw_new, -1 for the others)."""
@@ -66,6 +81,6 @@ def call(name, *args):
         msg = ctypes.string_at(err.value).decode("utf-8", "replace")
         lib().dos_free(err)
         raise DosError(msg)
-    if (name == "dos_adamw_new" and r == 0) or (name != "dos_adamw_new" and r < 0):
+    if (name in ("dos_adamw_new", "dos_adamw_save") and r == 0) or (name not in ("dos_adamw_new", "dos_adamw_save") and r < 0):
         raise DosError(f"dos: {name} failed without a message")
     return r

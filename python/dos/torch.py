@@ -6,12 +6,13 @@ gradients to dos's offloaded AdamW (PyTorch-exact numerics, SIMD CPU workers, fp
 """
 import ctypes
 import json
+import os
 
 import torch
 
 from . import _native
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "SaveHandle"]
 
 _SHARED = ("betas", "eps", "amsgrad", "maximize")
 
@@ -153,6 +154,29 @@ class AdamW(torch.optim.Optimizer):
         finally:
             self.state.clear()
 
+    def save(self, root):
+        """Checkpoints the optimizer lazily into the checkpoint root directory ``root`` (dos's format:
+        safetensors files of every parameter's master weights, exp_avg, exp_avg_sq and max_exp_avg_sq, a
+        manifest, crash-consistent commit) and returns at once: the state is captured and written in the
+        background while training goes on (DataStates-LLM). The returned SaveHandle says when it is durable.
+        The param groups' lr values ride along, and ``load`` restores them."""
+        objects = json.dumps({"torch": {"lrs": [float(g["lr"]) for g in self.param_groups]}}).encode()
+        return SaveHandle(_native.call("dos_adamw_save", self._h, os.fspath(root).encode(), objects))
+
+    def load(self, path):
+        """Restores the state of a checkpoint written by ``save``: ``path`` is a root (its latest
+        checkpoint) or one step directory. The parameters' data is set to the loaded master weights, and the
+        groups' lr to the saved ones."""
+        objects = ctypes.c_void_p()
+        _native.call("dos_adamw_load", self._h, os.fspath(path).encode(), ctypes.byref(objects))
+        objs = json.loads(_native.take_string(objects) or "{}")
+        for i, p in enumerate(self._params):
+            _native.call("dos_adamw_state_get", self._h, i, 0, p.data.data_ptr(), p.numel())
+        lrs = (objs.get("torch") or {}).get("lrs")
+        if lrs and len(lrs) == len(self.param_groups):
+            for g, lr in zip(self.param_groups, lrs):
+                g["lr"] = lr
+
     def close(self):
         """Frees dos's optimizer state; later steps raise. Called when the optimizer is collected."""
         h, self._h = getattr(self, "_h", 0), 0
@@ -162,5 +186,27 @@ class AdamW(torch.optim.Optimizer):
     def __del__(self):
         try:
             self.close()
+        except Exception:
+            pass
+
+
+class SaveHandle:
+    """A lazy save of ``AdamW.save``: ``done()`` without waiting, ``wait()`` until it is durable (returns
+    the checkpoint's directory; raises dos.DosError if it failed: the previous checkpoint stays the latest)."""
+
+    def __init__(self, h):
+        self._h = h
+
+    def done(self):
+        return bool(_native.lib().dos_save_done(self._h))
+
+    def wait(self):
+        d = ctypes.c_void_p()
+        _native.call("dos_save_wait", self._h, ctypes.byref(d))
+        return _native.take_string(d)
+
+    def __del__(self):
+        try:
+            _native.lib().dos_save_free(self._h)
         except Exception:
             pass

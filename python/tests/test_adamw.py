@@ -167,3 +167,34 @@ def test_load_state_dict_refuses_other_hyperparameters():
     sd = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], weight_decay=0.5).state_dict()
     with pytest.raises(ValueError, match="weight_decay"):
         dt.AdamW([p], weight_decay=0.01).load_state_dict(sd)
+
+
+def test_save_load(tmp_path):
+    """A lazy save after 10 steps, durable; a new optimizer loads it and takes the next 10 steps bit for bit
+    as the first one does; the files are safetensors with the state's tensors."""
+    import json as _json
+    import struct
+    ps = [torch.nn.Parameter(t.clone()) for t in make(4)]
+    a = dt.AdamW([{"params": ps[:3]}, {"params": ps[3:], "lr": 2e-3}], lr=1e-3, amsgrad=True)
+    train_steps(a, ps, torch.Generator().manual_seed(1), 10)
+    h = a.save(tmp_path / "ck")
+    d = h.wait()
+    assert h.done() and os.path.isdir(d) and d.endswith("step-000000010"), d
+    saved = [p.data.clone() for p in ps]
+    train_steps(a, ps, torch.Generator().manual_seed(2), 10)
+    qs = [torch.nn.Parameter(torch.zeros_like(p)) for p in ps]
+    b = dt.AdamW([{"params": qs[:3]}, {"params": qs[3:], "lr": 0.5}], lr=1e-3, amsgrad=True)
+    b.load(tmp_path / "ck")
+    assert all(torch.equal(q.data, s) for q, s in zip(qs, saved))
+    assert b.param_groups[1]["lr"] == 2e-3
+    train_steps(b, qs, torch.Generator().manual_seed(2), 10)
+    assert all(torch.equal(p.data, q.data) for p, q in zip(ps, qs))
+    names = set()
+    for f in os.listdir(d):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(d, f), "rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                names |= set(_json.loads(fh.read(n))) - {"__metadata__"}
+    assert {"p0.master", "p0.exp_avg", "p0.exp_avg_sq", "p0.max_exp_avg_sq"} <= names, sorted(names)[:8]
+    with pytest.raises(dos.DosError):
+        b.load(tmp_path / "missing")
