@@ -37,7 +37,14 @@ type spec struct {
 	MaxGradNorm  float64    `json:"max_grad_norm"`
 	SubGroupSize int        `json:"sub_group_size"`
 	Threads      int        `json:"threads"`
+	// DType is the parameters' and gradients' dtype: "float32" (the
+	// working copy is the fp32 master itself), "bfloat16" or "float16"
+	// (a 16-bit working copy of fp32 master weights, 16-bit gradients).
+	DType string `json:"dtype"`
 }
+
+// dtypes maps spec.DType to the working copy's and the gradients' dtype.
+var dtypes = map[string][2]adam.DType{"": {0, adam.F32}, "float32": {0, adam.F32}, "bfloat16": {adam.BF16, adam.BF16}, "float16": {adam.F16, adam.F16}}
 
 // handles holds the live optimizers and saves by handle.
 var handles struct {
@@ -118,10 +125,15 @@ func dos_adamw_new(specJSON *C.char, errOut **C.char) (h C.int64_t) {
 	for i, p := range s.Params {
 		params[i] = offload.Param{Name: p.Name, Shape: p.Shape, Group: p.Group}
 	}
+	dt, ok := dtypes[s.DType]
+	if !ok {
+		err = fmt.Errorf("dos: dtype %q: want float32, bfloat16 or float16", s.DType)
+		return 0
+	}
 	opts := offload.Options{
 		Hyper: adam.Hyper{Mode: adam.AdamW, LR: s.Groups[0].LR, Betas: s.Betas, Eps: s.Eps, WeightDecay: s.Groups[0].WeightDecay,
 			AMSGrad: s.AMSGrad, Maximize: s.Maximize},
-		SubgroupSize: s.SubGroupSize, GradDType: adam.F32, MaxGradNorm: s.MaxGradNorm, Threads: s.Threads,
+		SubgroupSize: s.SubGroupSize, WorkingDType: dt[0], GradDType: dt[1], MaxGradNorm: s.MaxGradNorm, Threads: s.Threads,
 	}
 	for _, g := range s.Groups {
 		opts.Groups = append(opts.Groups, offload.Group{LR: g.LR, WeightDecay: g.WeightDecay})
@@ -188,15 +200,19 @@ func dos_adamw_step(h C.int64_t, params **C.float, grads **C.float, lrs *C.doubl
 			return -1
 		}
 	}
-	gp := unsafe.Slice((**C.float)(unsafe.Pointer(grads)), len(ps))
-	pp := unsafe.Slice((**C.float)(unsafe.Pointer(params)), len(ps))
+	gp := unsafe.Slice((*unsafe.Pointer)(unsafe.Pointer(grads)), len(ps))
+	pp := unsafe.Slice((*unsafe.Pointer)(unsafe.Pointer(params)), len(ps))
+	wide := o.Options().GradDType == adam.F32
 	for i, p := range ps {
-		dst := o.Grad(i).Float32()
-		if gp[i] == nil { // no gradient: zero, as torch skips the parameter
-			clear(dst)
-			continue
+		if gp[i] == nil || pp[i] == nil {
+			err = fmt.Errorf("dos: parameter %s: a nil gradient or data pointer", p.Name)
+			return -1
 		}
-		copy(dst, unsafe.Slice((*float32)(unsafe.Pointer(gp[i])), p.Len))
+		if wide {
+			copy(o.Grad(i).Float32(), unsafe.Slice((*float32)(gp[i]), p.Len))
+		} else {
+			copy(o.Grad(i).Uint16(), unsafe.Slice((*uint16)(gp[i]), p.Len))
+		}
 	}
 	res, err := o.Step(offload.StepArgs{LossScale: float64(lossScale)})
 	if err != nil {
@@ -206,7 +222,11 @@ func dos_adamw_step(h C.int64_t, params **C.float, grads **C.float, lrs *C.doubl
 		return 0
 	}
 	for i, p := range ps {
-		copy(unsafe.Slice((*float32)(unsafe.Pointer(pp[i])), p.Len), o.Working(i).Float32())
+		if w := o.Working(i); w.DType == adam.F32 {
+			copy(unsafe.Slice((*float32)(pp[i]), p.Len), w.Float32())
+		} else {
+			copy(unsafe.Slice((*uint16)(pp[i]), p.Len), w.Uint16())
+		}
 	}
 	return 1
 }

@@ -9,7 +9,7 @@
 //
 //	int64_t dos_adamw_new(const char *spec, char **err);
 //	int32_t dos_adamw_set(int64_t h, int32_t i, const float *data, int64_t n, char **err);
-//	int32_t dos_adamw_step(int64_t h, float **params, const float **grads, const double *lrs, int32_t ngroups, double loss_scale, char **err);
+//	int32_t dos_adamw_step(int64_t h, void **params, const void **grads, const double *lrs, int32_t ngroups, double loss_scale, char **err);
 //	int32_t dos_adamw_state_get(int64_t h, int32_t i, int32_t kind, float *data, int64_t n, char **err);
 //	int32_t dos_adamw_state_set(int64_t h, int32_t i, int32_t kind, const float *data, int64_t n, char **err);
 //	int64_t dos_adamw_get_step(int64_t h, char **err);
@@ -23,7 +23,9 @@
 //	void dos_free(char *p);
 //	const char *dos_version(void);
 //
-// kind is 0 (the fp32 master weights), 1 (exp_avg), 2 (exp_avg_sq) or 3
+// params and grads point to each parameter's data and gradient in the
+// spec's dtype (float32, or 16-bit with fp32 master weights in dos); set
+// and the state functions take fp32. kind is 0 (the fp32 master weights), 1 (exp_avg), 2 (exp_avg_sq) or 3
 // (max_exp_avg_sq, amsgrad only). A handle (int64_t, > 0) names one
 // optimizer, another one a lazy save (offload.Optimizer.SaveAsync into
 // a checkpoint.Engine on the root, DataStates-LLM): dos_save_wait returns

@@ -15,6 +15,7 @@ from . import _native
 __all__ = ["AdamW", "SaveHandle"]
 
 _SHARED = ("betas", "eps", "amsgrad", "maximize")
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _norm(v):
@@ -31,7 +32,9 @@ class AdamW(torch.optim.Optimizer):
     (global clipping as ``clip_grad_norm_``, 0: off).
 
     ``state_dict``/``load_state_dict`` use torch.optim.AdamW's format, so state moves between the two.
-    Limits of this version: CPU float32 tensors; every parameter needs a gradient at every step; the
+    float32 parameters are the master weights themselves; bfloat16 or float16 parameters are a 16-bit
+    working copy of fp32 master weights dos keeps (``master_weights(i)``), with 16-bit gradients.
+    Limits of this version: CPU tensors of one dtype; every parameter needs a gradient at every step; the
     hyperparameters other than lr and weight_decay are fixed at construction (a loaded state dict's groups
     must agree with them); dos's lazy checkpoints (save/load) come next.
     Errors from Go are raised as ``dos.DosError`` with Go's message.
@@ -49,6 +52,10 @@ class AdamW(torch.optim.Optimizer):
                                      f"(group 0: {first[k]!r})")
         self._params = []
         spec_params = []
+        dtypes = {p.dtype for g in self.param_groups for p in g["params"]}
+        if len(dtypes) > 1:
+            raise ValueError(f"dos.torch.AdamW: the parameters mix dtypes {sorted(str(d) for d in dtypes)}; this version takes one")
+        self._dtype = dtypes.pop() if dtypes else torch.float32
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 self._check(len(self._params), p)
@@ -58,18 +65,21 @@ class AdamW(torch.optim.Optimizer):
                 "groups": [{"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"])} for g in self.param_groups],
                 "betas": [float(first["betas"][0]), float(first["betas"][1])], "eps": float(first["eps"]),
                 "amsgrad": bool(first["amsgrad"]), "maximize": bool(first["maximize"]),
-                "max_grad_norm": float(max_grad_norm), "sub_group_size": int(sub_group_size), "threads": int(threads)}
+                "max_grad_norm": float(max_grad_norm), "sub_group_size": int(sub_group_size), "threads": int(threads),
+                "dtype": _DTYPES[self._dtype]}
         self._shapes = [p.shape for p in self._params]
         self._fixed = [(float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g["maximize"]))
                        for g in self.param_groups]
         self._h = _native.call("dos_adamw_new", json.dumps(spec).encode())
         for i, p in enumerate(self._params):
-            _native.call("dos_adamw_set", self._h, i, p.data.data_ptr(), p.numel())
+            v = p.data.to(torch.float32).contiguous()  # the fp32 master weights start from the parameters
+            _native.call("dos_adamw_set", self._h, i, v.data_ptr(), v.numel())
 
     @staticmethod
     def _check(i, p):
-        if p.device.type != "cpu" or p.dtype != torch.float32:
-            raise ValueError(f"dos.torch.AdamW: parameter {i} is {p.dtype} on {p.device}; this version takes CPU float32")
+        if p.device.type != "cpu" or p.dtype not in _DTYPES:
+            raise ValueError(f"dos.torch.AdamW: parameter {i} is {p.dtype} on {p.device}; this version takes CPU float32, "
+                             "bfloat16 or float16")
         if not p.data.is_contiguous():
             raise ValueError(f"dos.torch.AdamW: parameter {i} is not contiguous")
 
@@ -90,7 +100,7 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has no gradient; dos updates every parameter at every step")
             if p.grad.is_sparse:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has a sparse gradient")
-            g = p.grad.detach().to(torch.float32).contiguous()
+            g = p.grad.detach().to(self._dtype).contiguous()
             keep.append(g)
             params[i], grads[i] = p.data.data_ptr(), g.data_ptr()
         lrs = (ctypes.c_double * len(self.param_groups))(*[float(g["lr"]) for g in self.param_groups])
@@ -136,7 +146,8 @@ class AdamW(torch.optim.Optimizer):
             for i, p in enumerate(self._params):
                 st = self.state.get(p, {})
                 steps.add(int(float(st["step"])) if "step" in st else 0)
-                _native.call("dos_adamw_state_set", self._h, i, 0, p.data.data_ptr(), p.numel())
+                v = p.data.to(torch.float32).contiguous()
+                _native.call("dos_adamw_state_set", self._h, i, 0, v.data_ptr(), v.numel())
                 for k, kind in self._KINDS.items():
                     if k not in st:
                         continue
@@ -171,11 +182,19 @@ class AdamW(torch.optim.Optimizer):
         _native.call("dos_adamw_load", self._h, os.fspath(path).encode(), ctypes.byref(objects))
         objs = json.loads(_native.take_string(objects) or "{}")
         for i, p in enumerate(self._params):
-            _native.call("dos_adamw_state_get", self._h, i, 0, p.data.data_ptr(), p.numel())
+            p.data.copy_(self.master_weights(i).view(p.shape))
         lrs = (objs.get("torch") or {}).get("lrs")
         if lrs and len(lrs) == len(self.param_groups):
             for g, lr in zip(self.param_groups, lrs):
                 g["lr"] = lr
+
+    def master_weights(self, i):
+        """Parameter i's fp32 master weights (a copy): the parameter itself for float32, the weights its
+        16-bit values are rounded from otherwise."""
+        p = self._params[i]
+        t = torch.empty(p.shape, dtype=torch.float32)
+        _native.call("dos_adamw_state_get", self._h, i, 0, t.data_ptr(), t.numel())
+        return t
 
     def close(self):
         """Frees dos's optimizer state; later steps raise. Called when the optimizer is collected."""
