@@ -227,3 +227,28 @@ def test_16bit_parameters(dtype):
         assert torch.equal(p.data[same], r.data[same].to(dtype))
         agree, total = agree + int(same.sum()), total + same.numel()
     assert agree > total // 2, (agree, total)
+
+
+def test_max_grad_norm_and_nonfinite_skip():
+    """max_grad_norm clips as torch.nn.utils.clip_grad_norm_ before torch.optim.AdamW does; a non-finite
+    gradient skips the whole step (nothing changes, the step count stays), as GradScaler's skip."""
+    ps = [torch.nn.Parameter(t.clone()) for t in make(6)]
+    ref = [torch.nn.Parameter(t.clone()) for t in make(6)]
+    a = dt.AdamW(ps, lr=1e-2, max_grad_norm=0.5)
+    b = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(30):
+        for p, r in zip(ps, ref):
+            g = torch.randn(p.shape, generator=gen)
+            p.grad, r.grad = g.clone(), g.clone()
+        a.step()
+        torch.nn.utils.clip_grad_norm_(ref, 0.5)
+        b.step()
+    assert_close(ps, ref)
+    before = [p.data.clone() for p in ps]
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    ps[1].grad[0, 0] = float("inf")
+    a.step()
+    assert all(torch.equal(p.data, q) for p, q in zip(ps, before))
+    assert float(a.state_dict()["state"][0]["step"]) == 30
