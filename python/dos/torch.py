@@ -6,6 +6,7 @@ gradients to dos's offloaded AdamW (PyTorch-exact numerics, SIMD CPU workers, fp
 """
 import ctypes
 import json
+import math
 import os
 
 import torch
@@ -31,20 +32,39 @@ class AdamW(torch.optim.Optimizer):
     ``sub_group_size`` (elements per subgroup), ``threads`` (CPU workers, 0: all), and ``max_grad_norm``
     (global clipping as ``clip_grad_norm_``, 0: off).
 
-    ``state_dict``/``load_state_dict`` use torch.optim.AdamW's format, so state moves between the two.
-    float32 parameters are the master weights themselves; bfloat16 or float16 parameters are a 16-bit
-    working copy of fp32 master weights dos keeps (``master_weights(i)``), with 16-bit gradients.
-    Limits of this version: CPU tensors of one dtype; every parameter needs a gradient at every step; the
-    hyperparameters other than lr and weight_decay are fixed at construction (a loaded state dict's groups
-    must agree with them); dos's lazy checkpoints (save/load) come next.
-    Errors from Go are raised as ``dos.DosError`` with Go's message.
+    dos keeps fp32 master weights: for float32 parameters they are ``p.data``, read at every step, so a
+    parameter changed between steps (``fill_``, ``model.load_state_dict``, clamping) steps on from its new
+    values as with torch; for bfloat16 or float16 parameters ``p.data`` is their 16-bit rounding
+    (``master_weights(i)`` reads them), the gradients are 16-bit, and a parameter replaced or changed in
+    place (seen by its data pointer and ``_version``; not a change through ``p.data``) is taken into the
+    master weights at the next step, losing their low bits.
+
+    As dos's update phase does, a step whose gradients hold an Inf or a NaN is skipped whole: nothing
+    changes, the step count stays, and ``self.skipped`` is True until the next step that is taken (torch
+    would write NaNs).
+
+    ``state_dict``/``load_state_dict`` use torch.optim.AdamW's format, so state moves between the two (the
+    moments in fp32). ``save``/``load`` checkpoint lazily in dos's format, master weights included.
+    Limits of this version: CPU tensors of one dtype, none empty; every parameter needs a gradient at every
+    step; the hyperparameters other than lr and weight_decay are fixed at construction (a loaded state dict's
+    groups must agree with them); no param group can be added later. Errors from Go are raised as
+    ``dos.DosError`` with Go's message.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, sub_group_size=1_000_000_000, threads=0, max_grad_norm=0.0):
+        for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("max_grad_norm", max_grad_norm),
+                        ("betas[0]", betas[0]), ("betas[1]", betas[1])):
+            if not math.isfinite(float(v)):
+                raise ValueError(f"dos.torch.AdamW: invalid {name}: {v}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        self._h = 0
         super().__init__(params, defaults)
         first = self.param_groups[0]
+        for i, g in enumerate(self.param_groups):
+            for k in ("lr", "eps", "weight_decay"):
+                if not math.isfinite(float(g[k])):
+                    raise ValueError(f"dos.torch.AdamW: param group {i}: invalid {k}: {g[k]}")
         for i, g in enumerate(self.param_groups):
             for k in _SHARED:
                 if _norm(g[k]) != _norm(first[k]):
@@ -59,6 +79,9 @@ class AdamW(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 self._check(len(self._params), p)
+                if p.numel() == 0:
+                    raise ValueError(f"dos.torch.AdamW: parameter {len(self._params)} is empty {tuple(p.shape)}; "
+                                     "leave it out of the optimizer")
                 spec_params.append({"name": f"p{len(self._params)}", "shape": list(p.shape) or [1], "group": gi})
                 self._params.append(p)
         spec = {"params": spec_params,
@@ -71,9 +94,34 @@ class AdamW(torch.optim.Optimizer):
         self._fixed = [(float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g["maximize"]))
                        for g in self.param_groups]
         self._h = _native.call("dos_adamw_new", json.dumps(spec).encode())
+        self._seen = [None] * len(self._params)  # (data_ptr, _version) of each parameter as dos last left it
+        self._saved_step = None
+        self.skipped = False
         for i, p in enumerate(self._params):
-            v = p.data.to(torch.float32).contiguous()  # the fp32 master weights start from the parameters
-            _native.call("dos_adamw_set", self._h, i, v.data_ptr(), v.numel())
+            self._take(i, p)
+
+    def _take(self, i, p):
+        """Sets parameter i's fp32 master weights from p.data and records it as seen."""
+        v = p.data.to(torch.float32).contiguous()
+        _native.call("dos_adamw_set", self._handle(), i, v.data_ptr(), v.numel())
+        self._seen[i] = (p.data.data_ptr(), p._version)
+
+    def _changed(self, i, p):
+        """Whether parameter i may differ from dos's master weights: always for float32 (the master is
+        p.data itself, taken every step: an in-place change through p.data bumps no version), and for
+        16-bit parameters when p was replaced or changed in place (its data pointer or _version)."""
+        return self._dtype == torch.float32 or (p.data.data_ptr(), p._version) != self._seen[i]
+
+    def _handle(self):
+        if not self._h:
+            raise _native.DosError("dos.torch.AdamW: the optimizer is closed")
+        return self._h
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_h", 0):
+            raise NotImplementedError("dos.torch.AdamW: a param group cannot be added after construction "
+                                      "(dos lays the parameters out once); build the optimizer with every group")
+        super().add_param_group(param_group)
 
     @staticmethod
     def _check(i, p):
@@ -90,21 +138,31 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        h = self._handle()
         n = len(self._params)
         params, grads, keep = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), []
         for i, p in enumerate(self._params):
             self._check(i, p)
             if p.shape != self._shapes[i]:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} changed shape from {tuple(self._shapes[i])} to {tuple(p.shape)}")
+            if p.dtype != self._dtype:
+                raise ValueError(f"dos.torch.AdamW: parameter {i} changed dtype from {self._dtype} to {p.dtype} "
+                                 "(model.half() or .to(dtype) after the optimizer was built: build it after)")
             if p.grad is None:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has no gradient; dos updates every parameter at every step")
             if p.grad.is_sparse:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has a sparse gradient")
             g = p.grad.detach().to(self._dtype).contiguous()
             keep.append(g)
+            if self._changed(i, p):  # changed or replaced since dos wrote it: take it
+                self._take(i, p)
             params[i], grads[i] = p.data.data_ptr(), g.data_ptr()
+        for gi, g in enumerate(self.param_groups):
+            if not math.isfinite(float(g["lr"])):
+                raise ValueError(f"dos.torch.AdamW: param group {gi}: invalid lr: {g['lr']}")
         lrs = (ctypes.c_double * len(self.param_groups))(*[float(g["lr"]) for g in self.param_groups])
-        _native.call("dos_adamw_step", self._h, params, grads, lrs, len(self.param_groups), 0.0)
+        taken = _native.call("dos_adamw_step", h, params, grads, lrs, len(self.param_groups), 0.0)
+        self.skipped = taken == 0
         return loss
 
     _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
@@ -114,17 +172,18 @@ class AdamW(torch.optim.Optimizer):
         ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), copied out of dos, and the
         param groups. ``torch.optim.AdamW.load_state_dict`` loads it, and ``load_state_dict`` here loads one
         of torch's."""
-        step = _native.call("dos_adamw_get_step", self._h)
+        step = _native.call("dos_adamw_get_step", self._handle())
         amsgrad = self.param_groups[0]["amsgrad"]
         for i, p in enumerate(self._params):
+            if step == 0:  # as torch's: no state before the first step
+                break
             st = {"step": torch.tensor(float(step))}
-            if step > 0:
-                for k, kind in self._KINDS.items():
-                    if k == "max_exp_avg_sq" and not amsgrad:
-                        continue
-                    t = torch.empty(p.shape, dtype=torch.float32)
-                    _native.call("dos_adamw_state_get", self._h, i, kind, t.data_ptr(), t.numel())
-                    st[k] = t
+            for k, kind in self._KINDS.items():
+                if k == "max_exp_avg_sq" and not amsgrad:
+                    continue
+                t = torch.empty(p.shape, dtype=torch.float32)
+                _native.call("dos_adamw_state_get", self._h, i, kind, t.data_ptr(), t.numel())
+                st[k] = t
             self.state[p] = st
         try:
             return super().state_dict()
@@ -133,37 +192,48 @@ class AdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Loads a state dict of this class or of torch.optim.AdamW (same parameters, same shapes) into
-        dos: the moments, the step (every parameter's must be the same: dos keeps one) and the groups'
-        hyperparameters; the master weights are the parameters' current values (load the model first)."""
-        super().load_state_dict(state_dict)
-        try:
-            for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
-                now = (float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g["maximize"]))
-                if now != fixed:
-                    raise ValueError(f"dos.torch.AdamW.load_state_dict: group {gi}'s (weight_decay, betas, eps, amsgrad, maximize) "
-                                     f"are {now} in the state dict, {fixed} in this optimizer: dos fixes them at construction")
-            steps = set()
-            for i, p in enumerate(self._params):
-                st = self.state.get(p, {})
-                steps.add(int(float(st["step"])) if "step" in st else 0)
-                v = p.data.to(torch.float32).contiguous()
-                _native.call("dos_adamw_state_set", self._h, i, 0, v.data_ptr(), v.numel())
-                for k, kind in self._KINDS.items():
-                    if k not in st:
-                        continue
-                    if k == "max_exp_avg_sq" and not self.param_groups[0]["amsgrad"]:
-                        continue
-                    t = st[k].detach().to(torch.float32).contiguous()
-                    if t.shape != p.shape:
-                        raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s {k} has shape {tuple(t.shape)}, "
-                                         f"the parameter {tuple(p.shape)}")
-                    _native.call("dos_adamw_state_set", self._h, i, kind, t.data_ptr(), t.numel())
-            if len(steps) > 1:
-                raise ValueError(f"dos.torch.AdamW.load_state_dict: the parameters' steps differ ({sorted(steps)}); "
-                                 "dos keeps one step count")
-            _native.call("dos_adamw_set_step", self._h, steps.pop() if steps else 0)
-        finally:
-            self.state.clear()
+        dos: the moments (in fp32, as the dict holds them), the step (every parameter's must be the same:
+        dos keeps one) and the groups' lr; the master weights are the parameters' current values (load the
+        model first). It checks everything before changing anything: on error the optimizer is as it was."""
+        h = self._handle()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"dos.torch.AdamW.load_state_dict: {len(groups)} param groups, this optimizer has {len(self.param_groups)}")
+        index = [i for g in groups for i in g["params"]]
+        if len(index) != len(self._params):
+            raise ValueError(f"dos.torch.AdamW.load_state_dict: {len(index)} parameters, this optimizer has {len(self._params)}")
+        for gi, (g, fixed) in enumerate(zip(groups, self._fixed)):
+            now = (float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g.get("maximize", False)))
+            if now != fixed:
+                raise ValueError(f"dos.torch.AdamW.load_state_dict: group {gi}'s (weight_decay, betas, eps, amsgrad, maximize) "
+                                 f"are {now} in the state dict, {fixed} in this optimizer: dos fixes them at construction")
+            if not math.isfinite(float(g["lr"])):
+                raise ValueError(f"dos.torch.AdamW.load_state_dict: group {gi}: invalid lr {g['lr']}")
+        amsgrad = self.param_groups[0]["amsgrad"]
+        moments, steps = [], set()
+        for i, (key, p) in enumerate(zip(index, self._params)):
+            st = state_dict["state"].get(key, {})
+            steps.add(int(float(st["step"])) if "step" in st else 0)
+            m = {}
+            for k, kind in self._KINDS.items():
+                if k not in st or (k == "max_exp_avg_sq" and not amsgrad):
+                    continue
+                t = torch.as_tensor(st[k]).detach().to("cpu", torch.float32).contiguous()
+                if t.shape != p.shape:
+                    raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s {k} has shape {tuple(t.shape)}, "
+                                     f"the parameter {tuple(p.shape)}")
+                m[kind] = t
+            moments.append(m)
+        if len(steps) > 1:
+            raise ValueError(f"dos.torch.AdamW.load_state_dict: the parameters' steps differ ({sorted(steps)}); "
+                             "dos keeps one step count")
+        for i, (p, m) in enumerate(zip(self._params, moments)):
+            self._take(i, p)
+            for kind, t in m.items():
+                _native.call("dos_adamw_state_set", h, i, kind, t.data_ptr(), t.numel())
+        _native.call("dos_adamw_set_step", h, steps.pop() if steps else 0)
+        for g, sg in zip(self.param_groups, groups):
+            g["lr"] = sg["lr"]
 
     def save(self, root):
         """Checkpoints the optimizer lazily into the checkpoint root directory ``root`` (dos's format:
@@ -171,18 +241,26 @@ class AdamW(torch.optim.Optimizer):
         manifest, crash-consistent commit) and returns at once: the state is captured and written in the
         background while training goes on (DataStates-LLM). The returned SaveHandle says when it is durable.
         The param groups' lr values ride along, and ``load`` restores them."""
+        h = self._handle()
+        step = _native.call("dos_adamw_get_step", h)
+        if self._saved_step == (os.fspath(root), step):
+            raise ValueError(f"dos.torch.AdamW.save: step {step} is saved into {os.fspath(root)} already "
+                             "(a checkpoint is never replaced)")
         objects = json.dumps({"torch": {"lrs": [float(g["lr"]) for g in self.param_groups]}}).encode()
-        return SaveHandle(_native.call("dos_adamw_save", self._h, os.fspath(root).encode(), objects))
+        handle = SaveHandle(_native.call("dos_adamw_save", h, os.fspath(root).encode(), objects))
+        self._saved_step = (os.fspath(root), step)
+        return handle
 
     def load(self, path):
         """Restores the state of a checkpoint written by ``save``: ``path`` is a root (its latest
         checkpoint) or one step directory. The parameters' data is set to the loaded master weights, and the
         groups' lr to the saved ones."""
         objects = ctypes.c_void_p()
-        _native.call("dos_adamw_load", self._h, os.fspath(path).encode(), ctypes.byref(objects))
+        _native.call("dos_adamw_load", self._handle(), os.fspath(path).encode(), ctypes.byref(objects))
         objs = json.loads(_native.take_string(objects) or "{}")
         for i, p in enumerate(self._params):
             p.data.copy_(self.master_weights(i).view(p.shape))
+            self._seen[i] = (p.data.data_ptr(), p._version)
         lrs = (objs.get("torch") or {}).get("lrs")
         if lrs and len(lrs) == len(self.param_groups):
             for g, lr in zip(self.param_groups, lrs):
@@ -191,9 +269,11 @@ class AdamW(torch.optim.Optimizer):
     def master_weights(self, i):
         """Parameter i's fp32 master weights (a copy): the parameter itself for float32, the weights its
         16-bit values are rounded from otherwise."""
+        if not 0 <= i < len(self._params):
+            raise IndexError(f"dos.torch.AdamW.master_weights: parameter {i} of {len(self._params)}")
         p = self._params[i]
         t = torch.empty(p.shape, dtype=torch.float32)
-        _native.call("dos_adamw_state_get", self._h, i, 0, t.data_ptr(), t.numel())
+        _native.call("dos_adamw_state_get", self._handle(), i, 0, t.data_ptr(), t.numel())
         return t
 
     def close(self):

@@ -106,7 +106,7 @@ def test_errors():
         o.step()
     o.close()
     p.data, p.grad = torch.zeros(3), torch.ones(3)
-    with pytest.raises(dos.DosError, match="no optimizer with handle"):
+    with pytest.raises(dos.DosError, match="closed"):
         o.step()
 
 
@@ -252,3 +252,67 @@ def test_max_grad_norm_and_nonfinite_skip():
     a.step()
     assert all(torch.equal(p.data, q) for p, q in zip(ps, before))
     assert float(a.state_dict()["state"][0]["step"]) == 30
+
+
+def test_review_cases():
+    """What a review of the binding found: each misuse raises (never crashes), and torch's semantics hold."""
+    # A dtype changed after construction (model.half()): refused before any byte moves.
+    a, b = torch.nn.Parameter(torch.randn(1000)), torch.nn.Parameter(torch.randn(10))
+    o = dt.AdamW([a, b])
+    a.data, b.data = a.data.bfloat16(), b.data.bfloat16()
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    with pytest.raises(ValueError, match="changed dtype"):
+        o.step()
+    # A parameter changed in place between steps is taken, as torch.optim.AdamW sees it.
+    m1, m2 = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    m2.load_state_dict(m1.state_dict())
+    o1, o2 = dt.AdamW(m1.parameters(), lr=0.1), torch.optim.AdamW(m2.parameters(), lr=0.1, foreach=False)
+    for m in (m1, m2):
+        with torch.no_grad():
+            m.weight.fill_(5.0)
+        m(torch.ones(1, 3)).sum().backward()
+    o1.step()
+    o2.step()
+    assert torch.allclose(m1.weight, m2.weight, rtol=1e-6) and torch.allclose(m1.bias, m2.bias, rtol=1e-6)
+    # No state before the first step, as torch's: torch.optim.AdamW loads it and steps.
+    p = torch.nn.Parameter(torch.ones(3))
+    sd = dt.AdamW([p]).state_dict()
+    assert sd["state"] == {}
+    t = torch.optim.AdamW([p])
+    t.load_state_dict(sd)
+    p.grad = torch.ones(3)
+    t.step()
+    # A failed load_state_dict changes nothing.
+    q = torch.nn.Parameter(torch.ones(4))
+    o = dt.AdamW([q], lr=1e-3)
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.ones(5))], lr=0.5)
+    other.param_groups[0]["params"][0].grad = torch.ones(5)
+    other.step()
+    with pytest.raises(ValueError, match="shape"):
+        o.load_state_dict(other.state_dict())
+    assert o.param_groups[0]["lr"] == 1e-3 and o.state_dict()["state"] == {}
+    # No group added later; no NaN hyperparameters; no empty parameters.
+    with pytest.raises(NotImplementedError):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    with pytest.raises(ValueError, match="invalid lr"):
+        dt.AdamW([torch.nn.Parameter(torch.ones(2))], lr=float("nan"))
+    with pytest.raises(ValueError, match="empty"):
+        dt.AdamW([torch.nn.Parameter(torch.empty(0, 5))])
+    # A non-finite gradient: the step is skipped, and says so.
+    q.grad = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    o.step()
+    assert o.skipped and torch.equal(q.data, torch.ones(4))
+    q.grad = torch.ones(4)
+    o.step()
+    assert not o.skipped and not torch.equal(q.data, torch.ones(4))
+
+
+def test_save_twice_refused(tmp_path):
+    p = torch.nn.Parameter(torch.ones(5))
+    o = dt.AdamW([p], lr=0.1)
+    o.save(tmp_path / "ck").wait()
+    with pytest.raises(ValueError, match="saved"):
+        o.save(tmp_path / "ck")
+    p.grad = torch.ones(5)
+    o.step()  # a refused save does not break the next step
+    assert o.save(tmp_path / "ck").wait().endswith("step-000000001")
