@@ -8,6 +8,7 @@ import ctypes
 import json
 import math
 import os
+import threading
 
 import torch
 
@@ -96,6 +97,7 @@ class AdamW(torch.optim.Optimizer):
         self._h = _native.call("dos_adamw_new", json.dumps(spec).encode())
         self._seen = [None] * len(self._params)  # (data_ptr, _version) of each parameter as dos last left it
         self._saved_step = None
+        self._lock = threading.Lock()  # one step, save or load at a time: they share dos's gradient buffers
         self.skipped = False
         for i, p in enumerate(self._params):
             self._take(i, p)
@@ -133,12 +135,17 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step over every parameter (torch.optim.AdamW's semantics). Returns the closure's loss."""
+        """One AdamW step over every parameter (torch.optim.AdamW's semantics). Returns the closure's loss.
+        Steps from several threads run one after the other."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        h = self._handle()
+        with self._lock:
+            self._step()
+        return loss
+
+    def _step(self):        h = self._handle()
         n = len(self._params)
         params, grads, keep = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), []
         for i, p in enumerate(self._params):
@@ -163,7 +170,6 @@ class AdamW(torch.optim.Optimizer):
         lrs = (ctypes.c_double * len(self.param_groups))(*[float(g["lr"]) for g in self.param_groups])
         taken = _native.call("dos_adamw_step", h, params, grads, lrs, len(self.param_groups), 0.0)
         self.skipped = taken == 0
-        return loss
 
     _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
 
