@@ -145,7 +145,8 @@ class AdamW(torch.optim.Optimizer):
             self._step()
         return loss
 
-    def _step(self):        h = self._handle()
+    def _step(self):
+        h = self._handle()
         n = len(self._params)
         params, grads, keep = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), []
         for i, p in enumerate(self._params):
