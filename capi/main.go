@@ -8,7 +8,6 @@
 // libdos.h):
 //
 //	int64_t dos_adamw_new(const char *spec, char **err);
-//	int32_t dos_adamw_set(int64_t h, int32_t i, const float *data, int64_t n, char **err);
 //	int32_t dos_adamw_step(int64_t h, void **params, const void **grads, const double *lrs, int32_t ngroups, double loss_scale, char **err);
 //	int32_t dos_adamw_state_get(int64_t h, int32_t i, int32_t kind, float *data, int64_t n, char **err);
 //	int32_t dos_adamw_state_set(int64_t h, int32_t i, int32_t kind, const float *data, int64_t n, char **err);
@@ -24,8 +23,9 @@
 //	const char *dos_version(void);
 //
 // params and grads point to each parameter's data and gradient in the
-// spec's dtype (float32, or 16-bit with fp32 master weights in dos); set
-// and the state functions take fp32. kind is 0 (the fp32 master weights), 1 (exp_avg), 2 (exp_avg_sq) or 3
+// spec's dtype (float32, or 16-bit with fp32 master weights in dos); the
+// state functions take fp32 (kind 0 sets the master weights, as after
+// dos_adamw_new, which starts them at zero). kind is 0 (the fp32 master weights), 1 (exp_avg), 2 (exp_avg_sq) or 3
 // (max_exp_avg_sq, amsgrad only). A handle (int64_t, > 0) names one
 // optimizer, another one a lazy save (offload.Optimizer.SaveAsync into
 // a checkpoint.Engine on the root, DataStates-LLM): dos_save_wait returns

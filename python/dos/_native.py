@@ -26,8 +26,6 @@ SIGNATURES = {
     "dos_version": (ctypes.c_char_p, []),
     "dos_free": (None, [ctypes.c_void_p]),
     "dos_adamw_new": (ctypes.c_int64, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]),
-    "dos_adamw_set": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
-                                       ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
                                         ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_double,
                                         ctypes.POINTER(ctypes.c_void_p)]),

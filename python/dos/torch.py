@@ -105,7 +105,7 @@ class AdamW(torch.optim.Optimizer):
     def _take(self, i, p):
         """Sets parameter i's fp32 master weights from p.data and records it as seen."""
         v = p.data.to(torch.float32).contiguous()
-        _native.call("dos_adamw_set", self._handle(), i, v.data_ptr(), v.numel())
+        _native.call("dos_adamw_state_set", self._handle(), i, 0, v.data_ptr(), v.numel())
         self._seen[i] = (p.data.data_ptr(), p._version)
 
     def _changed(self, i, p):
