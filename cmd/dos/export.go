@@ -6,8 +6,6 @@ import (
 	"io"
 	"maps"
 	"math"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 
@@ -88,7 +86,8 @@ func runExport(args []string, stdout, stderr io.Writer) int {
 	if *ckpt == "" || *hf == "" {
 		return c.usageError(stderr, "want --ckpt PATH and --hf DIR")
 	}
-	if _, _, err := trainCheckpoint(*ckpt); err != nil {
+	_, tc, err := trainCheckpoint(*ckpt)
+	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
 	dir, err := trainer.ExportHF(*ckpt, *hf)
@@ -96,7 +95,7 @@ func runExport(args []string, stdout, stderr io.Writer) int {
 		return c.fail(stderr, "%v", err)
 	}
 	files := []string{"config.json", "model.safetensors"}
-	if _, err := os.Stat(filepath.Join(*hf, trainer.HFTokenizerFiles[0])); err == nil {
+	if tc.Tokenizer == "gpt2" { // ExportHF writes its tokenizer files too
 		files = append(files, trainer.HFTokenizerFiles...)
 	}
 	fmt.Fprintf(stdout, "exported %s to %s (%s)\n", dir, *hf, strings.Join(files, ", "))
