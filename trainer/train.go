@@ -593,16 +593,20 @@ func (t *Trainer) Run() (Summary, error) {
 		if done > 1 {
 			rate = float64((done-1)*tokens) / now.Sub(warm).Seconds()
 		}
-		line := fmt.Sprintf("iter %5d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", it, cfg.Steps, loss, cfg.LRAt(it), res.GradNorm, rate)
-		if t.gpu != nil {
-			used, _ := t.gpu.memory()
-			line += fmt.Sprintf("  MFU %.1f%%  update %.0f ms (%s)  GPU %.1f GiB", 100*rate*flops/PeakFLOPS, 1e3*res.Elapsed.Seconds(), sched, float64(used)/(1<<30))
+		logNow := cfg.LogEvery > 0 && (it%cfg.LogEvery == 0 || it == cfg.Steps)
+		var line string
+		if t.tty || logNow { // only then: the GPU's memory is a driver call
+			line = fmt.Sprintf("iter %5d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", it, cfg.Steps, loss, cfg.LRAt(it), res.GradNorm, rate)
+			if t.gpu != nil {
+				used, _ := t.gpu.memory()
+				line += fmt.Sprintf("  MFU %.1f%%  update %.0f ms (%s)  GPU %.1f GiB", 100*rate*flops/PeakFLOPS, 1e3*res.Elapsed.Seconds(), sched, float64(used)/(1<<30))
+			}
+			line += "  ETA " + eta(float64(cfg.Steps-it)*float64(tokens)/rate)
 		}
-		line += "  ETA " + eta(float64(cfg.Steps-it)*float64(tokens)/rate)
 		if t.tty {
 			fmt.Fprint(t.out, "\r\033[K"+line)
 		}
-		if cfg.LogEvery > 0 && (it%cfg.LogEvery == 0 || it == cfg.Steps) {
+		if logNow {
 			skipped := ""
 			if res.Skipped {
 				skipped = fmt.Sprintf("  SKIPPED (loss scale now %g)", t.state.LossScale)
