@@ -288,12 +288,13 @@ func New(s *cuda.Stream, k *kernels.GPT, cfg gpt.Config, B, T int, opts Options)
 		}
 		attn = AttentionCuBLAS
 	}
+	opts.Attention = attn // resolved: what alloc and MemoryBytes size
 	m := &Model{cfg: cfg, b: B, t: T, bt: B * T, c: cfg.NEmbd, nh: cfg.NHead, hs: cfg.NEmbd / cfg.NHead,
 		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, fusedGELU: opts.fusedGELU(cfg.NEmbd), recompute: opts.Recompute, s: s, k: k}
 	if m.blas, err = cublas.New(s.Device(), s); err != nil {
 		return nil, fmt.Errorf("gptcuda: %w", err)
 	}
-	if err = m.alloc(); err != nil {
+	if err = m.alloc(opts); err != nil {
 		m.Close()
 		if cuda.IsOutOfMemory(err) {
 			return nil, fmt.Errorf("gptcuda: a GPT of %d layers, width %d, at batch %d × %d tokens needs %.2f GiB of device memory for activations: %w",
@@ -306,8 +307,9 @@ func New(s *cuda.Stream, k *kernels.GPT, cfg gpt.Config, B, T int, opts Options)
 	return m, nil
 }
 
-// alloc allocates every activation and scratch array.
-func (m *Model) alloc() error {
+// alloc allocates every activation and scratch array for opts (resolved:
+// the arrays MemoryBytes counts).
+func (m *Model) alloc(opts Options) error {
 	d := m.s.Device()
 	BT := int64(m.bt)
 	get := func(p *uint64, bytes int64) error {
@@ -319,7 +321,7 @@ func (m *Model) alloc() error {
 		*p = b.Ptr()
 		return nil
 	}
-	for _, x := range arrays(m.cfg, m.b, m.t, Options{Attention: m.attn}) {
+	for _, x := range arrays(m.cfg, m.b, m.t, opts) {
 		p := x.p(&m.act)
 		if err := get(p, x.bytes); err != nil {
 			return err
