@@ -36,6 +36,7 @@ type gpuTrainer struct {
 	sampler *gptcuda.Model // B = 1, made by the first Sample
 	w, g    []uint64       // the optimizer's device views, in gpt.Config.Tensors order
 	logits  []float32      // one row, for sampling
+	toks    []int32        // the sampler's window, padded to NCtx
 	// activations is the model's device memory (gptcuda.MemoryBytes).
 	activations int64
 }
@@ -195,11 +196,11 @@ func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 			return nil, err
 		}
 		g.sampler = m
-		g.logits = make([]float32, cfg.Model.VocabSize)
+		g.logits, g.toks = make([]float32, cfg.Model.VocabSize), make([]int32, T)
 	}
-	toks := make([]int32, T)
-	copy(toks, window)
-	if err := g.sampler.Forward(g.w, toks, nil, 0); err != nil {
+	clear(g.toks)
+	copy(g.toks, window)
+	if err := g.sampler.Forward(g.w, g.toks, nil, 0); err != nil {
 		return nil, err
 	}
 	if err := g.sampler.LogitsAt(len(window)-1, g.logits); err != nil {
