@@ -740,11 +740,20 @@ func (o *Optimizer) SetParam(name string, values []float32) error {
 	if len(values) != hi-lo {
 		return fmt.Errorf("offload: SetParam %q: %d values for shape %v (%d elements)", name, len(values), o.params[i].Shape, hi-lo)
 	}
+	return o.writeState(MasterWeights, lo, hi, values)
+}
+
+// writeState is SetParam's and WriteState's write of kind's state over
+// [lo, hi) from src: after any save in capture, with the host state and
+// working copy current (a device's brought back), refreshing the working
+// copy when kind is the master weights, and leaving a device behind the
+// host until its next Load. Hold o.mu.
+func (o *Optimizer) writeState(kind StateKind, lo, hi int, src []float32) error {
 	if err := o.settle(true); err != nil {
 		return err
 	}
 	if o.opts.Device != nil && o.dev == devBroken {
-		return fmt.Errorf("offload: %w: SetParam would mix one parameter into a torn state (LoadCheckpoint restores one)", scheduler.ErrBroken)
+		return fmt.Errorf("offload: %w: a write would mix one parameter into a torn state (LoadCheckpoint restores one)", scheduler.ErrBroken)
 	}
 	if err := o.syncHost(); err != nil {
 		return err
@@ -755,8 +764,14 @@ func (o *Optimizer) SetParam(name string, values []float32) error {
 	if err := o.syncWorking(); err != nil {
 		return err
 	}
-	copy(o.state.Param[lo:hi], values)
-	o.refreshWorking(lo, hi)
+	dst, err := o.stateOf(kind, lo, hi)
+	if err != nil {
+		return err
+	}
+	copy(dst, src)
+	if kind == MasterWeights {
+		o.refreshWorking(lo, hi)
+	}
 	if o.eng != nil {
 		o.dev = devHostAhead
 	}

@@ -89,27 +89,7 @@ func (o *Optimizer) WriteState(i int, kind StateKind, src []float32) error {
 	if err != nil {
 		return err
 	}
-	if err := o.settle(true); err != nil {
-		return err
-	}
-	if err := o.syncHost(); err != nil {
-		return err
-	}
-	if err := o.syncWorking(); err != nil {
-		return err
-	}
-	s, err := o.stateOf(kind, lo, hi)
-	if err != nil {
-		return err
-	}
-	copy(s, src)
-	if kind == MasterWeights {
-		o.refreshWorking(lo, hi)
-	}
-	if o.eng != nil {
-		o.dev = devHostAhead
-	}
-	return nil
+	return o.writeState(kind, lo, hi, src)
 }
 
 // stateSpan checks i and n for ReadState and WriteState and returns the
