@@ -43,26 +43,7 @@ func fill(o *Optimizer, t int64) {
 
 func newTest(t *testing.T, opts Options) *Optimizer {
 	t.Helper()
-	o, err := New(testParams, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := o.Close(); err != nil {
-			t.Error(err)
-		}
-	})
-	r := rand.New(rand.NewPCG(1, 1))
-	for _, p := range o.Params() {
-		v := make([]float32, p.Len)
-		for j := range v {
-			v[j] = float32(r.NormFloat64())
-		}
-		if err := o.SetParam(p.Name, v); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return o
+	return newWith(t, testParams, opts)
 }
 
 func sameState(t *testing.T, a, b *Optimizer) {
