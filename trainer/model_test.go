@@ -583,34 +583,6 @@ func TestGPT2SmallParams(t *testing.T) {
 	}
 }
 
-func TestValidate(t *testing.T) {
-	ok := Config{VocabSize: 10, NCtx: 8, NLayer: 1, NHead: 2, NEmbd: 4}
-	if err := ok.Validate(); err != nil {
-		t.Fatalf("%+v: %v", ok, err)
-	}
-	for _, tc := range []struct {
-		mod  func(*Config)
-		want string
-	}{
-		{func(c *Config) { c.VocabSize = 0 }, "vocab_size = 0"},
-		{func(c *Config) { c.VocabSize = MaxVocabSize + 1 }, "vocab_size"},
-		{func(c *Config) { c.NCtx = -1 }, "n_positions = -1"},
-		{func(c *Config) { c.NLayer = 0 }, "n_layer = 0"},
-		{func(c *Config) { c.NHead = 0 }, "n_head = 0"},
-		{func(c *Config) { c.NHead = 8 }, "n_head = 8"},
-		{func(c *Config) { c.NEmbd = 0 }, "n_embd = 0"},
-		{func(c *Config) { c.NEmbd = MaxNEmbd * 2 }, "n_embd"},
-		{func(c *Config) { c.NHead = 3 }, "not a multiple of n_head = 3"},
-	} {
-		c := ok
-		tc.mod(&c)
-		err := c.Validate()
-		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%+v: Validate() = %v, want an error containing %q", c, err, tc.want)
-		}
-	}
-}
-
 func TestPanics(t *testing.T) {
 	c := tiny
 	params := randomParams(c, 1, 0.1)
