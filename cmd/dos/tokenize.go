@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 
 	"github.com/deepstates/dos/trainer"
 )
@@ -45,13 +44,12 @@ func runTokenize(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// writeTokens writes toks as an llm.c token file to path: into a
-// temporary file beside it, synced, then renamed over path, so that path
-// is either as it was or complete.
+// writeTokens writes toks as an llm.c token file to path through
+// writeAtomic, so that path is either as it was or complete.
 //
 // Errors: path exists and is not a regular file (a symlink, a device, a
 // FIFO, a directory: never replaced), and I/O errors.
-func writeTokens(path string, toks []uint16) (err error) {
+func writeTokens(path string, toks []uint16) error {
 	if fi, err := os.Lstat(path); err == nil && !fi.Mode().IsRegular() {
 		what := "not a regular file"
 		switch m := fi.Mode(); {
@@ -66,31 +64,11 @@ func writeTokens(path string, toks []uint16) (err error) {
 		}
 		return fmt.Errorf("%s exists and is %s: refusing to replace it (name a regular file or a new one)", path, what)
 	}
-	f, err := os.CreateTemp(filepath.Dir(path), ".tokenize-*")
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(f.Name())
+	return writeAtomic(path, func(f *os.File) error {
+		w := bufio.NewWriterSize(f, 1<<20)
+		if err := trainer.WriteTokens(w, toks); err != nil {
+			return err
 		}
-	}()
-	w := bufio.NewWriterSize(f, 1<<20)
-	if err := trainer.WriteTokens(w, toks); err != nil {
-		return err
-	}
-	if err := w.Flush(); err != nil {
-		return err
-	}
-	if err := f.Chmod(0o644); err != nil {
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	return os.Rename(f.Name(), path)
+		return w.Flush()
+	})
 }
