@@ -71,7 +71,7 @@ def take_string(ptr):
 
 def call(name, *args):
     """Calls a function whose last argument is char **err; raises DosError with Go's message when it
-    fails (a return value of 0 for dos_adamw_new, -1 for the others)."""
+    fails (every failure of the C API sets *err: capi's run)."""
     err = ctypes.c_void_p()
     f = getattr(lib(), name)
     r = f(*args, ctypes.byref(err))
@@ -79,6 +79,4 @@ def call(name, *args):
         msg = ctypes.string_at(err.value).decode("utf-8", "replace")
         lib().dos_free(err)
         raise DosError(msg)
-    if (name in ("dos_adamw_new", "dos_adamw_save") and r == 0) or (name not in ("dos_adamw_new", "dos_adamw_save") and r < 0):
-        raise DosError(f"dos: {name} failed without a message")
     return r
