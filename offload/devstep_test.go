@@ -2,6 +2,7 @@ package offload
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -247,10 +248,43 @@ func testGradOnDevice(t *testing.T, c gradOnDeviceCase, newDev func() scheduler.
 	ropts, dopts := c.opts, c.opts
 	ropts.Device, ropts.Schedule = newDev(), &c.s
 	dopts.Device, dopts.Schedule = newDev(), &c.s
+	for i, p := range c.params { // every other parameter, as a trainer's LayerNorms
+		if i%2 == 1 {
+			dopts.DeviceMasters = append(dopts.DeviceMasters, p.Name)
+		}
+	}
 	ref := newWith(t, c.params, ropts)
 	o := newWith(t, c.params, dopts)
 	io := newIO(t, dopts.Device)
 	grads, works := views(t, o)
+	masters := map[int]DeviceTensor{}
+	for _, name := range dopts.DeviceMasters {
+		i, _ := o.Index(name)
+		m, err := o.DeviceMaster(i)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.DType != adam.F32 || m.Len != o.Params()[i].Len || m.Name != name {
+			t.Fatalf("DeviceMaster(%s): %v %d elements", name, m.DType, m.Len)
+		}
+		masters[i] = m
+	}
+	if _, err := o.DeviceMaster(0); err == nil || !strings.Contains(err.Error(), "DeviceMasters") {
+		t.Fatalf("DeviceMaster of a parameter not in DeviceMasters: %v", err)
+	}
+	// sameMasters checks the device fp32 masters against ref's, bitwise.
+	sameMasters := func(when string) {
+		t.Helper()
+		for i, m := range masters {
+			want, err := ref.Master(i)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := io.get(t, m); !slices.Equal(got, unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(want))), 4*len(want))) {
+				t.Fatalf("%s: the device master weights of %s differ from the host path's", when, m.Name)
+			}
+		}
+	}
 	// The forward of step 1 needs the initial weights on the device.
 	fill(ref, 1)
 	writeGrads(t, io, grads, ref)
@@ -261,6 +295,7 @@ func testGradOnDevice(t *testing.T, c gradOnDeviceCase, newDev func() scheduler.
 		t.Fatal(err)
 	}
 	sameDeviceCopy(t, io, works, ref)
+	sameMasters("after SyncDevice")
 	for step := int64(1); step <= 4; step++ {
 		fill(ref, step)
 		writeGrads(t, io, grads, ref)
@@ -284,6 +319,7 @@ func testGradOnDevice(t *testing.T, c gradOnDeviceCase, newDev func() scheduler.
 		}
 		// The next forward reads the new weights on the device.
 		sameDeviceCopy(t, io, works, ref)
+		sameMasters(fmt.Sprintf("step %d", step))
 		if step%2 == 0 {
 			// The host copy, fetched by Working, and the state.
 			sameState(t, synced(t, ref), synced(t, o.workingNow(t)))
@@ -772,4 +808,33 @@ func (x *ptrIO) get(t *testing.T, v DeviceTensor) []byte {
 	x.check(t, v)
 	x.copy(t, x.dtoh, uintptr(unsafe.Pointer(&x.h.Bytes()[0])), uintptr(v.Ptr), v.Bytes())
 	return slices.Clone(x.h.Bytes()[:v.Bytes()])
+}
+
+// TestDeviceMastersRefused: DeviceMasters naming no parameter, one twice,
+// or without a Device is refused, naming the option.
+func TestDeviceMastersRefused(t *testing.T) {
+	sim := scheduler.NewSim(scheduler.SimOptions{})
+	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 400, Device: sim}
+	for _, tc := range []struct {
+		masters []string
+		device  bool
+		want    string
+	}{
+		{[]string{"nope"}, true, `no parameter named "nope"`},
+		{[]string{testParams[1].Name, testParams[1].Name}, true, "named twice"},
+		{[]string{testParams[1].Name}, false, "DeviceMasters need a Device"},
+	} {
+		o := base
+		o.DeviceMasters = tc.masters
+		if !tc.device {
+			o.Device = nil
+		}
+		opt, err := New(testParams, o)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("DeviceMasters %q (device %v): %v, want an error containing %q", tc.masters, tc.device, err, tc.want)
+		}
+		if opt != nil {
+			opt.Close()
+		}
+	}
 }

@@ -34,7 +34,7 @@ var ErrStaleView = errors.New("offload: a stale device view: LoadCheckpoint repl
 type DeviceTensor struct {
 	Name  string
 	Shape []int
-	DType adam.DType // Options.GradDType for a gradient, Options.WorkingDType for the working copy
+	DType adam.DType // Options.GradDType for a gradient, Options.WorkingDType for the working copy, F32 for DeviceMaster
 	Len   int        // elements, the product of Shape
 	// Ptr is the device address of the first element (a CUdeviceptr) on
 	// a CUDA device; 0 on a device without addresses (the simulated
@@ -119,6 +119,30 @@ func (o *Optimizer) DeviceWorking(i int) (DeviceTensor, error) {
 		return DeviceTensor{}, err
 	}
 	return o.deviceTensor(i, o.opts.WorkingDType, o.eng.Working(), lo, hi), nil
+}
+
+// DeviceMaster returns the device fp32 copy of parameter i's master
+// weights (in New's order), which must be one of Options.DeviceMasters:
+// what a GPU trainer reads where PyTorch's bf16 autocast reads fp32
+// parameters. Every Step that updates writes it, from the new master
+// weights, bit for bit (as DeviceWorking's rounding of them); after New,
+// SetParam and LoadCheckpoint it is behind until SyncDevice, as
+// DeviceWorking. See DeviceTensor for how long the view holds (its DType
+// is F32). Panics if i is out of range.
+//
+// Errors: those of DeviceGrad; i not in Options.DeviceMasters.
+func (o *Optimizer) DeviceMaster(i int) (DeviceTensor, error) {
+	lo, hi := o.span(i)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if err := o.deviceViews(); err != nil {
+		return DeviceTensor{}, err
+	}
+	at, ok := o.mirrorAt[i]
+	if !ok {
+		return DeviceTensor{}, fmt.Errorf("offload: DeviceMaster(%q): not one of Options.DeviceMasters", o.params[i].Name)
+	}
+	return o.deviceTensor(i, adam.F32, o.eng.Mirror(), int(at), int(at)+hi-lo), nil
 }
 
 // DeviceGradOf is DeviceGrad of the parameter named name.

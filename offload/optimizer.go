@@ -206,6 +206,10 @@ type Optimizer struct {
 	// the current state is.
 	eng *scheduler.Engine
 	dev devState
+	// mirrorAt: for each parameter in Options.DeviceMasters, its first
+	// element in the engine's mirror (scheduler.Engine.Mirror).
+	mirrorAt map[int]int64
+	mirror   []scheduler.Span // the engine's Options.Mirror
 	// workStale: a Step with GradOnDevice left the new working copy on
 	// the device only; o.work (the host mirror) is behind until
 	// syncWorking fetches it. Written under mu; Working reads it without.
@@ -326,6 +330,9 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 			start += int(n)
 		}
 	}
+	if err := o.mirrorSpans(); err != nil {
+		return nil, err
+	}
 	o.gcoeffs = make([]adam.Coeffs, len(opts.groups()))
 	o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
 	if opts.Device == nil {
@@ -388,6 +395,35 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	return o, nil
 }
 
+// mirrorSpans resolves Options.DeviceMasters into the engine's mirror
+// spans, in the flat space's order.
+func (o *Optimizer) mirrorSpans() error {
+	if len(o.opts.DeviceMasters) == 0 {
+		return nil
+	}
+	o.mirrorAt = make(map[int]int64, len(o.opts.DeviceMasters))
+	for _, name := range o.opts.DeviceMasters {
+		i, ok := o.byName[name]
+		if !ok {
+			return fmt.Errorf("offload: Options.DeviceMasters: no parameter named %q", name)
+		}
+		if _, dup := o.mirrorAt[i]; dup {
+			return fmt.Errorf("offload: Options.DeviceMasters: %q is named twice", name)
+		}
+		o.mirrorAt[i] = 0
+	}
+	at := int64(0)
+	for _, i := range o.layout {
+		if _, ok := o.mirrorAt[i]; !ok || o.params[i].Len == 0 {
+			continue
+		}
+		o.mirrorAt[i] = at
+		o.mirror = append(o.mirror, scheduler.Span{Off: int64(o.params[i].Offset), N: int64(o.params[i].Len)})
+		at += int64(o.params[i].Len)
+	}
+	return nil
+}
+
 // newEngine builds the engine on Options.Device and makes it the
 // optimizer's.
 func (o *Optimizer) newEngine() error {
@@ -447,7 +483,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 		sizes[i] = sg.Len
 	}
 	eng, err := scheduler.New(scheduler.Options{Device: opts.Device, Sizes: sizes, GradDType: opts.GradDType, WorkingDType: opts.WorkingDType,
-		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan})
+		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror})
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)
 	}

@@ -80,6 +80,15 @@ type Options struct {
 	// Saved and restored with the checkpoint (LoadCheckpoint restores the
 	// groups' lr and weight_decay, as load_state_dict does).
 	Groups []Group `json:"groups,omitempty"`
+	// DeviceMasters, with Device, names the parameters whose fp32 master
+	// weights the engine also keeps in device memory, refreshed by every
+	// update (DeviceMaster): what a GPU trainer reads in fp32 where
+	// PyTorch's bf16 autocast does (embedding lookups and LayerNorm read
+	// fp32 parameters; only matrix products read the 16-bit copy). They
+	// cost 4 bytes per element of device memory outside GPUBudget, and
+	// their copies in every update (scheduler.Options.Mirror). Not saved
+	// in checkpoints.
+	DeviceMasters []string `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,
 	// ceil(parameters / SubgroupSize) without Groups, the sum of each
@@ -159,8 +168,8 @@ func (o *Options) Validate() error {
 	if o.GPUBudget < 0 {
 		return fmt.Errorf("offload: GPUBudget %d: want >= 0 bytes", o.GPUBudget)
 	}
-	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0) {
-		return errors.New("offload: Schedule and GPUBudget need a Device")
+	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0) {
+		return errors.New("offload: Schedule, GPUBudget and DeviceMasters need a Device")
 	}
 	return nil
 }
@@ -169,7 +178,8 @@ func (o *Options) Validate() error {
 // Options.Device for params parameters (elements) outside GPUBudget: the
 // gradients (GradDType) and the 16-bit working copy (WorkingDType), as
 // many elements each. The update phase's own memory comes on top, within
-// GPUBudget (perfmodel.Workload.GPUMemory of the schedule). Zero fields
+// GPUBudget (perfmodel.Workload.GPUMemory of the schedule), and so do
+// DeviceMasters' 4 bytes per element, which it does not count. Zero fields
 // count with their defaults (GradDType F32).
 func (o Options) DeviceBytes(params int) int64 {
 	o.EnsureDefaults()

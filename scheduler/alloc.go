@@ -46,6 +46,11 @@ func (e *Engine) allocBase() error {
 	if e.work, err = e.devAlloc(&e.allocs, 2*e.total); err != nil {
 		return err
 	}
+	if e.mirrorN > 0 {
+		if e.mirror, err = e.devAlloc(&e.allocs, 4*e.mirrorN); err != nil {
+			return err
+		}
+	}
 	for i := range e.s {
 		if e.s[i], err = e.dev.NewStream(); err != nil {
 			return err

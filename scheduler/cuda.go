@@ -86,6 +86,10 @@ func (c *cudaDevice) D2H(s Stream, dst Host, dstOff int64, src Mem, srcOff, n in
 	return s.(cudaStream).s.CopyDtoH(dst.(*cuda.HostBuffer), dstOff, src.(*cuda.Buffer), srcOff, n)
 }
 
+func (c *cudaDevice) D2D(s Stream, dst Mem, dstOff int64, src Mem, srcOff, n int64) error {
+	return s.(cudaStream).s.CopyDtoD(dst.(*cuda.Buffer), dstOff, src.(*cuda.Buffer), srcOff, n)
+}
+
 func (c *cudaDevice) Record(e Event, s Stream) error { return e.(cudaEvent).e.Record(s.(cudaStream).s) }
 func (c *cudaDevice) Wait(s Stream, e Event) error   { return s.(cudaStream).s.Wait(e.(cudaEvent).e) }
 func (c *cudaDevice) Sync(e Event) error             { return e.(cudaEvent).e.Sync() }

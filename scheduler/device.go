@@ -66,6 +66,9 @@ type Device interface {
 	// the other way.
 	H2D(s Stream, dst Mem, dstOff int64, src Host, srcOff, n int64) error
 	D2H(s Stream, dst Host, dstOff int64, src Mem, srcOff, n int64) error
+	// D2D copies n bytes from src at srcOff to dst at dstOff on s, both
+	// device memory.
+	D2D(s Stream, dst Mem, dstOff int64, src Mem, srcOff, n int64) error
 	// Record marks the work enqueued on s so far; Wait makes later work on
 	// s wait for e's last Record; Sync blocks the caller until it is done.
 	Record(e Event, s Stream) error

@@ -28,11 +28,25 @@ type Options struct {
 	Pool *adam.Pool
 	// Plan places the subgroups (NewPlan over len(Sizes) subgroups).
 	Plan *Plan
+	// Mirror lists spans of the flat element space (all subgroups in
+	// order) whose fp32 master weights the engine also keeps in device
+	// memory, current after every Load and Update (Mirror()): what a GPU
+	// trainer reads where PyTorch's autocast reads fp32 parameters
+	// (embedding lookups, LayerNorm). Sorted by Off, not overlapping,
+	// N > 0 each. Span k occupies the mirror's elements from the sum of
+	// the N before it. Each update copies the new values of its
+	// subgroup's part: a device-to-device copy after a GPU subgroup's
+	// kernel, a copy H2D from the host state after a CPU subgroup's
+	// working copy.
+	Mirror []Span
 
 	// copyChunk, when > 0, replaces CopyChunk (tests cut small states
 	// into pieces with it).
 	copyChunk int64
 }
+
+// Span is a range of elements, [Off, Off+N).
+type Span struct{ Off, N int64 }
 
 // ErrBroken is returned by an Engine whose state is no longer known to be
 // consistent: a device fault surfaced while work was in flight (a CUDA
@@ -91,6 +105,9 @@ type Engine struct {
 	tail       [4]Event
 	dlEv       Event       // DownloadAsync's
 	gate       func(i int) // Hold's
+	mirror     Mem         // Options.Mirror's fp32 master weights on the device
+	mirrorN    int64       // its elements
+	mpieces    [][]mpiece  // per subgroup: its parts of the mirror
 	allocs     []any       // freed by Close
 	planAllocs []any       // freed by Replan and Close
 
@@ -156,6 +173,9 @@ func New(o Options) (*Engine, error) {
 		e.sizes[i] = int64(n)
 		e.total += int64(n)
 		e.maxN = max(e.maxN, int64(n))
+	}
+	if err := e.mirrorPieces(o.Mirror); err != nil {
+		return nil, err
 	}
 	if e.pool == nil {
 		e.pool, e.own = adam.NewPool(0), true
@@ -226,6 +246,37 @@ func (e *Engine) Grad() Vec { return Vec{Mem: e.grad, N: e.total} }
 // (Update drains every stream): work enqueued afterwards on any stream
 // reads the new copy.
 func (e *Engine) Working() Vec { return Vec{Mem: e.work, N: e.total} }
+
+// Mirror returns the device fp32 copy of Options.Mirror's master weights,
+// its spans end to end in order (a zero Vec without Options.Mirror). The
+// memory is the engine's from New to Close; Load and Update write it
+// (when Update returns, every write of the phase is complete, as for
+// Working).
+func (e *Engine) Mirror() Vec { return Vec{Mem: e.mirror, N: e.mirrorN} }
+
+// mpiece is a part of the mirror inside one subgroup: n elements from the
+// subgroup's element sub, at the mirror's element at.
+type mpiece struct{ sub, at, n int64 }
+
+// mirrorPieces checks Options.Mirror and cuts it at the subgroups.
+func (e *Engine) mirrorPieces(spans []Span) error {
+	e.mpieces = make([][]mpiece, len(e.sizes))
+	end := int64(0)
+	for k, sp := range spans {
+		if sp.N <= 0 || sp.Off < end || sp.Off > e.total-sp.N {
+			return fmt.Errorf("scheduler: Options.Mirror[%d] = [%d, %d+%d): want N > 0, sorted, not overlapping, inside the %d elements", k, sp.Off, sp.Off, sp.N, e.total)
+		}
+		end = sp.Off + sp.N
+		for i, off := range e.off {
+			lo, hi := max(sp.Off, off), min(end, off+e.sizes[i])
+			if lo < hi {
+				e.mpieces[i] = append(e.mpieces[i], mpiece{sub: lo - off, at: e.mirrorN + lo - sp.Off, n: hi - lo})
+			}
+		}
+		e.mirrorN += sp.N
+	}
+	return nil
+}
 
 // Plan returns the plan.
 func (e *Engine) Plan() *Plan { return e.plan }

@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -125,7 +126,12 @@ func setup(t testing.TB, d Device, p *problem, sizes []int, s perfmodel.Schedule
 	if err != nil {
 		t.Fatal(err)
 	}
-	e, err := New(Options{Device: d, Sizes: sizes, GradDType: p.gd, WorkingDType: adam.BF16, AMSGrad: amsgrad, Pool: nil, Plan: plan})
+	total := int64(0)
+	for _, n := range sizes {
+		total += int64(n)
+	}
+	e, err := New(Options{Device: d, Sizes: sizes, GradDType: p.gd, WorkingDType: adam.BF16, AMSGrad: amsgrad, Pool: nil, Plan: plan,
+		Mirror: testMirror(total)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,8 +146,14 @@ func setup(t testing.TB, d Device, p *problem, sizes []int, s perfmodel.Schedule
 	return e
 }
 
-// check compares the engine's state (after Download) and working copy
-// with the reference bitwise.
+// testMirror is the Options.Mirror of setup's engines: two spans, each
+// across subgroup boundaries for testSizes.
+func testMirror(total int64) []Span {
+	return []Span{{Off: 1, N: total/7 + 1}, {Off: total / 2, N: total / 3}}
+}
+
+// check compares the engine's state (after Download), working copy and
+// mirror with the reference bitwise.
 func check(t testing.TB, d Device, e *Engine, want adam.State, wantCopy []uint16) {
 	t.Helper()
 	if err := e.Download(); err != nil {
@@ -161,6 +173,27 @@ func check(t testing.TB, d Device, e *Engine, want adam.State, wantCopy []uint16
 		if w[i] != wantCopy[i] {
 			t.Fatalf("working copy element %d: %#04x, want %#04x", i, w[i], wantCopy[i])
 		}
+	}
+	checkMirror(t, d, e, want.Param)
+}
+
+// checkMirror compares the engine's mirror with the master weights want at
+// Options.Mirror's spans, bitwise.
+func checkMirror(t testing.TB, d Device, e *Engine, want []float32) {
+	t.Helper()
+	if e.mirrorN == 0 {
+		t.Fatal("the engine has no mirror")
+	}
+	b := get(t, d, e.mirror, 0, 4*e.mirrorN)
+	m := unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), e.mirrorN)
+	at := int64(0)
+	for _, sp := range e.o.Mirror {
+		for j := range sp.N {
+			if math.Float32bits(m[at+j]) != math.Float32bits(want[sp.Off+j]) {
+				t.Fatalf("mirror element %d (master %d): %g, want %g", at+j, sp.Off+j, m[at+j], want[sp.Off+j])
+			}
+		}
+		at += sp.N
 	}
 }
 
@@ -556,5 +589,36 @@ func TestEngineCloseErrors(t *testing.T) {
 	c := adam.DefaultHyper().Coeffs(1, 1, 1)
 	if err := e.Update(&c); !errors.Is(err, ErrEngineClosed) {
 		t.Errorf("Update after Close: %v", err)
+	}
+}
+
+// TestEngineMirrorLoad: after Load the mirror holds the host master
+// weights at its spans; spans that are unsorted, overlapping, empty or
+// outside the elements are refused, naming Options.Mirror.
+func TestEngineMirrorLoad(t *testing.T) {
+	n := 0
+	for _, s := range testSizes {
+		n += s
+	}
+	p := newProblem(n, adam.BF16, false, 1, 7)
+	d := NewSim(SimOptions{})
+	e := setup(t, d, p, testSizes, perfmodel.Schedule{CPU: 3, GPU: 2, Resident: 3}, false)
+	checkMirror(t, d, e, p.state.Param)
+	if got, want := e.Mirror().N, testMirror(int64(n))[0].N+testMirror(int64(n))[1].N; got != want {
+		t.Errorf("Mirror().N = %d, want %d", got, want)
+	}
+	e.Close()
+	plan, err := NewPlan(len(testSizes), perfmodel.Schedule{CPU: len(testSizes)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range [][]Span{{{Off: 5, N: 0}}, {{Off: 10, N: 5}, {Off: 12, N: 3}}, {{Off: 20, N: 5}, {Off: 10, N: 3}}, {{Off: int64(n) - 2, N: 3}}, {{Off: -1, N: 2}}} {
+		e, err := New(Options{Device: d, Sizes: testSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, Plan: plan, Mirror: bad})
+		if err == nil || !strings.Contains(err.Error(), "Options.Mirror") {
+			t.Errorf("Mirror %v: error %v, want one naming Options.Mirror", bad, err)
+		}
+		if e != nil {
+			e.Close()
+		}
 	}
 }

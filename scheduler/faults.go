@@ -83,5 +83,24 @@ func (e *Engine) complete() error {
 			e.done[i] |= 1 << op
 		}
 	}
+	// The mirror, whole, from where each subgroup's master weights are
+	// now: a copy into it may have been the fault.
+	if e.mirrorN > 0 {
+		s := e.s[sKernel]
+		for i := range e.sizes {
+			var m Vec
+			if e.plan.Roles[i] == Resident {
+				m = e.resState(i).Param
+			}
+			if err := e.copyMirror(i, s, m); err != nil {
+				e.broken = true
+				return fmt.Errorf("%w: the fp32 mirror: %v (after %v)", ErrBroken, err, e.first)
+			}
+		}
+		if err := firstErr(e.dev.Record(e.tail[sKernel], s), e.dev.Sync(e.tail[sKernel])); err != nil {
+			e.broken = true
+			return fmt.Errorf("%w: %v (after %v)", ErrBroken, err, e.first)
+		}
+	}
 	return e.first
 }

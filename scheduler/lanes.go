@@ -112,7 +112,11 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 				return err
 			}
 		}
-		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.coeffs(i), x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.off[i], N: n}), e.dev.Record(e.endEv[k], s))
+		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.coeffs(i), x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.off[i], N: n})); err != nil {
+			return err
+		}
+		e.fail(i, int(st.op), e.copyMirror(i, s, x.Param))
+		return e.dev.Record(e.endEv[k], s)
 	case opUpcast:
 		s := e.s[sUpcast]
 		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.Widen16(s, e.o.GradDType, Vec{Mem: e.scr, Off: int64(slot) * e.maxN, N: n}, grad), e.dev.Record(e.endEv[k], s))
@@ -143,9 +147,35 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 				return err
 			}
 		}
-		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.H2D(s, e.work, 2*e.off[i], e.cst, 2*int64(slot)*e.maxN, 2*n), e.dev.Record(e.endEv[k], s))
+		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.H2D(s, e.work, 2*e.off[i], e.cst, 2*int64(slot)*e.maxN, 2*n)); err != nil {
+			return err
+		}
+		e.fail(i, int(st.op), e.copyMirror(i, s, Vec{}))
+		return e.dev.Record(e.endEv[k], s)
 	}
 	panic("scheduler: unknown operation")
+}
+
+// copyMirror enqueues on s the copies of subgroup i's updated master
+// weights into the mirror (Options.Mirror): device to device from master
+// (its N elements, on the device), or H2D from the host state when
+// master.Mem is nil. It stops at the first copy that fails. In the lanes
+// the subgroup's operation has been applied and must not run again, so
+// they record that error as the phase's fault (fail) without failing the
+// step, and complete refreshes the whole mirror.
+func (e *Engine) copyMirror(i int, s Stream, master Vec) error {
+	for _, p := range e.mpieces[i] {
+		var err error
+		if master.Mem != nil {
+			err = e.dev.D2D(s, e.mirror, 4*p.at, master.Mem, 4*(master.Off+p.sub), 4*p.n)
+		} else {
+			err = e.dev.H2D(s, e.mirror, 4*p.at, e.host[0], 4*(e.off[i]+p.sub), 4*p.n)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // streamWaits makes stream s wait for the steps st waits for on the

@@ -288,6 +288,24 @@ func (s *Sim) H2D(st Stream, dst Mem, dstOff int64, src Host, srcOff, n int64) e
 	return nil
 }
 
+func (s *Sim) D2D(st Stream, dst Mem, dstOff int64, src Mem, srcOff, n int64) error {
+	d, r := dst.(*simMem), src.(*simMem)
+	if err := firstErr(span("D2D", d.b, dstOff, n), span("D2D", r.b, srcOff, n)); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var us uses
+	us.add(memUse(d, dstOff, n, false, true))
+	us.add(memUse(r, srcOff, n, true, false))
+	if err := s.op(st, laneGPU, s.dur(s.gpu().Convert, n/4), simD2D, &us); err != nil {
+		return err
+	}
+	s.logCall(simCall{kind: simD2D, stream: st.(*simStream).id, dst: d, dstOff: dstOff, srcOff: srcOff, n: n})
+	copy(d.b[dstOff:dstOff+n], r.b[srcOff:srcOff+n])
+	return nil
+}
+
 func (s *Sim) D2H(st Stream, dst Host, dstOff int64, src Mem, srcOff, n int64) error {
 	h, d := dst.(*simHost), src.(*simMem)
 	if err := firstErr(span("D2H", h.b, dstOff, n), span("D2H", d.b, srcOff, n)); err != nil {

@@ -53,9 +53,10 @@ const (
 	simSync
 	simNote
 	simZero
+	simD2D
 )
 
-var simKinds = [...]string{"", "H2D", "D2H", "AdamW", "Widen16", "GradStats", "Record", "Wait", "Sync", "note", "Zero"}
+var simKinds = [...]string{"", "H2D", "D2H", "AdamW", "Widen16", "GradStats", "Record", "Wait", "Sync", "note", "Zero", "D2D"}
 
 // access is an operation's use of a byte range: its position on its
 // stream (from 1; 0 for none) and its kind.

@@ -46,6 +46,13 @@ func (e *Engine) upload(working bool) error {
 	if !working {
 		return nil
 	}
+	// The mirror, from the host master weights (pinned).
+	for i := range e.mpieces {
+		if err := e.copyMirror(i, s, Vec{}); err != nil {
+			_ = e.drainAfterFailure(s, e.tail[sH2D])
+			return err
+		}
+	}
 	// The working copy, all subgroups flat, rounded on the host into the
 	// staging buffer piece by piece (the CPU's rounding is the kernels').
 	return e.pieces(2*e.total, e.work, true, func(st []byte, o int64) {
