@@ -40,6 +40,7 @@ The shard reader and the log reader need only the standard library (no torch): t
 imported and tested anywhere.
 """
 import argparse
+import contextlib
 import json
 import math
 import mmap
@@ -216,10 +217,17 @@ def main():
     ap.add_argument("--loss-vocab", type=int, default=0,
                     help="score the loss over the first N logit columns only (0: all vocab_size columns)")
     ap.add_argument("--device", default="cuda", help="torch device (cuda; cpu only for a smoke test)")
-    ap.add_argument("--bf16-params", action="store_true",
-                    help="a diagnostic, not the oracle: forward and backward read every parameter rounded to bf16 "
-                         "(LayerNorm and embeddings included, as dos's working copy) and every gradient is rounded to "
-                         "bf16 before clipping and the fp32 AdamW (as dos's gradients): dos's precision recipe in PyTorch")
+    ap.add_argument("--bf16-params", nargs="?", const="all", default="", choices=["all", "ln", "emb", "grads"],
+                    help="a diagnostic, not the oracle: dos's precision recipe in PyTorch, or a part of it. all: forward "
+                         "and backward read every parameter rounded to bf16 (LayerNorm and embeddings included, as dos's "
+                         "working copy) and every gradient is rounded to bf16 before clipping and the fp32 AdamW (as "
+                         "dos's gradients); ln: only the LayerNorm weights and biases are rounded; emb: only wte and wpe; "
+                         "grads: only the gradients")
+    ap.add_argument("--sdpa", default="default", choices=["default", "flash", "efficient", "cudnn", "math"],
+                    help="the scaled_dot_product_attention backend (default: PyTorch's choice; the others measure how far "
+                         "two valid PyTorch runs drift apart, the oracle's own noise floor)")
+    ap.add_argument("--log-out", help="also write this run's curve as JSON lines in dos's --log-json format (step, loss, "
+                                      "lr, grad_norm, skipped, pos), so that another oracle run can take it as --dos-log")
     ap.add_argument("--out", help="write both curves and the verdict as JSON to this path")
     a = ap.parse_args()
 
@@ -272,6 +280,21 @@ def main():
     fused = {"fused": True} if dev.type == "cuda" else {}  # the CPU smoke test: whatever this torch has
     opt = torch.optim.AdamW(params, lr=float(log[0]["lr"]), betas=(a.beta1, a.beta2), eps=a.eps,
                             weight_decay=a.weight_decay, **fused)
+    named = dict(model.named_parameters())
+    rounded = {"": [], "grads": [], "all": params,
+               "ln": [p for n, p in named.items() if ".ln_" in n or n.startswith("ln_")],
+               "emb": [p for n, p in named.items() if n.endswith(("wte.weight", "wpe.weight"))]}[a.bf16_params]
+    if a.bf16_params:
+        print(f"diagnostic --bf16-params {a.bf16_params}: {len(rounded)} parameters read in bf16"
+              f"{', gradients rounded to bf16' if a.bf16_params in ('all', 'grads') else ''}")
+    attn_ctx = contextlib.nullcontext
+    if a.sdpa != "default":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[a.sdpa]
+        attn_ctx = lambda: sdpa_kernel([backend])
+        print(f"attention: scaled_dot_product_attention restricted to {a.sdpa}")
+    logf = open(a.log_out, "w") if a.log_out else None
     rows = []
     print(f"{'step':>5} {'lr':>10} {'dos loss':>10} {'torch loss':>10} {'diff':>9}  {'dos gnorm':>10} {'torch gnorm':>11}")
     for i, rec in enumerate(log):
@@ -283,20 +306,22 @@ def main():
             sys.exit(2)
         x = torch.tensor(x, dtype=torch.long, device=dev)
         y = torch.tensor(y, dtype=torch.long, device=dev)
-        if a.bf16_params:  # the fp32 masters aside, bf16 values in the model
-            masters = [p.data.clone() for p in params]
-            for p in params:
+        if rounded:  # the fp32 masters aside, bf16 values in the model
+            masters = [p.data.clone() for p in rounded]
+            for p in rounded:
                 p.data.copy_(p.data.bfloat16().float())
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16), attn_ctx():
             logits = model(input_ids=x, use_cache=False).logits
         loss = F.cross_entropy(logits[..., :Vloss].float().reshape(-1, Vloss), y.reshape(-1))
         loss.backward()
-        if a.bf16_params:
-            for p, m in zip(params, masters):
+        if rounded:
+            for p, m in zip(rounded, masters):
                 p.data.copy_(m)
+            del masters
+        if a.bf16_params in ("all", "grads"):
+            for p in params:
                 if p.grad is not None:
                     p.grad.copy_(p.grad.bfloat16().float())
-            del masters
         if a.max_grad_norm > 0:
             gnorm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
         else:
@@ -313,12 +338,17 @@ def main():
              "dos_grad_norm": num(rec.get("grad_norm")), "torch_grad_norm": gnorm.item(), "skipped": skipped}
         r["diff"] = r["dos_loss"] - r["torch_loss"]
         rows.append(r)
+        if logf:
+            logf.write(json.dumps({"step": step, "loss": r["torch_loss"], "lr": lr, "grad_norm": r["torch_grad_norm"],
+                                   "skipped": skipped, "pos": pos}) + "\n")
         note = "  (skipped by dos and here)" if skipped else ""
         if not math.isfinite(r["torch_grad_norm"]) and not skipped:
             note = "  (torch's gradient is not finite, dos did not skip)"
         print(f"{step:5d} {lr:10.3e} {r['dos_loss']:10.4f} {r['torch_loss']:10.4f} {r['diff']:+9.4f}  "
               f"{r['dos_grad_norm']:10.4f} {r['torch_grad_norm']:11.4f}{note}", flush=True)
 
+    if logf:
+        logf.close()
     if batches.wrapped:
         print(f"note: the data wrapped to token 0 {batches.wrapped} time(s) (an epoch is {ntrain} tokens)")
     ok, max_diff, at, end = judge([r["dos_loss"] for r in rows], [r["torch_loss"] for r in rows], a.tol_step, a.tol_end)

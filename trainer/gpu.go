@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"time"
 
 	"github.com/deepstates/dos/adam"
@@ -35,6 +36,7 @@ type gpuTrainer struct {
 	m       *gptcuda.Model // the training batch's
 	sampler *gptcuda.Model // B = 1, made by the first Sample
 	w, g    []uint64       // the optimizer's device views, in gpt.Config.Tensors order
+	masters []uint64       // its fp32 DeviceMasters (0 for the others), same order
 	logits  []float32      // one row, for sampling
 	toks    []int32        // the sampler's window, padded to NCtx
 	// activations is the model's device memory (gptcuda.MemoryBytes).
@@ -78,8 +80,14 @@ func openGPU(cfg *TrainConfig) (*gpuTrainer, error) {
 // calibration of this machine's CPU and GPU rates (perfmodel.CalibrateCPU
 // and CalibrateGPU at reduced sizes, a few seconds), said on out.
 func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) error {
+	if !cfg.BF16Params {
+		ts := cfg.Model.Tensors()
+		for _, i := range gptcuda.FP32Tensors(cfg.Model) {
+			o.DeviceMasters = append(o.DeviceMasters, ts[i].Name)
+		}
+	}
 	if cfg.GPUBudget == 0 {
-		b, err := g.budget(o, cfg.paramCount())
+		b, err := g.budget(cfg, o)
 		if err != nil {
 			return err
 		}
@@ -137,20 +145,41 @@ func gpuAvailable() error {
 
 // budget returns the update phase's default GPU budget in bytes: the device
 // memory free now (after the model's activations) less what offload.New
-// allocates outside the budget (gradients and working copy) and a margin.
-func (g *gpuTrainer) budget(o *offload.Options, params int) (int64, error) {
+// allocates outside the budget (gradients, working copy and the fp32
+// DeviceMasters) and a margin.
+func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options) (int64, error) {
 	free, _, err := g.dev.MemInfo()
 	if err != nil {
 		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
 	}
-	return max(free-o.DeviceBytes(params)-gpuMargin, 1), nil // 1, not 0: offload reads 0 as no limit
+	masters := int64(0)
+	for _, t := range cfg.Model.Tensors() {
+		if slices.Contains(o.DeviceMasters, t.Name) {
+			masters += 4 * int64(t.Numel())
+		}
+	}
+	return max(free-o.DeviceBytes(cfg.paramCount())-masters-gpuMargin, 1), nil // 1, not 0: offload reads 0 as no limit
 }
 
-// bind takes the optimizer's device views and brings its state to the
-// device.
+// bind takes the optimizer's device views (and its fp32 DeviceMasters,
+// which the model then reads) and brings its state to the device.
 func (g *gpuTrainer) bind(opt *offload.Optimizer) error {
 	n := len(opt.Params())
-	g.w, g.g = make([]uint64, n), make([]uint64, n)
+	g.w, g.g, g.masters = make([]uint64, n), make([]uint64, n), make([]uint64, n)
+	for _, name := range opt.Options().DeviceMasters {
+		i, err := opt.Index(name)
+		if err != nil {
+			return err
+		}
+		m, err := opt.DeviceMaster(i)
+		if err != nil {
+			return err
+		}
+		g.masters[i] = m.Ptr
+	}
+	if err := g.m.SetMasters(g.masters); err != nil {
+		return err
+	}
 	for i := range n {
 		w, err := opt.DeviceWorking(i)
 		if err != nil {
@@ -193,6 +222,10 @@ func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 	if g.sampler == nil {
 		m, err := gptcuda.New(g.s, g.k, cfg.Model, 1, T, samplerOptions)
 		if err != nil {
+			return nil, err
+		}
+		if err := m.SetMasters(g.masters); err != nil {
+			m.Close()
 			return nil, err
 		}
 		g.sampler = m

@@ -4,6 +4,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -317,6 +318,10 @@ func benchGPU(b *testing.B, name, batch string) {
 	}
 	opts.SeparateGELU = os.Getenv("DOS_BENCH_GELU") == "separate"
 	opts.Recompute = os.Getenv("DOS_BENCH_RECOMPUTE") == "1"
+	free0, _, err := s.Device().MemInfo()
+	if err != nil {
+		b.Fatal(err)
+	}
 	m, err := gptcuda.New(s, k, c, B, T, opts)
 	if err != nil {
 		b.Fatal(err)
@@ -336,6 +341,10 @@ func benchGPU(b *testing.B, name, batch string) {
 		}
 	}
 	step() // warm-up: cuBLASLt's heuristics, the first launches
+	free1, _, err := s.Device().MemInfo()
+	if err != nil {
+		b.Fatal(err)
+	}
 	b.ResetTimer()
 	start := time.Now()
 	for range b.N {
@@ -345,8 +354,9 @@ func benchGPU(b *testing.B, name, batch string) {
 	tok := float64(B*T) / sec
 	b.ReportMetric(tok, "tokens/s")
 	b.ReportMetric(100*tok*c.FLOPsPerToken(T)/989e12, "MFU%")
-	b.Logf("%s B=%d T=%d %v attention, separate GELU %v, recompute %v: %.1f ms per forward+backward, %.0f tokens/s, MFU %.1f%%, activations %.2f GiB",
-		name, B, T, m.Attention(), opts.SeparateGELU, opts.Recompute, 1e3*sec, tok, 100*tok*c.FLOPsPerToken(T)/989e12, float64(gptcuda.MemoryBytes(c, B, T, opts))/(1<<30))
+	b.Logf("%s B=%d T=%d %v attention, separate GELU %v, recompute %v: %.1f ms per forward+backward, %.0f tokens/s, MFU %.1f%%, activations %.2f GiB counted (MemoryBytes), %.2f GiB taken on the device by New and the first step (cuMemGetInfo)",
+		name, B, T, m.Attention(), opts.SeparateGELU, opts.Recompute, 1e3*sec, tok, 100*tok*c.FLOPsPerToken(T)/989e12,
+		float64(gptcuda.MemoryBytes(c, B, T, opts))/(1<<30), float64(free0-free1)/(1<<30))
 }
 
 // TestGPUTrainResumeBitwise trains on the GPU (--device cuda) for 6
@@ -470,5 +480,132 @@ func TestGPURecomputeBitwise(t *testing.T) {
 			}
 		}
 		t.Logf("%v attention, %d blocks: recomputing gives the same loss (%.6f) and gradients, bit for bit", tc.attn, c.NLayer, loss[0])
+	}
+}
+
+// TestGPUMasters: with SetMasters the embedding lookup and the LayerNorms
+// read fp32 master weights. Masters holding the bf16 tensors' own values
+// give the same bits as without them (loss and every gradient); masters
+// moved by less than half a bf16 step (so the bf16 tensors do not change)
+// move the loss, to within 1% (TestGPUMatchesCPU's bound) of the float64 CPU model run with those
+// fp32 values (whose logits read the moved wte, the GPU's the bf16 one);
+// a pair given half is refused.
+func TestGPUMasters(t *testing.T) {
+	s, k := gpuEnv(t)
+	c := Config{VocabSize: 320, NCtx: 160, NLayer: 2, NHead: 2, NEmbd: 128}
+	B, T := 2, 150
+	params := bf16Params(c, 11)
+	tokens := randomTokens(B*T, c.VocabSize, 5)
+	targets := randomTokens(B*T, c.VocabSize, 6)
+	w, g := newDevTensors(t, s, c), newDevTensors(t, s, c)
+	for i, p := range params {
+		w.set(t, i, p)
+	}
+	m, err := gptcuda.New(s, k, c, B, T, gptcuda.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	run := func() (float64, [][]float64) {
+		t.Helper()
+		if err := m.Forward(w.ptrs, tokens, targets, 1); err != nil {
+			t.Fatal(err)
+		}
+		if err := m.Backward(w.ptrs, g.ptrs); err != nil {
+			t.Fatal(err)
+		}
+		loss, err := m.Loss()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := make([][]float64, len(params))
+		for i, p := range params {
+			out[i] = g.get(t, i, len(p))
+		}
+		return loss, out
+	}
+	loss0, grads0 := run()
+
+	// fp32 masters of the fp32-read tensors.
+	fp32 := gptcuda.FP32Tensors(c)
+	masters := make([]uint64, len(params))
+	bufs := map[int]*cuda.Buffer{}
+	for _, i := range fp32 {
+		b, err := s.Device().Alloc(int64(4 * len(params[i])))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { b.Free() })
+		bufs[i], masters[i] = b, b.Ptr()
+	}
+	setMasters := func(vals [][]float64) {
+		t.Helper()
+		for _, i := range fp32 {
+			h, err := s.Device().HostAlloc(int64(4 * len(vals[i])))
+			if err != nil {
+				t.Fatal(err)
+			}
+			f := unsafe.Slice((*float32)(unsafe.Pointer(&h.Bytes()[0])), len(vals[i]))
+			for j, v := range vals[i] {
+				f[j] = float32(v)
+			}
+			if err := s.CopyHtoD(bufs[i], 0, h, 0, int64(4*len(f))); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			h.Free()
+		}
+	}
+	setMasters(params)
+	if err := m.SetMasters(masters); err != nil {
+		t.Fatal(err)
+	}
+	loss1, grads1 := run()
+	if loss1 != loss0 {
+		t.Errorf("masters equal to the bf16 values: loss %v, without masters %v", loss1, loss0)
+	}
+	for i := range grads0 {
+		for j := range grads0[i] {
+			if grads1[i][j] != grads0[i][j] {
+				t.Fatalf("masters equal to the bf16 values: gradient %s[%d] %v, without masters %v", c.Tensors()[i].Name, j, grads1[i][j], grads0[i][j])
+			}
+		}
+	}
+
+	// Move the fp32 values by a third of a bf16 step: the bf16 tensors
+	// stay, the model's result moves.
+	moved := make([][]float64, len(params))
+	for i := range params {
+		moved[i] = slices.Clone(params[i])
+	}
+	for _, i := range fp32 {
+		for j, v := range moved[i] {
+			step := math.Max(math.Abs(v), 1e-3) / 256 // a bf16 step at v is 2^-7 of its binade: at least |v|/256
+			moved[i][j] = v + step/3*float64(1-2*(j%2))
+		}
+	}
+	setMasters(moved)
+	loss2, _ := run()
+	cpu := NewModel[float64](c, B, T)
+	want := cpu.Forward(moved, tokens, targets)
+	t.Logf("loss: bf16 %.6f, fp32 masters %.6f, CPU float64 with the fp32 values %.6f", loss0, loss2, want)
+	if loss2 == loss0 {
+		t.Error("moving the fp32 masters did not change the loss: the model does not read them")
+	}
+	if d := math.Abs(loss2 - want); d > 0.01*want {
+		t.Errorf("loss with fp32 masters %v, CPU %v: differ by %.3g > 1%%", loss2, want, d)
+	}
+
+	half := slices.Clone(masters)
+	half[gpt.Wpe] = 0
+	if err := m.SetMasters(half); err == nil || !strings.Contains(err.Error(), "both or neither") {
+		t.Errorf("SetMasters with wte but not wpe: %v", err)
+	}
+	bad := make([]uint64, len(params))
+	bad[gpt.LayerBase(0)+gpt.AttnW] = masters[gpt.Wte]
+	if err := m.SetMasters(bad); err == nil || !strings.Contains(err.Error(), "bf16 only") {
+		t.Errorf("SetMasters of c_attn's weight: %v", err)
 	}
 }

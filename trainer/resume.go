@@ -148,7 +148,7 @@ func (t *Trainer) resume(dir string) error {
 		{"--min-lr-ratio", t.cfg.MinLRRatio, old.MinLRRatio, false},
 		{"--clip", t.cfg.MaxGradNorm, old.MaxGradNorm, false},
 		{"--grad-dtype", t.cfg.GradDType, old.GradDType, false}, {"--working-dtype", t.cfg.WorkingDType, old.WorkingDType, false},
-		{"--subgroup-size", t.cfg.SubgroupSize, old.SubgroupSize, false}, {"--threads", t.cfg.Threads, old.Threads, false},
+		{"--subgroup-size", t.cfg.SubgroupSize, old.SubgroupSize, false}, {"--bf16-params", t.cfg.BF16Params, old.BF16Params, false}, {"--threads", t.cfg.Threads, old.Threads, false},
 	} {
 		if d.now == d.then {
 			continue

@@ -76,6 +76,14 @@ type TrainConfig struct {
 	// forward and recomputes the block in backward (gptcuda's
 	// Options.Recompute): for when the activations do not fit.
 	Recompute bool `json:"recompute,omitempty"`
+	// BF16Params, with Device "cuda", makes forward and backward read
+	// every parameter from the bf16 working copy (llm.c's recipe). By
+	// default the embedding lookup and the LayerNorms read fp32 master
+	// weights that the optimizer keeps on the device
+	// (offload.Options.DeviceMasters), as PyTorch's bf16 autocast reads
+	// them: in the oracle's comparison (bench/gpt2_check.sh) the bf16
+	// recipe drifted ten times as far from PyTorch as PyTorch from itself.
+	BF16Params bool `json:"bf16_params,omitempty"`
 	// LogJSON, when set, is a file that gets one JSON line per
 	// optimizer step (stepRecord: step, loss, lr, grad_norm, skipped, pos,
 	// seconds, update_s), appended to. Not saved in checkpoints.
@@ -232,6 +240,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --device cuda trains in bf16: --working-dtype %v --grad-dtype %v, want bfloat16 for both", c.WorkingDType, c.GradDType)
 	case c.Recompute && c.Device != "cuda":
 		return errors.New("trainer: --recompute needs --device cuda (the host's model keeps its activations)")
+	case c.BF16Params && c.Device != "cuda":
+		return errors.New("trainer: --bf16-params needs --device cuda (the host's model reads the fp32 master weights)")
 	case c.Device == "" && (c.Schedule != "" || c.GPUBudget != 0):
 		return errors.New("trainer: --schedule and --gpu-budget need --device")
 	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:

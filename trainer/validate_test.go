@@ -185,6 +185,8 @@ func TestValidateNamesFlags(t *testing.T) {
 		{func(c *TrainConfig) { c.WorkingDType = adam.F32 }, "--working-dtype float32"},
 		{func(c *TrainConfig) { c.GPUBudget = -1; c.Device = "sim"; c.WorkingDType = adam.BF16 }, "--gpu-budget -1 GiB"},
 		{func(c *TrainConfig) { c.Resume = true }, "--resume needs --ckpt-dir"},
+		{func(c *TrainConfig) { c.BF16Params = true }, "--bf16-params needs --device cuda"},
+		{func(c *TrainConfig) { c.Recompute = true }, "--recompute needs --device cuda"},
 	} {
 		c := DefaultTrainConfig()
 		tc.mod(&c)

@@ -134,6 +134,7 @@ type Model struct {
 	lossBuf, logitBuf  *cuda.Buffer     // the buffers of act.lossesDev and act.logits
 	nseg               int              // wte segments of the last Forward
 	logitsHost         *cuda.HostBuffer
+	masters            []uint64 // SetMasters's, in gpt.Config.Tensors order; 0: read the bf16 tensor
 	ok                 bool
 	act                activations
 	gemm               gemms
@@ -290,7 +291,8 @@ func New(s *cuda.Stream, k *kernels.GPT, cfg gpt.Config, B, T int, opts Options)
 	}
 	opts.Attention = attn // resolved: what alloc and MemoryBytes size
 	m := &Model{cfg: cfg, b: B, t: T, bt: B * T, c: cfg.NEmbd, nh: cfg.NHead, hs: cfg.NEmbd / cfg.NHead,
-		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, fusedGELU: opts.fusedGELU(cfg.NEmbd), recompute: opts.Recompute, s: s, k: k}
+		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, fusedGELU: opts.fusedGELU(cfg.NEmbd), recompute: opts.Recompute, s: s, k: k,
+		masters: make([]uint64, len(cfg.Tensors()))}
 	if m.blas, err = cublas.New(s.Device(), s); err != nil {
 		return nil, fmt.Errorf("gptcuda: %w", err)
 	}
@@ -433,6 +435,62 @@ func (m *Model) Close() error {
 
 // ErrClosed is returned by a Model's methods after Close.
 var ErrClosed = errors.New("gptcuda: model closed")
+
+// FP32Tensors returns the indices, in cfg.Tensors order, of the tensors
+// that SetMasters may make the model read in fp32, in pairs: wte and wpe,
+// then each LayerNorm's weight and bias (block by block, ln_1 then ln_2,
+// then ln_f). PyTorch's bf16 autocast reads these in fp32 (the embedding
+// lookup and layer_norm are not autocast to bf16).
+func FP32Tensors(cfg gpt.Config) []int {
+	n := len(cfg.Tensors())
+	out := []int{tWte, tWpe}
+	for l := range cfg.NLayer {
+		out = append(out, lnBlock(l, gpt.Ln1W), lnBlock(l, gpt.Ln1B), lnBlock(l, gpt.Ln2W), lnBlock(l, gpt.Ln2B))
+	}
+	return append(out, n-2, n-1)
+}
+
+// SetMasters makes forward and backward read some parameters in fp32 from
+// the given device addresses (the optimizer's fp32 master weights on the
+// device, offload.Optimizer.DeviceMaster) instead of their bf16 tensor,
+// as PyTorch's bf16 autocast reads them: the embeddings in the lookup
+// (wte and wpe, both or neither; the logits' matrix product still reads
+// wte in bf16) and the LayerNorms' weights and biases (each LayerNorm's
+// both or neither). masters is in gpt.Config.Tensors order, 0 for a
+// tensor read in bf16; nil reads every tensor in bf16 (the default). The
+// addresses must stay valid while the model runs.
+//
+// Errors: a closed model; a wrong length; an address for another
+// tensor, or for one of a pair without the other (naming the tensor).
+func (m *Model) SetMasters(masters []uint64) error {
+	if !m.ok {
+		return ErrClosed
+	}
+	ts := m.cfg.Tensors()
+	if masters == nil {
+		clear(m.masters)
+		return nil
+	}
+	if len(masters) != len(ts) {
+		return fmt.Errorf("gptcuda: SetMasters: %d addresses, want %d (gpt.Config.Tensors order)", len(masters), len(ts))
+	}
+	allowed := make([]bool, len(ts))
+	fp32 := FP32Tensors(m.cfg)
+	for j := 0; j < len(fp32); j += 2 { // pairs: wte and wpe, each LayerNorm's weight and bias
+		a, b := fp32[j], fp32[j+1]
+		if (masters[a] == 0) != (masters[b] == 0) {
+			return fmt.Errorf("gptcuda: SetMasters: %s and %s are read in fp32 both or neither", ts[a].Name, ts[b].Name)
+		}
+		allowed[a], allowed[b] = true, true
+	}
+	for i, a := range masters {
+		if a != 0 && !allowed[i] {
+			return fmt.Errorf("gptcuda: SetMasters: %s is read in bf16 only (the embeddings and LayerNorms may be fp32)", ts[i].Name)
+		}
+	}
+	copy(m.masters, masters)
+	return nil
+}
 
 // tensors checks a tensor address list.
 func (m *Model) tensors(ts []uint64, what string) error {

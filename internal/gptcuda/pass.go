@@ -21,6 +21,28 @@ func layer(ts []uint64, l, off int) uint64 { return ts[gpt.LayerBase(l)+off] }
 // lnf returns ln_f's weight and bias.
 func lnf(ts []uint64) (w, b uint64) { return ts[len(ts)-2], ts[len(ts)-1] }
 
+// lnBlock and lnFinal are the tensor indices of a LayerNorm's weight (its
+// bias follows it): block l's ln_1 or ln_2 (gpt.Ln1W, gpt.Ln2W), and ln_f.
+func lnBlock(l, off int) int  { return gpt.LayerBase(l) + off }
+func (m *Model) lnFinal() int { return len(m.masters) - 2 }
+
+// param returns tensor i's address and whether it is fp32: its master
+// weights when SetMasters gave them, else w[i] (bf16).
+func (m *Model) param(w []uint64, i int) (uint64, bool) {
+	if m.masters[i] != 0 {
+		return m.masters[i], true
+	}
+	return w[i], false
+}
+
+// ln returns the LayerNorm whose weight is tensor i: weight, bias, and
+// whether they are fp32 (SetMasters gives both or neither).
+func (m *Model) ln(w []uint64, i int) (pw, pb uint64, f32 bool) {
+	pw, f32 = m.param(w, i)
+	pb, _ = m.param(w, i+1)
+	return pw, pb, f32
+}
+
 // Forward runs the model on a batch: tokens and targets are [B*T] token
 // ids, row-major over (b, t), each in [0, VocabSize); targets may be nil
 // when gradScale is 0 (then Loss is not available). weights are the bf16
@@ -173,12 +195,14 @@ func (m *Model) acts(l int) blockActs {
 func (m *Model) forward(w []uint64, loss bool, gradScale float32) error {
 	a, g, k, s := &m.act, &m.gemm, m.k, m.s
 	BT, C, T := m.bt, m.c, m.t
-	if err := k.EncoderForward(s, a.resid, a.tokens, w[tWte], w[tWpe], BT, T, C); err != nil {
+	wte, f32 := m.param(w, tWte)
+	wpe, _ := m.param(w, tWpe)
+	if err := k.EncoderForward(s, a.resid, a.tokens, wte, wpe, f32, BT, T, C); err != nil {
 		return err
 	}
 	b0 := m.acts(0)
-	if err := k.LayerNormForward(s, b0.ln1, b0.st1, b0.st1+4*uint64(BT), 0, a.resid, 0,
-		layer(w, 0, gpt.Ln1W), layer(w, 0, gpt.Ln1B), BT, C); err != nil {
+	lw, lb, f32 := m.ln(w, lnBlock(0, gpt.Ln1W))
+	if err := k.LayerNormForward(s, b0.ln1, b0.st1, b0.st1+4*uint64(BT), 0, a.resid, 0, lw, lb, f32, BT, C); err != nil {
 		return err
 	}
 	for l := range m.l {
@@ -214,8 +238,8 @@ func (m *Model) block(w []uint64, l int, next bool) error {
 	if err := m.blas.Matmul(&g.proj, a.yproj, b.atty, layer(w, l, gpt.AttnProjW), layer(w, l, gpt.AttnProjB), 0); err != nil {
 		return at(l, 2, err)
 	}
-	if err := k.LayerNormForward(s, b.ln2, b.st2, b.st2+4*uint64(BT), b.resid2, b.resid, a.yproj,
-		layer(w, l, gpt.Ln2W), layer(w, l, gpt.Ln2B), BT, C); err != nil {
+	lw, lb, f32 := m.ln(w, lnBlock(l, gpt.Ln2W))
+	if err := k.LayerNormForward(s, b.ln2, b.st2, b.st2+4*uint64(BT), b.resid2, b.resid, a.yproj, lw, lb, f32, BT, C); err != nil {
 		return at(l, 3, err)
 	}
 	if err := m.mlpUp(l, w, b.ln2, b.fch, b.fchg); err != nil {
@@ -230,11 +254,11 @@ func (m *Model) block(w []uint64, l int, next bool) error {
 	// The residual add and the next LayerNorm: ln_1 of block l+1, or ln_f.
 	var err error
 	if l+1 < m.l {
-		err = k.LayerNormForward(s, b.nextLN1, b.nextSt1, b.nextSt1+4*uint64(BT), b.next, b.resid2, a.yproj,
-			layer(w, l+1, gpt.Ln1W), layer(w, l+1, gpt.Ln1B), BT, C)
+		lw, lb, f32 := m.ln(w, lnBlock(l+1, gpt.Ln1W))
+		err = k.LayerNormForward(s, b.nextLN1, b.nextSt1, b.nextSt1+4*uint64(BT), b.next, b.resid2, a.yproj, lw, lb, f32, BT, C)
 	} else {
-		fw, fb := lnf(w)
-		err = k.LayerNormForward(s, a.lnf, a.lnfStat, a.lnfStat+4*uint64(BT), b.next, b.resid2, a.yproj, fw, fb, BT, C)
+		lw, lb, f32 := m.ln(w, m.lnFinal())
+		err = k.LayerNormForward(s, a.lnf, a.lnfStat, a.lnfStat+4*uint64(BT), b.next, b.resid2, a.yproj, lw, lb, f32, BT, C)
 	}
 	if err != nil {
 		return at(l, 6, err)
@@ -246,8 +270,8 @@ func (m *Model) block(w []uint64, l int, next bool) error {
 // into the one block's worth of activations recomputation keeps.
 func (m *Model) recomputeBlock(w []uint64, l int) error {
 	b := m.acts(l)
-	if err := m.k.LayerNormForward(m.s, b.ln1, b.st1, b.st1+4*uint64(m.bt), 0, b.resid, 0,
-		layer(w, l, gpt.Ln1W), layer(w, l, gpt.Ln1B), m.bt, m.c); err != nil {
+	lw, lb, f32 := m.ln(w, lnBlock(l, gpt.Ln1W))
+	if err := m.k.LayerNormForward(m.s, b.ln1, b.st1, b.st1+4*uint64(m.bt), 0, b.resid, 0, lw, lb, f32, m.bt, m.c); err != nil {
 		return at(l, 0, err)
 	}
 	return m.block(w, l, false)
@@ -318,10 +342,10 @@ func (m *Model) backward(w, dw []uint64) error {
 	if err := m.blas.Matmul(&g.dlnf, a.dln, a.logits, w[tWte], 0, 0); err != nil {
 		return fmt.Errorf("dlnf: %w", err)
 	}
-	fw, _ := lnf(w)
+	fw, fwf32 := m.param(w, m.lnFinal())
 	dfw, dfb := lnf(dw)
 	residL := a.resid + 4*uint64(L)*uint64(BT)*uint64(C)
-	if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, residL, fw, a.lnfStat, a.lnfStat+statOff, false, BT, C); err != nil {
+	if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, residL, fw, fwf32, a.lnfStat, a.lnfStat+statOff, false, BT, C); err != nil {
 		return err
 	}
 	if err := k.ColSum(s, dfb, dfw, a.part, a.dln, residL, a.lnfStat, a.lnfStat+statOff, BT, C); err != nil {
@@ -355,7 +379,8 @@ func (m *Model) backward(w, dw []uint64) error {
 		if err := m.blas.Matmul(&g.dX[2], a.dln, a.dbig2, layer(w, l, gpt.FcW), 0, 0); err != nil {
 			return at(l, 5, err)
 		}
-		if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, resid2, layer(w, l, gpt.Ln2W), st2, st2+statOff, true, BT, C); err != nil {
+		ln2w, f32 := m.param(w, lnBlock(l, gpt.Ln2W))
+		if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, resid2, ln2w, f32, st2, st2+statOff, true, BT, C); err != nil {
 			return at(l, 6, err)
 		}
 		if err := k.ColSum(s, layer(dw, l, gpt.Ln2B), layer(dw, l, gpt.Ln2W), a.part, a.dln, resid2, st2, st2+statOff, BT, C); err != nil {
@@ -385,7 +410,8 @@ func (m *Model) backward(w, dw []uint64) error {
 		if err := m.blas.Matmul(&g.dX[0], a.dln, a.dbig, layer(w, l, gpt.AttnW), 0, 0); err != nil {
 			return at(l, 14, err)
 		}
-		if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, resid, layer(w, l, gpt.Ln1W), st1, st1+statOff, true, BT, C); err != nil {
+		ln1w, f32 := m.param(w, lnBlock(l, gpt.Ln1W))
+		if err := k.LayerNormBackward(s, a.dres, a.dres16, a.dln, resid, ln1w, f32, st1, st1+statOff, true, BT, C); err != nil {
 			return at(l, 15, err)
 		}
 		if err := k.ColSum(s, layer(dw, l, gpt.Ln1B), layer(dw, l, gpt.Ln1W), a.part, a.dln, resid, st1, st1+statOff, BT, C); err != nil {

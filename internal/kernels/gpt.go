@@ -166,14 +166,15 @@ func positive(k int, vals ...int) error {
 }
 
 // EncoderForward: out[bt, :] = wte[tok[bt], :] + wpe[bt % T, :] (fp32 out
-// [BT, C]; tok int32 [BT]; wte16 [V, C]; wpe16 [NCtx, C], T <= NCtx).
-// Source: GPT2Model.forward's inputs_embeds + position_embeds.
-func (g *GPT) EncoderForward(s *cuda.Stream, out, tok, wte, wpe uint64, BT, T, C int) error {
+// [BT, C]; tok int32 [BT]; wte [V, C]; wpe [NCtx, C], T <= NCtx; both
+// bf16, or both fp32 with f32, as PyTorch's autocast reads the fp32
+// embeddings). Source: GPT2Model.forward's inputs_embeds + position_embeds.
+func (g *GPT) EncoderForward(s *cuda.Stream, out, tok, wte, wpe uint64, f32 bool, BT, T, C int) error {
 	if err := positive(gEncoderFwd, BT, T, C, BT*C); err != nil {
 		return err
 	}
 	grid, block := g.strided(int64(BT) * int64(C))
-	g.begin().U64(out).U64(tok).U64(wte).U64(wpe).I32(int32(BT)).I32(int32(T)).I32(int32(C))
+	g.begin().U64(out).U64(tok).U64(wte).U64(wpe).I32(flag(f32)).I32(int32(BT)).I32(int32(T)).I32(int32(C))
 	return g.end(gEncoderFwd, s, grid, block)
 }
 
@@ -215,34 +216,32 @@ func (g *GPT) CastBF16(s *cuda.Stream, out, in uint64, n int64) error {
 }
 
 // LayerNormForward normalizes N rows of width C (eps 1e-5, biased
-// variance): out16 = (x - mean) * rstd * w16 + b16, mean and rstd fp32 [N]
-// kept for backward. With y16 != 0 it first adds the residual: resOut =
+// variance): out16 = (x - mean) * rstd * w + b, mean and rstd fp32 [N]
+// kept for backward; w and b [C] both bf16, or both fp32 with f32 (as
+// PyTorch's autocast runs layer_norm with fp32 parameters). With y16 != 0 it first adds the residual: resOut =
 // resIn + y16 (fp32; resOut may be resIn) and normalizes resOut; with y16
 // == 0 it normalizes resIn and resOut is unused. Source: torch.nn.LayerNorm,
 // fused with the residual add as llm.c's fused_residual_forward.
-func (g *GPT) LayerNormForward(s *cuda.Stream, out, mean, rstd, resOut, resIn, y, w, b uint64, N, C int) error {
+func (g *GPT) LayerNormForward(s *cuda.Stream, out, mean, rstd, resOut, resIn, y, w, b uint64, f32 bool, N, C int) error {
 	if err := positive(gLNFwd, N, C); err != nil {
 		return err
 	}
 	grid, block := perRow(N)
-	g.begin().U64(out).U64(mean).U64(rstd).U64(resOut).U64(resIn).U64(y).U64(w).U64(b).I32(int32(N)).I32(int32(C))
+	g.begin().U64(out).U64(mean).U64(rstd).U64(resOut).U64(resIn).U64(y).U64(w).U64(b).I32(flag(f32)).I32(int32(N)).I32(int32(C))
 	return g.end(gLNFwd, s, grid, block)
 }
 
 // LayerNormBackward computes the gradient of LayerNormForward's input from
-// dout16 [N, C], the input inp (fp32), w16, mean and rstd: dres = dx, or
-// dres += dx with accumulate (fp32 [N, C]); dres16, when not 0, receives
-// bf16(dres). The parameter gradients are ColSum's (LayerNorm mode).
-func (g *GPT) LayerNormBackward(s *cuda.Stream, dres, dres16, dout, inp, w, mean, rstd uint64, accumulate bool, N, C int) error {
+// dout16 [N, C], the input inp (fp32), w (bf16, or fp32 with f32), mean
+// and rstd: dres = dx, or dres += dx with accumulate (fp32 [N, C]);
+// dres16, when not 0, receives bf16(dres). The parameter gradients are
+// ColSum's (LayerNorm mode).
+func (g *GPT) LayerNormBackward(s *cuda.Stream, dres, dres16, dout, inp, w uint64, f32 bool, mean, rstd uint64, accumulate bool, N, C int) error {
 	if err := positive(gLNBwd, N, C); err != nil {
 		return err
 	}
-	acc := int32(0)
-	if accumulate {
-		acc = 1
-	}
 	grid, block := perRow(N)
-	g.begin().U64(dres).U64(dres16).U64(dout).U64(inp).U64(w).U64(mean).U64(rstd).I32(acc).I32(int32(N)).I32(int32(C))
+	g.begin().U64(dres).U64(dres16).U64(dout).U64(inp).U64(w).I32(flag(f32)).U64(mean).U64(rstd).I32(flag(accumulate)).I32(int32(N)).I32(int32(C))
 	return g.end(gLNBwd, s, grid, block)
 }
 
@@ -451,4 +450,12 @@ func (g *GPT) FlashBackward(s *cuda.Stream, dqkv, qkv, out, dout, lse, D uint64,
 		}
 	}
 	return nil
+}
+
+// flag is a kernel's int flag: 1 for true.
+func flag(b bool) int32 {
+	if b {
+		return 1
+	}
+	return 0
 }

@@ -77,16 +77,20 @@ __device__ __forceinline__ int warp_row(int n) {
 	return row < n ? row : -1;
 }
 
+// A parameter read as bf16, or as fp32 when f32 is set (the optimizer's
+// fp32 master weights on the device, where PyTorch's autocast reads fp32).
+#define PARAM(p, f32, i) ((f32) ? ((const float *)(p))[i] : bf(((const bf16 *)(p))[i]))
+
 // ---- embeddings ----
 
 // out[b,t,:] = wte[tok[b,t],:] + wpe[t,:], fp32. tok [BT], wte [V, C],
-// wpe [NCtx, C] with T <= NCtx.
+// wpe [NCtx, C] with T <= NCtx; wte and wpe bf16, or fp32 with f32.
 extern "C" __global__ void gpt_encoder_forward(float *__restrict__ out, const int *__restrict__ tok,
-                                               const bf16 *__restrict__ wte, const bf16 *__restrict__ wpe,
-                                               int BT, int T, int C) {
+                                               const void *__restrict__ wte, const void *__restrict__ wpe,
+                                               int f32, int BT, int T, int C) {
 	GRID_STRIDE(i, (long)BT * C) {
 		int bt = (int)(i / C), c = (int)(i % C);
-		out[i] = bf(wte[(long)tok[bt] * C + c]) + bf(wpe[(long)(bt % T) * C + c]);
+		out[i] = PARAM(wte, f32, (long)tok[bt] * C + c) + PARAM(wpe, f32, (long)(bt % T) * C + c);
 	}
 }
 
@@ -130,12 +134,13 @@ extern "C" __global__ void gpt_cast_bf16(bf16 *__restrict__ out, const float *__
 // One warp per row of N rows of width C. With y, first res_out = res_in +
 // y (the residual add; res_out may equal res_in), then LayerNorm of
 // res_out; without y, LayerNorm of res_in. out = (x - mean) * rstd * w + b
-// in bf16; mean and rstd (fp32, [N]) are kept for backward. The variance
-// is the biased one, computed in a second pass over the row.
+// in bf16, w and b bf16 or fp32 (f32); mean and rstd (fp32, [N]) are
+// kept for backward. The variance is the biased one, computed in a second
+// pass over the row.
 extern "C" __global__ void gpt_layernorm_forward(bf16 *__restrict__ out, float *__restrict__ mean,
                                                  float *__restrict__ rstd, float *res_out, const float *res_in,
-                                                 const bf16 *__restrict__ y, const bf16 *__restrict__ w,
-                                                 const bf16 *__restrict__ b, int N, int C) {
+                                                 const bf16 *__restrict__ y, const void *__restrict__ w,
+                                                 const void *__restrict__ b, int f32, int N, int C) {
 	int row = warp_row(N);
 	if (row < 0) return;
 	int lane = threadIdx.x % 32;
@@ -161,7 +166,7 @@ extern "C" __global__ void gpt_layernorm_forward(bf16 *__restrict__ out, float *
 	}
 	float rs = 1.0f / sqrtf(warp_sum(v) / C + LN_EPS);
 	bf16 *o = out + (long)row * C;
-	for (int c = lane; c < C; c += 32) o[c] = tobf((x[c] - m) * rs * bf(w[c]) + bf(b[c]));
+	for (int c = lane; c < C; c += 32) o[c] = tobf((x[c] - m) * rs * PARAM(w, f32, c) + PARAM(b, f32, c));
 	if (lane == 0) {
 		mean[row] = m;
 		rstd[row] = rs;
@@ -172,11 +177,11 @@ extern "C" __global__ void gpt_layernorm_forward(bf16 *__restrict__ out, float *
 // mean) * rstd and g = dout * w, dx = (g - mean(g) - xhat * mean(g *
 // xhat)) * rstd. dres = dx (accumulate 0) or dres += dx (accumulate 1);
 // dres16, when not null, receives bf16(dres) for the matrix products that
-// read the residual gradient. The weight and bias gradients are
-// gpt_colsum_partial's.
+// read the residual gradient; w is bf16, or fp32 with f32. The weight and
+// bias gradients are gpt_colsum_partial's.
 extern "C" __global__ void gpt_layernorm_backward(float *__restrict__ dres, bf16 *__restrict__ dres16,
                                                   const bf16 *__restrict__ dout, const float *__restrict__ inp,
-                                                  const bf16 *__restrict__ w, const float *__restrict__ mean,
+                                                  const void *__restrict__ w, int f32, const float *__restrict__ mean,
                                                   const float *__restrict__ rstd, int accumulate, int N, int C) {
 	int row = warp_row(N);
 	if (row < 0) return;
@@ -187,7 +192,7 @@ extern "C" __global__ void gpt_layernorm_backward(float *__restrict__ dres, bf16
 	float a = 0.0f, bsum = 0.0f;
 	for (int c = lane; c < C; c += 32) {
 		float xh = (x[c] - m) * rs;
-		float g = bf(d[c]) * bf(w[c]);
+		float g = bf(d[c]) * PARAM(w, f32, c);
 		a += g;
 		bsum += g * xh;
 	}
@@ -197,7 +202,7 @@ extern "C" __global__ void gpt_layernorm_backward(float *__restrict__ dres, bf16
 	bf16 *dr16 = dres16 != 0 ? dres16 + (long)row * C : 0;
 	for (int c = lane; c < C; c += 32) {
 		float xh = (x[c] - m) * rs;
-		float g = bf(d[c]) * bf(w[c]);
+		float g = bf(d[c]) * PARAM(w, f32, c);
 		float dx = (g - a - xh * bsum) * rs;
 		float r = accumulate ? dr[c] + dx : dx;
 		dr[c] = r;
@@ -288,27 +293,18 @@ extern "C" __global__ void gpt_gelu_backward(bf16 *__restrict__ dinp, const bf16
 
 // ---- attention ----
 
-// Index helpers: i runs over [B, NH, T, HS]; qkv_index is where element i
-// of q sits in qkv [B, T, 3, NH, HS] (k and v follow at +NH*HS and
-// +2*NH*HS); bthd_index where it sits in [B, T, NH, HS].
-__device__ __forceinline__ long qkv_index(long i, int T, int NH, int HS) {
+// Index helper: i runs over [B, NH, T, HS]; bthd_index is where element
+// i sits in a [B, T, rows, HS] layout whose token rows hold rows heads of
+// HS: rows = NH for [B, T, NH, HS], 3*NH for q's place in qkv [B, T, 3C]
+// (add NH*HS for k's, 2*NH*HS for v's).
+__device__ __forceinline__ long bthd_index(long i, int T, int NH, int HS, int rows) {
 	int d = (int)(i % HS);
 	long r = i / HS;
 	int t = (int)(r % T);
 	r /= T;
 	int h = (int)(r % NH);
 	long b = r / NH;
-	return ((b * T + t) * 3 * NH + h) * HS + d;
-}
-
-__device__ __forceinline__ long bthd_index(long i, int T, int NH, int HS) {
-	int d = (int)(i % HS);
-	long r = i / HS;
-	int t = (int)(r % T);
-	r /= T;
-	int h = (int)(r % NH);
-	long b = r / NH;
-	return ((b * T + t) * NH + h) * HS + d;
+	return ((b * T + t) * rows + h) * HS + d;
 }
 
 // q, k, v [B, NH, T, HS] from qkv [B, T, 3C] (HF's split of c_attn's output).
@@ -316,7 +312,7 @@ extern "C" __global__ void gpt_permute_qkv(bf16 *__restrict__ q, bf16 *__restric
                                            const bf16 *__restrict__ qkv, int B, int T, int NH, int HS) {
 	long hs = (long)NH * HS;
 	GRID_STRIDE(i, (long)B * T * hs) {
-		long s = qkv_index(i, T, NH, HS);
+		long s = bthd_index(i, T, NH, HS, 3 * NH);
 		q[i] = qkv[s];
 		k[i] = qkv[s + hs];
 		v[i] = qkv[s + 2 * hs];
@@ -329,7 +325,7 @@ extern "C" __global__ void gpt_permute_qkv_backward(bf16 *__restrict__ dqkv, con
                                                     int B, int T, int NH, int HS) {
 	long hs = (long)NH * HS;
 	GRID_STRIDE(i, (long)B * T * hs) {
-		long s = qkv_index(i, T, NH, HS);
+		long s = bthd_index(i, T, NH, HS, 3 * NH);
 		dqkv[s] = dq[i];
 		dqkv[s + hs] = dk[i];
 		dqkv[s + 2 * hs] = dv[i];
@@ -339,13 +335,13 @@ extern "C" __global__ void gpt_permute_qkv_backward(bf16 *__restrict__ dqkv, con
 // out [B, T, NH, HS] = y [B, NH, T, HS] (the heads side by side again).
 extern "C" __global__ void gpt_unpermute(bf16 *__restrict__ out, const bf16 *__restrict__ y, int B, int T, int NH,
                                          int HS) {
-	GRID_STRIDE(i, (long)B * T * NH * HS) out[bthd_index(i, T, NH, HS)] = y[i];
+	GRID_STRIDE(i, (long)B * T * NH * HS) out[bthd_index(i, T, NH, HS, NH)] = y[i];
 }
 
 // The inverse: dy [B, NH, T, HS] from dout [B, T, NH, HS].
 extern "C" __global__ void gpt_unpermute_backward(bf16 *__restrict__ dy, const bf16 *__restrict__ dout, int B,
                                                   int T, int NH, int HS) {
-	GRID_STRIDE(i, (long)B * T * NH * HS) dy[i] = dout[bthd_index(i, T, NH, HS)];
+	GRID_STRIDE(i, (long)B * T * NH * HS) dy[i] = dout[bthd_index(i, T, NH, HS, NH)];
 }
 
 // Causal softmax, one warp per row of rows = B*NH*T rows of length T: row
