@@ -17,6 +17,7 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/perfmodel"
 )
 
 // spec is dos_adamw_new's JSON: torch.optim.AdamW's arguments and param
@@ -42,6 +43,103 @@ type spec struct {
 	// working copy is the fp32 master itself), "bfloat16" or "float16"
 	// (a 16-bit working copy of fp32 master weights, 16-bit gradients).
 	DType string `json:"dtype"`
+
+	// The update phase's placement (DeepSpeed's offload_optimizer options
+	// and dos's). Device "" updates on the CPU workers only, the state in
+	// Go memory; "cuda" (GPU 0) or "sim" (the simulated device, for
+	// tests) runs the interleaved engine with the state in pinned host
+	// memory (offload.Options.Device; 16-bit dtypes only).
+	Device string `json:"device"`
+	// GPUBudget is the device memory in bytes the update phase may hold:
+	// resident state and staging (offload.Options.GPUBudget). 0: none, so
+	// every subgroup is updated on the CPU.
+	GPUBudget int64 `json:"gpu_budget"`
+	// Profile is a dos calibrate profile of this machine
+	// (perfmodel.Load); "" with Schedule "auto" measures one briefly at
+	// construction (offload.Options.Calibrate).
+	Profile string `json:"profile"`
+	// Schedule is "auto" (or ""): the performance model's choice within
+	// GPUBudget; "cpu": every subgroup on the CPU (ZeRO-Offload's
+	// placement); "static": as many subgroups resident as GPUBudget holds,
+	// the rest on the CPU (perfmodel.StaticSplit, ZeRO-Offload++'s and
+	// TwinFlow's); "C,G,R": forced counts of CPU, streamed and resident
+	// subgroups (offload.ParseSchedule).
+	Schedule string `json:"schedule"`
+	// PinMemory is DeepSpeed's pin_memory: with a Device the state is
+	// always in pinned host memory (the engine's copies need it), so
+	// false is refused there; without one nothing is copied and it has no
+	// effect. nil: the default (true).
+	PinMemory *bool `json:"pin_memory"`
+}
+
+// placement fills opts's device options from s: the device (opened; its
+// release is returned, never nil), the budget, the profile and the
+// schedule over the subgroups that params make.
+func (s *spec) placement(opts *offload.Options, params []offload.Param) (release func(), err error) {
+	release = func() {}
+	if s.Device == "" {
+		switch {
+		case s.Schedule != "" && s.Schedule != "auto" && s.Schedule != "cpu":
+			return release, fmt.Errorf("dos: schedule %q needs a device (device=\"cuda\")", s.Schedule)
+		case s.GPUBudget != 0 || s.Profile != "":
+			return release, errors.New("dos: gpu_budget and profile need a device (device=\"cuda\")")
+		}
+		return release, nil
+	}
+	if s.PinMemory != nil && !*s.PinMemory {
+		return release, errors.New("dos: pin_memory=False with a device: dos keeps the optimizer state in pinned host memory, which its copies need")
+	}
+	if opts.WorkingDType == 0 {
+		return release, fmt.Errorf("dos: device %q needs bfloat16 or float16 parameters (the update phase writes a 16-bit working copy on the device); these are float32", s.Device)
+	}
+	if s.GPUBudget < 0 {
+		return release, fmt.Errorf("dos: gpu_budget %d: want >= 0 bytes", s.GPUBudget)
+	}
+	dev, rel, err := offload.OpenDevice(s.Device)
+	if err != nil {
+		return release, err
+	}
+	opts.Device, opts.GPUBudget = dev, s.GPUBudget
+	if s.Profile != "" {
+		if opts.Profile, err = offload.LoadProfile(s.Profile, dev); err != nil {
+			return rel, err
+		}
+	}
+	// The subgroups offload.New will cut: within each group, in order.
+	groupTotal := make([]int64, max(1, len(opts.Groups)))
+	for _, p := range params {
+		n := int64(1)
+		for _, d := range p.Shape {
+			n *= int64(d)
+		}
+		if p.Group >= 0 && p.Group < len(groupTotal) {
+			groupTotal[p.Group] += n
+		}
+	}
+	var sizes []int64
+	total := int64(0)
+	for _, gt := range groupTotal {
+		sizes = append(sizes, perfmodel.SubgroupSizes(gt, int64(opts.SubgroupSize))...)
+		total += gt
+	}
+	n := len(sizes)
+	switch s.Schedule {
+	case "", "auto":
+		opts.Calibrate = opts.Profile == nil
+	case "cpu":
+		opts.Schedule = &perfmodel.Schedule{CPU: n}
+	case "static":
+		w := perfmodel.Workload{Params: total, SubgroupSize: int64(opts.SubgroupSize), Sizes: sizes, GPUBudget: s.GPUBudget, AMSGrad: opts.Hyper.AMSGrad}
+		st := perfmodel.StaticSplit(w)
+		opts.Schedule = &st
+	default:
+		st, err := offload.ParseSchedule(s.Schedule)
+		if err != nil {
+			return rel, fmt.Errorf("dos: schedule %q: want auto, cpu, static or CPU,GPU,RESIDENT counts: %w", s.Schedule, err)
+		}
+		opts.Schedule = &st
+	}
+	return rel, nil
 }
 
 // dtypes maps spec.DType to the working copy's and the gradients' dtype.
@@ -54,6 +152,9 @@ var handles struct {
 	m     map[int64]*offload.Optimizer
 	eng   map[int64]*saver             // an optimizer's lazy checkpoint engine, by the optimizer's handle
 	saves map[int64]*checkpoint.Handle // saves in flight or done, by their own handle
+	// release closes an optimizer's device (offload.OpenDevice's), by the
+	// optimizer's handle, after its Close.
+	release map[int64]func()
 }
 
 // saver is an optimizer's checkpoint engine on one root.
@@ -76,6 +177,7 @@ func lookup(h C.int64_t) (*offload.Optimizer, error) {
 func newHandle() int64 {
 	if handles.m == nil {
 		handles.m, handles.eng, handles.saves = map[int64]*offload.Optimizer{}, map[int64]*saver{}, map[int64]*checkpoint.Handle{}
+		handles.release = map[int64]func(){}
 	}
 	handles.next++
 	return handles.next
@@ -142,14 +244,22 @@ func dos_adamw_new(specJSON *C.char, errOut **C.char) C.int64_t {
 		for _, g := range s.Groups {
 			opts.Groups = append(opts.Groups, offload.Group{LR: g.LR, WeightDecay: g.WeightDecay})
 		}
-		o, err := offload.New(params, *opts.EnsureDefaults())
+		opts.EnsureDefaults()
+		release, err := s.placement(&opts, params)
 		if err != nil {
+			release()
+			return err
+		}
+		o, err := offload.New(params, opts)
+		if err != nil {
+			release()
 			return err
 		}
 		handles.Lock()
 		defer handles.Unlock()
 		id = newHandle()
 		handles.m[id] = o
+		handles.release[id] = release
 		return nil
 	})
 	if !ok {
@@ -210,9 +320,10 @@ func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, n
 func dos_adamw_close(h C.int64_t, errOut **C.char) C.int32_t {
 	return status(run(errOut, func() error {
 		handles.Lock()
-		o, sv := handles.m[int64(h)], handles.eng[int64(h)]
+		o, sv, rel := handles.m[int64(h)], handles.eng[int64(h)], handles.release[int64(h)]
 		delete(handles.m, int64(h))
 		delete(handles.eng, int64(h))
+		delete(handles.release, int64(h))
 		handles.Unlock()
 		if o == nil {
 			return nil
@@ -221,7 +332,11 @@ func dos_adamw_close(h C.int64_t, errOut **C.char) C.int32_t {
 		if sv != nil {
 			errs = append(errs, sv.e.Close()) // waits for the save in flight
 		}
-		return errors.Join(append(errs, o.Close())...)
+		errs = append(errs, o.Close())
+		if rel != nil {
+			rel() // the device, after the optimizer that used it
+		}
+		return errors.Join(errs...)
 	}))
 }
 
@@ -388,6 +503,48 @@ func dos_adamw_load(h C.int64_t, path *C.char, objectsOut **C.char, errOut **C.c
 			}
 			*objectsOut = C.CString(string(b))
 		}
+		return nil
+	}))
+}
+
+// placementInfo is dos_adamw_placement's JSON: where the update phase runs.
+type placementInfo struct {
+	Device    string `json:"device"`     // the device's name, "" on the CPU workers only
+	GPUBudget int64  `json:"gpu_budget"` // bytes
+	Subgroups int    `json:"subgroups"`
+	CPU       int    `json:"cpu"`      // subgroups updated on the CPU workers
+	GPU       int    `json:"gpu"`      // streamed through the GPU
+	Resident  int    `json:"resident"` // resident on the GPU
+	Upcast    bool   `json:"upcast_on_gpu"`
+	// PredictedS is the performance model's predicted update phase in
+	// seconds, 0 without a profile (offload.Optimizer.Plan).
+	PredictedS float64 `json:"predicted_s"`
+}
+
+//export dos_adamw_placement
+func dos_adamw_placement(h C.int64_t, out **C.char, errOut **C.char) C.int32_t {
+	return status(run(errOut, func() error {
+		o, err := lookup(h)
+		if err != nil {
+			return err
+		}
+		opts := o.Options()
+		n := len(o.Subgroups())
+		info := placementInfo{GPUBudget: opts.GPUBudget, Subgroups: n, CPU: n}
+		if opts.Device != nil {
+			info.Device = opts.Device.Name()
+		}
+		if s, ok := o.Schedule(); ok {
+			info.CPU, info.GPU, info.Resident, info.Upcast = s.CPU, s.GPU, s.Resident, s.UpcastOnGPU
+		}
+		if p, ok := o.Plan(); ok {
+			info.PredictedS = p.Makespan
+		}
+		b, err := json.Marshal(info)
+		if err != nil {
+			return err
+		}
+		*out = C.CString(string(b))
 		return nil
 	}))
 }

@@ -18,6 +18,7 @@
 //	int32_t dos_save_wait(int64_t save, char **dir, char **err);
 //	void dos_save_free(int64_t save);
 //	int32_t dos_adamw_load(int64_t h, const char *path, char **objects_json, char **err);
+//	int32_t dos_adamw_placement(int64_t h, char **json, char **err);
 //	int32_t dos_adamw_close(int64_t h, char **err);
 //	void dos_free(char *p);
 //	const char *dos_version(void);

@@ -10,6 +10,7 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
 )
 
 // slowOS delays every positioned write, so that a flush outlasts the steps
@@ -211,4 +212,39 @@ func TestPlanCalibrate(t *testing.T) {
 		t.Fatalf("plan %+v (%v)", plan, ok)
 	}
 	t.Logf("calibrated plan: %.3f ms for %d parameters", 1e3*plan.Makespan, o.NumParams())
+}
+
+// TestPlanCalibrateSim: Calibrate with the simulated device measures the
+// CPU only (the simulated device has no rates to measure), so the model
+// keeps every subgroup on the CPU; Options says what was measured; with a
+// forced Schedule nothing is measured.
+func TestPlanCalibrateSim(t *testing.T) {
+	if testing.Short() || raceEnabled {
+		t.Skip("calibration takes a second (much more under -race)")
+	}
+	base := Options{Calibrate: true, Threads: 1, GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300,
+		Device: scheduler.NewSim(scheduler.SimOptions{}), GPUBudget: 1 << 30}
+	o, err := New(testParams, base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Close()
+	plan, ok := o.Plan()
+	n := len(o.Subgroups())
+	if !ok || plan.CPU != n || plan.GPU != 0 || plan.Resident != 0 || !(plan.Makespan > 0) {
+		t.Fatalf("plan %+v (%v), want all %d subgroups on the CPU", plan, ok, n)
+	}
+	if p := o.Options().Profile; p == nil || p.GPU != nil || len(p.CPU) != 1 || p.CPU[0].Threads != 1 {
+		t.Fatalf("Options().Profile = %+v, want the measured CPU rate at 1 thread and no GPU", p)
+	}
+	forced := base
+	forced.Schedule = &perfmodel.Schedule{CPU: n - 1, Resident: 1}
+	f, err := New(testParams, forced)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if s, _ := f.Schedule(); s != *forced.Schedule || f.Options().Profile != nil {
+		t.Fatalf("forced schedule %+v: engine %+v, profile %v", *forced.Schedule, s, f.Options().Profile)
+	}
 }

@@ -2,7 +2,9 @@ package offload
 
 import (
 	"fmt"
+	"time"
 
+	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
@@ -74,4 +76,32 @@ func LoadProfile(path string, dev scheduler.Device) (*perfmodel.Profile, error) 
 		}
 	}
 	return perfmodel.Load(path, here)
+}
+
+// calibrate measures this machine briefly for Options.Calibrate: the CPU
+// update rate at threads workers and gradient dtype gd
+// (perfmodel.CalibrateCPU, 3 repetitions of subgroups of 8M to 64M
+// parameters) and, on a CUDA device, its copy, conversion and update rates
+// at reduced sizes (perfmodel.CalibrateGPU: copies of 16 to 256 MiB,
+// updates of 16M and 64M parameters, 3 repetitions): a few seconds in
+// all, and up to about 2 GB of host memory while it runs. On another
+// device (the simulated one) the profile has no GPU rates, so the model
+// keeps every subgroup on the CPU.
+func calibrate(dev scheduler.Device, threads int, gd adam.DType) (*perfmodel.Profile, error) {
+	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC()}
+	if d, k, ok := scheduler.CUDAOf(dev); ok {
+		gp, err := perfmodel.CalibrateGPU(d, k, perfmodel.GPUOptions{
+			CopySizes: []int64{16 << 20, 64 << 20, 256 << 20}, UpdateSizes: []int64{16 << 20, 64 << 20}, Reps: 3,
+			Threads: threads, HostMemSeconds: 0.2}, nil)
+		if err != nil {
+			return nil, fmt.Errorf("the GPU: %w", err)
+		}
+		p.GPU = gp
+	}
+	cpu, err := perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{threads}, Reps: 3, GradDTypes: []adam.DType{gd}}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("the CPU: %w", err)
+	}
+	p.CPU = cpu
+	return p, nil
 }

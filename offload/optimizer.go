@@ -359,20 +359,21 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	prefault16(o.grad.U16)
 	prefault16(o.work.Data)
 	o.pool = adam.NewPool(opts.Threads)
+	if opts.Profile == nil && opts.Calibrate && opts.Schedule == nil {
+		p, err := calibrate(opts.Device, o.pool.Threads(), opts.GradDType)
+		if err != nil {
+			o.pool.Close()
+			return nil, fmt.Errorf("offload: calibrating: %w", err)
+		}
+		opts.Profile = p
+		o.opts.Profile = p
+	}
 	if opts.Device != nil {
 		if err := o.newEngine(); err != nil {
 			o.pool.Close()
 			return nil, err
 		}
 		return o, nil
-	}
-	if opts.Profile == nil && opts.Calibrate {
-		fits, err := perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{o.pool.Threads()}, Reps: 3, GradDTypes: []adam.DType{opts.GradDType}}, nil)
-		if err != nil {
-			o.pool.Close()
-			return nil, fmt.Errorf("offload: calibrating: %w", err)
-		}
-		opts.Profile = &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC(), CPU: fits}
 	}
 	if opts.Profile != nil {
 		w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), Sizes: o.subgroupSizes(), GradDType: opts.GradDType,

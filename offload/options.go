@@ -40,11 +40,16 @@ type Options struct {
 	// with Device the fastest within GPUBudget (or Schedule's prediction
 	// when Schedule forces one). Not saved in checkpoints.
 	Profile *perfmodel.Profile `json:"-"`
-	// Calibrate, when Profile is nil, makes New measure this machine's CPU
-	// update rate briefly (perfmodel.CalibrateCPU at the optimizer's thread
-	// count and gradient dtype, 3 repetitions of subgroups of 8M to 64M
-	// parameters, whatever the model's size: 1 to 3 s and up to about 2 GB
-	// of memory while it runs) and plan with it. Not saved in checkpoints.
+	// Calibrate, when Profile is nil, makes New measure this machine
+	// briefly and plan with the result (Profile is then the measured one):
+	// the CPU update rate (perfmodel.CalibrateCPU at the optimizer's
+	// thread count and gradient dtype, 3 repetitions of subgroups of 8M to
+	// 64M parameters, whatever the model's size: 1 to 3 s and up to about
+	// 2 GB of memory while it runs), and with a CUDA Device its copy,
+	// conversion and update rates at reduced sizes (perfmodel.CalibrateGPU,
+	// about a second more). On the simulated device the profile has no GPU
+	// rates: the model keeps every subgroup on the CPU. With a forced
+	// Schedule nothing is measured. Not saved in checkpoints.
 	Calibrate bool `json:"-"`
 	// Device, when set, runs every update phase through the interleaved
 	// engine (scheduler.Engine) on this device (OpenDevice: "cuda" for

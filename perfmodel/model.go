@@ -468,3 +468,16 @@ func (p *Profile) candidates(w Workload, r int) []int {
 	slices.Sort(cands)
 	return slices.Compact(cands)
 }
+
+// StaticSplit returns the static split of w's subgroups (ZeRO-Offload++'s
+// and TwinFlow's placement): as many subgroups resident on the GPU as
+// w.GPUBudget holds their state (GPUMemory), the rest updated on the CPU,
+// nothing streamed. With no budget it is all on the CPU (ZeRO-Offload's).
+func StaticSplit(w Workload) Schedule {
+	n := w.Subgroups()
+	r := 0
+	for r < n && w.GPUMemory(Schedule{CPU: n - r - 1, Resident: r + 1}) <= w.GPUBudget {
+		r++
+	}
+	return Schedule{CPU: n - r, Resident: r}
+}

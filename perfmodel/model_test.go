@@ -377,3 +377,27 @@ func TestSubgroupSizes(t *testing.T) {
 		t.Errorf("SubgroupCount(MaxInt64, 2^40) = %d", n)
 	}
 }
+
+// TestStaticSplit: as many subgroups resident as the budget holds their
+// state (12 bytes a parameter, 16 with amsgrad), the rest on the CPU.
+func TestStaticSplit(t *testing.T) {
+	w := Workload{Params: 1000, SubgroupSize: 100, GradDType: adam.BF16, CopyBytes: 2, Threads: 1}
+	for _, tc := range []struct {
+		budget  int64
+		amsgrad bool
+		want    Schedule
+	}{
+		{0, false, Schedule{CPU: 10}},
+		{1199, false, Schedule{CPU: 10}},
+		{1200, false, Schedule{CPU: 9, Resident: 1}},
+		{3 * 1200, false, Schedule{CPU: 7, Resident: 3}},
+		{3 * 1200, true, Schedule{CPU: 8, Resident: 2}},
+		{1 << 30, false, Schedule{Resident: 10}},
+	} {
+		w := w
+		w.GPUBudget, w.AMSGrad = tc.budget, tc.amsgrad
+		if got := StaticSplit(w); got != tc.want {
+			t.Errorf("budget %d amsgrad %v: %+v, want %+v", tc.budget, tc.amsgrad, got, tc.want)
+		}
+	}
+}

@@ -26,6 +26,17 @@ func (cudaEvent) isEvent()   {}
 // keeps d and k open while the Device is in use, and closes them after.
 func NewCUDA(d *cuda.Device, k *kernels.Kernels) Device { return &cudaDevice{d: d, k: k} }
 
+// CUDAOf returns the CUDA device and kernels behind d, when NewCUDA made
+// it (ok false for another Device, the simulated one): what
+// perfmodel.CalibrateGPU measures.
+func CUDAOf(d Device) (dev *cuda.Device, k *kernels.Kernels, ok bool) {
+	c, ok := d.(*cudaDevice)
+	if !ok {
+		return nil, nil, false
+	}
+	return c.d, c.k, true
+}
+
 func (c *cudaDevice) Name() string { return c.d.Name }
 
 func (c *cudaDevice) Alloc(bytes int64) (Mem, error) { return c.d.Alloc(bytes) }

@@ -24,8 +24,8 @@ func strategies(w perfmodel.Workload, choice perfmodel.Prediction, sweep int) []
 	n := w.Subgroups()
 	fit := int(float64(w.GPUBudget) / (12 * float64(min(w.SubgroupSize, w.Params)))) // p, m, v of a subgroup
 	out := []strategy{{"cpu-only", perfmodel.Schedule{CPU: n}}}
-	if r := min(fit, n); r > 0 {
-		out = append(out, strategy{"static", perfmodel.Schedule{CPU: n - r, Resident: r}})
+	if static := perfmodel.StaticSplit(w); static.Resident > 0 {
+		out = append(out, strategy{"static", static})
 	}
 	if fit >= n {
 		out = append(out, strategy{"all-gpu", perfmodel.Schedule{Resident: n}})

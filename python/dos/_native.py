@@ -41,6 +41,7 @@ SIGNATURES = {
     "dos_save_free": (None, [ctypes.c_int64]),
     "dos_adamw_load": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
                                         ctypes.POINTER(ctypes.c_void_p)]),
+    "dos_adamw_placement": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_close": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
 }
 

@@ -33,6 +33,17 @@ class AdamW(torch.optim.Optimizer):
     ``sub_group_size`` (elements per subgroup), ``threads`` (CPU workers, 0: all), and ``max_grad_norm``
     (global clipping as ``clip_grad_norm_``, 0: off).
 
+    Where the update phase runs (16-bit parameters): ``device=None`` (the default) updates every subgroup on
+    the CPU workers; ``device="cuda"`` runs dos's interleaved engine on GPU 0, the state in pinned host
+    memory (``pin_memory`` must stay True), with ``gpu_budget`` bytes of device memory for resident state and
+    staging (default 0: none, so every subgroup on the CPU; PyTorch's own memory use is not known at
+    construction, so set it to what your model leaves) and ``schedule``: ``"auto"`` (the performance model's
+    choice from ``profile``, a ``dos calibrate --json`` file of this machine, or else a few seconds of
+    measurement at construction), ``"cpu"`` (ZeRO-Offload's placement), ``"static"`` (as many subgroups
+    resident as the budget holds, the rest on the CPU: ZeRO-Offload++'s and TwinFlow's) or ``"C,G,R"`` counts
+    of CPU, streamed and resident subgroups. ``device="sim"`` runs the same engine on dos's simulated device
+    (for tests). ``placement()`` says what was chosen.
+
     dos keeps fp32 master weights: for float32 parameters they are ``p.data``, read at every step, so a
     parameter changed between steps (``fill_``, ``model.load_state_dict``, clamping) steps on from its new
     values as with torch; for bfloat16 or float16 parameters ``p.data`` is their 16-bit rounding
@@ -53,7 +64,8 @@ class AdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, sub_group_size=1_000_000_000, threads=0, max_grad_norm=0.0):
+                 maximize=False, sub_group_size=1_000_000_000, threads=0, max_grad_norm=0.0, device=None,
+                 gpu_budget=0, profile=None, schedule="auto", pin_memory=True):
         for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("max_grad_norm", max_grad_norm),
                         ("betas[0]", betas[0]), ("betas[1]", betas[1])):
             if not math.isfinite(float(v)):
@@ -90,7 +102,9 @@ class AdamW(torch.optim.Optimizer):
                 "betas": [float(first["betas"][0]), float(first["betas"][1])], "eps": float(first["eps"]),
                 "amsgrad": bool(first["amsgrad"]), "maximize": bool(first["maximize"]),
                 "max_grad_norm": float(max_grad_norm), "sub_group_size": int(sub_group_size), "threads": int(threads),
-                "dtype": _DTYPES[self._dtype]}
+                "dtype": _DTYPES[self._dtype], "device": device or "", "gpu_budget": int(gpu_budget),
+                "profile": os.fspath(profile) if profile else "", "schedule": schedule or "auto",
+                "pin_memory": bool(pin_memory)}
         self._shapes = [p.shape for p in self._params]
         self._fixed = [(float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g["maximize"]))
                        for g in self.param_groups]
@@ -272,6 +286,15 @@ class AdamW(torch.optim.Optimizer):
         if lrs and len(lrs) == len(self.param_groups):
             for g, lr in zip(self.param_groups, lrs):
                 g["lr"] = lr
+
+    def placement(self):
+        """Where the update phase runs, as a dict: ``device`` (its name, "" for the CPU workers only),
+        ``gpu_budget`` (bytes), ``subgroups`` and how many are updated on the ``cpu``, streamed through the
+        ``gpu`` or ``resident`` there, ``upcast_on_gpu``, and ``predicted_s``, the performance model's
+        predicted update phase in seconds (0 without a profile or calibration)."""
+        out = ctypes.c_void_p()
+        _native.call("dos_adamw_placement", self._handle(), ctypes.byref(out))
+        return json.loads(_native.take_string(out))
 
     def master_weights(self, i):
         """Parameter i's fp32 master weights (a copy): the parameter itself for float32, the weights its
