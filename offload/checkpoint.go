@@ -268,8 +268,8 @@ func (o *Optimizer) SaveCheckpoint(fsys checkpoint.FS, root string, objects map[
 // the host buffers (Working) at once, on the device (DeviceWorking) at
 // the next SyncDevice or Step, so a GPU trainer calls SyncDevice before
 // its next forward. After a device fault (scheduler.ErrBroken) the load
-// replaces the engine: DeviceGrad and DeviceWorking views taken before
-// are stale (DeviceTensor.Valid), ask for them again. A
+// replaces the engine: DeviceGrad, DeviceWorking and DeviceMaster views
+// taken before are stale (DeviceTensor.Valid), ask for them again. A
 // lazy save of this optimizer in flight (SaveAsync) is waited for first,
 // so that the root is read committed. It returns the directory loaded and
 // the checkpoint's objects, so the trainer can restore its own.

@@ -15,13 +15,14 @@ var ErrNoDevice = errors.New("offload: no device buffers: Options.Device is not 
 
 // ErrStaleView is DeviceTensor.Valid's error for a view of an engine the
 // optimizer no longer has: LoadCheckpoint replaced it after a device
-// fault. Ask DeviceGrad or DeviceWorking again.
-var ErrStaleView = errors.New("offload: a stale device view: LoadCheckpoint replaced the engine after a device fault (ask DeviceGrad or DeviceWorking again)")
+// fault. Ask DeviceGrad, DeviceWorking or DeviceMaster again.
+var ErrStaleView = errors.New("offload: a stale device view: LoadCheckpoint replaced the engine after a device fault (ask DeviceGrad, DeviceWorking or DeviceMaster again)")
 
 // DeviceTensor is one parameter's buffer in the device memory of
 // Options.Device, the one the update phase reads or writes: its gradient,
-// which a GPU trainer's backward writes (DeviceGrad), or its 16-bit working
-// copy, which its forward and backward read (DeviceWorking). Len elements
+// which a GPU trainer's backward writes (DeviceGrad), its 16-bit working
+// copy, which its forward and backward read (DeviceWorking), or the fp32
+// copy of its master weights (DeviceMaster). Len elements
 // of DType, contiguous, row-major in Shape, as Grad and Working on the
 // host.
 //
@@ -38,10 +39,11 @@ type DeviceTensor struct {
 	Len   int        // elements, the product of Shape
 	// Ptr is the device address of the first element (a CUdeviceptr) on
 	// a CUDA device; 0 on a device without addresses (the simulated
-	// one). The parameters lie end to end in one flat buffer (ParamInfo's
-	// Offset), so Ptr is aligned to DType's size only, and to 16 bytes
-	// when the elements before it in the flat space are a multiple of
-	// 16 bytes.
+	// one). The gradients and the working copy lie end to end in one flat
+	// buffer each (ParamInfo's Offset), so their Ptr is aligned to DType's
+	// size only, and to 16 bytes when the elements before it in the flat
+	// space are a multiple of 16 bytes; a DeviceMaster's is 16-byte
+	// aligned (scheduler.MirrorLayout).
 	Ptr uint64
 	// Vec is the same memory as the engine addresses it: elements
 	// [Vec.Off, Vec.Off+Vec.N) of DType in the flat buffer Vec.Mem (on
@@ -202,7 +204,8 @@ func (o *Optimizer) deviceTensor(i int, d adam.DType, all scheduler.Vec, lo, hi 
 // weights, scheduler.Engine.Load) and waits for the copies; otherwise it
 // does nothing. Call it after setting the initial values or loading a
 // checkpoint, before the first forward that reads DeviceWorking, with no
-// device work of the trainer in flight on the working copy. A Step with
+// device work of the trainer in flight on the working copy or the
+// DeviceMaster copies (it writes both). A Step with
 // StepArgs.GradOnDevice refuses to run when it was needed and not called
 // (the gradients were computed from stale weights).
 //

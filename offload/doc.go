@@ -54,7 +54,8 @@
 // LoadCheckpoint that replaces the engine after a device fault
 // (DeviceTensor.Valid). Options.GPUBudget bounds the update phase's own
 // device memory; Options.DeviceBytes is what the gradients and the working
-// copy take besides. On the simulated device ("sim") the same path runs
+// copy take besides, and Options.DeviceMasters' fp32 copies (DeviceMaster)
+// take 4 bytes a parameter more. On the simulated device ("sim") the same path runs
 // on the CPU, its memory reached through scheduler.Sim.HostView.
 //
 // # Subgroups

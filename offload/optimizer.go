@@ -145,7 +145,7 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // the step counter, the hyperparameters, the worker pool or the engine:
 // Step, ZeroGrad, SetParam, SetLR, Master, StepCount, Options, Schedule,
 // Snapshot, SaveAsync, SaveCheckpoint, LoadCheckpoint, SyncDevice,
-// SyncHost, DeviceGrad, DeviceWorking and Close. Each may be
+// SyncHost, DeviceGrad, DeviceWorking, DeviceMaster and Close. Each may be
 // called from any goroutine at any time: two calls run one after the other,
 // never interleaved (Step with Step, Step with SaveCheckpoint, ...), in an
 // unspecified order. Close waits for the call in flight (a Step, a
@@ -172,7 +172,7 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // Close. After Close the views of Grad and Working stay readable (host
 // memory; Close brings the working copy back from the device first).
 //
-// The device views (DeviceGrad, DeviceWorking) are device memory the
+// The device views (DeviceGrad, DeviceWorking, DeviceMaster) are device memory the
 // optimizer's calls read and write on the engine's streams: the trainer's
 // own device work on them must be complete before it calls Step,
 // ZeroGrad, SyncDevice, Close or a LoadCheckpoint (synchronize its
@@ -280,7 +280,8 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	if len(params) == 0 {
 		return nil, errors.New("offload: no parameters")
 	}
-	opts.Groups = slices.Clone(opts.Groups) // the caller's slice is not the optimizer's
+	opts.Groups = slices.Clone(opts.Groups) // the caller's slices are not the optimizer's
+	opts.DeviceMasters = slices.Clone(opts.DeviceMasters)
 	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params))}
 	for i, p := range params {
 		if p.Name == "" {
@@ -413,14 +414,16 @@ func (o *Optimizer) mirrorSpans() error {
 		}
 		o.mirrorAt[i] = 0
 	}
-	at := int64(0)
+	var order []int
 	for _, i := range o.layout {
-		if _, ok := o.mirrorAt[i]; !ok || o.params[i].Len == 0 {
-			continue
+		if _, ok := o.mirrorAt[i]; ok && o.params[i].Len > 0 {
+			order = append(order, i)
+			o.mirror = append(o.mirror, scheduler.Span{Off: int64(o.params[i].Offset), N: int64(o.params[i].Len)})
 		}
-		o.mirrorAt[i] = at
-		o.mirror = append(o.mirror, scheduler.Span{Off: int64(o.params[i].Offset), N: int64(o.params[i].Len)})
-		at += int64(o.params[i].Len)
+	}
+	at, _ := scheduler.MirrorLayout(o.mirror)
+	for k, i := range order {
+		o.mirrorAt[i] = at[k]
 	}
 	return nil
 }
@@ -575,6 +578,7 @@ func (o *Optimizer) Options() Options {
 	defer o.mu.Unlock()
 	opts := o.opts
 	opts.Groups = slices.Clone(opts.Groups) // a copy: SetGroupLR changes them
+	opts.DeviceMasters = slices.Clone(opts.DeviceMasters)
 	return opts
 }
 

@@ -39,7 +39,7 @@ type State struct {
 // defined where it is consumed). NewCUDA implements it on a CUDA device
 // with dos's kernels; NewSim is the simulated device for tests.
 //
-// Enqueueing methods (H2D, D2H, Record, Wait, AdamW, Widen16, Zero) return
+// Enqueueing methods (H2D, D2H, D2D, Record, Wait, AdamW, Widen16, Zero) return
 // an error when the work could not be enqueued; such a call has no effect.
 // Work that fails later, on the device, is reported by Sync or GradStats.
 // Methods may be called from several goroutines.

@@ -33,8 +33,8 @@ type Options struct {
 	// memory, current after every Load and Update (Mirror()): what a GPU
 	// trainer reads where PyTorch's autocast reads fp32 parameters
 	// (embedding lookups, LayerNorm). Sorted by Off, not overlapping,
-	// N > 0 each. Span k occupies the mirror's elements from the sum of
-	// the N before it. Each update copies the new values of its
+	// N > 0 each. Span k occupies the mirror's elements from
+	// MirrorLayout's at[k] (each span 16-byte aligned). Each update copies the new values of its
 	// subgroup's part: a device-to-device copy after a GPU subgroup's
 	// kernel, a copy H2D from the host state after a CPU subgroup's
 	// working copy.
@@ -68,8 +68,8 @@ var ErrEngineClosed = errors.New("scheduler: the engine is closed")
 // faults.go completes a step after a fault, alloc.go and transfers.go hold
 // its memory and the copies outside the update phase. It owns the master
 // state in pinned host memory, the gradients and the 16-bit working copy
-// in device memory, the resident state, two device staging slots and two
-// host staging slots per lane. Its methods must not be called
+// in device memory, the resident state, two device staging slots, two
+// host staging slots per lane, and the fp32 mirror (Options.Mirror). Its methods must not be called
 // concurrently.
 type Engine struct {
 	o     Options
@@ -248,11 +248,25 @@ func (e *Engine) Grad() Vec { return Vec{Mem: e.grad, N: e.total} }
 func (e *Engine) Working() Vec { return Vec{Mem: e.work, N: e.total} }
 
 // Mirror returns the device fp32 copy of Options.Mirror's master weights,
-// its spans end to end in order (a zero Vec without Options.Mirror). The
+// its spans in order where MirrorLayout puts them (a zero Vec without
+// Options.Mirror; the padding between spans is not written). The
 // memory is the engine's from New to Close; Load and Update write it
 // (when Update returns, every write of the phase is complete, as for
 // Working).
 func (e *Engine) Mirror() Vec { return Vec{Mem: e.mirror, N: e.mirrorN} }
+
+// MirrorLayout returns where each of spans lies in the mirror
+// (Options.Mirror): at[k] is span k's first element, the spans in order,
+// each starting on a multiple of 4 elements (16 bytes, for vector loads),
+// and n the mirror's elements in all.
+func MirrorLayout(spans []Span) (at []int64, n int64) {
+	at = make([]int64, len(spans))
+	for k, sp := range spans {
+		at[k] = (n + 3) &^ 3
+		n = at[k] + sp.N
+	}
+	return at, n
+}
 
 // mpiece is a part of the mirror inside one subgroup: n elements from the
 // subgroup's element sub, at the mirror's element at.
@@ -267,14 +281,17 @@ func (e *Engine) mirrorPieces(spans []Span) error {
 			return fmt.Errorf("scheduler: Options.Mirror[%d] = [%d, %d+%d): want N > 0, sorted, not overlapping, inside the %d elements", k, sp.Off, sp.Off, sp.N, e.total)
 		}
 		end = sp.Off + sp.N
+	}
+	at, n := MirrorLayout(spans)
+	for k, sp := range spans {
 		for i, off := range e.off {
-			lo, hi := max(sp.Off, off), min(end, off+e.sizes[i])
+			lo, hi := max(sp.Off, off), min(sp.Off+sp.N, off+e.sizes[i])
 			if lo < hi {
-				e.mpieces[i] = append(e.mpieces[i], mpiece{sub: lo - off, at: e.mirrorN + lo - sp.Off, n: hi - lo})
+				e.mpieces[i] = append(e.mpieces[i], mpiece{sub: lo - off, at: at[k] + lo - sp.Off, n: hi - lo})
 			}
 		}
-		e.mirrorN += sp.N
 	}
+	e.mirrorN = n
 	return nil
 }
 

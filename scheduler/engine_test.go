@@ -186,14 +186,17 @@ func checkMirror(t testing.TB, d Device, e *Engine, want []float32) {
 	}
 	b := get(t, d, e.mirror, 0, 4*e.mirrorN)
 	m := unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), e.mirrorN)
-	at := int64(0)
-	for _, sp := range e.o.Mirror {
+	ats, _ := MirrorLayout(e.o.Mirror)
+	for k, sp := range e.o.Mirror {
+		at := ats[k]
+		if at%4 != 0 {
+			t.Fatalf("mirror span %d at element %d: not 16-byte aligned", k, at)
+		}
 		for j := range sp.N {
 			if math.Float32bits(m[at+j]) != math.Float32bits(want[sp.Off+j]) {
 				t.Fatalf("mirror element %d (master %d): %g, want %g", at+j, sp.Off+j, m[at+j], want[sp.Off+j])
 			}
 		}
-		at += sp.N
 	}
 }
 

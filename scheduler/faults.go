@@ -12,7 +12,10 @@ import "fmt"
 // FaultError is Update's error when enqueueing a copy or a launch failed.
 // The step was then finished subgroup by subgroup, each from where it
 // stood, so the state is fully advanced (Recovered); had that failed too,
-// Update returns ErrBroken instead.
+// Update returns ErrBroken instead. A failed copy into the fp32 mirror
+// (Options.Mirror) is reported as a fault of the operation it follows
+// ("AdamW" or "copy H2D"), whose update itself was applied; the completion
+// refreshes the whole mirror.
 type FaultError struct {
 	Subgroup int    // the subgroup whose operation failed
 	Op       string // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "copy H2D"

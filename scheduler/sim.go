@@ -23,7 +23,7 @@ type SimOptions struct {
 	// Capacity is the device memory in bytes; 0 means 1 GiB.
 	Capacity int64
 	// FailAt, when > 0, makes the FailAt-th copy or launch (H2D, D2H,
-	// AdamW, Widen16, Zero, counted from 1 over the device's life) fail
+	// D2D, AdamW, Widen16, Zero, counted from 1 over the device's life) fail
 	// with ErrInjected, doing nothing.
 	FailAt int
 	// Profile, when set, gives each operation a duration from its fits

@@ -9,6 +9,9 @@ import (
 	"github.com/deepstates/dos/perfmodel"
 )
 
+// rvMirrors returns Options.Mirror layouts that stress the cut at the
+// subgroups: every other whole subgroup, one element in 97, and adjacent
+// spans on each subgroup boundary.
 func rvMirrors(sizes []int) map[string][]Span {
 	total := int64(0)
 	offs := []int64{}

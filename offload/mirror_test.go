@@ -15,7 +15,7 @@ import (
 	"github.com/deepstates/dos/scheduler"
 )
 
-// Review: the fp32 mirror (DeviceMasters) after every path that changes
+// The fp32 mirror (DeviceMasters) after every path that changes
 // the master weights, read through a trainer's own stream (the ordering
 // check sees the reads).
 
@@ -406,4 +406,35 @@ func TestReviewMirrorOnlyEmpty(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = sim
+}
+
+// TestDeviceMastersOwned: the optimizer keeps its own copy of
+// Options.DeviceMasters (changing the caller's slice, or the one Options
+// returns, changes nothing), and each DeviceMaster starts on a 16-byte
+// boundary of the mirror whatever precedes it.
+func TestDeviceMastersOwned(t *testing.T) {
+	params := []Param{{Name: "a", Shape: []int{3}}, {Name: "b", Shape: []int{1}}, {Name: "c", Shape: []int{8}}, {Name: "d", Shape: []int{5}}}
+	names := []string{"a", "c", "d"}
+	o, err := New(params, Options{GradDType: adam.BF16, WorkingDType: adam.BF16, Device: scheduler.NewSim(scheduler.SimOptions{}), DeviceMasters: names})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Close()
+	names[1] = "b"
+	o.Options().DeviceMasters[2] = "b"
+	for i, want := range []int64{0, -1, 4, 12} {
+		m, err := o.DeviceMaster(i)
+		if want < 0 {
+			if err == nil {
+				t.Errorf("DeviceMaster(%s): no error, but it is not in DeviceMasters", params[i].Name)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("DeviceMaster(%s): %v", params[i].Name, err)
+		}
+		if m.Vec.Off != want || m.Vec.Off%4 != 0 {
+			t.Errorf("DeviceMaster(%s) at mirror element %d, want %d (16-byte aligned)", params[i].Name, m.Vec.Off, want)
+		}
+	}
 }
