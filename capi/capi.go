@@ -268,6 +268,74 @@ func dos_adamw_new(specJSON *C.char, errOut **C.char) C.int64_t {
 	return C.int64_t(id)
 }
 
+// setLRs sets each parameter group's learning rate from lrs[0:ngroups].
+func setLRs(o *offload.Optimizer, lrs *C.double, ngroups C.int32_t) error {
+	if n := len(o.Options().Groups); n != int(ngroups) {
+		return fmt.Errorf("dos: %d learning rates for %d parameter groups", int(ngroups), n)
+	}
+	for g, lr := range unsafe.Slice((*float64)(unsafe.Pointer(lrs)), int(ngroups)) {
+		if err := o.SetGroupLR(g, lr); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+//export dos_adamw_device_ptrs
+func dos_adamw_device_ptrs(h C.int64_t, i C.int32_t, grad, working *C.uint64_t, errOut **C.char) C.int32_t {
+	return status(run(errOut, func() error {
+		o, err := lookup(h)
+		if err != nil {
+			return err
+		}
+		if int(i) < 0 || int(i) >= len(o.Params()) {
+			return fmt.Errorf("dos: parameter %d of %d", int(i), len(o.Params()))
+		}
+		g, err := o.DeviceGrad(int(i))
+		if err != nil {
+			return err
+		}
+		w, err := o.DeviceWorking(int(i))
+		if err != nil {
+			return err
+		}
+		if g.Ptr == 0 || w.Ptr == 0 {
+			return fmt.Errorf("dos: the optimizer's device %s has no device addresses (device=\"cuda\" has)", o.Options().Device.Name())
+		}
+		*grad, *working = C.uint64_t(g.Ptr), C.uint64_t(w.Ptr)
+		return nil
+	}))
+}
+
+//export dos_adamw_step_device
+func dos_adamw_step_device(h C.int64_t, lrs *C.double, ngroups C.int32_t, lossScale C.double, errOut **C.char) C.int32_t {
+	taken := C.int32_t(0)
+	ok := run(errOut, func() error {
+		o, err := lookup(h)
+		if err != nil {
+			return err
+		}
+		if err := setLRs(o, lrs, ngroups); err != nil {
+			return err
+		}
+		// Master weights set since the last step (state_set kind 0) go to
+		// the device first; a no-op otherwise.
+		if err := o.SyncDevice(); err != nil {
+			return err
+		}
+		res, err := o.Step(offload.StepArgs{LossScale: float64(lossScale), GradOnDevice: true})
+		if err != nil || res.Skipped {
+			return err
+		}
+		taken = 1
+		return nil
+	})
+	if !ok {
+		return -1
+	}
+	return taken
+}
+
 //export dos_adamw_step
 func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, ngroups C.int32_t, lossScale C.double, errOut **C.char) C.int32_t {
 	taken := C.int32_t(0)
@@ -276,13 +344,8 @@ func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, n
 		if err != nil {
 			return err
 		}
-		if n := len(o.Options().Groups); n != int(ngroups) {
-			return fmt.Errorf("dos: %d learning rates for %d parameter groups", int(ngroups), n)
-		}
-		for g, lr := range unsafe.Slice((*float64)(unsafe.Pointer(lrs)), int(ngroups)) {
-			if err := o.SetGroupLR(g, lr); err != nil {
-				return err
-			}
+		if err := setLRs(o, lrs, ngroups); err != nil {
+			return err
 		}
 		ps := o.Params()
 		gp, pp := unsafe.Slice(grads, len(ps)), unsafe.Slice(params, len(ps))

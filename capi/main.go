@@ -9,6 +9,8 @@
 //
 //	int64_t dos_adamw_new(const char *spec, char **err);
 //	int32_t dos_adamw_step(int64_t h, void **params, const void **grads, const double *lrs, int32_t ngroups, double loss_scale, char **err);
+//	int32_t dos_adamw_device_ptrs(int64_t h, int32_t i, uint64_t *grad, uint64_t *working, char **err);
+//	int32_t dos_adamw_step_device(int64_t h, const double *lrs, int32_t ngroups, double loss_scale, char **err);
 //	int32_t dos_adamw_state_get(int64_t h, int32_t i, int32_t kind, float *data, int64_t n, char **err);
 //	int32_t dos_adamw_state_set(int64_t h, int32_t i, int32_t kind, const float *data, int64_t n, char **err);
 //	int64_t dos_adamw_get_step(int64_t h, char **err);
@@ -24,7 +26,13 @@
 //	const char *dos_version(void);
 //
 // params and grads point to each parameter's data and gradient in the
-// spec's dtype (float32, or 16-bit with fp32 master weights in dos); the
+// spec's dtype (float32, or 16-bit with fp32 master weights in dos) in
+// host memory. With a CUDA device, dos_adamw_device_ptrs gives a
+// parameter's gradient and 16-bit working copy in the optimizer's device
+// memory (offload.Optimizer.DeviceGrad, DeviceWorking): the caller writes
+// the gradients there, calls dos_adamw_step_device (a Step with
+// StepArgs.GradOnDevice, after SyncDevice; it returns when the update is
+// complete on the device), then reads the new weights there; the
 // state functions take fp32 (kind 0 sets the master weights, as after
 // dos_adamw_new, which starts them at zero). kind is 0 (the fp32 master weights), 1 (exp_avg), 2 (exp_avg_sq) or 3
 // (max_exp_avg_sq, amsgrad only). A handle (int64_t, > 0) names one

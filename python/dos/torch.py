@@ -1,8 +1,10 @@
 """``dos.torch.AdamW``: a ``torch.optim.Optimizer`` backed by dos's Go runtime.
 
-This first version (issue 18, in progress) covers CPU float32 parameters: each ``step()`` hands the
-gradients to dos's offloaded AdamW (PyTorch-exact numerics, SIMD CPU workers, fp32 master weights and
-``exp_avg``/``exp_avg_sq`` in dos's memory) and writes the new weights into ``p.data`` in place.
+Each ``step()`` hands the gradients to dos's offloaded AdamW (PyTorch-exact numerics, SIMD CPU workers,
+fp32 master weights and ``exp_avg``/``exp_avg_sq`` in dos's memory, the update phase interleaved with the
+GPU when ``device="cuda"``) and writes the new weights into ``p.data`` in place. Parameters may be CPU
+tensors (float32, bfloat16, float16) or bfloat16/float16 tensors on cuda:0, whole (DDP, one GPU) or
+FSDP2's local shards (``DTensor.to_local()``).
 """
 import ctypes
 import json
@@ -18,6 +20,27 @@ __all__ = ["AdamW", "SaveHandle"]
 
 _SHARED = ("betas", "eps", "amsgrad", "maximize")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class _CudaArray:
+    """n int16 elements of device memory at ptr, for torch.as_tensor (__cuda_array_interface__ has no bf16)."""
+
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i2", "data": (ptr, False), "version": 2}
+
+
+def _alias(ptr, n, dtype):
+    """A flat CUDA tensor of n 16-bit elements of dtype that aliases dos's device memory at ptr."""
+    return torch.as_tensor(_CudaArray(ptr, n), device="cuda").view(dtype)
+
+
+def _local(t):
+    """The tensor dos reads and writes for t: the rank's local shard of a DTensor (FSDP2's fully_shard
+    parameters and gradients, DTensor.to_local(), which shares the shard's storage), else t itself (DDP's
+    and single-GPU parameters: every rank holds them whole)."""
+    if t is not None and hasattr(t, "to_local") and hasattr(t, "placements"):
+        return t.to_local()
+    return t
 
 
 def _norm(v):
@@ -57,7 +80,15 @@ class AdamW(torch.optim.Optimizer):
 
     ``state_dict``/``load_state_dict`` use torch.optim.AdamW's format, so state moves between the two (the
     moments in fp32). ``save``/``load`` checkpoint lazily in dos's format, master weights included.
-    Limits of this version: CPU tensors of one dtype, none empty; every parameter needs a gradient at every
+    CUDA parameters (bfloat16 or float16 on cuda:0; ``device="cuda"`` is then implied): ``step()`` copies
+    each gradient into dos's device gradient buffer on PyTorch's current stream, waits on an event of that
+    stream (this thread only, no device-wide synchronisation), runs dos's update phase, and copies the new
+    16-bit weights back on the current stream. ``torch.amp.GradScaler`` works as with torch.optim (it
+    unscales and skips the step itself). FSDP2 (``fully_shard``) parameters are DTensors: dos takes each
+    rank's local shard and its gradient's, so each rank's optimizer holds only its shards; with DDP every
+    rank holds the whole state. The CUDA and FSDP2 paths have not yet run on a GPU (issue 18).
+
+    Limits: parameters of one dtype and one device, none empty; every parameter needs a gradient at every
     step; the hyperparameters other than lr and weight_decay are fixed at construction (a loaded state dict's
     groups must agree with them); no param group can be added later. Errors from Go are raised as
     ``dos.DosError`` with Go's message.
@@ -85,18 +116,28 @@ class AdamW(torch.optim.Optimizer):
                                      f"(group 0: {first[k]!r})")
         self._params = []
         spec_params = []
-        dtypes = {p.dtype for g in self.param_groups for p in g["params"]}
+        dtypes = {_local(p).dtype for g in self.param_groups for p in g["params"]}
         if len(dtypes) > 1:
             raise ValueError(f"dos.torch.AdamW: the parameters mix dtypes {sorted(str(d) for d in dtypes)}; this version takes one")
         self._dtype = dtypes.pop() if dtypes else torch.float32
+        devices = {_local(p).device for g in self.param_groups for p in g["params"]}
+        self._cuda = any(d.type == "cuda" for d in devices)
+        if self._cuda:
+            if devices != {torch.device("cuda", 0)}:
+                raise ValueError(f"dos.torch.AdamW: the parameters are on {sorted(str(d) for d in devices)}; dos updates "
+                                 "CUDA parameters on cuda:0 only (set CUDA_VISIBLE_DEVICES to choose the GPU)")
+            if device not in (None, "cuda"):
+                raise ValueError(f"dos.torch.AdamW: the parameters are on cuda:0, device={device!r}: want \"cuda\" (or None)")
+            device = "cuda"
         for gi, g in enumerate(self.param_groups):
-            for p in g["params"]:
+            for P in g["params"]:
+                p = _local(P)  # the local shard of an FSDP2 parameter
                 self._check(len(self._params), p)
                 if p.numel() == 0:
                     raise ValueError(f"dos.torch.AdamW: parameter {len(self._params)} is empty {tuple(p.shape)}; "
                                      "leave it out of the optimizer")
                 spec_params.append({"name": f"p{len(self._params)}", "shape": list(p.shape) or [1], "group": gi})
-                self._params.append(p)
+                self._params.append(P)
         spec = {"params": spec_params,
                 "groups": [{"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"])} for g in self.param_groups],
                 "betas": [float(first["betas"][0]), float(first["betas"][1])], "eps": float(first["eps"]),
@@ -105,20 +146,32 @@ class AdamW(torch.optim.Optimizer):
                 "dtype": _DTYPES[self._dtype], "device": device or "", "gpu_budget": int(gpu_budget),
                 "profile": os.fspath(profile) if profile else "", "schedule": schedule or "auto",
                 "pin_memory": bool(pin_memory)}
-        self._shapes = [p.shape for p in self._params]
+        self._shapes = [_local(p).shape for p in self._params]
         self._fixed = [(float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g["maximize"]))
                        for g in self.param_groups]
         self._h = _native.call("dos_adamw_new", json.dumps(spec).encode())
         self._seen = [None] * len(self._params)  # (data_ptr, _version) of each parameter as dos last left it
+        self._views = self._device_views() if self._cuda else None
         self._saved_step = None
         self._lock = threading.Lock()  # one step, save or load at a time: they share dos's gradient buffers
         self.skipped = False
         for i, p in enumerate(self._params):
-            self._take(i, p)
+            self._take(i, _local(p))
+
+    def _device_views(self):
+        """Each parameter's gradient and 16-bit working copy in dos's device memory, as flat CUDA tensors
+        that alias it (through __cuda_array_interface__, as int16 then viewed in the parameters' dtype)."""
+        views = []
+        for i, p in enumerate(self._params):
+            g, w = ctypes.c_uint64(), ctypes.c_uint64()
+            _native.call("dos_adamw_device_ptrs", self._h, i, ctypes.byref(g), ctypes.byref(w))
+            n = _local(p).numel()
+            views.append((_alias(g.value, n, self._dtype), _alias(w.value, n, self._dtype)))
+        return views
 
     def _take(self, i, p):
-        """Sets parameter i's fp32 master weights from p.data and records it as seen."""
-        v = p.data.to(torch.float32).contiguous()
+        """Sets parameter i's fp32 master weights from p.data (p local) and records it as seen."""
+        v = p.data.to("cpu", torch.float32).contiguous()
         _native.call("dos_adamw_state_set", self._handle(), i, 0, v.data_ptr(), v.numel())
         self._seen[i] = (p.data.data_ptr(), p._version)
 
@@ -141,9 +194,9 @@ class AdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _check(i, p):
-        if p.device.type != "cpu" or p.dtype not in _DTYPES:
-            raise ValueError(f"dos.torch.AdamW: parameter {i} is {p.dtype} on {p.device}; this version takes CPU float32, "
-                             "bfloat16 or float16")
+        if p.device.type not in ("cpu", "cuda") or p.dtype not in _DTYPES:
+            raise ValueError(f"dos.torch.AdamW: parameter {i} is {p.dtype} on {p.device}; dos takes float32, bfloat16 or "
+                             "float16 on the CPU, and bfloat16 or float16 on cuda:0")
         if not p.data.is_contiguous():
             raise ValueError(f"dos.torch.AdamW: parameter {i} is not contiguous")
 
@@ -163,28 +216,50 @@ class AdamW(torch.optim.Optimizer):
         h = self._handle()
         n = len(self._params)
         params, grads, keep = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), []
-        for i, p in enumerate(self._params):
+        for i, P in enumerate(self._params):
+            p, grad = _local(P), _local(P.grad)  # an FSDP2 parameter's and gradient's local shards
             self._check(i, p)
             if p.shape != self._shapes[i]:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} changed shape from {tuple(self._shapes[i])} to {tuple(p.shape)}")
             if p.dtype != self._dtype:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} changed dtype from {self._dtype} to {p.dtype} "
                                  "(model.half() or .to(dtype) after the optimizer was built: build it after)")
-            if p.grad is None:
+            if grad is None:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has no gradient; dos updates every parameter at every step")
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has a sparse gradient")
-            g = p.grad.detach().to(self._dtype).contiguous()
-            keep.append(g)
+            if (p.device.type == "cuda") != self._cuda or grad.device != p.device:
+                raise ValueError(f"dos.torch.AdamW: parameter {i} is on {p.device} with its gradient on {grad.device}; "
+                                 f"the optimizer was built for {'cuda:0' if self._cuda else 'the CPU'}")
             if self._changed(i, p):  # changed or replaced since dos wrote it: take it
                 self._take(i, p)
+            if self._cuda:  # into dos's device gradient, on PyTorch's current stream
+                self._views[i][0].copy_(grad.detach().reshape(-1))
+                continue
+            g = grad.detach().to(self._dtype).contiguous()
+            keep.append(g)
             params[i], grads[i] = p.data.data_ptr(), g.data_ptr()
         for gi, g in enumerate(self.param_groups):
             if not math.isfinite(float(g["lr"])):
                 raise ValueError(f"dos.torch.AdamW: param group {gi}: invalid lr: {g['lr']}")
         lrs = (ctypes.c_double * len(self.param_groups))(*[float(g["lr"]) for g in self.param_groups])
-        taken = _native.call("dos_adamw_step", h, params, grads, lrs, len(self.param_groups), 0.0)
+        if not self._cuda:
+            taken = _native.call("dos_adamw_step", h, params, grads, lrs, len(self.param_groups), 0.0)
+            self.skipped = taken == 0
+            return
+        # dos's update reads the gradients once PyTorch's stream has written them: an event on that stream,
+        # waited for by this thread only (no device-wide synchronisation). The step returns when dos's update
+        # is complete on the device, so the copies out, on PyTorch's stream, read the new weights.
+        ev = torch.cuda.Event()
+        ev.record()
+        ev.synchronize()
+        taken = _native.call("dos_adamw_step_device", h, lrs, len(self.param_groups), 0.0)
         self.skipped = taken == 0
+        if taken:
+            for i, P in enumerate(self._params):
+                p = _local(P)
+                p.data.view(-1).copy_(self._views[i][1])
+                self._seen[i] = (p.data.data_ptr(), p._version)
 
     _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
 
@@ -202,7 +277,7 @@ class AdamW(torch.optim.Optimizer):
             for k, kind in self._KINDS.items():
                 if k == "max_exp_avg_sq" and not amsgrad:
                     continue
-                t = torch.empty(p.shape, dtype=torch.float32)
+                t = torch.empty(_local(p).shape, dtype=torch.float32)  # an FSDP2 rank's shard of the moment
                 _native.call("dos_adamw_state_get", self._h, i, kind, t.data_ptr(), t.numel())
                 st[k] = t
             self.state[p] = st
@@ -239,17 +314,17 @@ class AdamW(torch.optim.Optimizer):
             for k, kind in self._KINDS.items():
                 if k not in st or (k == "max_exp_avg_sq" and not amsgrad):
                     continue
-                t = torch.as_tensor(st[k]).detach().to("cpu", torch.float32).contiguous()
-                if t.shape != p.shape:
+                t = _local(torch.as_tensor(st[k]).detach()).to("cpu", torch.float32).contiguous()
+                if t.shape != _local(p).shape:
                     raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s {k} has shape {tuple(t.shape)}, "
-                                     f"the parameter {tuple(p.shape)}")
+                                     f"the parameter {tuple(_local(p).shape)}")
                 m[kind] = t
             moments.append(m)
         if len(steps) > 1:
             raise ValueError(f"dos.torch.AdamW.load_state_dict: the parameters' steps differ ({sorted(steps)}); "
                              "dos keeps one step count")
         for i, (p, m) in enumerate(zip(self._params, moments)):
-            self._take(i, p)
+            self._take(i, _local(p))
             for kind, t in m.items():
                 _native.call("dos_adamw_state_set", h, i, kind, t.data_ptr(), t.numel())
         _native.call("dos_adamw_set_step", h, steps.pop() if steps else 0)
@@ -279,7 +354,8 @@ class AdamW(torch.optim.Optimizer):
         objects = ctypes.c_void_p()
         _native.call("dos_adamw_load", self._handle(), os.fspath(path).encode(), ctypes.byref(objects))
         objs = json.loads(_native.take_string(objects) or "{}")
-        for i, p in enumerate(self._params):
+        for i, P in enumerate(self._params):
+            p = _local(P)
             p.data.copy_(self.master_weights(i).view(p.shape))
             self._seen[i] = (p.data.data_ptr(), p._version)
         lrs = (objs.get("torch") or {}).get("lrs")
@@ -301,8 +377,7 @@ class AdamW(torch.optim.Optimizer):
         16-bit values are rounded from otherwise."""
         if not 0 <= i < len(self._params):
             raise IndexError(f"dos.torch.AdamW.master_weights: parameter {i} of {len(self._params)}")
-        p = self._params[i]
-        t = torch.empty(p.shape, dtype=torch.float32)
+        t = torch.empty(_local(self._params[i]).shape, dtype=torch.float32)
         _native.call("dos_adamw_state_get", self._handle(), i, 0, t.data_ptr(), t.numel())
         return t
 
