@@ -70,6 +70,13 @@ type spec struct {
 	// false is refused there; without one nothing is copied and it has no
 	// effect. nil: the default (true).
 	PinMemory *bool `json:"pin_memory"`
+	// DeviceParams says the parameters and gradients are in the device's
+	// memory (CUDA tensors): the caller moves them with
+	// dos_adamw_device_ptrs and dos_adamw_step_device. float32 ones then
+	// read and write the fp32 master weights the engine keeps on the
+	// device for every parameter (offload.Options.DeviceMasters) and write
+	// fp32 gradients; the engine's 16-bit working copy goes unused.
+	DeviceParams bool `json:"device_params"`
 }
 
 // placement fills opts's device options from s: the device (opened; its
@@ -90,7 +97,16 @@ func (s *spec) placement(opts *offload.Options, params []offload.Param) (release
 		return release, errors.New("dos: pin_memory=False with a device: dos keeps the optimizer state in pinned host memory, which its copies need")
 	}
 	if opts.WorkingDType == 0 {
-		return release, fmt.Errorf("dos: device %q needs bfloat16 or float16 parameters (the update phase writes a 16-bit working copy on the device); these are float32", s.Device)
+		if !s.DeviceParams {
+			return release, fmt.Errorf("dos: device %q with float32 parameters on the CPU: the update phase writes a 16-bit working copy on the device; use bfloat16 or float16 parameters, or put the model on cuda:0", s.Device)
+		}
+		// fp32 parameters on the device: they are the fp32 master
+		// weights' device copy; the 16-bit working copy is the engine's
+		// own.
+		opts.WorkingDType = adam.BF16
+		for _, p := range params {
+			opts.DeviceMasters = append(opts.DeviceMasters, p.Name)
+		}
 	}
 	if s.GPUBudget < 0 {
 		return release, fmt.Errorf("dos: gpu_budget %d: want >= 0 bytes", s.GPUBudget)
@@ -295,7 +311,11 @@ func dos_adamw_device_ptrs(h C.int64_t, i C.int32_t, grad, working *C.uint64_t, 
 		if err != nil {
 			return err
 		}
-		w, err := o.DeviceWorking(int(i))
+		weights := o.DeviceWorking // 16-bit parameters: the working copy
+		if g.DType == adam.F32 {
+			weights = o.DeviceMaster // fp32 ones: the master weights' device copy
+		}
+		w, err := weights(int(i))
 		if err != nil {
 			return err
 		}

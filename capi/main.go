@@ -28,8 +28,9 @@
 // params and grads point to each parameter's data and gradient in the
 // spec's dtype (float32, or 16-bit with fp32 master weights in dos) in
 // host memory. With a CUDA device, dos_adamw_device_ptrs gives a
-// parameter's gradient and 16-bit working copy in the optimizer's device
-// memory (offload.Optimizer.DeviceGrad, DeviceWorking): the caller writes
+// parameter's gradient and weights in the optimizer's device memory
+// (offload.Optimizer.DeviceGrad, and DeviceWorking for 16-bit parameters or
+// DeviceMaster for float32 ones with the spec's device_params): the caller writes
 // the gradients there, calls dos_adamw_step_device (a Step with
 // StepArgs.GradOnDevice, after SyncDevice; it returns when the update is
 // complete on the device), then reads the new weights there; the

@@ -23,15 +23,18 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 
 
 class _CudaArray:
-    """n int16 elements of device memory at ptr, for torch.as_tensor (__cuda_array_interface__ has no bf16)."""
+    """n elements of device memory at ptr, for torch.as_tensor: float32 ("<f4"), or 16-bit ones as int16
+    ("<i2": __cuda_array_interface__ has no bfloat16)."""
 
-    def __init__(self, ptr, n):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i2", "data": (ptr, False), "version": 2}
+    def __init__(self, ptr, n, typestr):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr, "data": (ptr, False), "version": 2}
 
 
 def _alias(ptr, n, dtype):
-    """A flat CUDA tensor of n 16-bit elements of dtype that aliases dos's device memory at ptr."""
-    return torch.as_tensor(_CudaArray(ptr, n), device="cuda").view(dtype)
+    """A flat CUDA tensor of n elements of dtype that aliases dos's device memory at ptr."""
+    if dtype == torch.float32:
+        return torch.as_tensor(_CudaArray(ptr, n, "<f4"), device="cuda")
+    return torch.as_tensor(_CudaArray(ptr, n, "<i2"), device="cuda").view(dtype)
 
 
 def _local(t):
@@ -80,10 +83,12 @@ class AdamW(torch.optim.Optimizer):
 
     ``state_dict``/``load_state_dict`` use torch.optim.AdamW's format, so state moves between the two (the
     moments in fp32). ``save``/``load`` checkpoint lazily in dos's format, master weights included.
-    CUDA parameters (bfloat16 or float16 on cuda:0; ``device="cuda"`` is then implied): ``step()`` copies
-    each gradient into dos's device gradient buffer on PyTorch's current stream, waits on an event of that
-    stream (this thread only, no device-wide synchronisation), runs dos's update phase, and copies the new
-    16-bit weights back on the current stream. ``torch.amp.GradScaler`` works as with torch.optim (it
+    CUDA parameters (float32, bfloat16 or float16 on cuda:0; ``device="cuda"`` is then implied): ``step()``
+    copies each gradient into dos's device gradient buffer on PyTorch's current stream, waits on an event of
+    that stream (this thread only, no device-wide synchronisation), runs dos's update phase, and copies the
+    new weights back on the current stream: for float32 parameters (with autocast, as torch.optim.AdamW
+    users train) the fp32 master weights that dos keeps on the device for them, bit for bit torch's fp32
+    AdamW; for 16-bit ones dos's 16-bit working copy. ``torch.amp.GradScaler`` works as with torch.optim (it
     unscales and skips the step itself). FSDP2 (``fully_shard``) parameters are DTensors: dos takes each
     rank's local shard and its gradient's, so each rank's optimizer holds only its shards; with DDP every
     rank holds the whole state. The CUDA and FSDP2 paths have not yet run on a GPU (issue 18).
@@ -145,7 +150,7 @@ class AdamW(torch.optim.Optimizer):
                 "max_grad_norm": float(max_grad_norm), "sub_group_size": int(sub_group_size), "threads": int(threads),
                 "dtype": _DTYPES[self._dtype], "device": device or "", "gpu_budget": int(gpu_budget),
                 "profile": os.fspath(profile) if profile else "", "schedule": schedule or "auto",
-                "pin_memory": bool(pin_memory)}
+                "pin_memory": bool(pin_memory), "device_params": self._cuda}
         self._shapes = [_local(p).shape for p in self._params]
         self._fixed = [(float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g["maximize"]))
                        for g in self.param_groups]
@@ -196,7 +201,7 @@ class AdamW(torch.optim.Optimizer):
     def _check(i, p):
         if p.device.type not in ("cpu", "cuda") or p.dtype not in _DTYPES:
             raise ValueError(f"dos.torch.AdamW: parameter {i} is {p.dtype} on {p.device}; dos takes float32, bfloat16 or "
-                             "float16 on the CPU, and bfloat16 or float16 on cuda:0")
+                             "float16 tensors on the CPU or cuda:0")
         if not p.data.is_contiguous():
             raise ValueError(f"dos.torch.AdamW: parameter {i} is not contiguous")
 

@@ -71,7 +71,7 @@ def test_auto_calibrates():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(device="sim", pin_memory=False), "pin_memory=False"),
-    (dict(device="sim", dtype=torch.float32), "needs bfloat16 or float16"),
+    (dict(device="sim", dtype=torch.float32), "float32 parameters on the CPU"),
     (dict(schedule="static"), "needs a device"),
     (dict(gpu_budget=1 << 20), "need a device"),
     (dict(device="sim", schedule="fast"), "schedule \"fast\""),
