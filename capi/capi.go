@@ -329,49 +329,23 @@ func dos_adamw_device_ptrs(h C.int64_t, i C.int32_t, grad, working *C.uint64_t, 
 
 //export dos_adamw_step_device
 func dos_adamw_step_device(h C.int64_t, lrs *C.double, ngroups C.int32_t, lossScale C.double, errOut **C.char) C.int32_t {
-	taken := C.int32_t(0)
-	ok := run(errOut, func() error {
-		o, err := lookup(h)
-		if err != nil {
-			return err
-		}
-		if err := setLRs(o, lrs, ngroups); err != nil {
-			return err
-		}
+	return step(h, lrs, ngroups, errOut, func(o *offload.Optimizer) (offload.StepArgs, error) {
 		// Master weights set since the last step (state_set kind 0) go to
 		// the device first; a no-op otherwise.
-		if err := o.SyncDevice(); err != nil {
-			return err
-		}
-		res, err := o.Step(offload.StepArgs{LossScale: float64(lossScale), GradOnDevice: true})
-		if err != nil || res.Skipped {
-			return err
-		}
-		taken = 1
-		return nil
-	})
-	if !ok {
-		return -1
-	}
-	return taken
+		return offload.StepArgs{LossScale: float64(lossScale), GradOnDevice: true}, o.SyncDevice()
+	}, nil)
 }
 
 //export dos_adamw_step
 func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, ngroups C.int32_t, lossScale C.double, errOut **C.char) C.int32_t {
-	taken := C.int32_t(0)
-	ok := run(errOut, func() error {
-		o, err := lookup(h)
-		if err != nil {
-			return err
-		}
-		if err := setLRs(o, lrs, ngroups); err != nil {
-			return err
-		}
+	var pp []unsafe.Pointer
+	return step(h, lrs, ngroups, errOut, func(o *offload.Optimizer) (offload.StepArgs, error) {
 		ps := o.Params()
-		gp, pp := unsafe.Slice(grads, len(ps)), unsafe.Slice(params, len(ps))
+		gp := unsafe.Slice(grads, len(ps))
+		pp = unsafe.Slice(params, len(ps))
 		for i, p := range ps {
 			if gp[i] == nil || pp[i] == nil {
-				return fmt.Errorf("dos: parameter %s: a nil gradient or data pointer", p.Name)
+				return offload.StepArgs{}, fmt.Errorf("dos: parameter %s: a nil gradient or data pointer", p.Name)
 			}
 			if g := o.Grad(i); g.DType == adam.F32 {
 				copy(g.Float32(), unsafe.Slice((*float32)(gp[i]), p.Len))
@@ -379,24 +353,52 @@ func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, n
 				copy(g.Uint16(), unsafe.Slice((*uint16)(gp[i]), p.Len))
 			}
 		}
-		res, err := o.Step(offload.StepArgs{LossScale: float64(lossScale)})
-		if err != nil || res.Skipped {
-			return err
-		}
-		for i, p := range ps {
+		return offload.StepArgs{LossScale: float64(lossScale)}, nil
+	}, func(o *offload.Optimizer) {
+		for i, p := range o.Params() {
 			if w := o.Working(i); w.DType == adam.F32 {
 				copy(unsafe.Slice((*float32)(pp[i]), p.Len), w.Float32())
 			} else {
 				copy(unsafe.Slice((*uint16)(pp[i]), p.Len), w.Uint16())
 			}
 		}
-		taken = 1
+	})
+}
+
+// step is one optimizer step of handle h: the groups' learning rates from
+// lrs, then prepare (the gradients in, and the StepArgs), the Step, and
+// after a step that was taken, taken (the new weights out). It returns 1
+// when the step was taken, 0 when it was skipped (non-finite gradients),
+// -1 on error.
+func step(h C.int64_t, lrs *C.double, ngroups C.int32_t, errOut **C.char,
+	prepare func(*offload.Optimizer) (offload.StepArgs, error), taken func(*offload.Optimizer)) C.int32_t {
+	out := C.int32_t(0)
+	ok := run(errOut, func() error {
+		o, err := lookup(h)
+		if err != nil {
+			return err
+		}
+		if err := setLRs(o, lrs, ngroups); err != nil {
+			return err
+		}
+		args, err := prepare(o)
+		if err != nil {
+			return err
+		}
+		res, err := o.Step(args)
+		if err != nil || res.Skipped {
+			return err
+		}
+		if taken != nil {
+			taken(o)
+		}
+		out = 1
 		return nil
 	})
 	if !ok {
 		return -1
 	}
-	return taken
+	return out
 }
 
 //export dos_adamw_close

@@ -118,20 +118,26 @@ func get(t testing.TB, d Device, m Mem, off, n int64) []byte {
 
 func u16sOf(b []byte) []uint16 { return unsafe.Slice((*uint16)(unsafe.Pointer(&b[0])), len(b)/2) }
 
-// setup builds an engine on d for p with the schedule s over sizes and
-// loads p's initial state.
+// setup builds an engine on d for p with the schedule s over sizes and a
+// two-span mirror (testMirror), and loads p's initial state.
 func setup(t testing.TB, d Device, p *problem, sizes []int, s perfmodel.Schedule, amsgrad bool) *Engine {
+	t.Helper()
+	total := int64(0)
+	for _, n := range sizes {
+		total += int64(n)
+	}
+	return setupWith(t, d, p, sizes, s, amsgrad, testMirror(total))
+}
+
+// setupWith is setup with the mirror's spans given.
+func setupWith(t testing.TB, d Device, p *problem, sizes []int, s perfmodel.Schedule, amsgrad bool, mirror []Span) *Engine {
 	t.Helper()
 	plan, err := NewPlan(len(sizes), s)
 	if err != nil {
 		t.Fatal(err)
 	}
-	total := int64(0)
-	for _, n := range sizes {
-		total += int64(n)
-	}
 	e, err := New(Options{Device: d, Sizes: sizes, GradDType: p.gd, WorkingDType: adam.BF16, AMSGrad: amsgrad, Pool: nil, Plan: plan,
-		Mirror: testMirror(total)})
+		Mirror: mirror})
 	if err != nil {
 		t.Fatal(err)
 	}
