@@ -59,7 +59,8 @@ class AdamW(torch.optim.Optimizer):
     ``sub_group_size`` (elements per subgroup), ``threads`` (CPU workers, 0: all), and ``max_grad_norm``
     (global clipping as ``clip_grad_norm_``, 0: off).
 
-    Where the update phase runs (16-bit parameters): ``device=None`` (the default) updates every subgroup on
+    Where the update phase runs (16-bit parameters on the CPU, any on cuda:0): ``device=None`` (the default for
+    CPU parameters) updates every subgroup on
     the CPU workers; ``device="cuda"`` runs dos's interleaved engine on GPU 0, the state in pinned host
     memory (``pin_memory`` must stay True), with ``gpu_budget`` bytes of device memory for resident state and
     staging (default 0: none, so every subgroup on the CPU; PyTorch's own memory use is not known at
@@ -70,9 +71,10 @@ class AdamW(torch.optim.Optimizer):
     of CPU, streamed and resident subgroups. ``device="sim"`` runs the same engine on dos's simulated device
     (for tests). ``placement()`` says what was chosen.
 
-    dos keeps fp32 master weights: for float32 parameters they are ``p.data``, read at every step, so a
-    parameter changed between steps (``fill_``, ``model.load_state_dict``, clamping) steps on from its new
-    values as with torch; for bfloat16 or float16 parameters ``p.data`` is their 16-bit rounding
+    dos keeps fp32 master weights: for float32 parameters on the CPU they are ``p.data``, read at every step,
+    so a parameter changed between steps (``fill_``, ``model.load_state_dict``, clamping) steps on from its
+    new values as with torch; for float32 parameters on cuda:0 ``p.data`` is their copy, and a change is
+    taken as for 16-bit ones (below); for bfloat16 or float16 parameters ``p.data`` is their 16-bit rounding
     (``master_weights(i)`` reads them), the gradients are 16-bit, and a parameter replaced or changed in
     place (seen by its data pointer and ``_version``; not a change through ``p.data``) is taken into the
     master weights at the next step, losing their low bits.
@@ -181,10 +183,14 @@ class AdamW(torch.optim.Optimizer):
         self._seen[i] = (p.data.data_ptr(), p._version)
 
     def _changed(self, i, p):
-        """Whether parameter i may differ from dos's master weights: always for float32 (the master is
-        p.data itself, taken every step: an in-place change through p.data bumps no version), and for
-        16-bit parameters when p was replaced or changed in place (its data pointer or _version)."""
-        return self._dtype == torch.float32 or (p.data.data_ptr(), p._version) != self._seen[i]
+        """Whether parameter i may differ from dos's master weights: always for float32 on the CPU (the
+        master is p.data itself, taken every step, cheaply: an in-place change through p.data bumps no
+        version), and otherwise when p was replaced or changed in place (its data pointer or _version:
+        ``model.load_state_dict`` and in-place ops under no_grad bump it; a change through ``p.data`` is not
+        seen). On cuda:0 taking one sends the state through the host, so it is not done every step."""
+        if self._dtype == torch.float32 and not self._cuda:
+            return True
+        return (p.data.data_ptr(), p._version) != self._seen[i]
 
     def _handle(self):
         if not self._h:
