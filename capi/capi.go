@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"strings"
 	"sync"
 	"unsafe"
 
@@ -63,7 +64,8 @@ type spec struct {
 	// placement); "static": as many subgroups resident as GPUBudget holds,
 	// the rest on the CPU (perfmodel.StaticSplit, ZeRO-Offload++'s and
 	// TwinFlow's); "C,G,R": forced counts of CPU, streamed and resident
-	// subgroups (offload.ParseSchedule).
+	// subgroups (offload.ParseSchedule), within GPUBudget unless it is 0.
+	// Case and spaces do not matter.
 	Schedule string `json:"schedule"`
 	// PinMemory is DeepSpeed's pin_memory: with a Device the state is
 	// always in pinned host memory (the engine's copies need it), so
@@ -139,7 +141,8 @@ func (s *spec) placement(opts *offload.Options, params []offload.Param) (release
 		total += gt
 	}
 	n := len(sizes)
-	switch s.Schedule {
+	sched := strings.ToLower(strings.ReplaceAll(s.Schedule, " ", ""))
+	switch sched {
 	case "", "auto":
 		opts.Calibrate = opts.Profile == nil
 	case "cpu":
@@ -149,9 +152,16 @@ func (s *spec) placement(opts *offload.Options, params []offload.Param) (release
 		st := perfmodel.StaticSplit(w)
 		opts.Schedule = &st
 	default:
-		st, err := offload.ParseSchedule(s.Schedule)
+		st, err := offload.ParseSchedule(sched)
 		if err != nil {
-			return rel, fmt.Errorf("dos: schedule %q: want auto, cpu, static or CPU,GPU,RESIDENT counts: %w", s.Schedule, err)
+			return rel, fmt.Errorf("dos: schedule %q: want \"auto\", \"cpu\", \"static\" or three subgroup counts CPU,GPU,RESIDENT such as \"2,2,1\"", s.Schedule)
+		}
+		if got := st.CPU + st.GPU + st.Resident; got != n {
+			return rel, fmt.Errorf("dos: schedule %q: the counts add up to %d, but the parameters make %d subgroups (sub_group_size %d)", s.Schedule, got, n, opts.SubgroupSize)
+		}
+		w := perfmodel.Workload{Params: total, SubgroupSize: int64(opts.SubgroupSize), Sizes: sizes, AMSGrad: opts.Hyper.AMSGrad}
+		if need := w.GPUMemory(st); s.GPUBudget > 0 && need > s.GPUBudget {
+			return rel, fmt.Errorf("dos: schedule %q needs %d bytes of device memory for its resident state and staging; gpu_budget is %d (0 sets no limit for forced counts)", s.Schedule, need, s.GPUBudget)
 		}
 		opts.Schedule = &st
 	}

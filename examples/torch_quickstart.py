@@ -64,23 +64,32 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--ckpt", default=None, help="checkpoint root (default: a temporary directory)")
     a = ap.parse_args(argv)
-    root = a.ckpt or tempfile.mkdtemp(prefix="dos-torch-")
-    os.makedirs(root, exist_ok=True)
-    half = a.steps // 2
+    if a.steps < 2:
+        ap.error(f"--steps {a.steps}: want at least 2 (the checkpoint is taken halfway)")
+    if a.ckpt is None:  # a temporary root, removed at the end
+        with tempfile.TemporaryDirectory(prefix="dos-torch-") as root:
+            return run(a.steps, root)
+    os.makedirs(a.ckpt, exist_ok=True)
+    return run(a.steps, a.ckpt)
 
-    model, opt, sched = model_and_optimizer(a.steps)
+
+def run(steps, root):
+    half = steps // 2
+
+    model, opt, sched = model_and_optimizer(steps)
     with torch.no_grad():
         first = torch.nn.functional.mse_loss(model(next(batches(1, 1))[0]), next(batches(1, 1))[1]).item()
     save = [half, root]
-    end = train(model, opt, sched, batches(1, a.steps), 0, a.steps, save)
-    print(f"trained {a.steps} steps: loss {first:.4f} -> {end:.4f}; checkpoint of step {half}: {save[2].wait()} (durable)")
+    end = train(model, opt, sched, batches(1, steps), 0, steps, save)
+    print(f"trained {steps} steps: loss {first:.4f} -> {end:.4f}; checkpoint of step {half}: {save[2].wait()} (durable)")
 
-    model2, opt2, sched2 = model_and_optimizer(a.steps)
+    model2, opt2, sched2 = model_and_optimizer(steps)
     opt2.load(root)  # the master weights into the model's parameters, the moments, the step, the groups' lr
     sched2.load_state_dict(torch.load(os.path.join(root, "scheduler.pt")))
-    end2 = train(model2, opt2, sched2, batches(1, a.steps), half, a.steps)
+    end2 = train(model2, opt2, sched2, batches(1, steps), half, steps)
     same = all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
-    print(f"resumed from step {half}: loss {end2:.4f}; the same weights as the straight run: {same}")
+    print(f"resumed from step {half} and trained to step {steps}: loss {end2:.4f}; "
+          f"the same weights as the straight run: {same}")
     opt.close()
     opt2.close()
     return 0 if same and end < first else 1

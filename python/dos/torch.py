@@ -95,9 +95,11 @@ class AdamW(torch.optim.Optimizer):
     rank's local shard and its gradient's, so each rank's optimizer holds only its shards; with DDP every
     rank holds the whole state. The CUDA and FSDP2 paths have not yet run on a GPU (issue 18).
 
-    Limits: parameters of one dtype and one device, none empty; every parameter needs a gradient at every
-    step; the hyperparameters other than lr and weight_decay are fixed at construction (a loaded state dict's
-    groups must agree with them); no param group can be added later. Errors from Go are raised as
+    Limits: parameters of one dtype and one device, each once, none empty, all requiring gradients; every
+    parameter needs a gradient at every step; each group's lr is read at every step, its other
+    hyperparameters (weight_decay, betas, eps, amsgrad, maximize) are fixed at construction: a step after a
+    change raises (``OneCycleLR`` cycles betas unless ``cycle_momentum=False``), and a loaded state dict's
+    groups must agree with them; no param group can be added later. Errors from Go are raised as
     ``dos.DosError`` with Go's message.
     """
 
@@ -127,6 +129,13 @@ class AdamW(torch.optim.Optimizer):
         if len(dtypes) > 1:
             raise ValueError(f"dos.torch.AdamW: the parameters mix dtypes {sorted(str(d) for d in dtypes)}; this version takes one")
         self._dtype = dtypes.pop() if dtypes else torch.float32
+        if isinstance(device, torch.device):
+            device = device.type if device.index in (None, 0) or device.type != "cuda" else f"cuda:{device.index}"
+        if device in ("cpu", "cuda:0"):
+            device = None if device == "cpu" else "cuda"
+        if device not in (None, "cuda", "sim"):
+            raise ValueError(f"dos.torch.AdamW: device={device!r}: want None (the CPU workers), \"cuda\" (GPU 0) or "
+                             "\"sim\" (dos's simulated device, for tests)")
         devices = {_local(p).device for g in self.param_groups for p in g["params"]}
         self._cuda = any(d.type == "cuda" for d in devices)
         if self._cuda:
@@ -140,6 +149,12 @@ class AdamW(torch.optim.Optimizer):
             for P in g["params"]:
                 p = _local(P)  # the local shard of an FSDP2 parameter
                 self._check(len(self._params), p)
+                if any(P is q for q in self._params):
+                    raise ValueError(f"dos.torch.AdamW: parameter {len(self._params)} {tuple(p.shape)} is given twice; "
+                                     "dos keeps one state per parameter: pass each once")
+                if not P.requires_grad:
+                    raise ValueError(f"dos.torch.AdamW: parameter {len(self._params)} {tuple(p.shape)} does not require "
+                                     "gradients (frozen); leave it out: [p for p in model.parameters() if p.requires_grad]")
                 if p.numel() == 0:
                     raise ValueError(f"dos.torch.AdamW: parameter {len(self._params)} is empty {tuple(p.shape)}; "
                                      "leave it out of the optimizer")
@@ -154,8 +169,7 @@ class AdamW(torch.optim.Optimizer):
                 "profile": os.fspath(profile) if profile else "", "schedule": schedule or "auto",
                 "pin_memory": bool(pin_memory), "device_params": self._cuda}
         self._shapes = [_local(p).shape for p in self._params]
-        self._fixed = [(float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g["maximize"]))
-                       for g in self.param_groups]
+        self._fixed = [self._hyper(g) for g in self.param_groups]
         self._h = _native.call("dos_adamw_new", json.dumps(spec).encode())
         self._seen = [None] * len(self._params)  # (data_ptr, _version) of each parameter as dos last left it
         self._views = self._device_views() if self._cuda else None
@@ -175,6 +189,12 @@ class AdamW(torch.optim.Optimizer):
             n = _local(p).numel()
             views.append((_alias(g.value, n, self._dtype), _alias(w.value, n, self._dtype)))
         return views
+
+    @staticmethod
+    def _hyper(g):
+        """A group's hyperparameters that dos fixes at construction."""
+        return (float(g["weight_decay"]), tuple(float(b) for b in g["betas"]), float(g["eps"]), bool(g["amsgrad"]),
+                bool(g.get("maximize", False)))
 
     def _take(self, i, p):
         """Sets parameter i's fp32 master weights from p.data (p local) and records it as seen."""
@@ -236,7 +256,9 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(f"dos.torch.AdamW: parameter {i} changed dtype from {self._dtype} to {p.dtype} "
                                  "(model.half() or .to(dtype) after the optimizer was built: build it after)")
             if grad is None:
-                raise ValueError(f"dos.torch.AdamW: parameter {i} has no gradient; dos updates every parameter at every step")
+                raise ValueError(f"dos.torch.AdamW: parameter {i} {tuple(p.shape)} has no gradient at this step; dos "
+                                 "updates every parameter at every step: leave parameters that take no part in the loss "
+                                 "out of the optimizer, or give them zero gradients")
             if grad.is_sparse:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has a sparse gradient")
             if (p.device.type == "cuda") != self._cuda or grad.device != p.device:
@@ -250,9 +272,15 @@ class AdamW(torch.optim.Optimizer):
             g = grad.detach().to(self._dtype).contiguous()
             keep.append(g)
             params[i], grads[i] = p.data.data_ptr(), g.data_ptr()
-        for gi, g in enumerate(self.param_groups):
+        for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
             if not math.isfinite(float(g["lr"])):
                 raise ValueError(f"dos.torch.AdamW: param group {gi}: invalid lr: {g['lr']}")
+            now = self._hyper(g)
+            if now != fixed:
+                names = ("weight_decay", "betas", "eps", "amsgrad", "maximize")
+                what = ", ".join(f"{k} {b!r} -> {a!r}" for k, a, b in zip(names, now, fixed) if a != b)
+                raise ValueError(f"dos.torch.AdamW: param group {gi} changed {what} after construction; dos reads only lr "
+                                 "at every step (OneCycleLR cycles betas unless cycle_momentum=False)")
         lrs = (ctypes.c_double * len(self.param_groups))(*[float(g["lr"]) for g in self.param_groups])
         if not self._cuda:
             taken = _native.call("dos_adamw_step", h, params, grads, lrs, len(self.param_groups), 0.0)
@@ -310,7 +338,7 @@ class AdamW(torch.optim.Optimizer):
         if len(index) != len(self._params):
             raise ValueError(f"dos.torch.AdamW.load_state_dict: {len(index)} parameters, this optimizer has {len(self._params)}")
         for gi, (g, fixed) in enumerate(zip(groups, self._fixed)):
-            now = (float(g["weight_decay"]), _norm(g["betas"]), float(g["eps"]), bool(g["amsgrad"]), bool(g.get("maximize", False)))
+            now = self._hyper(g)
             if now != fixed:
                 raise ValueError(f"dos.torch.AdamW.load_state_dict: group {gi}'s (weight_decay, betas, eps, amsgrad, maximize) "
                                  f"are {now} in the state dict, {fixed} in this optimizer: dos fixes them at construction")

@@ -4,6 +4,8 @@ The simulated device executes the interleaved engine's operations on the CPU, so
 asked (every subgroup on the CPU, a static split, forced counts, the model's choice) must give the bits of the
 CPU-only optimizer. The same options with device="cuda" run it on GPU 0.
 """
+import warnings
+
 import pytest
 import torch
 
@@ -78,7 +80,6 @@ def test_auto_calibrates():
     (dict(device="sim", schedule="1,1"), "schedule \"1,1\""),
     (dict(device="sim", schedule="1,1,1"), "add up"),
     (dict(device="sim", gpu_budget=-1), "gpu_budget -1"),
-    (dict(device="tpu"), "want cuda or sim"),
     (dict(device="sim", profile="/nonexistent/profile.json"), "profile.json"),
 ])
 def test_placement_errors(kwargs, match):
@@ -86,3 +87,46 @@ def test_placement_errors(kwargs, match):
     dtype = kwargs.pop("dtype", torch.bfloat16)
     with pytest.raises(dos.DosError, match=match):
         dt.AdamW(params(dtype), sub_group_size=500, **kwargs)
+
+
+def test_python_side_refusals():
+    """What the binding refuses before Go sees it, each saying what to do: an unknown device (torch.device
+    values are taken: cpu is None), a parameter given twice or frozen, a missing gradient, and betas changed
+    after construction (as OneCycleLR's momentum cycling does); the step before the change still ran."""
+    with pytest.raises(ValueError, match="want None"):
+        dt.AdamW(params(torch.bfloat16), device="tpu")
+    assert dt.AdamW(params(torch.bfloat16), device=torch.device("cpu")).placement()["device"] == ""
+    ps = params(torch.float32)
+    with pytest.raises(ValueError, match="given twice"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own warning about the duplicate
+        dt.AdamW([ps[0], ps[1], ps[0]])
+    ps[2].requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad"):
+        dt.AdamW(ps)
+    ps[2].requires_grad_(True)
+    opt = dt.AdamW(ps, lr=1e-3)
+    train(opt, ps, 1)
+    ps[0].grad = None
+    for p in ps[1:]:
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match="no gradient at this step"):
+        opt.step()
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    opt.param_groups[0]["betas"] = (0.85, 0.999)
+    with pytest.raises(ValueError, match=r"changed betas \(0.9, 0.999\) -> \(0.85, 0.999\)"):
+        opt.step()
+    opt.param_groups[0]["betas"] = (0.9, 0.999)
+    opt.step()
+
+
+def test_schedule_spelling_and_budget():
+    """Schedules take any case and spaces; forced counts over a non-zero gpu_budget are refused with the bytes
+    they need, and gpu_budget 0 sets no limit for them."""
+    kw = dict(device="sim", sub_group_size=500)
+    pl = dt.AdamW(params(torch.bfloat16), schedule=" 1, 2, 2 ", **kw).placement()
+    assert (pl["cpu"], pl["gpu"], pl["resident"]) == (1, 2, 2), pl
+    assert dt.AdamW(params(torch.bfloat16), schedule="CPU", **kw).placement()["cpu"] == 5
+    with pytest.raises(dos.DosError, match=r"needs \d+ bytes of device memory.*gpu_budget is 1000"):
+        dt.AdamW(params(torch.bfloat16), schedule="0,0,5", gpu_budget=1000, **kw)
+    assert dt.AdamW(params(torch.bfloat16), schedule="0,0,5", **kw).placement()["resident"] == 5
