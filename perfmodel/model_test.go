@@ -401,3 +401,35 @@ func TestStaticSplit(t *testing.T) {
 		}
 	}
 }
+
+// TestScaled: a profile scaled by f predicts each resource's busy time f
+// times the original's, leaves the original alone, and ignores factors
+// that are not finite and positive.
+func TestScaled(t *testing.T) {
+	p := profile(1e9, true, 5e10, 2e10)
+	p.GPU.H2D.LatencyS = 1e-5
+	w := Workload{Params: 1e9, SubgroupSize: 1e8, GradDType: adam.BF16, CopyBytes: 2, Threads: 4, GPUBudget: 8 << 30}
+	s := Schedule{CPU: 4, GPU: 4, Resident: 2}
+	base, err := p.Predict(w, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := map[Resource]float64{ResCPU: 2, ResH2D: 0.5, ResD2H: 3, ResGPU: math.NaN()}
+	q := p.Scaled(f)
+	got, err := q.Predict(w, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []Resource{ResCPU, ResH2D, ResD2H, ResGPU} {
+		want := base.Busy[r]
+		if x := f[r]; x > 0 {
+			want *= x
+		}
+		if !near(got.Busy[r], want) {
+			t.Errorf("%s busy %g, want %g (base %g)", r, got.Busy[r], want, base.Busy[r])
+		}
+	}
+	if p.GPU.H2D.LatencyS != 1e-5 || p.CPU[0].Rate != 1e9 {
+		t.Error("Scaled changed the original profile")
+	}
+}

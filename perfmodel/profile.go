@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"runtime"
+	"slices"
 	"time"
 
 	"github.com/deepstates/dos/adam"
@@ -225,4 +227,38 @@ const maxProfile = 16 << 20
 // name, memory and driver when there is one.
 func Here() Machine {
 	return Machine{CPU: cpuid.CPU.BrandName, Cores: runtime.NumCPU()}
+}
+
+// Scaled returns a copy of p in which resource r takes f[r] times the time
+// p says (each of its fits' latency times f[r], rate over f[r]): the CPU
+// update fits for ResCPU, the copies H2D (alone and duplex) for ResH2D,
+// D2H for ResD2H, the fused update and the conversion for ResGPU. A
+// resource missing from f, or with a factor that is not finite and > 0,
+// keeps its fits. It is how measured update phases correct a profile
+// (offload's Options.Replan). The fits' Points are shared with p.
+func (p *Profile) Scaled(f map[Resource]float64) *Profile {
+	q := *p
+	scale := func(fit *Fit, r Resource) {
+		x := f[r]
+		if !(x > 0) || math.IsInf(x, 0) {
+			return
+		}
+		fit.LatencyS *= x
+		fit.Rate /= x
+	}
+	q.CPU = slices.Clone(p.CPU)
+	for i := range q.CPU {
+		scale(&q.CPU[i].Fit, ResCPU)
+	}
+	if p.GPU != nil {
+		g := *p.GPU
+		scale(&g.H2D, ResH2D)
+		scale(&g.H2DBoth, ResH2D)
+		scale(&g.D2H, ResD2H)
+		scale(&g.D2HBoth, ResD2H)
+		scale(&g.Update, ResGPU)
+		scale(&g.Convert, ResGPU)
+		q.GPU = &g
+	}
+	return &q
 }

@@ -87,6 +87,11 @@ func (e *Engine) allocBase() error {
 func (e *Engine) allocPlan(p *Plan) error {
 	e.plan = p
 	e.core = newCore(p, shape{sizes: e.sizes, arrays: e.nArr, gradBytes: e.gb, chunk: e.o.copyChunk})
+	nops := 0
+	for i := range e.sizes {
+		nops += len(e.core.ops(i))
+	}
+	e.spans = make([]interval, 0, nops) // Measure's scratch
 	e.cpuGD = e.o.GradDType
 	if e.core.upcast {
 		e.cpuGD = adam.F32

@@ -117,6 +117,8 @@ type Engine struct {
 	done        []uint8       // bit per operation done (enqueued, or run on the CPU)
 	cpuT        [][2]time.Duration
 	t0          time.Time
+	wall        time.Duration // the last Update's wall time
+	spans       []interval    // Measure's scratch, one per operation of the plan
 	abort       atomic.Bool
 	deviceFault atomic.Bool // a wait failed: the device itself faulted
 	firstMu     chan struct{}
@@ -421,6 +423,7 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 			return fmt.Errorf("%w: %v", ErrBroken, err)
 		}
 	}
+	e.wall = time.Since(e.t0)
 	if e.first == nil {
 		return nil
 	}

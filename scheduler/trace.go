@@ -55,6 +55,106 @@ func (e *Engine) Trace() ([]Op, error) {
 	return ops, nil
 }
 
+// Busy is the work of one update phase per resource, the performance
+// model's Prediction.Busy measured: the summed durations of the
+// operations on the CPU workers, the H2D lane, the D2H lane and the GPU's
+// kernels (AdamW and the upcast), and the phase's wall time.
+type Busy struct {
+	CPU, H2D, D2H, GPU time.Duration
+	// Makespan is from the first operation's start to the last one's end
+	// (Summarize's), the performance model's Prediction.Makespan measured.
+	Makespan time.Duration
+	Wall     time.Duration // Update's, from its start to the last stream drained
+}
+
+// Of returns r's busy time.
+func (b Busy) Of(r perfmodel.Resource) time.Duration {
+	switch r {
+	case perfmodel.ResCPU:
+		return b.CPU
+	case perfmodel.ResH2D:
+		return b.H2D
+	case perfmodel.ResD2H:
+		return b.D2H
+	}
+	return b.GPU
+}
+
+// interval is one operation's interval on its resource, for Measure.
+type interval struct {
+	start, end time.Duration
+	res        int8 // resIndex
+}
+
+// resIndex orders the resources for Measure.
+func resIndex(r perfmodel.Resource) int8 {
+	switch r {
+	case perfmodel.ResCPU:
+		return 0
+	case perfmodel.ResH2D:
+		return 1
+	case perfmodel.ResD2H:
+		return 2
+	}
+	return 3
+}
+
+// Measure returns the last Update's Busy from the same clocks as Trace
+// (the device's events, the host clock for the CPU workers): each
+// resource's busy time is the union of its operations' intervals, as
+// Summarize counts it. It does not allocate: Options.Replan's refit in
+// offload reads it after every phase. Errors: the device's (Elapsed).
+func (e *Engine) Measure() (Busy, error) {
+	e.spans = e.spans[:0]
+	for i := range e.sizes {
+		for _, op := range e.core.ops(i) {
+			if e.done[i]&(1<<op) == 0 {
+				continue
+			}
+			r := e.core.opSteps[i][op]
+			sp := interval{res: resIndex(resource(e.core.steps[r[0]].queue))}
+			if op == opCPU {
+				sp.start, sp.end = e.cpuT[i][0], e.cpuT[i][1]
+			} else {
+				var err error
+				if sp.start, err = e.dev.Elapsed(e.base, e.startEv[r[0]]); err != nil {
+					return Busy{}, err
+				}
+				if sp.end, err = e.dev.Elapsed(e.base, e.endEv[r[1]]); err != nil {
+					return Busy{}, err
+				}
+			}
+			e.spans = append(e.spans, sp)
+		}
+	}
+	slices.SortFunc(e.spans, func(a, b interval) int { return int(a.start - b.start) })
+	var busy, lo, hi [4]time.Duration
+	var open [4]bool
+	var first, last time.Duration
+	for k, sp := range e.spans {
+		if k == 0 || sp.start < first {
+			first = sp.start
+		}
+		last = max(last, sp.end)
+		r := sp.res
+		switch {
+		case !open[r]:
+			lo[r], hi[r], open[r] = sp.start, sp.end, true
+		case sp.start > hi[r]: // a gap: close the run
+			busy[r] += hi[r] - lo[r]
+			lo[r], hi[r] = sp.start, sp.end
+		default:
+			hi[r] = max(hi[r], sp.end)
+		}
+	}
+	for r := range busy {
+		if open[r] {
+			busy[r] += hi[r] - lo[r]
+		}
+	}
+	return Busy{CPU: busy[0], H2D: busy[1], D2H: busy[2], GPU: busy[3], Makespan: last - first, Wall: e.wall}, nil
+}
+
 // Summary is what a trace says of one update phase.
 type Summary struct {
 	Makespan time.Duration                        // from the first start to the last end

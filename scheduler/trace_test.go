@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/perfmodel"
 )
 
@@ -55,5 +56,49 @@ func TestSummarize(t *testing.T) {
 	}
 	if z := Summarize(nil); z.Makespan != 0 || z.Overlap != 0 {
 		t.Errorf("empty trace: %+v", z)
+	}
+}
+
+// TestMeasure: Measure's busy times and makespan are Summarize's of the same
+// phase (the union of each resource's intervals), and it allocates nothing.
+func TestMeasure(t *testing.T) {
+	n := 0
+	for _, s := range testSizes {
+		n += s
+	}
+	p := newProblem(n, adam.BF16, false, 1, 9)
+	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-6} }
+	d := NewSim(SimOptions{Profile: &perfmodel.GPUProfile{H2D: fit(50e9), D2H: fit(50e9), Update: fit(1e9), Convert: fit(1e10)}})
+	e := setup(t, d, p, testSizes, perfmodel.Schedule{CPU: 3, GPU: 3, Resident: 2}, false)
+	defer e.Close()
+	put(t, d, e.grad, 0, p.gradBytes(0))
+	c := adam.DefaultHyper().Coeffs(1, 1, 1)
+	if err := e.Update(&c); err != nil {
+		t.Fatal(err)
+	}
+	b, err := e.Measure()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ops, err := e.Trace()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := Summarize(ops)
+	for _, r := range []perfmodel.Resource{perfmodel.ResCPU, perfmodel.ResH2D, perfmodel.ResD2H, perfmodel.ResGPU} {
+		if b.Of(r) != sum.Busy[r] {
+			t.Errorf("%s: Measure %v, Summarize %v", r, b.Of(r), sum.Busy[r])
+		}
+	}
+	if b.Makespan != sum.Makespan {
+		t.Errorf("Measure's makespan %v, Summarize's %v", b.Makespan, sum.Makespan)
+	}
+	if b.H2D <= 0 || b.GPU <= 0 || b.Wall <= 0 {
+		t.Errorf("Measure %+v: want H2D, GPU and wall time > 0", b)
+	}
+	if !raceEnabled {
+		if a := testing.AllocsPerRun(10, func() { _, _ = e.Measure() }); a != 0 {
+			t.Errorf("Measure allocates %v times", a)
+		}
 	}
 }
