@@ -119,6 +119,12 @@ type StepResult struct {
 	GradNorm float64       // global L2 norm of the unscaled gradients, before clipping; 0 when clipping is off
 	ClipCoef float64       // the factor the gradients were multiplied by (1 when not clipped)
 	Elapsed  time.Duration // wall time of the update phase
+	// With Options.Replan: the plan's predicted update phase (its
+	// makespan) and the measured one (scheduler.Busy.Makespan), and
+	// whether this step re-planned the schedule after its update (Plan
+	// then says the new one).
+	Predicted, Measured time.Duration
+	Replanned           bool
 }
 
 // String describes the step for a log line: "step 12 grad_norm 1.234
@@ -206,6 +212,7 @@ type Optimizer struct {
 	// the current state is.
 	eng *scheduler.Engine
 	dev devState
+	re replanState // Options.Replan's
 	// mirrorAt: for each parameter in Options.DeviceMasters, its first
 	// element in the engine's mirror (scheduler.Engine.Mirror).
 	mirrorAt map[int]int64
@@ -438,8 +445,18 @@ func (o *Optimizer) newEngine() error {
 	o.eng, o.state, o.dev = eng, eng.HostState(), devHostAhead
 	if plan != nil {
 		o.plan = plan
+		if o.opts.Replan {
+			o.re = replanState{base: o.opts.Profile, basePred: *plan, last: o.step,
+				f: map[perfmodel.Resource]float64{perfmodel.ResCPU: 0, perfmodel.ResH2D: 0, perfmodel.ResD2H: 0, perfmodel.ResGPU: 0}}
+		}
 	}
 	return nil
+}
+
+// workload is the update phase the performance model plans with a device.
+func (o *Optimizer) workload() perfmodel.Workload {
+	return perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(o.opts.SubgroupSize), Sizes: o.subgroupSizes(),
+		GradDType: o.opts.GradDType, CopyBytes: 2, AMSGrad: o.opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: o.opts.GPUBudget}
 }
 
 // buildEngine builds an engine on Options.Device with the forced
@@ -450,8 +467,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 	opts := o.opts
 	n := len(o.subgroups)
 	s := perfmodel.Schedule{CPU: n}
-	w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), Sizes: o.subgroupSizes(), GradDType: opts.GradDType,
-		CopyBytes: 2, AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: opts.GPUBudget}
+	w := o.workload()
 	if opts.Schedule != nil {
 		s = *opts.Schedule
 		if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
@@ -1049,6 +1065,11 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 		o.dev = devDeviceAhead
 	}
 	res.Step = o.step
+	if o.re.base != nil && err == nil {
+		if rerr := o.refit(&res); rerr != nil {
+			return res, rerr
+		}
+	}
 	if onDevice {
 		o.workStale.Store(true) // Working fetches it
 	} else if gerr := o.eng.GetWorking(o.work.Data); gerr != nil {

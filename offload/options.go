@@ -85,6 +85,20 @@ type Options struct {
 	// Saved and restored with the checkpoint (LoadCheckpoint restores the
 	// groups' lr and weight_decay, as load_state_dict does).
 	Groups []Group `json:"groups,omitempty"`
+	// Replan, with Device and the performance model's schedule (Profile
+	// or Calibrate; not a forced Schedule), corrects the model online:
+	// after every update phase it compares each resource's measured busy
+	// time (scheduler.Engine.Measure) with the profile's prediction for
+	// the schedule, keeps a factor per resource weighted toward recent
+	// phases (half the newest, half the past), and when the plan's
+	// predicted update time missed the measured one by more than 10 %
+	// (at most every 3 steps) it re-chooses the schedule with the profile
+	// so corrected (perfmodel.Profile.Scaled) and re-plans the engine if
+	// that is predicted 5 % faster; otherwise Plan takes the corrected
+	// prediction. StepResult reports the predicted and measured update
+	// phase and a re-plan. A re-plan moves resident state (Engine.Replan)
+	// within the step that decides it. Not saved in checkpoints.
+	Replan bool `json:"-"`
 	// DeviceMasters, with Device, names the parameters whose fp32 master
 	// weights the engine also keeps in device memory, refreshed by every
 	// update (DeviceMaster): what a GPU trainer reads in fp32 where
@@ -173,8 +187,11 @@ func (o *Options) Validate() error {
 	if o.GPUBudget < 0 {
 		return fmt.Errorf("offload: GPUBudget %d: want >= 0 bytes", o.GPUBudget)
 	}
-	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0) {
-		return errors.New("offload: Schedule, GPUBudget and DeviceMasters need a Device")
+	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0 || o.Replan) {
+		return errors.New("offload: Schedule, GPUBudget, DeviceMasters and Replan need a Device")
+	}
+	if o.Replan && (o.Schedule != nil || (o.Profile == nil && !o.Calibrate)) {
+		return errors.New("offload: Replan corrects the performance model's schedule: it needs Profile or Calibrate, and no forced Schedule")
 	}
 	return nil
 }

@@ -1,0 +1,123 @@
+package offload
+
+import (
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// Options.Replan's constants. The choice between schedules is the
+// performance model's (Deep Optimizer States, section 4) on the profile
+// corrected per resource; only Plan's reported time carries g.
+const (
+	replanMiss  = 0.10 // a predicted update phase this far off the measured one refits
+	replanGain  = 0.05 // a new schedule must be predicted this much faster to move state for it
+	replanEvery = 3    // steps between refits that may re-plan
+	replanNew   = 0.5  // the newest phase's weight in each resource's factor
+)
+
+// replanState is Options.Replan's: the profile the model started from,
+// its prediction of the schedule in use, and each resource's factor, the
+// measured over the predicted busy time, weighted toward recent phases.
+type replanState struct {
+	base     *perfmodel.Profile
+	basePred perfmodel.Prediction
+	f        map[perfmodel.Resource]float64 // 0 until measured
+	// g is the measured makespan over the corrected profile's prediction
+	// of it, weighted as the factors: what the model's overlap of the
+	// resources misses; it scales the predictions Plan reports (not the
+	// choice, which it does not change).
+	g    float64
+	last int64 // the step of the last refit that could re-plan
+}
+
+var resources = [...]perfmodel.Resource{perfmodel.ResCPU, perfmodel.ResH2D, perfmodel.ResD2H, perfmodel.ResGPU}
+
+// refit measures the update phase just run and passes it to
+// replanState.observe; when that chooses another schedule it re-plans the
+// engine (Options.Replan). It allocates only when it refits. The caller
+// holds o.mu.
+func (o *Optimizer) refit(res *StepResult) error {
+	b, err := o.eng.Measure()
+	if err != nil {
+		return o.engineErr(err)
+	}
+	res.Predicted, res.Measured = seconds(o.plan.Makespan), b.Makespan
+	next, basePred, err := o.re.observe(b, o.plan, o.workload(), o.step)
+	if err != nil || next == nil {
+		return err
+	}
+	if next.Schedule != o.plan.Schedule {
+		plan, err := scheduler.NewPlan(len(o.subgroups), next.Schedule)
+		if err != nil {
+			return fmt.Errorf("offload: re-planning: %w", err)
+		}
+		// Replan writes the resident subgroups' host state: a lazy
+		// checkpoint's capture must be done with it first.
+		o.pending.waitCapture()
+		if err := o.eng.Replan(plan); err != nil {
+			return o.engineErr(err)
+		}
+		o.dev = devSynced // the resident state downloaded, the new one uploaded
+		o.re.basePred = basePred
+		res.Replanned = true
+	}
+	o.plan = next
+	return nil
+}
+
+// observe folds one measured update phase b of the schedule that cur
+// predicts into the factors and, when cur missed it by more than
+// replanMiss and the last refit was replanEvery steps before step, refits:
+// it returns the corrected prediction to plan with next (cur's schedule
+// unless another is predicted replanGain faster, then that one, with the
+// base profile's prediction of it); nil when nothing changes.
+func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, w perfmodel.Workload, step int64) (next *perfmodel.Prediction, basePred perfmodel.Prediction, err error) {
+	for _, r := range resources {
+		p, m := re.basePred.Busy[r], b.Of(r).Seconds()
+		if !(p > 0) || !(m > 0) {
+			continue
+		}
+		if x := re.f[r]; x > 0 {
+			re.f[r] = (1-replanNew)*x + replanNew*m/p
+		} else {
+			re.f[r] = m / p
+		}
+	}
+	measured := b.Makespan.Seconds()
+	if !(measured > 0) || math.Abs(cur.Makespan-measured) <= replanMiss*measured || step-re.last < replanEvery {
+		return nil, basePred, nil
+	}
+	re.last = step
+	scaled := re.base.Scaled(re.f)
+	now, err := scaled.Predict(w, cur.Schedule)
+	if err != nil {
+		return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
+	}
+	best, err := scaled.Choose(w)
+	if err != nil {
+		return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
+	}
+	if now.Makespan > 0 {
+		if x := measured / now.Makespan; re.g > 0 {
+			re.g = (1-replanNew)*re.g + replanNew*x
+		} else {
+			re.g = x
+		}
+		now.Makespan *= re.g
+		best.Makespan *= re.g
+	}
+	if best.Schedule == now.Schedule || best.Makespan >= (1-replanGain)*now.Makespan {
+		return &now, basePred, nil // the same schedule, its corrected prediction
+	}
+	if basePred, err = re.base.Predict(w, best.Schedule); err != nil {
+		return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
+	}
+	return &best, basePred, nil
+}
+
+// seconds converts float seconds to a Duration.
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

@@ -1,0 +1,153 @@
+package offload
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// truthProfile is a machine whose PCIe is slow next to its CPU: the CPU
+// workers at 1e9 parameters/s, the fused update at 5e10, copies at 1e10
+// bytes/s.
+func truthProfile() *perfmodel.Profile {
+	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-5} }
+	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion}
+	for _, d := range []adam.DType{adam.F32, adam.BF16} {
+		p.CPU = append(p.CPU, perfmodel.CPUFit{Threads: 1, GradDType: d, Fit: fit(1e9)})
+	}
+	p.GPU = &perfmodel.GPUProfile{Update: fit(5e10), H2D: fit(1e10), D2H: fit(1e10), H2DBoth: fit(1e10), D2HBoth: fit(1e10), Convert: fit(4e11)}
+	return p
+}
+
+// measured is the update phase that truth says schedule s takes, as the
+// engine would measure it.
+func measured(t *testing.T, truth *perfmodel.Profile, w perfmodel.Workload, s perfmodel.Schedule) scheduler.Busy {
+	t.Helper()
+	p, err := truth.Predict(w, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := func(r perfmodel.Resource) time.Duration { return seconds(p.Busy[r]) }
+	return scheduler.Busy{CPU: d(perfmodel.ResCPU), H2D: d(perfmodel.ResH2D), D2H: d(perfmodel.ResD2H), GPU: d(perfmodel.ResGPU),
+		Makespan: seconds(p.Makespan)}
+}
+
+// TestReplanObserve: a profile that thinks PCIe three times faster than it
+// is chooses to stream subgroups the machine would rather update on the
+// CPU. Fed the machine's update phases, Replan's refit learns the factor
+// per resource, re-plans to the machine's best schedule (within 2 %), and
+// its predictions then match the measured phases within 10 % (within 1 %
+// here: the machine is the model).
+func TestReplanObserve(t *testing.T) {
+	truth := truthProfile()
+	base := truth.Scaled(map[perfmodel.Resource]float64{perfmodel.ResH2D: 1.0 / 3, perfmodel.ResD2H: 1.0 / 3})
+	w := perfmodel.Workload{Params: 24e8, SubgroupSize: 1e8, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 6 << 30}
+	first, err := base.Choose(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := truth.Choose(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Schedule == want.Schedule {
+		t.Fatalf("the wrong profile chose the machine's best schedule %+v: the test needs another", want.Schedule)
+	}
+	re := replanState{base: base, basePred: first, f: map[perfmodel.Resource]float64{}}
+	cur, replans := &first, 0
+	for step := int64(1); step <= 20; step++ {
+		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, w, step)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if next == nil {
+			continue
+		}
+		if next.Schedule != cur.Schedule {
+			replans++
+			re.basePred = basePred
+		}
+		cur = next
+	}
+	got, err := truth.Predict(w, cur.Schedule)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("first %+v (%.3f s on the machine), re-planned %d times to %+v (%.3f s; the machine's best %+v, %.3f s); factors %v",
+		first.Schedule, must(truth.Predict(w, first.Schedule)).Makespan, replans, cur.Schedule, got.Makespan, want.Schedule, want.Makespan, re.f)
+	if replans == 0 || got.Makespan > 1.02*want.Makespan {
+		t.Errorf("ended on %+v: %.4f s on the machine, its best %.4f s", cur.Schedule, got.Makespan, want.Makespan)
+	}
+	if math.Abs(cur.Makespan-got.Makespan) > 0.01*got.Makespan {
+		t.Errorf("predicted %.4f s, measured %.4f s", cur.Makespan, got.Makespan)
+	}
+	if f := re.f[perfmodel.ResH2D]; math.Abs(f-3) > 0.03 {
+		t.Errorf("H2D factor %.3f, want 3", f)
+	}
+}
+
+func must(p perfmodel.Prediction, err error) perfmodel.Prediction {
+	if err != nil {
+		panic(err)
+	}
+	return p
+}
+
+// TestReplanExact: an optimizer that re-plans (Options.Replan on the
+// simulated device, with a profile that mispredicts it) keeps the state
+// bit for bit the host-only optimizer's, reports the predicted and
+// measured update phase of every step, and refuses a forced Schedule or a
+// missing profile.
+func TestReplanExact(t *testing.T) {
+	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-6} }
+	sim := scheduler.NewSim(scheduler.SimOptions{Profile: &perfmodel.GPUProfile{H2D: fit(1e5), D2H: fit(1e5), Update: fit(5e10), Convert: fit(4e11)}})
+	prof := truthProfile()
+	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Threads: 2, MaxGradNorm: 1}
+	ref := newWith(t, testParams, base)
+	opts := base
+	opts.Device, opts.Profile, opts.GPUBudget, opts.Replan = sim, prof, 2*12*300, true
+	o := newWith(t, testParams, opts)
+	r := rand.New(rand.NewPCG(5, 6))
+	start, _ := o.Plan()
+	replans := 0
+	for step := 1; step <= 12; step++ {
+		for i := range o.Params() {
+			g, h := ref.Grad(i).Uint16(), o.Grad(i).Uint16()
+			for j := range g {
+				g[j] = adam.F32ToBF16(float32(r.NormFloat64()))
+				h[j] = g[j]
+			}
+		}
+		a, err := ref.Step(StepArgs{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := o.Step(StepArgs{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a.GradNorm != b.GradNorm || !(b.Predicted > 0) || !(b.Measured > 0) {
+			t.Fatalf("step %d: host %v, device %v (predicted %v, measured %v)", step, a, b, b.Predicted, b.Measured)
+		}
+		if b.Replanned {
+			replans++
+		}
+	}
+	end, _ := o.Plan()
+	t.Logf("schedule %+v, re-planned %d times to %+v", start.Schedule, replans, end.Schedule)
+	if replans == 0 || start.Schedule == end.Schedule {
+		t.Errorf("no re-plan: the simulated device copies 10^5 times slower than the profile says")
+	}
+	sameState(t, synced(t, ref), synced(t, o))
+	for _, bad := range []Options{{Replan: true, Device: sim, WorkingDType: adam.BF16, Schedule: &perfmodel.Schedule{CPU: 5}, Profile: prof},
+		{Replan: true, Device: sim, WorkingDType: adam.BF16}, {Replan: true}} {
+		if _, err := New(testParams, bad); err == nil {
+			t.Errorf("New with %+v: no error", bad)
+		}
+	}
+}
