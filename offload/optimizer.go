@@ -212,7 +212,7 @@ type Optimizer struct {
 	// the current state is.
 	eng *scheduler.Engine
 	dev devState
-	re replanState // Options.Replan's
+	re  replanState // Options.Replan's
 	// mirrorAt: for each parameter in Options.DeviceMasters, its first
 	// element in the engine's mirror (scheduler.Engine.Mirror).
 	mirrorAt map[int]int64
