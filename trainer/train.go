@@ -302,6 +302,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 			return nil, errors.Join(err, release())
 		}
 	}
+	oo.Replan = cfg.Replan // with the device and the profile (or calibration) set above
 	opt, err := offload.New(offloadParams(cfg.Model), *oo)
 	if err != nil {
 		return nil, errors.Join(err, release())
@@ -487,6 +488,11 @@ type stepRecord struct {
 	Pos      int64   `json:"pos"`       // the batch's first token in the training data
 	Seconds  float64 `json:"seconds"`   // the iteration's wall time
 	UpdateS  float64 `json:"update_s"`  // the optimizer step's wall time
+	// With --replan: the plan's predicted update phase and the measured
+	// one (seconds), and whether the schedule was re-planned after it.
+	PredictedS float64 `json:"predicted_s,omitempty"`
+	MeasuredS  float64 `json:"measured_s,omitempty"`
+	Replanned  bool    `json:"replanned,omitempty"`
 }
 
 // Run trains from the current iteration to cfg.Steps and returns the
@@ -570,6 +576,13 @@ func (t *Trainer) Run() (Summary, error) {
 		if res.Skipped {
 			sum.Skipped++
 		}
+		if res.Replanned {
+			s, _ := t.opt.Schedule()
+			plan, _ := t.opt.Plan()
+			sched = fmt.Sprintf("%d/%d/%d", s.CPU, s.GPU, s.Resident)
+			t.logf("iter %5d  re-planned the update phase: measured %.1f ms, predicted %.1f ms; now %d CPU / %d streamed / %d resident subgroups, predicted %.1f ms\n",
+				it, 1e3*res.Measured.Seconds(), 1e3*res.Predicted.Seconds(), s.CPU, s.GPU, s.Resident, 1e3*plan.Makespan)
+		}
 		t.state.Iteration = it
 		t.state.LastLoss = loss
 		done++
@@ -582,7 +595,8 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		if t.logJSON != nil {
 			rec := stepRecord{Step: it, Loss: loss, LR: cfg.LRAt(it), GradNorm: res.GradNorm, Skipped: res.Skipped, Pos: pos,
-				Seconds: now.Sub(t0).Seconds(), UpdateS: res.Elapsed.Seconds()}
+				Seconds: now.Sub(t0).Seconds(), UpdateS: res.Elapsed.Seconds(),
+				PredictedS: res.Predicted.Seconds(), MeasuredS: res.Measured.Seconds(), Replanned: res.Replanned}
 			if err := writeRecord(t.logJSON, rec); err != nil {
 				return sum, fmt.Errorf("trainer: --log-json: %w", err)
 			}

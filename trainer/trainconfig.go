@@ -76,6 +76,13 @@ type TrainConfig struct {
 	// forward and recomputes the block in backward (gptcuda's
 	// Options.Recompute): for when the activations do not fit.
 	Recompute bool `json:"recompute,omitempty"`
+	// Replan, with a Device and the performance model's schedule
+	// (--profile, or the start-up calibration with cuda; not --schedule),
+	// corrects the model online from every update phase's measured times
+	// and re-plans the schedule when its prediction misses by more than
+	// 10 % (offload.Options.Replan); the log says each re-plan, and
+	// --log-json records carry the predicted and measured update phase.
+	Replan bool `json:"replan,omitempty"`
 	// BF16Params, with Device "cuda", makes forward and backward read
 	// every parameter from the bf16 working copy (llm.c's recipe). By
 	// default the embedding lookup and the LayerNorms read fp32 master
@@ -240,6 +247,10 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --device cuda trains in bf16: --working-dtype %v --grad-dtype %v, want bfloat16 for both", c.WorkingDType, c.GradDType)
 	case c.Recompute && c.Device != "cuda":
 		return errors.New("trainer: --recompute needs --device cuda (the host's model keeps its activations)")
+	case c.Replan && (c.Device == "" || c.Schedule != ""):
+		return errors.New("trainer: --replan corrects the performance model's schedule: it needs --device, and no --schedule")
+	case c.Replan && c.Device == "sim" && c.Profile == "":
+		return errors.New("trainer: --replan with --device sim needs --profile (the simulated device is not calibrated)")
 	case c.BF16Params && c.Device != "cuda":
 		return errors.New("trainer: --bf16-params needs --device cuda (the host's model reads the fp32 master weights)")
 	case c.Device == "" && (c.Schedule != "" || c.GPUBudget != 0):

@@ -13,7 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/safetensors"
 	"github.com/deepstates/dos/trainer"
 )
@@ -274,6 +276,63 @@ func TestTrainReportsEveryCheckpoint(t *testing.T) {
 		line := fmt.Sprintf("checkpoint %s (", filepath.Join(dir, fmt.Sprintf("step-%09d", step)))
 		if n := strings.Count(string(out), line); n != 1 {
 			t.Errorf("step %d reported %d times, want once\n%s", step, n, out)
+		}
+	}
+}
+
+// TestTrainReplan: --replan on the simulated device with a profile of this
+// machine trains bit for bit as the host does, and its --log-json records
+// carry the predicted and measured update phase of every iteration;
+// --replan without a device, or with --schedule, is refused.
+func TestTrainReplan(t *testing.T) {
+	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-6} }
+	p := perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Machine: perfmodel.Here()}
+	for _, d := range []adam.DType{adam.F32, adam.BF16} {
+		p.CPU = append(p.CPU, perfmodel.CPUFit{Threads: 1, GradDType: d, Fit: fit(1e9)})
+	}
+	p.GPU = &perfmodel.GPUProfile{Update: fit(5e10), H2D: fit(1e7), D2H: fit(1e7), H2DBoth: fit(1e7), D2HBoth: fit(1e7), Convert: fit(4e11)}
+	b, err := json.Marshal(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prof, log := filepath.Join(t.TempDir(), "profile.json"), filepath.Join(t.TempDir(), "log.jsonl")
+	if err := os.WriteFile(prof, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"--steps", "12", "--working-dtype", "bfloat16", "--grad-dtype", "bfloat16", "--subgroup-size", "1000", "--clip", "0.5"}
+	host := train(t, args...)
+	re := train(t, append(args, "--device", "sim", "--profile", prof, "--gpu-budget", "0.0001", "--replan", "--log-json", log)...)
+	if re.FinalLoss != host.FinalLoss || re.ValLoss != host.ValLoss {
+		t.Errorf("--replan: losses %v/%v, host %v/%v", re.FinalLoss, re.ValLoss, host.FinalLoss, host.ValLoss)
+	}
+	lines, err := os.ReadFile(log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, l := range strings.Split(strings.TrimSpace(string(lines)), "\n") {
+		var rec struct {
+			Step       int     `json:"step"`
+			PredictedS float64 `json:"predicted_s"`
+			MeasuredS  float64 `json:"measured_s"`
+		}
+		if err := json.Unmarshal([]byte(l), &rec); err != nil {
+			t.Fatal(err)
+		}
+		if rec.Step > 0 {
+			n++
+			if !(rec.PredictedS > 0) || !(rec.MeasuredS > 0) {
+				t.Errorf("step %d: predicted %v s, measured %v s", rec.Step, rec.PredictedS, rec.MeasuredS)
+			}
+		}
+	}
+	if n != 12 {
+		t.Errorf("%d step records, want 12", n)
+	}
+	for _, bad := range [][]string{{"--replan"}, {"--replan", "--device", "sim", "--working-dtype", "bfloat16", "--schedule", "1,0,0"}} {
+		out, err := dosCmd(append(append([]string{"train"}, tiny...), append([]string{"--steps", "2"}, bad...)...)...).CombinedOutput()
+		if err == nil || !strings.Contains(string(out), "--replan") {
+			t.Errorf("dos train %v: %v\n%s", bad, err, out)
 		}
 	}
 }
