@@ -350,7 +350,7 @@ func (o *Optimizer) replaceEngine() error {
 	}
 	o.eng, o.state = eng, eng.HostState()
 	if pred != nil {
-		o.plan = pred
+		o.setPlan(pred) // the profile's choice again, and Replan starts over from it
 	}
 	return nil
 }
@@ -420,6 +420,7 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 		copy(dst, fresh[k])
 	}
 	o.step = obj.Step
+	o.re.last = o.step // Replan refits from the loaded step on
 	o.opts.Hyper = obj.Hyper
 	copy(o.opts.Groups, obj.Options.Groups) // their lr and weight_decay, as load_state_dict
 	o.refreshWorking(0, o.total)

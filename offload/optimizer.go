@@ -3,6 +3,7 @@ package offload
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"sync"
@@ -122,7 +123,8 @@ type StepResult struct {
 	// With Options.Replan: the plan's predicted update phase (its
 	// makespan) and the measured one (scheduler.Busy.Makespan), and
 	// whether this step re-planned the schedule after its update (Plan
-	// then says the new one).
+	// then says the new one). Zero on a skipped step and on one that
+	// faulted.
 	Predicted, Measured time.Duration
 	Replanned           bool
 }
@@ -161,7 +163,7 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // and Schedule keep working after Close; Master returns ErrClosed after
 // Close with Options.Device (its state was freed).
 //
-// Params, Subgroups, NumParams, Index, Plan, Grad and Working read only what
+// Params, Subgroups, NumParams, Index, Grad and Working read only what
 // New set, take no lock, and are safe with any call, Close included; but
 // Working, after a Step with StepArgs.GradOnDevice, takes the lock to
 // fetch the working copy from the device once.
@@ -238,6 +240,7 @@ type Optimizer struct {
 //	broken        LoadCheckpoint                                 hostAhead (a new engine; broken until the load succeeds)
 //	hostAhead     SyncDevice (Load)                              synced
 //	hostAhead     Step with GradOnDevice                         hostAhead (refused: the device copy was stale)
+//	any but broken Step that re-plans (Options.Replan)           synced (Engine.Replan: Download, then the new resident state uploaded)
 //
 // Beside it, the working copy's host mirror has its own flag, workStale:
 // set by a taken Step with GradOnDevice (the new copy stays on the
@@ -444,13 +447,18 @@ func (o *Optimizer) newEngine() error {
 	}
 	o.eng, o.state, o.dev = eng, eng.HostState(), devHostAhead
 	if plan != nil {
-		o.plan = plan
-		if o.opts.Replan {
-			o.re = replanState{base: o.opts.Profile, basePred: *plan, last: o.step,
-				f: map[perfmodel.Resource]float64{perfmodel.ResCPU: 0, perfmodel.ResH2D: 0, perfmodel.ResD2H: 0, perfmodel.ResGPU: 0}}
-		}
+		o.setPlan(plan)
 	}
 	return nil
+}
+
+// setPlan makes plan, a new engine's, the optimizer's, and starts
+// Options.Replan's state over from it. The caller holds o.mu (or is New).
+func (o *Optimizer) setPlan(plan *perfmodel.Prediction) {
+	o.plan = plan
+	if o.opts.Replan {
+		o.re = newReplanState(o.opts.Profile, *plan, o.workload(), o.step)
+	}
 }
 
 // workload is the update phase the performance model plans with a device.
@@ -545,12 +553,19 @@ func (o *Optimizer) syncHost() error {
 
 // Plan returns the performance model's schedule and predicted time of one
 // update phase, when Options.Profile or Options.Calibrate was set (ok
-// false otherwise).
+// false otherwise). With Options.Replan it is the latest plan: after a
+// refit, its Makespan is the corrected prediction (scaled by the measured
+// overlap) while its Busy, Fill and Drain are the corrected profile's. The
+// Busy map is the caller's copy.
 func (o *Optimizer) Plan() (plan perfmodel.Prediction, ok bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	if o.plan == nil {
 		return perfmodel.Prediction{}, false
 	}
-	return *o.plan, true
+	plan = *o.plan
+	plan.Busy = maps.Clone(plan.Busy)
+	return plan, true
 }
 
 // Close waits for a call in flight on another goroutine (Step,
@@ -1065,11 +1080,6 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 		o.dev = devDeviceAhead
 	}
 	res.Step = o.step
-	if o.re.base != nil && err == nil {
-		if rerr := o.refit(&res); rerr != nil {
-			return res, rerr
-		}
-	}
 	if onDevice {
 		o.workStale.Store(true) // Working fetches it
 	} else if gerr := o.eng.GetWorking(o.work.Data); gerr != nil {
@@ -1080,6 +1090,11 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 		}
 	} else {
 		o.workStale.Store(false)
+	}
+	if o.re.base != nil && err == nil {
+		// Options.Replan: after the working copy is where the caller
+		// reads it, so that a failed re-plan leaves a consistent step.
+		err = o.refit(&res)
 	}
 	res.Elapsed = time.Since(start)
 	return res, err

@@ -24,6 +24,7 @@ const (
 // measured over the predicted busy time, weighted toward recent phases.
 type replanState struct {
 	base     *perfmodel.Profile
+	w        perfmodel.Workload // the optimizer's, fixed from New
 	basePred perfmodel.Prediction
 	f        map[perfmodel.Resource]float64 // 0 until measured
 	// g is the measured makespan over the corrected profile's prediction
@@ -32,6 +33,18 @@ type replanState struct {
 	// choice, which it does not change).
 	g    float64
 	last int64 // the step of the last refit that could re-plan
+	// seen is each schedule's measured update phase (seconds, weighted
+	// as the factors): a schedule measured no faster than the one in use
+	// is not chosen again, so corrections that trade places cannot make
+	// the plan cycle.
+	seen map[perfmodel.Schedule]float64
+}
+
+// newReplanState starts Options.Replan from the model's plan of w on
+// base at step.
+func newReplanState(base *perfmodel.Profile, plan perfmodel.Prediction, w perfmodel.Workload, step int64) replanState {
+	return replanState{base: base, w: w, basePred: plan, last: step, seen: map[perfmodel.Schedule]float64{},
+		f: map[perfmodel.Resource]float64{perfmodel.ResCPU: 0, perfmodel.ResH2D: 0, perfmodel.ResD2H: 0, perfmodel.ResGPU: 0}}
 }
 
 var resources = [...]perfmodel.Resource{perfmodel.ResCPU, perfmodel.ResH2D, perfmodel.ResD2H, perfmodel.ResGPU}
@@ -46,7 +59,7 @@ func (o *Optimizer) refit(res *StepResult) error {
 		return o.engineErr(err)
 	}
 	res.Predicted, res.Measured = seconds(o.plan.Makespan), b.Makespan
-	next, basePred, err := o.re.observe(b, o.plan, o.workload(), o.step)
+	next, basePred, err := o.re.observe(b, o.plan, o.step)
 	if err != nil || next == nil {
 		return err
 	}
@@ -75,7 +88,7 @@ func (o *Optimizer) refit(res *StepResult) error {
 // it returns the corrected prediction to plan with next (cur's schedule
 // unless another is predicted replanGain faster, then that one, with the
 // base profile's prediction of it); nil when nothing changes.
-func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, w perfmodel.Workload, step int64) (next *perfmodel.Prediction, basePred perfmodel.Prediction, err error) {
+func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step int64) (next *perfmodel.Prediction, basePred perfmodel.Prediction, err error) {
 	for _, r := range resources {
 		p, m := re.basePred.Busy[r], b.Of(r).Seconds()
 		if !(p > 0) || !(m > 0) {
@@ -88,10 +101,18 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, w pe
 		}
 	}
 	measured := b.Makespan.Seconds()
-	if !(measured > 0) || math.Abs(cur.Makespan-measured) <= replanMiss*measured || step-re.last < replanEvery {
+	if measured > 0 {
+		if x, ok := re.seen[cur.Schedule]; ok {
+			re.seen[cur.Schedule] = (1-replanNew)*x + replanNew*measured
+		} else {
+			re.seen[cur.Schedule] = measured // allocates once per schedule
+		}
+	}
+	if !(measured > 0) || math.Abs(cur.Makespan-measured) <= replanMiss*measured || (step > re.last && step-re.last < replanEvery) {
 		return nil, basePred, nil
 	}
 	re.last = step
+	w := re.w
 	scaled := re.base.Scaled(re.f)
 	now, err := scaled.Predict(w, cur.Schedule)
 	if err != nil {
@@ -110,8 +131,9 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, w pe
 		now.Makespan *= re.g
 		best.Makespan *= re.g
 	}
-	if best.Schedule == now.Schedule || best.Makespan >= (1-replanGain)*now.Makespan {
-		return &now, basePred, nil // the same schedule, its corrected prediction
+	if m, ok := re.seen[best.Schedule]; best.Schedule == now.Schedule || best.Makespan >= (1-replanGain)*now.Makespan ||
+		(ok && m > (1-replanGain)*re.seen[cur.Schedule]) {
+		return &now, basePred, nil // the same schedule (or one already measured no faster), its corrected prediction
 	}
 	if basePred, err = re.base.Predict(w, best.Schedule); err != nil {
 		return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)

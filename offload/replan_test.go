@@ -58,10 +58,10 @@ func TestReplanObserve(t *testing.T) {
 	if first.Schedule == want.Schedule {
 		t.Fatalf("the wrong profile chose the machine's best schedule %+v: the test needs another", want.Schedule)
 	}
-	re := replanState{base: base, basePred: first, f: map[perfmodel.Resource]float64{}}
+	re := newReplanState(base, first, w, 0)
 	cur, replans := &first, 0
 	for step := int64(1); step <= 20; step++ {
-		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, w, step)
+		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -148,6 +148,31 @@ func TestReplanExact(t *testing.T) {
 		{Replan: true, Device: sim, WorkingDType: adam.BF16}, {Replan: true}} {
 		if _, err := New(testParams, bad); err == nil {
 			t.Errorf("New with %+v: no error", bad)
+		}
+	}
+}
+
+// TestReplanNoCycle: a schedule already measured no faster than the one in
+// use is not chosen again, whatever the corrected model says of it.
+func TestReplanNoCycle(t *testing.T) {
+	truth := truthProfile()
+	base := truth.Scaled(map[perfmodel.Resource]float64{perfmodel.ResH2D: 1.0 / 3, perfmodel.ResD2H: 1.0 / 3})
+	w := perfmodel.Workload{Params: 24e8, SubgroupSize: 1e8, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 6 << 30}
+	first := must(base.Choose(w))
+	best := must(truth.Choose(w))
+	re := newReplanState(base, first, w, 0)
+	re.seen[best.Schedule] = 10 * must(truth.Predict(w, first.Schedule)).Makespan // measured far slower once
+	cur := &first
+	for step := int64(1); step <= 12; step++ {
+		next, _, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if next != nil {
+			if next.Schedule != first.Schedule {
+				t.Fatalf("step %d: re-planned to %+v, measured slower before", step, next.Schedule)
+			}
+			cur = next
 		}
 	}
 }

@@ -85,7 +85,7 @@ func (e *Engine) allocBase() error {
 // resident state, the device staging slots, the upcast scratch, the host
 // staging slots.
 func (e *Engine) allocPlan(p *Plan) error {
-	e.plan = p
+	e.plan, e.updated = p, false
 	e.core = newCore(p, shape{sizes: e.sizes, arrays: e.nArr, gradBytes: e.gb, chunk: e.o.copyChunk})
 	nops := 0
 	for i := range e.sizes {

@@ -118,6 +118,7 @@ type Engine struct {
 	cpuT        [][2]time.Duration
 	t0          time.Time
 	wall        time.Duration // the last Update's wall time
+	updated     bool          // an Update ran since New or Replan: Trace and Measure have a phase to read
 	spans       []interval    // Measure's scratch, one per operation of the plan
 	abort       atomic.Bool
 	deviceFault atomic.Bool // a wait failed: the device itself faulted
@@ -409,6 +410,14 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 	if err := e.dev.Record(e.base, e.s[sH2D]); err != nil {
 		return err // nothing was done
 	}
+	// Every stream starts the phase after base (a no-op on a GPU, where
+	// the last phase drained them all): the phase's times are all from
+	// base (Trace, Measure), on the simulated device's clocks too.
+	for _, s := range e.s[sH2D+1:] {
+		if err := e.dev.Wait(s, e.base); err != nil {
+			return err // nothing was done
+		}
+	}
 	for l := issDrain; l < numIssuers; l++ {
 		e.start[l] <- struct{}{}
 	}
@@ -424,6 +433,7 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 		}
 	}
 	e.wall = time.Since(e.t0)
+	e.updated = true
 	if e.first == nil {
 		return nil
 	}

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"encoding/json"
+	"errors"
 	"io"
 	"slices"
 	"time"
@@ -21,9 +22,13 @@ type Op struct {
 
 // Trace returns the operations of the last Update with their times: the
 // device's by its events (from an event recorded at the start), the CPU's
-// by the host clock from the same start, sorted by start. Errors: the
-// device's (Elapsed).
+// by the host clock from the same start, sorted by start. Errors:
+// ErrNoPhase before the first Update or after a Replan; the device's
+// (Elapsed).
 func (e *Engine) Trace() ([]Op, error) {
+	if !e.updated {
+		return nil, ErrNoPhase
+	}
 	var ops []Op
 	for i := range e.sizes {
 		for _, op := range e.core.ops(i) {
@@ -55,10 +60,15 @@ func (e *Engine) Trace() ([]Op, error) {
 	return ops, nil
 }
 
+// ErrNoPhase is Trace's and Measure's error when there is no update phase
+// to read: before the first Update, or after a Replan (the phase was the
+// old plan's).
+var ErrNoPhase = errors.New("scheduler: no update phase to read since New or Replan")
+
 // Busy is the work of one update phase per resource, the performance
-// model's Prediction.Busy measured: the summed durations of the
-// operations on the CPU workers, the H2D lane, the D2H lane and the GPU's
-// kernels (AdamW and the upcast), and the phase's wall time.
+// model's Prediction.Busy measured: for the CPU workers, the H2D lane, the
+// D2H lane and the GPU's kernels (AdamW and the upcast), the union of
+// their operations' intervals; and the phase's makespan and wall time.
 type Busy struct {
 	CPU, H2D, D2H, GPU time.Duration
 	// Makespan is from the first operation's start to the last one's end
@@ -67,7 +77,8 @@ type Busy struct {
 	Wall     time.Duration // Update's, from its start to the last stream drained
 }
 
-// Of returns r's busy time.
+// Of returns r's busy time (the GPU's for any resource but the CPU, H2D
+// and D2H).
 func (b Busy) Of(r perfmodel.Resource) time.Duration {
 	switch r {
 	case perfmodel.ResCPU:
@@ -103,8 +114,12 @@ func resIndex(r perfmodel.Resource) int8 {
 // (the device's events, the host clock for the CPU workers): each
 // resource's busy time is the union of its operations' intervals, as
 // Summarize counts it. It does not allocate: Options.Replan's refit in
-// offload reads it after every phase. Errors: the device's (Elapsed).
+// offload reads it after every phase. Errors: ErrNoPhase before the first
+// Update or after a Replan; the device's (Elapsed).
 func (e *Engine) Measure() (Busy, error) {
+	if !e.updated {
+		return Busy{}, ErrNoPhase
+	}
 	e.spans = e.spans[:0]
 	for i := range e.sizes {
 		for _, op := range e.core.ops(i) {
