@@ -420,7 +420,7 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 		copy(dst, fresh[k])
 	}
 	o.step = obj.Step
-	o.re.last = o.step // Replan refits from the loaded step on
+	o.re.last, o.re.warm = o.step, false // Replan refits from the loaded step on, its first phase left out
 	o.opts.Hyper = obj.Hyper
 	copy(o.opts.Groups, obj.Options.Groups) // their lr and weight_decay, as load_state_dict
 	o.refreshWorking(0, o.total)

@@ -38,6 +38,10 @@ type replanState struct {
 	// is not chosen again, so corrections that trade places cannot make
 	// the plan cycle.
 	seen map[perfmodel.Schedule]float64
+	// warm: the first phase since the start (or a load) has been seen; it
+	// is not folded in (cold caches and page faults, cuBLAS-free but not
+	// cost-free).
+	warm bool
 }
 
 // newReplanState starts Options.Replan from the model's plan of w on
@@ -83,12 +87,17 @@ func (o *Optimizer) refit(res *StepResult) error {
 }
 
 // observe folds one measured update phase b of the schedule that cur
-// predicts into the factors and, when cur missed it by more than
+// predicts into the factors (all but the first phase since the start or a
+// load) and, when cur missed it by more than
 // replanMiss and the last refit was replanEvery steps before step, refits:
 // it returns the corrected prediction to plan with next (cur's schedule
 // unless another is predicted replanGain faster, then that one, with the
 // base profile's prediction of it); nil when nothing changes.
 func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step int64) (next *perfmodel.Prediction, basePred perfmodel.Prediction, err error) {
+	if !re.warm {
+		re.warm = true
+		return nil, basePred, nil
+	}
 	for _, r := range resources {
 		p, m := re.basePred.Busy[r], b.Of(r).Seconds()
 		if !(p > 0) || !(m > 0) {
