@@ -186,6 +186,7 @@ var handles struct {
 // saver is an optimizer's checkpoint engine on one root.
 type saver struct {
 	root string
+	keep int // checkpoint.EngineOptions.Keep
 	e    *checkpoint.Engine
 }
 
@@ -498,7 +499,7 @@ func dos_adamw_set_step(h C.int64_t, step C.int64_t, errOut **C.char) C.int32_t 
 }
 
 //export dos_adamw_save
-func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, errOut **C.char) C.int64_t {
+func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, errOut **C.char) C.int64_t {
 	var id int64
 	if !run(errOut, func() error {
 		o, err := lookup(h)
@@ -512,20 +513,23 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, errOut **C.char)
 			}
 		}
 		dir := C.GoString(root)
+		if keep < 0 {
+			return fmt.Errorf("dos: save: keep %d: want >= 0 (0 keeps every checkpoint)", int(keep))
+		}
 		handles.Lock()
 		sv := handles.eng[int64(h)]
 		handles.Unlock()
-		if sv == nil || sv.root != dir {
+		if sv == nil || sv.root != dir || sv.keep != int(keep) {
 			if sv != nil {
 				if err := sv.e.Close(); err != nil {
 					return err
 				}
 			}
-			e, err := checkpoint.NewEngine(checkpoint.OS, dir, checkpoint.EngineOptions{})
+			e, err := checkpoint.NewEngine(checkpoint.OS, dir, checkpoint.EngineOptions{Keep: int(keep)})
 			if err != nil {
 				return err
 			}
-			sv = &saver{root: dir, e: e}
+			sv = &saver{root: dir, keep: int(keep), e: e}
 			handles.Lock()
 			handles.eng[int64(h)] = sv
 			handles.Unlock()

@@ -370,19 +370,20 @@ class AdamW(torch.optim.Optimizer):
         for g, sg in zip(self.param_groups, groups):
             g["lr"] = sg["lr"]
 
-    def save(self, root):
+    def save(self, root, keep=0):
         """Checkpoints the optimizer lazily into the checkpoint root directory ``root`` (dos's format:
         safetensors files of every parameter's master weights, exp_avg, exp_avg_sq and max_exp_avg_sq, a
         manifest, crash-consistent commit) and returns at once: the state is captured and written in the
         background while training goes on (DataStates-LLM). The returned SaveHandle says when it is durable.
-        The param groups' lr values ride along, and ``load`` restores them."""
+        The param groups' lr values ride along, and ``load`` restores them. ``keep`` > 0 keeps only the newest
+        ``keep`` checkpoints under ``root`` (the older ones are retired after each commit; 0 keeps all)."""
         h = self._handle()
         step = _native.call("dos_adamw_get_step", h)
         if self._saved_step == (os.fspath(root), step):
             raise ValueError(f"dos.torch.AdamW.save: step {step} is saved into {os.fspath(root)} already "
                              "(a checkpoint is never replaced)")
         objects = json.dumps({"torch": {"lrs": [float(g["lr"]) for g in self.param_groups]}}).encode()
-        handle = SaveHandle(_native.call("dos_adamw_save", h, os.fspath(root).encode(), objects))
+        handle = SaveHandle(_native.call("dos_adamw_save", h, os.fspath(root).encode(), objects, int(keep)))
         self._saved_step = (os.fspath(root), step)
         return handle
 

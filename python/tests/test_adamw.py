@@ -202,6 +202,25 @@ def test_save_load(tmp_path):
         b.load(tmp_path / "missing")
 
 
+def test_save_keep(tmp_path):
+    """save(root, keep=2) retires all but the newest two checkpoints after each commit; the latest loads;
+    a negative keep is refused."""
+    ps = [torch.nn.Parameter(t.clone()) for t in make(7)]
+    a = dt.AdamW(ps, lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        train_steps(a, ps, g, 1)
+        a.save(tmp_path / "ck", keep=2).wait()
+    steps = sorted(f for f in os.listdir(tmp_path / "ck") if f.startswith("step-"))
+    assert steps == ["step-000000004", "step-000000005"], steps
+    b = dt.AdamW([torch.nn.Parameter(torch.zeros_like(p)) for p in ps], lr=1e-3)
+    b.load(tmp_path / "ck")
+    assert all(torch.equal(b.master_weights(i), a.master_weights(i)) for i in range(len(ps)))
+    train_steps(a, ps, g, 1)
+    with pytest.raises(dos.DosError, match="keep -1"):
+        a.save(tmp_path / "ck", keep=-1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_parameters(dtype):
     """16-bit parameters: dos keeps fp32 master weights and takes 16-bit gradients. torch.optim.AdamW on fp32
