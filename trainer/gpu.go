@@ -23,8 +23,12 @@ var samplerOptions = gptcuda.Options{Recompute: true}
 
 // gpuMargin is the device memory left free when the update phase's budget
 // defaults to what the model leaves: cuBLASLt's and the driver's own
-// allocations, fragmentation.
-const gpuMargin = 2 << 30
+// allocations, fragmentation. Under --gpu-memory, which counts dos's own
+// allocations only, capMargin.
+const (
+	gpuMargin = 2 << 30
+	capMargin = 256 << 20
+)
 
 // gpuTrainer is forward and backward on the GPU (gptcuda) for a Trainer
 // with Device "cuda": the model reads the optimizer's device working copy
@@ -50,6 +54,12 @@ type gpuTrainer struct {
 func openGPU(cfg *TrainConfig) (*gpuTrainer, error) {
 	if err := gpuAvailable(); err != nil {
 		return nil, err
+	}
+	// The cap covers every allocation from here on, the optimizer's too
+	// (the same ordinal), and a process-wide limit outlives this run:
+	// set it either way.
+	if err := cuda.SetMemoryLimit(0, int64(cfg.GPUMemory*(1<<30))); err != nil {
+		return nil, fmt.Errorf("trainer: --gpu-memory: %w", err)
 	}
 	d, err := cuda.Open(0)
 	if err != nil {
@@ -152,13 +162,17 @@ func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options) (int64, error)
 	if err != nil {
 		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
 	}
+	margin := int64(gpuMargin)
+	if limit := cuda.MemoryLimit(0); limit > 0 { // --gpu-memory: what the cap leaves
+		free, margin = min(free, limit-cuda.MemoryUsed(0)), capMargin
+	}
 	masters := int64(0)
 	for _, t := range cfg.Model.Tensors() {
 		if slices.Contains(o.DeviceMasters, t.Name) {
 			masters += 4 * int64(t.Numel())
 		}
 	}
-	return max(free-o.DeviceBytes(cfg.paramCount())-masters-gpuMargin, 1), nil // 1, not 0: offload reads 0 as no limit
+	return max(free-o.DeviceBytes(cfg.paramCount())-masters-margin, 1), nil // 1, not 0: offload reads 0 as no limit
 }
 
 // bind takes the optimizer's device views (and its fp32 DeviceMasters,
@@ -242,8 +256,12 @@ func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 	return g.logits, nil
 }
 
-// memory returns the device memory in use, in bytes.
+// memory returns the device memory in use, in bytes, and the total: under
+// --gpu-memory what dos allocated and the cap.
 func (g *gpuTrainer) memory() (used, total int64) {
+	if limit := cuda.MemoryLimit(0); limit > 0 {
+		return cuda.MemoryUsed(0), limit
+	}
 	free, total, err := g.dev.MemInfo()
 	if err != nil {
 		return 0, 0

@@ -609,3 +609,41 @@ func TestGPUMasters(t *testing.T) {
 		t.Errorf("SetMasters of c_attn's weight: %v", err)
 	}
 }
+
+// TestGPUMemoryCap: --gpu-memory caps what dos allocates on the GPU: a cap
+// below the model's activations fails the run's construction as out of
+// memory, naming the cap; a cap that holds it trains, with dos's device
+// memory within the cap at the end and the update phase's default budget
+// what the cap leaves.
+func TestGPUMemoryCap(t *testing.T) {
+	gpuEnv(t)
+	setMemAvailable(t, 0, false)
+	t.Cleanup(func() { _ = cuda.SetMemoryLimit(0, 0) })
+	cfg := DefaultTrainConfig()
+	cfg.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 2, NHead: 2, NEmbd: 128}
+	cfg.Batch, cfg.Device, cfg.Steps = 4, "cuda", 3
+	cfg.WorkingDType, cfg.GradDType = adam.BF16, adam.BF16
+	cfg.SampleBytes, cfg.EvalBatches, cfg.LogEvery = 0, 1, 0
+	cfg.Schedule = "1,0,0"
+	text := []byte(strings.Repeat("Light is propagated in straight lines. ", 400))
+	small := cfg
+	small.GPUMemory = 1.0 / 1024 // 1 MiB: not even the activations
+	if tr, err := New(small, text, nil); err == nil || !cuda.IsOutOfMemory(err) || !strings.Contains(err.Error(), "cap") {
+		if tr != nil {
+			tr.Close()
+		}
+		t.Fatalf("a 1 MiB cap: %v, want out of memory over the cap", err)
+	}
+	cfg.GPUMemory = 1
+	tr, err := New(cfg, text, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tr.Close()
+	if _, err := tr.Run(); err != nil {
+		t.Fatal(err)
+	}
+	if used, limit := cuda.MemoryUsed(0), cuda.MemoryLimit(0); limit != 1<<30 || used <= 0 || used > limit {
+		t.Fatalf("dos's device memory %d of the cap %d", used, limit)
+	}
+}

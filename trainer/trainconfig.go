@@ -100,6 +100,13 @@ type TrainConfig struct {
 	// Device "cuda", what the model's activations leave (less the
 	// gradients, the working copy and a 2 GiB margin).
 	GPUBudget float64 `json:"gpu_budget_gib"`
+	// GPUMemory, with Device "cuda", caps in GiB all the device memory dos
+	// allocates (weights, gradients, fp32 masters, activations, cuBLASLt's
+	// workspace, the update phase: cuda.SetMemoryLimit), so that a large
+	// GPU stands in for a smaller one; the update phase's default budget
+	// is then what the cap leaves (less 256 MiB). 0: no cap. Not saved in
+	// checkpoints.
+	GPUMemory float64 `json:"-"`
 	// MaxMemory is the host memory in GiB the run may use (--max-memory):
 	// Validate refuses a configuration whose MemoryBytes exceeds it. 0
 	// means the memory available when Validate runs (MemAvailable in
@@ -257,6 +264,12 @@ func (c *TrainConfig) Validate() error {
 		return errors.New("trainer: --schedule and --gpu-budget need --device")
 	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:
 		return fmt.Errorf("trainer: --gpu-budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
+	case !(c.GPUMemory >= 0) || c.GPUMemory > 1<<20:
+		return fmt.Errorf("trainer: --gpu-memory %v GiB: want 0 to %d", c.GPUMemory, 1<<20)
+	case c.GPUMemory != 0 && c.Device != "cuda":
+		return errors.New("trainer: --gpu-memory caps the GPU's memory: it needs --device cuda")
+	case c.GPUMemory != 0 && c.GPUBudget > c.GPUMemory:
+		return fmt.Errorf("trainer: --gpu-budget %v GiB is over --gpu-memory %v GiB", c.GPUBudget, c.GPUMemory)
 	}
 	if c.Schedule != "" {
 		s, err := offload.ParseSchedule(c.Schedule)

@@ -187,6 +187,11 @@ func TestValidateNamesFlags(t *testing.T) {
 		{func(c *TrainConfig) { c.Resume = true }, "--resume needs --ckpt-dir"},
 		{func(c *TrainConfig) { c.BF16Params = true }, "--bf16-params needs --device cuda"},
 		{func(c *TrainConfig) { c.Recompute = true }, "--recompute needs --device cuda"},
+		{func(c *TrainConfig) { c.GPUMemory = -1 }, "--gpu-memory -1 GiB"},
+		{func(c *TrainConfig) { c.GPUMemory = 24 }, "--gpu-memory caps the GPU's memory: it needs --device cuda"},
+		{func(c *TrainConfig) {
+			c.Device, c.WorkingDType, c.GradDType, c.GPUMemory, c.GPUBudget = "cuda", adam.BF16, adam.BF16, 4, 8
+		}, "--gpu-budget 8 GiB is over --gpu-memory 4 GiB"},
 	} {
 		c := DefaultTrainConfig()
 		tc.mod(&c)

@@ -11,16 +11,18 @@ import (
 // Buffer is device memory from cuMemAlloc: Len bytes at device address
 // Ptr, 256-byte aligned.
 type Buffer struct {
-	d     *Device
-	ptr   uint64
-	size  int64
-	freed atomic.Bool
+	d       *Device
+	ptr     uint64
+	size    int64
+	freed   atomic.Bool
+	counted atomic.Bool // in its device's MemoryUsed until Free
 }
 
-// Alloc allocates bytes (> 0) of device memory (cuMemAlloc_v2).
+// Alloc allocates bytes (> 0) of device memory (cuMemAlloc_v2), within
+// the device's SetMemoryLimit cap when one is set.
 //
-// Errors: bytes <= 0, out of memory (IsOutOfMemory reports it), a closed
-// device.
+// Errors: bytes <= 0, out of memory (IsOutOfMemory reports it; over the
+// cap too, CUDA_ERROR_OUT_OF_MEMORY saying so), a closed device.
 func (d *Device) Alloc(bytes int64) (*Buffer, error) {
 	if bytes <= 0 {
 		return nil, fmt.Errorf("cuda: Alloc(%d): size must be > 0", bytes)
@@ -29,11 +31,84 @@ func (d *Device) Alloc(bytes int64) (*Buffer, error) {
 		return nil, err
 	}
 	defer exit()
-	p, err := outU64(fmt.Sprintf("cuMemAlloc_v2(%d B)", bytes), driver.cuMemAlloc, uintptr(bytes))
-	if err != nil {
+	call := fmt.Sprintf("cuMemAlloc_v2(%d B)", bytes)
+	if err := reserve(d.Ordinal, bytes, call); err != nil {
 		return nil, err
 	}
-	return &Buffer{d: d, ptr: p, size: bytes}, nil
+	p, err := outU64(call, driver.cuMemAlloc, uintptr(bytes))
+	if err != nil {
+		unreserve(d.Ordinal, bytes)
+		return nil, err
+	}
+	b := &Buffer{d: d, ptr: p, size: bytes}
+	b.counted.Store(true)
+	return b, nil
+}
+
+// maxOrdinals bounds the device ordinals whose memory is counted.
+const maxOrdinals = 64
+
+// caps holds, per device ordinal, SetMemoryLimit's cap (0: none) and the
+// bytes Alloc has handed out that Free has not taken back, over every
+// Device of that ordinal in the process.
+var caps [maxOrdinals]struct{ limit, used atomic.Int64 }
+
+// SetMemoryLimit caps the device memory that Alloc hands out on device
+// ordinal, over every Device of that ordinal in the process together, at
+// bytes (0 removes the cap): what dos allocates (weights, gradients,
+// activations, workspaces, the update phase), not the driver's own
+// memory (the context, modules). An Alloc that would pass it fails as out
+// of memory. Buffers allocated before count (MemoryUsed); a cap below
+// them refuses every later Alloc until they are freed.
+//
+// Errors: an ordinal outside [0, 64), bytes < 0.
+func SetMemoryLimit(ordinal int, bytes int64) error {
+	if ordinal < 0 || ordinal >= maxOrdinals || bytes < 0 {
+		return fmt.Errorf("cuda: SetMemoryLimit(%d, %d): want an ordinal in [0, %d) and bytes >= 0", ordinal, bytes, maxOrdinals)
+	}
+	caps[ordinal].limit.Store(bytes)
+	return nil
+}
+
+// MemoryLimit returns device ordinal's SetMemoryLimit cap in bytes (0:
+// none).
+func MemoryLimit(ordinal int) int64 {
+	if ordinal < 0 || ordinal >= maxOrdinals {
+		return 0
+	}
+	return caps[ordinal].limit.Load()
+}
+
+// MemoryUsed returns the bytes of device memory Alloc has handed out on
+// device ordinal that Free has not taken back.
+func MemoryUsed(ordinal int) int64 {
+	if ordinal < 0 || ordinal >= maxOrdinals {
+		return 0
+	}
+	return caps[ordinal].used.Load()
+}
+
+// reserve counts bytes on ordinal, or fails as out of memory when that
+// passes its cap.
+func reserve(ordinal int, bytes int64, call string) error {
+	if ordinal < 0 || ordinal >= maxOrdinals {
+		return nil
+	}
+	c := &caps[ordinal]
+	used := c.used.Add(bytes)
+	if l := c.limit.Load(); l > 0 && used > l {
+		c.used.Add(-bytes)
+		return &Error{Call: call, Code: errOutOfMemory, Name: "CUDA_ERROR_OUT_OF_MEMORY",
+			Msg: fmt.Sprintf("over the device memory cap of %d bytes (%d in use)", l, used-bytes)}
+	}
+	return nil
+}
+
+// unreserve takes bytes back from ordinal's count.
+func unreserve(ordinal int, bytes int64) {
+	if ordinal >= 0 && ordinal < maxOrdinals {
+		caps[ordinal].used.Add(-bytes)
+	}
 }
 
 // Ptr returns the device address (CUdeviceptr).
@@ -49,6 +124,9 @@ func (b *Buffer) Freed() bool { return b.freed.Load() }
 // second Free does nothing. Work still queued on a stream that uses the
 // buffer must be finished first (synchronize on it).
 func (b *Buffer) Free() error {
+	if b.counted.Swap(false) {
+		unreserve(b.d.Ordinal, b.size)
+	}
 	return b.d.release(&b.freed, "cuMemFree_v2", driver.cuMemFree, uintptr(b.ptr))
 }
 
