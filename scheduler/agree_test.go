@@ -26,10 +26,7 @@ import (
 // the replay of the same core starts no step before every step it depends
 // on has ended, and Simulate's operations are the engine's trace's.
 func TestEngineAgreesWithReplay(t *testing.T) {
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	for _, x := range []struct {
 		gd    adam.DType
 		ams   bool

@@ -208,6 +208,15 @@ func checkMirror(t testing.TB, d Device, e *Engine, want []float32) {
 
 var testSizes = []int{1000, 777, 1000, 1000, 513, 1000, 64, 1000}
 
+// testTotal is the elements of testSizes.
+func testTotal() int {
+	n := 0
+	for _, s := range testSizes {
+		n += s
+	}
+	return n
+}
+
 func schedules(n int) []perfmodel.Schedule {
 	return []perfmodel.Schedule{
 		{CPU: n},                      // ZeRO-Offload
@@ -231,10 +240,7 @@ func TestEngineMatchesCPU(t *testing.T) {
 
 func testEngineMatchesCPU(t *testing.T, newDev func() Device) {
 	h := adam.DefaultHyper()
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	for _, gd := range []adam.DType{adam.F32, adam.BF16, adam.F16} {
 		for _, ams := range []bool{false, true} {
 			p := newProblem(n, gd, ams, 3, 1)
@@ -265,10 +271,7 @@ func testEngineMatchesCPU(t *testing.T, newDev func() Device) {
 // is fully advanced, bitwise.
 func TestEngineFaults(t *testing.T) {
 	h := adam.DefaultHyper()
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	for _, gd := range []adam.DType{adam.F32, adam.BF16} {
 		p := newProblem(n, gd, false, 1, 2)
 		want, wantCopy := p.reference(h, adam.BF16, 1)
@@ -451,10 +454,7 @@ func TestEngineReplan(t *testing.T) { forDevices(t, testEngineReplan) }
 
 func testEngineReplan(t *testing.T, newDev func() Device) {
 	h := adam.DefaultHyper()
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	p := newProblem(n, adam.BF16, false, 3, 5)
 	want, wantCopy := p.reference(h, adam.BF16, 3)
 	d := newDev()
@@ -486,10 +486,7 @@ func TestUpdateNoAllocs(t *testing.T) {
 	if raceEnabled {
 		t.Skip("the race detector allocates")
 	}
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	p := newProblem(n, adam.BF16, false, 1, 6)
 	d := NewSim(SimOptions{})
 	e := setup(t, d, p, testSizes, perfmodel.Schedule{CPU: 4, GPU: 3, Resident: 1, UpcastOnGPU: true}, false)
@@ -513,10 +510,7 @@ func TestUpdateNoAllocs(t *testing.T) {
 // broken: ErrBroken then and from every later call. And Update after Close
 // or with the wrong amsgrad is refused.
 func TestEngineDeviceFault(t *testing.T) {
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	p := newProblem(n, adam.BF16, false, 1, 7)
 	c := adam.DefaultHyper().Coeffs(1, 1, 1)
 	s := perfmodel.Schedule{CPU: 4, GPU: 3, Resident: 1, UpcastOnGPU: true}
@@ -605,10 +599,7 @@ func TestEngineCloseErrors(t *testing.T) {
 // weights at its spans; spans that are unsorted, overlapping, empty or
 // outside the elements are refused, naming Options.Mirror.
 func TestEngineMirrorLoad(t *testing.T) {
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	p := newProblem(n, adam.BF16, false, 1, 7)
 	d := NewSim(SimOptions{})
 	e := setup(t, d, p, testSizes, perfmodel.Schedule{CPU: 3, GPU: 2, Resident: 3}, false)

@@ -20,10 +20,7 @@ func TestEngineHold(t *testing.T) { forDevices(t, testEngineHold) }
 
 func testEngineHold(t *testing.T, newDev func() Device) {
 	h := adam.DefaultHyper()
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	p := newProblem(n, adam.BF16, false, 2, 9)
 	want1, _ := p.reference(h, adam.BF16, 1)
 	want2, wantCopy2 := p.reference(h, adam.BF16, 2)

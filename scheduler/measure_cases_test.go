@@ -13,10 +13,7 @@ import (
 // the same makespan each time (the device's virtual clocks start no
 // earlier than what the host waited for).
 func TestMeasureNoDrift(t *testing.T) {
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	p := newProblem(n, adam.BF16, false, 1, 9)
 	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-6} }
 	d := NewSim(SimOptions{Profile: &perfmodel.GPUProfile{H2D: fit(1e6), D2H: fit(1e6), Update: fit(1e9), Convert: fit(1e10)}})
@@ -53,10 +50,7 @@ func TestMeasureNoDrift(t *testing.T) {
 // TestMeasureAfterReplan: between Replan and the next Update there is no
 // phase of the new plan to read: Measure and Trace say so (ErrNoPhase).
 func TestMeasureAfterReplan(t *testing.T) {
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	p := newProblem(n, adam.BF16, false, 1, 9)
 	d := NewSim(SimOptions{})
 	e := setup(t, d, p, testSizes, perfmodel.Schedule{CPU: 3, GPU: 3, Resident: 2}, false)

@@ -41,10 +41,7 @@ func rvMirrors(sizes []int) map[string][]Span {
 // on every subgroup boundary stay bitwise equal to the master weights
 // through updates on every schedule and a Replan.
 func TestMirrorShapes(t *testing.T) {
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	h := adam.DefaultHyper()
 	p := newProblem(n, adam.BF16, false, 3, 21)
 	want, wantCopy := p.reference(h, adam.BF16, 3)
@@ -81,10 +78,7 @@ func TestMirrorShapes(t *testing.T) {
 // TestMirrorShapesFaults: with those mirrors, every injected copy or
 // launch fault of an update leaves the mirror equal to the master weights.
 func TestMirrorShapesFaults(t *testing.T) {
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	h := adam.DefaultHyper()
 	p := newProblem(n, adam.BF16, false, 1, 22)
 	want, wantCopy := p.reference(h, adam.BF16, 1)

@@ -62,10 +62,7 @@ func TestSummarize(t *testing.T) {
 // TestMeasure: Measure's busy times and makespan are Summarize's of the same
 // phase (the union of each resource's intervals), and it allocates nothing.
 func TestMeasure(t *testing.T) {
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	p := newProblem(n, adam.BF16, false, 1, 9)
 	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-6} }
 	d := NewSim(SimOptions{Profile: &perfmodel.GPUProfile{H2D: fit(50e9), D2H: fit(50e9), Update: fit(1e9), Convert: fit(1e10)}})

@@ -16,10 +16,7 @@ func TestEngineUpdatePer(t *testing.T) {
 }
 
 func testEngineUpdatePer(t *testing.T, newDev func() Device) {
-	n := 0
-	for _, s := range testSizes {
-		n += s
-	}
+	n := testTotal()
 	hyper := func(i int) adam.Hyper {
 		h := adam.DefaultHyper()
 		h.LR = 1e-3 * float64(1+i%3)
