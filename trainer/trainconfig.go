@@ -8,6 +8,7 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/perfmodel"
 )
 
 // TrainConfig configures Train. The flags of `dos train` set these fields;
@@ -113,8 +114,12 @@ type TrainConfig struct {
 	// /proc/meminfo; where the system does not say, only MaxMemoryBytes
 	// bounds it). At most MaxMemoryBytes.
 	MaxMemory float64 `json:"max_memory_gib"`
-	// Schedule forces the device's split as "CPU,GPU,RESIDENT" subgroup
-	// counts; "" for the model's choice with Profile, else
+	// Schedule forces the device's split: "CPU,GPU,RESIDENT" subgroup
+	// counts; "cpu", every subgroup on the CPU (ZeRO-Offload's
+	// placement); or "static", as many subgroups resident as the update
+	// phase's budget holds and the rest on the CPU (perfmodel.StaticSplit,
+	// ZeRO-Offload++'s and TwinFlow's). "" leaves it to the performance
+	// model (with a profile or, on cuda, the start-up calibration), else
 	// offload.MixedSchedule.
 	Schedule    string  `json:"schedule"`
 	Resume      bool    `json:"resume"`       // continue from CkptDir's latest checkpoint
@@ -271,10 +276,10 @@ func (c *TrainConfig) Validate() error {
 	case c.GPUMemory != 0 && c.GPUBudget > c.GPUMemory:
 		return fmt.Errorf("trainer: --gpu-budget %v GiB is over --gpu-memory %v GiB", c.GPUBudget, c.GPUMemory)
 	}
-	if c.Schedule != "" {
+	if c.Schedule != "" && c.Schedule != "cpu" && c.Schedule != "static" {
 		s, err := offload.ParseSchedule(c.Schedule)
 		if err != nil {
-			return fmt.Errorf("trainer: --schedule: %w", err)
+			return fmt.Errorf("trainer: --schedule: %w (or cpu, or static)", err)
 		}
 		if n := c.subgroups(); s.CPU+s.GPU+s.Resident != n {
 			return fmt.Errorf("trainer: --schedule %s: %d subgroups, but the model's %d parameters in subgroups of %d make %d", c.Schedule, s.CPU+s.GPU+s.Resident, c.paramCount(), c.optimizerOptions().SubgroupSize, n)
@@ -402,11 +407,14 @@ func (c *TrainConfig) device(o *offload.Options) (func(), error) {
 		o.GPUBudget = DefaultGPUBudget
 	}
 	switch {
+	case c.Schedule == "static" && c.Device == "cuda":
+		// The budget is known once the model's activations are allocated:
+		// gpuTrainer.plan resolves it.
 	case c.Schedule != "":
-		s, err := offload.ParseSchedule(c.Schedule)
+		s, err := c.schedule(o.GPUBudget)
 		if err != nil {
 			closeDev()
-			return nil, fmt.Errorf("trainer: --schedule: %w", err)
+			return nil, err
 		}
 		o.Schedule = &s
 	case c.Profile == "":
@@ -414,6 +422,24 @@ func (c *TrainConfig) device(o *offload.Options) (func(), error) {
 		o.Schedule = &s
 	}
 	return closeDev, nil
+}
+
+// schedule resolves c.Schedule (not "") for an update phase of budget
+// bytes on the device.
+func (c *TrainConfig) schedule(budget int64) (perfmodel.Schedule, error) {
+	n := c.subgroups()
+	switch c.Schedule {
+	case "cpu":
+		return perfmodel.Schedule{CPU: n}, nil
+	case "static":
+		size := int64(c.optimizerOptions().SubgroupSize)
+		return perfmodel.StaticSplit(perfmodel.Workload{Params: int64(c.paramCount()), SubgroupSize: size, GPUBudget: budget}), nil
+	}
+	s, err := offload.ParseSchedule(c.Schedule)
+	if err != nil {
+		return s, fmt.Errorf("trainer: --schedule: %w", err)
+	}
+	return s, nil
 }
 
 // paramCount returns the model's parameters.
