@@ -292,7 +292,7 @@ func New(s *cuda.Stream, k *kernels.GPT, cfg gpt.Config, B, T int, opts Options)
 	opts.Attention = attn // resolved: what alloc and MemoryBytes size
 	m := &Model{cfg: cfg, b: B, t: T, bt: B * T, c: cfg.NEmbd, nh: cfg.NHead, hs: cfg.NEmbd / cfg.NHead,
 		v: cfg.VocabSize, l: cfg.NLayer, attn: attn, fusedGELU: opts.fusedGELU(cfg.NEmbd), recompute: opts.Recompute, s: s, k: k,
-		masters: make([]uint64, len(cfg.Tensors()))}
+		masters: make([]uint64, cfg.NumTensors())}
 	if m.blas, err = cublas.New(s.Device(), s); err != nil {
 		return nil, fmt.Errorf("gptcuda: %w", err)
 	}
@@ -442,7 +442,7 @@ var ErrClosed = errors.New("gptcuda: model closed")
 // then ln_f). PyTorch's bf16 autocast reads these in fp32 (the embedding
 // lookup and layer_norm are not autocast to bf16).
 func FP32Tensors(cfg gpt.Config) []int {
-	n := len(cfg.Tensors())
+	n := cfg.NumTensors()
 	out := []int{tWte, tWpe}
 	for l := range cfg.NLayer {
 		out = append(out, lnBlock(l, gpt.Ln1W), lnBlock(l, gpt.Ln1B), lnBlock(l, gpt.Ln2W), lnBlock(l, gpt.Ln2B))
@@ -497,7 +497,7 @@ func (m *Model) tensors(ts []uint64, what string) error {
 	if !m.ok {
 		return ErrClosed
 	}
-	if want := len(m.cfg.Tensors()); len(ts) != want {
+	if want := m.cfg.NumTensors(); len(ts) != want { // not Tensors(): Forward and Backward call this every step
 		return fmt.Errorf("gptcuda: %d %s tensors, want %d (gpt.Config.Tensors order)", len(ts), what, want)
 	}
 	for i, p := range ts {
