@@ -145,12 +145,8 @@ func (s *spec) placement(opts *offload.Options, params []offload.Param) (release
 	switch sched {
 	case "", "auto":
 		opts.Calibrate = opts.Profile == nil
-	case "cpu":
-		opts.Schedule = &perfmodel.Schedule{CPU: n}
-	case "static":
-		w := perfmodel.Workload{Params: total, SubgroupSize: int64(opts.SubgroupSize), Sizes: sizes, GPUBudget: s.GPUBudget, AMSGrad: opts.Hyper.AMSGrad}
-		st := perfmodel.StaticSplit(w)
-		opts.Schedule = &st
+	case "cpu", "static": // offload.New resolves them over its subgroups
+		opts.Placement = sched
 	default:
 		st, err := offload.ParseSchedule(sched)
 		if err != nil {

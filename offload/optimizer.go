@@ -370,7 +370,7 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	prefault16(o.grad.U16)
 	prefault16(o.work.Data)
 	o.pool = adam.NewPool(opts.Threads)
-	if opts.Profile == nil && opts.Calibrate && opts.Schedule == nil {
+	if opts.Profile == nil && opts.Calibrate && opts.Schedule == nil && opts.Placement == "" {
 		p, err := calibrate(opts.Device, o.pool.Threads(), opts.GradDType)
 		if err != nil {
 			o.pool.Close()
@@ -476,8 +476,16 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 	n := len(o.subgroups)
 	s := perfmodel.Schedule{CPU: n}
 	w := o.workload()
-	if opts.Schedule != nil {
-		s = *opts.Schedule
+	forced := opts.Schedule
+	switch opts.Placement {
+	case "cpu":
+		forced = &perfmodel.Schedule{CPU: n}
+	case "static":
+		st := perfmodel.StaticSplit(w)
+		forced = &st
+	}
+	if forced != nil {
+		s = *forced
 		if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
 			return nil, nil, fmt.Errorf("offload: Options.Schedule %d CPU + %d GPU + %d resident: the counts must add up to the %d subgroups (%d parameters in subgroups of %d)",
 				s.CPU, s.GPU, s.Resident, n, o.total, opts.SubgroupSize)

@@ -114,6 +114,14 @@ type Options struct {
 	// group's ceil(its parameters / SubgroupSize) with them
 	// (len(Optimizer.Subgroups()) after New).
 	Schedule *perfmodel.Schedule `json:"-"`
+	// Placement, with Device and no Schedule, names a fixed placement
+	// instead of the model's choice, resolved by New over the optimizer's
+	// subgroups: "cpu", every subgroup on the CPU workers (ZeRO-Offload's
+	// placement); "static", as many subgroups resident as GPUBudget holds
+	// their state and the rest on the CPU (perfmodel.StaticSplit:
+	// ZeRO-Offload++'s and TwinFlow's). "": the model's choice (all on
+	// the CPU without a profile). Not saved in checkpoints.
+	Placement string `json:"-"`
 }
 
 // Group is one parameter group's own hyperparameters (Options.Groups).
@@ -190,8 +198,14 @@ func (o *Options) Validate() error {
 	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0 || o.Replan) {
 		return errors.New("offload: Schedule, GPUBudget, DeviceMasters and Replan need a Device")
 	}
-	if o.Replan && (o.Schedule != nil || (o.Profile == nil && !o.Calibrate)) {
-		return errors.New("offload: Replan corrects the performance model's schedule: it needs Profile or Calibrate, and no forced Schedule")
+	if o.Replan && (o.Schedule != nil || o.Placement != "" || (o.Profile == nil && !o.Calibrate)) {
+		return errors.New("offload: Replan corrects the performance model's schedule: it needs Profile or Calibrate, and no forced Schedule or Placement")
+	}
+	switch {
+	case o.Placement != "" && o.Placement != "cpu" && o.Placement != "static":
+		return fmt.Errorf("offload: Placement %q: want cpu, static or none", o.Placement)
+	case o.Placement != "" && (o.Device == nil || o.Schedule != nil):
+		return errors.New("offload: Placement needs a Device, and no forced Schedule")
 	}
 	return nil
 }

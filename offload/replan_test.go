@@ -176,3 +176,39 @@ func TestReplanNoCycle(t *testing.T) {
 		}
 	}
 }
+
+// TestPlacement: Options.Placement "cpu" puts every subgroup on the CPU and
+// "static" as many resident as GPUBudget holds (12 bytes a parameter each),
+// over the optimizer's own subgroups (parameter groups included); an
+// unknown name, or one with a forced Schedule or Replan, is refused.
+func TestPlacement(t *testing.T) {
+	sim := scheduler.NewSim(scheduler.SimOptions{})
+	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Device: sim, Groups: twoGroups}
+	for _, tc := range []struct {
+		placement string
+		budget    int64
+		want      perfmodel.Schedule
+	}{
+		{"cpu", 0, perfmodel.Schedule{CPU: 7}},
+		{"static", 2*12*300 + 100, perfmodel.Schedule{CPU: 5, Resident: 2}},
+	} {
+		o := base
+		o.Placement, o.GPUBudget = tc.placement, tc.budget
+		opt, err := New(groupParams, o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s, _ := opt.Schedule(); s != tc.want {
+			t.Errorf("Placement %s: %+v, want %+v", tc.placement, s, tc.want)
+		}
+		opt.Close()
+	}
+	for _, bad := range []Options{{Placement: "fast"}, {Placement: "cpu", Schedule: &perfmodel.Schedule{CPU: 7}}, {Placement: "cpu", Replan: true, Calibrate: true}} {
+		o := base
+		o.Placement, o.Schedule, o.Replan, o.Calibrate = bad.Placement, bad.Schedule, bad.Replan, bad.Calibrate
+		if opt, err := New(groupParams, o); err == nil {
+			opt.Close()
+			t.Errorf("Placement %q with %+v: no error", bad.Placement, bad)
+		}
+	}
+}

@@ -106,13 +106,6 @@ func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) e
 		}
 		o.GPUBudget = b
 	}
-	if cfg.Schedule == "static" { // as many resident as the budget now known holds
-		st, err := cfg.schedule(o.GPUBudget)
-		if err != nil {
-			return err
-		}
-		o.Schedule = &st
-	}
 	if cfg.Profile != "" || cfg.Schedule != "" {
 		return nil
 	}

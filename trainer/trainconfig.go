@@ -8,7 +8,6 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/offload"
-	"github.com/deepstates/dos/perfmodel"
 )
 
 // TrainConfig configures Train. The flags of `dos train` set these fields;
@@ -118,7 +117,7 @@ type TrainConfig struct {
 	// counts; "cpu", every subgroup on the CPU (ZeRO-Offload's
 	// placement); or "static", as many subgroups resident as the update
 	// phase's budget holds and the rest on the CPU (perfmodel.StaticSplit,
-	// ZeRO-Offload++'s and TwinFlow's). "" leaves it to the performance
+	// ZeRO-Offload++'s and TwinFlow's; offload.Options.Placement). "" leaves it to the performance
 	// model (with a profile or, on cuda, the start-up calibration), else
 	// offload.MixedSchedule.
 	Schedule    string  `json:"schedule"`
@@ -407,14 +406,13 @@ func (c *TrainConfig) device(o *offload.Options) (func(), error) {
 		o.GPUBudget = DefaultGPUBudget
 	}
 	switch {
-	case c.Schedule == "static" && c.Device == "cuda":
-		// The budget is known once the model's activations are allocated:
-		// gpuTrainer.plan resolves it.
+	case c.Schedule == "cpu" || c.Schedule == "static": // resolved by offload.New over the budget set by then
+		o.Placement = c.Schedule
 	case c.Schedule != "":
-		s, err := c.schedule(o.GPUBudget)
+		s, err := offload.ParseSchedule(c.Schedule)
 		if err != nil {
 			closeDev()
-			return nil, err
+			return nil, fmt.Errorf("trainer: --schedule: %w", err)
 		}
 		o.Schedule = &s
 	case c.Profile == "":
@@ -422,24 +420,6 @@ func (c *TrainConfig) device(o *offload.Options) (func(), error) {
 		o.Schedule = &s
 	}
 	return closeDev, nil
-}
-
-// schedule resolves c.Schedule (not "") for an update phase of budget
-// bytes on the device.
-func (c *TrainConfig) schedule(budget int64) (perfmodel.Schedule, error) {
-	n := c.subgroups()
-	switch c.Schedule {
-	case "cpu":
-		return perfmodel.Schedule{CPU: n}, nil
-	case "static":
-		size := int64(c.optimizerOptions().SubgroupSize)
-		return perfmodel.StaticSplit(perfmodel.Workload{Params: int64(c.paramCount()), SubgroupSize: size, GPUBudget: budget}), nil
-	}
-	s, err := offload.ParseSchedule(c.Schedule)
-	if err != nil {
-		return s, fmt.Errorf("trainer: --schedule: %w", err)
-	}
-	return s, nil
 }
 
 // paramCount returns the model's parameters.
