@@ -50,16 +50,7 @@ func TestMeasureNoDrift(t *testing.T) {
 // TestMeasureAfterReplan: between Replan and the next Update there is no
 // phase of the new plan to read: Measure and Trace say so (ErrNoPhase).
 func TestMeasureAfterReplan(t *testing.T) {
-	n := testTotal()
-	p := newProblem(n, adam.BF16, false, 1, 9)
-	d := NewSim(SimOptions{})
-	e := setup(t, d, p, testSizes, perfmodel.Schedule{CPU: 3, GPU: 3, Resident: 2}, false)
-	defer e.Close()
-	put(t, d, e.grad, 0, p.gradBytes(0))
-	c := adam.DefaultHyper().Coeffs(1, 1, 1)
-	if err := e.Update(&c); err != nil {
-		t.Fatal(err)
-	}
+	e := onePhase(t, NewSim(SimOptions{}))
 	before, _ := e.Measure()
 	plan, _ := NewPlan(len(testSizes), perfmodel.Schedule{Resident: 8})
 	if err := e.Replan(plan); err != nil {

@@ -62,17 +62,8 @@ func TestSummarize(t *testing.T) {
 // TestMeasure: Measure's busy times and makespan are Summarize's of the same
 // phase (the union of each resource's intervals), and it allocates nothing.
 func TestMeasure(t *testing.T) {
-	n := testTotal()
-	p := newProblem(n, adam.BF16, false, 1, 9)
 	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-6} }
-	d := NewSim(SimOptions{Profile: &perfmodel.GPUProfile{H2D: fit(50e9), D2H: fit(50e9), Update: fit(1e9), Convert: fit(1e10)}})
-	e := setup(t, d, p, testSizes, perfmodel.Schedule{CPU: 3, GPU: 3, Resident: 2}, false)
-	defer e.Close()
-	put(t, d, e.grad, 0, p.gradBytes(0))
-	c := adam.DefaultHyper().Coeffs(1, 1, 1)
-	if err := e.Update(&c); err != nil {
-		t.Fatal(err)
-	}
+	e := onePhase(t, NewSim(SimOptions{Profile: &perfmodel.GPUProfile{H2D: fit(50e9), D2H: fit(50e9), Update: fit(1e9), Convert: fit(1e10)}}))
 	b, err := e.Measure()
 	if err != nil {
 		t.Fatal(err)
@@ -98,4 +89,20 @@ func TestMeasure(t *testing.T) {
 			t.Errorf("Measure allocates %v times", a)
 		}
 	}
+}
+
+// onePhase builds an engine on d over testSizes (3 CPU, 3 streamed and 2
+// resident subgroups) and runs one update phase; Close comes with the
+// test's end.
+func onePhase(t *testing.T, d Device) *Engine {
+	t.Helper()
+	p := newProblem(testTotal(), adam.BF16, false, 1, 9)
+	e := setup(t, d, p, testSizes, perfmodel.Schedule{CPU: 3, GPU: 3, Resident: 2}, false)
+	t.Cleanup(func() { e.Close() })
+	put(t, d, e.grad, 0, p.gradBytes(0))
+	c := adam.DefaultHyper().Coeffs(1, 1, 1)
+	if err := e.Update(&c); err != nil {
+		t.Fatal(err)
+	}
+	return e
 }
