@@ -3,7 +3,7 @@
 Each ``step()`` hands the gradients to dos's offloaded AdamW (PyTorch-exact numerics, SIMD CPU workers,
 fp32 master weights and ``exp_avg``/``exp_avg_sq`` in dos's memory, the update phase interleaved with the
 GPU when ``device="cuda"``) and writes the new weights into ``p.data`` in place. Parameters may be CPU
-tensors (float32, bfloat16, float16) or bfloat16/float16 tensors on cuda:0, whole (DDP, one GPU) or
+tensors or tensors on cuda:0 (float32, bfloat16, float16), whole (DDP, one GPU) or
 FSDP2's local shards (``DTensor.to_local()``).
 """
 import ctypes
@@ -124,6 +124,7 @@ class AdamW(torch.optim.Optimizer):
                     raise ValueError(f"dos.torch.AdamW: param group {i} sets {k}={g[k]!r}; dos shares {k} across groups "
                                      f"(group 0: {first[k]!r})")
         self._params = []
+        seen = set()  # ids of the parameters taken
         spec_params = []
         dtypes = {_local(p).dtype for g in self.param_groups for p in g["params"]}
         if len(dtypes) > 1:
@@ -149,7 +150,7 @@ class AdamW(torch.optim.Optimizer):
             for P in g["params"]:
                 p = _local(P)  # the local shard of an FSDP2 parameter
                 self._check(len(self._params), p)
-                if any(P is q for q in self._params):
+                if id(P) in seen:
                     raise ValueError(f"dos.torch.AdamW: parameter {len(self._params)} {tuple(p.shape)} is given twice; "
                                      "dos keeps one state per parameter: pass each once")
                 if not P.requires_grad:
@@ -160,6 +161,7 @@ class AdamW(torch.optim.Optimizer):
                                      "leave it out of the optimizer")
                 spec_params.append({"name": f"p{len(self._params)}", "shape": list(p.shape) or [1], "group": gi})
                 self._params.append(P)
+                seen.add(id(P))
         spec = {"params": spec_params,
                 "groups": [{"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"])} for g in self.param_groups],
                 "betas": [float(first["betas"][0]), float(first["betas"][1])], "eps": float(first["eps"]),
@@ -180,8 +182,9 @@ class AdamW(torch.optim.Optimizer):
             self._take(i, _local(p))
 
     def _device_views(self):
-        """Each parameter's gradient and 16-bit working copy in dos's device memory, as flat CUDA tensors
-        that alias it (through __cuda_array_interface__, as int16 then viewed in the parameters' dtype)."""
+        """Each parameter's gradient and weights in dos's device memory (the 16-bit working copy, or for
+        float32 parameters the fp32 master weights' device copy), as flat CUDA tensors that alias it
+        (through __cuda_array_interface__)."""
         views = []
         for i, p in enumerate(self._params):
             g, w = ctypes.c_uint64(), ctypes.c_uint64()
