@@ -5,77 +5,116 @@
 #
 #   OUT=$OUT bash bench/e2e_offload.sh
 #
-# For each RUNS entry MODEL:CAP_GiB:BATCH (default "gpt2-xl:24:8"), T = 1024, STEPS iterations (default 12;
-# dos's tokens/s leave the first out):
-#   dos-model   bin/dos train --device cuda --model MODEL --batch BATCH --gpu-memory CAP --replan
-#               (the performance model's schedule from the start-up calibration, corrected online)
+# RUNS is a space-separated list of MODEL,CAP_GiB,BATCH (default "gpt2-xl,24,8"); MODEL is a GPT-2 preset or
+# LAYERS:EMBD:HEADS. T = 1024, STEPS iterations (default 12; the medians leave the first 2 out). For each:
+#   dos-model   bin/dos train --device cuda --gpu-memory CAP --replan (the performance model's schedule from the
+#               start-up calibration, corrected online)
 #   dos-cpu     the same with --schedule cpu (every subgroup on the CPU: ZeRO-Offload's placement)
 #   dos-static  the same with --schedule static (as many subgroups resident as the budget holds: TwinFlow's)
-#   fsdp2       python3 bench/torch_offload.py --mode fsdp2 --cap-gib CAP (FSDP2 with CPUOffloadPolicy, one rank)
-#   gpu         python3 bench/torch_offload.py --mode gpu --cap-gib CAP (all on the GPU, where it fits)
-# RECOMPUTE=1 adds --recompute to the dos runs (activation checkpointing, for caps the activations pass).
-# Prints one line per run and a table: tokens/s, ms per iteration, dos's update phase (measured, predicted),
-# and each against fsdp2. Logs and summaries go to OUT (default /tmp/e2e).
-# Written before it could run on a GPU (issue 17): check its first output.
+#   fsdp2       python3 bench/torch_offload.py --mode fsdp2 --cap-gib CAP (FSDP2 with CPUOffloadPolicy, one rank,
+#               bf16 mixed precision)
+#   dos         python3 bench/torch_offload.py --mode dos --cap-gib CAP (dos.torch.AdamW on the same PyTorch model:
+#               issue 18's binding, DOS_TORCH_BUDGET_GIB of update-phase budget, default 8, inside the cap)
+#   gpu         python3 bench/torch_offload.py --mode gpu --cap-gib CAP (all on the GPU: the ceiling, where it fits)
+# RECOMPUTE=1 (the default) runs both sides with activation checkpointing (dos --recompute, transformers'
+# gradient_checkpointing_enable), so the two do the same work under the cap; RECOMPUTE=0 runs neither.
+# MODES (default "fsdp2 dos gpu") picks the PyTorch runs. GPU_NOCAP=1 (the default) adds the all-on-GPU run without a cap, as the reference ceiling.
+# Prints one line per run and a markdown table: tokens/s, ms per iteration, forward+backward and update (medians),
+# dos's predicted update, TFLOP/s and each run against fsdp2. Logs, JSON and summaries go to OUT (default /tmp/e2e).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root" || exit 2
 out=${OUT:-/tmp/e2e}
 mkdir -p "$out"
 steps=${STEPS:-12}
-runs=${RUNS:-"gpt2-xl:24:8"}
-recompute=""
-[ "${RECOMPUTE:-0}" = 1 ] && recompute="--recompute"
+runs=${RUNS:-"gpt2-xl,24,8"}
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+dosrc=()
+torchrc=()
+if [ "${RECOMPUTE:-1}" = 1 ]; then dosrc=(--recompute); torchrc=(--checkpointing); fi
 
 echo "e2e_offload: $(date -u +%Y-%m-%dT%H:%M:%SZ), $(git rev-parse --short HEAD 2>/dev/null || echo 'no git'), $(bin/dos version 2>&1 | head -1)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1
-rows=()
+: >"$out/results.jsonl"
 for run in $runs; do
-	IFS=: read -r model cap batch <<<"$run"
+	IFS=, read -r model cap batch <<<"$run"
+	tag=${model//:/x}
+	if [[ $model == *:*:* ]]; then
+		IFS=: read -r L C H <<<"$model"
+		arch=(--layers "$L" --embd "$C" --heads "$H" --ctx 1024)
+	else
+		arch=(--model "$model")
+	fi
 	for strat in dos-model dos-cpu dos-static; do
-		flags=(--device cuda --model "$model" --batch "$batch" --gpu-memory "$cap" --steps "$steps"
+		flags=(--device cuda "${arch[@]}" --batch "$batch" --gpu-memory "$cap" --steps "$steps" "${dosrc[@]}"
 			--log-every 1 --sample 0 --eval-every 0 --eval-batches 1)
-		[ -n "$recompute" ] && flags+=("$recompute")
 		case $strat in
 		dos-model) flags+=(--replan) ;;
 		dos-cpu) flags+=(--schedule cpu) ;;
 		dos-static) flags+=(--schedule static) ;;
 		esac
-		log="$out/$model-$strat.log"
-		sum="$out/$model-$strat.json"
-		if bin/dos train "${flags[@]}" --summary-json "$sum" >"$log" 2>&1; then
-			line=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(f"{s[\"tokens_per_s\"]:.0f} {1e3*s.get(\"update_s\",0):.1f} {1e3*s.get(\"update_predicted_s\",0):.1f}")' "$sum")
-			read -r tps upd pred <<<"$line"
-			ms=$(python3 -c "print(f'{1e3*$batch*1024/$tps:.1f}')")
-		else
-			tps=0 upd=- pred=- ms=-
-			echo "  $model $strat failed: $(tail -1 "$log")"
-		fi
-		echo "$model cap ${cap} GiB B $batch $strat: $tps tokens/s, $ms ms/iter, update $upd ms (predicted $pred)"
-		rows+=("$model|$cap|$batch|$strat|$tps|$ms|$upd|$pred")
+		base="$out/$tag-$cap-$strat"
+		rm -f "$base.jsonl"
+		start=$(date +%s)
+		bin/dos train "${flags[@]}" --log-json "$base.jsonl" --summary-json "$base.json" >"$base.log" 2>&1
+		rc=$?
+		python3 - "$model" "$cap" "$batch" "$strat" "$base" "$rc" "$(($(date +%s) - start))" >>"$out/results.jsonl" <<'PY'
+import json, statistics, sys
+model, cap, batch, strat, base, rc, wall = sys.argv[1:]
+r = {"model": model, "cap_gib": float(cap), "batch": int(batch), "strategy": strat, "wall_s": int(wall)}
+try:
+    steps = [json.loads(l) for l in open(base + ".jsonl")]
+    s = json.load(open(base + ".json"))
+    timed = steps[2:] or steps
+    it = statistics.median(x["seconds"] for x in timed)
+    upd = statistics.median(x["update_s"] for x in timed)
+    pred = [x["predicted_s"] for x in timed if x.get("predicted_s")]
+    r.update(ms_per_iter=round(1e3 * it, 1), fwd_bwd_ms=round(1e3 * (it - upd), 1), step_ms=round(1e3 * upd, 1),
+             predicted_ms=round(1e3 * statistics.median(pred), 1) if pred else None,
+             tokens_per_s=round(int(batch) * 1024 / it, 1), params=s["params"], mfu=s.get("mfu"),
+             replans=sum(1 for x in steps if x.get("replanned")))
+except Exception as e:
+    tail = open(base + ".log", errors="replace").read().strip().splitlines()[-1:] or [""]
+    r["error"] = f"rc {rc}: {tail[0][:400]} ({type(e).__name__})"
+print(json.dumps(r))
+PY
+		tail -n 1 "$out/results.jsonl"
 	done
-	for mode in fsdp2 gpu; do
-		log="$out/$model-$mode.log"
-		python3 bench/torch_offload.py --mode "$mode" --model "$model" --batch "$batch" --steps "$steps" --cap-gib "$cap" >"$log" 2>&1
-		line=$(grep '^torch_offload ' "$log" | tail -1 | sed 's/^torch_offload //')
-		tps=$(python3 -c 'import json,sys; d=json.loads(sys.argv[1] or "{}"); print(f"{d.get(\"tokens_per_s\",0):.0f}")' "$line")
-		ms=$(python3 -c 'import json,sys; d=json.loads(sys.argv[1] or "{}"); print(d.get("ms_per_iter","-"))' "$line")
-		echo "$model cap ${cap} GiB B $batch $mode: $tps tokens/s, $ms ms/iter $(python3 -c 'import json,sys; d=json.loads(sys.argv[1] or "{}"); print(d.get("error",""))' "$line")"
-		rows+=("$model|$cap|$batch|$mode|$tps|$ms|-|-")
+	modes=()
+	for m in ${MODES:-fsdp2 dos gpu}; do modes+=("$m,$cap"); done
+	[ "${GPU_NOCAP:-1}" = 1 ] && modes+=("gpu,0")
+	for mc in "${modes[@]}"; do
+		IFS=, read -r mode c <<<"$mc"
+		base="$out/$tag-$c-$mode"
+		python3 bench/torch_offload.py --mode "$mode" --model "$model" --batch "$batch" --steps "$steps" --warmup 2 \
+			--cap-gib "$c" --gpu-budget-gib "${DOS_TORCH_BUDGET_GIB:-8}" "${torchrc[@]}" >"$base.log" 2>&1
+		python3 - "$base.log" "$mode" "$cap" "$model" "$batch" "$c" >>"$out/results.jsonl" <<'PY'
+import json, sys
+lines = [l for l in open(sys.argv[1], errors="replace") if l.startswith("torch_offload ")]
+r = json.loads(lines[-1][len("torch_offload "):]) if lines else {"error": "no result line: see the log"}
+r["strategy"] = sys.argv[2] if float(sys.argv[6]) else sys.argv[2] + " (no cap)"
+r["cap_gib"], r["model"], r["batch"] = float(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+print(json.dumps(r))
+PY
+		tail -n 1 "$out/results.jsonl"
 	done
 done
 
 echo
-echo "| model | cap GiB | B | strategy | tokens/s | ms/iter | update ms (predicted) | vs fsdp2 |"
-echo "|---|---:|---:|---|---:|---:|---:|---:|"
-for r in "${rows[@]}"; do
-	IFS='|' read -r model cap batch strat tps ms upd pred <<<"$r"
-	ref=0
-	for q in "${rows[@]}"; do
-		IFS='|' read -r m2 c2 _ s2 t2 _ _ _ <<<"$q"
-		[ "$m2|$c2|$s2" = "$model|$cap|fsdp2" ] && ref=$t2
-	done
-	ratio=$(python3 -c "print(f'{$tps/$ref:.2f}x' if $ref > 0 else '-')")
-	echo "| $model | $cap | $batch | $strat | $tps | $ms | $upd ($pred) | $ratio |"
-done
+python3 - "$out/results.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("| model | cap GiB | B | strategy | tokens/s | ms/iter | fwd+bwd ms | step ms (predicted) | TFLOP/s | vs fsdp2 |")
+print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+for r in rows:
+    ref = next((q.get("tokens_per_s", 0) for q in rows if q["model"] == r["model"] and q["cap_gib"] == r["cap_gib"]
+                and q["strategy"] == "fsdp2"), 0)
+    tps = r.get("tokens_per_s", 0)
+    tfl = r.get("tflops") or (round(r["mfu"] * 989, 1) if r.get("mfu") else "")
+    pred = f" ({r['predicted_ms']})" if r.get("predicted_ms") else ""
+    if "error" in r:
+        print(f"| {r['model']} | {r['cap_gib']:g} | {r.get('batch', '')} | {r['strategy']} | failed: {r['error'][:120]} | | | | | |")
+        continue
+    print(f"| {r['model']} | {r['cap_gib']:g} | {r['batch']} | {r['strategy']} | {tps:.0f} | {r['ms_per_iter']} | "
+          f"{r['fwd_bwd_ms']} | {r['step_ms']}{pred} | {tfl} | {f'{tps / ref:.2f}x' if ref else '-'} |")
+PY

@@ -2,7 +2,7 @@
 """dos.torch.AdamW on the GPU against torch.optim.AdamW(fused=True) (issue 18, "Tests", the GPU call).
 
     PYTHONPATH=python python3 bench/torch_binding_check.py [--model gpt2-medium] [--batch 8] [--steps 50]
-        [--placements cpu,auto:4,static:4,0,0,ALL] [--tol 0.02]
+        [--placements cpu auto:4 static:4 0,0,ALL] [--tol 0.02]
 
 transformers' GPT2LMHeadModel (bench/torch_gpt2.py's build: random init from --seed, fp32 parameters on cuda:0,
 SDPA, no dropout) is copied once per run, so every run starts from the same weights; each trains --steps steps
@@ -39,7 +39,8 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--placements", default="cpu,auto:4,0,0,ALL", help="comma-separated; see the doc")
+    ap.add_argument("--placements", nargs="+", default=["cpu", "auto:4", "static:4", "0,0,ALL"],
+                    help="space-separated; see the doc")
     ap.add_argument("--sub-group-size", type=int, default=50_000_000)
     ap.add_argument("--tol", type=float, default=0.02, help="max |loss diff| in nats at every step")
     a = ap.parse_args()
@@ -101,7 +102,7 @@ def main():
                                                          fused=True))
     print(f"torch.optim.AdamW(fused=True): loss {ref[0]:.4f} -> {ref[-1]:.4f}, {ref_ms:.1f} ms/step")
     ok = True
-    for spec in a.placements.split(","):
+    for spec in a.placements:
         kw = dict(device="cuda", sub_group_size=a.sub_group_size)
         if spec == "cpu":
             kw["schedule"] = "cpu"

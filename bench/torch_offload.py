@@ -13,7 +13,10 @@ from fp32 logits, clip_grad_norm_(1.0), AdamW lr 6e-4, betas (0.9, 0.95), weight
          today (ANCHORS.md: 0.74-0.80 s per iteration at 1.5B, B 8);
   dos    bfloat16 parameters on the GPU, dos.torch.AdamW(device="cuda", gpu_budget, schedule): fp32 master
          weights and the moments in dos's pinned host memory, the update phase interleaved.
---cap-gib caps PyTorch's allocator (torch.cuda.set_per_process_memory_fraction), for a smaller card's memory.
+--model is a GPT-2 preset or LAYERS:EMBD:HEADS (dos train's --layers, --embd, --heads).
+--cap-gib caps the process's device memory, for a smaller card's: PyTorch's allocator through
+torch.cuda.set_per_process_memory_fraction, less (in dos mode) the device memory dos.torch.AdamW took.
+--checkpointing turns on activation checkpointing (what a cap below the activations needs).
 Each iteration is timed with CUDA events (forward and backward, then clip and step), the median after
 --warmup. The last line is machine-readable:
   torch_offload {"mode": ..., "ms_per_iter": ..., "fwd_bwd_ms": ..., "step_ms": ..., "tokens_per_s": ..., ...}
@@ -33,7 +36,7 @@ from torch_gpt2 import MODELS, VOCAB, flops_per_token, make_model  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=["dos", "fsdp2", "gpu"], required=True)
-    ap.add_argument("--model", choices=sorted(MODELS), default="gpt2-xl")
+    ap.add_argument("--model", default="gpt2-xl", help=f"{', '.join(sorted(MODELS))} or LAYERS:EMBD:HEADS")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
@@ -41,7 +44,12 @@ def main():
     ap.add_argument("--gpu-budget-gib", type=float, default=8.0, help="dos: device memory for its update phase")
     ap.add_argument("--schedule", default="auto", help="dos: auto, cpu, static or C,G,R")
     ap.add_argument("--sub-group-size", type=int, default=100_000_000)
-    ap.add_argument("--cap-gib", type=float, default=0, help="cap PyTorch's device memory (0: none)")
+    ap.add_argument("--cap-gib", type=float, default=0,
+                    help="cap the process's device memory (0: none); dos's own device memory counts against it")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="activation checkpointing (transformers' gradient_checkpointing_enable, non-reentrant)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="torch.set_num_threads: the CPU threads of FSDP2's CPU AdamW (default: every core)")
     ap.add_argument("--seed", type=int, default=1337)
     a = ap.parse_args()
     result = {"mode": a.mode, "model": a.model, "batch": a.batch, "seq": a.seq}
@@ -54,12 +62,22 @@ def main():
     import torch.nn.functional as F
     from transformers import GPT2Config
 
+    torch.set_num_threads(a.threads)
+    result["threads"] = torch.get_num_threads()
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    if a.cap_gib > 0:
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total), dev)
-    L, C, H = MODELS[a.model]
+    total = torch.cuda.get_device_properties(dev).total_memory
+
+    def cap(outside=0):
+        """Cap PyTorch's allocator at --cap-gib less the device memory dos holds outside it (bytes)."""
+        if a.cap_gib > 0:
+            torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (a.cap_gib * 2**30 - outside) / total)), dev)
+
+    cap()
+    try:
+        L, C, H = MODELS[a.model] if a.model in MODELS else (int(v) for v in a.model.split(":"))
+    except ValueError:
+        ap.error(f"--model {a.model!r}: want one of {sorted(MODELS)} or LAYERS:EMBD:HEADS such as 36:3072:24")
     B, T = a.batch, a.seq
     torch.manual_seed(a.seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=C, n_layer=L, n_head=H, resid_pdrop=0.0,
@@ -74,6 +92,8 @@ def main():
             os.environ.setdefault("MASTER_PORT", "29513")
             dist.init_process_group("nccl", rank=0, world_size=1)
             model = make_model(config)  # on the CPU: the offload policy keeps the fp32 shards there
+            if a.checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for block in model.transformer.h:
                 fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=mp)
@@ -82,6 +102,8 @@ def main():
         else:
             with torch.device(dev):
                 model = make_model(config)
+            if a.checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if a.mode == "gpu":
                 model = model.to(dev, torch.float32)
                 opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
@@ -89,9 +111,13 @@ def main():
                 import dos.torch as dt
 
                 model = model.to(dev, torch.bfloat16)
+                torch.cuda.synchronize(dev)
+                free0 = torch.cuda.mem_get_info(dev)[0]
                 opt = dt.AdamW(model.parameters(), device="cuda", gpu_budget=int(a.gpu_budget_gib * 2**30),
                                schedule=a.schedule, sub_group_size=a.sub_group_size, **kw)
                 result["placement"] = opt.placement()
+                result["dos_device_gib"] = round((free0 - torch.cuda.mem_get_info(dev)[0]) / 2**30, 2)
+                cap(free0 - torch.cuda.mem_get_info(dev)[0])  # dos's device memory counts against the cap
                 print(f"dos placement: {result['placement']}", flush=True)
         model.train()
         params = list(model.parameters())
@@ -127,7 +153,8 @@ def main():
         result.update(ms_per_iter=round(ms, 2), fwd_bwd_ms=round(statistics.median(fb), 2),
                       step_ms=round(statistics.median(st), 2), tokens_per_s=round(tps, 1),
                       tflops=round(flops_per_token(n, L, C, T) * tps / 1e12, 1),
-                      peak_mem_gib=round(torch.cuda.max_memory_allocated(dev) / 2**30, 2))
+                      peak_mem_gib=round(torch.cuda.max_memory_allocated(dev) / 2**30, 2),
+                      checkpointing=a.checkpointing, cap_gib=a.cap_gib)
     except torch.cuda.OutOfMemoryError as e:
         result["error"] = "out of memory: " + str(e).splitlines()[0]
         finish(1)

@@ -330,8 +330,12 @@ func (c *TrainConfig) checkMemory() error {
 }
 
 // MaxMemoryBytes bounds MemoryBytes: a configuration that needs more is
-// refused before anything is allocated, whatever MaxMemory says.
-const MaxMemoryBytes = 64 << 30
+// refused before anything is allocated, whatever MaxMemory says. It is a
+// bound on absurd configurations (1 TiB), not on a machine's memory: that
+// is MemAvailable's or --max-memory's to say. (It was 64 GiB until a 4.2B
+// GPT-2 on the 128 GiB GPU machine, which needs about 79 GiB of host
+// memory with --device cuda, was refused.)
+const MaxMemoryBytes = 1 << 40
 
 // MemoryBytes estimates the bytes of host memory a run allocates, in
 // float64 so that no product overflows:

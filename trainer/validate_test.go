@@ -101,15 +101,24 @@ func TestValidateMemory(t *testing.T) {
 		t.Errorf("no figure, 26 GiB model: %v", err)
 	}
 	huge := DefaultTrainConfig()
-	huge.Model.NEmbd, huge.Model.NLayer, huge.Model.NHead = 4096, 48, 32
-	wantErr(t, "over MaxMemoryBytes", huge.Validate(), "over dos's limit of 64 GiB")
-	huge.MaxMemory = 64
-	wantErr(t, "over MaxMemoryBytes with --max-memory 64", huge.Validate(), "over --max-memory 64 GiB")
+	huge.Model.NEmbd, huge.Model.NLayer, huge.Model.NHead = 16384, 96, 128 // 309B parameters: over 6 TiB
+	wantErr(t, "over MaxMemoryBytes", huge.Validate(), "over dos's limit of 1024 GiB")
+	huge.MaxMemory = 1024
+	wantErr(t, "over MaxMemoryBytes with --max-memory 1024", huge.Validate(), "over --max-memory 1024 GiB")
+	gpu4b := DefaultTrainConfig() // the 4.2B GPT-2 of BENCHMARKS' e2e table: about 79 GiB with --device cuda
+	gpu4b.Model.NEmbd, gpu4b.Model.NLayer, gpu4b.Model.NHead, gpu4b.Model.NCtx, gpu4b.Batch, gpu4b.Device = 3072, 36, 24, 1024, 8, "cuda"
+	gpu4b.WorkingDType, gpu4b.GradDType = adam.BF16, adam.BF16
+	if got := gpu4b.MemoryBytes() / (1 << 30); got < 70 || got > 90 {
+		t.Errorf("4.2B on cuda: MemoryBytes %.1f GiB, want about 79", got)
+	}
+	if err := gpu4b.Validate(); err != nil {
+		t.Errorf("no figure, 4.2B on cuda (79 GiB, under MaxMemoryBytes): %v", err)
+	}
 
-	for _, v := range []float64{-1, math.NaN(), math.Inf(1), 65} {
+	for _, v := range []float64{-1, math.NaN(), math.Inf(1), 1025} {
 		c := DefaultTrainConfig()
 		c.MaxMemory = v
-		wantErr(t, "max-memory "+strconv.FormatFloat(v, 'g', -1, 64), c.Validate(), "--max-memory", "want 0 (the available memory) to 64")
+		wantErr(t, "max-memory "+strconv.FormatFloat(v, 'g', -1, 64), c.Validate(), "--max-memory", "want 0 (the available memory) to 1024")
 	}
 }
 

@@ -23,7 +23,7 @@ func TestTrainFlagLimits(t *testing.T) {
 		{[]string{"--threads", "10000"}, []string{"--threads 10000: " + limit}},
 		{[]string{"--threads", "-1"}, []string{"--threads -1: " + limit}},
 		{[]string{"--max-memory", "1e-6"}, []string{"--layers 1 --embd 16 --ctx 16 --batch 4 need about", "over --max-memory 1e-06 GiB", "raise --max-memory"}},
-		{[]string{"--max-memory", "65"}, []string{"--max-memory 65 GiB: want 0 (the available memory) to 64"}},
+		{[]string{"--max-memory", "1025"}, []string{"--max-memory 1025 GiB: want 0 (the available memory) to 1024"}},
 		{[]string{"--max-memory", "-1"}, []string{"--max-memory -1 GiB"}},
 		{[]string{"--embd", "3"}, []string{"--heads 2 must divide --embd 3"}},
 		{[]string{"--heads", "5"}, []string{"--heads 5 must divide --embd 16"}},
