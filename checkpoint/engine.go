@@ -221,6 +221,10 @@ func (h *Handle) WaitCaptured() error {
 	return h.Err()
 }
 
+// Captured reports, without blocking, whether the whole snapshot is
+// captured (or the save failed): WaitCaptured would return at once.
+func (h *Handle) Captured() bool { return isClosed(h.captured) }
+
 // Wait blocks until the checkpoint is committed and durable, and returns
 // its directory, or the save's error.
 func (h *Handle) Wait() (string, error) {

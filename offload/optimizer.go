@@ -1070,6 +1070,10 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 		clip, res.GradNorm = clipCoef(ss, o.opts.MaxGradNorm)
 		res.ClipCoef = float64(clip)
 	}
+	// A phase that may wait on a lazy checkpoint's capture (the engine's
+	// per-subgroup holds) measures the capture too: Options.Replan leaves
+	// it out of the fit.
+	held := o.pending.h != nil && !o.pending.h.Captured()
 	// In fields: the engine's lanes read the coefficients, so locals
 	// would escape and cost an allocation per Step.
 	o.groupCoeffs(o.step+1, unscale, clip)
@@ -1102,7 +1106,7 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 	if o.re.base != nil && err == nil {
 		// Options.Replan: after the working copy is where the caller
 		// reads it, so that a failed re-plan leaves a consistent step.
-		err = o.refit(&res)
+		err = o.refit(&res, held)
 	}
 	res.Elapsed = time.Since(start)
 	return res, err

@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"maps"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -210,5 +211,62 @@ func TestPlacement(t *testing.T) {
 			opt.Close()
 			t.Errorf("Placement %q with %+v: no error", bad.Placement, bad)
 		}
+	}
+}
+
+// TestReplanHeld: a phase that may have waited on a lazy checkpoint's
+// capture is reported (Predicted, Measured) but not folded into the
+// factors or the measured schedules; the same phase not held is.
+func TestReplanHeld(t *testing.T) {
+	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-6} }
+	sim := scheduler.NewSim(scheduler.SimOptions{Profile: &perfmodel.GPUProfile{H2D: fit(1e7), D2H: fit(1e7), Update: fit(5e10), Convert: fit(4e11)}})
+	opts := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Threads: 2, MaxGradNorm: 1,
+		Device: sim, Profile: truthProfile(), GPUBudget: 2 * 12 * 300, Replan: true}
+	o := newWith(t, testParams, opts)
+	for step := 1; ; step++ { // until a phase after the first that did not re-plan (Measure reads it)
+		for i := range o.Params() {
+			for j, g := 0, o.Grad(i).Uint16(); j < len(g); j++ {
+				g[j] = adam.F32ToBF16(0.01 * float32(j%7-3))
+			}
+		}
+		res, err := o.Step(StepArgs{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if step >= 2 && !res.Replanned {
+			break
+		}
+		if step == 20 {
+			t.Fatal("re-planned at each of 20 steps")
+		}
+	}
+	// One more phase that Step does not observe (no base profile for it),
+	// so that refit below sees a phase the factors have not seen: its
+	// CPU lane's busy time is measured, never the same twice.
+	base := o.re.base
+	o.re.base = nil
+	if _, err := o.Step(StepArgs{}); err != nil {
+		t.Fatal(err)
+	}
+	o.re.base = base
+	snapshot := func() (map[perfmodel.Resource]float64, map[perfmodel.Schedule]float64) {
+		return maps.Clone(o.re.f), maps.Clone(o.re.seen)
+	}
+	f0, seen0 := snapshot()
+	var res StepResult
+	if err := o.refit(&res, true); err != nil {
+		t.Fatal(err)
+	}
+	if !(res.Measured > 0) || !(res.Predicted > 0) {
+		t.Errorf("held phase: predicted %v, measured %v: want both reported", res.Predicted, res.Measured)
+	}
+	if f, seen := snapshot(); !maps.Equal(f, f0) || !maps.Equal(seen, seen0) {
+		t.Errorf("held phase folded in: factors %v -> %v, measured schedules %v -> %v", f0, f, seen0, seen)
+	}
+	if err := o.refit(&res, false); err != nil {
+		t.Fatal(err)
+	}
+	if f, seen := snapshot(); maps.Equal(f, f0) && maps.Equal(seen, seen0) {
+		t.Errorf("the same phase not held left the factors %v and measured schedules %v as they were", f, seen)
 	}
 }
