@@ -93,7 +93,9 @@ class AdamW(torch.optim.Optimizer):
     AdamW; for 16-bit ones dos's 16-bit working copy. ``torch.amp.GradScaler`` works as with torch.optim (it
     unscales and skips the step itself). FSDP2 (``fully_shard``) parameters are DTensors: dos takes each
     rank's local shard and its gradient's, so each rank's optimizer holds only its shards; with DDP every
-    rank holds the whole state. The CUDA and FSDP2 paths have not yet run on a GPU (issue 18).
+    rank holds the whole state. dos's device memory (a gradient buffer and a working copy beside PyTorch's
+    tensors: 4 bytes per parameter for 16-bit ones, 8 for float32; and ``gpu_budget``) is not PyTorch's
+    allocator's: count it against any cap.
 
     Limits: parameters of one dtype and one device, each once, none empty, all requiring gradients; every
     parameter needs a gradient at every step; each group's lr is read at every step, its other
