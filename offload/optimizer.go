@@ -576,6 +576,27 @@ func (o *Optimizer) Plan() (plan perfmodel.Prediction, ok bool) {
 	return plan, true
 }
 
+// Trace returns the last update phase's operations (scheduler.Engine.Trace:
+// times from the phase's start) and the host time the phase began
+// (scheduler.Engine.PhaseStart), to place it in an iteration's timeline.
+// Errors: no Options.Device (the CPU workers' update has no engine to
+// trace), no update phase since New, a re-plan or a load
+// (scheduler.ErrNoPhase), the device's.
+func (o *Optimizer) Trace() (start time.Time, ops []scheduler.Op, err error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.eng == nil {
+		return time.Time{}, nil, errors.New("offload: Trace: no update phase to trace without Options.Device")
+	}
+	if start, err = o.eng.PhaseStart(); err != nil {
+		return time.Time{}, nil, fmt.Errorf("offload: Trace: %w", err)
+	}
+	if ops, err = o.eng.Trace(); err != nil {
+		return time.Time{}, nil, fmt.Errorf("offload: Trace: %w", err)
+	}
+	return start, ops, nil
+}
+
 // Close waits for a call in flight on another goroutine (Step,
 // SaveCheckpoint, LoadCheckpoint, ...: see Optimizer's Concurrency), then
 // until a lazy checkpoint in flight has captured the state (its flush goes

@@ -60,6 +60,17 @@ func (e *Engine) Trace() ([]Op, error) {
 	return ops, nil
 }
 
+// PhaseStart returns the host time at which the last Update began: the
+// origin of Trace's times (the device's from the event recorded then, the
+// CPU's by the host clock), to place the phase in a longer timeline.
+// Errors: ErrNoPhase, as Trace.
+func (e *Engine) PhaseStart() (time.Time, error) {
+	if !e.updated {
+		return time.Time{}, ErrNoPhase
+	}
+	return e.t0, nil
+}
+
 // ErrNoPhase is Trace's and Measure's error when there is no update phase
 // to read: before the first Update, or after a Replan (the phase was the
 // old plan's).
@@ -242,11 +253,20 @@ func Summarize(ops []Op) Summary {
 	return s
 }
 
+// Counter is one sample of a quantity drawn beside a trace (WriteChrome):
+// Name's Value at At from the trace's origin.
+type Counter struct {
+	Name  string // e.g. "GPU memory (GiB)"
+	At    time.Duration
+	Value float64
+}
+
 // WriteChrome writes ops as Chrome trace-event JSON (the "X" complete
 // events of the Trace Event Format, which Perfetto and chrome://tracing
 // open): one row per resource, times in microseconds, each event's
-// subgroup and bytes (or params) in its args.
-func WriteChrome(w io.Writer, ops []Op) error {
+// subgroup and bytes (or params) in its args; and counters as "C" events,
+// one track per name.
+func WriteChrome(w io.Writer, ops []Op, counters ...Counter) error {
 	type event struct {
 		Name string             `json:"name"`
 		Cat  perfmodel.Resource `json:"cat"`
@@ -257,7 +277,7 @@ func WriteChrome(w io.Writer, ops []Op) error {
 		Tid  perfmodel.Resource `json:"tid"`
 		Args map[string]any     `json:"args"`
 	}
-	evs := make([]event, 0, len(ops))
+	evs := make([]event, 0, len(ops)+len(counters))
 	for _, o := range ops {
 		unit := "bytes"
 		if o.What == "AdamW" || o.What == "CPU AdamW" || o.What == "upcast" {
@@ -265,6 +285,9 @@ func WriteChrome(w io.Writer, ops []Op) error {
 		}
 		evs = append(evs, event{Name: o.What, Cat: o.Resource, Ph: "X", Ts: float64(o.Start) / 1e3, Dur: float64(o.End-o.Start) / 1e3,
 			Pid: 1, Tid: o.Resource, Args: map[string]any{"subgroup": o.Subgroup, unit: o.Bytes}})
+	}
+	for _, c := range counters {
+		evs = append(evs, event{Name: c.Name, Ph: "C", Ts: float64(c.At) / 1e3, Pid: 1, Args: map[string]any{"value": c.Value}})
 	}
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", " ")

@@ -210,10 +210,16 @@ func (g *gpuTrainer) bind(opt *offload.Optimizer) error {
 
 // step runs forward and backward on a batch with the loss scaled by scale
 // and returns the mean loss; the gradients are complete on the device when
-// it returns (Loss waits for the stream).
-func (g *gpuTrainer) step(inputs, targets []int32, scale float32) (float64, error) {
+// it returns (Loss waits for the stream). afterForward, when not nil, runs
+// between the two (the traced iteration's mark).
+func (g *gpuTrainer) step(inputs, targets []int32, scale float32, afterForward func() error) (float64, error) {
 	if err := g.m.Forward(g.w, inputs, targets, scale); err != nil {
 		return 0, err
+	}
+	if afterForward != nil {
+		if err := afterForward(); err != nil {
+			return 0, err
+		}
 	}
 	if err := g.m.Backward(g.w, g.g); err != nil {
 		return 0, err

@@ -103,6 +103,7 @@ type Trainer struct {
 	closed   bool
 	last     *checkpoint.Handle // its last save, reported when it is durable
 	resumed  bool               // New loaded a checkpoint
+	timeline *IterationTimeline // cfg.TimelineAt's, once traced
 }
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
@@ -452,13 +453,27 @@ func (t *Trainer) Evaluate() (float64, error) {
 }
 
 // forwardBackward computes the batch's loss and the gradients of scale ×
-// loss where the optimizer reads them, on the host or the GPU.
-func (t *Trainer) forwardBackward(scale float32) (float64, error) {
+// loss where the optimizer reads them, on the host or the GPU. With marks
+// (the traced iteration: TrainConfig.TimelineAt) it records when forward
+// ended, waiting for the device first.
+func (t *Trainer) forwardBackward(scale float32, marks *timelineMarks) (float64, error) {
 	if t.gpu != nil {
-		return t.gpu.step(t.inputs, t.tgts, scale)
+		var mark func() error
+		if marks != nil {
+			mark = func() error {
+				_, err := t.gpu.m.Loss() // waits for the stream
+				marks.forward = time.Now()
+				t.markMemory(marks, marks.forward)
+				return err
+			}
+		}
+		return t.gpu.step(t.inputs, t.tgts, scale, mark)
 	}
 	t.refresh()
 	loss := float64(t.model.Forward(t.params, t.inputs, t.tgts))
+	if marks != nil {
+		marks.forward = time.Now()
+	}
 	if math.IsNaN(loss) || math.IsInf(loss, 0) {
 		return loss, nil
 	}
@@ -550,16 +565,30 @@ func (t *Trainer) Run() (Summary, error) {
 		if t.state.LossScale > 0 {
 			scale = float32(t.state.LossScale)
 		}
-		loss, err := t.forwardBackward(scale)
+		var marks *timelineMarks
+		if it == cfg.TimelineAt {
+			marks = &timelineMarks{t0: t0}
+			t.markMemory(marks, t0)
+		}
+		loss, err := t.forwardBackward(scale, marks)
 		if err != nil {
 			return sum, err
 		}
 		if math.IsNaN(loss) || math.IsInf(loss, 0) {
 			return sum, fmt.Errorf("trainer: loss %v at iteration %d: diverged", loss, it)
 		}
+		s0 := time.Now()
+		if marks != nil {
+			t.markMemory(marks, s0)
+		}
 		res, err := t.opt.Step(offload.StepArgs{LossScale: float64(scale), GradOnDevice: t.gpu != nil})
 		if err != nil {
 			return sum, err
+		}
+		if marks != nil {
+			s1 := time.Now()
+			t.markMemory(marks, s1)
+			t.finishTimeline(it, marks, s0, s0, s1)
 		}
 		if done > 0 { // the first update of a run also pays for the caches and page tables warming up
 			updates += res.Elapsed

@@ -107,6 +107,12 @@ type TrainConfig struct {
 	// is then what the cap leaves (less 256 MiB). 0: no cap. Not saved in
 	// checkpoints.
 	GPUMemory float64 `json:"-"`
+	// TimelineAt traces that iteration (1-based; 0: none): Trainer.Timeline
+	// then returns its forward, backward, step and update-phase operations
+	// and the GPU memory along it (dos train --timeline). The traced
+	// iteration waits for the device after forward. Not saved in
+	// checkpoints.
+	TimelineAt int `json:"-"`
 	// MaxMemory is the host memory in GiB the run may use (--max-memory):
 	// Validate refuses a configuration whose MemoryBytes exceeds it. 0
 	// means the memory available when Validate runs (MemAvailable in
@@ -268,6 +274,8 @@ func (c *TrainConfig) Validate() error {
 		return errors.New("trainer: --schedule and --gpu-budget need --device")
 	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:
 		return fmt.Errorf("trainer: --gpu-budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
+	case c.TimelineAt < 0:
+		return fmt.Errorf("trainer: --timeline-at %d: want an iteration from 1 (0: none)", c.TimelineAt)
 	case !(c.GPUMemory >= 0) || c.GPUMemory > 1<<20:
 		return fmt.Errorf("trainer: --gpu-memory %v GiB: want 0 to %d", c.GPUMemory, 1<<20)
 	case c.GPUMemory != 0 && c.Device != "cuda":

@@ -409,10 +409,10 @@ func measureSchedule(e *scheduler.Engine, prof *perfmodel.Profile, w perfmodel.W
 }
 
 // writeTrace writes ops as Chrome trace-event JSON to path, atomically.
-func writeTrace(path string, ops []scheduler.Op) error {
+func writeTrace(path string, ops []scheduler.Op, counters ...scheduler.Counter) error {
 	return writeAtomic(path, func(f *os.File) error {
 		bw := bufio.NewWriter(f)
-		if err := scheduler.WriteChrome(bw, ops); err != nil {
+		if err := scheduler.WriteChrome(bw, ops, counters...); err != nil {
 			return err
 		}
 		return bw.Flush()

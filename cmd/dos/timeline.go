@@ -12,6 +12,7 @@ import (
 
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
+	"github.com/deepstates/dos/trainer"
 )
 
 // timelineRows are the resources of an update phase, bottom to top.
@@ -26,13 +27,24 @@ var opColors = map[string]color.Color{
 	"AdamW":     color.RGBA{R: 44, G: 160, B: 44, A: 255},
 	"upcast":    color.RGBA{R: 152, G: 223, B: 138, A: 255},
 	"CPU AdamW": color.RGBA{R: 214, G: 39, B: 40, A: 255},
+	"forward":   color.RGBA{R: 148, G: 103, B: 189, A: 255},
+	"backward":  color.RGBA{R: 197, G: 176, B: 213, A: 255},
+	"step":      color.RGBA{R: 127, G: 127, B: 127, A: 255},
 }
 
-// gantt is a plot.Plotter of operations as bars, one row per resource.
-type gantt struct{ ops []scheduler.Op }
+// iterationRows are an iteration's rows (dos train --timeline), bottom to
+// top: the update phase's resources under the step and forward/backward.
+var iterationRows = []perfmodel.Resource{perfmodel.ResGPU, perfmodel.ResD2H, perfmodel.ResH2D, perfmodel.ResCPU, trainer.ResHost, trainer.ResCompute}
+
+// gantt is a plot.Plotter of operations as bars, one row per resource of
+// rows.
+type gantt struct {
+	ops  []scheduler.Op
+	rows []perfmodel.Resource
+}
 
 func (g gantt) row(r perfmodel.Resource) float64 {
-	for i, x := range timelineRows {
+	for i, x := range g.rows {
 		if x == r {
 			return float64(i)
 		}
@@ -67,25 +79,47 @@ func (g gantt) DataRange() (xmin, xmax, ymin, ymax float64) {
 	for _, o := range g.ops {
 		xmax = math.Max(xmax, o.End.Seconds()*1e3)
 	}
-	return 0, xmax, -0.5, float64(len(timelineRows)) - 0.5
+	return 0, xmax, -0.5, float64(len(g.rows)) - 0.5
 }
 
 // plotTimeline draws ops (Engine.Trace) as a timeline to path (.svg,
 // .png or .pdf): one row per resource, one bar per operation, coloured by
 // kind, with the summary's busy fractions in the row labels.
 func plotTimeline(ops []scheduler.Op, title, path string) error {
+	return plotGantt(gantt{ops, timelineRows}, title, "time from the start of the update phase (ms)",
+		[]string{"state H2D", "copy H2D", "state D2H", "grad D2H", "AdamW", "upcast", "CPU AdamW"}, path)
+}
+
+// plotIteration draws one training iteration (trainer.IterationTimeline)
+// to path as plotTimeline draws an update phase, with forward, backward
+// and the step's rows above the phase's, and the GPU memory in use in the
+// title.
+func plotIteration(tl trainer.IterationTimeline, title, path string) error {
+	if len(tl.Memory) > 0 {
+		title += "\nGPU memory in use (GiB):"
+		for i, c := range tl.Memory {
+			title += fmt.Sprintf(" %s %.2f", [...]string{"start", "after forward", "after backward", "after the step"}[min(i, 3)], c.Value)
+		}
+	}
+	return plotGantt(gantt{tl.Ops, iterationRows}, title, fmt.Sprintf("time from the start of iteration %d (ms)", tl.Iteration),
+		[]string{"forward", "backward", "step", "state H2D", "copy H2D", "state D2H", "grad D2H", "AdamW", "upcast", "CPU AdamW"}, path)
+}
+
+// plotGantt draws g with its rows labelled by their busy fractions and a
+// legend of kinds.
+func plotGantt(g gantt, title, xlabel string, kinds []string, path string) error {
 	pl := plot.New()
 	pl.Title.Text = title
-	pl.X.Label.Text = "time from the start of the update phase (ms)"
-	s := scheduler.Summarize(ops)
+	pl.X.Label.Text = xlabel
+	s := scheduler.Summarize(g.ops)
 	var ticks []plot.Tick
-	for i, r := range timelineRows {
+	for i, r := range g.rows {
 		ticks = append(ticks, plot.Tick{Value: float64(i), Label: fmt.Sprintf("%s %.0f%%", r, 100*s.Fraction(r))})
 	}
 	pl.Y.Tick.Marker = plot.ConstantTicks(ticks)
-	pl.Add(plotter.NewGrid(), gantt{ops})
+	pl.Add(plotter.NewGrid(), g)
 	pl.Legend.Top = true
-	for _, what := range []string{"state H2D", "copy H2D", "state D2H", "grad D2H", "AdamW", "upcast", "CPU AdamW"} {
+	for _, what := range kinds {
 		b, err := plotter.NewPolygon(plotter.XYs{{X: 0, Y: 0}})
 		if err != nil {
 			return err
@@ -95,7 +129,7 @@ func plotTimeline(ops []scheduler.Op, title, path string) error {
 		pl.Legend.Add(what, b)
 	}
 	pl.Legend.Left = false
-	if _, xmax, _, _ := (gantt{ops}).DataRange(); xmax > 0 {
+	if _, xmax, _, _ := g.DataRange(); xmax > 0 {
 		pl.X.Max = 1.2 * xmax // room for the legend on the right
 	}
 	canvas, save, err := newCanvas(path, 11*vg.Inch, 4*vg.Inch)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strings"
 
 	"github.com/deepstates/dos"
@@ -110,6 +111,8 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&cfg.Replan, "replan", cfg.Replan, "with --device and the performance model's schedule (--profile, or the start-up calibration on cuda): correct the model from every update phase's measured times and re-plan when it misses by more than 10%")
 	fs.BoolVar(&cfg.BF16Params, "bf16-params", cfg.BF16Params, "with --device cuda: read every parameter from the bf16 working copy (llm.c's recipe); by default the embedding lookup and the LayerNorms read fp32 master weights kept on the device, as PyTorch's bf16 autocast does")
 	fs.BoolVar(&cfg.Recompute, "recompute", cfg.Recompute, "with --device cuda: keep one block's activations and recompute each block's forward in backward (about a third more compute, a fraction of the activation memory)")
+	timeline := fs.String("timeline", "", "draw one iteration's timeline to this `PATH` (.svg, .png or .pdf; the Chrome trace beside it, PATH with .json): forward, backward, the optimizer step and its update phase's CPU, H2D, D2H and GPU operations, and the GPU memory in use (that iteration waits for the device after forward)")
+	fs.IntVar(&cfg.TimelineAt, "timeline-at", 0, "with --timeline: the iteration to draw (default: the last of the run)")
 	fs.StringVar(&cfg.LogJSON, "log-json", "", "append one JSON line per optimizer step to `PATH`: {step, loss, lr, grad_norm, skipped, pos, seconds, update_s} (a run resumed after a crash appends the steps past its checkpoint again: the later line of a step is the one that counts)")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
@@ -215,6 +218,16 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "%s %s: %s token file, %d tokens\n", f.flag, f.path, format, len(toks))
 		*f.dst = toks
 	}
+	if *timeline != "" {
+		if err := checkPlotExt(*timeline); err != nil {
+			return c.usageError(stderr, "--timeline %v", err)
+		}
+		if cfg.TimelineAt == 0 {
+			cfg.TimelineAt = cfg.Steps
+		}
+	} else if cfg.TimelineAt != 0 {
+		return c.usageError(stderr, "--timeline-at needs --timeline PATH")
+	}
 	if *summary != "" { // fail now, not after training, if it cannot be written
 		if err := writeFile(*summary, []byte("{}\n")); err != nil {
 			return c.fail(stderr, "--summary-json: %v", err)
@@ -247,7 +260,35 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 			return c.fail(stderr, "--summary-json: %v", err)
 		}
 	}
+	if *timeline != "" {
+		if err := writeIteration(t, *timeline, cfg, stdout); err != nil {
+			return c.fail(stderr, "--timeline: %v", err)
+		}
+	}
 	return 0
+}
+
+// writeIteration writes the iteration t traced (--timeline-at) to path as
+// a picture and beside it, with the extension .json, as a Chrome trace.
+func writeIteration(t *trainer.Trainer, path string, cfg trainer.TrainConfig, stdout io.Writer) error {
+	tl, ok := t.Timeline()
+	if !ok {
+		return fmt.Errorf("iteration %d was not trained in this run (it trained to %d): nothing drawn", cfg.TimelineAt, cfg.Steps)
+	}
+	where := "the CPU"
+	if cfg.Device != "" {
+		where = "--device " + cfg.Device
+	}
+	title := fmt.Sprintf("dos train: iteration %d, %.1f ms, %d params on %s", tl.Iteration, 1e3*tl.Total.Seconds(), t.NumParams(), where)
+	if err := plotIteration(tl, title, path); err != nil {
+		return err
+	}
+	trace := strings.TrimSuffix(path, filepath.Ext(path)) + ".json"
+	if err := writeTrace(trace, tl.Ops, tl.Memory...); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "timeline of iteration %d written to %s (Chrome trace: %s)\n", tl.Iteration, path, trace)
+	return nil
 }
 
 // CUDASubgroupSize is dos train's --subgroup-size with --device cuda.

@@ -1,0 +1,95 @@
+package trainer
+
+import (
+	"slices"
+	"time"
+
+	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// The rows an iteration's timeline adds to the update phase's resources
+// (perfmodel.ResCPU, ResH2D, ResD2H, ResGPU).
+const (
+	// ResCompute is forward and backward: the GPU's compute stream with
+	// Device "cuda", the host's goroutines otherwise.
+	ResCompute perfmodel.Resource = "compute"
+	// ResHost is the optimizer's step outside its update phase: the
+	// gradients' non-finite check and norm, clipping, the working copy's
+	// return, re-planning, and with no device the whole CPU update.
+	ResHost perfmodel.Resource = "step"
+)
+
+// IterationTimeline is one training iteration as it ran (issue 17's
+// timeline; TrainConfig.TimelineAt): forward, backward, the optimizer's
+// step and its update phase's operations, with their times from the
+// iteration's start, and the GPU memory in use along it.
+type IterationTimeline struct {
+	Iteration int
+	Total     time.Duration // the iteration's wall time, forward to the step's return
+	// Ops: "forward" and "backward" (ResCompute); "step" (ResHost), the
+	// step's time outside the update phase, before and after it; the
+	// update phase's operations (scheduler.Engine.Trace, shifted by when
+	// the phase began). Forward and backward are timed by the host after
+	// the device finished each (the traced iteration waits for the GPU
+	// between them, which other iterations do not).
+	Ops []scheduler.Op
+	// Memory is the device memory in use (bytes; under --gpu-memory what
+	// dos allocated) at the iteration's start, after forward, after
+	// backward and after the step; empty without Device "cuda".
+	Memory []scheduler.Counter
+}
+
+// timelineMarks collects the traced iteration's times (Run).
+type timelineMarks struct {
+	t0      time.Time
+	forward time.Time // forward's end (the device synchronised)
+	mem     []scheduler.Counter
+}
+
+// markMemory records the GPU memory in use at at (nothing without a GPU).
+func (t *Trainer) markMemory(m *timelineMarks, at time.Time) {
+	if t.gpu == nil {
+		return
+	}
+	used, _ := t.gpu.memory()
+	m.mem = append(m.mem, scheduler.Counter{Name: "GPU memory (GiB)", At: at.Sub(m.t0), Value: float64(used) / (1 << 30)})
+}
+
+// finishTimeline builds the IterationTimeline of the iteration that m
+// traced, whose backward ended at bwd and whose optimizer step ran from
+// s0 to s1.
+func (t *Trainer) finishTimeline(it int, m *timelineMarks, bwd, s0, s1 time.Time) {
+	tl := &IterationTimeline{Iteration: it, Total: s1.Sub(m.t0)}
+	tl.Ops = append(tl.Ops,
+		scheduler.Op{Resource: ResCompute, What: "forward", Start: 0, End: m.forward.Sub(m.t0)},
+		scheduler.Op{Resource: ResCompute, What: "backward", Start: m.forward.Sub(m.t0), End: bwd.Sub(m.t0)})
+	start, ops, err := t.opt.Trace()
+	if err != nil || len(ops) == 0 { // no device (the CPU workers' update) or a re-plan: the step is one span
+		tl.Ops = append(tl.Ops, scheduler.Op{Resource: ResHost, What: "step", Start: s0.Sub(m.t0), End: s1.Sub(m.t0)})
+	} else {
+		off := start.Sub(m.t0)
+		end := off
+		for _, o := range ops {
+			o.Start += off
+			o.End += off
+			end = max(end, o.End)
+			tl.Ops = append(tl.Ops, o)
+		}
+		tl.Ops = append(tl.Ops,
+			scheduler.Op{Resource: ResHost, What: "step", Start: s0.Sub(m.t0), End: off},
+			scheduler.Op{Resource: ResHost, What: "step", Start: min(end, s1.Sub(m.t0)), End: s1.Sub(m.t0)})
+	}
+	slices.SortStableFunc(tl.Ops, func(a, b scheduler.Op) int { return int(a.Start - b.Start) })
+	tl.Memory = m.mem
+	t.timeline = tl
+}
+
+// Timeline returns the iteration TrainConfig.TimelineAt traced, once Run
+// has passed it; false before, or when none was asked for.
+func (t *Trainer) Timeline() (IterationTimeline, bool) {
+	if t.timeline == nil {
+		return IterationTimeline{}, false
+	}
+	return *t.timeline, true
+}
