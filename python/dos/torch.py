@@ -106,8 +106,17 @@ class AdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, sub_group_size=1_000_000_000, threads=0, max_grad_norm=0.0, device=None,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 sub_group_size=1_000_000_000, threads=0, max_grad_norm=0.0, device=None,
                  gpu_budget=0, profile=None, schedule="auto", pin_memory=True):
+        # torch.optim.AdamW's implementation switches: dos has one implementation, so foreach and fused
+        # change nothing (code that passes them swaps in as it is); capture into a CUDA graph and
+        # differentiating through the step it cannot do.
+        if capturable:
+            raise ValueError("dos.torch.AdamW: capturable=True (CUDA graph capture of step()) is not supported: dos's "
+                             "update phase runs on the CPU workers and its own streams; leave it False")
+        if differentiable:
+            raise ValueError("dos.torch.AdamW: differentiable=True is not supported: dos's update runs outside autograd")
         for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("max_grad_norm", max_grad_norm),
                         ("betas[0]", betas[0]), ("betas[1]", betas[1])):
             if not math.isfinite(float(v)):
@@ -387,6 +396,8 @@ class AdamW(torch.optim.Optimizer):
         if self._saved_step == (os.fspath(root), step):
             raise ValueError(f"dos.torch.AdamW.save: step {step} is saved into {os.fspath(root)} already "
                              "(a checkpoint is never replaced)")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"dos.torch.AdamW.save: keep={keep!r}: want an int >= 0 (0 keeps every checkpoint)")
         objects = json.dumps({"torch": {"lrs": [float(g["lr"]) for g in self.param_groups]}}).encode()
         handle = SaveHandle(_native.call("dos_adamw_save", h, os.fspath(root).encode(), objects, int(keep)))
         self._saved_step = (os.fspath(root), step)

@@ -217,8 +217,24 @@ def test_save_keep(tmp_path):
     b.load(tmp_path / "ck")
     assert all(torch.equal(b.master_weights(i), a.master_weights(i)) for i in range(len(ps)))
     train_steps(a, ps, g, 1)
-    with pytest.raises(dos.DosError, match="keep -1"):
-        a.save(tmp_path / "ck", keep=-1)
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="keep="):
+            a.save(tmp_path / "ck", keep=bad)
+
+
+def test_torch_switches():
+    """torch.optim.AdamW's foreach and fused are taken and change nothing (the same bits as without them);
+    capturable and differentiable, which dos cannot do, raise."""
+    runs = []
+    for kw in ({}, dict(fused=True), dict(foreach=False, fused=None)):
+        ps = [torch.nn.Parameter(t.clone()) for t in make(9)]
+        opt = dt.AdamW(ps, lr=1e-3, **kw)
+        train_steps(opt, ps, torch.Generator().manual_seed(11), 3)
+        runs.append([p.detach().clone() for p in ps])
+    assert all(torch.equal(x, y) for r in runs[1:] for x, y in zip(runs[0], r))
+    for kw, match in ((dict(capturable=True), "capturable"), (dict(differentiable=True), "differentiable")):
+        with pytest.raises(ValueError, match=match):
+            dt.AdamW([torch.nn.Parameter(torch.zeros(3))], **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
