@@ -10,7 +10,10 @@
 #   dos-model   bin/dos train --device cuda --gpu-memory CAP --replan (the performance model's schedule from the
 #               start-up calibration, corrected online)
 #   dos-cpu     the same with --schedule cpu (every subgroup on the CPU: ZeRO-Offload's placement)
-#   dos-static  the same with --schedule static (as many subgroups resident as the budget holds: TwinFlow's)
+#   dos-static  the same with --schedule static (as many subgroups resident as the budget holds: TwinFlow's),
+#               subgroups of 1e8 (the static split skips the calibration that chooses the size)
+#   dos-static-25M  the static split in subgroups of 2.5e7, the finest size dos-model may choose (it packs the
+#               budget best): the static split at its best
 #   fsdp2       python3 bench/torch_offload.py --mode fsdp2 --cap-gib CAP (FSDP2 with CPUOffloadPolicy, one rank,
 #               bf16 mixed precision)
 #   dos         python3 bench/torch_offload.py --mode dos --cap-gib CAP (dos.torch.AdamW on the same PyTorch model:
@@ -45,13 +48,14 @@ for run in $runs; do
 	else
 		arch=(--model "$model")
 	fi
-	for strat in dos-model dos-cpu dos-static; do
+	for strat in dos-model dos-cpu dos-static dos-static-25M; do
 		flags=(--device cuda "${arch[@]}" --batch "$batch" --gpu-memory "$cap" --steps "$steps" "${dosrc[@]}"
 			--log-every 1 --sample 0 --eval-every 0 --eval-batches 1)
 		case $strat in
 		dos-model) flags+=(--replan) ;;
 		dos-cpu) flags+=(--schedule cpu) ;;
 		dos-static) flags+=(--schedule static) ;;
+		dos-static-25M) flags+=(--schedule static --subgroup-size 25000000) ;;
 		esac
 		base="$out/$tag-$cap-$strat"
 		rm -f "$base.jsonl"

@@ -324,11 +324,9 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 		}
 	}
 	// The flat space holds the groups one after the other (each in the
-	// parameters' order), and subgroups are cut within a group: a
-	// subgroup is updated with one group's lr and weight_decay.
+	// parameters' order).
 	off := 0
 	for g := range opts.groups() {
-		start := off
 		for i := range o.params {
 			if o.params[i].Group == g {
 				o.params[i].Offset = off
@@ -336,16 +334,12 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 				o.layout = append(o.layout, i)
 			}
 		}
-		for _, n := range perfmodel.SubgroupSizes(int64(off-start), int64(opts.SubgroupSize)) {
-			o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: start, Len: int(n), Group: g})
-			start += int(n)
-		}
 	}
+	o.cut(opts.SubgroupSize)
 	if err := o.mirrorSpans(); err != nil {
 		return nil, err
 	}
 	o.gcoeffs = make([]adam.Coeffs, len(opts.groups()))
-	o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
 	if opts.Device == nil {
 		o.state = adam.State{Param: make([]float32, o.total), ExpAvg: make([]float32, o.total), ExpAvgSq: make([]float32, o.total)}
 		if opts.Hyper.AMSGrad {
@@ -380,6 +374,12 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 		o.opts.Profile = p
 	}
 	if opts.Device != nil {
+		if len(opts.SubgroupSizes) > 0 {
+			if err := o.chooseSubgroupSize(); err != nil {
+				o.pool.Close()
+				return nil, err
+			}
+		}
 		if err := o.newEngine(); err != nil {
 			o.pool.Close()
 			return nil, err
@@ -467,10 +467,60 @@ func (o *Optimizer) workload() perfmodel.Workload {
 		GradDType: o.opts.GradDType, CopyBytes: 2, AMSGrad: o.opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: o.opts.GPUBudget}
 }
 
-// buildEngine builds an engine on Options.Device with the forced
-// schedule, the model's, or all on the CPU, and returns it with the
-// model's prediction (nil without a profile); it changes nothing in o.
-func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, error) {
+// cut cuts the flat space into subgroups of at most size elements within
+// each group (a subgroup is updated with one group's lr and
+// weight_decay), and sizes the per-subgroup coefficients.
+func (o *Optimizer) cut(size int) {
+	o.subgroups = o.subgroups[:0]
+	start := 0
+	for g := range o.opts.groups() {
+		end := start
+		for _, i := range o.layout {
+			if o.params[i].Group == g {
+				end += o.params[i].Len
+			}
+		}
+		for _, n := range perfmodel.SubgroupSizes(int64(end-start), int64(size)) {
+			o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: start, Len: int(n), Group: g})
+			start += int(n)
+		}
+	}
+	o.opts.SubgroupSize = size
+	o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
+}
+
+// chooseSubgroupSize keeps the candidate of Options.SubgroupSizes whose
+// plan is predicted fastest (see there) and cuts the subgroups at it.
+func (o *Optimizer) chooseSubgroupSize() error {
+	cands := o.opts.SubgroupSizes
+	if o.opts.Profile == nil {
+		o.cut(cands[0])
+		return nil
+	}
+	best := make([]float64, len(cands))
+	for k, c := range cands {
+		o.cut(c)
+		_, pred, err := o.choosePlan()
+		if err != nil {
+			return fmt.Errorf("offload: SubgroupSizes: %d: %w", c, err)
+		}
+		best[k] = pred.Makespan
+	}
+	fastest := slices.Min(best)
+	pick := -1
+	for k, c := range cands {
+		if best[k] <= 1.02*fastest && (pick < 0 || c > cands[pick]) {
+			pick = k
+		}
+	}
+	o.cut(cands[pick])
+	return nil
+}
+
+// choosePlan returns the update phase's schedule on Options.Device over
+// the current subgroups: the forced one, the model's or all on the CPU,
+// with the model's prediction of it (nil without a profile).
+func (o *Optimizer) choosePlan() (perfmodel.Schedule, *perfmodel.Prediction, error) {
 	var pred *perfmodel.Prediction
 	opts := o.opts
 	n := len(o.subgroups)
@@ -487,11 +537,11 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 	if forced != nil {
 		s = *forced
 		if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
-			return nil, nil, fmt.Errorf("offload: Options.Schedule %d CPU + %d GPU + %d resident: the counts must add up to the %d subgroups (%d parameters in subgroups of %d)",
+			return s, nil, fmt.Errorf("offload: Options.Schedule %d CPU + %d GPU + %d resident: the counts must add up to the %d subgroups (%d parameters in subgroups of %d)",
 				s.CPU, s.GPU, s.Resident, n, o.total, opts.SubgroupSize)
 		}
 		if need := w.GPUMemory(s); opts.GPUBudget > 0 && need > opts.GPUBudget {
-			return nil, nil, fmt.Errorf("offload: Options.Schedule %+v needs %d bytes of device memory, over GPUBudget %d", s, need, opts.GPUBudget)
+			return s, nil, fmt.Errorf("offload: Options.Schedule %+v needs %d bytes of device memory, over GPUBudget %d", s, need, opts.GPUBudget)
 		}
 		if opts.Profile != nil {
 			if w.GPUBudget == 0 {
@@ -499,17 +549,29 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 			}
 			pr, err := opts.Profile.Predict(w, s)
 			if err != nil {
-				return nil, nil, fmt.Errorf("offload: predicting Options.Schedule: %w", err)
+				return s, nil, fmt.Errorf("offload: predicting Options.Schedule: %w", err)
 			}
 			pred = &pr
 		}
 	} else if opts.Profile != nil {
 		pr, err := opts.Profile.Choose(w)
 		if err != nil {
-			return nil, nil, fmt.Errorf("offload: planning the update phase: %w", err)
+			return s, nil, fmt.Errorf("offload: planning the update phase: %w", err)
 		}
 		pred, s = &pr, pr.Schedule
 	}
+	return s, pred, nil
+}
+
+// buildEngine builds an engine on Options.Device with choosePlan's
+// schedule and returns it with the model's prediction (nil without a
+// profile); it changes nothing in o.
+func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, error) {
+	s, pred, err := o.choosePlan()
+	if err != nil {
+		return nil, nil, err
+	}
+	n, opts := len(o.subgroups), o.opts
 	plan, err := scheduler.NewPlan(n, s)
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)

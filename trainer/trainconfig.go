@@ -49,6 +49,12 @@ type TrainConfig struct {
 	LossScale    float64 `json:"loss_scale"`
 	Seed         uint64  `json:"seed"`
 	SubgroupSize int     `json:"subgroup_size"` // elements; 0: offload's default
+	// SubgroupSizes, with a Device and no forced counts in Schedule, are
+	// candidates the performance model chooses the subgroup size from
+	// (offload.Options.SubgroupSizes; dos train --device cuda without
+	// --subgroup-size: 1e8, 5e7, 2.5e7). Not saved in checkpoints: the
+	// state does not depend on the cut.
+	SubgroupSizes []int `json:"-"`
 	Threads      int     `json:"threads"`       // optimizer goroutines, 0..MaxThreads(); 0: GOMAXPROCS
 	CkptDir      string  `json:"ckpt_dir"`      // "" disables checkpoints
 	CkptEvery    int     `json:"ckpt_every"`    // iterations between checkpoints (and one at the end)
@@ -416,6 +422,9 @@ func (c *TrainConfig) device(o *offload.Options) (func(), error) {
 	o.GPUBudget = int64(c.GPUBudget * (1 << 30))
 	if o.GPUBudget == 0 {
 		o.GPUBudget = DefaultGPUBudget
+	}
+	if c.Schedule == "" || c.Schedule == "cpu" || c.Schedule == "static" {
+		o.SubgroupSizes = c.SubgroupSizes
 	}
 	switch {
 	case c.Schedule == "cpu" || c.Schedule == "static": // resolved by offload.New over the budget set by then

@@ -87,7 +87,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.Var(dtypeFlag{&cfg.GradDType}, "grad-dtype", "gradient dtype handed to the optimizer: float32, bfloat16 or float16 (with --resume: the checkpoint's)")
 	fs.Var(dtypeFlag{&cfg.WorkingDType}, "working-dtype", "dtype of the weights forward reads: none (fp32 master), bfloat16 or float16 (with --resume: the checkpoint's)")
 	fs.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "seed of initialisation and sampling")
-	sizeVar(c, &cfg.SubgroupSize, "subgroup-size", "optimizer subgroup size in elements `N` (0: 1e9; with --device cuda the default is 1e8; with --resume: the checkpoint's)")
+	sizeVar(c, &cfg.SubgroupSize, "subgroup-size", "optimizer subgroup size in elements `N` (0: 1e9; with --device cuda the performance model chooses among 1e8, 5e7 and 2.5e7 unless this is given (1e8 under --schedule cpu or static, which skip the calibration); with --resume: the checkpoint's)")
 	fs.IntVar(&cfg.Threads, "threads", cfg.Threads, fmt.Sprintf("optimizer worker goroutines, at most 4 × the CPUs (%d here) (0: GOMAXPROCS)", trainer.MaxThreads()))
 	fs.Float64Var(&cfg.MaxMemory, "max-memory", cfg.MaxMemory, fmt.Sprintf("host memory in `GiB` the run may use, checked against the estimate before anything is allocated (0: the memory available now; at most %d)", trainer.MaxMemoryBytes>>30))
 	fs.StringVar(&cfg.CkptDir, "ckpt-dir", cfg.CkptDir, "checkpoint root directory (empty: no checkpoints)")
@@ -150,9 +150,13 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		}
 		// Subgroups of 100M parameters (1.2 GB of state) give the
 		// performance model a split to choose: one subgroup per
-		// billion parameters leaves it all or nothing.
+		// billion parameters leaves it all or nothing. Without
+		// --subgroup-size the model also chooses the size among
+		// 100M, 50M and 25M: smaller ones pack a small budget better
+		// and fit the streamed lane's staging where 100M cannot.
 		if !c.set("subgroup-size") {
 			cfg.SubgroupSize = CUDASubgroupSize
+			cfg.SubgroupSizes = []int{CUDASubgroupSize, CUDASubgroupSize / 2, CUDASubgroupSize / 4}
 		}
 	}
 	tok, err := trainer.NewTokenizer(cfg.Tokenizer)

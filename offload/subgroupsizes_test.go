@@ -1,0 +1,96 @@
+package offload
+
+import (
+	"math/rand/v2"
+	"testing"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// TestSubgroupSizes: with Options.SubgroupSizes New keeps the candidate
+// whose plan the model predicts fastest (here the smallest: it packs a
+// small budget with resident subgroups where the whole model fits none),
+// reports it in Options, and the steps are bit for bit the CPU-only
+// optimizer's. Without a profile the first candidate is taken; a forced
+// Schedule or no Device is refused.
+func TestSubgroupSizes(t *testing.T) {
+	prof := truthProfile()
+	for i := range prof.CPU {
+		prof.CPU[i].Fit.LatencyS = 1e-9 // rates, not latencies, decide at these sizes
+	}
+	g := prof.GPU
+	for _, f := range []*perfmodel.Fit{&g.Update, &g.H2D, &g.D2H, &g.H2DBoth, &g.D2HBoth, &g.Convert} {
+		f.LatencyS = 1e-9
+	}
+	sim := scheduler.NewSim(scheduler.SimOptions{})
+	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, Threads: 2, MaxGradNorm: 1}
+	cands := []int{2000, 400, 100}
+	budget := int64(12 * 800)
+	opts := base
+	opts.Device, opts.Profile, opts.GPUBudget, opts.SubgroupSizes = sim, prof, budget, cands
+	o := newWith(t, testParams, opts)
+	// The oracle: the model's plan at each size, directly.
+	times := map[int]float64{}
+	for _, c := range cands {
+		w := perfmodel.Workload{Params: 1648, SubgroupSize: int64(c), GradDType: adam.BF16, CopyBytes: 2, Threads: 2, GPUBudget: budget}
+		p, err := prof.Choose(w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("size %d: %+v, %.3g s", c, p.Schedule, p.Makespan)
+		times[c] = p.Makespan
+	}
+	fastest := min(times[cands[0]], times[cands[1]], times[cands[2]])
+	want := 0
+	for _, c := range cands { // the largest within 2 % of the fastest
+		if times[c] <= 1.02*fastest && c > want {
+			want = c
+		}
+	}
+	if got := o.Options().SubgroupSize; got != want || want == cands[0] {
+		t.Fatalf("chose subgroups of %d, want %d (the model's fastest, not the first candidate %d)", got, want, cands[0])
+	}
+	if s, _ := o.Schedule(); s.Resident == 0 {
+		t.Errorf("schedule %+v: want resident subgroups in the %d-byte budget", s, budget)
+	}
+	ref := newWith(t, testParams, base)
+	r := rand.New(rand.NewPCG(7, 8))
+	for step := 0; step < 5; step++ {
+		for i := range o.Params() {
+			g, h := ref.Grad(i).Uint16(), o.Grad(i).Uint16()
+			for j := range g {
+				g[j] = adam.F32ToBF16(float32(r.NormFloat64()))
+				h[j] = g[j]
+			}
+		}
+		a, err := ref.Step(StepArgs{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := o.Step(StepArgs{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a.GradNorm != b.GradNorm {
+			t.Fatalf("step %d: grad norm %v against the CPU's %v", step+1, b.GradNorm, a.GradNorm)
+		}
+	}
+	sameState(t, synced(t, ref), synced(t, o))
+
+	noProf := base
+	noProf.Device, noProf.GPUBudget, noProf.SubgroupSizes = sim, budget, cands
+	if got := newWith(t, testParams, noProf).Options().SubgroupSize; got != cands[0] {
+		t.Errorf("without a profile: subgroups of %d, want the first candidate %d", got, cands[0])
+	}
+	for _, bad := range []Options{
+		{SubgroupSizes: cands, WorkingDType: adam.BF16},
+		{SubgroupSizes: cands, WorkingDType: adam.BF16, Device: sim, Schedule: &perfmodel.Schedule{CPU: 1}},
+		{SubgroupSizes: []int{100, 0}, WorkingDType: adam.BF16, Device: sim},
+	} {
+		if _, err := New(testParams, bad); err == nil {
+			t.Errorf("New with SubgroupSizes %v, Device %v, Schedule %v: no error", bad.SubgroupSizes, bad.Device != nil, bad.Schedule)
+		}
+	}
+}
