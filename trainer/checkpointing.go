@@ -47,13 +47,11 @@ func (t *Trainer) save() error {
 }
 
 // saveLazily hands the checkpoint to the lazy engine and returns; the
-// engine's staging ring holds two copies of the state, at most 256 MiB.
+// engine's staging ring is TrainConfig.CkptRing's (ringBytes).
 func (t *Trainer) saveLazily(step int64, objects map[string]any) error {
 	if t.engine == nil {
-		const chunk = checkpoint.DefaultChunkBytes
-		state := int64(t.opt.NumParams()) * 16 // fp32 master, exp_avg, exp_avg_sq (and max_exp_avg_sq)
-		ring := min(max(2*((state+chunk-1)/chunk*chunk), 2*chunk), 256<<20)
-		e, err := checkpoint.NewEngine(checkpoint.OS, t.cfg.CkptDir, checkpoint.EngineOptions{ChunkBytes: chunk, RingBytes: ring, Keep: t.cfg.CkptKeep})
+		ring := int64(t.cfg.ringBytes(float64(t.opt.NumParams())))
+		e, err := checkpoint.NewEngine(checkpoint.OS, t.cfg.CkptDir, checkpoint.EngineOptions{ChunkBytes: checkpoint.DefaultChunkBytes, RingBytes: ring, Keep: t.cfg.CkptKeep})
 		if err != nil {
 			return fmt.Errorf("trainer: checkpoint engine: %w", err)
 		}

@@ -6,6 +6,7 @@ import (
 	"math"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/offload"
 )
@@ -63,6 +64,13 @@ type TrainConfig struct {
 	// captures the state while training goes on and flushes it in the
 	// background.
 	CkptSync bool `json:"ckpt_sync"`
+	// CkptRing is the lazy checkpointer's staging memory between capture
+	// and flush, in GiB (--ckpt-ring; checkpoint.EngineOptions.RingBytes);
+	// 0: two copies of the state, at most 256 MiB. The step after a save
+	// waits for the capture of the state it writes on the host (the CPU
+	// and streamed subgroups'); a ring that holds it lets the capture run
+	// at memory speed instead of the disk's. Not saved in checkpoints.
+	CkptRing float64 `json:"-"`
 	CkptKeep int  `json:"ckpt_keep"` // keep the newest N checkpoints (0: all)
 	// Profile is a dos calibrate profile of this machine: the optimizer
 	// plans its update phase with it, and the summary compares the
@@ -280,6 +288,8 @@ func (c *TrainConfig) Validate() error {
 		return errors.New("trainer: --schedule and --gpu-budget need --device")
 	case !(c.GPUBudget >= 0) || c.GPUBudget > 1<<20:
 		return fmt.Errorf("trainer: --gpu-budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
+	case !(c.CkptRing >= 0) || c.CkptRing > MaxMemoryBytes>>30:
+		return fmt.Errorf("trainer: --ckpt-ring %v GiB: want 0 (the default) to %d", c.CkptRing, MaxMemoryBytes>>30)
 	case c.TimelineAt < 0:
 		return fmt.Errorf("trainer: --timeline-at %d: want an iteration from 1 (0: none)", c.TimelineAt)
 	case !(c.GPUMemory >= 0) || c.GPUMemory > 1<<20:
@@ -398,9 +408,21 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	}
 	ring := 0.0
 	if c.CkptDir != "" && !c.CkptSync {
-		ring = math.Min(2*16*params, 256<<20)
+		ring = c.ringBytes(params)
 	}
 	return perParam*params + 4*floats + ring
+}
+
+// ringBytes is the lazy checkpointer's ring for params parameters:
+// CkptRing GiB, or two copies of the 16 B of state per parameter, at most
+// 256 MiB; at least two chunks, in whole chunks.
+func (c *TrainConfig) ringBytes(params float64) float64 {
+	const chunk = checkpoint.DefaultChunkBytes
+	ring := math.Min(2*16*params, 256<<20)
+	if c.CkptRing > 0 {
+		ring = c.CkptRing * (1 << 30)
+	}
+	return math.Max(math.Floor(ring/chunk)*chunk, 2*chunk)
 }
 
 // validScale reports whether s can be a loss scale: within [1, 2^64], so
