@@ -55,10 +55,10 @@ type TrainConfig struct {
 	// (offload.Options.SubgroupSizes; dos train --device cuda without
 	// --subgroup-size: 1e8, 5e7, 2.5e7). Not saved in checkpoints: the
 	// state does not depend on the cut.
-	SubgroupSizes []int `json:"-"`
-	Threads      int     `json:"threads"`       // optimizer goroutines, 0..MaxThreads(); 0: GOMAXPROCS
-	CkptDir      string  `json:"ckpt_dir"`      // "" disables checkpoints
-	CkptEvery    int     `json:"ckpt_every"`    // iterations between checkpoints (and one at the end)
+	SubgroupSizes []int  `json:"-"`
+	Threads       int    `json:"threads"`    // optimizer goroutines, 0..MaxThreads(); 0: GOMAXPROCS
+	CkptDir       string `json:"ckpt_dir"`   // "" disables checkpoints
+	CkptEvery     int    `json:"ckpt_every"` // iterations between checkpoints (and one at the end)
 	// CkptSync writes checkpoints synchronously (checkpoint.Save) instead
 	// of handing them to the lazy engine (checkpoint.Engine), which
 	// captures the state while training goes on and flushes it in the
@@ -71,7 +71,7 @@ type TrainConfig struct {
 	// and streamed subgroups'); a ring that holds it lets the capture run
 	// at memory speed instead of the disk's. Not saved in checkpoints.
 	CkptRing float64 `json:"-"`
-	CkptKeep int  `json:"ckpt_keep"` // keep the newest N checkpoints (0: all)
+	CkptKeep int     `json:"ckpt_keep"` // keep the newest N checkpoints (0: all)
 	// Profile is a dos calibrate profile of this machine: the optimizer
 	// plans its update phase with it, and the summary compares the
 	// predicted update time with the measured one. "" for none.
