@@ -167,13 +167,20 @@ func (s *spec) placement(opts *offload.Options, params []offload.Param) (release
 // dtypes maps spec.DType to the working copy's and the gradients' dtype.
 var dtypes = map[string][2]adam.DType{"": {0, adam.F32}, "float32": {0, adam.F32}, "bfloat16": {adam.BF16, adam.BF16}, "float16": {adam.F16, adam.F16}}
 
+// savedBy is a lazy save and the optimizer it saves.
+type savedBy struct {
+	h  *checkpoint.Handle
+	o  *offload.Optimizer
+	oh int64 // o's handle
+}
+
 // handles holds the live optimizers and saves by handle.
 var handles struct {
 	sync.Mutex
 	next  int64
 	m     map[int64]*offload.Optimizer
-	eng   map[int64]*saver             // an optimizer's lazy checkpoint engine, by the optimizer's handle
-	saves map[int64]*checkpoint.Handle // saves in flight or done, by their own handle
+	eng   map[int64]*saver  // an optimizer's lazy checkpoint engine, by the optimizer's handle
+	saves map[int64]savedBy // saves in flight or done, by their own handle
 	// release closes an optimizer's device (offload.OpenDevice's), by the
 	// optimizer's handle, after its Close.
 	release map[int64]func()
@@ -199,7 +206,7 @@ func lookup(h C.int64_t) (*offload.Optimizer, error) {
 // newHandle registers and returns the next handle; hold handles.
 func newHandle() int64 {
 	if handles.m == nil {
-		handles.m, handles.eng, handles.saves = map[int64]*offload.Optimizer{}, map[int64]*saver{}, map[int64]*checkpoint.Handle{}
+		handles.m, handles.eng, handles.saves = map[int64]*offload.Optimizer{}, map[int64]*saver{}, map[int64]savedBy{}
 		handles.release = map[int64]func(){}
 	}
 	handles.next++
@@ -537,7 +544,7 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 		handles.Lock()
 		defer handles.Unlock()
 		id = newHandle()
-		handles.saves[id] = hd
+		handles.saves[id] = savedBy{hd, o, int64(h)}
 		return nil
 	}) {
 		return 0
@@ -548,7 +555,7 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 //export dos_save_done
 func dos_save_done(sh C.int64_t) C.int32_t {
 	handles.Lock()
-	hd := handles.saves[int64(sh)]
+	hd := handles.saves[int64(sh)].h
 	handles.Unlock()
 	if hd == nil || hd.Done() {
 		return 1
@@ -560,13 +567,27 @@ func dos_save_done(sh C.int64_t) C.int32_t {
 func dos_save_wait(sh C.int64_t, dirOut **C.char, errOut **C.char) C.int32_t {
 	return status(run(errOut, func() error {
 		handles.Lock()
-		hd := handles.saves[int64(sh)]
+		sb := handles.saves[int64(sh)]
 		handles.Unlock()
-		if hd == nil {
+		if sb.h == nil {
 			return fmt.Errorf("dos: no save with handle %d", int64(sh))
 		}
-		dir, err := hd.Wait()
-		if err == nil && dirOut != nil {
+		dir, err := sb.h.Wait()
+		if err != nil {
+			// Reported here: the optimizer's next step does not report it
+			// again (and is taken), and the next save starts a fresh
+			// engine (this one would report it again too).
+			sb.o.AcknowledgeSave(sb.h)
+			handles.Lock()
+			sv := handles.eng[sb.oh]
+			if sv != nil {
+				delete(handles.eng, sb.oh)
+			}
+			handles.Unlock()
+			if sv != nil {
+				_ = sv.e.Close() // its error is the one returned here
+			}
+		} else if dirOut != nil {
 			*dirOut = C.CString(dir)
 		}
 		return err
@@ -587,6 +608,9 @@ func dos_adamw_load(h C.int64_t, path *C.char, objectsOut **C.char, errOut **C.c
 		if err != nil {
 			return err
 		}
+		if err := sameFixedHyper(o, C.GoString(path)); err != nil {
+			return err
+		}
 		_, objs, err := o.LoadCheckpoint(checkpoint.OS, C.GoString(path))
 		if err != nil {
 			return err
@@ -600,6 +624,59 @@ func dos_adamw_load(h C.int64_t, path *C.char, objectsOut **C.char, errOut **C.c
 		}
 		return nil
 	}))
+}
+
+// sameFixedHyper refuses a checkpoint at path (a root or a step
+// directory) whose hyperparameters other than lr differ from o's: the
+// Python optimizer fixes betas, eps, weight_decay, amsgrad and maximize at
+// construction and shows them in param_groups, so loading others would
+// step with values it does not show (offload.Optimizer.LoadCheckpoint
+// takes the checkpoint's). A checkpoint that cannot be read is left to
+// LoadCheckpoint's errors.
+func sameFixedHyper(o *offload.Optimizer, path string) error {
+	dir, err := checkpoint.Resolve(checkpoint.OS, path)
+	if err != nil {
+		return nil
+	}
+	c, err := checkpoint.Open(checkpoint.OS, dir, 0)
+	if err != nil {
+		return nil
+	}
+	defer c.Close()
+	var obj map[string]json.RawMessage
+	if c.Object(offload.ObjectName, &obj) != nil {
+		return nil
+	}
+	var saved adam.Hyper
+	var savedOpts struct {
+		Groups []offload.Group `json:"groups"`
+	}
+	if json.Unmarshal(obj["hyper"], &saved) != nil || json.Unmarshal(obj["options"], &savedOpts) != nil {
+		return nil
+	}
+	opts := o.Options()
+	now := opts.Hyper
+	decay := func(h adam.Hyper, groups []offload.Group) []float64 {
+		if len(groups) == 0 {
+			return []float64{h.WeightDecay}
+		}
+		d := make([]float64, len(groups))
+		for i, g := range groups {
+			d[i] = g.WeightDecay
+		}
+		return d
+	}
+	a, b := decay(saved, savedOpts.Groups), decay(now, opts.Groups)
+	same := saved.Mode == now.Mode && saved.Betas == now.Betas && saved.Eps == now.Eps && saved.AMSGrad == now.AMSGrad &&
+		saved.Maximize == now.Maximize && len(a) == len(b)
+	for i := 0; same && i < len(a); i++ {
+		same = a[i] == b[i]
+	}
+	if !same {
+		return fmt.Errorf("dos: %s was saved with betas %v, eps %g, weight_decay %v, amsgrad %t, maximize %t; this optimizer has betas %v, eps %g, weight_decay %v, amsgrad %t, maximize %t: build it with the checkpoint's (dos fixes them at construction)",
+			dir, saved.Betas, saved.Eps, a, saved.AMSGrad, saved.Maximize, now.Betas, now.Eps, b, now.AMSGrad, now.Maximize)
+	}
+	return nil
 }
 
 // placementInfo is dos_adamw_placement's JSON: where the update phase runs.

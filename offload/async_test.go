@@ -155,6 +155,34 @@ func TestSaveAsyncFailure(t *testing.T) {
 	if _, err := o.SaveAsync(e, 0, nil); err == nil {
 		t.Error("a step below the counter accepted")
 	}
+	// Acknowledged (the user saw it from the handle): the next Step is
+	// taken, not failed with it again.
+	root2 := filepath.Join(t.TempDir(), "root2")
+	e2, err := checkpoint.NewEngine(checkpoint.OS, root2, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e2.Close()
+	if err := os.RemoveAll(root2); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(root2, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h, err = o.SaveAsync(e2, 2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Wait(); err == nil {
+		t.Fatal("a save under a file succeeded")
+	}
+	o.AcknowledgeSave(nil) // nothing: not this save
+	o.AcknowledgeSave(h)
+	fill(o, 3)
+	mustStep(t, o)
+	if o.StepCount() != 3 {
+		t.Fatalf("after the acknowledged failure: step %d, want 3", o.StepCount())
+	}
 }
 
 func mustStep(t *testing.T, o *Optimizer) {

@@ -207,6 +207,24 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 	return h, nil
 }
 
+// AcknowledgeSave says that the failure of h, this optimizer's last lazy
+// save (SaveAsync), was reported to the user by other means (h.Wait
+// returned it): the next Step, SaveAsync, SetParam or LoadCheckpoint does
+// not report it again, and that Step is taken. A save still running, one
+// that succeeded, or another optimizer's handle changes nothing. The
+// failed save committed nothing: the previous checkpoint is the latest.
+func (o *Optimizer) AcknowledgeSave(h *checkpoint.Handle) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if h == nil || o.pending.h != h || !h.Done() || h.Err() == nil {
+		return
+	}
+	o.pending = lazySave{}
+	if o.eng != nil {
+		o.eng.Hold(nil)
+	}
+}
+
 // settle deals with the save in flight: with all, it waits until the whole
 // state is captured; it returns (once) the error of a save that failed.
 func (o *Optimizer) settle(all bool) error {

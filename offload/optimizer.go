@@ -536,7 +536,7 @@ func (o *Optimizer) choosePlan() (perfmodel.Schedule, *perfmodel.Prediction, err
 	}
 	if forced != nil {
 		s = *forced
-		if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
+		if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU > n || s.GPU > n || s.Resident > n || s.CPU+s.GPU+s.Resident != n {
 			return s, nil, fmt.Errorf("offload: Options.Schedule %d CPU + %d GPU + %d resident: the counts must add up to the %d subgroups (%d parameters in subgroups of %d)",
 				s.CPU, s.GPU, s.Resident, n, o.total, opts.SubgroupSize)
 		}

@@ -102,7 +102,8 @@ func MixedSchedule(n int) perfmodel.Schedule {
 // ParseSchedule reads "C,G,R": the CPU, streamed GPU and resident
 // subgroup counts, each >= 0. Errors name the text.
 func ParseSchedule(text string) (perfmodel.Schedule, error) {
-	bad := fmt.Errorf("scheduler: schedule %q: want CPU,GPU,RESIDENT subgroup counts >= 0, e.g. 2,2,1", text)
+	const maxCount = 1 << 31 // no plan has more subgroups; three such counts add up without overflow
+	bad := fmt.Errorf("scheduler: schedule %q: want CPU,GPU,RESIDENT subgroup counts from 0 to 2^31, e.g. 2,2,1", text)
 	f := strings.Split(text, ",")
 	if len(f) != 3 {
 		return perfmodel.Schedule{}, bad
@@ -110,7 +111,7 @@ func ParseSchedule(text string) (perfmodel.Schedule, error) {
 	var v [3]int
 	for i, x := range f {
 		n, err := strconv.Atoi(x)
-		if err != nil || n < 0 || x[0] == '+' {
+		if err != nil || n < 0 || n > maxCount || x[0] == '+' {
 			return perfmodel.Schedule{}, bad
 		}
 		v[i] = n

@@ -121,6 +121,16 @@ class AdamW(torch.optim.Optimizer):
                         ("betas[0]", betas[0]), ("betas[1]", betas[1])):
             if not math.isfinite(float(v)):
                 raise ValueError(f"dos.torch.AdamW: invalid {name}: {v}")
+        if len(tuple(betas)) != 2:
+            raise ValueError(f"dos.torch.AdamW: betas {betas!r}: want two values")
+        for name, v in (("amsgrad", amsgrad), ("maximize", maximize), ("pin_memory", pin_memory)):
+            if not isinstance(v, bool):
+                raise TypeError(f"dos.torch.AdamW: {name}={v!r}: want True or False")
+        for name, v, lo in (("sub_group_size", sub_group_size, 1), ("threads", threads, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"dos.torch.AdamW: {name}={v!r}: want an int >= {lo}")
+        if threads > 4 * (os.cpu_count() or 1):
+            raise ValueError(f"dos.torch.AdamW: threads={threads}: want at most 4 x the {os.cpu_count()} CPUs (0: one per CPU)")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         self._h = 0
         super().__init__(params, defaults)
@@ -226,6 +236,10 @@ class AdamW(torch.optim.Optimizer):
             return True
         return (p.data.data_ptr(), p._version) != self._seen[i]
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("dos.torch.AdamW cannot be pickled or copied: its state lives in dos's memory; use "
+                        "state_dict() (torch.optim.AdamW's format) or save(root)")
+
     def _handle(self):
         if not self._h:
             raise _native.DosError("dos.torch.AdamW: the optimizer is closed")
@@ -275,6 +289,9 @@ class AdamW(torch.optim.Optimizer):
                                  "out of the optimizer, or give them zero gradients")
             if grad.is_sparse:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has a sparse gradient")
+            if grad.numel() != p.numel() or not (grad.is_floating_point() and grad.dtype in _DTYPES):
+                raise ValueError(f"dos.torch.AdamW: parameter {i} {tuple(p.shape)} has a {grad.dtype} gradient of shape "
+                                 f"{tuple(grad.shape)}; want float32, bfloat16 or float16 of the parameter's shape")
             if (p.device.type == "cuda") != self._cuda or grad.device != p.device:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} is on {p.device} with its gradient on {grad.device}; "
                                  f"the optimizer was built for {'cuda:0' if self._cuda else 'the CPU'}")
@@ -284,8 +301,9 @@ class AdamW(torch.optim.Optimizer):
                 self._views[i][0].copy_(grad.detach().reshape(-1))
                 continue
             g = grad.detach().to(self._dtype).contiguous()
-            keep.append(g)
-            params[i], grads[i] = p.data.data_ptr(), g.data_ptr()
+            d = p.data  # held until dos returns: another thread may replace p.data meanwhile
+            keep.append((g, d))
+            params[i], grads[i] = d.data_ptr(), g.data_ptr()
         for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
             if not math.isfinite(float(g["lr"])):
                 raise ValueError(f"dos.torch.AdamW: param group {gi}: invalid lr: {g['lr']}")
@@ -321,6 +339,10 @@ class AdamW(torch.optim.Optimizer):
         ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), copied out of dos, and the
         param groups. ``torch.optim.AdamW.load_state_dict`` loads it, and ``load_state_dict`` here loads one
         of torch's."""
+        with self._lock:  # not beside a step: the moments and the step count of one step
+            return self._state_dict()
+
+    def _state_dict(self):
         step = _native.call("dos_adamw_get_step", self._handle())
         amsgrad = self.param_groups[0]["amsgrad"]
         for i, p in enumerate(self._params):
@@ -343,7 +365,12 @@ class AdamW(torch.optim.Optimizer):
         """Loads a state dict of this class or of torch.optim.AdamW (same parameters, same shapes) into
         dos: the moments (in fp32, as the dict holds them), the step (every parameter's must be the same:
         dos keeps one) and the groups' lr; the master weights are the parameters' current values (load the
-        model first). It checks everything before changing anything: on error the optimizer is as it was."""
+        model first). It checks everything before changing anything: on error the optimizer is as it was.
+        A parameter without state in the dict (torch's before its first step) starts from zero moments."""
+        with self._lock:
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict):
         h = self._handle()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -362,15 +389,24 @@ class AdamW(torch.optim.Optimizer):
         moments, steps = [], set()
         for i, (key, p) in enumerate(zip(index, self._params)):
             st = state_dict["state"].get(key, {})
-            steps.add(int(float(st["step"])) if "step" in st else 0)
+            step = float(st["step"]) if "step" in st else 0.0
+            if not (math.isfinite(step) and step >= 0 and step == int(step)):
+                raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s step {step}: want a whole number >= 0")
+            steps.add(int(step))
             m = {}
             for k, kind in self._KINDS.items():
-                if k not in st or (k == "max_exp_avg_sq" and not amsgrad):
+                if k == "max_exp_avg_sq" and not amsgrad:
+                    continue
+                if k not in st:  # no state for this parameter yet: zero moments, as torch's first step starts from
+                    m[kind] = torch.zeros(_local(p).shape, dtype=torch.float32)
                     continue
                 t = _local(torch.as_tensor(st[k]).detach()).to("cpu", torch.float32).contiguous()
                 if t.shape != _local(p).shape:
                     raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s {k} has shape {tuple(t.shape)}, "
                                      f"the parameter {tuple(_local(p).shape)}")
+                if not bool(torch.isfinite(t).all()) or (k != "exp_avg" and bool((t < 0).any())):
+                    raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s {k} holds "
+                                     f"{'negative or ' if k != 'exp_avg' else ''}non-finite values")
                 m[kind] = t
             moments.append(m)
         if len(steps) > 1:
@@ -391,6 +427,10 @@ class AdamW(torch.optim.Optimizer):
         background while training goes on (DataStates-LLM). The returned SaveHandle says when it is durable.
         The param groups' lr values ride along, and ``load`` restores them. ``keep`` > 0 keeps only the newest
         ``keep`` checkpoints under ``root`` (the older ones are retired after each commit; 0 keeps all)."""
+        with self._lock:
+            return self._save(root, keep)
+
+    def _save(self, root, keep):
         h = self._handle()
         step = _native.call("dos_adamw_get_step", h)
         if self._saved_step == (os.fspath(root), step):
@@ -400,13 +440,18 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"dos.torch.AdamW.save: keep={keep!r}: want an int >= 0 (0 keeps every checkpoint)")
         objects = json.dumps({"torch": {"lrs": [float(g["lr"]) for g in self.param_groups]}}).encode()
         handle = SaveHandle(_native.call("dos_adamw_save", h, os.fspath(root).encode(), objects, int(keep)))
-        self._saved_step = (os.fspath(root), step)
+        self._saved_step = handle._saved = (os.fspath(root), step)
+        handle._opt = self  # a failed save forgets the step, so that it can be saved again
         return handle
 
     def load(self, path):
         """Restores the state of a checkpoint written by ``save``: ``path`` is a root (its latest
         checkpoint) or one step directory. The parameters' data is set to the loaded master weights, and the
         groups' lr to the saved ones."""
+        with self._lock:
+            self._load(path)
+
+    def _load(self, path):
         objects = ctypes.c_void_p()
         _native.call("dos_adamw_load", self._handle(), os.fspath(path).encode(), ctypes.byref(objects))
         objs = json.loads(_native.take_string(objects) or "{}")
@@ -462,7 +507,13 @@ class SaveHandle:
 
     def wait(self):
         d = ctypes.c_void_p()
-        _native.call("dos_save_wait", self._h, ctypes.byref(d))
+        try:
+            _native.call("dos_save_wait", self._h, ctypes.byref(d))
+        except _native.DosError:
+            opt = getattr(self, "_opt", None)
+            if opt is not None and opt._saved_step == getattr(self, "_saved", None):
+                opt._saved_step = None  # nothing was committed: the same step may be saved again
+            raise
         return _native.take_string(d)
 
     def __del__(self):

@@ -351,3 +351,79 @@ def test_save_twice_refused(tmp_path):
     p.grad = torch.ones(5)
     o.step()  # a refused save does not break the next step
     assert o.save(tmp_path / "ck").wait().endswith("step-000000001")
+
+
+def test_breaker_cases(tmp_path):
+    """What an adversarial review found (each crashed, lost state or computed silently wrong before):
+    a gradient of another size or an integer gradient raises; threads is bounded; a checkpoint with other
+    fixed hyperparameters is refused by load; a state dict without a parameter's state zeroes its moments;
+    a bad state dict changes nothing; pickling is refused; absurd schedule counts are refused cleanly;
+    a failed save reported by wait() does not fail the next step, and the step can be saved again."""
+    import copy
+    import pickle
+
+    ps = [torch.nn.Parameter(torch.randn(64))]
+    opt = dt.AdamW(ps, lr=1e-2)
+    ps[0].grad = torch.ones(64)
+    ps[0].grad.data = torch.ones(1)  # .data skips autograd's check
+    with pytest.raises(ValueError, match="gradient of shape"):
+        opt.step()
+    ps[0].grad.data = torch.ones(64, dtype=torch.int64)
+    with pytest.raises(ValueError, match="gradient"):
+        opt.step()
+    with pytest.raises(ValueError, match="threads"):
+        dt.AdamW([torch.nn.Parameter(torch.zeros(3))], threads=2**31)
+    for bad in (dict(sub_group_size=0), dict(sub_group_size=1.5), dict(betas=(0.9, 0.99, 0.1)), dict(amsgrad="no")):
+        with pytest.raises((ValueError, TypeError)):
+            dt.AdamW([torch.nn.Parameter(torch.zeros(3))], **bad)
+    with pytest.raises(TypeError, match="pickled"):
+        pickle.dumps(opt)
+    with pytest.raises(TypeError, match="pickled"):
+        copy.deepcopy(opt)
+    with pytest.raises(dos.DosError, match="schedule"):
+        dt.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], device="sim",
+                 schedule="9223372036854775807,9223372036854775807,3")
+
+    # load refuses other fixed hyperparameters
+    ps[0].grad = torch.randn(64)
+    opt.step()
+    opt.save(tmp_path / "ck").wait()
+    other = dt.AdamW([torch.nn.Parameter(torch.zeros(64))], lr=1e-2, weight_decay=0.5)
+    with pytest.raises(dos.DosError, match="weight_decay"):
+        other.load(tmp_path / "ck")
+
+    # a state dict without state: zero moments, step 0; a bad one changes nothing
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(64))], lr=1e-2).state_dict()
+    opt.load_state_dict(fresh)
+    assert opt.state_dict()["state"] == {}
+    ps[0].grad = torch.full((64,), 0.1)
+    opt.step()
+    assert torch.allclose(opt.state_dict()["state"][0]["exp_avg"], torch.full((64,), 0.01), rtol=1e-6)
+    before = opt.state_dict()
+    bad = copy.deepcopy(before)
+    bad["state"][0]["step"] = torch.tensor(-3.0)
+    bad["state"][0]["exp_avg"] = torch.full((64,), 5.0)
+    with pytest.raises(ValueError, match="step"):
+        opt.load_state_dict(bad)
+    neg = copy.deepcopy(before)
+    neg["state"][0]["exp_avg_sq"] = -torch.ones(64)
+    with pytest.raises(ValueError, match="negative"):
+        opt.load_state_dict(neg)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+
+    # a failed lazy save: reported by wait(), then the next step is taken and the step can be saved again
+    import shutil
+
+    root = tmp_path / "lazy"
+    opt.save(root).wait()  # the root's engine is made
+    opt.step()
+    shutil.rmtree(root)
+    root.write_text("x")  # the root replaced by a file: the next save fails in the background
+    h = opt.save(root)
+    with pytest.raises(dos.DosError):
+        h.wait()
+    step = opt.state_dict()["state"][0]["step"].item()
+    root.unlink()
+    opt.save(root).wait()  # the same step again, into the repaired root
+    opt.step()
+    assert opt.state_dict()["state"][0]["step"].item() == step + 1
