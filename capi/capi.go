@@ -171,7 +171,8 @@ var dtypes = map[string][2]adam.DType{"": {0, adam.F32}, "float32": {0, adam.F32
 type savedBy struct {
 	h  *checkpoint.Handle
 	o  *offload.Optimizer
-	oh int64 // o's handle
+	oh int64  // o's handle
+	sv *saver // the engine that ran h
 }
 
 // handles holds the live optimizers and saves by handle.
@@ -544,7 +545,7 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 		handles.Lock()
 		defer handles.Unlock()
 		id = newHandle()
-		handles.saves[id] = savedBy{hd, o, int64(h)}
+		handles.saves[id] = savedBy{hd, o, int64(h), sv}
 		return nil
 	}) {
 		return 0
@@ -579,13 +580,13 @@ func dos_save_wait(sh C.int64_t, dirOut **C.char, errOut **C.char) C.int32_t {
 			// engine (this one would report it again too).
 			sb.o.AcknowledgeSave(sb.h)
 			handles.Lock()
-			sv := handles.eng[sb.oh]
-			if sv != nil {
+			mine := handles.eng[sb.oh] == sb.sv // not a later save's engine
+			if mine {
 				delete(handles.eng, sb.oh)
 			}
 			handles.Unlock()
-			if sv != nil {
-				_ = sv.e.Close() // its error is the one returned here
+			if mine {
+				_ = sb.sv.e.Close() // its error is the one returned here
 			}
 		} else if dirOut != nil {
 			*dirOut = C.CString(dir)

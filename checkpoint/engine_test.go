@@ -465,3 +465,34 @@ func TestRetain(t *testing.T) {
 	}
 	checkLatest(t, mem, memRoot, testSnapshot(4))
 }
+
+// TestHandleCaptured: Captured says, without blocking, what WaitCaptured
+// waits for: false while a Prepare holds the capture back, true once the
+// snapshot is captured.
+func TestHandleCaptured(t *testing.T) {
+	e, err := NewEngine(OS, filepath.Join(t.TempDir(), "root"), EngineOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	s := testSnapshot(1)
+	release := make(chan struct{})
+	s.Prepare = func() error { <-release; return nil }
+	h, err := e.Save(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h.Captured() {
+		t.Error("Captured before Prepare returned")
+	}
+	close(release)
+	if err := h.WaitCaptured(); err != nil {
+		t.Fatal(err)
+	}
+	if !h.Captured() {
+		t.Error("not Captured after WaitCaptured")
+	}
+	if _, err := h.Wait(); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -292,6 +292,7 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	}
 	opts.Groups = slices.Clone(opts.Groups) // the caller's slices are not the optimizer's
 	opts.DeviceMasters = slices.Clone(opts.DeviceMasters)
+	opts.SubgroupSizes = slices.Clone(opts.SubgroupSizes)
 	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params))}
 	for i, p := range params {
 		if p.Name == "" {
@@ -493,7 +494,7 @@ func (o *Optimizer) cut(size int) {
 // plan is predicted fastest (see there) and cuts the subgroups at it.
 func (o *Optimizer) chooseSubgroupSize() error {
 	cands := o.opts.SubgroupSizes
-	if o.opts.Profile == nil {
+	if o.opts.Profile == nil || o.opts.Schedule != nil {
 		o.cut(cands[0])
 		return nil
 	}
@@ -701,6 +702,7 @@ func (o *Optimizer) Options() Options {
 	opts := o.opts
 	opts.Groups = slices.Clone(opts.Groups) // a copy: SetGroupLR changes them
 	opts.DeviceMasters = slices.Clone(opts.DeviceMasters)
+	opts.SubgroupSizes = slices.Clone(opts.SubgroupSizes)
 	return opts
 }
 

@@ -30,9 +30,9 @@ type Options struct {
 	// budget better and fit the streamed lane's two staging slots where
 	// large ones cannot (H200, GPT-2 1.5B, 1.4 GiB: 0.306 s predicted at
 	// 25M against 0.416 s at 100M). Without a profile (none given, or a
-	// Placement, which skips Calibrate) the first is taken. Options()
-	// then reports the chosen SubgroupSize. Not with a forced Schedule,
-	// whose counts depend on the size. The cut changes the order in which
+	// Placement, which skips Calibrate) and with a forced Schedule (whose
+	// counts are for one size) the first is taken. Options() then reports
+	// the chosen SubgroupSize. The cut changes the order in which
 	// the gradient norm's per-subgroup sums are added, so runs with
 	// different sizes may differ in the clip coefficient's last bit.
 	SubgroupSizes []int `json:"-"`
@@ -187,8 +187,8 @@ func (o *Options) Validate() error {
 			return fmt.Errorf("offload: SubgroupSizes %v: want sizes >= 1 element", o.SubgroupSizes)
 		}
 	}
-	if len(o.SubgroupSizes) > 0 && (o.Device == nil || o.Schedule != nil) {
-		return errors.New("offload: SubgroupSizes needs a Device, and no forced Schedule (its counts depend on the size)")
+	if len(o.SubgroupSizes) > 0 && o.Device == nil {
+		return errors.New("offload: SubgroupSizes needs a Device")
 	}
 	switch o.GradDType {
 	case adam.F32, adam.BF16, adam.F16:

@@ -13,8 +13,8 @@ import (
 // whose plan the model predicts fastest (here the smallest: it packs a
 // small budget with resident subgroups where the whole model fits none),
 // reports it in Options, and the steps are bit for bit the CPU-only
-// optimizer's. Without a profile the first candidate is taken; a forced
-// Schedule or no Device is refused.
+// optimizer's. Without a profile, or with a forced Schedule, the first
+// candidate is taken; no Device is refused.
 func TestSubgroupSizes(t *testing.T) {
 	prof := truthProfile()
 	for i := range prof.CPU {
@@ -84,9 +84,13 @@ func TestSubgroupSizes(t *testing.T) {
 	if got := newWith(t, testParams, noProf).Options().SubgroupSize; got != cands[0] {
 		t.Errorf("without a profile: subgroups of %d, want the first candidate %d", got, cands[0])
 	}
+	forced := noProf
+	forced.Profile, forced.Schedule = prof, &perfmodel.Schedule{CPU: 1} // counts for the first size: one subgroup
+	if got := newWith(t, testParams, forced).Options().SubgroupSize; got != cands[0] {
+		t.Errorf("with a forced schedule: subgroups of %d, want the first candidate %d", got, cands[0])
+	}
 	for _, bad := range []Options{
 		{SubgroupSizes: cands, WorkingDType: adam.BF16},
-		{SubgroupSizes: cands, WorkingDType: adam.BF16, Device: sim, Schedule: &perfmodel.Schedule{CPU: 1}},
 		{SubgroupSizes: []int{100, 0}, WorkingDType: adam.BF16, Device: sim},
 	} {
 		if _, err := New(testParams, bad); err == nil {

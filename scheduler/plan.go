@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 
@@ -102,8 +103,8 @@ func MixedSchedule(n int) perfmodel.Schedule {
 // ParseSchedule reads "C,G,R": the CPU, streamed GPU and resident
 // subgroup counts, each >= 0. Errors name the text.
 func ParseSchedule(text string) (perfmodel.Schedule, error) {
-	const maxCount = 1 << 31 // no plan has more subgroups; three such counts add up without overflow
-	bad := fmt.Errorf("scheduler: schedule %q: want CPU,GPU,RESIDENT subgroup counts from 0 to 2^31, e.g. 2,2,1", text)
+	const maxCount = math.MaxInt32 // no plan has more subgroups; three such counts add up without overflow
+	bad := fmt.Errorf("scheduler: schedule %q: want CPU,GPU,RESIDENT subgroup counts from 0 to 2^31-1, e.g. 2,2,1", text)
 	f := strings.Split(text, ",")
 	if len(f) != 3 {
 		return perfmodel.Schedule{}, bad

@@ -308,6 +308,11 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	if err != nil {
 		return nil, errors.Join(err, release())
 	}
+	// The subgroup size the optimizer cut at (SubgroupSizes: the model's
+	// choice) is the run's: checkpoints record it and a resume keeps it.
+	if len(cfg.SubgroupSizes) > 0 {
+		cfg.SubgroupSize = opt.Options().SubgroupSize
+	}
 	id.LossScale, id.InitialLoss, id.InitValLoss = cfg.LossScale, maybeLoss(math.NaN()), maybeLoss(math.NaN())
 	t := &Trainer{cfg: cfg, tok: tok, loader: loader, val: val, about: about, opt: opt, gpu: gpu, out: out, closeDev: closeDev, lock: lock,
 		rng: rand.NewPCG(cfg.Seed, 0x5eed), state: id,

@@ -290,6 +290,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --gpu-budget %v GiB: want 0 to %d", c.GPUBudget, 1<<20)
 	case !(c.CkptRing >= 0) || c.CkptRing > MaxMemoryBytes>>30:
 		return fmt.Errorf("trainer: --ckpt-ring %v GiB: want 0 (the default) to %d", c.CkptRing, MaxMemoryBytes>>30)
+	case c.CkptRing > 0 && (c.CkptDir == "" || c.CkptSync):
+		return errors.New("trainer: --ckpt-ring sizes the lazy checkpointer's ring: it needs --ckpt-dir, and no --ckpt-sync")
 	case c.TimelineAt < 0:
 		return fmt.Errorf("trainer: --timeline-at %d: want an iteration from 1 (0: none)", c.TimelineAt)
 	case !(c.GPUMemory >= 0) || c.GPUMemory > 1<<20:
@@ -347,8 +349,12 @@ func (c *TrainConfig) checkMemory() error {
 		advice = fmt.Sprintf(", or pass --max-memory GiB (at most %d) to allow more than is available now", MaxMemoryBytes>>30)
 	}
 	if need > limit {
-		return fmt.Errorf("trainer: --layers %d --embd %d --ctx %d --batch %d need about %.3g GiB of memory (parameters, optimizer state, activations), over %s: make the model or --batch smaller%s",
-			c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, need/gib, over, advice)
+		ring := ""
+		if c.CkptRing > 0 {
+			ring = fmt.Sprintf(" --ckpt-ring %g", c.CkptRing)
+		}
+		return fmt.Errorf("trainer: --layers %d --embd %d --ctx %d --batch %d%s need about %.3g GiB of memory (parameters, optimizer state, activations%s), over %s: make the model or --batch%s smaller%s",
+			c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, ring, need/gib, map[bool]string{true: ", the checkpoint ring", false: ""}[ring != ""], over, map[bool]string{true: " or --ckpt-ring", false: ""}[ring != ""], advice)
 	}
 	return nil
 }

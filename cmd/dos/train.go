@@ -172,6 +172,9 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 				if !given(f.name) {
 					f.take(&cfg, old)
 					taken = append(taken, "--"+f.name+" "+f.show(cfg))
+					if f.name == "subgroup-size" {
+						cfg.SubgroupSizes = nil // the checkpoint's size, not the model's choice again
+					}
 				}
 			}
 			// The tokenizer and its vocabulary: named when they differ
@@ -229,6 +232,9 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		}
 		if cfg.TimelineAt == 0 {
 			cfg.TimelineAt = cfg.Steps
+		}
+		if cfg.TimelineAt > cfg.Steps {
+			return c.usageError(stderr, "--timeline-at %d: the run trains to iteration %d (--steps)", cfg.TimelineAt, cfg.Steps)
 		}
 	} else if cfg.TimelineAt != 0 {
 		return c.usageError(stderr, "--timeline-at needs --timeline PATH")
