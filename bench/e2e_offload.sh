@@ -8,7 +8,8 @@
 # RUNS is a space-separated list of MODEL,CAP_GiB,BATCH (default "gpt2-xl,24,8"); MODEL is a GPT-2 preset or
 # LAYERS:EMBD:HEADS. T = 1024, STEPS iterations (default 12; the medians leave the first 2 out). For each:
 #   dos-model   bin/dos train --device cuda --gpu-memory CAP --replan (the performance model's schedule from the
-#               start-up calibration, corrected online)
+#               start-up calibration, corrected online; its last iteration drawn with --timeline to
+#               OUT/MODEL-CAP-dos-model-timeline.svg, the Chrome trace beside it)
 #   dos-cpu     the same with --schedule cpu (every subgroup on the CPU: ZeRO-Offload's placement)
 #   dos-static  the same with --schedule static (as many subgroups resident as the budget holds: TwinFlow's),
 #               subgroups of 1e8 (the static split skips the calibration that chooses the size)
@@ -52,7 +53,7 @@ for run in $runs; do
 		flags=(--device cuda "${arch[@]}" --batch "$batch" --gpu-memory "$cap" --steps "$steps" "${dosrc[@]}"
 			--log-every 1 --sample 0 --eval-every 0 --eval-batches 1)
 		case $strat in
-		dos-model) flags+=(--replan) ;;
+		dos-model) flags+=(--replan --timeline "$out/$tag-$cap-dos-model-timeline.svg") ;;
 		dos-cpu) flags+=(--schedule cpu) ;;
 		dos-static) flags+=(--schedule static) ;;
 		dos-static-25M) flags+=(--schedule static --subgroup-size 25000000) ;;
