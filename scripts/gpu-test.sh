@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test binary that `make gpu-bins` built, on the GPU machine, with
+# Runs every test binary that `make gpu-bins` built, and the Python package's
+# GPU tests where its library was carried, on the GPU machine, with
 # DOS_REQUIRE_GPU=1 so that a GPU test that would skip fails instead. Each
 # binary runs in its package's directory (so testdata/ resolves). Full logs go
 # to $OUT (or ./bin/logs) and a table is printed last.
@@ -25,6 +26,18 @@ for bin in "$root"/bin/test/*.test; do
 	[ $rc -ne 0 ] && status=1
 	table+=$(printf '%-22s rc=%-3s pass=%-4s fail=%-4s skip=%-4s %ss' "$name" "$rc" "$pass" "$fail" "$skip" "$secs")$'\n'
 done
+# The Python package's GPU tests (python/tests/test_cuda.py, and
+# test_example.py's transformers example), where make python's library was
+# carried (python/dos/libdos.so) and python3 has torch and pytest.
+if [ -e "$root/python/dos/libdos.so" ] && python3 -c 'import torch, pytest' 2>/dev/null; then
+	start=$(date +%s)
+	(cd "$root" && PYTHONPATH=python python3 -m pytest -q -rs python/tests/test_cuda.py python/tests/test_example.py) >"$logs/test_python.log" 2>&1
+	rc=$?
+	[ $rc -ne 0 ] && status=1
+	table+=$(printf '%-22s rc=%-3s %s %ss' "python (pytest)" "$rc" "$(tail -1 "$logs/test_python.log")" "$(($(date +%s) - start))")$'\n'
+else
+	table+="python (pytest)        not run: no python/dos/libdos.so (make python, and carry it) or no torch and pytest"$'\n'
+fi
 echo "== GPU machine test binaries (DOS_REQUIRE_GPU=1) =="
 printf '%s' "$table"
 exit $status
