@@ -4,10 +4,13 @@ import (
 	"maps"
 	"math"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )
@@ -268,5 +271,88 @@ func TestReplanHeld(t *testing.T) {
 	}
 	if f, seen := snapshot(); maps.Equal(f, f0) && maps.Equal(seen, seen0) {
 		t.Errorf("the same phase not held left the factors %v and measured schedules %v as they were", f, seen)
+	}
+}
+
+// blockFS is checkpoint.OS whose file writes wait until release is closed:
+// a lazy save's capture stalls once its ring is full.
+type blockFS struct {
+	checkpoint.FS
+	release chan struct{}
+}
+
+type blockFile struct {
+	checkpoint.File
+	release chan struct{}
+}
+
+func (b blockFS) OpenFile(name string, flag int, perm os.FileMode) (checkpoint.File, error) {
+	f, err := b.FS.OpenFile(name, flag, perm)
+	if err != nil || flag&os.O_WRONLY == 0 {
+		return f, err
+	}
+	return blockFile{f, b.release}, nil
+}
+
+func (f blockFile) WriteAt(p []byte, off int64) (int, error) { <-f.release; return f.File.WriteAt(p, off) }
+func (f blockFile) Write(p []byte) (int, error)              { <-f.release; return f.File.Write(p) }
+
+// TestReplanHeldStep: a Step whose update phase waits on a lazy save's
+// capture (here stalled by the disk) is not folded into Replan's fit; the
+// next one, with the capture done, is.
+func TestReplanHeldStep(t *testing.T) {
+	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-6} }
+	sim := scheduler.NewSim(scheduler.SimOptions{Profile: &perfmodel.GPUProfile{H2D: fit(1e7), D2H: fit(1e7), Update: fit(5e10), Convert: fit(4e11)}})
+	opts := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Threads: 2, MaxGradNorm: 1,
+		Device: sim, Profile: truthProfile(), GPUBudget: 2 * 12 * 300, Replan: true}
+	o := newWith(t, testParams, opts)
+	if s, _ := o.Schedule(); s.CPU == 0 {
+		t.Fatalf("schedule %+v: the test needs CPU subgroups (their host state waits for the capture)", s)
+	}
+	grads := func(k int) {
+		for i := range o.Params() {
+			for j, g := 0, o.Grad(i).Uint16(); j < len(g); j++ {
+				g[j] = adam.F32ToBF16(0.01 * float32((j+k)%7-3))
+			}
+		}
+	}
+	for k := 0; k < 4; k++ {
+		grads(k)
+		if _, err := o.Step(StepArgs{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fs := blockFS{checkpoint.OS, make(chan struct{})}
+	e, err := checkpoint.NewEngine(fs, filepath.Join(t.TempDir(), "root"), checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	h, err := o.SaveAsync(e, o.StepCount(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f0, seen0 := maps.Clone(o.re.f), maps.Clone(o.re.seen)
+	go func() { time.Sleep(50 * time.Millisecond); close(fs.release) }()
+	grads(5)
+	res, err := o.Step(StepArgs{}) // waits for the capture, which waits for the disk
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !(res.Measured > 0) {
+		t.Errorf("held step: measured %v, want it reported", res.Measured)
+	}
+	if !maps.Equal(o.re.f, f0) || !maps.Equal(o.re.seen, seen0) {
+		t.Errorf("the step that waited on the capture was folded in: factors %v -> %v", f0, o.re.f)
+	}
+	if _, err := h.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	grads(6)
+	if _, err := o.Step(StepArgs{}); err != nil {
+		t.Fatal(err)
+	}
+	if maps.Equal(o.re.f, f0) && maps.Equal(o.re.seen, seen0) {
+		t.Errorf("the step after the capture was not folded in either")
 	}
 }
