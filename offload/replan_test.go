@@ -294,8 +294,11 @@ func (b blockFS) OpenFile(name string, flag int, perm os.FileMode) (checkpoint.F
 	return blockFile{f, b.release}, nil
 }
 
-func (f blockFile) WriteAt(p []byte, off int64) (int, error) { <-f.release; return f.File.WriteAt(p, off) }
-func (f blockFile) Write(p []byte) (int, error)              { <-f.release; return f.File.Write(p) }
+func (f blockFile) WriteAt(p []byte, off int64) (int, error) {
+	<-f.release
+	return f.File.WriteAt(p, off)
+}
+func (f blockFile) Write(p []byte) (int, error) { <-f.release; return f.File.Write(p) }
 
 // TestReplanHeldStep: a Step whose update phase waits on a lazy save's
 // capture (here stalled by the disk) is not folded into Replan's fit; the
