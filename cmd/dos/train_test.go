@@ -371,3 +371,49 @@ func TestTrainScheduleKeywords(t *testing.T) {
 		}
 	}
 }
+
+// TestTrainTrajectoryEverySchedule: the loss and the gradient norm of every
+// iteration are the same bits under every placement of the update phase
+// (issue 17: the update is exact on every path): the host optimizer, and on
+// the simulated device all on the CPU, the static split, forced mixes with
+// streamed and resident subgroups, and another subgroup size.
+func TestTrainTrajectoryEverySchedule(t *testing.T) {
+	args := []string{"--steps", "6", "--working-dtype", "bfloat16", "--grad-dtype", "bfloat16", "--subgroup-size", "1000"}
+	trajectory := func(extra ...string) []string {
+		t.Helper()
+		log := filepath.Join(t.TempDir(), "steps.jsonl")
+		train(t, append(append(slices.Clone(args), extra...), "--log-json", log)...)
+		b, err := os.ReadFile(log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+			var rec struct {
+				Loss     float64 `json:"loss"`
+				GradNorm float64 `json:"grad_norm"`
+			}
+			if err := json.Unmarshal([]byte(line), &rec); err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, fmt.Sprintf("%x %x", math.Float64bits(rec.Loss), math.Float64bits(rec.GradNorm)))
+		}
+		return out
+	}
+	host := trajectory()
+	if len(host) != 6 {
+		t.Fatalf("%d records, want 6", len(host))
+	}
+	for _, flags := range [][]string{
+		{"--schedule", "cpu"},
+		{"--schedule", "static", "--gpu-budget", "0.000028"},
+		{"--schedule", "3,3,2"},
+		{"--schedule", "0,8,0"},
+		{"--schedule", "0,0,8"},
+		{"--schedule", "cpu", "--subgroup-size", "700"},
+	} {
+		if got := trajectory(append([]string{"--device", "sim"}, flags...)...); !slices.Equal(got, host) {
+			t.Errorf("%v: trajectory (loss, grad norm bits)\n%v\nthe host's\n%v", flags, got, host)
+		}
+	}
+}
