@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +49,9 @@ def main():
                     help="cap the process's device memory (0: none); dos's own device memory counts against it")
     ap.add_argument("--checkpointing", action="store_true",
                     help="activation checkpointing (transformers' gradient_checkpointing_enable, non-reentrant)")
+    ap.add_argument("--split-step", action="store_true",
+                    help="wait for backward on the device, then time clip_grad_norm_ and the optimizer step apart on "
+                         "the host (clip_ms, opt_step_ms; the wait perturbs the iteration a little)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch.set_num_threads: the CPU threads of FSDP2's CPU AdamW (default: every core)")
     ap.add_argument("--seed", type=int, default=1337)
@@ -126,7 +130,7 @@ def main():
         print(f"{a.mode}: {a.model} {n / 1e6:.1f}M parameters, B {B} x T {T}", flush=True)
         g = torch.Generator(device=dev).manual_seed(a.seed)
         data = [torch.randint(0, 50257, (B, T + 1), generator=g, device=dev) for _ in range(4)]
-        fb, st, it = [], [], []
+        fb, st, it, clip, opt_ms = [], [], [], [], []
         for i in range(a.warmup + a.steps):
             d = data[i % len(data)]
             x, y = d[:, :-1].contiguous(), d[:, 1:].contiguous()
@@ -137,7 +141,13 @@ def main():
             loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
             loss.backward()
             e1.record()
+            if a.split_step:  # the device done with backward first, then the host's clip and step timed apart
+                e1.synchronize()
+                h0 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if a.split_step:
+                torch.cuda.synchronize(dev)
+                h1 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
             e2.record()
@@ -146,6 +156,9 @@ def main():
                 fb.append(e0.elapsed_time(e1))
                 st.append(e1.elapsed_time(e2))
                 it.append(e0.elapsed_time(e2))
+                if a.split_step:
+                    clip.append(1e3 * (h1 - h0))
+                    opt_ms.append(1e3 * (time.perf_counter() - h1))
             print(f"iter {i + 1}: {e0.elapsed_time(e2):.1f} ms (forward+backward {e0.elapsed_time(e1):.1f}, "
                   f"step {e1.elapsed_time(e2):.1f}), loss {loss.item():.4f}", flush=True)
         ms = statistics.median(it)
@@ -155,6 +168,8 @@ def main():
                       tflops=round(flops_per_token(n, L, C, T) * tps / 1e12, 1),
                       peak_mem_gib=round(torch.cuda.max_memory_allocated(dev) / 2**30, 2),
                       checkpointing=a.checkpointing, cap_gib=a.cap_gib)
+        if clip:
+            result.update(clip_ms=round(statistics.median(clip), 2), opt_step_ms=round(statistics.median(opt_ms), 2))
     except torch.cuda.OutOfMemoryError as e:
         result["error"] = "out of memory: " + str(e).splitlines()[0]
         finish(1)
