@@ -120,21 +120,7 @@ func TestReplanExact(t *testing.T) {
 	start, _ := o.Plan()
 	replans := 0
 	for step := 1; step <= 12; step++ {
-		for i := range o.Params() {
-			g, h := ref.Grad(i).Uint16(), o.Grad(i).Uint16()
-			for j := range g {
-				g[j] = adam.F32ToBF16(float32(r.NormFloat64()))
-				h[j] = g[j]
-			}
-		}
-		a, err := ref.Step(StepArgs{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, err := o.Step(StepArgs{})
-		if err != nil {
-			t.Fatal(err)
-		}
+		a, b := stepBoth(t, ref, o, r)
 		if a.GradNorm != b.GradNorm || !(b.Predicted > 0) || !(b.Measured > 0) {
 			t.Fatalf("step %d: host %v, device %v (predicted %v, measured %v)", step, a, b, b.Predicted, b.Measured)
 		}
@@ -227,11 +213,7 @@ func TestReplanHeld(t *testing.T) {
 		Device: sim, Profile: truthProfile(), GPUBudget: 2 * 12 * 300, Replan: true}
 	o := newWith(t, testParams, opts)
 	for step := 1; ; step++ { // until a phase after the first that did not re-plan (Measure reads it)
-		for i := range o.Params() {
-			for j, g := 0, o.Grad(i).Uint16(); j < len(g); j++ {
-				g[j] = adam.F32ToBF16(0.01 * float32(j%7-3))
-			}
-		}
+		fillGrads(o, 0)
 		res, err := o.Step(StepArgs{})
 		if err != nil {
 			t.Fatal(err)
@@ -312,15 +294,8 @@ func TestReplanHeldStep(t *testing.T) {
 	if s, _ := o.Schedule(); s.CPU == 0 {
 		t.Fatalf("schedule %+v: the test needs CPU subgroups (their host state waits for the capture)", s)
 	}
-	grads := func(k int) {
-		for i := range o.Params() {
-			for j, g := 0, o.Grad(i).Uint16(); j < len(g); j++ {
-				g[j] = adam.F32ToBF16(0.01 * float32((j+k)%7-3))
-			}
-		}
-	}
 	for k := 0; k < 4; k++ {
-		grads(k)
+		fillGrads(o, k)
 		if _, err := o.Step(StepArgs{}); err != nil {
 			t.Fatal(err)
 		}
@@ -337,7 +312,7 @@ func TestReplanHeldStep(t *testing.T) {
 	}
 	f0, seen0 := maps.Clone(o.re.f), maps.Clone(o.re.seen)
 	go func() { time.Sleep(50 * time.Millisecond); close(fs.release) }()
-	grads(5)
+	fillGrads(o, 5)
 	res, err := o.Step(StepArgs{}) // waits for the capture, which waits for the disk
 	if err != nil {
 		t.Fatal(err)
@@ -351,11 +326,41 @@ func TestReplanHeldStep(t *testing.T) {
 	if _, err := h.Wait(); err != nil {
 		t.Fatal(err)
 	}
-	grads(6)
+	fillGrads(o, 6)
 	if _, err := o.Step(StepArgs{}); err != nil {
 		t.Fatal(err)
 	}
 	if maps.Equal(o.re.f, f0) && maps.Equal(o.re.seen, seen0) {
 		t.Errorf("the step after the capture was not folded in either")
+	}
+}
+
+// stepBoth gives ref and o the same random bf16 gradients from r and steps
+// both, failing the test on an error.
+func stepBoth(t *testing.T, ref, o *Optimizer, r *rand.Rand) (a, b StepResult) {
+	t.Helper()
+	for i := range o.Params() {
+		g, h := ref.Grad(i).Uint16(), o.Grad(i).Uint16()
+		for j := range g {
+			g[j] = adam.F32ToBF16(float32(r.NormFloat64()))
+			h[j] = g[j]
+		}
+	}
+	var err error
+	if a, err = ref.Step(StepArgs{}); err != nil {
+		t.Fatal(err)
+	}
+	if b, err = o.Step(StepArgs{}); err != nil {
+		t.Fatal(err)
+	}
+	return a, b
+}
+
+// fillGrads writes o's bf16 gradients from a pattern shifted by k.
+func fillGrads(o *Optimizer, k int) {
+	for i := range o.Params() {
+		for j, g := 0, o.Grad(i).Uint16(); j < len(g); j++ {
+			g[j] = adam.F32ToBF16(0.01 * float32((j+k)%7-3))
+		}
 	}
 }

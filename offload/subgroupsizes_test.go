@@ -58,22 +58,7 @@ func TestSubgroupSizes(t *testing.T) {
 	ref := newWith(t, testParams, base)
 	r := rand.New(rand.NewPCG(7, 8))
 	for step := 0; step < 5; step++ {
-		for i := range o.Params() {
-			g, h := ref.Grad(i).Uint16(), o.Grad(i).Uint16()
-			for j := range g {
-				g[j] = adam.F32ToBF16(float32(r.NormFloat64()))
-				h[j] = g[j]
-			}
-		}
-		a, err := ref.Step(StepArgs{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, err := o.Step(StepArgs{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if a.GradNorm != b.GradNorm {
+		if a, b := stepBoth(t, ref, o, r); a.GradNorm != b.GradNorm {
 			t.Fatalf("step %d: grad norm %v against the CPU's %v", step+1, b.GradNorm, a.GradNorm)
 		}
 	}

@@ -17,11 +17,7 @@ import (
 // must not be drawn (its operations fell before the iteration's start and
 // the "step" span ran backwards). The step is one span, after backward.
 func TestTimelineSkippedStep(t *testing.T) {
-	text := []byte(strings.Repeat("Of the Reflexions, Refractions, Inflexions and Colours of Light. ", 200))
-	c := DefaultTrainConfig()
-	c.Model = Config{VocabSize: VocabSize, NCtx: 16, NLayer: 1, NHead: 2, NEmbd: 16}
-	c.Batch, c.Steps, c.EvalEvery, c.SampleBytes, c.CkptEvery, c.LogEvery = 2, 1, 0, 0, 0, 0
-	c.Device, c.WorkingDType, c.GradDType = "sim", adam.BF16, adam.BF16
+	text, c := tinySim()
 	tr, err := New(c, text, io.Discard)
 	if err != nil {
 		t.Fatal(err)
@@ -66,11 +62,7 @@ func TestTimelineSkippedStep(t *testing.T) {
 // keeps it); on the simulated device without a profile the schedule is
 // forced (offload.MixedSchedule) and the first candidate is taken.
 func TestSubgroupSizesRecorded(t *testing.T) {
-	text := []byte(strings.Repeat("Of the Reflexions, Refractions, Inflexions and Colours of Light. ", 200))
-	c := DefaultTrainConfig()
-	c.Model = Config{VocabSize: VocabSize, NCtx: 16, NLayer: 1, NHead: 2, NEmbd: 16}
-	c.Batch, c.Steps, c.EvalEvery, c.SampleBytes, c.CkptEvery, c.LogEvery = 2, 1, 0, 0, 0, 0
-	c.Device, c.WorkingDType, c.GradDType = "sim", adam.BF16, adam.BF16
+	text, c := tinySim()
 	c.SubgroupSize, c.SubgroupSizes = 3000, []int{3000, 250}
 	tr, err := New(c, text, io.Discard)
 	if err != nil {
@@ -80,4 +72,15 @@ func TestSubgroupSizesRecorded(t *testing.T) {
 	if got, opt := tr.cfg.SubgroupSize, tr.opt.Options().SubgroupSize; got != opt || opt != 3000 {
 		t.Errorf("config records subgroups of %d, the optimizer cut at %d; want both 3000", got, opt)
 	}
+}
+
+// tinySim is a text and a one-iteration config of a tiny model on the
+// simulated device, bf16.
+func tinySim() ([]byte, TrainConfig) {
+	text := []byte(strings.Repeat("Of the Reflexions, Refractions, Inflexions and Colours of Light. ", 200))
+	c := DefaultTrainConfig()
+	c.Model = Config{VocabSize: VocabSize, NCtx: 16, NLayer: 1, NHead: 2, NEmbd: 16}
+	c.Batch, c.Steps, c.EvalEvery, c.SampleBytes, c.CkptEvery, c.LogEvery = 2, 1, 0, 0, 0, 0
+	c.Device, c.WorkingDType, c.GradDType = "sim", adam.BF16, adam.BF16
+	return text, c
 }
