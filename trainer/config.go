@@ -2,6 +2,7 @@ package trainer
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"math"
 	"math/rand/v2"
@@ -61,40 +62,54 @@ func InitParams(c Config, seed uint64) [][]float32 {
 	}
 	params := c.Tensors()
 	out := make([][]float32, len(params))
-	projStd := 0.02 / math.Sqrt(2*float64(c.NLayer))
 	for i, p := range params {
-		x := make([]float32, p.Numel())
-		out[i] = x
-		var std float64
-		switch {
-		case i == gpt.Wte:
-			std = 0.02
-		case i == gpt.Wpe:
-			std = 0.01
-		case i >= gpt.LayerBase(c.NLayer):
-			if i == gpt.LayerBase(c.NLayer)+gpt.LnfW {
-				fill(x, 1)
-			}
-			continue
-		default:
-			switch (i - gpt.LayerBase(0)) % gpt.PerLayer {
-			case gpt.AttnW, gpt.FcW:
-				std = 0.02
-			case gpt.AttnProjW, gpt.FcProjW:
-				std = projStd
-			case gpt.Ln1W, gpt.Ln2W:
-				fill(x, 1)
-				continue
-			default: // biases
-				continue
-			}
-		}
-		r := rand.New(rand.NewPCG(seed, uint64(i)))
-		for j := range x {
-			x[j] = float32(r.NormFloat64() * std)
-		}
+		out[i] = make([]float32, p.Numel())
+		InitParamInto(c, seed, i, out[i])
 	}
 	return out
+}
+
+// InitParamInto writes tensor i of InitParams(c, seed) into dst (its
+// Numel() elements, overwritten), one tensor at a time: New hands the
+// optimizer the initial weights through one buffer of the largest
+// tensor's size instead of the whole model's. Panics if c is invalid, i
+// is out of range or dst has another length.
+func InitParamInto(c Config, seed uint64, i int, dst []float32) {
+	params := c.Tensors()
+	if i < 0 || i >= len(params) || len(dst) != params[i].Numel() {
+		panic(fmt.Sprintf("trainer: InitParamInto: tensor %d of %d, %d elements given", i, len(params), len(dst)))
+	}
+	projStd := 0.02 / math.Sqrt(2*float64(c.NLayer))
+	var std float64
+	switch {
+	case i == gpt.Wte:
+		std = 0.02
+	case i == gpt.Wpe:
+		std = 0.01
+	case i >= gpt.LayerBase(c.NLayer):
+		fill(dst, 0)
+		if i == gpt.LayerBase(c.NLayer)+gpt.LnfW {
+			fill(dst, 1)
+		}
+		return
+	default:
+		switch (i - gpt.LayerBase(0)) % gpt.PerLayer {
+		case gpt.AttnW, gpt.FcW:
+			std = 0.02
+		case gpt.AttnProjW, gpt.FcProjW:
+			std = projStd
+		case gpt.Ln1W, gpt.Ln2W:
+			fill(dst, 1)
+			return
+		default: // biases
+			fill(dst, 0)
+			return
+		}
+	}
+	r := rand.New(rand.NewPCG(seed, uint64(i)))
+	for j := range dst {
+		dst[j] = float32(r.NormFloat64() * std)
+	}
 }
 
 func fill[F float32 | float64](x []F, v F) {

@@ -322,7 +322,16 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 			t.tty = true
 		}
 	}
-	for i, v := range InitParams(cfg.Model, cfg.Seed) {
+	// The initial weights, one tensor at a time through one buffer (the
+	// whole model's in fp32 would be 4 bytes a parameter more at the peak).
+	largest := 0
+	for _, p := range cfg.Model.Tensors() {
+		largest = max(largest, p.Numel())
+	}
+	buf := make([]float32, largest)
+	for i, p := range cfg.Model.Tensors() {
+		v := buf[:p.Numel()]
+		InitParamInto(cfg.Model, cfg.Seed, i, v)
 		if err := opt.SetParam(opt.Params()[i].Name, v); err != nil {
 			return nil, errors.Join(err, t.Close())
 		}

@@ -363,7 +363,7 @@ func (c *TrainConfig) checkMemory() error {
 // refused before anything is allocated, whatever MaxMemory says. It is a
 // bound on absurd configurations (1 TiB), not on a machine's memory: that
 // is MemAvailable's or --max-memory's to say. (It was 64 GiB until a 4.2B
-// GPT-2 on the 128 GiB GPU machine, which needs about 79 GiB of host
+// GPT-2 on the 128 GiB GPU machine, estimated then at 79 GiB of host
 // memory with --device cuda, was refused.)
 const MaxMemoryBytes = 1 << 40
 
@@ -373,9 +373,10 @@ const MaxMemoryBytes = 1 << 40
 //   - per parameter: the fp32 master weights and moments (12 B), the
 //     gradients (4 B in fp32, 2 B in 16 bits), the 16-bit working copy
 //     (2 B, if any), the trainer's fp32 copies of 16-bit gradients and of a
-//     16-bit working copy (4 B each), and the initial weights, live while
-//     New hands them to the optimizer (4 B): 20 B with fp32 gradients and
-//     no working copy, 28 B with bf16 gradients and working copy;
+//     16-bit working copy (4 B each): 16 B with fp32 gradients and no
+//     working copy, 24 B with bf16 gradients and working copy;
+//   - the initial weights' buffer New hands them through, one tensor at
+//     a time: the largest tensor's, in fp32 (max(V*C, T*C, 4C²) floats);
 //   - the activations of one batch, llm.c's count of about
 //     L*(16C + H*T) + 13C + 2V + max(4C, V) floats per position, the
 //     transposed-weight buffer (max(4C², VC) floats) and one attention
@@ -386,7 +387,7 @@ const MaxMemoryBytes = 1 << 40
 //     CkptSync.
 //
 // With Device "cuda" the activations are on the GPU and there are no fp32
-// copies: 20 B per parameter and the ring.
+// copies: 16 B per parameter, the initial weights' buffer and the ring.
 //
 // What New allocates (runtime.MemStats.TotalAlloc) is within 1 % of it
 // (TestMemoryBytesMeasured); the peak RSS of `dos train` on the 2-core
@@ -396,7 +397,7 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	m := c.Model
 	L, C, H, T, V := float64(m.NLayer), float64(m.NEmbd), float64(m.NHead), float64(m.NCtx), float64(m.VocabSize)
 	params := V*C + T*C + L*(12*C*C+13*C) + 2*C
-	perParam := 12.0 + 4 // master, moments; initial weights
+	perParam := 12.0 // master, moments
 	if c.GradDType == adam.F32 {
 		perParam += 4
 	} else {
@@ -410,8 +411,9 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	if c.Device == "cuda" {
 		// The GPU holds the activations and reads the 16-bit copies
 		// itself: no fp32 copies on the host.
-		perParam, floats = 12+4+2+2, 0
+		perParam, floats = 12+2+2, 0
 	}
+	floats += math.Max(V*C, math.Max(T*C, 4*C*C)) // the initial weights' buffer (New)
 	ring := 0.0
 	if c.CkptDir != "" && !c.CkptSync {
 		ring = c.ringBytes(params)
