@@ -190,7 +190,8 @@ var handles struct {
 // saver is an optimizer's checkpoint engine on one root.
 type saver struct {
 	root string
-	keep int // checkpoint.EngineOptions.Keep
+	keep int   // checkpoint.EngineOptions.Keep
+	ring int64 // checkpoint.EngineOptions.RingBytes (0: the default)
 	e    *checkpoint.Engine
 }
 
@@ -503,7 +504,7 @@ func dos_adamw_set_step(h C.int64_t, step C.int64_t, errOut **C.char) C.int32_t 
 }
 
 //export dos_adamw_save
-func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, errOut **C.char) C.int64_t {
+func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, ring C.int64_t, errOut **C.char) C.int64_t {
 	var id int64
 	if !run(errOut, func() error {
 		o, err := lookup(h)
@@ -520,20 +521,23 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 		if keep < 0 {
 			return fmt.Errorf("dos: save: keep %d: want >= 0 (0 keeps every checkpoint)", int(keep))
 		}
+		if ring < 0 {
+			return fmt.Errorf("dos: save: ring_bytes %d: want >= 0 (0: the default, 256 MiB)", int64(ring))
+		}
 		handles.Lock()
 		sv := handles.eng[int64(h)]
 		handles.Unlock()
-		if sv == nil || sv.root != dir || sv.keep != int(keep) {
+		if sv == nil || sv.root != dir || sv.keep != int(keep) || sv.ring != int64(ring) {
 			if sv != nil {
 				if err := sv.e.Close(); err != nil {
 					return err
 				}
 			}
-			e, err := checkpoint.NewEngine(checkpoint.OS, dir, checkpoint.EngineOptions{Keep: int(keep)})
+			e, err := checkpoint.NewEngine(checkpoint.OS, dir, checkpoint.EngineOptions{Keep: int(keep), RingBytes: int64(ring)})
 			if err != nil {
 				return err
 			}
-			sv = &saver{root: dir, keep: int(keep), e: e}
+			sv = &saver{root: dir, keep: int(keep), ring: int64(ring), e: e}
 			handles.Lock()
 			handles.eng[int64(h)] = sv
 			handles.Unlock()

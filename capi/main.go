@@ -15,7 +15,7 @@
 //	int32_t dos_adamw_state_set(int64_t h, int32_t i, int32_t kind, const float *data, int64_t n, char **err);
 //	int64_t dos_adamw_get_step(int64_t h, char **err);
 //	int32_t dos_adamw_set_step(int64_t h, int64_t step, char **err);
-//	int64_t dos_adamw_save(int64_t h, const char *root, const char *objects_json, int32_t keep, char **err);
+//	int64_t dos_adamw_save(int64_t h, const char *root, const char *objects_json, int32_t keep, int64_t ring_bytes, char **err);
 //	int32_t dos_save_done(int64_t save);
 //	int32_t dos_save_wait(int64_t save, char **dir, char **err);
 //	void dos_save_free(int64_t save);

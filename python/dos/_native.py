@@ -40,7 +40,7 @@ SIGNATURES = {
     "dos_adamw_get_step": (ctypes.c_int64, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_set_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_save": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32,
-                                        ctypes.POINTER(ctypes.c_void_p)]),
+                                        ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_save_done": (ctypes.c_int32, [ctypes.c_int64]),
     "dos_save_wait": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]),
     "dos_save_free": (None, [ctypes.c_int64]),

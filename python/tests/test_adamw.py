@@ -220,6 +220,15 @@ def test_save_keep(tmp_path):
     for bad in (-1, 1.5, "2", True):
         with pytest.raises(ValueError, match="keep="):
             a.save(tmp_path / "ck", keep=bad)
+        with pytest.raises(ValueError, match="ring_bytes="):
+            a.save(tmp_path / "ck", ring_bytes=bad)
+    a.save(tmp_path / "ring", ring_bytes=64 << 20).wait()  # a larger ring: the same checkpoint
+    r = dt.AdamW([torch.nn.Parameter(torch.zeros_like(p)) for p in ps], lr=1e-3)
+    r.load(tmp_path / "ring")
+    assert all(torch.equal(r.master_weights(i), a.master_weights(i)) for i in range(len(ps)))
+    with pytest.raises(dos.DosError, match="RingBytes"):  # below two chunks
+        train_steps(a, ps, g, 1)
+        a.save(tmp_path / "tiny", ring_bytes=4096).wait()
 
 
 def test_torch_switches():
