@@ -3,7 +3,7 @@
 same state (issue 18's save comparison; one mode per process).
 
     PYTHONPATH=python python3 bench/torch_save.py --mode dos|dcp --dir DIR [--model gpt2-xl] [--batch 4]
-        [--steps 12] [--save-at 4] [--gpu-budget-gib 8]
+        [--steps 12] [--save-at 4] [--gpu-budget-gib 8] [--ring-gib 0]
 
 transformers' GPT2LMHeadModel (bench/torch_gpt2.py's, random init), bf16 autocast, random tokens, on cuda:0:
   dcp  fp32 parameters, torch.optim.AdamW(fused=True) on the GPU; at iteration --save-at,
@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--save-at", type=int, default=4)
     ap.add_argument("--gpu-budget-gib", type=float, default=8.0)
+    ap.add_argument("--ring-gib", type=float, default=0, help="dos: save's ring_bytes in GiB (0: the default, 256 MiB)")
     ap.add_argument("--seed", type=int, default=1337)
     a = ap.parse_args()
     result = {"mode": a.mode, "model": a.model, "batch": a.batch}
@@ -88,7 +89,7 @@ def main():
                 msd, osd = get_state_dict(model, opt)
                 pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=a.dir)
             else:
-                pending = opt.save(a.dir)
+                pending = opt.save(a.dir, ring_bytes=int(a.ring_gib * 2**30))
             blocked = time.perf_counter() - t_save
         t0 = time.perf_counter()
         d = data[i % len(data)]
