@@ -121,6 +121,12 @@ class AdamW(torch.optim.Optimizer):
                         ("betas[0]", betas[0]), ("betas[1]", betas[1])):
             if not math.isfinite(float(v)):
                 raise ValueError(f"dos.torch.AdamW: invalid {name}: {v}")
+        # torch.optim.AdamW's own checks, with its exception type
+        for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("max_grad_norm", max_grad_norm)):
+            if float(v) < 0:
+                raise ValueError(f"dos.torch.AdamW: invalid {name}: {v} (want >= 0)")
+        if len(tuple(betas)) == 2 and not all(0 <= float(b) < 1 for b in betas):
+            raise ValueError(f"dos.torch.AdamW: invalid betas: {tuple(betas)} (want each in [0, 1))")
         if len(tuple(betas)) != 2:
             raise ValueError(f"dos.torch.AdamW: betas {betas!r}: want two values")
         for name, v in (("amsgrad", amsgrad), ("maximize", maximize), ("pin_memory", pin_memory)):

@@ -382,7 +382,8 @@ def test_breaker_cases(tmp_path):
         opt.step()
     with pytest.raises(ValueError, match="threads"):
         dt.AdamW([torch.nn.Parameter(torch.zeros(3))], threads=2**31)
-    for bad in (dict(sub_group_size=0), dict(sub_group_size=1.5), dict(betas=(0.9, 0.99, 0.1)), dict(amsgrad="no")):
+    for bad in (dict(sub_group_size=0), dict(sub_group_size=1.5), dict(betas=(0.9, 0.99, 0.1)), dict(amsgrad="no"),
+                dict(lr=-1), dict(eps=-1), dict(betas=(1.0, 0.9)), dict(weight_decay=-0.1)):
         with pytest.raises((ValueError, TypeError)):
             dt.AdamW([torch.nn.Parameter(torch.zeros(3))], **bad)
     with pytest.raises(TypeError, match="pickled"):
