@@ -107,7 +107,7 @@ type Options struct {
 	// time (scheduler.Engine.Measure) with the profile's prediction for
 	// the schedule, keeps a factor per resource weighted toward recent
 	// phases (half the newest, half the past), and when the plan's
-	// predicted update time missed the measured one by more than 10 %
+	// predicted update time missed the measured one by more than 5 %
 	// (at most every 3 steps) it re-chooses the schedule with the profile
 	// so corrected (perfmodel.Profile.Scaled) and re-plans the engine if
 	// that is predicted 5 % faster; otherwise Plan takes the corrected

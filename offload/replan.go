@@ -13,7 +13,7 @@ import (
 // performance model's (Deep Optimizer States, section 4) on the profile
 // corrected per resource; only Plan's reported time carries g.
 const (
-	replanMiss  = 0.10 // a predicted update phase this far off the measured one refits
+	replanMiss  = 0.05 // a predicted update phase this far off the measured one refits
 	replanGain  = 0.05 // a new schedule must be predicted this much faster to move state for it
 	replanEvery = 3    // steps between refits that may re-plan
 	replanNew   = 0.5  // the newest phase's weight in each resource's factor
