@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"time"
@@ -82,7 +83,14 @@ func (o *Optimizer) refit(res *StepResult, held bool) error {
 		// Replan writes the resident subgroups' host state: a lazy
 		// checkpoint's capture must be done with it first.
 		o.pending.waitCapture()
-		if err := o.eng.Replan(plan); err != nil {
+		if err := o.eng.Replan(plan); errors.Is(err, scheduler.ErrReplanRefused) {
+			// The new plan's memory could not be had (a cap, fragments):
+			// the engine runs the old plan, synced; that schedule is not
+			// tried again.
+			o.dev = devSynced
+			o.re.seen[next.Schedule] = math.Inf(1)
+			return nil
+		} else if err != nil {
 			return o.engineErr(err)
 		}
 		o.dev = devSynced // the resident state downloaded, the new one uploaded

@@ -164,9 +164,14 @@ func (e *Engine) allocPlan(p *Plan) error {
 // Replan moves the engine to plan p (NewPlan over the same subgroups):
 // the resident state comes back to the host, the memory of the old plan
 // is freed, p's is allocated and its resident state moves to the device.
+// When p's memory cannot be allocated (the device out of memory, or a
+// cap), the old plan is allocated again in the memory it just gave back
+// and its resident state uploaded: Replan returns an error wrapping
+// ErrReplanRefused and the engine runs the old plan as before.
 //
-// Errors: a plan for other subgroups, a failed copy or allocation (the
-// engine is then broken: Close it).
+// Errors: a plan for other subgroups; ErrReplanRefused; a failed copy,
+// or an allocation that failed for the old plan too (the engine is then
+// broken: Close it).
 func (e *Engine) Replan(p *Plan) error {
 	if e.broken {
 		return ErrBroken
@@ -177,12 +182,20 @@ func (e *Engine) Replan(p *Plan) error {
 	if err := e.Download(); err != nil {
 		return err
 	}
+	old := e.plan
 	if err := e.freePlan(); err != nil {
 		// What the old plan held may still be in use by the device.
 		e.broken = true
 		return fmt.Errorf("%w: Replan: %v", ErrBroken, err)
 	}
 	if err := e.allocPlan(p); err != nil {
+		if ferr := e.freePlan(); ferr == nil && old != nil && old != p {
+			if rerr := e.allocPlan(old); rerr == nil {
+				if uerr := e.upload(false); uerr == nil {
+					return fmt.Errorf("%w: %v", ErrReplanRefused, err)
+				}
+			}
+		}
 		e.broken = true
 		return err
 	}
@@ -193,6 +206,11 @@ func (e *Engine) Replan(p *Plan) error {
 	}
 	return nil
 }
+
+// ErrReplanRefused is Replan's error when the new plan's memory could not
+// be allocated and the engine went back to the old plan, which it runs as
+// before.
+var ErrReplanRefused = errors.New("scheduler: Replan refused: the new plan's memory could not be allocated; the old plan is back")
 
 // freePlan frees what allocPlan allocated and returns the Free errors.
 func (e *Engine) freePlan() error {

@@ -622,3 +622,40 @@ func TestEngineMirrorLoad(t *testing.T) {
 		}
 	}
 }
+
+// TestEngineReplanRefused: a Replan whose plan does not fit the device's
+// memory (here the simulated device's capacity) goes back to the old plan:
+// ErrReplanRefused, the engine not broken, and the updates after it the
+// reference's, as if nothing had been tried.
+func TestEngineReplanRefused(t *testing.T) {
+	h := adam.DefaultHyper()
+	p := newProblem(testTotal(), adam.BF16, false, 3, 8)
+	want, wantCopy := p.reference(h, adam.BF16, 3)
+	s := perfmodel.Schedule{CPU: 6, GPU: 0, Resident: 2}
+	probe := NewSim(SimOptions{})
+	pe := setup(t, probe, p, testSizes, s, false)
+	used := probe.used
+	pe.Close()
+	d := NewSim(SimOptions{Capacity: used + 64}) // the first plan fits, all resident does not
+	e := setup(t, d, p, testSizes, s, false)
+	defer e.Close()
+	first := e.Plan()
+	for step := range 3 {
+		if step == 1 {
+			plan, err := NewPlan(len(testSizes), perfmodel.Schedule{Resident: len(testSizes)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Replan(plan); !errors.Is(err, ErrReplanRefused) || e.Broken() || e.Plan() != first {
+				t.Fatalf("Replan over the capacity: %v (broken %v, plan kept %v); want ErrReplanRefused and the old plan",
+					err, e.Broken(), e.Plan() == first)
+			}
+		}
+		put(t, d, e.grad, 0, p.gradBytes(step))
+		c := h.Coeffs(int64(step+1), 1, 1)
+		if err := e.Update(&c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check(t, d, e, want, wantCopy)
+}
