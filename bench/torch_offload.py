@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """What a PyTorch user picks when the optimizer state does not fit, against dos.torch.AdamW (issue 18's offload
-comparison; one mode per process, bench/torch_offload.sh runs them in one call).
+comparison; one mode per process: bench/e2e_offload.sh runs them beside dos train in one call).
 
     PYTHONPATH=python python3 bench/torch_offload.py --mode dos|fsdp2|gpu --model gpt2-xl --batch 8
         [--seq 1024] [--steps 10] [--warmup 3] [--gpu-budget-gib 8] [--schedule auto] [--cap-gib 0]
+        [--checkpointing] [--split-step] [--threads N]
 
 transformers' GPT2LMHeadModel (bench/torch_gpt2.py's model, random init), bf16 autocast, the mean cross-entropy
 from fp32 logits, clip_grad_norm_(1.0), AdamW lr 6e-4, betas (0.9, 0.95), weight_decay 0.1, random tokens:
