@@ -123,22 +123,10 @@ func (s *spec) placement(opts *offload.Options, params []offload.Param) (release
 			return rel, err
 		}
 	}
-	// The subgroups offload.New will cut: within each group, in order.
-	groupTotal := make([]int64, max(1, len(opts.Groups)))
-	for _, p := range params {
-		n := int64(1)
-		for _, d := range p.Shape {
-			n *= int64(d)
-		}
-		if p.Group >= 0 && p.Group < len(groupTotal) {
-			groupTotal[p.Group] += n
-		}
-	}
-	var sizes []int64
+	sizes := offload.CutSizes(params, *opts) // the subgroups offload.New will cut
 	total := int64(0)
-	for _, gt := range groupTotal {
-		sizes = append(sizes, perfmodel.SubgroupSizes(gt, int64(opts.SubgroupSize))...)
-		total += gt
+	for _, n := range sizes {
+		total += n
 	}
 	n := len(sizes)
 	sched := strings.ToLower(strings.ReplaceAll(s.Schedule, " ", ""))

@@ -472,22 +472,53 @@ func (o *Optimizer) workload() perfmodel.Workload {
 // each group (a subgroup is updated with one group's lr and
 // weight_decay), and sizes the per-subgroup coefficients.
 func (o *Optimizer) cut(size int) {
+	totals := make([]int64, len(o.opts.groups()))
+	for _, p := range o.params {
+		totals[p.Group] += int64(p.Len)
+	}
 	o.subgroups = o.subgroups[:0]
 	start := 0
-	for g := range o.opts.groups() {
-		end := start
-		for _, i := range o.layout {
-			if o.params[i].Group == g {
-				end += o.params[i].Len
-			}
-		}
-		for _, n := range perfmodel.SubgroupSizes(int64(end-start), int64(size)) {
+	for g, sizes := range cutGroups(totals, size) {
+		for _, n := range sizes {
 			o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: start, Len: int(n), Group: g})
 			start += int(n)
 		}
 	}
 	o.opts.SubgroupSize = size
 	o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
+}
+
+// cutGroups cuts each group's total elements into subgroups of at most
+// size, group by group: New's cut of the flat space.
+func cutGroups(totals []int64, size int) [][]int64 {
+	out := make([][]int64, len(totals))
+	for g, t := range totals {
+		out[g] = perfmodel.SubgroupSizes(t, int64(size))
+	}
+	return out
+}
+
+// CutSizes returns the lengths, in order, of the subgroups New cuts params
+// into with opts (its Groups and SubgroupSize, 0 meaning the default):
+// the count a forced Options.Schedule must add up to, before New is
+// called. A parameter whose group or shape New would refuse is left out.
+func CutSizes(params []Param, opts Options) []int64 {
+	opts.EnsureDefaults()
+	totals := make([]int64, len(opts.groups()))
+	for _, p := range params {
+		n := int64(1)
+		for _, d := range p.Shape {
+			n *= int64(max(d, 0))
+		}
+		if p.Group >= 0 && p.Group < len(totals) {
+			totals[p.Group] += n
+		}
+	}
+	var sizes []int64
+	for _, s := range cutGroups(totals, opts.SubgroupSize) {
+		sizes = append(sizes, s...)
+	}
+	return sizes
 }
 
 // chooseSubgroupSize keeps the candidate of Options.SubgroupSizes whose

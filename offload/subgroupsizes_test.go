@@ -2,6 +2,7 @@ package offload
 
 import (
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
@@ -80,6 +81,32 @@ func TestSubgroupSizes(t *testing.T) {
 	} {
 		if _, err := New(testParams, bad); err == nil {
 			t.Errorf("New with SubgroupSizes %v, Device %v, Schedule %v: no error", bad.SubgroupSizes, bad.Device != nil, bad.Schedule)
+		}
+	}
+}
+
+// TestCutSizes: CutSizes gives, before New, the lengths of the subgroups
+// New cuts, with and without parameter groups.
+func TestCutSizes(t *testing.T) {
+	grouped := slices.Clone(testParams)
+	for i := range grouped {
+		grouped[i].Group = i % 2
+	}
+	for _, c := range []struct {
+		params []Param
+		opts   Options
+	}{
+		{testParams, Options{SubgroupSize: 300}},
+		{testParams, Options{}},
+		{grouped, Options{SubgroupSize: 100, Groups: []Group{{LR: 1e-3}, {LR: 1e-4}}}},
+	} {
+		o := newWith(t, c.params, c.opts)
+		var want []int64
+		for _, sg := range o.Subgroups() {
+			want = append(want, int64(sg.Len))
+		}
+		if got := CutSizes(c.params, c.opts); !slices.Equal(got, want) {
+			t.Errorf("CutSizes with %+v: %v, New cut %v", c.opts, got, want)
 		}
 	}
 }
