@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from torch_gpt2 import MODELS, VOCAB, make_model  # noqa: E402  (the same model as the speed reference)
+from torch_gpt2 import MODELS, VOCAB, make_model, train_step  # noqa: E402  (the same model and step as the speed reference)
 
 
 def main():
@@ -46,7 +46,6 @@ def main():
     a = ap.parse_args()
     try:
         import torch
-        import torch.nn.functional as F
         from transformers import GPT2Config
 
         import dos.torch as dt
@@ -84,16 +83,9 @@ def main():
         for i, d in enumerate(data):
             for grp in opt.param_groups:
                 grp["lr"] = a.lr * (i + 1) / len(data)
-            x, y = d[:, :-1].contiguous(), d[:, 1:].contiguous()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(input_ids=x, use_cache=False).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = train_step(model, opt, params, d, VOCAB)
             losses.append(loss.item())  # waits for the step
             times.append(time.perf_counter() - t0)
         return losses, 1e3 * statistics.median(times[3:] or times), opt

@@ -56,6 +56,23 @@ def make_model(config):
         return GPT2LMHeadModel(config)
 
 
+def train_step(model, opt, params, d, vocab):
+    """One iteration on a batch d of B x (T+1) tokens: bf16 autocast forward, the mean cross-entropy from fp32
+    logits, backward, clip_grad_norm_(1.0), opt.step(), zero_grad(set_to_none=True). Returns the loss tensor."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = d[:, :-1].contiguous(), d[:, 1:].contiguous()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(input_ids=x, use_cache=False).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
@@ -78,7 +95,6 @@ def main():
 
     try:
         import torch
-        import torch.nn.functional as F
         import transformers
         from transformers import GPT2Config
     except ImportError as e:
@@ -113,16 +129,7 @@ def main():
         data = [torch.randint(0, 50257, (B, T + 1), generator=g, device=dev) for _ in range(4)]
 
         def step(i):
-            d = data[i % len(data)]
-            x, y = d[:, :-1].contiguous(), d[:, 1:].contiguous()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(input_ids=x, use_cache=False).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+            return train_step(model, opt, params, data[i % len(data)], VOCAB)
 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
