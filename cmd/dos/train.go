@@ -113,7 +113,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&cfg.BF16Params, "bf16-params", cfg.BF16Params, "with --device cuda: read every parameter from the bf16 working copy (llm.c's recipe); by default the embedding lookup and the LayerNorms read fp32 master weights kept on the device, as PyTorch's bf16 autocast does")
 	fs.BoolVar(&cfg.Recompute, "recompute", cfg.Recompute, "with --device cuda: keep one block's activations and recompute each block's forward in backward (about a third more compute, a fraction of the activation memory)")
 	timeline := fs.String("timeline", "", "draw one iteration's timeline to this `PATH` (.svg, .png or .pdf; the Chrome trace beside it, PATH with .json): forward, backward, the optimizer step and its update phase's CPU, H2D, D2H and GPU operations, and the GPU memory in use (that iteration waits for the device after forward)")
-	fs.IntVar(&cfg.TimelineAt, "timeline-at", 0, "with --timeline: the iteration to draw (default: the last of the run)")
+	fs.IntVar(&cfg.TimelineAt, "timeline-at", 0, "with --timeline: the iteration `N` to draw, from 1 (0, the default: the last of the run)")
 	fs.StringVar(&cfg.LogJSON, "log-json", "", "append one JSON line per optimizer step to `PATH`: {step, loss, lr, grad_norm, skipped, pos, seconds, update_s} (a run resumed after a crash appends the steps past its checkpoint again: the later line of a step is the one that counts)")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
