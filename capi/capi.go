@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"sync"
 	"unsafe"
@@ -627,24 +628,8 @@ func dos_adamw_load(h C.int64_t, path *C.char, objectsOut **C.char, errOut **C.c
 // takes the checkpoint's). A checkpoint that cannot be read is left to
 // LoadCheckpoint's errors.
 func sameFixedHyper(o *offload.Optimizer, path string) error {
-	dir, err := checkpoint.Resolve(checkpoint.OS, path)
+	dir, saved, savedGroups, err := offload.CheckpointHyper(checkpoint.OS, path)
 	if err != nil {
-		return nil
-	}
-	c, err := checkpoint.Open(checkpoint.OS, dir, 0)
-	if err != nil {
-		return nil
-	}
-	defer c.Close()
-	var obj map[string]json.RawMessage
-	if c.Object(offload.ObjectName, &obj) != nil {
-		return nil
-	}
-	var saved adam.Hyper
-	var savedOpts struct {
-		Groups []offload.Group `json:"groups"`
-	}
-	if json.Unmarshal(obj["hyper"], &saved) != nil || json.Unmarshal(obj["options"], &savedOpts) != nil {
 		return nil
 	}
 	opts := o.Options()
@@ -659,13 +644,9 @@ func sameFixedHyper(o *offload.Optimizer, path string) error {
 		}
 		return d
 	}
-	a, b := decay(saved, savedOpts.Groups), decay(now, opts.Groups)
-	same := saved.Mode == now.Mode && saved.Betas == now.Betas && saved.Eps == now.Eps && saved.AMSGrad == now.AMSGrad &&
-		saved.Maximize == now.Maximize && len(a) == len(b)
-	for i := 0; same && i < len(a); i++ {
-		same = a[i] == b[i]
-	}
-	if !same {
+	a, b := decay(saved, savedGroups), decay(now, opts.Groups)
+	if saved.Mode != now.Mode || saved.Betas != now.Betas || saved.Eps != now.Eps || saved.AMSGrad != now.AMSGrad ||
+		saved.Maximize != now.Maximize || !slices.Equal(a, b) {
 		return fmt.Errorf("dos: %s was saved with betas %v, eps %g, weight_decay %v, amsgrad %t, maximize %t; this optimizer has betas %v, eps %g, weight_decay %v, amsgrad %t, maximize %t: build it with the checkpoint's (dos fixes them at construction)",
 			dir, saved.Betas, saved.Eps, a, saved.AMSGrad, saved.Maximize, now.Betas, now.Eps, b, now.AMSGrad, now.Maximize)
 	}

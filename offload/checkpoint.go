@@ -133,6 +133,29 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 	return snap, nil
 }
 
+// CheckpointHyper reads the hyperparameters and the parameter groups a
+// checkpoint was saved with (path: a root, its latest checkpoint, or one
+// step directory), without loading its state, so that a caller can refuse
+// it before LoadCheckpoint takes them (the PyTorch binding: dos fixes
+// them at construction). Errors: those of checkpoint.Resolve and Open,
+// and one wrapping checkpoint.ErrCorrupt for an optimizer object that
+// does not decode or is invalid (as LoadCheckpoint).
+func CheckpointHyper(fsys checkpoint.FS, path string) (dir string, hyper adam.Hyper, groups []Group, err error) {
+	if dir, err = checkpoint.Resolve(fsys, path); err != nil {
+		return "", hyper, nil, err
+	}
+	c, err := checkpoint.Open(fsys, dir, 0)
+	if err != nil {
+		return dir, hyper, nil, err
+	}
+	defer c.Close()
+	obj, err := checkObject(c)
+	if err != nil {
+		return dir, hyper, nil, err
+	}
+	return dir, obj.Hyper, obj.Options.Groups, nil
+}
+
 // subgroupOf returns the index of the subgroup holding element i.
 func (o *Optimizer) subgroupOf(i int) int {
 	return sort.Search(len(o.subgroups), func(k int) bool { return o.subgroups[k].Offset+o.subgroups[k].Len > i })

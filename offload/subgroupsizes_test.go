@@ -2,10 +2,12 @@ package offload
 
 import (
 	"math/rand/v2"
+	"path/filepath"
 	"slices"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )
@@ -108,5 +110,32 @@ func TestCutSizes(t *testing.T) {
 		if got := CutSizes(c.params, c.opts); !slices.Equal(got, want) {
 			t.Errorf("CutSizes with %+v: %v, New cut %v", c.opts, got, want)
 		}
+	}
+}
+
+// TestCheckpointHyper: the hyperparameters and groups a checkpoint was
+// saved with, read without loading it; a root with none is an error.
+func TestCheckpointHyper(t *testing.T) {
+	h := adam.DefaultHyper()
+	h.Betas, h.Eps = [2]float64{0.8, 0.9}, 1e-6
+	grouped := slices.Clone(testParams)
+	for i := range grouped {
+		grouped[i].Group = i % 2
+	}
+	groups := []Group{{LR: 1e-3, WeightDecay: 0.1}, {LR: 1e-4}}
+	o := newWith(t, grouped, Options{Hyper: h, Groups: groups})
+	root := t.TempDir()
+	if _, err := o.SaveCheckpoint(checkpoint.OS, root, nil); err != nil {
+		t.Fatal(err)
+	}
+	dir, got, gotGroups, err := CheckpointHyper(checkpoint.OS, root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Betas != h.Betas || got.Eps != h.Eps || !slices.Equal(gotGroups, groups) || filepath.Dir(dir) != root {
+		t.Errorf("CheckpointHyper(%s) = %s, %+v, %+v; want betas %v, eps %g, groups %+v", root, dir, got, gotGroups, h.Betas, h.Eps, groups)
+	}
+	if _, _, _, err := CheckpointHyper(checkpoint.OS, t.TempDir()); err == nil {
+		t.Error("an empty root: no error")
 	}
 }
