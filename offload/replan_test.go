@@ -4,7 +4,6 @@ import (
 	"maps"
 	"math"
 	"math/rand/v2"
-	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -256,32 +255,6 @@ func TestReplanHeld(t *testing.T) {
 	}
 }
 
-// blockFS is checkpoint.OS whose file writes wait until release is closed:
-// a lazy save's capture stalls once its ring is full.
-type blockFS struct {
-	checkpoint.FS
-	release chan struct{}
-}
-
-type blockFile struct {
-	checkpoint.File
-	release chan struct{}
-}
-
-func (b blockFS) OpenFile(name string, flag int, perm os.FileMode) (checkpoint.File, error) {
-	f, err := b.FS.OpenFile(name, flag, perm)
-	if err != nil || flag&os.O_WRONLY == 0 {
-		return f, err
-	}
-	return blockFile{f, b.release}, nil
-}
-
-func (f blockFile) WriteAt(p []byte, off int64) (int, error) {
-	<-f.release
-	return f.File.WriteAt(p, off)
-}
-func (f blockFile) Write(p []byte) (int, error) { <-f.release; return f.File.Write(p) }
-
 // TestReplanHeldStep: a Step whose update phase waits on a lazy save's
 // capture (here stalled by the disk) is not folded into Replan's fit; the
 // next one, with the capture done, is.
@@ -300,7 +273,7 @@ func TestReplanHeldStep(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	fs := blockFS{checkpoint.OS, make(chan struct{})}
+	fs := heldOS{checkpoint.OS, make(chan struct{})} // capture_test.go's
 	e, err := checkpoint.NewEngine(fs, filepath.Join(t.TempDir(), "root"), checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 8192})
 	if err != nil {
 		t.Fatal(err)
