@@ -57,14 +57,14 @@ func (t *Trainer) markMemory(m *timelineMarks, at time.Time) {
 }
 
 // finishTimeline builds the IterationTimeline of the iteration that m
-// traced, whose backward ended at bwd and whose optimizer step ran from
-// s0 to s1. A step that ran no update phase (skipped for a non-finite
+// traced, whose optimizer step ran from s0 (backward's end: the device
+// was synchronised for the loss) to s1. A step that ran no update phase (skipped for a non-finite
 // gradient; Trace then still has the previous one) is one span.
-func (t *Trainer) finishTimeline(it int, m *timelineMarks, bwd, s0, s1 time.Time) {
+func (t *Trainer) finishTimeline(it int, m *timelineMarks, s0, s1 time.Time) {
 	tl := &IterationTimeline{Iteration: it, Total: s1.Sub(m.t0)}
 	tl.Ops = append(tl.Ops,
 		scheduler.Op{Resource: ResCompute, What: "forward", Start: 0, End: m.forward.Sub(m.t0)},
-		scheduler.Op{Resource: ResCompute, What: "backward", Start: m.forward.Sub(m.t0), End: bwd.Sub(m.t0)})
+		scheduler.Op{Resource: ResCompute, What: "backward", Start: m.forward.Sub(m.t0), End: s0.Sub(m.t0)})
 	start, ops, err := t.opt.Trace()
 	if err != nil || len(ops) == 0 || start.Before(s0) { // no device, a re-plan, or no phase in this step: one span
 		tl.Ops = append(tl.Ops, scheduler.Op{Resource: ResHost, What: "step", Start: s0.Sub(m.t0), End: s1.Sub(m.t0)})

@@ -38,7 +38,7 @@ func TestTimelineSkippedStep(t *testing.T) {
 		t.Fatalf("step: %+v, %v: want skipped", res, err)
 	}
 	s1 := time.Now()
-	tr.finishTimeline(2, m, s0, s0, s1)
+	tr.finishTimeline(2, m, s0, s1)
 	tl, ok := tr.Timeline()
 	if !ok {
 		t.Fatal("no timeline")

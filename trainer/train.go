@@ -602,7 +602,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if marks != nil {
 			s1 := time.Now()
 			t.markMemory(marks, s1)
-			t.finishTimeline(it, marks, s0, s0, s1)
+			t.finishTimeline(it, marks, s0, s1)
 		}
 		if done > 0 { // the first update of a run also pays for the caches and page tables warming up
 			updates += res.Elapsed
