@@ -583,8 +583,9 @@ func (fl *flush) copy(jobs <-chan copyJob) {
 }
 
 // checksum takes the copied chunks in file order (CRC32C is sequential
-// within a tensor), adds them to their tensors' checksums and passes them
-// to the writers; after a failure it passes the spans on unwritten.
+// within a tensor), adds them to their tensors' checksums, shows them to
+// the snapshot's Check and passes them to the writers; after a failure it
+// passes the spans on unwritten.
 func (fl *flush) checksum() {
 	defer close(fl.work)
 	C, p := fl.chunkBytes, fl.p
@@ -603,6 +604,11 @@ func (fl *flush) checksum() {
 			lo, hi := max(off, te.Offset), min(off+n, te.Offset+te.Bytes)
 			if lo < hi {
 				fl.crcs[t] = crc32.Update(fl.crcs[t], castagnoli, buf[lo-off:hi-off])
+				if check := fl.s.Check; check != nil && fl.ctx.Err() == nil {
+					if err := check(t, lo-te.Offset, buf[lo-off:hi-off]); err != nil {
+						fl.fail(fmt.Errorf("checkpoint: save step %d: %w", fl.s.Step, err))
+					}
+				}
 			}
 			if te.Offset+te.Bytes > off+n {
 				break // continues in the next chunk

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -494,5 +495,65 @@ func TestHandleCaptured(t *testing.T) {
 	}
 	if _, err := h.Wait(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestSnapshotCheck: Save and the Engine show Check every byte of every
+// tensor, in order, as it is written; a Check error commits nothing and
+// leaves the previous checkpoint the latest.
+func TestSnapshotCheck(t *testing.T) {
+	for _, o := range []*EngineOptions{nil, {ChunkBytes: 4096, RingBytes: 8192, Writers: 2}} {
+		mem := newMemFS()
+		save := func(s *Snapshot) (string, error) {
+			if o == nil {
+				return Save(mem, memRoot, s)
+			}
+			e, err := NewEngine(mem, memRoot, *o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer e.Close()
+			h, err := e.Save(s)
+			if err != nil {
+				return "", err
+			}
+			return h.Wait()
+		}
+		good := bigSnapshot(1, 3)
+		var seen [][]byte
+		good.Check = func(k int, off int64, b []byte) error {
+			for len(seen) <= k {
+				seen = append(seen, nil)
+			}
+			if off != int64(len(seen[k])) {
+				t.Fatalf("tensor %d: piece at %d after %d bytes", k, off, len(seen[k]))
+			}
+			seen[k] = append(seen[k], b...)
+			return nil
+		}
+		if _, err := save(good); err != nil {
+			t.Fatal(err)
+		}
+		for k, ts := range good.Tensors {
+			var got []byte
+			if k < len(seen) {
+				got = seen[k]
+			}
+			if want := concat(ts.Data); !bytes.Equal(got, want) {
+				t.Fatalf("engine %v: Check saw %d bytes of tensor %q, want its %d", o != nil, len(got), ts.Name, len(want))
+			}
+		}
+		bad := bigSnapshot(2, 3)
+		last := len(bad.Tensors) - 1
+		bad.Check = func(k int, off int64, b []byte) error {
+			if k == last {
+				return errors.New("refused")
+			}
+			return nil
+		}
+		if _, err := save(bad); err == nil || !strings.Contains(err.Error(), "save step 2: refused") {
+			t.Fatalf("engine %v: a refused snapshot: %v", o != nil, err)
+		}
+		checkLatest(t, mem, memRoot, good)
 	}
 }

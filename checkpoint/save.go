@@ -60,6 +60,17 @@ type Snapshot struct {
 	// training goes on (DataStates-LLM's device-to-host capture). Its
 	// error fails the save.
 	Prepare func() error
+	// Check, when set, sees every tensor's bytes before the checkpoint is
+	// committed, so that a source can refuse to commit state its loader
+	// would refuse (offload: a non-finite master weight or moment). It is
+	// called for each tensor t (an index into Tensors) with consecutive
+	// pieces b of its data in file order, off being the piece's offset in
+	// bytes within the tensor (0 for the first piece; pieces may split an
+	// element), on one goroutine: Save's, or an Engine's checksum stage
+	// (the bytes being those staged for the write). A tensor without bytes
+	// is not seen. Its error fails the save: nothing is committed, and the
+	// previous checkpoint stays the latest.
+	Check func(t int, off int64, b []byte) error
 }
 
 // Save writes s as a checkpoint under root and commits it: when Save
@@ -117,7 +128,7 @@ func Save(fsys FS, root string, s *Snapshot) (dir string, err error) {
 	if err != nil {
 		return "", err
 	}
-	if err := tx.writeRankFile(s.Tensors); err != nil {
+	if err := tx.writeRankFile(s.Tensors, s.Check); err != nil {
 		tx.abort()
 		return "", err
 	}
@@ -244,8 +255,9 @@ func (tx *saveTx) abort() { _ = tx.fs.RemoveAll(tx.tmp) }
 
 // writeRankFile writes the safetensors file into the temporary directory:
 // the header, then each tensor's ranges at its planned offset, computing the
-// tensor's CRC32C on the way; then it fsyncs and closes the file.
-func (tx *saveTx) writeRankFile(tensors []Tensor) error {
+// tensor's CRC32C and passing the ranges to check (Snapshot.Check, when not
+// nil) on the way; then it fsyncs and closes the file.
+func (tx *saveTx) writeRankFile(tensors []Tensor, check func(t int, off int64, b []byte) error) error {
 	name := tx.p.fileName
 	f, err := tx.fs.OpenFile(filepath.Join(tx.tmp, name), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
@@ -267,6 +279,11 @@ func (tx *saveTx) writeRankFile(tensors []Tensor) error {
 		for _, r := range t.Data {
 			if len(r) == 0 {
 				continue
+			}
+			if check != nil {
+				if err := check(i, off-entries[i].Offset, r); err != nil {
+					return fmt.Errorf("checkpoint: save step %d: %w", tx.p.manifest.Step, err)
+				}
 			}
 			if err := writeFullAt(f, r, off); err != nil {
 				return tx.fail(fmt.Sprintf("write tensor %q to %s", t.Name, name), err)

@@ -130,7 +130,52 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 			snap.Tensors = append(snap.Tensors, t)
 		}
 	}
+	snap.Check = newSaveCheck(snap.Tensors)
 	return snap, nil
+}
+
+// newSaveCheck returns the Check of a snapshot of the optimizer state ts
+// (checkpoint.Snapshot.Check): the bytes on their way to the file pass
+// CheckState's test, so that a state LoadCheckpoint would refuse (a master
+// weight or moment gone Inf or NaN, which finite but huge gradients can
+// cause) is never committed and never replaces, under Keep, a checkpoint
+// that loads. It scans the staged bytes once, in the save's background
+// stage, and allocates nothing per piece.
+func newSaveCheck(ts []checkpoint.Tensor) func(t int, off int64, b []byte) error {
+	var (
+		cur   = -1
+		scan  stateScan
+		size  int64
+		carry [4]byte // an element split between two pieces
+		nc    int
+	)
+	return func(t int, off int64, b []byte) error {
+		if t != cur || off == 0 {
+			cur, scan, size, nc = t, newStateScan(ts[t].Name), 0, 0
+			for _, r := range ts[t].Data {
+				size += int64(len(r))
+			}
+		}
+		end := off+int64(len(b)) == size
+		if nc > 0 {
+			k := copy(carry[nc:], b)
+			nc += k
+			b = b[k:]
+			if nc == len(carry) {
+				scan.scan(carry[:])
+				nc = 0
+			}
+		}
+		whole := len(b) &^ 3
+		scan.scan(b[:whole])
+		nc += copy(carry[nc:], b[whole:])
+		if end {
+			if err := scan.err(); err != nil {
+				return fmt.Errorf("offload: state tensor %q is not saved: %v; the previous checkpoint stays the latest", ts[t].Name, err)
+			}
+		}
+		return nil
+	}
 }
 
 // CheckpointHyper reads the hyperparameters and the parameter groups a

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -43,6 +44,7 @@ func badCheckpoint(t *testing.T, o *Optimizer, root, name string, val float32, i
 	if !found {
 		t.Fatalf("no tensor %q", name)
 	}
+	snap.Check = nil // the optimizer refuses to save such a state itself
 	dir, err := checkpoint.Save(checkpoint.OS, root, snap)
 	if err != nil {
 		t.Fatal(err)
@@ -168,6 +170,7 @@ func TestVerifyObject(t *testing.T) {
 				}
 			}
 		}
+		snap.Check = nil // the optimizer refuses to save such a state itself
 		dir, err := checkpoint.Save(checkpoint.OS, t.TempDir(), snap)
 		if err != nil {
 			t.Fatal(err)
@@ -317,4 +320,85 @@ func BenchmarkCheckState(b *testing.B) {
 			copy(dst, v)
 		}
 	})
+}
+
+// TestSaveRefusesNonFiniteState: finite but huge gradients overflow
+// exp_avg_sq to +Inf (a state LoadCheckpoint refuses). Neither the
+// synchronous nor the lazy save commits it, and under Keep = 1 the
+// checkpoint that loads stays the latest, untouched.
+func TestSaveRefusesNonFiniteState(t *testing.T) {
+	o := newTest(t, Options{SubgroupSize: 300})
+	fill(o, 1)
+	mustStep(t, o)
+	root := filepath.Join(t.TempDir(), "root")
+	e, err := checkpoint.NewEngine(checkpoint.OS, root, checkpoint.EngineOptions{ChunkBytes: 4096, RingBytes: 3 * 4096, Keep: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	h, err := o.SaveAsync(e, 1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	good, err := h.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(o, 2)
+	g := o.Grad(1).Float32()
+	g[len(g)/2+1] = 3e38 // squared: +Inf in fp32
+	mustStep(t, o)
+	name := o.Params()[1].Name + ExpAvgSqSuffix
+	if _, err := o.SaveCheckpoint(checkpoint.OS, root, nil); err == nil || !strings.Contains(err.Error(), name) {
+		t.Fatalf("SaveCheckpoint of an Inf exp_avg_sq: %v, want an error naming %s", err, name)
+	}
+	h, err = o.SaveAsync(e, 2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Wait(); err == nil || !strings.Contains(err.Error(), name) || !strings.Contains(err.Error(), fmt.Sprintf("element %d is +Inf", len(g)/2+1)) {
+		t.Fatalf("lazy save of an Inf exp_avg_sq: %v, want an error naming %s and its element", err, name)
+	}
+	o.AcknowledgeSave(h)
+	latest, err := checkpoint.Resolve(checkpoint.OS, root)
+	if err != nil || latest != good {
+		t.Fatalf("latest %q (%v), want the good checkpoint %q", latest, err, good)
+	}
+	if err := verifyDir(t, good); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := o.LoadCheckpoint(checkpoint.OS, root); err != nil {
+		t.Fatal(err)
+	}
+	if o.StepCount() != 1 {
+		t.Fatalf("loaded step %d, want 1", o.StepCount())
+	}
+}
+
+// TestSaveCheckSplitElements: the save check sees pieces cut anywhere,
+// elements split between them, and finds the one bad element by index.
+func TestSaveCheckSplitElements(t *testing.T) {
+	v := make([]float32, 300)
+	for i := range v {
+		v[i] = float32(i) - 150
+	}
+	b := safetensors.Float32Bytes(v)
+	ts := []checkpoint.Tensor{{Name: "w" + ExpAvgSuffix, Data: [][]byte{b}}, {Name: "w" + ExpAvgSqSuffix, Data: [][]byte{b}}}
+	for _, cut := range []int{1, 3, 4, 7, 64, 1199} {
+		check := newSaveCheck(ts)
+		var errs [2]error
+		for k := range ts {
+			for off := 0; off < len(b); off += cut {
+				if err := check(k, int64(off), b[off:min(off+cut, len(b))]); err != nil {
+					errs[k] = err
+				}
+			}
+		}
+		if errs[0] != nil {
+			t.Errorf("cut %d: exp_avg with negative values refused: %v", cut, errs[0])
+		}
+		if errs[1] == nil || !strings.Contains(errs[1].Error(), "element 0 is -150; 150 of its 300 elements") {
+			t.Errorf("cut %d: exp_avg_sq with 150 negative values: %v", cut, errs[1])
+		}
+	}
 }

@@ -436,7 +436,10 @@ class AdamW(torch.optim.Optimizer):
         ``ring_bytes`` is the checkpointer's staging memory between capture and flush (0: 256 MiB): the step
         after a save waits for the capture of the state it updates on the host (the CPU and streamed
         subgroups'), at the disk's pace through a small ring; a ring that holds that state (12 bytes a
-        parameter) captures it at memory speed (on the H200 a gpt2-xl step waited 6.9 s with the default)."""
+        parameter) captures it at memory speed (on the H200 a gpt2-xl step waited 6.9 s with the default).
+        A state that ``load`` would refuse (a master weight or moment gone Inf or NaN, which finite but huge
+        gradients can cause) is never committed: ``wait()`` raises DosError naming the tensor, and the previous
+        checkpoint stays the latest."""
         with self._lock:
             return self._save(root, keep, ring_bytes)
 

@@ -437,3 +437,24 @@ def test_breaker_cases(tmp_path):
     opt.save(root).wait()  # the same step again, into the repaired root
     opt.step()
     assert opt.state_dict()["state"][0]["step"].item() == step + 1
+
+
+def test_save_refuses_non_finite(tmp_path):
+    """Finite but huge gradients overflow exp_avg_sq to Inf, a state load() refuses: the lazy save does not
+    commit it, wait() raises naming the tensor, and under keep=1 the checkpoint that loads stays the latest."""
+    p = torch.nn.Parameter(torch.ones(64))
+    opt = dt.AdamW([p], lr=1e-3)
+    p.grad = torch.full((64,), 0.5)
+    opt.step()
+    root = tmp_path / "ck"
+    good = opt.save(root, keep=1).wait()
+    p.grad = torch.full((64,), 0.5)
+    p.grad[7] = 3e38  # squared: +Inf in fp32
+    opt.step()
+    with pytest.raises(dos.DosError, match=r"p0\.exp_avg_sq.*element 7 is \+Inf"):
+        opt.save(root, keep=1).wait()
+    assert sorted(f for f in os.listdir(root) if f.startswith("step-")) == [os.path.basename(good)]
+    q = torch.nn.Parameter(torch.zeros(64))
+    b = dt.AdamW([q], lr=1e-3)
+    b.load(root)
+    assert b.state_dict()["state"][0]["step"].item() == 1
