@@ -395,6 +395,9 @@ func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string,
 			return "", nil, err
 		}
 	}
+	if err := o.dropPrefetch(); err != nil {
+		return "", nil, err
+	}
 	objects, err = o.load(fsys, dir)
 	if err == nil {
 		// load rounded the whole host working copy from the loaded

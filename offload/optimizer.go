@@ -223,6 +223,11 @@ type Optimizer struct {
 	// the device only; o.work (the host mirror) is behind until
 	// syncWorking fetches it. Written under mu; Working reads it without.
 	workStale atomic.Bool
+	// Options.OverlapBackward's, for the next Step: the parameters whose
+	// gradients GradsFinal was told are final, and the start of the flat
+	// space's suffix they cover (total when none).
+	final []bool
+	ready int
 }
 
 // devState says, with Options.Device, where the optimizer's current state
@@ -339,6 +344,10 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	o.cut(opts.SubgroupSize)
 	if err := o.mirrorSpans(); err != nil {
 		return nil, err
+	}
+	o.ready = o.total
+	if opts.OverlapBackward {
+		o.final = make([]bool, len(o.params))
 	}
 	o.gcoeffs = make([]adam.Coeffs, len(opts.groups()))
 	if opts.Device == nil {
@@ -465,7 +474,8 @@ func (o *Optimizer) setPlan(plan *perfmodel.Prediction) {
 // workload is the update phase the performance model plans with a device.
 func (o *Optimizer) workload() perfmodel.Workload {
 	return perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(o.opts.SubgroupSize), Sizes: o.subgroupSizes(),
-		GradDType: o.opts.GradDType, CopyBytes: 2, AMSGrad: o.opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: o.opts.GPUBudget}
+		GradDType: o.opts.GradDType, CopyBytes: 2, AMSGrad: o.opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: o.opts.GPUBudget,
+		Prefetch: o.opts.OverlapBackward}
 }
 
 // cut cuts the flat space into subgroups of at most size elements within
@@ -613,7 +623,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 		sizes[i] = sg.Len
 	}
 	eng, err := scheduler.New(scheduler.Options{Device: opts.Device, Sizes: sizes, GradDType: opts.GradDType, WorkingDType: opts.WorkingDType,
-		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror})
+		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror, Prefetch: opts.OverlapBackward})
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
@@ -948,6 +958,9 @@ func (o *Optimizer) writeState(kind StateKind, lo, hi int, src []float32) error 
 	if err := o.settle(true); err != nil {
 		return err
 	}
+	if err := o.dropPrefetch(); err != nil {
+		return err
+	}
 	if o.opts.Device != nil && o.dev == devBroken {
 		return fmt.Errorf("offload: %w: a write would mix one parameter into a torn state (LoadCheckpoint restores one)", scheduler.ErrBroken)
 	}
@@ -997,6 +1010,7 @@ func (o *Optimizer) ZeroGrad() error {
 	defer o.mu.Unlock()
 	clear(o.grad.F32)
 	clear(o.grad.U16)
+	o.resetFinal() // the engine's ZeroGrad drops what was prefetched
 	switch {
 	case o.opts.Device == nil || o.pool == nil:
 		return nil
@@ -1154,6 +1168,17 @@ func isFault(err error) bool {
 // then the working copy comes back to the host mirror (unless onDevice:
 // the mirror is then stale, workStale).
 func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult, onDevice bool) (StepResult, error) {
+	// What GradsFinal prefetched is this step's: the Update takes it; a
+	// step that returns before it (skipped, failed) drops it.
+	updated := false
+	defer func() {
+		if !updated && o.eng != nil && o.dev != devBroken {
+			if err := o.eng.DropPrefetch(); err != nil {
+				o.noteBroken()
+			}
+		}
+		o.resetFinal()
+	}()
 	// A lazy checkpoint in capture: the engine waits per subgroup (Hold,
 	// set by SaveAsync); the resident state's D2H is ordered before the
 	// kernels on the device. o.pending.d2h stays: syncHost must still
@@ -1196,6 +1221,7 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 	for i, sg := range o.subgroups {
 		o.sgcoeffs[i] = o.gcoeffs[sg.Group]
 	}
+	updated = true
 	if err = o.eng.UpdatePer(o.sgcoeffs); err != nil && !isFault(err) {
 		if o.eng.Broken() {
 			o.dev = devBroken
@@ -1226,6 +1252,79 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 	}
 	res.Elapsed = time.Since(start)
 	return res, err
+}
+
+// GradsFinal tells the optimizer, with Options.OverlapBackward, that the
+// device gradients (DeviceGrad) of the parameters params (indices) are
+// final once the work enqueued on s so far is done: a GPU trainer calls it
+// during its backward, as each block's gradients are written (the last
+// blocks' first). Once every parameter from some flat offset to the end of
+// the flat space (Params' Offset; parameter order) is final, the update
+// phase's work that needs no global value starts for that suffix, in the
+// background (scheduler.Engine.Prefetch): the CPU subgroups' gradient D2H
+// and the first streamed subgroups' state H2D. It blocks on nothing and
+// allocates nothing. The gradients it was told of must not change until
+// the next Step, which uses what it started; ZeroGrad, a skipped or failed
+// Step, SetParam, WriteState and LoadCheckpoint drop it (the Step then
+// does that work itself). The update is the same, bit for bit. s is a
+// stream of Options.Device (scheduler.CUDAStream wraps a CUDA stream).
+//
+// Errors: ErrClosed; ErrNoDevice without Options.Device; Options.
+// OverlapBackward not set; an index out of range; scheduler.ErrBroken
+// (wrapped) after a device fault; a copy that could not be enqueued (what
+// was started is dropped).
+func (o *Optimizer) GradsFinal(s scheduler.Stream, params ...int) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	switch {
+	case o.pool == nil:
+		return ErrClosed
+	case o.opts.Device == nil:
+		return fmt.Errorf("offload: GradsFinal: %w", ErrNoDevice)
+	case !o.opts.OverlapBackward:
+		return errors.New("offload: GradsFinal needs Options.OverlapBackward")
+	case o.dev == devBroken:
+		return fmt.Errorf("offload: GradsFinal: %w (LoadCheckpoint restores one)", scheduler.ErrBroken)
+	}
+	for _, i := range params {
+		if i < 0 || i >= len(o.params) {
+			return fmt.Errorf("offload: GradsFinal: parameter index %d: want [0, %d)", i, len(o.params))
+		}
+		o.final[i] = true
+	}
+	r := o.ready
+	for k := len(o.layout) - 1; k >= 0 && o.final[o.layout[k]]; k-- {
+		r = min(r, o.params[o.layout[k]].Offset)
+	}
+	if r >= o.ready {
+		return nil // no new suffix
+	}
+	o.ready = r
+	if err := o.eng.Prefetch(s, int64(r)); err != nil {
+		return o.engineErr(err)
+	}
+	return nil
+}
+
+// resetFinal forgets GradsFinal's parameters (the engine's prefetch is
+// taken or dropped by the caller).
+func (o *Optimizer) resetFinal() {
+	clear(o.final)
+	o.ready = o.total
+}
+
+// dropPrefetch drops what GradsFinal started, before the host state
+// changes (SetParam, WriteState, LoadCheckpoint): a prefetched state H2D
+// may still read it. The caller holds o.mu.
+func (o *Optimizer) dropPrefetch() error {
+	o.resetFinal()
+	if o.eng == nil || o.dev == devBroken {
+		return nil
+	}
+	if err := o.eng.DropPrefetch(); err != nil {
+		return o.engineErr(err)
+	}
+	return nil
 }
 
 // syncWorking brings the device working copy into the host buffers when a

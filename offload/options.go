@@ -124,6 +124,15 @@ type Options struct {
 	// their copies in every update (scheduler.Options.Mirror). Not saved
 	// in checkpoints.
 	DeviceMasters []string `json:"-"`
+	// OverlapBackward, with Device, lets a trainer start the update
+	// phase's work that needs no global value during its backward
+	// (GradsFinal; scheduler.Engine.Prefetch): the CPU subgroups'
+	// gradient D2H into pinned host memory of their own (gradient bytes
+	// per CPU parameter, beside the state) and the first streamed
+	// subgroups' state H2D. The performance model plans the phase without
+	// that work (perfmodel.Workload.Prefetch). The update is the same,
+	// bit for bit. Not saved in checkpoints.
+	OverlapBackward bool `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,
 	// ceil(parameters / SubgroupSize) without Groups, the sum of each
@@ -219,8 +228,8 @@ func (o *Options) Validate() error {
 	if o.GPUBudget < 0 {
 		return fmt.Errorf("offload: GPUBudget %d: want >= 0 bytes", o.GPUBudget)
 	}
-	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0 || o.Replan) {
-		return errors.New("offload: Schedule, GPUBudget, DeviceMasters and Replan need a Device")
+	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0 || o.Replan || o.OverlapBackward) {
+		return errors.New("offload: Schedule, GPUBudget, DeviceMasters, Replan and OverlapBackward need a Device")
 	}
 	if o.Replan && (o.Schedule != nil || o.Placement != "" || (o.Profile == nil && !o.Calibrate)) {
 		return errors.New("offload: Replan corrects the performance model's schedule: it needs Profile or Calibrate, and no forced Schedule or Placement")

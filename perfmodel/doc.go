@@ -78,6 +78,12 @@
 //	       last GPU subgroup's update and D2H;  D2H  0 when a GPU state can go
 //	       last, else the last CPU subgroup's update and copy H2D.
 //
+// With Workload.Prefetch the CPU subgroups' gradient D2H (not upcast) and
+// the first two streamed subgroups' state H2D happen during the backward:
+// they leave the lanes' busy time, and the fills that waited for them
+// (the CPU's, the GPU's, the H2D lane's) do not; the D2H lane then starts
+// with a streamed subgroup's state.
+//
 // This is a lower bound, reached by a pipeline that keeps the bottleneck
 // busy from its first possible moment to its last (the scheduler's job);
 // the scheduler issue validates it against measured runs.

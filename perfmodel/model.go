@@ -26,6 +26,14 @@ type Workload struct {
 	// (offload's parameter groups cut each group apart). Nil: the
 	// SubgroupSizes(Params, SubgroupSize) cut.
 	Sizes []int64
+	// Prefetch: the work that needs no global value starts during the
+	// backward, before the phase (scheduler.Engine.Prefetch): the CPU
+	// subgroups' gradient D2H (unless they upcast on the GPU) and the
+	// first two streamed subgroups' state H2D. The phase is predicted
+	// without them, as if the backward hid them (it does when it lasts
+	// longer than they do; offload's trainer then measures the phase
+	// alone).
+	Prefetch bool
 }
 
 // Schedule is how many subgroups update where; they add up to the
@@ -237,8 +245,24 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 		// Gradients on the host: the global checks run on the CPU too.
 		tCPU += c * cf.Stats.Time(sz)
 	}
-	tH2D := gp*h2d.Time(st) + c*h2d.Time(up)
-	tD2H := gp*d2h.Time(st) + c*d2h.Time(down)
+	preGrad := w.Prefetch && !(s.UpcastOnGPU && gb == 2) // the CPU subgroups' gradients are on the host
+	preState := 0.0                                     // streamed subgroups whose state is in its slot
+	if w.Prefetch {
+		preState = min(gp, 2)
+	}
+	tH2D := (gp-preState)*h2d.Time(st) + c*h2d.Time(up)
+	tD2H := gp * d2h.Time(st)
+	if !preGrad {
+		tD2H += c * d2h.Time(down)
+	}
+	gradIn := d2h.Time(down) // the first CPU subgroup's wait for its gradient
+	if preGrad {
+		gradIn = 0
+	}
+	stateIn := h2d.Time(st) // the first streamed subgroup's wait for its state
+	if preState > 0 {
+		stateIn = 0
+	}
 	tGPU := (gp + r) * ug.Time(sz)
 	if s.UpcastOnGPU && gb == 2 {
 		tGPU += c * conv.Time(sz)
@@ -279,22 +303,22 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 		}
 		switch res {
 		case ResCPU:
-			return convT + d2h.Time(down), h2d.Time(up)
+			return convT + gradIn, h2d.Time(up)
 		case ResGPU:
 			if s.Resident > 0 {
 				return 0, 0
 			}
-			return h2d.Time(st), d2h.Time(st)
+			return stateIn, d2h.Time(st)
 		case ResH2D:
 			if s.GPU == 0 {
-				fill = convT + d2h.Time(down) + uc.Time(sz)
+				fill = convT + gradIn + uc.Time(sz)
 			}
 			if s.CPU == 0 || up == 0 {
 				drain = ug.Time(sz) + d2h.Time(st)
 			}
 		case ResD2H:
-			if s.CPU == 0 {
-				fill = h2d.Time(st) + ug.Time(sz)
+			if s.CPU == 0 || preGrad { // the first D2H is a streamed subgroup's state
+				fill = stateIn + ug.Time(sz)
 			} else if s.UpcastOnGPU {
 				fill = convT
 			}

@@ -78,6 +78,13 @@ func (e *Engine) allocBase() error {
 	if e.dlEv, err = event(); err != nil {
 		return err
 	}
+	if e.preEv, err = event(); err != nil {
+		return err
+	}
+	if e.preBase, err = event(); err != nil {
+		return err
+	}
+	e.pre, e.preLast = make([]uint8, len(e.sizes)), make([]uint8, len(e.sizes))
 	return nil
 }
 
@@ -134,6 +141,17 @@ func (e *Engine) allocPlan(p *Plan) error {
 			return err
 		}
 	}
+	e.gpre, e.gpOff = nil, make([]int64, len(e.sizes))
+	if e.o.Prefetch && !e.core.upcast && len(p.CPUOrder) > 0 {
+		var b int64
+		for _, i := range p.CPUOrder {
+			e.gpOff[i] = b
+			b += e.gb * e.sizes[i]
+		}
+		if e.gpre, err = e.hostAlloc(l, b); err != nil {
+			return err
+		}
+	}
 	// An event at the end of every step on the device, and one at the
 	// start of every operation there.
 	steps := e.core.steps
@@ -179,7 +197,7 @@ func (e *Engine) Replan(p *Plan) error {
 	if p == nil || len(p.Roles) != len(e.o.Sizes) {
 		return fmt.Errorf("scheduler: Replan: the plan must place the %d subgroups", len(e.o.Sizes))
 	}
-	if err := e.Download(); err != nil {
+	if err := firstErr(e.DropPrefetch(), e.Download()); err != nil {
 		return err
 	}
 	old := e.plan

@@ -37,6 +37,10 @@ func CUDAOf(d Device) (dev *cuda.Device, k *kernels.Kernels, ok bool) {
 	return c.d, c.k, true
 }
 
+// CUDAStream returns s as a Stream of the CUDA Devices of its context: a
+// trainer's stream, after whose work Engine.Prefetch starts its copies.
+func CUDAStream(s *cuda.Stream) Stream { return cudaStream{s} }
+
 func (c *cudaDevice) Name() string { return c.d.Name }
 
 func (c *cudaDevice) Alloc(bytes int64) (Mem, error) { return c.d.Alloc(bytes) }

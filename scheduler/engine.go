@@ -39,6 +39,12 @@ type Options struct {
 	// kernel, a copy H2D from the host state after a CPU subgroup's
 	// working copy.
 	Mirror []Span
+	// Prefetch gives every CPU subgroup's gradient pinned host memory of
+	// its own (gradient bytes per CPU parameter, with each plan), so that
+	// Prefetch can move it D2H during the trainer's backward; without it
+	// Prefetch moves only the first streamed subgroups' state. Plans that
+	// upcast on the GPU do not use it.
+	Prefetch bool
 
 	// copyChunk, when > 0, replaces CopyChunk (tests cut small states
 	// into pieces with it).
@@ -110,6 +116,15 @@ type Engine struct {
 	mpieces    [][]mpiece  // per subgroup: its parts of the mirror
 	allocs     []any       // freed by Close
 	planAllocs []any       // freed by Replan and Close
+
+	// Prefetch's (prefetch.go), for the next Update.
+	pre     []uint8 // per subgroup: bit per operation Prefetch issued
+	preLast []uint8 // the last Update's pre (Trace, Measure)
+	preOn   bool    // a Prefetch since the last Update (preBase recorded)
+	preEv   Event   // recorded on the caller's stream at each Prefetch
+	preBase Event   // at the first Prefetch before a phase: the origin of preTime
+	gpre    Host    // pinned: every CPU subgroup's gradient (Options.Prefetch)
+	gpOff   []int64 // per CPU subgroup: its gradient's byte offset in gpre
 
 	// Per Update.
 	c           *adam.Coeffs  // the phase's scalars (Update), or
@@ -208,6 +223,7 @@ func New(o Options) (*Engine, error) {
 //
 // Errors: the device's, for what it could not free (the rest is freed).
 func (e *Engine) Close() error {
+	_ = e.DropPrefetch() // its copies done before their memory is freed
 	if e.running {
 		for l := issDrain; l < numIssuers; l++ {
 			close(e.start[l])
@@ -400,20 +416,37 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 			break
 		}
 	}
-	clear(e.done)
+	// What Prefetch issued is done (enqueued): the issuers skip it.
+	copy(e.done, e.pre)
+	copy(e.preLast, e.pre)
+	defer func() { clear(e.pre); e.preOn = false }()
 	e.first = nil
 	e.abort.Store(false)
 	e.deviceFault.Store(false)
 	e.issued = [numIssuers]int32{}
 	e.ended = [numIssuers]bool{}
 	e.t0 = time.Now()
-	if err := e.dev.Record(e.base, e.s[sH2D]); err != nil {
+	// base on the kernel stream, where Prefetch issues nothing (the copy
+	// lanes may still be busy with what it issued), after the last drain
+	// of every stream (done: a no-op on a GPU; on the simulated device's
+	// clocks, the phase starts after the last one ended).
+	for k := range e.s {
+		if k != sKernel {
+			if err := e.dev.Wait(e.s[sKernel], e.tail[k]); err != nil {
+				return err // nothing was done
+			}
+		}
+	}
+	if err := e.dev.Record(e.base, e.s[sKernel]); err != nil {
 		return err // nothing was done
 	}
 	// Every stream starts the phase after base (a no-op on a GPU, where
 	// the last phase drained them all): the phase's times are all from
 	// base (Trace, Measure), on the simulated device's clocks too.
-	for _, s := range e.s[sH2D+1:] {
+	for k, s := range e.s {
+		if k == sKernel {
+			continue
+		}
 		if err := e.dev.Wait(s, e.base); err != nil {
 			return err // nothing was done
 		}

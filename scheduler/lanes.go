@@ -68,6 +68,9 @@ func (e *Engine) issuedYet(ds *step) bool {
 func (e *Engine) step(k int32) bool {
 	st := &e.core.steps[k]
 	i, op := int(st.sub), int(st.op)
+	if e.pre[i]&(1<<op) != 0 {
+		return true // Prefetch issued it, with its events
+	}
 	for _, d := range st.waits() {
 		ds := &e.core.steps[d.step]
 		if ds.issuer != st.issuer && !e.issuedYet(ds) {
@@ -229,11 +232,15 @@ func (e *Engine) cpu(i, slot int) {
 	n := e.sizes[i]
 	lo := e.off[i]
 	var g adam.Grad
-	gs := e.gst.Bytes()
+	gb := elemBytes(e.cpuGD)
+	gs := e.gst.Bytes()[gb*int64(slot)*e.maxN:]
+	if e.pre[i]&(1<<opGradD2H) != 0 {
+		gs = e.gpre.Bytes()[e.gpOff[i]:] // Prefetch moved it there
+	}
 	if e.cpuGD == adam.F32 {
-		g = adam.GradF32(unsafe.Slice((*float32)(unsafe.Pointer(&gs[4*int64(slot)*e.maxN])), n))
+		g = adam.GradF32(unsafe.Slice((*float32)(unsafe.Pointer(&gs[0])), n))
 	} else {
-		g = adam.Grad16(e.cpuGD, unsafe.Slice((*uint16)(unsafe.Pointer(&gs[2*int64(slot)*e.maxN])), n))
+		g = adam.Grad16(e.cpuGD, unsafe.Slice((*uint16)(unsafe.Pointer(&gs[0])), n))
 	}
 	cs := e.cst.Bytes()
 	out := adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}

@@ -22,7 +22,8 @@ type Op struct {
 
 // Trace returns the operations of the last Update with their times: the
 // device's by its events (from an event recorded at the start), the CPU's
-// by the host clock from the same start, sorted by start. Errors:
+// by the host clock from the same start, sorted by start. What Prefetch
+// issued for it comes first, at negative times (during the backward). Errors:
 // ErrNoPhase before the first Update or after a Replan; the device's
 // (Elapsed).
 func (e *Engine) Trace() ([]Op, error) {
@@ -40,9 +41,20 @@ func (e *Engine) Trace() ([]Op, error) {
 			for k := r[0]; k <= r[1]; k++ {
 				o.Bytes += e.core.steps[k].amount
 			}
-			if op == opCPU {
+			switch {
+			case op == opCPU:
 				o.Start, o.End = e.cpuT[i][0], e.cpuT[i][1]
-			} else {
+			case e.preLast[i]&(1<<op) != 0: // Prefetch's, during the backward: before the phase
+				a, err := e.preTime(e.startEv[r[0]])
+				if err != nil {
+					return nil, err
+				}
+				b, err := e.preTime(e.endEv[r[1]])
+				if err != nil {
+					return nil, err
+				}
+				o.Start, o.End = a, b
+			default:
 				a, err := e.dev.Elapsed(e.base, e.startEv[r[0]])
 				if err != nil {
 					return nil, err
@@ -124,7 +136,7 @@ func resIndex(r perfmodel.Resource) int8 {
 // Measure returns the last Update's Busy from the same clocks as Trace
 // (the device's events, the host clock for the CPU workers): each
 // resource's busy time is the union of its operations' intervals, as
-// Summarize counts it. It does not allocate: Options.Replan's refit in
+// Summarize counts it. What Prefetch issued before the phase is left out. It does not allocate: Options.Replan's refit in
 // offload reads it after every phase. Errors: ErrNoPhase before the first
 // Update or after a Replan; the device's (Elapsed).
 func (e *Engine) Measure() (Busy, error) {
@@ -134,8 +146,8 @@ func (e *Engine) Measure() (Busy, error) {
 	e.spans = e.spans[:0]
 	for i := range e.sizes {
 		for _, op := range e.core.ops(i) {
-			if e.done[i]&(1<<op) == 0 {
-				continue
+			if e.done[i]&(1<<op) == 0 || e.preLast[i]&(1<<op) != 0 {
+				continue // not done, or Prefetch's: not in the phase
 			}
 			r := e.core.opSteps[i][op]
 			sp := interval{res: resIndex(resource(e.core.steps[r[0]].queue))}

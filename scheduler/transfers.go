@@ -91,6 +91,9 @@ func (e *Engine) SetGrad(g adam.Grad) error {
 	if g.DType != e.o.GradDType || int64(g.Len()) != e.total {
 		return fmt.Errorf("scheduler: SetGrad: a %v gradient of %d elements, want %v of %d", g.DType, g.Len(), e.o.GradDType, e.total)
 	}
+	if err := e.DropPrefetch(); err != nil {
+		return err
+	}
 	var src []byte
 	if g.DType == adam.F32 {
 		src = unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(g.F32))), 4*len(g.F32))
@@ -108,6 +111,9 @@ func (e *Engine) SetGrad(g adam.Grad) error {
 func (e *Engine) ZeroGrad() error {
 	if e.broken {
 		return ErrBroken
+	}
+	if err := e.DropPrefetch(); err != nil {
+		return err
 	}
 	s := e.s[sH2D]
 	e.laneMu[sH2D].Lock()

@@ -1,0 +1,159 @@
+package scheduler
+
+import (
+	"fmt"
+	"time"
+)
+
+// Prefetch: the part of the next update phase that needs neither the
+// global checks nor the clip coefficient, started during the trainer's
+// backward (Deep Optimizer States, section 5.3: the gradients of the last
+// layers are final first). What moves out of the phase:
+//
+//   - every CPU subgroup's gradient D2H, once the subgroup's gradients are
+//     final, into pinned host memory of its own (Options.Prefetch; the
+//     phase's two host staging slots could hold only two), so that the
+//     CPU workers start the phase with their gradients on the host;
+//   - the state H2D of the first two streamed subgroups (one per staging
+//     slot): state does not depend on the gradients at all.
+//
+// What cannot move: every AdamW update (CPU, streamed or resident), since
+// no parameter may change before the non-finite check and the global norm
+// over every gradient are known (a skipped step, and clipping, stay exact
+// and global); the upcast of CPU subgroups' 16-bit gradients on the GPU
+// (UpcastOnGPU: its scratch has two slots; those gradients move in the
+// phase as before); and the copies of a streamed subgroup after its first
+// two, whose slots its predecessors' updates free.
+//
+// The prefetched steps are the schedule core's own steps, issued early
+// with their events: in the phase their issuers skip them and the steps
+// after them wait for their events as before, so the phase computes
+// exactly what it computes without them.
+
+// Prefetch issues, before the next Update, the work of that phase that
+// needs no global value (see above), given that the device gradients of
+// the flat elements [ready, total) are final once the work enqueued on s
+// so far (the trainer's backward) is done: the gradient D2H of every CPU
+// subgroup inside [ready, total) not yet issued (Options.Prefetch), and at
+// the first call the state H2D of the first two streamed subgroups. It
+// enqueues copies after an event recorded on s and blocks on nothing. A
+// trainer calls it as its backward finishes each block, with ready
+// decreasing; a call with a larger ready than before issues nothing new.
+// The gradients in [ready, total) must not change until the next Update
+// (ZeroGrad and SetGrad drop the prefetch, as DropPrefetch). s is a stream
+// of this engine's device (CUDAStream for a CUDA device's).
+//
+// Errors: ErrBroken; ready outside [0, total]; a copy or event that could
+// not be enqueued (the prefetch is dropped: the phase does that work).
+func (e *Engine) Prefetch(s Stream, ready int64) error {
+	if e.broken {
+		return ErrBroken
+	}
+	if ready < 0 || ready > e.total {
+		return fmt.Errorf("scheduler: Prefetch: ready %d is outside [0, %d]", ready, e.total)
+	}
+	if err := e.prefetch(s, ready); err != nil {
+		return firstErr(err, e.DropPrefetch())
+	}
+	return nil
+}
+
+func (e *Engine) prefetch(s Stream, ready int64) error {
+	first := !e.preOn
+	if first {
+		if err := e.dev.Record(e.preBase, s); err != nil {
+			return err
+		}
+		e.preOn = true
+	}
+	if first && e.plan.Schedule.GPU > 0 {
+		streamed := 0
+		for _, i := range e.plan.GPUOrder {
+			if e.plan.Roles[i] != OnGPU {
+				continue
+			}
+			r := e.core.opSteps[i][opH2D]
+			for k := r[0]; k <= r[1]; k++ {
+				if err := e.exec(k, int(e.core.steps[k].slot), false); err != nil {
+					return err
+				}
+			}
+			e.pre[i] |= 1 << opH2D
+			if streamed++; streamed == 2 {
+				break
+			}
+		}
+	}
+	if e.gpre == nil {
+		return nil
+	}
+	waited := false
+	for _, i := range e.plan.CPUOrder {
+		if e.pre[i]&(1<<opGradD2H) != 0 || e.off[i] < ready {
+			continue
+		}
+		if !waited {
+			if err := firstErr(e.dev.Record(e.preEv, s), e.dev.Wait(e.s[sD2H], e.preEv)); err != nil {
+				return err
+			}
+			waited = true
+		}
+		if err := e.prefetchGrad(i); err != nil {
+			return err
+		}
+		e.pre[i] |= 1 << opGradD2H
+	}
+	return nil
+}
+
+// prefetchGrad enqueues CPU subgroup i's gradient D2H (its core step, with
+// its events) into its place in the prefetch memory.
+func (e *Engine) prefetchGrad(i int) error {
+	k := e.core.opSteps[i][opGradD2H][0]
+	gb := elemBytes(e.cpuGD)
+	s := e.s[sD2H]
+	e.laneMu[sD2H].Lock()
+	defer e.laneMu[sD2H].Unlock()
+	return firstErr(e.dev.Record(e.startEv[k], s), e.dev.D2H(s, e.gpre, e.gpOff[i], e.grad, gb*e.off[i], gb*e.sizes[i]), e.dev.Record(e.endEv[k], s))
+}
+
+// DropPrefetch forgets what Prefetch issued for the next Update: it waits
+// for those copies (so that nothing reuses the memory they use) and the
+// next Update does that work itself. A skipped step (non-finite
+// gradients) calls it; so do ZeroGrad, SetGrad, Replan and Close. Without
+// a prefetch it does nothing.
+//
+// Errors: a failed wait (the engine is then broken).
+func (e *Engine) DropPrefetch() error {
+	if !e.preOn {
+		return nil
+	}
+	e.preOn = false
+	clear(e.pre)
+	var err error
+	for _, l := range []int{sH2D, sD2H} {
+		e.laneMu[l].Lock()
+		if werr := firstErr(e.dev.Record(e.tail[l], e.s[l]), e.dev.Sync(e.tail[l])); werr != nil {
+			e.broken = true
+			err = firstErr(err, werr)
+		}
+		e.laneMu[l].Unlock()
+	}
+	return err
+}
+
+// preTime returns when Prefetch's event ev of the last phase happened,
+// from the phase's base: before it (negative) during the backward. The
+// device's clock gives the time between two events only forwards, so both
+// are measured from preBase, recorded before everything Prefetch issued.
+func (e *Engine) preTime(ev Event) (time.Duration, error) {
+	a, err := e.dev.Elapsed(e.preBase, ev)
+	if err != nil {
+		return 0, err
+	}
+	b, err := e.dev.Elapsed(e.preBase, e.base)
+	if err != nil {
+		return 0, err
+	}
+	return a - b, nil
+}

@@ -1,0 +1,127 @@
+package scheduler
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// TestEnginePrefetch: with the gradients written by a "backward" on a
+// stream of its own, suffix by suffix, and Prefetch called after each
+// suffix, every schedule gives the state, working copy and mirror of
+// adam.DefaultPath bitwise, as without Prefetch; a prefetch dropped (a
+// skipped step, then new gradients) leaves no trace. On the simulated
+// device its ordering check also proves that no prefetched copy reads a
+// gradient before the backward wrote it.
+func TestEnginePrefetch(t *testing.T) { forDevices(t, testEnginePrefetch) }
+
+func testEnginePrefetch(t *testing.T, newDev func() Device) {
+	h := adam.DefaultHyper()
+	n := testTotal()
+	for _, gd := range []adam.DType{adam.F32, adam.BF16} {
+		p := newProblem(n, gd, false, 3, 5)
+		want, wantCopy := p.reference(h, adam.BF16, 3)
+		for _, s := range schedules(len(testSizes)) {
+			t.Run(fmt.Sprintf("%v/%+v", gd, s), func(t *testing.T) {
+				d := newDev()
+				plan, err := NewPlan(len(testSizes), s)
+				if err != nil {
+					t.Fatal(err)
+				}
+				e, err := New(Options{Device: d, Sizes: testSizes, GradDType: gd, WorkingDType: adam.BF16, Plan: plan, Mirror: testMirror(int64(n)), Prefetch: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer e.Close()
+				hs := e.HostState()
+				copy(hs.Param, p.state.Param)
+				copy(hs.ExpAvg, p.state.ExpAvg)
+				copy(hs.ExpAvgSq, p.state.ExpAvgSq)
+				if err := e.Load(); err != nil {
+					t.Fatal(err)
+				}
+				bwd, err := d.NewStream()
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer d.FreeStream(bwd)
+				ev, _ := d.NewEvent()
+				defer d.FreeEvent(ev)
+				gb := elemBytes(gd)
+				host, err := d.AllocHost(gb * int64(n))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer d.FreeHost(host)
+				// backward writes step's gradients from the last element
+				// down, in four suffixes, calling Prefetch after each.
+				backward := func(grad []byte) {
+					copy(host.Bytes(), grad)
+					hi := int64(n)
+					for _, lo := range []int64{int64(n) * 3 / 4, int64(n) / 2, int64(n) / 5, 0} {
+						if err := d.H2D(bwd, e.grad, gb*lo, host, gb*lo, gb*(hi-lo)); err != nil {
+							t.Fatal(err)
+						}
+						if err := e.Prefetch(bwd, lo); err != nil {
+							t.Fatal(err)
+						}
+						hi = lo
+					}
+					if err := firstErr(d.Record(ev, bwd), d.Sync(ev)); err != nil {
+						t.Fatal(err)
+					}
+				}
+				for step := range 3 {
+					if step == 1 {
+						// A skipped step: garbage gradients prefetched,
+						// dropped, then the real ones.
+						garbage := make([]byte, gb*int64(n))
+						for i := range garbage {
+							garbage[i] = 0xff
+						}
+						backward(garbage)
+						if err := e.DropPrefetch(); err != nil {
+							t.Fatal(err)
+						}
+					}
+					backward(p.gradBytes(step))
+					c := h.Coeffs(int64(step+1), 1, 1)
+					if err := e.Update(&c); err != nil {
+						t.Fatal(err)
+					}
+					ops, err := e.Trace()
+					if err != nil {
+						t.Fatal(err)
+					}
+					pre := 0
+					for i := range e.sizes {
+						for _, op := range e.core.ops(i) {
+							if e.preLast[i]&(1<<op) != 0 {
+								pre++
+							}
+						}
+					}
+					if want := prefetchable(e); pre != want {
+						t.Fatalf("step %d: %d operations prefetched, want %d", step, pre, want)
+					}
+					if got, want := len(ops), e.core.numHeads; got != want {
+						t.Fatalf("step %d: %d operations traced, want %d", step, got, want)
+					}
+				}
+				check(t, d, e, want, wantCopy)
+			})
+		}
+	}
+}
+
+// prefetchable counts the operations Prefetch issues for e's plan when
+// every gradient is final: every CPU subgroup's gradient D2H (without the
+// upcast) and the first two streamed subgroups' state H2D.
+func prefetchable(e *Engine) int {
+	n := min(e.plan.Schedule.GPU, 2)
+	if !e.core.upcast {
+		n += len(e.plan.CPUOrder)
+	}
+	return n
+}
