@@ -246,7 +246,7 @@ func (p *Profile) predict(w Workload, s Schedule) (Prediction, error) {
 		tCPU += c * cf.Stats.Time(sz)
 	}
 	preGrad := w.Prefetch && !(s.UpcastOnGPU && gb == 2) // the CPU subgroups' gradients are on the host
-	preState := 0.0                                     // streamed subgroups whose state is in its slot
+	preState := 0.0                                      // streamed subgroups whose state is in its slot
 	if w.Prefetch {
 		preState = min(gp, 2)
 	}
