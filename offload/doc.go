@@ -76,4 +76,26 @@
 // gradient norm are shared: clipping scales every group by the one
 // clip_grad_norm_ factor over all parameters. SetLR sets every group's
 // rate, SetGroupLR one's; checkpoints save and restore both.
+//
+// # Overlap with backward
+//
+// With Options.OverlapBackward a GPU trainer tells the optimizer, block by
+// block during its backward, which gradients are final (GradsFinal): the
+// last blocks' first. Once a suffix of the flat space is final, what the
+// update phase does there without any global value starts at once, on the
+// engine's copy streams after the trainer's work so far
+// (scheduler.Engine.Prefetch): each CPU subgroup's gradient D2H, into
+// pinned host memory of its own, and the first two streamed subgroups'
+// state H2D (state does not depend on the gradients). Nothing else can
+// move: the non-finite check and the global norm need every gradient, so
+// no update (CPU, streamed or resident) may start before the last block's
+// backward; the check itself runs once, on the device, over every
+// gradient at once, as without the overlap (a sum in another order would
+// change the clip coefficient's last bit); the upcast of CPU subgroups'
+// 16-bit gradients on the GPU has scratch for two subgroups only; and a
+// streamed subgroup after the first two needs a staging slot that an
+// earlier subgroup's update frees. The update reads the same gradients and
+// computes the same bits with or without the overlap; a skipped step, and
+// any change of the gradients or the host state before the Step (ZeroGrad,
+// SetParam, WriteState, LoadCheckpoint), drop what was started.
 package offload

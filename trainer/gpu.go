@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/deepstates/dos/adam"
@@ -15,6 +16,7 @@ import (
 	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/offload"
 	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
 )
 
 // samplerOptions are the sampler's: it runs forward only, so one block's
@@ -45,6 +47,14 @@ type gpuTrainer struct {
 	toks    []int32        // the sampler's window, padded to NCtx
 	// activations is the model's device memory (gptcuda.MemoryBytes).
 	activations int64
+	// With offload.Options.OverlapBackward: the parameters (the optimizer's
+	// indices) whose gradients are final after block l's backward
+	// (blocks[l], ln_f's with the last block) and after the whole backward
+	// (rest: the embeddings), for Optimizer.GradsFinal.
+	blocks [][]int
+	rest   []int
+	opt    *offload.Optimizer
+	stream scheduler.Stream // s, for GradsFinal
 }
 
 // openGPU opens GPU 0 (it shares the primary context with the optimizer's
@@ -205,7 +215,36 @@ func (g *gpuTrainer) bind(opt *offload.Optimizer) error {
 		}
 		g.w[i], g.g[i] = w.Ptr, gr.Ptr
 	}
+	g.overlap(opt)
 	return opt.SyncDevice()
+}
+
+// overlap tells opt, with Options.OverlapBackward, which gradients are
+// final as the backward goes (gptcuda.Model.OnBlockBackward): block l's
+// tensors after its backward (ln_f's with the last block's), the
+// embeddings' at the end (step). The update phase's work that needs no
+// global value then starts during the backward.
+func (g *gpuTrainer) overlap(opt *offload.Optimizer) {
+	g.blocks, g.rest = nil, nil
+	if !opt.Options().OverlapBackward {
+		g.m.OnBlockBackward(nil)
+		return
+	}
+	L := g.m.Config().NLayer
+	g.blocks = make([][]int, L)
+	for i, p := range opt.Params() {
+		var l int
+		switch _, err := fmt.Sscanf(p.Name, "h.%d.", &l); {
+		case err == nil && l >= 0 && l < L:
+			g.blocks[l] = append(g.blocks[l], i)
+		case strings.HasPrefix(p.Name, "ln_f."):
+			g.blocks[L-1] = append(g.blocks[L-1], i)
+		default:
+			g.rest = append(g.rest, i)
+		}
+	}
+	g.opt, g.stream = opt, scheduler.CUDAStream(g.s)
+	g.m.OnBlockBackward(func(l int) error { return opt.GradsFinal(g.stream, g.blocks[l]...) })
 }
 
 // step runs forward and backward on a batch with the loss scaled by scale
@@ -223,6 +262,11 @@ func (g *gpuTrainer) step(inputs, targets []int32, scale float32, afterForward f
 	}
 	if err := g.m.Backward(g.w, g.g); err != nil {
 		return 0, err
+	}
+	if g.rest != nil {
+		if err := g.opt.GradsFinal(g.stream, g.rest...); err != nil {
+			return 0, err
+		}
 	}
 	return g.m.Loss()
 }

@@ -1,6 +1,8 @@
 package trainer
 
 import (
+	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -645,5 +647,148 @@ func TestGPUMemoryCap(t *testing.T) {
 	}
 	if used, limit := cuda.MemoryUsed(0), cuda.MemoryLimit(0); limit != 1<<30 || used <= 0 || used > limit {
 		t.Fatalf("dos's device memory %d of the cap %d", used, limit)
+	}
+}
+
+// TestGPUOverlapBitwise trains on the GPU for 6 iterations with the update
+// phase split between the CPU, streamed and resident subgroups, with the
+// overlap with backward (the default) and without (--no-overlap): the
+// losses and the master weights end bit for bit equal, and with the
+// overlap the last phase's trace holds the CPU subgroups' gradient D2H and
+// the first streamed subgroups' state H2D before the phase (during the
+// backward).
+func TestGPUOverlapBitwise(t *testing.T) {
+	gpuEnv(t)
+	setMemAvailable(t, 0, false)
+	cfg := DefaultTrainConfig()
+	cfg.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 4, NHead: 2, NEmbd: 128}
+	cfg.Batch, cfg.Device, cfg.Steps = 4, "cuda", 6
+	cfg.WorkingDType, cfg.GradDType = adam.BF16, adam.BF16
+	cfg.SubgroupSize = 60_000 // 14 subgroups
+	cfg.Schedule = "6,5,3"
+	cfg.SampleBytes, cfg.EvalBatches, cfg.LogEvery, cfg.DecaySteps = 0, 1, 0, 6
+	text := []byte(strings.Repeat("Light is propagated in straight lines, and refracted at the surfaces of bodies. ", 400))
+	var sums [2]Summary
+	var masters [2]map[string][]float32
+	for r, noOverlap := range []bool{false, true} {
+		c := cfg
+		c.NoOverlap = noOverlap
+		tr, err := New(c, text, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sums[r], err = tr.Run(); err != nil {
+			t.Fatal(err)
+		}
+		masters[r] = map[string][]float32{}
+		for _, p := range tr.opt.Params() {
+			if masters[r][p.Name], err = tr.opt.MasterOf(p.Name); err != nil {
+				t.Fatal(err)
+			}
+		}
+		_, ops, err := tr.opt.Trace()
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := map[string]int{}
+		for _, o := range ops {
+			if o.Start < 0 {
+				before[o.What]++
+			}
+		}
+		want := map[string]int{"grad D2H": 6, "state H2D": 2}
+		if noOverlap {
+			want = map[string]int{}
+		}
+		if fmt.Sprint(before) != fmt.Sprint(want) {
+			t.Errorf("overlap %v: operations before the phase %v, want %v", !noOverlap, before, want)
+		}
+		if err := tr.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if sums[0].FinalLoss != sums[1].FinalLoss || sums[0].ValLoss != sums[1].ValLoss || !(sums[0].FinalLoss < sums[0].InitialLoss) {
+		t.Errorf("final loss with the overlap %v, without %v (initial %v): want equal and lower", sums[0].FinalLoss, sums[1].FinalLoss, sums[0].InitialLoss)
+	}
+	for name, x := range masters[0] {
+		for i := range x {
+			if math.Float32bits(x[i]) != math.Float32bits(masters[1][name][i]) {
+				t.Fatalf("%s[%d]: with the overlap %v, without %v", name, i, x[i], masters[1][name][i])
+			}
+		}
+	}
+	t.Logf("6 iterations on the GPU, schedule %s: loss %.4f -> %.4f with and without the overlap", cfg.Schedule, sums[0].InitialLoss, sums[0].FinalLoss)
+}
+
+// TestGPUOnBlockBackward: Backward calls OnBlockBackward's function once
+// per block, from the last to the first, and at each call (the stream's
+// work so far done) the gradients of that block, every later one and ln_f
+// already hold their final values, bit for bit; its error stops Backward.
+func TestGPUOnBlockBackward(t *testing.T) {
+	s, k := gpuEnv(t)
+	c := Config{VocabSize: 256, NCtx: 64, NLayer: 3, NHead: 2, NEmbd: 128}
+	B, T := 2, 64
+	params := bf16Params(c, 4)
+	tokens, targets := randomTokens(B*T, c.VocabSize, 7), randomTokens(B*T, c.VocabSize, 8)
+	w := newDevTensors(t, s, c)
+	for i, p := range params {
+		w.set(t, i, p)
+	}
+	g := newDevTensors(t, s, c)
+	m, err := gptcuda.New(s, k, c, B, T, gptcuda.Options{Recompute: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	final := func(i int, l int) bool { // tensor i is final after block l's backward
+		name := c.Tensors()[i].Name
+		var b int
+		if _, err := fmt.Sscanf(name, "h.%d.", &b); err == nil {
+			return b >= l
+		}
+		return strings.HasPrefix(name, "ln_f.")
+	}
+	var order []int
+	seen := map[int][][]float64{} // block -> the final tensors' values then
+	m.OnBlockBackward(func(l int) error {
+		order = append(order, l)
+		for i, p := range params {
+			if final(i, l) {
+				seen[l] = append(seen[l], g.get(t, i, len(p)))
+			}
+		}
+		return nil
+	})
+	if err := errors.Join(m.Forward(w.ptrs, tokens, targets, 1), m.Backward(w.ptrs, g.ptrs)); err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(order) != "[2 1 0]" {
+		t.Fatalf("blocks called %v, want [2 1 0]", order)
+	}
+	for l, vals := range seen {
+		j := 0
+		for i, p := range params {
+			if !final(i, l) {
+				continue
+			}
+			end := g.get(t, i, len(p))
+			for e := range end {
+				if math.Float64bits(end[e]) != math.Float64bits(vals[j][e]) {
+					t.Fatalf("after block %d: %s[%d] was %v, final %v", l, c.Tensors()[i].Name, e, vals[j][e], end[e])
+				}
+			}
+			j++
+		}
+	}
+	stop := errors.New("stop")
+	m.OnBlockBackward(func(l int) error { return stop })
+	if err := m.Forward(w.ptrs, tokens, targets, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Backward(w.ptrs, g.ptrs); !errors.Is(err, stop) {
+		t.Fatalf("a hook's error: Backward returned %v", err)
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatal(err)
 	}
 }

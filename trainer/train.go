@@ -304,6 +304,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 		}
 	}
 	oo.Replan = cfg.Replan // with the device and the profile (or calibration) set above
+	oo.OverlapBackward = gpu != nil && !cfg.NoOverlap
 	opt, err := offload.New(offloadParams(cfg.Model), *oo)
 	if err != nil {
 		return nil, errors.Join(err, release())

@@ -90,6 +90,12 @@ type TrainConfig struct {
 	// forward and recomputes the block in backward (gptcuda's
 	// Options.Recompute): for when the activations do not fit.
 	Recompute bool `json:"recompute,omitempty"`
+	// NoOverlap, with Device "cuda", turns off what the update phase does
+	// during backward (offload.Options.OverlapBackward: the CPU subgroups'
+	// gradients move to the host as their blocks' backward ends, and the
+	// first streamed subgroups' state to the device): for comparison; the
+	// trajectory is the same, bit for bit.
+	NoOverlap bool `json:"no_overlap,omitempty"`
 	// Replan, with a Device and the performance model's schedule
 	// (--profile, or the start-up calibration with cuda; not --schedule),
 	// corrects the model online from every update phase's measured times
@@ -278,6 +284,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --device cuda trains in bf16: --working-dtype %v --grad-dtype %v, want bfloat16 for both", c.WorkingDType, c.GradDType)
 	case c.Recompute && c.Device != "cuda":
 		return errors.New("trainer: --recompute needs --device cuda (the host's model keeps its activations)")
+	case c.NoOverlap && c.Device != "cuda":
+		return errors.New("trainer: --no-overlap needs --device cuda (only the GPU trainer overlaps its backward with the update phase)")
 	case c.Replan && (c.Device == "" || c.Schedule != ""):
 		return errors.New("trainer: --replan corrects the performance model's schedule: it needs --device, and no --schedule")
 	case c.Replan && c.Device == "sim" && c.Profile == "":
@@ -387,7 +395,9 @@ const MaxMemoryBytes = 1 << 40
 //     CkptSync.
 //
 // With Device "cuda" the activations are on the GPU and there are no fp32
-// copies: 16 B per parameter, the initial weights' buffer and the ring.
+// copies: 16 B per parameter (18 with the overlap with backward: the CPU
+// subgroups' gradients in pinned memory of their own, counted for every
+// parameter), the initial weights' buffer and the ring.
 //
 // What New allocates (runtime.MemStats.TotalAlloc) is within 1 % of it
 // (TestMemoryBytesMeasured); the peak RSS of `dos train` on the 2-core
@@ -412,6 +422,9 @@ func (c *TrainConfig) MemoryBytes() float64 {
 		// The GPU holds the activations and reads the 16-bit copies
 		// itself: no fp32 copies on the host.
 		perParam, floats = 12+2+2, 0
+		if !c.NoOverlap {
+			perParam += 2
+		}
 	}
 	floats += math.Max(V*C, math.Max(T*C, 4*C*C)) // the initial weights' buffer (New)
 	ring := 0.0

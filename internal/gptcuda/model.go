@@ -135,6 +135,7 @@ type Model struct {
 	nseg               int              // wte segments of the last Forward
 	logitsHost         *cuda.HostBuffer
 	masters            []uint64 // SetMasters's, in gpt.Config.Tensors order; 0: read the bf16 tensor
+	onBlock            func(l int) error // OnBlockBackward's
 	ok                 bool
 	act                activations
 	gemm               gemms

@@ -303,6 +303,17 @@ func (m *Model) Loss() (float64, error) {
 	return sum / float64(m.bt), nil
 }
 
+// OnBlockBackward sets f, which Backward calls after it has enqueued the
+// backward of block l, for l from NLayer-1 down to 0: once the work on the
+// model's stream so far is done, the gradients of block l's tensors, of
+// every later block's and of ln_f are final (wte's and wpe's only when
+// Backward's work is). f runs on Backward's goroutine between launches,
+// must not use the model, and its error stops Backward. nil removes it.
+// llm.c's gpt2_backward has no such point; it is where a ZeRO-3 offload
+// starts moving the last blocks' gradients during backward, as Deep
+// Optimizer States' artifact does (offload.Optimizer.GradsFinal).
+func (m *Model) OnBlockBackward(f func(l int) error) { m.onBlock = f }
+
 // Backward computes the gradient of the last Forward's mean loss (which
 // must have had train set) with respect to every weight and writes it,
 // overwriting every element, into grads (bf16 device arrays in
@@ -416,6 +427,11 @@ func (m *Model) backward(w, dw []uint64) error {
 		}
 		if err := k.ColSum(s, layer(dw, l, gpt.Ln1B), layer(dw, l, gpt.Ln1W), a.part, a.dln, resid, st1, st1+statOff, BT, C); err != nil {
 			return at(l, 16, err)
+		}
+		if m.onBlock != nil {
+			if err := m.onBlock(l); err != nil {
+				return fmt.Errorf("after block %d: %w", l, err)
+			}
 		}
 	}
 	// The embeddings: dres is the gradient of wte[tok] + wpe[t].
