@@ -10,6 +10,8 @@
 #   dos-model   bin/dos train --device cuda --gpu-memory CAP --replan (the performance model's schedule from the
 #               start-up calibration, corrected online; its last iteration drawn with --timeline to
 #               OUT/MODEL-CAP-dos-model-timeline.svg, the Chrome trace beside it)
+#   dos-nooverlap  dos-model with --no-overlap (nothing of the update phase during backward): what the overlap
+#               with backward gains
 #   dos-cpu     the same with --schedule cpu (every subgroup on the CPU: ZeRO-Offload's placement)
 #   dos-static  the same with --schedule static (as many subgroups resident as the budget holds: TwinFlow's),
 #               subgroups of 1e8 (the static split skips the calibration that chooses the size)
@@ -22,7 +24,8 @@
 #   gpu         python3 bench/torch_offload.py --mode gpu --cap-gib CAP (all on the GPU: the ceiling, where it fits)
 # RECOMPUTE=1 (the default) runs both sides with activation checkpointing (dos --recompute, transformers'
 # gradient_checkpointing_enable), so the two do the same work under the cap; RECOMPUTE=0 runs neither.
-# MODES (default "fsdp2 dos gpu") picks the PyTorch runs. GPU_NOCAP=1 (the default) adds the all-on-GPU run without a cap, as the reference ceiling.
+# STRATS (default "dos-model dos-nooverlap dos-cpu dos-static dos-static-25M") picks the dos runs, MODES (default
+# "fsdp2 dos gpu") the PyTorch runs. GPU_NOCAP=1 (the default) adds the all-on-GPU run without a cap, as the reference ceiling.
 # Prints one line per run and a markdown table: tokens/s, ms per iteration, forward+backward and update (medians),
 # dos's predicted update, TFLOP/s and each run against fsdp2. Logs, JSON and summaries go to OUT (default /tmp/e2e).
 set -uo pipefail
@@ -49,11 +52,12 @@ for run in $runs; do
 	else
 		arch=(--model "$model")
 	fi
-	for strat in dos-model dos-cpu dos-static dos-static-25M; do
+	for strat in ${STRATS:-dos-model dos-nooverlap dos-cpu dos-static dos-static-25M}; do
 		flags=(--device cuda "${arch[@]}" --batch "$batch" --gpu-memory "$cap" --steps "$steps" "${dosrc[@]}"
 			--log-every 1 --sample 0 --eval-every 0 --eval-batches 1)
 		case $strat in
 		dos-model) flags+=(--replan --timeline "$out/$tag-$cap-dos-model-timeline.svg") ;;
+		dos-nooverlap) flags+=(--replan --no-overlap) ;;
 		dos-cpu) flags+=(--schedule cpu) ;;
 		dos-static) flags+=(--schedule static) ;;
 		dos-static-25M) flags+=(--schedule static --subgroup-size 25000000) ;;
