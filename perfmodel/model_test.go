@@ -433,3 +433,55 @@ func TestScaled(t *testing.T) {
 		t.Error("Scaled changed the original profile")
 	}
 }
+
+// TestLimit: the fluid bound. 12 subgroups of 1M, the CPU at 1 s a
+// subgroup, PCIe at 12 MB/s each way (a state 1 s, a 16-bit gradient or
+// copy 1/6 s), a budget for the two staging slots only: x subgroups' worth
+// on the CPU balances the lanes at x = (12 - x) + x/6, x = 72/11 s. With
+// no budget it is all on the CPU (12 s); with room for everything, the
+// resident kernels alone. It never exceeds Choose's makespan (random
+// profiles and workloads, contention and latencies included).
+func TestLimit(t *testing.T) {
+	p := profile(1e6, true, 1e15, 12e6)
+	w := w12
+	w.GPUBudget = 2 * 12e6
+	l, err := p.Limit(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if math.Abs(l.Makespan-72.0/11) > 1e-3 || l.Fill != 0 || l.Drain != 0 || l.Resident != 0 {
+		t.Fatalf("staging only: %+v, want 72/11 s", l)
+	}
+	w.GPUBudget = 0
+	if l, _ := p.Limit(w); !near(l.Makespan, 12) || l.Schedule != (Schedule{CPU: 12}) {
+		t.Fatalf("no budget: %+v, want all on the CPU, 12 s", l)
+	}
+	w.GPUBudget = 1 << 40
+	if l, _ := p.Limit(w); l.Makespan > 1e-6 || l.Resident != 12 {
+		t.Fatalf("all resident: %+v", l)
+	}
+	r := rand.New(rand.NewPCG(3, 4))
+	lg := func(lo, hi float64) float64 { return math.Exp(math.Log(lo) + r.Float64()*(math.Log(hi)-math.Log(lo))) }
+	for i := range 300 {
+		p := profile(lg(1e8, 1e10), true, lg(1e9, 1e12), lg(1e9, 1e11))
+		p.GPU.H2DBoth = rate(p.GPU.H2D.Rate * lg(0.5, 1))
+		p.GPU.D2HBoth = rate(p.GPU.D2H.Rate * lg(0.5, 1))
+		p.GPU.Update.LatencyS = lg(1e-6, 1e-2)
+		p.GPU.Contention = Contention{CPU: lg(1, 2), PCIe: lg(1, 2)}
+		n := 1 + r.IntN(40)
+		sub := int64(1e6 * lg(1, 100))
+		w := Workload{Params: int64(n) * sub, SubgroupSize: sub, GradDType: adam.BF16, CopyBytes: 2, Threads: 1,
+			GPUBudget: int64(float64(n) * float64(sub) * 12 * r.Float64() * 1.2), Prefetch: r.IntN(2) == 0}
+		l, err := p.Limit(w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := p.Choose(w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Makespan > c.Makespan*(1+1e-9) {
+			t.Fatalf("case %d: the limit %.6g s (%+v) is above Choose's %.6g s (%+v)", i, l.Makespan, l.Schedule, c.Makespan, c.Schedule)
+		}
+	}
+}

@@ -7,8 +7,9 @@ import (
 
 // Prefetch: the part of the next update phase that needs neither the
 // global checks nor the clip coefficient, started during the trainer's
-// backward (Deep Optimizer States, section 5.3: the gradients of the last
-// layers are final first). What moves out of the phase:
+// backward, where the gradients of the last layers are final first (Deep
+// Optimizer States' artifact moves gradients then). What moves out of the
+// phase:
 //
 //   - every CPU subgroup's gradient D2H, once the subgroup's gradients are
 //     final, into pinned host memory of its own (Options.Prefetch; the

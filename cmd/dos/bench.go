@@ -154,6 +154,9 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 			float64(n)/res.Seconds/1e9, res.Bottleneck, res.Busy[perfmodel.ResCPU], res.Busy[perfmodel.ResH2D], res.Busy[perfmodel.ResD2H], res.Busy[perfmodel.ResGPU], res.Overlap)
 	}
 	benchVerdicts(stdout, results)
+	if lim, err := prof.Limit(w); err == nil {
+		fmt.Fprintf(stdout, "%s\n", limitLine(lim, results))
+	}
 	if *out.trace != "" && modelOps != nil {
 		if err := writeTrace(*out.trace, modelOps); err != nil {
 			return c.fail(stderr, "--trace: %v", err)
@@ -173,6 +176,20 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "results written to %s\n", *out.json)
 	}
 	return 0
+}
+
+// limitLine says the machine's limit for the update phase
+// (perfmodel.Profile.Limit: the model's fluid bound) and, when the model's
+// schedule was measured, how far above it that ran.
+func limitLine(lim perfmodel.Prediction, rs []benchResult) string {
+	s := fmt.Sprintf("machine limit: %.3f s (the model's fluid bound, perfmodel.Profile.Limit: about %d CPU, %d streamed, %d resident subgroups' worth, no fill or drain; bottleneck %s)",
+		lim.Makespan, lim.CPU, lim.GPU, lim.Resident, lim.Bottleneck)
+	for _, r := range rs {
+		if r.Name == "model" && lim.Makespan > 0 {
+			s += fmt.Sprintf("; the model's schedule ran %.3f s, %+.1f%% of it", r.Seconds, 100*(r.Seconds/lim.Makespan-1))
+		}
+	}
+	return s
 }
 
 // benchVerdicts prints the ratios the interleaved schedule is judged by.

@@ -135,6 +135,9 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	modelOps, results := pl.modelOps, pl.results
 	fmt.Fprintf(stdout, "the model's choice: k = %s (%d CPU, %d GPU, %d resident subgroups per rank), %.3f s per update phase, bottleneck %s\n",
 		kString(choice.K), choice.CPU, choice.GPU, choice.Resident, choice.Makespan, choice.Bottleneck)
+	if lim, err := p.Limit(w); err == nil {
+		fmt.Fprintf(stdout, "%s\n", limitLine(lim, nil))
+	}
 	meta := map[string]any{"params": params, "ranks": *ranks, "rank_params": rankParams, "subgroups": n,
 		"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": gradDType, "profile": *profPath}
 	if err := writePlanOutputs(out, stdout, meta, results, modelOps, rankParams); err != nil {

@@ -16,8 +16,13 @@ func TestPlan(t *testing.T) {
 	if rc != 0 {
 		t.Fatalf("rc %d: %s", rc, errb.String())
 	}
-	if !strings.Contains(out.String(), "k = 1.12 (28 CPU, 25 GPU, 26 resident subgroups per rank)") {
+	if !strings.Contains(out.String(), "k = 1.12 (28 CPU, 25 GPU, 26 resident subgroups per rank), 0.542 s") {
 		t.Errorf("%s", out.String())
+	}
+	// The fluid bound, a little below the model's choice (its fill and
+	// drain, whole subgroups).
+	if !strings.Contains(out.String(), "machine limit: 0.539 s (the model's fluid bound") {
+		t.Errorf("no machine limit of 0.539 s:\n%s", out.String())
 	}
 	for _, args := range [][]string{{"plan"}, {"plan", "--profile", "x", "--params", "-1"}, {"plan", "--profile", "../../testdata/profiles/h200.json", "--ranks", "0"},
 		{"plan", "--profile", "../../testdata/profiles/h200.json", "--gpu-budget", "NaN"}, {"plan", "--profile", "../../testdata/profiles/h200.json", "--subgroup-size", "1"}} {

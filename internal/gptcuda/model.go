@@ -134,7 +134,7 @@ type Model struct {
 	lossBuf, logitBuf  *cuda.Buffer     // the buffers of act.lossesDev and act.logits
 	nseg               int              // wte segments of the last Forward
 	logitsHost         *cuda.HostBuffer
-	masters            []uint64 // SetMasters's, in gpt.Config.Tensors order; 0: read the bf16 tensor
+	masters            []uint64          // SetMasters's, in gpt.Config.Tensors order; 0: read the bf16 tensor
 	onBlock            func(l int) error // OnBlockBackward's
 	ok                 bool
 	act                activations
