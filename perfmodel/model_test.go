@@ -27,6 +27,22 @@ func profile(uc float64, gpu bool, ug, pcie float64) *Profile {
 	return p
 }
 
+// logUniform returns a draw from [lo, hi) uniform in log scale, from r.
+func logUniform(r *rand.Rand) func(lo, hi float64) float64 {
+	return func(lo, hi float64) float64 { return math.Exp(math.Log(lo) + r.Float64()*(math.Log(hi)-math.Log(lo))) }
+}
+
+// randomProfile draws a profile for the search tests: CPU, GPU and PCIe
+// rates over two to three decades, slower duplex rates, a kernel latency.
+func randomProfile(r *rand.Rand) *Profile {
+	lg := logUniform(r)
+	p := profile(lg(1e8, 1e10), true, lg(1e9, 1e12), lg(1e9, 1e11))
+	p.GPU.H2DBoth = rate(p.GPU.H2D.Rate * lg(0.5, 1))
+	p.GPU.D2HBoth = rate(p.GPU.D2H.Rate * lg(0.5, 1))
+	p.GPU.Update.LatencyS = lg(1e-6, 1e-2)
+	return p
+}
+
 func near(a, b float64) bool { return math.Abs(a-b) <= 1e-9*math.Max(1, math.Abs(b)) }
 
 // A 12-subgroup workload of 1M parameters each, bf16 gradients and copy.
@@ -246,12 +262,9 @@ func bruteChoose(p *Profile, w Workload) Prediction {
 // picks, on random profiles and workloads.
 func TestChooseSearch(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	lg := func(lo, hi float64) float64 { return math.Exp(math.Log(lo) + r.Float64()*(math.Log(hi)-math.Log(lo))) }
+	lg := logUniform(r)
 	for i := range 3000 {
-		p := profile(lg(1e8, 1e10), true, lg(1e9, 1e12), lg(1e9, 1e11))
-		p.GPU.H2DBoth = rate(p.GPU.H2D.Rate * lg(0.5, 1))
-		p.GPU.D2HBoth = rate(p.GPU.D2H.Rate * lg(0.5, 1))
-		p.GPU.Update.LatencyS = lg(1e-6, 1e-2)
+		p := randomProfile(r)
 		p.GPU.H2D.LatencyS = lg(1e-6, 1e-3)
 		p.GPU.Convert = rate(lg(1e9, 1e12))
 		p.CPU[0].Rate *= lg(0.5, 2) // float32 differs from bf16
@@ -461,12 +474,9 @@ func TestLimit(t *testing.T) {
 		t.Fatalf("all resident: %+v", l)
 	}
 	r := rand.New(rand.NewPCG(3, 4))
-	lg := func(lo, hi float64) float64 { return math.Exp(math.Log(lo) + r.Float64()*(math.Log(hi)-math.Log(lo))) }
+	lg := logUniform(r)
 	for i := range 300 {
-		p := profile(lg(1e8, 1e10), true, lg(1e9, 1e12), lg(1e9, 1e11))
-		p.GPU.H2DBoth = rate(p.GPU.H2D.Rate * lg(0.5, 1))
-		p.GPU.D2HBoth = rate(p.GPU.D2H.Rate * lg(0.5, 1))
-		p.GPU.Update.LatencyS = lg(1e-6, 1e-2)
+		p := randomProfile(r)
 		p.GPU.Contention = Contention{CPU: lg(1, 2), PCIe: lg(1, 2)}
 		n := 1 + r.IntN(40)
 		sub := int64(1e6 * lg(1, 100))
