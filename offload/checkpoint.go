@@ -130,7 +130,7 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 			snap.Tensors = append(snap.Tensors, t)
 		}
 	}
-	snap.Check = newSaveCheck(snap.Tensors)
+	snap.Check = newSaveCheck(snap)
 	return snap, nil
 }
 
@@ -140,8 +140,11 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 // weight or moment gone Inf or NaN, which finite but huge gradients can
 // cause) is never committed and never replaces, under Keep, a checkpoint
 // that loads. It scans the staged bytes once, in the save's background
-// stage, and allocates nothing per piece.
-func newSaveCheck(ts []checkpoint.Tensor) func(t int, off int64, b []byte) error {
+// stage, and allocates nothing per piece. It reads s.Tensors when the save
+// runs, so tensors a caller adds to the snapshot are seen where they are;
+// only F32 tensors named as optimizer state are checked (as
+// VerifyCheckpoint does).
+func newSaveCheck(s *checkpoint.Snapshot) func(t int, off int64, b []byte) error {
 	var (
 		cur   = -1
 		scan  stateScan
@@ -150,6 +153,10 @@ func newSaveCheck(ts []checkpoint.Tensor) func(t int, off int64, b []byte) error
 		nc    int
 	)
 	return func(t int, off int64, b []byte) error {
+		ts := s.Tensors
+		if ts[t].DType != safetensors.F32 || trimStateSuffix(ts[t].Name) == ts[t].Name {
+			return nil // not optimizer state: a caller's tensor
+		}
 		if t != cur || off == 0 {
 			cur, scan, size, nc = t, newStateScan(ts[t].Name), 0, 0
 			for _, r := range ts[t].Data {

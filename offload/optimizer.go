@@ -685,7 +685,8 @@ func (o *Optimizer) Plan() (plan perfmodel.Prediction, ok bool) {
 // (scheduler.Engine.PhaseStart), to place it in an iteration's timeline.
 // Errors: no Options.Device (the CPU workers' update has no engine to
 // trace), no update phase since New, a re-plan or a load
-// (scheduler.ErrNoPhase), the device's.
+// (scheduler.ErrNoPhase), the device's. Call it before the next GradsFinal
+// or Step: they record the phase's events again.
 func (o *Optimizer) Trace() (start time.Time, ops []scheduler.Op, err error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -1057,6 +1058,10 @@ func (o *Optimizer) ZeroGrad() error {
 func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	// What GradsFinal prefetched is this step's: the engine's Update takes
+	// it; a Step that returns before that (skipped, refused, failed) drops
+	// it, so that the next backward's gradients are moved again.
+	defer o.endPrefetch()
 	start := time.Now()
 	if o.pool == nil {
 		return StepResult{}, ErrClosed
@@ -1168,17 +1173,6 @@ func isFault(err error) bool {
 // then the working copy comes back to the host mirror (unless onDevice:
 // the mirror is then stale, workStale).
 func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult, onDevice bool) (StepResult, error) {
-	// What GradsFinal prefetched is this step's: the Update takes it; a
-	// step that returns before it (skipped, failed) drops it.
-	updated := false
-	defer func() {
-		if !updated && o.eng != nil && o.dev != devBroken {
-			if err := o.eng.DropPrefetch(); err != nil {
-				o.noteBroken()
-			}
-		}
-		o.resetFinal()
-	}()
 	// A lazy checkpoint in capture: the engine waits per subgroup (Hold,
 	// set by SaveAsync); the resident state's D2H is ordered before the
 	// kernels on the device. o.pending.d2h stays: syncHost must still
@@ -1221,7 +1215,6 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 	for i, sg := range o.subgroups {
 		o.sgcoeffs[i] = o.gcoeffs[sg.Group]
 	}
-	updated = true
 	if err = o.eng.UpdatePer(o.sgcoeffs); err != nil && !isFault(err) {
 		if o.eng.Broken() {
 			o.dev = devBroken
@@ -1304,6 +1297,18 @@ func (o *Optimizer) GradsFinal(s scheduler.Stream, params ...int) error {
 		return o.engineErr(err)
 	}
 	return nil
+}
+
+// endPrefetch ends a Step's use of what GradsFinal started: the engine's
+// Update took it, or it is dropped (DropPrefetch does nothing when there
+// is none). The caller holds o.mu.
+func (o *Optimizer) endPrefetch() {
+	o.resetFinal()
+	if o.eng != nil && o.dev != devBroken {
+		if err := o.eng.DropPrefetch(); err != nil {
+			o.noteBroken()
+		}
+	}
 }
 
 // resetFinal forgets GradsFinal's parameters (the engine's prefetch is

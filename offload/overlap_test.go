@@ -5,9 +5,11 @@ import (
 	"math"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/scheduler"
 )
 
@@ -145,4 +147,136 @@ func TestGradsFinalErrors(t *testing.T) {
 	if err := o.GradsFinal(s, 0); !errors.Is(err, ErrClosed) {
 		t.Errorf("after Close: %v", err)
 	}
+}
+
+// overlapRig is a reference optimizer (the host path) and an overlapped one
+// (OverlapBackward, GradOnDevice) on the simulated device, with a
+// trainer's stream that writes the gradients.
+type overlapRig struct {
+	t      *testing.T
+	ref, o *Optimizer
+	sim    *scheduler.Sim
+	io     *streamIO
+	grads  []DeviceTensor
+	works  []DeviceTensor
+	host   scheduler.Host
+	order  []int // the parameters from the last in the flat space
+}
+
+func newOverlapRig(t *testing.T, c gradOnDeviceCase) *overlapRig {
+	ropts, dopts := c.opts, c.opts
+	sim := scheduler.NewSim(scheduler.SimOptions{})
+	ropts.Device, ropts.Schedule = scheduler.NewSim(scheduler.SimOptions{}), &c.s
+	dopts.Device, dopts.Schedule, dopts.OverlapBackward = sim, &c.s, true
+	r := &overlapRig{t: t, sim: sim}
+	r.ref = newWith(t, c.params, ropts)
+	r.o = newWith(t, c.params, dopts)
+	r.grads, r.works = views(t, r.o)
+	r.io = newStreamIO(t, sim, 1<<16)
+	total := 0
+	for _, g := range r.grads {
+		total += int(g.Bytes())
+	}
+	h, err := sim.AllocHost(int64(total))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sim.FreeHost(h) })
+	r.host = h
+	r.order = make([]int, len(r.grads))
+	for i := range r.order {
+		r.order[i] = i
+	}
+	slices.SortFunc(r.order, func(a, b int) int { return r.o.Params()[b].Offset - r.o.Params()[a].Offset })
+	if err := r.o.SyncDevice(); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// backward writes ref's gradients into o's device gradients on the
+// trainer's stream, without waiting, telling o after each parameter.
+func (r *overlapRig) backward() {
+	t := r.t
+	t.Helper()
+	at := int64(0)
+	for _, i := range r.order {
+		copy(r.host.Bytes()[at:], tensorBytes(r.ref.Grad(i)))
+		g := r.grads[i]
+		if err := r.sim.H2D(r.io.s, g.Vec.Mem, g.Vec.Off*int64(g.DType.Size()), r.host, at, g.Bytes()); err != nil {
+			t.Fatal(err)
+		}
+		at += g.Bytes()
+		if err := r.o.GradsFinal(scheduler.Stream(r.io.s), i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := errors.Join(r.sim.Record(r.io.ev, r.io.s), r.sim.Sync(r.io.ev)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// stepBoth steps both and compares the results and then the state.
+func (r *overlapRig) stepBoth() {
+	t := r.t
+	t.Helper()
+	a, err := r.ref.Step(StepArgs{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := r.o.Step(StepArgs{GradOnDevice: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.Step != b.Step || a.Skipped != b.Skipped || a.GradNorm != b.GradNorm {
+		t.Fatalf("host path %+v, overlapped %+v", a, b)
+	}
+	sameDeviceCopy(t, r.io, r.works, r.ref)
+	sameState(t, synced(t, r.ref), synced(t, r.o.workingNow(t)))
+	if err := r.sim.OrderErr(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestGradsFinalRefusedStep: a Step refused before its update phase (a bad
+// LossScale; the error of a failed lazy save) drops what GradsFinal
+// started, so that the next backward's gradients, written over the old
+// ones without ZeroGrad (as the GPU trainer does), are the ones the next
+// Step uses (an adversarial review found the old ones used).
+func TestGradsFinalRefusedStep(t *testing.T) {
+	for _, c := range gradOnDeviceCases() {
+		t.Run(c.name, func(t *testing.T) {
+			r := newOverlapRig(t, c)
+			fill(r.ref, 1)
+			r.backward()
+			if _, err := r.o.Step(StepArgs{GradOnDevice: true, LossScale: -1}); err == nil {
+				t.Fatal("LossScale -1 accepted")
+			}
+			fill(r.ref, 2)
+			r.backward()
+			r.stepBoth()
+		})
+	}
+	t.Run("failed save", func(t *testing.T) {
+		r := newOverlapRig(t, gradOnDeviceCases()[0])
+		fill(r.ref, 1)
+		r.backward()
+		r.stepBoth()
+		var n atomic.Int64
+		h, err := r.o.SaveAsync(smallEngine(t, fullOS{checkpoint.OS, 0, &n}, t.TempDir()), 1, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := h.Wait(); err == nil {
+			t.Fatal("a save on a full disk succeeded")
+		}
+		fill(r.ref, 2)
+		r.backward()
+		if _, err := r.o.Step(StepArgs{GradOnDevice: true}); err == nil {
+			t.Fatal("the failed save was not reported")
+		}
+		fill(r.ref, 3)
+		r.backward()
+		r.stepBoth()
+	})
 }

@@ -7,6 +7,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -383,9 +384,9 @@ func TestSaveCheckSplitElements(t *testing.T) {
 		v[i] = float32(i) - 150
 	}
 	b := safetensors.Float32Bytes(v)
-	ts := []checkpoint.Tensor{{Name: "w" + ExpAvgSuffix, Data: [][]byte{b}}, {Name: "w" + ExpAvgSqSuffix, Data: [][]byte{b}}}
+	ts := []checkpoint.Tensor{{Name: "w" + ExpAvgSuffix, DType: safetensors.F32, Data: [][]byte{b}}, {Name: "w" + ExpAvgSqSuffix, DType: safetensors.F32, Data: [][]byte{b}}}
 	for _, cut := range []int{1, 3, 4, 7, 64, 1199} {
-		check := newSaveCheck(ts)
+		check := newSaveCheck(&checkpoint.Snapshot{Tensors: ts})
 		var errs [2]error
 		for k := range ts {
 			for off := 0; off < len(b); off += cut {
@@ -399,6 +400,35 @@ func TestSaveCheckSplitElements(t *testing.T) {
 		}
 		if errs[1] == nil || !strings.Contains(errs[1].Error(), "element 0 is -150; 150 of its 300 elements") {
 			t.Errorf("cut %d: exp_avg_sq with 150 negative values: %v", cut, errs[1])
+		}
+	}
+}
+
+// TestSaveCheckExtraTensors: the save check finds the state tensors by
+// name and dtype when the save runs: tensors a caller adds to a Snapshot
+// before or after them (a trainer's, of any dtype and sign) neither fail a
+// good save nor shift the check onto the wrong tensor (an adversarial
+// review found a good state refused and an index out of range).
+func TestSaveCheckExtraTensors(t *testing.T) {
+	o := newTest(t, Options{SubgroupSize: 400})
+	fill(o, 1)
+	mustStep(t, o)
+	extra := []checkpoint.Tensor{
+		{Name: "model.extra", DType: safetensors.F32, Shape: []int64{2}, Data: [][]byte{safetensors.Float32Bytes([]float32{-1, float32(math.Inf(1))})}},
+		{Name: "model.bf16", DType: safetensors.BF16, Shape: []int64{3}, Data: [][]byte{{1, 2, 3, 4, 5, 6}}},
+	}
+	for _, where := range []string{"before", "after"} {
+		snap, err := o.Snapshot(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if where == "before" {
+			snap.Tensors = append(slices.Clone(extra), snap.Tensors...)
+		} else {
+			snap.Tensors = append(snap.Tensors, extra...)
+		}
+		if _, err := checkpoint.Save(checkpoint.OS, t.TempDir(), snap); err != nil {
+			t.Errorf("extra tensors %s the state: %v", where, err)
 		}
 	}
 }

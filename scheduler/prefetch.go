@@ -41,7 +41,9 @@ import (
 // trainer calls it as its backward finishes each block, with ready
 // decreasing; a call with a larger ready than before issues nothing new.
 // The gradients in [ready, total) must not change until the next Update
-// (ZeroGrad and SetGrad drop the prefetch, as DropPrefetch). s is a stream
+// (ZeroGrad, SetGrad and Load drop the prefetch, as DropPrefetch). It
+// re-records the events of the steps it issues: read the last phase's Trace
+// and Measure before it. s is a stream
 // of this engine's device (CUDAStream for a CUDA device's).
 //
 // Errors: ErrBroken; ready outside [0, total]; a copy or event that could
@@ -121,7 +123,7 @@ func (e *Engine) prefetchGrad(i int) error {
 // DropPrefetch forgets what Prefetch issued for the next Update: it waits
 // for those copies (so that nothing reuses the memory they use) and the
 // next Update does that work itself. A skipped step (non-finite
-// gradients) calls it; so do ZeroGrad, SetGrad, Replan and Close. Without
+// gradients) calls it; so do ZeroGrad, SetGrad, Load, Replan and Close. Without
 // a prefetch it does nothing.
 //
 // Errors: a failed wait (the engine is then broken).

@@ -125,3 +125,48 @@ func prefetchable(e *Engine) int {
 	}
 	return n
 }
+
+// TestPrefetchThenLoad: Load after a Prefetch (the host state changed in
+// between) drops it: the update starts from the new state, the streamed
+// subgroups' prefetched copies of the old one unused (an adversarial
+// review found them used).
+func TestPrefetchThenLoad(t *testing.T) {
+	h := adam.DefaultHyper()
+	n := testTotal()
+	p := newProblem(n, adam.BF16, false, 1, 5)
+	q := newProblem(n, adam.BF16, false, 1, 9) // another initial state, the same gradient
+	q.g16 = p.g16
+	want, wantCopy := q.reference(h, adam.BF16, 1)
+	d := NewSim(SimOptions{})
+	plan, err := NewPlan(len(testSizes), schedules(len(testSizes))[5])
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := New(Options{Device: d, Sizes: testSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, Plan: plan, Mirror: testMirror(int64(n)), Prefetch: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	load := func(s adam.State) {
+		hs := e.HostState()
+		copy(hs.Param, s.Param)
+		copy(hs.ExpAvg, s.ExpAvg)
+		copy(hs.ExpAvgSq, s.ExpAvgSq)
+		if err := e.Load(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	load(p.state)
+	put(t, d, e.grad, 0, p.gradBytes(0))
+	bwd, _ := d.NewStream()
+	defer d.FreeStream(bwd)
+	if err := e.Prefetch(bwd, 0); err != nil {
+		t.Fatal(err)
+	}
+	load(q.state)
+	c := h.Coeffs(1, 1, 1)
+	if err := e.Update(&c); err != nil {
+		t.Fatal(err)
+	}
+	check(t, d, e, want, wantCopy)
+}

@@ -23,7 +23,8 @@ type Op struct {
 // Trace returns the operations of the last Update with their times: the
 // device's by its events (from an event recorded at the start), the CPU's
 // by the host clock from the same start, sorted by start. What Prefetch
-// issued for it comes first, at negative times (during the backward). Errors:
+// issued for it comes first, at negative times (during the backward). Read
+// it before the next Prefetch or Update, which record those events again. Errors:
 // ErrNoPhase before the first Update or after a Replan; the device's
 // (Elapsed).
 func (e *Engine) Trace() ([]Op, error) {

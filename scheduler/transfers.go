@@ -15,12 +15,17 @@ import (
 
 // Load makes the device match the host state: it moves the resident
 // subgroups' state H2D and writes every subgroup's working copy, rounded
-// from the master weights. It waits for the copies.
+// from the master weights. It waits for the copies. It drops a pending
+// Prefetch first (its state copies read the host state before).
 //
 // Errors: a failed copy or allocation.
 func (e *Engine) Load() error {
 	if e.broken {
 		return ErrBroken
+	}
+	// A prefetched state H2D read the host state before it changed.
+	if err := e.DropPrefetch(); err != nil {
+		return err
 	}
 	return e.upload(true)
 }

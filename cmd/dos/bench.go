@@ -154,7 +154,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 			float64(n)/res.Seconds/1e9, res.Bottleneck, res.Busy[perfmodel.ResCPU], res.Busy[perfmodel.ResH2D], res.Busy[perfmodel.ResD2H], res.Busy[perfmodel.ResGPU], res.Overlap)
 	}
 	benchVerdicts(stdout, results)
-	if lim, err := prof.Limit(w); err == nil {
+	lim, limErr := prof.Limit(w)
+	if limErr == nil {
 		fmt.Fprintf(stdout, "%s\n", limitLine(lim, results))
 	}
 	if *out.trace != "" && modelOps != nil {
@@ -170,7 +171,11 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "timeline written to %s\n", *out.plot)
 	}
 	if *out.json != "" {
-		if err := writeJSON(*out.json, map[string]any{"params": n, "subgroups": nsg, "threads": *threads, "gpu_budget_gib": *budget, "results": results}); err != nil {
+		meta := map[string]any{"params": n, "subgroups": nsg, "threads": *threads, "gpu_budget_gib": *budget, "results": results}
+		if limErr == nil {
+			meta["limit_s"] = lim.Makespan
+		}
+		if err := writeJSON(*out.json, meta); err != nil {
 			return c.fail(stderr, "--json: %v", err)
 		}
 		fmt.Fprintf(stdout, "results written to %s\n", *out.json)
@@ -182,8 +187,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 // (perfmodel.Profile.Limit: the model's fluid bound) and, when the model's
 // schedule was measured, how far above it that ran.
 func limitLine(lim perfmodel.Prediction, rs []benchResult) string {
-	s := fmt.Sprintf("machine limit: %.3f s (the model's fluid bound, perfmodel.Profile.Limit: about %d CPU, %d streamed, %d resident subgroups' worth, no fill or drain; bottleneck %s)",
-		lim.Makespan, lim.CPU, lim.GPU, lim.Resident, lim.Bottleneck)
+	s := fmt.Sprintf("machine limit: %.3f s, the performance model's fluid bound (perfmodel.Profile.Limit: the subgroups split in any proportion, about %d CPU, %d streamed, %d resident, with no fill or drain; a bound of the model's rates and contention, which the replay's per-operation contention may dip under)",
+		lim.Makespan, lim.CPU, lim.GPU, lim.Resident)
 	for _, r := range rs {
 		if r.Name == "model" && lim.Makespan > 0 {
 			s += fmt.Sprintf("; the model's schedule ran %.3f s, %+.1f%% of it", r.Seconds, 100*(r.Seconds/lim.Makespan-1))

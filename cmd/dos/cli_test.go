@@ -194,12 +194,14 @@ func TestOutputFlags(t *testing.T) {
 			Predicted          float64 `json:"predicted_s"`
 		} `json:"choice"`
 		Results []planResult `json:"results"`
+		Limit   float64      `json:"limit_s"`
 	}
 	b, err := os.ReadFile(js)
 	if err == nil {
 		err = json.Unmarshal(b, &res)
 	}
-	if err != nil || res.Params != 3.91e9 || res.Choice.Predicted <= 0 || len(res.Results) < 3 || res.Results[0].Name != "cpu-only" {
+	if err != nil || res.Params != 3.91e9 || res.Choice.Predicted <= 0 || len(res.Results) < 3 || res.Results[0].Name != "cpu-only" ||
+		!(res.Limit > 0 && res.Limit <= res.Choice.Predicted) {
 		t.Errorf("--json: %v %+v", err, res)
 	}
 	for _, p := range []string{tr, svg} {

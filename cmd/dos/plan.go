@@ -48,7 +48,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	pcie := c.Float64("pcie", 0, "PCIe bandwidth in `GB/s` each way (0: the profile's; both-directions rates scale with it)")
 	ug := c.Float64("gpu-rate", 0, "the GPU's fused AdamW rate in `Gparam/s` (0: the profile's)")
 	gradDType := adam.BF16
-	c.Var(dtypeFlag{&gradDType}, "grad-dtype", "gradient dtype on the GPU: float32, bfloat16 or float16 (default bfloat16)")
+	c.Var(dtypeFlag{&gradDType}, "grad-dtype", "gradient dtype on the GPU: float32, bfloat16 or float16")
 	sweep := c.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the chosen residents)")
 	out := outputFlags(c, "each schedule's prediction and replay", "the replay of the model's schedule", "the replay of the model's schedule as a timeline")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
@@ -135,11 +135,15 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	modelOps, results := pl.modelOps, pl.results
 	fmt.Fprintf(stdout, "the model's choice: k = %s (%d CPU, %d GPU, %d resident subgroups per rank), %.3f s per update phase, bottleneck %s\n",
 		kString(choice.K), choice.CPU, choice.GPU, choice.Resident, choice.Makespan, choice.Bottleneck)
-	if lim, err := p.Limit(w); err == nil {
+	lim, limErr := p.Limit(w)
+	if limErr == nil {
 		fmt.Fprintf(stdout, "%s\n", limitLine(lim, nil))
 	}
 	meta := map[string]any{"params": params, "ranks": *ranks, "rank_params": rankParams, "subgroups": n,
 		"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": gradDType, "profile": *profPath}
+	if limErr == nil {
+		meta["limit_s"] = lim.Makespan
+	}
 	if err := writePlanOutputs(out, stdout, meta, results, modelOps, rankParams); err != nil {
 		return c.fail(stderr, "%v", err)
 	}

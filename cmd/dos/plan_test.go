@@ -21,7 +21,7 @@ func TestPlan(t *testing.T) {
 	}
 	// The fluid bound, a little below the model's choice (its fill and
 	// drain, whole subgroups).
-	if !strings.Contains(out.String(), "machine limit: 0.539 s (the model's fluid bound") {
+	if !strings.Contains(out.String(), "machine limit: 0.539 s, the performance model's fluid bound") {
 		t.Errorf("no machine limit of 0.539 s:\n%s", out.String())
 	}
 	for _, args := range [][]string{{"plan"}, {"plan", "--profile", "x", "--params", "-1"}, {"plan", "--profile", "../../testdata/profiles/h200.json", "--ranks", "0"},

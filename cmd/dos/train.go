@@ -97,7 +97,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&cfg.Profile, "profile", cfg.Profile, "a dos calibrate --json `PATH` of this machine: print the performance model's predicted update time next to the measured one")
 	fs.StringVar(&cfg.Device, "device", cfg.Device, "train on `DEV`: cuda (GPU 0: forward and backward in bf16 on the GPU, the update phase interleaved between the CPU and the GPU with the optimizer state in pinned host memory; bfloat16 --working-dtype and --grad-dtype by default) or sim (forward and backward on the host, the update phase on the simulated device: a test); empty: all on the host")
 	fs.Float64Var(&cfg.GPUMemory, "gpu-memory", cfg.GPUMemory, "with --device cuda: cap all the device memory dos allocates at `GiB` (weights, gradients, activations, workspaces, the update phase), so this GPU stands in for a smaller one (0: no cap)")
-	fs.Float64Var(&cfg.GPUBudget, "gpu-budget", cfg.GPUBudget, "with --device: device memory in `GiB` for the update phase's resident state and staging (0: with cuda, what the model leaves less the gradients, the working copy and 2 GiB; with sim, 16)")
+	fs.Float64Var(&cfg.GPUBudget, "gpu-budget", cfg.GPUBudget, "with --device: device memory in `GiB` for the update phase's resident state and staging (0: with cuda, what the model leaves less the gradients, the working copy, the fp32 masters and 2 GiB (under --gpu-memory, 256 MiB); with sim, 16)")
 	fs.StringVar(&cfg.Schedule, "schedule", cfg.Schedule, "with --device: force `CPU,GPU,RESIDENT` subgroup counts adding up to the subgroups, or cpu (every subgroup on the CPU: ZeRO-Offload's placement), or static (as many resident as --gpu-budget holds, the rest on the CPU: TwinFlow's) (default: the model's with --profile or on cuda, else a third of each)")
 	fs.BoolVar(&cfg.CkptSync, "ckpt-sync", cfg.CkptSync, "write checkpoints synchronously instead of capturing them lazily and flushing in the background")
 	fs.BoolVar(&cfg.Resume, "resume", cfg.Resume, "continue from the latest checkpoint in --ckpt-dir, with its model and dtypes unless given here")
@@ -237,6 +237,14 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		if cfg.TimelineAt > cfg.Steps {
 			return c.usageError(stderr, "--timeline-at %d: the run trains to iteration %d (--steps)", cfg.TimelineAt, cfg.Steps)
 		}
+		// The Chrome trace goes beside the picture: it must not replace
+		// another output.
+		trace := timelineTrace(*timeline)
+		for _, o := range []struct{ flag, path string }{{"--summary-json", *summary}, {"--log-json", cfg.LogJSON}} {
+			if o.path != "" && filepath.Clean(o.path) == filepath.Clean(trace) {
+				return c.usageError(stderr, "--timeline %s writes its Chrome trace to %s, the path of %s: choose another name", *timeline, trace, o.flag)
+			}
+		}
 	} else if cfg.TimelineAt != 0 {
 		return c.usageError(stderr, "--timeline-at needs --timeline PATH")
 	}
@@ -295,7 +303,7 @@ func writeIteration(t *trainer.Trainer, path string, cfg trainer.TrainConfig, st
 	if err := plotIteration(tl, title, path); err != nil {
 		return err
 	}
-	trace := strings.TrimSuffix(path, filepath.Ext(path)) + ".json"
+	trace := timelineTrace(path)
 	if err := writeTrace(trace, tl.Ops, tl.Memory...); err != nil {
 		return err
 	}
@@ -322,4 +330,10 @@ func readText(path string) ([]byte, error) {
 		return nil, fmt.Errorf("%s is %d bytes, over the limit of %d", path, info.Size(), maxText)
 	}
 	return os.ReadFile(path)
+}
+
+// timelineTrace is where --timeline PATH writes the iteration's Chrome
+// trace: PATH with the extension .json.
+func timelineTrace(path string) string {
+	return strings.TrimSuffix(path, filepath.Ext(path)) + ".json"
 }
