@@ -19,9 +19,11 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"runtime/debug"
 )
 
@@ -127,3 +129,26 @@ func run(args []string, stdout, stderr io.Writer) int {
 
 // writeFile writes b to path (mode 0644).
 func writeFile(path string, b []byte) error { return os.WriteFile(path, b, 0o644) }
+
+// probeWritable reports whether path can be written later, leaving what
+// is there alone (a summary of an earlier run stays until this one's
+// replaces it): an existing file must open for writing, and a new one's
+// directory must take a file (a temporary one, removed).
+func probeWritable(path string) error {
+	if st, err := os.Stat(path); err == nil {
+		if st.IsDir() {
+			return fmt.Errorf("%s is a directory", path)
+		}
+		f, err := os.OpenFile(path, os.O_WRONLY, 0)
+		if err != nil {
+			return err
+		}
+		return f.Close()
+	}
+	f, err := os.CreateTemp(filepath.Dir(path), ".dos-probe-*")
+	if err != nil {
+		return err
+	}
+	name := f.Name()
+	return errors.Join(f.Close(), os.Remove(name))
+}

@@ -249,7 +249,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		return c.usageError(stderr, "--timeline-at needs --timeline PATH")
 	}
 	if *summary != "" { // fail now, not after training, if it cannot be written
-		if err := writeFile(*summary, []byte("{}\n")); err != nil {
+		if err := probeWritable(*summary); err != nil {
 			return c.fail(stderr, "--summary-json: %v", err)
 		}
 	}

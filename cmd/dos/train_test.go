@@ -417,3 +417,30 @@ func TestTrainTrajectoryEverySchedule(t *testing.T) {
 		}
 	}
 }
+
+// TestSummaryProbe: --summary-json is checked before training without
+// touching what is there: a run that fails keeps an earlier run's summary
+// (it used to leave "{}"), and a path that cannot be written fails at once.
+func TestSummaryProbe(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s.json")
+	if err := os.WriteFile(path, []byte(`{"final_loss": 1}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// A run that fails after the probe: a checkpoint root that cannot be
+	// made (under /proc).
+	rc, _, errs := runCLI("train", "--steps", "1", "--ckpt-dir", "/proc/dos-no-such-root", "--summary-json", path)
+	if rc == 0 {
+		t.Fatalf("a run with an impossible --ckpt-dir succeeded")
+	}
+	if b, _ := os.ReadFile(path); string(b) != `{"final_loss": 1}` {
+		t.Errorf("a failed run changed the earlier summary to %q (%s)", b, errs)
+	}
+	rc, _, errs = runCLI("train", "--steps", "1", "--summary-json", filepath.Join(t.TempDir(), "no", "dir", "s.json"))
+	if rc == 0 || !strings.Contains(errs, "--summary-json") {
+		t.Errorf("an unwritable --summary-json: rc %d, %s", rc, errs)
+	}
+	leftovers, _ := filepath.Glob(filepath.Join(filepath.Dir(path), ".dos-probe-*"))
+	if len(leftovers) > 0 {
+		t.Errorf("the probe left %v", leftovers)
+	}
+}
