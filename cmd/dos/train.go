@@ -59,12 +59,7 @@ var resumeFlags = []struct {
 	{"batch", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.Batch = o.Batch }, func(c trainer.TrainConfig) string { return fmt.Sprint(c.Batch) }},
 	{"grad-dtype", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.GradDType = o.GradDType }, func(c trainer.TrainConfig) string { return c.GradDType.String() }},
 	{"working-dtype", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.WorkingDType = o.WorkingDType }, func(c trainer.TrainConfig) string { return c.WorkingDType.String() }},
-	{"subgroup-size", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.SubgroupSize = o.SubgroupSize }, func(c trainer.TrainConfig) string {
-		if c.SubgroupSize == 0 {
-			return "0 (offload.DefaultSubgroupSize, 1e9)"
-		}
-		return formatSize(int64(c.SubgroupSize))
-	}},
+	{"subgroup-size", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.SubgroupSize = o.SubgroupSize }, func(c trainer.TrainConfig) string { return formatSize(int64(c.SubgroupSize)) }},
 }
 
 func runTrain(args []string, stdout, stderr io.Writer) int {
