@@ -41,3 +41,36 @@ func TestStepGradOnDeviceNoAllocs(t *testing.T) {
 		t.Fatalf("step %d: the steps were not taken", o.StepCount())
 	}
 }
+
+// TestGradsFinalNoAllocs: with OverlapBackward, a trainer's GradsFinal for
+// every parameter, from the last, and the Step that takes what they
+// started allocate nothing either.
+func TestGradsFinalNoAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts are checked without -race (make test runs them)")
+	}
+	opts, sim := deviceOpts(Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, MaxGradNorm: 1, Threads: 2},
+		perfmodel.Schedule{CPU: 2, GPU: 2, Resident: 2})
+	opts.OverlapBackward = true
+	o := newTest(t, opts)
+	s, err := sim.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(o, 1)
+	o.Step(StepArgs{LossScale: 2}) // the first Step loads the state onto the device and its gradients
+	params := make([][]int, len(o.Params()))
+	for i := range params {
+		params[i] = []int{len(params) - 1 - i}
+	}
+	if a := testing.AllocsPerRun(10, func() {
+		for _, p := range params {
+			if err := o.GradsFinal(s, p...); err != nil {
+				t.Fatal(err)
+			}
+		}
+		o.Step(StepArgs{LossScale: 2, GradOnDevice: true})
+	}); a != 0 {
+		t.Fatalf("GradsFinal and Step allocate %v times", a)
+	}
+}
