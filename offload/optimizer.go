@@ -1255,8 +1255,9 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 // the flat space (Params' Offset; parameter order) is final, the update
 // phase's work that needs no global value starts for that suffix, in the
 // background (scheduler.Engine.Prefetch): the CPU subgroups' gradient D2H
-// and the first streamed subgroups' state H2D. It blocks on nothing and
-// allocates nothing. The gradients it was told of must not change until
+// and the first streamed subgroups' state H2D. It waits for nothing on the
+// device (only for o's lock, and on an error for what it had enqueued)
+// and allocates nothing. The gradients it was told of must not change until
 // the next Step, which uses what it started; ZeroGrad, a skipped or failed
 // Step, SetParam, WriteState and LoadCheckpoint drop it (the Step then
 // does that work itself). The update is the same, bit for bit. s is a

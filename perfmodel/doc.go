@@ -80,9 +80,11 @@
 //
 // With Workload.Prefetch the CPU subgroups' gradient D2H (not upcast) and
 // the first two streamed subgroups' state H2D happen during the backward:
-// they leave the lanes' busy time, and the fills that waited for them
-// (the CPU's, the GPU's, the H2D lane's) do not; the D2H lane then starts
-// with a streamed subgroup's state.
+// they leave the lanes' busy time (and a phase without D2H then moves its
+// copies up at the one-way rate), and the fills that waited for them (the
+// CPU's, the GPU's) do not; the D2H lane then starts with a streamed
+// subgroup's state, and the H2D lane with a CPU subgroup's copy or the
+// third streamed state, which waits for slot 0's way back.
 //
 // This is a lower bound, reached by a pipeline that keeps the bottleneck
 // busy from its first possible moment to its last (the scheduler's job);

@@ -239,11 +239,12 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 	up := float64(w.CopyBytes) * sz // bytes of a CPU subgroup's 16-bit copy
 	// Without a GPU, gradients and weights live on the host: no transfers.
 	free := Fit{Rate: math.Inf(1)}
+	preGrad := w.Prefetch && !(upcast && gb == 2) // the CPU subgroups' gradients are on the host
 	h2d, d2h, ug, conv := free, free, free, free
 	if g != nil {
 		h2d, d2h, ug, conv = g.H2D, g.D2H, g.Update, g.Convert
-		hasH2D := gp > 0 || (c > 0 && up > 0) // state or copies up
-		hasD2H := gp > 0 || c > 0             // state or gradients down
+		hasH2D := gp > 0 || (c > 0 && up > 0)   // state or copies up
+		hasD2H := gp > 0 || (c > 0 && !preGrad) // state or gradients down
 		if hasH2D && hasD2H {
 			h2d, d2h = g.H2DBoth, g.D2HBoth // both lanes at once: the duplex rates
 		}
@@ -253,8 +254,7 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 		// Gradients on the host: the global checks run on the CPU too.
 		tCPU += c * cf.Stats.Time(sz)
 	}
-	preGrad := w.Prefetch && !(upcast && gb == 2) // the CPU subgroups' gradients are on the host
-	preState := 0.0                               // streamed subgroups whose state is in its slot
+	preState := 0.0 // streamed subgroups whose state is in its slot
 	if w.Prefetch {
 		preState = min(gp, 2)
 	}
@@ -318,8 +318,18 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 			}
 			return stateIn, d2h.Time(st)
 		case ResH2D:
-			if gp == 0 {
-				fill = convT + gradIn + uc.Time(sz)
+			cpuCopy := convT + gradIn + uc.Time(sz) // the first CPU subgroup's copy
+			switch {
+			case gp == 0 || gp <= preState: // no state moves up in the phase
+				fill = cpuCopy
+			case preState > 0:
+				// The first state moving up in the phase waits for
+				// slot 0's: its update and its way back; a CPU
+				// subgroup's copy may come first.
+				fill = ug.Time(sz) + d2h.Time(st)
+				if c > 0 && up > 0 {
+					fill = min(fill, cpuCopy)
+				}
 			}
 			if c == 0 || up == 0 {
 				drain = ug.Time(sz) + d2h.Time(st)

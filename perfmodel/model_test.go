@@ -495,3 +495,24 @@ func TestLimit(t *testing.T) {
 		}
 	}
 }
+
+// TestPrefetchRates: with Workload.Prefetch and no streamed subgroup the
+// phase moves nothing down, so its copies up go at the one-way rate (a
+// review found the duplex rate charged).
+func TestPrefetchRates(t *testing.T) {
+	p := profile(1e9, true, 1e12, 10e9)
+	p.GPU.H2DBoth, p.GPU.D2HBoth = rate(5e9), rate(5e9)
+	w := w12
+	w.GPUBudget, w.Prefetch = 1<<40, true
+	pr, err := p.Predict(w, Schedule{CPU: 12})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := 12 * 2e6 / 10e9; !near(pr.Busy[ResH2D], want) {
+		t.Errorf("all-CPU with Prefetch: H2D busy %g s, want %g at the one-way rate", pr.Busy[ResH2D], want)
+	}
+	w.Prefetch = false
+	if pr, _ := p.Predict(w, Schedule{CPU: 12}); !near(pr.Busy[ResH2D], 12*2e6/5e9) {
+		t.Errorf("all-CPU without Prefetch: H2D busy %g s, want the duplex rate's", pr.Busy[ResH2D])
+	}
+}

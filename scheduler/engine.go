@@ -419,7 +419,6 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 	// What Prefetch issued is done (enqueued): the issuers skip it.
 	copy(e.done, e.pre)
 	copy(e.preLast, e.pre)
-	defer func() { clear(e.pre); e.preOn = false }()
 	e.first = nil
 	e.abort.Store(false)
 	e.deviceFault.Store(false)
@@ -433,12 +432,12 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 	for k := range e.s {
 		if k != sKernel {
 			if err := e.dev.Wait(e.s[sKernel], e.tail[k]); err != nil {
-				return err // nothing was done
+				return err // nothing was done (a prefetch stays pending: DropPrefetch or the next Update)
 			}
 		}
 	}
 	if err := e.dev.Record(e.base, e.s[sKernel]); err != nil {
-		return err // nothing was done
+		return err // nothing was done (a prefetch stays pending)
 	}
 	// Every stream starts the phase after base (a no-op on a GPU, where
 	// the last phase drained them all): the phase's times are all from
@@ -448,9 +447,12 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 			continue
 		}
 		if err := e.dev.Wait(s, e.base); err != nil {
-			return err // nothing was done
+			return err // nothing was done (a prefetch stays pending)
 		}
 	}
+	// From here the phase takes what Prefetch issued: its copies are
+	// waited for by the steps after them and by the drain.
+	defer func() { clear(e.pre); e.preOn = false }()
 	for l := issDrain; l < numIssuers; l++ {
 		e.start[l] <- struct{}{}
 	}

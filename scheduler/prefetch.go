@@ -35,9 +35,10 @@ import (
 // needs no global value (see above), given that the device gradients of
 // the flat elements [ready, total) are final once the work enqueued on s
 // so far (the trainer's backward) is done: the gradient D2H of every CPU
-// subgroup inside [ready, total) not yet issued (Options.Prefetch), and at
-// the first call the state H2D of the first two streamed subgroups. It
-// enqueues copies after an event recorded on s and blocks on nothing. A
+// subgroup inside [ready, total) not yet issued (Options.Prefetch), after
+// an event recorded on s, and at the first call the state H2D of the first
+// two streamed subgroups (which need nothing of s). It blocks on nothing
+// unless a copy cannot be enqueued (the drop waits for what was). A
 // trainer calls it as its backward finishes each block, with ready
 // decreasing; a call with a larger ready than before issues nothing new.
 // The gradients in [ready, total) must not change until the next Update
@@ -46,11 +47,16 @@ import (
 // and Measure before it. s is a stream
 // of this engine's device (CUDAStream for a CUDA device's).
 //
-// Errors: ErrBroken; ready outside [0, total]; a copy or event that could
-// not be enqueued (the prefetch is dropped: the phase does that work).
+// Errors: ErrBroken; ErrEngineClosed after Close; ready outside [0,
+// total]; a copy or event that could not be enqueued (the prefetch is
+// dropped: the phase does that work). An Update that fails before its
+// phase starts leaves the prefetch pending.
 func (e *Engine) Prefetch(s Stream, ready int64) error {
 	if e.broken {
 		return ErrBroken
+	}
+	if !e.running {
+		return ErrEngineClosed
 	}
 	if ready < 0 || ready > e.total {
 		return fmt.Errorf("scheduler: Prefetch: ready %d is outside [0, %d]", ready, e.total)

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"errors"
 	"fmt"
 	"testing"
 
@@ -169,4 +170,137 @@ func TestPrefetchThenLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	check(t, d, e, want, wantCopy)
+}
+
+// TestPrefetchFaults: after a full Prefetch, a fault at each copy or
+// launch of the phase still ends in the reference state (complete() reads
+// the prefetched gradients and keeps the prefetched slots); so does a
+// fault at each of the first operations inside Prefetch, the phase then
+// doing that work itself.
+func TestPrefetchFaults(t *testing.T) {
+	h := adam.DefaultHyper()
+	n := testTotal()
+	for _, gd := range []adam.DType{adam.F32, adam.BF16} {
+		p := newProblem(n, gd, false, 1, 2)
+		want, wantCopy := p.reference(h, adam.BF16, 1)
+		for _, s := range schedules(len(testSizes)) {
+			mk := func(t *testing.T) (*Sim, *Engine) {
+				d := NewSim(SimOptions{})
+				plan, _ := NewPlan(len(testSizes), s)
+				e, err := New(Options{Device: d, Sizes: testSizes, GradDType: gd, WorkingDType: adam.BF16, Plan: plan, Mirror: testMirror(int64(n)), Prefetch: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				hs := e.HostState()
+				copy(hs.Param, p.state.Param)
+				copy(hs.ExpAvg, p.state.ExpAvg)
+				copy(hs.ExpAvgSq, p.state.ExpAvgSq)
+				if err := e.Load(); err != nil {
+					t.Fatal(err)
+				}
+				put(t, d, e.grad, 0, p.gradBytes(0))
+				bwd, _ := d.NewStream()
+				if err := e.Prefetch(bwd, 0); err != nil {
+					t.Fatal(err)
+				}
+				return d, e
+			}
+			d, e := mk(t)
+			before := d.Ops()
+			c := h.Coeffs(1, 1, 1)
+			if err := e.Update(&c); err != nil {
+				t.Fatal(err)
+			}
+			ops := d.Ops() - before
+			e.Close()
+			for i := 1; i <= ops; i++ {
+				t.Run(fmt.Sprintf("%v/%+v/op%d", gd, s, i), func(t *testing.T) {
+					d, e := mk(t)
+					defer e.Close()
+					d.opts.FailAt = d.Ops() + i
+					err := e.Update(&c)
+					var fe *FaultError
+					if !errors.As(err, &fe) {
+						t.Fatalf("Update: %v", err)
+					}
+					check(t, d, e, want, wantCopy)
+				})
+			}
+			// a fault inside Prefetch itself, then a clean update
+			for i := 1; i <= 12; i++ {
+				t.Run(fmt.Sprintf("%v/%+v/pre%d", gd, s, i), func(t *testing.T) {
+					d := NewSim(SimOptions{})
+					plan, _ := NewPlan(len(testSizes), s)
+					e, err := New(Options{Device: d, Sizes: testSizes, GradDType: gd, WorkingDType: adam.BF16, Plan: plan, Mirror: testMirror(int64(n)), Prefetch: true})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer e.Close()
+					hs := e.HostState()
+					copy(hs.Param, p.state.Param)
+					copy(hs.ExpAvg, p.state.ExpAvg)
+					copy(hs.ExpAvgSq, p.state.ExpAvgSq)
+					if err := e.Load(); err != nil {
+						t.Fatal(err)
+					}
+					put(t, d, e.grad, 0, p.gradBytes(0))
+					bwd, _ := d.NewStream()
+					d.opts.FailAt = d.Ops() + i
+					_ = e.Prefetch(bwd, int64(n)/2)
+					_ = e.Prefetch(bwd, 0)
+					d.opts.FailAt = 0
+					if err := e.Update(&c); err != nil {
+						t.Fatal(err)
+					}
+					check(t, d, e, want, wantCopy)
+				})
+			}
+		}
+	}
+}
+
+// waitFail fails Wait once armed.
+type waitFail struct {
+	Device
+	arm bool
+}
+
+func (w *waitFail) Wait(s Stream, e Event) error {
+	if w.arm {
+		return errors.New("wait refused")
+	}
+	return w.Device.Wait(s, e)
+}
+
+// TestUpdateFailsBeforePhase: an Update that fails before its phase starts
+// (a stream wait refused) leaves the prefetch pending, so that
+// DropPrefetch, Load or Close still wait for its copies (a review found it
+// forgotten without a wait).
+func TestUpdateFailsBeforePhase(t *testing.T) {
+	h := adam.DefaultHyper()
+	n := testTotal()
+	p := newProblem(n, adam.BF16, false, 1, 2)
+	sim := NewSim(SimOptions{})
+	d := &waitFail{Device: sim}
+	plan, _ := NewPlan(len(testSizes), schedules(len(testSizes))[5])
+	e, err := New(Options{Device: d, Sizes: testSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, Plan: plan, Prefetch: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	put(t, sim, e.grad, 0, p.gradBytes(0))
+	bwd, _ := sim.NewStream()
+	if err := e.Prefetch(bwd, 0); err != nil {
+		t.Fatal(err)
+	}
+	d.arm = true
+	c := h.Coeffs(1, 1, 1)
+	err = e.Update(&c)
+	d.arm = false
+	if err == nil || !e.preOn {
+		t.Fatalf("Update: %v; the prefetch pending after it: %v, want an error and true", err, e.preOn)
+	}
+	if err := e.DropPrefetch(); err != nil || e.preOn {
+		t.Fatalf("DropPrefetch: %v, pending %v", err, e.preOn)
+	}
 }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/deepstates/dos/adam"
@@ -230,19 +229,11 @@ func (g *gpuTrainer) overlap(opt *offload.Optimizer) {
 		g.m.OnBlockBackward(nil)
 		return
 	}
-	L := g.m.Config().NLayer
-	g.blocks = make([][]int, L)
+	names := make([]string, len(opt.Params()))
 	for i, p := range opt.Params() {
-		var l int
-		switch _, err := fmt.Sscanf(p.Name, "h.%d.", &l); {
-		case err == nil && l >= 0 && l < L:
-			g.blocks[l] = append(g.blocks[l], i)
-		case strings.HasPrefix(p.Name, "ln_f."):
-			g.blocks[L-1] = append(g.blocks[L-1], i)
-		default:
-			g.rest = append(g.rest, i)
-		}
+		names[i] = p.Name
 	}
+	g.blocks, g.rest = finalAfter(names, g.m.Config().NLayer)
 	g.opt, g.stream = opt, scheduler.CUDAStream(g.s)
 	g.m.OnBlockBackward(func(l int) error { return opt.GradsFinal(g.stream, g.blocks[l]...) })
 }
@@ -344,4 +335,27 @@ func (g *gpuTrainer) close() error {
 		g.dev = nil
 	}
 	return errors.Join(errs...)
+}
+
+// finalAfter sorts GPT-2's parameters (names as gpt.Config.Tensors gives
+// them, indexed as given) by when gptcuda's backward has written their
+// final gradients: blocks[l] after block l's backward (h.l.*, and ln_f's
+// with the last block, written before the blocks), rest after the whole
+// backward (the embeddings: wte's gradient is summed at both ends).
+// Anything it does not know goes to rest, the safe side.
+func finalAfter(names []string, layers int) (blocks [][]int, rest []int) {
+	blocks = make([][]int, layers)
+	for i, name := range names {
+		var l int
+		var tail string
+		switch n, _ := fmt.Sscanf(name, "h.%d.%s", &l, &tail); {
+		case n == 2 && l >= 0 && l < layers && name == fmt.Sprintf("h.%d.%s", l, tail):
+			blocks[l] = append(blocks[l], i)
+		case layers > 0 && (name == "ln_f.weight" || name == "ln_f.bias"):
+			blocks[layers-1] = append(blocks[layers-1], i)
+		default:
+			rest = append(rest, i)
+		}
+	}
+	return blocks, rest
 }

@@ -128,7 +128,8 @@ func TestTrainTimeline(t *testing.T) {
 	}
 	for _, bad := range [][]string{{"--timeline", "x.txt"}, {"--timeline-at", "2"}, {"--timeline", "x.svg", "--timeline-at", "-1"},
 		{"--timeline", "x.svg", "--steps", "2", "--timeline-at", "5"},
-		{"--timeline", "x.svg", "--summary-json", "x.json"}, {"--timeline", "d/x.png", "--log-json", "d/x.json"}} { // the trace over another output
+		{"--timeline", "x.svg", "--summary-json", "x.json"}, {"--timeline", "d/x.png", "--log-json", "./d/../d/x.json"},
+		{"--timeline", "x.svg", "--summary-json", "x.svg"}} { // the trace or the picture over another output
 		out, err := dosCmd(append(append([]string{"train"}, tiny...), bad...)...).CombinedOutput()
 		if err == nil || !strings.Contains(string(out), "timeline") {
 			t.Errorf("dos train %v: %v, want a usage error naming the flag:\n%s", bad, err, out)

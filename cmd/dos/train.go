@@ -241,8 +241,13 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		// another output.
 		trace := timelineTrace(*timeline)
 		for _, o := range []struct{ flag, path string }{{"--summary-json", *summary}, {"--log-json", cfg.LogJSON}} {
-			if o.path != "" && filepath.Clean(o.path) == filepath.Clean(trace) {
-				return c.usageError(stderr, "--timeline %s writes its Chrome trace to %s, the path of %s: choose another name", *timeline, trace, o.flag)
+			if o.path == "" {
+				continue
+			}
+			for _, w := range []string{*timeline, trace} {
+				if samePath(o.path, w) {
+					return c.usageError(stderr, "--timeline %s writes %s, the path of %s: choose another name", *timeline, w, o.flag)
+				}
 			}
 		}
 	} else if cfg.TimelineAt != 0 {
@@ -336,4 +341,12 @@ func readText(path string) ([]byte, error) {
 // trace: PATH with the extension .json.
 func timelineTrace(path string) string {
 	return strings.TrimSuffix(path, filepath.Ext(path)) + ".json"
+}
+
+// samePath reports whether a and b name the same file as paths (absolute,
+// cleaned; links are not followed).
+func samePath(a, b string) bool {
+	x, err1 := filepath.Abs(a)
+	y, err2 := filepath.Abs(b)
+	return err1 == nil && err2 == nil && x == y
 }

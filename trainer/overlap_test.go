@@ -1,0 +1,44 @@
+package trainer
+
+import (
+	"fmt"
+	"testing"
+)
+
+// TestFinalAfter: GPT-2's tensors in gpt.Config.Tensors order, three
+// blocks: each block's twelve after its backward, ln_f's with the last
+// block, the embeddings at the end; a name it does not know (or a block
+// beyond the model, or "h.1x.") goes to the end, the safe side.
+func TestFinalAfter(t *testing.T) {
+	c := Config{VocabSize: 256, NCtx: 16, NLayer: 3, NHead: 2, NEmbd: 8}
+	var names []string
+	for _, ts := range c.Tensors() {
+		names = append(names, ts.Name)
+	}
+	names = append(names, "lm_head.weight", "h.3.ln_1.weight", "h.1x.bias", "h.-1.ln_1.weight")
+	blocks, rest := finalAfter(names, 3)
+	if len(blocks) != 3 {
+		t.Fatalf("%d blocks", len(blocks))
+	}
+	for l, b := range blocks {
+		want := 12
+		if l == 2 {
+			want = 14 // and ln_f's two
+		}
+		if len(b) != want {
+			t.Errorf("block %d: %d tensors %v, want %d", l, len(b), b, want)
+		}
+		for _, i := range b {
+			if n := names[i]; n != "ln_f.weight" && n != "ln_f.bias" && n[:len(fmt.Sprintf("h.%d.", l))] != fmt.Sprintf("h.%d.", l) {
+				t.Errorf("block %d holds %s", l, n)
+			}
+		}
+	}
+	var got []string
+	for _, i := range rest {
+		got = append(got, names[i])
+	}
+	if fmt.Sprint(got) != "[wte.weight wpe.weight lm_head.weight h.3.ln_1.weight h.1x.bias h.-1.ln_1.weight]" {
+		t.Errorf("after the backward: %v", got)
+	}
+}
