@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
 )
 
 // TestEnginePrefetch: with the gradients written by a "backward" on a
@@ -26,22 +27,8 @@ func testEnginePrefetch(t *testing.T, newDev func() Device) {
 		for _, s := range schedules(len(testSizes)) {
 			t.Run(fmt.Sprintf("%v/%+v", gd, s), func(t *testing.T) {
 				d := newDev()
-				plan, err := NewPlan(len(testSizes), s)
-				if err != nil {
-					t.Fatal(err)
-				}
-				e, err := New(Options{Device: d, Sizes: testSizes, GradDType: gd, WorkingDType: adam.BF16, Plan: plan, Mirror: testMirror(int64(n)), Prefetch: true})
-				if err != nil {
-					t.Fatal(err)
-				}
+				e := setupPrefetch(t, d, p, s)
 				defer e.Close()
-				hs := e.HostState()
-				copy(hs.Param, p.state.Param)
-				copy(hs.ExpAvg, p.state.ExpAvg)
-				copy(hs.ExpAvgSq, p.state.ExpAvgSq)
-				if err := e.Load(); err != nil {
-					t.Fatal(err)
-				}
 				bwd, err := d.NewStream()
 				if err != nil {
 					t.Fatal(err)
@@ -139,32 +126,15 @@ func TestPrefetchThenLoad(t *testing.T) {
 	q.g16 = p.g16
 	want, wantCopy := q.reference(h, adam.BF16, 1)
 	d := NewSim(SimOptions{})
-	plan, err := NewPlan(len(testSizes), schedules(len(testSizes))[5])
-	if err != nil {
-		t.Fatal(err)
-	}
-	e, err := New(Options{Device: d, Sizes: testSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, Plan: plan, Mirror: testMirror(int64(n)), Prefetch: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	e := setupPrefetch(t, d, p, schedules(len(testSizes))[5])
 	defer e.Close()
-	load := func(s adam.State) {
-		hs := e.HostState()
-		copy(hs.Param, s.Param)
-		copy(hs.ExpAvg, s.ExpAvg)
-		copy(hs.ExpAvgSq, s.ExpAvgSq)
-		if err := e.Load(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	load(p.state)
 	put(t, d, e.grad, 0, p.gradBytes(0))
 	bwd, _ := d.NewStream()
 	defer d.FreeStream(bwd)
 	if err := e.Prefetch(bwd, 0); err != nil {
 		t.Fatal(err)
 	}
-	load(q.state)
+	loadState(t, e, q.state)
 	c := h.Coeffs(1, 1, 1)
 	if err := e.Update(&c); err != nil {
 		t.Fatal(err)
@@ -186,18 +156,7 @@ func TestPrefetchFaults(t *testing.T) {
 		for _, s := range schedules(len(testSizes)) {
 			mk := func(t *testing.T) (*Sim, *Engine) {
 				d := NewSim(SimOptions{})
-				plan, _ := NewPlan(len(testSizes), s)
-				e, err := New(Options{Device: d, Sizes: testSizes, GradDType: gd, WorkingDType: adam.BF16, Plan: plan, Mirror: testMirror(int64(n)), Prefetch: true})
-				if err != nil {
-					t.Fatal(err)
-				}
-				hs := e.HostState()
-				copy(hs.Param, p.state.Param)
-				copy(hs.ExpAvg, p.state.ExpAvg)
-				copy(hs.ExpAvgSq, p.state.ExpAvgSq)
-				if err := e.Load(); err != nil {
-					t.Fatal(err)
-				}
+				e := setupPrefetch(t, d, p, s)
 				put(t, d, e.grad, 0, p.gradBytes(0))
 				bwd, _ := d.NewStream()
 				if err := e.Prefetch(bwd, 0); err != nil {
@@ -230,19 +189,8 @@ func TestPrefetchFaults(t *testing.T) {
 			for i := 1; i <= 12; i++ {
 				t.Run(fmt.Sprintf("%v/%+v/pre%d", gd, s, i), func(t *testing.T) {
 					d := NewSim(SimOptions{})
-					plan, _ := NewPlan(len(testSizes), s)
-					e, err := New(Options{Device: d, Sizes: testSizes, GradDType: gd, WorkingDType: adam.BF16, Plan: plan, Mirror: testMirror(int64(n)), Prefetch: true})
-					if err != nil {
-						t.Fatal(err)
-					}
+					e := setupPrefetch(t, d, p, s)
 					defer e.Close()
-					hs := e.HostState()
-					copy(hs.Param, p.state.Param)
-					copy(hs.ExpAvg, p.state.ExpAvg)
-					copy(hs.ExpAvgSq, p.state.ExpAvgSq)
-					if err := e.Load(); err != nil {
-						t.Fatal(err)
-					}
 					put(t, d, e.grad, 0, p.gradBytes(0))
 					bwd, _ := d.NewStream()
 					d.opts.FailAt = d.Ops() + i
@@ -282,11 +230,7 @@ func TestUpdateFailsBeforePhase(t *testing.T) {
 	p := newProblem(n, adam.BF16, false, 1, 2)
 	sim := NewSim(SimOptions{})
 	d := &waitFail{Device: sim}
-	plan, _ := NewPlan(len(testSizes), schedules(len(testSizes))[5])
-	e, err := New(Options{Device: d, Sizes: testSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, Plan: plan, Prefetch: true})
-	if err != nil {
-		t.Fatal(err)
-	}
+	e := setupPrefetch(t, d, p, schedules(len(testSizes))[5])
 	defer e.Close()
 	put(t, sim, e.grad, 0, p.gradBytes(0))
 	bwd, _ := sim.NewStream()
@@ -295,12 +239,41 @@ func TestUpdateFailsBeforePhase(t *testing.T) {
 	}
 	d.arm = true
 	c := h.Coeffs(1, 1, 1)
-	err = e.Update(&c)
+	err := e.Update(&c)
 	d.arm = false
 	if err == nil || !e.preOn {
 		t.Fatalf("Update: %v; the prefetch pending after it: %v, want an error and true", err, e.preOn)
 	}
 	if err := e.DropPrefetch(); err != nil || e.preOn {
 		t.Fatalf("DropPrefetch: %v, pending %v", err, e.preOn)
+	}
+}
+
+// setupPrefetch builds an engine with Options.Prefetch on d for p with the
+// schedule s over testSizes and a mirror (testMirror), and loads p's
+// initial state.
+func setupPrefetch(t testing.TB, d Device, p *problem, s perfmodel.Schedule) *Engine {
+	t.Helper()
+	plan, err := NewPlan(len(testSizes), s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := New(Options{Device: d, Sizes: testSizes, GradDType: p.gd, WorkingDType: adam.BF16, Plan: plan, Mirror: testMirror(int64(testTotal())), Prefetch: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	loadState(t, e, p.state)
+	return e
+}
+
+// loadState writes s into e's host state and loads it onto the device.
+func loadState(t testing.TB, e *Engine, s adam.State) {
+	t.Helper()
+	hs := e.HostState()
+	copy(hs.Param, s.Param)
+	copy(hs.ExpAvg, s.ExpAvg)
+	copy(hs.ExpAvgSq, s.ExpAvgSq)
+	if err := e.Load(); err != nil {
+		t.Fatal(err)
 	}
 }
