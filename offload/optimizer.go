@@ -680,6 +680,21 @@ func (o *Optimizer) Plan() (plan perfmodel.Prediction, ok bool) {
 	return plan, true
 }
 
+// Limit returns the machine's limit for this optimizer's update phase on
+// Options.Device: perfmodel.Profile.Limit of Options.Profile (the one
+// measured at New, not Replan's corrected one) for its subgroups, GPU
+// budget and OverlapBackward (ok false without a device or a profile, or
+// when the model has no limit for them).
+func (o *Optimizer) Limit() (limit perfmodel.Prediction, ok bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.eng == nil || o.opts.Profile == nil {
+		return perfmodel.Prediction{}, false
+	}
+	lim, err := o.opts.Profile.Limit(o.workload())
+	return lim, err == nil
+}
+
 // Trace returns the last update phase's operations (scheduler.Engine.Trace:
 // times from the phase's start) and the host time the phase began
 // (scheduler.Engine.PhaseStart), to place it in an iteration's timeline.

@@ -337,3 +337,32 @@ func fillGrads(o *Optimizer, k int) {
 		}
 	}
 }
+
+// TestOptimizerLimit: with a device and a profile, Limit is the profile's
+// fluid bound for the optimizer's subgroups and budget, at or below its
+// plan's prediction; OverlapBackward plans (and bounds) the phase without
+// the prefetched copies; without a profile or a device there is none.
+func TestOptimizerLimit(t *testing.T) {
+	base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Threads: 2,
+		Device: scheduler.NewSim(scheduler.SimOptions{}), Profile: truthProfile(), GPUBudget: 2 * 12 * 300}
+	o := newWith(t, testParams, base)
+	lim, ok := o.Limit()
+	plan, _ := o.Plan()
+	want, err := truthProfile().Limit(o.workload())
+	if !ok || err != nil || lim.Makespan != want.Makespan || !(lim.Makespan > 0 && lim.Makespan <= plan.Makespan) {
+		t.Fatalf("Limit %+v (%v), want %g, at most the plan's %g", lim, ok, want.Makespan, plan.Makespan)
+	}
+	over := base
+	over.Device, over.OverlapBackward = scheduler.NewSim(scheduler.SimOptions{}), true
+	if l, ok := newWith(t, testParams, over).Limit(); !ok || l.Makespan > lim.Makespan {
+		t.Errorf("with OverlapBackward: %+v (%v), want at most %g", l, ok, lim.Makespan)
+	}
+	noProf := base
+	noProf.Device, noProf.Profile, noProf.Schedule = scheduler.NewSim(scheduler.SimOptions{}), nil, &perfmodel.Schedule{CPU: 6}
+	if _, ok := newWith(t, testParams, noProf).Limit(); ok {
+		t.Error("a limit without a profile")
+	}
+	if _, ok := newTest(t, Options{SubgroupSize: 300}).Limit(); ok {
+		t.Error("a limit without a device")
+	}
+}

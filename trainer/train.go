@@ -32,9 +32,11 @@ type Summary struct {
 	// UpdateS is the mean wall time of the optimizer's update phase this
 	// run, its first iteration left out (warm-up), in seconds;
 	// UpdatePredictedS the performance model's prediction (0 without a
-	// profile).
+	// profile) and UpdateLimitS the machine's limit for the phase with a
+	// device (offload.Optimizer.Limit: the model's fluid bound).
 	UpdateS          float64 `json:"update_s"`
 	UpdatePredictedS float64 `json:"update_predicted_s,omitempty"`
+	UpdateLimitS     float64 `json:"update_limit_s,omitempty"`
 	// MFU is the model FLOP utilization of the GPU trainer: TokensPerS ×
 	// gpt.Config.FLOPsPerToken over PeakFLOPS (llm.c's count); 0 on the
 	// host.
@@ -693,8 +695,13 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		if plan, ok := t.opt.Plan(); ok && done > 1 {
 			sum.UpdatePredictedS = plan.Makespan
-			t.logf("update phase: %.3f ms measured (mean of iterations 2..%d of this run), %.3f ms predicted by the performance model (CPU/GPU/resident subgroups %d/%d/%d, bottleneck %s)\n",
-				1e3*sum.UpdateS, done, 1e3*plan.Makespan, plan.CPU, plan.GPU, plan.Resident, plan.Bottleneck)
+			limit := ""
+			if lim, ok := t.opt.Limit(); ok && lim.Makespan > 0 {
+				sum.UpdateLimitS = lim.Makespan
+				limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid bound), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
+			}
+			t.logf("update phase: %.3f ms measured (mean of iterations 2..%d of this run), %.3f ms predicted by the performance model (CPU/GPU/resident subgroups %d/%d/%d, bottleneck %s)%s\n",
+				1e3*sum.UpdateS, done, 1e3*plan.Makespan, plan.CPU, plan.GPU, plan.Resident, plan.Bottleneck, limit)
 		}
 		sum.TokensPerS = float64(done*tokens) / time.Since(start).Seconds()
 		if done > 1 {
