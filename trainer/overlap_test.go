@@ -3,6 +3,8 @@ package trainer
 import (
 	"fmt"
 	"testing"
+
+	"github.com/deepstates/dos/adam"
 )
 
 // TestFinalAfter: GPT-2's tensors in gpt.Config.Tensors order, three
@@ -40,5 +42,20 @@ func TestFinalAfter(t *testing.T) {
 	}
 	if fmt.Sprint(got) != "[wte.weight wpe.weight lm_head.weight h.3.ln_1.weight h.1x.bias h.-1.ln_1.weight]" {
 		t.Errorf("after the backward: %v", got)
+	}
+}
+
+// TestMemoryBytesOverlap: on cuda the overlap's pinned gradients count 2
+// bytes a parameter (every parameter: the schedule is not known yet), and
+// --no-overlap takes them out.
+func TestMemoryBytesOverlap(t *testing.T) {
+	c := DefaultTrainConfig()
+	c.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 2, NHead: 2, NEmbd: 128}
+	c.Device, c.WorkingDType, c.GradDType = "cuda", adam.BF16, adam.BF16
+	with := c.MemoryBytes()
+	c.NoOverlap = true
+	without := c.MemoryBytes()
+	if d := with - without; d != 2*float64(c.paramCount()) {
+		t.Errorf("the overlap counts %g bytes, want 2 per parameter (%d)", d, 2*c.paramCount())
 	}
 }

@@ -196,6 +196,8 @@ func TestValidateNamesFlags(t *testing.T) {
 		{func(c *TrainConfig) { c.Resume = true }, "--resume needs --ckpt-dir"},
 		{func(c *TrainConfig) { c.BF16Params = true }, "--bf16-params needs --device cuda"},
 		{func(c *TrainConfig) { c.Recompute = true }, "--recompute needs --device cuda"},
+		{func(c *TrainConfig) { c.NoOverlap = true }, "--no-overlap needs --device cuda"},
+		{func(c *TrainConfig) { c.NoOverlap, c.Device, c.WorkingDType = true, "sim", adam.BF16 }, "--no-overlap needs --device cuda"},
 		{func(c *TrainConfig) { c.GPUMemory = -1 }, "--gpu-memory -1 GiB"},
 		{func(c *TrainConfig) { c.GPUMemory = 24 }, "--gpu-memory caps the GPU's memory: it needs --device cuda"},
 		{func(c *TrainConfig) {
