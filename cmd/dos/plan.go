@@ -119,6 +119,9 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	n := w.Subgroups()
 	fmt.Fprintf(stdout, "dos plan: %s parameters over %d rank(s): %s per rank in %d subgroups of up to %s, %d CPU workers per rank, GPU budget %g GiB per rank\n",
 		count(float64(params)), *ranks, count(float64(rankParams)), n, count(float64(sgSize)), perRank, *budget)
+	if *threads < *ranks {
+		fmt.Fprintf(stdout, "note: %d CPU workers over %d ranks: 1 worker per rank, %d in all (more than --threads)\n", *threads, *ranks, *ranks)
+	}
 	if perRank > measured {
 		fmt.Fprintf(stdout, "note: the profile measured at most %d workers; its rate there stands for %d (scale it with --cpu-scale)\n", measured, perRank)
 	}

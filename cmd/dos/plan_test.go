@@ -24,6 +24,11 @@ func TestPlan(t *testing.T) {
 	if !strings.Contains(out.String(), "machine limit: 0.539 s, the performance model's fluid bound") {
 		t.Errorf("no machine limit of 0.539 s:\n%s", out.String())
 	}
+	out.Reset()
+	if rc := run([]string{"plan", "--profile", "../../testdata/profiles/h200.json", "--threads", "2", "--ranks", "4", "--sweep", "0"}, &out, &errb); rc != 0 ||
+		!strings.Contains(out.String(), "note: 2 CPU workers over 4 ranks: 1 worker per rank, 4 in all") {
+		t.Errorf("fewer threads than ranks: rc %d, no note:\n%s", rc, out.String())
+	}
 	for _, args := range [][]string{{"plan"}, {"plan", "--profile", "x", "--params", "-1"}, {"plan", "--profile", "../../testdata/profiles/h200.json", "--ranks", "0"},
 		{"plan", "--profile", "../../testdata/profiles/h200.json", "--gpu-budget", "NaN"}, {"plan", "--profile", "../../testdata/profiles/h200.json", "--subgroup-size", "1"}} {
 		out.Reset()
