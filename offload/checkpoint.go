@@ -146,40 +146,23 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 // VerifyCheckpoint does).
 func newSaveCheck(s *checkpoint.Snapshot) func(t int, off int64, b []byte) error {
 	var (
-		cur   = -1
-		scan  stateScan
-		size  int64
-		carry [4]byte // an element split between two pieces
-		nc    int
+		scan stateScan
+		cur  = -1
+		size int64 // tensor cur's bytes
 	)
 	return func(t int, off int64, b []byte) error {
-		ts := s.Tensors
-		if ts[t].DType != safetensors.F32 || trimStateSuffix(ts[t].Name) == ts[t].Name {
+		ts := &s.Tensors[t]
+		if !isStateTensor(ts.DType, ts.Name) {
 			return nil // not optimizer state: a caller's tensor
 		}
-		if t != cur || off == 0 {
-			cur, scan, size, nc = t, newStateScan(ts[t].Name), 0, 0
-			for _, r := range ts[t].Data {
+		if t != cur {
+			cur, size = t, 0
+			for _, r := range ts.Data {
 				size += int64(len(r))
 			}
 		}
-		end := off+int64(len(b)) == size
-		if nc > 0 {
-			k := copy(carry[nc:], b)
-			nc += k
-			b = b[k:]
-			if nc == len(carry) {
-				scan.scan(carry[:])
-				nc = 0
-			}
-		}
-		whole := len(b) &^ 3
-		scan.scan(b[:whole])
-		nc += copy(carry[nc:], b[whole:])
-		if end {
-			if err := scan.err(); err != nil {
-				return fmt.Errorf("offload: state tensor %q is not saved: %v; the previous checkpoint stays the latest", ts[t].Name, err)
-			}
+		if err := scan.piece(ts.Name, size, off, b); err != nil {
+			return fmt.Errorf("offload: state tensor %q is not saved: %v; the previous checkpoint stays the latest", ts.Name, err)
 		}
 		return nil
 	}

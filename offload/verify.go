@@ -22,13 +22,16 @@ import (
 // exp_avg_sq freezes its element silently (the update becomes m/Inf = 0).
 
 // stateScan checks one state tensor whose little-endian fp32 bytes are fed
-// to scan in order, in pieces of whole elements, and counts its bad values.
+// to it in order (scan: pieces of whole elements; feed: any pieces) and
+// counts its bad values.
 type stateScan struct {
 	nonNeg   bool    // exp_avg_sq or max_exp_avg_sq: a value < 0 is bad too
 	n        int64   // elements seen
 	bad      int64   // bad elements seen
 	first    int64   // index of the first bad element
 	firstVal float32 // its value
+	carry    [4]byte // feed's: the start of an element split between pieces
+	nc       int     // its bytes
 }
 
 // newStateScan returns the scan for the state tensor name: every value
@@ -73,6 +76,40 @@ func (s *stateScan) scan(b []byte) {
 		s.n += int64(len(blk) / 4)
 		b = b[len(blk):]
 	}
+}
+
+// feed checks the next bytes b of the tensor, a piece of any length: an
+// element split between two pieces is checked once whole.
+func (s *stateScan) feed(b []byte) {
+	if s.nc > 0 {
+		k := copy(s.carry[s.nc:], b)
+		s.nc += k
+		b = b[k:]
+		if s.nc < len(s.carry) {
+			return
+		}
+		s.scan(s.carry[:])
+		s.nc = 0
+	}
+	whole := len(b) &^ 3
+	s.scan(b[:whole])
+	s.nc = copy(s.carry[:], b[whole:])
+}
+
+// piece feeds piece b, at byte offset off, of the state tensor name of size
+// bytes in all, pieces coming in order (the callbacks of
+// checkpoint.Checkpoint.VerifyFunc and checkpoint.Snapshot.Check): the
+// first starts a new scan, the last returns the tensor's error (err; it
+// does not name the tensor), the others nil.
+func (s *stateScan) piece(name string, size, off int64, b []byte) error {
+	if off == 0 {
+		*s = newStateScan(name)
+	}
+	s.feed(b)
+	if off+int64(len(b)) < size {
+		return nil // more to come: the error counts the whole tensor
+	}
+	return s.err()
 }
 
 // count finds and counts the bad elements of blk, s.n being the index of
@@ -123,10 +160,11 @@ func CheckState(name string, v []float32) error {
 	return nil
 }
 
-// isStateTensor reports whether the tensor e holds optimizer state that
-// VerifyCheckpoint checks: F32, with one of the state suffixes.
-func isStateTensor(e checkpoint.TensorEntry) bool {
-	return e.DType == safetensors.F32 && trimStateSuffix(e.Name) != e.Name
+// isStateTensor reports whether a tensor of dtype d named name holds
+// optimizer state that VerifyCheckpoint and a save check: F32, with one of
+// the state suffixes.
+func isStateTensor(d safetensors.DType, name string) bool {
+	return d == safetensors.F32 && trimStateSuffix(name) != name
 }
 
 // VerifyCheckpoint checks the checkpoint c that an Optimizer saved
@@ -150,17 +188,10 @@ func isStateTensor(e checkpoint.TensorEntry) bool {
 func VerifyCheckpoint(c *checkpoint.Checkpoint) error {
 	var s stateScan
 	err := c.VerifyFunc(func(t checkpoint.TensorEntry, off int64, chunk []byte) error {
-		if !isStateTensor(t) {
+		if !isStateTensor(t.DType, t.Name) {
 			return nil
 		}
-		if off == 0 {
-			s = newStateScan(t.Name)
-		}
-		s.scan(chunk)
-		if off+int64(len(chunk)) < t.Bytes {
-			return nil // more to come: the error counts the whole tensor
-		}
-		return s.err()
+		return s.piece(t.Name, t.Bytes, off, chunk)
 	})
 	if err != nil && !errors.Is(err, checkpoint.ErrCorrupt) {
 		return err

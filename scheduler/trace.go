@@ -24,9 +24,9 @@ type Op struct {
 // device's by its events (from an event recorded at the start), the CPU's
 // by the host clock from the same start, sorted by start. What Prefetch
 // issued for it comes first, at negative times (during the backward). Read
-// it before the next Prefetch or Update, which record those events again. Errors:
-// ErrNoPhase before the first Update or after a Replan; the device's
-// (Elapsed).
+// it before the next Prefetch or Update, which record those events again.
+// Errors: ErrNoPhase before the first Update or after a Replan; the
+// device's (Elapsed).
 func (e *Engine) Trace() ([]Op, error) {
 	if !e.updated {
 		return nil, ErrNoPhase
@@ -42,29 +42,9 @@ func (e *Engine) Trace() ([]Op, error) {
 			for k := r[0]; k <= r[1]; k++ {
 				o.Bytes += e.core.steps[k].amount
 			}
-			switch {
-			case op == opCPU:
-				o.Start, o.End = e.cpuT[i][0], e.cpuT[i][1]
-			case e.preLast[i]&(1<<op) != 0: // Prefetch's, during the backward: before the phase
-				a, err := e.preTime(e.startEv[r[0]])
-				if err != nil {
-					return nil, err
-				}
-				b, err := e.preTime(e.endEv[r[1]])
-				if err != nil {
-					return nil, err
-				}
-				o.Start, o.End = a, b
-			default:
-				a, err := e.dev.Elapsed(e.base, e.startEv[r[0]])
-				if err != nil {
-					return nil, err
-				}
-				b, err := e.dev.Elapsed(e.base, e.endEv[r[1]])
-				if err != nil {
-					return nil, err
-				}
-				o.Start, o.End = a, b
+			var err error
+			if o.Start, o.End, err = e.opSpan(i, op); err != nil {
+				return nil, err
 			}
 			ops = append(ops, o)
 		}
@@ -134,12 +114,33 @@ func resIndex(r perfmodel.Resource) int8 {
 	return 3
 }
 
+// opSpan returns when operation op of subgroup i ran in the last Update,
+// from its base: a CPU update by the host clock, a device operation by its
+// first step's start event and its last step's end event (what Prefetch
+// issued through preTime, before the base).
+func (e *Engine) opSpan(i, op int) (start, end time.Duration, err error) {
+	if op == opCPU {
+		return e.cpuT[i][0], e.cpuT[i][1], nil
+	}
+	r := e.core.opSteps[i][op]
+	at := func(ev Event) (time.Duration, error) { return e.dev.Elapsed(e.base, ev) }
+	if e.preLast[i]&(1<<op) != 0 {
+		at = e.preTime
+	}
+	if start, err = at(e.startEv[r[0]]); err != nil {
+		return 0, 0, err
+	}
+	end, err = at(e.endEv[r[1]])
+	return start, end, err
+}
+
 // Measure returns the last Update's Busy from the same clocks as Trace
 // (the device's events, the host clock for the CPU workers): each
 // resource's busy time is the union of its operations' intervals, as
-// Summarize counts it. What Prefetch issued before the phase is left out. It does not allocate: Options.Replan's refit in
-// offload reads it after every phase. Errors: ErrNoPhase before the first
-// Update or after a Replan; the device's (Elapsed).
+// Summarize counts it. What Prefetch issued before the phase is left out.
+// It does not allocate: Options.Replan's refit in offload reads it after
+// every phase. Errors: ErrNoPhase before the first Update or after a
+// Replan; the device's (Elapsed).
 func (e *Engine) Measure() (Busy, error) {
 	if !e.updated {
 		return Busy{}, ErrNoPhase
@@ -150,18 +151,10 @@ func (e *Engine) Measure() (Busy, error) {
 			if e.done[i]&(1<<op) == 0 || e.preLast[i]&(1<<op) != 0 {
 				continue // not done, or Prefetch's: not in the phase
 			}
-			r := e.core.opSteps[i][op]
-			sp := interval{res: resIndex(resource(e.core.steps[r[0]].queue))}
-			if op == opCPU {
-				sp.start, sp.end = e.cpuT[i][0], e.cpuT[i][1]
-			} else {
-				var err error
-				if sp.start, err = e.dev.Elapsed(e.base, e.startEv[r[0]]); err != nil {
-					return Busy{}, err
-				}
-				if sp.end, err = e.dev.Elapsed(e.base, e.endEv[r[1]]); err != nil {
-					return Busy{}, err
-				}
+			sp := interval{res: resIndex(resource(e.core.steps[e.core.opSteps[i][op][0]].queue))}
+			var err error
+			if sp.start, sp.end, err = e.opSpan(i, op); err != nil {
+				return Busy{}, err
 			}
 			e.spans = append(e.spans, sp)
 		}
