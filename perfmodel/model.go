@@ -360,8 +360,9 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 // time over every split of the subgroups between the CPU workers, the
 // streamed GPU lane and residency within the GPU budget, with the CPU and
 // streamed counts taken as real numbers (any fraction of the non-resident
-// parameters on the CPU), with and without the upcast, and without any fill or drain
-// (the busiest resource's busy time, the contention included). No schedule
+// parameters on the CPU), with and without the upcast, and without any
+// fill or drain (the busiest resource's busy time, the contention
+// included). No schedule
 // of whole subgroups and no engine can beat it under the profile's rates
 // and contention; issue 17 asks the engine to come within 10 % of it. Its
 // Prediction holds the split at the bound (Schedule's counts rounded;
@@ -394,9 +395,6 @@ func (p *Profile) Limit(w Workload) (Prediction, error) {
 		streams := r < n && w.gpuMemory(Schedule{Resident: r, GPU: 1}) <= budget
 		for _, upcast := range []bool{false, true} {
 			at := func(c float64) Prediction {
-				if !streams {
-					c = N
-				}
 				s := Schedule{CPU: int(math.Round(c)), GPU: n - r - int(math.Round(c)), Resident: r, UpcastOnGPU: upcast}
 				if upcast && (c == 0 || w.gpuMemory(s) > budget) {
 					return Prediction{Makespan: math.Inf(1)}
@@ -406,6 +404,12 @@ func (p *Profile) Limit(w Workload) (Prediction, error) {
 					return Prediction{Makespan: math.Inf(1)}
 				}
 				return fluid(pr)
+			}
+			if !streams { // the non-resident ones all on the CPU
+				if pr := at(N); pr.Makespan < best.Makespan {
+					best = pr
+				}
+				continue
 			}
 			// A grid over the CPU's share, then a finer one around its best
 			// point (the contention makes the maximum not quite convex).
