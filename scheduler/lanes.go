@@ -137,7 +137,8 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 				return err
 			}
 		}
-		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.D2H(s, e.gst, gb*int64(slot)*e.maxN, src, srcOff, gb*n), e.dev.Record(e.endEv[k], s))
+		dst, dstOff := e.gradHost(i, slot)
+		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.D2H(s, dst, dstOff, src, srcOff, gb*n), e.dev.Record(e.endEv[k], s))
 	case opCPU:
 		e.cpu(i, slot)
 		return nil
@@ -232,11 +233,8 @@ func (e *Engine) cpu(i, slot int) {
 	n := e.sizes[i]
 	lo := e.off[i]
 	var g adam.Grad
-	gb := elemBytes(e.cpuGD)
-	gs := e.gst.Bytes()[gb*int64(slot)*e.maxN:]
-	if e.pre[i]&(1<<opGradD2H) != 0 {
-		gs = e.gpre.Bytes()[e.gpOff[i]:] // Prefetch moved it there
-	}
+	h, off := e.gradHost(i, slot)
+	gs := h.Bytes()[off:]
 	if e.cpuGD == adam.F32 {
 		g = adam.GradF32(unsafe.Slice((*float32)(unsafe.Pointer(&gs[0])), n))
 	} else {
@@ -250,4 +248,14 @@ func (e *Engine) cpu(i, slot int) {
 	e.cpuT[i][0] = time.Since(e.t0)
 	e.pool.Step(e.coeffs(i), e.state.Slice(int(lo), int(lo+n)), g, out)
 	e.cpuT[i][1] = time.Since(e.t0)
+}
+
+// gradHost returns where CPU subgroup i's gradient is on the host: its own
+// place in the prefetch memory when Prefetch moves it (Options.Prefetch),
+// else host staging slot slot.
+func (e *Engine) gradHost(i, slot int) (Host, int64) {
+	if e.pre[i]&(1<<opGradD2H) != 0 {
+		return e.gpre, e.gpOff[i]
+	}
+	return e.gst, elemBytes(e.cpuGD) * int64(slot) * e.maxN
 }

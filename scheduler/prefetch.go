@@ -107,23 +107,15 @@ func (e *Engine) prefetch(s Stream, ready int64) error {
 			}
 			waited = true
 		}
-		if err := e.prefetchGrad(i); err != nil {
+		// Marked first: the step's copy then lands in the subgroup's
+		// own place (gradHost); a failure drops the mark with the rest.
+		e.pre[i] |= 1 << opGradD2H
+		k := e.core.opSteps[i][opGradD2H][0]
+		if err := e.exec(k, int(e.core.steps[k].slot), false); err != nil {
 			return err
 		}
-		e.pre[i] |= 1 << opGradD2H
 	}
 	return nil
-}
-
-// prefetchGrad enqueues CPU subgroup i's gradient D2H (its core step, with
-// its events) into its place in the prefetch memory.
-func (e *Engine) prefetchGrad(i int) error {
-	k := e.core.opSteps[i][opGradD2H][0]
-	gb := elemBytes(e.cpuGD)
-	s := e.s[sD2H]
-	e.laneMu[sD2H].Lock()
-	defer e.laneMu[sD2H].Unlock()
-	return firstErr(e.dev.Record(e.startEv[k], s), e.dev.D2H(s, e.gpre, e.gpOff[i], e.grad, gb*e.off[i], gb*e.sizes[i]), e.dev.Record(e.endEv[k], s))
 }
 
 // DropPrefetch forgets what Prefetch issued for the next Update: it waits
