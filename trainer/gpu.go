@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/gpt"
 
 	"github.com/deepstates/dos/internal/cublas"
 	"github.com/deepstates/dos/internal/cuda"
@@ -229,11 +230,7 @@ func (g *gpuTrainer) overlap(opt *offload.Optimizer) {
 		g.m.OnBlockBackward(nil)
 		return
 	}
-	names := make([]string, len(opt.Params()))
-	for i, p := range opt.Params() {
-		names[i] = p.Name
-	}
-	g.blocks, g.rest = finalAfter(names, g.m.Config().NLayer)
+	g.blocks, g.rest = finalAfter(g.m.Config().NLayer)
 	g.opt, g.stream = opt, scheduler.CUDAStream(g.s)
 	g.m.OnBlockBackward(func(l int) error { return opt.GradsFinal(g.stream, g.blocks[l]...) })
 }
@@ -337,25 +334,21 @@ func (g *gpuTrainer) close() error {
 	return errors.Join(errs...)
 }
 
-// finalAfter sorts GPT-2's parameters (names as gpt.Config.Tensors gives
-// them, indexed as given) by when gptcuda's backward has written their
-// final gradients: blocks[l] after block l's backward (h.l.*, and ln_f's
-// with the last block, written before the blocks), rest after the whole
-// backward (the embeddings: wte's gradient is summed at both ends).
-// Anything it does not know goes to rest, the safe side.
-func finalAfter(names []string, layers int) (blocks [][]int, rest []int) {
+// finalAfter sorts GPT-2's tensors (gpt.Config.Tensors indices, which are
+// the optimizer's: offloadParams) by when gptcuda's backward has written
+// their final gradients: blocks[l] after block l's backward (its
+// gpt.PerLayer tensors from gpt.LayerBase(l), and ln_f's with the last
+// block, written before the blocks), rest after the whole backward (wte,
+// whose gradient is summed at both ends, and wpe).
+func finalAfter(layers int) (blocks [][]int, rest []int) {
 	blocks = make([][]int, layers)
-	for i, name := range names {
-		var l int
-		var tail string
-		switch n, _ := fmt.Sscanf(name, "h.%d.%s", &l, &tail); {
-		case n == 2 && l >= 0 && l < layers && name == fmt.Sprintf("h.%d.%s", l, tail):
-			blocks[l] = append(blocks[l], i)
-		case layers > 0 && (name == "ln_f.weight" || name == "ln_f.bias"):
-			blocks[layers-1] = append(blocks[layers-1], i)
-		default:
-			rest = append(rest, i)
+	for l := range blocks {
+		for k := range gpt.PerLayer {
+			blocks[l] = append(blocks[l], gpt.LayerBase(l)+k)
 		}
 	}
-	return blocks, rest
+	if layers > 0 {
+		blocks[layers-1] = append(blocks[layers-1], gpt.LayerBase(layers)+gpt.LnfW, gpt.LayerBase(layers)+gpt.LnfB)
+	}
+	return blocks, []int{gpt.Wte, gpt.Wpe}
 }
