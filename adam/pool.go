@@ -3,16 +3,28 @@ package adam
 import (
 	"runtime"
 	"sync"
+	"sync/atomic"
 )
 
 // MinChunk is the smallest number of elements a Pool gives one goroutine:
 // below it, the cost of waking a worker exceeds the work.
 const MinChunk = 1 << 15
 
+// MaxChunk is the largest number of elements a Pool hands out at once. The
+// goroutines take chunks from a shared counter until none is left, so one
+// that the OS deschedules (another thread on its core: a lane spinning on
+// a CUDA event, the Go runtime) holds up the end of a call by at most one
+// chunk rather than by a whole 1/threads of it. On the H200 machine's 16
+// cores, 8 MinChunk (about 1 ms of one core's work) ran a 25M-parameter
+// subgroup 1.14x faster than one fixed chunk per goroutine, and 1.17x with
+// two threads spinning beside it (BENCHMARKS.md, "the CPU lane's lost
+// time").
+const MaxChunk = 8 * MinChunk
+
 // Chunk boundaries fall on multiples of MinChunk elements. That keeps two
 // goroutines off each other's cache lines of p, m and v, and lets
 // GradStats add per-MinChunk partial sums in one fixed order, so its result
-// does not depend on the thread count.
+// does not depend on the thread count or on which goroutine took a chunk.
 
 type taskKind uint8
 
@@ -21,35 +33,39 @@ const (
 	taskStats
 )
 
-type task struct {
+// job is one call's work, shared by the goroutines that take its chunks.
+type job struct {
 	kind    taskKind
 	c       Coeffs
 	s       State
 	g       Grad
 	out     Copy16
 	unscale float32
-	slot    int
-	lo      int // first element of this chunk in the whole buffer
+	n       int          // elements in all
+	size    int          // elements per chunk, a multiple of MinChunk (or n)
+	next    atomic.Int64 // the first element of the next chunk to take
 }
 
-// slot holds one worker's reduction result, padded to its own cache lines.
+// slot holds one goroutine's reduction result, padded to its own cache
+// lines.
 type slot struct {
 	finite bool
 	_      [127]byte
 }
 
-// Pool runs Step and GradStats over large subgroups by splitting
-// them into contiguous chunks of at least MinChunk elements, one per
-// goroutine, the calling goroutine included. Workers are started once, by
-// NewPool; a call allocates nothing.
+// Pool runs Step and GradStats over large subgroups by splitting them into
+// contiguous chunks of MinChunk to MaxChunk elements that its goroutines,
+// the calling one included, take in turn until none is left. Workers are
+// started once, by NewPool; a call allocates nothing.
 //
 // A Pool's methods serialize with each other (one operation at a time);
 // they are safe to call from several goroutines.
 type Pool struct {
 	mu      sync.Mutex
 	threads int
-	tasks   chan task
+	tasks   chan int // a goroutine's slot: take chunks of job
 	wg      sync.WaitGroup
+	job     job
 	slots   []slot
 	partial []float64 // GradStats partial sums, one per MinChunk block
 	path    Path
@@ -66,7 +82,7 @@ func NewPoolPath(threads int, path Path) *Pool {
 	if threads <= 0 {
 		threads = runtime.GOMAXPROCS(0)
 	}
-	p := &Pool{threads: threads, tasks: make(chan task, threads), slots: make([]slot, threads), path: path}
+	p := &Pool{threads: threads, tasks: make(chan int, threads), slots: make([]slot, threads), path: path}
 	for i := 1; i < threads; i++ {
 		go p.worker()
 	}
@@ -90,74 +106,65 @@ func (p *Pool) Close() {
 }
 
 func (p *Pool) worker() {
-	for t := range p.tasks {
-		p.run(&t)
+	for sl := range p.tasks {
+		p.run(sl)
 		p.wg.Done()
 	}
 }
 
-func (p *Pool) run(t *task) {
-	switch t.kind {
-	case taskStep:
-		p.path.Step(&t.c, t.s, t.g, t.out)
-	case taskStats:
-		ok := true
-		for i, lo := t.lo/MinChunk, 0; lo < t.g.Len(); i, lo = i+1, lo+MinChunk {
-			var f bool
-			f, p.partial[i] = p.path.blockStats(t.g.Slice(lo, min(lo+MinChunk, t.g.Len())), t.unscale)
-			ok = ok && f
+// run takes chunks of p.job until none is left, as goroutine slot sl.
+func (p *Pool) run(sl int) {
+	t := &p.job
+	ok := true
+	for {
+		lo := int(t.next.Add(int64(t.size))) - t.size
+		if lo >= t.n {
+			break
 		}
-		p.slots[t.slot].finite = ok
+		hi := min(lo+t.size, t.n)
+		switch t.kind {
+		case taskStep:
+			p.path.Step(&t.c, t.s.Slice(lo, hi), t.g.Slice(lo, hi), t.out.Slice(lo, hi))
+		case taskStats:
+			for b := lo; b < hi; b += MinChunk {
+				var f bool
+				f, p.partial[b/MinChunk] = p.path.blockStats(t.g.Slice(b, min(b+MinChunk, hi)), t.unscale)
+				ok = ok && f
+			}
+		}
 	}
+	p.slots[sl].finite = ok
 }
 
-// split returns the number of chunks for n elements and the chunk size.
-func (p *Pool) split(n int) (chunks, size int) {
-	chunks = min(p.threads, (n+MinChunk-1)/MinChunk)
-	if chunks <= 1 {
-		return 1, n
+// split returns the goroutines a call over n elements uses and the chunk
+// size: about four chunks per goroutine, MinChunk to MaxChunk elements each
+// (a multiple of MinChunk), or one chunk of n when n is below 2 MinChunk.
+func (p *Pool) split(n int) (goroutines, size int) {
+	if n < 2*MinChunk || p.threads == 1 {
+		return 1, max(n, 1)
 	}
-	size = (n + chunks - 1) / chunks
-	size = (size + MinChunk - 1) / MinChunk * MinChunk
-	chunks = (n + size - 1) / size
-	return chunks, size
+	size = (n + 4*p.threads - 1) / (4 * p.threads)
+	size = min(MaxChunk, max(MinChunk, (size+MinChunk-1)/MinChunk*MinChunk))
+	return min(p.threads, (n+size-1)/size), size
 }
 
-// dispatch runs t over [0, n) in chunks; t.s, t.g and t.out are sliced.
-// Panics if the pool is closed.
-func (p *Pool) dispatch(t task, n int) int {
+// dispatch runs p.job (its kind and operands set) over its n elements on
+// the goroutines split chooses, the caller among them, and returns how many
+// ran. Panics if the pool is closed.
+func (p *Pool) dispatch(n int) int {
 	if p.closed {
 		panic("adam: Pool used after Close")
 	}
-	chunks, size := p.split(n)
-	if chunks > 1 {
-		for i := 1; i < chunks; i++ {
-			lo, hi := i*size, min((i+1)*size, n)
-			c := t
-			c.slot = i
-			c.lo = lo
-			if t.kind == taskStep {
-				c.s = t.s.Slice(lo, hi)
-				c.out = t.out.Slice(lo, hi)
-			}
-			c.g = t.g.Slice(lo, hi)
-			p.wg.Add(1) // after the slicing: nothing left to panic between Add and the send
-			p.tasks <- c
-		}
+	goroutines, size := p.split(n)
+	p.job.n, p.job.size = n, size
+	p.job.next.Store(0)
+	p.wg.Add(goroutines - 1)
+	for sl := 1; sl < goroutines; sl++ {
+		p.tasks <- sl
 	}
-	first := t
-	first.slot = 0
-	hi := min(size, n)
-	if t.kind == taskStep {
-		first.s = t.s.Slice(0, hi)
-		first.out = t.out.Slice(0, hi)
-	}
-	first.g = t.g.Slice(0, hi)
-	p.run(&first)
-	if chunks > 1 {
-		p.wg.Wait()
-	}
-	return chunks
+	p.run(0)
+	p.wg.Wait()
+	return goroutines
 }
 
 // Step is the parallel form of the package-level Step, with the same
@@ -169,7 +176,10 @@ func (p *Pool) Step(c *Coeffs, s State, g Grad, out Copy16) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.dispatch(task{kind: taskStep, c: *c, s: s, g: g, out: out}, len(s.Param))
+	t := &p.job
+	t.kind, t.c, t.s, t.g, t.out = taskStep, *c, s, g, out
+	p.dispatch(len(s.Param))
+	t.s, t.g, t.out = State{}, Grad{}, Copy16{} // keep no caller's memory alive
 }
 
 // GradStats is the parallel form of Path.GradStats on the pool's path, with
@@ -184,7 +194,10 @@ func (p *Pool) GradStats(g Grad, unscale float32) (finite bool, sumSquares float
 		p.partial = make([]float64, blocks)
 	}
 	p.partial = p.partial[:blocks]
-	chunks := p.dispatch(task{kind: taskStats, g: g, unscale: unscale}, g.Len())
+	t := &p.job
+	t.kind, t.g, t.unscale = taskStats, g, unscale
+	chunks := p.dispatch(g.Len())
+	t.g = Grad{}
 	finite = true
 	for i := 0; i < chunks; i++ {
 		finite = finite && p.slots[i].finite

@@ -264,3 +264,45 @@ func TestLengthMismatchPanics(t *testing.T) {
 	}()
 	Step(&c, s, g.Slice(0, 9), Copy16{})
 }
+
+// TestPoolSplit checks the pool's chunking: chunks of MinChunk to MaxChunk
+// elements (a multiple of MinChunk) covering n, about four per goroutine
+// and never more goroutines than threads or chunks; and that GradStats over
+// many chunks per goroutine keeps the serial sum bit for bit.
+func TestPoolSplit(t *testing.T) {
+	for _, threads := range []int{1, 2, 3, 16} {
+		p := NewPool(threads)
+		for _, n := range []int{0, 1, MinChunk, 2*MinChunk - 1, 2 * MinChunk, 3*MinChunk + 5, 70 * MinChunk, 25_000_000, 100_000_000} {
+			g, size := p.split(n)
+			chunks := (n + size - 1) / size
+			switch {
+			case n < 2*MinChunk || threads == 1:
+				if g != 1 || size != max(n, 1) {
+					t.Errorf("threads=%d n=%d: %d goroutines, chunks of %d; want 1, %d", threads, n, g, size, max(n, 1))
+				}
+			case size%MinChunk != 0 || size < MinChunk || size > MaxChunk:
+				t.Errorf("threads=%d n=%d: chunks of %d elements", threads, n, size)
+			case g != min(threads, chunks):
+				t.Errorf("threads=%d n=%d: %d goroutines for %d chunks", threads, n, g, chunks)
+			case size < MaxChunk && chunks > 4*threads:
+				t.Errorf("threads=%d n=%d: %d chunks of %d, more than 4 per goroutine below MaxChunk", threads, n, chunks, size)
+			}
+		}
+		p.Close()
+	}
+	// 25M elements on 16 goroutines: 1,536K each, in chunks of MaxChunk.
+	p := NewPool(16)
+	if g, size := p.split(25_000_000); g != 16 || size != MaxChunk {
+		t.Errorf("25M on 16: %d goroutines, chunks of %d; want 16, %d", g, size, MaxChunk)
+	}
+	p.Close()
+	_, g := randomProblem(40*MinChunk+9, BF16, false, 3)
+	want := SumSquares(g, 0.5)
+	for _, threads := range []int{2, 3, 7} {
+		p := NewPool(threads)
+		if ok, got := p.GradStats(g, 0.5); !ok || got != want {
+			t.Errorf("%d threads: GradStats %v, %v; serial %v", threads, ok, got, want)
+		}
+		p.Close()
+	}
+}
