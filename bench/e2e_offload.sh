@@ -8,8 +8,7 @@
 # RUNS is a space-separated list of MODEL,CAP_GiB,BATCH (default "gpt2-xl,24,8"); MODEL is a GPT-2 preset or
 # LAYERS:EMBD:HEADS. T = 1024, STEPS iterations (default 12; the medians leave the first 2 out). For each:
 #   dos-model   bin/dos train --device cuda --gpu-memory CAP --replan (the performance model's schedule from the
-#               start-up calibration, corrected online; its last iteration drawn with --timeline to
-#               OUT/MODEL-CAP-dos-model-timeline.svg, the Chrome trace beside it)
+#               start-up calibration, corrected online)
 #   dos-nooverlap  dos-model with --no-overlap (nothing of the update phase during backward): what the overlap
 #               with backward gains
 #   dos-cpu     the same with --schedule cpu (every subgroup on the CPU: ZeRO-Offload's placement)
@@ -25,8 +24,9 @@
 # RECOMPUTE=1 (the default) runs both sides with activation checkpointing (dos --recompute, transformers'
 # gradient_checkpointing_enable), so the two do the same work under the cap; RECOMPUTE=0 runs neither.
 # STRATS (default "dos-model dos-nooverlap dos-cpu dos-static dos-static-25M") picks the dos runs, MODES (default
-# "fsdp2 dos gpu") the PyTorch runs. GPU_NOCAP=1 (the default) adds the all-on-GPU run without a cap, as the reference ceiling.
-# Prints one line per run and a markdown table: tokens/s, ms per iteration, forward+backward and update (medians),
+# "fsdp2 dos gpu"; set and empty: none) the PyTorch runs; DOS_BIN (default bin/dos) the dos binary. GPU_NOCAP=1 (the default) adds the all-on-GPU run without a cap, as the reference ceiling.
+# Every dos run draws its last iteration with --timeline to OUT/MODEL-CAP-bBATCH-STRATEGY-timeline.svg (the Chrome
+# trace beside it). Prints one line per run and a markdown table: tokens/s, ms per iteration, forward+backward and update (medians),
 # dos's predicted update, TFLOP/s and each run against fsdp2. Logs, JSON and summaries go to OUT (default /tmp/e2e).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -38,9 +38,10 @@ runs=${RUNS:-"gpt2-xl,24,8"}
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 dosrc=()
 torchrc=()
+dosbin=${DOS_BIN:-bin/dos}
 if [ "${RECOMPUTE:-1}" = 1 ]; then dosrc=(--recompute); torchrc=(--checkpointing); fi
 
-echo "e2e_offload: $(date -u +%Y-%m-%dT%H:%M:%SZ), $(git rev-parse --short HEAD 2>/dev/null || echo 'no git'), $(bin/dos version 2>&1 | head -1)"
+echo "e2e_offload: $(date -u +%Y-%m-%dT%H:%M:%SZ), $(git rev-parse --short HEAD 2>/dev/null || echo 'no git'), $dosbin: $("$dosbin" version 2>&1 | head -1)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1
 : >"$out/results.jsonl"
 for run in $runs; do
@@ -53,19 +54,19 @@ for run in $runs; do
 		arch=(--model "$model")
 	fi
 	for strat in ${STRATS:-dos-model dos-nooverlap dos-cpu dos-static dos-static-25M}; do
+		base="$out/$tag-$cap-b$batch-$strat"
 		flags=(--device cuda "${arch[@]}" --batch "$batch" --gpu-memory "$cap" --steps "$steps" "${dosrc[@]}"
-			--log-every 1 --sample 0 --eval-every 0 --eval-batches 1)
+			--log-every 1 --sample 0 --eval-every 0 --eval-batches 1 --timeline "$base-timeline.svg")
 		case $strat in
-		dos-model) flags+=(--replan --timeline "$out/$tag-$cap-dos-model-timeline.svg") ;;
+		dos-model) flags+=(--replan) ;;
 		dos-nooverlap) flags+=(--replan --no-overlap) ;;
 		dos-cpu) flags+=(--schedule cpu) ;;
 		dos-static) flags+=(--schedule static) ;;
 		dos-static-25M) flags+=(--schedule static --subgroup-size 25000000) ;;
 		esac
-		base="$out/$tag-$cap-$strat"
 		rm -f "$base.jsonl"
 		start=$(date +%s)
-		bin/dos train "${flags[@]}" --log-json "$base.jsonl" --summary-json "$base.json" >"$base.log" 2>&1
+		"$dosbin" train "${flags[@]}" --log-json "$base.jsonl" --summary-json "$base.json" >"$base.log" 2>&1
 		rc=$?
 		python3 - "$model" "$cap" "$batch" "$strat" "$base" "$rc" "$(($(date +%s) - start))" >>"$out/results.jsonl" <<'PY'
 import json, statistics, sys
@@ -90,11 +91,11 @@ PY
 		tail -n 1 "$out/results.jsonl"
 	done
 	modes=()
-	for m in ${MODES:-fsdp2 dos gpu}; do modes+=("$m,$cap"); done
+	for m in ${MODES-fsdp2 dos gpu}; do modes+=("$m,$cap"); done
 	[ "${GPU_NOCAP:-1}" = 1 ] && modes+=("gpu,0")
 	for mc in "${modes[@]}"; do
 		IFS=, read -r mode c <<<"$mc"
-		base="$out/$tag-$c-$mode"
+		base="$out/$tag-$c-b$batch-$mode"
 		python3 bench/torch_offload.py --mode "$mode" --model "$model" --batch "$batch" --steps "$steps" --warmup 2 \
 			--cap-gib "$c" --gpu-budget-gib "${DOS_TORCH_BUDGET_GIB:-8}" "${torchrc[@]}" >"$base.log" 2>&1
 		python3 - "$base.log" "$mode" "$cap" "$model" "$batch" "$c" >>"$out/results.jsonl" <<'PY'
