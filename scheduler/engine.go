@@ -116,6 +116,7 @@ type Engine struct {
 	mpieces    [][]mpiece  // per subgroup: its parts of the mirror
 	allocs     []any       // freed by Close
 	planAllocs []any       // freed by Replan and Close
+	spare      []Host      // during Replan: the old plan's pinned host buffers, for the new one
 
 	// Prefetch's (prefetch.go), for the next Update.
 	pre     []uint8 // per subgroup: bit per operation Prefetch issued
@@ -233,7 +234,7 @@ func (e *Engine) Close() error {
 		}
 		e.running = false
 	}
-	err := errors.Join(e.freePlan(), e.free(e.allocs))
+	err := errors.Join(e.freePlan(false), e.free(e.allocs))
 	e.allocs = nil
 	if e.own && e.pool != nil {
 		e.pool.Close()
