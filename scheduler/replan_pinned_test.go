@@ -14,7 +14,7 @@ type pinCount struct {
 }
 
 func (c *pinCount) AllocHost(n int64) (Host, error) { c.allocs++; return c.Device.AllocHost(n) }
-func (c *pinCount) FreeHost(h Host) error          { c.frees++; return c.Device.FreeHost(h) }
+func (c *pinCount) FreeHost(h Host) error           { c.frees++; return c.Device.FreeHost(h) }
 
 // TestReplanKeepsPinned: Replan gives the new plan the old plan's pinned
 // host buffers (staging slots, prefetch memory) where they are large
