@@ -122,13 +122,12 @@ var ErrAborted = errors.New("comm: the communicator was aborted")
 // called different collectives, or the same one with different counts,
 // dtypes, reductions or roots.
 type MismatchError struct {
-	Call     int    // the communicator's call number, from 0
-	Rank     int    // the first rank whose call differs from rank 0's
-	Want     string // rank 0's call
-	Got      string // Rank's call
-	RankZero int    // always 0: the rank the others are compared with
+	Call int    // the communicator's call number, from 0
+	Rank int    // the first rank whose call differs from rank 0's
+	Want string // rank 0's call
+	Got  string // Rank's call
 }
 
 func (e *MismatchError) Error() string {
-	return fmt.Sprintf("comm: collective %d: rank %d called %s where rank %d called %s", e.Call, e.Rank, e.Got, e.RankZero, e.Want)
+	return fmt.Sprintf("comm: collective %d: rank %d called %s where rank 0 called %s", e.Call, e.Rank, e.Got, e.Want)
 }
