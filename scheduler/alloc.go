@@ -1,7 +1,8 @@
 package scheduler
 
 // The engine's memory: what New allocates once (allocBase) and what each
-// plan needs (allocPlan, freed by Replan and Close).
+// plan needs (allocPlan, freed by Close; Replan frees it too, but hands the
+// pinned host buffers to the next plan where they fit: planHost).
 
 import (
 	"errors"
@@ -31,25 +32,46 @@ func (e *Engine) hostAlloc(list *[]any, bytes int64) (Host, error) {
 
 // planHost returns pinned host memory of at least bytes for the plan being
 // allocated (added to e.planAllocs): the smallest of the previous plan's
-// buffers that Replan kept (e.spare) that is large enough, else a new one.
-// A kept buffer holds the old plan's bytes, not zeros: the plan's host
-// buffers are staging, written before they are read. Pinning is what made
-// a re-plan visible on the H200 (cuMemHostRegister of the prefetch buffer's
-// 1.5 GB, most of 0.8 s between two iterations of 0.3 s).
-func (e *Engine) planHost(bytes int64) (Host, error) {
+// buffers that Replan kept (e.spare) that is large enough and at most
+// twice that, else a new one. With last (the plan's last host buffer) the
+// spares it does not take are freed before a new one is pinned, so a
+// growing buffer is never pinned beside the one it replaces. A kept buffer
+// holds the old plan's bytes, not zeros: the plan's host buffers are
+// staging, written before they are read. Pinning is what a re-plan paid
+// most for on the H200 (the prefetch buffer's 1.5 GB of cuMemHostRegister
+// between two iterations of 0.3 s).
+func (e *Engine) planHost(bytes int64, last bool) (Host, error) {
 	best := -1
 	for j, h := range e.spare {
-		if n := int64(len(h.Bytes())); n >= bytes && (best < 0 || n < int64(len(e.spare[best].Bytes()))) {
+		if n := int64(len(h.Bytes())); n >= bytes && n <= 2*bytes && (best < 0 || n < int64(len(e.spare[best].Bytes()))) {
 			best = j
 		}
 	}
-	if best < 0 {
-		return e.hostAlloc(&e.planAllocs, bytes)
+	if best >= 0 {
+		h := e.spare[best]
+		e.spare = append(e.spare[:best], e.spare[best+1:]...)
+		e.planAllocs = append(e.planAllocs, h)
+		if last {
+			e.freeSpare()
+		}
+		return h, nil
 	}
-	h := e.spare[best]
-	e.spare = append(e.spare[:best], e.spare[best+1:]...)
-	e.planAllocs = append(e.planAllocs, h)
-	return h, nil
+	if last {
+		e.freeSpare()
+	}
+	return e.hostAlloc(&e.planAllocs, bytes)
+}
+
+// freeSpare frees the buffers Replan kept that the new plan did not take.
+// A failure leaks pinned memory but leaves the engine working: Close
+// reports it (e.leaked).
+func (e *Engine) freeSpare() {
+	for _, h := range e.spare {
+		if err := e.dev.FreeHost(h); err != nil {
+			e.leaked = errors.Join(e.leaked, fmt.Errorf("scheduler: Replan: freeing the old plan's pinned memory: %w", err))
+		}
+	}
+	e.spare = e.spare[:0]
 }
 
 // allocBase allocates what does not depend on the plan: the host state,
@@ -157,10 +179,11 @@ func (e *Engine) allocPlan(p *Plan) error {
 				return err
 			}
 		}
-		if e.gst, err = e.planHost(2 * elemBytes(e.cpuGD) * e.maxN); err != nil {
+		prefetch := e.o.Prefetch && !e.core.upcast
+		if e.gst, err = e.planHost(2*elemBytes(e.cpuGD)*e.maxN, false); err != nil {
 			return err
 		}
-		if e.cst, err = e.planHost(2 * 2 * e.maxN); err != nil {
+		if e.cst, err = e.planHost(2*2*e.maxN, !prefetch); err != nil {
 			return err
 		}
 	}
@@ -171,7 +194,7 @@ func (e *Engine) allocPlan(p *Plan) error {
 			e.gpOff[i] = b
 			b += e.gb * e.sizes[i]
 		}
-		if e.gpre, err = e.planHost(b); err != nil {
+		if e.gpre, err = e.planHost(b, true); err != nil {
 			return err
 		}
 	}
@@ -206,17 +229,18 @@ func (e *Engine) allocPlan(p *Plan) error {
 // the resident state comes back to the host, the memory of the old plan
 // is freed, p's is allocated and its resident state moves to the device.
 // The old plan's pinned host buffers (staging, prefetch) serve the new
-// plan where they are large enough, so a re-plan pins nothing new unless
-// p needs more of it. When p's memory cannot be allocated (the device out of memory, or a
+// plan where they are large enough (and not more than twice), so a re-plan
+// pins nothing new unless p needs more; a buffer that grows is pinned
+// after the old one is freed. When p's memory cannot be allocated (the device out of memory, or a
 // cap), the old plan is allocated again in the memory it just gave back
 // and its resident state uploaded: Replan returns an error wrapping
 // ErrReplanRefused and the engine runs the old plan as before.
 //
 // Errors: a plan for other subgroups; ErrReplanRefused; a failed copy,
 // or an allocation that failed for the old plan too (the engine is then
-// broken: Close it); a failure to free the old plan's pinned memory that
-// p did not take (joined to the result, the engine not broken).
-func (e *Engine) Replan(p *Plan) (err error) {
+// broken: Close it). A failure to free the old plan's pinned memory that
+// p did not take leaves the engine on p, working, and Close returns it.
+func (e *Engine) Replan(p *Plan) error {
 	if e.broken {
 		return ErrBroken
 	}
@@ -228,15 +252,9 @@ func (e *Engine) Replan(p *Plan) (err error) {
 	}
 	old := e.plan
 	// The old plan's pinned host buffers wait in e.spare for the new plan
-	// (planHost); what it does not take is freed on the way out.
-	defer func() {
-		for _, h := range e.spare {
-			if ferr := e.dev.FreeHost(h); ferr != nil {
-				err = errors.Join(err, fmt.Errorf("scheduler: Replan: freeing the old plan's pinned memory: %w", ferr))
-			}
-		}
-		e.spare = e.spare[:0]
-	}()
+	// (planHost); what it does not take is freed by then, or on the way
+	// out (a plan without CPU subgroups takes none).
+	defer e.freeSpare()
 	if err := e.freePlan(true); err != nil {
 		// What the old plan held may still be in use by the device.
 		e.broken = true

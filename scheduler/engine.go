@@ -115,8 +115,9 @@ type Engine struct {
 	mirrorN    int64       // its elements
 	mpieces    [][]mpiece  // per subgroup: its parts of the mirror
 	allocs     []any       // freed by Close
-	planAllocs []any       // freed by Replan and Close
+	planAllocs []any       // freed by Close (and by Replan, but for the pinned buffers the next plan takes)
 	spare      []Host      // during Replan: the old plan's pinned host buffers, for the new one
+	leaked     error       // Replan's failures to free a spare: Close returns them
 
 	// Prefetch's (prefetch.go), for the next Update.
 	pre     []uint8 // per subgroup: bit per operation Prefetch issued
@@ -234,8 +235,8 @@ func (e *Engine) Close() error {
 		}
 		e.running = false
 	}
-	err := errors.Join(e.freePlan(false), e.free(e.allocs))
-	e.allocs = nil
+	err := errors.Join(e.freePlan(false), e.free(e.allocs), e.leaked)
+	e.allocs, e.leaked = nil, nil
 	if e.own && e.pool != nil {
 		e.pool.Close()
 		e.pool = nil
