@@ -111,6 +111,22 @@ type StepArgs struct {
 	// New, SetParam or LoadCheckpoint the device working copy the
 	// gradients came from was not the master weights'.
 	GradOnDevice bool
+	// Reduce, for ZeRO-3 ranks that each step their own shard, combines
+	// this rank's gradient statistics with the other ranks' (an
+	// all-reduce: comm.Comm's AllReduce with Sum): it receives the sum of
+	// squares of this shard's unscaled gradients, NaN when one of them is
+	// not finite, and returns the whole model's. Step then clips and skips
+	// on the returned sum (NaN or Inf: skipped), so every rank takes or
+	// skips the step with the same clip coefficient, as
+	// torch.nn.utils.clip_grad_norm_ does over FSDP's shards. Nil: this
+	// optimizer holds the whole model.
+	//
+	// Step calls it once, after the checks of its arguments and the
+	// device's state: a Step refused before it does not call it, so the
+	// trainer must then abort the communicator (the other ranks would
+	// wait in the all-reduce). An error from it fails the Step, nothing
+	// changed.
+	Reduce func(sumSquares float64) (float64, error)
 }
 
 // StepResult reports what Step did.
@@ -1097,7 +1113,7 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	}
 	res := StepResult{Step: o.step, ClipCoef: 1}
 	if o.eng != nil {
-		return o.stepDevice(start, unscale, res, args.GradOnDevice)
+		return o.stepDevice(start, unscale, res, args.GradOnDevice, args.Reduce)
 	}
 	if args.GradOnDevice {
 		return res, fmt.Errorf("offload: StepArgs.GradOnDevice: %w", ErrNoDevice)
@@ -1108,11 +1124,19 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	for _, sg := range o.subgroups {
 		finite, s := o.pool.GradStats(o.grad.Slice(sg.Offset, sg.Offset+sg.Len), unscale)
 		if !finite {
-			res.Skipped = true
-			res.Elapsed = time.Since(start)
-			return res, nil
+			ss = math.NaN()
+			break
 		}
 		ss += s
+	}
+	ss, err := reduceStats(args.Reduce, ss)
+	if err != nil {
+		return res, err
+	}
+	if math.IsNaN(ss) || math.IsInf(ss, 0) {
+		res.Skipped = true
+		res.Elapsed = time.Since(start)
+		return res, nil
 	}
 	clip := float32(1)
 	if o.opts.MaxGradNorm > 0 {
@@ -1187,7 +1211,21 @@ func isFault(err error) bool {
 // run there over every subgroup whatever its role, then the update phase,
 // then the working copy comes back to the host mirror (unless onDevice:
 // the mirror is then stale, workStale).
-func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult, onDevice bool) (StepResult, error) {
+// reduceStats passes this rank's sum of squares (NaN: a gradient not
+// finite) through StepArgs.Reduce, when set, and returns the whole
+// model's.
+func reduceStats(reduce func(float64) (float64, error), ss float64) (float64, error) {
+	if reduce == nil {
+		return ss, nil
+	}
+	g, err := reduce(ss)
+	if err != nil {
+		return ss, fmt.Errorf("offload: StepArgs.Reduce: %w", err)
+	}
+	return g, nil
+}
+
+func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult, onDevice bool, reduce func(float64) (float64, error)) (StepResult, error) {
 	// A lazy checkpoint in capture: the engine waits per subgroup (Hold,
 	// set by SaveAsync); the resident state's D2H is ordered before the
 	// kernels on the device. o.pending.d2h stays: syncHost must still
@@ -1211,6 +1249,12 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 		return res, o.engineErr(err)
 	}
 	if !finite {
+		ss = math.NaN()
+	}
+	if ss, err = reduceStats(reduce, ss); err != nil {
+		return res, err
+	}
+	if math.IsNaN(ss) || math.IsInf(ss, 0) {
 		res.Skipped = true
 		res.Elapsed = time.Since(start)
 		return res, nil
