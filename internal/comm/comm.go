@@ -27,17 +27,22 @@ import (
 // DType is an element type of a collective's buffers.
 type DType uint8
 
-// The element types: fp32 (gradients, master weights) and bf16 (the
-// working copy, 16-bit gradients).
+// The element types: fp32 (gradients, master weights), bf16 (the working
+// copy, 16-bit gradients) and fp64 (statistics: the gradients' sum of
+// squares).
 const (
 	F32 DType = iota
 	BF16
+	F64
 )
 
-// Size returns the bytes of one element: 4 or 2.
+// Size returns the bytes of one element: 4, 2 or 8.
 func (d DType) Size() int64 {
-	if d == F32 {
+	switch d {
+	case F32:
 		return 4
+	case F64:
+		return 8
 	}
 	return 2
 }
@@ -48,6 +53,8 @@ func (d DType) String() string {
 		return "float32"
 	case BF16:
 		return "bfloat16"
+	case F64:
+		return "float64"
 	}
 	return fmt.Sprintf("DType(%d)", uint8(d))
 }

@@ -13,15 +13,16 @@ import (
 // result from the other ranks' buffers, and returns once every rank has
 // read what it needs, so that no rank changes a buffer another still reads.
 //
-// Reductions add the ranks' elements in rank order in float32 and round
-// once to the dtype (Avg then divides by Size in float32): every rank gets
-// the same bits, and a run gives the same bits every time. NCCL's ring adds
+// Reductions add the ranks' elements in rank order in float64 (Avg then
+// divides by Size) and round the result to the dtype (bf16 through
+// float32): every rank gets the same bits, and a run gives the same bits
+// every time. NCCL's ring adds
 // in another order; a trajectory under NCCL matches Local's within float
 // tolerance, not bitwise.
 type Local struct {
 	g       *group
 	rank    int
-	scratch []float32 // AllReduce's result before it is copied into recv
+	scratch []float64 // AllReduce's result before it is copied into recv
 }
 
 type kind uint8
@@ -135,7 +136,7 @@ func (l *Local) AllReduce(send, recv []byte, dt DType, op Op) error {
 		return fmt.Errorf("comm: AllReduce: unknown %v", op)
 	}
 	if n := len(send) / int(dt.Size()); cap(l.scratch) < n {
-		l.scratch = make([]float32, n)
+		l.scratch = make([]float64, n)
 	}
 	return l.run(call{kind: kAllReduce, dt: dt, op: op, send: send, recv: recv})
 }
@@ -175,7 +176,7 @@ func (l *Local) Close() error {
 }
 
 func checkLen(what string, dt DType, bufs ...[]byte) error {
-	if dt > BF16 {
+	if dt > F64 {
 		return fmt.Errorf("comm: %s: unknown %v", what, dt)
 	}
 	for _, b := range bufs {
@@ -297,38 +298,46 @@ func (l *Local) compute(c *call) {
 }
 
 // reduce returns element i of every rank's send reduced in rank order.
-func (l *Local) reduce(c *call, i int) float32 {
+func (l *Local) reduce(c *call, i int) float64 {
 	g := l.g
-	var x float32
+	var x float64
 	for r := range g.size {
 		x += get(g.calls[r].send, c.dt, i)
 	}
 	if c.op == Avg {
-		x /= float32(g.size)
+		x /= float64(g.size)
 	}
 	return x
 }
 
 // store writes xs into b as dt.
-func (l *Local) store(b []byte, dt DType, xs []float32) {
+func (l *Local) store(b []byte, dt DType, xs []float64) {
 	for i, x := range xs {
 		put(b, dt, i, x)
 	}
 }
 
-func put(b []byte, dt DType, i int, x float32) {
-	if dt == F32 {
-		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(x))
-		return
+// put writes x rounded to dt as element i of b.
+func put(b []byte, dt DType, i int, x float64) {
+	switch dt {
+	case F32:
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(float32(x)))
+	case F64:
+		binary.LittleEndian.PutUint64(b[8*i:], math.Float64bits(x))
+	default:
+		binary.LittleEndian.PutUint16(b[2*i:], f32ToBF16(float32(x)))
 	}
-	binary.LittleEndian.PutUint16(b[2*i:], f32ToBF16(x))
 }
 
-func get(b []byte, dt DType, i int) float32 {
-	if dt == F32 {
-		return math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
+// get returns element i of b, of dtype dt.
+func get(b []byte, dt DType, i int) float64 {
+	switch dt {
+	case F32:
+		return float64(math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:])))
+	case F64:
+		return math.Float64frombits(binary.LittleEndian.Uint64(b[8*i:]))
 	}
-	return math.Float32frombits(uint32(binary.LittleEndian.Uint16(b[2*i:])) << 16)
+	return float64(math.Float32frombits(uint32(binary.LittleEndian.Uint16(b[2*i:])) << 16))
 }
 
 // f32ToBF16 rounds x to bfloat16, to nearest even (NaN stays NaN), as

@@ -29,7 +29,7 @@ func each(n int, f func(c *Local) error) []error {
 func f32s(xs ...float32) []byte {
 	b := make([]byte, 4*len(xs))
 	for i, x := range xs {
-		put(b, F32, i, x)
+		put(b, F32, i, float64(x))
 	}
 	return b
 }
@@ -37,7 +37,7 @@ func f32s(xs ...float32) []byte {
 func unf32(b []byte) []float32 {
 	xs := make([]float32, len(b)/4)
 	for i := range xs {
-		xs[i] = get(b, F32, i)
+		xs[i] = float32(get(b, F32, i))
 	}
 	return xs
 }
@@ -45,14 +45,14 @@ func unf32(b []byte) []float32 {
 func bf16s(xs ...float32) []byte {
 	b := make([]byte, 2*len(xs))
 	for i, x := range xs {
-		put(b, BF16, i, x)
+		put(b, BF16, i, float64(x))
 	}
 	return b
 }
 
 // value is rank r's element i in the tests' buffers: distinct per rank
 // and element, exact in bf16.
-func value(r, i int) float32 { return float32(r*32+i) * 0.25 }
+func value(r, i int) float64 { return float64(r*32+i) * 0.25 }
 
 // TestLocalCollectives checks every collective's result against a serial
 // reference (sums in rank order, in float32), on 1 to 4 ranks, for fp32
@@ -62,7 +62,7 @@ func value(r, i int) float32 { return float32(r*32+i) * 0.25 }
 func TestLocalCollectives(t *testing.T) {
 	const n = 5 // elements per rank's segment
 	for size := 1; size <= 4; size++ {
-		for _, dt := range []DType{F32, BF16} {
+		for _, dt := range []DType{F32, BF16, F64} {
 			for _, inPlace := range []bool{false, true} {
 				t.Run(fmt.Sprintf("ranks=%d/%v/inplace=%t", size, dt, inPlace), func(t *testing.T) {
 					es := int(dt.Size())
@@ -149,51 +149,54 @@ func TestLocalCollectives(t *testing.T) {
 }
 
 // refReduce is element i of the ranks' mk buffers reduced in rank order in
-// float32 and rounded to dt.
-func refReduce(size int, dt DType, op Op, i int) float32 {
-	var x float32
+// float64 and rounded to dt.
+func refReduce(size int, dt DType, op Op, i int) float64 {
+	var x float64
 	for r := range size {
 		x += value(r, i)
 	}
 	if op == Avg {
-		x /= float32(size)
+		x /= float64(size)
 	}
-	if dt == BF16 {
-		b := bf16s(x)
-		return get(b, BF16, 0)
-	}
-	return x
+	b := make([]byte, dt.Size())
+	put(b, dt, 0, x)
+	return get(b, dt, 0)
 }
 
 // TestLocalRankOrder: reductions add in rank order, so every rank gets
 // the same bits and the result does not depend on which goroutine ran
-// first: 1 + 1e8 - 1e8 is 0 in float32 in that order (1 from the last rank
-// first).
+// first: 1 + 1e16 - 1e16 in float64 in that order is not 1, what the last
+// rank first gives.
 func TestLocalRankOrder(t *testing.T) {
+	xs := []float64{1, 1e16, -1e16}
+	want := (xs[0] + xs[1]) + xs[2]
+	if want == 1 {
+		t.Fatal("the values do not depend on the order")
+	}
 	for range 20 {
-		got := make([][]float32, 3)
+		got := make([]float64, 3)
 		errs := each(3, func(c *Local) error {
-			x := []float32{1, 1e8, -1e8}[c.Rank()]
-			buf := f32s(x, x)
-			if err := c.AllReduce(buf, buf, F32, Sum); err != nil {
+			buf := make([]byte, 8)
+			put(buf, F64, 0, xs[c.Rank()])
+			if err := c.AllReduce(buf, buf, F64, Sum); err != nil {
 				return err
 			}
-			got[c.Rank()] = unf32(buf)
+			got[c.Rank()] = get(buf, F64, 0)
 			return nil
 		})
 		for r := range 3 {
 			if errs[r] != nil {
 				t.Fatal(errs[r])
 			}
-			if got[r][0] != 0 || got[r][1] != 0 {
-				t.Fatalf("rank %d: %v, want [0 0] (rank order)", r, got[r])
+			if got[r] != want {
+				t.Fatalf("rank %d: %v, want %v (rank order)", r, got[r], want)
 			}
 		}
 	}
-	// bf16: summed in float32, rounded once: 1 + 2^-8 + 2^-8 is 1 + 2^-7
+	// bf16: summed wider, rounded at the end: 1 + 2^-8 + 2^-8 is 1 + 2^-7
 	// (bf16 has 7 fraction bits); adding in bf16 would round each 2^-8 away.
 	errs := each(3, func(c *Local) error {
-		x := []float32{1, 1.0 / 256, 1.0 / 256}[c.Rank()]
+		x := []float64{1, 1.0 / 256, 1.0 / 256}[c.Rank()]
 		buf := make([]byte, 2)
 		put(buf, BF16, 0, x)
 		if get(buf, BF16, 0) != x {
@@ -327,6 +330,7 @@ func TestLocalBadInput(t *testing.T) {
 		{c.ReduceScatter(f32s(1, 2), f32s(1), F32, Op(7)), "unknown Op(7)"},
 		{c.AllReduce(f32s(1, 2), f32s(1), F32, Sum), "recv of 4 bytes for send of 8"},
 		{c.AllReduce(f32s(1), f32s(1), DType(9), Sum), "unknown DType(9)"},
+		{c.AllReduce(make([]byte, 12), make([]byte, 12), F64, Sum), "12 bytes is not a whole number of float64"},
 		{c.Broadcast(f32s(1), 2), "root 2 of 2 ranks"},
 		{c.Broadcast(f32s(1), -1), "root -1 of 2 ranks"},
 	} {
@@ -347,7 +351,7 @@ func TestLocalManyCollectives(t *testing.T) {
 		for step := range 1000 {
 			own := full[4*n*r : 4*n*(r+1)]
 			for i := range n {
-				put(own, F32, i, float32(step+r))
+				put(own, F32, i, float64(step+r))
 			}
 			var err error
 			switch step % 3 {
