@@ -88,7 +88,8 @@ type Trainer struct {
 	about   string  // the data, said after the model (none for the default: a byte-level text)
 	opt     *offload.Optimizer
 	model   *Model[float32] // forward and backward on the host, or
-	gpu     *gpuTrainer     // on the GPU (Device "cuda")
+	gpu     *gpuTrainer     // on the GPU (Device "cuda"), or
+	zero    *zeroRanks      // on GPUs ranks of ZeRO-3 (TrainConfig.GPUs > 1; opt is rank 0's)
 	rng     *rand.PCG
 	logJSON *os.File // cfg.LogJSON's
 
@@ -284,16 +285,24 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 			return nil, err
 		}
 	}
+	var zero *zeroRanks
+	if cfg.GPUs > 1 {
+		if zero, err = newZero(&cfg, cfg.GPUs); err != nil {
+			return nil, err
+		}
+	}
 	oo := cfg.optimizerOptions()
-	closeDev, err := cfg.device(oo)
-	if err != nil {
-		return nil, errors.Join(err, gpu.close())
+	closeDev := func() {}
+	if zero == nil {
+		if closeDev, err = cfg.device(oo); err != nil {
+			return nil, errors.Join(err, gpu.close())
+		}
 	}
 	release := func() error {
 		closeDev()
 		return gpu.close()
 	}
-	if cfg.Profile != "" {
+	if cfg.Profile != "" && zero == nil {
 		p, err := offload.LoadProfile(cfg.Profile, oo.Device)
 		if err != nil {
 			return nil, errors.Join(fmt.Errorf("trainer: --profile: %w", err), release())
@@ -307,8 +316,10 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	}
 	oo.Replan = cfg.Replan // with the device and the profile (or calibration) set above
 	oo.OverlapBackward = gpu != nil && !cfg.NoOverlap
-	opt, err := offload.New(offloadParams(cfg.Model), *oo)
-	if err != nil {
+	var opt *offload.Optimizer
+	if zero != nil {
+		opt = zero.ranks[0].opt
+	} else if opt, err = offload.New(offloadParams(cfg.Model), *oo); err != nil {
 		return nil, errors.Join(err, release())
 	}
 	// The subgroup size the optimizer cut at (SubgroupSizes: the model's
@@ -317,7 +328,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 		cfg.SubgroupSize = opt.Options().SubgroupSize
 	}
 	id.LossScale, id.InitialLoss, id.InitValLoss = cfg.LossScale, maybeLoss(math.NaN()), maybeLoss(math.NaN())
-	t := &Trainer{cfg: cfg, tok: tok, loader: loader, val: val, about: about, opt: opt, gpu: gpu, out: out, closeDev: closeDev, lock: lock,
+	t := &Trainer{cfg: cfg, tok: tok, loader: loader, val: val, about: about, opt: opt, gpu: gpu, zero: zero, out: out, closeDev: closeDev, lock: lock,
 		rng: rand.NewPCG(cfg.Seed, 0x5eed), state: id,
 	}
 	if f, ok := out.(*os.File); ok {
@@ -335,8 +346,12 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	for i, p := range cfg.Model.Tensors() {
 		v := buf[:p.Numel()]
 		InitParamInto(cfg.Model, cfg.Seed, i, v)
-		if err := opt.SetParam(opt.Params()[i].Name, v); err != nil {
-			return nil, errors.Join(err, t.Close())
+		set := opt.SetParam(opt.Params()[i].Name, v)
+		if zero != nil {
+			set = zero.setParam(i, p.Name, v)
+		}
+		if set != nil {
+			return nil, errors.Join(set, t.Close())
 		}
 	}
 	if from != nil {
@@ -370,6 +385,17 @@ func (t *Trainer) bind() error {
 		return t.gpu.bind(t.opt)
 	}
 	t.model = NewModel[float32](t.cfg.Model, t.cfg.Batch, T)
+	if t.zero != nil {
+		// The ranks' replicas train; this model evaluates and samples
+		// with the working copy gathered from the ranks' pieces.
+		t.zero.bind(&t.cfg)
+		t.own16 = true
+		t.params = make([][]float32, len(t.zero.lens))
+		for i, l := range t.zero.lens {
+			t.params[i] = make([]float32, l)
+		}
+		return nil
+	}
 	n := len(t.opt.Params())
 	t.params, t.grads = make([][]float32, n), make([][]float32, n)
 	t.own16 = t.cfg.WorkingDType != 0
@@ -402,7 +428,11 @@ func (t *Trainer) Close() error {
 	errs = append(errs, t.gpu.close())
 	t.gpu = nil
 	if !t.closed {
-		errs = append(errs, t.opt.Close())
+		if t.zero != nil {
+			errs = append(errs, t.zero.close())
+		} else {
+			errs = append(errs, t.opt.Close())
+		}
 		t.closed = true
 	}
 	if t.closeDev != nil {
@@ -422,10 +452,19 @@ func (t *Trainer) Close() error {
 }
 
 // NumParams returns the model's parameter count.
-func (t *Trainer) NumParams() int { return t.opt.NumParams() }
+func (t *Trainer) NumParams() int {
+	if t.zero != nil {
+		return t.cfg.Model.NumParams()
+	}
+	return t.opt.NumParams()
+}
 
 // refresh copies the 16-bit working copy into the model's fp32 parameters.
 func (t *Trainer) refresh() {
+	if t.zero != nil {
+		t.zero.gather(t.params, t.cfg.WorkingDType)
+		return
+	}
 	if !t.own16 {
 		return
 	}
@@ -486,6 +525,9 @@ func (t *Trainer) forwardBackward(scale float32, marks *timelineMarks) (float64,
 		}
 		return t.gpu.step(t.inputs, t.tgts, scale, mark)
 	}
+	if t.zero != nil {
+		return t.zero.forwardBackward(&t.cfg, t.inputs, t.tgts, scale)
+	}
 	t.refresh()
 	loss := float64(t.model.Forward(t.params, t.inputs, t.tgts))
 	if marks != nil {
@@ -541,6 +583,9 @@ func (t *Trainer) Run() (Summary, error) {
 	if t.gpu != nil {
 		where = "GPU"
 	}
+	if t.zero != nil {
+		where = fmt.Sprintf("CPU, ZeRO-3 over %d ranks (each steps its 1/%d of every tensor; an in-process communicator)", t.zero.n, t.zero.n)
+	}
 	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; forward and backward on the %s; %v\n",
 		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, where, t.opt.Options())
 	fmt.Fprint(t.out, t.about)
@@ -551,8 +596,12 @@ func (t *Trainer) Run() (Summary, error) {
 			k = fmt.Sprintf("%.2f", s.K())
 		}
 		sched = fmt.Sprintf("%d/%d/%d", s.CPU, s.GPU, s.Resident)
-		fmt.Fprintf(t.out, "update phase on %s: %d of %d subgroups on the CPU, %d streamed through the GPU, %d resident (k = %s, upcast on the GPU: %v)\n",
-			t.opt.Options().Device.Name(), s.CPU, len(t.opt.Subgroups()), s.GPU, s.Resident, k, s.UpcastOnGPU)
+		per := ""
+		if t.zero != nil {
+			per = " (rank 0's shard)"
+		}
+		fmt.Fprintf(t.out, "update phase on %s%s: %d of %d subgroups on the CPU, %d streamed through the GPU, %d resident (k = %s, upcast on the GPU: %v)\n",
+			t.opt.Options().Device.Name(), per, s.CPU, len(t.opt.Subgroups()), s.GPU, s.Resident, k, s.UpcastOnGPU)
 	}
 	if t.gpu != nil {
 		used, total := t.gpu.memory()
@@ -573,7 +622,11 @@ func (t *Trainer) Run() (Summary, error) {
 	for t.state.Iteration < cfg.Steps {
 		it := t.state.Iteration + 1
 		t0 := time.Now()
-		if err := t.opt.SetLR(cfg.LRAt(it)); err != nil {
+		setLR := t.opt.SetLR
+		if t.zero != nil {
+			setLR = t.zero.setLR
+		}
+		if err := setLR(cfg.LRAt(it)); err != nil {
 			return sum, err
 		}
 		t.loader.Next(t.inputs, t.tgts)
@@ -598,7 +651,11 @@ func (t *Trainer) Run() (Summary, error) {
 		if marks != nil {
 			t.markMemory(marks, s0)
 		}
-		res, err := t.opt.Step(offload.StepArgs{LossScale: float64(scale), GradOnDevice: t.gpu != nil})
+		step := t.opt.Step
+		if t.zero != nil {
+			step = t.zero.step
+		}
+		res, err := step(offload.StepArgs{LossScale: float64(scale), GradOnDevice: t.gpu != nil})
 		if err != nil {
 			return sum, err
 		}

@@ -86,6 +86,15 @@ type TrainConfig struct {
 	// the simulated device (a test of the engine): the gradients are
 	// uploaded and the working copy downloaded around each step.
 	Device string `json:"device"`
+	// GPUs is the ranks of ZeRO-3 data parallelism (0 or 1: one): each
+	// holds 1/GPUs of every tensor and of its optimizer state and runs
+	// forward and backward on Batch/GPUs rows, the working copy
+	// all-gathered and the gradients reduce-scattered between them
+	// (zero.go). For now on the host or Device "sim", the ranks in this
+	// process over an in-process communicator (internal/comm's Local);
+	// NCCL between GPUs and checkpoints across ranks are still to come
+	// (issue 19).
+	GPUs int `json:"gpus,omitempty"`
 	// Recompute, with Device "cuda", keeps only each block's input through
 	// forward and recomputes the block in backward (gptcuda's
 	// Options.Recompute): for when the activations do not fit.
@@ -300,6 +309,20 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --ckpt-ring %v GiB: want 0 (the default) to %d", c.CkptRing, MaxMemoryBytes>>30)
 	case c.CkptRing > 0 && (c.CkptDir == "" || c.CkptSync):
 		return errors.New("trainer: --ckpt-ring sizes the lazy checkpointer's ring: it needs --ckpt-dir, and no --ckpt-sync")
+	case c.GPUs < 0 || c.GPUs > 64:
+		return fmt.Errorf("trainer: --gpus %d: want 1..64", c.GPUs)
+	case c.GPUs > 1 && c.Device == "cuda":
+		return fmt.Errorf("trainer: --gpus %d with --device cuda needs NCCL between the GPUs, which is not built yet (issue 19): use --device sim or none", c.GPUs)
+	case c.GPUs > 1 && c.Batch%c.GPUs != 0:
+		return fmt.Errorf("trainer: --batch %d is not a multiple of --gpus %d (each rank trains on batch/gpus rows)", c.Batch, c.GPUs)
+	case c.GPUs > 1 && c.CkptDir != "":
+		return fmt.Errorf("trainer: --gpus %d with --ckpt-dir: checkpoints across ranks are not built yet (issue 19)", c.GPUs)
+	case c.GPUs > 1 && c.WorkingDType == adam.F16:
+		return fmt.Errorf("trainer: --gpus %d all-gathers the working copy in bfloat16 or float32: --working-dtype float16 is not supported", c.GPUs)
+	case c.GPUs > 1 && c.Schedule != "" && c.Schedule != "cpu" && c.Schedule != "static":
+		return fmt.Errorf("trainer: --gpus %d: --schedule counts are per optimizer; each rank plans its own shard (use cpu, static or the model's)", c.GPUs)
+	case c.GPUs > 1 && c.TimelineAt != 0:
+		return fmt.Errorf("trainer: --gpus %d: --timeline draws one rank's update phase, not built for several yet", c.GPUs)
 	case c.TimelineAt < 0:
 		return fmt.Errorf("trainer: --timeline-at %d: want an iteration from 1 (0: none)", c.TimelineAt)
 	case !(c.GPUMemory >= 0) || c.GPUMemory > 1<<20:

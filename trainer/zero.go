@@ -1,0 +1,340 @@
+package trainer
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"runtime"
+	"sync"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/internal/comm"
+	"github.com/deepstates/dos/offload"
+)
+
+// ZeRO-3 data parallelism in one process (TrainConfig.GPUs > 1, on the host
+// or --device sim): rank r of N holds piece r of every tensor (its
+// ceil(numel/N) elements from r·ceil(numel/N), the last piece shorter) and
+// that piece's optimizer state in its own offload.Optimizer, with its own
+// device and its share of the CPU workers. Each iteration, every rank, on
+// its own goroutine:
+//
+//  1. all-gathers each tensor's working copy from the ranks' pieces
+//     (comm.AllGather) into its replica of the model's parameters;
+//  2. runs forward and backward on its B/N rows of the global batch;
+//  3. reduce-scatters each tensor's gradient (comm.ReduceScatter, Avg: the
+//     gradient of the mean loss over the global batch) into its piece;
+//  4. steps its optimizer, the gradient norm and the non-finite check made
+//     global by an all-reduce of the sums of squares (offload.StepArgs
+//     Reduce), so that every rank clips and skips alike.
+//
+// The loss reported is the ranks' mean (an all-reduce). The communicator is
+// comm.Local; with NCCL (planned) the same calls run between GPUs. The
+// trajectory matches one rank's with the same global batch within float
+// tolerance: the ranks' partial sums associate differently
+// (TestZeROMatchesOneRank).
+
+// zeroRanks is the ranks of a ZeRO-3 run.
+type zeroRanks struct {
+	n     int
+	lens  []int // each tensor's elements
+	piece []int // each tensor's elements per rank's piece: ceil(len/n)
+	ranks []*zeroRank
+}
+
+// zeroRank is one rank: its end of the communicator, its optimizer over
+// its pieces, its replica of the model (B/N rows) and the buffers of the
+// collectives.
+type zeroRank struct {
+	r        int
+	c        comm.Comm
+	opt      *offload.Optimizer
+	closeDev func()
+	model    *Model[float32]
+	params   [][]float32 // the whole tensors, all-gathered
+	grads    [][]float32 // the whole tensors' gradients, before the reduce-scatter
+	send     []byte      // one piece, padded to ceil(len/n) elements
+	full     []byte      // one whole tensor, padded to n pieces
+	scalar   [8]byte     // the loss's and the sum of squares' all-reduce
+	loss     float64     // this iteration's loss, the ranks' mean
+	res      offload.StepResult
+	err      error
+}
+
+// shardParams returns rank r's pieces of c's tensors as the optimizer's
+// parameters: each tensor's name, one dimension of its piece's length.
+func shardParams(c Config, n, r int) []offload.Param {
+	ts := c.Tensors()
+	ps := make([]offload.Param, len(ts))
+	for i, t := range ts {
+		lo, hi := pieceOf(t.Numel(), n, r)
+		ps[i] = offload.Param{Name: t.Name, Shape: []int{hi - lo}}
+	}
+	return ps
+}
+
+// pieceOf returns the elements [lo, hi) of a tensor of numel elements that
+// rank r of n holds.
+func pieceOf(numel, n, r int) (lo, hi int) {
+	p := (numel + n - 1) / n
+	return min(r*p, numel), min((r+1)*p, numel)
+}
+
+// newZero builds the n ranks' optimizers (each with its own device from
+// cfg.Device and profile, and GOMAXPROCS/n CPU workers unless cfg.Threads
+// says) and the communicator. The models come with bind.
+//
+// Errors: a tensor smaller than n elements; the device, the profile or
+// the optimizer's.
+func newZero(cfg *TrainConfig, n int) (*zeroRanks, error) {
+	z := &zeroRanks{n: n}
+	for _, t := range cfg.Model.Tensors() {
+		if t.Numel() < n {
+			return nil, fmt.Errorf("trainer: --gpus %d: tensor %s has %d elements, fewer than the ranks", n, t.Name, t.Numel())
+		}
+		z.lens = append(z.lens, t.Numel())
+		z.piece = append(z.piece, (t.Numel()+n-1)/n)
+	}
+	ends := comm.NewLocal(n)
+	for r := range n {
+		oo := cfg.optimizerOptions()
+		if cfg.Threads == 0 {
+			oo.Threads = max(1, runtime.GOMAXPROCS(0)/n)
+		}
+		closeDev, err := cfg.device(oo)
+		if err != nil {
+			return nil, errors.Join(err, z.close())
+		}
+		rk := &zeroRank{r: r, c: ends[r], closeDev: closeDev}
+		z.ranks = append(z.ranks, rk)
+		if cfg.Profile != "" {
+			p, err := offload.LoadProfile(cfg.Profile, oo.Device)
+			if err != nil {
+				return nil, errors.Join(fmt.Errorf("trainer: --profile: %w", err), z.close())
+			}
+			oo.Profile = p
+		}
+		oo.Replan = cfg.Replan
+		if rk.opt, err = offload.New(shardParams(cfg.Model, n, r), *oo); err != nil {
+			return nil, errors.Join(fmt.Errorf("trainer: rank %d: %w", r, err), z.close())
+		}
+	}
+	return z, nil
+}
+
+// setParam writes tensor i's values into every rank's piece.
+func (z *zeroRanks) setParam(i int, name string, v []float32) error {
+	for _, rk := range z.ranks {
+		lo, hi := pieceOf(z.lens[i], z.n, rk.r)
+		if err := rk.opt.SetParam(name, v[lo:hi]); err != nil {
+			return fmt.Errorf("trainer: rank %d: %w", rk.r, err)
+		}
+	}
+	return nil
+}
+
+// bind gives every rank its replica of the model for B/n rows and the
+// collectives' buffers.
+func (z *zeroRanks) bind(cfg *TrainConfig) {
+	largest := 0
+	for i := range z.lens {
+		largest = max(largest, z.n*z.piece[i])
+	}
+	for _, rk := range z.ranks {
+		rk.model = NewModel[float32](cfg.Model, cfg.Batch/z.n, cfg.Model.NCtx)
+		rk.params, rk.grads = make([][]float32, len(z.lens)), make([][]float32, len(z.lens))
+		for i, l := range z.lens {
+			rk.params[i], rk.grads[i] = make([]float32, l), make([]float32, l)
+		}
+		rk.full = make([]byte, 4*largest)
+		rk.send = make([]byte, 4*largest/z.n)
+	}
+}
+
+// gather writes the whole working copy into params (one fp32 slice per
+// tensor) from the ranks' pieces, read in place: Evaluate's and Sample's
+// weights, outside the iteration.
+func (z *zeroRanks) gather(params [][]float32, wd adam.DType) {
+	for _, rk := range z.ranks {
+		for i := range z.lens {
+			lo, hi := pieceOf(z.lens[i], z.n, rk.r)
+			w := rk.opt.Working(i)
+			if wd == 0 {
+				copy(params[i][lo:hi], w.Float32())
+			} else {
+				adam.Widen16(wd, params[i][lo:hi], w.Uint16())
+			}
+		}
+	}
+}
+
+// each runs f on every rank, one goroutine each, and returns the first
+// rank's error (by rank). A rank that fails aborts the communicator, so
+// that none waits for it in a collective.
+func (z *zeroRanks) each(f func(rk *zeroRank) error) error {
+	var wg sync.WaitGroup
+	for _, rk := range z.ranks {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if rk.err = f(rk); rk.err != nil {
+				rk.c.Abort(rk.err)
+			}
+		}()
+	}
+	wg.Wait()
+	for _, rk := range z.ranks {
+		if rk.err != nil {
+			return fmt.Errorf("trainer: rank %d: %w", rk.r, rk.err)
+		}
+	}
+	return nil
+}
+
+// forwardBackward runs steps 1-3 of the iteration on every rank over its
+// rows of inputs and targets and returns the ranks' mean loss. A rank
+// whose loss is not finite still takes part in every collective (its
+// gradient then carries the NaN to the Step, which skips).
+func (z *zeroRanks) forwardBackward(cfg *TrainConfig, inputs, targets []int32, scale float32) (float64, error) {
+	rows := len(inputs) / z.n
+	err := z.each(func(rk *zeroRank) error {
+		wd := cfg.WorkingDType
+		for i, l := range z.lens {
+			p := z.piece[i]
+			lo, hi := pieceOf(l, z.n, rk.r)
+			dt, es := comm.F32, 4
+			if wd != 0 {
+				dt, es = comm.BF16, 2
+			}
+			send, full := rk.send[:es*p], rk.full[:es*p*z.n]
+			w := rk.opt.Working(i)
+			if wd == 0 {
+				copy(send, f32Bytes(w.Float32()))
+			} else {
+				copy(send, u16Bytes(w.Uint16()))
+			}
+			clear(send[es*(hi-lo):]) // the last piece's padding
+			if err := rk.c.AllGather(send, full, dt); err != nil {
+				return err
+			}
+			if wd == 0 {
+				copy(rk.params[i], bytesF32(full)[:l])
+			} else {
+				adam.Widen16(wd, rk.params[i], bytesU16(full)[:l])
+			}
+		}
+		in, tg := inputs[rk.r*rows:(rk.r+1)*rows], targets[rk.r*rows:(rk.r+1)*rows]
+		loss := float64(rk.model.Forward(rk.params, in, tg))
+		if math.IsNaN(loss) || math.IsInf(loss, 0) {
+			for _, g := range rk.grads {
+				clear(g)
+			}
+			rk.grads[0][0] = float32(math.NaN())
+		} else {
+			rk.model.Backward(rk.params, rk.grads, scale)
+		}
+		for i, l := range z.lens {
+			p := z.piece[i]
+			lo, hi := pieceOf(l, z.n, rk.r)
+			full, piece := rk.full[:4*p*z.n], rk.send[:4*p]
+			copy(full, f32Bytes(rk.grads[i]))
+			clear(full[4*l:])
+			if err := rk.c.ReduceScatter(full, piece, comm.F32, comm.Avg); err != nil {
+				return err
+			}
+			g := rk.opt.Grad(i)
+			if cfg.GradDType == adam.F32 {
+				copy(g.Float32(), bytesF32(piece)[:hi-lo])
+			} else {
+				adam.Round16(cfg.GradDType, g.Uint16(), bytesF32(piece)[:hi-lo])
+			}
+		}
+		binary.LittleEndian.PutUint64(rk.scalar[:], math.Float64bits(loss))
+		if err := rk.c.AllReduce(rk.scalar[:], rk.scalar[:], comm.F64, comm.Avg); err != nil {
+			return err
+		}
+		rk.loss = math.Float64frombits(binary.LittleEndian.Uint64(rk.scalar[:]))
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	return z.ranks[0].loss, nil
+}
+
+// step steps every rank's optimizer, the sums of squares all-reduced, and
+// returns rank 0's result (the ranks agree on skipped, norm and clip).
+func (z *zeroRanks) step(args offload.StepArgs) (offload.StepResult, error) {
+	err := z.each(func(rk *zeroRank) error {
+		a := args
+		a.Reduce = func(ss float64) (float64, error) {
+			binary.LittleEndian.PutUint64(rk.scalar[:], math.Float64bits(ss))
+			if err := rk.c.AllReduce(rk.scalar[:], rk.scalar[:], comm.F64, comm.Sum); err != nil {
+				return 0, err
+			}
+			return math.Float64frombits(binary.LittleEndian.Uint64(rk.scalar[:])), nil
+		}
+		var err error
+		rk.res, err = rk.opt.Step(a)
+		return err
+	})
+	return z.ranks[0].res, err
+}
+
+// setLR sets every rank's learning rate.
+func (z *zeroRanks) setLR(lr float64) error {
+	for _, rk := range z.ranks {
+		if err := rk.opt.SetLR(lr); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// close closes every rank's optimizer, device and end of the
+// communicator; a second call does nothing.
+func (z *zeroRanks) close() error {
+	var errs []error
+	for _, rk := range z.ranks {
+		if rk.opt != nil {
+			errs = append(errs, rk.opt.Close())
+			rk.opt = nil
+		}
+		if rk.closeDev != nil {
+			rk.closeDev()
+			rk.closeDev = nil
+		}
+		rk.c.Close()
+	}
+	return errors.Join(errs...)
+}
+
+func f32Bytes(x []float32) []byte {
+	if len(x) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), 4*len(x))
+}
+
+func u16Bytes(x []uint16) []byte {
+	if len(x) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), 2*len(x))
+}
+
+func bytesF32(b []byte) []float32 {
+	if len(b) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), len(b)/4)
+}
+
+func bytesU16(b []byte) []uint16 {
+	if len(b) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*uint16)(unsafe.Pointer(&b[0])), len(b)/2)
+}
