@@ -21,6 +21,17 @@
 // schedule (a short calibration at start without TrainConfig.Profile). The
 // host model stays the float64 reference the GPU model is tested against.
 //
+// # Ranks
+//
+// With TrainConfig.GPUs N > 1 (dos train --gpus N) the run is ZeRO-3 data
+// parallelism over N ranks in this process: rank r holds piece r of every
+// tensor and that piece's optimizer state in an offload.Optimizer of its
+// own, all-gathers the working copy before forward, trains on Batch/N rows
+// of the global batch, reduce-scatters the averaged gradients into its
+// piece and steps with the whole model's gradient norm
+// (offload.StepArgs.Reduce), over internal/comm's in-process communicator.
+// For now on the host or Device "sim", without checkpoints (zero.go).
+//
 // Parameters are named and laid out as Hugging Face's GPT-2 (wte.weight,
 // h.0.attn.c_attn.weight as [in, out], ...; package gpt describes them for
 // every trainer), so ExportHF writes a model that
