@@ -460,6 +460,15 @@ func Float32View(v []float32) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
 }
 
+// Uint16View returns v's memory as bytes, without a copy, as Float32View
+// does for fp32 (16-bit elements: bf16, fp16).
+func Uint16View(v []uint16) []byte {
+	if len(v) == 0 {
+		return []byte{}
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 2*len(v))
+}
+
 // Float32Bytes encodes v as little-endian bytes (a copy).
 func Float32Bytes(v []float32) []byte {
 	b := make([]byte, 4*len(v))

@@ -7,11 +7,11 @@ import (
 	"math"
 	"runtime"
 	"sync"
-	"unsafe"
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/internal/comm"
 	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/safetensors"
 )
 
 // ZeRO-3 data parallelism in one process (TrainConfig.GPUs > 1, on the host
@@ -55,12 +55,15 @@ type zeroRank struct {
 	model    *Model[float32]
 	params   [][]float32 // the whole tensors, all-gathered
 	grads    [][]float32 // the whole tensors' gradients, before the reduce-scatter
-	send     []byte      // one piece, padded to ceil(len/n) elements
-	full     []byte      // one whole tensor, padded to n pieces
-	scalar   [8]byte     // the loss's and the sum of squares' all-reduce
-	loss     float64     // this iteration's loss, the ranks' mean
-	res      offload.StepResult
-	err      error
+	// One piece padded to ceil(len/n) elements, and one whole tensor
+	// padded to n pieces, in fp32 and in 16 bits: the collectives'
+	// buffers.
+	piece32, full32 []float32
+	piece16, full16 []uint16
+	scalar          [8]byte // the loss's and the sum of squares' all-reduce
+	loss            float64 // this iteration's loss, the ranks' mean
+	res             offload.StepResult
+	err             error
 }
 
 // shardParams returns rank r's pieces of c's tensors as the optimizer's
@@ -148,8 +151,10 @@ func (z *zeroRanks) bind(cfg *TrainConfig) {
 		for i, l := range z.lens {
 			rk.params[i], rk.grads[i] = make([]float32, l), make([]float32, l)
 		}
-		rk.full = make([]byte, 4*largest)
-		rk.send = make([]byte, 4*largest/z.n)
+		rk.full32, rk.piece32 = make([]float32, largest), make([]float32, largest/z.n)
+		if cfg.WorkingDType != 0 {
+			rk.full16, rk.piece16 = make([]uint16, largest), make([]uint16, largest/z.n)
+		}
 	}
 }
 
@@ -203,27 +208,22 @@ func (z *zeroRanks) forwardBackward(cfg *TrainConfig, inputs, targets []int32, s
 		wd := cfg.WorkingDType
 		for i, l := range z.lens {
 			p := z.piece[i]
-			lo, hi := pieceOf(l, z.n, rk.r)
-			dt, es := comm.F32, 4
-			if wd != 0 {
-				dt, es = comm.BF16, 2
-			}
-			send, full := rk.send[:es*p], rk.full[:es*p*z.n]
 			w := rk.opt.Working(i)
 			if wd == 0 {
-				copy(send, f32Bytes(w.Float32()))
-			} else {
-				copy(send, u16Bytes(w.Uint16()))
+				send, full := rk.piece32[:p], rk.full32[:p*z.n]
+				clear(send[copy(send, w.Float32()):]) // the last piece's padding
+				if err := rk.c.AllGather(safetensors.Float32View(send), safetensors.Float32View(full), comm.F32); err != nil {
+					return err
+				}
+				copy(rk.params[i], full[:l])
+				continue
 			}
-			clear(send[es*(hi-lo):]) // the last piece's padding
-			if err := rk.c.AllGather(send, full, dt); err != nil {
+			send, full := rk.piece16[:p], rk.full16[:p*z.n]
+			clear(send[copy(send, w.Uint16()):])
+			if err := rk.c.AllGather(safetensors.Uint16View(send), safetensors.Uint16View(full), comm.BF16); err != nil {
 				return err
 			}
-			if wd == 0 {
-				copy(rk.params[i], bytesF32(full)[:l])
-			} else {
-				adam.Widen16(wd, rk.params[i], bytesU16(full)[:l])
-			}
+			adam.Widen16(wd, rk.params[i], full[:l])
 		}
 		in, tg := inputs[rk.r*rows:(rk.r+1)*rows], targets[rk.r*rows:(rk.r+1)*rows]
 		loss := float64(rk.model.Forward(rk.params, in, tg))
@@ -238,17 +238,16 @@ func (z *zeroRanks) forwardBackward(cfg *TrainConfig, inputs, targets []int32, s
 		for i, l := range z.lens {
 			p := z.piece[i]
 			lo, hi := pieceOf(l, z.n, rk.r)
-			full, piece := rk.full[:4*p*z.n], rk.send[:4*p]
-			copy(full, f32Bytes(rk.grads[i]))
-			clear(full[4*l:])
-			if err := rk.c.ReduceScatter(full, piece, comm.F32, comm.Avg); err != nil {
+			full, piece := rk.full32[:p*z.n], rk.piece32[:p]
+			clear(full[copy(full, rk.grads[i]):])
+			if err := rk.c.ReduceScatter(safetensors.Float32View(full), safetensors.Float32View(piece), comm.F32, comm.Avg); err != nil {
 				return err
 			}
 			g := rk.opt.Grad(i)
 			if cfg.GradDType == adam.F32 {
-				copy(g.Float32(), bytesF32(piece)[:hi-lo])
+				copy(g.Float32(), piece[:hi-lo])
 			} else {
-				adam.Round16(cfg.GradDType, g.Uint16(), bytesF32(piece)[:hi-lo])
+				adam.Round16(cfg.GradDType, g.Uint16(), piece[:hi-lo])
 			}
 		}
 		binary.LittleEndian.PutUint64(rk.scalar[:], math.Float64bits(loss))
@@ -309,32 +308,4 @@ func (z *zeroRanks) close() error {
 		rk.c.Close()
 	}
 	return errors.Join(errs...)
-}
-
-func f32Bytes(x []float32) []byte {
-	if len(x) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), 4*len(x))
-}
-
-func u16Bytes(x []uint16) []byte {
-	if len(x) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), 2*len(x))
-}
-
-func bytesF32(b []byte) []float32 {
-	if len(b) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), len(b)/4)
-}
-
-func bytesU16(b []byte) []uint16 {
-	if len(b) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*uint16)(unsafe.Pointer(&b[0])), len(b)/2)
 }
