@@ -346,9 +346,11 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	for i, p := range cfg.Model.Tensors() {
 		v := buf[:p.Numel()]
 		InitParamInto(cfg.Model, cfg.Seed, i, v)
-		set := opt.SetParam(opt.Params()[i].Name, v)
+		var set error
 		if zero != nil {
 			set = zero.setParam(i, p.Name, v)
+		} else {
+			set = opt.SetParam(opt.Params()[i].Name, v)
 		}
 		if set != nil {
 			return nil, errors.Join(set, t.Close())
@@ -757,8 +759,12 @@ func (t *Trainer) Run() (Summary, error) {
 				sum.UpdateLimitS = lim.Makespan
 				limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid bound), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
 			}
-			t.logf("update phase: %.3f ms measured (mean of iterations 2..%d of this run), %.3f ms predicted by the performance model (CPU/GPU/resident subgroups %d/%d/%d, bottleneck %s)%s\n",
-				1e3*sum.UpdateS, done, 1e3*plan.Makespan, plan.CPU, plan.GPU, plan.Resident, plan.Bottleneck, limit)
+			per := ""
+			if t.zero != nil {
+				per = " of rank 0's shard"
+			}
+			t.logf("update phase%s: %.3f ms measured (mean of iterations 2..%d of this run), %.3f ms predicted by the performance model (CPU/GPU/resident subgroups %d/%d/%d, bottleneck %s)%s\n",
+				per, 1e3*sum.UpdateS, done, 1e3*plan.Makespan, plan.CPU, plan.GPU, plan.Resident, plan.Bottleneck, limit)
 		}
 		sum.TokensPerS = float64(done*tokens) / time.Since(start).Seconds()
 		if done > 1 {

@@ -310,7 +310,9 @@ func (c *TrainConfig) Validate() error {
 	case c.CkptRing > 0 && (c.CkptDir == "" || c.CkptSync):
 		return errors.New("trainer: --ckpt-ring sizes the lazy checkpointer's ring: it needs --ckpt-dir, and no --ckpt-sync")
 	case c.GPUs < 0 || c.GPUs > 64:
-		return fmt.Errorf("trainer: --gpus %d: want 1..64", c.GPUs)
+		return fmt.Errorf("trainer: --gpus %d: want 0..64 (0 or 1: one rank)", c.GPUs)
+	case c.GPUs > 1 && c.Threads > 0 && c.GPUs*c.Threads > MaxThreads():
+		return fmt.Errorf("trainer: --gpus %d --threads %d: the ranks' workers (threads per rank) would be %d, over %d (4 × the CPUs)", c.GPUs, c.Threads, c.GPUs*c.Threads, MaxThreads())
 	case c.GPUs > 1 && c.Device == "cuda":
 		return fmt.Errorf("trainer: --gpus %d with --device cuda needs NCCL between the GPUs, which is not built yet (issue 19): use --device sim or none", c.GPUs)
 	case c.GPUs > 1 && c.Batch%c.GPUs != 0:
@@ -417,6 +419,12 @@ const MaxMemoryBytes = 1 << 40
 //     state per parameter, at most 256 MiB) when CkptDir is set without
 //     CkptSync.
 //
+// With GPUs N > 1 (on the host or "sim") the pieces of the N optimizers add
+// up to one model's state, and each rank adds its fp32 replica of the
+// parameters and gradients (8N B per parameter), the trainer an fp32
+// working copy (4 B), and the activations are N models' of Batch/N rows
+// and Evaluate's of Batch.
+//
 // With Device "cuda" the activations are on the GPU and there are no fp32
 // copies: 16 B per parameter (18 with the overlap with backward: the CPU
 // subgroups' gradients in pinned memory of their own, counted for every
@@ -440,7 +448,24 @@ func (c *TrainConfig) MemoryBytes() float64 {
 		perParam += 2 + 4 // 16-bit working copy and the trainer's fp32 one
 	}
 	perPos := L*(16*C+H*T) + 13*C + 2*V + math.Max(4*C, V)
-	floats := perPos*float64(c.Batch)*T + math.Max(4*C*C, V*C) + math.Min(float64(workers()), float64(c.Batch)*H)*(3*T*T+4*T*C/H)
+	model := func(batch float64) float64 { // one Model's floats for batch rows
+		return perPos*batch*T + math.Max(4*C*C, V*C) + math.Min(float64(workers()), batch*H)*(3*T*T+4*T*C/H)
+	}
+	floats := model(float64(c.Batch))
+	if n := float64(c.GPUs); c.GPUs > 1 && c.Device != "cuda" {
+		// ZeRO-3 ranks (zero.go): the optimizers' pieces add up to one
+		// model's state; the trainer's fp32 working copy for Evaluate and
+		// each rank's fp32 replica of the parameters and gradients are
+		// 4 + 8N B; N models of Batch/N rows and Evaluate's of Batch.
+		perParam = 12 + 4 + 8*n
+		if c.GradDType != adam.F32 {
+			perParam -= 2
+		}
+		if c.WorkingDType != 0 {
+			perParam += 2
+		}
+		floats = n*model(float64(c.Batch)/n) + model(float64(c.Batch))
+	}
 	if c.Device == "cuda" {
 		// The GPU holds the activations and reads the 16-bit copies
 		// itself: no fp32 copies on the host.

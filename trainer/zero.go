@@ -16,7 +16,8 @@ import (
 
 // ZeRO-3 data parallelism in one process (TrainConfig.GPUs > 1, on the host
 // or --device sim): rank r of N holds piece r of every tensor (its
-// ceil(numel/N) elements from r·ceil(numel/N), the last piece shorter) and
+// ceil(numel/N) elements from r·ceil(numel/N): the last pieces shorter, or
+// empty for a tensor of fewer than (N-1)·ceil(numel/N) elements) and
 // that piece's optimizer state in its own offload.Optimizer, with its own
 // device and its share of the CPU workers. Each iteration, every rank, on
 // its own goroutine:
@@ -86,17 +87,15 @@ func pieceOf(numel, n, r int) (lo, hi int) {
 }
 
 // newZero builds the n ranks' optimizers (each with its own device from
-// cfg.Device and profile, and GOMAXPROCS/n CPU workers unless cfg.Threads
-// says) and the communicator. The models come with bind.
+// cfg.Device and profile, GOMAXPROCS/n CPU workers unless cfg.Threads
+// says, and, on a device without a profile or a --schedule, its own
+// subgroups a third each on the CPU, streamed and resident) and the
+// communicator. The models come with bind.
 //
-// Errors: a tensor smaller than n elements; the device, the profile or
-// the optimizer's.
+// Errors: the device's, the profile's or the optimizer's.
 func newZero(cfg *TrainConfig, n int) (*zeroRanks, error) {
 	z := &zeroRanks{n: n}
 	for _, t := range cfg.Model.Tensors() {
-		if t.Numel() < n {
-			return nil, fmt.Errorf("trainer: --gpus %d: tensor %s has %d elements, fewer than the ranks", n, t.Name, t.Numel())
-		}
 		z.lens = append(z.lens, t.Numel())
 		z.piece = append(z.piece, (t.Numel()+n-1)/n)
 	}
@@ -110,6 +109,17 @@ func newZero(cfg *TrainConfig, n int) (*zeroRanks, error) {
 		if err != nil {
 			return nil, errors.Join(err, z.close())
 		}
+		params := shardParams(cfg.Model, n, r)
+		if oo.Schedule != nil && cfg.Schedule == "" {
+			// cfg.device's default split counts the whole model's
+			// subgroups: this rank's share has fewer.
+			var elems int
+			for _, p := range params {
+				elems += p.Shape[0]
+			}
+			s := offload.MixedSchedule(offload.SubgroupCount(elems, oo.SubgroupSize))
+			oo.Schedule = &s
+		}
 		rk := &zeroRank{r: r, c: ends[r], closeDev: closeDev}
 		z.ranks = append(z.ranks, rk)
 		if cfg.Profile != "" {
@@ -120,7 +130,7 @@ func newZero(cfg *TrainConfig, n int) (*zeroRanks, error) {
 			oo.Profile = p
 		}
 		oo.Replan = cfg.Replan
-		if rk.opt, err = offload.New(shardParams(cfg.Model, n, r), *oo); err != nil {
+		if rk.opt, err = offload.New(params, *oo); err != nil {
 			return nil, errors.Join(fmt.Errorf("trainer: rank %d: %w", r, err), z.close())
 		}
 	}
