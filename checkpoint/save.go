@@ -367,17 +367,20 @@ func (tx *saveTx) commit() (string, error) {
 // (created anew: whatever stood there, a FIFO or a link to a file outside
 // the root included, is removed first, never written through), fsync it,
 // rename it over latest. The caller fsyncs root.
-func (tx *saveTx) moveLatest(contents []byte) error {
-	tmp := filepath.Join(tx.root, pendingLatest)
-	if err := tx.fs.RemoveAll(tmp); err != nil {
+func (tx *saveTx) moveLatest(contents []byte) error { return moveLatest(tx.fs, tx.root, contents) }
+
+// moveLatest is saveTx.moveLatest in root.
+func moveLatest(fsys FS, root string, contents []byte) error {
+	tmp := filepath.Join(root, pendingLatest)
+	if err := fsys.RemoveAll(tmp); err != nil {
 		return err
 	}
-	if err := writeFile(tx.fs, tmp, contents); err != nil {
-		_ = tx.fs.RemoveAll(tmp)
+	if err := writeFile(fsys, tmp, contents); err != nil {
+		_ = fsys.RemoveAll(tmp)
 		return err
 	}
-	if err := tx.fs.Rename(tmp, filepath.Join(tx.root, LatestFile)); err != nil {
-		_ = tx.fs.RemoveAll(tmp)
+	if err := fsys.Rename(tmp, filepath.Join(root, LatestFile)); err != nil {
+		_ = fsys.RemoveAll(tmp)
 		return err
 	}
 	return nil

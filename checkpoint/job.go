@@ -1,0 +1,176 @@
+package checkpoint
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"path/filepath"
+	"strings"
+)
+
+// Checkpoints of a multi-rank job (ZeRO-3 ranks). Each rank saves into a
+// root of its own under the job's root, with this package's single-rank
+// format and commit unchanged; the job commits a step only once every
+// rank's save of it is durable, in a latest file of its own:
+//
+//	root/
+//	├── .lock        the job's (the trainer holds it for the run)
+//	├── job.json     {"format": "dos-job", "world_size": N}: written before the first commit
+//	├── latest       "step-%09d\n": the newest step every rank committed (CommitJob)
+//	├── rank-00000/  rank 0's root: its own .lock, latest and step directories
+//	└── rank-00001/
+//
+// A rank whose save fails, or a crash before CommitJob, leaves the job's
+// latest at the previous step although other ranks committed the new one
+// in their roots; resuming reads the job's latest and rewinds each rank
+// root to it (RewindRank), so that the next saves of the later steps
+// replace what those ranks wrote.
+
+// JobFile names the job root's description, written before its first
+// commit: the rank count its checkpoints were cut for.
+const JobFile = "job.json"
+
+// jobFormat identifies JobFile's schema.
+const jobFormat = "dos-job"
+
+type jobInfo struct {
+	Format    string `json:"format"`
+	WorldSize int    `json:"world_size"`
+}
+
+// RankRoot returns the root of rank's checkpoints under the job root:
+// root/rank-%05d.
+func RankRoot(root string, rank int) string {
+	return filepath.Join(root, fmt.Sprintf("rank-%05d", rank))
+}
+
+// JobFresh reports whether root holds nothing of a job (no job.json, no
+// latest, no rank root) and nothing of a single-rank root either: what a
+// new job may start in. A missing root is fresh.
+func JobFresh(fsys FS, root string) (bool, error) {
+	es, err := fsys.ReadDir(root)
+	if errors.Is(err, fs.ErrNotExist) {
+		return true, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	for _, e := range es {
+		n := e.Name()
+		if n == JobFile || n == LatestFile || n == pendingLatest || strings.HasPrefix(n, "rank-") || strings.HasPrefix(n, "step-") {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// CommitJob commits step for the job of world ranks under root: it checks
+// that every rank root holds step's complete directory (its manifest
+// written), writes job.json at the first commit (and refuses a job.json of
+// another rank count), then replaces root/latest atomically (latest.tmp,
+// fsync, rename, fsync root), as Save commits a single rank. The caller
+// holds root's lock and has waited for every rank's save of step.
+//
+// Errors: a rank's directory missing or incomplete (named); a job.json of
+// another world size or not a job's; the file system's. On an error the
+// job's latest still names the previous step.
+func CommitJob(fsys FS, root string, world int, step int64) error {
+	if world < 1 {
+		return fmt.Errorf("checkpoint: CommitJob: world size %d", world)
+	}
+	for r := range world {
+		m := filepath.Join(StepDir(RankRoot(root, r), step), ManifestFile)
+		if _, err := fsys.Stat(m); err != nil {
+			return fmt.Errorf("checkpoint: job %s: rank %d has not committed step %d (%s: %w)", root, r, step, m, err)
+		}
+	}
+	if w, err := readJob(fsys, root); errors.Is(err, fs.ErrNotExist) {
+		b, _ := json.Marshal(jobInfo{Format: jobFormat, WorldSize: world})
+		if err := writeFile(fsys, filepath.Join(root, JobFile), append(b, '\n')); err != nil {
+			return fmt.Errorf("checkpoint: job %s: %w", root, err)
+		}
+	} else if err != nil {
+		return err
+	} else if w != world {
+		return fmt.Errorf("checkpoint: job %s was cut for %d ranks, not %d", root, w, world)
+	}
+	if err := moveLatest(fsys, root, []byte(stepDirName(step)+"\n")); err != nil {
+		return fmt.Errorf("checkpoint: job %s: committing step %d: %w", root, step, err)
+	}
+	if err := fsys.SyncDir(root); err != nil {
+		return fmt.Errorf("checkpoint: job %s: committing step %d: %w", root, step, err)
+	}
+	return nil
+}
+
+// readJob returns job.json's world size (fs.ErrNotExist when there is
+// none).
+func readJob(fsys FS, root string) (int, error) {
+	path := filepath.Join(root, JobFile)
+	b, err := readSmallFile(fsys, path, 4096)
+	if err != nil {
+		return 0, err
+	}
+	var j jobInfo
+	if err := json.Unmarshal(b, &j); err != nil || j.Format != jobFormat || j.WorldSize < 1 {
+		return 0, fmt.Errorf("%w: %s is not a dos job's description (%.60q)", ErrCorrupt, path, b)
+	}
+	return j.WorldSize, nil
+}
+
+// JobLatest returns the job's committed step and its world size.
+//
+// Errors: ErrNoCheckpoint (wrapped) when the job has committed nothing;
+// ErrCorrupt (wrapped, naming the file) for a latest or job.json that is
+// not a job's, or a latest without job.json.
+func JobLatest(fsys FS, root string) (step int64, world int, err error) {
+	b, err := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096)
+	if errors.Is(err, fs.ErrNotExist) {
+		return 0, 0, fmt.Errorf("checkpoint: job %s: %w", root, ErrNoCheckpoint)
+	}
+	if err != nil {
+		return 0, 0, err
+	}
+	name := strings.TrimSpace(string(b))
+	step, ok := parseStepDirName(name)
+	if !ok {
+		return 0, 0, fmt.Errorf("%w: %s holds %.40q, not a step-%%09d directory name", ErrCorrupt, filepath.Join(root, LatestFile), name)
+	}
+	world, err = readJob(fsys, root)
+	if errors.Is(err, fs.ErrNotExist) {
+		return 0, 0, fmt.Errorf("%w: job %s has a latest but no %s", ErrCorrupt, root, JobFile)
+	}
+	return step, world, err
+}
+
+// RewindRank makes step the latest of rankRoot when its latest names a
+// later step (a save its job did not commit): the later directories are
+// then uncommitted leftovers, which Latest and List ignore and the next
+// Save of their step replaces. step's directory must be complete. The
+// caller holds the job's lock; RewindRank takes rankRoot's.
+//
+// Errors: step's directory missing or incomplete; a latest before step;
+// the lock's and the file system's.
+func RewindRank(fsys FS, rankRoot string, step int64) error {
+	return writing(fsys, rankRoot, func() error {
+		_, cur, err := readLatest(fsys, rankRoot)
+		if err != nil {
+			return err
+		}
+		switch {
+		case cur == step:
+			return nil
+		case cur < step:
+			return fmt.Errorf("checkpoint: %s: latest is step %d, before the job's %d", rankRoot, cur, step)
+		}
+		if _, err := fsys.Stat(filepath.Join(StepDir(rankRoot, step), ManifestFile)); err != nil {
+			return fmt.Errorf("checkpoint: %s: step %d: %w", rankRoot, step, err)
+		}
+		if err := moveLatest(fsys, rankRoot, []byte(stepDirName(step)+"\n")); err != nil {
+			return fmt.Errorf("checkpoint: %s: rewinding to step %d: %w", rankRoot, step, err)
+		}
+		return fsys.SyncDir(rankRoot)
+	})
+}
+
