@@ -173,4 +173,3 @@ func RewindRank(fsys FS, rankRoot string, step int64) error {
 		return fsys.SyncDir(rankRoot)
 	})
 }
-
