@@ -20,6 +20,15 @@ func (t *Trainer) save() error {
 	t.state.Config = t.cfg
 	objects := map[string]any{"trainer": t.state}
 	step := int64(t.state.Iteration) // skipped optimizer steps still count as iterations
+	if t.zero != nil {
+		t0 := time.Now()
+		bytes, err := t.zero.save(t.cfg.CkptDir, step, objects, t.cfg.CkptKeep)
+		if err != nil {
+			return fmt.Errorf("trainer: checkpoint at iteration %d: %w", t.state.Iteration, err)
+		}
+		t.logf("checkpoint %s, step %d (%d ranks, %.1f MB, synchronous, %v)\n", t.cfg.CkptDir, step, t.zero.n, float64(bytes)/1e6, time.Since(t0).Round(time.Millisecond))
+		return nil
+	}
 	if !t.cfg.CkptSync {
 		return t.saveLazily(step, objects)
 	}

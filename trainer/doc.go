@@ -30,7 +30,10 @@
 // of the global batch, reduce-scatters the averaged gradients into its
 // piece and steps with the whole model's gradient norm
 // (offload.StepArgs.Reduce), over internal/comm's in-process communicator.
-// For now on the host or Device "sim", without checkpoints (zero.go).
+// For now on the host or Device "sim" (zero.go). Checkpoints of a job:
+// each rank saves into CkptDir/rank-%05d and the job commits the step in
+// CkptDir's latest once every rank's save is durable
+// (checkpoint.CommitJob); a resume needs the same ranks.
 //
 // Parameters are named and laid out as Hugging Face's GPT-2 (wte.weight,
 // h.0.attn.c_attn.weight as [in, out], ...; package gpt describes them for

@@ -23,6 +23,18 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	if err != nil {
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
 	}
+	if cfg.GPUs > 1 {
+		rec, err := openJob(cfg, out)
+		if err != nil {
+			lock.Unlock()
+			return nil, nil, err
+		}
+		return lock, rec, nil
+	}
+	if _, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
+		lock.Unlock()
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of %d ranks (dos train --gpus %d): pass --gpus %d (re-sharding onto one rank is not built yet: issue 19)", root, world, world, world)
+	}
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if err != nil {
 		lock.Unlock()
@@ -56,6 +68,46 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 }
 
 // resume restores the run from the checkpoint directory dir.
+// openJob is openRoot for the ranks of TrainConfig.GPUs: CkptDir is a
+// job's root (checkpoint.CommitJob). Without Resume it must hold nothing;
+// with it, the job's latest step is resumed on as many ranks as saved it:
+// each rank root is pointed back at it (checkpoint.RewindRank: a rank
+// whose save of a later step committed while another's failed), and the
+// returned Recovery names rank 0's directory (the trainer's objects).
+func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
+	root := cfg.CkptDir
+	if !cfg.Resume {
+		fresh, err := checkpoint.JobFresh(checkpoint.OS, root)
+		if err != nil {
+			return nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
+		}
+		if !fresh {
+			return nil, fmt.Errorf("trainer: --ckpt-dir %s already holds checkpoints: pass --resume to continue, or choose another --ckpt-dir", root)
+		}
+		return nil, nil
+	}
+	if d, err := checkpoint.Latest(checkpoint.OS, root); err == nil {
+		return nil, fmt.Errorf("trainer: resume from %s: it holds one rank's checkpoints (latest %s), this run has --gpus %d (re-sharding is not built yet: issue 19)", root, d, cfg.GPUs)
+	}
+	step, world, err := checkpoint.JobLatest(checkpoint.OS, root)
+	if errors.Is(err, checkpoint.ErrNoCheckpoint) {
+		fmt.Fprintf(out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("trainer: resume from %s: %w", root, err)
+	}
+	if world != cfg.GPUs {
+		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d (re-sharding is not built yet: issue 19)", root, world, cfg.GPUs)
+	}
+	for r := range world {
+		if err := checkpoint.RewindRank(checkpoint.OS, checkpoint.RankRoot(root, r), step); err != nil {
+			return nil, fmt.Errorf("trainer: resume from %s: rank %d: %w", root, r, err)
+		}
+	}
+	return &checkpoint.Recovery{Dir: checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)}, nil
+}
+
 func (t *Trainer) resume(dir string) error {
 	root := t.cfg.CkptDir
 	// Read the trainer's object first, so a different model gets a message
@@ -97,6 +149,21 @@ func (t *Trainer) resume(dir string) error {
 	}
 	if _, _, err := t.opt.LoadCheckpoint(checkpoint.OS, dir); err != nil {
 		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
+	}
+	if t.zero != nil {
+		// Rank 0's directory is dir; the others' hold the same step.
+		step, err := checkpoint.Open(checkpoint.OS, dir, 0)
+		if err != nil {
+			return fmt.Errorf("trainer: resume from %s: %w", dir, err)
+		}
+		s := step.Manifest.Step
+		step.Close()
+		for _, rk := range t.zero.ranks[1:] {
+			d := checkpoint.StepDir(checkpoint.RankRoot(root, rk.r), s)
+			if _, _, err := rk.opt.LoadCheckpoint(checkpoint.OS, d); err != nil {
+				return fmt.Errorf("trainer: resume from %s: rank %d: %w", d, rk.r, err)
+			}
+		}
 	}
 	if st.Data != t.state.Data {
 		was, is := "a text (--text)", "pre-tokenized data (--data)"

@@ -91,9 +91,12 @@ type TrainConfig struct {
 	// forward and backward on Batch/GPUs rows, the working copy
 	// all-gathered and the gradients reduce-scattered between them
 	// (zero.go). For now on the host or Device "sim", the ranks in this
-	// process over an in-process communicator (internal/comm's Local);
-	// NCCL between GPUs and checkpoints across ranks are still to come
-	// (issue 19).
+	// process over an in-process communicator (internal/comm's Local).
+	// Checkpoints: each rank saves its pieces into CkptDir/rank-%05d
+	// (synchronously, the ranks in parallel) and the job commits a step in
+	// CkptDir's latest once all are durable (checkpoint.CommitJob); a
+	// resume needs the same GPUs. NCCL between GPUs and re-sharding are
+	// still to come (issue 19).
 	GPUs int `json:"gpus,omitempty"`
 	// Recompute, with Device "cuda", keeps only each block's input through
 	// forward and recomputes the block in backward (gptcuda's
@@ -317,8 +320,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --gpus %d with --device cuda needs NCCL between the GPUs, which is not built yet (issue 19): use --device sim or none", c.GPUs)
 	case c.GPUs > 1 && c.Batch%c.GPUs != 0:
 		return fmt.Errorf("trainer: --batch %d is not a multiple of --gpus %d (each rank trains on batch/gpus rows)", c.Batch, c.GPUs)
-	case c.GPUs > 1 && c.CkptDir != "":
-		return fmt.Errorf("trainer: --gpus %d with --ckpt-dir: checkpoints across ranks are not built yet (issue 19)", c.GPUs)
+	case c.GPUs > 1 && c.CkptRing > 0:
+		return fmt.Errorf("trainer: --gpus %d saves each rank synchronously for now: --ckpt-ring sizes the lazy checkpointer's ring", c.GPUs)
 	case c.GPUs > 1 && c.WorkingDType == adam.F16:
 		return fmt.Errorf("trainer: --gpus %d all-gathers the working copy in bfloat16 or float32: --working-dtype float16 is not supported", c.GPUs)
 	case c.GPUs > 1 && c.Schedule != "" && c.Schedule != "cpu" && c.Schedule != "static":

@@ -9,6 +9,7 @@ import (
 	"sync"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/internal/comm"
 	"github.com/deepstates/dos/offload"
 	"github.com/deepstates/dos/safetensors"
@@ -290,6 +291,66 @@ func (z *zeroRanks) step(args offload.StepArgs) (offload.StepResult, error) {
 		return err
 	})
 	return z.ranks[0].res, err
+}
+
+// zeroSaveFault, when set (tests), runs before rank's save of step: an
+// error fails that rank's save as a failed write would.
+var zeroSaveFault func(rank int, step int64) error
+
+// save writes every rank's pieces of step, with objects, into its root
+// under the job root root (checkpoint.RankRoot), synchronously, the ranks
+// in parallel; once all are durable it commits the step for the job
+// (checkpoint.CommitJob) and, with keep > 0, keeps the newest keep steps
+// in every rank root. It returns the bytes written. A rank that fails
+// leaves the job's latest at the previous step (its error, by rank); the
+// ranks that wrote the step are rewound at the next resume.
+func (z *zeroRanks) save(root string, step int64, objects map[string]any, keep int) (int, error) {
+	bytes := make([]int, z.n)
+	errs := make([]error, z.n)
+	var wg sync.WaitGroup
+	for _, rk := range z.ranks {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if f := zeroSaveFault; f != nil {
+				if errs[rk.r] = f(rk.r, step); errs[rk.r] != nil {
+					return
+				}
+			}
+			snap, err := rk.opt.Snapshot(objects)
+			if err != nil {
+				errs[rk.r] = err
+				return
+			}
+			snap.Step = step
+			if _, errs[rk.r] = checkpoint.Save(checkpoint.OS, checkpoint.RankRoot(root, rk.r), snap); errs[rk.r] == nil {
+				for _, tn := range snap.Tensors {
+					for _, b := range tn.Data {
+						bytes[rk.r] += len(b)
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	total := 0
+	for r, err := range errs {
+		if err != nil {
+			return 0, fmt.Errorf("rank %d: %w (the job's latest checkpoint is unchanged)", r, err)
+		}
+		total += bytes[r]
+	}
+	if err := checkpoint.CommitJob(checkpoint.OS, root, z.n, step); err != nil {
+		return 0, err
+	}
+	if keep > 0 {
+		for r := range z.n {
+			if err := checkpoint.Retain(checkpoint.OS, checkpoint.RankRoot(root, r), keep); err != nil {
+				return total, err
+			}
+		}
+	}
+	return total, nil
 }
 
 // setLR sets every rank's learning rate.

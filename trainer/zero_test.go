@@ -3,6 +3,7 @@ package trainer
 import (
 	"bufio"
 	"encoding/json"
+	"errors"
 	"math"
 	"os"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
 )
 
 // zeroRun trains c with gpus ranks on the same tokens and returns each
@@ -106,7 +108,7 @@ func TestZeROConfig(t *testing.T) {
 		{func(c *TrainConfig) { c.GPUs = -1 }, "--gpus -1: want 0..64"},
 		{func(c *TrainConfig) { c.GPUs, c.Threads = 8, MaxThreads() }, "the ranks' workers"},
 		{func(c *TrainConfig) { c.GPUs, c.Batch = 3, 16 }, "--batch 16 is not a multiple of --gpus 3"},
-		{func(c *TrainConfig) { c.GPUs, c.CkptDir = 2, "/tmp/x" }, "checkpoints across ranks are not built yet"},
+		{func(c *TrainConfig) { c.GPUs, c.CkptDir, c.CkptRing = 2, "/tmp/x", 1 }, "saves each rank synchronously for now"},
 		{func(c *TrainConfig) {
 			c.GPUs, c.Device, c.WorkingDType, c.GradDType = 2, "cuda", adam.BF16, adam.BF16
 		}, "needs NCCL between the GPUs"},
@@ -154,5 +156,65 @@ func TestZeROMemoryBytes(t *testing.T) {
 	c.MaxMemory = one / (1 << 30) * 1.5
 	if err := c.Validate(); err == nil || !strings.Contains(err.Error(), "--max-memory") {
 		t.Errorf("8 ranks under one rank's memory x 1.5: %v", err)
+	}
+}
+
+// TestZeROCheckpoint: checkpoints of 2 ranks. Rank 1's save of step 6
+// fails (as a killed write would): the run stops with that error and the
+// job's latest stays at step 4, although rank 0 committed step 6 in its
+// root; --resume continues from step 4 on both ranks (rank 0 rewound) and
+// reaches step 8 with the losses of an uninterrupted run, bit for bit.
+func TestZeROCheckpoint(t *testing.T) {
+	setMemAvailable(t, 0, false)
+	toks := make([]uint16, 6000)
+	for i := range toks {
+		toks[i] = uint16((i*11 + i/7) % 256)
+	}
+	c := DefaultTrainConfig()
+	c.Model.NLayer, c.Model.NEmbd, c.Model.NHead, c.Model.NCtx = 1, 16, 2, 8
+	c.Batch, c.Steps, c.SampleBytes, c.EvalBatches, c.LogEvery = 4, 8, 0, 1, 0
+	ref, _ := zeroRun(t, c, 2, toks)
+
+	c.CkptDir, c.CkptEvery, c.CkptKeep, c.GPUs = t.TempDir(), 2, 2, 2
+	zeroSaveFault = func(rank int, step int64) error {
+		if rank == 1 && step == 6 {
+			return errors.New("injected: rank 1's write killed")
+		}
+		return nil
+	}
+	defer func() { zeroSaveFault = nil }()
+	tr, err := NewTokens(c, toks, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = tr.Run()
+	tr.Close()
+	if err == nil || !strings.Contains(err.Error(), "rank 1: injected") || !strings.Contains(err.Error(), "latest checkpoint is unchanged") {
+		t.Fatalf("Run with rank 1's save failing: %v", err)
+	}
+	zeroSaveFault = nil
+	if step, world, err := checkpoint.JobLatest(checkpoint.OS, c.CkptDir); step != 4 || world != 2 || err != nil {
+		t.Fatalf("the job's latest after the failure: step %d, %d ranks, %v; want 4, 2", step, world, err)
+	}
+	if d, _ := checkpoint.Latest(checkpoint.OS, checkpoint.RankRoot(c.CkptDir, 0)); filepath.Base(d) != "step-000000006" {
+		t.Fatalf("rank 0's own latest %s: the test wants it ahead of the job", d)
+	}
+	c.Resume = true
+	got, _ := zeroRun(t, c, 2, toks)
+	if len(got) != 4 {
+		t.Fatalf("the resumed run logged %d steps, want 4 (5..8)", len(got))
+	}
+	for i, g := range got {
+		if want := ref[4+i]; g != want {
+			t.Errorf("step %d after the resume: loss, norm %v; uninterrupted %v", 5+i, g, want)
+		}
+	}
+	if step, _, err := checkpoint.JobLatest(checkpoint.OS, c.CkptDir); step != 8 || err != nil {
+		t.Errorf("the job's latest at the end: %d, %v; want 8", step, err)
+	}
+	// Another rank count is refused, by name.
+	c.GPUs = 4
+	if _, err := NewTokens(c, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "hold 2 ranks' pieces, this run has --gpus 4") {
+		t.Errorf("resume on 4 ranks: %v", err)
 	}
 }

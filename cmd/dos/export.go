@@ -51,6 +51,14 @@ func trainCheckpoint(path string) (string, trainer.TrainConfig, error) {
 // recovers first), the newest complete step directory that opens. ok is
 // false when there is none; the trainer then says why.
 func resumeSource(root string) (dir string, cfg trainer.TrainConfig, ok bool) {
+	if step, _, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
+		// A job of ranks (dos train --gpus): rank 0's directory holds the
+		// trainer's objects.
+		if dir, cfg, err := trainCheckpoint(checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)); err == nil {
+			return dir, cfg, true
+		}
+		return "", cfg, false
+	}
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if err != nil {
 		return "", cfg, false

@@ -40,10 +40,14 @@ token); --text trains on a text file, tokenized by --tokenizer; --data on a file
 
 With --resume the run continues from the latest checkpoint in --ckpt-dir and takes the model and
 dtype configuration from it: --layers, --heads, --embd, --ctx, --batch, --grad-dtype,
---working-dtype, --subgroup-size and --tokenizer, where not given on the command line (--model
-gives the first four). One given that differs is named: the dtypes and the subgroup size then
-change from here on; the model's shape, the tokenizer and the batch cannot, and the run is
-refused.`
+--working-dtype, --subgroup-size, --tokenizer and --gpus, where not given on the command line
+(--model gives the first four). One given that differs is named: the dtypes and the subgroup
+size then change from here on; the model's shape, the tokenizer, the batch and the ranks
+cannot, and the run is refused.
+
+With --gpus N and --ckpt-dir each rank saves its pieces into --ckpt-dir/rank-%05d and the step
+is committed in --ckpt-dir's latest only once every rank's save is durable: a rank that fails
+leaves the previous checkpoint latest.`
 
 // resumeFlags are the flags dos train --resume takes from the checkpoint
 // when they are not on the command line, with how to copy each.
@@ -60,6 +64,7 @@ var resumeFlags = []struct {
 	{"grad-dtype", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.GradDType = o.GradDType }, func(c trainer.TrainConfig) string { return c.GradDType.String() }},
 	{"working-dtype", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.WorkingDType = o.WorkingDType }, func(c trainer.TrainConfig) string { return c.WorkingDType.String() }},
 	{"subgroup-size", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.SubgroupSize = o.SubgroupSize }, func(c trainer.TrainConfig) string { return formatSize(int64(c.SubgroupSize)) }},
+	{"gpus", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.GPUs = o.GPUs }, func(c trainer.TrainConfig) string { return fmt.Sprint(max(c.GPUs, 1)) }},
 }
 
 func runTrain(args []string, stdout, stderr io.Writer) int {
@@ -112,7 +117,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&cfg.Replan, "replan", cfg.Replan, "with --device and the performance model's schedule (--profile, or the start-up calibration on cuda): correct the model from every update phase's measured times and re-plan when it misses by more than 5%")
 	fs.BoolVar(&cfg.BF16Params, "bf16-params", cfg.BF16Params, "with --device cuda: read every parameter from the bf16 working copy (llm.c's recipe); by default the embedding lookup and the LayerNorms read fp32 master weights kept on the device, as PyTorch's bf16 autocast does")
 	fs.BoolVar(&cfg.Recompute, "recompute", cfg.Recompute, "with --device cuda: keep one block's activations and recompute each block's forward in backward (about a third more compute, a fraction of the activation memory)")
-	fs.IntVar(&cfg.GPUs, "gpus", cfg.GPUs, "ZeRO-3 data parallelism over `N` ranks: each holds 1/N of every tensor and of its optimizer state and trains on batch/N rows; the working copy is all-gathered and the gradients reduce-scattered between them. For now on the host or with --device sim, the ranks in this process (an in-process communicator); not with --device cuda or --ckpt-dir yet (issue 19). --threads is then per rank (0: GOMAXPROCS/N)")
+	fs.IntVar(&cfg.GPUs, "gpus", cfg.GPUs, "ZeRO-3 data parallelism over `N` ranks: each holds 1/N of every tensor and of its optimizer state and trains on batch/N rows; the working copy is all-gathered and the gradients reduce-scattered between them. For now on the host or with --device sim, the ranks in this process (an in-process communicator); not with --device cuda yet (issue 19). With --ckpt-dir each rank saves into --ckpt-dir/rank-%05d, synchronously, and the job commits a step once all ranks' saves are durable; --resume needs the same N. --threads is then per rank (0: GOMAXPROCS/N)")
 	fs.BoolVar(&cfg.NoOverlap, "no-overlap", cfg.NoOverlap, "with --device cuda: start none of the update phase during backward (by default the CPU subgroups' gradients move to the host as their blocks' backward ends, and the first streamed subgroups' state to the device); the same trajectory, bit for bit")
 	timeline := fs.String("timeline", "", "draw one iteration's timeline to this `PATH` (.svg, .png or .pdf; the Chrome trace beside it, PATH with .json): forward, backward, the optimizer step and its update phase's CPU, H2D, D2H and GPU operations, and the GPU memory in use (that iteration waits for the device after forward)")
 	fs.IntVar(&cfg.TimelineAt, "timeline-at", 0, "with --timeline: the iteration `N` to draw, from 1 (0, the default: the last of the run)")
@@ -171,6 +176,9 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		if dir, old, ok := resumeSource(cfg.CkptDir); ok {
 			var taken []string
 			for _, f := range resumeFlags {
+				if f.name == "gpus" && old.GPUs <= 1 {
+					continue // a single rank's checkpoint: nothing to say
+				}
 				if !given(f.name) {
 					f.take(&cfg, old)
 					taken = append(taken, "--"+f.name+" "+f.show(cfg))
