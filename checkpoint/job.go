@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"path/filepath"
 	"strings"
+	"syscall"
 )
 
 // Checkpoints of a multi-rank job (ZeRO-3 ranks). Each rank saves into a
@@ -37,6 +38,31 @@ const jobFormat = "dos-job"
 type jobInfo struct {
 	Format    string `json:"format"`
 	WorldSize int    `json:"world_size"`
+}
+
+// ErrJobRoot is wrapped by the errors of the single-rank functions (Latest,
+// Inspect, Save, Recover, Retain...) called on a job's root: its
+// checkpoints are in its ranks' roots (RankRoot), committed by its own
+// latest (JobLatest). They refuse it rather than take it for a damaged
+// root and repair it.
+var ErrJobRoot = errors.New("checkpoint: a multi-rank job's root")
+
+// jobRoot returns an error wrapping ErrJobRoot when root holds job.json,
+// nil when it does not (or root is no directory), and the error of a Stat
+// that failed otherwise.
+func jobRoot(fsys FS, root string) error {
+	path := filepath.Join(root, JobFile)
+	if _, err := fsys.Stat(path); errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
+		return nil
+	} else if err != nil {
+		return fmt.Errorf("checkpoint: %s: %w", path, err)
+	}
+	world := "several"
+	if w, err := readJob(fsys, root); err == nil {
+		world = fmt.Sprint(w)
+	}
+	return fmt.Errorf("%w: %s holds the checkpoints of a job of %s ranks (%s): each rank's are in its own root, %s, ..., committed by %s's %s",
+		ErrJobRoot, root, world, JobFile, RankRoot(root, 0), root, LatestFile)
 }
 
 // RankRoot returns the root of rank's checkpoints under the job root:

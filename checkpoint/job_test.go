@@ -65,6 +65,22 @@ func TestJobCommit(t *testing.T) {
 	if step, _, _ := JobLatest(OS, root); step != 4 {
 		t.Fatalf("the job's latest is step %d, want 4", step)
 	}
+	// The single-rank functions refuse the job's root instead of taking
+	// it for a damaged root and repairing it.
+	for what, err := range map[string]error{
+		"Latest":  func() error { _, err := Latest(OS, root); return err }(),
+		"Inspect": func() error { _, err := Inspect(OS, root); return err }(),
+		"Recover": func() error { _, err := Recover(OS, root, 0); return err }(),
+		"Retain":  Retain(OS, root, 1),
+		"Save":    func() error { _, err := Save(OS, root, testSnapshot(9)); return err }(),
+	} {
+		if !errors.Is(err, ErrJobRoot) || !strings.Contains(err.Error(), "job of 2 ranks") {
+			t.Errorf("%s on a job's root: %v", what, err)
+		}
+	}
+	if step, _, _ := JobLatest(OS, root); step != 4 {
+		t.Fatalf("after the refusals the job's latest is step %d, want 4", step)
+	}
 	// The world size is the job's.
 	if err := CommitJob(OS, root, 3, 4); err == nil || !strings.Contains(err.Error(), "rank 2 has not committed") {
 		t.Errorf("CommitJob for 3 ranks: %v", err)

@@ -75,6 +75,9 @@ func Latest(fsys FS, root string) (string, error) {
 // readLatest reads root/latest and returns the directory name it holds and
 // its step.
 func readLatest(fsys FS, root string) (string, int64, error) {
+	if err := jobRoot(fsys, root); err != nil {
+		return "", 0, err
+	}
 	path := filepath.Join(root, LatestFile)
 	b, err := readSmallFile(fsys, path, 4096)
 	if err != nil {
@@ -204,6 +207,9 @@ func Inspect(fsys FS, root string) (*RootInfo, error) {
 }
 
 func inspect(fsys FS, root string) (*RootInfo, error) {
+	if err := jobRoot(fsys, root); err != nil {
+		return nil, err
+	}
 	info := &RootInfo{Root: root}
 	entries, err := fsys.ReadDir(root)
 	if errors.Is(err, fs.ErrNotExist) {
