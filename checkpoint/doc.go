@@ -48,9 +48,11 @@
 // Recover take the root's lock (Lock, flock(2) on root/.lock, released by
 // the kernel however the process ends), and another process is refused
 // with ErrLocked, naming the holder. A trainer holds it for its whole run.
-// Each rank of a multi-rank job saves its own directories (so, for now,
-// under its own root): the commit below is per process and does not
-// coordinate ranks.
+// Each rank of a multi-rank job saves into a root of its own under the
+// job's root (RankRoot), with the commit below; the job commits a step in
+// a latest of its own once every rank's save of it is durable (CommitJob,
+// JobLatest, RewindRank: job.go), and the single-rank functions refuse a
+// job's root (ErrJobRoot).
 //
 // # Fresh, sound and damaged roots
 //
