@@ -170,32 +170,218 @@ func JobLatest(fsys FS, root string) (step int64, world int, err error) {
 	return step, world, err
 }
 
-// RewindRank makes step the latest of rankRoot when its latest names a
-// later step (a save its job did not commit): the later directories are
-// then uncommitted leftovers, which Latest and List ignore and the next
-// Save of their step replaces. step's directory must be complete. The
-// caller holds the job's lock; RewindRank takes rankRoot's.
+// BeginJob prepares root for a job of world ranks before its first save:
+// it creates root and writes job.json when there is none (fsynced), so
+// that a crash during the first save leaves a root ResumeJob recognizes;
+// a job.json of another world size is refused.
+func BeginJob(fsys FS, root string, world int) error {
+	if world < 1 {
+		return fmt.Errorf("checkpoint: BeginJob: world size %d", world)
+	}
+	w, err := readJob(fsys, root)
+	switch {
+	case err == nil && w != world:
+		return fmt.Errorf("checkpoint: job %s was cut for %d ranks, not %d", root, w, world)
+	case err == nil:
+		return nil
+	case !errors.Is(err, fs.ErrNotExist):
+		return err
+	}
+	if err := createDurably(fsys, root); err != nil {
+		return fmt.Errorf("checkpoint: job %s: %w", root, err)
+	}
+	b, _ := json.Marshal(jobInfo{Format: jobFormat, WorldSize: world})
+	if err := writeFile(fsys, filepath.Join(root, JobFile), append(b, '\n')); err != nil {
+		return fmt.Errorf("checkpoint: job %s: %w", root, err)
+	}
+	return fsys.SyncDir(root)
+}
+
+// ResumeJob finds the step a job of world ranks under root resumes from,
+// and makes every rank root and the job's latest agree on it: the newest
+// step whose directory is complete in every rank root and, when the job
+// has a latest, not after it (a rank rolled back past a damaged
+// checkpoint, or a job latest lost, moves the job back to what all ranks
+// hold). Each rank root's latest is pointed at that step and its later
+// directories (saves the job did not commit) are retired; the job's
+// latest is committed at it when it named another step or none. It
+// returns the step (-1 when no step is held by every rank: then the job
+// never committed, and what its ranks wrote of a first save is retired so
+// that it starts over) and a note saying what it changed ("" for
+// nothing). The caller holds root's lock.
 //
-// Errors: step's directory missing or incomplete; a latest before step;
-// the lock's and the file system's.
-func RewindRank(fsys FS, rankRoot string, step int64) error {
-	return writing(fsys, rankRoot, func() error {
-		_, cur, err := readLatest(fsys, rankRoot)
+// Errors: a root that holds one rank's checkpoints (step directories, or a
+// latest without job.json: a single-rank root); a job.json of another
+// world size; a job latest with no step all ranks hold; the file
+// system's.
+func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
+	es, err := fsys.ReadDir(root)
+	if errors.Is(err, fs.ErrNotExist) {
+		return -1, "", nil
+	}
+	if err != nil {
+		return 0, "", err
+	}
+	haveJob, haveLatest := false, false
+	for _, e := range es {
+		switch n := e.Name(); {
+		case strings.HasPrefix(n, "step-"):
+			return 0, "", fmt.Errorf("checkpoint: %s holds one rank's checkpoints (%s), not a job's", root, n)
+		case n == JobFile:
+			haveJob = true
+		case n == LatestFile:
+			haveLatest = true
+		}
+	}
+	if haveLatest && !haveJob {
+		return 0, "", fmt.Errorf("checkpoint: %s has a latest but no %s: one rank's root, not a job's", root, JobFile)
+	}
+	if haveJob {
+		w, err := readJob(fsys, root)
+		if err != nil {
+			return 0, "", err
+		}
+		if w != world {
+			return 0, "", fmt.Errorf("checkpoint: job %s was cut for %d ranks, not %d", root, w, world)
+		}
+	}
+	jl, _, err := JobLatest(fsys, root)
+	hasLatest := err == nil
+	if err != nil && !errors.Is(err, ErrNoCheckpoint) {
+		return 0, "", err
+	}
+	// The steps complete in every rank root.
+	var common map[int64]bool
+	for r := range world {
+		steps, err := completeSteps(fsys, RankRoot(root, r))
+		if err != nil {
+			return 0, "", err
+		}
+		if common == nil {
+			common = steps
+			continue
+		}
+		for s := range common {
+			if !steps[s] {
+				delete(common, s)
+			}
+		}
+	}
+	target := int64(-1)
+	for s := range common {
+		if s > target && (!hasLatest || s <= jl) {
+			target = s
+		}
+	}
+	if target < 0 {
+		if hasLatest {
+			return 0, "", fmt.Errorf("%w: job %s: its latest names step %d, but no step at or before it is complete in every rank root", ErrCorrupt, root, jl)
+		}
+		// Nothing was committed: what the ranks wrote of a first save is
+		// not a checkpoint.
+		note := ""
+		for r := range world {
+			rr := RankRoot(root, r)
+			if _, err := fsys.Stat(rr); err == nil {
+				if err := retire(fsys, root, rr); err != nil {
+					return 0, "", err
+				}
+				note = "the job never committed a checkpoint: what its ranks wrote of a first save was removed"
+			}
+		}
+		return -1, note, nil
+	}
+	note := ""
+	for r := range world {
+		moved, err := pointRank(fsys, RankRoot(root, r), target)
+		if err != nil {
+			return 0, "", err
+		}
+		if moved {
+			note = fmt.Sprintf("rank roots pointed at step %d", target)
+		}
+	}
+	if !hasLatest || jl != target {
+		if err := CommitJob(fsys, root, world, target); err != nil {
+			return 0, "", err
+		}
+		was := "no latest"
+		if hasLatest {
+			was = fmt.Sprintf("a latest of step %d, not complete in every rank root", jl)
+		}
+		note = fmt.Sprintf("the job had %s: its latest is now step %d, the newest that every rank holds", was, target)
+	}
+	return target, note, nil
+}
+
+// completeSteps returns the steps of rankRoot's complete step directories
+// (their manifest written), whatever its latest says.
+func completeSteps(fsys FS, rankRoot string) (map[int64]bool, error) {
+	steps := map[int64]bool{}
+	es, err := fsys.ReadDir(rankRoot)
+	if errors.Is(err, fs.ErrNotExist) {
+		return steps, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range es {
+		s, ok := parseStepDirName(e.Name())
+		if !ok || !e.IsDir() {
+			continue
+		}
+		if _, err := fsys.Stat(filepath.Join(rankRoot, e.Name(), ManifestFile)); err == nil {
+			steps[s] = true
+		} else if !errors.Is(err, fs.ErrNotExist) {
+			return nil, err
+		}
+	}
+	return steps, nil
+}
+
+// pointRank makes step (complete) rankRoot's latest and retires its later
+// step directories (saves the job did not commit: left, Retain would count
+// them as committed once a later save moves latest past them). It reports
+// whether it changed anything. It takes rankRoot's lock.
+func pointRank(fsys FS, rankRoot string, step int64) (bool, error) {
+	changed := false
+	err := writing(fsys, rankRoot, func() error {
+		if _, cur, err := readLatest(fsys, rankRoot); err != nil || cur != step {
+			if err := moveLatest(fsys, rankRoot, []byte(stepDirName(step)+"\n")); err != nil {
+				return fmt.Errorf("checkpoint: %s: pointing latest at step %d: %w", rankRoot, step, err)
+			}
+			if err := fsys.SyncDir(rankRoot); err != nil {
+				return err
+			}
+			changed = true
+		}
+		es, err := fsys.ReadDir(rankRoot)
 		if err != nil {
 			return err
 		}
-		switch {
-		case cur == step:
-			return nil
-		case cur < step:
-			return fmt.Errorf("checkpoint: %s: latest is step %d, before the job's %d", rankRoot, cur, step)
+		for _, e := range es {
+			if s, ok := parseStepDirName(e.Name()); ok && s > step {
+				if err := retire(fsys, rankRoot, filepath.Join(rankRoot, e.Name())); err != nil {
+					return err
+				}
+				changed = true
+			}
 		}
-		if _, err := fsys.Stat(filepath.Join(StepDir(rankRoot, step), ManifestFile)); err != nil {
-			return fmt.Errorf("checkpoint: %s: step %d: %w", rankRoot, step, err)
-		}
-		if err := moveLatest(fsys, rankRoot, []byte(stepDirName(step)+"\n")); err != nil {
-			return fmt.Errorf("checkpoint: %s: rewinding to step %d: %w", rankRoot, step, err)
-		}
-		return fsys.SyncDir(rankRoot)
+		return nil
 	})
+	return changed, err
+}
+
+// RewindRank points rankRoot's latest at step, its directory complete, and
+// retires its later step directories (ResumeJob does this for every rank).
+// It takes rankRoot's lock.
+//
+// Errors: step's directory missing or incomplete; the lock's and the file
+// system's.
+func RewindRank(fsys FS, rankRoot string, step int64) error {
+	if _, err := fsys.Stat(filepath.Join(StepDir(rankRoot, step), ManifestFile)); err != nil {
+		return fmt.Errorf("checkpoint: %s: step %d: %w", rankRoot, step, err)
+	}
+	_, err := pointRank(fsys, rankRoot, step)
+	return err
 }

@@ -89,9 +89,9 @@ func TestJobCommit(t *testing.T) {
 	if err := CommitJob(OS, root, 3, 4); err == nil || !strings.Contains(err.Error(), "cut for 2 ranks, not 3") {
 		t.Errorf("CommitJob for 3 ranks of a 2-rank job: %v", err)
 	}
-	// Rewinding forward is refused.
-	if err := RewindRank(OS, RankRoot(root, 1), 6); err == nil || !strings.Contains(err.Error(), "before the job's 6") {
-		t.Errorf("RewindRank past latest: %v", err)
+	// Pointing a rank at a step it does not hold is refused.
+	if err := RewindRank(OS, RankRoot(root, 1), 6); err == nil || !strings.Contains(err.Error(), "step 6") {
+		t.Errorf("RewindRank to a missing step: %v", err)
 	}
 	// Bad contents are ErrCorrupt, never a panic.
 	if err := os.WriteFile(filepath.Join(root, JobFile), []byte("{]"), 0o644); err != nil {
@@ -112,4 +112,122 @@ func TestJobCommit(t *testing.T) {
 	if fresh, _ := JobFresh(OS, single); fresh {
 		t.Error("a single-rank root reported fresh for a job")
 	}
+}
+
+// TestResumeJob: what a resume finds after each way a job's saves can end.
+func TestResumeJob(t *testing.T) {
+	steps := func(t *testing.T, rr string) []string {
+		t.Helper()
+		es, _ := os.ReadDir(rr)
+		var out []string
+		for _, e := range es {
+			if strings.HasPrefix(e.Name(), "step-") {
+				out = append(out, e.Name())
+			}
+		}
+		return out
+	}
+	t.Run("first save cut short", func(t *testing.T) {
+		// job.json written, rank 0 committed step 2 in its root, rank 1
+		// did not: the job never committed; resuming starts over and the
+		// next first save is not refused.
+		root := t.TempDir()
+		if err := BeginJob(OS, root, 2); err != nil {
+			t.Fatal(err)
+		}
+		mustSave(t, OS, RankRoot(root, 0), testSnapshot(2))
+		step, note, err := ResumeJob(OS, root, 2)
+		if step != -1 || err != nil || !strings.Contains(note, "never committed") {
+			t.Fatalf("ResumeJob: %d, %q, %v; want -1 and a note", step, note, err)
+		}
+		for r := range 2 {
+			mustSave(t, OS, RankRoot(root, r), testSnapshot(2))
+		}
+		if err := CommitJob(OS, root, 2, 2); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("job latest lost", func(t *testing.T) {
+		// Both ranks hold steps 2 and 4; the job's latest is gone: the
+		// resume takes step 4 and commits it again, never starting over.
+		root := t.TempDir()
+		for _, st := range []int64{2, 4} {
+			for r := range 2 {
+				mustSave(t, OS, RankRoot(root, r), testSnapshot(st))
+			}
+			if err := CommitJob(OS, root, 2, st); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Remove(filepath.Join(root, LatestFile)); err != nil {
+			t.Fatal(err)
+		}
+		step, note, err := ResumeJob(OS, root, 2)
+		if step != 4 || err != nil || !strings.Contains(note, "no latest") {
+			t.Fatalf("ResumeJob: %d, %q, %v; want 4", step, note, err)
+		}
+		if s, _, _ := JobLatest(OS, root); s != 4 {
+			t.Errorf("the job's latest: %d, want 4", s)
+		}
+	})
+	t.Run("rank rolled back", func(t *testing.T) {
+		// The job committed 6, then rank 0's step 6 was set aside (a bad
+		// checkpoint, dos ckpt recover on its root): the job moves back
+		// to 4, the newest step every rank holds.
+		root := t.TempDir()
+		for _, st := range []int64{4, 6} {
+			for r := range 2 {
+				mustSave(t, OS, RankRoot(root, r), testSnapshot(st))
+			}
+			if err := CommitJob(OS, root, 2, st); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Rename(StepDir(RankRoot(root, 0), 6), filepath.Join(RankRoot(root, 0), "damaged-step-000000006-1")); err != nil {
+			t.Fatal(err)
+		}
+		step, note, err := ResumeJob(OS, root, 2)
+		if step != 4 || err != nil || note == "" {
+			t.Fatalf("ResumeJob: %d, %q, %v; want 4 and a note", step, note, err)
+		}
+		if got := steps(t, RankRoot(root, 1)); len(got) != 1 || got[0] != "step-000000004" {
+			t.Errorf("rank 1 after the resume: %v, want only step 4 (6 retired: the job no longer commits it)", got)
+		}
+	})
+	t.Run("a rank ran ahead", func(t *testing.T) {
+		// Rank 0 committed 6 in its root, rank 1's save failed: the job
+		// stays at 4, rank 0's step 6 is retired (retention would count
+		// it as committed once a later save passes it).
+		root := t.TempDir()
+		for r := range 2 {
+			mustSave(t, OS, RankRoot(root, r), testSnapshot(4))
+		}
+		if err := CommitJob(OS, root, 2, 4); err != nil {
+			t.Fatal(err)
+		}
+		mustSave(t, OS, RankRoot(root, 0), testSnapshot(6))
+		step, _, err := ResumeJob(OS, root, 2)
+		if step != 4 || err != nil {
+			t.Fatalf("ResumeJob: %d, %v; want 4", step, err)
+		}
+		if got := steps(t, RankRoot(root, 0)); len(got) != 1 || got[0] != "step-000000004" {
+			t.Errorf("rank 0 after the resume: %v, want only step 4", got)
+		}
+		if d, err := Latest(OS, RankRoot(root, 0)); err != nil || filepath.Base(d) != "step-000000004" {
+			t.Errorf("rank 0's latest: %s, %v", d, err)
+		}
+	})
+	t.Run("not a job", func(t *testing.T) {
+		single := t.TempDir()
+		mustSave(t, OS, single, testSnapshot(3))
+		if err := os.Remove(filepath.Join(single, LatestFile)); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := ResumeJob(OS, single, 2); err == nil || !strings.Contains(err.Error(), "one rank's checkpoints") {
+			t.Errorf("ResumeJob of a single-rank root: %v", err)
+		}
+		if _, _, err := ResumeJob(OS, t.TempDir(), 2); err != nil {
+			t.Errorf("ResumeJob of an empty root: %v", err)
+		}
+	})
 }

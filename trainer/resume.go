@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 
 	"github.com/deepstates/dos/checkpoint"
@@ -31,9 +33,11 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 		}
 		return lock, rec, nil
 	}
-	if _, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
-		lock.Unlock()
-		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of %d ranks (dos train --gpus %d): pass --gpus %d (re-sharding onto one rank is not built yet: issue 19)", root, world, world, world)
+	if fresh, err := checkpoint.JobFresh(checkpoint.OS, root); err == nil && !fresh {
+		if _, serr := os.Stat(filepath.Join(root, checkpoint.JobFile)); serr == nil || isJobDir(root) {
+			lock.Unlock()
+			return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of a job of ranks (%s, rank-*): pass the --gpus it was trained with (re-sharding onto one rank is not built yet: issue 19)", root, checkpoint.JobFile)
+		}
 	}
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if err != nil {
@@ -89,23 +93,27 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 	if d, err := checkpoint.Latest(checkpoint.OS, root); err == nil {
 		return nil, fmt.Errorf("trainer: resume from %s: it holds one rank's checkpoints (latest %s), this run has --gpus %d (re-sharding is not built yet: issue 19)", root, d, cfg.GPUs)
 	}
-	step, world, err := checkpoint.JobLatest(checkpoint.OS, root)
-	if errors.Is(err, checkpoint.ErrNoCheckpoint) {
-		fmt.Fprintf(out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
-		return nil, nil
+	if _, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil && world != cfg.GPUs {
+		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d (re-sharding is not built yet: issue 19)", root, world, cfg.GPUs)
 	}
+	step, note, err := checkpoint.ResumeJob(checkpoint.OS, root, cfg.GPUs)
 	if err != nil {
 		return nil, fmt.Errorf("trainer: resume from %s: %w", root, err)
 	}
-	if world != cfg.GPUs {
-		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d (re-sharding is not built yet: issue 19)", root, world, cfg.GPUs)
+	if note != "" {
+		fmt.Fprintf(out, "resume: recovered %s: %s\n", root, note)
 	}
-	for r := range world {
-		if err := checkpoint.RewindRank(checkpoint.OS, checkpoint.RankRoot(root, r), step); err != nil {
-			return nil, fmt.Errorf("trainer: resume from %s: rank %d: %w", root, r, err)
-		}
+	if step < 0 {
+		fmt.Fprintf(out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
+		return nil, nil
 	}
 	return &checkpoint.Recovery{Dir: checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)}, nil
+}
+
+// isJobDir reports whether root holds a job's rank roots (rank-%05d).
+func isJobDir(root string) bool {
+	_, err := os.Stat(checkpoint.RankRoot(root, 0))
+	return err == nil
 }
 
 func (t *Trainer) resume(dir string) error {

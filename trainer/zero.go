@@ -305,6 +305,9 @@ var zeroSaveFault func(rank int, step int64) error
 // leaves the job's latest at the previous step (its error, by rank); the
 // ranks that wrote the step are rewound at the next resume.
 func (z *zeroRanks) save(root string, step int64, objects map[string]any, keep int) (int, error) {
+	if err := checkpoint.BeginJob(checkpoint.OS, root, z.n); err != nil {
+		return 0, err
+	}
 	bytes := make([]int, z.n)
 	errs := make([]error, z.n)
 	var wg sync.WaitGroup

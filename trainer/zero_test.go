@@ -218,3 +218,62 @@ func TestZeROCheckpoint(t *testing.T) {
 		t.Errorf("resume on 4 ranks: %v", err)
 	}
 }
+
+// TestZeROFirstSaveFails: rank 1's very first save fails: the job never
+// committed, and --resume starts over (what rank 0 wrote is retired)
+// instead of being refused at its first save; then the run completes.
+// A single-rank root is refused under --gpus and a job's root without it.
+func TestZeROFirstSaveFails(t *testing.T) {
+	setMemAvailable(t, 0, false)
+	toks := make([]uint16, 4000)
+	for i := range toks {
+		toks[i] = uint16(i * 13 % 256)
+	}
+	c := DefaultTrainConfig()
+	c.Model.NLayer, c.Model.NEmbd, c.Model.NHead, c.Model.NCtx = 1, 16, 2, 8
+	c.Batch, c.Steps, c.SampleBytes, c.EvalBatches, c.LogEvery = 4, 4, 0, 1, 0
+	c.CkptDir, c.CkptEvery, c.GPUs = t.TempDir(), 2, 2
+	zeroSaveFault = func(rank int, step int64) error {
+		if rank == 1 && step == 2 {
+			return errors.New("injected")
+		}
+		return nil
+	}
+	defer func() { zeroSaveFault = nil }()
+	tr, err := NewTokens(c, toks, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tr.Run(); err == nil || !strings.Contains(err.Error(), "rank 1: injected") {
+		t.Fatalf("Run: %v", err)
+	}
+	tr.Close()
+	zeroSaveFault = nil
+	c.Resume = true
+	got, sum := zeroRun(t, c, 2, toks)
+	if len(got) != 4 || sum.Steps != 4 {
+		t.Fatalf("the resumed run: %d steps logged, ended at %d; want a fresh run of 4", len(got), sum.Steps)
+	}
+	if step, _, err := checkpoint.JobLatest(checkpoint.OS, c.CkptDir); step != 4 || err != nil {
+		t.Errorf("the job's latest: %d, %v; want 4", step, err)
+	}
+	c.GPUs = 1
+	if _, err := NewTokens(c, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "job of ranks") {
+		t.Errorf("a job's root resumed on one rank: %v", err)
+	}
+	single := DefaultTrainConfig()
+	single.Model = c.Model
+	single.Batch, single.Steps, single.SampleBytes, single.CkptDir, single.CkptSync = 4, 2, 0, t.TempDir(), true
+	tr, err = NewTokens(single, toks, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tr.Run(); err != nil {
+		t.Fatal(err)
+	}
+	tr.Close()
+	single.GPUs, single.Resume, single.CkptSync = 2, true, false
+	if _, err := NewTokens(single, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "one rank's checkpoints") {
+		t.Errorf("a single-rank root resumed on 2 ranks: %v", err)
+	}
+}
