@@ -112,9 +112,8 @@ func CommitJob(fsys FS, root string, world int, step int64) error {
 		}
 	}
 	if w, err := readJob(fsys, root); errors.Is(err, fs.ErrNotExist) {
-		b, _ := json.Marshal(jobInfo{Format: jobFormat, WorldSize: world})
-		if err := writeFile(fsys, filepath.Join(root, JobFile), append(b, '\n')); err != nil {
-			return fmt.Errorf("checkpoint: job %s: %w", root, err)
+		if err := writeJob(fsys, root, world); err != nil {
+			return err
 		}
 	} else if err != nil {
 		return err
@@ -190,11 +189,29 @@ func BeginJob(fsys FS, root string, world int) error {
 	if err := createDurably(fsys, root); err != nil {
 		return fmt.Errorf("checkpoint: job %s: %w", root, err)
 	}
+	return writeJob(fsys, root, world)
+}
+
+// writeJob writes job.json atomically (job.json.tmp, fsync, rename, fsync
+// root): a crash leaves it whole or absent, never empty.
+func writeJob(fsys FS, root string, world int) error {
 	b, _ := json.Marshal(jobInfo{Format: jobFormat, WorldSize: world})
-	if err := writeFile(fsys, filepath.Join(root, JobFile), append(b, '\n')); err != nil {
+	tmp := filepath.Join(root, JobFile+".tmp")
+	if err := fsys.RemoveAll(tmp); err != nil {
 		return fmt.Errorf("checkpoint: job %s: %w", root, err)
 	}
-	return fsys.SyncDir(root)
+	if err := writeFile(fsys, tmp, append(b, '\n')); err != nil {
+		_ = fsys.RemoveAll(tmp)
+		return fmt.Errorf("checkpoint: job %s: %w", root, err)
+	}
+	if err := fsys.Rename(tmp, filepath.Join(root, JobFile)); err != nil {
+		_ = fsys.RemoveAll(tmp)
+		return fmt.Errorf("checkpoint: job %s: %w", root, err)
+	}
+	if err := fsys.SyncDir(root); err != nil {
+		return fmt.Errorf("checkpoint: job %s: %w", root, err)
+	}
+	return nil
 }
 
 // ResumeJob finds the step a job of world ranks under root resumes from,

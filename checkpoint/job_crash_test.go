@@ -1,0 +1,109 @@
+package checkpoint
+
+import (
+	"fmt"
+	"testing"
+)
+
+// resumeAfterCrash is what dos train --gpus --resume does after a crash
+// (trainer's openJob, then zeroRanks.save): ResumeJob finds the step every
+// rank holds (-1: start at 0), then BeginJob, a save of the next step
+// (from+2) by every rank and CommitJob.
+func resumeAfterCrash(fsys FS, root string, world int) (from int64, err error) {
+	step, _, err := ResumeJob(fsys, root, world)
+	if err != nil {
+		return 0, fmt.Errorf("ResumeJob: %w", err)
+	}
+	if step < 0 {
+		step = 0
+	}
+	if err := BeginJob(fsys, root, world); err != nil {
+		return 0, err
+	}
+	next := step + 2
+	for r := range world {
+		if _, err := Save(fsys, RankRoot(root, r), testSnapshot(next)); err != nil {
+			return step, fmt.Errorf("re-save step %d rank %d: %w", next, r, err)
+		}
+	}
+	if err := CommitJob(fsys, root, world, next); err != nil {
+		return step, fmt.Errorf("CommitJob %d: %w", next, err)
+	}
+	return step, nil
+}
+
+// TestJobCrashEveryOp crashes a two-rank job's save at every file
+// operation (its first save and a later one, either rank first, a process
+// crash or a power loss: memFS's crashClone), then resumes as dos train
+// does and saves the next step: the resume must start at or after the
+// last committed step, and the next save and commit must succeed.
+func TestJobCrashEveryOp(t *testing.T) {
+	const root = "/job"
+	for _, first := range []bool{true, false} {
+		for _, order := range [][]int{{0, 1}, {1, 0}} {
+			for _, power := range []bool{false, true} {
+				fails, i := 0, 0
+				for ; ; i++ {
+					m := newMemFS()
+					var committed int64
+					if !first {
+						for r := range 2 {
+							if _, err := Save(m, RankRoot(root, r), testSnapshot(2)); err != nil {
+								t.Fatal(err)
+							}
+						}
+						if err := CommitJob(m, root, 2, 2); err != nil {
+							t.Fatal(err)
+						}
+						committed = 2
+					}
+					target := committed + 2
+					e := newErrorFS(m)
+					e.crashAt = i
+					var err error
+					for _, r := range order {
+						if _, err = Save(e, RankRoot(root, r), testSnapshot(target)); err != nil {
+							break
+						}
+					}
+					if err == nil {
+						err = CommitJob(e, root, 2, target)
+						if err == nil {
+							committed = target
+						}
+					}
+					done := e.ops <= i // no crash happened
+					c := m.crashClone(power)
+					from, rerr := resumeAfterCrash(c, root, 2)
+					if rerr != nil || from < committed {
+						fails++
+						if fails <= 3 {
+							t.Errorf("first=%v order=%v power=%v crash at op %d (%s): committed %d; resume from %d: %v",
+								first, order, power, i, lastOp(e), committed, from, rerr)
+						}
+					}
+					if done {
+						break
+					}
+				}
+				if fails > 3 {
+					t.Errorf("first=%v order=%v power=%v: %d of %d crash points fail", first, order, power, fails, i+1)
+				}
+			}
+		}
+	}
+}
+
+func lastOp(e *errorFS) string {
+	if len(e.log) == 0 {
+		return ""
+	}
+	for _, l := range e.log {
+		var n int
+		fmt.Sscanf(l, "%d", &n)
+		if n == e.crashAt {
+			return l
+		}
+	}
+	return "-"
+}
