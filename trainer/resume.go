@@ -156,6 +156,9 @@ func (t *Trainer) resume(dir string) error {
 			dir, strings.Join(differ, ", "), st.Config.shapeFlags())
 	}
 	if _, _, err := t.opt.LoadCheckpoint(checkpoint.OS, dir); err != nil {
+		if t.zero != nil {
+			return fmt.Errorf("trainer: resume from %s: rank 0: %w%s", root, err, jobRecoverHint(err, root, 0))
+		}
 		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
 	}
 	if t.zero != nil {
@@ -169,7 +172,7 @@ func (t *Trainer) resume(dir string) error {
 		for _, rk := range t.zero.ranks[1:] {
 			d := checkpoint.StepDir(checkpoint.RankRoot(root, rk.r), s)
 			if _, _, err := rk.opt.LoadCheckpoint(checkpoint.OS, d); err != nil {
-				return fmt.Errorf("trainer: resume from %s: rank %d: %w", d, rk.r, err)
+				return fmt.Errorf("trainer: resume from %s: rank %d: %w%s", d, rk.r, err, jobRecoverHint(err, root, rk.r))
 			}
 		}
 	}
@@ -263,6 +266,17 @@ func (c *TrainConfig) shapeFlags() string {
 }
 
 // recoverHint tells the user of a damaged latest checkpoint the way out.
+// jobRecoverHint is recoverHint for rank's checkpoint of the job under
+// root: recovering the rank's root sets it aside, and the next --resume
+// moves the whole job back to the newest step every rank holds
+// (checkpoint.ResumeJob).
+func jobRecoverHint(err error, root string, rank int) string {
+	if !errors.Is(err, checkpoint.ErrCorrupt) {
+		return ""
+	}
+	return fmt.Sprintf("; `dos ckpt recover %s` sets rank %d's bad checkpoint aside, and the next --resume takes the newest step every rank holds", checkpoint.RankRoot(root, rank), rank)
+}
+
 func recoverHint(err error, root string) string {
 	if !errors.Is(err, checkpoint.ErrCorrupt) {
 		return ""
