@@ -196,16 +196,7 @@ func BeginJob(fsys FS, root string, world int) error {
 // root): a crash leaves it whole or absent, never empty.
 func writeJob(fsys FS, root string, world int) error {
 	b, _ := json.Marshal(jobInfo{Format: jobFormat, WorldSize: world})
-	tmp := filepath.Join(root, JobFile+".tmp")
-	if err := fsys.RemoveAll(tmp); err != nil {
-		return fmt.Errorf("checkpoint: job %s: %w", root, err)
-	}
-	if err := writeFile(fsys, tmp, append(b, '\n')); err != nil {
-		_ = fsys.RemoveAll(tmp)
-		return fmt.Errorf("checkpoint: job %s: %w", root, err)
-	}
-	if err := fsys.Rename(tmp, filepath.Join(root, JobFile)); err != nil {
-		_ = fsys.RemoveAll(tmp)
+	if err := replaceFile(fsys, filepath.Join(root, JobFile+".tmp"), filepath.Join(root, JobFile), append(b, '\n')); err != nil {
 		return fmt.Errorf("checkpoint: job %s: %w", root, err)
 	}
 	if err := fsys.SyncDir(root); err != nil {

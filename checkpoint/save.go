@@ -371,7 +371,14 @@ func (tx *saveTx) moveLatest(contents []byte) error { return moveLatest(tx.fs, t
 
 // moveLatest is saveTx.moveLatest in root.
 func moveLatest(fsys FS, root string, contents []byte) error {
-	tmp := filepath.Join(root, pendingLatest)
+	return replaceFile(fsys, filepath.Join(root, pendingLatest), filepath.Join(root, LatestFile), contents)
+}
+
+// replaceFile replaces name atomically with contents through tmp: tmp is
+// created anew (whatever stood there removed first, never written
+// through), written, fsynced and renamed over name. The caller fsyncs the
+// directory.
+func replaceFile(fsys FS, tmp, name string, contents []byte) error {
 	if err := fsys.RemoveAll(tmp); err != nil {
 		return err
 	}
@@ -379,7 +386,7 @@ func moveLatest(fsys FS, root string, contents []byte) error {
 		_ = fsys.RemoveAll(tmp)
 		return err
 	}
-	if err := fsys.Rename(tmp, filepath.Join(root, LatestFile)); err != nil {
+	if err := fsys.Rename(tmp, name); err != nil {
 		_ = fsys.RemoveAll(tmp)
 		return err
 	}
