@@ -45,6 +45,9 @@ func loadWeights(path string) (TrainConfig, [][]float32, string, error) {
 	if err := cfg.Validate(); err != nil {
 		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
 	}
+	if n := st.Config.GPUs; n > 1 {
+		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s holds one rank's pieces of a job of %d ranks (dos train --gpus %d): the whole model's weights are spread over the ranks' roots, and assembling them is not built yet (issue 19)", dir, n, n)
+	}
 	if err := st.Config.checkVocab(); err != nil {
 		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
 	}

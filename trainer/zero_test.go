@@ -257,6 +257,10 @@ func TestZeROFirstSaveFails(t *testing.T) {
 	if step, _, err := checkpoint.JobLatest(checkpoint.OS, c.CkptDir); step != 4 || err != nil {
 		t.Errorf("the job's latest: %d, %v; want 4", step, err)
 	}
+	// One rank's checkpoint is not a model to export or evaluate.
+	if _, _, _, err := LoadWeights(checkpoint.RankRoot(c.CkptDir, 1)); err == nil || !strings.Contains(err.Error(), "one rank's pieces of a job of 2 ranks") {
+		t.Errorf("LoadWeights of a rank's root: %v", err)
+	}
 	c.GPUs = 1
 	if _, err := NewTokens(c, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "job of ranks") {
 		t.Errorf("a job's root resumed on one rank: %v", err)

@@ -246,6 +246,9 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		if cfg.TimelineAt > cfg.Steps {
 			return c.usageError(stderr, "--timeline-at %d: the run trains to iteration %d (--steps)", cfg.TimelineAt, cfg.Steps)
 		}
+		if err := cfg.Validate(); err != nil { // what --timeline adds (e.g. with --gpus) is a usage error too
+			return c.usageError(stderr, "%v", err)
+		}
 		// The Chrome trace goes beside the picture: it must not replace
 		// another output.
 		trace := timelineTrace(*timeline)
