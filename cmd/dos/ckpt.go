@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -97,6 +98,26 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	return ckptVerify(path, rank, stdout, stderr)
 }
 
+// jobList is dos ckpt ls for a job's root (dos train --gpus): its
+// committed step, then each rank root's listing.
+func jobList(root string, stdout, stderr io.Writer) int {
+	step, world, err := checkpoint.JobLatest(checkpoint.OS, root)
+	if err != nil {
+		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "job %s: %d ranks, latest step %d (committed once every rank's save of it was durable)\n", root, world, step)
+	rc := 0
+	for r := range world {
+		rr := checkpoint.RankRoot(root, r)
+		fmt.Fprintf(stdout, "rank %d: %s\n", r, rr)
+		if c := ckptList(rr, stdout, stderr); c != 0 {
+			rc = c
+		}
+	}
+	return rc
+}
+
 // ckptInspect prints what a checkpoint holds, from its manifest and
 // header only (Open checks that they agree; no tensor data is read).
 func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int {
@@ -170,6 +191,9 @@ func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int 
 // retirements), and why the root is damaged if it is (exit 1 then).
 func ckptList(root string, stdout, stderr io.Writer) int {
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
+	if errors.Is(err, checkpoint.ErrJobRoot) {
+		return jobList(root, stdout, stderr)
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
 		return 1
@@ -240,6 +264,17 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 }
 
 func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
+	if step, world, err := checkpoint.JobLatest(checkpoint.OS, path); err == nil {
+		// A job's root: its latest step in every rank's root.
+		for r := range world {
+			if rc := ckptVerify(checkpoint.StepDir(checkpoint.RankRoot(path, r), step), 0, stdout, stderr); rc != 0 {
+				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d's step %d does not verify (dos ckpt recover %s sets it aside; the next dos train --resume takes the newest step every rank holds)\n", path, r, step, checkpoint.RankRoot(path, r))
+				return rc
+			}
+		}
+		fmt.Fprintf(stdout, "OK job %s: step %d verifies in all %d ranks' roots\n", path, step, world)
+		return 0
+	}
 	c, err := checkpoint.OpenPath(checkpoint.OS, path, rank)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)

@@ -1,0 +1,49 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/deepstates/dos/checkpoint"
+)
+
+// TestCkptJob: dos ckpt ls and verify on the root of a job of ranks (dos
+// train --gpus 2) list and verify its latest step in every rank's root; a
+// damaged rank fails verify, naming the rank and what to do.
+func TestCkptJob(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "job")
+	var stdout, stderr bytes.Buffer
+	args := []string{"--gpus", "2", "--steps", "4", "--ckpt-dir", dir, "--ckpt-every", "2", "--layers", "1", "--embd", "16",
+		"--heads", "2", "--ctx", "8", "--batch", "4", "--sample", "0", "--eval-batches", "1", "--max-memory", "1"}
+	if rc := runTrain(args, &stdout, &stderr); rc != 0 {
+		t.Fatalf("dos train %v: rc %d\n%s%s", args, rc, stdout.String(), stderr.String())
+	}
+	stdout.Reset()
+	if rc := runCkpt([]string{"ls", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "2 ranks, latest step 4") ||
+		!strings.Contains(stdout.String(), "* "+checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 4)) {
+		t.Errorf("dos ckpt ls: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
+	stdout.Reset()
+	if rc := runCkpt([]string{"verify", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "OK job "+dir+": step 4 verifies in all 2 ranks' roots") {
+		t.Errorf("dos ckpt verify: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
+	files, _ := filepath.Glob(filepath.Join(checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 4), "*.safetensors"))
+	if len(files) != 1 {
+		t.Fatalf("rank 1's files: %v", files)
+	}
+	b, err := os.ReadFile(files[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	b[len(b)-3] ^= 0xff
+	if err := os.WriteFile(files[0], b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	stderr.Reset()
+	if rc := runCkpt([]string{"verify", dir}, &stdout, &stderr); rc != 1 || !strings.Contains(stderr.String(), "rank 1's step 4 does not verify") {
+		t.Errorf("dos ckpt verify of a damaged rank: rc %d\n%s", rc, stderr.String())
+	}
+}
