@@ -17,11 +17,13 @@ import (
 
 const ckptUsage = `Usage:
   dos ckpt ls ROOT               list the committed checkpoints under ROOT, newest first (* marks latest),
-                                 then what is not committed (leftovers of crashes) and any damage
+                                 then what is not committed (leftovers of crashes) and any damage; for
+                                 a job's root (dos train --gpus), its committed step and each rank's
   dos ckpt verify [--rank N] PATH
                                  open the checkpoint at PATH (a step directory, or a root's latest),
                                  check that manifest, index and file agree, every tensor's CRC32C,
-                                 that the optimizer state is finite (exp_avg_sq >= 0) and its settings valid
+                                 that the optimizer state is finite (exp_avg_sq >= 0) and its settings
+                                 valid; for a job's root, its committed step in every rank's root
   dos ckpt recover [--rank N] ROOT
                                  repair ROOT for --resume: finish a commit a crash cut short, point a
                                  missing or corrupt latest at the newest checkpoint that verifies, or set
@@ -37,10 +39,11 @@ Exit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usa
 // does, for its -h.
 var ckptSubcommands = map[string]struct{ synopsis, about string }{
 	"ls": {"dos ckpt ls ROOT", "Lists the committed checkpoints under ROOT, newest first (* marks latest), then what is not\n" +
-		"committed (leftovers of crashes) and any damage."},
+		"committed (leftovers of crashes) and any damage. For a job's root (dos train --gpus): its committed\n" +
+		"step, then each rank root's listing."},
 	"verify": {"dos ckpt verify [--rank N] PATH", "Opens the checkpoint at PATH (a step directory, or a root's latest), checks that manifest,\n" +
 		"index and file agree, every tensor's CRC32C, that the optimizer state is finite (exp_avg_sq >= 0)\n" +
-		"and its settings valid."},
+		"and its settings valid. For a job's root (dos train --gpus): its committed step in every rank's root."},
 	"recover": {"dos ckpt recover [--rank N] ROOT", "Repairs ROOT for --resume: finishes a commit a crash cut short, points a missing or corrupt\n" +
 		"latest at the newest checkpoint that verifies, or sets aside (as ROOT/damaged-step-*) a latest\n" +
 		"checkpoint that does not verify."},
