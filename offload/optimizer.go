@@ -1121,19 +1121,19 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	// One pass over every gradient: the non-finite check and, when
 	// clipping, the sum of squares (adam.Pool.GradStats).
 	var ss float64
+	finite := true
 	for _, sg := range o.subgroups {
-		finite, s := o.pool.GradStats(o.grad.Slice(sg.Offset, sg.Offset+sg.Len), unscale)
-		if !finite {
-			ss = math.NaN()
+		f, s := o.pool.GradStats(o.grad.Slice(sg.Offset, sg.Offset+sg.Len), unscale)
+		if finite = f; !finite {
 			break
 		}
 		ss += s
 	}
-	ss, err := reduceStats(args.Reduce, ss)
+	ss, skip, err := globalStats(args.Reduce, finite, ss)
 	if err != nil {
 		return res, err
 	}
-	if math.IsNaN(ss) || math.IsInf(ss, 0) {
+	if skip {
 		res.Skipped = true
 		res.Elapsed = time.Since(start)
 		return res, nil
@@ -1206,25 +1206,28 @@ func isFault(err error) bool {
 	return errors.As(err, &fault)
 }
 
+// globalStats returns the sum of squares Step clips with and whether it
+// skips: this optimizer's (ss, NaN when finite is false) passed through
+// StepArgs.Reduce when set (the whole model's over ZeRO-3 ranks); NaN or
+// Inf skips.
+func globalStats(reduce func(float64) (float64, error), finite bool, ss float64) (float64, bool, error) {
+	if !finite {
+		ss = math.NaN()
+	}
+	if reduce != nil {
+		var err error
+		if ss, err = reduce(ss); err != nil {
+			return 0, false, fmt.Errorf("offload: StepArgs.Reduce: %w", err)
+		}
+	}
+	return ss, math.IsNaN(ss) || math.IsInf(ss, 0), nil
+}
+
 // stepDevice is Step through the engine on Options.Device: the gradients
 // move to the device (unless onDevice: they are there), the global checks
 // run there over every subgroup whatever its role, then the update phase,
 // then the working copy comes back to the host mirror (unless onDevice:
 // the mirror is then stale, workStale).
-// reduceStats passes this rank's sum of squares (NaN: a gradient not
-// finite) through StepArgs.Reduce, when set, and returns the whole
-// model's.
-func reduceStats(reduce func(float64) (float64, error), ss float64) (float64, error) {
-	if reduce == nil {
-		return ss, nil
-	}
-	g, err := reduce(ss)
-	if err != nil {
-		return ss, fmt.Errorf("offload: StepArgs.Reduce: %w", err)
-	}
-	return g, nil
-}
-
 func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult, onDevice bool, reduce func(float64) (float64, error)) (StepResult, error) {
 	// A lazy checkpoint in capture: the engine waits per subgroup (Hold,
 	// set by SaveAsync); the resident state's D2H is ordered before the
@@ -1248,13 +1251,11 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 	if err != nil {
 		return res, o.engineErr(err)
 	}
-	if !finite {
-		ss = math.NaN()
-	}
-	if ss, err = reduceStats(reduce, ss); err != nil {
+	ss, skip, err := globalStats(reduce, finite, ss)
+	if err != nil {
 		return res, err
 	}
-	if math.IsNaN(ss) || math.IsInf(ss, 0) {
+	if skip {
 		res.Skipped = true
 		res.Elapsed = time.Since(start)
 		return res, nil
