@@ -33,11 +33,9 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 		}
 		return lock, rec, nil
 	}
-	if fresh, err := checkpoint.JobFresh(checkpoint.OS, root); err == nil && !fresh {
-		if _, serr := os.Stat(filepath.Join(root, checkpoint.JobFile)); serr == nil || isJobDir(root) {
-			lock.Unlock()
-			return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of a job of ranks (%s, rank-*): pass the --gpus it was trained with (re-sharding onto one rank is not built yet: issue 19)", root, checkpoint.JobFile)
-		}
+	if isJob(root) {
+		lock.Unlock()
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of a job of ranks (%s, rank-*): pass the --gpus it was trained with (re-sharding onto one rank is not built yet: issue 19)", root, checkpoint.JobFile)
 	}
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if err != nil {
@@ -71,13 +69,12 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	return lock, rec, nil
 }
 
-// resume restores the run from the checkpoint directory dir.
 // openJob is openRoot for the ranks of TrainConfig.GPUs: CkptDir is a
 // job's root (checkpoint.CommitJob). Without Resume it must hold nothing;
-// with it, the job's latest step is resumed on as many ranks as saved it:
-// each rank root is pointed back at it (checkpoint.RewindRank: a rank
-// whose save of a later step committed while another's failed), and the
-// returned Recovery names rank 0's directory (the trainer's objects).
+// with it, checkpoint.ResumeJob finds the newest step every rank holds and
+// points the ranks' roots and the job's latest at it, and the returned
+// Recovery names rank 0's directory of it (the trainer's objects). A
+// single-rank root and another rank count are refused.
 func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 	root := cfg.CkptDir
 	if !cfg.Resume {
@@ -89,9 +86,6 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 			return nil, fmt.Errorf("trainer: --ckpt-dir %s already holds checkpoints: pass --resume to continue, or choose another --ckpt-dir", root)
 		}
 		return nil, nil
-	}
-	if d, err := checkpoint.Latest(checkpoint.OS, root); err == nil {
-		return nil, fmt.Errorf("trainer: resume from %s: it holds one rank's checkpoints (latest %s), this run has --gpus %d (re-sharding is not built yet: issue 19)", root, d, cfg.GPUs)
 	}
 	if _, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil && world != cfg.GPUs {
 		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d (re-sharding is not built yet: issue 19)", root, world, cfg.GPUs)
@@ -110,12 +104,15 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 	return &checkpoint.Recovery{Dir: checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)}, nil
 }
 
-// isJobDir reports whether root holds a job's rank roots (rank-%05d).
-func isJobDir(root string) bool {
-	_, err := os.Stat(checkpoint.RankRoot(root, 0))
-	return err == nil
+// isJob reports whether root holds a job's checkpoints: its job.json or
+// its rank 0's root.
+func isJob(root string) bool {
+	_, err := os.Stat(filepath.Join(root, checkpoint.JobFile))
+	_, rerr := os.Stat(checkpoint.RankRoot(root, 0))
+	return err == nil || rerr == nil
 }
 
+// resume restores the run from the checkpoint directory dir.
 func (t *Trainer) resume(dir string) error {
 	root := t.cfg.CkptDir
 	// Read the trainer's object first, so a different model gets a message
@@ -162,15 +159,10 @@ func (t *Trainer) resume(dir string) error {
 		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
 	}
 	if t.zero != nil {
-		// Rank 0's directory is dir; the others' hold the same step.
-		step, err := checkpoint.Open(checkpoint.OS, dir, 0)
-		if err != nil {
-			return fmt.Errorf("trainer: resume from %s: %w", dir, err)
-		}
-		s := step.Manifest.Step
-		step.Close()
+		// Rank 0's directory is dir; the others' hold the same step, the
+		// iteration it was saved at (save).
 		for _, rk := range t.zero.ranks[1:] {
-			d := checkpoint.StepDir(checkpoint.RankRoot(root, rk.r), s)
+			d := checkpoint.StepDir(checkpoint.RankRoot(root, rk.r), int64(st.Iteration))
 			if _, _, err := rk.opt.LoadCheckpoint(checkpoint.OS, d); err != nil {
 				return fmt.Errorf("trainer: resume from %s: rank %d: %w%s", d, rk.r, err, jobRecoverHint(err, root, rk.r))
 			}
@@ -265,7 +257,6 @@ func (c *TrainConfig) shapeFlags() string {
 	return fmt.Sprintf("--layers %d --heads %d --embd %d --ctx %d --batch %d --tokenizer %s (vocabulary %d)", m.NLayer, m.NHead, m.NEmbd, m.NCtx, c.Batch, tok, m.VocabSize)
 }
 
-// recoverHint tells the user of a damaged latest checkpoint the way out.
 // jobRecoverHint is recoverHint for rank's checkpoint of the job under
 // root: recovering the rank's root sets it aside, and the next --resume
 // moves the whole job back to the newest step every rank holds
@@ -277,6 +268,7 @@ func jobRecoverHint(err error, root string, rank int) string {
 	return fmt.Sprintf("; `dos ckpt recover %s` sets rank %d's bad checkpoint aside, and the next --resume takes the newest step every rank holds", checkpoint.RankRoot(root, rank), rank)
 }
 
+// recoverHint tells the user of a damaged latest checkpoint the way out.
 func recoverHint(err error, root string) string {
 	if !errors.Is(err, checkpoint.ErrCorrupt) {
 		return ""

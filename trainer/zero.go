@@ -188,7 +188,8 @@ func (z *zeroRanks) gather(params [][]float32, wd adam.DType) {
 
 // each runs f on every rank, one goroutine each, and returns the first
 // rank's error (by rank). A rank that fails aborts the communicator, so
-// that none waits for it in a collective.
+// that none waits for it in a collective (after a failed save too: the
+// run stops there).
 func (z *zeroRanks) each(f func(rk *zeroRank) error) error {
 	var wg sync.WaitGroup
 	for _, rk := range z.ranks {
@@ -309,39 +310,33 @@ func (z *zeroRanks) save(root string, step int64, objects map[string]any, keep i
 		return 0, err
 	}
 	bytes := make([]int, z.n)
-	errs := make([]error, z.n)
-	var wg sync.WaitGroup
-	for _, rk := range z.ranks {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if f := zeroSaveFault; f != nil {
-				if errs[rk.r] = f(rk.r, step); errs[rk.r] != nil {
-					return
-				}
+	err := z.each(func(rk *zeroRank) error {
+		if f := zeroSaveFault; f != nil {
+			if err := f(rk.r, step); err != nil {
+				return err
 			}
-			snap, err := rk.opt.Snapshot(objects)
-			if err != nil {
-				errs[rk.r] = err
-				return
-			}
-			snap.Step = step
-			if _, errs[rk.r] = checkpoint.Save(checkpoint.OS, checkpoint.RankRoot(root, rk.r), snap); errs[rk.r] == nil {
-				for _, tn := range snap.Tensors {
-					for _, b := range tn.Data {
-						bytes[rk.r] += len(b)
-					}
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	total := 0
-	for r, err := range errs {
-		if err != nil {
-			return 0, fmt.Errorf("rank %d: %w (the job's latest checkpoint is unchanged)", r, err)
 		}
-		total += bytes[r]
+		snap, err := rk.opt.Snapshot(objects)
+		if err != nil {
+			return err
+		}
+		snap.Step = step
+		if _, err := checkpoint.Save(checkpoint.OS, checkpoint.RankRoot(root, rk.r), snap); err != nil {
+			return err
+		}
+		for _, tn := range snap.Tensors {
+			for _, b := range tn.Data {
+				bytes[rk.r] += len(b)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, fmt.Errorf("%w (the job's latest checkpoint is unchanged)", err)
+	}
+	total := 0
+	for _, b := range bytes {
+		total += b
 	}
 	if err := checkpoint.CommitJob(checkpoint.OS, root, z.n, step); err != nil {
 		return 0, err
