@@ -111,14 +111,8 @@ func CommitJob(fsys FS, root string, world int, step int64) error {
 			return fmt.Errorf("checkpoint: job %s: rank %d has not committed step %d (%s: %w)", root, r, step, m, err)
 		}
 	}
-	if w, err := readJob(fsys, root); errors.Is(err, fs.ErrNotExist) {
-		if err := writeJob(fsys, root, world); err != nil {
-			return err
-		}
-	} else if err != nil {
+	if err := BeginJob(fsys, root, world); err != nil { // job.json, when a first commit has none
 		return err
-	} else if w != world {
-		return fmt.Errorf("checkpoint: job %s was cut for %d ranks, not %d", root, w, world)
 	}
 	if err := moveLatest(fsys, root, []byte(stepDirName(step)+"\n")); err != nil {
 		return fmt.Errorf("checkpoint: job %s: committing step %d: %w", root, step, err)

@@ -173,13 +173,13 @@ func (e *Engine) allocPlan(p *Plan) error {
 			}
 		}
 	}
+	prefetch := e.o.Prefetch && !e.core.upcast // CPU subgroups' gradients in gpre
 	if len(p.CPUOrder) > 0 {
 		if e.core.upcast {
 			if e.scr, err = e.devAlloc(l, 2*4*e.maxN); err != nil {
 				return err
 			}
 		}
-		prefetch := e.o.Prefetch && !e.core.upcast
 		if e.gst, err = e.planHost(2*elemBytes(e.cpuGD)*e.maxN, false); err != nil {
 			return err
 		}
@@ -188,7 +188,7 @@ func (e *Engine) allocPlan(p *Plan) error {
 		}
 	}
 	e.gpre, e.gpOff = nil, make([]int64, len(e.sizes))
-	if e.o.Prefetch && !e.core.upcast && len(p.CPUOrder) > 0 {
+	if prefetch && len(p.CPUOrder) > 0 {
 		var b int64
 		for _, i := range p.CPUOrder {
 			e.gpOff[i] = b
