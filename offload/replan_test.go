@@ -94,6 +94,48 @@ func TestReplanObserve(t *testing.T) {
 	}
 }
 
+// TestReplanLanes: a profile that thinks the CPU 1.2 times slower and
+// PCIe 1.1 times faster than they are predicts its schedule's makespan
+// within replanMiss (so a check of the makespan alone never refits) while
+// it misses both lanes by 15 %: the streamed lane is the bottleneck, the
+// CPU idles, and the machine's best schedule is 7 % faster. The refit per
+// resource re-plans to it.
+func TestReplanLanes(t *testing.T) {
+	truth := truthProfile()
+	base := truth.Scaled(map[perfmodel.Resource]float64{perfmodel.ResCPU: 1.2, perfmodel.ResH2D: 0.9, perfmodel.ResD2H: 0.9})
+	w := perfmodel.Workload{Params: 24e8, SubgroupSize: 1e8, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 6 << 30}
+	first := must(base.Choose(w))
+	onTruth := must(truth.Predict(w, first.Schedule))
+	want := must(truth.Choose(w))
+	if math.Abs(first.Makespan-onTruth.Makespan) > replanMiss*onTruth.Makespan || want.Makespan > (1-replanGain)*onTruth.Makespan {
+		t.Fatalf("the test needs a first schedule whose makespan is foreseen (predicted %.3f s, on the machine %.3f s) and a best schedule %+v more than %v faster (%.3f s)",
+			first.Makespan, onTruth.Makespan, want.Schedule, replanGain, want.Makespan)
+	}
+	if m := predictionMiss(&first, measured(t, truth, w, first.Schedule)); m <= replanMiss*onTruth.Makespan {
+		t.Fatalf("predictionMiss %.3f s: the lanes should be missed by more than %v of %.3f s", m, replanMiss, onTruth.Makespan)
+	}
+	re := newReplanState(base, first, w, 0)
+	cur := &first
+	for step := int64(1); step <= 12; step++ {
+		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if next != nil {
+			if next.Schedule != cur.Schedule {
+				re.basePred = basePred
+			}
+			cur = next
+		}
+	}
+	got := must(truth.Predict(w, cur.Schedule))
+	t.Logf("first %+v (%.3f s on the machine, %.3f predicted), ended on %+v (%.3f s; best %+v, %.3f s)",
+		first.Schedule, onTruth.Makespan, first.Makespan, cur.Schedule, got.Makespan, want.Schedule, want.Makespan)
+	if got.Makespan > 1.02*want.Makespan {
+		t.Errorf("ended on %+v at %.3f s; the machine's best is %+v at %.3f s", cur.Schedule, got.Makespan, want.Schedule, want.Makespan)
+	}
+}
+
 func must(p perfmodel.Prediction, err error) perfmodel.Prediction {
 	if err != nil {
 		panic(err)
