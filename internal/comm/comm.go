@@ -10,8 +10,8 @@
 // process, each driven by its own goroutine, meet in every call. It is what
 // `dos train --device sim --gpus N` and the tests run, so that the
 // sharding, the order of the collectives and the multi-rank commit are
-// tested without GPUs. An NCCL implementation over CUDA device memory
-// (libnccl.so.2 through purego) is planned beside it (issue 19).
+// tested without GPUs. internal/nccl has the same collectives over CUDA
+// device memory (libnccl.so.2 through purego), enqueued on a stream.
 //
 // Every rank must call the same collectives in the same order, with the
 // same element counts, dtype, operation and root: NCCL hangs or corrupts

@@ -2,6 +2,7 @@ package cublas
 
 import (
 	"errors"
+	"github.com/deepstates/dos/internal/cuda"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -75,7 +76,7 @@ func TestAvailableEnvNowhere(t *testing.T) {
 	}
 }
 
-// TestOpenLibErrors: openLib's error lists every place and the dlopen
+// TestOpenLibErrors: Library.OpenFrom's error lists every place and the dlopen
 // failures that matter, whatever is installed.
 func TestOpenLibErrors(t *testing.T) {
 	dir := t.TempDir()
@@ -83,14 +84,14 @@ func TestOpenLibErrors(t *testing.T) {
 	if err := os.WriteFile(junk, []byte("not a library"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	cs := []candidate{
-		{"/nonexistent/libcublasLt.so", EnvLibrary + "=/nonexistent/libcublasLt.so", true},
-		{"/nonexistent-dir/libcublasLt.so.13", "/nonexistent-dir", false},
-		{junk, dir, false},
+	cs := []cuda.LibraryPlace{
+		{Path: "/nonexistent/libcublasLt.so", Where: EnvLibrary + "=/nonexistent/libcublasLt.so", Must: true},
+		{Path: "/nonexistent-dir/libcublasLt.so.13", Where: "/nonexistent-dir"},
+		{Path: junk, Where: dir},
 	}
-	_, _, err := openLib(cs)
+	_, _, err := library.OpenFrom(cs)
 	if err == nil {
-		t.Fatal("openLib of nothing succeeded")
+		t.Fatal("OpenFrom of nothing succeeded")
 	}
 	t.Logf("%v", err)
 	for _, want := range []string{
@@ -115,14 +116,14 @@ func TestCandidates(t *testing.T) {
 		}
 		return nil, nil
 	}
-	paths := func(cs []candidate) []string {
+	paths := func(cs []cuda.LibraryPlace) []string {
 		var p []string
 		for _, c := range cs {
-			p = append(p, c.path)
+			p = append(p, c.Path)
 		}
 		return p
 	}
-	got := paths(candidates("", glob))
+	got := paths(library.Places("", glob))
 	want := []string{
 		"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so",
 		"/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.12", "/usr/local/cuda/lib64/libcublasLt.so",
@@ -133,11 +134,11 @@ func TestCandidates(t *testing.T) {
 	if !slices.Contains(got, "/usr/local/lib/python3.12/dist-packages/nvidia/cu13/lib/libcublasLt.so.13") {
 		t.Errorf("the wheel's directory is missing from %q", got)
 	}
-	if got := paths(candidates("/opt/x/libcublasLt.so.12", glob)); got[0] != "/opt/x/libcublasLt.so.12" || got[1] != "libcublasLt.so.13" {
+	if got := paths(library.Places("/opt/x/libcublasLt.so.12", glob)); got[0] != "/opt/x/libcublasLt.so.12" || got[1] != "libcublasLt.so.13" {
 		t.Errorf("a DOS_CUBLASLT file: %q", got[:2])
 	}
 	dir := t.TempDir()
-	if got := paths(candidates(dir, glob)); !slices.Equal(got[:3], []string{dir + "/libcublasLt.so.13", dir + "/libcublasLt.so.12", dir + "/libcublasLt.so"}) {
+	if got := paths(library.Places(dir, glob)); !slices.Equal(got[:3], []string{dir + "/libcublasLt.so.13", dir + "/libcublasLt.so.12", dir + "/libcublasLt.so"}) {
 		t.Errorf("a DOS_CUBLASLT directory: %q", got[:3])
 	}
 }

@@ -56,7 +56,7 @@ const statusNotSupported = 15
 // cublasLtGetStatusString, or with statusNames without the library.
 func newError(call string, status int) *Error {
 	e := &Error{Call: call, Status: status}
-	e.Name = cStringResult(lib.getStatusName, status)
+	e.Name = cuda.CStringResult(lib.getStatusName, status)
 	// The library names a status it does not know "unrecognized status"
 	// (cuBLASLt 13) or "<unknown>": not a name.
 	if !strings.HasPrefix(e.Name, "CUBLAS_STATUS_") {
@@ -66,7 +66,7 @@ func newError(call string, status int) *Error {
 			e.Name = fmt.Sprintf("cublasStatus_t(%d)", status)
 		}
 	}
-	if msg := cStringResult(lib.getStatusString, status); msg != e.Name && msg != "<unknown>" {
+	if msg := cuda.CStringResult(lib.getStatusString, status); msg != e.Name && msg != "<unknown>" {
 		e.Msg = msg
 	}
 	return e

@@ -1,16 +1,9 @@
 package cublas
 
 import (
-	"fmt"
-	"os"
-	"path/filepath"
-	"runtime"
-	"strings"
 	"sync"
-	"unsafe"
 
 	"github.com/deepstates/dos/internal/cuda"
-	"github.com/ebitengine/purego"
 )
 
 // EnvLibrary names the environment variable that points at cuBLASLt: the
@@ -39,131 +32,35 @@ func load() error {
 	return lib.err
 }
 
+// library is where cuBLASLt is searched: DOS_CUBLASLT, the loader's search
+// path, the CUDA toolkit, the directories of NVIDIA's pip wheels (PyTorch's:
+// nvidia/cu13/lib for CUDA 13, nvidia/cublas/lib for CUDA 12).
+var library = cuda.Library{Pkg: "cublas", Name: "cuBLASLt", Names: libNames, Env: EnvLibrary, Wheels: []string{"cu13", "cublas"}}
+
 func loadLib() error {
-	h, path, err := openLib(candidates(os.Getenv(EnvLibrary), filepath.Glob))
+	h, path, err := library.Open()
 	if err != nil {
 		return err
 	}
 	lib.path = path
-	syms := []struct {
-		p    *uintptr
-		name string
-	}{
-		{&lib.create, "cublasLtCreate"},
-		{&lib.destroy, "cublasLtDestroy"},
-		{&lib.getStatusName, "cublasLtGetStatusName"},
-		{&lib.getStatusString, "cublasLtGetStatusString"},
-		{&lib.getVersion, "cublasLtGetVersion"},
-		{&lib.descCreate, "cublasLtMatmulDescCreate"},
-		{&lib.descSetAttribute, "cublasLtMatmulDescSetAttribute"},
-		{&lib.descDestroy, "cublasLtMatmulDescDestroy"},
-		{&lib.layoutCreate, "cublasLtMatrixLayoutCreate"},
-		{&lib.layoutSetAttribute, "cublasLtMatrixLayoutSetAttribute"},
-		{&lib.layoutDestroy, "cublasLtMatrixLayoutDestroy"},
-		{&lib.prefCreate, "cublasLtMatmulPreferenceCreate"},
-		{&lib.prefSetAttribute, "cublasLtMatmulPreferenceSetAttribute"},
-		{&lib.prefDestroy, "cublasLtMatmulPreferenceDestroy"},
-		{&lib.algoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic"},
-		{&lib.matmulCall, "cublasLtMatmul"},
-	}
-	for _, s := range syms {
-		p, err := purego.Dlsym(h, s.name)
-		if err != nil || p == 0 {
-			return fmt.Errorf("cublas: %s lacks %s: %v", path, s.name, err)
-		}
-		*s.p = p
-	}
-	return nil
-}
-
-// candidate is one place to dlopen: a file path, or a bare name for the
-// loader's own search (LD_LIBRARY_PATH, the ldconfig cache, the defaults).
-type candidate struct {
-	path  string
-	where string // the place, as the error lists it
-	must  bool   // tried even when no such file exists (env, bare names)
-}
-
-// candidates lists the places to look for cuBLASLt in order: env (the
-// value of DOS_CUBLASLT: a file, or a directory), the loader's search
-// path, the CUDA toolkit's directories, then the directories of NVIDIA's
-// pip wheels (PyTorch's: nvidia/cu13/lib for CUDA 13, nvidia/cublas/lib for
-// CUDA 12) that glob finds. In each place the names go newest first.
-func candidates(env string, glob func(string) ([]string, error)) []candidate {
-	var cs []candidate
-	if env != "" {
-		where := EnvLibrary + "=" + env
-		if st, err := os.Stat(env); err == nil && st.IsDir() {
-			for _, n := range libNames {
-				cs = append(cs, candidate{filepath.Join(env, n), where, true})
-			}
-		} else {
-			cs = append(cs, candidate{env, where, true})
-		}
-	}
-	for _, n := range libNames {
-		cs = append(cs, candidate{n, "the loader's search path", true})
-	}
-	dirs := []string{"/usr/local/cuda/lib64", "/usr/local/cuda/targets/" + cudaTarget() + "/lib"}
-	for _, pat := range []string{
-		"/usr/local/lib/python3*/dist-packages/nvidia/%s/lib",
-		"/usr/local/lib/python3*/site-packages/nvidia/%s/lib",
-		"/usr/lib/python3/dist-packages/nvidia/%s/lib",
-		"/usr/lib/python3*/site-packages/nvidia/%s/lib",
-	} {
-		for _, sub := range []string{"cu13", "cublas"} {
-			m, _ := glob(fmt.Sprintf(pat, sub))
-			dirs = append(dirs, m...)
-		}
-	}
-	for _, d := range dirs {
-		for _, n := range libNames {
-			cs = append(cs, candidate{filepath.Join(d, n), d, false})
-		}
-	}
-	return cs
-}
-
-// cudaTarget is the CUDA toolkit's name for this machine's targets
-// directory.
-func cudaTarget() string {
-	if runtime.GOARCH == "arm64" {
-		return "sbsa-linux"
-	}
-	return "x86_64-linux"
-}
-
-// openLib dlopens the first candidate that loads. A candidate that is not a
-// bare name and names no file is skipped without a dlopen. The error lists
-// every place searched and every dlopen failure other than "no such file"
-// of a bare name (a library found but unloadable, a bad DOS_CUBLASLT).
-func openLib(cs []candidate) (uintptr, string, error) {
-	var places, failures []string
-	seen := map[string]bool{}
-	for _, c := range cs {
-		if !seen[c.where] {
-			seen[c.where] = true
-			places = append(places, c.where)
-		}
-		if !c.must {
-			if _, err := os.Stat(c.path); err != nil {
-				continue
-			}
-		}
-		h, err := purego.Dlopen(c.path, purego.RTLD_NOW|purego.RTLD_LOCAL)
-		if err == nil {
-			return h, c.path, nil
-		}
-		// A bare name the loader does not find is the usual case, not news.
-		if msg := err.Error(); strings.Contains(c.path, "/") || !strings.HasPrefix(msg, c.path+": cannot open shared object file") {
-			failures = append(failures, msg)
-		}
-	}
-	msg := fmt.Sprintf("cublas: no cuBLASLt (%s) in %s", strings.Join(libNames, ", "), strings.Join(places, "; "))
-	if len(failures) > 0 {
-		msg += " (" + strings.Join(failures, "; ") + ")"
-	}
-	return 0, "", fmt.Errorf("%s", msg)
+	return library.Symbols(h, path, map[string]*uintptr{
+		"cublasLtCreate":                       &lib.create,
+		"cublasLtDestroy":                      &lib.destroy,
+		"cublasLtGetStatusName":                &lib.getStatusName,
+		"cublasLtGetStatusString":              &lib.getStatusString,
+		"cublasLtGetVersion":                   &lib.getVersion,
+		"cublasLtMatmulDescCreate":             &lib.descCreate,
+		"cublasLtMatmulDescSetAttribute":       &lib.descSetAttribute,
+		"cublasLtMatmulDescDestroy":            &lib.descDestroy,
+		"cublasLtMatrixLayoutCreate":           &lib.layoutCreate,
+		"cublasLtMatrixLayoutSetAttribute":     &lib.layoutSetAttribute,
+		"cublasLtMatrixLayoutDestroy":          &lib.layoutDestroy,
+		"cublasLtMatmulPreferenceCreate":       &lib.prefCreate,
+		"cublasLtMatmulPreferenceSetAttribute": &lib.prefSetAttribute,
+		"cublasLtMatmulPreferenceDestroy":      &lib.prefDestroy,
+		"cublasLtMatmulAlgoGetHeuristic":       &lib.algoGetHeuristic,
+		"cublasLtMatmul":                       &lib.matmulCall,
+	})
 }
 
 // Available returns nil when cuBLASLt and a CUDA device can be used, and
@@ -185,29 +82,4 @@ func Version() (int, string, error) {
 		return 0, "", err
 	}
 	return cuda.Call(lib.getVersion), lib.path, nil
-}
-
-// cString copies the NUL-terminated C string at p (at most 256 bytes).
-func cString(p unsafe.Pointer) string {
-	if p == nil {
-		return ""
-	}
-	b := unsafe.Slice((*byte)(p), 256)
-	for i, c := range b {
-		if c == 0 {
-			return string(b[:i])
-		}
-	}
-	return string(b)
-}
-
-// cStringResult calls fn(code), a function returning a const char*
-// (cublasLtGetStatusName, cublasLtGetStatusString), and copies the string.
-// Off the hot path: purego.SyscallN allocates.
-func cStringResult(fn uintptr, code int) string {
-	if fn == 0 {
-		return ""
-	}
-	r, _, _ := purego.SyscallN(fn, uintptr(code))
-	return cString(*(*unsafe.Pointer)(unsafe.Pointer(&r)))
 }
