@@ -151,3 +151,7 @@ func CStringResult(fn uintptr, code int) string {
 	r, _, _ := purego.SyscallN(fn, uintptr(code))
 	return cString(*(*unsafe.Pointer)(unsafe.Pointer(&r)))
 }
+
+// CString copies the NUL-terminated C string at p (at most 4096 bytes);
+// "" for nil.
+func CString(p unsafe.Pointer) string { return cString(p) }

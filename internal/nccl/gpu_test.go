@@ -293,3 +293,45 @@ func TestGPUSameDeviceTwice(t *testing.T) {
 		t.Fatal("InitAll of one GPU twice did not return in 60 s")
 	}
 }
+
+// TestGPUInitRank: the rendezvous of several processes, on one rank here:
+// rank 0's NewID, carried as hex (as through a file), joined with InitRank
+// (ncclCommInitRank takes the 128-byte id by value: this checks the call's
+// ABI), then an all-reduce through the communicator.
+func TestGPUInitRank(t *testing.T) {
+	ds := devices(t, 1)
+	id, err := NewID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := ParseID(id.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := InitRank(ds[0], 1, got, 1); err == nil {
+		t.Error("InitRank of rank 1 of 1 succeeded")
+	}
+	c, err := InitRank(ds[0], 1, got, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if c.Rank() != 0 || c.Size() != 1 {
+		t.Errorf("rank %d of %d", c.Rank(), c.Size())
+	}
+	m := newRankMem(t, ds[0], 4096)
+	vals := []float64{1, 2, 3, 4, 5}
+	m.put(t, 0, comm.F32, vals)
+	if err := c.AllGather(m.s, Span{m.buf, 0, 20}, Span{m.buf, 1024, 20}, comm.F32); err != nil {
+		t.Fatal(err)
+	}
+	got2 := m.get(t, 1024, comm.F32, 5)
+	for i, v := range vals {
+		if got2[i] != v {
+			t.Fatalf("AllGather through InitRank's communicator: %v, want %v", got2, vals)
+		}
+	}
+	if nv, _ := cGetenv(EnvNVLS); nv != "0" {
+		t.Errorf("%s=%q in the C environment after NCCL loaded, want 0", EnvNVLS, nv)
+	}
+}

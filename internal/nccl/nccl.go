@@ -30,12 +30,17 @@ var lib struct {
 	path string
 
 	getVersion, getErrorString, getLastError, commInitAll, commDestroy, commAbort uintptr
+	getUniqueID, commInitRank                                                     uintptr
 	commGetAsyncError, allGather, reduceScatter, allReduce, broadcast             uintptr
 	groupStart, groupEnd                                                          uintptr
 }
 
 func load() error {
 	lib.once.Do(func() {
+		if err := nvlsOff(); err != nil {
+			lib.err = err
+			return
+		}
 		h, path, err := library.Open()
 		if err != nil {
 			lib.err = err
@@ -46,6 +51,8 @@ func load() error {
 			"ncclGetVersion":        &lib.getVersion,
 			"ncclGetErrorString":    &lib.getErrorString,
 			"ncclCommInitAll":       &lib.commInitAll,
+			"ncclGetUniqueId":       &lib.getUniqueID,
+			"ncclCommInitRank":      &lib.commInitRank,
 			"ncclCommDestroy":       &lib.commDestroy,
 			"ncclCommAbort":         &lib.commAbort,
 			"ncclCommGetAsyncError": &lib.commGetAsyncError,

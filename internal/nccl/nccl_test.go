@@ -3,6 +3,7 @@ package nccl
 import (
 	"errors"
 	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -115,5 +116,49 @@ func TestChecks(t *testing.T) {
 	var ne *Error
 	if !errors.As(error(e), &ne) {
 		t.Error("newError is not an *Error")
+	}
+}
+
+// TestNVLSOff: loading NCCL (or failing to) leaves NCCL_NVLS_ENABLE=0 in
+// the C environment NCCL reads, even where the process started with 1. It
+// runs itself again with NCCL_NVLS_ENABLE=1 in its environment, since NCCL
+// loads once per process.
+func TestNVLSOff(t *testing.T) {
+	if os.Getenv("DOS_NCCL_TEST_CHILD") == "1" {
+		before, _ := cGetenv(EnvNVLS)
+		_ = load()
+		after, err := cGetenv(EnvNVLS)
+		os.Stdout.WriteString("BEFORE " + before + " AFTER " + after + " GO " + os.Getenv(EnvNVLS) + "\n")
+		if err != nil {
+			os.Stdout.WriteString("ERROR " + err.Error() + "\n")
+		}
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestNVLSOff$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "DOS_NCCL_TEST_CHILD=1", EnvNVLS+"=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "BEFORE 1 AFTER 0 GO 0") {
+		t.Errorf("child printed %q, want BEFORE 1 AFTER 0 GO 0", out)
+	}
+}
+
+// TestID: an id goes through String and ParseID unchanged; anything but
+// 256 hex digits is refused.
+func TestID(t *testing.T) {
+	var id ID
+	for i := range id {
+		id[i] = byte(i * 7)
+	}
+	got, err := ParseID(id.String())
+	if err != nil || got != id {
+		t.Fatalf("round trip: %v, %v", got == id, err)
+	}
+	for _, bad := range []string{"", id.String()[:254], id.String() + "00", "zz" + id.String()[2:]} {
+		if _, err := ParseID(bad); err == nil {
+			t.Errorf("ParseID of %d characters accepted", len(bad))
+		}
 	}
 }
