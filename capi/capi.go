@@ -3,6 +3,15 @@ package main
 /*
 #include <stdint.h>
 #include <stdlib.h>
+
+// dos_reduce_fn combines this rank's gradient statistics with the other
+// ranks' in place (an all-reduce with sum): *sum_squares holds this rank's
+// sum of squares of its unscaled gradients, NaN when one is not finite,
+// and receives the whole model's. It returns 0, or nonzero when it failed.
+// NULL: the optimizer holds the whole model (offload.StepArgs.Reduce).
+typedef int32_t (*dos_reduce_fn)(double *sum_squares);
+
+static int32_t dos_call_reduce(dos_reduce_fn f, double *x) { return f(x); }
 */
 import "C"
 
@@ -333,16 +342,16 @@ func dos_adamw_device_ptrs(h C.int64_t, i C.int32_t, grad, working *C.uint64_t, 
 }
 
 //export dos_adamw_step_device
-func dos_adamw_step_device(h C.int64_t, lrs *C.double, ngroups C.int32_t, lossScale C.double, errOut **C.char) C.int32_t {
+func dos_adamw_step_device(h C.int64_t, lrs *C.double, ngroups C.int32_t, lossScale C.double, reduce C.dos_reduce_fn, errOut **C.char) C.int32_t {
 	return step(h, lrs, ngroups, errOut, func(o *offload.Optimizer) (offload.StepArgs, error) {
 		// Master weights set since the last step (state_set kind 0) go to
 		// the device first; a no-op otherwise.
-		return offload.StepArgs{LossScale: float64(lossScale), GradOnDevice: true}, o.SyncDevice()
+		return offload.StepArgs{LossScale: float64(lossScale), GradOnDevice: true, Reduce: reduceArg(reduce)}, o.SyncDevice()
 	}, nil)
 }
 
 //export dos_adamw_step
-func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, ngroups C.int32_t, lossScale C.double, errOut **C.char) C.int32_t {
+func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, ngroups C.int32_t, lossScale C.double, reduce C.dos_reduce_fn, errOut **C.char) C.int32_t {
 	var pp []unsafe.Pointer
 	return step(h, lrs, ngroups, errOut, func(o *offload.Optimizer) (offload.StepArgs, error) {
 		ps := o.Params()
@@ -358,7 +367,7 @@ func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, n
 				copy(g.Uint16(), unsafe.Slice((*uint16)(gp[i]), p.Len))
 			}
 		}
-		return offload.StepArgs{LossScale: float64(lossScale)}, nil
+		return offload.StepArgs{LossScale: float64(lossScale), Reduce: reduceArg(reduce)}, nil
 	}, func(o *offload.Optimizer) {
 		for i, p := range o.Params() {
 			if w := o.Working(i); w.DType == adam.F32 {
@@ -368,6 +377,23 @@ func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, n
 			}
 		}
 	})
+}
+
+// reduceArg is the StepArgs.Reduce that calls the caller's f (nil for a
+// NULL f): the binding's all-reduce over the ranks that each hold a shard
+// (dos.torch under FSDP2), so that every rank clips by the whole model's
+// gradient norm and skips a non-finite step alike.
+func reduceArg(f C.dos_reduce_fn) func(float64) (float64, error) {
+	if f == nil {
+		return nil
+	}
+	return func(ss float64) (float64, error) {
+		x := C.double(ss)
+		if r := C.dos_call_reduce(f, &x); r != 0 {
+			return 0, fmt.Errorf("dos: the all-reduce of the gradient statistics across ranks failed (the reduce callback returned %d)", int32(r))
+		}
+		return float64(x), nil
+	}
 }
 
 // step is one optimizer step of handle h: the groups' learning rates from

@@ -8,9 +8,9 @@
 // libdos.h):
 //
 //	int64_t dos_adamw_new(const char *spec, char **err);
-//	int32_t dos_adamw_step(int64_t h, void **params, const void **grads, const double *lrs, int32_t ngroups, double loss_scale, char **err);
+//	int32_t dos_adamw_step(int64_t h, void **params, const void **grads, const double *lrs, int32_t ngroups, double loss_scale, dos_reduce_fn reduce, char **err);
 //	int32_t dos_adamw_device_ptrs(int64_t h, int32_t i, uint64_t *grad, uint64_t *working, char **err);
-//	int32_t dos_adamw_step_device(int64_t h, const double *lrs, int32_t ngroups, double loss_scale, char **err);
+//	int32_t dos_adamw_step_device(int64_t h, const double *lrs, int32_t ngroups, double loss_scale, dos_reduce_fn reduce, char **err);
 //	int32_t dos_adamw_state_get(int64_t h, int32_t i, int32_t kind, float *data, int64_t n, char **err);
 //	int32_t dos_adamw_state_set(int64_t h, int32_t i, int32_t kind, const float *data, int64_t n, char **err);
 //	int64_t dos_adamw_get_step(int64_t h, char **err);
@@ -33,7 +33,13 @@
 // DeviceMaster for float32 ones with the spec's device_params): the caller writes
 // the gradients there, calls dos_adamw_step_device (a Step with
 // StepArgs.GradOnDevice, after SyncDevice; it returns when the update is
-// complete on the device), then reads the new weights there; the
+// complete on the device), then reads the new weights there. reduce, when
+// not NULL, is int32_t (*)(double *sum_squares): the caller's all-reduce
+// (sum) of the gradients' sum of squares over the ranks that each hold a
+// shard of the model (NaN from a rank with a non-finite gradient), called
+// once per step on the calling thread, so that every rank clips by the
+// whole model's norm and skips alike (offload.StepArgs.Reduce); NULL when
+// the optimizer holds the whole model. The
 // state functions take fp32 (kind 0 sets the master weights, as after
 // dos_adamw_new, which starts them at zero). kind is 0 (the fp32 master weights), 1 (exp_avg), 2 (exp_avg_sq) or 3
 // (max_exp_avg_sq, amsgrad only). A handle (int64_t, > 0) names one

@@ -6,7 +6,7 @@ error message, raised here as DosError.
 import ctypes
 import os
 
-__all__ = ["DosError", "library_path", "lib", "call"]
+__all__ = ["DosError", "REDUCE_FN", "library_path", "lib", "call"]
 
 
 class DosError(RuntimeError):
@@ -20,6 +20,10 @@ def library_path():
 
 _lib = None
 
+# dos_reduce_fn (capi/capi.go): combines this rank's gradient sum of squares with the other ranks', in place;
+# returns 0, or nonzero when it failed.
+REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_double))
+
 # The exported functions and their C signatures (capi/capi.go); test_native checks them against the
 # library's header.
 SIGNATURES = {
@@ -27,12 +31,12 @@ SIGNATURES = {
     "dos_free": (None, [ctypes.c_void_p]),
     "dos_adamw_new": (ctypes.c_int64, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
-                                        ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_double,
+                                        ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_double, REDUCE_FN,
                                         ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_device_ptrs": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.POINTER(ctypes.c_uint64),
                                                ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_step_device": (ctypes.c_int32, [ctypes.c_int64, ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_double,
-                                               ctypes.POINTER(ctypes.c_void_p)]),
+                                               REDUCE_FN, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_state_get": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
                                              ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_state_set": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,

@@ -46,6 +46,31 @@ def _local(t):
     return t
 
 
+def _shard_group(params, process_group):
+    """The process group over which params are sharded, whose ranks must agree on the gradient norm and the
+    skip of a non-finite step: process_group when given, else the mesh of FSDP2's sharded DTensors (a 1-D
+    mesh), else None (every rank holds its parameters whole, as with DDP, or there is one rank)."""
+    import torch.distributed as dist
+    if process_group is None:
+        # fully_shard makes a mesh per call: meshes over the same ranks are one group
+        groups = {}
+        for P in params:
+            if hasattr(P, "placements") and hasattr(P, "device_mesh") and any(pl.is_shard() for pl in P.placements):
+                mesh = P.device_mesh
+                if mesh.ndim != 1:
+                    raise ValueError(f"dos.torch.AdamW: the parameters are sharded over a {mesh.ndim}-D device mesh "
+                                     "(HSDP); pass process_group= (the group whose ranks hold the shards of one replica)")
+                g = mesh.get_group()
+                groups.setdefault(tuple(dist.get_process_group_ranks(g)), g)
+        if len(groups) > 1:
+            raise ValueError(f"dos.torch.AdamW: the parameters are sharded over different ranks {sorted(groups)}; pass "
+                             "process_group= (the group whose ranks hold the shards of one model)")
+        if not groups:
+            return None
+        process_group = groups.popitem()[1]
+    return process_group if dist.get_world_size(process_group) > 1 else None
+
+
 def _norm(v):
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
@@ -92,8 +117,12 @@ class AdamW(torch.optim.Optimizer):
     users train) the fp32 master weights that dos keeps on the device for them, bit for bit torch's fp32
     AdamW; for 16-bit ones dos's 16-bit working copy. ``torch.amp.GradScaler`` works as with torch.optim (it
     unscales and skips the step itself). FSDP2 (``fully_shard``) parameters are DTensors: dos takes each
-    rank's local shard and its gradient's, so each rank's optimizer holds only its shards; with DDP every
-    rank holds the whole state. dos's device memory (a gradient buffer and a working copy beside PyTorch's
+    rank's local shard and its gradient's, so each rank's optimizer holds only its shards, and every step
+    all-reduces the ranks' gradient sums of squares over the shards' process group (the 1-D device mesh's;
+    ``process_group=`` names it for other sharded parameters or an HSDP mesh), so that every rank clips by
+    the whole model's norm, as ``clip_grad_norm_`` over DTensors does, and skips a non-finite step alike; an
+    exception on one rank during ``step()`` leaves the others waiting in that all-reduce, as any collective
+    would. With DDP every rank holds the whole state and no reduction is needed. dos's device memory (a gradient buffer and a working copy beside PyTorch's
     tensors: 4 bytes per parameter for 16-bit ones, 8 for float32; and ``gpu_budget``) is not PyTorch's
     allocator's: count it against any cap.
 
@@ -108,7 +137,7 @@ class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  sub_group_size=1_000_000_000, threads=0, max_grad_norm=0.0, device=None,
-                 gpu_budget=0, profile=None, schedule="auto", pin_memory=True):
+                 gpu_budget=0, profile=None, schedule="auto", pin_memory=True, process_group=None):
         # torch.optim.AdamW's implementation switches: dos has one implementation, so foreach and fused
         # change nothing (code that passes them swaps in as it is); capture into a CUDA graph and
         # differentiating through the step it cannot do.
@@ -205,6 +234,11 @@ class AdamW(torch.optim.Optimizer):
         self._saved_step = None
         self._lock = threading.Lock()  # one step, save or load at a time: they share dos's gradient buffers
         self.skipped = False
+        # Sharded parameters (FSDP2's, or process_group's): every step all-reduces the ranks' gradient sums
+        # of squares through _reduce, so that each rank clips by the whole model's norm and skips alike.
+        self._group = _shard_group(self._params, process_group)
+        self._reduce = self._reducer() if self._group is not None else _native.REDUCE_FN()
+        self._reduce_error = None
         for i, p in enumerate(self._params):
             self._take(i, _local(p))
 
@@ -219,6 +253,33 @@ class AdamW(torch.optim.Optimizer):
             n = _local(p).numel()
             views.append((_alias(g.value, n, self._dtype), _alias(w.value, n, self._dtype)))
         return views
+
+    def _reducer(self):
+        """dos's StepArgs.Reduce as a C callback: an all-reduce (sum) of the sum of squares over self._group,
+        on the device its backend needs (NCCL: CUDA). A NaN (a non-finite gradient on a rank) stays NaN, so
+        every rank skips. dos calls it on the thread that called step()."""
+        import torch.distributed as dist
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self._group) == "nccl" else None
+
+        def reduce(x):
+            try:
+                t = torch.tensor([x[0]], dtype=torch.float64, device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group)
+                x[0] = float(t.item())
+                return 0
+            except BaseException as e:  # raised by step() once dos returns
+                self._reduce_error = e
+                return 1
+        return _native.REDUCE_FN(reduce)
+
+    def _call_step(self, name, *args):
+        self._reduce_error = None
+        try:
+            return _native.call(name, *args, self._reduce)
+        except _native.DosError as e:
+            if self._reduce_error is not None:
+                raise self._reduce_error from e
+            raise
 
     @staticmethod
     def _hyper(g):
@@ -321,7 +382,7 @@ class AdamW(torch.optim.Optimizer):
                                  "at every step (OneCycleLR cycles betas unless cycle_momentum=False)")
         lrs = (ctypes.c_double * len(self.param_groups))(*[float(g["lr"]) for g in self.param_groups])
         if not self._cuda:
-            taken = _native.call("dos_adamw_step", h, params, grads, lrs, len(self.param_groups), 0.0)
+            taken = self._call_step("dos_adamw_step", h, params, grads, lrs, len(self.param_groups), 0.0)
             self.skipped = taken == 0
             return
         # dos's update reads the gradients once PyTorch's stream has written them: an event on that stream,
@@ -330,7 +391,7 @@ class AdamW(torch.optim.Optimizer):
         ev = torch.cuda.Event()
         ev.record()
         ev.synchronize()
-        taken = _native.call("dos_adamw_step_device", h, lrs, len(self.param_groups), 0.0)
+        taken = self._call_step("dos_adamw_step_device", h, lrs, len(self.param_groups), 0.0)
         self.skipped = taken == 0
         if taken:
             for i, P in enumerate(self._params):

@@ -1,0 +1,93 @@
+"""One rank of test_distributed.py's sharded runs: python3 shard_worker.py RANK WORLD RENDEZVOUS OUT MODE.
+
+MODE "fsdp2" trains a model under FSDP2 on the CPU (fsdp2()); the others are below.
+
+Rank r holds shard r (torch.chunk along dim 0) of every tensor of sharded_case(), trains it with
+dos.torch.AdamW(max_grad_norm=1.0) over a gloo group of WORLD ranks, and saves its shards and the skip
+flags to OUT. MODE "group" passes process_group (the fix under test), "none" leaves it out (each rank
+clips by its own shards' norm: what the test must tell apart).
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+
+import dos.torch as dt
+
+STEPS, NAN_STEP, NAN_RANK = 8, 5, 1
+KW = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def sharded_case():
+    """The whole tensors and, per step, their gradients: large (clipping is active at every step), with a
+    NaN at step NAN_STEP in rank NAN_RANK's shard of the first tensor."""
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(6, 5, generator=g), torch.randn(9, generator=g), torch.randn(4, 3, 2, generator=g)]
+    grads = []
+    for step in range(STEPS):
+        gs = [10 * torch.randn(p.shape, generator=g) for p in params]
+        if step == NAN_STEP:
+            gs[0].chunk(2)[NAN_RANK].view(-1)[0] = float("nan")
+        grads.append(gs)
+    return params, grads
+
+
+def fsdp2(out):
+    """FSDP2 on the CPU over the gloo group: the same model twice, fully_shard per layer and at the root,
+    one trained with dos.torch.AdamW(max_grad_norm=1.0) (which finds the mesh's group itself), the other
+    with torch.optim.AdamW and clip_grad_norm_ over the DTensors; saves the largest difference of the
+    whole parameters (full_tensor) after each step, and the gradient norms torch saw."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # the CPU, also where a GPU is present
+
+    def model():
+        torch.manual_seed(1)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+        for layer in (m[0], m[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return m
+    ref, ours = model(), model()
+    a = torch.optim.AdamW(ref.parameters(), foreach=False, **KW)
+    b = dt.AdamW(ours.parameters(), max_grad_norm=1.0, **KW)
+    g = torch.Generator().manual_seed(2 + dist.get_rank())  # each rank its own rows of the batch
+    diffs, norms = [], []
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 16, generator=g), 30 * torch.randn(8, 4, generator=g)
+        for m, opt in ((ref, a), (ours, b)):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            if opt is a:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).full_tensor()))
+            opt.step()
+        diffs.append(max(float((p.full_tensor() - q.full_tensor()).abs().max()) for p, q in zip(ref.parameters(), ours.parameters())))
+    torch.save({"diffs": diffs, "norms": norms, "group": b._group is not None}, out)
+    b.close()
+
+
+def main():
+    rank, world, rendezvous, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    if mode == "fsdp2":
+        fsdp2(out)
+        dist.destroy_process_group()
+        return
+    params, grads = sharded_case()
+    mine = [torch.nn.Parameter(p.chunk(world)[rank].clone()) for p in params]
+    group = dist.group.WORLD if mode == "group" else None
+    opt = dt.AdamW(mine, max_grad_norm=1.0, process_group=group, **KW)
+    skipped = []
+    for gs in grads:
+        for p, g in zip(mine, gs):
+            p.grad = g.chunk(world)[rank].clone()
+        opt.step()
+        skipped.append(opt.skipped)
+    torch.save({"params": [p.detach().clone() for p in mine], "skipped": skipped}, out)
+    opt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
