@@ -35,7 +35,7 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	}
 	if isJob(root) {
 		lock.Unlock()
-		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of a job of ranks (%s, rank-*): pass the --gpus it was trained with (re-sharding onto one rank is not built yet: issue 19)", root, checkpoint.JobFile)
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of a job of ranks (%s, rank-*): pass the --gpus it was trained with, or re-shard it onto one rank first (`dos ckpt reshard %s NEWROOT --gpus 1`) and resume from NEWROOT", root, checkpoint.JobFile, root)
 	}
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if err != nil {
@@ -88,11 +88,15 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 		return nil, nil
 	}
 	if _, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil && world != cfg.GPUs {
-		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d (re-sharding is not built yet: issue 19)", root, world, cfg.GPUs)
+		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d: pass --gpus %d, or re-shard it first (`dos ckpt reshard %s NEWROOT --gpus %d`) and resume from NEWROOT", root, world, cfg.GPUs, world, root, cfg.GPUs)
 	}
 	step, note, err := checkpoint.ResumeJob(checkpoint.OS, root, cfg.GPUs)
 	if err != nil {
-		return nil, fmt.Errorf("trainer: resume from %s: %w", root, err)
+		hint := ""
+		if !isJob(root) {
+			hint = fmt.Sprintf(" (to continue a single-rank run on %d ranks, re-shard it first: `dos ckpt reshard %s NEWROOT --gpus %d`)", cfg.GPUs, root, cfg.GPUs)
+		}
+		return nil, fmt.Errorf("trainer: resume from %s: %w%s", root, err, hint)
 	}
 	if note != "" {
 		fmt.Fprintf(out, "resume: recovered %s: %s\n", root, note)

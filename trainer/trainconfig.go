@@ -95,8 +95,9 @@ type TrainConfig struct {
 	// Checkpoints: each rank saves its pieces into CkptDir/rank-%05d
 	// (synchronously, the ranks in parallel) and the job commits a step in
 	// CkptDir's latest once all are durable (checkpoint.CommitJob); a
-	// resume needs the same GPUs. NCCL between GPUs and re-sharding are
-	// still to come (issue 19).
+	// resume needs the same GPUs, and Reshard cuts a checkpoint for
+	// another number. NCCL between GPUs (internal/nccl) is not yet wired
+	// into the trainer (issue 19).
 	GPUs int `json:"gpus,omitempty"`
 	// Recompute, with Device "cuda", keeps only each block's input through
 	// forward and recomputes the block in backward (gptcuda's

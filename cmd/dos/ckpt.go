@@ -13,6 +13,7 @@ import (
 
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/trainer"
 )
 
 const ckptUsage = `Usage:
@@ -32,6 +33,10 @@ const ckptUsage = `Usage:
                                  describe the checkpoint at PATH without reading tensor data: step,
                                  files and sizes, tensors by dtype, the optimizer's hyperparameters,
                                  the trainer's configuration; --tensors lists every tensor
+  dos ckpt reshard --gpus N SRC DST
+                                 write SRC's latest checkpoint (a job of ranks, or one rank's root) into
+                                 the empty DST cut for N ranks (1: whole tensors), for dos train --resume
+                                 --ckpt-dir DST --gpus N; SRC is not changed
 Exit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usage error.
 `
 
@@ -47,6 +52,11 @@ var ckptSubcommands = map[string]struct{ synopsis, about string }{
 	"recover": {"dos ckpt recover [--rank N] ROOT", "Repairs ROOT for --resume: finishes a commit a crash cut short, points a missing or corrupt\n" +
 		"latest at the newest checkpoint that verifies, or sets aside (as ROOT/damaged-step-*) a latest\n" +
 		"checkpoint that does not verify."},
+	"reshard": {"dos ckpt reshard --gpus N SRC DST", "Writes SRC's latest checkpoint (a job of ranks from dos train --gpus, or one rank's root) into\n" +
+		"DST, which must be empty, cut for N ranks (1: whole tensors, as dos train without --gpus saves them):\n" +
+		"each tensor's master weights and moments joined from SRC's pieces and cut again, the step count,\n" +
+		"hyperparameters and the trainer's state kept. Then dos train --resume --ckpt-dir DST --gpus N\n" +
+		"continues the run on N ranks. SRC is not changed; DST is committed only once every rank is written."},
 	"inspect": {"dos ckpt inspect [--rank N] [--tensors] PATH", "Describes the checkpoint at PATH without reading tensor data: step, files and sizes, tensors by\n" +
 		"dtype, the optimizer's hyperparameters, the trainer's configuration; --tensors lists every tensor."},
 }
@@ -70,7 +80,10 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	c := newCLI("dos ckpt "+sub, info.synopsis, info.about+"\nExit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usage error.")
 	rank := 0
 	all := false
-	if sub != "ls" {
+	gpus := 0
+	if sub == "reshard" {
+		c.IntVar(&gpus, "gpus", 0, "the `N` ranks to cut the checkpoint for (1..64; 1: whole tensors)")
+	} else if sub != "ls" {
 		c.IntVar(&rank, "rank", 0, "the `rank` whose files to "+sub+" (default 0: the first)")
 	}
 	if sub == "inspect" {
@@ -79,6 +92,18 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	pos, rc, ok := c.parse(args[1:], stdout, stderr)
 	if !ok {
 		return rc
+	}
+	if sub == "reshard" {
+		if len(pos) != 2 {
+			return c.usageError(stderr, "want SRC and DST, got %d arguments", len(pos))
+		}
+		if gpus < 1 || gpus > 64 {
+			return c.usageError(stderr, "--gpus %d: want the ranks to cut for, 1..64", gpus)
+		}
+		if _, err := trainer.Reshard(pos[0], pos[1], gpus, stdout); err != nil {
+			return c.fail(stderr, "%v", err)
+		}
+		return 0
 	}
 	if len(pos) != 1 {
 		return c.usageError(stderr, "want one directory, got %d arguments", len(pos))

@@ -47,3 +47,41 @@ func TestCkptJob(t *testing.T) {
 		t.Errorf("dos ckpt verify of a damaged rank: rc %d\n%s", rc, stderr.String())
 	}
 }
+
+// TestCkptReshard: dos ckpt reshard cuts a 2-rank job's checkpoint for one
+// rank; the result verifies, dos export takes it (one rank's whole
+// tensors), and dos train --resume continues from it without --gpus;
+// bad arguments are usage errors.
+func TestCkptReshard(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "job")
+	one := filepath.Join(t.TempDir(), "one")
+	var stdout, stderr bytes.Buffer
+	shape := []string{"--layers", "1", "--embd", "16", "--heads", "2", "--ctx", "8", "--batch", "4", "--sample", "0", "--eval-batches", "1", "--max-memory", "1"}
+	args := append([]string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dir, "--ckpt-every", "2"}, shape...)
+	if rc := runTrain(args, &stdout, &stderr); rc != 0 {
+		t.Fatalf("dos train %v: rc %d\n%s%s", args, rc, stdout.String(), stderr.String())
+	}
+	stdout.Reset()
+	if rc := runCkpt([]string{"reshard", "--gpus", "1", dir, one}, &stdout, &stderr); rc != 0 ||
+		!strings.Contains(stdout.String(), "dos train --resume --ckpt-dir "+one+" --gpus 1") {
+		t.Fatalf("dos ckpt reshard: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
+	stdout.Reset()
+	if rc := runCkpt([]string{"verify", one}, &stdout, &stderr); rc != 0 {
+		t.Errorf("dos ckpt verify of the re-sharded root: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
+	if rc := runExport([]string{"--ckpt", one, "--hf", filepath.Join(t.TempDir(), "hf")}, &stdout, &stderr); rc != 0 {
+		t.Errorf("dos export of the re-sharded root: rc %d\n%s", rc, stderr.String())
+	}
+	stdout.Reset()
+	args = append([]string{"--steps", "4", "--ckpt-dir", one, "--resume"}, shape...)
+	if rc := runTrain(args, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "at iteration 2") {
+		t.Errorf("dos train --resume from the re-sharded root: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
+	for _, bad := range [][]string{{"reshard", dir, one}, {"reshard", "--gpus", "2", dir}, {"reshard", "--gpus", "65", dir, one}} {
+		stderr.Reset()
+		if rc := runCkpt(bad, &stdout, &stderr); rc != 2 {
+			t.Errorf("dos ckpt %v: rc %d, want 2 (usage)\n%s", bad, rc, stderr.String())
+		}
+	}
+}

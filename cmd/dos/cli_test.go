@@ -45,7 +45,7 @@ func TestParseSize(t *testing.T) {
 // allCommands are the command lines of every subcommand, for the tests of
 // what every one of them does alike.
 var allCommands = [][]string{{"train"}, {"selftest"}, {"calibrate"}, {"bench"}, {"plan"}, {"export"}, {"eval"}, {"version"},
-	{"ckpt", "ls"}, {"ckpt", "verify"}, {"ckpt", "recover"}, {"ckpt", "inspect"}}
+	{"ckpt", "ls"}, {"ckpt", "verify"}, {"ckpt", "recover"}, {"ckpt", "inspect"}, {"ckpt", "reshard"}}
 
 // TestHelp: -h, -help and --help print the command's help to stdout (its
 // synopsis and flags) and exit 0, for every command.
