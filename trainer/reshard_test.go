@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-
 )
 
 // TestReshard: a 2-rank job's checkpoint at step 4 re-sharded onto 2, 4 and
