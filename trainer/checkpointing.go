@@ -20,6 +20,13 @@ func (t *Trainer) save() error {
 	t.state.Config = t.cfg
 	objects := map[string]any{"trainer": t.state}
 	step := int64(t.state.Iteration) // skipped optimizer steps still count as iterations
+	if t.zero != nil && !t.cfg.CkptSync {
+		ring := int64(t.cfg.rankRingBytes(float64(t.cfg.Model.NumParams()), t.zero.n))
+		if err := t.zero.saveLazily(t.cfg.CkptDir, step, objects, t.cfg.CkptKeep, ring); err != nil {
+			return fmt.Errorf("trainer: checkpoint at iteration %d: %w", t.state.Iteration, err)
+		}
+		return nil
+	}
 	if t.zero != nil {
 		t0 := time.Now()
 		bytes, err := t.zero.save(t.cfg.CkptDir, step, objects, t.cfg.CkptKeep)
@@ -80,8 +87,19 @@ func (t *Trainer) saveLazily(step int64, objects map[string]any) error {
 }
 
 // reportSave logs the last lazy save once it is durable (waiting for it
-// with wait) and returns its error.
+// with wait) and returns its error; for ranks (t.zero) it commits the
+// step for the job once every rank's save is durable.
 func (t *Trainer) reportSave(wait bool) error {
+	if t.zero != nil {
+		step, err := t.zero.commitLazy(t.cfg.CkptDir, wait)
+		if err != nil {
+			return fmt.Errorf("trainer: %w", err)
+		}
+		if step >= 0 {
+			t.logf("checkpoint %s, step %d (%d ranks, each saved lazily; committed for the job once all were durable)\n", t.cfg.CkptDir, step, t.zero.n)
+		}
+		return nil
+	}
 	h := t.last
 	if h == nil || (!wait && !h.Done()) {
 		return nil

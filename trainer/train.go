@@ -431,6 +431,11 @@ func (t *Trainer) Close() error {
 	t.gpu = nil
 	if !t.closed {
 		if t.zero != nil {
+			// A lazy save still in flight (a run stopped by an error after
+			// it): the job commits it once every rank's save is durable.
+			if _, err := t.zero.commitLazy(t.cfg.CkptDir, true); err != nil {
+				errs = append(errs, fmt.Errorf("trainer: %w", err))
+			}
 			errs = append(errs, t.zero.close())
 		} else {
 			errs = append(errs, t.opt.Close())

@@ -93,8 +93,9 @@ type TrainConfig struct {
 	// (zero.go). For now on the host or Device "sim", the ranks in this
 	// process over an in-process communicator (internal/comm's Local).
 	// Checkpoints: each rank saves its pieces into CkptDir/rank-%05d
-	// (synchronously, the ranks in parallel) and the job commits a step in
-	// CkptDir's latest once all are durable (checkpoint.CommitJob); a
+	// (lazily, each rank its own engine, or with CkptSync synchronously,
+	// the ranks in parallel) and the job commits a step in CkptDir's
+	// latest once all are durable (checkpoint.CommitJob); a
 	// resume needs the same GPUs, and Reshard cuts a checkpoint for
 	// another number. NCCL between GPUs (internal/nccl) is not yet wired
 	// into the trainer (issue 19).
@@ -321,8 +322,6 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --gpus %d with --device cuda needs NCCL between the GPUs, which is not built yet (issue 19): use --device sim or none", c.GPUs)
 	case c.GPUs > 1 && c.Batch%c.GPUs != 0:
 		return fmt.Errorf("trainer: --batch %d is not a multiple of --gpus %d (each rank trains on batch/gpus rows)", c.Batch, c.GPUs)
-	case c.GPUs > 1 && c.CkptRing > 0:
-		return fmt.Errorf("trainer: --gpus %d saves each rank synchronously for now: --ckpt-ring sizes the lazy checkpointer's ring", c.GPUs)
 	case c.GPUs > 1 && c.WorkingDType == adam.F16:
 		return fmt.Errorf("trainer: --gpus %d all-gathers the working copy in bfloat16 or float32: --working-dtype float16 is not supported", c.GPUs)
 	case c.GPUs > 1 && c.Schedule != "" && c.Schedule != "cpu" && c.Schedule != "static":
@@ -482,6 +481,9 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	ring := 0.0
 	if c.CkptDir != "" && !c.CkptSync {
 		ring = c.ringBytes(params)
+		if c.GPUs > 1 { // a lazy engine per rank
+			ring = float64(c.GPUs) * c.rankRingBytes(params, c.GPUs)
+		}
 	}
 	return perParam*params + 4*floats + ring
 }
@@ -489,11 +491,17 @@ func (c *TrainConfig) MemoryBytes() float64 {
 // ringBytes is the lazy checkpointer's ring for params parameters:
 // CkptRing GiB, or two copies of the 16 B of state per parameter, at most
 // 256 MiB; at least two chunks, in whole chunks.
-func (c *TrainConfig) ringBytes(params float64) float64 {
+func (c *TrainConfig) ringBytes(params float64) float64 { return c.rankRingBytes(params, 1) }
+
+// rankRingBytes is each rank's ring when n ranks share params parameters
+// (each its own lazy engine): CkptRing GiB split n ways, or two copies of
+// the 16 B of state per parameter of its share, at most 256 MiB; at least
+// two chunks, in whole chunks.
+func (c *TrainConfig) rankRingBytes(params float64, n int) float64 {
 	const chunk = checkpoint.DefaultChunkBytes
-	ring := math.Min(2*16*params, 256<<20)
+	ring := math.Min(2*16*params/float64(n), 256<<20)
 	if c.CkptRing > 0 {
-		ring = c.CkptRing * (1 << 30)
+		ring = c.CkptRing * (1 << 30) / float64(n)
 	}
 	return math.Max(math.Floor(ring/chunk)*chunk, 2*chunk)
 }

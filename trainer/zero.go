@@ -44,6 +44,12 @@ type zeroRanks struct {
 	lens  []int // each tensor's elements
 	piece []int // each tensor's elements per rank's piece: ceil(len/n)
 	ranks []*zeroRank
+	// Lazy saves (saveLazily): each rank's engine on its rank root, made
+	// at the first save, and the handles of the last save, whose step the
+	// job commits once all are durable (commitLazy).
+	engines  []*checkpoint.Engine
+	last     []*checkpoint.Handle
+	lastStep int64
 }
 
 // zeroRank is one rank: its end of the communicator, its optimizer over
@@ -299,7 +305,7 @@ func (z *zeroRanks) step(args offload.StepArgs) (offload.StepResult, error) {
 var zeroSaveFault func(rank int, step int64) error
 
 // save writes every rank's pieces of step, with objects, into its root
-// under the job root root (checkpoint.RankRoot), synchronously, the ranks
+// under the job root root (checkpoint.RankRoot), synchronously (--ckpt-sync; saveLazily otherwise), the ranks
 // in parallel; once all are durable it commits the step for the job
 // (checkpoint.CommitJob) and, with keep > 0, keeps the newest keep steps
 // in every rank root. It returns the bytes written. A rank that fails
@@ -351,6 +357,97 @@ func (z *zeroRanks) save(root string, step int64, objects map[string]any, keep i
 	return total, nil
 }
 
+// saveLazily hands every rank's pieces of step, with objects, to the
+// rank's own lazy engine (checkpoint.Engine on checkpoint.RankRoot(root,
+// r), ringBytes of staging each) and returns once each rank's capture has
+// started: the ranks' saves run in the background, and the job's latest
+// moves to step only when all are durable (commitLazy, which runs first
+// here for the previous save). Each rank root keeps keep+1 steps (0: all):
+// its newest save is durable before the job commits it, and the job's
+// latest, one save behind until then, must stay in every rank root.
+//
+// Errors: the previous save's (commitLazy); a rank whose save cannot
+// start (its error, by rank: the job's latest is unchanged, the other
+// ranks' saves of step go on and are rewound at the next resume).
+func (z *zeroRanks) saveLazily(root string, step int64, objects map[string]any, keep int, ringBytes int64) error {
+	if _, err := z.commitLazy(root, true); err != nil {
+		return err
+	}
+	if err := checkpoint.BeginJob(checkpoint.OS, root, z.n); err != nil {
+		return err
+	}
+	if z.engines == nil {
+		if keep > 0 {
+			keep++
+		}
+		for r := range z.n {
+			e, err := checkpoint.NewEngine(checkpoint.OS, checkpoint.RankRoot(root, r),
+				checkpoint.EngineOptions{ChunkBytes: checkpoint.DefaultChunkBytes, RingBytes: ringBytes, Keep: keep})
+			if err != nil {
+				return fmt.Errorf("rank %d: checkpoint engine: %w", r, err)
+			}
+			z.engines = append(z.engines, e)
+		}
+	}
+	z.last, z.lastStep = make([]*checkpoint.Handle, z.n), step
+	var errs []error
+	for _, rk := range z.ranks {
+		if f := zeroSaveFault; f != nil {
+			if err := f(rk.r, step); err != nil {
+				errs = append(errs, fmt.Errorf("rank %d: %w", rk.r, err))
+				continue
+			}
+		}
+		h, err := rk.opt.SaveAsync(z.engines[rk.r], step, objects)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("rank %d: %w", rk.r, err))
+			continue
+		}
+		z.last[rk.r] = h
+	}
+	if len(errs) > 0 {
+		z.last = nil // abandoned: the job never commits step
+		return fmt.Errorf("%w (the job's latest checkpoint is unchanged)", errors.Join(errs...))
+	}
+	return nil
+}
+
+// commitLazy commits the last lazy save's step for the job
+// (checkpoint.CommitJob) once every rank's save of it is durable: with
+// wait it waits for them, without it returns -1 while one is in flight.
+// It returns the step committed (-1 for none) and each rank's stats.
+//
+// Errors: a rank's save that failed or never started (by rank: the job's
+// latest is unchanged); CommitJob's.
+func (z *zeroRanks) commitLazy(root string, wait bool) (int64, error) {
+	if z.last == nil {
+		return -1, nil
+	}
+	if !wait {
+		for _, h := range z.last {
+			if h != nil && !h.Done() {
+				return -1, nil
+			}
+		}
+	}
+	hs, step := z.last, z.lastStep
+	z.last = nil
+	var errs []error
+	for r, h := range hs {
+		if h == nil {
+			errs = append(errs, fmt.Errorf("rank %d: its save of step %d did not start", r, step))
+			continue
+		}
+		if _, err := h.Wait(); err != nil {
+			errs = append(errs, fmt.Errorf("rank %d: %w", r, err))
+		}
+	}
+	if len(errs) > 0 {
+		return -1, fmt.Errorf("checkpoint at iteration %d: %w (the job's latest checkpoint is unchanged)", step, errors.Join(errs...))
+	}
+	return step, checkpoint.CommitJob(checkpoint.OS, root, z.n, step)
+}
+
 // setLR sets every rank's learning rate.
 func (z *zeroRanks) setLR(lr float64) error {
 	for _, rk := range z.ranks {
@@ -376,5 +473,10 @@ func (z *zeroRanks) close() error {
 		}
 		rk.c.Close()
 	}
+	// After the optimizers: a lazy save's capture reads their state.
+	for _, e := range z.engines {
+		errs = append(errs, e.Close())
+	}
+	z.engines = nil
 	return errors.Join(errs...)
 }

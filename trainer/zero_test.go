@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -108,7 +109,6 @@ func TestZeROConfig(t *testing.T) {
 		{func(c *TrainConfig) { c.GPUs = -1 }, "--gpus -1: want 0..64"},
 		{func(c *TrainConfig) { c.GPUs, c.Threads = 8, MaxThreads() }, "the ranks' workers"},
 		{func(c *TrainConfig) { c.GPUs, c.Batch = 3, 16 }, "--batch 16 is not a multiple of --gpus 3"},
-		{func(c *TrainConfig) { c.GPUs, c.CkptDir, c.CkptRing = 2, "/tmp/x", 1 }, "saves each rank synchronously for now"},
 		{func(c *TrainConfig) {
 			c.GPUs, c.Device, c.WorkingDType, c.GradDType = 2, "cuda", adam.BF16, adam.BF16
 		}, "needs NCCL between the GPUs"},
@@ -159,12 +159,21 @@ func TestZeROMemoryBytes(t *testing.T) {
 	}
 }
 
-// TestZeROCheckpoint: checkpoints of 2 ranks. Rank 1's save of step 6
-// fails (as a killed write would): the run stops with that error and the
-// job's latest stays at step 4, although rank 0 committed step 6 in its
-// root; --resume continues from step 4 on both ranks (rank 0 rewound) and
+// TestZeROCheckpoint: checkpoints of 2 ranks, lazy (each rank its own
+// engine) and synchronous (--ckpt-sync). Rank 1's save of step 6 fails (as
+// a killed write would): the run stops with that error and the job's
+// latest stays at step 4, although rank 0 committed step 6 in its root;
+// --resume continues from step 4 on both ranks (rank 0 rewound) and
 // reaches step 8 with the losses of an uninterrupted run, bit for bit.
+// Each rank root keeps --ckpt-keep 2 steps, one more while lazy (the
+// job's latest is one save behind a rank's until all are durable).
 func TestZeROCheckpoint(t *testing.T) {
+	for _, sync := range []bool{false, true} {
+		t.Run(fmt.Sprintf("sync=%v", sync), func(t *testing.T) { zeroCheckpoint(t, sync) })
+	}
+}
+
+func zeroCheckpoint(t *testing.T, sync bool) {
 	setMemAvailable(t, 0, false)
 	toks := make([]uint16, 6000)
 	for i := range toks {
@@ -175,7 +184,7 @@ func TestZeROCheckpoint(t *testing.T) {
 	c.Batch, c.Steps, c.SampleBytes, c.EvalBatches, c.LogEvery = 4, 8, 0, 1, 0
 	ref, _ := zeroRun(t, c, 2, toks)
 
-	c.CkptDir, c.CkptEvery, c.CkptKeep, c.GPUs = t.TempDir(), 2, 2, 2
+	c.CkptDir, c.CkptEvery, c.CkptKeep, c.GPUs, c.CkptSync = t.TempDir(), 2, 2, 2, sync
 	zeroSaveFault = func(rank int, step int64) error {
 		if rank == 1 && step == 6 {
 			return errors.New("injected: rank 1's write killed")
@@ -211,6 +220,16 @@ func TestZeROCheckpoint(t *testing.T) {
 	}
 	if step, _, err := checkpoint.JobLatest(checkpoint.OS, c.CkptDir); step != 8 || err != nil {
 		t.Errorf("the job's latest at the end: %d, %v; want 8", step, err)
+	}
+	keep := c.CkptKeep
+	if !sync {
+		keep++
+	}
+	for r := range 2 {
+		info, err := checkpoint.Inspect(checkpoint.OS, checkpoint.RankRoot(c.CkptDir, r))
+		if err != nil || len(info.Steps) != keep || filepath.Base(info.Latest) != "step-000000008" {
+			t.Errorf("rank %d's root: %d steps, latest %s, %v; want %d, step 8", r, len(info.Steps), info.Latest, err, keep)
+		}
 	}
 	// Another rank count is refused, by name.
 	c.GPUs = 4
