@@ -120,23 +120,48 @@ func (m *rankMem) get(t *testing.T, off int64, dt comm.DType, n int) []float64 {
 func value(r, i int) float64 { return float64((r+1)*8 + i%8) }
 
 // TestGPUCollectives runs every collective over n ranks, one goroutine per
-// GPU (NCCL's one device per thread), against the values it must give:
+// rank (NCCL's one device per thread), against the values it must give:
 // all-gather in rank order, reduce-scatter and all-reduce with sum and
 // avg, broadcast from the last rank, in fp32, bf16 and fp64, in and out of
-// place. With one GPU it runs one rank (NCCL copies); with more, every
-// GPU of the machine up to 8.
+// place. NCCL: one rank per GPU, every GPU of the machine up to 8 (one
+// rank here, where NCCL copies). Staged: three ranks on GPU 0.
 func TestGPUCollectives(t *testing.T) {
-	n := 1
-	if c, err := cuda.DeviceCount(); err == nil && c > 1 {
-		n = min(c, 8)
-	}
-	ds := devices(t, n)
-	comms, err := InitAll(ds)
-	if err != nil {
-		t.Fatal(err)
-	}
-	v, path, _ := Version()
-	t.Logf("NCCL %d from %s, %d ranks", v, path, n)
+	t.Run("nccl", func(t *testing.T) {
+		n := 1
+		if c, err := cuda.DeviceCount(); err == nil && c > 1 {
+			n = min(c, 8)
+		}
+		ds := devices(t, n)
+		comms, err := InitAll(ds)
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, path, _ := Version()
+		t.Logf("NCCL %d from %s, %d ranks", v, path, n)
+		cs := make([]Collectives, n)
+		for r, c := range comms {
+			cs[r] = c
+		}
+		collectives(t, ds, cs)
+	})
+	t.Run("staged", func(t *testing.T) {
+		d := devices(t, 1)[0]
+		ds := []*cuda.Device{d, d, d}
+		st, err := NewStaged(ds)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cs := make([]Collectives, len(st))
+		for r, c := range st {
+			cs[r] = c
+		}
+		collectives(t, ds, cs)
+	})
+}
+
+// collectives is TestGPUCollectives over the ranks comms, rank r on ds[r].
+func collectives(t *testing.T, ds []*cuda.Device, comms []Collectives) {
+	n := len(comms)
 	const per = 1000 // elements of each rank's shard
 	mems := make([]*rankMem, n)
 	for r := range n {
@@ -243,7 +268,7 @@ func TestGPUCollectives(t *testing.T) {
 			t.Errorf("rank %d: Close: %v", c.Rank(), err)
 		}
 	}
-	if err := comms[0].AllReduce(mems[0].s, Span{mems[0].buf, 0, 8}, Span{mems[0].buf, 0, 8}, comm.F32, comm.Sum); !errors.Is(err, ErrClosed) {
+	if err := comms[0].AllReduce(mems[0].s, Span{mems[0].buf, 0, 8}, Span{mems[0].buf, 0, 8}, comm.F32, comm.Sum); !errors.Is(err, ErrClosed) && !errors.Is(err, comm.ErrClosed) {
 		t.Errorf("a collective after Close: %v, want ErrClosed", err)
 	}
 }
