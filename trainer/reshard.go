@@ -5,6 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
 
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/offload"
@@ -19,29 +23,38 @@ import (
 // master weights, exp_avg and exp_avg_sq (max_exp_avg_sq with amsgrad) are
 // joined from src's pieces in rank order and cut again; the optimizer's
 // step count, hyperparameters and the trainer's state carry over, the
-// trainer's --gpus set to n. Nothing in src changes; dst must hold
-// nothing yet. For n > 1 the step is committed in dst only once every
-// rank's checkpoint is durable (checkpoint.CommitJob), so an interrupted
-// Reshard leaves no checkpoint in dst (run it again). It takes both
-// roots' locks and reports progress on out. It returns the step.
+// trainer's --gpus set to n, and each rank's checkpoint records its rank
+// (rankObject). Nothing in src is written (src is read without its lock).
+// dst must be absent or an empty directory, outside src: the checkpoint
+// is written into a temporary directory beside it, committed there, and
+// renamed to dst once complete, so an interrupted Reshard leaves no dst
+// (run it again; a killed one may leave the temporary .DST.reshard-*
+// beside it). It reports progress on out and returns the step.
 //
 // Errors: a src without a committed checkpoint, damaged (the checkpoint
-// package's errors, naming the file), or not written by dos train; a dst
-// that holds checkpoints; n outside 1..64 or not dividing the batch; the
-// file system's.
+// package's errors, naming the file), not written by dos train, one
+// rank's root of a job (named), or rank directories moved (ErrCorrupt,
+// naming the directory); a dst not empty or inside src; n outside 1..64
+// or not dividing the batch; the file system's.
 func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	if n < 1 || n > 64 {
 		return 0, fmt.Errorf("trainer: reshard to %d ranks: want 1..64", n)
 	}
-	slock, err := checkpoint.Lock(checkpoint.OS, src)
-	if err != nil {
-		return 0, fmt.Errorf("trainer: reshard: %w", err)
+	if src == "" || dst == "" {
+		return 0, errors.New("trainer: reshard: SRC and DST must be directories, not empty")
 	}
-	defer slock.Unlock()
-	// The source: its committed step, in every rank's root.
+	if st, err := os.Stat(src); err != nil || !st.IsDir() {
+		return 0, fmt.Errorf("trainer: reshard: the source %s is not a directory (%v)", src, err)
+	}
+	if err := reshardTarget(src, dst); err != nil {
+		return 0, err
+	}
+	// The source, read only (no lock: a trainer writing it may go on; a
+	// checkpoint it retires meanwhile fails the read, never the result).
 	var step int64
 	world := 1
 	var dirs []string
+	var err error
 	if isJob(src) {
 		if step, world, err = checkpoint.JobLatest(checkpoint.OS, src); err != nil {
 			return 0, fmt.Errorf("trainer: reshard: %w", err)
@@ -71,21 +84,13 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	}
 	cfg := st.Config
 	if w := max(cfg.GPUs, 1); w != world {
-		return 0, fmt.Errorf("trainer: reshard: %s: its trainer state says %d ranks, its root holds %d: %w", dirs[0], w, world, checkpoint.ErrCorrupt)
+		if world == 1 {
+			return 0, fmt.Errorf("trainer: reshard: %s is one rank's root of a job of %d ranks (dos train --gpus %d): reshard the job's root, its parent directory %s", src, w, w, filepath.Dir(filepath.Clean(src)))
+		}
+		return 0, fmt.Errorf("trainer: reshard: %s: its trainer state says %d ranks, its job %d: %w", dirs[0], w, world, checkpoint.ErrCorrupt)
 	}
 	if n > 1 && cfg.Batch%n != 0 {
 		return 0, fmt.Errorf("trainer: reshard to %d ranks: the run's batch %d is not a multiple of %d (each rank trains on batch/ranks rows)", n, cfg.Batch, n)
-	}
-	dlock, err := checkpoint.Lock(checkpoint.OS, dst)
-	if err != nil {
-		return 0, fmt.Errorf("trainer: reshard: %w", err)
-	}
-	defer dlock.Unlock()
-	if fresh, err := checkpoint.JobFresh(checkpoint.OS, dst); err != nil || !fresh {
-		return 0, fmt.Errorf("trainer: reshard: %s already holds checkpoints (or cannot be read: %v); choose an empty directory", dst, err)
-	}
-	if info, err := checkpoint.Inspect(checkpoint.OS, dst); err != nil || !info.Fresh() {
-		return 0, fmt.Errorf("trainer: reshard: %s already holds checkpoints (or cannot be read: %v); choose an empty directory", dst, err)
 	}
 
 	// Join the pieces: full[k][i] is tensor i's state of kind k.
@@ -120,6 +125,9 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 				}
 			}
 		}
+		if err == nil && world > 1 {
+			err = checkRank(objs, dir, r, world)
+		}
 		if err == nil && o.StepCount() != optStep {
 			err = fmt.Errorf("its optimizer is at step %d, rank 0's at %d: %w", o.StepCount(), optStep, checkpoint.ErrCorrupt)
 		}
@@ -140,40 +148,103 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 		}
 	}
 
-	// Cut them for n ranks and save.
+	// Cut them for n ranks and save, into a directory beside dst that
+	// becomes dst once complete: an interrupted Reshard leaves no dst.
+	tmp, err := os.MkdirTemp(filepath.Dir(filepath.Clean(dst)), "."+filepath.Base(filepath.Clean(dst))+".reshard-")
+	if err != nil {
+		return 0, fmt.Errorf("trainer: reshard: %w", err)
+	}
+	defer os.RemoveAll(tmp) // gone after the rename; what a failure left otherwise
 	st.Config.GPUs = n
 	if n == 1 {
 		st.Config.GPUs = 0
 	}
 	objs := map[string]any{}
 	for name, raw := range objects {
-		if name != offload.ObjectName {
+		if name != offload.ObjectName && name != rankObjectName {
 			objs[name] = raw
 		}
 	}
 	objs["trainer"] = st
 	if n > 1 {
-		if err := checkpoint.BeginJob(checkpoint.OS, dst, n); err != nil {
+		if err := checkpoint.BeginJob(checkpoint.OS, tmp, n); err != nil {
 			return 0, fmt.Errorf("trainer: reshard: %w", err)
 		}
 	}
 	for r := range n {
-		params, root := offloadParams(cfg.Model), dst
+		params, root, ro := offloadParams(cfg.Model), tmp, objs
 		if n > 1 {
-			params, root = shardParams(cfg.Model, n, r), checkpoint.RankRoot(dst, r)
+			params, root, ro = shardParams(cfg.Model, n, r), checkpoint.RankRoot(tmp, r), rankObjects(objs, r, n)
 		}
-		if err := reshardRank(params, oo, full, kinds, optStep, step, objs, root, n, r); err != nil {
-			return 0, fmt.Errorf("trainer: reshard: rank %d of %d: %w (%s holds no checkpoint of it)", r, n, err, dst)
+		if err := reshardRank(params, oo, full, kinds, optStep, step, ro, root, n, r); err != nil {
+			return 0, fmt.Errorf("trainer: reshard: rank %d of %d: %w (nothing was written to %s)", r, n, err, dst)
 		}
-		fmt.Fprintf(out, "reshard: wrote %s (rank %d of %d)\n", checkpoint.StepDir(root, step), r, n)
+		fmt.Fprintf(out, "reshard: wrote rank %d of %d\n", r, n)
 	}
 	if n > 1 {
-		if err := checkpoint.CommitJob(checkpoint.OS, dst, n, step); err != nil {
+		if err := checkpoint.CommitJob(checkpoint.OS, tmp, n, step); err != nil {
 			return 0, fmt.Errorf("trainer: reshard: %w", err)
 		}
 	}
-	fmt.Fprintf(out, "reshard: step %d of %s (%d ranks) is now %s for %d ranks: dos train --resume --ckpt-dir %s --gpus %d\n", step, src, world, dst, n, dst, n)
+	// dst is absent or an empty directory (reshardTarget): replace it.
+	if err := os.Remove(dst); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return 0, fmt.Errorf("trainer: reshard: %w", err)
+	}
+	if err := os.Rename(tmp, dst); err != nil {
+		return 0, fmt.Errorf("trainer: reshard: %w", err)
+	}
+	if err := syncDir(filepath.Dir(filepath.Clean(dst))); err != nil {
+		return 0, fmt.Errorf("trainer: reshard: %w", err)
+	}
+	ranks := func(k int) string {
+		if k == 1 {
+			return "1 rank"
+		}
+		return fmt.Sprintf("%d ranks", k)
+	}
+	fmt.Fprintf(out, "reshard: step %d of %s (%s) is now %s, for %s: dos train --resume --ckpt-dir %s --gpus %d\n", step, src, ranks(world), dst, ranks(n), dst, n)
 	return step, nil
+}
+
+// reshardTarget checks that dst can receive a re-sharded checkpoint of
+// src: absent or an empty directory, and neither src nor inside it.
+func reshardTarget(src, dst string) error {
+	if es, err := os.ReadDir(dst); err == nil && len(es) > 0 {
+		return fmt.Errorf("trainer: reshard: %s is not empty; choose a new or empty directory", dst)
+	} else if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("trainer: reshard: the destination: %w", err)
+	}
+	abs := func(p string) string {
+		a, err := filepath.Abs(p)
+		if err != nil {
+			return filepath.Clean(p)
+		}
+		// Resolve the longest existing prefix's links.
+		rest := ""
+		for cur := a; ; cur = filepath.Dir(cur) {
+			if r, err := filepath.EvalSymlinks(cur); err == nil {
+				return filepath.Join(r, rest)
+			}
+			if filepath.Dir(cur) == cur {
+				return a
+			}
+			rest = filepath.Join(filepath.Base(cur), rest)
+		}
+	}
+	s, d := abs(src), abs(dst)
+	if d == s || strings.HasPrefix(d, s+string(filepath.Separator)) {
+		return fmt.Errorf("trainer: reshard: the destination %s is the source %s or inside it; choose a directory outside it", dst, src)
+	}
+	return nil
+}
+
+// syncDir fsyncs directory dir, so that a rename in it is durable.
+func syncDir(dir string) error {
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	return errors.Join(f.Sync(), f.Close())
 }
 
 // reshardRank saves rank r of n's pieces of the joined state full (per

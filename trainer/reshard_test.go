@@ -86,8 +86,47 @@ func TestReshard(t *testing.T) {
 
 	// Refusals.
 	full := reshard(src, 4)
-	if _, err := Reshard(src, full, 2, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "already holds checkpoints") {
+	if _, err := Reshard(src, full, 2, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "is not empty") {
 		t.Errorf("into a root with checkpoints: %v", err)
+	}
+	if _, err := Reshard(src, filepath.Join(src, "inside"), 2, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "inside it") {
+		t.Errorf("into a directory inside the source: %v", err)
+	}
+	if _, err := Reshard(filepath.Join(src, "rank-00001"), filepath.Join(t.TempDir(), "x"), 1, &bytes.Buffer{}); err == nil ||
+		!strings.Contains(err.Error(), "one rank's root of a job of 2 ranks") {
+		t.Errorf("a rank's root as the source: %v", err)
+	}
+	// Rank directories swapped (the same piece sizes: only the record of
+	// the rank tells them apart) are refused, by name.
+	swapped := filepath.Join(t.TempDir(), "swapped")
+	if err := os.CopyFS(swapped, os.DirFS(full)); err != nil {
+		t.Fatal(err)
+	}
+	r1, r2 := filepath.Join(swapped, "rank-00001"), filepath.Join(swapped, "rank-00002")
+	if err := os.Rename(r1, r1+".x"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(r2, r1); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(r1+".x", r2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Reshard(swapped, filepath.Join(t.TempDir(), "x"), 2, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "holds rank 2's pieces of a job of 4 ranks, where rank 1 of 4 is expected") {
+		t.Errorf("rank directories swapped: %v", err)
+	}
+	r := c
+	r.CkptDir, r.Resume, r.GPUs = swapped, true, 4
+	if _, err := NewTokens(r, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "holds rank 2's pieces") {
+		t.Errorf("resume of swapped rank directories: %v", err)
+	}
+	// A failed Reshard leaves neither the destination nor its temporary.
+	parent := t.TempDir()
+	if _, err := Reshard(src, filepath.Join(parent, "d"), 3, &bytes.Buffer{}); err == nil {
+		t.Error("onto 3 ranks of a batch of 4: no error")
+	}
+	if es, _ := os.ReadDir(parent); len(es) != 0 {
+		t.Errorf("a failed Reshard left %v", es)
 	}
 	if _, err := Reshard(src, filepath.Join(t.TempDir(), "x"), 3, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "batch 4 is not a multiple of 3") {
 		t.Errorf("onto 3 ranks of a batch of 4: %v", err)
@@ -95,11 +134,16 @@ func TestReshard(t *testing.T) {
 	if _, err := Reshard(t.TempDir(), filepath.Join(t.TempDir(), "x"), 2, &bytes.Buffer{}); err == nil {
 		t.Error("an empty source was re-sharded")
 	}
-	// The trainer points at it when the rank count differs.
-	r := c
+	// The trainer points at it when the rank count differs, and refuses a
+	// rank's root taken for a single-rank one.
+	r = c
 	r.CkptDir, r.Resume, r.GPUs = src, true, 4
 	if _, err := NewTokens(r, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "dos ckpt reshard "+src+" NEWROOT --gpus 4") {
 		t.Errorf("resume on 4 ranks: %v", err)
+	}
+	r.CkptDir, r.GPUs = filepath.Join(src, "rank-00000"), 0
+	if _, err := NewTokens(r, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "one rank's root of a job of 2 ranks") {
+		t.Errorf("a rank's root resumed as one rank's run: %v", err)
 	}
 }
 

@@ -156,7 +156,15 @@ func (t *Trainer) resume(dir string) error {
 		return fmt.Errorf("trainer: resume from %s: %s: a resumed run keeps the model's shape and batch (it was trained with %s); omit these flags",
 			dir, strings.Join(differ, ", "), st.Config.shapeFlags())
 	}
-	if _, _, err := t.opt.LoadCheckpoint(checkpoint.OS, dir); err != nil {
+	if t.zero == nil && st.Config.GPUs > 1 {
+		return fmt.Errorf("trainer: resume from %s: it is one rank's root of a job of %d ranks (dos train --gpus %d): resume the job's root, its parent directory, with --gpus %d, or re-shard that for one rank (`dos ckpt reshard %s NEWROOT --gpus 1`)",
+			root, st.Config.GPUs, st.Config.GPUs, st.Config.GPUs, filepath.Dir(filepath.Clean(root)))
+	}
+	_, objs, err := t.opt.LoadCheckpoint(checkpoint.OS, dir)
+	if err == nil && t.zero != nil {
+		err = checkRank(objs, dir, 0, t.zero.n)
+	}
+	if err != nil {
 		if t.zero != nil {
 			return fmt.Errorf("trainer: resume from %s: rank 0: %w%s", root, err, jobRecoverHint(err, root, 0))
 		}
@@ -167,7 +175,11 @@ func (t *Trainer) resume(dir string) error {
 		// iteration it was saved at (save).
 		for _, rk := range t.zero.ranks[1:] {
 			d := checkpoint.StepDir(checkpoint.RankRoot(root, rk.r), int64(st.Iteration))
-			if _, _, err := rk.opt.LoadCheckpoint(checkpoint.OS, d); err != nil {
+			_, objs, err := rk.opt.LoadCheckpoint(checkpoint.OS, d)
+			if err == nil {
+				err = checkRank(objs, d, rk.r, t.zero.n)
+			}
+			if err != nil {
 				return fmt.Errorf("trainer: resume from %s: rank %d: %w%s", d, rk.r, err, jobRecoverHint(err, root, rk.r))
 			}
 		}

@@ -2,6 +2,7 @@ package trainer
 
 import (
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -300,6 +301,46 @@ func (z *zeroRanks) step(args offload.StepArgs) (offload.StepResult, error) {
 	return z.ranks[0].res, err
 }
 
+// rankObject is the object a rank's checkpoint records beside the
+// trainer's: which piece of which job it holds, so that a rank root
+// restored from another rank's files, or a rank root taken for a job's,
+// is refused by name instead of loading another rank's pieces.
+type rankObject struct {
+	Rank  int `json:"rank"`
+	Ranks int `json:"ranks"`
+}
+
+// rankObjectName is its name among the checkpoint's objects.
+const rankObjectName = "zero"
+
+// rankObjects returns objects with rank r of n's rankObject added.
+func rankObjects(objects map[string]any, r, n int) map[string]any {
+	out := make(map[string]any, len(objects)+1)
+	for k, v := range objects {
+		out[k] = v
+	}
+	out[rankObjectName] = rankObject{Rank: r, Ranks: n}
+	return out
+}
+
+// checkRank returns an error wrapping checkpoint.ErrCorrupt when the
+// checkpoint whose objects are objs records another rank than r of n
+// (rankObject); checkpoints without the record (older ones) pass.
+func checkRank(objs map[string]json.RawMessage, dir string, r, n int) error {
+	raw, ok := objs[rankObjectName]
+	if !ok {
+		return nil
+	}
+	var ro rankObject
+	if err := json.Unmarshal(raw, &ro); err != nil {
+		return fmt.Errorf("%s: object %q: %v: %w", dir, rankObjectName, err, checkpoint.ErrCorrupt)
+	}
+	if ro.Rank != r || ro.Ranks != n {
+		return fmt.Errorf("%s holds rank %d's pieces of a job of %d ranks, where rank %d of %d is expected (rank directories moved or copied?): %w", dir, ro.Rank, ro.Ranks, r, n, checkpoint.ErrCorrupt)
+	}
+	return nil
+}
+
 // zeroSaveFault, when set (tests), runs before rank's save of step: an
 // error fails that rank's save as a failed write would.
 var zeroSaveFault func(rank int, step int64) error
@@ -322,7 +363,7 @@ func (z *zeroRanks) save(root string, step int64, objects map[string]any, keep i
 				return err
 			}
 		}
-		snap, err := rk.opt.Snapshot(objects)
+		snap, err := rk.opt.Snapshot(rankObjects(objects, rk.r, z.n))
 		if err != nil {
 			return err
 		}
@@ -398,7 +439,7 @@ func (z *zeroRanks) saveLazily(root string, step int64, objects map[string]any, 
 				continue
 			}
 		}
-		h, err := rk.opt.SaveAsync(z.engines[rk.r], step, objects)
+		h, err := rk.opt.SaveAsync(z.engines[rk.r], step, rankObjects(objects, rk.r, z.n))
 		if err != nil {
 			errs = append(errs, fmt.Errorf("rank %d: %w", rk.r, err))
 			continue
