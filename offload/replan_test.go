@@ -136,6 +136,39 @@ func TestReplanLanes(t *testing.T) {
 	}
 }
 
+// TestReplanLanesContention: on a machine whose CPU workers and copies
+// slow each other (the model's contention), the corrected model cannot
+// match every lane, so a lane's miss would refit every replanEvery steps
+// for good; it refits each schedule once for its lanes (the makespan still
+// refits whenever it misses), whatever the number of steps.
+func TestReplanLanesContention(t *testing.T) {
+	truth := truthProfile()
+	truth.GPU.Contention = perfmodel.Contention{CPU: 1.5, PCIe: 1.5}
+	base := truth.Scaled(map[perfmodel.Resource]float64{perfmodel.ResCPU: 1.2, perfmodel.ResH2D: 0.9, perfmodel.ResD2H: 0.9})
+	w := perfmodel.Workload{Params: 24e8, SubgroupSize: 1e8, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 6 << 30}
+	first := must(base.Choose(w))
+	re := newReplanState(base, first, w, 0)
+	cur, refits, schedules := &first, 0, map[perfmodel.Schedule]bool{first.Schedule: true}
+	for step := int64(1); step <= 300; step++ {
+		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if next != nil {
+			refits++
+			if next.Schedule != cur.Schedule {
+				re.basePred = basePred
+				schedules[next.Schedule] = true
+			}
+			cur = next
+		}
+	}
+	t.Logf("%d refits over 300 steps, %d schedules, ended on %+v", refits, len(schedules), cur.Schedule)
+	if refits > 2*len(schedules)+2 {
+		t.Errorf("%d refits over 300 steps for %d schedules: a lane's miss the model cannot fit refits for good", refits, len(schedules))
+	}
+}
+
 func must(p perfmodel.Prediction, err error) perfmodel.Prediction {
 	if err != nil {
 		panic(err)

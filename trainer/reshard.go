@@ -92,6 +92,13 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	if n > 1 && cfg.Batch%n != 0 {
 		return 0, fmt.Errorf("trainer: reshard to %d ranks: the run's batch %d is not a multiple of %d (each rank trains on batch/ranks rows)", n, cfg.Batch, n)
 	}
+	// What a run of n ranks asks of the rest of the run's configuration
+	// (its dtypes, device, schedule): checked now, not at the resume.
+	ranked := cfg
+	ranked.GPUs = n
+	if err := ranked.validateRanks(); err != nil {
+		return 0, fmt.Errorf("trainer: reshard to %d ranks: the run's configuration does not allow it: %w", n, err)
+	}
 
 	// Join the pieces: full[k][i] is tensor i's state of kind k.
 	oo := cfg.optimizerOptions()

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/deepstates/dos/adam"
 )
 
 // TestReshard: a 2-rank job's checkpoint at step 4 re-sharded onto 2, 4 and
@@ -119,6 +121,14 @@ func TestReshard(t *testing.T) {
 	r.CkptDir, r.Resume, r.GPUs = swapped, true, 4
 	if _, err := NewTokens(r, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "holds rank 2's pieces") {
 		t.Errorf("resume of swapped rank directories: %v", err)
+	}
+	// A run whose configuration ranks refuse (a float16 working copy) is
+	// refused before anything is written.
+	f16 := c
+	f16.WorkingDType, f16.CkptDir, f16.CkptEvery, f16.Steps = adam.F16, filepath.Join(t.TempDir(), "f16"), 2, 2
+	zeroRun(t, f16, 1, toks)
+	if _, err := Reshard(f16.CkptDir, filepath.Join(t.TempDir(), "x"), 2, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "--working-dtype float16 is not supported") {
+		t.Errorf("a float16 run onto 2 ranks: %v", err)
 	}
 	// A failed Reshard leaves neither the destination nor its temporary.
 	parent := t.TempDir()

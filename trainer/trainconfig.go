@@ -318,14 +318,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --gpus %d: want 0..64 (0 or 1: one rank)", c.GPUs)
 	case c.GPUs > 1 && c.Threads > 0 && c.GPUs*c.Threads > MaxThreads():
 		return fmt.Errorf("trainer: --gpus %d --threads %d: the ranks' workers (threads per rank) would be %d, over %d (4 × the CPUs)", c.GPUs, c.Threads, c.GPUs*c.Threads, MaxThreads())
-	case c.GPUs > 1 && c.Device == "cuda":
-		return fmt.Errorf("trainer: --gpus %d with --device cuda needs NCCL between the GPUs, which is not built yet (issue 19): use --device sim or none", c.GPUs)
-	case c.GPUs > 1 && c.Batch%c.GPUs != 0:
-		return fmt.Errorf("trainer: --batch %d is not a multiple of --gpus %d (each rank trains on batch/gpus rows)", c.Batch, c.GPUs)
-	case c.GPUs > 1 && c.WorkingDType == adam.F16:
-		return fmt.Errorf("trainer: --gpus %d all-gathers the working copy in bfloat16 or float32: --working-dtype float16 is not supported", c.GPUs)
-	case c.GPUs > 1 && c.Schedule != "" && c.Schedule != "cpu" && c.Schedule != "static":
-		return fmt.Errorf("trainer: --gpus %d: --schedule counts are per optimizer; each rank plans its own shard (use cpu, static or the model's)", c.GPUs)
+	case c.validateRanks() != nil:
+		return c.validateRanks()
 	case c.GPUs > 1 && c.TimelineAt != 0:
 		return fmt.Errorf("trainer: --gpus %d: --timeline draws one rank's update phase, not built for several yet", c.GPUs)
 	case c.TimelineAt < 0:
@@ -492,6 +486,23 @@ func (c *TrainConfig) MemoryBytes() float64 {
 // CkptRing GiB, or two copies of the 16 B of state per parameter, at most
 // 256 MiB; at least two chunks, in whole chunks.
 func (c *TrainConfig) ringBytes(params float64) float64 { return c.rankRingBytes(params, 1) }
+
+// validateRanks checks what TrainConfig.GPUs asks of the rest of the
+// configuration (the batch, the dtypes, the device, the schedule): what a
+// checkpoint re-sharded for GPUs ranks must also pass (Reshard).
+func (c *TrainConfig) validateRanks() error {
+	switch {
+	case c.GPUs > 1 && c.Device == "cuda":
+		return fmt.Errorf("trainer: --gpus %d with --device cuda needs NCCL between the GPUs, which is not built yet (issue 19): use --device sim or none", c.GPUs)
+	case c.GPUs > 1 && c.Batch%c.GPUs != 0:
+		return fmt.Errorf("trainer: --batch %d is not a multiple of --gpus %d (each rank trains on batch/gpus rows)", c.Batch, c.GPUs)
+	case c.GPUs > 1 && c.WorkingDType == adam.F16:
+		return fmt.Errorf("trainer: --gpus %d all-gathers the working copy in bfloat16 or float32: --working-dtype float16 is not supported", c.GPUs)
+	case c.GPUs > 1 && c.Schedule != "" && c.Schedule != "cpu" && c.Schedule != "static":
+		return fmt.Errorf("trainer: --gpus %d: --schedule counts are per optimizer; each rank plans its own shard (use cpu, static or the model's)", c.GPUs)
+	}
+	return nil
+}
 
 // rankRingBytes is each rank's ring when n ranks share params parameters
 // (each its own lazy engine): CkptRing GiB split n ways, or two copies of

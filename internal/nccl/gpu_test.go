@@ -333,7 +333,7 @@ func TestGPUInitRank(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := InitRank(ds[0], 1, got, 1); err == nil {
+	if _, err := InitRank(ds[0], 1, got, 1); err == nil { // refused before NCCL is called
 		t.Error("InitRank of rank 1 of 1 succeeded")
 	}
 	c, err := InitRank(ds[0], 1, got, 0)

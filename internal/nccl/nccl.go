@@ -3,6 +3,7 @@ package nccl
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -409,24 +410,31 @@ func (c *Comm) call(name string, s *cuda.Stream, fn uintptr, args ...uintptr) er
 
 // GroupStart opens a group of collectives (ncclGroupStart): one goroutine
 // may then call the collectives of several ranks, which NCCL launches
-// together at GroupEnd.
+// together at GroupEnd. NCCL keeps the group per OS thread, so GroupStart
+// locks the calling goroutine to its thread until GroupEnd, which the
+// same goroutine must call (also after an error in between).
 func GroupStart() error {
 	if err := load(); err != nil {
 		return err
 	}
+	runtime.LockOSThread()
 	if r := cuda.Call(lib.groupStart); r != 0 {
+		runtime.UnlockOSThread()
 		return newError("ncclGroupStart", r, 0)
 	}
 	return nil
 }
 
-// GroupEnd closes the group GroupStart opened and launches its collectives
-// (ncclGroupEnd).
+// GroupEnd closes the group GroupStart opened on this goroutine and
+// launches its collectives (ncclGroupEnd), and unlocks the goroutine from
+// its thread.
 func GroupEnd() error {
 	if err := load(); err != nil {
 		return err
 	}
-	if r := cuda.Call(lib.groupEnd); r != 0 {
+	r := cuda.Call(lib.groupEnd)
+	runtime.UnlockOSThread()
+	if r != 0 {
 		return newError("ncclGroupEnd", r, 0)
 	}
 	return nil
@@ -454,8 +462,12 @@ func (c *Comm) AsyncError() error {
 }
 
 // Abort stops this rank's communicator (ncclCommAbort: its queued and
-// running collectives are abandoned) and fails every later call on it
-// with err wrapped in comm.ErrAborted. It frees the communicator: Close
+// running collectives are abandoned, a call blocked in NCCL on it
+// returns) and fails every later call on it with err wrapped in
+// comm.ErrAborted. It may run while a collective of this rank is blocked
+// in NCCL, which is what it is for; a collective that starts while Abort
+// runs may still reach the freed communicator: stop issuing collectives
+// first. It frees the communicator: Close
 // afterwards does nothing. Unlike internal/comm's Local, it does not reach
 // the other ranks: their collectives that need this one stop completing
 // (or report an error through AsyncError), so each of them must Abort too;

@@ -54,14 +54,19 @@ def _shard_group(params, process_group):
     if process_group is None:
         # fully_shard makes a mesh per call: meshes over the same ranks are one group
         groups = {}
-        for P in params:
-            if hasattr(P, "placements") and hasattr(P, "device_mesh") and any(pl.is_shard() for pl in P.placements):
-                mesh = P.device_mesh
-                if mesh.ndim != 1:
-                    raise ValueError(f"dos.torch.AdamW: the parameters are sharded over a {mesh.ndim}-D device mesh "
-                                     "(HSDP); pass process_group= (the group whose ranks hold the shards of one replica)")
-                g = mesh.get_group()
-                groups.setdefault(tuple(dist.get_process_group_ranks(g)), g)
+        sharded = [P for P in params if hasattr(P, "placements") and hasattr(P, "device_mesh")
+                   and any(pl.is_shard() for pl in P.placements)]
+        if sharded and len(sharded) != len(params):
+            raise ValueError(f"dos.torch.AdamW: {len(sharded)} of the {len(params)} parameters are sharded DTensors and the "
+                             "others are not: the norm would count those whole tensors once per rank; give dos only the sharded ones, "
+                             "or pass process_group= when the plain tensors are this rank's shards too")
+        for P in sharded:
+            mesh = P.device_mesh
+            if mesh.ndim != 1:
+                raise ValueError(f"dos.torch.AdamW: the parameters are sharded over a {mesh.ndim}-D device mesh "
+                                 "(HSDP); pass process_group= (the group whose ranks hold the shards of one replica)")
+            g = mesh.get_group()
+            groups.setdefault(tuple(dist.get_process_group_ranks(g)), g)
         if len(groups) > 1:
             raise ValueError(f"dos.torch.AdamW: the parameters are sharded over different ranks {sorted(groups)}; pass "
                              "process_group= (the group whose ranks hold the shards of one model)")
@@ -259,10 +264,15 @@ class AdamW(torch.optim.Optimizer):
         on the device its backend needs (NCCL: CUDA). A NaN (a non-finite gradient on a rank) stays NaN, so
         every rank skips. dos calls it on the thread that called step()."""
         import torch.distributed as dist
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self._group) == "nccl" else None
+        nccl = dist.get_backend(self._group) == "nccl"
+        cuda_params = [_local(P).device for P in self._params if _local(P).device.type == "cuda"]
 
         def reduce(x):
             try:
+                # NCCL needs a CUDA tensor: the parameters' device, else the current one at this step
+                dev = None
+                if nccl:
+                    dev = cuda_params[0] if cuda_params else torch.device("cuda", torch.cuda.current_device())
                 t = torch.tensor([x[0]], dtype=torch.float64, device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group)
                 x[0] = float(t.item())

@@ -63,8 +63,17 @@ def fsdp2(out):
                 norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).full_tensor()))
             opt.step()
         diffs.append(max(float((p.full_tensor() - q.full_tensor()).abs().max()) for p, q in zip(ref.parameters(), ours.parameters())))
-    torch.save({"diffs": diffs, "norms": norms, "group": b._group is not None}, out)
     b.close()
+    # Only one layer sharded, the rest plain tensors: refused (the norm would count them once per rank).
+    torch.manual_seed(1)
+    part = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    fully_shard(part[0], mesh=mesh)
+    try:
+        dt.AdamW(part.parameters(), max_grad_norm=1.0, **KW).close()
+        mixed = "accepted"
+    except ValueError as e:
+        mixed = str(e)
+    torch.save({"diffs": diffs, "norms": norms, "group": b._group is not None, "mixed": mixed}, out)
 
 
 def main():

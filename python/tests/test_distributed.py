@@ -95,7 +95,7 @@ def test_sharded_two_ranks(tmp_path):
 def test_fsdp2_two_ranks(tmp_path):
     """FSDP2 (fully_shard) over two gloo ranks on the CPU: dos.torch.AdamW takes each rank's shards, finds the
     device mesh's group itself, and follows torch.optim.AdamW with clip_grad_norm_ over the DTensors (clipping
-    active at every step) within 1e-5 at every step."""
+    active at every step) within 1e-5 at every step; a model sharded only in part is refused."""
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except Exception as e:  # ImportError; Debian's torch 1.13 fails to import fsdp on Python 3.11 (ValueError)
@@ -105,3 +105,4 @@ def test_fsdp2_two_ranks(tmp_path):
         assert res["group"], f"rank {r}: dos found no shard group"
         assert min(res["norms"]) > 1.0, f"clipping inactive: norms {res['norms']}"
         assert max(res["diffs"]) < 1e-5, f"rank {r}: differences per step {res['diffs']}"
+        assert "sharded DTensors and the others are not" in res["mixed"], f"rank {r}: a partly sharded model: {res['mixed']}"
