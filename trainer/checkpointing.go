@@ -21,6 +21,10 @@ func (t *Trainer) save() error {
 	objects := map[string]any{"trainer": t.state}
 	step := int64(t.state.Iteration) // skipped optimizer steps still count as iterations
 	if t.zero != nil && !t.cfg.CkptSync {
+		// The previous save first: committed for the job, and said so.
+		if err := t.reportSave(true); err != nil {
+			return err
+		}
 		ring := int64(t.cfg.rankRingBytes(float64(t.cfg.Model.NumParams()), t.zero.n))
 		if err := t.zero.saveLazily(t.cfg.CkptDir, step, objects, t.cfg.CkptKeep, ring); err != nil {
 			return fmt.Errorf("trainer: checkpoint at iteration %d: %w", t.state.Iteration, err)

@@ -2,6 +2,7 @@ package trainer
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -32,6 +33,9 @@ func LoadWeights(path string) (Config, [][]float32, string, error) {
 // (the tokenizer with the model).
 func loadWeights(path string) (TrainConfig, [][]float32, string, error) {
 	c, err := checkpoint.OpenPath(checkpoint.OS, path, 0)
+	if errors.Is(err, checkpoint.ErrJobRoot) {
+		return TrainConfig{}, nil, "", fmt.Errorf("%w; cut it for one rank first: dos ckpt reshard --gpus 1 %s NEWROOT, then use NEWROOT", err, path)
+	}
 	if err != nil {
 		return TrainConfig{}, nil, "", err
 	}
@@ -46,7 +50,7 @@ func loadWeights(path string) (TrainConfig, [][]float32, string, error) {
 		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)
 	}
 	if n := st.Config.GPUs; n > 1 {
-		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s holds one rank's pieces of a job of %d ranks (dos train --gpus %d): the whole model's weights are spread over the ranks' roots, and assembling them is not built yet (issue 19)", dir, n, n)
+		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s holds one rank's pieces of a job of %d ranks (dos train --gpus %d): the whole model's weights are spread over the ranks' roots: cut the job's root (the parent of the rank roots) for one rank first, dos ckpt reshard --gpus 1 JOBROOT NEWROOT, then use NEWROOT", dir, n, n)
 	}
 	if err := st.Config.checkVocab(); err != nil {
 		return TrainConfig{}, nil, "", fmt.Errorf("trainer: %s: %w", dir, err)

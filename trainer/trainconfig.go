@@ -493,7 +493,7 @@ func (c *TrainConfig) ringBytes(params float64) float64 { return c.rankRingBytes
 func (c *TrainConfig) validateRanks() error {
 	switch {
 	case c.GPUs > 1 && c.Device == "cuda":
-		return fmt.Errorf("trainer: --gpus %d with --device cuda needs NCCL between the GPUs, which is not built yet (issue 19): use --device sim or none", c.GPUs)
+		return fmt.Errorf("trainer: --gpus %d with --device cuda needs NCCL between the GPUs, which is not built yet (issue 19): use --device sim, or leave --device out (the host)", c.GPUs)
 	case c.GPUs > 1 && c.Batch%c.GPUs != 0:
 		return fmt.Errorf("trainer: --batch %d is not a multiple of --gpus %d (each rank trains on batch/gpus rows)", c.Batch, c.GPUs)
 	case c.GPUs > 1 && c.WorkingDType == adam.F16:

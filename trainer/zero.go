@@ -51,6 +51,11 @@ type zeroRanks struct {
 	engines  []*checkpoint.Engine
 	last     []*checkpoint.Handle
 	lastStep int64
+	// For the retention at close: the job root, --ckpt-keep, and the
+	// step the job last committed (-1: none yet).
+	root      string
+	keep      int
+	committed int64
 }
 
 // zeroRank is one rank: its end of the communicator, its optimizer over
@@ -418,6 +423,7 @@ func (z *zeroRanks) saveLazily(root string, step int64, objects map[string]any, 
 		return err
 	}
 	if z.engines == nil {
+		z.root, z.keep, z.committed = root, keep, -1
 		if keep > 0 {
 			keep++
 		}
@@ -486,7 +492,11 @@ func (z *zeroRanks) commitLazy(root string, wait bool) (int64, error) {
 	if len(errs) > 0 {
 		return -1, fmt.Errorf("checkpoint at iteration %d: %w (the job's latest checkpoint is unchanged)", step, errors.Join(errs...))
 	}
-	return step, checkpoint.CommitJob(checkpoint.OS, root, z.n, step)
+	if err := checkpoint.CommitJob(checkpoint.OS, root, z.n, step); err != nil {
+		return -1, err
+	}
+	z.committed = step
+	return step, nil
 }
 
 // setLR sets every rank's learning rate.
@@ -517,6 +527,14 @@ func (z *zeroRanks) close() error {
 	// After the optimizers: a lazy save's capture reads their state.
 	for _, e := range z.engines {
 		errs = append(errs, e.Close())
+	}
+	// The engines kept one step more than --ckpt-keep while the job's
+	// commit lagged; once the last save is committed (and nothing newer
+	// is in a rank root), the rank roots keep --ckpt-keep.
+	if z.engines != nil && z.keep > 0 && z.last == nil && z.committed >= 0 && z.committed == z.lastStep {
+		for r := range z.n {
+			errs = append(errs, checkpoint.Retain(checkpoint.OS, checkpoint.RankRoot(z.root, r), z.keep))
+		}
 	}
 	z.engines = nil
 	return errors.Join(errs...)

@@ -97,6 +97,9 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 		if len(pos) != 2 {
 			return c.usageError(stderr, "want SRC and DST, got %d arguments", len(pos))
 		}
+		if !c.set("gpus") {
+			return c.usageError(stderr, "--gpus N is required: the number of ranks to cut the checkpoint for (1: whole tensors)")
+		}
 		if gpus < 1 || gpus > 64 {
 			return c.usageError(stderr, "--gpus %d: want the ranks to cut for, 1..64", gpus)
 		}

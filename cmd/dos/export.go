@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -22,6 +23,9 @@ import (
 func trainCheckpoint(path string) (string, trainer.TrainConfig, error) {
 	var cfg trainer.TrainConfig
 	c, err := checkpoint.OpenPath(checkpoint.OS, path, 0)
+	if errors.Is(err, checkpoint.ErrJobRoot) {
+		return "", cfg, fmt.Errorf("%w; cut it for one rank first: dos ckpt reshard --gpus 1 %s NEWROOT, then use NEWROOT", err, path)
+	}
 	if err != nil {
 		return "", cfg, err
 	}

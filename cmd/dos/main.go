@@ -39,7 +39,7 @@ var commands = []command{
 	{"calibrate", "measure the rates of the performance model (--cpu-only: the CPU update rate) and print the schedule it picks", runCalibrate},
 	{"bench", "measure the update phase on GPU 0 under each strategy (CPU-only, static split, the model's interleaved schedule, a k sweep)", runBench},
 	{"plan", "predict the update phase of a model size on a machine from a profile: the strategies, a k sweep, the model's k", runPlan},
-	{"ckpt", "list checkpoints (ls ROOT), verify one (verify DIR), describe it (inspect DIR) or repair a root (recover ROOT)", runCkpt},
+	{"ckpt", "list checkpoints (ls ROOT), verify one (verify DIR), describe it (inspect DIR), repair a root (recover ROOT) or cut a job's checkpoint for another number of ranks (reshard --gpus N SRC DST)", runCkpt},
 	{"export", "export a dos train checkpoint as a Hugging Face GPT-2 model (--hf DIR)", runExport},
 	{"eval", "run a dos train checkpoint on a text and print its loss; --logits saves the logits", runEval},
 	{"version", "print the module version, the Go version and the VCS revision (also dos --version)", runVersion},
