@@ -160,7 +160,7 @@ func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int 
 	dir := c.Dir
 	defer c.Close()
 	m := c.Manifest
-	fmt.Fprintf(stdout, "%s\n  step %d, rank %d of %d, created %s, %s v%d\n", dir, m.Step, m.Rank, m.WorldSize,
+	fmt.Fprintf(stdout, "%s\n  step %d, rank %d of %d%s, created %s, %s v%d\n", dir, m.Step, m.Rank, m.WorldSize, jobRank(c),
 		m.Created.Format(time.RFC3339), m.Format, m.Version)
 	for _, f := range m.Files {
 		size := "?"
@@ -294,8 +294,27 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 	return 0
 }
 
+// jobRank says which rank of a job (dos train --gpus) a checkpoint's
+// pieces are, from the trainer's record of it (its "zero" object), as
+// ", rank R of the job's N"; "" for a checkpoint without it. The
+// manifest's rank and world size are the rank root's own (0 of 1).
+func jobRank(c *checkpoint.Checkpoint) string {
+	var z struct {
+		Rank  int `json:"rank"`
+		Ranks int `json:"ranks"`
+	}
+	if err := c.Object("zero", &z); err != nil || z.Ranks < 2 {
+		return ""
+	}
+	return fmt.Sprintf(" (its pieces are rank %d of a job of %d ranks)", z.Rank, z.Ranks)
+}
+
 func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 	if step, world, err := checkpoint.JobLatest(checkpoint.OS, path); err == nil {
+		if rank != 0 {
+			fmt.Fprintf(stderr, "dos ckpt verify: %s is a job's root, verified for every rank; --rank %d: verify one rank's root instead, %s\n", path, rank, checkpoint.RankRoot(path, rank))
+			return 2
+		}
 		// A job's root: its latest step in every rank's root.
 		for r := range world {
 			if rc := ckptVerify(checkpoint.StepDir(checkpoint.RankRoot(path, r), step), 0, stdout, stderr); rc != 0 {
@@ -321,7 +340,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 	for _, t := range c.Manifest.Tensors {
 		bytes += t.Bytes
 	}
-	fmt.Fprintf(stdout, "OK %s: step %d, rank %d, %d tensors, %d bytes, every CRC32C matches, the optimizer state is finite (exp_avg_sq >= 0) and its settings valid\n",
-		dir, c.Manifest.Step, c.Manifest.Rank, len(c.Manifest.Tensors), bytes)
+	fmt.Fprintf(stdout, "OK %s: step %d, rank %d%s, %d tensors, %d bytes, every CRC32C matches, the optimizer state is finite (exp_avg_sq >= 0) and its settings valid\n",
+		dir, c.Manifest.Step, c.Manifest.Rank, jobRank(c), len(c.Manifest.Tensors), bytes)
 	return 0
 }

@@ -27,8 +27,17 @@ func TestCkptJob(t *testing.T) {
 		t.Errorf("dos ckpt ls: rc %d\n%s%s", rc, stdout.String(), stderr.String())
 	}
 	stdout.Reset()
-	if rc := runCkpt([]string{"verify", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "OK job "+dir+": step 4 verifies in all 2 ranks' roots") {
+	if rc := runCkpt([]string{"verify", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "OK job "+dir+": step 4 verifies in all 2 ranks' roots") ||
+		!strings.Contains(stdout.String(), "(its pieces are rank 1 of a job of 2 ranks)") {
 		t.Errorf("dos ckpt verify: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
+	stderr.Reset()
+	if rc := runCkpt([]string{"verify", "--rank", "1", dir}, &stdout, &stderr); rc != 2 || !strings.Contains(stderr.String(), checkpoint.RankRoot(dir, 1)) {
+		t.Errorf("dos ckpt verify --rank 1 of a job's root: rc %d, want 2 naming rank 1's root\n%s", rc, stderr.String())
+	}
+	stdout.Reset()
+	if rc := runCkpt([]string{"inspect", checkpoint.RankRoot(dir, 1)}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "rank 1 of a job of 2 ranks") {
+		t.Errorf("dos ckpt inspect of rank 1's root: rc %d\n%s%s", rc, stdout.String(), stderr.String())
 	}
 	files, _ := filepath.Glob(filepath.Join(checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 4), "*.safetensors"))
 	if len(files) != 1 {
