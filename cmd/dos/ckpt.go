@@ -145,6 +145,13 @@ func jobList(root string, stdout, stderr io.Writer) int {
 		if c := ckptList(rr, stdout, stderr); c != 0 {
 			rc = c
 		}
+		if info, err := checkpoint.Inspect(checkpoint.OS, rr); err == nil {
+			for _, s := range info.Steps {
+				if s.Committed && s.Step > step {
+					fmt.Fprintf(stdout, "  %s  (this rank's save, not committed for the job: the next dos train --resume rewinds it)\n", s.Dir)
+				}
+			}
+		}
 	}
 	return rc
 }

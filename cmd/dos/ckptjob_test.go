@@ -55,6 +55,16 @@ func TestCkptJob(t *testing.T) {
 	if rc := runCkpt([]string{"verify", dir}, &stdout, &stderr); rc != 1 || !strings.Contains(stderr.String(), "rank 1's step 4 does not verify") {
 		t.Errorf("dos ckpt verify of a damaged rank: rc %d\n%s", rc, stderr.String())
 	}
+	// A rank's save the job did not commit (its latest moved back, as
+	// after a crash before CommitJob) is said to be so.
+	if err := os.WriteFile(filepath.Join(dir, checkpoint.LatestFile), []byte("step-000000002"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	stdout.Reset()
+	runCkpt([]string{"ls", dir}, &stdout, &stderr)
+	if want := checkpoint.StepDir(checkpoint.RankRoot(dir, 0), 4) + "  (this rank's save, not committed for the job"; !strings.Contains(stdout.String(), want) {
+		t.Errorf("dos ckpt ls with the job behind its ranks lacks %q:\n%s", want, stdout.String())
+	}
 }
 
 // TestCkptReshard: dos ckpt reshard cuts a 2-rank job's checkpoint for one
