@@ -387,3 +387,49 @@ func RewindRank(fsys FS, rankRoot string, step int64) error {
 	_, err := pointRank(fsys, rankRoot, step)
 	return err
 }
+
+// RecoverJob repairs a job's root for a resume: it rolls back every rank
+// root whose latest checkpoint does not open or verify (Rollback, with
+// verify: the bad checkpoint set aside, the rank root pointed at its newest
+// one that verifies), then moves the job to the newest step every rank
+// holds (ResumeJob: the rank roots and the job's latest pointed at it, the
+// saves the job never committed retired). It returns that step (-1 when
+// none is held by every rank) and what it changed, one note per change
+// ("" for nothing). It holds root's lock.
+//
+// Errors: a root without job.json (not a job's root, named); a rank root
+// where no checkpoint verifies (Rollback's ErrCorrupt, naming the rank);
+// those of ResumeJob, Lock and the file system.
+func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error) (int64, string, error) {
+	world, err := readJob(fsys, root)
+	if err != nil {
+		return 0, "", fmt.Errorf("checkpoint: %s is not a job's root: %w", root, err)
+	}
+	lock, err := Lock(fsys, root)
+	if err != nil {
+		return 0, "", err
+	}
+	defer lock.Unlock()
+	var notes []string
+	for r := range world {
+		rr := RankRoot(root, r)
+		rec, err := Rollback(fsys, rr, 0, verify)
+		if errors.Is(err, ErrNoCheckpoint) {
+			continue // nothing committed in this rank root yet
+		}
+		if err != nil {
+			return 0, "", fmt.Errorf("checkpoint: job %s, rank %d: %w", root, r, err)
+		}
+		if rec.Repaired {
+			notes = append(notes, fmt.Sprintf("rank %d: %s", r, rec.Note))
+		}
+	}
+	step, note, err := ResumeJob(fsys, root, world)
+	if err != nil {
+		return 0, "", err
+	}
+	if note != "" {
+		notes = append(notes, note)
+	}
+	return step, strings.Join(notes, "; "), nil
+}

@@ -281,7 +281,7 @@ func jobRecoverHint(err error, root string, rank int) string {
 	if !errors.Is(err, checkpoint.ErrCorrupt) {
 		return ""
 	}
-	return fmt.Sprintf("; `dos ckpt recover %s` sets rank %d's bad checkpoint aside, and the next --resume takes the newest step every rank holds", checkpoint.RankRoot(root, rank), rank)
+	return fmt.Sprintf("; `dos ckpt recover %s` sets rank %d's bad checkpoint aside and moves the job to the newest step every rank holds", root, rank)
 }
 
 // recoverHint tells the user of a damaged latest checkpoint the way out.

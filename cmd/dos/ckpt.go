@@ -28,7 +28,9 @@ const ckptUsage = `Usage:
   dos ckpt recover [--rank N] ROOT
                                  repair ROOT for --resume: finish a commit a crash cut short, point a
                                  missing or corrupt latest at the newest checkpoint that verifies, or set
-                                 aside (as ROOT/damaged-step-*) a latest checkpoint that does not verify
+                                 aside (as ROOT/damaged-step-*) a latest checkpoint that does not verify;
+                                 for a job's root, every rank's root, then the job moved to the newest
+                                 step every rank holds
   dos ckpt inspect [--rank N] [--tensors] PATH
                                  describe the checkpoint at PATH without reading tensor data: step,
                                  files and sizes, tensors by dtype, the optimizer's hyperparameters,
@@ -51,7 +53,8 @@ var ckptSubcommands = map[string]struct{ synopsis, about string }{
 		"and its settings valid. For a job's root (dos train --gpus): its committed step in every rank's root."},
 	"recover": {"dos ckpt recover [--rank N] ROOT", "Repairs ROOT for --resume: finishes a commit a crash cut short, points a missing or corrupt\n" +
 		"latest at the newest checkpoint that verifies, or sets aside (as ROOT/damaged-step-*) a latest\n" +
-		"checkpoint that does not verify."},
+		"checkpoint that does not verify. For a job's root (dos train --gpus): every rank's root so, then the\n" +
+		"job's latest and every rank root moved to the newest step all ranks hold (what --resume would take)."},
 	"reshard": {"dos ckpt reshard --gpus N SRC DST", "Writes SRC's latest checkpoint (a job of ranks from dos train --gpus, or one rank's root) into\n" +
 		"DST, which must be empty, cut for N ranks (1: whole tensors, as dos train without --gpus saves them):\n" +
 		"each tensor's master weights and moments joined from SRC's pieces and cut again, the step count,\n" +
@@ -288,6 +291,22 @@ func ckptList(root string, stdout, stderr io.Writer) int {
 // ckptRecover repairs root (checkpoint.Rollback, verifying with the
 // optimizer's value checks) and says what it did.
 func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
+	if _, err := os.Stat(filepath.Join(root, checkpoint.JobFile)); err == nil {
+		// A job's root: every rank root, then the job.
+		step, note, err := checkpoint.RecoverJob(checkpoint.OS, root, offload.VerifyCheckpoint)
+		switch {
+		case err != nil:
+			fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
+			return 1
+		case step < 0:
+			fmt.Fprintf(stdout, "recovered job %s: no step is held by every rank; %s\n", root, note)
+		case note == "":
+			fmt.Fprintf(stdout, "OK job %s: step %d verifies in every rank's root and is the job's latest; nothing to do\n", root, step)
+		default:
+			fmt.Fprintf(stdout, "recovered job %s: now at step %d: %s\n", root, step, note)
+		}
+		return 0
+	}
 	rec, err := checkpoint.Rollback(checkpoint.OS, root, rank, offload.VerifyCheckpoint)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
@@ -325,7 +344,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 		// A job's root: its latest step in every rank's root.
 		for r := range world {
 			if rc := ckptVerify(checkpoint.StepDir(checkpoint.RankRoot(path, r), step), 0, stdout, stderr); rc != 0 {
-				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d's step %d does not verify (dos ckpt recover %s sets it aside; the next dos train --resume takes the newest step every rank holds)\n", path, r, step, checkpoint.RankRoot(path, r))
+				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d's step %d does not verify (dos ckpt recover %s sets it aside and moves the job to the newest step every rank holds)\n", path, r, step, path)
 				return rc
 			}
 		}

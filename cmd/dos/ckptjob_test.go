@@ -65,6 +65,20 @@ func TestCkptJob(t *testing.T) {
 	if want := checkpoint.StepDir(checkpoint.RankRoot(dir, 0), 4) + "  (this rank's save, not committed for the job"; !strings.Contains(stdout.String(), want) {
 		t.Errorf("dos ckpt ls with the job behind its ranks lacks %q:\n%s", want, stdout.String())
 	}
+	// dos ckpt recover on the job's root: rank 1's damaged step 4 is set
+	// aside, and the job and both rank roots stay at step 2, which verifies.
+	stdout.Reset()
+	if rc := runCkpt([]string{"recover", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "now at step 2") || !strings.Contains(stdout.String(), "rank 1: step-000000004 did not verify") {
+		t.Errorf("dos ckpt recover of the job: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
+	stdout.Reset()
+	if rc := runCkpt([]string{"verify", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "OK job "+dir+": step 2 verifies in all 2 ranks' roots") {
+		t.Errorf("dos ckpt verify after the recovery: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
+	stdout.Reset()
+	if rc := runCkpt([]string{"recover", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "nothing to do") {
+		t.Errorf("dos ckpt recover of a sound job: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
 }
 
 // TestCkptReshard: dos ckpt reshard cuts a 2-rank job's checkpoint for one
