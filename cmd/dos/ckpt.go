@@ -61,7 +61,8 @@ var ckptSubcommands = map[string]struct{ synopsis, about string }{
 		"hyperparameters and the trainer's state kept. Then dos train --resume --ckpt-dir DST --gpus N\n" +
 		"continues the run on N ranks. SRC is not changed; DST is committed only once every rank is written."},
 	"inspect": {"dos ckpt inspect [--rank N] [--tensors] PATH", "Describes the checkpoint at PATH without reading tensor data: step, files and sizes, tensors by\n" +
-		"dtype, the optimizer's hyperparameters, the trainer's configuration; --tensors lists every tensor."},
+		"dtype, the optimizer's hyperparameters, the trainer's configuration; --tensors lists every tensor.\n" +
+		"For a job's root (dos train --gpus): rank N's committed step, N from --rank."},
 }
 
 func runCkpt(args []string, stdout, stderr io.Writer) int {
@@ -162,6 +163,16 @@ func jobList(root string, stdout, stderr io.Writer) int {
 // ckptInspect prints what a checkpoint holds, from its manifest and
 // header only (Open checks that they agree; no tensor data is read).
 func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int {
+	if step, world, err := checkpoint.JobLatest(checkpoint.OS, path); err == nil {
+		// A job's root: --rank picks the rank whose committed step to
+		// describe (its file is rank 0's of its own root).
+		if rank >= world {
+			fmt.Fprintf(stderr, "dos ckpt inspect: --rank %d: job %s has %d ranks (0..%d)\n", rank, path, world, world-1)
+			return 2
+		}
+		fmt.Fprintf(stdout, "job %s: %d ranks, latest step %d; rank %d's pieces:\n", path, world, step, rank)
+		path, rank = checkpoint.StepDir(checkpoint.RankRoot(path, rank), step), 0
+	}
 	c, err := checkpoint.OpenPath(checkpoint.OS, path, rank)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt inspect: %v\n", err)

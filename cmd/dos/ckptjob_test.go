@@ -35,9 +35,15 @@ func TestCkptJob(t *testing.T) {
 	if rc := runCkpt([]string{"verify", "--rank", "1", dir}, &stdout, &stderr); rc != 2 || !strings.Contains(stderr.String(), checkpoint.RankRoot(dir, 1)) {
 		t.Errorf("dos ckpt verify --rank 1 of a job's root: rc %d, want 2 naming rank 1's root\n%s", rc, stderr.String())
 	}
-	stdout.Reset()
-	if rc := runCkpt([]string{"inspect", checkpoint.RankRoot(dir, 1)}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "rank 1 of a job of 2 ranks") {
-		t.Errorf("dos ckpt inspect of rank 1's root: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	for _, p := range [][]string{{"inspect", checkpoint.RankRoot(dir, 1)}, {"inspect", "--rank", "1", dir}} {
+		stdout.Reset()
+		if rc := runCkpt(p, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "rank 1 of a job of 2 ranks") ||
+			!strings.Contains(stdout.String(), checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 4)) {
+			t.Errorf("dos ckpt %v: rc %d\n%s%s", p, rc, stdout.String(), stderr.String())
+		}
+	}
+	if rc := runCkpt([]string{"inspect", "--rank", "2", dir}, &stdout, &stderr); rc != 2 {
+		t.Errorf("dos ckpt inspect --rank 2 of a 2-rank job: rc %d, want 2", rc)
 	}
 	files, _ := filepath.Glob(filepath.Join(checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 4), "*.safetensors"))
 	if len(files) != 1 {
