@@ -200,7 +200,7 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	if err := os.Rename(tmp, dst); err != nil {
 		return 0, fmt.Errorf("trainer: reshard: %w", err)
 	}
-	if err := syncDir(filepath.Dir(filepath.Clean(dst))); err != nil {
+	if err := checkpoint.OS.SyncDir(filepath.Dir(filepath.Clean(dst))); err != nil {
 		return 0, fmt.Errorf("trainer: reshard: %w", err)
 	}
 	ranks := func(k int) string {
@@ -243,15 +243,6 @@ func reshardTarget(src, dst string) error {
 		return fmt.Errorf("trainer: reshard: the destination %s is the source %s or inside it; choose a directory outside it", dst, src)
 	}
 	return nil
-}
-
-// syncDir fsyncs directory dir, so that a rename in it is durable.
-func syncDir(dir string) error {
-	f, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	return errors.Join(f.Sync(), f.Close())
 }
 
 // reshardRank saves rank r of n's pieces of the joined state full (per

@@ -328,6 +328,18 @@ func rankObjects(objects map[string]any, r, n int) map[string]any {
 	return out
 }
 
+// CheckpointRank returns which rank of a job of ranks (dos train --gpus)
+// the checkpoint c's pieces are, from the record dos train writes beside
+// them (ok false for a checkpoint without it: a single rank's, or older).
+// The manifest's rank and world size are the rank root's own, 0 of 1.
+func CheckpointRank(c *checkpoint.Checkpoint) (rank, ranks int, ok bool) {
+	var ro rankObject
+	if err := c.Object(rankObjectName, &ro); err != nil {
+		return 0, 0, false
+	}
+	return ro.Rank, ro.Ranks, true
+}
+
 // checkRank returns an error wrapping checkpoint.ErrCorrupt when the
 // checkpoint whose objects are objs records another rank than r of n
 // (rankObject); checkpoints without the record (older ones) pass.
@@ -407,17 +419,19 @@ func (z *zeroRanks) save(root string, step int64, objects map[string]any, keep i
 // rank's own lazy engine (checkpoint.Engine on checkpoint.RankRoot(root,
 // r), ringBytes of staging each) and returns once each rank's capture has
 // started: the ranks' saves run in the background, and the job's latest
-// moves to step only when all are durable (commitLazy, which runs first
-// here for the previous save). Each rank root keeps keep+1 steps (0: all):
-// its newest save is durable before the job commits it, and the job's
-// latest, one save behind until then, must stay in every rank root.
+// moves to step only when all are durable (commitLazy, which the caller
+// runs for the previous save first). Each rank root keeps keep+1 steps (0:
+// all) while the saves run: its newest save is durable before the job
+// commits it, and the job's latest, one save behind until then, must stay
+// in every rank root (close retires the extra one).
 //
-// Errors: the previous save's (commitLazy); a rank whose save cannot
-// start (its error, by rank: the job's latest is unchanged, the other
-// ranks' saves of step go on and are rewound at the next resume).
+// Errors: a previous save not yet committed (commitLazy first); a rank
+// whose save cannot start (its error, by rank: the job's latest is
+// unchanged, the other ranks' saves of step go on and are rewound at the
+// next resume).
 func (z *zeroRanks) saveLazily(root string, step int64, objects map[string]any, keep int, ringBytes int64) error {
-	if _, err := z.commitLazy(root, true); err != nil {
-		return err
+	if z.last != nil {
+		return fmt.Errorf("the lazy save of step %d is not committed yet (commitLazy first)", z.lastStep)
 	}
 	if err := checkpoint.BeginJob(checkpoint.OS, root, z.n); err != nil {
 		return err
@@ -462,7 +476,7 @@ func (z *zeroRanks) saveLazily(root string, step int64, objects map[string]any, 
 // commitLazy commits the last lazy save's step for the job
 // (checkpoint.CommitJob) once every rank's save of it is durable: with
 // wait it waits for them, without it returns -1 while one is in flight.
-// It returns the step committed (-1 for none) and each rank's stats.
+// It returns the step committed (-1 for none).
 //
 // Errors: a rank's save that failed or never started (by rank: the job's
 // latest is unchanged); CommitJob's.

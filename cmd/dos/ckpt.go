@@ -332,18 +332,14 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 }
 
 // jobRank says which rank of a job (dos train --gpus) a checkpoint's
-// pieces are, from the trainer's record of it (its "zero" object), as
-// ", rank R of the job's N"; "" for a checkpoint without it. The
-// manifest's rank and world size are the rank root's own (0 of 1).
+// pieces are (trainer.CheckpointRank), as " (its pieces are rank R of a
+// job of N ranks)"; "" for a checkpoint without the record.
 func jobRank(c *checkpoint.Checkpoint) string {
-	var z struct {
-		Rank  int `json:"rank"`
-		Ranks int `json:"ranks"`
-	}
-	if err := c.Object("zero", &z); err != nil || z.Ranks < 2 {
+	r, n, ok := trainer.CheckpointRank(c)
+	if !ok || n < 2 {
 		return ""
 	}
-	return fmt.Sprintf(" (its pieces are rank %d of a job of %d ranks)", z.Rank, z.Ranks)
+	return fmt.Sprintf(" (its pieces are rank %d of a job of %d ranks)", r, n)
 }
 
 func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {

@@ -7,9 +7,11 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/deepstates/dos/internal/comm"
 	"github.com/deepstates/dos/internal/cuda"
+	"github.com/ebitengine/purego"
 )
 
 // TestAvailable: with NCCL and a GPU (DOS_REQUIRE_GPU=1 demands them),
@@ -161,4 +163,28 @@ func TestID(t *testing.T) {
 			t.Errorf("ParseID of %d characters accepted", len(bad))
 		}
 	}
+}
+
+// cGetenv returns the C environment's value of name ("" when unset): what
+// NCCL sees. For tests.
+func cGetenv(name string) (string, error) {
+	libc, err := purego.Dlopen("libc.so.6", purego.RTLD_NOW|purego.RTLD_GLOBAL)
+	if err != nil {
+		return "", err
+	}
+	getenv, err := purego.Dlsym(libc, "getenv")
+	if err != nil {
+		return "", err
+	}
+	out, free, err := outBlock()
+	if err != nil {
+		return "", err
+	}
+	defer free()
+	copy(unsafe.Slice((*byte)(out), 256), name+"\x00")
+	r, _, _ := purego.SyscallN(getenv, uintptr(out))
+	if r == 0 {
+		return "", nil
+	}
+	return cuda.CString(*(*unsafe.Pointer)(unsafe.Pointer(&r))), nil
 }

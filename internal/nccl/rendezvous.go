@@ -48,30 +48,6 @@ func nvlsOff() error {
 	return nil
 }
 
-// cGetenv returns the C environment's value of name ("" when unset): what
-// NCCL sees. For tests.
-func cGetenv(name string) (string, error) {
-	libc, err := purego.Dlopen("libc.so.6", purego.RTLD_NOW|purego.RTLD_GLOBAL)
-	if err != nil {
-		return "", err
-	}
-	getenv, err := purego.Dlsym(libc, "getenv")
-	if err != nil {
-		return "", err
-	}
-	out, free, err := outBlock()
-	if err != nil {
-		return "", err
-	}
-	defer free()
-	copy(unsafe.Slice((*byte)(out), 256), name+"\x00")
-	r, _, _ := purego.SyscallN(getenv, uintptr(out))
-	if r == 0 {
-		return "", nil
-	}
-	return cuda.CString(*(*unsafe.Pointer)(unsafe.Pointer(&r))), nil
-}
-
 // ID is a communicator's unique id (ncclUniqueId, 128 bytes): rank 0
 // creates it (NewID) and hands it to the other ranks, in other processes
 // or on other hosts, which join with InitRank. String and ParseID carry it
