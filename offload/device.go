@@ -2,6 +2,8 @@ package offload
 
 import (
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/deepstates/dos/adam"
@@ -13,6 +15,7 @@ import (
 // OpenDevice opens the device that spec names, for Options.Device:
 //   - "cuda": GPU 0 with dos's CUDA kernels (kernels.Open: the driver
 //     opened at run time, the primary context, the committed PTX loaded);
+//     "cuda:N" GPU N (a ZeRO-3 rank's);
 //   - "sim": the simulated device (scheduler.NewSim) with 1 TiB of
 //     simulated memory, which executes the same operations on the CPU.
 //
@@ -26,14 +29,22 @@ func OpenDevice(spec string) (dev scheduler.Device, release func(), err error) {
 	switch spec {
 	case "sim":
 		return scheduler.NewSim(scheduler.SimOptions{Capacity: 1 << 40}), func() {}, nil
-	case "cuda":
-		d, k, rel, err := kernels.Open(0)
+	}
+	if n, ok := strings.CutPrefix(spec, "cuda:"); ok || spec == "cuda" {
+		if !ok {
+			n = "0"
+		}
+		ord, err := strconv.Atoi(n)
+		if err != nil || ord < 0 || n != strconv.Itoa(ord) {
+			return nil, nil, fmt.Errorf("offload: device %q: want cuda:N with N a GPU's ordinal (0, 1, ...)", spec)
+		}
+		d, k, rel, err := kernels.Open(ord)
 		if err != nil {
-			return nil, nil, fmt.Errorf("offload: device cuda: %w", err)
+			return nil, nil, fmt.Errorf("offload: device %s: %w", spec, err)
 		}
 		return scheduler.NewCUDA(d, k), rel, nil
 	}
-	return nil, nil, fmt.Errorf("offload: device %q: want cuda or sim", spec)
+	return nil, nil, fmt.Errorf("offload: device %q: want cuda, cuda:N or sim", spec)
 }
 
 // ParseSchedule parses a forced split of the subgroups for

@@ -57,21 +57,23 @@ type gpuTrainer struct {
 	stream scheduler.Stream // s, for GradsFinal
 }
 
-// openGPU opens GPU 0 (it shares the primary context with the optimizer's
-// device), loads the GPT kernels and allocates the model's activations.
+// openGPU opens GPU ordinal (it shares the primary context with the
+// optimizer's device), loads the GPT kernels and allocates the model's
+// activations for batch rows (cfg.Batch, or a ZeRO-3 rank's
+// cfg.Batch/cfg.GPUs).
 //
 // Errors: no GPU or no cuBLASLt (their reasons), out of device memory.
-func openGPU(cfg *TrainConfig) (*gpuTrainer, error) {
+func openGPU(cfg *TrainConfig, ordinal, batch int) (*gpuTrainer, error) {
 	if err := gpuAvailable(); err != nil {
 		return nil, err
 	}
 	// The cap covers every allocation from here on, the optimizer's too
 	// (the same ordinal), and a process-wide limit outlives this run:
 	// set it either way.
-	if err := cuda.SetMemoryLimit(0, int64(cfg.GPUMemory*(1<<30))); err != nil {
+	if err := cuda.SetMemoryLimit(ordinal, int64(cfg.GPUMemory*(1<<30))); err != nil {
 		return nil, fmt.Errorf("trainer: --gpu-memory: %w", err)
 	}
-	d, err := cuda.Open(0)
+	d, err := cuda.Open(ordinal)
 	if err != nil {
 		return nil, fmt.Errorf("trainer: --device cuda: %w", err)
 	}
@@ -86,10 +88,10 @@ func openGPU(cfg *TrainConfig) (*gpuTrainer, error) {
 		return fail(err)
 	}
 	opts := gptcuda.Options{Recompute: cfg.Recompute}
-	if g.m, err = gptcuda.New(g.s, g.k, cfg.Model, cfg.Batch, cfg.Model.NCtx, opts); err != nil {
+	if g.m, err = gptcuda.New(g.s, g.k, cfg.Model, batch, cfg.Model.NCtx, opts); err != nil {
 		return fail(err)
 	}
-	g.activations = gptcuda.MemoryBytes(cfg.Model, cfg.Batch, cfg.Model.NCtx, opts)
+	g.activations = gptcuda.MemoryBytes(cfg.Model, batch, cfg.Model.NCtx, opts)
 	return g, nil
 }
 
@@ -97,49 +99,60 @@ func openGPU(cfg *TrainConfig) (*gpuTrainer, error) {
 // cfg leaves it 0, to what the model left (budget), less the sampler's
 // model when the run samples; with neither --profile
 // nor --schedule, the performance model's schedule from a short
-// calibration of this machine's CPU and GPU rates (perfmodel.CalibrateCPU
-// and CalibrateGPU at reduced sizes, a few seconds), said on out.
+// calibration of this machine's CPU and GPU rates (calibrate).
 func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) error {
-	if !cfg.BF16Params {
-		ts := cfg.Model.Tensors()
-		for _, i := range gptcuda.FP32Tensors(cfg.Model) {
-			o.DeviceMasters = append(o.DeviceMasters, ts[i].Name)
-		}
-	}
+	deviceMasters(cfg, o)
 	if cfg.GPUBudget == 0 {
-		b, err := g.budget(cfg, o)
+		b, err := g.budget(cfg, o, offloadParams(cfg.Model), 1, 0)
 		if err != nil {
 			return err
-		}
-		if cfg.SampleBytes > 0 { // room for the sampler's B = 1 model, made at the end
-			b = max(b-gptcuda.MemoryBytes(cfg.Model, 1, cfg.Model.NCtx, samplerOptions), 1)
 		}
 		o.GPUBudget = b
 	}
 	if cfg.Profile != "" || cfg.Schedule != "" {
 		return nil
 	}
+	p, err := g.calibrate(o, out)
+	o.Profile, o.Schedule = p, nil
+	return err
+}
+
+// deviceMasters names in o.DeviceMasters the tensors the GPU model reads
+// in fp32 (gptcuda.FP32Tensors), unless cfg.BF16Params.
+func deviceMasters(cfg *TrainConfig, o *offload.Options) {
+	if cfg.BF16Params {
+		return
+	}
+	ts := cfg.Model.Tensors()
+	for _, i := range gptcuda.FP32Tensors(cfg.Model) {
+		o.DeviceMasters = append(o.DeviceMasters, ts[i].Name)
+	}
+}
+
+// calibrate measures this machine's CPU and GPU rates for the performance
+// model at reduced sizes (perfmodel.CalibrateCPU and CalibrateGPU, a few
+// seconds, said on out) with o's CPU workers and gradient dtype, and
+// returns the profile.
+func (g *gpuTrainer) calibrate(o *offload.Options, out io.Writer) (*perfmodel.Profile, error) {
 	start := time.Now()
 	fmt.Fprintf(out, "calibrating the update phase (no --profile: dos calibrate writes one that skips this)...\n")
 	k, err := kernels.Load(g.dev)
 	if err != nil {
-		return fmt.Errorf("trainer: --device cuda: %w", err)
+		return nil, fmt.Errorf("trainer: --device cuda: %w", err)
 	}
 	defer k.Close()
 	gp, err := perfmodel.CalibrateGPU(g.dev, k, perfmodel.GPUOptions{
 		CopySizes: []int64{16 << 20, 64 << 20, 256 << 20}, UpdateSizes: []int64{16 << 20, 64 << 20}, Reps: 3,
 		Threads: o.Threads, HostMemSeconds: 0.2}, nil)
 	if err != nil {
-		return fmt.Errorf("trainer: calibrating the GPU: %w", err)
+		return nil, fmt.Errorf("trainer: calibrating the GPU: %w", err)
 	}
 	cpu, err := perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{cpuThreads(o)}, Reps: 3, GradDTypes: []adam.DType{o.GradDType}}, nil)
 	if err != nil {
-		return fmt.Errorf("trainer: calibrating the CPU: %w", err)
+		return nil, fmt.Errorf("trainer: calibrating the CPU: %w", err)
 	}
-	o.Profile = &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC(), CPU: cpu, GPU: gp}
-	o.Schedule = nil
 	fmt.Fprintf(out, "calibrated in %.1f s\n", time.Since(start).Seconds())
-	return nil
+	return &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC(), CPU: cpu, GPU: gp}, nil
 }
 
 // cpuThreads is the optimizer's worker count: Options.Threads, or
@@ -163,26 +176,39 @@ func gpuAvailable() error {
 	return nil
 }
 
-// budget returns the update phase's default GPU budget in bytes: the device
-// memory free now (after the model's activations) less what offload.New
-// allocates outside the budget (gradients, working copy and the fp32
-// DeviceMasters) and a margin.
-func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options) (int64, error) {
+// budget returns the update phase's default GPU budget in bytes for an
+// optimizer over params on g's GPU, which share ranks (ZeRO-3's; 1 alone)
+// split evenly: the device memory free now (after the models' activations
+// and, with ranks, their replicas) over share, less what offload.New
+// allocates outside the budget (the gradients, the working copy and the
+// fp32 DeviceMasters of params), less the sampler's model when the run
+// samples (sampler: the rank that samples, or the only one), less a
+// margin.
+func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options, params []offload.Param, share int, rank int) (int64, error) {
 	free, _, err := g.dev.MemInfo()
 	if err != nil {
 		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
 	}
 	margin := int64(gpuMargin)
-	if limit := cuda.MemoryLimit(0); limit > 0 { // --gpu-memory: what the cap leaves
-		free, margin = min(free, limit-cuda.MemoryUsed(0)), capMargin
+	if limit := cuda.MemoryLimit(g.dev.Ordinal); limit > 0 { // --gpu-memory: what the cap leaves
+		free, margin = min(free, limit-cuda.MemoryUsed(g.dev.Ordinal)), capMargin
 	}
-	masters := int64(0)
-	for _, t := range cfg.Model.Tensors() {
-		if slices.Contains(o.DeviceMasters, t.Name) {
-			masters += 4 * int64(t.Numel())
+	elems, masters := 0, int64(0)
+	for _, p := range params {
+		n := 1
+		for _, d := range p.Shape {
+			n *= d
+		}
+		elems += n
+		if slices.Contains(o.DeviceMasters, p.Name) {
+			masters += 4 * int64(n)
 		}
 	}
-	return max(free-o.DeviceBytes(cfg.paramCount())-masters-margin, 1), nil // 1, not 0: offload reads 0 as no limit
+	b := (free-margin)/int64(share) - o.DeviceBytes(elems) - masters
+	if cfg.SampleBytes > 0 && rank == 0 { // room for the sampler's B = 1 model, made at the end
+		b -= gptcuda.MemoryBytes(cfg.Model, 1, cfg.Model.NCtx, samplerOptions)
+	}
+	return max(b, 1), nil // 1, not 0: offload reads 0 as no limit
 }
 
 // bind takes the optimizer's device views (and its fp32 DeviceMasters,
@@ -297,8 +323,8 @@ func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 // memory returns the device memory in use, in bytes, and the total: under
 // --gpu-memory what dos allocated and the cap.
 func (g *gpuTrainer) memory() (used, total int64) {
-	if limit := cuda.MemoryLimit(0); limit > 0 {
-		return cuda.MemoryUsed(0), limit
+	if limit := cuda.MemoryLimit(g.dev.Ordinal); limit > 0 {
+		return cuda.MemoryUsed(g.dev.Ordinal), limit
 	}
 	free, total, err := g.dev.MemInfo()
 	if err != nil {

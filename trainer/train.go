@@ -278,16 +278,20 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 		}
 	}
 	// The GPU model first: its activations are allocated before the
-	// update phase's budget is taken from what is left.
+	// update phase's budget is taken from what is left. ZeRO-3's ranks
+	// open their GPUs and plan their shards themselves (newZero); the
+	// trainer's GPU is then rank 0's, which samples.
 	var gpu *gpuTrainer
-	if cfg.Device == "cuda" {
-		if gpu, err = openGPU(&cfg); err != nil {
-			return nil, err
-		}
-	}
 	var zero *zeroRanks
 	if cfg.GPUs > 1 {
-		if zero, err = newZero(&cfg, cfg.GPUs); err != nil {
+		if zero, err = newZero(&cfg, cfg.GPUs, out); err != nil {
+			return nil, err
+		}
+		if r0 := zero.ranks[0].gpu; r0 != nil {
+			gpu = r0.g
+		}
+	} else if cfg.Device == "cuda" {
+		if gpu, err = openGPU(&cfg, 0, cfg.Batch); err != nil {
 			return nil, err
 		}
 	}
@@ -300,6 +304,9 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	}
 	release := func() error {
 		closeDev()
+		if zero != nil {
+			return zero.close()
+		}
 		return gpu.close()
 	}
 	if cfg.Profile != "" && zero == nil {
@@ -309,7 +316,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 		}
 		oo.Profile = p
 	}
-	if gpu != nil {
+	if gpu != nil && zero == nil {
 		if err := gpu.plan(&cfg, oo, out); err != nil {
 			return nil, errors.Join(err, release())
 		}
@@ -383,6 +390,9 @@ func (t *Trainer) bind() error {
 	T := t.cfg.Model.NCtx
 	t.inputs = make([]int32, t.cfg.Batch*T)
 	t.tgts = make([]int32, t.cfg.Batch*T)
+	if t.zero != nil && t.gpu != nil {
+		return t.zero.bind(&t.cfg)
+	}
 	if t.gpu != nil {
 		return t.gpu.bind(t.opt)
 	}
@@ -390,7 +400,9 @@ func (t *Trainer) bind() error {
 	if t.zero != nil {
 		// The ranks' replicas train; this model evaluates and samples
 		// with the working copy gathered from the ranks' pieces.
-		t.zero.bind(&t.cfg)
+		if err := t.zero.bind(&t.cfg); err != nil {
+			return err
+		}
 		t.own16 = true
 		t.params = make([][]float32, len(t.zero.lens))
 		for i, l := range t.zero.lens {
@@ -426,8 +438,11 @@ func (t *Trainer) bind() error {
 func (t *Trainer) Close() error {
 	var errs []error
 	// The GPU model first: its stream's work reads the optimizer's device
-	// buffers.
-	errs = append(errs, t.gpu.close())
+	// buffers. (ZeRO-3's ranks close theirs, rank 0's t.gpu among them,
+	// each before its optimizer.)
+	if t.zero == nil {
+		errs = append(errs, t.gpu.close())
+	}
 	t.gpu = nil
 	if !t.closed {
 		if t.zero != nil {
@@ -466,18 +481,26 @@ func (t *Trainer) NumParams() int {
 	return t.opt.NumParams()
 }
 
-// refresh copies the 16-bit working copy into the model's fp32 parameters.
-func (t *Trainer) refresh() {
+// refresh copies the 16-bit working copy into the model's fp32
+// parameters, or on GPU ranks all-gathers it into their replicas (whose
+// rank 0's the sampler reads).
+//
+// Errors: only on GPU ranks (a collective's).
+func (t *Trainer) refresh() error {
+	if t.zero != nil && t.gpu != nil {
+		return t.zero.gatherGPU()
+	}
 	if t.zero != nil {
 		t.zero.gather(t.params, t.cfg.WorkingDType)
-		return
+		return nil
 	}
 	if !t.own16 {
-		return
+		return nil
 	}
 	for i, dst := range t.params {
 		adam.Widen16(t.cfg.WorkingDType, dst, t.opt.Working(i).Uint16())
 	}
+	return nil
 }
 
 // handOver rounds the model's fp32 gradients into the optimizer's 16-bit
@@ -498,10 +521,20 @@ func (t *Trainer) handOver() {
 func (t *Trainer) Evaluate() (float64, error) {
 	n := max(t.cfg.EvalBatches, 1)
 	t.val.SetPos(0) // cannot fail: every loader holds a sequence
-	t.refresh()
+	if err := t.refresh(); err != nil {
+		return 0, err
+	}
 	var sum float64
 	for range n {
 		t.val.Next(t.inputs, t.tgts)
+		if t.zero != nil && t.gpu != nil {
+			l, err := t.zero.lossGPU(t.inputs, t.tgts)
+			if err != nil {
+				return 0, err
+			}
+			sum += l
+			continue
+		}
 		if t.gpu != nil {
 			l, err := t.gpu.loss(t.inputs, t.tgts)
 			if err != nil {
@@ -520,6 +553,9 @@ func (t *Trainer) Evaluate() (float64, error) {
 // (the traced iteration: TrainConfig.TimelineAt) it records when forward
 // ended, waiting for the device first.
 func (t *Trainer) forwardBackward(scale float32, marks *timelineMarks) (float64, error) {
+	if t.zero != nil {
+		return t.zero.forwardBackward(&t.cfg, t.inputs, t.tgts, scale)
+	}
 	if t.gpu != nil {
 		var mark func() error
 		if marks != nil {
@@ -532,10 +568,7 @@ func (t *Trainer) forwardBackward(scale float32, marks *timelineMarks) (float64,
 		}
 		return t.gpu.step(t.inputs, t.tgts, scale, mark)
 	}
-	if t.zero != nil {
-		return t.zero.forwardBackward(&t.cfg, t.inputs, t.tgts, scale)
-	}
-	t.refresh()
+	t.refresh() // cannot fail on the host
 	loss := float64(t.model.Forward(t.params, t.inputs, t.tgts))
 	if marks != nil {
 		marks.forward = time.Now()
@@ -586,12 +619,19 @@ func (t *Trainer) Run() (Summary, error) {
 	sum := Summary{Params: t.NumParams()}
 	tokens := cfg.Batch * cfg.Model.NCtx
 	flops := cfg.Model.FLOPsPerToken(cfg.Model.NCtx)
+	peak := PeakFLOPS // MFU is per GPU: over the GPUs' peak
+	if t.zero != nil {
+		peak *= float64(t.zero.gpus())
+	}
 	where := "CPU"
 	if t.gpu != nil {
 		where = "GPU"
 	}
 	if t.zero != nil {
 		where = fmt.Sprintf("CPU, ZeRO-3 over %d ranks (each steps its 1/%d of every tensor; an in-process communicator)", t.zero.n, t.zero.n)
+		if t.gpu != nil {
+			where = fmt.Sprintf("GPUs, ZeRO-3 over %d ranks (each steps its 1/%d of every tensor; %s)", t.zero.n, t.zero.n, t.zero.about())
+		}
 	}
 	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; forward and backward on the %s; %v\n",
 		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, where, t.opt.Options())
@@ -612,7 +652,11 @@ func (t *Trainer) Run() (Summary, error) {
 	}
 	if t.gpu != nil {
 		used, total := t.gpu.memory()
-		fmt.Fprintf(t.out, "GPU memory: %.1f of %.1f GiB in use (model activations %.1f GiB)\n", float64(used)/(1<<30), float64(total)/(1<<30), float64(t.gpu.activations)/(1<<30))
+		per := ""
+		if t.zero != nil {
+			per = fmt.Sprintf(", rank 0's GPU; its replicas of the parameters and gradients %.1f GiB", float64(t.zero.ranks[0].gpu.replicaBytes())/(1<<30))
+		}
+		fmt.Fprintf(t.out, "GPU memory: %.1f of %.1f GiB in use (model activations %.1f GiB%s)\n", float64(used)/(1<<30), float64(total)/(1<<30), float64(t.gpu.activations)/(1<<30), per)
 	}
 	if math.IsNaN(float64(t.state.InitValLoss)) {
 		l, err := t.Evaluate()
@@ -723,7 +767,7 @@ func (t *Trainer) Run() (Summary, error) {
 			line = fmt.Sprintf("iter %5d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", it, cfg.Steps, loss, cfg.LRAt(it), res.GradNorm, rate)
 			if t.gpu != nil {
 				used, _ := t.gpu.memory()
-				line += fmt.Sprintf("  MFU %.1f%%  update %.0f ms (%s)  GPU %.1f GiB", 100*rate*flops/PeakFLOPS, 1e3*res.Elapsed.Seconds(), sched, float64(used)/(1<<30))
+				line += fmt.Sprintf("  MFU %.1f%%  update %.0f ms (%s)  GPU %.1f GiB", 100*rate*flops/peak, 1e3*res.Elapsed.Seconds(), sched, float64(used)/(1<<30))
 			}
 			line += "  ETA " + eta(float64(cfg.Steps-it)*float64(tokens)/rate)
 		}
@@ -776,7 +820,7 @@ func (t *Trainer) Run() (Summary, error) {
 			sum.TokensPerS = float64((done-1)*tokens) / time.Since(warm).Seconds()
 		}
 		if t.gpu != nil {
-			sum.MFU = sum.TokensPerS * flops / PeakFLOPS
+			sum.MFU = sum.TokensPerS * flops / peak
 		}
 	}
 	if cfg.CkptDir != "" && (done > 0 && (cfg.CkptEvery == 0 || t.state.Iteration%cfg.CkptEvery != 0) || done == 0 && t.state.Iteration == 0 && !t.resumed) {
@@ -846,7 +890,9 @@ func (t *Trainer) Sample(prompt []byte, n int) (string, error) {
 		m = NewModel[float32](t.cfg.Model, 1, T)
 	}
 	r := rand.New(t.rng)
-	t.refresh()
+	if err := t.refresh(); err != nil {
+		return string(prompt), err
+	}
 	p, err := t.tok.Encode(prompt)
 	if err != nil {
 		return string(prompt), nil // unreachable: the tokenizers encode any bytes

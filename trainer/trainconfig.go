@@ -89,17 +89,25 @@ type TrainConfig struct {
 	// GPUs is the ranks of ZeRO-3 data parallelism (0 or 1: one): each
 	// holds 1/GPUs of every tensor and of its optimizer state and runs
 	// forward and backward on Batch/GPUs rows, the working copy
-	// all-gathered and the gradients reduce-scattered between them
-	// (zero.go). For now on the host or Device "sim", the ranks in this
-	// process over an in-process communicator (internal/comm's Local).
-	// Checkpoints: each rank saves its pieces into CkptDir/rank-%05d
-	// (lazily, each rank its own engine, or with CkptSync synchronously,
-	// the ranks in parallel) and the job commits a step in CkptDir's
-	// latest once all are durable (checkpoint.CommitJob); a
-	// resume needs the same GPUs, and Reshard cuts a checkpoint for
-	// another number. NCCL between GPUs (internal/nccl) is not yet wired
-	// into the trainer (issue 19).
+	// all-gathered and the gradients reduce-scattered between them. The
+	// ranks run in this process, one goroutine each. On the host or
+	// Device "sim" (zero.go) over an in-process communicator
+	// (internal/comm's Local); with Device "cuda" (zerogpu.go) rank r on
+	// GPU r, over NCCL (or Collectives "staged"). Checkpoints: each rank
+	// saves its pieces into CkptDir/rank-%05d (lazily, each rank its own
+	// engine, or with CkptSync synchronously, the ranks in parallel) and
+	// the job commits a step in CkptDir's latest once all are durable
+	// (checkpoint.CommitJob); a resume needs the same GPUs, and Reshard
+	// cuts a checkpoint for another number.
 	GPUs int `json:"gpus,omitempty"`
+	// Collectives, with Device "cuda" and GPUs > 1, is how the GPU ranks
+	// all-gather and reduce-scatter: "" or "nccl", NCCL between GPUs
+	// 0..GPUs-1 (one rank per GPU); "staged", through pinned host memory
+	// and an in-process communicator (nccl.Staged), rank r on GPU r mod
+	// the GPUs there are: several ranks may share one GPU, slowly (how
+	// the sharded GPU iteration is tested on one GPU). The trajectory is
+	// the same within bf16 rounding. Not saved in checkpoints.
+	Collectives string `json:"-"`
 	// Recompute, with Device "cuda", keeps only each block's input through
 	// forward and recomputes the block in backward (gptcuda's
 	// Options.Recompute): for when the activations do not fit.
@@ -492,8 +500,10 @@ func (c *TrainConfig) ringBytes(params float64) float64 { return c.rankRingBytes
 // checkpoint re-sharded for GPUs ranks must also pass (Reshard).
 func (c *TrainConfig) validateRanks() error {
 	switch {
-	case c.GPUs > 1 && c.Device == "cuda":
-		return fmt.Errorf("trainer: --gpus %d with --device cuda needs NCCL between the GPUs, which is not built yet (issue 19): use --device sim, or leave --device out (the host)", c.GPUs)
+	case c.Collectives != "" && c.Collectives != "nccl" && c.Collectives != "staged":
+		return fmt.Errorf("trainer: --collectives %q: want nccl or staged", c.Collectives)
+	case c.Collectives != "" && (c.Device != "cuda" || c.GPUs < 2):
+		return fmt.Errorf("trainer: --collectives %s picks how GPU ranks communicate: it needs --device cuda and --gpus 2 or more", c.Collectives)
 	case c.GPUs > 1 && c.Batch%c.GPUs != 0:
 		return fmt.Errorf("trainer: --batch %d is not a multiple of --gpus %d (each rank trains on batch/gpus rows)", c.Batch, c.GPUs)
 	case c.GPUs > 1 && c.WorkingDType == adam.F16:
@@ -524,11 +534,14 @@ func validScale(s float64) bool { return s >= 1 && s <= 1<<64 }
 // device opens c.Device into o (with the schedule c.Schedule, or the
 // mixed one when there is no profile) through offload.OpenDevice, and
 // returns the function that closes it.
-func (c *TrainConfig) device(o *offload.Options) (func(), error) {
-	if c.Device == "" {
+func (c *TrainConfig) device(o *offload.Options) (func(), error) { return c.deviceOn(o, c.Device) }
+
+// deviceOn is device with spec for c.Device (a ZeRO-3 rank's "cuda:N").
+func (c *TrainConfig) deviceOn(o *offload.Options, spec string) (func(), error) {
+	if spec == "" {
 		return func() {}, nil
 	}
-	dev, closeDev, err := offload.OpenDevice(c.Device)
+	dev, closeDev, err := offload.OpenDevice(spec)
 	if err != nil {
 		return nil, fmt.Errorf("trainer: --device %s: %w", c.Device, err)
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"runtime"
 	"sync"
@@ -13,6 +14,7 @@ import (
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/internal/comm"
 	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/safetensors"
 )
 
@@ -44,6 +46,7 @@ type zeroRanks struct {
 	n     int
 	lens  []int // each tensor's elements
 	piece []int // each tensor's elements per rank's piece: ceil(len/n)
+	all   []int // every tensor's index
 	ranks []*zeroRank
 	// Lazy saves (saveLazily): each rank's engine on its rank root, made
 	// at the first save, and the handles of the last save, whose step the
@@ -64,6 +67,7 @@ type zeroRanks struct {
 type zeroRank struct {
 	r        int
 	c        comm.Comm
+	gpu      *gpuRank // with Device "cuda" (zerogpu.go): model, replicas and collectives there
 	opt      *offload.Optimizer
 	closeDev func()
 	model    *Model[float32]
@@ -103,26 +107,47 @@ func pieceOf(numel, n, r int) (lo, hi int) {
 // cfg.Device and profile, GOMAXPROCS/n CPU workers unless cfg.Threads
 // says, and, on a device without a profile or a --schedule, its own
 // subgroups a third each on the CPU, streamed and resident) and the
-// communicator. The models come with bind.
+// communicator. With Device "cuda" each rank's GPU, model and replicas
+// come first (openGPUs), then one calibration (said on out) when there is
+// neither --profile nor --schedule, whose profile every rank plans its
+// own shard with, and each rank's update-phase budget from what its GPU
+// has left, split between the ranks on it. The host's models come with
+// bind.
 //
 // Errors: the device's, the profile's or the optimizer's.
-func newZero(cfg *TrainConfig, n int) (*zeroRanks, error) {
+func newZero(cfg *TrainConfig, n int, out io.Writer) (*zeroRanks, error) {
 	z := &zeroRanks{n: n}
-	for _, t := range cfg.Model.Tensors() {
+	for i, t := range cfg.Model.Tensors() {
 		z.lens = append(z.lens, t.Numel())
 		z.piece = append(z.piece, (t.Numel()+n-1)/n)
+		z.all = append(z.all, i)
 	}
-	ends := comm.NewLocal(n)
-	for r := range n {
+	for r, end := range comm.NewLocal(n) {
+		z.ranks = append(z.ranks, &zeroRank{r: r, c: end})
+	}
+	fail := func(err error) (*zeroRanks, error) { return nil, errors.Join(err, z.close()) }
+	if cfg.Device == "cuda" {
+		if err := z.openGPUs(cfg); err != nil {
+			return fail(err)
+		}
+	}
+	var calibrated *perfmodel.Profile
+	opts := make([]offload.Options, n)
+	for _, rk := range z.ranks {
 		oo := cfg.optimizerOptions()
 		if cfg.Threads == 0 {
 			oo.Threads = max(1, runtime.GOMAXPROCS(0)/n)
 		}
-		closeDev, err := cfg.device(oo)
-		if err != nil {
-			return nil, errors.Join(err, z.close())
+		spec := cfg.Device
+		if rk.gpu != nil {
+			spec = fmt.Sprintf("cuda:%d", rk.gpu.g.dev.Ordinal)
 		}
-		params := shardParams(cfg.Model, n, r)
+		closeDev, err := cfg.deviceOn(oo, spec)
+		if err != nil {
+			return fail(err)
+		}
+		rk.closeDev = closeDev
+		params := shardParams(cfg.Model, n, rk.r)
 		if oo.Schedule != nil && cfg.Schedule == "" {
 			// cfg.device's default split counts the whole model's
 			// subgroups: this rank's share has fewer.
@@ -133,18 +158,43 @@ func newZero(cfg *TrainConfig, n int) (*zeroRanks, error) {
 			s := offload.MixedSchedule(offload.SubgroupCount(elems, oo.SubgroupSize))
 			oo.Schedule = &s
 		}
-		rk := &zeroRank{r: r, c: ends[r], closeDev: closeDev}
-		z.ranks = append(z.ranks, rk)
 		if cfg.Profile != "" {
 			p, err := offload.LoadProfile(cfg.Profile, oo.Device)
 			if err != nil {
-				return nil, errors.Join(fmt.Errorf("trainer: --profile: %w", err), z.close())
+				return fail(fmt.Errorf("trainer: --profile: %w", err))
 			}
 			oo.Profile = p
 		}
+		if g := rk.gpu; g != nil {
+			deviceMasters(cfg, oo)
+			if cfg.Profile == "" && cfg.Schedule == "" {
+				if calibrated == nil {
+					if calibrated, err = g.g.calibrate(oo, out); err != nil {
+						return fail(err)
+					}
+				}
+				oo.Profile, oo.Schedule = calibrated, nil
+			}
+			oo.OverlapBackward = !cfg.NoOverlap
+		}
 		oo.Replan = cfg.Replan
-		if rk.opt, err = offload.New(params, *oo); err != nil {
-			return nil, errors.Join(fmt.Errorf("trainer: rank %d: %w", r, err), z.close())
+		opts[rk.r] = *oo
+	}
+	// The budgets once every rank's model and replicas are allocated and
+	// before any optimizer's: each rank's share of its GPU.
+	for _, rk := range z.ranks {
+		if rk.gpu != nil && cfg.GPUBudget == 0 {
+			b, err := rk.gpu.g.budget(cfg, &opts[rk.r], shardParams(cfg.Model, n, rk.r), z.share(rk.r), rk.r)
+			if err != nil {
+				return fail(err)
+			}
+			opts[rk.r].GPUBudget = b
+		}
+	}
+	for _, rk := range z.ranks {
+		var err error
+		if rk.opt, err = offload.New(shardParams(cfg.Model, n, rk.r), opts[rk.r]); err != nil {
+			return fail(fmt.Errorf("trainer: rank %d: %w", rk.r, err))
 		}
 	}
 	return z, nil
@@ -162,8 +212,17 @@ func (z *zeroRanks) setParam(i int, name string, v []float32) error {
 }
 
 // bind gives every rank its replica of the model for B/n rows and the
-// collectives' buffers.
-func (z *zeroRanks) bind(cfg *TrainConfig) {
+// collectives' buffers, or on GPUs binds each rank's model to its
+// optimizer's device memory (gpuRank.bind).
+func (z *zeroRanks) bind(cfg *TrainConfig) error {
+	if z.ranks[0].gpu != nil {
+		for _, rk := range z.ranks {
+			if err := rk.gpu.bind(rk.opt, cfg); err != nil {
+				return fmt.Errorf("trainer: rank %d: %w", rk.r, err)
+			}
+		}
+		return nil
+	}
 	largest := 0
 	for i := range z.lens {
 		largest = max(largest, z.n*z.piece[i])
@@ -179,6 +238,7 @@ func (z *zeroRanks) bind(cfg *TrainConfig) {
 			rk.full16, rk.piece16 = make([]uint16, largest), make([]uint16, largest/z.n)
 		}
 	}
+	return nil
 }
 
 // gather writes the whole working copy into params (one fp32 slice per
@@ -210,6 +270,13 @@ func (z *zeroRanks) each(f func(rk *zeroRank) error) error {
 			defer wg.Done()
 			if rk.err = f(rk); rk.err != nil {
 				rk.c.Abort(rk.err)
+				// NCCL's abort reaches only its own end: every rank's,
+				// so that none waits on the device for this one.
+				for _, o := range z.ranks {
+					if o.gpu != nil && o.gpu.c != nil {
+						o.gpu.c.Abort(rk.err)
+					}
+				}
 			}
 		}()
 	}
@@ -229,6 +296,13 @@ func (z *zeroRanks) each(f func(rk *zeroRank) error) error {
 func (z *zeroRanks) forwardBackward(cfg *TrainConfig, inputs, targets []int32, scale float32) (float64, error) {
 	rows := len(inputs) / z.n
 	err := z.each(func(rk *zeroRank) error {
+		if rk.gpu != nil {
+			loss, err := rk.gpu.forwardBackward(z, inputs[rk.r*rows:(rk.r+1)*rows], targets[rk.r*rows:(rk.r+1)*rows], scale)
+			if err != nil {
+				return err
+			}
+			return rk.allReduceLoss(loss)
+		}
 		wd := cfg.WorkingDType
 		for i, l := range z.lens {
 			p := z.piece[i]
@@ -274,17 +348,45 @@ func (z *zeroRanks) forwardBackward(cfg *TrainConfig, inputs, targets []int32, s
 				adam.Round16(cfg.GradDType, g.Uint16(), piece[:hi-lo])
 			}
 		}
-		binary.LittleEndian.PutUint64(rk.scalar[:], math.Float64bits(loss))
-		if err := rk.c.AllReduce(rk.scalar[:], rk.scalar[:], comm.F64, comm.Avg); err != nil {
-			return err
-		}
-		rk.loss = math.Float64frombits(binary.LittleEndian.Uint64(rk.scalar[:]))
-		return nil
+		return rk.allReduceLoss(loss)
 	})
 	if err != nil {
 		return 0, err
 	}
 	return z.ranks[0].loss, nil
+}
+
+// allReduceLoss sets rk.loss to the ranks' mean of loss (every rank calls
+// it).
+func (rk *zeroRank) allReduceLoss(loss float64) error {
+	binary.LittleEndian.PutUint64(rk.scalar[:], math.Float64bits(loss))
+	if err := rk.c.AllReduce(rk.scalar[:], rk.scalar[:], comm.F64, comm.Avg); err != nil {
+		return err
+	}
+	rk.loss = math.Float64frombits(binary.LittleEndian.Uint64(rk.scalar[:]))
+	return nil
+}
+
+// gatherGPU all-gathers every GPU rank's replica of the working copy (and
+// master weights), for Evaluate's and Sample's forward outside the
+// iteration.
+func (z *zeroRanks) gatherGPU() error {
+	return z.each(func(rk *zeroRank) error { return rk.gpu.gather(z) })
+}
+
+// lossGPU returns the mean loss of a batch without gradients over the GPU
+// ranks, each forward on its rows, the replicas gathered before
+// (gatherGPU).
+func (z *zeroRanks) lossGPU(inputs, targets []int32) (float64, error) {
+	rows := len(inputs) / z.n
+	err := z.each(func(rk *zeroRank) error {
+		loss, err := rk.gpu.loss(inputs[rk.r*rows:(rk.r+1)*rows], targets[rk.r*rows:(rk.r+1)*rows])
+		if err != nil {
+			return err
+		}
+		return rk.allReduceLoss(loss)
+	})
+	return z.ranks[0].loss, err
 }
 
 // step steps every rank's optimizer, the sums of squares all-reduced, and
@@ -528,6 +630,10 @@ func (z *zeroRanks) setLR(lr float64) error {
 func (z *zeroRanks) close() error {
 	var errs []error
 	for _, rk := range z.ranks {
+		// The model and collectives first: their stream's work reads
+		// the optimizer's device memory.
+		errs = append(errs, rk.gpu.close())
+		rk.gpu = nil
 		if rk.opt != nil {
 			errs = append(errs, rk.opt.Close())
 			rk.opt = nil

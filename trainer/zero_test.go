@@ -110,8 +110,12 @@ func TestZeROConfig(t *testing.T) {
 		{func(c *TrainConfig) { c.GPUs, c.Threads = 8, MaxThreads() }, "the ranks' workers"},
 		{func(c *TrainConfig) { c.GPUs, c.Batch = 3, 16 }, "--batch 16 is not a multiple of --gpus 3"},
 		{func(c *TrainConfig) {
-			c.GPUs, c.Device, c.WorkingDType, c.GradDType = 2, "cuda", adam.BF16, adam.BF16
-		}, "needs NCCL between the GPUs"},
+			c.GPUs, c.Device, c.WorkingDType, c.GradDType, c.Collectives = 2, "cuda", adam.BF16, adam.BF16, "gloo"
+		}, `--collectives "gloo": want nccl or staged`},
+		{func(c *TrainConfig) { c.GPUs, c.Device, c.WorkingDType, c.Collectives = 2, "sim", adam.BF16, "staged" }, "--collectives staged picks how GPU ranks communicate: it needs --device cuda and --gpus 2"},
+		{func(c *TrainConfig) {
+			c.Device, c.WorkingDType, c.GradDType, c.Collectives = "cuda", adam.BF16, adam.BF16, "nccl"
+		}, "--collectives nccl picks how GPU ranks communicate"},
 		{func(c *TrainConfig) { c.GPUs, c.WorkingDType = 2, adam.F16 }, "--working-dtype float16 is not supported"},
 		{func(c *TrainConfig) { c.GPUs, c.TimelineAt = 2, 3 }, "--timeline draws one rank's"},
 	} {

@@ -397,3 +397,59 @@ func TestZeroDevice(t *testing.T) {
 		t.Error("Close on a zero Device succeeded")
 	}
 }
+
+// TestBorrow: a Buffer over part of another is used as one (copies in and
+// out land in the owner's bytes), counts nothing, and its Free leaves the
+// owner's memory allocated and usable.
+func TestBorrow(t *testing.T) {
+	if _, err := (&Device{}).Borrow(0, 8); err == nil {
+		t.Error("Borrow of a zero address succeeded")
+	}
+	if _, err := (&Device{}).Borrow(4096, 0); err == nil {
+		t.Error("Borrow of 0 bytes succeeded")
+	}
+	d := gpu(t)
+	s, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Free()
+	owner, err := d.Alloc(1 << 12)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer owner.Free()
+	used := MemoryUsed(d.Ordinal)
+	b, err := d.Borrow(owner.Ptr()+1024, 512)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if MemoryUsed(d.Ordinal) != used || b.Len() != 512 {
+		t.Fatalf("Borrow counted %d bytes, Len %d", MemoryUsed(d.Ordinal)-used, b.Len())
+	}
+	h, err := d.HostAlloc(1 << 12)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Free()
+	for i := range 512 {
+		h.Bytes()[i] = byte(i*3 + 1)
+	}
+	must(t, s.Memset(owner, 0, 1<<12, 0))
+	must(t, s.CopyHtoD(b, 0, h, 0, 512))
+	if err := s.CopyHtoD(b, 1, h, 0, 512); err == nil {
+		t.Error("a copy past the borrowed range succeeded")
+	}
+	must(t, b.Free())
+	if !b.Freed() {
+		t.Error("a borrowed buffer is not freed after Free")
+	}
+	if err := s.CopyHtoD(b, 0, h, 0, 8); !errors.Is(err, ErrFreed) {
+		t.Errorf("copy to a freed borrowed buffer: %v", err)
+	}
+	must(t, s.CopyDtoH(h, 1<<11, owner, 1024, 512)) // the owner still holds the bytes
+	must(t, s.Sync())
+	if !bytes.Equal(h.Bytes()[1<<11:1<<11+512], h.Bytes()[:512]) {
+		t.Fatal("the bytes copied through the borrowed buffer are not in the owner's range")
+	}
+}

@@ -16,6 +16,7 @@ type Buffer struct {
 	size    int64
 	freed   atomic.Bool
 	counted atomic.Bool // in its device's MemoryUsed until Free
+	lent    bool        // Borrow's: Free releases nothing
 }
 
 // Alloc allocates bytes (> 0) of device memory (cuMemAlloc_v2), within
@@ -43,6 +44,21 @@ func (d *Device) Alloc(bytes int64) (*Buffer, error) {
 	b := &Buffer{d: d, ptr: p, size: bytes}
 	b.counted.Store(true)
 	return b, nil
+}
+
+// Borrow returns a Buffer over bytes of device memory at ptr that something
+// else allocated on d and frees (a range of another Buffer, an
+// optimizer's device view): copies, kernels and collectives take it as
+// they take any Buffer. Its Free only marks it freed; the memory stays
+// its owner's, which must keep it allocated while the Buffer is used. It
+// is not counted in MemoryUsed. It does not call the driver.
+//
+// Errors: a zero ptr, bytes <= 0.
+func (d *Device) Borrow(ptr uint64, bytes int64) (*Buffer, error) {
+	if ptr == 0 || bytes <= 0 {
+		return nil, fmt.Errorf("cuda: Borrow(%#x, %d): want a device address and bytes > 0", ptr, bytes)
+	}
+	return &Buffer{d: d, ptr: ptr, size: bytes, lent: true}, nil
 }
 
 // maxOrdinals bounds the device ordinals whose memory is counted.
@@ -120,10 +136,14 @@ func (b *Buffer) Len() int64 { return b.size }
 // Freed reports whether Free was called.
 func (b *Buffer) Freed() bool { return b.freed.Load() }
 
-// Free releases the memory (cuMemFree_v2). Later use returns ErrFreed; a
-// second Free does nothing. Work still queued on a stream that uses the
+// Free releases the memory (cuMemFree_v2; for a Borrow's Buffer nothing).
+// Later use returns ErrFreed; a second Free does nothing. Work still queued on a stream that uses the
 // buffer must be finished first (synchronize on it).
 func (b *Buffer) Free() error {
+	if b.lent {
+		b.freed.Store(true)
+		return nil
+	}
 	if b.counted.Swap(false) {
 		unreserve(b.d.Ordinal, b.size)
 	}

@@ -1,0 +1,425 @@
+package trainer
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/deepstates/dos/internal/comm"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/gptcuda"
+	"github.com/deepstates/dos/internal/nccl"
+	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// ZeRO-3 on GPUs (TrainConfig.GPUs > 1 with Device "cuda"): rank r drives
+// one GPU from its own goroutine, with its own stream, its gptcuda model
+// of Batch/GPUs rows, and its offload.Optimizer over its pieces of every
+// tensor (shardParams) on that GPU ("cuda:N"), the optimizer state in
+// pinned host memory and its update phase planned for its own share. Each
+// iteration, every rank, on its model's stream:
+//
+//  1. all-gathers each tensor's bf16 working copy, and the fp32 master
+//     weights of those the model reads in fp32 (gptcuda.FP32Tensors), from
+//     the ranks' pieces in their optimizers' device memory into its
+//     replica (gpuRank.gather);
+//  2. runs forward and backward on its rows, writing its bf16 gradients
+//     into its replica of the gradients;
+//  3. reduce-scatters them (Avg: the gradient of the mean loss over the
+//     global batch) into its optimizer's device gradients, block by block
+//     as the backward ends each (offload.Optimizer.GradsFinal then starts
+//     the update phase's work that needs no global value), or after the
+//     backward with TrainConfig.NoOverlap;
+//  4. steps its optimizer (zeroRanks.step: the sum of squares all-reduced
+//     on the host, so that every rank clips and skips alike).
+//
+// The replica is each tensor whole, padded to GPUs pieces of
+// ceil(numel/GPUs) elements, so that the all-gather writes into it and the
+// reduce-scatter reads from it in place; a piece shorter than that (the
+// last ranks', when GPUs does not divide numel) goes through a staging
+// piece, the rest are the optimizer's own device memory. The replica stays
+// allocated for the whole run (ZeRO-3's per-block gather and free is not
+// built: the model's parameters and gradients are whole on every GPU,
+// 4 B per parameter and 4 more for the fp32 ones; the optimizer state,
+// the part that does not fit, is sharded).
+//
+// The collectives are NCCL's (internal/nccl, ncclCommInitAll over GPUs
+// 0..GPUs-1 of this host), or with TrainConfig.Collectives "staged" they
+// go through pinned host memory (nccl.Staged), several ranks per GPU
+// allowed: how the sharded GPU iteration is tested on one GPU. The loss
+// and the gradient norm's sum of squares are scalars, all-reduced on the
+// host (zeroRank.c) since the ranks share a process.
+
+// gpuRank is a zeroRank's GPU side.
+type gpuRank struct {
+	g *gpuTrainer      // its model, stream and device
+	c nccl.Collectives // its end of the device communicator
+	// The replicas, every tensor padded to n pieces, one buffer each: the
+	// bf16 working copy the model reads (work), the bf16 gradients it
+	// writes (grad), and the fp32 master weights of the tensors it reads
+	// in fp32 (master, nil with --bf16-params). off[i] is tensor i's
+	// element offset in work and grad, moff[i] in master (-1: none).
+	work, grad, master *cuda.Buffer
+	off, moff          []int64
+	// stage holds the short pieces (short[i]): 2·piece bytes each for the
+	// working copy and the gradient (at soff[i]) and 4·piece for the
+	// master weights (at msoff[i]).
+	stage       *cuda.Buffer
+	soff, msoff []int64
+	short       []bool
+	piece       []int64 // each tensor's piece, ceil(numel/n) elements
+	// The optimizer's device memory of this rank's pieces (cuda.Borrow),
+	// nil for an empty piece: the working copy, the gradients and the
+	// master weights.
+	wv, gv, mv []*cuda.Buffer
+	opt        *offload.Optimizer
+	stream     scheduler.Stream // g.s, for GradsFinal
+	overlap    bool
+}
+
+// replicaAlign is the byte alignment of each tensor in the replicas, as
+// cuBLASLt and the vectorized kernels like their operands.
+const replicaAlign = 256
+
+// alignUp rounds n up to a multiple of a.
+func alignUp(n, a int64) int64 { return (n + a - 1) / a * a }
+
+// openGPUs opens every rank's GPU, model and replicas, then the device
+// communicator: NCCL over GPUs 0..n-1, or with cfg.Collectives "staged"
+// the collectives through host memory, rank r on GPU r mod the GPUs this
+// host has.
+//
+// Errors: fewer GPUs than ranks for NCCL (naming --collectives staged), no
+// NCCL, out of device memory, the models' and NCCL's own.
+func (z *zeroRanks) openGPUs(cfg *TrainConfig) error {
+	count, err := cuda.DeviceCount()
+	if err != nil {
+		return fmt.Errorf("trainer: --device cuda: %w", err)
+	}
+	staged := cfg.Collectives == "staged"
+	if !staged {
+		if count < z.n {
+			return fmt.Errorf("trainer: --gpus %d: this host has %d GPU(s), and NCCL runs one rank per GPU (--collectives staged runs several ranks on one GPU through host memory, slowly: for tests)", z.n, count)
+		}
+		if err := nccl.Available(); err != nil {
+			return fmt.Errorf("trainer: --gpus %d: %w (--collectives staged moves the collectives through host memory instead)", z.n, err)
+		}
+	}
+	devs := make([]*cuda.Device, z.n)
+	for _, rk := range z.ranks {
+		g, err := openGPU(cfg, rk.r%count, cfg.Batch/z.n)
+		if err != nil {
+			return fmt.Errorf("rank %d: %w", rk.r, err)
+		}
+		rk.gpu = &gpuRank{g: g}
+		devs[rk.r] = g.dev
+		if err := rk.gpu.alloc(cfg, z, rk.r); err != nil {
+			return fmt.Errorf("trainer: rank %d: %w", rk.r, err)
+		}
+	}
+	var cs []nccl.Collectives
+	if staged {
+		st, err := nccl.NewStaged(devs)
+		if err != nil {
+			return fmt.Errorf("trainer: %w", err)
+		}
+		for _, s := range st {
+			cs = append(cs, s)
+		}
+	} else {
+		cm, err := nccl.InitAll(devs)
+		if err != nil {
+			return fmt.Errorf("trainer: --gpus %d: %w", z.n, err)
+		}
+		for _, c := range cm {
+			cs = append(cs, c)
+		}
+	}
+	for r, rk := range z.ranks {
+		rk.gpu.c = cs[r]
+	}
+	return nil
+}
+
+// share returns how many ranks run on rank r's GPU.
+func (z *zeroRanks) share(r int) int {
+	n := 0
+	for _, rk := range z.ranks {
+		if rk.gpu != nil && rk.gpu.g.dev.Ordinal == z.ranks[r].gpu.g.dev.Ordinal {
+			n++
+		}
+	}
+	return n
+}
+
+// alloc allocates rank r's replicas and staging piece (zeroed).
+func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
+	k := len(z.lens)
+	gr.off, gr.moff, gr.soff, gr.msoff = make([]int64, k), make([]int64, k), make([]int64, k), make([]int64, k)
+	gr.short, gr.piece = make([]bool, k), make([]int64, k)
+	fp32 := make([]bool, k)
+	if !cfg.BF16Params {
+		for _, i := range gptcuda.FP32Tensors(cfg.Model) {
+			fp32[i] = true
+		}
+	}
+	var words, mwords, stage int64 // bytes of work/grad, master, stage
+	for i, l := range z.lens {
+		p := int64(z.piece[i])
+		gr.piece[i] = p
+		gr.off[i] = words / 2
+		words = alignUp(words+2*p*int64(z.n), replicaAlign)
+		gr.moff[i], gr.soff[i], gr.msoff[i] = -1, -1, -1
+		if fp32[i] {
+			gr.moff[i] = mwords / 4
+			mwords = alignUp(mwords+4*p*int64(z.n), replicaAlign)
+		}
+		if lo, hi := pieceOf(l, z.n, r); int64(hi-lo) < p {
+			gr.short[i] = true
+			gr.soff[i] = stage
+			stage = alignUp(stage+2*p, replicaAlign)
+			if fp32[i] {
+				gr.msoff[i] = stage
+				stage = alignUp(stage+4*p, replicaAlign)
+			}
+		}
+	}
+	d, s := gr.g.dev, gr.g.s
+	var err error
+	for _, b := range []struct {
+		buf   **cuda.Buffer
+		bytes int64
+	}{{&gr.work, words}, {&gr.grad, words}, {&gr.master, mwords}, {&gr.stage, stage}} {
+		if b.bytes == 0 {
+			continue
+		}
+		if *b.buf, err = d.Alloc(b.bytes); err != nil {
+			return err
+		}
+		if err := s.Memset(*b.buf, 0, b.bytes, 0); err != nil {
+			return err
+		}
+	}
+	return s.Sync()
+}
+
+// bind takes opt's device views of this rank's pieces, points the model
+// at the replicas (its fp32 masters too) and brings opt's state to the
+// device.
+func (gr *gpuRank) bind(opt *offload.Optimizer, cfg *TrainConfig) error {
+	g, n := gr.g, len(opt.Params())
+	gr.opt, gr.stream = opt, scheduler.CUDAStream(g.s)
+	gr.wv, gr.gv, gr.mv = make([]*cuda.Buffer, n), make([]*cuda.Buffer, n), make([]*cuda.Buffer, n)
+	g.w, g.g, g.masters = make([]uint64, n), make([]uint64, n), make([]uint64, n)
+	borrow := func(t offload.DeviceTensor, err error) (*cuda.Buffer, error) {
+		if err != nil || t.Len == 0 {
+			return nil, err
+		}
+		return g.dev.Borrow(t.Ptr, t.Bytes())
+	}
+	var err error
+	for i := range n {
+		if gr.wv[i], err = borrow(opt.DeviceWorking(i)); err != nil {
+			return err
+		}
+		if gr.gv[i], err = borrow(opt.DeviceGrad(i)); err != nil {
+			return err
+		}
+		g.w[i] = gr.work.Ptr() + 2*uint64(gr.off[i])
+		g.g[i] = gr.grad.Ptr() + 2*uint64(gr.off[i])
+		if gr.moff[i] >= 0 {
+			if gr.mv[i], err = borrow(opt.DeviceMaster(i)); err != nil {
+				return err
+			}
+			g.masters[i] = gr.master.Ptr() + 4*uint64(gr.moff[i])
+		}
+	}
+	if err := g.m.SetMasters(g.masters); err != nil {
+		return err
+	}
+	gr.overlap = opt.Options().OverlapBackward
+	g.m.OnBlockBackward(nil)
+	if gr.overlap {
+		g.blocks, g.rest = finalAfter(cfg.Model.NLayer)
+		g.m.OnBlockBackward(func(l int) error { return gr.reduceScatter(g.blocks[l]) })
+	}
+	return opt.SyncDevice()
+}
+
+// grouped runs f, the collectives of one rank, as one NCCL group (one
+// launch) when c is NCCL's; Staged's calls each wait anyway.
+func grouped(c nccl.Collectives, f func() error) error {
+	if _, ok := c.(*nccl.Comm); !ok {
+		return f()
+	}
+	if err := nccl.GroupStart(); err != nil {
+		return err
+	}
+	err := f()
+	return errors.Join(err, nccl.GroupEnd())
+}
+
+// pieceSpan returns the span a collective sends or receives tensor i's
+// piece of es-byte elements (p of them) through: the optimizer's device
+// memory v, or the staging piece at off when the piece is short.
+func (gr *gpuRank) pieceSpan(i int, v *cuda.Buffer, off int64, es, p int64) nccl.Span {
+	if gr.short[i] {
+		return nccl.Span{Buf: gr.stage, Off: off, Len: es * p}
+	}
+	return nccl.Span{Buf: v, Len: es * p}
+}
+
+// gather all-gathers every tensor's working copy (and master weights)
+// into the replicas, on the model's stream.
+func (gr *gpuRank) gather(z *zeroRanks) error {
+	s := gr.g.s
+	for i := range z.lens {
+		if gr.short[i] && gr.wv[i] != nil {
+			if err := s.CopyDtoD(gr.stage, gr.soff[i], gr.wv[i], 0, gr.wv[i].Len()); err != nil {
+				return err
+			}
+			if gr.mv[i] != nil {
+				if err := s.CopyDtoD(gr.stage, gr.msoff[i], gr.mv[i], 0, gr.mv[i].Len()); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	n := int64(z.n)
+	return grouped(gr.c, func() error {
+		for i := range z.lens {
+			p := gr.piece[i]
+			if err := gr.c.AllGather(s, gr.pieceSpan(i, gr.wv[i], gr.soff[i], 2, p), nccl.Span{Buf: gr.work, Off: 2 * gr.off[i], Len: 2 * n * p}, comm.BF16); err != nil {
+				return fmt.Errorf("all-gather of %s's working copy: %w", gr.opt.Params()[i].Name, err)
+			}
+			if gr.moff[i] >= 0 {
+				if err := gr.c.AllGather(s, gr.pieceSpan(i, gr.mv[i], gr.msoff[i], 4, p), nccl.Span{Buf: gr.master, Off: 4 * gr.moff[i], Len: 4 * n * p}, comm.F32); err != nil {
+					return fmt.Errorf("all-gather of %s's master weights: %w", gr.opt.Params()[i].Name, err)
+				}
+			}
+		}
+		return nil
+	})
+}
+
+// reduceScatter reduce-scatters the gradients of tensors idx from the
+// replica into the optimizer's device gradients (their mean over the
+// ranks), on the model's stream, and with the overlap tells the
+// optimizer they are final (GradsFinal).
+func (gr *gpuRank) reduceScatter(idx []int) error {
+	s, n := gr.g.s, int64(gr.c.Size())
+	err := grouped(gr.c, func() error {
+		for _, i := range idx {
+			p := gr.piece[i]
+			if err := gr.c.ReduceScatter(s, nccl.Span{Buf: gr.grad, Off: 2 * gr.off[i], Len: 2 * n * p}, gr.pieceSpan(i, gr.gv[i], gr.soff[i], 2, p), comm.BF16, comm.Avg); err != nil {
+				return fmt.Errorf("reduce-scatter of %s's gradient: %w", gr.opt.Params()[i].Name, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	for _, i := range idx {
+		if gr.short[i] && gr.gv[i] != nil {
+			if err := s.CopyDtoD(gr.gv[i], 0, gr.stage, gr.soff[i], gr.gv[i].Len()); err != nil {
+				return err
+			}
+		}
+	}
+	if gr.overlap {
+		return gr.opt.GradsFinal(gr.stream, idx...)
+	}
+	return nil
+}
+
+// forwardBackward runs steps 1-3 of the iteration on this rank's rows
+// inputs and targets and returns its loss (the mean over its rows); the
+// gradients are in the optimizer's device memory when it returns.
+func (gr *gpuRank) forwardBackward(z *zeroRanks, inputs, targets []int32, scale float32) (float64, error) {
+	g := gr.g
+	if err := gr.gather(z); err != nil {
+		return 0, err
+	}
+	if err := g.m.Forward(g.w, inputs, targets, scale); err != nil {
+		return 0, err
+	}
+	if err := g.m.Backward(g.w, g.g); err != nil {
+		return 0, err
+	}
+	rest := g.rest
+	if !gr.overlap {
+		rest = z.all
+	}
+	if err := gr.reduceScatter(rest); err != nil {
+		return 0, err
+	}
+	return g.m.Loss() // waits for the stream
+}
+
+// loss returns the mean loss over this rank's rows without gradients, the
+// replicas gathered before.
+func (gr *gpuRank) loss(inputs, targets []int32) (float64, error) {
+	if err := gr.g.m.Forward(gr.g.w, inputs, targets, 0); err != nil {
+		return 0, err
+	}
+	return gr.g.m.Loss()
+}
+
+// close frees the borrowed views, the replicas and the staging piece
+// (after the stream's work), the communicator's end and the model.
+func (gr *gpuRank) close() error {
+	if gr == nil {
+		return nil
+	}
+	var errs []error
+	if gr.g != nil && gr.g.s != nil {
+		errs = append(errs, gr.g.s.Sync())
+	}
+	for _, bs := range [][]*cuda.Buffer{gr.wv, gr.gv, gr.mv, {gr.work, gr.grad, gr.master, gr.stage}} {
+		for _, b := range bs {
+			if b != nil {
+				errs = append(errs, b.Free())
+			}
+		}
+	}
+	gr.wv, gr.gv, gr.mv, gr.work, gr.grad, gr.master, gr.stage = nil, nil, nil, nil, nil, nil, nil
+	if gr.c != nil {
+		errs = append(errs, gr.c.Close())
+		gr.c = nil
+	}
+	errs = append(errs, gr.g.close())
+	return errors.Join(errs...)
+}
+
+// replicaBytes returns the device memory of the rank's replicas and
+// staging piece.
+func (gr *gpuRank) replicaBytes() int64 {
+	var n int64
+	for _, b := range []*cuda.Buffer{gr.work, gr.grad, gr.master, gr.stage} {
+		if b != nil {
+			n += b.Len()
+		}
+	}
+	return n
+}
+
+// gpus returns how many GPUs the ranks run on (1 on the host).
+func (z *zeroRanks) gpus() int {
+	seen := map[int]bool{}
+	for _, rk := range z.ranks {
+		if rk.gpu != nil {
+			seen[rk.gpu.g.dev.Ordinal] = true
+		}
+	}
+	return max(len(seen), 1)
+}
+
+// about says how the GPU ranks communicate, for the run's first line.
+func (z *zeroRanks) about() string {
+	if _, ok := z.ranks[0].gpu.c.(*nccl.Comm); ok {
+		v, _, _ := nccl.Version()
+		return fmt.Sprintf("NCCL %d.%d.%d over %d GPUs", v/10000, v/100%100, v%100, z.gpus())
+	}
+	return fmt.Sprintf("staged through host memory, %d GPU(s)", z.gpus())
+}

@@ -1,0 +1,168 @@
+package trainer
+
+import (
+	"fmt"
+	"math"
+	"strings"
+	"testing"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/internal/cuda"
+	"github.com/deepstates/dos/internal/nccl"
+)
+
+// zeroGPUConfig is a small GPT-2 on the GPU (head size 64: flash
+// attention) with a batch of 6 rows (1, 2, 3 or 6 ranks), clipping
+// active.
+func zeroGPUConfig() TrainConfig {
+	c := DefaultTrainConfig()
+	c.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 2, NHead: 2, NEmbd: 128}
+	c.Batch, c.Device, c.Steps, c.DecaySteps = 6, "cuda", 8, 8
+	c.WorkingDType, c.GradDType = adam.BF16, adam.BF16
+	c.SubgroupSize = 40_000
+	c.SampleBytes, c.EvalBatches, c.LogEvery, c.CkptDir = 0, 2, 0, ""
+	c.MaxGradNorm = 0.5
+	return c
+}
+
+// zeroGPUTokens is token data for zeroGPUConfig.
+func zeroGPUTokens() []uint16 {
+	toks := make([]uint16, 12000)
+	for i := range toks {
+		toks[i] = uint16((i*7 + i/13 + i/101) % 256)
+	}
+	return toks
+}
+
+// TestZeROGPUMatchesOneGPU: ZeRO-3 on the GPU (--device cuda --gpus N)
+// over 2 and 3 ranks, on the same global batch, follows the single-GPU
+// trainer's trajectory within bf16 tolerance: every step's loss and
+// gradient norm (clipping active), and the final validation loss. Three
+// ranks make short and empty-padded pieces (width 128 and vocabulary 256
+// are not multiples of 3), which go through the staging piece; the fp32
+// master weights of the embeddings and LayerNorms are gathered too, and
+// --no-overlap reduce-scatters after the backward instead of block by
+// block. With one GPU the ranks share it through --collectives staged;
+// with two or more, NCCL runs too.
+func TestZeROGPUMatchesOneGPU(t *testing.T) {
+	gpuEnv(t)
+	setMemAvailable(t, 0, false)
+	toks := zeroGPUTokens()
+	c := zeroGPUConfig()
+	one, s1 := zeroRun(t, c, 1, toks)
+	if !(s1.FinalLoss < s1.InitialLoss) {
+		t.Fatalf("one GPU: loss %v -> %v, want it to fall", s1.InitialLoss, s1.FinalLoss)
+	}
+	gpus, err := cuda.DeviceCount()
+	if err != nil {
+		t.Fatal(err)
+	}
+	type variant struct {
+		ranks       int
+		collectives string
+		noOverlap   bool
+	}
+	vs := []variant{{2, "staged", false}, {3, "staged", false}, {2, "staged", true}}
+	if gpus >= 2 && nccl.Available() == nil {
+		vs = append(vs, variant{2, "nccl", false})
+		if gpus >= 3 {
+			vs = append(vs, variant{3, "nccl", false})
+		}
+	} else {
+		t.Logf("NCCL between GPUs not run: %d GPU(s), NCCL: %v", gpus, nccl.Available())
+	}
+	clipped := false
+	for _, v := range vs {
+		name := fmt.Sprintf("gpus=%d/%s/no-overlap=%v", v.ranks, v.collectives, v.noOverlap)
+		t.Run(name, func(t *testing.T) {
+			cc := c
+			cc.Collectives, cc.NoOverlap = v.collectives, v.noOverlap
+			got, s := zeroRun(t, cc, v.ranks, toks)
+			if len(got) != len(one) {
+				t.Fatalf("%d steps, one GPU %d", len(got), len(one))
+			}
+			worst := [2]float64{}
+			for i := range one {
+				for j, what := range []string{"loss", "grad_norm"} {
+					d := math.Abs(got[i][j]-one[i][j]) / math.Abs(one[i][j])
+					worst[j] = max(worst[j], d)
+					// bf16 gradients averaged in another order: a few
+					// bf16 ulps (2^-8) on the norm; the loss follows the
+					// weights, which move by lr-sized steps.
+					if tol := []float64{2e-3, 2e-2}[j]; d > tol {
+						t.Errorf("step %d: %s %v, one GPU %v (relative %.2g > %.2g)", i+1, what, got[i][j], one[i][j], d, tol)
+					}
+				}
+				clipped = clipped || one[i][1] > c.MaxGradNorm
+			}
+			if d := math.Abs(s.ValLoss-s1.ValLoss) / s1.ValLoss; d > 2e-3 || s.Params != s1.Params {
+				t.Errorf("val_loss %v, params %d; one GPU %v, %d", s.ValLoss, s.Params, s1.ValLoss, s1.Params)
+			}
+			t.Logf("8 steps: loss %.5f -> %.5f (one GPU %.5f -> %.5f); worst relative difference: loss %.2g, grad_norm %.2g; val_loss %.5f (%.5f); %.0f tokens/s",
+				got[0][0], got[len(got)-1][0], one[0][0], one[len(one)-1][0], worst[0], worst[1], s.ValLoss, s1.ValLoss, s.TokensPerS)
+		})
+	}
+	if !clipped {
+		t.Error("no step clipped: the global norm is not tested")
+	}
+}
+
+// TestZeROGPUResumeBitwise: two GPU ranks (staged: one GPU does) trained
+// 6 iterations straight, and 3 then resumed from the job's checkpoint to
+// 6, log the same losses and gradient norms bit for bit; the job commits
+// step 6 on both ranks.
+func TestZeROGPUResumeBitwise(t *testing.T) {
+	gpuEnv(t)
+	setMemAvailable(t, 0, false)
+	toks := zeroGPUTokens()
+	c := zeroGPUConfig()
+	c.Steps, c.DecaySteps, c.Collectives = 6, 6, "staged"
+	c.CkptDir, c.CkptEvery = t.TempDir(), 3
+	ref, _ := zeroRun(t, c, 2, toks)
+	c.CkptDir, c.Steps = t.TempDir(), 3
+	zeroRun(t, c, 2, toks)
+	c.Steps, c.Resume = 6, true
+	got, _ := zeroRun(t, c, 2, toks)
+	if len(got) != 3 {
+		t.Fatalf("the resumed run logged %d steps, want 3", len(got))
+	}
+	for i, g := range got {
+		if want := ref[3+i]; g != want {
+			t.Errorf("step %d after the resume: loss, norm %v; straight %v", 4+i, g, want)
+		}
+	}
+	if step, world, err := checkpoint.JobLatest(checkpoint.OS, c.CkptDir); step != 6 || world != 2 || err != nil {
+		t.Errorf("the job's latest: step %d of %d ranks, %v; want 6 of 2", step, world, err)
+	}
+}
+
+// TestZeROGPUErrors: more ranks than GPUs over NCCL is refused naming
+// --collectives staged; Sample and Evaluate run on rank 0's GPU after the
+// ranks' gather.
+func TestZeROGPUErrors(t *testing.T) {
+	gpuEnv(t)
+	setMemAvailable(t, 0, false)
+	gpus, err := cuda.DeviceCount()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := zeroGPUConfig()
+	c.Steps, c.GPUs, c.Batch = 2, gpus+1, 6*(gpus+1)
+	if _, err := NewTokens(c, zeroGPUTokens(), nil, nil); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("--gpus %d", gpus+1)) || !strings.Contains(err.Error(), "--collectives staged") {
+		t.Errorf("--gpus %d on %d GPUs over NCCL: %v", gpus+1, gpus, err)
+	}
+	c.Collectives, c.SampleBytes = "staged", 20
+	tr, err := NewTokens(c, zeroGPUTokens(), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tr.Close()
+	s, err := tr.Run()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s.Sample) < 20 || !(s.ValLoss > 0) || s.MFU <= 0 {
+		t.Errorf("sample %q, val_loss %v, MFU %v", s.Sample, s.ValLoss, s.MFU)
+	}
+}
