@@ -55,6 +55,9 @@ type gpuTrainer struct {
 	rest   []int
 	opt    *offload.Optimizer
 	stream scheduler.Stream // s, for GradsFinal
+	// beforeBlock, for a ZeRO-3 rank (gpuRank.beforeBlock), is the
+	// sampler's gptcuda.Model.BeforeBlock too.
+	beforeBlock func(l int, backward bool) error
 }
 
 // openGPU opens GPU ordinal (it shares the primary context with the
@@ -103,7 +106,7 @@ func openGPU(cfg *TrainConfig, ordinal, batch int) (*gpuTrainer, error) {
 func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) error {
 	deviceMasters(cfg, o)
 	if cfg.GPUBudget == 0 {
-		b, err := g.budget(cfg, o, offloadParams(cfg.Model), 1, 0)
+		b, err := g.budget(cfg, o, offloadParams(cfg.Model), 1)
 		if err != nil {
 			return err
 		}
@@ -182,9 +185,8 @@ func gpuAvailable() error {
 // and, with ranks, their replicas) over share, less what offload.New
 // allocates outside the budget (the gradients, the working copy and the
 // fp32 DeviceMasters of params), less the sampler's model when the run
-// samples (sampler: the rank that samples, or the only one), less a
-// margin.
-func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options, params []offload.Param, share int, rank int) (int64, error) {
+// samples, less a margin.
+func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options, params []offload.Param, share int) (int64, error) {
 	free, _, err := g.dev.MemInfo()
 	if err != nil {
 		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
@@ -205,7 +207,7 @@ func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options, params []offlo
 		}
 	}
 	b := (free-margin)/int64(share) - o.DeviceBytes(elems) - masters
-	if cfg.SampleBytes > 0 && rank == 0 { // room for the sampler's B = 1 model, made at the end
+	if cfg.SampleBytes > 0 { // room for the sampler's B = 1 model, made at the end (every rank samples)
 		b -= gptcuda.MemoryBytes(cfg.Model, 1, cfg.Model.NCtx, samplerOptions)
 	}
 	return max(b, 1), nil // 1, not 0: offload reads 0 as no limit
@@ -306,6 +308,7 @@ func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 			m.Close()
 			return nil, err
 		}
+		m.BeforeBlock(g.beforeBlock)
 		g.sampler = m
 		g.logits, g.toks = make([]float32, cfg.Model.VocabSize), make([]int32, T)
 	}

@@ -912,7 +912,11 @@ func (t *Trainer) Sample(prompt []byte, n int) (string, error) {
 	for made := 0; made < n && len(out)-len(prompt) < n; made++ {
 		window := ctx[max(0, len(ctx)-T):]
 		var logits []float32
-		if t.gpu != nil {
+		if t.zero != nil && t.gpu != nil {
+			if logits, err = t.zero.nextGPU(&t.cfg, window); err != nil {
+				return string(out), err
+			}
+		} else if t.gpu != nil {
 			if logits, err = t.gpu.next(&t.cfg, window); err != nil {
 				return string(out), err
 			}

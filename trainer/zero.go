@@ -46,7 +46,6 @@ type zeroRanks struct {
 	n     int
 	lens  []int // each tensor's elements
 	piece []int // each tensor's elements per rank's piece: ceil(len/n)
-	all   []int // every tensor's index
 	ranks []*zeroRank
 	// Lazy saves (saveLazily): each rank's engine on its rank root, made
 	// at the first save, and the handles of the last save, whose step the
@@ -117,10 +116,9 @@ func pieceOf(numel, n, r int) (lo, hi int) {
 // Errors: the device's, the profile's or the optimizer's.
 func newZero(cfg *TrainConfig, n int, out io.Writer) (*zeroRanks, error) {
 	z := &zeroRanks{n: n}
-	for i, t := range cfg.Model.Tensors() {
+	for _, t := range cfg.Model.Tensors() {
 		z.lens = append(z.lens, t.Numel())
 		z.piece = append(z.piece, (t.Numel()+n-1)/n)
-		z.all = append(z.all, i)
 	}
 	for r, end := range comm.NewLocal(n) {
 		z.ranks = append(z.ranks, &zeroRank{r: r, c: end})
@@ -184,7 +182,7 @@ func newZero(cfg *TrainConfig, n int, out io.Writer) (*zeroRanks, error) {
 	// before any optimizer's: each rank's share of its GPU.
 	for _, rk := range z.ranks {
 		if rk.gpu != nil && cfg.GPUBudget == 0 {
-			b, err := rk.gpu.g.budget(cfg, &opts[rk.r], shardParams(cfg.Model, n, rk.r), z.share(rk.r), rk.r)
+			b, err := rk.gpu.g.budget(cfg, &opts[rk.r], shardParams(cfg.Model, n, rk.r), z.share(rk.r))
 			if err != nil {
 				return fail(err)
 			}
@@ -297,7 +295,7 @@ func (z *zeroRanks) forwardBackward(cfg *TrainConfig, inputs, targets []int32, s
 	rows := len(inputs) / z.n
 	err := z.each(func(rk *zeroRank) error {
 		if rk.gpu != nil {
-			loss, err := rk.gpu.forwardBackward(z, inputs[rk.r*rows:(rk.r+1)*rows], targets[rk.r*rows:(rk.r+1)*rows], scale)
+			loss, err := rk.gpu.forwardBackward(inputs[rk.r*rows:(rk.r+1)*rows], targets[rk.r*rows:(rk.r+1)*rows], scale)
 			if err != nil {
 				return err
 			}
@@ -367,11 +365,22 @@ func (rk *zeroRank) allReduceLoss(loss float64) error {
 	return nil
 }
 
-// gatherGPU all-gathers every GPU rank's replica of the working copy (and
-// master weights), for Evaluate's and Sample's forward outside the
-// iteration.
+// gatherGPU all-gathers every GPU rank's replica of the tensors outside
+// the blocks (whose the models gather as they reach them), for Evaluate's
+// and Sample's forward outside the iteration.
 func (z *zeroRanks) gatherGPU() error {
-	return z.each(func(rk *zeroRank) error { return rk.gpu.gather(z) })
+	return z.each(func(rk *zeroRank) error { return rk.gpu.gather(rk.gpu.whole) })
+}
+
+// nextGPU returns the logits after the tokens of window for sampling:
+// every GPU rank runs its B = 1 model on window (their blocks' gathers
+// are collectives), and rank 0's logits are returned.
+func (z *zeroRanks) nextGPU(cfg *TrainConfig, window []int32) ([]float32, error) {
+	err := z.each(func(rk *zeroRank) error {
+		_, err := rk.gpu.g.next(cfg, window)
+		return err
+	})
+	return z.ranks[0].gpu.g.logits, err
 }
 
 // lossGPU returns the mean loss of a batch without gradients over the GPU

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/internal/comm"
 	"github.com/deepstates/dos/internal/cuda"
 	"github.com/deepstates/dos/internal/gptcuda"
@@ -19,46 +20,64 @@ import (
 // pinned host memory and its update phase planned for its own share. Each
 // iteration, every rank, on its model's stream:
 //
-//  1. all-gathers each tensor's bf16 working copy, and the fp32 master
-//     weights of those the model reads in fp32 (gptcuda.FP32Tensors), from
+//  1. all-gathers the bf16 working copy of the tensors outside the blocks'
+//     matrices (the embeddings, the LayerNorms, ln_f) and the fp32 master
+//     weights of those the model reads in fp32 (gptcuda.FP32Tensors) from
 //     the ranks' pieces in their optimizers' device memory into its
-//     replica (gpuRank.gather);
-//  2. runs forward and backward on its rows, writing its bf16 gradients
-//     into its replica of the gradients;
-//  3. reduce-scatters them (Avg: the gradient of the mean loss over the
-//     global batch) into its optimizer's device gradients, block by block
-//     as the backward ends each (offload.Optimizer.GradsFinal then starts
-//     the update phase's work that needs no global value), or after the
-//     backward with TrainConfig.NoOverlap;
+//     replica of them (gpuRank.gather);
+//  2. runs forward and backward on its rows; before each block's forward
+//     and backward (gptcuda.Model.BeforeBlock) it all-gathers that
+//     block's matrices and biases into one of two block slots, which
+//     the blocks take in turn (the last two blocks' are still there when
+//     the backward starts), and the block writes its bf16 gradients into
+//     one of two gradient slots;
+//  3. as the backward ends each block (OnBlockBackward), reduce-scatters
+//     its gradients (Avg: the gradient of the mean loss over the global
+//     batch) into its optimizer's device gradients, and the embeddings'
+//     after the backward; with the overlap (not TrainConfig.NoOverlap)
+//     offload.Optimizer.GradsFinal then starts the update phase's work
+//     that needs no global value;
 //  4. steps its optimizer (zeroRanks.step: the sum of squares all-reduced
 //     on the host, so that every rank clips and skips alike).
 //
-// The replica is each tensor whole, padded to GPUs pieces of
-// ceil(numel/GPUs) elements, so that the all-gather writes into it and the
-// reduce-scatter reads from it in place; a piece shorter than that (the
-// last ranks', when GPUs does not divide numel) goes through a staging
-// piece, the rest are the optimizer's own device memory. The replica stays
-// allocated for the whole run (ZeRO-3's per-block gather and free is not
-// built: the model's parameters and gradients are whole on every GPU,
-// 4 B per parameter and 4 more for the fp32 ones; the optimizer state,
-// the part that does not fit, is sharded).
+// So a GPU holds, besides its activations and its 1/GPUs of the working
+// copy and gradients, the tensors outside the blocks' matrices whole and
+// two blocks' matrices: ZeRO-3's parameter partitioning (DeepSpeed's
+// stage 3 gathers and releases each module's parameters the same way).
+// Each replica is padded to GPUs pieces of ceil(numel/GPUs) elements, so
+// that the all-gather writes into it and the reduce-scatter reads from it
+// in place; a piece shorter than that (the last ranks', when GPUs does not
+// divide numel) goes through a staging piece, the others are the
+// optimizer's own device memory (cuda.Device.Borrow).
 //
 // The collectives are NCCL's (internal/nccl, ncclCommInitAll over GPUs
 // 0..GPUs-1 of this host), or with TrainConfig.Collectives "staged" they
 // go through pinned host memory (nccl.Staged), several ranks per GPU
-// allowed: how the sharded GPU iteration is tested on one GPU. The loss
-// and the gradient norm's sum of squares are scalars, all-reduced on the
-// host (zeroRank.c) since the ranks share a process.
+// allowed: how the sharded GPU iteration is tested on one GPU. They run on
+// the model's stream, between its kernels (no overlap of a block's gather
+// with the previous block's compute yet). The loss and the gradient norm's
+// sum of squares are scalars, all-reduced on the host (zeroRank.c) since
+// the ranks share a process. Sampling runs on every rank (each its own
+// B = 1 model, whose blocks are gathered as the training model's); rank
+// 0's logits are drawn from.
+
+// streamedOffsets are the gpt.PerLayer offsets of the tensors gathered
+// block by block: every block tensor but its LayerNorms' (block l's
+// forward reads block l+1's ln_1, so those stay whole with the other
+// small tensors).
+var streamedOffsets = []int{gpt.AttnW, gpt.AttnB, gpt.AttnProjW, gpt.AttnProjB, gpt.FcW, gpt.FcB, gpt.FcProjW, gpt.FcProjB}
 
 // gpuRank is a zeroRank's GPU side.
 type gpuRank struct {
 	g *gpuTrainer      // its model, stream and device
 	c nccl.Collectives // its end of the device communicator
-	// The replicas, every tensor padded to n pieces, one buffer each: the
-	// bf16 working copy the model reads (work), the bf16 gradients it
-	// writes (grad), and the fp32 master weights of the tensors it reads
-	// in fp32 (master, nil with --bf16-params). off[i] is tensor i's
-	// element offset in work and grad, moff[i] in master (-1: none).
+	// The replicas, each tensor padded to n pieces: the bf16 working copy
+	// the model reads (work), the bf16 gradients it writes (grad), and
+	// the fp32 master weights of the tensors it reads in fp32 (master,
+	// nil with --bf16-params). work and grad hold the whole tensors
+	// first, then two block slots of the streamed tensors. off[i] is
+	// tensor i's element offset in work and grad (block l's streamed
+	// tensors in slot l mod 2), moff[i] in master (-1: none).
 	work, grad, master *cuda.Buffer
 	off, moff          []int64
 	// stage holds the short pieces (short[i]): 2·piece bytes each for the
@@ -68,6 +87,13 @@ type gpuRank struct {
 	soff, msoff []int64
 	short       []bool
 	piece       []int64 // each tensor's piece, ceil(numel/n) elements
+	// whole lists the tensors gathered at the start of a pass, blocks[l]
+	// block l's streamed ones (gathered by BeforeBlock); final[l] the
+	// tensors whose gradients block l's backward ends (finalAfter), rest
+	// those the backward's end does.
+	whole         []int
+	blocks, final [][]int
+	rest          []int
 	// The optimizer's device memory of this rank's pieces (cuda.Borrow),
 	// nil for an empty piece: the working copy, the gradients and the
 	// master weights.
@@ -154,7 +180,7 @@ func (z *zeroRanks) share(r int) int {
 
 // alloc allocates rank r's replicas and staging piece (zeroed).
 func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
-	k := len(z.lens)
+	k, L := len(z.lens), cfg.Model.NLayer
 	gr.off, gr.moff, gr.soff, gr.msoff = make([]int64, k), make([]int64, k), make([]int64, k), make([]int64, k)
 	gr.short, gr.piece = make([]bool, k), make([]int64, k)
 	fp32 := make([]bool, k)
@@ -163,16 +189,37 @@ func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
 			fp32[i] = true
 		}
 	}
-	var words, mwords, stage int64 // bytes of work/grad, master, stage
+	streamed := make([]int, k) // 1 + the tensor's index in streamedOffsets, 0 for a whole one
+	gr.blocks = make([][]int, L)
+	for l := range L {
+		for j, o := range streamedOffsets {
+			i := gpt.LayerBase(l) + o
+			streamed[i] = j + 1
+			gr.blocks[l] = append(gr.blocks[l], i)
+		}
+	}
+	gr.final, gr.rest = finalAfter(L)
+	n := int64(z.n)
+	var words, mwords, stage int64 // bytes of the whole tensors, the masters, stage
+	slot := make([]int64, len(streamedOffsets))
+	var slotBytes int64
 	for i, l := range z.lens {
 		p := int64(z.piece[i])
 		gr.piece[i] = p
-		gr.off[i] = words / 2
-		words = alignUp(words+2*p*int64(z.n), replicaAlign)
 		gr.moff[i], gr.soff[i], gr.msoff[i] = -1, -1, -1
+		if j := streamed[i]; j > 0 {
+			if i < gpt.LayerBase(1) { // block 0's lay out the slot
+				slot[j-1] = slotBytes
+				slotBytes = alignUp(slotBytes+2*p*n, replicaAlign)
+			}
+		} else {
+			gr.whole = append(gr.whole, i)
+			gr.off[i] = words / 2
+			words = alignUp(words+2*p*n, replicaAlign)
+		}
 		if fp32[i] {
 			gr.moff[i] = mwords / 4
-			mwords = alignUp(mwords+4*p*int64(z.n), replicaAlign)
+			mwords = alignUp(mwords+4*p*n, replicaAlign)
 		}
 		if lo, hi := pieceOf(l, z.n, r); int64(hi-lo) < p {
 			gr.short[i] = true
@@ -184,6 +231,12 @@ func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
 			}
 		}
 	}
+	for l, idx := range gr.blocks {
+		for j, i := range idx {
+			gr.off[i] = (words + int64(l%2)*slotBytes + slot[j]) / 2
+		}
+	}
+	words += 2 * slotBytes
 	d, s := gr.g.dev, gr.g.s
 	var err error
 	for _, b := range []struct {
@@ -204,8 +257,8 @@ func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
 }
 
 // bind takes opt's device views of this rank's pieces, points the model
-// at the replicas (its fp32 masters too) and brings opt's state to the
-// device.
+// at the replicas (its fp32 masters too), sets its hooks, and brings
+// opt's state to the device.
 func (gr *gpuRank) bind(opt *offload.Optimizer, cfg *TrainConfig) error {
 	g, n := gr.g, len(opt.Params())
 	gr.opt, gr.stream = opt, scheduler.CUDAStream(g.s)
@@ -238,12 +291,20 @@ func (gr *gpuRank) bind(opt *offload.Optimizer, cfg *TrainConfig) error {
 		return err
 	}
 	gr.overlap = opt.Options().OverlapBackward
-	g.m.OnBlockBackward(nil)
-	if gr.overlap {
-		g.blocks, g.rest = finalAfter(cfg.Model.NLayer)
-		g.m.OnBlockBackward(func(l int) error { return gr.reduceScatter(g.blocks[l]) })
-	}
+	g.beforeBlock = gr.beforeBlock
+	g.m.BeforeBlock(gr.beforeBlock)
+	g.m.OnBlockBackward(func(l int) error { return gr.reduceScatter(gr.final[l]) })
 	return opt.SyncDevice()
+}
+
+// beforeBlock is the models' BeforeBlock: it all-gathers block l's
+// streamed tensors into their slot, except in the backward of the last
+// two blocks, whose slots still hold what their forward read.
+func (gr *gpuRank) beforeBlock(l int, backward bool) error {
+	if backward && l >= len(gr.blocks)-2 {
+		return nil
+	}
+	return gr.gather(gr.blocks[l])
 }
 
 // grouped runs f, the collectives of one rank, as one NCCL group (one
@@ -269,11 +330,11 @@ func (gr *gpuRank) pieceSpan(i int, v *cuda.Buffer, off int64, es, p int64) nccl
 	return nccl.Span{Buf: v, Len: es * p}
 }
 
-// gather all-gathers every tensor's working copy (and master weights)
-// into the replicas, on the model's stream.
-func (gr *gpuRank) gather(z *zeroRanks) error {
+// gather all-gathers the working copy (and master weights) of tensors
+// idx into the replicas, on the model's stream.
+func (gr *gpuRank) gather(idx []int) error {
 	s := gr.g.s
-	for i := range z.lens {
+	for _, i := range idx {
 		if gr.short[i] && gr.wv[i] != nil {
 			if err := s.CopyDtoD(gr.stage, gr.soff[i], gr.wv[i], 0, gr.wv[i].Len()); err != nil {
 				return err
@@ -285,9 +346,9 @@ func (gr *gpuRank) gather(z *zeroRanks) error {
 			}
 		}
 	}
-	n := int64(z.n)
+	n := int64(gr.c.Size())
 	return grouped(gr.c, func() error {
-		for i := range z.lens {
+		for _, i := range idx {
 			p := gr.piece[i]
 			if err := gr.c.AllGather(s, gr.pieceSpan(i, gr.wv[i], gr.soff[i], 2, p), nccl.Span{Buf: gr.work, Off: 2 * gr.off[i], Len: 2 * n * p}, comm.BF16); err != nil {
 				return fmt.Errorf("all-gather of %s's working copy: %w", gr.opt.Params()[i].Name, err)
@@ -336,9 +397,9 @@ func (gr *gpuRank) reduceScatter(idx []int) error {
 // forwardBackward runs steps 1-3 of the iteration on this rank's rows
 // inputs and targets and returns its loss (the mean over its rows); the
 // gradients are in the optimizer's device memory when it returns.
-func (gr *gpuRank) forwardBackward(z *zeroRanks, inputs, targets []int32, scale float32) (float64, error) {
+func (gr *gpuRank) forwardBackward(inputs, targets []int32, scale float32) (float64, error) {
 	g := gr.g
-	if err := gr.gather(z); err != nil {
+	if err := gr.gather(gr.whole); err != nil {
 		return 0, err
 	}
 	if err := g.m.Forward(g.w, inputs, targets, scale); err != nil {
@@ -347,18 +408,14 @@ func (gr *gpuRank) forwardBackward(z *zeroRanks, inputs, targets []int32, scale 
 	if err := g.m.Backward(g.w, g.g); err != nil {
 		return 0, err
 	}
-	rest := g.rest
-	if !gr.overlap {
-		rest = z.all
-	}
-	if err := gr.reduceScatter(rest); err != nil {
+	if err := gr.reduceScatter(gr.rest); err != nil {
 		return 0, err
 	}
 	return g.m.Loss() // waits for the stream
 }
 
-// loss returns the mean loss over this rank's rows without gradients, the
-// replicas gathered before.
+// loss returns the mean loss over this rank's rows without gradients
+// (the whole tensors gathered before: zeroRanks.gatherGPU).
 func (gr *gpuRank) loss(inputs, targets []int32) (float64, error) {
 	if err := gr.g.m.Forward(gr.g.w, inputs, targets, 0); err != nil {
 		return 0, err

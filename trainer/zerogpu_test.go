@@ -43,7 +43,9 @@ func zeroGPUTokens() []uint16 {
 // are not multiples of 3), which go through the staging piece; the fp32
 // master weights of the embeddings and LayerNorms are gathered too, and
 // --no-overlap reduce-scatters after the backward instead of block by
-// block. With one GPU the ranks share it through --collectives staged;
+// block, and --schedule cpu updates every rank's shard on the CPU (the
+// gradients D2H as each block's are final). With one GPU the ranks share
+// it through --collectives staged;
 // with two or more, NCCL runs too.
 func TestZeROGPUMatchesOneGPU(t *testing.T) {
 	gpuEnv(t)
@@ -62,22 +64,23 @@ func TestZeROGPUMatchesOneGPU(t *testing.T) {
 		ranks       int
 		collectives string
 		noOverlap   bool
+		schedule    string
 	}
-	vs := []variant{{2, "staged", false}, {3, "staged", false}, {2, "staged", true}}
+	vs := []variant{{2, "staged", false, ""}, {3, "staged", false, ""}, {2, "staged", true, ""}, {2, "staged", false, "cpu"}}
 	if gpus >= 2 && nccl.Available() == nil {
-		vs = append(vs, variant{2, "nccl", false})
+		vs = append(vs, variant{2, "nccl", false, ""})
 		if gpus >= 3 {
-			vs = append(vs, variant{3, "nccl", false})
+			vs = append(vs, variant{3, "nccl", false, ""})
 		}
 	} else {
 		t.Logf("NCCL between GPUs not run: %d GPU(s), NCCL: %v", gpus, nccl.Available())
 	}
 	clipped := false
 	for _, v := range vs {
-		name := fmt.Sprintf("gpus=%d/%s/no-overlap=%v", v.ranks, v.collectives, v.noOverlap)
+		name := fmt.Sprintf("gpus=%d/%s/no-overlap=%v/schedule=%s", v.ranks, v.collectives, v.noOverlap, v.schedule)
 		t.Run(name, func(t *testing.T) {
 			cc := c
-			cc.Collectives, cc.NoOverlap = v.collectives, v.noOverlap
+			cc.Collectives, cc.NoOverlap, cc.Schedule = v.collectives, v.noOverlap, v.schedule
 			got, s := zeroRun(t, cc, v.ranks, toks)
 			if len(got) != len(one) {
 				t.Fatalf("%d steps, one GPU %d", len(got), len(one))
@@ -90,13 +93,13 @@ func TestZeROGPUMatchesOneGPU(t *testing.T) {
 					// bf16 gradients averaged in another order: a few
 					// bf16 ulps (2^-8) on the norm; the loss follows the
 					// weights, which move by lr-sized steps.
-					if tol := []float64{2e-3, 2e-2}[j]; d > tol {
+					if tol := []float64{5e-4, 5e-3}[j]; d > tol {
 						t.Errorf("step %d: %s %v, one GPU %v (relative %.2g > %.2g)", i+1, what, got[i][j], one[i][j], d, tol)
 					}
 				}
 				clipped = clipped || one[i][1] > c.MaxGradNorm
 			}
-			if d := math.Abs(s.ValLoss-s1.ValLoss) / s1.ValLoss; d > 2e-3 || s.Params != s1.Params {
+			if d := math.Abs(s.ValLoss-s1.ValLoss) / s1.ValLoss; d > 5e-4 || s.Params != s1.Params {
 				t.Errorf("val_loss %v, params %d; one GPU %v, %d", s.ValLoss, s.Params, s1.ValLoss, s1.Params)
 			}
 			t.Logf("8 steps: loss %.5f -> %.5f (one GPU %.5f -> %.5f); worst relative difference: loss %.2g, grad_norm %.2g; val_loss %.5f (%.5f); %.0f tokens/s",
@@ -138,8 +141,9 @@ func TestZeROGPUResumeBitwise(t *testing.T) {
 }
 
 // TestZeROGPUErrors: more ranks than GPUs over NCCL is refused naming
-// --collectives staged; Sample and Evaluate run on rank 0's GPU after the
-// ranks' gather.
+// --collectives staged; with staged ranks a deeper model trains, its
+// blocks gathered two at a time, and Evaluate and Sample run (every rank
+// forward, rank 0's logits drawn from).
 func TestZeROGPUErrors(t *testing.T) {
 	gpuEnv(t)
 	setMemAvailable(t, 0, false)
@@ -152,7 +156,7 @@ func TestZeROGPUErrors(t *testing.T) {
 	if _, err := NewTokens(c, zeroGPUTokens(), nil, nil); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("--gpus %d", gpus+1)) || !strings.Contains(err.Error(), "--collectives staged") {
 		t.Errorf("--gpus %d on %d GPUs over NCCL: %v", gpus+1, gpus, err)
 	}
-	c.Collectives, c.SampleBytes = "staged", 20
+	c.Collectives, c.SampleBytes, c.Model.NLayer = "staged", 20, 6
 	tr, err := NewTokens(c, zeroGPUTokens(), nil, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -162,7 +166,16 @@ func TestZeROGPUErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(s.Sample) < 20 || !(s.ValLoss > 0) || s.MFU <= 0 {
-		t.Errorf("sample %q, val_loss %v, MFU %v", s.Sample, s.ValLoss, s.MFU)
+	if len(s.Sample) < 20 || !(s.ValLoss > 0) || !(s.FinalLoss < s.InitialLoss) || s.MFU <= 0 {
+		t.Errorf("sample %q, loss %v -> %v, val_loss %v, MFU %v", s.Sample, s.InitialLoss, s.FinalLoss, s.ValLoss, s.MFU)
 	}
+	// Two of the six blocks' matrices are on a GPU at a time: the bf16
+	// working copy's replica is well under the whole model's 2 B per
+	// parameter (the blocks' matrices are 95 % of it here).
+	work, whole := tr.zero.ranks[0].gpu.work.Len(), 2*int64(s.Params)
+	if work > whole/2 {
+		t.Errorf("rank 0's working-copy replica is %d bytes, the whole model's %d: want under half", work, whole)
+	}
+	t.Logf("%d ranks on %d GPU(s): loss %.4f -> %.4f, sample %q; rank 0's replicas %d bytes (work %d; the whole model in bf16: %d)",
+		c.GPUs, gpus, s.InitialLoss, s.FinalLoss, s.Sample, tr.zero.ranks[0].gpu.replicaBytes(), work, whole)
 }

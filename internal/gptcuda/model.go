@@ -134,8 +134,9 @@ type Model struct {
 	lossBuf, logitBuf  *cuda.Buffer     // the buffers of act.lossesDev and act.logits
 	nseg               int              // wte segments of the last Forward
 	logitsHost         *cuda.HostBuffer
-	masters            []uint64          // SetMasters's, in gpt.Config.Tensors order; 0: read the bf16 tensor
-	onBlock            func(l int) error // OnBlockBackward's
+	masters            []uint64                         // SetMasters's, in gpt.Config.Tensors order; 0: read the bf16 tensor
+	onBlock            func(l int) error                // OnBlockBackward's
+	beforeBlock        func(l int, backward bool) error // BeforeBlock's
 	ok                 bool
 	act                activations
 	gemm               gemms

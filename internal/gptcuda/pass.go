@@ -206,6 +206,9 @@ func (m *Model) forward(w []uint64, loss bool, gradScale float32) error {
 		return err
 	}
 	for l := range m.l {
+		if err := m.before(l, false); err != nil {
+			return err
+		}
 		if err := m.block(w, l, true); err != nil {
 			return err
 		}
@@ -303,6 +306,34 @@ func (m *Model) Loss() (float64, error) {
 	return sum / float64(m.bt), nil
 }
 
+// BeforeBlock sets f, which Forward calls before it enqueues block l's
+// forward (l from 0 up, backward false) and Backward before it enqueues
+// block l's backward and, with Options.Recompute, its recomputed forward
+// (l from NLayer-1 down, backward true). What f enqueues on the model's
+// stream runs before the block's kernels and after the previous block's,
+// and the block's kernels read the addresses in the weight and gradient
+// lists when they are enqueued, after f: so f may fill the block's
+// tensors just in time, which is how ZeRO-3 all-gathers a block's
+// parameters before its forward and backward into memory the other
+// blocks reuse (DeepSpeed's stage 3 prefetches the same way; llm.c has no
+// such point). Block l's forward also reads block l+1's ln_1 weight and
+// bias (the residual add is fused with the next LayerNorm), and block l's
+// backward writes the gradients of its own tensors only. f runs on the
+// calling goroutine between launches, must not use the model, and its
+// error stops the pass. nil removes it.
+func (m *Model) BeforeBlock(f func(l int, backward bool) error) { m.beforeBlock = f }
+
+// before calls BeforeBlock's function, its error naming the block.
+func (m *Model) before(l int, backward bool) error {
+	if m.beforeBlock == nil {
+		return nil
+	}
+	if err := m.beforeBlock(l, backward); err != nil {
+		return fmt.Errorf("before block %d: %w", l, err)
+	}
+	return nil
+}
+
 // OnBlockBackward sets f, which Backward calls after it has enqueued the
 // backward of block l, for l from NLayer-1 down to 0: once the work on the
 // model's stream so far is done, the gradients of block l's tensors, of
@@ -363,6 +394,9 @@ func (m *Model) backward(w, dw []uint64) error {
 		return err
 	}
 	for l := L - 1; l >= 0; l-- {
+		if err := m.before(l, true); err != nil {
+			return err
+		}
 		if m.recompute && l < L-1 { // the last block's are still there from forward
 			if err := m.recomputeBlock(w, l); err != nil {
 				return fmt.Errorf("recomputing: %w", err)
