@@ -248,6 +248,12 @@ func tokensCRC(parts ...[]uint16) (uint32, int) {
 	return crc, n
 }
 
+// zeroOneRank, when set (tests), trains one rank through the ZeRO-3 path
+// (zero.go, zerogpu.go) over its collectives ("nccl" or "staged" on the
+// GPU, anything on the host): over one rank they are copies, so the
+// trajectory is the single rank's, bit for bit.
+var zeroOneRank string
+
 // newTrainer is New and NewTokens once the data is ready: id holds the
 // data's identity (TextCRC, TextBytes, Data) and about is said after the
 // model's line.
@@ -283,8 +289,8 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	// trainer's GPU is then rank 0's, which samples.
 	var gpu *gpuTrainer
 	var zero *zeroRanks
-	if cfg.GPUs > 1 {
-		if zero, err = newZero(&cfg, cfg.GPUs, out); err != nil {
+	if cfg.GPUs > 1 || zeroOneRank != "" {
+		if zero, err = newZero(&cfg, max(cfg.GPUs, 1), out); err != nil {
 			return nil, err
 		}
 		if r0 := zero.ranks[0].gpu; r0 != nil {

@@ -302,3 +302,33 @@ func TestZeROFirstSaveFails(t *testing.T) {
 		t.Errorf("a single-rank root resumed on 2 ranks: %v", err)
 	}
 }
+
+// TestZeROOneRankBitwise: one rank through the ZeRO-3 path on the host
+// and on the simulated device (zeroOneRank) logs the single-rank
+// trainer's losses and gradient norms bit for bit: over one rank the
+// collectives are copies.
+func TestZeROOneRankBitwise(t *testing.T) {
+	setMemAvailable(t, 0, false)
+	toks := make([]uint16, 4000)
+	for i := range toks {
+		toks[i] = uint16((i*5 + i/11) % 256)
+	}
+	for _, dev := range []string{"", "sim"} {
+		c := DefaultTrainConfig()
+		c.Model.NLayer, c.Model.NEmbd, c.Model.NHead, c.Model.NCtx = 2, 32, 2, 16
+		c.Batch, c.Steps, c.SampleBytes, c.EvalBatches, c.LogEvery, c.CkptDir = 4, 4, 0, 1, 0, ""
+		c.Device, c.MaxGradNorm = dev, 0.5
+		if dev == "sim" {
+			c.WorkingDType, c.GradDType, c.SubgroupSize = adam.BF16, adam.BF16, 1000
+		}
+		one, _ := zeroRun(t, c, 1, toks)
+		zeroOneRank = "local"
+		got, _ := zeroRun(t, c, 1, toks)
+		zeroOneRank = ""
+		for i := range one {
+			if got[i] != one[i] {
+				t.Errorf("device %q step %d: loss, norm %v through the ZeRO-3 path; %v without", dev, i+1, got[i], one[i])
+			}
+		}
+	}
+}

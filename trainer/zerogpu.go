@@ -122,7 +122,7 @@ func (z *zeroRanks) openGPUs(cfg *TrainConfig) error {
 	if err != nil {
 		return fmt.Errorf("trainer: --device cuda: %w", err)
 	}
-	staged := cfg.Collectives == "staged"
+	staged := cfg.Collectives == "staged" || zeroOneRank == "staged"
 	if !staged {
 		if count < z.n {
 			return fmt.Errorf("trainer: --gpus %d: this host has %d GPU(s), and NCCL runs one rank per GPU (--collectives staged runs several ranks on one GPU through host memory, slowly: for tests)", z.n, count)

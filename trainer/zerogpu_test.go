@@ -179,3 +179,34 @@ func TestZeROGPUErrors(t *testing.T) {
 	t.Logf("%d ranks on %d GPU(s): loss %.4f -> %.4f, sample %q; rank 0's replicas %d bytes (work %d; the whole model in bf16: %d)",
 		c.GPUs, gpus, s.InitialLoss, s.FinalLoss, s.Sample, tr.zero.ranks[0].gpu.replicaBytes(), work, whole)
 }
+
+// TestZeROGPUOneRank: one rank through the ZeRO-3 GPU path, over NCCL (a
+// communicator of one GPU) and staged, logs every step's loss and gradient
+// norm bit for bit as the single-GPU trainer does: the collectives over
+// one rank are copies, so this checks the replicas' layout, the block
+// slots, the borrowed optimizer memory and NCCL's groups on the model's
+// stream where one GPU is all there is.
+func TestZeROGPUOneRank(t *testing.T) {
+	gpuEnv(t)
+	setMemAvailable(t, 0, false)
+	toks := zeroGPUTokens()
+	c := zeroGPUConfig()
+	c.Model.NLayer, c.Steps, c.DecaySteps = 4, 5, 5
+	one, _ := zeroRun(t, c, 1, toks)
+	defer func() { zeroOneRank = "" }()
+	for _, coll := range []string{"nccl", "staged"} {
+		if coll == "nccl" && nccl.Available() != nil {
+			t.Errorf("no NCCL: %v", nccl.Available())
+			continue
+		}
+		zeroOneRank = coll
+		cc := c
+		got, _ := zeroRun(t, cc, 1, toks)
+		for i := range one {
+			if got[i] != one[i] {
+				t.Errorf("%s: step %d: loss, norm %v; the single-GPU trainer %v", coll, i+1, got[i], one[i])
+			}
+		}
+		t.Logf("%s, one rank: %d steps equal to the single-GPU trainer's, bit for bit (loss %.5f -> %.5f)", coll, len(got), got[0][0], got[len(got)-1][0])
+	}
+}
