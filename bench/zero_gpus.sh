@@ -53,8 +53,11 @@ train() {
 	return $rc
 }
 
-# field FILE KEY: a number from a summary.
-field() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2" 2>/dev/null || echo nan; }
+# field FILE KEY [SCALE FORMAT]: a number from a summary, times SCALE, in FORMAT (default: as it is).
+field() {
+	python3 -c "import json,sys; v=json.load(open(sys.argv[1]))[sys.argv[2]]*float(sys.argv[3]); print(format(v, sys.argv[4]))" \
+		"$1" "$2" "${3:-1}" "${4:-}" 2>/dev/null || echo nan
+}
 
 table="| part | GPUs | global batch | tokens/s | vs 1 GPU | worst loss diff | worst grad_norm diff | update phase (rank 0) |"$'\n'"|---|---|---|---|---|---|---|---|"$'\n'
 mb=${MATCH_BATCH:-8}
@@ -79,20 +82,20 @@ if train match-1 1 "$mb" "$ms"; then
 		)
 		read -r dl dg <<<"$diffs"
 		echo "match: --gpus $n, batch $mb: worst relative difference from 1 GPU over $ms steps: loss $dl, grad_norm $dg"
-		table+="| match | $n | $mb | $(field "$out/match-$n.json" tokens_per_s) | | $dl | $dg | $(field "$out/match-$n.json" update_s) s |"$'\n'
+		table+="| match | $n | $mb | $(field "$out/match-$n.json" tokens_per_s 1 .0f) | | $dl | $dg | $(field "$out/match-$n.json" update_s 1000 .1f) ms |"$'\n'
 	done
 fi
 b=${BATCH:-8}
 st=${STEPS:-12}
 if train scale-1 1 "$b" "$st"; then
-	t1=$(field "$out/scale-1.json" tokens_per_s)
-	table+="| scaling | 1 | $b | $t1 | 1.00× | | | $(field "$out/scale-1.json" update_s) s |"$'\n'
+	t1=$(field "$out/scale-1.json" tokens_per_s 1 .0f)
+	table+="| scaling | 1 | $b | $t1 | 1.00× | | | $(field "$out/scale-1.json" update_s 1000 .1f) ms |"$'\n'
 	for n in $ranks; do
 		train "scale-$n" "$n" $((b * n)) "$st" || continue
-		tn=$(field "$out/scale-$n.json" tokens_per_s)
+		tn=$(field "$out/scale-$n.json" tokens_per_s 1 .0f)
 		x=$(python3 -c "print(f'{$tn/$t1:.2f}')" 2>/dev/null || echo nan)
 		echo "scaling: --gpus $n, batch $((b * n)): $tn tokens/s, ${x}× 1 GPU's $t1"
-		table+="| scaling | $n | $((b * n)) | $tn | ${x}× | | | $(field "$out/scale-$n.json" update_s) s |"$'\n'
+		table+="| scaling | $n | $((b * n)) | $tn | ${x}× | | | $(field "$out/scale-$n.json" update_s 1000 .1f) ms |"$'\n'
 	done
 fi
 printf '\n%s' "$table"

@@ -29,8 +29,10 @@
 // own, all-gathers the working copy before forward, trains on Batch/N rows
 // of the global batch, reduce-scatters the averaged gradients into its
 // piece and steps with the whole model's gradient norm
-// (offload.StepArgs.Reduce), over internal/comm's in-process communicator.
-// For now on the host or Device "sim" (zero.go). Checkpoints of a job:
+// (offload.StepArgs.Reduce): on the host or Device "sim" over
+// internal/comm's in-process communicator (zero.go), with Device "cuda"
+// rank r on GPU r over NCCL, each block's matrices gathered just before
+// the block runs (zerogpu.go). Checkpoints of a job:
 // each rank saves into CkptDir/rank-%05d and the job commits the step in
 // CkptDir's latest once every rank's save is durable
 // (checkpoint.CommitJob); a resume needs the same ranks.
