@@ -369,7 +369,7 @@ func (rk *zeroRank) allReduceLoss(loss float64) error {
 // the blocks (whose the models gather as they reach them), for Evaluate's
 // and Sample's forward outside the iteration.
 func (z *zeroRanks) gatherGPU() error {
-	return z.each(func(rk *zeroRank) error { return rk.gpu.gather(rk.gpu.whole) })
+	return z.each(func(rk *zeroRank) error { return rk.gpu.gatherWhole() })
 }
 
 // nextGPU returns the logits after the tokens of window for sampling:

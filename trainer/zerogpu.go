@@ -54,8 +54,12 @@ import (
 // 0..GPUs-1 of this host), or with TrainConfig.Collectives "staged" they
 // go through pinned host memory (nccl.Staged), several ranks per GPU
 // allowed: how the sharded GPU iteration is tested on one GPU. They run on
-// the model's stream, between its kernels (no overlap of a block's gather
-// with the previous block's compute yet). The loss and the gradient norm's
+// a stream of their own, ordered against the model's by events: block
+// l+1's gather (l-1's in the backward) runs while block l computes, as
+// soon as the block that last read its slot is done, and block l's
+// reduce-scatter while block l-1's backward runs, which waits for it only
+// to reuse its gradient slot. (Staged's collectives wait on the host, so
+// there they do not overlap.) The loss and the gradient norm's
 // sum of squares are scalars, all-reduced on the host (zeroRank.c) since
 // the ranks share a process. Sampling runs on every rank (each its own
 // B = 1 model, whose blocks are gathered as the training model's); rank
@@ -99,8 +103,19 @@ type gpuRank struct {
 	// master weights.
 	wv, gv, mv []*cuda.Buffer
 	opt        *offload.Optimizer
-	stream     scheduler.Stream // g.s, for GradsFinal
 	overlap    bool
+	// cs is the collectives' stream (stream: it for GradsFinal). ready
+	// orders cs after the model's stream (recorded on it, waited at once
+	// by cs: ordered); wholeDone the model's stream after the whole
+	// tensors' gather and the end's reduce-scatter; gathered[s] is slot
+	// s's last gather, reduced[s] its gradients' last reduce-scatter;
+	// holds[s] the block whose matrices slot s holds (-1: none, or stale
+	// since the weights changed).
+	cs                *cuda.Stream
+	stream            scheduler.Stream
+	ready, wholeDone  *cuda.Event
+	gathered, reduced [2]*cuda.Event
+	holds             [2]int
 }
 
 // replicaAlign is the byte alignment of each tensor in the replicas, as
@@ -239,6 +254,15 @@ func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
 	words += 2 * slotBytes
 	d, s := gr.g.dev, gr.g.s
 	var err error
+	if gr.cs, err = d.NewStream(); err != nil {
+		return err
+	}
+	for _, e := range []**cuda.Event{&gr.ready, &gr.wholeDone, &gr.gathered[0], &gr.gathered[1], &gr.reduced[0], &gr.reduced[1]} {
+		if *e, err = d.NewEvent(false); err != nil {
+			return err
+		}
+	}
+	gr.holds = [2]int{-1, -1}
 	for _, b := range []struct {
 		buf   **cuda.Buffer
 		bytes int64
@@ -261,7 +285,7 @@ func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
 // opt's state to the device.
 func (gr *gpuRank) bind(opt *offload.Optimizer, cfg *TrainConfig) error {
 	g, n := gr.g, len(opt.Params())
-	gr.opt, gr.stream = opt, scheduler.CUDAStream(g.s)
+	gr.opt, gr.stream = opt, scheduler.CUDAStream(gr.cs)
 	gr.wv, gr.gv, gr.mv = make([]*cuda.Buffer, n), make([]*cuda.Buffer, n), make([]*cuda.Buffer, n)
 	g.w, g.g, g.masters = make([]uint64, n), make([]uint64, n), make([]uint64, n)
 	borrow := func(t offload.DeviceTensor, err error) (*cuda.Buffer, error) {
@@ -293,18 +317,98 @@ func (gr *gpuRank) bind(opt *offload.Optimizer, cfg *TrainConfig) error {
 	gr.overlap = opt.Options().OverlapBackward
 	g.beforeBlock = gr.beforeBlock
 	g.m.BeforeBlock(gr.beforeBlock)
-	g.m.OnBlockBackward(func(l int) error { return gr.reduceScatter(gr.final[l]) })
+	g.m.OnBlockBackward(gr.afterBlock)
 	return opt.SyncDevice()
 }
 
-// beforeBlock is the models' BeforeBlock: it all-gathers block l's
-// streamed tensors into their slot, except in the backward of the last
-// two blocks, whose slots still hold what their forward read.
-func (gr *gpuRank) beforeBlock(l int, backward bool) error {
-	if backward && l >= len(gr.blocks)-2 {
-		return nil
+// toComm orders the collectives' stream after the work enqueued on the
+// model's stream so far.
+func (gr *gpuRank) toComm() error {
+	if err := gr.ready.Record(gr.g.s); err != nil {
+		return err
 	}
-	return gr.gather(gr.blocks[l])
+	return gr.cs.Wait(gr.ready)
+}
+
+// issue enqueues block l's gather into its slot on the collectives'
+// stream, after the model's work so far (which holds the slot's last
+// reader).
+func (gr *gpuRank) issue(l int) error {
+	s := l % 2
+	gr.holds[s] = -1
+	if err := gr.toComm(); err != nil {
+		return err
+	}
+	if err := gr.gather(gr.cs, gr.blocks[l]); err != nil {
+		return err
+	}
+	if err := gr.gathered[s].Record(gr.cs); err != nil {
+		return err
+	}
+	gr.holds[s] = l
+	return nil
+}
+
+// beforeBlock is the models' BeforeBlock: block l's matrices in their
+// slot (gathered now if they are not there yet), its gradient slot free
+// (block l+2's reduce-scatter done), and the next block's gather
+// enqueued into the other slot (l+1 forward, l-1 backward), which block
+// l computes meanwhile.
+func (gr *gpuRank) beforeBlock(l int, backward bool) error {
+	s := l % 2
+	if gr.holds[s] != l {
+		if err := gr.issue(l); err != nil {
+			return err
+		}
+	}
+	if err := gr.g.s.Wait(gr.gathered[s]); err != nil {
+		return err
+	}
+	next := l + 1
+	if backward {
+		if err := gr.g.s.Wait(gr.reduced[s]); err != nil {
+			return err
+		}
+		next = l - 1
+	}
+	if next >= 0 && next < len(gr.blocks) && gr.holds[next%2] != next {
+		return gr.issue(next)
+	}
+	return nil
+}
+
+// afterBlock is the model's OnBlockBackward: block l's gradients
+// reduce-scattered on the collectives' stream once its backward is done.
+func (gr *gpuRank) afterBlock(l int) error {
+	if err := gr.toComm(); err != nil {
+		return err
+	}
+	if err := gr.reduceScatter(gr.cs, gr.final[l]); err != nil {
+		return err
+	}
+	return gr.reduced[l%2].Record(gr.cs)
+}
+
+// gatherWhole gathers the tensors outside the blocks' matrices (and
+// forgets what the slots hold: the weights changed since), the model's
+// stream ordered after it.
+func (gr *gpuRank) gatherWhole() error {
+	gr.holds = [2]int{-1, -1}
+	if err := gr.toComm(); err != nil {
+		return err
+	}
+	if err := gr.gather(gr.cs, gr.whole); err != nil {
+		return err
+	}
+	return gr.joinComm()
+}
+
+// joinComm orders the model's stream after the collectives' work so far.
+func (gr *gpuRank) joinComm() error {
+	if err := gr.wholeDone.Record(gr.cs); err != nil {
+		return err
+	}
+	return gr.g.s.Wait(gr.wholeDone)
 }
 
 // grouped runs f, the collectives of one rank, as one NCCL group (one
@@ -331,9 +435,8 @@ func (gr *gpuRank) pieceSpan(i int, v *cuda.Buffer, off int64, es, p int64) nccl
 }
 
 // gather all-gathers the working copy (and master weights) of tensors
-// idx into the replicas, on the model's stream.
-func (gr *gpuRank) gather(idx []int) error {
-	s := gr.g.s
+// idx into the replicas, on stream s.
+func (gr *gpuRank) gather(s *cuda.Stream, idx []int) error {
 	for _, i := range idx {
 		if gr.short[i] && gr.wv[i] != nil {
 			if err := s.CopyDtoD(gr.stage, gr.soff[i], gr.wv[i], 0, gr.wv[i].Len()); err != nil {
@@ -365,10 +468,10 @@ func (gr *gpuRank) gather(idx []int) error {
 
 // reduceScatter reduce-scatters the gradients of tensors idx from the
 // replica into the optimizer's device gradients (their mean over the
-// ranks), on the model's stream, and with the overlap tells the
+// ranks) on stream s (the collectives'), and with the overlap tells the
 // optimizer they are final (GradsFinal).
-func (gr *gpuRank) reduceScatter(idx []int) error {
-	s, n := gr.g.s, int64(gr.c.Size())
+func (gr *gpuRank) reduceScatter(s *cuda.Stream, idx []int) error {
+	n := int64(gr.c.Size())
 	err := grouped(gr.c, func() error {
 		for _, i := range idx {
 			p := gr.piece[i]
@@ -399,7 +502,7 @@ func (gr *gpuRank) reduceScatter(idx []int) error {
 // gradients are in the optimizer's device memory when it returns.
 func (gr *gpuRank) forwardBackward(inputs, targets []int32, scale float32) (float64, error) {
 	g := gr.g
-	if err := gr.gather(gr.whole); err != nil {
+	if err := gr.gatherWhole(); err != nil {
 		return 0, err
 	}
 	if err := g.m.Forward(g.w, inputs, targets, scale); err != nil {
@@ -408,10 +511,16 @@ func (gr *gpuRank) forwardBackward(inputs, targets []int32, scale float32) (floa
 	if err := g.m.Backward(g.w, g.g); err != nil {
 		return 0, err
 	}
-	if err := gr.reduceScatter(gr.rest); err != nil {
+	if err := gr.toComm(); err != nil {
 		return 0, err
 	}
-	return g.m.Loss() // waits for the stream
+	if err := gr.reduceScatter(gr.cs, gr.rest); err != nil {
+		return 0, err
+	}
+	if err := gr.joinComm(); err != nil {
+		return 0, err
+	}
+	return g.m.Loss() // waits for the model's stream, which waited for the collectives'
 }
 
 // loss returns the mean loss over this rank's rows without gradients
@@ -430,8 +539,16 @@ func (gr *gpuRank) close() error {
 		return nil
 	}
 	var errs []error
-	if gr.g != nil && gr.g.s != nil {
-		errs = append(errs, gr.g.s.Sync())
+	for _, st := range []*cuda.Stream{gr.cs, gr.g.s} {
+		if st != nil {
+			errs = append(errs, st.Sync())
+		}
+	}
+	for _, e := range []**cuda.Event{&gr.ready, &gr.wholeDone, &gr.gathered[0], &gr.gathered[1], &gr.reduced[0], &gr.reduced[1]} {
+		if *e != nil {
+			errs = append(errs, (*e).Free())
+			*e = nil
+		}
 	}
 	for _, bs := range [][]*cuda.Buffer{gr.wv, gr.gv, gr.mv, {gr.work, gr.grad, gr.master, gr.stage}} {
 		for _, b := range bs {
@@ -444,6 +561,10 @@ func (gr *gpuRank) close() error {
 	if gr.c != nil {
 		errs = append(errs, gr.c.Close())
 		gr.c = nil
+	}
+	if gr.cs != nil {
+		errs = append(errs, gr.cs.Free())
+		gr.cs = nil
 	}
 	errs = append(errs, gr.g.close())
 	return errors.Join(errs...)
