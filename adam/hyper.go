@@ -65,9 +65,11 @@ func (h Hyper) Validate() error {
 	return nil
 }
 
-// String formats h as PyTorch's keyword arguments.
+// String formats h as PyTorch's keyword arguments, each number to 10
+// significant digits (a scheduled lr such as 3e-4 computed as
+// 0.00030000000000000003 reads 0.0003).
 func (h Hyper) String() string {
-	return fmt.Sprintf("mode=%s lr=%g betas=(%g, %g) eps=%g weight_decay=%g amsgrad=%t maximize=%t",
+	return fmt.Sprintf("mode=%s lr=%.10g betas=(%.10g, %.10g) eps=%.10g weight_decay=%.10g amsgrad=%t maximize=%t",
 		h.Mode, h.LR, h.Betas[0], h.Betas[1], h.Eps, h.WeightDecay, h.AMSGrad, h.Maximize)
 }
 

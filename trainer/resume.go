@@ -93,7 +93,10 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 	step, note, err := checkpoint.ResumeJob(checkpoint.OS, root, cfg.GPUs)
 	if err != nil {
 		hint := ""
-		if !isJob(root) {
+		switch job := filepath.Dir(filepath.Clean(root)); {
+		case strings.HasPrefix(filepath.Base(filepath.Clean(root)), "rank-") && isJob(job):
+			hint = fmt.Sprintf(" (%s is one rank's root of the job %s: resume the job, --ckpt-dir %s)", root, job, job)
+		case !isJob(root):
 			hint = fmt.Sprintf(" (to continue a single-rank run on %d ranks, re-shard it first: `dos ckpt reshard %s NEWROOT --gpus %d`)", cfg.GPUs, root, cfg.GPUs)
 		}
 		return nil, fmt.Errorf("trainer: resume from %s: %w%s", root, err, hint)

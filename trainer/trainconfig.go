@@ -100,9 +100,10 @@ type TrainConfig struct {
 	// (checkpoint.CommitJob); a resume needs the same GPUs, and Reshard
 	// cuts a checkpoint for another number.
 	GPUs int `json:"gpus,omitempty"`
-	// Collectives, with Device "cuda" and GPUs > 1, is how the GPU ranks
-	// all-gather and reduce-scatter: "" or "nccl", NCCL between GPUs
-	// 0..GPUs-1 (one rank per GPU); "staged", through pinned host memory
+	// Collectives, with Device "cuda", is how the GPU ranks all-gather and
+	// reduce-scatter: "" or "nccl", NCCL between GPUs 0..GPUs-1 (one rank
+	// per GPU; with one rank nothing to do); "staged", with GPUs > 1,
+	// through pinned host memory
 	// and an in-process communicator (nccl.Staged), rank r on GPU r mod
 	// the GPUs there are: several ranks may share one GPU, slowly (how
 	// the sharded GPU iteration is tested on one GPU). The trajectory is
@@ -502,8 +503,10 @@ func (c *TrainConfig) validateRanks() error {
 	switch {
 	case c.Collectives != "" && c.Collectives != "nccl" && c.Collectives != "staged":
 		return fmt.Errorf("trainer: --collectives %q: want nccl or staged", c.Collectives)
-	case c.Collectives != "" && (c.Device != "cuda" || c.GPUs < 2):
-		return fmt.Errorf("trainer: --collectives %s picks how GPU ranks communicate: it needs --device cuda and --gpus 2 or more", c.Collectives)
+	case c.Collectives != "" && c.Device != "cuda":
+		return fmt.Errorf("trainer: --collectives %s picks how GPU ranks communicate: it needs --device cuda (and --gpus 2 or more)", c.Collectives)
+	case c.Collectives == "staged" && c.GPUs < 2:
+		return errors.New("trainer: --collectives staged moves the collectives of several GPU ranks through host memory: it needs --gpus 2 or more")
 	case c.GPUs > 1 && c.Batch%c.GPUs != 0:
 		return fmt.Errorf("trainer: --batch %d is not a multiple of --gpus %d (each rank trains on batch/gpus rows)", c.Batch, c.GPUs)
 	case c.GPUs > 1 && c.WorkingDType == adam.F16:

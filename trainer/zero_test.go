@@ -112,10 +112,11 @@ func TestZeROConfig(t *testing.T) {
 		{func(c *TrainConfig) {
 			c.GPUs, c.Device, c.WorkingDType, c.GradDType, c.Collectives = 2, "cuda", adam.BF16, adam.BF16, "gloo"
 		}, `--collectives "gloo": want nccl or staged`},
-		{func(c *TrainConfig) { c.GPUs, c.Device, c.WorkingDType, c.Collectives = 2, "sim", adam.BF16, "staged" }, "--collectives staged picks how GPU ranks communicate: it needs --device cuda and --gpus 2"},
+		{func(c *TrainConfig) { c.GPUs, c.Device, c.WorkingDType, c.Collectives = 2, "sim", adam.BF16, "staged" }, "--collectives staged picks how GPU ranks communicate: it needs --device cuda"},
+		{func(c *TrainConfig) { c.GPUs, c.Collectives = 2, "nccl" }, "--collectives nccl picks how GPU ranks communicate: it needs --device cuda"},
 		{func(c *TrainConfig) {
-			c.Device, c.WorkingDType, c.GradDType, c.Collectives = "cuda", adam.BF16, adam.BF16, "nccl"
-		}, "--collectives nccl picks how GPU ranks communicate"},
+			c.Device, c.WorkingDType, c.GradDType, c.Collectives = "cuda", adam.BF16, adam.BF16, "staged"
+		}, "--collectives staged moves the collectives of several GPU ranks through host memory: it needs --gpus 2 or more"},
 		{func(c *TrainConfig) { c.GPUs, c.WorkingDType = 2, adam.F16 }, "--working-dtype float16 is not supported"},
 		{func(c *TrainConfig) { c.GPUs, c.TimelineAt = 2, 3 }, "--timeline draws one rank's"},
 	} {
@@ -125,6 +126,12 @@ func TestZeROConfig(t *testing.T) {
 		if err := c.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("got %v, want %q", err, tc.want)
 		}
+	}
+	// --collectives nccl, the default, may be given with one GPU.
+	oneGPU := DefaultTrainConfig()
+	oneGPU.CkptDir, oneGPU.Device, oneGPU.WorkingDType, oneGPU.GradDType, oneGPU.Collectives = "", "cuda", adam.BF16, adam.BF16, "nccl"
+	if err := oneGPU.Validate(); err != nil {
+		t.Errorf("--device cuda --collectives nccl on one GPU: %v", err)
 	}
 	// A model so small that some ranks hold empty pieces of some tensors
 	// (width 4 on 8 ranks) trains as one rank does.
@@ -285,6 +292,13 @@ func TestZeROFirstSaveFails(t *testing.T) {
 	c.GPUs = 1
 	if _, err := NewTokens(c, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "job of ranks") {
 		t.Errorf("a job's root resumed on one rank: %v", err)
+	}
+	// One rank's root given as a job's (the --gpus the checkpoint says):
+	// the error names the job's root, not a re-shard of the rank root.
+	rc := c
+	rc.GPUs, rc.CkptDir = 2, checkpoint.RankRoot(c.CkptDir, 1)
+	if _, err := NewTokens(rc, toks, nil, nil); err == nil || !strings.Contains(err.Error(), "one rank's root of the job "+c.CkptDir+": resume the job, --ckpt-dir "+c.CkptDir) || strings.Contains(err.Error(), "reshard") {
+		t.Errorf("a rank's root resumed as a job: %v", err)
 	}
 	single := DefaultTrainConfig()
 	single.Model = c.Model

@@ -36,7 +36,7 @@ const ckptUsage = `Usage:
                                  files and sizes, tensors by dtype, the optimizer's hyperparameters,
                                  the trainer's configuration; --tensors lists every tensor
   dos ckpt reshard --gpus N SRC DST
-                                 write SRC's latest checkpoint (a job of ranks, or one rank's root) into
+                                 write SRC's latest checkpoint (a job of ranks, or a run without --gpus) into
                                  the empty DST cut for N ranks (1: whole tensors), for dos train --resume
                                  --ckpt-dir DST --gpus N; SRC is not changed
 Exit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usage error.
@@ -55,7 +55,7 @@ var ckptSubcommands = map[string]struct{ synopsis, about string }{
 		"latest at the newest checkpoint that verifies, or sets aside (as ROOT/damaged-step-*) a latest\n" +
 		"checkpoint that does not verify. For a job's root (dos train --gpus): every rank's root so, then the\n" +
 		"job's latest and every rank root moved to the newest step all ranks hold (what --resume would take)."},
-	"reshard": {"dos ckpt reshard --gpus N SRC DST", "Writes SRC's latest checkpoint (a job of ranks from dos train --gpus, or one rank's root) into\n" +
+	"reshard": {"dos ckpt reshard --gpus N SRC DST", "Writes SRC's latest checkpoint (a job of ranks from dos train --gpus, or a run's root without --gpus) into\n" +
 		"DST, which must be empty, cut for N ranks (1: whole tensors, as dos train without --gpus saves them):\n" +
 		"each tensor's master weights and moments joined from SRC's pieces and cut again, the step count,\n" +
 		"hyperparameters and the trainer's state kept. Then dos train --resume --ckpt-dir DST --gpus N\n" +
@@ -304,6 +304,10 @@ func ckptList(root string, stdout, stderr io.Writer) int {
 func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 	if _, err := os.Stat(filepath.Join(root, checkpoint.JobFile)); err == nil {
 		// A job's root: every rank root, then the job.
+		if rank != 0 {
+			fmt.Fprintf(stderr, "dos ckpt recover: %s is a job's root, recovered for every rank; --rank %d: recover one rank's root instead, %s (then the job's root, to move every rank to a step they all hold)\n", root, rank, checkpoint.RankRoot(root, rank))
+			return 2
+		}
 		step, note, err := checkpoint.RecoverJob(checkpoint.OS, root, offload.VerifyCheckpoint)
 		switch {
 		case err != nil:

@@ -85,6 +85,11 @@ func TestCkptJob(t *testing.T) {
 	if rc := runCkpt([]string{"recover", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "nothing to do") {
 		t.Errorf("dos ckpt recover of a sound job: rc %d\n%s%s", rc, stdout.String(), stderr.String())
 	}
+	stdout.Reset()
+	stderr.Reset()
+	if rc := runCkpt([]string{"recover", "--rank", "1", dir}, &stdout, &stderr); rc != 2 || !strings.Contains(stderr.String(), checkpoint.RankRoot(dir, 1)) {
+		t.Errorf("dos ckpt recover --rank 1 of a job's root: rc %d, want 2 naming rank 1's root\n%s", rc, stderr.String())
+	}
 }
 
 // TestCkptReshard: dos ckpt reshard cuts a 2-rank job's checkpoint for one
