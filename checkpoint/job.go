@@ -204,7 +204,8 @@ func writeJob(fsys FS, root string, world int) error {
 // step whose directory is complete in every rank root and, when the job
 // has a latest, not after it (a rank rolled back past a damaged
 // checkpoint, or a job latest lost, moves the job back to what all ranks
-// hold). Each rank root's latest is pointed at that step and its later
+// hold; a job latest that names no step counts as lost). Each rank
+// root's latest is pointed at that step and its later
 // directories (saves the job did not commit) are retired; the job's
 // latest is committed at it when it named another step or none. It
 // returns the step (-1 when no step is held by every rank: then the job
@@ -249,7 +250,14 @@ func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
 	}
 	jl, _, err := JobLatest(fsys, root)
 	hasLatest := err == nil
-	if err != nil && !errors.Is(err, ErrNoCheckpoint) {
+	badLatest := ""
+	switch {
+	case haveJob && haveLatest && errors.Is(err, ErrCorrupt):
+		// A latest that names no step (damaged outside a commit, which
+		// renames a whole file): taken as missing, as a single rank's
+		// Recover takes it.
+		badLatest = err.Error()
+	case err != nil && !errors.Is(err, ErrNoCheckpoint):
 		return 0, "", err
 	}
 	// The steps complete in every rank root.
@@ -279,6 +287,9 @@ func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
 		if hasLatest {
 			return 0, "", fmt.Errorf("%w: job %s: its latest names step %d, but no step at or before it is complete in every rank root", ErrCorrupt, root, jl)
 		}
+		if badLatest != "" { // it committed something once: nothing is retired
+			return 0, "", fmt.Errorf("%w: job %s: its latest names no step (%s), and no step is complete in every rank root", ErrCorrupt, root, badLatest)
+		}
 		// Nothing was committed: what the ranks wrote of a first save is
 		// not a checkpoint.
 		note := ""
@@ -293,14 +304,16 @@ func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
 		}
 		return -1, note, nil
 	}
-	note := ""
+	var notes []string
 	for r := range world {
-		moved, err := pointRank(fsys, RankRoot(root, r), target)
+		moved, retired, err := pointRank(fsys, RankRoot(root, r), target)
 		if err != nil {
 			return 0, "", err
 		}
-		if moved {
-			note = fmt.Sprintf("rank roots pointed at step %d", target)
+		if len(retired) > 0 {
+			notes = append(notes, fmt.Sprintf("rank %d: %s retired (after step %d, which every rank holds)", r, strings.Join(retired, ", "), target))
+		} else if moved {
+			notes = append(notes, fmt.Sprintf("rank %d's root pointed at step %d", r, target))
 		}
 	}
 	if !hasLatest || jl != target {
@@ -308,12 +321,15 @@ func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
 			return 0, "", err
 		}
 		was := "no latest"
-		if hasLatest {
+		switch {
+		case hasLatest:
 			was = fmt.Sprintf("a latest of step %d, not complete in every rank root", jl)
+		case badLatest != "":
+			was = fmt.Sprintf("a latest that names no step (%s)", badLatest)
 		}
-		note = fmt.Sprintf("the job had %s: its latest is now step %d, the newest that every rank holds", was, target)
+		notes = append([]string{fmt.Sprintf("the job had %s: its latest is now step %d, the newest that every rank holds", was, target)}, notes...)
 	}
-	return target, note, nil
+	return target, strings.Join(notes, "; "), nil
 }
 
 // completeSteps returns the steps of rankRoot's complete step directories
@@ -344,10 +360,10 @@ func completeSteps(fsys FS, rankRoot string) (map[int64]bool, error) {
 // pointRank makes step (complete) rankRoot's latest and retires its later
 // step directories (saves the job did not commit: left, Retain would count
 // them as committed once a later save moves latest past them). It reports
-// whether it changed anything. It takes rankRoot's lock.
-func pointRank(fsys FS, rankRoot string, step int64) (bool, error) {
-	changed := false
-	err := writing(fsys, rankRoot, func() error {
+// whether it moved latest and the directories it retired. It takes
+// rankRoot's lock.
+func pointRank(fsys FS, rankRoot string, step int64) (moved bool, retired []string, err error) {
+	err = writing(fsys, rankRoot, func() error {
 		if _, cur, err := readLatest(fsys, rankRoot); err != nil || cur != step {
 			if err := moveLatest(fsys, rankRoot, []byte(stepDirName(step)+"\n")); err != nil {
 				return fmt.Errorf("checkpoint: %s: pointing latest at step %d: %w", rankRoot, step, err)
@@ -355,7 +371,7 @@ func pointRank(fsys FS, rankRoot string, step int64) (bool, error) {
 			if err := fsys.SyncDir(rankRoot); err != nil {
 				return err
 			}
-			changed = true
+			moved = true
 		}
 		es, err := fsys.ReadDir(rankRoot)
 		if err != nil {
@@ -366,12 +382,12 @@ func pointRank(fsys FS, rankRoot string, step int64) (bool, error) {
 				if err := retire(fsys, rankRoot, filepath.Join(rankRoot, e.Name())); err != nil {
 					return err
 				}
-				changed = true
+				retired = append(retired, e.Name())
 			}
 		}
 		return nil
 	})
-	return changed, err
+	return moved, retired, err
 }
 
 // RewindRank points rankRoot's latest at step, its directory complete, and
@@ -384,7 +400,7 @@ func RewindRank(fsys FS, rankRoot string, step int64) error {
 	if _, err := fsys.Stat(filepath.Join(StepDir(rankRoot, step), ManifestFile)); err != nil {
 		return fmt.Errorf("checkpoint: %s: step %d: %w", rankRoot, step, err)
 	}
-	_, err := pointRank(fsys, rankRoot, step)
+	_, _, err := pointRank(fsys, rankRoot, step)
 	return err
 }
 

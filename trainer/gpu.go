@@ -56,8 +56,10 @@ type gpuTrainer struct {
 	opt    *offload.Optimizer
 	stream scheduler.Stream // s, for GradsFinal
 	// beforeBlock, for a ZeRO-3 rank (gpuRank.beforeBlock), is the
-	// sampler's gptcuda.Model.BeforeBlock too.
+	// sampler's gptcuda.Model.BeforeBlock too; wait (gpuRank.wait) waits
+	// for the sampler's forward before its logits are read.
 	beforeBlock func(l int, backward bool) error
+	wait        func() error
 }
 
 // openGPU opens GPU ordinal (it shares the primary context with the
@@ -316,6 +318,11 @@ func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 	copy(g.toks, window)
 	if err := g.sampler.Forward(g.w, g.toks, nil, 0); err != nil {
 		return nil, err
+	}
+	if g.wait != nil {
+		if err := g.wait(); err != nil {
+			return nil, err
+		}
 	}
 	if err := g.sampler.LogitsAt(len(window)-1, g.logits); err != nil {
 		return nil, err

@@ -57,7 +57,7 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	var err error
 	if isJob(src) {
 		if step, world, err = checkpoint.JobLatest(checkpoint.OS, src); err != nil {
-			return 0, fmt.Errorf("trainer: reshard: %w", err)
+			return 0, fmt.Errorf("trainer: reshard: %w (dos ckpt recover %s moves a damaged or unfinished job to the newest step every rank holds)", err, src)
 		}
 		for r := range world {
 			dirs = append(dirs, checkpoint.StepDir(checkpoint.RankRoot(src, r), step))
@@ -85,7 +85,12 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	cfg := st.Config
 	if w := max(cfg.GPUs, 1); w != world {
 		if world == 1 {
-			return 0, fmt.Errorf("trainer: reshard: %s is one rank's root of a job of %d ranks (dos train --gpus %d): reshard the job's root, its parent directory %s", src, w, w, filepath.Dir(filepath.Clean(src)))
+			// src is a rank root, or a step directory in one.
+			rr := filepath.Clean(src)
+			if strings.HasPrefix(filepath.Base(rr), "step-") {
+				rr = filepath.Dir(rr)
+			}
+			return 0, fmt.Errorf("trainer: reshard: %s is in one rank's root of a job of %d ranks (dos train --gpus %d): reshard the job's root, %s", src, w, w, filepath.Dir(rr))
 		}
 		return 0, fmt.Errorf("trainer: reshard: %s: its trainer state says %d ranks, its job %d: %w", dirs[0], w, world, checkpoint.ErrCorrupt)
 	}
@@ -94,10 +99,15 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	}
 	// What a run of n ranks asks of the rest of the run's configuration
 	// (its dtypes, device, schedule): checked now, not at the resume.
+	// Forced --schedule counts are not a resumed run's (--resume does not
+	// take --schedule from the checkpoint): they do not count.
+	if cfg.Schedule != "cpu" && cfg.Schedule != "static" {
+		cfg.Schedule = ""
+	}
 	ranked := cfg
 	ranked.GPUs = n
 	if err := ranked.validateRanks(); err != nil {
-		return 0, fmt.Errorf("trainer: reshard to %d ranks: the run's configuration does not allow it: %w", n, err)
+		return 0, fmt.Errorf("trainer: reshard to %d ranks: the run's configuration does not allow it: %s", n, strings.TrimPrefix(err.Error(), "trainer: "))
 	}
 
 	// Join the pieces: full[k][i] is tensor i's state of kind k.

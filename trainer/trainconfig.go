@@ -329,10 +329,10 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --gpus %d --threads %d: the ranks' workers (threads per rank) would be %d, over %d (4 × the CPUs)", c.GPUs, c.Threads, c.GPUs*c.Threads, MaxThreads())
 	case c.validateRanks() != nil:
 		return c.validateRanks()
-	case c.GPUs > 1 && c.TimelineAt != 0:
-		return fmt.Errorf("trainer: --gpus %d: --timeline draws one rank's update phase, not built for several yet", c.GPUs)
 	case c.TimelineAt < 0:
 		return fmt.Errorf("trainer: --timeline-at %d: want an iteration from 1 (0: none)", c.TimelineAt)
+	case c.GPUs > 1 && c.TimelineAt != 0:
+		return fmt.Errorf("trainer: --gpus %d: --timeline draws one rank's update phase, not built for several yet", c.GPUs)
 	case !(c.GPUMemory >= 0) || c.GPUMemory > 1<<20:
 		return fmt.Errorf("trainer: --gpu-memory %v GiB: want 0 to %d", c.GPUMemory, 1<<20)
 	case c.GPUMemory != 0 && c.Device != "cuda":

@@ -9,6 +9,7 @@ import (
 	"math"
 	"runtime"
 	"sync"
+	"sync/atomic"
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
@@ -46,7 +47,10 @@ type zeroRanks struct {
 	n     int
 	lens  []int // each tensor's elements
 	piece []int // each tensor's elements per rank's piece: ceil(len/n)
-	ranks []*zeroRank
+	// failed is set by the first rank that fails (each): the GPU ranks
+	// then stop waiting on their streams and issuing collectives.
+	failed atomic.Bool
+	ranks  []*zeroRank
 	// Lazy saves (saveLazily): each rank's engine on its rank root, made
 	// at the first save, and the handles of the last save, whose step the
 	// job commits once all are durable (commitLazy).
@@ -256,36 +260,50 @@ func (z *zeroRanks) gather(params [][]float32, wd adam.DType) {
 	}
 }
 
-// each runs f on every rank, one goroutine each, and returns the first
-// rank's error (by rank). A rank that fails aborts the communicator, so
-// that none waits for it in a collective (after a failed save too: the
-// run stops there).
+// each runs f on every rank, one goroutine each, and returns the error of
+// the rank that failed first. A rank that fails sets z.failed, which ends
+// the other GPU ranks' waits on their streams (gpuRank.wait) and refuses
+// their next collectives, and aborts its own ends of the host and device
+// communicators: the host's (internal/comm's Local) and the staged ones
+// release every rank from its collectives on the host; NCCL's abort
+// reaches only its own end, so once every rank's goroutine has returned
+// the others' are aborted too, and no collective queued on a stream waits
+// for a rank that stopped. (NCCL's abort is never called on another
+// rank's end while that rank may be inside NCCL.) After a failure the run
+// stops: a failed save too.
 func (z *zeroRanks) each(f func(rk *zeroRank) error) error {
 	var wg sync.WaitGroup
+	var first atomic.Pointer[zeroRank]
 	for _, rk := range z.ranks {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			if rk.err = f(rk); rk.err != nil {
+				first.CompareAndSwap(nil, rk)
+				z.failed.Store(true)
 				rk.c.Abort(rk.err)
-				// NCCL's abort reaches only its own end: every rank's,
-				// so that none waits on the device for this one.
-				for _, o := range z.ranks {
-					if o.gpu != nil && o.gpu.c != nil {
-						o.gpu.c.Abort(rk.err)
-					}
+				if rk.gpu != nil && rk.gpu.c != nil {
+					rk.gpu.c.Abort(rk.err)
 				}
 			}
 		}()
 	}
 	wg.Wait()
+	fr := first.Load()
+	if fr == nil {
+		return nil
+	}
 	for _, rk := range z.ranks {
-		if rk.err != nil {
-			return fmt.Errorf("trainer: rank %d: %w", rk.r, rk.err)
+		if rk.gpu != nil && rk.gpu.c != nil {
+			rk.gpu.c.Abort(fr.err)
 		}
 	}
-	return nil
+	return fmt.Errorf("trainer: rank %d: %w", fr.r, fr.err)
 }
+
+// errRankFailed is a GPU rank's error when it stopped because another
+// rank failed (zeroRanks.failed).
+var errRankFailed = errors.New("stopped: another rank failed")
 
 // forwardBackward runs steps 1-3 of the iteration on every rank over its
 // rows of inputs and targets and returns the ranks' mean loss. A rank

@@ -337,6 +337,7 @@ func TestZeROOneRankBitwise(t *testing.T) {
 		}
 		one, _ := zeroRun(t, c, 1, toks)
 		zeroOneRank = "local"
+		t.Cleanup(func() { zeroOneRank = "" })
 		got, _ := zeroRun(t, c, 1, toks)
 		zeroOneRank = ""
 		for i := range one {

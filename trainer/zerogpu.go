@@ -3,6 +3,8 @@ package trainer
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
+	"time"
 
 	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/internal/comm"
@@ -116,7 +118,15 @@ type gpuRank struct {
 	ready, wholeDone  *cuda.Event
 	gathered, reduced [2]*cuda.Event
 	holds             [2]int
+	// done is wait's event; failed is zeroRanks.failed.
+	done   *cuda.Event
+	failed *atomic.Bool
+	rank   int
 }
+
+// minNCCL is the oldest NCCL the GPU ranks run on (ncclGetVersion's code
+// for 2.10.0).
+const minNCCL = 21000
 
 // replicaAlign is the byte alignment of each tensor in the replicas, as
 // cuBLASLt and the vectorized kernels like their operands.
@@ -145,6 +155,10 @@ func (z *zeroRanks) openGPUs(cfg *TrainConfig) error {
 		if err := nccl.Available(); err != nil {
 			return fmt.Errorf("trainer: --gpus %d: %w (--collectives staged moves the collectives through host memory instead)", z.n, err)
 		}
+		// bf16 and ncclAvg came with NCCL 2.10.
+		if v, path, err := nccl.Version(); err != nil || v < minNCCL {
+			return fmt.Errorf("trainer: --gpus %d: NCCL %s is version %d (%v): want 2.10 or later (bf16 and ncclAvg); point DOS_NCCL at a newer libnccl.so.2", z.n, path, v, err)
+		}
 	}
 	devs := make([]*cuda.Device, z.n)
 	for _, rk := range z.ranks {
@@ -152,7 +166,7 @@ func (z *zeroRanks) openGPUs(cfg *TrainConfig) error {
 		if err != nil {
 			return fmt.Errorf("rank %d: %w", rk.r, err)
 		}
-		rk.gpu = &gpuRank{g: g}
+		rk.gpu = &gpuRank{g: g, failed: &z.failed, rank: rk.r}
 		devs[rk.r] = g.dev
 		if err := rk.gpu.alloc(cfg, z, rk.r); err != nil {
 			return fmt.Errorf("trainer: rank %d: %w", rk.r, err)
@@ -257,7 +271,7 @@ func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
 	if gr.cs, err = d.NewStream(); err != nil {
 		return err
 	}
-	for _, e := range []**cuda.Event{&gr.ready, &gr.wholeDone, &gr.gathered[0], &gr.gathered[1], &gr.reduced[0], &gr.reduced[1]} {
+	for _, e := range gr.events() {
 		if *e, err = d.NewEvent(false); err != nil {
 			return err
 		}
@@ -315,10 +329,35 @@ func (gr *gpuRank) bind(opt *offload.Optimizer, cfg *TrainConfig) error {
 		return err
 	}
 	gr.overlap = opt.Options().OverlapBackward
-	g.beforeBlock = gr.beforeBlock
+	g.beforeBlock, g.wait = gr.beforeBlock, gr.wait
 	g.m.BeforeBlock(gr.beforeBlock)
 	g.m.OnBlockBackward(gr.afterBlock)
 	return opt.SyncDevice()
+}
+
+// events lists the rank's events, for alloc and close.
+func (gr *gpuRank) events() []**cuda.Event {
+	return []**cuda.Event{&gr.ready, &gr.wholeDone, &gr.gathered[0], &gr.gathered[1], &gr.reduced[0], &gr.reduced[1], &gr.done}
+}
+
+// wait blocks until the model's stream has done what is enqueued on it
+// (the collectives' stream's work before the last joinComm too), polling
+// every 20 µs so that another rank's failure ends it with errRankFailed:
+// a collective whose peer stopped would keep a stream's Sync waiting for
+// ever. It does not allocate.
+func (gr *gpuRank) wait() error {
+	if err := gr.done.Record(gr.g.s); err != nil {
+		return err
+	}
+	for {
+		if ok, err := gr.done.Done(); ok || err != nil {
+			return err
+		}
+		if gr.failed.Load() {
+			return errRankFailed
+		}
+		time.Sleep(20 * time.Microsecond)
+	}
 }
 
 // toComm orders the collectives' stream after the work enqueued on the
@@ -349,12 +388,21 @@ func (gr *gpuRank) issue(l int) error {
 	return nil
 }
 
+// zeroBlockFault, when set (tests), runs before rank's block l: an error
+// fails that rank there, as a device fault would.
+var zeroBlockFault func(rank, l int, backward bool) error
+
 // beforeBlock is the models' BeforeBlock: block l's matrices in their
 // slot (gathered now if they are not there yet), its gradient slot free
 // (block l+2's reduce-scatter done), and the next block's gather
 // enqueued into the other slot (l+1 forward, l-1 backward), which block
 // l computes meanwhile.
 func (gr *gpuRank) beforeBlock(l int, backward bool) error {
+	if f := zeroBlockFault; f != nil {
+		if err := f(gr.rank, l, backward); err != nil {
+			return err
+		}
+	}
 	s := l % 2
 	if gr.holds[s] != l {
 		if err := gr.issue(l); err != nil {
@@ -412,8 +460,13 @@ func (gr *gpuRank) joinComm() error {
 }
 
 // grouped runs f, the collectives of one rank, as one NCCL group (one
-// launch) when c is NCCL's; Staged's calls each wait anyway.
-func grouped(c nccl.Collectives, f func() error) error {
+// launch) when c is NCCL's (Staged's calls each wait anyway), unless
+// another rank failed (errRankFailed).
+func (gr *gpuRank) grouped(f func() error) error {
+	if gr.failed.Load() {
+		return errRankFailed
+	}
+	c := gr.c
 	if _, ok := c.(*nccl.Comm); !ok {
 		return f()
 	}
@@ -450,7 +503,7 @@ func (gr *gpuRank) gather(s *cuda.Stream, idx []int) error {
 		}
 	}
 	n := int64(gr.c.Size())
-	return grouped(gr.c, func() error {
+	return gr.grouped(func() error {
 		for _, i := range idx {
 			p := gr.piece[i]
 			if err := gr.c.AllGather(s, gr.pieceSpan(i, gr.wv[i], gr.soff[i], 2, p), nccl.Span{Buf: gr.work, Off: 2 * gr.off[i], Len: 2 * n * p}, comm.BF16); err != nil {
@@ -472,7 +525,7 @@ func (gr *gpuRank) gather(s *cuda.Stream, idx []int) error {
 // optimizer they are final (GradsFinal).
 func (gr *gpuRank) reduceScatter(s *cuda.Stream, idx []int) error {
 	n := int64(gr.c.Size())
-	err := grouped(gr.c, func() error {
+	err := gr.grouped(func() error {
 		for _, i := range idx {
 			p := gr.piece[i]
 			if err := gr.c.ReduceScatter(s, nccl.Span{Buf: gr.grad, Off: 2 * gr.off[i], Len: 2 * n * p}, gr.pieceSpan(i, gr.gv[i], gr.soff[i], 2, p), comm.BF16, comm.Avg); err != nil {
@@ -520,13 +573,19 @@ func (gr *gpuRank) forwardBackward(inputs, targets []int32, scale float32) (floa
 	if err := gr.joinComm(); err != nil {
 		return 0, err
 	}
-	return g.m.Loss() // waits for the model's stream, which waited for the collectives'
+	if err := gr.wait(); err != nil {
+		return 0, err
+	}
+	return g.m.Loss()
 }
 
 // loss returns the mean loss over this rank's rows without gradients
 // (the whole tensors gathered before: zeroRanks.gatherGPU).
 func (gr *gpuRank) loss(inputs, targets []int32) (float64, error) {
 	if err := gr.g.m.Forward(gr.g.w, inputs, targets, 0); err != nil {
+		return 0, err
+	}
+	if err := gr.wait(); err != nil {
 		return 0, err
 	}
 	return gr.g.m.Loss()
@@ -544,7 +603,7 @@ func (gr *gpuRank) close() error {
 			errs = append(errs, st.Sync())
 		}
 	}
-	for _, e := range []**cuda.Event{&gr.ready, &gr.wholeDone, &gr.gathered[0], &gr.gathered[1], &gr.reduced[0], &gr.reduced[1]} {
+	for _, e := range gr.events() {
 		if *e != nil {
 			errs = append(errs, (*e).Free())
 			*e = nil

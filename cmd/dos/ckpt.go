@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"maps"
 	"os"
 	"path/filepath"
@@ -146,6 +147,13 @@ func jobList(root string, stdout, stderr io.Writer) int {
 	for r := range world {
 		rr := checkpoint.RankRoot(root, r)
 		fmt.Fprintf(stdout, "rank %d: %s\n", r, rr)
+		if _, err := os.Stat(filepath.Join(checkpoint.StepDir(rr, step), checkpoint.ManifestFile)); err != nil {
+			fmt.Fprintf(stderr, "dos ckpt ls: job %s: rank %d lacks the job's latest step %d (%v): the job cannot resume from it; dos ckpt recover %s moves it to an older step every rank holds, if there is one\n", root, r, step, err, root)
+			rc = 1
+		}
+		if _, err := os.Stat(rr); err != nil {
+			continue
+		}
 		if c := ckptList(rr, stdout, stderr); c != 0 {
 			rc = c
 		}
@@ -348,13 +356,28 @@ func jobRank(c *checkpoint.Checkpoint) string {
 
 func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 	if step, world, err := checkpoint.JobLatest(checkpoint.OS, path); err == nil {
+		if rank < 0 || rank >= world {
+			fmt.Fprintf(stderr, "dos ckpt verify: --rank %d: job %s has %d ranks (0..%d)\n", rank, path, world, world-1)
+			return 2
+		}
 		if rank != 0 {
 			fmt.Fprintf(stderr, "dos ckpt verify: %s is a job's root, verified for every rank; --rank %d: verify one rank's root instead, %s\n", path, rank, checkpoint.RankRoot(path, rank))
 			return 2
 		}
 		// A job's root: its latest step in every rank's root.
 		for r := range world {
-			if rc := ckptVerify(checkpoint.StepDir(checkpoint.RankRoot(path, r), step), 0, stdout, stderr); rc != 0 {
+			sd := checkpoint.StepDir(checkpoint.RankRoot(path, r), step)
+			if _, err := os.Stat(sd); errors.Is(err, fs.ErrNotExist) && checkpoint.Holder(checkpoint.OS, path) == "" {
+				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d lacks the job's latest step %d (%s is missing): restore it, or dos ckpt recover %s moves the job to an older step every rank holds, if there is one\n", path, r, step, sd, path)
+				return 1
+			}
+			if rc := ckptVerify(sd, 0, stdout, stderr); rc != 0 {
+				if holder := checkpoint.Holder(checkpoint.OS, path); holder != "" {
+					// A running trainer retires old steps as it saves:
+					// what verify was reading may be gone, not damaged.
+					fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d's step %d did not verify while %s holds the job (a running dos train, whose retention may have removed it as verify read it): verify again, or once it has stopped\n", path, r, step, holder)
+					return rc
+				}
 				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d's step %d does not verify (dos ckpt recover %s sets it aside and moves the job to the newest step every rank holds)\n", path, r, step, path)
 				return rc
 			}

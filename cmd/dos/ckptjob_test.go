@@ -61,6 +61,21 @@ func TestCkptJob(t *testing.T) {
 	if rc := runCkpt([]string{"verify", dir}, &stdout, &stderr); rc != 1 || !strings.Contains(stderr.String(), "rank 1's step 4 does not verify") {
 		t.Errorf("dos ckpt verify of a damaged rank: rc %d\n%s", rc, stderr.String())
 	}
+	// While a writer holds the job (a running trainer, whose retention
+	// removes old steps), the failure is not called damage.
+	lock, err := checkpoint.Lock(checkpoint.OS, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stderr.Reset()
+	if rc := runCkpt([]string{"verify", dir}, &stdout, &stderr); rc != 1 || !strings.Contains(stderr.String(), "holds the job (a running dos train") || strings.Contains(stderr.String(), "dos ckpt recover") {
+		t.Errorf("dos ckpt verify of a held job: rc %d\n%s", rc, stderr.String())
+	}
+	lock.Unlock()
+	stderr.Reset()
+	if rc := runCkpt([]string{"verify", "--rank", "5", dir}, &stdout, &stderr); rc != 2 || !strings.Contains(stderr.String(), "has 2 ranks (0..1)") {
+		t.Errorf("dos ckpt verify --rank 5 of a 2-rank job: rc %d\n%s", rc, stderr.String())
+	}
 	// A rank's save the job did not commit (its latest moved back, as
 	// after a crash before CommitJob) is said to be so.
 	if err := os.WriteFile(filepath.Join(dir, checkpoint.LatestFile), []byte("step-000000002"), 0o644); err != nil {
@@ -126,6 +141,47 @@ func TestCkptReshard(t *testing.T) {
 		stderr.Reset()
 		if rc := runCkpt(bad, &stdout, &stderr); rc != 2 {
 			t.Errorf("dos ckpt %v: rc %d, want 2 (usage)\n%s", bad, rc, stderr.String())
+		}
+	}
+}
+
+// TestResumeJobWithoutLatest: a job whose latest is gone (a first commit
+// cut short) or names no step (damaged) resumes with the settings of its
+// checkpoints taken from rank 0's root, as a single rank's root does: no
+// flag to repeat, --gpus included; dos ckpt recover repairs the damaged
+// latest.
+func TestResumeJobWithoutLatest(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "job")
+	var stdout, stderr bytes.Buffer
+	args := []string{"--gpus", "2", "--steps", "4", "--ckpt-dir", dir, "--ckpt-every", "2", "--layers", "1", "--embd", "16",
+		"--heads", "2", "--ctx", "8", "--batch", "4", "--sample", "0", "--eval-batches", "1", "--max-memory", "1"}
+	if rc := runTrain(args, &stdout, &stderr); rc != 0 {
+		t.Fatalf("dos train %v: rc %d\n%s%s", args, rc, stdout.String(), stderr.String())
+	}
+	latest := filepath.Join(dir, checkpoint.LatestFile)
+	if err := os.WriteFile(latest, []byte("garbage\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	stdout.Reset()
+	stderr.Reset()
+	if rc := runCkpt([]string{"recover", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "a latest that names no step") || !strings.Contains(stdout.String(), "now at step 4") {
+		t.Errorf("dos ckpt recover of a job whose latest holds garbage: rc %d\n%s%s", rc, stdout.String(), stderr.String())
+	}
+	for _, damage := range []string{"removed", "garbage"} {
+		if damage == "removed" {
+			os.Remove(latest)
+		} else if err := os.WriteFile(latest, []byte("garbage\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		stdout.Reset()
+		stderr.Reset()
+		resume := []string{"--resume", "--ckpt-dir", dir, "--steps", "6", "--max-memory", "1", "--sample", "0", "--eval-batches", "1"}
+		if rc := runTrain(resume, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "--layers 1") || !strings.Contains(stdout.String(), "--gpus 2") || !strings.Contains(stdout.String(), "iter     6/6") {
+			t.Errorf("latest %s: dos train %v: rc %d\n%s%s", damage, resume, rc, stdout.String(), stderr.String())
+		}
+		os.WriteFile(latest, []byte("step-000000004\n"), 0o644) // back to step 4 for the next round
+		for r := range 2 {
+			checkpoint.RewindRank(checkpoint.OS, checkpoint.RankRoot(dir, r), 4)
 		}
 	}
 }

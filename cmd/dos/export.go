@@ -7,6 +7,8 @@ import (
 	"io"
 	"maps"
 	"math"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 
@@ -55,13 +57,18 @@ func trainCheckpoint(path string) (string, trainer.TrainConfig, error) {
 // recovers first), the newest complete step directory that opens. ok is
 // false when there is none; the trainer then says why.
 func resumeSource(root string) (dir string, cfg trainer.TrainConfig, ok bool) {
-	if step, _, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
+	if _, err := os.Stat(filepath.Join(root, checkpoint.JobFile)); err == nil {
 		// A job of ranks (dos train --gpus): rank 0's directory holds the
-		// trainer's objects.
-		if dir, cfg, err := trainCheckpoint(checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)); err == nil {
-			return dir, cfg, true
+		// trainer's objects; without a usable job latest (a first commit
+		// cut short, a damaged latest), rank 0's newest, as the resume
+		// will recover the job.
+		if step, _, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
+			if dir, cfg, err := trainCheckpoint(checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)); err == nil {
+				return dir, cfg, true
+			}
+			return "", cfg, false
 		}
-		return "", cfg, false
+		root = checkpoint.RankRoot(root, 0)
 	}
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if err != nil {
