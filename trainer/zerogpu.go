@@ -20,13 +20,13 @@ import (
 // of Batch/GPUs rows, and its offload.Optimizer over its pieces of every
 // tensor (shardParams) on that GPU ("cuda:N"), the optimizer state in
 // pinned host memory and its update phase planned for its own share. Each
-// iteration, every rank, on its model's stream:
+// iteration, every rank, on its model's stream and its collectives' one:
 //
 //  1. all-gathers the bf16 working copy of the tensors outside the blocks'
 //     matrices (the embeddings, the LayerNorms, ln_f) and the fp32 master
 //     weights of those the model reads in fp32 (gptcuda.FP32Tensors) from
 //     the ranks' pieces in their optimizers' device memory into its
-//     replica of them (gpuRank.gather);
+//     replica of them (gpuRank.gatherWhole);
 //  2. runs forward and backward on its rows; before each block's forward
 //     and backward (gptcuda.Model.BeforeBlock) it all-gathers that
 //     block's matrices and biases into one of two block slots, which
