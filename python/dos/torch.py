@@ -3,7 +3,7 @@
 Each ``step()`` hands the gradients to dos's offloaded AdamW (PyTorch-exact numerics, SIMD CPU workers,
 fp32 master weights and ``exp_avg``/``exp_avg_sq`` in dos's memory, the update phase interleaved with the
 GPU when ``device="cuda"``) and writes the new weights into ``p.data`` in place. Parameters may be CPU
-tensors or tensors on cuda:0 (float32, bfloat16, float16), whole (DDP, one GPU) or
+tensors or tensors on one GPU (float32, bfloat16, float16), whole (DDP, one GPU) or
 FSDP2's local shards (``DTensor.to_local()``).
 """
 import ctypes
@@ -30,11 +30,16 @@ class _CudaArray:
         self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr, "data": (ptr, False), "version": 2}
 
 
-def _alias(ptr, n, dtype):
-    """A flat CUDA tensor of n elements of dtype that aliases dos's device memory at ptr."""
+def _alias(ptr, n, dtype, device):
+    """A flat CUDA tensor of n elements of dtype that aliases dos's memory at ptr on device (a CUDA device)."""
     if dtype == torch.float32:
-        return torch.as_tensor(_CudaArray(ptr, n, "<f4"), device="cuda")
-    return torch.as_tensor(_CudaArray(ptr, n, "<i2"), device="cuda").view(dtype)
+        return torch.as_tensor(_CudaArray(ptr, n, "<f4"), device=device)
+    return torch.as_tensor(_CudaArray(ptr, n, "<i2"), device=device).view(dtype)
+
+
+def _spec_device(d):
+    """dos's device spec for a CUDA torch.device: "cuda" for GPU 0 (offload.OpenDevice's), "cuda:N" else."""
+    return "cuda" if d.index in (None, 0) else f"cuda:{d.index}"
 
 
 def _local(t):
@@ -89,9 +94,9 @@ class AdamW(torch.optim.Optimizer):
     ``sub_group_size`` (elements per subgroup), ``threads`` (CPU workers, 0: all), and ``max_grad_norm``
     (global clipping as ``clip_grad_norm_``, 0: off).
 
-    Where the update phase runs (16-bit parameters on the CPU, any on cuda:0): ``device=None`` (the default for
+    Where the update phase runs (16-bit parameters on the CPU, any on a GPU): ``device=None`` (the default for
     CPU parameters) updates every subgroup on
-    the CPU workers; ``device="cuda"`` runs dos's interleaved engine on GPU 0, the state in pinned host
+    the CPU workers; ``device="cuda"`` (or ``"cuda:N"``) runs dos's interleaved engine on GPU 0 (N), the state in pinned host
     memory (``pin_memory`` must stay True), with ``gpu_budget`` bytes of device memory for resident state and
     staging (default 0: none, so every subgroup on the CPU; PyTorch's own memory use is not known at
     construction, so set it to what your model leaves) and ``schedule``: ``"auto"`` (the performance model's
@@ -103,7 +108,7 @@ class AdamW(torch.optim.Optimizer):
 
     dos keeps fp32 master weights: for float32 parameters on the CPU they are ``p.data``, read at every step,
     so a parameter changed between steps (``fill_``, ``model.load_state_dict``, clamping) steps on from its
-    new values as with torch; for float32 parameters on cuda:0 ``p.data`` is their copy, and a change is
+    new values as with torch; for float32 parameters on a GPU ``p.data`` is their copy, and a change is
     taken as for 16-bit ones (below); for bfloat16 or float16 parameters ``p.data`` is their 16-bit rounding
     (``master_weights(i)`` reads them), the gradients are 16-bit, and a parameter replaced or changed in
     place (seen by its data pointer and ``_version``; not a change through ``p.data``) is taken into the
@@ -115,7 +120,8 @@ class AdamW(torch.optim.Optimizer):
 
     ``state_dict``/``load_state_dict`` use torch.optim.AdamW's format, so state moves between the two (the
     moments in fp32). ``save``/``load`` checkpoint lazily in dos's format, master weights included.
-    CUDA parameters (float32, bfloat16 or float16 on cuda:0; ``device="cuda"`` is then implied): ``step()``
+    CUDA parameters (float32, bfloat16 or float16, all on one GPU, e.g. an FSDP2 rank's; ``device="cuda"`` on
+    that GPU is then implied): ``step()``
     copies each gradient into dos's device gradient buffer on PyTorch's current stream, waits on an event of
     that stream (this thread only, no device-wide synchronisation), runs dos's update phase, and copies the
     new weights back on the current stream: for float32 parameters (with autocast, as torch.optim.AdamW
@@ -191,22 +197,35 @@ class AdamW(torch.optim.Optimizer):
         if len(dtypes) > 1:
             raise ValueError(f"dos.torch.AdamW: the parameters mix dtypes {sorted(str(d) for d in dtypes)}; this version takes one")
         self._dtype = dtypes.pop() if dtypes else torch.float32
+        if isinstance(device, str) and device.startswith("cuda"):
+            try:
+                device = torch.device(device)
+            except RuntimeError:
+                raise ValueError(f"dos.torch.AdamW: device={device!r}: want None (the CPU workers), \"cuda\" or "
+                                 "\"cuda:N\" (a GPU), or \"sim\" (dos's simulated device, for tests)") from None
+        asked = None  # the GPU device= names, if it names one ("cuda" alone: the parameters')
         if isinstance(device, torch.device):
-            device = device.type if device.index in (None, 0) or device.type != "cuda" else f"cuda:{device.index}"
-        if device in ("cpu", "cuda:0"):
-            device = None if device == "cpu" else "cuda"
-        if device not in (None, "cuda", "sim"):
-            raise ValueError(f"dos.torch.AdamW: device={device!r}: want None (the CPU workers), \"cuda\" (GPU 0) or "
-                             "\"sim\" (dos's simulated device, for tests)")
+            if device.type == "cuda" and device.index is not None:
+                asked = device
+            device = None if device.type == "cpu" else _spec_device(device) if device.type == "cuda" else device.type
+        if device == "cpu":
+            device = None
+        if device not in (None, "sim") and not (isinstance(device, str) and device.startswith("cuda")):
+            raise ValueError(f"dos.torch.AdamW: device={device!r}: want None (the CPU workers), \"cuda\" or "
+                             "\"cuda:N\" (a GPU), or \"sim\" (dos's simulated device, for tests)")
         devices = {_local(p).device for g in self.param_groups for p in g["params"]}
         self._cuda = any(d.type == "cuda" for d in devices)
+        self._dev = None  # the parameters' GPU
         if self._cuda:
-            if devices != {torch.device("cuda", 0)}:
+            if len(devices) != 1:
                 raise ValueError(f"dos.torch.AdamW: the parameters are on {sorted(str(d) for d in devices)}; dos updates "
-                                 "CUDA parameters on cuda:0 only (set CUDA_VISIBLE_DEVICES to choose the GPU)")
-            if device not in (None, "cuda"):
-                raise ValueError(f"dos.torch.AdamW: the parameters are on cuda:0, device={device!r}: want \"cuda\" (or None)")
-            device = "cuda"
+                                 "the parameters of one device (an FSDP2 rank's: its GPU)")
+            d = devices.pop()
+            self._dev = torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
+            if device is not None and (not device.startswith("cuda") or asked not in (None, self._dev)):
+                raise ValueError(f"dos.torch.AdamW: the parameters are on {self._dev}, device={device!r}: want "
+                                 f"\"{self._dev}\" (or None)")
+            device = _spec_device(self._dev)
         for gi, g in enumerate(self.param_groups):
             for P in g["params"]:
                 p = _local(P)  # the local shard of an FSDP2 parameter
@@ -256,7 +275,7 @@ class AdamW(torch.optim.Optimizer):
             g, w = ctypes.c_uint64(), ctypes.c_uint64()
             _native.call("dos_adamw_device_ptrs", self._h, i, ctypes.byref(g), ctypes.byref(w))
             n = _local(p).numel()
-            views.append((_alias(g.value, n, self._dtype), _alias(w.value, n, self._dtype)))
+            views.append((_alias(g.value, n, self._dtype, self._dev), _alias(w.value, n, self._dtype, self._dev)))
         return views
 
     def _reducer(self):
@@ -308,7 +327,7 @@ class AdamW(torch.optim.Optimizer):
         master is p.data itself, taken every step, cheaply: an in-place change through p.data bumps no
         version), and otherwise when p was replaced or changed in place (its data pointer or _version:
         ``model.load_state_dict`` and in-place ops under no_grad bump it; a change through ``p.data`` is not
-        seen). On cuda:0 taking one sends the state through the host, so it is not done every step."""
+        seen). On a GPU taking one sends the state through the host, so it is not done every step."""
         if self._dtype == torch.float32 and not self._cuda:
             return True
         return (p.data.data_ptr(), p._version) != self._seen[i]
@@ -332,7 +351,7 @@ class AdamW(torch.optim.Optimizer):
     def _check(i, p):
         if p.device.type not in ("cpu", "cuda") or p.dtype not in _DTYPES:
             raise ValueError(f"dos.torch.AdamW: parameter {i} is {p.dtype} on {p.device}; dos takes float32, bfloat16 or "
-                             "float16 tensors on the CPU or cuda:0")
+                             "float16 tensors on the CPU or a GPU")
         if not p.data.is_contiguous():
             raise ValueError(f"dos.torch.AdamW: parameter {i} is not contiguous")
 
@@ -369,9 +388,9 @@ class AdamW(torch.optim.Optimizer):
             if grad.numel() != p.numel() or not (grad.is_floating_point() and grad.dtype in _DTYPES):
                 raise ValueError(f"dos.torch.AdamW: parameter {i} {tuple(p.shape)} has a {grad.dtype} gradient of shape "
                                  f"{tuple(grad.shape)}; want float32, bfloat16 or float16 of the parameter's shape")
-            if (p.device.type == "cuda") != self._cuda or grad.device != p.device:
+            if (p.device.type == "cuda") != self._cuda or (self._cuda and p.device != self._dev) or grad.device != p.device:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} is on {p.device} with its gradient on {grad.device}; "
-                                 f"the optimizer was built for {'cuda:0' if self._cuda else 'the CPU'}")
+                                 f"the optimizer was built for {self._dev if self._cuda else 'the CPU'}")
             if self._changed(i, p):  # changed or replaced since dos wrote it: take it
                 self._take(i, p)
             if self._cuda:  # into dos's device gradient, on PyTorch's current stream
@@ -399,7 +418,7 @@ class AdamW(torch.optim.Optimizer):
         # waited for by this thread only (no device-wide synchronisation). The step returns when dos's update
         # is complete on the device, so the copies out, on PyTorch's stream, read the new weights.
         ev = torch.cuda.Event()
-        ev.record()
+        ev.record(torch.cuda.current_stream(self._dev))
         ev.synchronize()
         taken = self._call_step("dos_adamw_step_device", h, lrs, len(self.param_groups), 0.0)
         self.skipped = taken == 0

@@ -118,8 +118,11 @@ def test_cuda_grad_scaler_and_changes():
 def test_cuda_refusals():
     """Misuse raises with a message that says what to do."""
     p = torch.nn.Parameter(torch.zeros(10, device=CUDA))
-    with pytest.raises(ValueError, match="cuda:0 only|want \"cuda\""):
-        dt.AdamW([p], device="sim")
+    for device in ("sim", "cuda:7", torch.device("cuda", 7)):
+        with pytest.raises(ValueError, match="are on cuda:0, device=.*want \"cuda:0\""):
+            dt.AdamW([p], device=device)
+    for device in ("cuda", "cuda:0", torch.device("cuda")):  # the parameters' GPU, named or not
+        assert dt.AdamW([p], device=device).placement()["device"]
     q = torch.nn.Parameter(torch.zeros(10))
     with pytest.raises(ValueError, match="are on"):
         dt.AdamW([p, q])

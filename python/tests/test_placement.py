@@ -93,8 +93,9 @@ def test_python_side_refusals():
     """What the binding refuses before Go sees it, each saying what to do: an unknown device (torch.device
     values are taken: cpu is None), a parameter given twice or frozen, a missing gradient, and betas changed
     after construction (as OneCycleLR's momentum cycling does); the step before the change still ran."""
-    with pytest.raises(ValueError, match="want None"):
-        dt.AdamW(params(torch.bfloat16), device="tpu")
+    for device in ("tpu", "cuda:x", "cuda:-1"):
+        with pytest.raises(ValueError, match="want None"):
+            dt.AdamW(params(torch.bfloat16), device=device)
     assert dt.AdamW(params(torch.bfloat16), device=torch.device("cpu")).placement()["device"] == ""
     ps = params(torch.float32)
     with pytest.raises(ValueError, match="given twice"), warnings.catch_warnings():
