@@ -1,6 +1,7 @@
 """One rank of test_distributed.py's sharded runs: python3 shard_worker.py RANK WORLD RENDEZVOUS OUT MODE.
 
-MODE "fsdp2" trains a model under FSDP2 on the CPU (fsdp2()); the others are below.
+MODE "fsdp2" trains a model under FSDP2 on the CPU over gloo (fsdp2()), "fsdp2-cuda" on GPU RANK over NCCL;
+the others are below.
 
 Rank r holds shard r (torch.chunk along dim 0) of every tensor of sharded_case(), trains it with
 dos.torch.AdamW(max_grad_norm=1.0) over a gloo group of WORLD ranks, and saves its shards and the skip
@@ -32,19 +33,21 @@ def sharded_case():
     return params, grads
 
 
-def fsdp2(out):
-    """FSDP2 on the CPU over the gloo group: the same model twice, fully_shard per layer and at the root,
-    one trained with dos.torch.AdamW(max_grad_norm=1.0) (which finds the mesh's group itself), the other
-    with torch.optim.AdamW and clip_grad_norm_ over the DTensors; saves the largest difference of the
+def fsdp2(out, device="cpu"):
+    """FSDP2 over the group on device ("cpu" over gloo, also where a GPU is present; or this rank's GPU over
+    NCCL): the same model twice, fully_shard per layer and at the root, one trained with
+    dos.torch.AdamW(max_grad_norm=1.0) (which finds the mesh's group itself; on a GPU it updates there), the
+    other with torch.optim.AdamW and clip_grad_norm_ over the DTensors; saves the largest difference of the
     whole parameters (full_tensor) after each step, and the gradient norms torch saw."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # the CPU, also where a GPU is present
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
 
     def model():
         torch.manual_seed(1)
         m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+        m.to(device)
         for layer in (m[0], m[3]):
             fully_shard(layer, mesh=mesh)
         fully_shard(m, mesh=mesh)
@@ -55,7 +58,7 @@ def fsdp2(out):
     g = torch.Generator().manual_seed(2 + dist.get_rank())  # each rank its own rows of the batch
     diffs, norms = [], []
     for _ in range(STEPS):
-        x, y = torch.randn(8, 16, generator=g), 30 * torch.randn(8, 4, generator=g)
+        x, y = torch.randn(8, 16, generator=g).to(device), (30 * torch.randn(8, 4, generator=g)).to(device)
         for m, opt in ((ref, a), (ours, b)):
             opt.zero_grad()
             torch.nn.functional.mse_loss(m(x), y).backward()
@@ -66,18 +69,25 @@ def fsdp2(out):
     b.close()
     # Only one layer sharded, the rest plain tensors: refused (the norm would count them once per rank).
     torch.manual_seed(1)
-    part = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    part = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(device)
     fully_shard(part[0], mesh=mesh)
     try:
         dt.AdamW(part.parameters(), max_grad_norm=1.0, **KW).close()
         mixed = "accepted"
     except ValueError as e:
         mixed = str(e)
-    torch.save({"diffs": diffs, "norms": norms, "group": b._group is not None, "mixed": mixed}, out)
+    torch.save({"diffs": diffs, "norms": norms, "group": b._group is not None, "mixed": mixed,
+                "placement": b.placement() if hasattr(b, "placement") else None}, out)
 
 
 def main():
     rank, world, rendezvous, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    if mode == "fsdp2-cuda":  # each rank on its own GPU, as torchrun's users place them
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+        fsdp2(out, f"cuda:{rank}")
+        dist.destroy_process_group()
+        return
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     if mode == "fsdp2":
         fsdp2(out)

@@ -106,3 +106,23 @@ def test_fsdp2_two_ranks(tmp_path):
         assert min(res["norms"]) > 1.0, f"clipping inactive: norms {res['norms']}"
         assert max(res["diffs"]) < 1e-5, f"rank {r}: differences per step {res['diffs']}"
         assert "sharded DTensors and the others are not" in res["mixed"], f"rank {r}: a partly sharded model: {res['mixed']}"
+
+
+def test_fsdp2_two_gpus(tmp_path):
+    """FSDP2 over two NCCL ranks, rank r on GPU r (issue 19's done-when, on a machine with two GPUs or more):
+    each rank's dos.torch.AdamW updates its shards on its own GPU and follows torch.optim.AdamW with
+    clip_grad_norm_ over the DTensors within 1e-5 at every step, clipping active; a model sharded only in
+    part is refused."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except Exception as e:
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2): {type(e).__name__}")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available():
+        pytest.skip(f"needs two GPUs and NCCL: {torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU(s)")
+    got = _run_ranks(tmp_path, 2, "fsdp2-cuda")
+    for r, res in enumerate(got):
+        assert res["group"], f"rank {r}: dos found no shard group"
+        assert res["placement"]["device"], f"rank {r}: dos did not update on the GPU: {res['placement']}"
+        assert min(res["norms"]) > 1.0, f"clipping inactive: norms {res['norms']}"
+        assert max(res["diffs"]) < 1e-5, f"rank {r}: differences per step {res['diffs']}"
+        assert "sharded DTensors and the others are not" in res["mixed"], f"rank {r}: a partly sharded model: {res['mixed']}"
