@@ -66,6 +66,7 @@ def fsdp2(out, device="cpu"):
                 norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).full_tensor()))
             opt.step()
         diffs.append(max(float((p.full_tensor() - q.full_tensor()).abs().max()) for p, q in zip(ref.parameters(), ours.parameters())))
+    placement = b.placement()
     b.close()
     # Only one layer sharded, the rest plain tensors: refused (the norm would count them once per rank).
     torch.manual_seed(1)
@@ -76,8 +77,7 @@ def fsdp2(out, device="cpu"):
         mixed = "accepted"
     except ValueError as e:
         mixed = str(e)
-    torch.save({"diffs": diffs, "norms": norms, "group": b._group is not None, "mixed": mixed,
-                "placement": b.placement() if hasattr(b, "placement") else None}, out)
+    torch.save({"diffs": diffs, "norms": norms, "group": b._group is not None, "mixed": mixed, "placement": placement}, out)
 
 
 def main():
