@@ -10,10 +10,10 @@ import (
 	"github.com/deepstates/dos/checkpoint"
 )
 
-// TestCkptJob: dos ckpt ls and verify on the root of a job of ranks (dos
-// train --gpus 2) list and verify its latest step in every rank's root; a
-// damaged rank fails verify, naming the rank and what to do.
-func TestCkptJob(t *testing.T) {
+// trainJob trains a small model on 2 ranks for 4 steps, saving at 2 and
+// 4, and returns the job's root.
+func trainJob(t *testing.T) string {
+	t.Helper()
 	dir := filepath.Join(t.TempDir(), "job")
 	var stdout, stderr bytes.Buffer
 	args := []string{"--gpus", "2", "--steps", "4", "--ckpt-dir", dir, "--ckpt-every", "2", "--layers", "1", "--embd", "16",
@@ -21,6 +21,15 @@ func TestCkptJob(t *testing.T) {
 	if rc := runTrain(args, &stdout, &stderr); rc != 0 {
 		t.Fatalf("dos train %v: rc %d\n%s%s", args, rc, stdout.String(), stderr.String())
 	}
+	return dir
+}
+
+// TestCkptJob: dos ckpt ls and verify on the root of a job of ranks (dos
+// train --gpus 2) list and verify its latest step in every rank's root; a
+// damaged rank fails verify, naming the rank and what to do.
+func TestCkptJob(t *testing.T) {
+	dir := trainJob(t)
+	var stdout, stderr bytes.Buffer
 	stdout.Reset()
 	if rc := runCkpt([]string{"ls", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "2 ranks, latest step 4") ||
 		!strings.Contains(stdout.String(), "* "+checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 4)) {
@@ -151,13 +160,8 @@ func TestCkptReshard(t *testing.T) {
 // flag to repeat, --gpus included; dos ckpt recover repairs the damaged
 // latest.
 func TestResumeJobWithoutLatest(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), "job")
+	dir := trainJob(t)
 	var stdout, stderr bytes.Buffer
-	args := []string{"--gpus", "2", "--steps", "4", "--ckpt-dir", dir, "--ckpt-every", "2", "--layers", "1", "--embd", "16",
-		"--heads", "2", "--ctx", "8", "--batch", "4", "--sample", "0", "--eval-batches", "1", "--max-memory", "1"}
-	if rc := runTrain(args, &stdout, &stderr); rc != 0 {
-		t.Fatalf("dos train %v: rc %d\n%s%s", args, rc, stdout.String(), stderr.String())
-	}
 	latest := filepath.Join(dir, checkpoint.LatestFile)
 	if err := os.WriteFile(latest, []byte("garbage\n"), 0o644); err != nil {
 		t.Fatal(err)
