@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/deepstates/dos/adam"
@@ -117,7 +118,7 @@ func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) e
 	if cfg.Profile != "" || cfg.Schedule != "" {
 		return nil
 	}
-	p, err := g.calibrate(o, out)
+	p, err := g.calibrate(o, 1, out)
 	o.Profile, o.Schedule = p, nil
 	return err
 }
@@ -137,8 +138,10 @@ func deviceMasters(cfg *TrainConfig, o *offload.Options) {
 // calibrate measures this machine's CPU and GPU rates for the performance
 // model at reduced sizes (perfmodel.CalibrateCPU and CalibrateGPU, a few
 // seconds, said on out) with o's CPU workers and gradient dtype, and
-// returns the profile.
-func (g *gpuTrainer) calibrate(o *offload.Options, out io.Writer) (*perfmodel.Profile, error) {
+// returns the profile. With ranks > 1 (ZeRO-3's, each with o's workers)
+// the CPU is measured by ranks calibrations at once, as the ranks' update
+// phases share the host's memory, and the slowest one's rates are kept.
+func (g *gpuTrainer) calibrate(o *offload.Options, ranks int, out io.Writer) (*perfmodel.Profile, error) {
 	start := time.Now()
 	fmt.Fprintf(out, "calibrating the update phase (no --profile: dos calibrate writes one that skips this)...\n")
 	k, err := kernels.Load(g.dev)
@@ -152,9 +155,24 @@ func (g *gpuTrainer) calibrate(o *offload.Options, out io.Writer) (*perfmodel.Pr
 	if err != nil {
 		return nil, fmt.Errorf("trainer: calibrating the GPU: %w", err)
 	}
-	cpu, err := perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{cpuThreads(o)}, Reps: 3, GradDTypes: []adam.DType{o.GradDType}}, nil)
-	if err != nil {
+	fits, errs := make([][]perfmodel.CPUFit, max(ranks, 1)), make([]error, max(ranks, 1))
+	var wg sync.WaitGroup
+	for r := range fits {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			fits[r], errs[r] = perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{cpuThreads(o)}, Reps: 3, GradDTypes: []adam.DType{o.GradDType}}, nil)
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("trainer: calibrating the CPU: %w", err)
+	}
+	cpu := fits[0]
+	for _, f := range fits[1:] {
+		if len(f) > 0 && len(cpu) > 0 && f[0].Rate < cpu[0].Rate {
+			cpu = f
+		}
 	}
 	fmt.Fprintf(out, "calibrated in %.1f s\n", time.Since(start).Seconds())
 	return &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC(), CPU: cpu, GPU: gp}, nil

@@ -171,7 +171,7 @@ func newZero(cfg *TrainConfig, n int, out io.Writer) (*zeroRanks, error) {
 			deviceMasters(cfg, oo)
 			if cfg.Profile == "" && cfg.Schedule == "" {
 				if calibrated == nil {
-					if calibrated, err = g.g.calibrate(oo, out); err != nil {
+					if calibrated, err = g.g.calibrate(oo, n, out); err != nil {
 						return fail(err)
 					}
 				}
