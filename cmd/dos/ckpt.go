@@ -189,7 +189,7 @@ func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int 
 	dir := c.Dir
 	defer c.Close()
 	m := c.Manifest
-	fmt.Fprintf(stdout, "%s\n  step %d, rank %d of %d%s, created %s, %s v%d\n", dir, m.Step, m.Rank, m.WorldSize, jobRank(c),
+	fmt.Fprintf(stdout, "%s\n  step %d, %s, created %s, %s v%d\n", dir, m.Step, whichRank(c),
 		m.Created.Format(time.RFC3339), m.Format, m.Version)
 	for _, f := range m.Files {
 		size := "?"
@@ -343,15 +343,15 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// jobRank says which rank of a job (dos train --gpus) a checkpoint's
-// pieces are (trainer.CheckpointRank), as " (its pieces are rank R of a
-// job of N ranks)"; "" for a checkpoint without the record.
-func jobRank(c *checkpoint.Checkpoint) string {
-	r, n, ok := trainer.CheckpointRank(c)
-	if !ok || n < 2 {
-		return ""
+// whichRank says which rank a checkpoint is: "rank R of a job of N ranks"
+// for a job's (dos train --gpus: trainer.CheckpointRank, since the
+// manifest's is its rank root's own, 0 of 1), else the manifest's "rank R
+// of N".
+func whichRank(c *checkpoint.Checkpoint) string {
+	if r, n, ok := trainer.CheckpointRank(c); ok && n > 1 {
+		return fmt.Sprintf("rank %d of a job of %d ranks", r, n)
 	}
-	return fmt.Sprintf(" (its pieces are rank %d of a job of %d ranks)", r, n)
+	return fmt.Sprintf("rank %d of %d", c.Manifest.Rank, c.Manifest.WorldSize)
 }
 
 func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
@@ -400,7 +400,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 	for _, t := range c.Manifest.Tensors {
 		bytes += t.Bytes
 	}
-	fmt.Fprintf(stdout, "OK %s: step %d, rank %d%s, %d tensors, %d bytes, every CRC32C matches, the optimizer state is finite (exp_avg_sq >= 0) and its settings valid\n",
-		dir, c.Manifest.Step, c.Manifest.Rank, jobRank(c), len(c.Manifest.Tensors), bytes)
+	fmt.Fprintf(stdout, "OK %s: step %d, %s, %d tensors, %d bytes, every CRC32C matches, the optimizer state is finite (exp_avg_sq >= 0) and its settings valid\n",
+		dir, c.Manifest.Step, whichRank(c), len(c.Manifest.Tensors), bytes)
 	return 0
 }

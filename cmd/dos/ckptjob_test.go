@@ -37,7 +37,7 @@ func TestCkptJob(t *testing.T) {
 	}
 	stdout.Reset()
 	if rc := runCkpt([]string{"verify", dir}, &stdout, &stderr); rc != 0 || !strings.Contains(stdout.String(), "OK job "+dir+": step 4 verifies in all 2 ranks' roots") ||
-		!strings.Contains(stdout.String(), "(its pieces are rank 1 of a job of 2 ranks)") {
+		!strings.Contains(stdout.String(), "step 4, rank 1 of a job of 2 ranks,") {
 		t.Errorf("dos ckpt verify: rc %d\n%s%s", rc, stdout.String(), stderr.String())
 	}
 	stderr.Reset()
