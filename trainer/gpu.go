@@ -140,7 +140,9 @@ func deviceMasters(cfg *TrainConfig, o *offload.Options) {
 // seconds, said on out) with o's CPU workers and gradient dtype, and
 // returns the profile. With ranks > 1 (ZeRO-3's, each with o's workers)
 // the CPU is measured by ranks calibrations at once, as the ranks' update
-// phases share the host's memory, and the slowest one's rates are kept.
+// phases share the host's memory (beyond two ranks, their subgroups
+// 2/ranks of one calibration's, at least 1M parameters, so that the
+// memory stays two calibrations'), and the slowest one's rates are kept.
 func (g *gpuTrainer) calibrate(o *offload.Options, ranks int, out io.Writer) (*perfmodel.Profile, error) {
 	start := time.Now()
 	fmt.Fprintf(out, "calibrating the update phase (no --profile: dos calibrate writes one that skips this)...\n")
@@ -155,13 +157,21 @@ func (g *gpuTrainer) calibrate(o *offload.Options, ranks int, out io.Writer) (*p
 	if err != nil {
 		return nil, fmt.Errorf("trainer: calibrating the GPU: %w", err)
 	}
+	co := perfmodel.CPUOptions{Threads: []int{cpuThreads(o)}, Reps: 3, GradDTypes: []adam.DType{o.GradDType}}
+	if ranks > 2 {
+		// The ranks' subgroups together as large as two calibrations'
+		// (what two ranks measure with: about 3.6 GB at most, whatever
+		// the ranks), each at least 1M.
+		b := max(2*perfmodel.CPUSizes(2)[0]/ranks, 1<<20)
+		co.Sizes = []int{b, 2 * b, 4 * b}
+	}
 	fits, errs := make([][]perfmodel.CPUFit, max(ranks, 1)), make([]error, max(ranks, 1))
 	var wg sync.WaitGroup
 	for r := range fits {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			fits[r], errs[r] = perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{cpuThreads(o)}, Reps: 3, GradDTypes: []adam.DType{o.GradDType}}, nil)
+			fits[r], errs[r] = perfmodel.CalibrateCPU(co, nil)
 		}()
 	}
 	wg.Wait()
