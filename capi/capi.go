@@ -57,7 +57,7 @@ type spec struct {
 
 	// The update phase's placement (DeepSpeed's offload_optimizer options
 	// and dos's). Device "" updates on the CPU workers only, the state in
-	// Go memory; "cuda" (GPU 0) or "sim" (the simulated device, for
+	// Go memory; "cuda" (GPU 0), "cuda:N" (GPU N) or "sim" (the simulated device, for
 	// tests) runs the interleaved engine with the state in pinned host
 	// memory (offload.Options.Device; 16-bit dtypes only).
 	Device string `json:"device"`
@@ -110,7 +110,7 @@ func (s *spec) placement(opts *offload.Options, params []offload.Param) (release
 	}
 	if opts.WorkingDType == 0 {
 		if !s.DeviceParams {
-			return release, fmt.Errorf("dos: device %q with float32 parameters on the CPU: the update phase writes a 16-bit working copy on the device; use bfloat16 or float16 parameters, or put the model on cuda:0", s.Device)
+			return release, fmt.Errorf("dos: device %q with float32 parameters on the CPU: the update phase writes a 16-bit working copy on the device; use bfloat16 or float16 parameters, or put the model on the GPU", s.Device)
 		}
 		// fp32 parameters on the device: they are the fp32 master
 		// weights' device copy; the 16-bit working copy is the engine's

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"runtime/debug"
 	"slices"
 	"sync"
 	"time"
@@ -175,8 +176,11 @@ func (g *gpuTrainer) calibrate(o *offload.Options, ranks int, out io.Writer) (*p
 		}()
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		return nil, fmt.Errorf("trainer: calibrating the CPU: %w", err)
+	debug.FreeOSMemory() // the calibrations' subgroups, before the ranks' state is allocated
+	for _, err := range errs {
+		if err != nil {
+			return nil, fmt.Errorf("trainer: calibrating the CPU: %w", err)
+		}
 	}
 	cpu := fits[0]
 	for _, f := range fits[1:] {
@@ -344,6 +348,11 @@ func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 	}
 	clear(g.toks)
 	copy(g.toks, window)
+	if g.wait != nil { // a ZeRO-3 rank: Forward starts with its stream's Sync
+		if err := g.wait(); err != nil {
+			return nil, err
+		}
+	}
 	if err := g.sampler.Forward(g.w, g.toks, nil, 0); err != nil {
 		return nil, err
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/internal/comm"
+	"github.com/deepstates/dos/internal/nccl"
 	"github.com/deepstates/dos/offload"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/safetensors"
@@ -263,14 +264,14 @@ func (z *zeroRanks) gather(params [][]float32, wd adam.DType) {
 // each runs f on every rank, one goroutine each, and returns the error of
 // the rank that failed first. A rank that fails sets z.failed, which ends
 // the other GPU ranks' waits on their streams (gpuRank.wait) and refuses
-// their next collectives, and aborts its own ends of the host and device
-// communicators: the host's (internal/comm's Local) and the staged ones
-// release every rank from its collectives on the host; NCCL's abort
-// reaches only its own end, so once every rank's goroutine has returned
-// the others' are aborted too, and no collective queued on a stream waits
-// for a rank that stopped. (NCCL's abort is never called on another
-// rank's end while that rank may be inside NCCL.) After a failure the run
-// stops: a failed save too.
+// their next collectives, and aborts its own end of the host communicator
+// (internal/comm's Local) and of a staged one, which releases every rank
+// from its collectives on the host. NCCL's ends are aborted all together
+// once every rank's goroutine has returned (NCCL wants every rank of a
+// node to abort, and its abort frees what a rank still inside NCCL, or a
+// peer's kernels, may use), and then no collective queued on a stream
+// waits for a rank that stopped. After a failure the run stops: a failed
+// save too.
 func (z *zeroRanks) each(f func(rk *zeroRank) error) error {
 	var wg sync.WaitGroup
 	var first atomic.Pointer[zeroRank]
@@ -283,7 +284,9 @@ func (z *zeroRanks) each(f func(rk *zeroRank) error) error {
 				z.failed.Store(true)
 				rk.c.Abort(rk.err)
 				if rk.gpu != nil && rk.gpu.c != nil {
-					rk.gpu.c.Abort(rk.err)
+					if _, isNCCL := rk.gpu.c.(*nccl.Comm); !isNCCL {
+						rk.gpu.c.Abort(rk.err)
+					}
 				}
 			}
 		}()

@@ -342,21 +342,27 @@ func (gr *gpuRank) events() []**cuda.Event {
 
 // wait blocks until the model's stream has done what is enqueued on it
 // (the collectives' stream's work before the last joinComm too), polling
-// every 20 µs so that another rank's failure ends it with errRankFailed:
-// a collective whose peer stopped would keep a stream's Sync waiting for
-// ever. It does not allocate.
+// (from 20 µs apart, backing off to 1 ms) so that another rank's failure
+// ends it with errRankFailed, and an error NCCL found on the device
+// (AsyncError) with that: a collective whose peer stopped would keep a
+// stream's Sync waiting for ever. Every wait of a rank's goroutine on its
+// streams goes through it (gptcuda's Forward, Loss and LogitsAt then find
+// the work done). It does not allocate.
 func (gr *gpuRank) wait() error {
 	if err := gr.done.Record(gr.g.s); err != nil {
 		return err
 	}
-	for {
+	for d := 20 * time.Microsecond; ; d = min(2*d, time.Millisecond) {
 		if ok, err := gr.done.Done(); ok || err != nil {
 			return err
 		}
 		if gr.failed.Load() {
 			return errRankFailed
 		}
-		time.Sleep(20 * time.Microsecond)
+		if err := gr.c.AsyncError(); err != nil {
+			return err
+		}
+		time.Sleep(d)
 	}
 }
 
@@ -558,6 +564,9 @@ func (gr *gpuRank) forwardBackward(inputs, targets []int32, scale float32) (floa
 	if err := gr.gatherWhole(); err != nil {
 		return 0, err
 	}
+	if err := gr.wait(); err != nil { // Forward starts with its stream's Sync
+		return 0, err
+	}
 	if err := g.m.Forward(g.w, inputs, targets, scale); err != nil {
 		return 0, err
 	}
@@ -582,6 +591,9 @@ func (gr *gpuRank) forwardBackward(inputs, targets []int32, scale float32) (floa
 // loss returns the mean loss over this rank's rows without gradients
 // (the whole tensors gathered before: zeroRanks.gatherGPU).
 func (gr *gpuRank) loss(inputs, targets []int32) (float64, error) {
+	if err := gr.wait(); err != nil { // Forward starts with its stream's Sync
+		return 0, err
+	}
 	if err := gr.g.m.Forward(gr.g.w, inputs, targets, 0); err != nil {
 		return 0, err
 	}

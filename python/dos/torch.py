@@ -96,7 +96,7 @@ class AdamW(torch.optim.Optimizer):
 
     Where the update phase runs (16-bit parameters on the CPU, any on a GPU): ``device=None`` (the default for
     CPU parameters) updates every subgroup on
-    the CPU workers; ``device="cuda"`` (or ``"cuda:N"``) runs dos's interleaved engine on GPU 0 (N), the state in pinned host
+    the CPU workers; ``device="cuda"`` (torch's current GPU) or ``"cuda:N"`` runs dos's interleaved engine there, the state in pinned host
     memory (``pin_memory`` must stay True), with ``gpu_budget`` bytes of device memory for resident state and
     staging (default 0: none, so every subgroup on the CPU; PyTorch's own memory use is not known at
     construction, so set it to what your model leaves) and ``schedule``: ``"auto"`` (the performance model's
@@ -203,10 +203,12 @@ class AdamW(torch.optim.Optimizer):
             except RuntimeError:
                 raise ValueError(f"dos.torch.AdamW: device={device!r}: want None (the CPU workers), \"cuda\" or "
                                  "\"cuda:N\" (a GPU), or \"sim\" (dos's simulated device, for tests)") from None
-        asked = None  # the GPU device= names, if it names one ("cuda" alone: the parameters')
+        asked = None  # the GPU device= names, if it names one ("cuda" alone: the parameters', or torch's current one)
         if isinstance(device, torch.device):
             if device.type == "cuda" and device.index is not None:
                 asked = device
+            elif device.type == "cuda" and torch.cuda.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())  # as torch reads "cuda"
             device = None if device.type == "cpu" else _spec_device(device) if device.type == "cuda" else device.type
         if device == "cpu":
             device = None
@@ -222,7 +224,7 @@ class AdamW(torch.optim.Optimizer):
                                  "the parameters of one device (an FSDP2 rank's: its GPU)")
             d = devices.pop()
             self._dev = torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
-            if device is not None and (not device.startswith("cuda") or asked not in (None, self._dev)):
+            if device == "sim" or asked not in (None, self._dev):
                 raise ValueError(f"dos.torch.AdamW: the parameters are on {self._dev}, device={device!r}: want "
                                  f"\"{self._dev}\" (or None)")
             device = _spec_device(self._dev)
