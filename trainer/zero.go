@@ -135,7 +135,7 @@ func newZero(cfg *TrainConfig, n int, out io.Writer) (*zeroRanks, error) {
 		}
 	}
 	var calibrated *perfmodel.Profile
-	opts := make([]offload.Options, n)
+	opts, params := make([]offload.Options, n), make([][]offload.Param, n)
 	for _, rk := range z.ranks {
 		oo := cfg.optimizerOptions()
 		if cfg.Threads == 0 {
@@ -150,12 +150,12 @@ func newZero(cfg *TrainConfig, n int, out io.Writer) (*zeroRanks, error) {
 			return fail(err)
 		}
 		rk.closeDev = closeDev
-		params := shardParams(cfg.Model, n, rk.r)
+		params[rk.r] = shardParams(cfg.Model, n, rk.r)
 		if oo.Schedule != nil && cfg.Schedule == "" {
 			// cfg.device's default split counts the whole model's
 			// subgroups: this rank's share has fewer.
 			var elems int
-			for _, p := range params {
+			for _, p := range params[rk.r] {
 				elems += p.Shape[0]
 			}
 			s := offload.MixedSchedule(offload.SubgroupCount(elems, oo.SubgroupSize))
@@ -187,7 +187,7 @@ func newZero(cfg *TrainConfig, n int, out io.Writer) (*zeroRanks, error) {
 	// before any optimizer's: each rank's share of its GPU.
 	for _, rk := range z.ranks {
 		if rk.gpu != nil && cfg.GPUBudget == 0 {
-			b, err := rk.gpu.g.budget(cfg, &opts[rk.r], shardParams(cfg.Model, n, rk.r), z.share(rk.r))
+			b, err := rk.gpu.g.budget(cfg, &opts[rk.r], params[rk.r], z.share(rk.r))
 			if err != nil {
 				return fail(err)
 			}
@@ -196,7 +196,7 @@ func newZero(cfg *TrainConfig, n int, out io.Writer) (*zeroRanks, error) {
 	}
 	for _, rk := range z.ranks {
 		var err error
-		if rk.opt, err = offload.New(shardParams(cfg.Model, n, rk.r), opts[rk.r]); err != nil {
+		if rk.opt, err = offload.New(params[rk.r], opts[rk.r]); err != nil {
 			return fail(fmt.Errorf("trainer: rank %d: %w", rk.r, err))
 		}
 	}
@@ -313,10 +313,10 @@ var errRankFailed = errors.New("stopped: another rank failed")
 // whose loss is not finite still takes part in every collective (its
 // gradient then carries the NaN to the Step, which skips).
 func (z *zeroRanks) forwardBackward(cfg *TrainConfig, inputs, targets []int32, scale float32) (float64, error) {
-	rows := len(inputs) / z.n
 	err := z.each(func(rk *zeroRank) error {
+		in, tg := z.rows(inputs, rk.r), z.rows(targets, rk.r)
 		if rk.gpu != nil {
-			loss, err := rk.gpu.forwardBackward(inputs[rk.r*rows:(rk.r+1)*rows], targets[rk.r*rows:(rk.r+1)*rows], scale)
+			loss, err := rk.gpu.forwardBackward(in, tg, scale)
 			if err != nil {
 				return err
 			}
@@ -342,7 +342,6 @@ func (z *zeroRanks) forwardBackward(cfg *TrainConfig, inputs, targets []int32, s
 			}
 			adam.Widen16(wd, rk.params[i], full[:l])
 		}
-		in, tg := inputs[rk.r*rows:(rk.r+1)*rows], targets[rk.r*rows:(rk.r+1)*rows]
 		loss := float64(rk.model.Forward(rk.params, in, tg))
 		if math.IsNaN(loss) || math.IsInf(loss, 0) {
 			for _, g := range rk.grads {
@@ -373,6 +372,13 @@ func (z *zeroRanks) forwardBackward(cfg *TrainConfig, inputs, targets []int32, s
 		return 0, err
 	}
 	return z.ranks[0].loss, nil
+}
+
+// rows returns rank r's rows of a batch's tokens x (B*T of them): the
+// r-th of n equal parts.
+func (z *zeroRanks) rows(x []int32, r int) []int32 {
+	k := len(x) / z.n
+	return x[r*k : (r+1)*k]
 }
 
 // allReduceLoss sets rk.loss to the ranks' mean of loss (every rank calls
@@ -408,9 +414,8 @@ func (z *zeroRanks) nextGPU(cfg *TrainConfig, window []int32) ([]float32, error)
 // ranks, each forward on its rows, the replicas gathered before
 // (gatherGPU).
 func (z *zeroRanks) lossGPU(inputs, targets []int32) (float64, error) {
-	rows := len(inputs) / z.n
 	err := z.each(func(rk *zeroRank) error {
-		loss, err := rk.gpu.loss(inputs[rk.r*rows:(rk.r+1)*rows], targets[rk.r*rows:(rk.r+1)*rows])
+		loss, err := rk.gpu.loss(z.rows(inputs, rk.r), z.rows(targets, rk.r))
 		if err != nil {
 			return err
 		}
