@@ -183,13 +183,20 @@ var handles struct {
 	// release closes an optimizer's device (offload.OpenDevice's), by the
 	// optimizer's handle, after its Close.
 	release map[int64]func()
+	// owners maps a checkpoint root (its directory's identity, rootID) to
+	// the handle of the optimizer whose engine writes it. The root's lock
+	// (checkpoint.Lock) refuses a writer of another process; within this
+	// process it is shared, so this refuses a second optimizer, whose
+	// retention (keep) would retire the first one's checkpoints.
+	owners map[rootKey]int64
 }
 
 // saver is an optimizer's checkpoint engine on one root.
 type saver struct {
 	root string
-	keep int   // checkpoint.EngineOptions.Keep
-	ring int64 // checkpoint.EngineOptions.RingBytes (0: the default)
+	id   rootKey // root's identity, its key in handles.owners
+	keep int     // checkpoint.EngineOptions.Keep
+	ring int64   // checkpoint.EngineOptions.RingBytes (0: the default)
 	e    *checkpoint.Engine
 }
 
@@ -208,6 +215,7 @@ func newHandle() int64 {
 	if handles.m == nil {
 		handles.m, handles.eng, handles.saves = map[int64]*offload.Optimizer{}, map[int64]*saver{}, map[int64]savedBy{}
 		handles.release = map[int64]func(){}
+		handles.owners = map[rootKey]int64{}
 	}
 	handles.next++
 	return handles.next
@@ -351,16 +359,36 @@ func dos_adamw_step_device(h C.int64_t, lrs *C.double, ngroups C.int32_t, lossSc
 }
 
 //export dos_adamw_step
-func dos_adamw_step(h C.int64_t, params, grads *unsafe.Pointer, lrs *C.double, ngroups C.int32_t, lossScale C.double, reduce C.dos_reduce_fn, errOut **C.char) C.int32_t {
+func dos_adamw_step(h C.int64_t, nparams C.int32_t, params *unsafe.Pointer, paramLens *C.int64_t, grads *unsafe.Pointer, gradLens *C.int64_t,
+	lrs *C.double, ngroups C.int32_t, lossScale C.double, reduce C.dos_reduce_fn, errOut **C.char) C.int32_t {
 	var pp []unsafe.Pointer
 	return step(h, lrs, ngroups, errOut, func(o *offload.Optimizer) (offload.StepArgs, error) {
 		ps := o.Params()
+		if int(nparams) != len(ps) {
+			return offload.StepArgs{}, fmt.Errorf("dos: %d parameters' buffers for an optimizer of %d parameters", int(nparams), len(ps))
+		}
+		if len(ps) == 0 {
+			return offload.StepArgs{LossScale: float64(lossScale), Reduce: reduceArg(reduce)}, nil
+		}
+		if params == nil || grads == nil || paramLens == nil || gradLens == nil {
+			return offload.StepArgs{}, errors.New("dos: a NULL array of data or gradient pointers or of their element counts")
+		}
 		gp := unsafe.Slice(grads, len(ps))
 		pp = unsafe.Slice(params, len(ps))
+		pn := unsafe.Slice((*int64)(unsafe.Pointer(paramLens)), len(ps))
+		gn := unsafe.Slice((*int64)(unsafe.Pointer(gradLens)), len(ps))
+		// Every buffer is checked before any is read: a buffer of another
+		// size (the caller's tensor replaced meanwhile) is refused, never
+		// read or written past its end.
 		for i, p := range ps {
 			if gp[i] == nil || pp[i] == nil {
 				return offload.StepArgs{}, fmt.Errorf("dos: parameter %s: a nil gradient or data pointer", p.Name)
 			}
+			if pn[i] != int64(p.Len) || gn[i] != int64(p.Len) {
+				return offload.StepArgs{}, fmt.Errorf("dos: parameter %s: a data buffer of %d elements and a gradient of %d; the parameter has %d", p.Name, pn[i], gn[i], p.Len)
+			}
+		}
+		for i, p := range ps {
 			if g := o.Grad(i); g.DType == adam.F32 {
 				copy(g.Float32(), unsafe.Slice((*float32)(gp[i]), p.Len))
 			} else {
@@ -440,6 +468,7 @@ func dos_adamw_close(h C.int64_t, errOut **C.char) C.int32_t {
 		delete(handles.m, int64(h))
 		delete(handles.eng, int64(h))
 		delete(handles.release, int64(h))
+		disown(sv, int64(h))
 		handles.Unlock()
 		if o == nil {
 			return nil
@@ -543,7 +572,18 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 		sv := handles.eng[int64(h)]
 		handles.Unlock()
 		if sv == nil || sv.root != dir || sv.keep != int(keep) || sv.ring != int64(ring) {
+			// Refused before this optimizer's engine on its old root is
+			// closed, and before an engine touches dir.
+			if id, err := rootID(dir); err == nil {
+				if err := ownedByOther(id, dir, int64(h)); err != nil {
+					return err
+				}
+			}
 			if sv != nil {
+				handles.Lock()
+				disown(sv, int64(h))
+				delete(handles.eng, int64(h))
+				handles.Unlock()
 				if err := sv.e.Close(); err != nil {
 					return err
 				}
@@ -552,8 +592,19 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 			if err != nil {
 				return err
 			}
-			sv = &saver{root: dir, keep: int(keep), ring: int64(ring), e: e}
+			id, err := rootID(dir) // dir exists now
+			if err != nil {
+				_ = e.Close()
+				return fmt.Errorf("dos: save: the checkpoint root %s: %w", dir, err)
+			}
+			sv = &saver{root: dir, id: id, keep: int(keep), ring: int64(ring), e: e}
 			handles.Lock()
+			if other, ok := handles.owners[id]; ok && other != int64(h) { // claimed meanwhile
+				handles.Unlock()
+				_ = e.Close()
+				return ownedByOther(id, dir, int64(h))
+			}
+			handles.owners[id] = int64(h)
 			handles.eng[int64(h)] = sv
 			handles.Unlock()
 		}
@@ -570,6 +621,27 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 		return 0
 	}
 	return C.int64_t(id)
+}
+
+// ownedByOther refuses root (its identity id) when an optimizer other
+// than h's writes it.
+func ownedByOther(id rootKey, root string, h int64) error {
+	handles.Lock()
+	other, ok := handles.owners[id]
+	handles.Unlock()
+	if !ok || other == h {
+		return nil
+	}
+	return fmt.Errorf("dos: save: the checkpoint root %s is written by another dos optimizer of this process "+
+		"(a dos.torch.AdamW, handle %d): one optimizer per root, or one's retention would retire the other's "+
+		"checkpoints and a load would mix them; save into another root, or close() that optimizer first", root, other)
+}
+
+// disown releases h's claim on sv's root; hold handles.
+func disown(sv *saver, h int64) {
+	if sv != nil && handles.owners[sv.id] == h {
+		delete(handles.owners, sv.id)
+	}
 }
 
 //export dos_save_done
@@ -602,6 +674,7 @@ func dos_save_wait(sh C.int64_t, dirOut **C.char, errOut **C.char) C.int32_t {
 			mine := handles.eng[sb.oh] == sb.sv // not a later save's engine
 			if mine {
 				delete(handles.eng, sb.oh)
+				disown(sb.sv, sb.oh)
 			}
 			handles.Unlock()
 			if mine {

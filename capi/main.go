@@ -8,7 +8,7 @@
 // libdos.h):
 //
 //	int64_t dos_adamw_new(const char *spec, char **err);
-//	int32_t dos_adamw_step(int64_t h, void **params, const void **grads, const double *lrs, int32_t ngroups, double loss_scale, dos_reduce_fn reduce, char **err);
+//	int32_t dos_adamw_step(int64_t h, int32_t nparams, void **params, const int64_t *param_lens, const void **grads, const int64_t *grad_lens, const double *lrs, int32_t ngroups, double loss_scale, dos_reduce_fn reduce, char **err);
 //	int32_t dos_adamw_device_ptrs(int64_t h, int32_t i, uint64_t *grad, uint64_t *working, char **err);
 //	int32_t dos_adamw_step_device(int64_t h, const double *lrs, int32_t ngroups, double loss_scale, dos_reduce_fn reduce, char **err);
 //	int32_t dos_adamw_state_get(int64_t h, int32_t i, int32_t kind, float *data, int64_t n, char **err);
@@ -25,9 +25,12 @@
 //	void dos_free(char *p);
 //	const char *dos_version(void);
 //
-// params and grads point to each parameter's data and gradient in the
-// spec's dtype (float32, or 16-bit with fp32 master weights in dos) in
-// host memory. With a CUDA device, dos_adamw_device_ptrs gives a
+// params and grads point to each of the nparams parameters' data and
+// gradient in the spec's dtype (float32, or 16-bit with fp32 master
+// weights in dos) in host memory; param_lens and grad_lens are their
+// element counts, which must be the parameter's (an error otherwise,
+// before any buffer is read). A buffer must stay valid until the call
+// returns. With a CUDA device, dos_adamw_device_ptrs gives a
 // parameter's gradient and weights in the optimizer's device memory
 // (offload.Optimizer.DeviceGrad, and DeviceWorking for 16-bit parameters or
 // DeviceMaster for float32 ones with the spec's device_params): the caller writes

@@ -8,6 +8,7 @@ FSDP2's local shards (``DTensor.to_local()``).
 """
 import ctypes
 import json
+from collections.abc import MutableMapping
 import math
 import os
 import threading
@@ -79,6 +80,15 @@ def _shard_group(params, process_group):
             return None
         process_group = groups.popitem()[1]
     return process_group if dist.get_world_size(process_group) > 1 else None
+
+
+def _path(path, what):
+    """path (str, bytes or os.PathLike) as the bytes dos takes; a ValueError for an embedded null byte, as os
+    raises (C would cut the path there)."""
+    b = os.fsencode(path)
+    if b"\0" in b:
+        raise ValueError(f"dos.torch.AdamW{what}: embedded null byte in the path {os.fsdecode(b)!r}")
+    return b
 
 
 def _norm(v):
@@ -177,6 +187,8 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(f"dos.torch.AdamW: {name}={v!r}: want an int >= {lo}")
         if threads > 4 * (os.cpu_count() or 1):
             raise ValueError(f"dos.torch.AdamW: threads={threads}: want at most 4 x the {os.cpu_count()} CPUs (0: one per CPU)")
+        if profile:
+            _path(profile, ": profile")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         self._h = 0
         super().__init__(params, defaults)
@@ -250,7 +262,7 @@ class AdamW(torch.optim.Optimizer):
                 "amsgrad": bool(first["amsgrad"]), "maximize": bool(first["maximize"]),
                 "max_grad_norm": float(max_grad_norm), "sub_group_size": int(sub_group_size), "threads": int(threads),
                 "dtype": _DTYPES[self._dtype], "device": device or "", "gpu_budget": int(gpu_budget),
-                "profile": os.fspath(profile) if profile else "", "schedule": schedule or "auto",
+                "profile": os.fsdecode(_path(profile, ": profile")) if profile else "", "schedule": schedule or "auto",
                 "pin_memory": bool(pin_memory), "device_params": self._cuda}
         self._shapes = [_local(p).shape for p in self._params]
         self._fixed = [self._hyper(g) for g in self.param_groups]
@@ -265,8 +277,10 @@ class AdamW(torch.optim.Optimizer):
         self._group = _shard_group(self._params, process_group)
         self._reduce = self._reducer() if self._group is not None else _native.REDUCE_FN()
         self._reduce_error = None
-        for i, p in enumerate(self._params):
-            self._take(i, _local(p))
+        for i, P in enumerate(self._params):
+            p = _local(P)
+            self._take(i, p, self._data(i, p))
+        self._state_view = _State(self)
 
     def _device_views(self):
         """Each parameter's gradient and weights in dos's device memory (the 16-bit working copy, or for
@@ -318,13 +332,29 @@ class AdamW(torch.optim.Optimizer):
         return (float(g["weight_decay"]), tuple(float(b) for b in g["betas"]), float(g["eps"]), bool(g["amsgrad"]),
                 bool(g.get("maximize", False)))
 
-    def _take(self, i, p):
-        """Sets parameter i's fp32 master weights from p.data (p local) and records it as seen."""
-        v = p.data.to("cpu", torch.float32).contiguous()
+    def _take(self, i, p, d):
+        """Sets parameter i's fp32 master weights from d, p's data as _data checked it (p local), and records
+        p as seen."""
+        v = d.to("cpu", torch.float32).contiguous()
         _native.call("dos_adamw_state_set", self._handle(), i, 0, v.data_ptr(), v.numel())
-        self._seen[i] = (p.data.data_ptr(), p._version)
+        self._seen[i] = (d.data_ptr(), p._version)
 
-    def _changed(self, i, p):
+    def _data(self, i, p):
+        """p.data (p parameter i, local), read once and checked: the tensor whose pointer and element count go
+        to dos. Another thread may replace p.data meanwhile; this tensor stays whole while it is held."""
+        d = p.data
+        self._check(i, d)
+        if d.shape != self._shapes[i]:
+            raise ValueError(f"dos.torch.AdamW: parameter {i} changed shape from {tuple(self._shapes[i])} to {tuple(d.shape)}")
+        if d.dtype != self._dtype:
+            raise ValueError(f"dos.torch.AdamW: parameter {i} changed dtype from {self._dtype} to {d.dtype} "
+                             "(model.half() or .to(dtype) after the optimizer was built: build it after)")
+        if (d.device.type == "cuda") != self._cuda or (self._cuda and d.device != self._dev):
+            raise ValueError(f"dos.torch.AdamW: parameter {i} is on {d.device}; the optimizer was built for "
+                             f"{self._dev if self._cuda else 'the CPU'}")
+        return d
+
+    def _changed(self, i, p, d):
         """Whether parameter i may differ from dos's master weights: always for float32 on the CPU (the
         master is p.data itself, taken every step, cheaply: an in-place change through p.data bumps no
         version), and otherwise when p was replaced or changed in place (its data pointer or _version:
@@ -332,7 +362,7 @@ class AdamW(torch.optim.Optimizer):
         seen). On a GPU taking one sends the state through the host, so it is not done every step."""
         if self._dtype == torch.float32 and not self._cuda:
             return True
-        return (p.data.data_ptr(), p._version) != self._seen[i]
+        return (d.data_ptr(), p._version) != self._seen[i]
 
     def __reduce_ex__(self, protocol):
         raise TypeError("dos.torch.AdamW cannot be pickled or copied: its state lives in dos's memory; use "
@@ -372,36 +402,32 @@ class AdamW(torch.optim.Optimizer):
     def _step(self):
         h = self._handle()
         n = len(self._params)
-        params, grads, keep = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), []
+        # One snapshot of each parameter's data and gradient, checked, and the only source of the pointers and
+        # element counts dos gets; held until dos returns (another thread may replace p.data or p.grad).
+        held = []
         for i, P in enumerate(self._params):
-            p, grad = _local(P), _local(P.grad)  # an FSDP2 parameter's and gradient's local shards
-            self._check(i, p)
-            if p.shape != self._shapes[i]:
-                raise ValueError(f"dos.torch.AdamW: parameter {i} changed shape from {tuple(self._shapes[i])} to {tuple(p.shape)}")
-            if p.dtype != self._dtype:
-                raise ValueError(f"dos.torch.AdamW: parameter {i} changed dtype from {self._dtype} to {p.dtype} "
-                                 "(model.half() or .to(dtype) after the optimizer was built: build it after)")
+            p = _local(P)  # an FSDP2 parameter's local shard
+            d = self._data(i, p)
+            grad = _local(P.grad)
             if grad is None:
-                raise ValueError(f"dos.torch.AdamW: parameter {i} {tuple(p.shape)} has no gradient at this step; dos "
+                raise ValueError(f"dos.torch.AdamW: parameter {i} {tuple(d.shape)} has no gradient at this step; dos "
                                  "updates every parameter at every step: leave parameters that take no part in the loss "
                                  "out of the optimizer, or give them zero gradients")
+            grad = grad.detach()  # its own shape and storage: p.grad.data = ... does not change it
             if grad.is_sparse:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has a sparse gradient")
-            if grad.numel() != p.numel() or not (grad.is_floating_point() and grad.dtype in _DTYPES):
-                raise ValueError(f"dos.torch.AdamW: parameter {i} {tuple(p.shape)} has a {grad.dtype} gradient of shape "
+            if grad.numel() != d.numel() or not (grad.is_floating_point() and grad.dtype in _DTYPES):
+                raise ValueError(f"dos.torch.AdamW: parameter {i} {tuple(d.shape)} has a {grad.dtype} gradient of shape "
                                  f"{tuple(grad.shape)}; want float32, bfloat16 or float16 of the parameter's shape")
-            if (p.device.type == "cuda") != self._cuda or (self._cuda and p.device != self._dev) or grad.device != p.device:
-                raise ValueError(f"dos.torch.AdamW: parameter {i} is on {p.device} with its gradient on {grad.device}; "
-                                 f"the optimizer was built for {self._dev if self._cuda else 'the CPU'}")
-            if self._changed(i, p):  # changed or replaced since dos wrote it: take it
-                self._take(i, p)
+            if grad.device != d.device:
+                raise ValueError(f"dos.torch.AdamW: parameter {i} is on {d.device} with its gradient on {grad.device}")
+            if self._changed(i, p, d):  # changed or replaced since dos wrote it: take it
+                self._take(i, p, d)
             if self._cuda:  # into dos's device gradient, on PyTorch's current stream
-                self._views[i][0].copy_(grad.detach().reshape(-1))
+                self._views[i][0].copy_(grad.reshape(-1))
+                held.append((p, d, None))
                 continue
-            g = grad.detach().to(self._dtype).contiguous()
-            d = p.data  # held until dos returns: another thread may replace p.data meanwhile
-            keep.append((g, d))
-            params[i], grads[i] = d.data_ptr(), g.data_ptr()
+            held.append((p, d, grad.to(self._dtype).contiguous()))
         for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
             if not math.isfinite(float(g["lr"])):
                 raise ValueError(f"dos.torch.AdamW: param group {gi}: invalid lr: {g['lr']}")
@@ -413,8 +439,13 @@ class AdamW(torch.optim.Optimizer):
                                  "at every step (OneCycleLR cycles betas unless cycle_momentum=False)")
         lrs = (ctypes.c_double * len(self.param_groups))(*[float(g["lr"]) for g in self.param_groups])
         if not self._cuda:
-            taken = self._call_step("dos_adamw_step", h, params, grads, lrs, len(self.param_groups), 0.0)
+            params, grads = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
+            plens, glens = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
+            for i, (_, d, g) in enumerate(held):
+                params[i], plens[i], grads[i], glens[i] = d.data_ptr(), d.numel(), g.data_ptr(), g.numel()
+            taken = self._call_step("dos_adamw_step", h, n, params, plens, grads, glens, lrs, len(self.param_groups), 0.0)
             self.skipped = taken == 0
+            del held  # dos has returned: the tensors may go
             return
         # dos's update reads the gradients once PyTorch's stream has written them: an event on that stream,
         # waited for by this thread only (no device-wide synchronisation). The step returns when dos's update
@@ -425,51 +456,100 @@ class AdamW(torch.optim.Optimizer):
         taken = self._call_step("dos_adamw_step_device", h, lrs, len(self.param_groups), 0.0)
         self.skipped = taken == 0
         if taken:
-            for i, P in enumerate(self._params):
-                p = _local(P)
-                p.data.view(-1).copy_(self._views[i][1])
-                self._seen[i] = (p.data.data_ptr(), p._version)
+            for i, (p, d, _) in enumerate(held):
+                d.view(-1).copy_(self._views[i][1])
+                self._seen[i] = (d.data_ptr(), p._version)
 
     _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
 
     def state_dict(self):
         """torch.optim.AdamW's state dict: per parameter ``step`` (a float tensor, as torch keeps it),
         ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), copied out of dos, and the
-        param groups. ``torch.optim.AdamW.load_state_dict`` loads it, and ``load_state_dict`` here loads one
-        of torch's."""
+        param groups. Every parameter has state, from construction on (step 0, zero moments; torch's has none
+        before its first step, and starts from the same). ``torch.optim.AdamW.load_state_dict`` loads it,
+        and ``load_state_dict`` here loads one of torch's."""
         with self._lock:  # not beside a step: the moments and the step count of one step
             return self._state_dict()
 
     def _state_dict(self):
         step = _native.call("dos_adamw_get_step", self._handle())
-        amsgrad = self.param_groups[0]["amsgrad"]
-        for i, p in enumerate(self._params):
-            if step == 0:  # as torch's: no state before the first step
-                break
-            st = {"step": torch.tensor(float(step))}
-            for k, kind in self._KINDS.items():
-                if k == "max_exp_avg_sq" and not amsgrad:
-                    continue
-                t = torch.empty(_local(p).shape, dtype=torch.float32)  # an FSDP2 rank's shard of the moment
-                _native.call("dos_adamw_state_get", self._h, i, kind, t.data_ptr(), t.numel())
-                st[k] = t
-            self.state[p] = st
-        try:
-            return super().state_dict()
-        finally:
-            self.state.clear()
+        sd = super().state_dict()  # the param groups; its "state" holds opt.state's views, replaced by copies:
+        sd["state"] = {i: self._fetch_all(i, step) for i in range(len(self._params))}  # torch numbers them so
+        return sd
+
+    def _keys(self):
+        """The state's names of every parameter, as torch.optim.AdamW's."""
+        return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.param_groups[0]["amsgrad"] else ())
+
+    def _fetch(self, i, k, step=None):
+        """Parameter i's state k, a copy out of dos: step as a float tensor, a moment in fp32 (an FSDP2 rank's
+        shard of it)."""
+        if k == "step":
+            return torch.tensor(float(_native.call("dos_adamw_get_step", self._handle()) if step is None else step))
+        t = torch.empty(self._shapes[i], dtype=torch.float32)
+        _native.call("dos_adamw_state_get", self._handle(), i, self._KINDS[k], t.data_ptr(), t.numel())
+        return t
+
+    def _fetch_all(self, i, step):
+        return {k: self._fetch(i, k, step) for k in self._keys()}
+
+    def _checked_state(self, i, k, v, what):
+        """v, parameter i's state k from a state dict, checked and as dos takes it: a whole number for step, an
+        fp32 CPU tensor of the parameter's shape for a moment."""
+        if k == "step":
+            step = float(v)
+            if not (math.isfinite(step) and step >= 0 and step == int(step)):
+                raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s step {step}: want a whole number >= 0")
+            return int(step)
+        if k not in self._keys():
+            raise KeyError(f"dos.torch.AdamW.{what}: parameter {i}: no state {k!r}; dos keeps {', '.join(self._keys())}")
+        t = _local(torch.as_tensor(v).detach()).to("cpu", torch.float32).contiguous()
+        if t.shape != self._shapes[i]:
+            raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} has shape {tuple(t.shape)}, "
+                             f"the parameter {tuple(self._shapes[i])}")
+        if not bool(torch.isfinite(t).all()) or (k != "exp_avg" and bool((t < 0).any())):
+            raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} holds "
+                             f"{'negative or ' if k != 'exp_avg' else ''}non-finite values")
+        return t
+
+    def _put(self, i, k, v):
+        """Writes parameter i's state k (checked by _checked_state) into dos: step is every parameter's."""
+        if k == "step":
+            _native.call("dos_adamw_set_step", self._handle(), v)
+        else:
+            _native.call("dos_adamw_state_set", self._handle(), i, self._KINDS[k], v.data_ptr(), v.numel())
+
+    @property
+    def state(self):
+        """Every parameter's state in dos, as torch.optim's ``state`` (keyed by parameter): ``state[p]`` is a
+        mapping of ``step``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) whose values are copied out
+        of dos when read (an in-place change of one does not reach dos) and written into dos when set
+        (``state[p]["exp_avg"] = t``, checked as ``load_state_dict`` checks; setting ``step`` sets every
+        parameter's: dos keeps one). It holds every parameter from construction on, so tools that take an
+        empty state for an optimizer never stepped (torch.distributed.checkpoint's ``get_optimizer_state_dict``
+        and ``set_optimizer_state_dict``) take no step of their own. Entries cannot be deleted."""
+        view = self.__dict__.get("_state_view")
+        return view if view is not None else self.__dict__.get("_torch_state")
+
+    @state.setter
+    def state(self, value):
+        if self.__dict__.get("_state_view") is not None:
+            raise TypeError("dos.torch.AdamW.state cannot be replaced: it is a view of dos's state; use "
+                            "load_state_dict(), or set opt.state[p][name]")
+        self.__dict__["_torch_state"] = value  # torch.optim.Optimizer.__init__'s, until dos's view replaces it
 
     def load_state_dict(self, state_dict):
         """Loads a state dict of this class or of torch.optim.AdamW (same parameters, same shapes) into
         dos: the moments (in fp32, as the dict holds them), the step (every parameter's must be the same:
-        dos keeps one) and the groups' lr; the master weights are the parameters' current values (load the
-        model first). It checks everything before changing anything: on error the optimizer is as it was.
-        A parameter without state in the dict (torch's before its first step) starts from zero moments."""
+        dos keeps one) and the groups' lr. The master weights are the parameters' (load the model first):
+        taken from those changed since dos wrote them, as a step takes them; float32 ones on the CPU always.
+        It checks everything before changing anything: on error the optimizer is as it was. A parameter
+        without state in the dict (torch's before its first step) starts from zero moments."""
         with self._lock:
             self._load_state_dict(state_dict)
 
     def _load_state_dict(self, state_dict):
-        h = self._handle()
+        self._handle()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"dos.torch.AdamW.load_state_dict: {len(groups)} param groups, this optimizer has {len(self.param_groups)}")
@@ -483,38 +563,28 @@ class AdamW(torch.optim.Optimizer):
                                  f"are {now} in the state dict, {fixed} in this optimizer: dos fixes them at construction")
             if not math.isfinite(float(g["lr"])):
                 raise ValueError(f"dos.torch.AdamW.load_state_dict: group {gi}: invalid lr {g['lr']}")
-        amsgrad = self.param_groups[0]["amsgrad"]
-        moments, steps = [], set()
-        for i, (key, p) in enumerate(zip(index, self._params)):
+        moments, steps, data = [], set(), []
+        for i, (key, P) in enumerate(zip(index, self._params)):
             st = state_dict["state"].get(key, {})
-            step = float(st["step"]) if "step" in st else 0.0
-            if not (math.isfinite(step) and step >= 0 and step == int(step)):
-                raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s step {step}: want a whole number >= 0")
-            steps.add(int(step))
+            steps.add(self._checked_state(i, "step", st["step"] if "step" in st else 0, "load_state_dict"))
             m = {}
-            for k, kind in self._KINDS.items():
-                if k == "max_exp_avg_sq" and not amsgrad:
-                    continue
+            for k in self._keys()[1:]:
                 if k not in st:  # no state for this parameter yet: zero moments, as torch's first step starts from
-                    m[kind] = torch.zeros(_local(p).shape, dtype=torch.float32)
-                    continue
-                t = _local(torch.as_tensor(st[k]).detach()).to("cpu", torch.float32).contiguous()
-                if t.shape != _local(p).shape:
-                    raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s {k} has shape {tuple(t.shape)}, "
-                                     f"the parameter {tuple(_local(p).shape)}")
-                if not bool(torch.isfinite(t).all()) or (k != "exp_avg" and bool((t < 0).any())):
-                    raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i}'s {k} holds "
-                                     f"{'negative or ' if k != 'exp_avg' else ''}non-finite values")
-                m[kind] = t
+                    m[k] = torch.zeros(self._shapes[i], dtype=torch.float32)
+                else:
+                    m[k] = self._checked_state(i, k, st[k], "load_state_dict")
             moments.append(m)
+            p = _local(P)
+            data.append((p, self._data(i, p)))  # checked before anything changes
         if len(steps) > 1:
             raise ValueError(f"dos.torch.AdamW.load_state_dict: the parameters' steps differ ({sorted(steps)}); "
                              "dos keeps one step count")
-        for i, (p, m) in enumerate(zip(self._params, moments)):
-            self._take(i, _local(p))
-            for kind, t in m.items():
-                _native.call("dos_adamw_state_set", h, i, kind, t.data_ptr(), t.numel())
-        _native.call("dos_adamw_set_step", h, steps.pop() if steps else 0)
+        for i, ((p, d), m) in enumerate(zip(data, moments)):
+            if self._changed(i, p, d):
+                self._take(i, p, d)
+            for k, t in m.items():
+                self._put(i, k, t)
+        self._put(0, "step", steps.pop())
         for g, sg in zip(self.param_groups, groups):
             g["lr"] = sg["lr"]
 
@@ -537,17 +607,18 @@ class AdamW(torch.optim.Optimizer):
 
     def _save(self, root, keep, ring_bytes):
         h = self._handle()
+        path = _path(root, ".save")
         step = _native.call("dos_adamw_get_step", h)
-        if self._saved_step == (os.fspath(root), step):
-            raise ValueError(f"dos.torch.AdamW.save: step {step} is saved into {os.fspath(root)} already "
+        if self._saved_step == (path, step):
+            raise ValueError(f"dos.torch.AdamW.save: step {step} is saved into {os.fsdecode(path)} already "
                              "(a checkpoint is never replaced)")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"dos.torch.AdamW.save: keep={keep!r}: want an int >= 0 (0 keeps every checkpoint)")
         if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int) or ring_bytes < 0:
             raise ValueError(f"dos.torch.AdamW.save: ring_bytes={ring_bytes!r}: want an int >= 0 (0: 256 MiB)")
         objects = json.dumps({"torch": {"lrs": [float(g["lr"]) for g in self.param_groups]}}).encode()
-        handle = SaveHandle(_native.call("dos_adamw_save", h, os.fspath(root).encode(), objects, int(keep), int(ring_bytes)))
-        self._saved_step = handle._saved = (os.fspath(root), step)
+        handle = SaveHandle(_native.call("dos_adamw_save", h, path, objects, int(keep), int(ring_bytes)))
+        self._saved_step = handle._saved = (path, step)
         handle._opt = self  # a failed save forgets the step, so that it can be saved again
         return handle
 
@@ -559,13 +630,14 @@ class AdamW(torch.optim.Optimizer):
             self._load(path)
 
     def _load(self, path):
+        path = _path(path, ".load")
+        data = [(_local(P), self._data(i, _local(P))) for i, P in enumerate(self._params)]  # checked first
         objects = ctypes.c_void_p()
-        _native.call("dos_adamw_load", self._handle(), os.fspath(path).encode(), ctypes.byref(objects))
+        _native.call("dos_adamw_load", self._handle(), path, ctypes.byref(objects))
         objs = json.loads(_native.take_string(objects) or "{}")
-        for i, P in enumerate(self._params):
-            p = _local(P)
-            p.data.copy_(self.master_weights(i).view(p.shape))
-            self._seen[i] = (p.data.data_ptr(), p._version)
+        for i, (p, d) in enumerate(data):
+            d.copy_(self.master_weights(i).view(d.shape))
+            self._seen[i] = (d.data_ptr(), p._version)
         lrs = (objs.get("torch") or {}).get("lrs")
         if lrs and len(lrs) == len(self.param_groups):
             for g, lr in zip(self.param_groups, lrs):
@@ -585,7 +657,7 @@ class AdamW(torch.optim.Optimizer):
         16-bit values are rounded from otherwise."""
         if not 0 <= i < len(self._params):
             raise IndexError(f"dos.torch.AdamW.master_weights: parameter {i} of {len(self._params)}")
-        t = torch.empty(_local(self._params[i]).shape, dtype=torch.float32)
+        t = torch.empty(self._shapes[i], dtype=torch.float32)
         _native.call("dos_adamw_state_get", self._handle(), i, 0, t.data_ptr(), t.numel())
         return t
 
@@ -600,6 +672,79 @@ class AdamW(torch.optim.Optimizer):
             self.close()
         except Exception:
             pass
+
+
+class _State(MutableMapping):
+    """AdamW.state: every parameter's state in dos, keyed by parameter (see AdamW.state)."""
+
+    def __init__(self, opt):
+        self._opt = opt
+        self._index = {id(P): i for i, P in enumerate(opt._params)}
+
+    def _i(self, P):
+        i = self._index.get(id(P))
+        if i is None or self._opt._params[i] is not P:
+            raise KeyError("dos.torch.AdamW.state: not a parameter of this optimizer")
+        return i
+
+    def __getitem__(self, P):
+        return _ParamState(self._opt, self._i(P))
+
+    def __setitem__(self, P, value):
+        """Writes the entries of value (step, exp_avg, ...) into dos, all checked first; others stay."""
+        i, opt = self._i(P), self._opt
+        with opt._lock:
+            checked = {k: opt._checked_state(i, k, v, "state") for k, v in value.items()}
+            for k, v in checked.items():
+                opt._put(i, k, v)
+
+    def __delitem__(self, P):
+        raise TypeError("dos.torch.AdamW.state: a parameter's state cannot be deleted: dos keeps every parameter's")
+
+    def __iter__(self):
+        return iter(self._opt._params)
+
+    def __len__(self):
+        return len(self._opt._params)
+
+    def __repr__(self):
+        return f"<dos.torch.AdamW state of {len(self)} parameters>"
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("dos.torch.AdamW.state is a view of dos's state and cannot be pickled or copied; use state_dict()")
+
+
+class _ParamState(MutableMapping):
+    """One parameter's state in dos: each value copied out when read, written into dos when set."""
+
+    def __init__(self, opt, i):
+        self._opt, self._i = opt, i
+
+    def __getitem__(self, k):
+        if k not in self._opt._keys():
+            raise KeyError(k)
+        with self._opt._lock:
+            return self._opt._fetch(self._i, k)
+
+    def __setitem__(self, k, v):
+        with self._opt._lock:
+            self._opt._put(self._i, k, self._opt._checked_state(self._i, k, v, "state"))
+
+    def __delitem__(self, k):
+        raise TypeError(f"dos.torch.AdamW.state: {k!r} cannot be deleted: dos keeps it")
+
+    def __iter__(self):
+        return iter(self._opt._keys())
+
+    def __len__(self):
+        return len(self._opt._keys())
+
+    def __repr__(self):
+        return repr(dict(self))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("dos.torch.AdamW.state[p] is a view of dos's state and cannot be pickled or copied; "
+                        "use dict(opt.state[p]) or state_dict()")
 
 
 class SaveHandle:

@@ -318,14 +318,18 @@ def test_review_cases():
     o1.step()
     o2.step()
     assert torch.allclose(m1.weight, m2.weight, rtol=1e-6) and torch.allclose(m1.bias, m2.bias, rtol=1e-6)
-    # No state before the first step, as torch's: torch.optim.AdamW loads it and steps.
-    p = torch.nn.Parameter(torch.ones(3))
+    # Before the first step every parameter has state, step 0 and zero moments (torch's has none, and starts
+    # from the same): torch.optim.AdamW loads it and steps bit for bit as a fresh one.
+    p, q0 = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
     sd = dt.AdamW([p]).state_dict()
-    assert sd["state"] == {}
-    t = torch.optim.AdamW([p])
+    assert set(sd["state"]) == {0} and float(sd["state"][0]["step"]) == 0
+    assert torch.equal(sd["state"][0]["exp_avg"], torch.zeros(3)) and torch.equal(sd["state"][0]["exp_avg_sq"], torch.zeros(3))
+    t, t0 = torch.optim.AdamW([p], foreach=False), torch.optim.AdamW([q0], foreach=False)
     t.load_state_dict(sd)
-    p.grad = torch.ones(3)
+    p.grad, q0.grad = torch.ones(3), torch.ones(3)
     t.step()
+    t0.step()
+    assert torch.equal(p.data, q0.data) and torch.equal(t.state[p]["exp_avg_sq"], t0.state[q0]["exp_avg_sq"])
     # A failed load_state_dict changes nothing.
     q = torch.nn.Parameter(torch.ones(4))
     o = dt.AdamW([q], lr=1e-3)
@@ -334,7 +338,8 @@ def test_review_cases():
     other.step()
     with pytest.raises(ValueError, match="shape"):
         o.load_state_dict(other.state_dict())
-    assert o.param_groups[0]["lr"] == 1e-3 and o.state_dict()["state"] == {}
+    assert o.param_groups[0]["lr"] == 1e-3 and float(o.state_dict()["state"][0]["step"]) == 0
+    assert torch.equal(o.state_dict()["state"][0]["exp_avg"], torch.zeros(4))
     # No group added later; no NaN hyperparameters; no empty parameters.
     with pytest.raises(NotImplementedError):
         o.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
@@ -405,7 +410,8 @@ def test_breaker_cases(tmp_path):
     # a state dict without state: zero moments, step 0; a bad one changes nothing
     fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(64))], lr=1e-2).state_dict()
     opt.load_state_dict(fresh)
-    assert opt.state_dict()["state"] == {}
+    st = opt.state_dict()["state"][0]
+    assert float(st["step"]) == 0 and torch.equal(st["exp_avg"], torch.zeros(64)) and torch.equal(st["exp_avg_sq"], torch.zeros(64))
     ps[0].grad = torch.full((64,), 0.1)
     opt.step()
     assert torch.allclose(opt.state_dict()["state"][0]["exp_avg"], torch.full((64,), 0.01), rtol=1e-6)

@@ -1,0 +1,80 @@
+"""Checkpoint roots and paths of dos.torch.AdamW (issue 29, items 2 and 3)."""
+import os
+
+import pytest
+import torch
+
+import dos
+import dos.torch as dt
+
+
+def trained(seed, steps=3):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(16, generator=g))]
+    opt = dt.AdamW(ps, lr=1e-2)
+    for _ in range(steps):
+        ps[0].grad = torch.randn(16, generator=g)
+        opt.step()
+    return ps, opt
+
+
+def test_second_optimizer_refused_on_a_root(tmp_path):
+    """Within one process a root written by one optimizer refuses another's save (whatever the spelling:
+    relative, through a link); the first one's checkpoint stays and loads its own weights; after close()
+    the other may save there."""
+    root = tmp_path / "r"
+    pa, a = trained(1)
+    pb, b = trained(2)
+    a.save(root).wait()
+    want = pa[0].data.clone()
+    with pytest.raises(dos.DosError, match=r"r is written by another dos optimizer of this process.*another root, or close\(\)"):
+        b.save(root, keep=1)
+    os.symlink(root, tmp_path / "link")
+    with pytest.raises(dos.DosError, match="another dos optimizer"):
+        b.save(tmp_path / "link", keep=1)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(dos.DosError, match="another dos optimizer"):
+            b.save("./r/../r", keep=1)
+    finally:
+        os.chdir(cwd)
+    assert sorted(f for f in os.listdir(root) if f.startswith("step-")) == ["step-000000003"]
+    pa[0].data.zero_()
+    a.load(root)  # A's own weights, not B's
+    assert torch.equal(pa[0].data, want) and not torch.equal(pb[0].data, want)
+    b.load(root)  # loading is reading: allowed
+    assert torch.equal(pb[0].data, want)
+    pb[0].grad = torch.ones(16)
+    b.step()
+    a.close()
+    assert b.save(root, keep=1).wait().endswith("step-000000004")
+    assert sorted(f for f in os.listdir(root) if f.startswith("step-")) == ["step-000000004"]
+
+
+def test_optimizer_moves_to_another_root(tmp_path):
+    """An optimizer that saves into another root gives up the first: another optimizer may then save there."""
+    _, a = trained(1)
+    _, b = trained(2, steps=4)
+    a.save(tmp_path / "r").wait()
+    a.save(tmp_path / "s").wait()
+    b.save(tmp_path / "r").wait()
+    with pytest.raises(dos.DosError, match="another dos optimizer"):
+        a.save(tmp_path / "r")
+
+
+def test_paths_with_a_null_byte(tmp_path):
+    """A path with an embedded null byte raises ValueError, as os does (C cut it there: r2\\0zzz saved into
+    r2), and nothing is written."""
+    _, a = trained(1)
+    with pytest.raises(ValueError):
+        os.stat(str(tmp_path / "r2\0zzz"))  # os's own refusal
+    for path in (str(tmp_path / "r2\0zzz"), os.fsencode(tmp_path / "r2\0zzz")):
+        with pytest.raises(ValueError, match="embedded null byte"):
+            a.save(path)
+        with pytest.raises(ValueError, match="embedded null byte"):
+            a.load(path)
+    assert not os.path.exists(tmp_path / "r2")
+    with pytest.raises(ValueError, match="embedded null byte"):
+        dt.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], device="sim", profile=str(tmp_path / "p\0x"))
+    assert a.save(os.fsencode(tmp_path / "r2")).wait().endswith("step-000000003")  # bytes paths work
