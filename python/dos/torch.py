@@ -129,7 +129,11 @@ class AdamW(torch.optim.Optimizer):
     would write NaNs).
 
     ``state_dict``/``load_state_dict`` use torch.optim.AdamW's format, so state moves between the two (the
-    moments in fp32). ``save``/``load`` checkpoint lazily in dos's format, master weights included.
+    moments in fp32). ``state`` is a view of dos's state holding every parameter from construction on (step 0,
+    zero moments): read, a value is a copy (changing it in place does not reach dos); set, it is written into
+    dos. So torch.distributed.checkpoint's ``get_optimizer_state_dict``/``set_optimizer_state_dict``, which
+    step an optimizer whose ``state`` is empty, never step it. ``save``/``load`` checkpoint lazily in dos's
+    format, master weights included; one optimizer of a process writes a root (another's save raises).
     CUDA parameters (float32, bfloat16 or float16, all on one GPU, e.g. an FSDP2 rank's; ``device="cuda"`` on
     that GPU is then implied): ``step()``
     copies each gradient into dos's device gradient buffer on PyTorch's current stream, waits on an event of
@@ -390,7 +394,8 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step over every parameter (torch.optim.AdamW's semantics). Returns the closure's loss.
-        Steps from several threads run one after the other."""
+        Steps from several threads run one after the other; a parameter or gradient another thread replaces
+        meanwhile is read once per step and checked (ValueError if it no longer fits)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -601,7 +606,8 @@ class AdamW(torch.optim.Optimizer):
         parameter) captures it at memory speed (on the H200 a gpt2-xl step waited 6.9 s with the default).
         A state that ``load`` would refuse (a master weight or moment gone Inf or NaN, which finite but huge
         gradients can cause) is never committed: ``wait()`` raises DosError naming the tensor, and the previous
-        checkpoint stays the latest."""
+        checkpoint stays the latest. A root that another optimizer of this process writes (its retention would
+        retire this one's checkpoints) raises DosError: save into another root, or ``close()`` that one first."""
         with self._lock:
             return self._save(root, keep, ring_bytes)
 
