@@ -12,6 +12,7 @@ from collections.abc import MutableMapping
 import math
 import os
 import threading
+import weakref
 
 import torch
 
@@ -684,8 +685,15 @@ class _State(MutableMapping):
     """AdamW.state: every parameter's state in dos, keyed by parameter (see AdamW.state)."""
 
     def __init__(self, opt):
-        self._opt = opt
+        self._ref = weakref.ref(opt)  # no cycle: the optimizer is freed (and dos's state) when its last user lets go
         self._index = {id(P): i for i, P in enumerate(opt._params)}
+
+    @property
+    def _opt(self):
+        opt = self._ref()
+        if opt is None:
+            raise _native.DosError("dos.torch.AdamW: the optimizer is closed")
+        return opt
 
     def _i(self, P):
         i = self._index.get(id(P))

@@ -78,3 +78,22 @@ def test_paths_with_a_null_byte(tmp_path):
     with pytest.raises(ValueError, match="embedded null byte"):
         dt.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], device="sim", profile=str(tmp_path / "p\0x"))
     assert a.save(os.fsencode(tmp_path / "r2")).wait().endswith("step-000000003")  # bytes paths work
+
+
+def test_dropped_optimizer_frees_its_root(tmp_path):
+    """An optimizer let go of is freed at once (no reference cycle holds it until a collection), and its root
+    with it."""
+    import gc
+    import weakref
+
+    _, a = trained(1)
+    a.save(tmp_path / "r").wait()
+    ref = weakref.ref(a)
+    gc.disable()
+    try:
+        del a
+        assert ref() is None
+        _, b = trained(2, steps=4)
+        assert b.save(tmp_path / "r").wait().endswith("step-000000004")
+    finally:
+        gc.enable()
