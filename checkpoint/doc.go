@@ -68,7 +68,10 @@
 // latest at the newest step directory that verifies, and says which.
 // Rollback also handles a sound latest whose checkpoint does not verify:
 // it sets that checkpoint aside whole (root/damaged-step-%09d-<time>,
-// never loaded or removed) and points latest at the newest that does. A
+// never loaded or removed) and points latest at the newest that does;
+// when none does, it sets every step directory aside so and removes
+// latest, leaving a root without a checkpoint, where a new run may start
+// (ErrNoneLeft). A
 // step directory (one holding manifest.json, or step-%09d beside a
 // latest) is never taken as a root. Readers (Latest, Inspect, OpenPath)
 // take no lock: when a writer moves latest while they read, they read

@@ -35,6 +35,24 @@ const JobFile = "job.json"
 // jobFormat identifies JobFile's schema.
 const jobFormat = "dos-job"
 
+// MaxWorldSize is the most ranks a job may have: dos train's --gpus and
+// dos ckpt reshard's bound, and that of a world_size read from JobFile
+// (a larger one is damage: ErrCorrupt).
+const MaxWorldSize = 64
+
+// ErrWrongRank is wrapped by the errors of CheckJob, RecoverJob and the
+// trainer's resume when a rank root holds another rank's checkpoints, two
+// rank roots are one directory (a link), or the rank count its
+// checkpoints were cut for is not JobFile's: the rank roots were copied,
+// linked or moved, or JobFile was changed. The message says which and
+// what to do; nothing was changed. It wraps ErrCorrupt.
+var ErrWrongRank error = wrongRank{}
+
+type wrongRank struct{}
+
+func (wrongRank) Error() string { return "checkpoint: corrupt: rank roots not the job's" }
+func (wrongRank) Unwrap() error { return ErrCorrupt }
+
 type jobInfo struct {
 	Format    string `json:"format"`
 	WorldSize int    `json:"world_size"`
@@ -102,8 +120,8 @@ func JobFresh(fsys FS, root string) (bool, error) {
 // another world size or not a job's; the file system's. On an error the
 // job's latest still names the previous step.
 func CommitJob(fsys FS, root string, world int, step int64) error {
-	if world < 1 {
-		return fmt.Errorf("checkpoint: CommitJob: world size %d", world)
+	if world < 1 || world > MaxWorldSize {
+		return fmt.Errorf("checkpoint: CommitJob: world size %d: want 1..%d", world, MaxWorldSize)
 	}
 	for r := range world {
 		m := filepath.Join(StepDir(RankRoot(root, r), step), ManifestFile)
@@ -132,8 +150,11 @@ func readJob(fsys FS, root string) (int, error) {
 		return 0, err
 	}
 	var j jobInfo
-	if err := json.Unmarshal(b, &j); err != nil || j.Format != jobFormat || j.WorldSize < 1 {
+	if err := json.Unmarshal(b, &j); err != nil || j.Format != jobFormat {
 		return 0, fmt.Errorf("%w: %s is not a dos job's description (%.60q)", ErrCorrupt, path, b)
+	}
+	if j.WorldSize < 1 || j.WorldSize > MaxWorldSize {
+		return 0, fmt.Errorf("%w: %s: world_size %d: want 1..%d (the ranks dos train --gpus runs)", ErrCorrupt, path, j.WorldSize, MaxWorldSize)
 	}
 	return j.WorldSize, nil
 }
@@ -168,8 +189,8 @@ func JobLatest(fsys FS, root string) (step int64, world int, err error) {
 // that a crash during the first save leaves a root ResumeJob recognizes;
 // a job.json of another world size is refused.
 func BeginJob(fsys FS, root string, world int) error {
-	if world < 1 {
-		return fmt.Errorf("checkpoint: BeginJob: world size %d", world)
+	if world < 1 || world > MaxWorldSize {
+		return fmt.Errorf("checkpoint: BeginJob: world size %d: want 1..%d", world, MaxWorldSize)
 	}
 	w, err := readJob(fsys, root)
 	switch {
@@ -404,21 +425,31 @@ func RewindRank(fsys FS, rankRoot string, step int64) error {
 	return err
 }
 
-// RecoverJob repairs a job's root for a resume: it rolls back every rank
-// root whose latest checkpoint does not open or verify (Rollback, with
-// verify: the bad checkpoint set aside, the rank root pointed at its newest
-// one that verifies), then moves the job to the newest step every rank
-// holds (ResumeJob: the rank roots and the job's latest pointed at it, the
-// saves the job never committed retired). It returns that step (-1 when
-// none is held by every rank) and what it changed, one note per change
-// ("" for nothing). It holds root's lock.
+// RecoverJob repairs a job's root for a resume. First it checks the rank
+// roots' identities (CheckJob, with identify): a rank root holding another
+// rank's checkpoints, or two that are one directory, is refused, nothing
+// changed; a JobFile that disagrees with what every rank root records
+// (its world size edited, or damaged) is rewritten from them. Then it
+// rolls back every rank root whose latest checkpoint does not open or
+// verify (Rollback, with verify: the bad checkpoint set aside, the rank
+// root pointed at its newest one that verifies), and moves the job to the
+// newest step every rank holds (ResumeJob: the rank roots and the job's
+// latest pointed at it, the saves the job never committed retired). It
+// returns that step (-1 when the job never committed one) and what it
+// changed, one note per change ("" for nothing). It never creates a rank
+// root: one missing stays missing. It holds root's lock.
 //
-// Errors: a root without job.json (not a job's root, named); a rank root
-// where no checkpoint verifies (Rollback's ErrCorrupt, naming the rank);
-// those of ResumeJob, Lock and the file system.
-func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error) (int64, string, error) {
-	world, err := readJob(fsys, root)
-	if err != nil {
+// When no step is left that every rank holds (a rank's checkpoints all
+// fail to verify, or a rank's are missing), the job cannot resume: its
+// files (rank roots, JobFile, latest) are moved, whole, into
+// root/damaged-job-<unix seconds>, so that root holds nothing of a job
+// and a new one may start there; the error wraps ErrNoneLeft and says so.
+//
+// Errors: a root without JobFile (not a job's root, named); CheckJob's;
+// ErrNoneLeft (wrapped), as above; those of Rollback, ResumeJob, Lock and
+// the file system.
+func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify Identify) (int64, string, error) {
+	if _, err := fsys.Stat(filepath.Join(root, JobFile)); err != nil {
 		return 0, "", fmt.Errorf("checkpoint: %s is not a job's root: %w", root, err)
 	}
 	lock, err := Lock(fsys, root)
@@ -427,25 +458,67 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error) (int64, st
 	}
 	defer lock.Unlock()
 	var notes []string
+	world, fix, err := checkJob(fsys, root, identify)
+	switch {
+	case fix > 0:
+		if err := writeJob(fsys, root, fix); err != nil {
+			return 0, "", err
+		}
+		was := fmt.Sprintf("said %d ranks", world)
+		if world == 0 {
+			was = "was damaged"
+		}
+		notes = append(notes, fmt.Sprintf("%s %s, but the checkpoints of its %d rank roots record a job of %d ranks: rewritten for %d", JobFile, was, fix, fix, fix))
+		world = fix
+	case err != nil:
+		return 0, "", err
+	}
+	var lost []string // the ranks with no checkpoint that verifies
 	for r := range world {
 		rr := RankRoot(root, r)
-		rec, err := Rollback(fsys, rr, 0, verify)
-		if errors.Is(err, ErrNoCheckpoint) {
-			continue // nothing committed in this rank root yet
+		if _, err := fsys.Stat(rr); errors.Is(err, fs.ErrNotExist) {
+			continue // never created here: ResumeJob says what it lacks
 		}
-		if err != nil {
+		rec, err := Rollback(fsys, rr, 0, verify)
+		switch {
+		case errors.Is(err, ErrNoneLeft):
+			var nl *noneLeftError
+			if errors.As(err, &nl) {
+				lost = append(lost, fmt.Sprintf("rank %d: %s: %s", r, rr, nl.what))
+			} else {
+				lost = append(lost, fmt.Sprintf("rank %d: %v", r, err))
+			}
+			continue
+		case errors.Is(err, ErrNoCheckpoint):
+			continue // nothing committed in this rank root yet
+		case err != nil:
 			return 0, "", fmt.Errorf("checkpoint: job %s, rank %d: %w", root, r, err)
 		}
 		if rec.Repaired {
 			notes = append(notes, fmt.Sprintf("rank %d: %s", r, rec.Note))
 		}
 	}
-	step, note, err := ResumeJob(fsys, root, world)
+	why := strings.Join(lost, "; ")
+	if len(lost) == 0 {
+		step, note, err := ResumeJob(fsys, root, world)
+		if err == nil {
+			if note != "" {
+				notes = append(notes, note)
+			}
+			return step, strings.Join(notes, "; "), nil
+		}
+		if !errors.Is(err, ErrCorrupt) {
+			return 0, "", err
+		}
+		why = err.Error()
+	}
+	// No step every rank holds: the job cannot resume. Its files go
+	// aside, whole, for a new job to start in root.
+	aside, err := setJobAside(fsys, root)
 	if err != nil {
-		return 0, "", err
+		return 0, "", fmt.Errorf("checkpoint: job %s has no step every rank holds (%s); setting its files aside: %w", root, why, err)
 	}
-	if note != "" {
-		notes = append(notes, note)
-	}
-	return step, strings.Join(notes, "; "), nil
+	notes = append(notes, why)
+	return 0, "", fmt.Errorf("checkpoint: %w: job %s: no step is left that every rank holds (%s): the job's files (its rank roots, %s, %s) were moved, whole, into %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s --gpus N, without --resume)",
+		ErrNoneLeft, root, strings.Join(notes, "; "), JobFile, LatestFile, aside, root, root)
 }

@@ -12,7 +12,6 @@ import (
 	"slices"
 	"strings"
 	"syscall"
-	"time"
 )
 
 // errNotDir is what stat says of a path under a regular file.
@@ -420,9 +419,15 @@ func writing(fsys FS, root string, fn func() error) error {
 // CRC32C of every tensor; offload.VerifyCheckpoint also checks the
 // optimizer state's values), for latest's and for the candidates.
 //
-// Errors: those of Recover; ErrCorrupt when no step directory verifies
-// (the bad checkpoint is then set aside and latest names it no more: the
-// root is damaged, and every step directory is still there).
+// When no step directory verifies (every one damaged, or there is no
+// other), Rollback sets every step directory aside as
+// root/damaged-step-%09d-<unix seconds>, whole, and removes latest (and
+// latest.tmp), which named one of them: the root then holds no checkpoint
+// and a new run may start there; the error wraps ErrNoneLeft and says so.
+//
+// Errors: those of Recover; ErrNoneLeft (wrapped), as above; when a step
+// directory could not be read (an I/O error, not damage), Recover's
+// ErrCorrupt, the other step directories left where they are.
 func Rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*Recovery, error) {
 	var rec *Recovery
 	err := writing(fsys, root, func() (err error) {
@@ -443,7 +448,12 @@ func rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*
 		if info.Problem == nil {
 			return nil, fmt.Errorf("checkpoint: %s: %w", root, ErrNoCheckpoint)
 		}
-		return recoverLocked(fsys, root, rank, info, verify)
+		rec, err := recoverLocked(fsys, root, rank, info, verify)
+		var nv *noneVerifies
+		if errors.As(err, &nv) {
+			return nil, noneLeftIn(fsys, root, fmt.Sprintf("%v, and no step directory verifies (%s)", info.Problem, nv.why))
+		}
+		return rec, err
 	}
 	verr := verifyDir(fsys, info.Latest, rank, verify)
 	if verr == nil {
@@ -453,7 +463,7 @@ func rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*
 		return nil, verr // an I/O error says nothing about the checkpoint
 	}
 	name := filepath.Base(info.Latest)
-	aside := filepath.Join(root, fmt.Sprintf("%s%s-%d", asidePrefix, name, time.Now().Unix()))
+	aside := asideName(fsys, root, name)
 	if err := fsys.Rename(info.Latest, aside); err != nil {
 		return nil, fmt.Errorf("checkpoint: setting %s aside: %w", info.Latest, err)
 	}
@@ -464,6 +474,14 @@ func rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*
 		return nil, err
 	}
 	rec, err := recoverLocked(fsys, root, rank, info, verify)
+	var nv *noneVerifies
+	if errors.As(err, &nv) {
+		why := fmt.Sprintf("%s did not verify (%v): set aside as %s", name, verr, aside)
+		if len(info.Steps) > 0 {
+			why += fmt.Sprintf("; and no other step directory verifies (%s)", nv.why)
+		}
+		return nil, noneLeftIn(fsys, root, why)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint: %s did not verify (%v) and was set aside as %s: %w", name, verr, aside, err)
 	}
@@ -483,12 +501,14 @@ func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*
 	}
 	rec := &Recovery{}
 	var chosen *StepInfo
+	damage := true // every failure says the checkpoint is bad, not the disk
 	for i, s := range info.Steps {
 		if !s.Complete {
 			continue
 		}
 		if err := verifyDir(fsys, s.Dir, rank, verify); err != nil {
 			rec.Skipped = append(rec.Skipped, fmt.Sprintf("%s: %v", filepath.Base(s.Dir), err))
+			damage = damage && (errors.Is(err, ErrCorrupt) || errors.Is(err, fs.ErrNotExist))
 			continue
 		}
 		chosen = &info.Steps[i]
@@ -499,7 +519,11 @@ func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*
 		if len(rec.Skipped) > 0 {
 			why = strings.Join(rec.Skipped, "; ")
 		}
-		return nil, fmt.Errorf("%w (and no step directory verifies: %s); the root was left as it is", info.Problem, why)
+		err := fmt.Errorf("%w (and no step directory verifies: %s); the root was left as it is", info.Problem, why)
+		if damage {
+			err = &noneVerifies{err: err, why: why}
+		}
+		return nil, err
 	}
 	name := filepath.Base(chosen.Dir)
 	tx := &saveTx{fs: fsys, root: root}
@@ -520,6 +544,40 @@ func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*
 	}
 	return rec, nil
 }
+
+// noneVerifies is recoverLocked's error when no step directory verifies
+// and each failed for damage (ErrCorrupt, a file missing), not an I/O
+// error: Rollback then sets them all aside.
+type noneVerifies struct {
+	err error
+	why string // the step directories' failures, or "there is none"
+}
+
+func (e *noneVerifies) Error() string { return e.err.Error() }
+func (e *noneVerifies) Unwrap() error { return e.err }
+
+// noneLeftIn sets every step directory of root aside and removes its
+// latest (setAsideAll), and returns the error, wrapping ErrNoneLeft,
+// that says why (why) and what was done. The caller holds
+// root's lock and its write.
+func noneLeftIn(fsys FS, root, why string) error {
+	moved, err := setAsideAll(fsys, root)
+	if err != nil {
+		return fmt.Errorf("checkpoint: %s: no checkpoint verifies (%s); setting them aside: %w", root, why, err)
+	}
+	if len(moved) > 0 {
+		why += fmt.Sprintf("; set aside, whole: %s", strings.Join(moved, ", "))
+	}
+	return &noneLeftError{root: root, what: why + "; " + LatestFile + " removed"}
+}
+
+// noneLeftError is noneLeftIn's error: what was found and done in root.
+type noneLeftError struct{ root, what string }
+
+func (e *noneLeftError) Error() string {
+	return fmt.Sprintf("checkpoint: %v: %s: %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s, without --resume)", ErrNoneLeft, e.root, e.what, e.root, e.root)
+}
+func (e *noneLeftError) Unwrap() error { return ErrNoneLeft }
 
 // verifyDir opens the checkpoint of rank in dir and verifies it with
 // verify (nil: every tensor's CRC32C).

@@ -613,14 +613,41 @@ func TestRollback(t *testing.T) {
 	if _, err := Open(OS, info.Aside[0], 0); err != nil { // kept whole: its bytes are bad, not its files
 		t.Fatalf("the set-aside checkpoint: %v", err)
 	}
-	// The caller's check refuses step 10 too: nothing verifies, and the
-	// root says so, every step directory kept.
+	// The caller's check refuses step 10 too: nothing verifies. Every
+	// step directory is set aside whole and latest, which named one, is
+	// removed: the root holds no checkpoint (a new run may start there),
+	// and the error says so.
 	refuse := func(c *Checkpoint) error { return fmt.Errorf("%w: refused", ErrCorrupt) }
-	if _, err := Rollback(OS, root, 0, refuse); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "no step directory verifies") {
+	if _, err := Rollback(OS, root, 0, refuse); !errors.Is(err, ErrNoneLeft) || !strings.Contains(err.Error(), "holds no checkpoint now: a new run may start there") ||
+		strings.Contains(err.Error(), "left as it is") {
 		t.Fatalf("Rollback with nothing that verifies: %v", err)
 	}
-	if info, _ := Inspect(OS, root); len(info.Aside) != 2 || info.Problem == nil {
-		t.Fatalf("after a failed Rollback: %+v", info)
+	info, err = Inspect(OS, root)
+	if err != nil || len(info.Aside) != 2 || !info.Fresh() || len(info.Steps) != 0 {
+		t.Fatalf("after Rollback set everything aside: %+v, %v", info, err)
+	}
+	if _, err := os.Stat(filepath.Join(root, LatestFile)); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("latest after Rollback set everything aside: %v", err)
+	}
+	for _, a := range info.Aside {
+		if _, err := Open(OS, a, 0); err != nil {
+			t.Errorf("the set-aside %s: %v", a, err)
+		}
+	}
+	// Latest missing too, and nothing verifies: the same.
+	root2, dir20 := twoCheckpoints(t)
+	os.Remove(filepath.Join(root2, LatestFile))
+	modifyFile(t, filepath.Join(dir20, rank0), func(b []byte) []byte { b[len(b)-1] ^= 1; return b })
+	if _, err := Rollback(OS, root2, 0, func(c *Checkpoint) error {
+		if c.Manifest.Step == 10 {
+			return fmt.Errorf("%w: refused", ErrCorrupt)
+		}
+		return c.Verify()
+	}); !errors.Is(err, ErrNoneLeft) {
+		t.Fatalf("Rollback of a root without latest where nothing verifies: %v", err)
+	}
+	if info, err := Inspect(OS, root2); err != nil || !info.Fresh() || len(info.Aside) != 2 {
+		t.Fatalf("after Rollback: %+v, %v", info, err)
 	}
 }
 

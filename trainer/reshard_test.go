@@ -114,7 +114,7 @@ func TestReshard(t *testing.T) {
 	if err := os.Rename(r1+".x", r2); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Reshard(swapped, filepath.Join(t.TempDir(), "x"), 2, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "holds rank 2's pieces of a job of 4 ranks, where rank 1 of 4 is expected") {
+	if _, err := Reshard(swapped, filepath.Join(t.TempDir(), "x"), 2, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "holds rank 2's pieces of a job of 4 ranks, not rank 1's of 4") {
 		t.Errorf("rank directories swapped: %v", err)
 	}
 	r := c

@@ -56,12 +56,16 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	}
 	rec, err := checkpoint.Recover(checkpoint.OS, root, 0)
 	if errors.Is(err, checkpoint.ErrNoCheckpoint) {
+		if err := nothingToResume(root); err != nil {
+			lock.Unlock()
+			return nil, nil, err
+		}
 		fmt.Fprintf(out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
 		return lock, nil, nil
 	}
 	if err != nil {
 		lock.Unlock()
-		return nil, nil, fmt.Errorf("trainer: resume from %s: %w", root, err)
+		return nil, nil, fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
 	}
 	if rec.Repaired {
 		fmt.Fprintf(out, "resume: recovered %s: %s\n", root, rec.Note)
@@ -87,6 +91,13 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 		}
 		return nil, nil
 	}
+	if isJob(root) {
+		// The rank roots are the job's, and its job.json theirs: what
+		// the loads below check of each rank, before anything changes.
+		if err := checkpoint.CheckJob(checkpoint.OS, root, JobRank); err != nil {
+			return nil, fmt.Errorf("trainer: resume from %s: %w", root, err)
+		}
+	}
 	if _, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil && world != cfg.GPUs {
 		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d: pass --gpus %d, or re-shard it first (`dos ckpt reshard %s NEWROOT --gpus %d`) and resume from NEWROOT", root, world, cfg.GPUs, world, root, cfg.GPUs)
 	}
@@ -105,10 +116,50 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 		fmt.Fprintf(out, "resume: recovered %s: %s\n", root, note)
 	}
 	if step < 0 {
+		if err := nothingToResume(root); err != nil {
+			return nil, err
+		}
 		fmt.Fprintf(out, "resume: no checkpoint in %s; starting at iteration 0\n", root)
 		return nil, nil
 	}
 	return &checkpoint.Recovery{Dir: checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)}, nil
+}
+
+// nothingToResume returns the error of --resume on root, which holds no
+// checkpoint, when dos ckpt recover set aside what it held (nil
+// otherwise: a new root, where --resume starts at iteration 0): resuming
+// there would start over, which --resume was not asked for.
+func nothingToResume(root string) error {
+	aside := checkpoint.Aside(checkpoint.OS, root)
+	if len(aside) == 0 {
+		return nil
+	}
+	return fmt.Errorf("trainer: --resume: %s holds no checkpoint to resume: what it held did not verify and was set aside by dos ckpt recover (%s, kept whole); to start afresh there, run without --resume", root, strings.Join(aside, ", "))
+}
+
+// JobRank is a checkpoint.Identify for dos train's checkpoints: the rank
+// and rank count (--gpus) a job's checkpoint records (its rank record,
+// rankObject), ranks 0 for a checkpoint without it (a single rank's, or an
+// older one).
+//
+// Errors: a rank record that does not decode, or disagrees with itself or
+// with the trainer state's --gpus (ErrCorrupt, naming the checkpoint).
+func JobRank(c *checkpoint.Checkpoint) (rank, ranks int, err error) {
+	if _, ok := c.Manifest.Objects[rankObjectName]; !ok {
+		return 0, 0, nil
+	}
+	var ro rankObject
+	if err := c.Object(rankObjectName, &ro); err != nil {
+		return 0, 0, err
+	}
+	if ro.Ranks < 1 || ro.Ranks > checkpoint.MaxWorldSize || ro.Rank < 0 || ro.Rank >= ro.Ranks {
+		return 0, 0, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks)
+	}
+	var st trainerState
+	if err := c.Object("trainer", &st); err == nil && st.Config.GPUs != ro.Ranks {
+		return 0, 0, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks, object \"trainer\" --gpus %d", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks, st.Config.GPUs)
+	}
+	return ro.Rank, ro.Ranks, nil
 }
 
 // isJob reports whether root holds a job's checkpoints: its job.json or
@@ -130,9 +181,13 @@ func (t *Trainer) resume(dir string) error {
 	}
 	var st trainerState
 	err = c.Object("trainer", &st)
+	manifestStep := c.Manifest.Step
 	c.Close()
 	if err != nil {
 		return fmt.Errorf("trainer: resume from %s: not a dos train checkpoint: %w", dir, err)
+	}
+	if err := checkState(&st, manifestStep, dir); err != nil {
+		return err
 	}
 	// The model's shape and the batch cannot change: name every flag that
 	// differs (dos train takes the ones not given from the checkpoint).
@@ -211,7 +266,7 @@ func (t *Trainer) resume(dir string) error {
 			dir, st.Iteration, t.opt.StepCount(), st.LossScale)
 	}
 	if err := t.loader.SetPos(st.LoaderPos); err != nil {
-		return fmt.Errorf("trainer: resume from %s: %w", dir, err)
+		return fmt.Errorf("trainer: resume from %s: %s, object \"trainer\", loader_pos: %w", dir, filepath.Join(dir, checkpoint.ManifestFile), err)
 	}
 	if err := t.rng.UnmarshalBinary(st.RNG); err != nil {
 		return fmt.Errorf("trainer: resume from %s: RNG state: %w", dir, err)
@@ -266,6 +321,29 @@ func (t *Trainer) resume(dir string) error {
 	return nil
 }
 
+// checkState checks the trainer state st read from the checkpoint in dir,
+// whose manifest says step: its iteration is the step it was saved at
+// (save), and its counters are within what a run reaches. Its error
+// names the manifest and the field (ErrCorrupt: the object's CRC32C
+// matched, so it was written so).
+func checkState(st *trainerState, step int64, dir string) error {
+	bad := func(field string, v any, want string) error {
+		return fmt.Errorf("trainer: resume from %s: %s, object \"trainer\": %s %v: %s: %w",
+			dir, filepath.Join(dir, checkpoint.ManifestFile), field, v, want, checkpoint.ErrCorrupt)
+	}
+	switch {
+	case int64(st.Iteration) != step:
+		return bad("iteration", st.Iteration, fmt.Sprintf("want %d, the checkpoint's step (a checkpoint is saved at its iteration)", step))
+	case st.LoaderPos < 0:
+		return bad("loader_pos", st.LoaderPos, "want a token position >= 0")
+	case st.GoodSteps < 0 || st.GoodSteps >= ScaleGrowthInterval:
+		return bad("good_steps", st.GoodSteps, fmt.Sprintf("want 0..%d (the loss scale grows every %d good steps)", ScaleGrowthInterval-1, ScaleGrowthInterval))
+	case st.TextBytes < 0 || st.TrainTokens < 0:
+		return bad("text_bytes/train_tokens", fmt.Sprint(st.TextBytes, "/", st.TrainTokens), "want sizes >= 0")
+	}
+	return nil
+}
+
 // shapeFlags spells the model's shape and the batch as dos train's flags.
 func (c *TrainConfig) shapeFlags() string {
 	m := c.Model
@@ -284,6 +362,9 @@ func jobRecoverHint(err error, root string, rank int) string {
 	if !errors.Is(err, checkpoint.ErrCorrupt) {
 		return ""
 	}
+	if errors.Is(err, checkpoint.ErrWrongRank) {
+		return fmt.Sprintf("; put rank %d's own checkpoints back in %s (dos ckpt verify %s names what is wrong); without them the job cannot resume from this step", rank, checkpoint.RankRoot(root, rank), root)
+	}
 	return fmt.Sprintf("; `dos ckpt recover %s` sets rank %d's bad checkpoint aside and moves the job to the newest step every rank holds", root, rank)
 }
 
@@ -292,5 +373,5 @@ func recoverHint(err error, root string) string {
 	if !errors.Is(err, checkpoint.ErrCorrupt) {
 		return ""
 	}
-	return fmt.Sprintf("; `dos ckpt recover %s` sets this checkpoint aside and points latest at the newest one that verifies", root)
+	return fmt.Sprintf("; `dos ckpt recover %s` sets a checkpoint that does not verify aside (kept whole) and points latest at the newest one that does, or, when none does, leaves %s without a checkpoint, for a new run", root, root)
 }

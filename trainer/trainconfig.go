@@ -323,8 +323,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --ckpt-ring %v GiB: want 0 (the default) to %d", c.CkptRing, MaxMemoryBytes>>30)
 	case c.CkptRing > 0 && (c.CkptDir == "" || c.CkptSync):
 		return errors.New("trainer: --ckpt-ring sizes the lazy checkpointer's ring: it needs --ckpt-dir, and no --ckpt-sync")
-	case c.GPUs < 0 || c.GPUs > 64:
-		return fmt.Errorf("trainer: --gpus %d: want 0..64 (0 or 1: one rank)", c.GPUs)
+	case c.GPUs < 0 || c.GPUs > checkpoint.MaxWorldSize:
+		return fmt.Errorf("trainer: --gpus %d: want 0..%d (0 or 1: one rank)", c.GPUs, checkpoint.MaxWorldSize)
 	case c.GPUs > 1 && c.Threads > 0 && c.GPUs*c.Threads > MaxThreads():
 		return fmt.Errorf("trainer: --gpus %d --threads %d: the ranks' workers (threads per rank) would be %d, over %d (4 × the CPUs)", c.GPUs, c.Threads, c.GPUs*c.Threads, MaxThreads())
 	case c.validateRanks() != nil:

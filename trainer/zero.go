@@ -490,7 +490,7 @@ func checkRank(objs map[string]json.RawMessage, dir string, r, n int) error {
 		return fmt.Errorf("%s: object %q: %v: %w", dir, rankObjectName, err, checkpoint.ErrCorrupt)
 	}
 	if ro.Rank != r || ro.Ranks != n {
-		return fmt.Errorf("%s holds rank %d's pieces of a job of %d ranks, where rank %d of %d is expected (rank directories moved or copied?): %w", dir, ro.Rank, ro.Ranks, r, n, checkpoint.ErrCorrupt)
+		return fmt.Errorf("%s holds rank %d's pieces of a job of %d ranks, where rank %d of %d is expected (rank directories moved or copied?): %w", dir, ro.Rank, ro.Ranks, r, n, checkpoint.ErrWrongRank)
 	}
 	return nil
 }

@@ -29,9 +29,10 @@ const ckptUsage = `Usage:
   dos ckpt recover [--rank N] ROOT
                                  repair ROOT for --resume: finish a commit a crash cut short, point a
                                  missing or corrupt latest at the newest checkpoint that verifies, or set
-                                 aside (as ROOT/damaged-step-*) a latest checkpoint that does not verify;
-                                 for a job's root, every rank's root, then the job moved to the newest
-                                 step every rank holds
+                                 aside (as ROOT/damaged-step-*) a latest checkpoint that does not verify
+                                 (none verifies: all set aside, latest removed, a new run may start);
+                                 for a job's root, each rank root checked to be its rank's, every rank's
+                                 root, then the job moved to the newest step every rank holds
   dos ckpt inspect [--rank N] [--tensors] PATH
                                  describe the checkpoint at PATH without reading tensor data: step,
                                  files and sizes, tensors by dtype, the optimizer's hyperparameters,
@@ -54,13 +55,18 @@ var ckptSubcommands = map[string]struct{ synopsis, about string }{
 		"and its settings valid. For a job's root (dos train --gpus): its committed step in every rank's root."},
 	"recover": {"dos ckpt recover [--rank N] ROOT", "Repairs ROOT for --resume: finishes a commit a crash cut short, points a missing or corrupt\n" +
 		"latest at the newest checkpoint that verifies, or sets aside (as ROOT/damaged-step-*) a latest\n" +
-		"checkpoint that does not verify. For a job's root (dos train --gpus): every rank's root so, then the\n" +
-		"job's latest and every rank root moved to the newest step all ranks hold (what --resume would take)."},
+		"checkpoint that does not verify; when none verifies, sets them all aside and removes latest: no checkpoint\n" +
+		"is left, and a new run may start there (dos train without --resume). For a job's root (dos train --gpus):\n" +
+		"each rank root checked to hold its own rank's checkpoints (a copy or link of another's is refused,\n" +
+		"nothing changed; a job.json its ranks' records contradict is rewritten), every rank's root so, then the\n" +
+		"job's latest and every rank root moved to the newest step all ranks hold (what --resume would take);\n" +
+		"when there is none, the job's files are set aside whole, as ROOT/damaged-job-*."},
 	"reshard": {"dos ckpt reshard --gpus N SRC DST", "Writes SRC's latest checkpoint (a job of ranks from dos train --gpus, or a run's root without --gpus) into\n" +
-		"DST, which must be empty, cut for N ranks (1: whole tensors, as dos train without --gpus saves them):\n" +
+		"DST, which must be empty (a link to an empty directory: written into its target), cut for N ranks (1: whole tensors, as dos train without --gpus saves them):\n" +
 		"each tensor's master weights and moments joined from SRC's pieces and cut again, the step count,\n" +
 		"hyperparameters and the trainer's state kept. Then dos train --resume --ckpt-dir DST --gpus N\n" +
-		"continues the run on N ranks. SRC is not changed; DST is committed only once every rank is written."},
+		"continues the run on N ranks. SRC is not changed (a trainer may go on writing it); DST is committed,\n" +
+		"its latest moved in last, only once every rank is written."},
 	"inspect": {"dos ckpt inspect [--rank N] [--tensors] PATH", "Describes the checkpoint at PATH without reading tensor data: step, files and sizes, tensors by\n" +
 		"dtype, the optimizer's hyperparameters, the trainer's configuration; --tensors lists every tensor.\n" +
 		"For a job's root (dos train --gpus): rank N's committed step, N from --rank."},
@@ -87,7 +93,7 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	all := false
 	gpus := 0
 	if sub == "reshard" {
-		c.IntVar(&gpus, "gpus", 0, "the `N` ranks to cut the checkpoint for (1..64; 1: whole tensors)")
+		c.IntVar(&gpus, "gpus", 0, fmt.Sprintf("the `N` ranks to cut the checkpoint for (1..%d; 1: whole tensors)", checkpoint.MaxWorldSize))
 	} else if sub != "ls" {
 		c.IntVar(&rank, "rank", 0, "the `rank` whose files to "+sub+" (default 0: the first)")
 	}
@@ -105,8 +111,8 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 		if !c.set("gpus") {
 			return c.usageError(stderr, "--gpus N is required: the number of ranks to cut the checkpoint for (1: whole tensors)")
 		}
-		if gpus < 1 || gpus > 64 {
-			return c.usageError(stderr, "--gpus %d: want the ranks to cut for, 1..64", gpus)
+		if gpus < 1 || gpus > checkpoint.MaxWorldSize {
+			return c.usageError(stderr, "--gpus %d: want the ranks to cut for, 1..%d", gpus, checkpoint.MaxWorldSize)
 		}
 		if _, err := trainer.Reshard(pos[0], pos[1], gpus, stdout); err != nil {
 			return c.fail(stderr, "%v", err)
@@ -135,7 +141,9 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 }
 
 // jobList is dos ckpt ls for a job's root (dos train --gpus): its
-// committed step, then each rank root's listing.
+// committed step, then each rank root's listing (a rank's step after the
+// job's, committed in its root but not for the job, listed once, as
+// such).
 func jobList(root string, stdout, stderr io.Writer) int {
 	step, world, err := checkpoint.JobLatest(checkpoint.OS, root)
 	if err != nil {
@@ -144,6 +152,10 @@ func jobList(root string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stdout, "job %s: %d ranks, latest step %d (committed once every rank's save of it was durable)\n", root, world, step)
 	rc := 0
+	if err := checkpoint.CheckJob(checkpoint.OS, root, trainer.JobRank); err != nil {
+		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
+		rc = 1
+	}
 	for r := range world {
 		rr := checkpoint.RankRoot(root, r)
 		fmt.Fprintf(stdout, "rank %d: %s\n", r, rr)
@@ -154,15 +166,8 @@ func jobList(root string, stdout, stderr io.Writer) int {
 		if _, err := os.Stat(rr); err != nil {
 			continue
 		}
-		if c := ckptList(rr, stdout, stderr); c != 0 {
+		if c := listRoot(rr, step, stdout, stderr); c != 0 {
 			rc = c
-		}
-		if info, err := checkpoint.Inspect(checkpoint.OS, rr); err == nil {
-			for _, s := range info.Steps {
-				if s.Committed && s.Step > step {
-					fmt.Fprintf(stdout, "  %s  (this rank's save, not committed for the job: the next dos train --resume rewinds it)\n", s.Dir)
-				}
-			}
 		}
 	}
 	return rc
@@ -250,6 +255,16 @@ func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int 
 // above latest, an incomplete one, the leftovers of crashed saves and
 // retirements), and why the root is damaged if it is (exit 1 then).
 func ckptList(root string, stdout, stderr io.Writer) int {
+	if _, err := os.Stat(filepath.Join(root, checkpoint.JobFile)); err == nil {
+		return jobList(root, stdout, stderr)
+	}
+	return listRoot(root, -1, stdout, stderr)
+}
+
+// listRoot is ckptList for one root; for a job's rank root, jobStep is
+// the job's committed step (-1 otherwise): the rank's steps after it are
+// not committed for the job.
+func listRoot(root string, jobStep int64, stdout, stderr io.Writer) int {
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if errors.Is(err, checkpoint.ErrJobRoot) {
 		return jobList(root, stdout, stderr)
@@ -263,11 +278,12 @@ func ckptList(root string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "in use by %s: a save may be in progress\n", holder)
 	}
 	committed := 0
+	forJob := func(s checkpoint.StepInfo) bool { return jobStep < 0 || s.Step <= jobStep }
 	for _, s := range info.Steps {
-		if s.Committed {
+		if s.Committed && forJob(s) {
 			mark := " "
-			if s.Dir == info.Latest {
-				mark = "*"
+			if (jobStep < 0 && s.Dir == info.Latest) || s.Step == jobStep {
+				mark = "*" // the root's latest; in a rank root, the job's
 			}
 			fmt.Fprintf(stdout, "%s %s\n", mark, s.Dir)
 			committed++
@@ -278,7 +294,9 @@ func ckptList(root string, stdout, stderr io.Writer) int {
 	}
 	for _, s := range info.Steps {
 		switch {
+		case s.Committed && forJob(s):
 		case s.Committed:
+			fmt.Fprintf(stdout, "  %s  (this rank's save, not committed for the job: the next dos train --resume rewinds it)\n", s.Dir)
 		case s.Complete && info.Problem == nil:
 			fmt.Fprintf(stdout, "  %s  (not committed: above latest; the next save of its step replaces it)\n", s.Dir)
 		case s.Complete:
@@ -292,6 +310,9 @@ func ckptList(root string, stdout, stderr io.Writer) int {
 	}
 	for _, a := range info.Aside {
 		fmt.Fprintf(stdout, "  %s  (set aside by dos ckpt recover: did not verify; kept for inspection)\n", a)
+	}
+	if committed == 0 && info.Problem == nil && len(info.Aside) > 0 {
+		fmt.Fprintf(stdout, "%s holds no checkpoint to resume: a new run may start there (dos train --ckpt-dir %s, without --resume)\n", root, root)
 	}
 	for _, l := range info.Leftovers {
 		if holder != "" {
@@ -308,7 +329,8 @@ func ckptList(root string, stdout, stderr io.Writer) int {
 }
 
 // ckptRecover repairs root (checkpoint.Rollback, verifying with the
-// optimizer's value checks) and says what it did.
+// optimizer's value checks; for a job's root, checkpoint.RecoverJob, the
+// rank roots' identities checked too) and says what it did.
 func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 	if _, err := os.Stat(filepath.Join(root, checkpoint.JobFile)); err == nil {
 		// A job's root: every rank root, then the job.
@@ -316,7 +338,7 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "dos ckpt recover: %s is a job's root, recovered for every rank; --rank %d: recover one rank's root instead, %s (then the job's root, to move every rank to a step they all hold)\n", root, rank, checkpoint.RankRoot(root, rank))
 			return 2
 		}
-		step, note, err := checkpoint.RecoverJob(checkpoint.OS, root, offload.VerifyCheckpoint)
+		step, note, err := checkpoint.RecoverJob(checkpoint.OS, root, offload.VerifyCheckpoint, trainer.JobRank)
 		switch {
 		case err != nil:
 			fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
@@ -355,7 +377,18 @@ func whichRank(c *checkpoint.Checkpoint) string {
 }
 
 func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
-	if step, world, err := checkpoint.JobLatest(checkpoint.OS, path); err == nil {
+	if _, err := os.Stat(filepath.Join(path, checkpoint.JobFile)); err == nil {
+		// A job's root: its rank roots the job's, then its latest step
+		// in every one.
+		if err := checkpoint.CheckJob(checkpoint.OS, path, trainer.JobRank); err != nil {
+			fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
+			return 1
+		}
+		step, world, err := checkpoint.JobLatest(checkpoint.OS, path)
+		if err != nil {
+			fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
+			return 1
+		}
 		if rank < 0 || rank >= world {
 			fmt.Fprintf(stderr, "dos ckpt verify: --rank %d: job %s has %d ranks (0..%d)\n", rank, path, world, world-1)
 			return 2
@@ -371,7 +404,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d lacks the job's latest step %d (%s is missing): restore it, or dos ckpt recover %s moves the job to an older step every rank holds, if there is one\n", path, r, step, sd, path)
 				return 1
 			}
-			if rc := ckptVerify(sd, 0, stdout, stderr); rc != 0 {
+			if rc := verifyRank(sd, r, world, stdout, stderr); rc != 0 {
 				if holder := checkpoint.Holder(checkpoint.OS, path); holder != "" {
 					// A running trainer retires old steps as it saves:
 					// what verify was reading may be gone, not damaged.
@@ -385,7 +418,19 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "OK job %s: step %d verifies in all %d ranks' roots\n", path, step, world)
 		return 0
 	}
-	c, err := checkpoint.OpenPath(checkpoint.OS, path, rank)
+	return verifyRank(path, rank, 0, stdout, stderr)
+}
+
+// verifyRank is ckptVerify for one checkpoint (a step directory, or a
+// root's latest) of rank; world > 0: of a job of world ranks (then rank is
+// its rank in the job, its file rank 0 of its rank root's, and its rank
+// record must say so).
+func verifyRank(path string, rank, world int, stdout, stderr io.Writer) int {
+	fileRank := rank
+	if world > 0 {
+		fileRank = 0
+	}
+	c, err := checkpoint.OpenPath(checkpoint.OS, path, fileRank)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
 		return 1
@@ -395,6 +440,15 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 	if err := offload.VerifyCheckpoint(c); err != nil {
 		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
 		return 1
+	}
+	if world > 0 {
+		if r, n, err := trainer.JobRank(c); err != nil {
+			fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
+			return 1
+		} else if n > 0 && (r != rank || n != world) {
+			fmt.Fprintf(stderr, "dos ckpt verify: %s holds rank %d's pieces of a job of %d ranks, not rank %d's of %d: %v\n", dir, r, n, rank, world, checkpoint.ErrWrongRank)
+			return 1
+		}
 	}
 	var bytes int64
 	for _, t := range c.Manifest.Tensors {
