@@ -439,8 +439,10 @@ func RewindRank(fsys FS, rankRoot string, step int64) error {
 // changed, one note per change ("" for nothing). It never creates a rank
 // root: one missing stays missing. It holds root's lock.
 //
+// A rank root missing from a job that committed a step is refused
+// (ErrCorrupt, naming it), nothing changed: it may only be elsewhere.
 // When no step is left that every rank holds (a rank's checkpoints all
-// fail to verify, or a rank's are missing), the job cannot resume: its
+// fail to verify), the job cannot resume: its
 // files (rank roots, JobFile, latest) are moved, whole, into
 // root/damaged-job-<unix seconds>, so that root holds nothing of a job
 // and a new one may start there; the error wraps ErrNoneLeft and says so.
@@ -472,6 +474,22 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 		world = fix
 	case err != nil:
 		return 0, "", err
+	}
+	// A rank root missing from a job that committed a step is not damage
+	// recover can mend (a disk not mounted, a directory moved away): it is
+	// refused, nothing moved, so that the job resumes once it is back.
+	if _, _, jerr := JobLatest(fsys, root); jerr == nil {
+		var missing []string
+		for r := range world {
+			if _, err := fsys.Stat(RankRoot(root, r)); errors.Is(err, fs.ErrNotExist) {
+				missing = append(missing, RankRoot(root, r))
+			}
+		}
+		if len(missing) > 0 {
+			return 0, "", fmt.Errorf("%w: job %s of %d ranks committed a step, but its rank roots %s are missing: nothing was changed; "+
+				"put them back (a disk not mounted, a directory moved?) and run dos ckpt recover %s again, or start a new job in another --ckpt-dir",
+				ErrCorrupt, root, world, strings.Join(missing, ", "), root)
+		}
 	}
 	var lost []string // the ranks with no checkpoint that verifies
 	for r := range world {

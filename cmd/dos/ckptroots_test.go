@@ -6,6 +6,7 @@ import (
 	"hash/crc32"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -325,5 +326,36 @@ func TestRecoverNothingLeft(t *testing.T) {
 		if rc, stdout, stderr := invoke(t, "ckpt", "verify", dir); rc != 0 {
 			t.Errorf("%s: dos ckpt verify of the new run: rc %d\n%s%s", kind, rc, stdout, stderr)
 		}
+	}
+}
+
+// TestRecoverJobRankRootMissing: a job's rank root that is missing (a disk
+// not mounted, a directory moved away) is refused by dos ckpt recover with
+// nothing changed, not taken as damage and set aside; once it is back, the
+// job resumes.
+func TestRecoverJobRankRootMissing(t *testing.T) {
+	dir := trainJob(t)
+	rr := checkpoint.RankRoot(dir, 1)
+	away := filepath.Join(t.TempDir(), "away")
+	if err := os.Rename(rr, away); err != nil {
+		t.Fatal(err)
+	}
+	before := entries(t, dir)
+	rc, stdout, stderr := invoke(t, "ckpt", "recover", dir)
+	if rc != 1 || !strings.Contains(stderr, rr+" are missing: nothing was changed") || !strings.Contains(stderr, "put them back") {
+		t.Errorf("dos ckpt recover with rank 1's root missing: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if after := entries(t, dir); !slices.Equal(before, after) {
+		t.Errorf("recover changed the job's root: %v, then %v", before, after)
+	}
+	if err := os.Rename(away, rr); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 {
+		t.Errorf("dos ckpt recover with the rank root back: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	resume := append([]string{"--resume", "--ckpt-dir", dir, "--steps", "6", "--gpus", "2"}, tinyShape...)
+	if rc, stdout, stderr := invoke(t, "train", resume...); rc != 0 || !strings.Contains(stdout, "done: 6 iterations") {
+		t.Errorf("dos train --resume with the rank root back: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
