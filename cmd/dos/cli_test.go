@@ -319,3 +319,56 @@ func TestNotWrittenByTrain(t *testing.T) {
 		}
 	}
 }
+
+// TestUnknownFlagSuggests: an unknown flag near a defined one (a letter
+// off, or a prefix of it) names it in the usage error, in every command
+// that parses flags alike; one near none names none. Usage errors still
+// exit 2 with the synopsis.
+func TestUnknownFlagSuggests(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"train", "--step", "10"}, "dos train: flag provided but not defined: -step (did you mean --steps?)\n"},
+		{[]string{"train", "--steps=10", "--stpes=3"}, "-stpes (did you mean --steps?)\n"},
+		{[]string{"train", "--bach", "4"}, "-bach (did you mean --batch?)\n"},
+		{[]string{"train", "--sumary-jsn", "s.json"}, "-sumary-jsn (did you mean --summary-json?)\n"},
+		{[]string{"train", "--ckpt", "d"}, "-ckpt (did you mean --ckpt-dir, --ckpt-every or --ckpt-keep?)\n"},
+		{[]string{"train", "-gpu", "2"}, "-gpu (did you mean --gpus?)\n"},
+		{[]string{"tokenize", "--output", "x.bin"}, "-output (did you mean --out?)\n"},
+		{[]string{"bench", "--param", "1B"}, "-param (did you mean --params?)\n"},
+		{[]string{"ckpt", "inspect", "--tensor", "x"}, "-tensor (did you mean --tensors?)\n"},
+		{[]string{"ckpt", "verify", "--ranks", "1", "x"}, "-ranks (did you mean --rank?)\n"},
+		{[]string{"train", "--bogus"}, "flag provided but not defined: -bogus\n"},
+		{[]string{"version", "--xyz"}, "flag provided but not defined: -xyz\n"},
+	} {
+		rc, out, errs := runCLI(tc.args...)
+		if rc != 2 || out != "" || !strings.Contains(errs, tc.want) || !strings.Contains(errs, "\nUsage: dos "+tc.args[0]) {
+			t.Errorf("dos %v: rc %d, stdout %q, stderr %q; want 2 and %q with the usage", tc.args, rc, out, errs, tc.want)
+		}
+	}
+}
+
+// TestNearFlags: the distance and prefix rules, and their order.
+func TestNearFlags(t *testing.T) {
+	names := []string{"steps", "seed", "ckpt-dir", "ckpt-every", "ckpt-keep", "ckpt-ring", "ckpt-sync", "timeline", "gpus", "out"}
+	for given, want := range map[string]string{
+		"step": "steps", "Steps": "steps", "stepz=4": "steps", "ckpt": "ckpt-dir ckpt-every ckpt-keep",
+		"ckpt-dri": "ckpt-dir", "gpu": "gpus", "timelines": "timeline", "outt": "out", "x": "", "": "", "zzzzzz": "",
+	} {
+		if got := strings.Join(nearFlags(given, names, map[string]bool{"timelines": true}), " "); got != want {
+			t.Errorf("nearFlags(%q) = %q, want %q", given, got, want)
+		}
+	}
+	if got := nearFlags("timelin", names, map[string]bool{"timeline": true}); len(got) != 0 {
+		t.Errorf("a hidden alias was suggested: %v", got)
+	}
+	for _, tc := range []struct {
+		a, b string
+		d    int
+	}{{"", "", 0}, {"a", "", 1}, {"", "abc", 3}, {"step", "steps", 1}, {"stpes", "steps", 1}, {"bogus", "gpus", 3}, {"ab", "ba", 1}, {"kitten", "sitting", 3}} {
+		if got := editDistance(tc.a, tc.b); got != tc.d {
+			t.Errorf("editDistance(%q, %q) = %d, want %d", tc.a, tc.b, got, tc.d)
+		}
+	}
+}

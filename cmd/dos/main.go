@@ -25,6 +25,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"strings"
 )
 
 type command struct {
@@ -122,7 +123,15 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return c.run(args[1:], stdout, stderr)
 		}
 	}
-	fmt.Fprintf(stderr, "dos: unknown command %q\n\n", args[0])
+	names := []string{"help"}
+	for _, c := range commands {
+		names = append(names, c.name)
+	}
+	hint := ""
+	if near := nearFlags(args[0], names, nil); len(near) > 0 {
+		hint = " (did you mean " + strings.Join(near, " or ") + "?)"
+	}
+	fmt.Fprintf(stderr, "dos: unknown command %q%s\n\n", args[0], hint)
 	usage(stderr)
 	return 2
 }

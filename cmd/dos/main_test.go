@@ -176,3 +176,17 @@ func TestPlotProfile(t *testing.T) {
 		plotProfile(p, os.Getenv("DOS_PLOT_OUT"))
 	}
 }
+
+// TestUnknownCommandSuggests: a command name a letter off names the
+// command; one near none names none; both exit 2 with the list.
+func TestUnknownCommandSuggests(t *testing.T) {
+	for args, want := range map[string]string{
+		"trian": `dos: unknown command "trian" (did you mean train?)`, "tokenise": `"tokenise" (did you mean tokenize?)`,
+		"ckp": `"ckp" (did you mean ckpt?)`, "frobnicate": `dos: unknown command "frobnicate"` + "\n",
+	} {
+		rc, out, errs := runCLI(args)
+		if rc != 2 || out != "" || !strings.Contains(errs, want) || !strings.Contains(errs, "Commands:") {
+			t.Errorf("dos %s: rc %d, stdout %q, stderr %q; want 2 and %q", args, rc, out, errs, want)
+		}
+	}
+}
