@@ -197,16 +197,40 @@ func (c *cli) parseNoArgs(args []string, stdout, stderr io.Writer) (rc int, ok b
 // usageError prints "NAME: message" and the synopsis to stderr and returns
 // the exit status of a usage error, 2.
 func (c *cli) usageError(stderr io.Writer, format string, a ...any) int {
-	fmt.Fprintf(stderr, "%s: %s\nUsage: %s\nRun '%s -h' for the flags.\n", c.Name(), fmt.Sprintf(format, a...), c.synopsis, c.Name())
+	fmt.Fprintf(stderr, "%s: %s\nUsage: %s\nRun '%s -h' for the flags.\n", c.Name(), unprefixed(fmt.Sprintf(format, a...)), c.synopsis, c.Name())
 	return 2
 }
 
 // fail prints "NAME: message" to stderr, one line, and returns the exit
 // status of a runtime failure, 1.
 func (c *cli) fail(stderr io.Writer, format string, a ...any) int {
-	msg := strings.ReplaceAll(fmt.Sprintf(format, a...), "\n", "; ")
+	msg := strings.ReplaceAll(unprefixed(fmt.Sprintf(format, a...)), "\n", "; ")
 	fmt.Fprintf(stderr, "%s: %s\n", c.Name(), msg)
 	return 1
+}
+
+// enginePrefixes are the package prefixes of the library that does a
+// command's work, whose errors the command's own prefix already places:
+// the trainer's ("trainer: --lr -1: ...") under "dos train: ", "dos
+// eval: ", "dos export: ". Used as a library, its errors keep them.
+var enginePrefixes = []string{"trainer: "}
+
+// unprefixed removes the engine's package prefixes (enginePrefixes) from
+// msg where they begin it or one of its clauses (after ": " or "; "), so
+// that a command prints one prefix: "dos train: --lr -1: ...", not "dos
+// train: trainer: --lr -1: ...".
+func unprefixed(msg string) string {
+	for _, p := range enginePrefixes {
+		for strings.HasPrefix(msg, p) {
+			msg = msg[len(p):]
+		}
+		for _, sep := range []string{": ", "; "} {
+			for strings.Contains(msg, sep+p) {
+				msg = strings.ReplaceAll(msg, sep+p, sep)
+			}
+		}
+	}
+	return msg
 }
 
 // set reports whether the flag name was given on the command line.

@@ -13,6 +13,7 @@ import (
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/internal/cuda"
 	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/trainer"
 )
 
 const h200 = "../../testdata/profiles/h200.json"
@@ -369,6 +370,48 @@ func TestNearFlags(t *testing.T) {
 	}{{"", "", 0}, {"a", "", 1}, {"", "abc", 3}, {"step", "steps", 1}, {"stpes", "steps", 1}, {"bogus", "gpus", 3}, {"ab", "ba", 1}, {"kitten", "sitting", 3}} {
 		if got := editDistance(tc.a, tc.b); got != tc.d {
 			t.Errorf("editDistance(%q, %q) = %d, want %d", tc.a, tc.b, got, tc.d)
+		}
+	}
+}
+
+// TestOnePrefix: the trainer's errors reach the command line under one
+// prefix, the command's ("dos train: --lr -1: ...", not "dos train:
+// trainer: --lr -1: ..."), usage errors and runtime failures alike, while
+// the library's own errors keep "trainer: ".
+func TestOnePrefix(t *testing.T) {
+	cfg := trainer.DefaultTrainConfig()
+	cfg.LR = -1
+	if err := cfg.Validate(); err == nil || !strings.HasPrefix(err.Error(), "trainer: --lr -1") {
+		t.Fatalf("the library's error lost its prefix: %v", err)
+	}
+	ck := filepath.Join(t.TempDir(), "ck")
+	if rc, out, errs := runCLI(append([]string{"train", "--steps", "0", "--ckpt-dir", ck}, zeroTiny...)...); rc != 0 {
+		t.Fatalf("--steps 0: rc %d\n%s%s", rc, out, errs)
+	}
+	for _, tc := range []struct {
+		args []string
+		rc   int
+		want string
+	}{
+		{[]string{"train", "--lr", "-1"}, 2, "dos train: --lr -1: want a finite value > 0\n"},
+		{[]string{"train", "--heads", "3"}, 2, "dos train: --heads 3 must divide --embd"},
+		{append([]string{"train", "--steps", "0", "--ckpt-dir", ck}, zeroTiny...), 1, "dos train: --ckpt-dir " + ck + " already holds checkpoints"},
+		{append([]string{"train", "--steps", "1", "--ckpt-dir", ck, "--resume"}, append(zeroTiny, "--embd", "16")...), 1, "dos train: resume from " + ck},
+	} {
+		rc, _, errs := runCLI(tc.args...)
+		if rc != tc.rc || !strings.HasPrefix(errs, tc.want) && !strings.Contains(errs, "\n"+tc.want) || strings.Contains(errs, "trainer: ") {
+			t.Errorf("dos %v: rc %d, stderr %q; want %d and %q, one prefix", tc.args, rc, errs, tc.rc, tc.want)
+		}
+	}
+	for msg, want := range map[string]string{
+		"trainer: --lr -1: want > 0":                      "--lr -1: want > 0",
+		"trainer: the validation data: trainer: 3 tokens": "the validation data: 3 tokens",
+		"--profile: trainer: x; trainer: y":               "--profile: x; y",
+		"--ckpt-dir: checkpoint: root x is a file":        "--ckpt-dir: checkpoint: root x is a file",
+		"the old trainer: a word inside a clause stays":   "the old trainer: a word inside a clause stays",
+	} {
+		if got := unprefixed(msg); got != want {
+			t.Errorf("unprefixed(%q) = %q, want %q", msg, got, want)
 		}
 	}
 }
