@@ -222,3 +222,34 @@ func TestTrainGPT2Resume(t *testing.T) {
 		t.Errorf("config.json %v, %v", cfg, err)
 	}
 }
+
+// TestTokenizeOutNamed: a failure to write --out names the path given, not
+// the temporary file it is written through (".x.bin.tmp123"), and leaves
+// what was there and no temporary file.
+func TestTokenizeOutNamed(t *testing.T) {
+	dir := t.TempDir()
+	text := filepath.Join(dir, "t.txt")
+	os.WriteFile(text, []byte("Hello world, hello tokens."), 0o644)
+	out := filepath.Join(dir, "missing", "x.bin")
+	rc, _, errs := runCLI("tokenize", "--text", text, "--out", out)
+	if want := "dos tokenize: --out: " + out + ": cannot create a file in its directory " + filepath.Dir(out) + ": no such file or directory\n"; rc != 1 || errs != want {
+		t.Errorf("--out in a missing directory: rc %d, %q; want 1 and %q", rc, errs, want)
+	}
+	// A write that fails (here on a closed file: the error names it).
+	path := filepath.Join(dir, "x.bin")
+	os.WriteFile(path, []byte("old"), 0o644)
+	err := writeAtomic(path, func(f *os.File) error {
+		f.Close()
+		_, err := f.Write([]byte("new"))
+		return err
+	})
+	if want := path + ": writing it (through a temporary file beside it, removed): file already closed"; err == nil || err.Error() != want {
+		t.Errorf("a failed write: %v; want %q", err, want)
+	}
+	if b, _ := os.ReadFile(path); string(b) != "old" {
+		t.Errorf("a failed write changed %s: %q", path, b)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 2 {
+		t.Errorf("a failed write left %d entries in %s, want t.txt and x.bin: %v", len(ents), dir, ents)
+	}
+}
