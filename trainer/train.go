@@ -123,9 +123,9 @@ type Trainer struct {
 // anything; with cfg.Resume a damaged root is repaired first
 // (checkpoint.Recover), and what was done is printed.
 //
-// Errors: an invalid configuration, a text too short; a CkptDir that is
-// not usable (a step directory, a file, not writable) or that another
-// process writes under (checkpoint.ErrLocked); one that is not fresh
+// Errors: an invalid configuration, a text too short (a *ShortDataError);
+// a CkptDir that is not usable (a step directory, a file, not writable) or
+// that another process writes under (checkpoint.ErrLocked); one that is not fresh
 // without cfg.Resume (it holds checkpoints, or is damaged); a damaged root
 // where no step directory verifies; a checkpoint that cannot be loaded
 // or was made with another model, batch shape, tokenizer or text.
@@ -161,6 +161,10 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 // Loaders of both parts.
 func textBatches[E Token](text []E, cfg *TrainConfig) (train, val batches, d *Dataset[E], err error) {
 	d, err = NewDataset(text, cfg.ValFraction, cfg.Model.NCtx)
+	var short *ShortDataError
+	if errors.As(err, &short) {
+		short.Text = true
+	}
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -186,7 +190,8 @@ func textBatches[E Token](text []E, cfg *TrainConfig) (train, val batches, d *Da
 //
 // Errors: those of New; a token outside the tokenizer's vocabulary; fewer
 // training tokens than a batch and its last target (B*T+1), or validation
-// tokens fewer than a sequence and its target.
+// tokens fewer than a sequence and its target (a *ShortDataError, which
+// says both).
 func NewTokens(cfg TrainConfig, train, val []uint16, out io.Writer) (*Trainer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -207,6 +212,18 @@ func NewTokens(cfg TrainConfig, train, val []uint16, out io.Writer) (*Trainer, e
 	}
 	crc, n := tokensCRC(train, val)
 	id := trainerState{TextCRC: crc, TextBytes: n, Data: "tokens"}
+	// Both parts are checked before either is cut, so that the error
+	// says all that is short.
+	B, T := cfg.Batch, cfg.Model.NCtx
+	short := &ShortDataError{Tokens: len(train), Train: len(train), Val: len(val), NeedTrain: int64(B)*int64(T) + 1, NeedVal: int64(T) + 1, Ctx: T, Batch: B}
+	if val == nil {
+		short.ValFraction = cfg.ValFraction
+		short.Train = splitAt(len(train), cfg.ValFraction)
+		short.Val = len(train) - short.Train
+	}
+	if short.short() {
+		return nil, short
+	}
 	held := ""
 	if val == nil {
 		d, err := NewDataset(train, cfg.ValFraction, cfg.Model.NCtx)
@@ -218,7 +235,7 @@ func NewTokens(cfg TrainConfig, train, val []uint16, out io.Writer) (*Trainer, e
 	}
 	tb, err := NewTokenBatches(train, cfg.Batch, cfg.Model.NCtx)
 	if err != nil {
-		return nil, fmt.Errorf("%w: pass a smaller --batch or --ctx, or more data", err)
+		return nil, err
 	}
 	vl, err := NewLoader(val, cfg.Batch, cfg.Model.NCtx)
 	if err != nil {

@@ -122,12 +122,12 @@ func TestTokenizeData(t *testing.T) {
 		want string
 	}{
 		{[]string{"--data", cut}, 1, "--data: " + cut + ": truncated: its header (byte offset 8) says " + strconv.Itoa(len(toks)) + " tokens"},
-		{[]string{"--data", short}, 1, "too short"},
+		{[]string{"--data", short}, 1, "--data " + short + ": the token file holds 20 tokens, too few for --ctx 16 --batch 2: the last 10% validates, leaving 18 training and 2 validation tokens"},
 		{[]string{"--data", filepath.Join(dir, "missing.bin")}, 1, "missing.bin: no such file or directory"},
 		{[]string{"--data", shard, "--tokenizer", "byte"}, 1, "is outside the vocabulary of 256 tokens (the byte tokenizer's; for GPT-2 tokens pass --model or --tokenizer gpt2)"},
 		{[]string{"--data", shard, "--text", textFile}, 2, "--data and --text: give one"},
 		{[]string{"--val-data", shard}, 2, "--val-data needs --data"},
-		{[]string{"--data", shard, "--batch", "1000", "--max-memory", "64"}, 1, "cannot hold one batch of 1000 sequences of 16 tokens"},
+		{[]string{"--data", shard, "--batch", "1000", "--max-memory", "64"}, 1, "training needs 16001 (one batch of --batch 1000 × --ctx 16 and the last target)"},
 	} {
 		rc, out, errs := runCLI(append(append(append([]string{"train"}, gpt2Tiny...), tc.args...), "--steps", "1")...)
 		if rc != tc.rc || !strings.Contains(errs, tc.want) {
@@ -251,5 +251,39 @@ func TestTokenizeOutNamed(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(dir); len(ents) != 2 {
 		t.Errorf("a failed write left %d entries in %s, want t.txt and x.bin: %v", len(ents), dir, ents)
+	}
+}
+
+// TestTrainDataTooShort: data too short for --ctx and --batch is named as
+// what it is (a token file, not "a text"), with its file, its tokens, what
+// each short part needs, the flags that change it and the largest value
+// that fits.
+func TestTrainDataTooShort(t *testing.T) {
+	dir := t.TempDir()
+	file := func(name string, n int) string {
+		path := filepath.Join(dir, name)
+		os.WriteFile(path, make([]byte, 2*n), 0o644) // nanoGPT's: uint16 tokens, no header
+		return path
+	}
+	f10, f20, f100 := file("f10.bin", 10), file("f20.bin", 20), file("f100.bin", 100)
+	text := filepath.Join(dir, "t.txt")
+	os.WriteFile(text, []byte("twenty bytes of text"), 0o644)
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--data", f10}, "--data " + f10 + ": the token file holds 10 tokens, too few for --ctx 16 --batch 2: the last 10% validates, leaving 9 training and 1 validation tokens; " +
+			"training needs 33 (one batch of --batch 2 × --ctx 16 and the last target), and validation needs 17 (one sequence of --ctx 16 and its target); no --ctx fits: pass more tokens (or --val-data FILE)"},
+		{[]string{"--data", f100, "--val-data", f10}, "--val-data " + f10 + ": the token file holds 10 tokens, too few for --ctx 16: validation needs 17 (one sequence of --ctx 16 and its target); " +
+			"pass a smaller --ctx (at most --ctx 9), or more validation tokens"},
+		{[]string{"--data", f20, "--val-data", f100}, "--data " + f20 + ": the token file holds 20 tokens, too few for --ctx 16 --batch 2: training needs 33 (one batch of --batch 2 × --ctx 16 and the last target); " +
+			"pass a smaller --ctx or --batch (at most --ctx 9 at --batch 2, or --batch 1 at --ctx 16), or more tokens"},
+		{[]string{"--text", text}, "--text " + text + ": the text makes 20 byte tokens, too few for --ctx 16: the last 10% validates, leaving 18 training and 2 validation tokens, " +
+			"and each part needs 17 (one sequence of --ctx 16 and its target); pass a smaller --ctx (at most --ctx 1), or a longer text"},
+	} {
+		rc, _, errs := runCLI(append(append([]string{"train", "--steps", "1"}, zeroTiny...), tc.args...)...)
+		if want := "dos train: " + tc.want + "\n"; rc != 1 || errs != want {
+			t.Errorf("dos train %v: rc %d\n%s\nwant 1 and\n%s", tc.args, rc, errs, want)
+		}
 	}
 }
