@@ -100,13 +100,14 @@ type Trainer struct {
 	out           io.Writer
 	tty           bool
 
-	engine   *checkpoint.Engine   // the lazy checkpointer, made at the first save
-	closeDev func()               // releases the update phase's device (cfg.Device)
-	lock     *checkpoint.RootLock // cfg.CkptDir's, for the whole run
-	closed   bool
-	last     *checkpoint.Handle // its last save, reported when it is durable
-	resumed  bool               // New loaded a checkpoint
-	timeline *IterationTimeline // cfg.TimelineAt's, once traced
+	engine    *checkpoint.Engine   // the lazy checkpointer, made at the first save
+	closeDev  func()               // releases the update phase's device (cfg.Device)
+	lock      *checkpoint.RootLock // cfg.CkptDir's, for the whole run
+	closed    bool
+	last      *checkpoint.Handle // its last save, reported when it is durable
+	resumed   bool               // New loaded a checkpoint
+	resumedAt int                // its iteration
+	timeline  *IterationTimeline // cfg.TimelineAt's, once traced
 }
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
@@ -390,7 +391,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 		if err := t.resume(from.Dir); err != nil {
 			return nil, errors.Join(err, t.Close())
 		}
-		t.resumed = true
+		t.resumed, t.resumedAt = true, t.state.Iteration
 	}
 	if err := t.bind(); err != nil {
 		return nil, errors.Join(err, t.Close())
@@ -495,6 +496,12 @@ func (t *Trainer) Close() error {
 	t.lock.Unlock()
 	return errors.Join(errs...)
 }
+
+// Resumed returns the iteration of the checkpoint New resumed from and
+// true, or 0 and false for a fresh start. Resumed at or past cfg.Steps,
+// the run has nothing to train (New says so): Run would only evaluate and
+// sample (and save nothing).
+func (t *Trainer) Resumed() (iteration int, ok bool) { return t.resumedAt, t.resumed }
 
 // NumParams returns the model's parameter count.
 func (t *Trainer) NumParams() int {

@@ -284,6 +284,23 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
+	if it, ok := t.Resumed(); ok && it >= cfg.Steps {
+		// Nothing to train: the trainer said so and how to train
+		// further; no header, no losses, no throughput.
+		if err := t.Close(); err != nil {
+			return c.fail(stderr, "%v", err)
+		}
+		var unwritten []string
+		for _, o := range []struct{ flag, path string }{{"--summary-json", *summary}, {"--timeline", *timeline}} {
+			if o.path != "" {
+				unwritten = append(unwritten, o.flag+" "+o.path)
+			}
+		}
+		if len(unwritten) > 0 {
+			fmt.Fprintf(stdout, "nothing trained, nothing written: %s\n", strings.Join(unwritten, ", "))
+		}
+		return 0
+	}
 	sum, err := t.Run()
 	if cerr := t.Close(); err == nil {
 		err = cerr

@@ -444,3 +444,39 @@ func TestSummaryProbe(t *testing.T) {
 		t.Errorf("the probe left %v", leftovers)
 	}
 }
+
+// TestResumeNothingToTrain: a run resumed at (or past) --steps says that
+// the checkpoint already completed the run and how to train further, and
+// exits 0 without the run's header, losses and throughput (it printed
+// them, with "0 tokens/s"); outputs it was asked for are named as not
+// written.
+func TestResumeNothingToTrain(t *testing.T) {
+	ck := filepath.Join(t.TempDir(), "ck")
+	args := append([]string{"train", "--ckpt-dir", ck, "--log-every", "0"}, zeroTiny...)
+	if rc, out, errs := runCLI(append(args, "--steps", "2")...); rc != 0 {
+		t.Fatalf("--steps 2: rc %d\n%s%s", rc, out, errs)
+	}
+	step := filepath.Join(ck, "step-000000002")
+	for _, tc := range []struct {
+		args []string
+		last []string
+	}{
+		{[]string{"--steps", "2", "--resume"}, []string{
+			"resume: " + step + " at iteration 2 (optimizer step 2)",
+			"resume: the checkpoint at step 2 already completed this run's --steps 2: nothing to train (to train further, pass --steps M with M > 2)"}},
+		{[]string{"--steps", "1", "--decay-steps", "2", "--resume", "--summary-json", filepath.Join(ck, "s.json")}, []string{
+			"resume: " + step + " at iteration 2 (optimizer step 2)",
+			"resume: the checkpoint at step 2 is past this run's --steps 1: nothing to train (to train further, pass --steps M with M > 2)",
+			"nothing trained, nothing written: --summary-json " + filepath.Join(ck, "s.json")}},
+	} {
+		rc, out, errs := runCLI(append(args, tc.args...)...)
+		lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
+		if rc != 0 || errs != "" || len(lines) < len(tc.last) || !slices.Equal(lines[len(lines)-len(tc.last):], tc.last) ||
+			strings.Contains(out, "dos train: GPT-2") || strings.Contains(out, "tokens/s") || strings.Contains(out, "val_loss") {
+			t.Errorf("dos train %v: rc %d, stderr %q, stdout:\n%s\nwant it to end with:\n%s", tc.args, rc, errs, out, strings.Join(tc.last, "\n"))
+		}
+	}
+	if _, err := os.Stat(filepath.Join(ck, "s.json")); !os.IsNotExist(err) {
+		t.Errorf("--summary-json written though nothing was trained: %v", err)
+	}
+}
