@@ -248,13 +248,20 @@ func TestVersion(t *testing.T) {
 	bi := &debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Path: "github.com/deepstates/dos", Version: "v0.3.0"},
 		Settings: []debug.BuildSetting{{Key: "GOOS", Value: "linux"}, {Key: "GOARCH", Value: "amd64"}, {Key: "vcs", Value: "git"},
 			{Key: "vcs.revision", Value: "747f399abc"}, {Key: "vcs.time", Value: "2026-12-01T07:00:00Z"}, {Key: "vcs.modified", Value: "true"}}}
-	if got, want := versionOf(bi), "dos v0.3.0 go1.26.8 git 747f399abc 2026-12-01T07:00:00Z modified linux/amd64"; got != want {
+	if got, want := versionOf(bi, ""), "dos v0.3.0 go1.26.8 git 747f399abc 2026-12-01T07:00:00Z modified linux/amd64"; got != want {
 		t.Errorf("stamped: %q, want %q", got, want)
+	}
+	// The Makefile's -X main.version wins over the build information's.
+	if got, want := versionOf(bi, "v0.3.0-2-g0921c9f-dirty"), "dos v0.3.0 go1.26.8 git v0.3.0-2-g0921c9f-dirty linux/amd64"; got != want {
+		t.Errorf("stamped by make: %q, want %q", got, want)
 	}
 	bi.Settings = bi.Settings[:2]
 	bi.Main.Version = "(devel)"
-	if got, want := versionOf(bi), "dos (devel) go1.26.8 (no VCS revision stamped) linux/amd64"; got != want {
+	if got, want := versionOf(bi, ""), "dos (devel) go1.26.8 (no VCS revision stamped: make builds it stamped) linux/amd64"; got != want {
 		t.Errorf("unstamped: %q, want %q", got, want)
+	}
+	if got, want := versionOf(bi, "0921c9f"), "dos (devel) go1.26.8 git 0921c9f linux/amd64"; got != want {
+		t.Errorf("unstamped but by make: %q, want %q", got, want)
 	}
 }
 
