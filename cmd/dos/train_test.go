@@ -480,3 +480,49 @@ func TestResumeNothingToTrain(t *testing.T) {
 		t.Errorf("--summary-json written though nothing was trained: %v", err)
 	}
 }
+
+// TestReadmeHeaderCheck: the README's way to check a checkpoint's
+// safetensors file without Python's safetensors package (not packaged by
+// Debian 12), a python3 one-liner over the standard library, prints the
+// file's header: every tensor dos ckpt verify counts, with its dtype and
+// shape.
+func TestReadmeHeaderCheck(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var script string
+	for _, line := range strings.Split(string(readme), "\n") {
+		if strings.HasPrefix(line, "python3 -c 'import json,struct,sys;") {
+			script = strings.TrimSuffix(strings.TrimPrefix(strings.TrimSuffix(line, " \\"), "python3 -c '"), "'")
+		}
+	}
+	if script == "" {
+		t.Fatal("README.md has no python3 one-liner that reads a checkpoint's safetensors header")
+	}
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("no python3")
+	}
+	ck := filepath.Join(t.TempDir(), "ck")
+	if rc, out, errs := runCLI(append([]string{"train", "--steps", "0", "--ckpt-dir", ck}, zeroTiny...)...); rc != 0 {
+		t.Fatalf("--steps 0: rc %d\n%s%s", rc, out, errs)
+	}
+	file := filepath.Join(ck, "step-000000000", "rank-00000.safetensors")
+	out, err := exec.Command(py, "-c", script, file).Output()
+	if err != nil {
+		t.Fatalf("the README's one-liner on %s: %v", file, err)
+	}
+	var header map[string]struct {
+		DType string `json:"dtype"`
+		Shape []int  `json:"shape"`
+	}
+	if err := json.Unmarshal(out, &header); err != nil {
+		t.Fatalf("the README's one-liner printed no JSON header: %v\n%s", err, out)
+	}
+	_, verify, _ := runCLI("ckpt", "verify", ck)
+	n := len(header) - 1 // __metadata__
+	if w := header["wte.weight.master"]; w.DType != "F32" || !slices.Equal(w.Shape, []int{256, 8}) || !strings.Contains(verify, fmt.Sprintf(" %d tensors,", n)) {
+		t.Errorf("header: %d tensors, wte.weight.master %+v; dos ckpt verify: %s", n, w, verify)
+	}
+}
