@@ -422,3 +422,25 @@ func TestOnePrefix(t *testing.T) {
 		}
 	}
 }
+
+// TestOutputPathNamed: an output that cannot be written is refused before
+// any work, naming the path given (not the temporary file that probes its
+// directory, ".p.json.check123", ".dos-probe-123"); dos train --timeline
+// is refused before training (it trained, then failed writing).
+func TestOutputPathNamed(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "missing")
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"train", "--summary-json", filepath.Join(missing, "s.json")}, "dos train: --summary-json: " + filepath.Join(missing, "s.json")},
+		{append([]string{"train", "--steps", "1", "--timeline", filepath.Join(missing, "t.svg")}, zeroTiny...), "dos train: --timeline: " + filepath.Join(missing, "t.svg")},
+		{[]string{"plan", "--profile", h200, "--trace", filepath.Join(missing, "p.json")}, "dos plan: --trace: " + filepath.Join(missing, "p.json")},
+		{[]string{"plan", "--profile", h200, "--json", filepath.Join(missing, "p.json")}, "dos plan: --json: " + filepath.Join(missing, "p.json")},
+	} {
+		rc, out, errs := runCLI(tc.args...)
+		if want := tc.want + ": cannot create a file in its directory " + missing + ": no such file or directory\n"; rc != 1 || out != "" || errs != want {
+			t.Errorf("dos %v: rc %d, stdout %q, stderr %q; want 1, nothing on stdout, and %q", tc.args, rc, out, errs, want)
+		}
+	}
+}

@@ -167,7 +167,7 @@ func probeWritable(path string) error {
 	}
 	f, err := os.CreateTemp(filepath.Dir(path), ".dos-probe-*")
 	if err != nil {
-		return err
+		return fmt.Errorf("%s: cannot create a file in its directory %s: %w", path, filepath.Dir(path), osCause(err))
 	}
 	name := f.Name()
 	return errors.Join(f.Close(), os.Remove(name))

@@ -242,6 +242,13 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		if err := checkPlotExt(*timeline); err != nil {
 			return c.usageError(stderr, "--timeline %v", err)
 		}
+		// Fail now, not after training, where the picture or the trace
+		// beside it cannot be written.
+		for _, p := range []string{*timeline, timelineTrace(*timeline)} {
+			if err := probeWritable(p); err != nil {
+				return c.fail(stderr, "--timeline: %v", err)
+			}
+		}
 		if cfg.TimelineAt == 0 {
 			cfg.TimelineAt = cfg.Steps
 		}
