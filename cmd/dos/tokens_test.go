@@ -287,3 +287,15 @@ func TestTrainDataTooShort(t *testing.T) {
 		}
 	}
 }
+
+// TestTextMissing: a --text that cannot be read is named with the reason
+// alone ("stat PATH: ..." named the system call).
+func TestTextMissing(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "missing.txt")
+	for _, cmd := range [][]string{{"tokenize", "--out", missing + ".bin"}, {"train"}} {
+		rc, _, errs := runCLI(append(cmd, "--text", missing)...)
+		if want := "dos " + cmd[0] + ": --text: " + missing + ": no such file or directory\n"; rc != 1 || errs != want {
+			t.Errorf("dos %v --text %s: rc %d, %q; want 1 and %q", cmd, missing, rc, errs, want)
+		}
+	}
+}

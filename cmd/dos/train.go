@@ -367,7 +367,7 @@ const maxText = 1 << 30
 func readText(path string) ([]byte, error) {
 	info, err := os.Stat(path)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%s: %w", path, osCause(err))
 	}
 	if !info.Mode().IsRegular() {
 		return nil, fmt.Errorf("%s is not a regular file", path)
@@ -375,7 +375,11 @@ func readText(path string) ([]byte, error) {
 	if info.Size() > maxText {
 		return nil, fmt.Errorf("%s is %d bytes, over the limit of %d", path, info.Size(), maxText)
 	}
-	return os.ReadFile(path)
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, osCause(err))
+	}
+	return b, nil
 }
 
 // timelineTrace is where --timeline PATH writes the iteration's Chrome
