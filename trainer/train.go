@@ -499,8 +499,9 @@ func (t *Trainer) Close() error {
 
 // Resumed returns the iteration of the checkpoint New resumed from and
 // true, or 0 and false for a fresh start. Resumed at or past cfg.Steps,
-// the run has nothing to train (New says so): Run would only evaluate and
-// sample (and save nothing).
+// the run has nothing to train (New says so): Run prints nothing, saves
+// nothing, and returns the checkpoint's summary with its validation loss
+// (no sample, no rates).
 func (t *Trainer) Resumed() (iteration int, ok bool) { return t.resumedAt, t.resumed }
 
 // NumParams returns the model's parameter count.
@@ -652,6 +653,16 @@ func (t *Trainer) Run() (Summary, error) {
 	peak := PeakFLOPS // MFU is per GPU: over the GPUs' peak
 	if t.zero != nil {
 		peak *= float64(t.zero.gpus())
+	}
+	if t.resumed && t.state.Iteration >= cfg.Steps {
+		// Nothing to train (New said so): the checkpoint's summary, its
+		// validation loss evaluated, without the run's header, log
+		// lines or sample.
+		sum.Steps, sum.FinalLoss = t.state.Iteration, t.state.LastLoss
+		sum.InitialLoss, sum.InitValLoss = t.state.InitialLoss.or0(), t.state.InitValLoss.or0()
+		l, err := t.Evaluate()
+		sum.ValLoss = l
+		return sum, err
 	}
 	where := "CPU"
 	if t.gpu != nil {

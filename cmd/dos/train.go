@@ -291,23 +291,6 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	if it, ok := t.Resumed(); ok && it >= cfg.Steps {
-		// Nothing to train: the trainer said so and how to train
-		// further; no header, no losses, no throughput.
-		if err := t.Close(); err != nil {
-			return c.fail(stderr, "%v", err)
-		}
-		var unwritten []string
-		for _, o := range []struct{ flag, path string }{{"--summary-json", *summary}, {"--timeline", *timeline}} {
-			if o.path != "" {
-				unwritten = append(unwritten, o.flag+" "+o.path)
-			}
-		}
-		if len(unwritten) > 0 {
-			fmt.Fprintf(stdout, "nothing trained, nothing written: %s\n", strings.Join(unwritten, ", "))
-		}
-		return 0
-	}
 	sum, err := t.Run()
 	if cerr := t.Close(); err == nil {
 		err = cerr
@@ -315,7 +298,12 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	if sum.Steps == 0 {
+	nothing := false
+	if it, ok := t.Resumed(); ok && it >= cfg.Steps {
+		// Nothing to train: the trainer said so and how to train
+		// further; no header, no losses, no throughput.
+		nothing = true
+	} else if sum.Steps == 0 {
 		fmt.Fprintf(stdout, "done: no iteration trained (the initial weights are step 0 where --ckpt-dir is set), val_loss %.4f\n", sum.ValLoss)
 	} else {
 		fmt.Fprintf(stdout, "done: %d iterations, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
@@ -326,7 +314,9 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 			return c.fail(stderr, "--summary-json: %v", err)
 		}
 	}
-	if *timeline != "" {
+	if *timeline != "" && nothing {
+		fmt.Fprintf(stdout, "--timeline %s: not drawn: nothing trained\n", *timeline)
+	} else if *timeline != "" {
 		if err := writeIteration(t, *timeline, cfg, stdout); err != nil {
 			return c.fail(stderr, "--timeline: %v", err)
 		}

@@ -448,15 +448,17 @@ func TestSummaryProbe(t *testing.T) {
 // TestResumeNothingToTrain: a run resumed at (or past) --steps says that
 // the checkpoint already completed the run and how to train further, and
 // exits 0 without the run's header, losses and throughput (it printed
-// them, with "0 tokens/s"); outputs it was asked for are named as not
-// written.
+// them, with "0 tokens/s"); --summary-json still reports the checkpoint's
+// state, and --timeline says it drew nothing.
 func TestResumeNothingToTrain(t *testing.T) {
 	ck := filepath.Join(t.TempDir(), "ck")
+	first := filepath.Join(t.TempDir(), "first.json")
 	args := append([]string{"train", "--ckpt-dir", ck, "--log-every", "0"}, zeroTiny...)
-	if rc, out, errs := runCLI(append(args, "--steps", "2")...); rc != 0 {
+	if rc, out, errs := runCLI(append(args, "--steps", "2", "--summary-json", first)...); rc != 0 {
 		t.Fatalf("--steps 2: rc %d\n%s%s", rc, out, errs)
 	}
 	step := filepath.Join(ck, "step-000000002")
+	again := filepath.Join(t.TempDir(), "again.json")
 	for _, tc := range []struct {
 		args []string
 		last []string
@@ -464,10 +466,10 @@ func TestResumeNothingToTrain(t *testing.T) {
 		{[]string{"--steps", "2", "--resume"}, []string{
 			"resume: " + step + " at iteration 2 (optimizer step 2)",
 			"resume: the checkpoint at step 2 already completed this run's --steps 2: nothing to train (to train further, pass --steps M with M > 2)"}},
-		{[]string{"--steps", "1", "--decay-steps", "2", "--resume", "--summary-json", filepath.Join(ck, "s.json")}, []string{
+		{[]string{"--steps", "1", "--decay-steps", "2", "--resume", "--summary-json", again, "--timeline", filepath.Join(ck, "t.svg")}, []string{
 			"resume: " + step + " at iteration 2 (optimizer step 2)",
 			"resume: the checkpoint at step 2 is past this run's --steps 1: nothing to train (to train further, pass --steps M with M > 2)",
-			"nothing trained, nothing written: --summary-json " + filepath.Join(ck, "s.json")}},
+			"--timeline " + filepath.Join(ck, "t.svg") + ": not drawn: nothing trained"}},
 	} {
 		rc, out, errs := runCLI(append(args, tc.args...)...)
 		lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
@@ -476,8 +478,24 @@ func TestResumeNothingToTrain(t *testing.T) {
 			t.Errorf("dos train %v: rc %d, stderr %q, stdout:\n%s\nwant it to end with:\n%s", tc.args, rc, errs, out, strings.Join(tc.last, "\n"))
 		}
 	}
-	if _, err := os.Stat(filepath.Join(ck, "s.json")); !os.IsNotExist(err) {
-		t.Errorf("--summary-json written though nothing was trained: %v", err)
+	var a, b trainer.Summary
+	for _, f := range []struct {
+		path string
+		s    *trainer.Summary
+	}{{first, &a}, {again, &b}} {
+		data, err := os.ReadFile(f.path)
+		if err == nil {
+			err = json.Unmarshal(data, f.s)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if b.Steps != 2 || b.FinalLoss != a.FinalLoss || b.ValLoss != a.ValLoss || b.InitialLoss != a.InitialLoss || b.TokensPerS != 0 || a.FinalLoss == 0 {
+		t.Errorf("--summary-json of the run with nothing to train: %+v; the run's: %+v", b, a)
+	}
+	if _, err := os.Stat(filepath.Join(ck, "t.svg")); !os.IsNotExist(err) {
+		t.Errorf("--timeline drawn though nothing was trained: %v", err)
 	}
 }
 
