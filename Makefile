@@ -2,6 +2,13 @@
 GO      ?= go
 BIN     ?= bin
 PKGS    := ./...
+# The revision dos version prints, stamped into bin/dos (make demo, make
+# gpu-bins): git describe of this checkout (a tag or the abbreviated commit,
+# -dirty with local changes), whatever GOFLAGS says of -buildvcs; empty
+# outside a git checkout or without git, and then dos version says what go
+# build stamped, if anything.
+VERSION ?= $(shell git describe --always --dirty 2>/dev/null)
+LDFLAGS := $(if $(VERSION),-X main.version=$(VERSION))
 
 .PHONY: help test vet fmt-check gen-check generate test-short demo bench gpu-bins gpu-test gpu-check clean python python-test
 
@@ -60,7 +67,8 @@ test-short:
 # The main job: dos train on its embedded default (Newton's Opticks, a 4-layer
 # byte-level GPT-2), checkpointing into bin/demo-ckpt, after the selftest.
 demo:
-	$(GO) build -o $(BIN)/dos ./cmd/dos
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/dos ./cmd/dos
+	$(BIN)/dos version
 	$(BIN)/dos selftest | grep -E '^selftest:|no GPU backend'
 	rm -rf $(BIN)/demo-ckpt
 	$(BIN)/dos train --ckpt-dir $(BIN)/demo-ckpt --summary-json $(BIN)/demo-summary.json
@@ -74,7 +82,7 @@ bench:
 # internal_adamcase.test). scripts/gpu-test.sh runs them there.
 gpu-bins:
 	@mkdir -p $(BIN)/test
-	CGO_ENABLED=0 $(GO) build -ldflags='-s -w' -o $(BIN)/dos ./cmd/dos
+	CGO_ENABLED=0 $(GO) build -ldflags='-s -w $(LDFLAGS)' -o $(BIN)/dos ./cmd/dos
 	@for d in $$($(GO) list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.Dir}}{{end}}' $(PKGS)); do \
 		rel=$${d#$(CURDIR)/}; [ "$$rel" = "$(CURDIR)" ] && rel=.; \
 		name=$$(echo $$rel | tr / _); \

@@ -1,6 +1,9 @@
 package trainer
 
-import "fmt"
+import (
+	"fmt"
+	"strings"
+)
 
 // VocabSize is the vocabulary of the byte-level tokenizer: one token per
 // byte value.
@@ -22,18 +25,86 @@ type Dataset[E Token] struct {
 // parts at len(text)*(1-valFraction), rounded down.
 //
 // Errors: valFraction outside (0, 0.5], or a part too short for one
-// sequence of minLen+1 tokens.
+// sequence of minLen+1 tokens (a *ShortDataError).
 func NewDataset[E Token](text []E, valFraction float64, minLen int) (*Dataset[E], error) {
 	if !(valFraction > 0 && valFraction <= 0.5) {
 		return nil, fmt.Errorf("trainer: validation fraction %v: want (0, 0.5]", valFraction)
 	}
-	cut := int(float64(len(text)) * (1 - valFraction))
+	cut := splitAt(len(text), valFraction)
 	d := &Dataset[E]{Train: text[:cut], Val: text[cut:]}
-	if len(d.Train) < minLen+1 || len(d.Val) < minLen+1 {
-		return nil, fmt.Errorf("trainer: a text of %d tokens is too short: %d training and %d validation tokens, need %d each",
-			len(text), len(d.Train), len(d.Val), minLen+1)
+	if e := (&ShortDataError{Tokens: len(text), ValFraction: valFraction, Train: cut, Val: len(text) - cut,
+		NeedTrain: int64(minLen) + 1, NeedVal: int64(minLen) + 1, Ctx: minLen}); e.short() {
+		return nil, e
 	}
 	return d, nil
+}
+
+// splitAt is where NewDataset cuts n tokens: int(n*(1-valFraction)).
+func splitAt(n int, valFraction float64) int {
+	return int(float64(n) * (1 - valFraction))
+}
+
+// ShortDataError is the error of data with fewer tokens than the
+// configuration's sequences and batch need: New's text, NewTokens' token
+// data, NewDataset's tokens. Its fields say how far short each part is,
+// so that a caller can name its own source (dos train names the file and
+// the flags).
+type ShortDataError struct {
+	// Text reports whether the data is a text (New), tokenized by
+	// TrainConfig.Tokenizer; otherwise it is token data.
+	Text bool
+	// Tokens is the data's token count before the split: the text's, or
+	// the training tokens' (with validation tokens of their own, Train).
+	Tokens int
+	// ValFraction is the fraction of Tokens held out to validate
+	// (TrainConfig.ValFraction), or 0 where the validation tokens are
+	// data of their own (NewTokens with val).
+	ValFraction float64
+	// Train and Val are the tokens of the training and the validation
+	// part; NeedTrain and NeedVal the fewest each takes: one sequence of
+	// Ctx tokens and its target (Ctx+1), or for token data's training
+	// part, one batch and its last target (Batch*Ctx+1).
+	Train, Val         int
+	NeedTrain, NeedVal int64
+	// Ctx is the sequence length (TrainConfig.Model.NCtx). Batch is
+	// TrainConfig.Batch where the training part needs a whole batch
+	// (token data), 0 where one sequence is enough (a text: its rows
+	// repeat to fill a batch).
+	Ctx, Batch int
+}
+
+// short reports whether a part holds fewer tokens than it needs.
+func (e *ShortDataError) short() bool {
+	return e.TrainShort() || e.ValShort()
+}
+
+// TrainShort reports whether the training part is short.
+func (e *ShortDataError) TrainShort() bool { return int64(e.Train) < e.NeedTrain }
+
+// ValShort reports whether the validation part is short.
+func (e *ShortDataError) ValShort() bool { return int64(e.Val) < e.NeedVal }
+
+func (e *ShortDataError) Error() string {
+	what := "token data"
+	if e.Text {
+		what = "a text"
+	}
+	var parts []string
+	if e.TrainShort() {
+		need := fmt.Sprintf("one sequence of Model.NCtx %d tokens and its target", e.Ctx)
+		if e.Batch > 0 {
+			need = fmt.Sprintf("one batch of Batch %d sequences of Model.NCtx %d tokens and its last target", e.Batch, e.Ctx)
+		}
+		parts = append(parts, fmt.Sprintf("%d training tokens, fewer than the %d of %s", e.Train, e.NeedTrain, need))
+	}
+	if e.ValShort() {
+		parts = append(parts, fmt.Sprintf("%d validation tokens, fewer than the %d of one sequence of Model.NCtx %d tokens and its target", e.Val, e.NeedVal, e.Ctx))
+	}
+	if e.ValFraction > 0 {
+		return fmt.Sprintf("trainer: %s of %d tokens is too short: ValFraction %g leaves %d training and %d validation tokens: %s",
+			what, e.Tokens, e.ValFraction, e.Train, e.Val, strings.Join(parts, "; "))
+	}
+	return fmt.Sprintf("trainer: %s too short: %s", what, strings.Join(parts, "; "))
 }
 
 // Loader yields batches of B sequences of T tokens and their next-token

@@ -316,7 +316,11 @@ func (t *Trainer) resume(dir string) error {
 	t.state = st
 	fmt.Fprintf(t.out, "resume: %s at iteration %d (optimizer step %d)\n", dir, st.Iteration, t.opt.StepCount())
 	if st.Iteration >= t.cfg.Steps {
-		fmt.Fprintf(t.out, "resume: already at iteration %d, at or past --steps %d: nothing to train\n", st.Iteration, t.cfg.Steps)
+		done := "already completed"
+		if st.Iteration > t.cfg.Steps {
+			done = "is past"
+		}
+		fmt.Fprintf(t.out, "resume: the checkpoint at step %d %s this run's --steps %d: nothing to train (to train further, pass --steps M with M > %d)\n", st.Iteration, done, t.cfg.Steps, st.Iteration)
 	}
 	return nil
 }

@@ -1,6 +1,7 @@
 package trainer
 
 import (
+	"errors"
 	"strings"
 	"testing"
 )
@@ -94,11 +95,54 @@ func TestNewTokens(t *testing.T) {
 	}{
 		{bad, nil, "training token 256 at index 77 is outside --tokenizer byte's 256 tokens"},
 		{toks, bad, "validation token 256 at index 77"},
-		{toks[:16], toks, "16 tokens cannot hold one batch of 2 sequences of 8 tokens"},
-		{toks, toks[:8], "the validation data: 8 tokens cannot hold one sequence"},
+		{toks[:16], toks, "trainer: token data too short: 16 training tokens, fewer than the 17 of one batch of Batch 2 sequences of Model.NCtx 8 tokens and its last target"},
+		{toks, toks[:8], "trainer: token data too short: 8 validation tokens, fewer than the 9 of one sequence of Model.NCtx 8 tokens and its target"},
+		{toks[:19], nil, "trainer: token data of 19 tokens is too short: ValFraction 0.1 leaves 17 training and 2 validation tokens: 2 validation tokens, fewer than the 9 of"},
 	} {
 		if _, err := NewTokens(c, tc.train, tc.val, nil); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("NewTokens: %v, want an error containing %q", err, tc.want)
 		}
+	}
+}
+
+// TestShortData: data too short for the sequences and the batch is a
+// *ShortDataError that says how short each part is and what it needs,
+// every part at once: token data (both parts, held out or given), a text
+// (one sequence each part: its rows repeat), NewDataset's tokens.
+func TestShortData(t *testing.T) {
+	setMemAvailable(t, 0, false)
+	toks := make([]uint16, 200)
+	c := tokenConfig() // batch 2, ctx 8
+	for _, tc := range []struct {
+		name string
+		err  func() error
+		want ShortDataError
+	}{
+		{"held out, both short", func() error { _, err := NewTokens(c, toks[:10], nil, nil); return err },
+			ShortDataError{Tokens: 10, ValFraction: 0.1, Train: 9, Val: 1, NeedTrain: 17, NeedVal: 9, Ctx: 8, Batch: 2}},
+		{"held out, the training part short", func() error { _, err := NewTokens(c, toks[:18], nil, nil); return err },
+			ShortDataError{Tokens: 18, ValFraction: 0.1, Train: 16, Val: 2, NeedTrain: 17, NeedVal: 9, Ctx: 8, Batch: 2}},
+		{"given, both short", func() error { _, err := NewTokens(c, toks[:16], toks[:8], nil); return err },
+			ShortDataError{Tokens: 16, Train: 16, Val: 8, NeedTrain: 17, NeedVal: 9, Ctx: 8, Batch: 2}},
+		{"a text", func() error { _, err := New(c, []byte("0123456789abcdefghij"), nil); return err },
+			ShortDataError{Text: true, Tokens: 20, ValFraction: 0.1, Train: 18, Val: 2, NeedTrain: 9, NeedVal: 9, Ctx: 8}},
+		{"NewDataset", func() error { _, err := NewDataset(toks[:30], 0.5, 15); return err },
+			ShortDataError{Tokens: 30, ValFraction: 0.5, Train: 15, Val: 15, NeedTrain: 16, NeedVal: 16, Ctx: 15}},
+	} {
+		err := tc.err()
+		var got *ShortDataError
+		if !errors.As(err, &got) || *got != tc.want {
+			t.Errorf("%s: %v (%+v), want %+v", tc.name, err, got, tc.want)
+		}
+	}
+	_, err := NewTokens(c, toks[:10], nil, nil)
+	if want := "trainer: token data of 10 tokens is too short: ValFraction 0.1 leaves 9 training and 1 validation tokens: " +
+		"9 training tokens, fewer than the 17 of one batch of Batch 2 sequences of Model.NCtx 8 tokens and its last target; " +
+		"1 validation tokens, fewer than the 9 of one sequence of Model.NCtx 8 tokens and its target"; err == nil || err.Error() != want {
+		t.Errorf("held out, both short: %v\nwant %s", err, want)
+	}
+	_, err = New(c, []byte("0123456789abcdefghij"), nil)
+	if want := "trainer: a text of 20 tokens is too short: ValFraction 0.1 leaves 18 training and 2 validation tokens: 2 validation tokens, fewer than the 9 of one sequence of Model.NCtx 8 tokens and its target"; err == nil || err.Error() != want {
+		t.Errorf("a text: %v\nwant %s", err, want)
 	}
 }

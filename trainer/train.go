@@ -100,13 +100,14 @@ type Trainer struct {
 	out           io.Writer
 	tty           bool
 
-	engine   *checkpoint.Engine   // the lazy checkpointer, made at the first save
-	closeDev func()               // releases the update phase's device (cfg.Device)
-	lock     *checkpoint.RootLock // cfg.CkptDir's, for the whole run
-	closed   bool
-	last     *checkpoint.Handle // its last save, reported when it is durable
-	resumed  bool               // New loaded a checkpoint
-	timeline *IterationTimeline // cfg.TimelineAt's, once traced
+	engine    *checkpoint.Engine   // the lazy checkpointer, made at the first save
+	closeDev  func()               // releases the update phase's device (cfg.Device)
+	lock      *checkpoint.RootLock // cfg.CkptDir's, for the whole run
+	closed    bool
+	last      *checkpoint.Handle // its last save, reported when it is durable
+	resumed   bool               // New loaded a checkpoint
+	resumedAt int                // its iteration
+	timeline  *IterationTimeline // cfg.TimelineAt's, once traced
 }
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
@@ -123,9 +124,9 @@ type Trainer struct {
 // anything; with cfg.Resume a damaged root is repaired first
 // (checkpoint.Recover), and what was done is printed.
 //
-// Errors: an invalid configuration, a text too short; a CkptDir that is
-// not usable (a step directory, a file, not writable) or that another
-// process writes under (checkpoint.ErrLocked); one that is not fresh
+// Errors: an invalid configuration, a text too short (a *ShortDataError);
+// a CkptDir that is not usable (a step directory, a file, not writable) or
+// that another process writes under (checkpoint.ErrLocked); one that is not fresh
 // without cfg.Resume (it holds checkpoints, or is damaged); a damaged root
 // where no step directory verifies; a checkpoint that cannot be loaded
 // or was made with another model, batch shape, tokenizer or text.
@@ -161,6 +162,10 @@ func New(cfg TrainConfig, text []byte, out io.Writer) (*Trainer, error) {
 // Loaders of both parts.
 func textBatches[E Token](text []E, cfg *TrainConfig) (train, val batches, d *Dataset[E], err error) {
 	d, err = NewDataset(text, cfg.ValFraction, cfg.Model.NCtx)
+	var short *ShortDataError
+	if errors.As(err, &short) {
+		short.Text = true
+	}
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -186,7 +191,8 @@ func textBatches[E Token](text []E, cfg *TrainConfig) (train, val batches, d *Da
 //
 // Errors: those of New; a token outside the tokenizer's vocabulary; fewer
 // training tokens than a batch and its last target (B*T+1), or validation
-// tokens fewer than a sequence and its target.
+// tokens fewer than a sequence and its target (a *ShortDataError, which
+// says both).
 func NewTokens(cfg TrainConfig, train, val []uint16, out io.Writer) (*Trainer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -207,6 +213,18 @@ func NewTokens(cfg TrainConfig, train, val []uint16, out io.Writer) (*Trainer, e
 	}
 	crc, n := tokensCRC(train, val)
 	id := trainerState{TextCRC: crc, TextBytes: n, Data: "tokens"}
+	// Both parts are checked before either is cut, so that the error
+	// says all that is short.
+	B, T := cfg.Batch, cfg.Model.NCtx
+	short := &ShortDataError{Tokens: len(train), Train: len(train), Val: len(val), NeedTrain: int64(B)*int64(T) + 1, NeedVal: int64(T) + 1, Ctx: T, Batch: B}
+	if val == nil {
+		short.ValFraction = cfg.ValFraction
+		short.Train = splitAt(len(train), cfg.ValFraction)
+		short.Val = len(train) - short.Train
+	}
+	if short.short() {
+		return nil, short
+	}
 	held := ""
 	if val == nil {
 		d, err := NewDataset(train, cfg.ValFraction, cfg.Model.NCtx)
@@ -218,7 +236,7 @@ func NewTokens(cfg TrainConfig, train, val []uint16, out io.Writer) (*Trainer, e
 	}
 	tb, err := NewTokenBatches(train, cfg.Batch, cfg.Model.NCtx)
 	if err != nil {
-		return nil, fmt.Errorf("%w: pass a smaller --batch or --ctx, or more data", err)
+		return nil, err
 	}
 	vl, err := NewLoader(val, cfg.Batch, cfg.Model.NCtx)
 	if err != nil {
@@ -373,7 +391,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 		if err := t.resume(from.Dir); err != nil {
 			return nil, errors.Join(err, t.Close())
 		}
-		t.resumed = true
+		t.resumed, t.resumedAt = true, t.state.Iteration
 	}
 	if err := t.bind(); err != nil {
 		return nil, errors.Join(err, t.Close())
@@ -478,6 +496,13 @@ func (t *Trainer) Close() error {
 	t.lock.Unlock()
 	return errors.Join(errs...)
 }
+
+// Resumed returns the iteration of the checkpoint New resumed from and
+// true, or 0 and false for a fresh start. Resumed at or past cfg.Steps,
+// the run has nothing to train (New says so): Run prints nothing, saves
+// nothing, and returns the checkpoint's summary with its validation loss
+// (no sample, no rates).
+func (t *Trainer) Resumed() (iteration int, ok bool) { return t.resumedAt, t.resumed }
 
 // NumParams returns the model's parameter count.
 func (t *Trainer) NumParams() int {
@@ -628,6 +653,16 @@ func (t *Trainer) Run() (Summary, error) {
 	peak := PeakFLOPS // MFU is per GPU: over the GPUs' peak
 	if t.zero != nil {
 		peak *= float64(t.zero.gpus())
+	}
+	if t.resumed && t.state.Iteration >= cfg.Steps {
+		// Nothing to train (New said so): the checkpoint's summary, its
+		// validation loss evaluated, without the run's header, log
+		// lines or sample.
+		sum.Steps, sum.FinalLoss = t.state.Iteration, t.state.LastLoss
+		sum.InitialLoss, sum.InitValLoss = t.state.InitialLoss.or0(), t.state.InitValLoss.or0()
+		l, err := t.Evaluate()
+		sum.ValLoss = l
+		return sum, err
 	}
 	where := "CPU"
 	if t.gpu != nil {

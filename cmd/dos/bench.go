@@ -266,7 +266,7 @@ func checkWritable(path string) error {
 	}
 	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".check*")
 	if err != nil {
-		return err
+		return fmt.Errorf("%s: cannot create a file in its directory %s: %w", path, filepath.Dir(path), osCause(err))
 	}
 	f.Close()
 	return os.Remove(f.Name())

@@ -172,9 +172,10 @@ func writeAtomic(path string, write func(f *os.File) error) error {
 		}
 		return err
 	}
+	// Errors name path, which the user gave, not the temporary file.
 	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
 	if err != nil {
-		return err
+		return fmt.Errorf("%s: cannot create a file in its directory %s: %w", path, filepath.Dir(path), osCause(err))
 	}
 	tmp := f.Name()
 	err = write(f)
@@ -187,11 +188,26 @@ func writeAtomic(path string, write func(f *os.File) error) error {
 	if err == nil {
 		err = os.Chmod(tmp, 0o644)
 	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
 	if err != nil {
 		os.Remove(tmp)
+		return fmt.Errorf("%s: writing it (through a temporary file beside it, removed): %w", path, osCause(err))
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("%s: replacing it: %w", path, osCause(err))
+	}
+	return nil
+}
+
+// osCause returns the cause of err when it is a *os.PathError or
+// *os.LinkError (the errno, without the file it names: the temporary
+// one), or err as it is.
+func osCause(err error) error {
+	switch e := err.(type) {
+	case *os.PathError:
+		return e.Err
+	case *os.LinkError:
+		return e.Err
 	}
 	return err
 }

@@ -60,7 +60,7 @@ func (c *cli) parse(args []string, stdout, stderr io.Writer) (pos []string, rc i
 			return nil, 0, false
 		}
 		if err != nil {
-			return nil, c.usageError(stderr, "%s", flagError(err)), false
+			return nil, c.usageError(stderr, "%s%s", flagError(err), c.suggest(err)), false
 		}
 		if c.NArg() == 0 {
 			return pos, 0, true
@@ -89,6 +89,102 @@ func flagError(err error) string {
 	return msg
 }
 
+// undefinedFlag matches the flag package's error for a flag the set does
+// not define.
+var undefinedFlag = regexp.MustCompile(`^flag provided but not defined: -(\S+)$`)
+
+// suggest returns, for a parse error naming a flag the command does not
+// define, " (did you mean --steps?)" naming the defined flags nearest to
+// it (nearFlags), or "" when none is near.
+func (c *cli) suggest(err error) string {
+	m := undefinedFlag.FindStringSubmatch(err.Error())
+	if m == nil {
+		return ""
+	}
+	var names []string
+	c.VisitAll(func(f *flag.Flag) { names = append(names, f.Name) })
+	near := nearFlags(strings.TrimLeft(m[1], "-"), names, c.hidden)
+	if len(near) == 0 {
+		return ""
+	}
+	for i, n := range near {
+		near[i] = "--" + n
+	}
+	if len(near) == 1 {
+		return " (did you mean " + near[0] + "?)"
+	}
+	return " (did you mean " + strings.Join(near[:len(near)-1], ", ") + " or " + near[len(near)-1] + "?)"
+}
+
+// nearFlags returns the flag names (hidden aliases left out) nearest to
+// the unknown name given, at most three, in the order of names: those
+// within an edit distance of 1 (2 for names of 5 letters or more), or else
+// those of which given is a prefix (--ckpt: --ckpt-dir, --ckpt-every, ...)
+// or that are a prefix of given (--stepsize: --steps). A -name=value typo
+// is matched on the name alone.
+func nearFlags(given string, names []string, hidden map[string]bool) []string {
+	given, _, _ = strings.Cut(given, "=")
+	if given == "" {
+		return nil
+	}
+	limit := 1
+	if len(given) >= 6 {
+		limit = 2
+	}
+	var best []string
+	bestD := limit + 1
+	var prefixed []string
+	for _, n := range names {
+		if hidden[n] {
+			continue
+		}
+		switch d := editDistance(strings.ToLower(given), n); {
+		case d < bestD:
+			best, bestD = []string{n}, d
+		case d == bestD:
+			best = append(best, n)
+		}
+		if len(given) >= 2 && (strings.HasPrefix(n, given) || strings.HasPrefix(given, n) && len(n) >= 3) {
+			prefixed = append(prefixed, n)
+		}
+	}
+	if len(best) == 0 {
+		best = prefixed
+	}
+	if len(best) > 3 {
+		best = best[:3]
+	}
+	return best
+}
+
+// editDistance is the optimal string alignment distance between a and b:
+// the fewest insertions, deletions, substitutions and swaps of adjacent
+// bytes that turn a into b (a swapped pair counts 1: stpes is 1 from
+// steps).
+func editDistance(a, b string) int {
+	d := make([][]int, len(a)+1)
+	for i := range d {
+		d[i] = make([]int, len(b)+1)
+		d[i][0] = i
+	}
+	for j := range d[0] {
+		d[0][j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		for j := 1; j <= len(b); j++ {
+			sub := d[i-1][j-1]
+			if a[i-1] != b[j-1] {
+				sub++
+			}
+			d[i][j] = min(sub, d[i-1][j]+1, d[i][j-1]+1)
+			if i > 1 && j > 1 && a[i-1] == b[j-2] && a[i-2] == b[j-1] {
+				d[i][j] = min(d[i][j], d[i-2][j-2]+1)
+			}
+		}
+	}
+	return d[len(a)][len(b)]
+}
+
 // parseNoArgs is parse for a command that takes no positional arguments.
 func (c *cli) parseNoArgs(args []string, stdout, stderr io.Writer) (rc int, ok bool) {
 	pos, rc, ok := c.parse(args, stdout, stderr)
@@ -101,16 +197,40 @@ func (c *cli) parseNoArgs(args []string, stdout, stderr io.Writer) (rc int, ok b
 // usageError prints "NAME: message" and the synopsis to stderr and returns
 // the exit status of a usage error, 2.
 func (c *cli) usageError(stderr io.Writer, format string, a ...any) int {
-	fmt.Fprintf(stderr, "%s: %s\nUsage: %s\nRun '%s -h' for the flags.\n", c.Name(), fmt.Sprintf(format, a...), c.synopsis, c.Name())
+	fmt.Fprintf(stderr, "%s: %s\nUsage: %s\nRun '%s -h' for the flags.\n", c.Name(), unprefixed(fmt.Sprintf(format, a...)), c.synopsis, c.Name())
 	return 2
 }
 
 // fail prints "NAME: message" to stderr, one line, and returns the exit
 // status of a runtime failure, 1.
 func (c *cli) fail(stderr io.Writer, format string, a ...any) int {
-	msg := strings.ReplaceAll(fmt.Sprintf(format, a...), "\n", "; ")
+	msg := strings.ReplaceAll(unprefixed(fmt.Sprintf(format, a...)), "\n", "; ")
 	fmt.Fprintf(stderr, "%s: %s\n", c.Name(), msg)
 	return 1
+}
+
+// enginePrefixes are the package prefixes of the library that does a
+// command's work, whose errors the command's own prefix already places:
+// the trainer's ("trainer: --lr -1: ...") under "dos train: ", "dos
+// eval: ", "dos export: ". Used as a library, its errors keep them.
+var enginePrefixes = []string{"trainer: "}
+
+// unprefixed removes the engine's package prefixes (enginePrefixes) from
+// msg where they begin it or one of its clauses (after ": " or "; "), so
+// that a command prints one prefix: "dos train: --lr -1: ...", not "dos
+// train: trainer: --lr -1: ...".
+func unprefixed(msg string) string {
+	for _, p := range enginePrefixes {
+		for strings.HasPrefix(msg, p) {
+			msg = msg[len(p):]
+		}
+		for _, sep := range []string{": ", "; "} {
+			for strings.Contains(msg, sep+p) {
+				msg = strings.ReplaceAll(msg, sep+p, sep)
+			}
+		}
+	}
+	return msg
 }
 
 // set reports whether the flag name was given on the command line.

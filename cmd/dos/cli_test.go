@@ -13,6 +13,7 @@ import (
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/internal/cuda"
 	"github.com/deepstates/dos/offload"
+	"github.com/deepstates/dos/trainer"
 )
 
 const h200 = "../../testdata/profiles/h200.json"
@@ -247,13 +248,20 @@ func TestVersion(t *testing.T) {
 	bi := &debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Path: "github.com/deepstates/dos", Version: "v0.3.0"},
 		Settings: []debug.BuildSetting{{Key: "GOOS", Value: "linux"}, {Key: "GOARCH", Value: "amd64"}, {Key: "vcs", Value: "git"},
 			{Key: "vcs.revision", Value: "747f399abc"}, {Key: "vcs.time", Value: "2026-12-01T07:00:00Z"}, {Key: "vcs.modified", Value: "true"}}}
-	if got, want := versionOf(bi), "dos v0.3.0 go1.26.8 git 747f399abc 2026-12-01T07:00:00Z modified linux/amd64"; got != want {
+	if got, want := versionOf(bi, ""), "dos v0.3.0 go1.26.8 git 747f399abc 2026-12-01T07:00:00Z modified linux/amd64"; got != want {
 		t.Errorf("stamped: %q, want %q", got, want)
+	}
+	// The Makefile's -X main.version wins over the build information's.
+	if got, want := versionOf(bi, "v0.3.0-2-g0921c9f-dirty"), "dos v0.3.0 go1.26.8 git v0.3.0-2-g0921c9f-dirty linux/amd64"; got != want {
+		t.Errorf("stamped by make: %q, want %q", got, want)
 	}
 	bi.Settings = bi.Settings[:2]
 	bi.Main.Version = "(devel)"
-	if got, want := versionOf(bi), "dos (devel) go1.26.8 (no VCS revision stamped) linux/amd64"; got != want {
+	if got, want := versionOf(bi, ""), "dos (devel) go1.26.8 (no VCS revision stamped: make builds it stamped) linux/amd64"; got != want {
 		t.Errorf("unstamped: %q, want %q", got, want)
+	}
+	if got, want := versionOf(bi, "0921c9f"), "dos (devel) go1.26.8 git 0921c9f linux/amd64"; got != want {
+		t.Errorf("unstamped but by make: %q, want %q", got, want)
 	}
 }
 
@@ -316,6 +324,123 @@ func TestNotWrittenByTrain(t *testing.T) {
 			if rc != 1 || !strings.Contains(errs, "was not written by dos train") || strings.Count(errs, "\n") != 1 {
 				t.Errorf("%s: dos %v: rc %d %q", name, args, rc, errs)
 			}
+		}
+	}
+}
+
+// TestUnknownFlagSuggests: an unknown flag near a defined one (a letter
+// off, or a prefix of it) names it in the usage error, in every command
+// that parses flags alike; one near none names none. Usage errors still
+// exit 2 with the synopsis.
+func TestUnknownFlagSuggests(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"train", "--step", "10"}, "dos train: flag provided but not defined: -step (did you mean --steps?)\n"},
+		{[]string{"train", "--steps=10", "--stpes=3"}, "-stpes (did you mean --steps?)\n"},
+		{[]string{"train", "--bach", "4"}, "-bach (did you mean --batch?)\n"},
+		{[]string{"train", "--sumary-jsn", "s.json"}, "-sumary-jsn (did you mean --summary-json?)\n"},
+		{[]string{"train", "--ckpt", "d"}, "-ckpt (did you mean --ckpt-dir, --ckpt-every or --ckpt-keep?)\n"},
+		{[]string{"train", "-gpu", "2"}, "-gpu (did you mean --gpus?)\n"},
+		{[]string{"tokenize", "--output", "x.bin"}, "-output (did you mean --out?)\n"},
+		{[]string{"bench", "--param", "1B"}, "-param (did you mean --params?)\n"},
+		{[]string{"ckpt", "inspect", "--tensor", "x"}, "-tensor (did you mean --tensors?)\n"},
+		{[]string{"ckpt", "verify", "--ranks", "1", "x"}, "-ranks (did you mean --rank?)\n"},
+		{[]string{"train", "--bogus"}, "flag provided but not defined: -bogus\n"},
+		{[]string{"version", "--xyz"}, "flag provided but not defined: -xyz\n"},
+	} {
+		rc, out, errs := runCLI(tc.args...)
+		if rc != 2 || out != "" || !strings.Contains(errs, tc.want) || !strings.Contains(errs, "\nUsage: dos "+tc.args[0]) {
+			t.Errorf("dos %v: rc %d, stdout %q, stderr %q; want 2 and %q with the usage", tc.args, rc, out, errs, tc.want)
+		}
+	}
+}
+
+// TestNearFlags: the distance and prefix rules, and their order.
+func TestNearFlags(t *testing.T) {
+	names := []string{"steps", "seed", "ckpt-dir", "ckpt-every", "ckpt-keep", "ckpt-ring", "ckpt-sync", "timeline", "gpus", "out"}
+	for given, want := range map[string]string{
+		"step": "steps", "Steps": "steps", "stepz=4": "steps", "ckpt": "ckpt-dir ckpt-every ckpt-keep",
+		"ckpt-dri": "ckpt-dir", "gpu": "gpus", "timelines": "timeline", "outt": "out", "x": "", "": "", "zzzzzz": "",
+	} {
+		if got := strings.Join(nearFlags(given, names, map[string]bool{"timelines": true}), " "); got != want {
+			t.Errorf("nearFlags(%q) = %q, want %q", given, got, want)
+		}
+	}
+	if got := nearFlags("timelin", names, map[string]bool{"timeline": true}); len(got) != 0 {
+		t.Errorf("a hidden alias was suggested: %v", got)
+	}
+	for _, tc := range []struct {
+		a, b string
+		d    int
+	}{{"", "", 0}, {"a", "", 1}, {"", "abc", 3}, {"step", "steps", 1}, {"stpes", "steps", 1}, {"bogus", "gpus", 3}, {"ab", "ba", 1}, {"kitten", "sitting", 3}} {
+		if got := editDistance(tc.a, tc.b); got != tc.d {
+			t.Errorf("editDistance(%q, %q) = %d, want %d", tc.a, tc.b, got, tc.d)
+		}
+	}
+}
+
+// TestOnePrefix: the trainer's errors reach the command line under one
+// prefix, the command's ("dos train: --lr -1: ...", not "dos train:
+// trainer: --lr -1: ..."), usage errors and runtime failures alike, while
+// the library's own errors keep "trainer: ".
+func TestOnePrefix(t *testing.T) {
+	cfg := trainer.DefaultTrainConfig()
+	cfg.LR = -1
+	if err := cfg.Validate(); err == nil || !strings.HasPrefix(err.Error(), "trainer: --lr -1") {
+		t.Fatalf("the library's error lost its prefix: %v", err)
+	}
+	ck := filepath.Join(t.TempDir(), "ck")
+	if rc, out, errs := runCLI(append([]string{"train", "--steps", "0", "--ckpt-dir", ck}, zeroTiny...)...); rc != 0 {
+		t.Fatalf("--steps 0: rc %d\n%s%s", rc, out, errs)
+	}
+	for _, tc := range []struct {
+		args []string
+		rc   int
+		want string
+	}{
+		{[]string{"train", "--lr", "-1"}, 2, "dos train: --lr -1: want a finite value > 0\n"},
+		{[]string{"train", "--heads", "3"}, 2, "dos train: --heads 3 must divide --embd"},
+		{append([]string{"train", "--steps", "0", "--ckpt-dir", ck}, zeroTiny...), 1, "dos train: --ckpt-dir " + ck + " already holds checkpoints"},
+		{append([]string{"train", "--steps", "1", "--ckpt-dir", ck, "--resume"}, append(zeroTiny, "--embd", "16")...), 1, "dos train: resume from " + ck},
+	} {
+		rc, _, errs := runCLI(tc.args...)
+		if rc != tc.rc || !strings.HasPrefix(errs, tc.want) && !strings.Contains(errs, "\n"+tc.want) || strings.Contains(errs, "trainer: ") {
+			t.Errorf("dos %v: rc %d, stderr %q; want %d and %q, one prefix", tc.args, rc, errs, tc.rc, tc.want)
+		}
+	}
+	for msg, want := range map[string]string{
+		"trainer: --lr -1: want > 0":                      "--lr -1: want > 0",
+		"trainer: the validation data: trainer: 3 tokens": "the validation data: 3 tokens",
+		"--profile: trainer: x; trainer: y":               "--profile: x; y",
+		"--ckpt-dir: checkpoint: root x is a file":        "--ckpt-dir: checkpoint: root x is a file",
+		"the old trainer: a word inside a clause stays":   "the old trainer: a word inside a clause stays",
+	} {
+		if got := unprefixed(msg); got != want {
+			t.Errorf("unprefixed(%q) = %q, want %q", msg, got, want)
+		}
+	}
+}
+
+// TestOutputPathNamed: an output that cannot be written is refused before
+// any work, naming the path given (not the temporary file that probes its
+// directory, ".p.json.check123", ".dos-probe-123"); dos train --timeline
+// is refused before training (it trained, then failed writing).
+func TestOutputPathNamed(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "missing")
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"train", "--summary-json", filepath.Join(missing, "s.json")}, "dos train: --summary-json: " + filepath.Join(missing, "s.json")},
+		{append([]string{"train", "--steps", "1", "--timeline", filepath.Join(missing, "t.svg")}, zeroTiny...), "dos train: --timeline: " + filepath.Join(missing, "t.svg")},
+		{[]string{"plan", "--profile", h200, "--trace", filepath.Join(missing, "p.json")}, "dos plan: --trace: " + filepath.Join(missing, "p.json")},
+		{[]string{"plan", "--profile", h200, "--json", filepath.Join(missing, "p.json")}, "dos plan: --json: " + filepath.Join(missing, "p.json")},
+	} {
+		rc, out, errs := runCLI(tc.args...)
+		if want := tc.want + ": cannot create a file in its directory " + missing + ": no such file or directory\n"; rc != 1 || out != "" || errs != want {
+			t.Errorf("dos %v: rc %d, stdout %q, stderr %q; want 1, nothing on stdout, and %q", tc.args, rc, out, errs, want)
 		}
 	}
 }

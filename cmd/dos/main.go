@@ -24,7 +24,9 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"runtime/debug"
+	"strings"
 )
 
 type command struct {
@@ -54,27 +56,35 @@ func usage(w io.Writer) {
 }
 
 func runVersion(args []string, stdout, stderr io.Writer) int {
-	c := newCLI("dos version", "dos version", "Prints the module version, the Go version and the VCS revision this binary was\nbuilt from (runtime/debug.ReadBuildInfo; a revision only where the build stamped one).")
+	c := newCLI("dos version", "dos version", "Prints the module version, the Go version and the VCS revision this binary was built\nfrom: the one make stamped (-ldflags -X main.version=$(git describe --always --dirty)), or\nelse the one go build stamped (runtime/debug.ReadBuildInfo, -buildvcs=true; none where it did not).")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
-	fmt.Fprintln(stdout, version())
+	fmt.Fprintln(stdout, versionLine())
 	return 0
 }
 
-// version returns the build's module version, Go version and VCS revision
-// (with its time, and "modified" for a dirty tree) where the build stamped
-// them (runtime/debug.ReadBuildInfo; go build -buildvcs=true).
-func version() string {
+// version is the checkout's revision as the Makefile stamps it (-ldflags
+// "-X main.version=$(git describe --always --dirty)"): a tag or an
+// abbreviated commit, "-dirty" for a tree with local changes; "" where
+// the build did not stamp it.
+var version string
+
+// versionLine returns the build's module version, Go version and VCS
+// revision: version where the Makefile stamped it, else the revision
+// (with its time, and "modified" for a dirty tree) where go build did
+// (runtime/debug.ReadBuildInfo; go build -buildvcs=true).
+func versionLine() string {
 	bi, ok := debug.ReadBuildInfo()
 	if !ok {
-		return "dos: no build information in this binary"
+		bi = &debug.BuildInfo{GoVersion: runtime.Version()}
 	}
-	return versionOf(bi)
+	return versionOf(bi, version)
 }
 
-// versionOf is version's line for the build information bi.
-func versionOf(bi *debug.BuildInfo) string {
+// versionOf is versionLine's line for the build information bi and the
+// stamped revision (version); stamped, when not "", wins over bi's.
+func versionOf(bi *debug.BuildInfo, stamped string) string {
 	v := bi.Main.Version
 	if v == "" {
 		v = "(unknown)"
@@ -84,7 +94,9 @@ func versionOf(bi *debug.BuildInfo) string {
 	for _, kv := range bi.Settings {
 		settings[kv.Key] = kv.Value
 	}
-	if rev := settings["vcs.revision"]; rev != "" {
+	if stamped != "" {
+		s += " git " + stamped
+	} else if rev := settings["vcs.revision"]; rev != "" {
 		s += " " + settings["vcs"] + " " + rev
 		if t := settings["vcs.time"]; t != "" {
 			s += " " + t
@@ -93,7 +105,7 @@ func versionOf(bi *debug.BuildInfo) string {
 			s += " modified"
 		}
 	} else {
-		s += " (no VCS revision stamped)"
+		s += " (no VCS revision stamped: make builds it stamped)"
 	}
 	if goos, arch := settings["GOOS"], settings["GOARCH"]; goos != "" {
 		s += " " + goos + "/" + arch
@@ -122,7 +134,15 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return c.run(args[1:], stdout, stderr)
 		}
 	}
-	fmt.Fprintf(stderr, "dos: unknown command %q\n\n", args[0])
+	names := []string{"help"}
+	for _, c := range commands {
+		names = append(names, c.name)
+	}
+	hint := ""
+	if near := nearFlags(args[0], names, nil); len(near) > 0 {
+		hint = " (did you mean " + strings.Join(near, " or ") + "?)"
+	}
+	fmt.Fprintf(stderr, "dos: unknown command %q%s\n\n", args[0], hint)
 	usage(stderr)
 	return 2
 }
@@ -147,7 +167,7 @@ func probeWritable(path string) error {
 	}
 	f, err := os.CreateTemp(filepath.Dir(path), ".dos-probe-*")
 	if err != nil {
-		return err
+		return fmt.Errorf("%s: cannot create a file in its directory %s: %w", path, filepath.Dir(path), osCause(err))
 	}
 	name := f.Name()
 	return errors.Join(f.Close(), os.Remove(name))

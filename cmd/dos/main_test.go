@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -174,5 +175,55 @@ func TestPlotProfile(t *testing.T) {
 	}
 	if os.Getenv("DOS_PLOT_OUT") != "" {
 		plotProfile(p, os.Getenv("DOS_PLOT_OUT"))
+	}
+}
+
+// TestUnknownCommandSuggests: a command name a letter off names the
+// command; one near none names none; both exit 2 with the list.
+func TestUnknownCommandSuggests(t *testing.T) {
+	for args, want := range map[string]string{
+		"trian": `dos: unknown command "trian" (did you mean train?)`, "tokenise": `"tokenise" (did you mean tokenize?)`,
+		"ckp": `"ckp" (did you mean ckpt?)`, "frobnicate": `dos: unknown command "frobnicate"` + "\n",
+	} {
+		rc, out, errs := runCLI(args)
+		if rc != 2 || out != "" || !strings.Contains(errs, want) || !strings.Contains(errs, "Commands:") {
+			t.Errorf("dos %s: rc %d, stdout %q, stderr %q; want 2 and %q", args, rc, out, errs, want)
+		}
+	}
+}
+
+// TestVersionStamped: a binary built as the Makefile builds bin/dos (make
+// demo, make gpu-bins: -ldflags -X main.version=$(git describe --always
+// --dirty)) prints that revision, whatever -buildvcs is (GOFLAGS here has
+// -buildvcs=false); and both targets stamp it.
+func TestVersionStamped(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds dos")
+	}
+	bin := filepath.Join(t.TempDir(), "dos")
+	build := exec.Command("go", "build", "-buildvcs=false", "-ldflags", "-X main.version=v9.9.9-1-gabcdef0-dirty", "-o", bin, ".")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Skipf("go build: %v\n%s", err, out)
+	}
+	out, err := exec.Command(bin, "version").Output()
+	if want := " git v9.9.9-1-gabcdef0-dirty "; err != nil || !strings.Contains(string(out), want) {
+		t.Errorf("dos version of a stamped build: %q, %v; want it to contain %q", out, err, want)
+	}
+	describe, err := exec.Command("git", "describe", "--always", "--dirty").Output()
+	if err != nil {
+		t.Skipf("git describe: %v (not a git checkout)", err)
+	}
+	rev := strings.TrimSpace(string(describe))
+	for target, want := range map[string]string{
+		"demo":     "go build -ldflags '-X main.version=" + rev + "' -o bin/dos ./cmd/dos\n",
+		"gpu-bins": "go build -ldflags='-s -w -X main.version=" + rev + "' -o bin/dos ./cmd/dos\n",
+	} {
+		out, err := exec.Command("make", "-n", "-C", "../..", "--no-print-directory", target, "GO=go").Output()
+		if err != nil {
+			t.Skipf("make -n %s: %v", target, err)
+		}
+		if !strings.Contains(string(out), want) {
+			t.Errorf("make -n %s:\n%s\nwant a line %q", target, out, want)
+		}
 	}
 }

@@ -122,12 +122,12 @@ func TestTokenizeData(t *testing.T) {
 		want string
 	}{
 		{[]string{"--data", cut}, 1, "--data: " + cut + ": truncated: its header (byte offset 8) says " + strconv.Itoa(len(toks)) + " tokens"},
-		{[]string{"--data", short}, 1, "too short"},
+		{[]string{"--data", short}, 1, "--data " + short + ": the token file holds 20 tokens, too few for --ctx 16 --batch 2: the last 10% validates, leaving 18 training and 2 validation tokens"},
 		{[]string{"--data", filepath.Join(dir, "missing.bin")}, 1, "missing.bin: no such file or directory"},
 		{[]string{"--data", shard, "--tokenizer", "byte"}, 1, "is outside the vocabulary of 256 tokens (the byte tokenizer's; for GPT-2 tokens pass --model or --tokenizer gpt2)"},
 		{[]string{"--data", shard, "--text", textFile}, 2, "--data and --text: give one"},
 		{[]string{"--val-data", shard}, 2, "--val-data needs --data"},
-		{[]string{"--data", shard, "--batch", "1000", "--max-memory", "64"}, 1, "cannot hold one batch of 1000 sequences of 16 tokens"},
+		{[]string{"--data", shard, "--batch", "1000", "--max-memory", "64"}, 1, "training needs 16001 (one batch of --batch 1000 × --ctx 16 and the last target)"},
 	} {
 		rc, out, errs := runCLI(append(append(append([]string{"train"}, gpt2Tiny...), tc.args...), "--steps", "1")...)
 		if rc != tc.rc || !strings.Contains(errs, tc.want) {
@@ -220,5 +220,82 @@ func TestTrainGPT2Resume(t *testing.T) {
 	}
 	if err != nil || cfg["vocab_size"] != float64(50304) || cfg["eos_token_id"] != float64(50256) || cfg["bos_token_id"] != float64(50256) {
 		t.Errorf("config.json %v, %v", cfg, err)
+	}
+}
+
+// TestTokenizeOutNamed: a failure to write --out names the path given, not
+// the temporary file it is written through (".x.bin.tmp123"), and leaves
+// what was there and no temporary file.
+func TestTokenizeOutNamed(t *testing.T) {
+	dir := t.TempDir()
+	text := filepath.Join(dir, "t.txt")
+	os.WriteFile(text, []byte("Hello world, hello tokens."), 0o644)
+	out := filepath.Join(dir, "missing", "x.bin")
+	rc, _, errs := runCLI("tokenize", "--text", text, "--out", out)
+	if want := "dos tokenize: --out: " + out + ": cannot create a file in its directory " + filepath.Dir(out) + ": no such file or directory\n"; rc != 1 || errs != want {
+		t.Errorf("--out in a missing directory: rc %d, %q; want 1 and %q", rc, errs, want)
+	}
+	// A write that fails (here on a closed file: the error names it).
+	path := filepath.Join(dir, "x.bin")
+	os.WriteFile(path, []byte("old"), 0o644)
+	err := writeAtomic(path, func(f *os.File) error {
+		f.Close()
+		_, err := f.Write([]byte("new"))
+		return err
+	})
+	if want := path + ": writing it (through a temporary file beside it, removed): file already closed"; err == nil || err.Error() != want {
+		t.Errorf("a failed write: %v; want %q", err, want)
+	}
+	if b, _ := os.ReadFile(path); string(b) != "old" {
+		t.Errorf("a failed write changed %s: %q", path, b)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 2 {
+		t.Errorf("a failed write left %d entries in %s, want t.txt and x.bin: %v", len(ents), dir, ents)
+	}
+}
+
+// TestTrainDataTooShort: data too short for --ctx and --batch is named as
+// what it is (a token file, not "a text"), with its file, its tokens, what
+// each short part needs, the flags that change it and the largest value
+// that fits.
+func TestTrainDataTooShort(t *testing.T) {
+	dir := t.TempDir()
+	file := func(name string, n int) string {
+		path := filepath.Join(dir, name)
+		os.WriteFile(path, make([]byte, 2*n), 0o644) // nanoGPT's: uint16 tokens, no header
+		return path
+	}
+	f10, f20, f100 := file("f10.bin", 10), file("f20.bin", 20), file("f100.bin", 100)
+	text := filepath.Join(dir, "t.txt")
+	os.WriteFile(text, []byte("twenty bytes of text"), 0o644)
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--data", f10}, "--data " + f10 + ": the token file holds 10 tokens, too few for --ctx 16 --batch 2: the last 10% validates, leaving 9 training and 1 validation tokens; " +
+			"training needs 33 (one batch of --batch 2 × --ctx 16 and the last target), and validation needs 17 (one sequence of --ctx 16 and its target); no --ctx fits: pass more tokens (or --val-data FILE)"},
+		{[]string{"--data", f100, "--val-data", f10}, "--val-data " + f10 + ": the token file holds 10 tokens, too few for --ctx 16: validation needs 17 (one sequence of --ctx 16 and its target); " +
+			"pass a smaller --ctx (at most --ctx 9), or more validation tokens"},
+		{[]string{"--data", f20, "--val-data", f100}, "--data " + f20 + ": the token file holds 20 tokens, too few for --ctx 16 --batch 2: training needs 33 (one batch of --batch 2 × --ctx 16 and the last target); " +
+			"pass a smaller --ctx or --batch (at most --ctx 9 at --batch 2, or --batch 1 at --ctx 16), or more tokens"},
+		{[]string{"--text", text}, "--text " + text + ": the text makes 20 byte tokens, too few for --ctx 16: the last 10% validates, leaving 18 training and 2 validation tokens, " +
+			"and each part needs 17 (one sequence of --ctx 16 and its target); pass a smaller --ctx (at most --ctx 1), or a longer text"},
+	} {
+		rc, _, errs := runCLI(append(append([]string{"train", "--steps", "1"}, zeroTiny...), tc.args...)...)
+		if want := "dos train: " + tc.want + "\n"; rc != 1 || errs != want {
+			t.Errorf("dos train %v: rc %d\n%s\nwant 1 and\n%s", tc.args, rc, errs, want)
+		}
+	}
+}
+
+// TestTextMissing: a --text that cannot be read is named with the reason
+// alone ("stat PATH: ..." named the system call).
+func TestTextMissing(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "missing.txt")
+	for _, cmd := range [][]string{{"tokenize", "--out", missing + ".bin"}, {"train"}} {
+		rc, _, errs := runCLI(append(cmd, "--text", missing)...)
+		if want := "dos " + cmd[0] + ": --text: " + missing + ": no such file or directory\n"; rc != 1 || errs != want {
+			t.Errorf("dos %v --text %s: rc %d, %q; want 1 and %q", cmd, missing, rc, errs, want)
+		}
 	}
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -241,6 +242,13 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		if err := checkPlotExt(*timeline); err != nil {
 			return c.usageError(stderr, "--timeline %v", err)
 		}
+		// Fail now, not after training, where the picture or the trace
+		// beside it cannot be written.
+		for _, p := range []string{*timeline, timelineTrace(*timeline)} {
+			if err := probeWritable(p); err != nil {
+				return c.fail(stderr, "--timeline: %v", err)
+			}
+		}
 		if cfg.TimelineAt == 0 {
 			cfg.TimelineAt = cfg.Steps
 		}
@@ -277,6 +285,9 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	} else {
 		t, err = trainer.New(cfg, data, stdout)
 	}
+	if short := (*trainer.ShortDataError)(nil); errors.As(err, &short) {
+		return c.fail(stderr, "%s", shortData(short, *dataFile, *valFile, *text, tok.Name()))
+	}
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
@@ -287,7 +298,12 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	if sum.Steps == 0 {
+	nothing := false
+	if it, ok := t.Resumed(); ok && it >= cfg.Steps {
+		// Nothing to train: the trainer said so and how to train
+		// further; no header, no losses, no throughput.
+		nothing = true
+	} else if sum.Steps == 0 {
 		fmt.Fprintf(stdout, "done: no iteration trained (the initial weights are step 0 where --ckpt-dir is set), val_loss %.4f\n", sum.ValLoss)
 	} else {
 		fmt.Fprintf(stdout, "done: %d iterations, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
@@ -298,7 +314,9 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 			return c.fail(stderr, "--summary-json: %v", err)
 		}
 	}
-	if *timeline != "" {
+	if *timeline != "" && nothing {
+		fmt.Fprintf(stdout, "--timeline %s: not drawn: nothing trained\n", *timeline)
+	} else if *timeline != "" {
 		if err := writeIteration(t, *timeline, cfg, stdout); err != nil {
 			return c.fail(stderr, "--timeline: %v", err)
 		}
@@ -339,7 +357,7 @@ const maxText = 1 << 30
 func readText(path string) ([]byte, error) {
 	info, err := os.Stat(path)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%s: %w", path, osCause(err))
 	}
 	if !info.Mode().IsRegular() {
 		return nil, fmt.Errorf("%s is not a regular file", path)
@@ -347,7 +365,11 @@ func readText(path string) ([]byte, error) {
 	if info.Size() > maxText {
 		return nil, fmt.Errorf("%s is %d bytes, over the limit of %d", path, info.Size(), maxText)
 	}
-	return os.ReadFile(path)
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, osCause(err))
+	}
+	return b, nil
 }
 
 // timelineTrace is where --timeline PATH writes the iteration's Chrome
@@ -362,4 +384,75 @@ func samePath(a, b string) bool {
 	x, err1 := filepath.Abs(a)
 	y, err2 := filepath.Abs(b)
 	return err1 == nil && err2 == nil && x == y
+}
+
+// shortData spells e in dos train's terms: the data's source (--data,
+// --val-data or --text with its file, or the default text), its tokens,
+// what --ctx and --batch need of each part that is short, and the flags
+// that change it, with the largest --ctx (and for token data --batch)
+// that the data holds.
+func shortData(e *trainer.ShortDataError, dataFile, valFile, textFile, tokName string) string {
+	seq := fmt.Sprintf("%d (one sequence of --ctx %d and its target)", e.Ctx+1, e.Ctx)
+	if e.Text {
+		src := "the default text (Newton's Opticks)"
+		if textFile != "" {
+			src = "--text " + textFile + ": the text"
+		}
+		return fmt.Sprintf("%s makes %d %s tokens, too few for --ctx %d: the last %g%% validates, leaving %d training and %d validation tokens, and each part needs %s; %s",
+			src, e.Tokens, tokName, e.Ctx, 100*e.ValFraction, e.Train, e.Val, seq, remedy([]string{atMost("--ctx", min(e.Train, e.Val)-1, "")}, "--ctx", "a longer text"))
+	}
+	batch := fmt.Sprintf("%d (one batch of --batch %d × --ctx %d and the last target)", e.NeedTrain, e.Batch, e.Ctx)
+	// The largest --ctx the training part holds at this --batch, and the
+	// largest --batch it holds at this --ctx.
+	trainCtx, trainBatch := (e.Train-1)/max(e.Batch, 1), (e.Train-1)/max(e.Ctx, 1)
+	batchFits := ""
+	if !e.ValShort() {
+		batchFits = atMost("--batch", trainBatch, fmt.Sprintf(" at --ctx %d", e.Ctx))
+	}
+	if e.ValFraction > 0 {
+		var need []string
+		if e.TrainShort() {
+			need = append(need, "training needs "+batch)
+		}
+		if e.ValShort() {
+			need = append(need, "validation needs "+seq)
+		}
+		fits := []string{atMost("--ctx", min(trainCtx, e.Val-1), fmt.Sprintf(" at --batch %d", e.Batch)), batchFits}
+		return fmt.Sprintf("--data %s: the token file holds %d tokens, too few for --ctx %d --batch %d: the last %g%% validates, leaving %d training and %d validation tokens; %s; %s",
+			dataFile, e.Tokens, e.Ctx, e.Batch, 100*e.ValFraction, e.Train, e.Val, strings.Join(need, ", and "), remedy(fits, "--ctx or --batch", "more tokens (or --val-data FILE)"))
+	}
+	var msgs []string
+	if e.TrainShort() {
+		fits := []string{atMost("--ctx", trainCtx, fmt.Sprintf(" at --batch %d", e.Batch)), batchFits}
+		msgs = append(msgs, fmt.Sprintf("--data %s: the token file holds %d tokens, too few for --ctx %d --batch %d: training needs %s; %s",
+			dataFile, e.Train, e.Ctx, e.Batch, batch, remedy(fits, "--ctx or --batch", "more tokens")))
+	}
+	if e.ValShort() {
+		msgs = append(msgs, fmt.Sprintf("--val-data %s: the token file holds %d tokens, too few for --ctx %d: validation needs %s; %s",
+			valFile, e.Val, e.Ctx, seq, remedy([]string{atMost("--ctx", e.Val-1, "")}, "--ctx", "more validation tokens")))
+	}
+	return strings.Join(msgs, "; ")
+}
+
+// atMost is "FLAG N" and where, or "" when n < 1 (no value fits).
+func atMost(flag string, n int, where string) string {
+	if n < 1 {
+		return ""
+	}
+	return fmt.Sprintf("%s %d%s", flag, n, where)
+}
+
+// remedy is "pass a smaller FLAGS (at most FITS), or MORE", the fits that
+// are not "" joined by ", or ", or "pass MORE" when none is.
+func remedy(fits []string, flags, more string) string {
+	var f []string
+	for _, s := range fits {
+		if s != "" {
+			f = append(f, s)
+		}
+	}
+	if len(f) == 0 {
+		return "no --ctx fits: pass " + more
+	}
+	return fmt.Sprintf("pass a smaller %s (at most %s), or %s", flags, strings.Join(f, ", or "), more)
 }

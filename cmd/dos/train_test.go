@@ -444,3 +444,103 @@ func TestSummaryProbe(t *testing.T) {
 		t.Errorf("the probe left %v", leftovers)
 	}
 }
+
+// TestResumeNothingToTrain: a run resumed at (or past) --steps says that
+// the checkpoint already completed the run and how to train further, and
+// exits 0 without the run's header, losses and throughput (it printed
+// them, with "0 tokens/s"); --summary-json still reports the checkpoint's
+// state, and --timeline says it drew nothing.
+func TestResumeNothingToTrain(t *testing.T) {
+	ck := filepath.Join(t.TempDir(), "ck")
+	first := filepath.Join(t.TempDir(), "first.json")
+	args := append([]string{"train", "--ckpt-dir", ck, "--log-every", "0"}, zeroTiny...)
+	if rc, out, errs := runCLI(append(args, "--steps", "2", "--summary-json", first)...); rc != 0 {
+		t.Fatalf("--steps 2: rc %d\n%s%s", rc, out, errs)
+	}
+	step := filepath.Join(ck, "step-000000002")
+	again := filepath.Join(t.TempDir(), "again.json")
+	for _, tc := range []struct {
+		args []string
+		last []string
+	}{
+		{[]string{"--steps", "2", "--resume"}, []string{
+			"resume: " + step + " at iteration 2 (optimizer step 2)",
+			"resume: the checkpoint at step 2 already completed this run's --steps 2: nothing to train (to train further, pass --steps M with M > 2)"}},
+		{[]string{"--steps", "1", "--decay-steps", "2", "--resume", "--summary-json", again, "--timeline", filepath.Join(ck, "t.svg")}, []string{
+			"resume: " + step + " at iteration 2 (optimizer step 2)",
+			"resume: the checkpoint at step 2 is past this run's --steps 1: nothing to train (to train further, pass --steps M with M > 2)",
+			"--timeline " + filepath.Join(ck, "t.svg") + ": not drawn: nothing trained"}},
+	} {
+		rc, out, errs := runCLI(append(args, tc.args...)...)
+		lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
+		if rc != 0 || errs != "" || len(lines) < len(tc.last) || !slices.Equal(lines[len(lines)-len(tc.last):], tc.last) ||
+			strings.Contains(out, "dos train: GPT-2") || strings.Contains(out, "tokens/s") || strings.Contains(out, "val_loss") {
+			t.Errorf("dos train %v: rc %d, stderr %q, stdout:\n%s\nwant it to end with:\n%s", tc.args, rc, errs, out, strings.Join(tc.last, "\n"))
+		}
+	}
+	var a, b trainer.Summary
+	for _, f := range []struct {
+		path string
+		s    *trainer.Summary
+	}{{first, &a}, {again, &b}} {
+		data, err := os.ReadFile(f.path)
+		if err == nil {
+			err = json.Unmarshal(data, f.s)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if b.Steps != 2 || b.FinalLoss != a.FinalLoss || b.ValLoss != a.ValLoss || b.InitialLoss != a.InitialLoss || b.TokensPerS != 0 || a.FinalLoss == 0 {
+		t.Errorf("--summary-json of the run with nothing to train: %+v; the run's: %+v", b, a)
+	}
+	if _, err := os.Stat(filepath.Join(ck, "t.svg")); !os.IsNotExist(err) {
+		t.Errorf("--timeline drawn though nothing was trained: %v", err)
+	}
+}
+
+// TestReadmeHeaderCheck: the README's way to check a checkpoint's
+// safetensors file without Python's safetensors package (not packaged by
+// Debian 12), a python3 one-liner over the standard library, prints the
+// file's header: every tensor dos ckpt verify counts, with its dtype and
+// shape.
+func TestReadmeHeaderCheck(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var script string
+	for _, line := range strings.Split(string(readme), "\n") {
+		if strings.HasPrefix(line, "python3 -c 'import json,struct,sys;") {
+			script = strings.TrimSuffix(strings.TrimPrefix(strings.TrimSuffix(line, " \\"), "python3 -c '"), "'")
+		}
+	}
+	if script == "" {
+		t.Fatal("README.md has no python3 one-liner that reads a checkpoint's safetensors header")
+	}
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("no python3")
+	}
+	ck := filepath.Join(t.TempDir(), "ck")
+	if rc, out, errs := runCLI(append([]string{"train", "--steps", "0", "--ckpt-dir", ck}, zeroTiny...)...); rc != 0 {
+		t.Fatalf("--steps 0: rc %d\n%s%s", rc, out, errs)
+	}
+	file := filepath.Join(ck, "step-000000000", "rank-00000.safetensors")
+	out, err := exec.Command(py, "-c", script, file).Output()
+	if err != nil {
+		t.Fatalf("the README's one-liner on %s: %v", file, err)
+	}
+	var header map[string]struct {
+		DType string `json:"dtype"`
+		Shape []int  `json:"shape"`
+	}
+	if err := json.Unmarshal(out, &header); err != nil {
+		t.Fatalf("the README's one-liner printed no JSON header: %v\n%s", err, out)
+	}
+	_, verify, _ := runCLI("ckpt", "verify", ck)
+	n := len(header) - 1 // __metadata__
+	if w := header["wte.weight.master"]; w.DType != "F32" || !slices.Equal(w.Shape, []int{256, 8}) || !strings.Contains(verify, fmt.Sprintf(" %d tensors,", n)) {
+		t.Errorf("header: %d tensors, wte.weight.master %+v; dos ckpt verify: %s", n, w, verify)
+	}
+}

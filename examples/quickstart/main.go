@@ -12,8 +12,10 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -90,30 +92,51 @@ func step(o *offload.Optimizer, t int64, tw, tb []float32) float64 {
 	return loss / (batch * out)
 }
 
-func newOptimizer() *offload.Optimizer {
-	o, err := offload.New(params, options())
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "quickstart:", err)
-		os.Exit(1)
-	}
-	return o
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
-func main() {
-	steps := flag.Int64("steps", 200, "training steps")
-	every := flag.Int64("every", 50, "checkpoint interval in steps")
-	dir := flag.String("dir", "", "checkpoint root directory (default: a new temporary directory, removed at exit)")
-	flag.Parse()
+// errUsage is a usage error (exit 2); the flag package has printed it.
+var errUsage = errors.New("usage")
+
+// run is the quickstart on the command line args, printing to stdout; it
+// returns the exit status: 0, 1 on a failure (printed to stderr), 2 on a
+// usage error.
+func run(args []string, stdout, stderr io.Writer) int {
+	err := quickstart(args, stdout, stderr)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.Is(err, errUsage):
+		return 2
+	case err != nil:
+		fmt.Fprintln(stderr, "quickstart:", err)
+		return 1
+	}
+	return 0
+}
+
+func quickstart(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("quickstart", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	steps := fs.Int64("steps", 200, "training steps")
+	every := fs.Int64("every", 50, "checkpoint interval in steps")
+	dir := fs.String("dir", "", "checkpoint root directory (default: a new temporary directory, removed at exit)")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return errUsage
+	}
 	if *steps < 2 || *every < 1 || *every >= *steps {
-		fmt.Fprintln(os.Stderr, "quickstart: want --steps >= 2 and 1 <= --every < --steps")
-		os.Exit(2)
+		fmt.Fprintln(stderr, "quickstart: want --steps >= 2 and 1 <= --every < --steps")
+		return errUsage
 	}
 	root := *dir
 	if root == "" {
 		tmp, err := os.MkdirTemp("", "dos-quickstart-")
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "quickstart:", err)
-			os.Exit(1)
+			return err
 		}
 		defer os.RemoveAll(tmp)
 		root = tmp
@@ -123,24 +146,24 @@ func main() {
 	// to replace a committed step only when it reaches it).
 	lock, err := checkpoint.Lock(checkpoint.OS, root)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "quickstart:", err)
-		os.Exit(1)
+		return err
 	}
 	defer lock.Unlock()
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "quickstart:", err)
-		os.Exit(1)
+		return err
 	}
 	if !info.Fresh() {
-		fmt.Fprintf(os.Stderr, "quickstart: --dir %s already holds checkpoints; choose another\n", root)
-		os.Exit(1)
+		return fmt.Errorf("--dir %s already holds checkpoints; choose another", root)
 	}
 	tw, tb := teacher()
 
-	o := newOptimizer()
+	o, err := offload.New(params, options())
+	if err != nil {
+		return err
+	}
 	defer o.Close()
-	fmt.Printf("quickstart: %d params in %d subgroups, %v\n", o.NumParams(), len(o.Subgroups()), o.Options())
+	fmt.Fprintf(stdout, "quickstart: %d params in %d subgroups, %v\n", o.NumParams(), len(o.Subgroups()), o.Options())
 	r := rand.New(rand.NewPCG(7, 7))
 	for _, p := range o.Params() { // initial master weights
 		v := make([]float32, p.Len)
@@ -148,8 +171,7 @@ func main() {
 			v[i] = float32(r.NormFloat64() * 0.02)
 		}
 		if err := o.SetParam(p.Name, v); err != nil {
-			fmt.Fprintln(os.Stderr, "quickstart:", err)
-			os.Exit(1)
+			return err
 		}
 	}
 	resumeAt := (*steps / 2 / *every) * *every // the checkpoint the second run resumes from
@@ -161,90 +183,91 @@ func main() {
 	// engine reports each one when it is durable.
 	engine, err := checkpoint.NewEngine(checkpoint.OS, root, checkpoint.EngineOptions{})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "quickstart:", err)
-		os.Exit(1)
+		return err
 	}
+	defer engine.Close()
 	var pending *checkpoint.Handle
-	report := func() {
+	report := func() error {
 		if pending == nil {
-			return
+			return nil
 		}
 		ck, err := pending.Wait()
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "quickstart:", err)
-			os.Exit(1)
+			return err
 		}
-		fmt.Printf("checkpoint %s (%v)\n", ck, pending.Stats())
+		fmt.Fprintf(stdout, "checkpoint %s (%v)\n", ck, pending.Stats())
 		pending = nil
+		return nil
 	}
-	var first float64
+	// Each step's loss is its batch's before its update, as the step
+	// lines print it.
+	var first, last float64
 	for t := int64(1); t <= *steps; t++ {
 		loss := step(o, t, tw, tb)
 		if t == 1 {
 			first = loss
 		}
+		last = loss
 		res, err := o.Step(offload.StepArgs{})
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "quickstart:", err)
-			os.Exit(1)
+			return err
 		}
 		if t%*every == 0 || t == 1 {
-			fmt.Printf("step %4d  loss %.6f  grad_norm %.4f  clip %.3f\n", t, loss, res.GradNorm, res.ClipCoef)
+			fmt.Fprintf(stdout, "step %4d  loss %.6f  grad_norm %.4f  clip %.3f\n", t, loss, res.GradNorm, res.ClipCoef)
 		}
 		if t%*every == 0 {
-			report() // the previous one, durable by now
+			if err := report(); err != nil { // the previous one, durable by now
+				return err
+			}
 			pending, err = o.SaveAsync(engine, t, map[string]any{"trainer": map[string]int64{"iteration": t}})
 			if err != nil {
-				fmt.Fprintln(os.Stderr, "quickstart:", err)
-				os.Exit(1)
+				return err
 			}
 		}
 	}
-	report()
-	if err := engine.Close(); err != nil {
-		fmt.Fprintln(os.Stderr, "quickstart:", err)
-		os.Exit(1)
+	if err := report(); err != nil {
+		return err
 	}
-	final := step(o, *steps+1, tw, tb)
-	fmt.Printf("loss %.6f -> %.6f\n", first, final)
+	if err := engine.Close(); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "loss %.6f at step 1 -> %.6f at step %d\n", first, last, *steps)
 
 	// Resume in a fresh optimizer from the checkpoint of step resumeAt and
 	// run the rest again.
-	o2 := newOptimizer()
+	o2, err := offload.New(params, options())
+	if err != nil {
+		return err
+	}
 	defer o2.Close()
 	if _, _, err := o2.LoadCheckpoint(checkpoint.OS, checkpoint.StepDir(root, resumeAt)); err != nil {
-		fmt.Fprintln(os.Stderr, "quickstart: resume:", err)
-		os.Exit(1)
+		return fmt.Errorf("resume: %w", err)
 	}
 	for t := o2.StepCount() + 1; t <= *steps; t++ {
 		step(o2, t, tw, tb)
 		if _, err := o2.Step(offload.StepArgs{}); err != nil {
-			fmt.Fprintln(os.Stderr, "quickstart:", err)
-			os.Exit(1)
+			return err
 		}
 	}
 	same := true
 	for i := range o.Params() {
-		a, b := mustMaster(o, i), mustMaster(o2, i)
+		a, err := o.Master(i)
+		if err != nil {
+			return err
+		}
+		b, err := o2.Master(i)
+		if err != nil {
+			return err
+		}
 		for j := range a {
 			if math.Float32bits(a[j]) != math.Float32bits(b[j]) {
 				same = false
 			}
 		}
 	}
-	fmt.Printf("resumed from step %d and ran to step %d: master weights bitwise equal to the straight run: %t\n", resumeAt, o2.StepCount(), same)
-	if !same || !(final < first/10) {
-		fmt.Fprintln(os.Stderr, "quickstart: FAILED (no bitwise resume or the loss did not fall tenfold)")
-		os.Exit(1)
+	fmt.Fprintf(stdout, "resumed from step %d and ran to step %d: master weights bitwise equal to the straight run: %t\n", resumeAt, o2.StepCount(), same)
+	if !same || !(last < first/10) {
+		return errors.New("FAILED (no bitwise resume or the loss did not fall tenfold)")
 	}
-}
-
-// mustMaster returns parameter i's master weights, or exits.
-func mustMaster(o *offload.Optimizer, i int) []float32 {
-	m, err := o.Master(i)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "quickstart:", err)
-		os.Exit(1)
-	}
-	return m
+	return nil
 }
