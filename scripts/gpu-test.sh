@@ -26,12 +26,14 @@ for bin in "$root"/bin/test/*.test; do
 	[ $rc -ne 0 ] && status=1
 	table+=$(printf '%-22s rc=%-3s pass=%-4s fail=%-4s skip=%-4s %ss' "$name" "$rc" "$pass" "$fail" "$skip" "$secs")$'\n'
 done
-# The Python package's GPU tests (python/tests/test_cuda.py, and
-# test_example.py's transformers example), where make python's library was
-# carried (python/dos/libdos.so) and python3 has torch and pytest.
+# The Python package's tests, all of them (test_cuda.py's GPU tests,
+# test_example.py's transformers example, and the CPU tests under this
+# machine's newer torch: FSDP2, torch.distributed.checkpoint's helpers),
+# where make python's library was carried (python/dos/libdos.so) and
+# python3 has torch and pytest.
 if [ -e "$root/python/dos/libdos.so" ] && python3 -c 'import torch, pytest' 2>/dev/null; then
 	start=$(date +%s)
-	(cd "$root" && PYTHONPATH=python python3 -m pytest -q -rs python/tests/test_cuda.py python/tests/test_example.py) >"$logs/test_python.log" 2>&1
+	(cd "$root" && PYTHONPATH=python python3 -m pytest -q -rs -p no:cacheprovider python/tests) >"$logs/test_python.log" 2>&1
 	rc=$?
 	[ $rc -ne 0 ] && status=1
 	table+=$(printf '%-22s rc=%-3s %s %ss' "python (pytest)" "$rc" "$(tail -1 "$logs/test_python.log")" "$(($(date +%s) - start))")$'\n'
