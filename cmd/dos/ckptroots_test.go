@@ -219,6 +219,23 @@ func TestReshardDestinations(t *testing.T) {
 	if rc, _, stderr := invoke(t, "ckpt", "reshard", "--gpus", "2", target, "."); rc != 1 || !strings.Contains(stderr, "is not empty (job.json, latest, rank-00000, rank-00001)") {
 		t.Errorf("dos ckpt reshard into a full directory: rc %d\n%s", rc, stderr)
 	}
+
+	// A reshard killed before it moved anything in leaves only its
+	// temporary directory (and the lock file): a rerun removes it and
+	// writes the checkpoint.
+	stale := filepath.Join(base, "stale")
+	if err := os.MkdirAll(filepath.Join(stale, ".tmp-reshard-123", "rank-00000"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(stale, checkpoint.LockFile), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "reshard", "--gpus", "2", target, stale); rc != 0 {
+		t.Fatalf("dos ckpt reshard over a killed reshard's temporary directory: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if got := entries(t, stale); !slices.Equal(got, []string{checkpoint.LockFile, "job.json", "latest", "rank-00000", "rank-00001"}) {
+		t.Errorf("the destination after the rerun holds %v", got)
+	}
 }
 
 // TestCkptLsJobOnce (issue 29, 7): a rank's step after the job's (its
