@@ -44,13 +44,35 @@ def _spec_device(d):
     return "cuda" if d.index in (None, 0) else f"cuda:{d.index}"
 
 
+def _is_dtensor(t):
+    """Whether t is a DTensor (FSDP2's fully_shard parameters and gradients): it has to_local and placements."""
+    return t is not None and hasattr(t, "to_local") and hasattr(t, "placements")
+
+
 def _local(t):
     """The tensor dos reads and writes for t: the rank's local shard of a DTensor (FSDP2's fully_shard
     parameters and gradients, DTensor.to_local(), which shares the shard's storage), else t itself (DDP's
     and single-GPU parameters: every rank holds them whole)."""
-    if t is not None and hasattr(t, "to_local") and hasattr(t, "placements"):
-        return t.to_local()
-    return t
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _dtensor_type():
+    """torch's DTensor class: torch.distributed.tensor's, else (older torch) torch.distributed._tensor's."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        from torch.distributed._tensor import DTensor
+    return DTensor
+
+
+def _as_param(P, t):
+    """t, this rank's values of a moment of parameter P, as torch.optim.AdamW holds it: for a DTensor P
+    (FSDP2's) a DTensor of P's device mesh, placements, shape and stride whose local tensor is t (moved to the
+    mesh's device type, as from_local does), so that torch.distributed.checkpoint saves and loads each rank's
+    shard (a plain tensor it takes for a replicated one and keeps one rank's); else t."""
+    if not _is_dtensor(P):
+        return t
+    return _dtensor_type().from_local(t, P.device_mesh, P.placements, run_check=False, shape=P.shape, stride=P.stride())
 
 
 def _shard_group(params, process_group):
@@ -133,7 +155,9 @@ class AdamW(torch.optim.Optimizer):
     moments in fp32). ``state`` is a view of dos's state holding every parameter from construction on (step 0,
     zero moments): read, a value is a copy (changing it in place does not reach dos); set, it is written into
     dos. So torch.distributed.checkpoint's ``get_optimizer_state_dict``/``set_optimizer_state_dict``, which
-    step an optimizer whose ``state`` is empty, never step it. ``save``/``load`` checkpoint lazily in dos's
+    step an optimizer whose ``state`` is empty, never step it. For DTensor parameters (FSDP2's) both give the
+    moments as DTensors of the parameter's placements, as torch.optim.AdamW holds them (``step`` stays a plain
+    tensor), so DCP's ``save``/``load`` keep each rank's shard. ``save``/``load`` checkpoint lazily in dos's
     format, master weights included; one optimizer of a process writes a root (another's save raises).
     CUDA parameters (float32, bfloat16 or float16, all on one GPU, e.g. an FSDP2 rank's; ``device="cuda"`` on
     that GPU is then implied): ``step()``
@@ -471,9 +495,13 @@ class AdamW(torch.optim.Optimizer):
     def state_dict(self):
         """torch.optim.AdamW's state dict: per parameter ``step`` (a float tensor, as torch keeps it),
         ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), copied out of dos, and the
-        param groups. Every parameter has state, from construction on (step 0, zero moments; torch's has none
-        before its first step, and starts from the same). ``torch.optim.AdamW.load_state_dict`` loads it,
-        and ``load_state_dict`` here loads one of torch's."""
+        param groups. For DTensor parameters (FSDP2's) the moments are DTensors of the parameter's mesh,
+        placements and shape holding this rank's shard, as torch's are, so torch.distributed.checkpoint saves
+        and loads every rank's shard (on a CUDA mesh they are copied to the GPU, as ``from_local`` places them:
+        while the dict is held it takes 8 bytes of device memory per local element, 12 with amsgrad). Every
+        parameter has state, from construction on (step 0, zero moments; torch's has none before its first
+        step, and starts from the same). ``torch.optim.AdamW.load_state_dict`` loads it, and
+        ``load_state_dict`` here loads one of torch's."""
         with self._lock:  # not beside a step: the moments and the step count of one step
             return self._state_dict()
 
@@ -488,20 +516,21 @@ class AdamW(torch.optim.Optimizer):
         return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.param_groups[0]["amsgrad"] else ())
 
     def _fetch(self, i, k, step=None):
-        """Parameter i's state k, a copy out of dos: step as a float tensor, a moment in fp32 (an FSDP2 rank's
-        shard of it)."""
+        """Parameter i's state k, a copy out of dos: step as a plain float tensor, a moment in fp32 (for a DTensor
+        parameter, FSDP2's, a DTensor of its placements whose local tensor is this rank's shard)."""
         if k == "step":
             return torch.tensor(float(_native.call("dos_adamw_get_step", self._handle()) if step is None else step))
         t = torch.empty(self._shapes[i], dtype=torch.float32)
         _native.call("dos_adamw_state_get", self._handle(), i, self._KINDS[k], t.data_ptr(), t.numel())
-        return t
+        return _as_param(self._params[i], t)
 
     def _fetch_all(self, i, step):
         return {k: self._fetch(i, k, step) for k in self._keys()}
 
     def _checked_state(self, i, k, v, what):
         """v, parameter i's state k from a state dict, checked and as dos takes it: a whole number for step, an
-        fp32 CPU tensor of the parameter's shape for a moment."""
+        fp32 CPU tensor of the parameter's (local) shape for a moment; a DTensor moment must have the
+        parameter's shape and placements, and its local shard this rank's shard's shape (ValueError)."""
         if k == "step":
             step = float(v)
             if not (math.isfinite(step) and step >= 0 and step == int(step)):
@@ -509,7 +538,16 @@ class AdamW(torch.optim.Optimizer):
             return int(step)
         if k not in self._keys():
             raise KeyError(f"dos.torch.AdamW.{what}: parameter {i}: no state {k!r}; dos keeps {', '.join(self._keys())}")
-        t = _local(torch.as_tensor(v).detach()).to("cpu", torch.float32).contiguous()
+        if _is_dtensor(v):  # as _fetch gives it for a DTensor parameter: its placements, this rank's shard
+            P = self._params[i]
+            if v.shape != P.shape or (_is_dtensor(P) and tuple(v.placements) != tuple(P.placements)):
+                raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} is a DTensor of shape {tuple(v.shape)} "
+                                 f"placed {tuple(v.placements)}, the parameter {tuple(P.shape)} placed "
+                                 f"{tuple(P.placements) if _is_dtensor(P) else 'whole on every rank'}")
+            if _local(v).shape != self._shapes[i]:
+                raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} is a DTensor whose local shard has shape "
+                                 f"{tuple(_local(v).shape)}, this rank's shard of the parameter {tuple(self._shapes[i])}")
+        t = torch.as_tensor(_local(v)).detach().to("cpu", torch.float32).contiguous()
         if t.shape != self._shapes[i]:
             raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} has shape {tuple(t.shape)}, "
                              f"the parameter {tuple(self._shapes[i])}")
