@@ -98,7 +98,7 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 			return 0, 0, fmt.Errorf("checkpoint: job %s: %w", root, err)
 		}
 		if !st.IsDir() {
-			return 0, 0, fmt.Errorf("%w: job %s: %s is a %s, not a rank's root (a directory): move it away", ErrCorrupt, root, rr, fileKind(st.Mode()))
+			return 0, 0, fmt.Errorf("%w: job %s: %s is a %s, not a rank's root (a directory): move it away", ErrCorrupt, root, rr, FileKind(st.Mode()))
 		}
 		for _, d := range dirs {
 			if os.SameFile(d.st, st) {

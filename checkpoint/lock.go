@@ -245,7 +245,7 @@ func lockOS(name string) (*heldLock, bool, error) {
 	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|noFollow|syscall.O_NONBLOCK, 0o644)
 	if err != nil {
 		if st, lerr := os.Lstat(name); lerr == nil && !st.Mode().IsRegular() {
-			kind := fileKind(st.Mode())
+			kind := FileKind(st.Mode())
 			if st.Mode()&fs.ModeSymlink != 0 {
 				kind = "symbolic link"
 			}
@@ -263,7 +263,7 @@ func lockOS(name string) (*heldLock, bool, error) {
 	}
 	if !st.Mode().IsRegular() {
 		f.Close()
-		return nil, false, fmt.Errorf("checkpoint: %s is a %s, not the root's lock file: remove it", name, fileKind(st.Mode()))
+		return nil, false, fmt.Errorf("checkpoint: %s is a %s, not the root's lock file: remove it", name, FileKind(st.Mode()))
 	}
 	key, ok := keyOf(st)
 	locksMu.Lock()

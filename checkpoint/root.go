@@ -63,7 +63,7 @@ func Latest(fsys FS, root string) (string, error) {
 		}
 		switch {
 		case err == nil:
-			return "", fmt.Errorf("%w: %s names %s, whose %s is a %s", ErrCorrupt, filepath.Join(root, LatestFile), name, ManifestFile, fileKind(st.Mode()))
+			return "", fmt.Errorf("%w: %s names %s, whose %s is a %s", ErrCorrupt, filepath.Join(root, LatestFile), name, ManifestFile, FileKind(st.Mode()))
 		case errors.Is(err, fs.ErrNotExist) || errors.Is(err, errNotDir):
 			return "", fmt.Errorf("%w: %s names %s, which is not a complete checkpoint (%v)", ErrCorrupt, filepath.Join(root, LatestFile), name, err)
 		}
@@ -497,7 +497,7 @@ func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*
 	}
 	latestPath := filepath.Join(root, LatestFile)
 	if st, err := fsys.Stat(latestPath); err == nil && !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("%w: %s is a %s, not a file: move it away (Recover replaces only a file)", ErrCorrupt, latestPath, fileKind(st.Mode()))
+		return nil, fmt.Errorf("%w: %s is a %s, not a file: move it away (Recover replaces only a file)", ErrCorrupt, latestPath, FileKind(st.Mode()))
 	}
 	rec := &Recovery{}
 	var chosen *StepInfo
@@ -593,9 +593,13 @@ func verifyDir(fsys FS, dir string, rank int, verify func(*Checkpoint) error) er
 	return verify(c)
 }
 
-// fileKind names a non-regular file's type for messages.
-func fileKind(m fs.FileMode) string {
+// FileKind names a file's type for messages: "file", "directory",
+// "FIFO", "socket", "device" or "special file" (a link is followed by
+// Stat, so it is named by its target's type).
+func FileKind(m fs.FileMode) string {
 	switch {
+	case m.IsRegular():
+		return "file"
 	case m.IsDir():
 		return "directory"
 	case m&fs.ModeNamedPipe != 0:

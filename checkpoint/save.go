@@ -479,7 +479,7 @@ func openRegular(fsys FS, name string) (File, os.FileInfo, error) {
 	}
 	if !st.Mode().IsRegular() {
 		f.Close()
-		return nil, nil, fmt.Errorf("%w: %s is a %s, not a regular file", ErrCorrupt, name, fileKind(st.Mode()))
+		return nil, nil, fmt.Errorf("%w: %s is a %s, not a regular file", ErrCorrupt, name, FileKind(st.Mode()))
 	}
 	return f, st, nil
 }

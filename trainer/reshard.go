@@ -364,7 +364,7 @@ func reshardTarget(src, dst string) (string, error) {
 	case err != nil:
 		return "", fmt.Errorf("trainer: reshard: the destination: %w", err)
 	case !st.IsDir():
-		return "", fmt.Errorf("trainer: reshard: the destination %s is a %s, not a directory; choose a new or empty directory", dst, fileKindName(st.Mode()))
+		return "", fmt.Errorf("trainer: reshard: the destination %s is a %s, not a directory; choose a new or empty directory", dst, checkpoint.FileKind(st.Mode()))
 	}
 	if err := reshardEmpty(dst, target); err != nil {
 		return "", err
@@ -464,21 +464,6 @@ func reshardMove(tmp, target string) error {
 		return err
 	}
 	return checkpoint.OS.SyncDir(target)
-}
-
-// fileKindName names a non-directory's type for messages.
-func fileKindName(m fs.FileMode) string {
-	switch {
-	case m.IsRegular():
-		return "file"
-	case m&fs.ModeNamedPipe != 0:
-		return "FIFO"
-	case m&fs.ModeSocket != 0:
-		return "socket"
-	case m&fs.ModeDevice != 0:
-		return "device"
-	}
-	return "special file"
 }
 
 // reshardRank saves rank r of n's pieces of the joined state full (per
