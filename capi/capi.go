@@ -198,6 +198,36 @@ type saver struct {
 	keep int     // checkpoint.EngineOptions.Keep
 	ring int64   // checkpoint.EngineOptions.RingBytes (0: the default)
 	e    *checkpoint.Engine
+	last *checkpoint.Handle // the engine's latest save, nil before the first
+}
+
+// newerCommitted refuses saving step into dir (sv's root) when dir's latest
+// committed checkpoint is at step or above it (a run resumed from an older
+// checkpoint of the root, or a save of the same step again): the root's
+// commit would make that checkpoint uncommitted, and a later save of its step
+// would replace it; a checkpoint is never lost or replaced. sv's save in
+// flight is waited for first (its commit counts; the engine's next save
+// would wait for it anyway).
+func newerCommitted(sv *saver, dir string, step int64) error {
+	if sv.last != nil {
+		_, _ = sv.last.Wait() // its error is the next save's (checkpoint.Engine.Save)
+	}
+	info, err := checkpoint.Inspect(checkpoint.OS, dir)
+	if err != nil {
+		return nil // a root that cannot be read: the save reports it (SaveHandle.wait)
+	}
+	latest := int64(-1)
+	for _, s := range info.Steps {
+		if s.Committed && s.Step > latest {
+			latest = s.Step
+		}
+	}
+	if latest >= step {
+		return fmt.Errorf("dos: save: the checkpoint root %s holds a committed checkpoint at step %d, and this optimizer is at step %d: "+
+			"a save there would retire or replace it (a checkpoint is never lost); save into another root, or remove %s's "+
+			"checkpoints of step %d and above yourself first", dir, latest, step, dir, step)
+	}
+	return nil
 }
 
 func lookup(h C.int64_t) (*offload.Optimizer, error) {
@@ -599,6 +629,11 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 			}
 			sv = &saver{root: dir, id: id, keep: int(keep), ring: int64(ring), e: e}
 			handles.Lock()
+			if handles.m[int64(h)] != o { // closed meanwhile (dos_adamw_close): claim nothing
+				handles.Unlock()
+				_ = e.Close()
+				return fmt.Errorf("dos: save: the optimizer (handle %d) was closed during the save", int64(h))
+			}
 			if other, ok := handles.owners[id]; ok && other != int64(h) { // claimed meanwhile
 				handles.Unlock()
 				_ = e.Close()
@@ -608,10 +643,15 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 			handles.eng[int64(h)] = sv
 			handles.Unlock()
 		}
-		hd, err := o.SaveAsync(sv.e, o.StepCount(), objs)
+		step := o.StepCount()
+		if err := newerCommitted(sv, dir, step); err != nil {
+			return err
+		}
+		hd, err := o.SaveAsync(sv.e, step, objs)
 		if err != nil {
 			return err
 		}
+		sv.last = hd
 		handles.Lock()
 		defer handles.Unlock()
 		id = newHandle()
