@@ -19,6 +19,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"runtime"
 	"runtime/debug"
 	"slices"
 	"strings"
@@ -420,21 +421,44 @@ func dos_adamw_step(h C.int64_t, nparams C.int32_t, params *unsafe.Pointer, para
 		}
 		for i, p := range ps {
 			if g := o.Grad(i); g.DType == adam.F32 {
-				copy(g.Float32(), unsafe.Slice((*float32)(gp[i]), p.Len))
+				parCopy(g.Float32(), unsafe.Slice((*float32)(gp[i]), p.Len))
 			} else {
-				copy(g.Uint16(), unsafe.Slice((*uint16)(gp[i]), p.Len))
+				parCopy(g.Uint16(), unsafe.Slice((*uint16)(gp[i]), p.Len))
 			}
 		}
 		return offload.StepArgs{LossScale: float64(lossScale), Reduce: reduceArg(reduce)}, nil
 	}, func(o *offload.Optimizer) {
 		for i, p := range o.Params() {
 			if w := o.Working(i); w.DType == adam.F32 {
-				copy(unsafe.Slice((*float32)(pp[i]), p.Len), w.Float32())
+				parCopy(unsafe.Slice((*float32)(pp[i]), p.Len), w.Float32())
 			} else {
-				copy(unsafe.Slice((*uint16)(pp[i]), p.Len), w.Uint16())
+				parCopy(unsafe.Slice((*uint16)(pp[i]), p.Len), w.Uint16())
 			}
 		}
 	})
+}
+
+// parCopy copies src into dst (of src's length at least), a large one in
+// chunks on up to GOMAXPROCS goroutines: the step's copies between the
+// binding's buffers and dos's are bound by one core's memory bandwidth.
+func parCopy[T float32 | uint16](dst, src []T) {
+	const chunk = 1 << 20 // elements
+	w := min(runtime.GOMAXPROCS(0), len(src)/chunk)
+	if w <= 1 {
+		copy(dst, src)
+		return
+	}
+	per := (len(src) + w - 1) / w
+	var wg sync.WaitGroup
+	for lo := 0; lo < len(src); lo += per {
+		hi := min(lo+per, len(src))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			copy(dst[lo:hi], src[lo:hi])
+		}()
+	}
+	wg.Wait()
 }
 
 // reduceArg is the StepArgs.Reduce that calls the caller's f (nil for a

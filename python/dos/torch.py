@@ -192,7 +192,7 @@ class AdamW(torch.optim.Optimizer):
     allocator's: count it against any cap.
 
     Limits: parameters of one dtype and one device, each once, none empty, all requiring gradients; every
-    parameter needs a gradient at every step; each group's lr is read at every step, its other
+    parameter needs a gradient (of its shape) at every step; each group's lr is read at every step, its other
     hyperparameters (weight_decay, betas, eps, amsgrad, maximize) are fixed at construction: a step after a
     change raises (``OneCycleLR`` cycles betas unless ``cycle_momentum=False``), and a loaded state dict's
     groups must agree with them; no param group can be added later. Errors from Go are raised as
@@ -743,7 +743,10 @@ class AdamW(torch.optim.Optimizer):
         A state that ``load`` would refuse (a master weight or moment gone Inf or NaN, which finite but huge
         gradients can cause) is never committed: ``wait()`` raises DosError naming the tensor, and the previous
         checkpoint stays the latest. A root that another optimizer of this process writes (its retention would
-        retire this one's checkpoints) raises DosError: save into another root, or ``close()`` that one first."""
+        retire this one's checkpoints) raises DosError: save into another root, or ``close()`` that one first. So does
+        a root whose latest committed checkpoint is at this optimizer's step or above (a run resumed from an older
+        checkpoint: its save would retire the newer ones): a checkpoint is never replaced or lost. The parameters
+        are saved as they are now: those changed since the last step are taken first, as a step takes them."""
         with self._lock:
             return self._save(root, keep, ring_bytes)
 
