@@ -19,6 +19,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"runtime"
 	"runtime/debug"
 	"slices"
 	"strings"
@@ -198,6 +199,36 @@ type saver struct {
 	keep int     // checkpoint.EngineOptions.Keep
 	ring int64   // checkpoint.EngineOptions.RingBytes (0: the default)
 	e    *checkpoint.Engine
+	last *checkpoint.Handle // the engine's latest save, nil before the first
+}
+
+// newerCommitted refuses saving step into dir (sv's root) when dir's latest
+// committed checkpoint is at step or above it (a run resumed from an older
+// checkpoint of the root, or a save of the same step again): the root's
+// commit would make that checkpoint uncommitted, and a later save of its step
+// would replace it; a checkpoint is never lost or replaced. sv's save in
+// flight is waited for first (its commit counts; the engine's next save
+// would wait for it anyway).
+func newerCommitted(sv *saver, dir string, step int64) error {
+	if sv.last != nil {
+		_, _ = sv.last.Wait() // its error is the next save's (checkpoint.Engine.Save)
+	}
+	info, err := checkpoint.Inspect(checkpoint.OS, dir)
+	if err != nil {
+		return nil // a root that cannot be read: the save reports it (SaveHandle.wait)
+	}
+	latest := int64(-1)
+	for _, s := range info.Steps {
+		if s.Committed && s.Step > latest {
+			latest = s.Step
+		}
+	}
+	if latest >= step {
+		return fmt.Errorf("dos: save: the checkpoint root %s holds a committed checkpoint at step %d, and this optimizer is at step %d: "+
+			"a save there would retire or replace it (a checkpoint is never lost); save into another root, or remove %s's "+
+			"checkpoints of step %d and above yourself first", dir, latest, step, dir, step)
+	}
+	return nil
 }
 
 func lookup(h C.int64_t) (*offload.Optimizer, error) {
@@ -390,21 +421,44 @@ func dos_adamw_step(h C.int64_t, nparams C.int32_t, params *unsafe.Pointer, para
 		}
 		for i, p := range ps {
 			if g := o.Grad(i); g.DType == adam.F32 {
-				copy(g.Float32(), unsafe.Slice((*float32)(gp[i]), p.Len))
+				parCopy(g.Float32(), unsafe.Slice((*float32)(gp[i]), p.Len))
 			} else {
-				copy(g.Uint16(), unsafe.Slice((*uint16)(gp[i]), p.Len))
+				parCopy(g.Uint16(), unsafe.Slice((*uint16)(gp[i]), p.Len))
 			}
 		}
 		return offload.StepArgs{LossScale: float64(lossScale), Reduce: reduceArg(reduce)}, nil
 	}, func(o *offload.Optimizer) {
 		for i, p := range o.Params() {
 			if w := o.Working(i); w.DType == adam.F32 {
-				copy(unsafe.Slice((*float32)(pp[i]), p.Len), w.Float32())
+				parCopy(unsafe.Slice((*float32)(pp[i]), p.Len), w.Float32())
 			} else {
-				copy(unsafe.Slice((*uint16)(pp[i]), p.Len), w.Uint16())
+				parCopy(unsafe.Slice((*uint16)(pp[i]), p.Len), w.Uint16())
 			}
 		}
 	})
+}
+
+// parCopy copies src into dst (of src's length at least), a large one in
+// chunks on up to GOMAXPROCS goroutines: the step's copies between the
+// binding's buffers and dos's are bound by one core's memory bandwidth.
+func parCopy[T float32 | uint16](dst, src []T) {
+	const chunk = 1 << 20 // elements
+	w := min(runtime.GOMAXPROCS(0), len(src)/chunk)
+	if w <= 1 {
+		copy(dst, src)
+		return
+	}
+	per := (len(src) + w - 1) / w
+	var wg sync.WaitGroup
+	for lo := 0; lo < len(src); lo += per {
+		hi := min(lo+per, len(src))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			copy(dst[lo:hi], src[lo:hi])
+		}()
+	}
+	wg.Wait()
 }
 
 // reduceArg is the StepArgs.Reduce that calls the caller's f (nil for a
@@ -599,6 +653,11 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 			}
 			sv = &saver{root: dir, id: id, keep: int(keep), ring: int64(ring), e: e}
 			handles.Lock()
+			if handles.m[int64(h)] != o { // closed meanwhile (dos_adamw_close): claim nothing
+				handles.Unlock()
+				_ = e.Close()
+				return fmt.Errorf("dos: save: the optimizer (handle %d) was closed during the save", int64(h))
+			}
 			if other, ok := handles.owners[id]; ok && other != int64(h) { // claimed meanwhile
 				handles.Unlock()
 				_ = e.Close()
@@ -608,10 +667,15 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 			handles.eng[int64(h)] = sv
 			handles.Unlock()
 		}
-		hd, err := o.SaveAsync(sv.e, o.StepCount(), objs)
+		step := o.StepCount()
+		if err := newerCommitted(sv, dir, step); err != nil {
+			return err
+		}
+		hd, err := o.SaveAsync(sv.e, step, objs)
 		if err != nil {
 			return err
 		}
+		sv.last = hd
 		handles.Lock()
 		defer handles.Unlock()
 		id = newHandle()

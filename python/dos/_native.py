@@ -80,6 +80,16 @@ def take_string(ptr):
     return s
 
 
+def take_bytes(ptr):
+    """The bytes of the C string at ptr (a c_void_p the library malloc'd), freed; None for NULL. For paths:
+    os.fsdecode turns them into the str that os's functions take back (a non-UTF-8 name included)."""
+    if not ptr.value:
+        return None
+    b = ctypes.string_at(ptr.value)
+    lib().dos_free(ptr)
+    return b
+
+
 def call(name, *args):
     """Calls a function whose last argument is char **err; raises DosError with Go's message when it
     fails (every failure of the C API sets *err: capi's run)."""

@@ -22,6 +22,7 @@ __all__ = ["AdamW", "SaveHandle"]
 
 _SHARED = ("betas", "eps", "amsgrad", "maximize")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MAX_STEP = 2 ** 53  # the largest step count taken: a float (torch keeps the step as one) holds it exactly
 
 
 class _CudaArray:
@@ -114,6 +115,20 @@ def _path(path, what):
     return b
 
 
+def _refuse_overlaps(ts):
+    """Refuses (ValueError) tensors whose memory overlaps (distinct Parameters over one storage, such as
+    nn.Parameter(a.data)): dos reads every parameter before the step and writes each back after it, so one's
+    write would undo the other's update. The tensors are contiguous: each spans [data_ptr, + numel x size)."""
+    spans = sorted((t.device.type, t.device.index or 0, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+                   for i, t in enumerate(ts))
+    for a, b in zip(spans, spans[1:]):
+        if a[:2] == b[:2] and b[2] < a[3]:
+            i, j = sorted((a[4], b[4]))
+            raise ValueError(f"dos.torch.AdamW: parameters {i} {tuple(ts[i].shape)} and {j} {tuple(ts[j].shape)} share memory "
+                             "(one storage, e.g. nn.Parameter(a.data)); dos keeps one state per parameter and would undo one's "
+                             "update with the other's: tie them as one Parameter (pass it once), or give each its own storage (.clone())")
+
+
 def _norm(v):
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
@@ -177,7 +192,7 @@ class AdamW(torch.optim.Optimizer):
     allocator's: count it against any cap.
 
     Limits: parameters of one dtype and one device, each once, none empty, all requiring gradients; every
-    parameter needs a gradient at every step; each group's lr is read at every step, its other
+    parameter needs a gradient (of its shape) at every step; each group's lr is read at every step, its other
     hyperparameters (weight_decay, betas, eps, amsgrad, maximize) are fixed at construction: a step after a
     change raises (``OneCycleLR`` cycles betas unless ``cycle_momentum=False``), and a loaded state dict's
     groups must agree with them; no param group can be added later. Errors from Go are raised as
@@ -293,11 +308,26 @@ class AdamW(torch.optim.Optimizer):
                 "dtype": _DTYPES[self._dtype], "device": device or "", "gpu_budget": int(gpu_budget),
                 "profile": os.fsdecode(_path(profile, ": profile")) if profile else "", "schedule": schedule or "auto",
                 "pin_memory": bool(pin_memory), "device_params": self._cuda}
+        _refuse_overlaps([_local(P) for P in self._params])
         self._shapes = [_local(p).shape for p in self._params]
         self._fixed = [self._hyper(g) for g in self.param_groups]
+        # the parameters of each group as dos laid them out: step(), state_dict(), load_state_dict() and save()
+        # refuse groups whose "params" were edited since (_check_layout)
+        self._layout = [tuple(g["params"]) for g in self.param_groups]
         self._h = _native.call("dos_adamw_new", json.dumps(spec).encode())
-        self._seen = [None] * len(self._params)  # (data_ptr, _version) of each parameter as dos last left it
+        # (data_ptr, _version, the data tensor) of each parameter as dos last left it; holding the tensor keeps
+        # its storage alive, so that no new buffer can take its address unseen (_changed)
+        self._seen = [None] * len(self._params)
         self._views = self._device_views() if self._cuda else None
+        # CPU parameters: each one's private gradient and weights buffers (flat, of the parameters' dtype), which
+        # only this optimizer holds: dos reads the gradients from and writes the new weights into them, while the
+        # GIL is released, and torch's copy_ moves them from and into the user's tensors with the GIL held, so
+        # that no other thread's change of a user's tensor (p.data.resize_(), p.grad = ...) can free memory that
+        # dos is reading or writing. For float32 the weights buffer also carries the master weights taken in.
+        self._gbuf = self._wbuf = None
+        if not self._cuda:
+            self._gbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
+            self._wbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
         self._saved_step = None
         self._lock = threading.Lock()  # one step, save or load at a time: they share dos's gradient buffers
         self.skipped = False
@@ -363,10 +393,18 @@ class AdamW(torch.optim.Optimizer):
 
     def _take(self, i, p, d):
         """Sets parameter i's fp32 master weights from d, p's data as _data checked it (p local), and records
-        p as seen."""
-        v = d.to("cpu", torch.float32).contiguous()
+        p as seen. dos reads a private fp32 copy (torch's copy_ resolves a lazy negation or conjugation)."""
+        v = self._wbuf[i] if self._dtype == torch.float32 and not self._cuda else torch.empty(d.numel(), dtype=torch.float32)
+        v.view(d.shape).copy_(d)
         _native.call("dos_adamw_state_set", self._handle(), i, 0, v.data_ptr(), v.numel())
-        self._seen[i] = (d.data_ptr(), p._version)
+        self._mark_seen(i, p, d)
+
+    def _mark_seen(self, i, p, d):
+        """Records p (parameter i, local) with its data d as what dos's master weights hold. 16-bit and CUDA
+        parameters keep d, so that its storage cannot be freed and a new buffer put at its address unseen."""
+        if self._dtype == torch.float32 and not self._cuda:
+            return  # taken at every step: nothing to compare
+        self._seen[i] = (d.data_ptr(), p._version, d)
 
     def _data(self, i, p):
         """p.data (p parameter i, local), read once and checked: the tensor whose pointer and element count go
@@ -391,7 +429,23 @@ class AdamW(torch.optim.Optimizer):
         seen). On a GPU taking one sends the state through the host, so it is not done every step."""
         if self._dtype == torch.float32 and not self._cuda:
             return True
-        return (d.data_ptr(), p._version) != self._seen[i]
+        seen = self._seen[i]
+        # the storage seen is held (_mark_seen), so a buffer at its address is that storage's
+        return seen is None or (d.data_ptr(), p._version) != seen[:2]
+
+    def _check_layout(self, what):
+        """Refuses param groups whose "params" are no longer the parameters dos laid out at construction
+        (appended, removed, swapped or replaced: dos would ignore the change, and state_dict() would number
+        its state by the edited groups)."""
+        groups = self.param_groups
+        ok = len(groups) == len(self._layout) and all(
+            isinstance(g.get("params"), (list, tuple)) and len(g["params"]) == len(ps) and all(a is b for a, b in zip(g["params"], ps))
+            for g, ps in zip(groups, self._layout))
+        if not ok:
+            raise ValueError(f"dos.torch.AdamW.{what}: the param groups' \"params\" were changed after construction "
+                             f"(groups of {[len(ps) for ps in self._layout]} parameters then, "
+                             f"{[len(g.get('params') or ()) for g in groups]} now): dos lays the parameters out once; put them "
+                             "back as they were, or build a new optimizer over the new groups (load_state_dict carries the state)")
 
     def __reduce_ex__(self, protocol):
         raise TypeError("dos.torch.AdamW cannot be pickled or copied: its state lives in dos's memory; use "
@@ -431,9 +485,10 @@ class AdamW(torch.optim.Optimizer):
 
     def _step(self):
         h = self._handle()
+        self._check_layout("step")
         n = len(self._params)
-        # One snapshot of each parameter's data and gradient, checked, and the only source of the pointers and
-        # element counts dos gets; held until dos returns (another thread may replace p.data or p.grad).
+        # One snapshot of each parameter's data and gradient, checked; CPU gradients go into the private buffers
+        # that dos reads (torch's copy_, with the GIL held), and the new weights come back through them.
         held = []
         for i, P in enumerate(self._params):
             p = _local(P)  # an FSDP2 parameter's local shard
@@ -446,7 +501,7 @@ class AdamW(torch.optim.Optimizer):
             grad = grad.detach()  # its own shape and storage: p.grad.data = ... does not change it
             if grad.is_sparse:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has a sparse gradient")
-            if grad.numel() != d.numel() or not (grad.is_floating_point() and grad.dtype in _DTYPES):
+            if grad.shape != d.shape or not (grad.is_floating_point() and grad.dtype in _DTYPES):
                 raise ValueError(f"dos.torch.AdamW: parameter {i} {tuple(d.shape)} has a {grad.dtype} gradient of shape "
                                  f"{tuple(grad.shape)}; want float32, bfloat16 or float16 of the parameter's shape")
             if grad.device != d.device:
@@ -455,9 +510,10 @@ class AdamW(torch.optim.Optimizer):
                 self._take(i, p, d)
             if self._cuda:  # into dos's device gradient, on PyTorch's current stream
                 self._views[i][0].copy_(grad.reshape(-1))
-                held.append((p, d, None))
+                held.append((p, d))
                 continue
-            held.append((p, d, grad.to(self._dtype).contiguous()))
+            self._gbuf[i].view(d.shape).copy_(grad)  # converts the dtype, resolves a lazy negation
+            held.append((p, d))
         for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
             if not math.isfinite(float(g["lr"])):
                 raise ValueError(f"dos.torch.AdamW: param group {gi}: invalid lr: {g['lr']}")
@@ -471,11 +527,14 @@ class AdamW(torch.optim.Optimizer):
         if not self._cuda:
             params, grads = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
             plens, glens = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
-            for i, (_, d, g) in enumerate(held):
-                params[i], plens[i], grads[i], glens[i] = d.data_ptr(), d.numel(), g.data_ptr(), g.numel()
+            for i, (w, g) in enumerate(zip(self._wbuf, self._gbuf)):  # private: no other thread reaches them
+                params[i], plens[i], grads[i], glens[i] = w.data_ptr(), w.numel(), g.data_ptr(), g.numel()
             taken = self._call_step("dos_adamw_step", h, n, params, plens, grads, glens, lrs, len(self.param_groups), 0.0)
             self.skipped = taken == 0
-            del held  # dos has returned: the tensors may go
+            if taken:
+                for i, (p, d) in enumerate(held):
+                    d.copy_(self._wbuf[i].view(d.shape))
+                    self._mark_seen(i, p, d)
             return
         # dos's update reads the gradients once PyTorch's stream has written them: an event on that stream,
         # waited for by this thread only (no device-wide synchronisation). The step returns when dos's update
@@ -486,9 +545,9 @@ class AdamW(torch.optim.Optimizer):
         taken = self._call_step("dos_adamw_step_device", h, lrs, len(self.param_groups), 0.0)
         self.skipped = taken == 0
         if taken:
-            for i, (p, d, _) in enumerate(held):
+            for i, (p, d) in enumerate(held):
                 d.view(-1).copy_(self._views[i][1])
-                self._seen[i] = (d.data_ptr(), p._version)
+                self._mark_seen(i, p, d)
 
     _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
 
@@ -502,14 +561,28 @@ class AdamW(torch.optim.Optimizer):
         parameter has state, from construction on (step 0, zero moments; torch's has none before its first
         step, and starts from the same). ``torch.optim.AdamW.load_state_dict`` loads it, and
         ``load_state_dict`` here loads one of torch's."""
+        # torch's state_dict hooks (torch >= 2) run as torch.optim.Optimizer.state_dict runs them, outside the
+        # lock: a hook may read opt.state
+        for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
+            hook(self)
         with self._lock:  # not beside a step: the moments and the step count of one step
-            return self._state_dict()
+            sd = self._state_dict()
+        for hook in list(getattr(self, "_optimizer_state_dict_post_hooks", {}).values()):
+            r = hook(self, sd)
+            if r is not None:
+                sd = r
+        return sd
 
     def _state_dict(self):
+        self._check_layout("state_dict")
         step = _native.call("dos_adamw_get_step", self._handle())
-        sd = super().state_dict()  # the param groups; its "state" holds opt.state's views, replaced by copies:
-        sd["state"] = {i: self._fetch_all(i, step) for i in range(len(self._params))}  # torch numbers them so
-        return sd
+        groups, k = [], 0  # torch's packing: each group's settings, its parameters numbered in order
+        for g in self.param_groups:
+            packed = {key: v for key, v in g.items() if key != "params"}
+            packed["params"] = list(range(k, k + len(g["params"])))
+            k += len(g["params"])
+            groups.append(packed)
+        return {"state": {i: self._fetch_all(i, step) for i in range(len(self._params))}, "param_groups": groups}
 
     def _keys(self):
         """The state's names of every parameter, as torch.optim.AdamW's."""
@@ -532,10 +605,17 @@ class AdamW(torch.optim.Optimizer):
         fp32 CPU tensor of the parameter's (local) shape for a moment; a DTensor moment must have the
         parameter's shape and placements, and its local shard this rank's shard's shape (ValueError)."""
         if k == "step":
-            step = float(v)
-            if not (math.isfinite(step) and step >= 0 and step == int(step)):
-                raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s step {step}: want a whole number >= 0")
-            return int(step)
+            if isinstance(v, int) and not isinstance(v, bool):
+                step = v  # exact: a float would round 2**64 + 7
+            else:
+                step = float(v)
+                if not (math.isfinite(step) and step == int(step)):
+                    raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s step {v}: want a whole number >= 0")
+                step = int(step)
+            if not 0 <= step <= MAX_STEP:
+                raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s step {step}: want a whole number from 0 to "
+                                 f"{MAX_STEP} (2**53, the largest a float, as torch keeps the step, holds exactly)")
+            return step
         if k not in self._keys():
             raise KeyError(f"dos.torch.AdamW.{what}: parameter {i}: no state {k!r}; dos keeps {', '.join(self._keys())}")
         if _is_dtensor(v):  # as _fetch gives it for a DTensor parameter: its placements, this rank's shard
@@ -547,10 +627,12 @@ class AdamW(torch.optim.Optimizer):
             if _local(v).shape != self._shapes[i]:
                 raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} is a DTensor whose local shard has shape "
                                  f"{tuple(_local(v).shape)}, this rank's shard of the parameter {tuple(self._shapes[i])}")
-        t = torch.as_tensor(_local(v)).detach().to("cpu", torch.float32).contiguous()
-        if t.shape != self._shapes[i]:
-            raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} has shape {tuple(t.shape)}, "
+        src = torch.as_tensor(_local(v)).detach()
+        if src.shape != self._shapes[i]:
+            raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} has shape {tuple(src.shape)}, "
                              f"the parameter {tuple(self._shapes[i])}")
+        # a private fp32 copy, which dos reads (never the caller's memory); copy_ resolves a lazy negation
+        t = torch.empty(self._shapes[i], dtype=torch.float32).copy_(src)
         if not bool(torch.isfinite(t).all()) or (k != "exp_avg" and bool((t < 0).any())):
             raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} holds "
                              f"{'negative or ' if k != 'exp_avg' else ''}non-finite values")
@@ -588,15 +670,30 @@ class AdamW(torch.optim.Optimizer):
         dos keeps one) and the groups' lr. The master weights are the parameters' (load the model first):
         taken from those changed since dos wrote them, as a step takes them; float32 ones on the CPU always.
         It checks everything before changing anything: on error the optimizer is as it was. A parameter
-        without state in the dict (torch's before its first step) starts from zero moments."""
+        without state in the dict (torch's before its first step) starts from zero moments. The groups' other
+        settings (``initial_lr`` and the like) are restored as torch restores them. torch's load_state_dict
+        hooks (torch >= 2) run as torch runs them."""
+        state_dict = dict(state_dict)  # shallow, as torch's: a pre hook may change it
+        for hook in list(getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values()):
+            r = hook(self, state_dict)
+            if r is not None:
+                state_dict = r
         with self._lock:
             self._load_state_dict(state_dict)
+        for hook in list(getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values()):
+            hook(self)
 
     def _load_state_dict(self, state_dict):
         self._handle()
+        self._check_layout("load_state_dict")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"dos.torch.AdamW.load_state_dict: {len(groups)} param groups, this optimizer has {len(self.param_groups)}")
+        for gi, (g, mine) in enumerate(zip(groups, self.param_groups)):
+            if len(g["params"]) != len(mine["params"]):  # torch refuses it so too
+                raise ValueError(f"dos.torch.AdamW.load_state_dict: the state dict's param group {gi} has {len(g['params'])} "
+                                 f"parameters, this optimizer's {len(mine['params'])}: the loaded state dict contains a "
+                                 "parameter group that doesn't match the size of optimizer's group")
         index = [i for g in groups for i in g["params"]]
         if len(index) != len(self._params):
             raise ValueError(f"dos.torch.AdamW.load_state_dict: {len(index)} parameters, this optimizer has {len(self._params)}")
@@ -629,8 +726,8 @@ class AdamW(torch.optim.Optimizer):
             for k, t in m.items():
                 self._put(i, k, t)
         self._put(0, "step", steps.pop())
-        for g, sg in zip(self.param_groups, groups):
-            g["lr"] = sg["lr"]
+        for g, sg in zip(self.param_groups, groups):  # as torch: the saved settings, the parameters stay
+            g.update({k: v for k, v in sg.items() if k != "params"})
 
     def save(self, root, keep=0, ring_bytes=0):
         """Checkpoints the optimizer lazily into the checkpoint root directory ``root`` (dos's format:
@@ -646,21 +743,31 @@ class AdamW(torch.optim.Optimizer):
         A state that ``load`` would refuse (a master weight or moment gone Inf or NaN, which finite but huge
         gradients can cause) is never committed: ``wait()`` raises DosError naming the tensor, and the previous
         checkpoint stays the latest. A root that another optimizer of this process writes (its retention would
-        retire this one's checkpoints) raises DosError: save into another root, or ``close()`` that one first."""
+        retire this one's checkpoints) raises DosError: save into another root, or ``close()`` that one first. So does
+        a root whose latest committed checkpoint is at this optimizer's step or above (a run resumed from an older
+        checkpoint: its save would retire the newer ones): a checkpoint is never replaced or lost. The parameters
+        are saved as they are now: those changed since the last step are taken first, as a step takes them."""
         with self._lock:
             return self._save(root, keep, ring_bytes)
 
     def _save(self, root, keep, ring_bytes):
         h = self._handle()
+        self._check_layout("save")
         path = _path(root, ".save")
         step = _native.call("dos_adamw_get_step", h)
         if self._saved_step == (path, step):
             raise ValueError(f"dos.torch.AdamW.save: step {step} is saved into {os.fsdecode(path)} already "
                              "(a checkpoint is never replaced)")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise ValueError(f"dos.torch.AdamW.save: keep={keep!r}: want an int >= 0 (0 keeps every checkpoint)")
-        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int) or ring_bytes < 0:
-            raise ValueError(f"dos.torch.AdamW.save: ring_bytes={ring_bytes!r}: want an int >= 0 (0: 256 MiB)")
+        if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= 2**31 - 1:
+            raise ValueError(f"dos.torch.AdamW.save: keep={keep!r}: want an int from 0 (0 keeps every checkpoint) to 2**31 - 1")
+        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int) or not 0 <= ring_bytes <= 2**62:
+            raise ValueError(f"dos.torch.AdamW.save: ring_bytes={ring_bytes!r}: want an int from 0 (0: 256 MiB) to 2**62 bytes")
+        # the parameters as they are now are what is saved: those changed since dos wrote them are taken first,
+        # as a step takes them (every one checked before any is taken)
+        data = [(_local(P), self._data(i, _local(P))) for i, P in enumerate(self._params)]
+        for i, (p, d) in enumerate(data):
+            if self._changed(i, p, d):
+                self._take(i, p, d)
         objects = json.dumps({"torch": {"lrs": [float(g["lr"]) for g in self.param_groups]}}).encode()
         handle = SaveHandle(_native.call("dos_adamw_save", h, path, objects, int(keep), int(ring_bytes)))
         self._saved_step = handle._saved = (path, step)
@@ -675,14 +782,16 @@ class AdamW(torch.optim.Optimizer):
             self._load(path)
 
     def _load(self, path):
+        self._check_layout("load")
         path = _path(path, ".load")
         data = [(_local(P), self._data(i, _local(P))) for i, P in enumerate(self._params)]  # checked first
         objects = ctypes.c_void_p()
         _native.call("dos_adamw_load", self._handle(), path, ctypes.byref(objects))
         objs = json.loads(_native.take_string(objects) or "{}")
+        self._saved_step = None  # dos refuses a save at or below a root's latest committed step
         for i, (p, d) in enumerate(data):
             d.copy_(self.master_weights(i).view(d.shape))
-            self._seen[i] = (d.data_ptr(), p._version)
+            self._mark_seen(i, p, d)
         lrs = (objs.get("torch") or {}).get("lrs")
         if lrs and len(lrs) == len(self.param_groups):
             for g, lr in zip(self.param_groups, lrs):
@@ -708,7 +817,15 @@ class AdamW(torch.optim.Optimizer):
 
     def close(self):
         """Frees dos's optimizer state; later steps raise. Called when the optimizer is collected."""
-        h, self._h = getattr(self, "_h", 0), 0
+        lock = self.__dict__.get("_lock")
+        if lock is None:  # construction failed before the lock: nothing runs beside this
+            h, self._h = getattr(self, "_h", 0), 0
+        else:
+            with lock:  # after a step, save or load of another thread, never inside one
+                h, self._h = getattr(self, "_h", 0), 0
+                if h:
+                    _native.call("dos_adamw_close", h)
+                return
         if h:
             _native.call("dos_adamw_close", h)
 
@@ -818,7 +935,7 @@ class SaveHandle:
             if opt is not None and opt._saved_step == getattr(self, "_saved", None):
                 opt._saved_step = None  # nothing was committed: the same step may be saved again
             raise
-        return _native.take_string(d)
+        return os.fsdecode(_native.take_bytes(d))
 
     def __del__(self):
         try:
