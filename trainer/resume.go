@@ -1,6 +1,7 @@
 package trainer
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -140,26 +141,57 @@ func nothingToResume(root string) error {
 // JobRank is a checkpoint.Identify for dos train's checkpoints: the rank
 // and rank count (--gpus) a job's checkpoint records (its rank record,
 // rankObject), ranks 0 for a checkpoint without it (a single rank's, or an
-// older one).
+// older one); the run's identity (object "trainer", run_id: "" in older
+// checkpoints); and what every rank's checkpoint of one step holds alike:
+// the trainer's state (object "trainer", whole), the optimizer's step
+// and its hyperparameters (object "optimizer": step, hyper,
+// options.hyper), each as canonical JSON.
 //
 // Errors: a rank record that does not decode, or disagrees with itself or
 // with the trainer state's --gpus (ErrCorrupt, naming the checkpoint).
-func JobRank(c *checkpoint.Checkpoint) (rank, ranks int, err error) {
+func JobRank(c *checkpoint.Checkpoint) (checkpoint.RankID, error) {
+	id := checkpoint.RankID{Agree: map[string]string{}}
+	var st trainerState
+	stErr := c.Object("trainer", &st)
+	if stErr == nil {
+		id.Run = st.RunID
+		if b, err := json.Marshal(st); err == nil {
+			id.Agree[`object "trainer" (iteration, data position, RNG, configuration, run)`] = string(b)
+		}
+	}
+	var opt struct {
+		Step    json.RawMessage `json:"step"`
+		Hyper   json.RawMessage `json:"hyper"`
+		Options struct {
+			Hyper json.RawMessage `json:"hyper"`
+		} `json:"options"`
+	}
+	if _, ok := c.Manifest.Objects["optimizer"]; ok && c.Object("optimizer", &opt) == nil {
+		for k, raw := range map[string]json.RawMessage{
+			`object "optimizer": step`: opt.Step, `object "optimizer": hyper`: opt.Hyper, `object "optimizer": options.hyper`: opt.Options.Hyper,
+		} {
+			var v any
+			if len(raw) > 0 && json.Unmarshal(raw, &v) == nil {
+				b, _ := json.Marshal(v)
+				id.Agree[k] = string(b)
+			}
+		}
+	}
 	if _, ok := c.Manifest.Objects[rankObjectName]; !ok {
-		return 0, 0, nil
+		return id, nil
 	}
 	var ro rankObject
 	if err := c.Object(rankObjectName, &ro); err != nil {
-		return 0, 0, err
+		return id, err
 	}
 	if ro.Ranks < 1 || ro.Ranks > checkpoint.MaxWorldSize || ro.Rank < 0 || ro.Rank >= ro.Ranks {
-		return 0, 0, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks)
+		return id, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks)
 	}
-	var st trainerState
-	if err := c.Object("trainer", &st); err == nil && st.Config.GPUs != ro.Ranks {
-		return 0, 0, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks, object \"trainer\" --gpus %d", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks, st.Config.GPUs)
+	if stErr == nil && st.Config.GPUs != ro.Ranks {
+		return id, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks, object \"trainer\" --gpus %d", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks, st.Config.GPUs)
 	}
-	return ro.Rank, ro.Ranks, nil
+	id.Rank, id.Ranks = ro.Rank, ro.Ranks
+	return id, nil
 }
 
 // isJob reports whether root holds a job's checkpoints: its job.json or
@@ -313,6 +345,9 @@ func (t *Trainer) resume(dir string) error {
 	t.cfg.WeightDecay, t.cfg.Betas, t.cfg.Eps = h.WeightDecay, h.Betas, h.Eps
 	t.cfg.LossScale, t.cfg.Seed = old.LossScale, old.Seed
 	st.Config = t.cfg
+	if st.RunID == "" { // an older checkpoint: this run's from here on
+		st.RunID = t.state.RunID
+	}
 	t.state = st
 	fmt.Fprintf(t.out, "resume: %s at iteration %d (optimizer step %d)\n", dir, st.Iteration, t.opt.StepCount())
 	if st.Iteration >= t.cfg.Steps {

@@ -442,11 +442,11 @@ func verifyRank(path string, rank, world int, stdout, stderr io.Writer) int {
 		return 1
 	}
 	if world > 0 {
-		if r, n, err := trainer.JobRank(c); err != nil {
+		if id, err := trainer.JobRank(c); err != nil {
 			fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
 			return 1
-		} else if n > 0 && (r != rank || n != world) {
-			fmt.Fprintf(stderr, "dos ckpt verify: %s holds rank %d's pieces of a job of %d ranks, not rank %d's of %d: %v\n", dir, r, n, rank, world, checkpoint.ErrWrongRank)
+		} else if id.Ranks > 0 && (id.Rank != rank || id.Ranks != world) {
+			fmt.Fprintf(stderr, "dos ckpt verify: %s holds rank %d's pieces of a job of %d ranks, not rank %d's of %d: %v\n", dir, id.Rank, id.Ranks, rank, world, checkpoint.ErrWrongRank)
 			return 1
 		}
 	}
