@@ -57,16 +57,28 @@ func trainCheckpoint(path string) (string, trainer.TrainConfig, error) {
 // recovers first), the newest complete step directory that opens. ok is
 // false when there is none; the trainer then says why.
 func resumeSource(root string) (dir string, cfg trainer.TrainConfig, ok bool) {
-	if _, err := os.Stat(filepath.Join(root, checkpoint.JobFile)); err == nil {
+	if checkpoint.IsJob(checkpoint.OS, root) {
 		// A job of ranks (dos train --gpus): rank 0's directory holds the
 		// trainer's objects; without a usable job latest (a first commit
-		// cut short, a damaged latest), rank 0's newest, as the resume
-		// will recover the job.
-		if step, _, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
-			if dir, cfg, err := trainCheckpoint(checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)); err == nil {
-				return dir, cfg, true
+		// cut short, a damaged latest, one naming a step no rank holds),
+		// rank 0's newest, as the resume will recover the job. A job
+		// latest that some rank lacks is refused by the resume: nothing
+		// is said of it here.
+		if step, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
+			held := 0
+			for r := range world {
+				if _, err := os.Stat(filepath.Join(checkpoint.StepDir(checkpoint.RankRoot(root, r), step), checkpoint.ManifestFile)); err == nil {
+					held++
+				}
 			}
-			return "", cfg, false
+			if held == world {
+				if dir, cfg, err := trainCheckpoint(checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)); err == nil {
+					return dir, cfg, true
+				}
+			}
+			if held > 0 {
+				return "", cfg, false
+			}
 		}
 		root = checkpoint.RankRoot(root, 0)
 	}
