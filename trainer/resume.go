@@ -184,16 +184,11 @@ func JobRank(c *checkpoint.Checkpoint) (checkpoint.RankID, error) {
 			id.Agree[`object "trainer" (iteration, data position, RNG, configuration, run)`] = string(b)
 		}
 	}
-	var opt struct {
-		Step    json.RawMessage `json:"step"`
-		Hyper   json.RawMessage `json:"hyper"`
-		Options struct {
-			Hyper json.RawMessage `json:"hyper"`
-		} `json:"options"`
-	}
+	var opt, opts map[string]json.RawMessage // Object decodes strictly: the fields compared, as they are
 	if _, ok := c.Manifest.Objects["optimizer"]; ok && c.Object("optimizer", &opt) == nil {
+		_ = json.Unmarshal(opt["options"], &opts)
 		for k, raw := range map[string]json.RawMessage{
-			`object "optimizer": step`: opt.Step, `object "optimizer": hyper`: opt.Hyper, `object "optimizer": options.hyper`: opt.Options.Hyper,
+			`object "optimizer": step`: opt["step"], `object "optimizer": hyper`: opt["hyper"], `object "optimizer": options.hyper`: opts["hyper"],
 		} {
 			var v any
 			if len(raw) > 0 && json.Unmarshal(raw, &v) == nil {

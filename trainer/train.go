@@ -1,15 +1,15 @@
 package trainer
 
 import (
+	crand "crypto/rand"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
 	"io"
 	"math"
-	crand "crypto/rand"
-	"encoding/hex"
 	"math/rand/v2"
 	"os"
 	"strings"

@@ -7,8 +7,6 @@ import (
 	"io"
 	"maps"
 	"math"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 
@@ -60,24 +58,12 @@ func resumeSource(root string) (dir string, cfg trainer.TrainConfig, ok bool) {
 	if checkpoint.IsJob(checkpoint.OS, root) {
 		// A job of ranks (dos train --gpus): rank 0's directory holds the
 		// trainer's objects; without a usable job latest (a first commit
-		// cut short, a damaged latest, one naming a step no rank holds),
-		// rank 0's newest, as the resume will recover the job. A job
-		// latest that some rank lacks is refused by the resume: nothing
-		// is said of it here.
-		if step, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
-			held := 0
-			for r := range world {
-				if _, err := os.Stat(filepath.Join(checkpoint.StepDir(checkpoint.RankRoot(root, r), step), checkpoint.ManifestFile)); err == nil {
-					held++
-				}
-			}
-			if held == world {
-				if dir, cfg, err := trainCheckpoint(checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)); err == nil {
-					return dir, cfg, true
-				}
-			}
-			if held > 0 {
-				return "", cfg, false
+		// cut short, a damaged latest, one naming a step rank 0 lacks),
+		// rank 0's newest, as the resume will recover the job (or refuse
+		// it: the flags taken are the run's either way).
+		if step, _, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
+			if dir, cfg, err := trainCheckpoint(checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)); err == nil {
+				return dir, cfg, true
 			}
 		}
 		root = checkpoint.RankRoot(root, 0)
