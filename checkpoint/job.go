@@ -364,7 +364,11 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 			hasLatest = false
 		case !rollback:
 			held := "no rank root holds it"
-			if len(holders) > 0 {
+			switch len(holders) {
+			case 0:
+			case 1:
+				held = holders[0] + " holds it"
+			default:
 				held = strings.Join(holders, ", ") + " hold it"
 			}
 			return 0, "", fmt.Errorf("%w: job %s committed step %d, but %s (missing or incomplete; %s). Nothing was changed: put it back (a directory moved away, a disk not mounted?) and resume again; or dos ckpt recover %s moves the job back to the newest step every rank holds, setting the other ranks' pieces of the later steps aside (kept whole, not deleted)",
