@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
+	"math"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -65,12 +67,17 @@ type jobInfo struct {
 // root and repair it.
 var ErrJobRoot = errors.New("checkpoint: a multi-rank job's root")
 
-// jobRoot returns an error wrapping ErrJobRoot when root holds job.json,
-// nil when it does not (or root is no directory), and the error of a Stat
-// that failed otherwise.
+// jobRoot returns an error wrapping ErrJobRoot when root holds job.json
+// or a rank root (rank-%05d: a job whose job.json was lost), nil when it
+// does not (or root is no directory), and the error of a Stat that failed
+// otherwise.
 func jobRoot(fsys FS, root string) error {
 	path := filepath.Join(root, JobFile)
 	if _, err := fsys.Stat(path); errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
+		if ranks, err := rankRootsIn(fsys, root); err == nil && len(ranks) > 0 {
+			return fmt.Errorf("%w: %s holds the rank roots of a job (%s...) but no %s (lost?): dos ckpt recover %s rewrites it from the rank roots' records",
+				ErrJobRoot, root, RankRoot(root, ranks[0]), JobFile, ShellQuote(root))
+		}
 		return nil
 	} else if err != nil {
 		return fmt.Errorf("checkpoint: %s: %w", path, err)
@@ -165,6 +172,10 @@ func readJob(fsys FS, root string) (int, error) {
 // ErrCorrupt (wrapped, naming the file) for a latest or job.json that is
 // not a job's, or a latest without job.json.
 func JobLatest(fsys FS, root string) (step int64, world int, err error) {
+	if st, err := fsys.Stat(filepath.Join(root, LatestFile)); err == nil && !st.Mode().IsRegular() {
+		return 0, 0, &notFileError{fmt.Errorf("%w: job %s: %s is a %s, not a file: move it away (dos ckpt recover %s then points the job at the newest step every rank holds)",
+			ErrCorrupt, root, filepath.Join(root, LatestFile), FileKind(st.Mode()), ShellQuote(root))}
+	}
 	b, err := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096)
 	if errors.Is(err, fs.ErrNotExist) {
 		return 0, 0, fmt.Errorf("checkpoint: job %s: %w", root, ErrNoCheckpoint)
@@ -183,6 +194,13 @@ func JobLatest(fsys FS, root string) (step int64, world int, err error) {
 	}
 	return step, world, err
 }
+
+// notFileError is JobLatest's error for a latest that is no file (a
+// directory...): no commit can replace it, so that ResumeJob and
+// RecoverJob refuse it rather than take it for a damaged latest.
+type notFileError struct{ error }
+
+func (e *notFileError) Unwrap() error { return e.error }
 
 // BeginJob prepares root for a job of world ranks before its first save:
 // it creates root and writes job.json when there is none (fsynced), so
@@ -221,24 +239,43 @@ func writeJob(fsys FS, root string, world int) error {
 }
 
 // ResumeJob finds the step a job of world ranks under root resumes from,
-// and makes every rank root and the job's latest agree on it: the newest
-// step whose directory is complete in every rank root and, when the job
-// has a latest, not after it (a rank rolled back past a damaged
-// checkpoint, or a job latest lost, moves the job back to what all ranks
-// hold; a job latest that names no step counts as lost). Each rank
-// root's latest is pointed at that step and its later
-// directories (saves the job did not commit) are retired; the job's
-// latest is committed at it when it named another step or none. It
-// returns the step (-1 when no step is held by every rank: then the job
-// never committed, and what its ranks wrote of a first save is retired so
-// that it starts over) and a note saying what it changed ("" for
-// nothing). The caller holds root's lock.
+// and makes every rank root and the job's latest agree on it: the job's
+// latest, which every rank root holds complete; without a latest (a first
+// commit cut short), or with one that is damaged (it names no step, or a
+// step that no rank root holds while every rank root's own latest names a
+// complete step: a damaged pointer, not a missing checkpoint), the newest
+// step whose directory is complete in every rank root. Each rank root's
+// latest is pointed at that step and its later directories (saves the job
+// did not commit) are retired, or, when the job's latest was damaged (they
+// may have been committed), set aside (damaged-unmatched-step-*, kept
+// whole); the job's latest is committed at it when it named another step
+// or none. It returns the step (-1 when no step is held by every rank:
+// then the job never committed, and what its ranks wrote of a first save
+// is retired so that it starts over) and a note saying what it changed
+// ("" for nothing). The caller holds root's lock.
+//
+// A job latest that names a step some rank roots hold and others lack (a
+// directory moved away, a disk not mounted) is refused, nothing changed:
+// the rank roots that hold it keep their committed pieces of it until the
+// missing ones are put back, or RecoverJob moves the job back. Where each
+// rank root that lacks it set its piece aside (Rollback: it did not
+// verify), the job moves back, the other ranks' pieces of the step set
+// aside as well.
 //
 // Errors: a root that holds one rank's checkpoints (step directories, or a
 // latest without job.json: a single-rank root); a job.json of another
-// world size; a job latest with no step all ranks hold; the file
-// system's.
+// world size; a job latest that is no file; a job latest that a rank root
+// lacks (ErrCorrupt, naming what is missing); a job latest with no step
+// all ranks hold; the file system's.
 func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
+	return resumeJob(fsys, root, world, false)
+}
+
+// resumeJob is ResumeJob; with rollback (RecoverJob's), a job latest that
+// some rank roots lack moves the job back to the newest step every rank
+// root holds, the other ranks' pieces of the steps after it that the job
+// committed set aside (damaged-unmatched-step-*, kept whole), not deleted.
+func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, error) {
 	es, err := fsys.ReadDir(root)
 	if errors.Is(err, fs.ErrNotExist) {
 		return -1, "", nil
@@ -272,30 +309,70 @@ func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
 	jl, _, err := JobLatest(fsys, root)
 	hasLatest := err == nil
 	badLatest := ""
+	var nf *notFileError
 	switch {
+	case errors.As(err, &nf):
+		return 0, "", err
 	case haveJob && haveLatest && errors.Is(err, ErrCorrupt):
 		// A latest that names no step (damaged outside a commit, which
 		// renames a whole file): taken as missing, as a single rank's
 		// Recover takes it.
-		badLatest = err.Error()
+		badLatest = fmt.Sprintf("a latest that names no step (%v)", err)
 	case err != nil && !errors.Is(err, ErrNoCheckpoint):
 		return 0, "", err
 	}
-	// The steps complete in every rank root.
-	var common map[int64]bool
+	// The steps complete in each rank root, and in every one.
+	perRank := make([]map[int64]bool, world)
+	common := map[int64]bool{}
 	for r := range world {
 		steps, err := completeSteps(fsys, RankRoot(root, r))
 		if err != nil {
 			return 0, "", err
 		}
-		if common == nil {
-			common = steps
+		perRank[r] = steps
+		if r == 0 {
+			maps.Copy(common, steps)
 			continue
 		}
 		for s := range common {
 			if !steps[s] {
 				delete(common, s)
 			}
+		}
+	}
+	if hasLatest && !common[jl] {
+		var holders, lacking []string
+		setAside := true // every rank that lacks it set its piece aside (Rollback: it did not verify)
+		for r := range world {
+			if perRank[r][jl] {
+				holders = append(holders, filepath.Base(RankRoot(root, r)))
+			} else {
+				lacking = append(lacking, StepDir(RankRoot(root, r), jl))
+				setAside = setAside && setAsideIn(fsys, RankRoot(root, r), jl)
+			}
+		}
+		switch {
+		case setAside:
+			// Its pieces that did not verify were set aside by dos ckpt
+			// recover on their rank roots: the job moves back, the
+			// other ranks' pieces set aside too.
+		case len(holders) == 0 && ranksLatestSound(fsys, root, world):
+			// No rank root holds it, and each one's own latest names a
+			// complete step: the job's latest is a damaged pointer
+			// (a flipped bit), not a checkpoint gone.
+			badLatest = fmt.Sprintf("a latest that names step %d, which no rank root holds, while each rank root's own latest names a complete step (a damaged %s)", jl, filepath.Join(root, LatestFile))
+			hasLatest = false
+		case !rollback:
+			held := "no rank root holds it"
+			switch len(holders) {
+			case 0:
+			case 1:
+				held = holders[0] + " holds it"
+			default:
+				held = strings.Join(holders, ", ") + " hold it"
+			}
+			return 0, "", fmt.Errorf("%w: job %s committed step %d, but %s (missing or incomplete; %s). Nothing was changed: put it back (a directory moved away, a disk not mounted?) and resume again; or dos ckpt recover %s moves the job back to the newest step every rank holds, setting the other ranks' pieces of the later steps aside (kept whole, not deleted)",
+				ErrCorrupt, root, jl, strings.Join(lacking, ", "), held, ShellQuote(root))
 		}
 	}
 	target := int64(-1)
@@ -309,7 +386,7 @@ func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
 			return 0, "", fmt.Errorf("%w: job %s: its latest names step %d, but no step at or before it is complete in every rank root", ErrCorrupt, root, jl)
 		}
 		if badLatest != "" { // it committed something once: nothing is retired
-			return 0, "", fmt.Errorf("%w: job %s: its latest names no step (%s), and no step is complete in every rank root", ErrCorrupt, root, badLatest)
+			return 0, "", fmt.Errorf("%w: job %s has %s, and no step is complete in every rank root", ErrCorrupt, root, badLatest)
 		}
 		// Nothing was committed: what the ranks wrote of a first save is
 		// not a checkpoint.
@@ -325,15 +402,27 @@ func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
 		}
 		return -1, note, nil
 	}
+	// The steps after target that the job committed, or may have (its
+	// latest damaged), are set aside; those after its latest retired.
+	keepAbove := int64(-1)
+	switch {
+	case hasLatest:
+		keepAbove = jl
+	case badLatest != "":
+		keepAbove = math.MaxInt64
+	}
 	var notes []string
 	for r := range world {
-		moved, retired, err := pointRank(fsys, RankRoot(root, r), target)
+		moved, retired, aside, err := pointRank(fsys, RankRoot(root, r), target, keepAbove)
 		if err != nil {
 			return 0, "", err
 		}
+		if len(aside) > 0 {
+			notes = append(notes, fmt.Sprintf("rank %d: %s set aside (kept whole: steps after %d, the newest every rank holds, that another rank lacks)", r, strings.Join(aside, ", "), target))
+		}
 		if len(retired) > 0 {
-			notes = append(notes, fmt.Sprintf("rank %d: %s retired (after step %d, which every rank holds)", r, strings.Join(retired, ", "), target))
-		} else if moved {
+			notes = append(notes, fmt.Sprintf("rank %d: %s retired (after step %d, which every rank holds; never committed for the job)", r, strings.Join(retired, ", "), target))
+		} else if moved && len(aside) == 0 {
 			notes = append(notes, fmt.Sprintf("rank %d's root pointed at step %d", r, target))
 		}
 	}
@@ -346,11 +435,37 @@ func ResumeJob(fsys FS, root string, world int) (int64, string, error) {
 		case hasLatest:
 			was = fmt.Sprintf("a latest of step %d, not complete in every rank root", jl)
 		case badLatest != "":
-			was = fmt.Sprintf("a latest that names no step (%s)", badLatest)
+			was = badLatest
 		}
 		notes = append([]string{fmt.Sprintf("the job had %s: its latest is now step %d, the newest that every rank holds", was, target)}, notes...)
 	}
 	return target, strings.Join(notes, "; "), nil
+}
+
+// setAsideIn reports whether rankRoot holds its checkpoint of step set
+// aside (damaged-step-%09d-*: Rollback's, which did not verify).
+func setAsideIn(fsys FS, rankRoot string, step int64) bool {
+	es, err := fsys.ReadDir(rankRoot)
+	if err != nil {
+		return false
+	}
+	for _, e := range es {
+		if strings.HasPrefix(e.Name(), asidePrefix+stepDirName(step)+"-") {
+			return true
+		}
+	}
+	return false
+}
+
+// ranksLatestSound reports whether every rank root of the job under root
+// has a latest that names a complete step directory.
+func ranksLatestSound(fsys FS, root string, world int) bool {
+	for r := range world {
+		if _, err := Latest(fsys, RankRoot(root, r)); err != nil {
+			return false
+		}
+	}
+	return true
 }
 
 // completeSteps returns the steps of rankRoot's complete step directories
@@ -380,11 +495,33 @@ func completeSteps(fsys FS, rankRoot string) (map[int64]bool, error) {
 
 // pointRank makes step (complete) rankRoot's latest and retires its later
 // step directories (saves the job did not commit: left, Retain would count
-// them as committed once a later save moves latest past them). It reports
-// whether it moved latest and the directories it retired. It takes
-// rankRoot's lock.
-func pointRank(fsys FS, rankRoot string, step int64) (moved bool, retired []string, err error) {
+// them as committed once a later save moves latest past them); those of
+// steps up to keepAbove (steps the job committed, which another rank
+// lacks) are set aside whole instead (damaged-unmatched-step-*). It
+// reports whether it moved latest and the directories it retired and set
+// aside. It takes rankRoot's lock.
+func pointRank(fsys FS, rankRoot string, step, keepAbove int64) (moved bool, retired, aside []string, err error) {
 	err = writing(fsys, rankRoot, func() error {
+		es, err := fsys.ReadDir(rankRoot)
+		if err != nil {
+			return err
+		}
+		// Set aside first, before latest moves below them: a crash
+		// leaves them out of the step namespace, never retired.
+		for _, e := range es {
+			if s, ok := parseStepDirName(e.Name()); ok && s > step && s <= keepAbove {
+				to := asideName(fsys, rankRoot, "unmatched-"+e.Name())
+				if err := fsys.Rename(filepath.Join(rankRoot, e.Name()), to); err != nil {
+					return fmt.Errorf("checkpoint: setting %s aside: %w", filepath.Join(rankRoot, e.Name()), err)
+				}
+				aside = append(aside, fmt.Sprintf("%s as %s", e.Name(), filepath.Base(to)))
+			}
+		}
+		if len(aside) > 0 {
+			if err := fsys.SyncDir(rankRoot); err != nil {
+				return err
+			}
+		}
 		if _, cur, err := readLatest(fsys, rankRoot); err != nil || cur != step {
 			if err := moveLatest(fsys, rankRoot, []byte(stepDirName(step)+"\n")); err != nil {
 				return fmt.Errorf("checkpoint: %s: pointing latest at step %d: %w", rankRoot, step, err)
@@ -394,12 +531,8 @@ func pointRank(fsys FS, rankRoot string, step int64) (moved bool, retired []stri
 			}
 			moved = true
 		}
-		es, err := fsys.ReadDir(rankRoot)
-		if err != nil {
-			return err
-		}
 		for _, e := range es {
-			if s, ok := parseStepDirName(e.Name()); ok && s > step {
+			if s, ok := parseStepDirName(e.Name()); ok && s > step && s > keepAbove {
 				if err := retire(fsys, rankRoot, filepath.Join(rankRoot, e.Name())); err != nil {
 					return err
 				}
@@ -408,7 +541,7 @@ func pointRank(fsys FS, rankRoot string, step int64) (moved bool, retired []stri
 		}
 		return nil
 	})
-	return moved, retired, err
+	return moved, retired, aside, err
 }
 
 // RewindRank points rankRoot's latest at step, its directory complete, and
@@ -421,23 +554,29 @@ func RewindRank(fsys FS, rankRoot string, step int64) error {
 	if _, err := fsys.Stat(filepath.Join(StepDir(rankRoot, step), ManifestFile)); err != nil {
 		return fmt.Errorf("checkpoint: %s: step %d: %w", rankRoot, step, err)
 	}
-	_, _, err := pointRank(fsys, rankRoot, step)
+	_, _, _, err := pointRank(fsys, rankRoot, step, -1)
 	return err
 }
 
 // RecoverJob repairs a job's root for a resume. First it checks the rank
-// roots' identities (CheckJob, with identify): a rank root holding another
-// rank's checkpoints, or two that are one directory, is refused, nothing
-// changed; a JobFile that disagrees with what every rank root records
-// (its world size edited, or damaged) is rewritten from them. Then it
+// roots' identities (CheckJob, with identify): a rank root that is a
+// link, holds another rank's or another run's checkpoints, or two that
+// are one directory, or ranks' checkpoints of one step that disagree, are
+// refused, nothing changed; a JobFile that disagrees with what every rank
+// root records (its world size edited, damaged, or missing: a job is
+// recognized by its rank roots too) is rewritten from them. A job latest
+// that is no file (a directory) is refused, nothing changed. Then it
 // rolls back every rank root whose latest checkpoint does not open or
 // verify (Rollback, with verify: the bad checkpoint set aside, the rank
 // root pointed at its newest one that verifies), and moves the job to the
-// newest step every rank holds (ResumeJob: the rank roots and the job's
-// latest pointed at it, the saves the job never committed retired). It
-// returns that step (-1 when the job never committed one) and what it
-// changed, one note per change ("" for nothing). It never creates a rank
-// root: one missing stays missing. It holds root's lock.
+// newest step every rank holds (ResumeJob, except that a committed step
+// some rank roots lack moves the job back: the other ranks' pieces of the
+// steps after the one all hold, up to the job's latest, are set aside
+// whole as damaged-unmatched-step-*, not deleted; the saves the job never
+// committed are retired). It returns that step (-1 when the job never
+// committed one) and what it changed, one note per change ("" for
+// nothing). It never creates a rank root: one missing stays missing. It
+// holds root's lock.
 //
 // A rank root missing from a job that committed a step is refused
 // (ErrCorrupt, naming it), nothing changed: it may only be elsewhere.
@@ -447,12 +586,13 @@ func RewindRank(fsys FS, rankRoot string, step int64) error {
 // root/damaged-job-<unix seconds>, so that root holds nothing of a job
 // and a new one may start there; the error wraps ErrNoneLeft and says so.
 //
-// Errors: a root without JobFile (not a job's root, named); CheckJob's;
-// ErrNoneLeft (wrapped), as above; those of Rollback, ResumeJob, Lock and
-// the file system.
+// Errors: a root with neither JobFile nor a rank root (not a job's root,
+// named); CheckJob's; a job latest that is no file; ErrNoneLeft
+// (wrapped), as above; those of Rollback, ResumeJob, Lock and the file
+// system.
 func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify Identify) (int64, string, error) {
-	if _, err := fsys.Stat(filepath.Join(root, JobFile)); err != nil {
-		return 0, "", fmt.Errorf("checkpoint: %s is not a job's root: %w", root, err)
+	if !IsJob(fsys, root) {
+		return 0, "", fmt.Errorf("checkpoint: %s is not a job's root (no %s, no rank root): %w", root, JobFile, fs.ErrNotExist)
 	}
 	lock, err := Lock(fsys, root)
 	if err != nil {
@@ -463,16 +603,24 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	world, fix, err := checkJob(fsys, root, identify)
 	switch {
 	case fix > 0:
+		was := fmt.Sprintf("said %d ranks", world)
+		if _, err := fsys.Stat(filepath.Join(root, JobFile)); errors.Is(err, fs.ErrNotExist) {
+			was = "was missing"
+		} else if world == 0 {
+			was = "was damaged"
+		}
 		if err := writeJob(fsys, root, fix); err != nil {
 			return 0, "", err
-		}
-		was := fmt.Sprintf("said %d ranks", world)
-		if world == 0 {
-			was = "was damaged"
 		}
 		notes = append(notes, fmt.Sprintf("%s %s, but the checkpoints of its %d rank roots record a job of %d ranks: rewritten for %d", JobFile, was, fix, fix, fix))
 		world = fix
 	case err != nil:
+		return 0, "", err
+	}
+	// A latest that is no file (a directory...) no commit can replace:
+	// refused, nothing changed.
+	var nf *notFileError
+	if _, _, err := JobLatest(fsys, root); errors.As(err, &nf) {
 		return 0, "", err
 	}
 	// A rank root missing from a job that committed a step is not damage
@@ -488,7 +636,7 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 		if len(missing) > 0 {
 			return 0, "", fmt.Errorf("%w: job %s of %d ranks committed a step, but its rank roots %s are missing: nothing was changed; "+
 				"put them back (a disk not mounted, a directory moved?) and run dos ckpt recover %s again, or start a new job in another --ckpt-dir",
-				ErrCorrupt, root, world, strings.Join(missing, ", "), root)
+				ErrCorrupt, root, world, strings.Join(missing, ", "), ShellQuote(root))
 		}
 	}
 	var lost []string // the ranks with no checkpoint that verifies
@@ -518,7 +666,7 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	}
 	why := strings.Join(lost, "; ")
 	if len(lost) == 0 {
-		step, note, err := ResumeJob(fsys, root, world)
+		step, note, err := resumeJob(fsys, root, world, true)
 		if err == nil {
 			if note != "" {
 				notes = append(notes, note)
@@ -538,5 +686,5 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	}
 	notes = append(notes, why)
 	return 0, "", fmt.Errorf("checkpoint: %w: job %s: no step is left that every rank holds (%s): the job's files (its rank roots, %s, %s) were moved, whole, into %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s --gpus N, without --resume)",
-		ErrNoneLeft, root, strings.Join(notes, "; "), JobFile, LatestFile, aside, root, root)
+		ErrNoneLeft, root, strings.Join(notes, "; "), JobFile, LatestFile, aside, root, ShellQuote(root))
 }

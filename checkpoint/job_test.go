@@ -191,7 +191,7 @@ func TestResumeJob(t *testing.T) {
 			t.Fatalf("ResumeJob: %d, %q, %v; want 4 and a note", step, note, err)
 		}
 		if got := steps(t, RankRoot(root, 1)); len(got) != 1 || got[0] != "step-000000004" {
-			t.Errorf("rank 1 after the resume: %v, want only step 4 (6 retired: the job no longer commits it)", got)
+			t.Errorf("rank 1 after the resume: %v, want only step 4 (6 set aside: the job no longer commits it)", got)
 		}
 	})
 	t.Run("a rank ran ahead", func(t *testing.T) {
@@ -230,4 +230,15 @@ func TestResumeJob(t *testing.T) {
 			t.Errorf("ResumeJob of an empty root: %v", err)
 		}
 	})
+}
+
+// TestShellQuote: paths a shell would split or expand are single-quoted.
+func TestShellQuote(t *testing.T) {
+	for in, want := range map[string]string{
+		"/tmp/a-b_c.d/e": "/tmp/a-b_c.d/e", "sp ace": "'sp ace'", "it's": `'it'\''s'`, "": "''", "$HOME": "'$HOME'", "a*b": "'a*b'",
+	} {
+		if got := ShellQuote(in); got != want {
+			t.Errorf("ShellQuote(%q) = %s, want %s", in, got, want)
+		}
+	}
 }

@@ -14,11 +14,30 @@ import (
 )
 
 // Identify says which rank of a job's ranks the checkpoint c holds the
-// pieces of, from what its writer recorded beside them (dos train's rank
-// record: trainer.JobRank): ranks 0 when c records nothing (a single
-// rank's checkpoint, or an older one: not checked). An error says that
-// the record is damaged or disagrees with the rest of c.
-type Identify func(c *Checkpoint) (rank, ranks int, err error)
+// pieces of, and what identifies its run, from what its writer recorded
+// beside them (dos train's rank record and trainer state:
+// trainer.JobRank). An error says that the record is damaged or
+// disagrees with the rest of c.
+type Identify func(c *Checkpoint) (RankID, error)
+
+// RankID is what a job's checkpoint records of its place in the job
+// (Identify).
+type RankID struct {
+	// Rank and Ranks: the checkpoint holds rank Rank's pieces of a job
+	// of Ranks ranks; Ranks 0 when it records none (a single rank's
+	// checkpoint, or an older one: not checked).
+	Rank, Ranks int
+	// Run identifies the run that wrote it: the same in every checkpoint
+	// of one job, kept across its resumes and reshards. "" when it
+	// records none (an older checkpoint): not compared.
+	Run string
+	// Agree holds, by a name for messages (such as `object "trainer"` or
+	// "the optimizer's step"), what every rank's checkpoint of one step
+	// holds alike when they are one job's pieces of it; the values are
+	// compared as strings, and a name that one checkpoint lacks is not
+	// compared.
+	Agree map[string]string
+}
 
 // rankRootsIn returns the ranks whose roots (rank-%05d, exactly so
 // spelled) root holds, in order.
@@ -45,37 +64,94 @@ func rankRootsIn(fsys FS, root string) ([]int, error) {
 type rankRecord struct {
 	dir         string
 	root        int // the rank whose root holds it
+	step        int64
 	rank, ranks int
+	run         string
+	agree       map[string]string
 }
 
 // CheckJob checks, without changing anything, that the rank roots under
-// the job root root are the job's: each a directory of its own (no two
-// the same directory through a link or a bind mount), every complete step
-// directory of rank root r recording (identify) rank r of the world size
-// that JobFile gives. It opens each step directory's manifest, not its
-// tensor data; a step directory that does not open is left to Verify and
-// RecoverJob.
+// the job root root are the job's: each a directory of its own in root (no
+// symbolic link, which could make the job write, and its retention delete,
+// another job's checkpoints; no two the same directory through a bind
+// mount), every complete step directory of rank root r recording
+// (identify) rank r of the world size that JobFile gives, all of them one
+// run's (RankID.Run), and the ranks' checkpoints of each step agreeing on
+// what one job's pieces of a step hold alike (RankID.Agree: the trainer's
+// state, the optimizer's step and hyperparameters). It opens each step
+// directory's manifest, not its tensor data; a step directory that does
+// not open is left to Verify and RecoverJob.
 //
 // Errors: an error wrapping ErrWrongRank and ErrCorrupt that names the rank
-// root and what to do: another rank's checkpoints in a rank root (a copy),
-// two rank roots that are one directory, or a JobFile whose world size
-// (or whole content) disagrees with what every rank root records (then
-// RecoverJob rewrites JobFile, and the message says so); JobFile's errors
-// when it is missing or damaged and the rank roots do not say what it
-// held; the file system's.
+// root and what to do: a rank root that is a link, another rank's
+// checkpoints in a rank root (a copy), two rank roots that are one
+// directory, rank roots of different runs, ranks' checkpoints of one step
+// that disagree, or a JobFile whose world size (or whole content, or its
+// absence) disagrees with what every rank root records (then RecoverJob
+// rewrites JobFile, and the message says so); JobFile's errors when it is
+// missing or damaged and the rank roots do not say what it held; the file
+// system's.
 func CheckJob(fsys FS, root string, identify Identify) error {
 	_, _, err := checkJob(fsys, root, identify)
 	return err
 }
 
+// IsJob reports whether root holds a job's checkpoints: its JobFile, or a
+// rank root (rank-%05d: a directory, a link or anything so named), which
+// a single rank's root never holds. A job whose JobFile was lost is a
+// job's root still (CheckJob and RecoverJob say so and rewrite it).
+func IsJob(fsys FS, root string) bool {
+	if _, err := fsys.Stat(filepath.Join(root, JobFile)); err == nil {
+		return true
+	}
+	ranks, err := rankRootsIn(fsys, root)
+	return err == nil && len(ranks) > 0
+}
+
+// linkedRankRoot returns an error wrapping ErrWrongRank when one of
+// root's rank roots is a symbolic link (root's own entry, not what it
+// names), nil otherwise.
+func linkedRankRoot(fsys FS, root string) error {
+	es, err := fsys.ReadDir(root)
+	if err != nil {
+		return fmt.Errorf("checkpoint: job %s: %w", root, err)
+	}
+	for _, e := range es {
+		if e.Type()&fs.ModeSymlink == 0 {
+			continue
+		}
+		digits, ok := strings.CutPrefix(e.Name(), "rank-")
+		if !ok {
+			continue
+		}
+		r, err := strconv.Atoi(digits)
+		if err != nil || r < 0 || filepath.Base(RankRoot(root, r)) != e.Name() {
+			continue
+		}
+		rr := RankRoot(root, r)
+		to := ""
+		if fsys == OS {
+			if t, err := os.Readlink(rr); err == nil {
+				to = fmt.Sprintf(" to %q", t)
+			}
+		}
+		return fmt.Errorf("%w: job %s: %s is a symbolic link%s, not a directory of the job's own: through it the job would write, and its retention delete, checkpoints that may be another job's. Nothing was changed: put rank %d's own root (a directory) at %s in place of the link; without it the job cannot resume (start afresh with another --ckpt-dir)",
+			ErrWrongRank, root, rr, to, r, rr)
+	}
+	return nil
+}
+
 // checkJob is CheckJob; it also returns JobFile's world size (0 when it
-// is unreadable) and, when JobFile disagrees with the rank roots while
-// they agree with each other, the world size they record (fix > 0: what
-// RecoverJob writes).
+// is unreadable or missing) and, when JobFile disagrees with the rank
+// roots (or is missing) while they agree with each other, the world size
+// they record (fix > 0: what RecoverJob writes).
 func checkJob(fsys FS, root string, identify Identify) (world, fix int, err error) {
 	jw, jerr := readJob(fsys, root)
-	if jerr != nil && !errors.Is(jerr, ErrCorrupt) {
+	if jerr != nil && !errors.Is(jerr, ErrCorrupt) && !errors.Is(jerr, fs.ErrNotExist) {
 		return 0, 0, jerr
+	}
+	if err := linkedRankRoot(fsys, root); err != nil {
+		return 0, 0, err
 	}
 	present, err := rankRootsIn(fsys, root)
 	if err != nil {
@@ -90,10 +166,6 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 	for _, r := range present {
 		rr := RankRoot(root, r)
 		st, err := fsys.Stat(rr)
-		if errors.Is(err, fs.ErrNotExist) {
-			// A dangling link: no rank root, as if absent.
-			continue
-		}
 		if err != nil {
 			return 0, 0, fmt.Errorf("checkpoint: job %s: %w", root, err)
 		}
@@ -122,45 +194,60 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 			if err != nil {
 				continue // damage: Verify's and RecoverJob's to report
 			}
-			rank, ranks, err := identify(c)
+			id, err := identify(c)
 			c.Close()
 			if err != nil {
 				return 0, 0, fmt.Errorf("checkpoint: job %s: %w", root, err)
 			}
-			if ranks > 0 {
-				recs = append(recs, rankRecord{dir: dir, root: d.r, rank: rank, ranks: ranks})
-			}
+			recs = append(recs, rankRecord{dir: dir, root: d.r, step: s, rank: id.Rank, ranks: id.Ranks, run: id.Run, agree: id.Agree})
 		}
+	}
+	if err := sameRun(root, recs); err != nil {
+		return 0, 0, err
 	}
 	// The world size the rank roots agree on, if they do: every record
 	// says rank r of W in rank root r, and the rank roots are 0..W-1.
 	agreed := 0
-	if len(recs) > 0 {
-		agreed = recs[0].ranks
-		for _, rc := range recs {
-			if rc.ranks != agreed || rc.rank != rc.root {
-				agreed = 0
-				break
-			}
+	for _, rc := range recs {
+		if rc.ranks == 0 {
+			continue
 		}
-		if agreed > 0 && (agreed > MaxWorldSize || len(dirs) != agreed || len(present) != agreed || present[len(present)-1] != agreed-1) {
-			agreed = 0
+		if agreed == 0 {
+			agreed = rc.ranks
+		}
+		if rc.ranks != agreed || rc.rank != rc.root {
+			agreed = -1
+			break
 		}
 	}
+	if agreed > 0 && (agreed > MaxWorldSize || len(dirs) != agreed || len(present) != agreed || present[len(present)-1] != agreed-1) {
+		agreed = 0
+	}
+	agreed = max(agreed, 0)
 	jobFile := filepath.Join(root, JobFile)
 	if agreed > 0 && (jerr != nil || jw != agreed) {
 		what := fmt.Sprintf("%s says %d ranks", jobFile, jw)
-		if jerr != nil {
+		switch {
+		case errors.Is(jerr, fs.ErrNotExist):
+			what = fmt.Sprintf("%s is missing", jobFile)
+		case jerr != nil:
 			what = fmt.Sprintf("%s is damaged (%v)", jobFile, jerr)
 		}
-		return jw, agreed, fmt.Errorf("%w: job %s: %s, but its %d rank roots (%s ... %s) hold the pieces of a job of %d ranks (each checkpoint records its rank): %s was changed or replaced; dos ckpt recover %s rewrites it for %d ranks",
-			ErrWrongRank, root, what, agreed, filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, agreed-1)), agreed, JobFile, root, agreed)
+		return jw, agreed, fmt.Errorf("%w: job %s: %s, but its %d rank roots (%s ... %s) hold the pieces of a job of %d ranks (each checkpoint records its rank): %s was changed, replaced or removed; dos ckpt recover %s rewrites it for %d ranks",
+			ErrWrongRank, root, what, agreed, filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, agreed-1)), agreed, JobFile, ShellQuote(root), agreed)
+	}
+	if errors.Is(jerr, fs.ErrNotExist) {
+		if len(present) == 0 {
+			return 0, 0, fmt.Errorf("checkpoint: %s is not a job's root (no %s, no rank root): %w", root, JobFile, jerr)
+		}
+		return 0, 0, fmt.Errorf("%w: job %s: %s is missing, and its rank roots' checkpoints do not say the job's rank count (an older dos, or rank roots missing): nothing was changed; put %s back",
+			ErrCorrupt, root, jobFile, JobFile)
 	}
 	if jerr != nil {
 		return 0, 0, jerr
 	}
 	for _, rc := range recs {
-		if rc.rank == rc.root && rc.ranks == jw {
+		if rc.ranks == 0 || rc.rank == rc.root && rc.ranks == jw {
 			continue
 		}
 		rr := RankRoot(root, rc.root)
@@ -176,9 +263,59 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 				ErrWrongRank, what, rr, rc.root, rr)
 		}
 		return jw, 0, fmt.Errorf("%w: %s: it is not rank %d's. Nothing was changed: move it out of the job's root, then dos ckpt recover %s moves the job to the newest step every rank holds",
-			ErrWrongRank, what, rc.root, root)
+			ErrWrongRank, what, rc.root, ShellQuote(root))
+	}
+	if err := stepsAgree(root, recs); err != nil {
+		return jw, 0, err
 	}
 	return jw, 0, nil
+}
+
+// sameRun returns an error wrapping ErrWrongRank when the records recs
+// (of the job root root) name more than one run.
+func sameRun(root string, recs []rankRecord) error {
+	runs := map[string][]int{} // run -> the rank roots that hold its checkpoints
+	for _, rc := range recs {
+		if rc.run != "" && !slices.Contains(runs[rc.run], rc.root) {
+			runs[rc.run] = append(runs[rc.run], rc.root)
+		}
+	}
+	if len(runs) < 2 {
+		return nil
+	}
+	var parts []string
+	for _, run := range slices.Sorted(maps.Keys(runs)) {
+		var names []string
+		for _, r := range runs[run] {
+			names = append(names, filepath.Base(RankRoot(root, r)))
+		}
+		parts = append(parts, fmt.Sprintf("run %s in %s", run, strings.Join(names, ", ")))
+	}
+	return fmt.Errorf("%w: job %s: its rank roots hold the checkpoints of different runs (%s): rank roots of two runs were put together (copied or restored from another job?). Nothing was changed: put each rank's own root back; the job cannot resume from a mix (start afresh with another --ckpt-dir)",
+		ErrWrongRank, root, strings.Join(parts, "; "))
+}
+
+// stepsAgree returns an error wrapping ErrWrongRank when two ranks'
+// checkpoints of one step (records recs, of the job root root) disagree
+// on something of RankID.Agree.
+func stepsAgree(root string, recs []rankRecord) error {
+	first := map[int64]rankRecord{} // per step, the lowest rank's record
+	for _, rc := range recs {
+		f, ok := first[rc.step]
+		if !ok {
+			first[rc.step] = rc
+			continue
+		}
+		for _, k := range slices.Sorted(maps.Keys(rc.agree)) {
+			v, ok := f.agree[k]
+			if !ok || v == rc.agree[k] {
+				continue
+			}
+			return fmt.Errorf("%w: job %s: the ranks' checkpoints of step %d disagree on %s: %s holds %.120s, %s holds %.120s. One job's ranks write one state at a step: these are not one job's pieces (copied from another run, or edited). Nothing was changed: put the rank's own checkpoint of step %d back, or move the step's directories out of the rank roots and run dos ckpt recover %s, which moves the job to the newest step every rank holds",
+				ErrWrongRank, root, rc.step, k, f.dir, v, rc.dir, rc.agree[k], rc.step, ShellQuote(root))
+		}
+	}
+	return nil
 }
 
 // ErrNoneLeft is wrapped by the errors of Rollback and RecoverJob when no

@@ -575,7 +575,7 @@ func noneLeftIn(fsys FS, root, why string) error {
 type noneLeftError struct{ root, what string }
 
 func (e *noneLeftError) Error() string {
-	return fmt.Sprintf("checkpoint: %v: %s: %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s, without --resume)", ErrNoneLeft, e.root, e.what, e.root, e.root)
+	return fmt.Sprintf("checkpoint: %v: %s: %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s, without --resume)", ErrNoneLeft, e.root, e.what, e.root, ShellQuote(e.root))
 }
 func (e *noneLeftError) Unwrap() error { return ErrNoneLeft }
 

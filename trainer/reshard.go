@@ -81,7 +81,7 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	if err := reshardEmpty(dst, target); err != nil { // again, under the lock
 		return 0, err
 	}
-	tmp, err := os.MkdirTemp(target, reshardTmp)
+	tmp, err := os.MkdirTemp(target, ReshardTmp)
 	if err != nil {
 		return 0, fmt.Errorf("trainer: reshard: the destination: %w", err)
 	}
@@ -151,13 +151,16 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 		}
 		return fmt.Sprintf("%d ranks", k)
 	}
-	fmt.Fprintf(out, "reshard: step %d of %s (%s) is now %s, for %s: dos train --resume --ckpt-dir %s --gpus %d\n", step, src, ranks(world), dst, ranks(n), dst, n)
+	fmt.Fprintf(out, "reshard: step %d of %s (%s) is now %s, for %s: dos train --resume --ckpt-dir %s --gpus %d\n", step, src, ranks(world), dst, ranks(n), checkpoint.ShellQuote(dst), n)
 	return step, nil
 }
 
-// reshardTmp starts the name of Reshard's temporary directory in dst (a
+// ReshardTmp starts the name of Reshard's temporary directory in dst (a
 // checkpoint leftover's prefix, ".tmp-": no checkpoint reader takes it).
-const reshardTmp = ".tmp-reshard-"
+// A Reshard killed leaves it; the next Reshard into dst, or the next
+// trainer to start there (New, holding dst's lock, so that no Reshard is
+// writing it), removes it.
+const ReshardTmp = ".tmp-reshard-"
 
 // reshardSource is what Reshard read of its source: the step, the rank
 // count, the trainer state and objects of rank 0, the optimizer's step
@@ -220,7 +223,7 @@ func readSource(src string, n int, out io.Writer) (rs *reshardSource, err error)
 		}
 		step, world, err := checkpoint.JobLatest(checkpoint.OS, src)
 		if err != nil {
-			return nil, fmt.Errorf("trainer: reshard: %w (dos ckpt recover %s moves a damaged or unfinished job to the newest step every rank holds)", err, src)
+			return nil, fmt.Errorf("trainer: reshard: %w (dos ckpt recover %s moves a damaged or unfinished job to the newest step every rank holds)", err, checkpoint.ShellQuote(src))
 		}
 		rs.step, rs.world = step, world
 		for r := range rs.world {
@@ -409,7 +412,7 @@ func reshardEmpty(dst, target string) error {
 	for _, e := range es {
 		switch n := e.Name(); {
 		case n == checkpoint.LockFile:
-		case strings.HasPrefix(n, reshardTmp):
+		case strings.HasPrefix(n, ReshardTmp):
 			stale = append(stale, filepath.Join(target, n))
 		default:
 			left = append(left, n)

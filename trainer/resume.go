@@ -1,6 +1,7 @@
 package trainer
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -25,6 +26,10 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	if err != nil {
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
 	}
+	if err := removeReshardLeftovers(root, out); err != nil {
+		lock.Unlock()
+		return nil, nil, err
+	}
 	if cfg.GPUs > 1 {
 		rec, err := openJob(cfg, out)
 		if err != nil {
@@ -35,7 +40,7 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	}
 	if isJob(root) {
 		lock.Unlock()
-		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of a job of ranks (%s, rank-*): pass the --gpus it was trained with, or re-shard it onto one rank first (`dos ckpt reshard %s NEWROOT --gpus 1`) and resume from NEWROOT", root, checkpoint.JobFile, root)
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of a job of ranks (%s, rank-*): pass the --gpus it was trained with, or re-shard it onto one rank first (`dos ckpt reshard %s NEWROOT --gpus 1`) and resume from NEWROOT", root, checkpoint.JobFile, checkpoint.ShellQuote(root))
 	}
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
 	if err != nil {
@@ -73,6 +78,27 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	return lock, rec, nil
 }
 
+// removeReshardLeftovers removes what a killed dos ckpt reshard left in
+// root (ReshardTmp*: never a checkpoint), saying so on out. The caller
+// holds root's lock, which a running Reshard into root would hold.
+func removeReshardLeftovers(root string, out io.Writer) error {
+	es, err := os.ReadDir(root)
+	if err != nil {
+		return nil // a new root, or one Lock said is usable: nothing left there
+	}
+	for _, e := range es {
+		if !strings.HasPrefix(e.Name(), ReshardTmp) {
+			continue
+		}
+		p := filepath.Join(root, e.Name())
+		if err := os.RemoveAll(p); err != nil {
+			return fmt.Errorf("trainer: --ckpt-dir: removing %s, the leftover of a killed dos ckpt reshard: %w", p, err)
+		}
+		fmt.Fprintf(out, "checkpoint: removed %s, the leftover of a killed dos ckpt reshard (never a checkpoint)\n", p)
+	}
+	return nil
+}
+
 // openJob is openRoot for the ranks of TrainConfig.GPUs: CkptDir is a
 // job's root (checkpoint.CommitJob). Without Resume it must hold nothing;
 // with it, checkpoint.ResumeJob finds the newest step every rank holds and
@@ -99,16 +125,16 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 		}
 	}
 	if _, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil && world != cfg.GPUs {
-		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d: pass --gpus %d, or re-shard it first (`dos ckpt reshard %s NEWROOT --gpus %d`) and resume from NEWROOT", root, world, cfg.GPUs, world, root, cfg.GPUs)
+		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d: pass --gpus %d, or re-shard it first (`dos ckpt reshard %s NEWROOT --gpus %d`) and resume from NEWROOT", root, world, cfg.GPUs, world, checkpoint.ShellQuote(root), cfg.GPUs)
 	}
 	step, note, err := checkpoint.ResumeJob(checkpoint.OS, root, cfg.GPUs)
 	if err != nil {
 		hint := ""
 		switch job := filepath.Dir(filepath.Clean(root)); {
 		case strings.HasPrefix(filepath.Base(filepath.Clean(root)), "rank-") && isJob(job):
-			hint = fmt.Sprintf(" (%s is one rank's root of the job %s: resume the job, --ckpt-dir %s)", root, job, job)
+			hint = fmt.Sprintf(" (%s is one rank's root of the job %s: resume the job, --ckpt-dir %s)", root, job, checkpoint.ShellQuote(job))
 		case !isJob(root):
-			hint = fmt.Sprintf(" (to continue a single-rank run on %d ranks, re-shard it first: `dos ckpt reshard %s NEWROOT --gpus %d`)", cfg.GPUs, root, cfg.GPUs)
+			hint = fmt.Sprintf(" (to continue a single-rank run on %d ranks, re-shard it first: `dos ckpt reshard %s NEWROOT --gpus %d`)", cfg.GPUs, checkpoint.ShellQuote(root), cfg.GPUs)
 		}
 		return nil, fmt.Errorf("trainer: resume from %s: %w%s", root, err, hint)
 	}
@@ -140,34 +166,58 @@ func nothingToResume(root string) error {
 // JobRank is a checkpoint.Identify for dos train's checkpoints: the rank
 // and rank count (--gpus) a job's checkpoint records (its rank record,
 // rankObject), ranks 0 for a checkpoint without it (a single rank's, or an
-// older one).
+// older one); the run's identity (object "trainer", run_id: "" in older
+// checkpoints); and what every rank's checkpoint of one step holds alike:
+// the trainer's state (object "trainer", whole), the optimizer's step
+// and its hyperparameters (object "optimizer": step, hyper,
+// options.hyper), each as canonical JSON.
 //
 // Errors: a rank record that does not decode, or disagrees with itself or
 // with the trainer state's --gpus (ErrCorrupt, naming the checkpoint).
-func JobRank(c *checkpoint.Checkpoint) (rank, ranks int, err error) {
+func JobRank(c *checkpoint.Checkpoint) (checkpoint.RankID, error) {
+	id := checkpoint.RankID{Agree: map[string]string{}}
+	var st trainerState
+	stErr := c.Object("trainer", &st)
+	if stErr == nil {
+		id.Run = st.RunID
+		if b, err := json.Marshal(st); err == nil {
+			id.Agree[`object "trainer" (iteration, data position, RNG, configuration, run)`] = string(b)
+		}
+	}
+	var opt, opts map[string]json.RawMessage // Object decodes strictly: the fields compared, as they are
+	if _, ok := c.Manifest.Objects["optimizer"]; ok && c.Object("optimizer", &opt) == nil {
+		_ = json.Unmarshal(opt["options"], &opts)
+		for k, raw := range map[string]json.RawMessage{
+			`object "optimizer": step`: opt["step"], `object "optimizer": hyper`: opt["hyper"], `object "optimizer": options.hyper`: opts["hyper"],
+		} {
+			var v any
+			if len(raw) > 0 && json.Unmarshal(raw, &v) == nil {
+				b, _ := json.Marshal(v)
+				id.Agree[k] = string(b)
+			}
+		}
+	}
 	if _, ok := c.Manifest.Objects[rankObjectName]; !ok {
-		return 0, 0, nil
+		return id, nil
 	}
 	var ro rankObject
 	if err := c.Object(rankObjectName, &ro); err != nil {
-		return 0, 0, err
+		return id, err
 	}
 	if ro.Ranks < 1 || ro.Ranks > checkpoint.MaxWorldSize || ro.Rank < 0 || ro.Rank >= ro.Ranks {
-		return 0, 0, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks)
+		return id, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks)
 	}
-	var st trainerState
-	if err := c.Object("trainer", &st); err == nil && st.Config.GPUs != ro.Ranks {
-		return 0, 0, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks, object \"trainer\" --gpus %d", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks, st.Config.GPUs)
+	if stErr == nil && st.Config.GPUs != ro.Ranks {
+		return id, fmt.Errorf("%w: %s: object %q records rank %d of %d ranks, object \"trainer\" --gpus %d", checkpoint.ErrCorrupt, c.Dir, rankObjectName, ro.Rank, ro.Ranks, st.Config.GPUs)
 	}
-	return ro.Rank, ro.Ranks, nil
+	id.Rank, id.Ranks = ro.Rank, ro.Ranks
+	return id, nil
 }
 
 // isJob reports whether root holds a job's checkpoints: its job.json or
-// its rank 0's root.
+// a rank root (checkpoint.IsJob).
 func isJob(root string) bool {
-	_, err := os.Stat(filepath.Join(root, checkpoint.JobFile))
-	_, rerr := os.Stat(checkpoint.RankRoot(root, 0))
-	return err == nil || rerr == nil
+	return checkpoint.IsJob(checkpoint.OS, root)
 }
 
 // resume restores the run from the checkpoint directory dir.
@@ -187,6 +237,9 @@ func (t *Trainer) resume(dir string) error {
 		return fmt.Errorf("trainer: resume from %s: not a dos train checkpoint: %w", dir, err)
 	}
 	if err := checkState(&st, manifestStep, dir); err != nil {
+		return err
+	}
+	if err := CheckCheckpointConfig(st.Config, dir); err != nil {
 		return err
 	}
 	// The model's shape and the batch cannot change: name every flag that
@@ -216,7 +269,7 @@ func (t *Trainer) resume(dir string) error {
 	}
 	if t.zero == nil && st.Config.GPUs > 1 {
 		return fmt.Errorf("trainer: resume from %s: it is one rank's root of a job of %d ranks (dos train --gpus %d): resume the job's root, its parent directory, with --gpus %d, or re-shard that for one rank (`dos ckpt reshard %s NEWROOT --gpus 1`)",
-			root, st.Config.GPUs, st.Config.GPUs, st.Config.GPUs, filepath.Dir(filepath.Clean(root)))
+			root, st.Config.GPUs, st.Config.GPUs, st.Config.GPUs, checkpoint.ShellQuote(filepath.Dir(filepath.Clean(root))))
 	}
 	_, objs, err := t.opt.LoadCheckpoint(checkpoint.OS, dir)
 	if err == nil && t.zero != nil {
@@ -313,6 +366,9 @@ func (t *Trainer) resume(dir string) error {
 	t.cfg.WeightDecay, t.cfg.Betas, t.cfg.Eps = h.WeightDecay, h.Betas, h.Eps
 	t.cfg.LossScale, t.cfg.Seed = old.LossScale, old.Seed
 	st.Config = t.cfg
+	if st.RunID == "" { // an older checkpoint: this run's from here on
+		st.RunID = t.state.RunID
+	}
 	t.state = st
 	fmt.Fprintf(t.out, "resume: %s at iteration %d (optimizer step %d)\n", dir, st.Iteration, t.opt.StepCount())
 	if st.Iteration >= t.cfg.Steps {
@@ -348,6 +404,40 @@ func checkState(st *trainerState, step int64, dir string) error {
 	return nil
 }
 
+// CheckCheckpointConfig checks the configuration c that the dos train
+// checkpoint in dir records (object "trainer", config) where a resume
+// takes it: the model's shape, the vocabulary, the batch and the rank
+// count. It is the checkpoint's, not the flags': an invalid value is
+// damage (its CRC32C matched: written so, or edited), named by its
+// manifest and field, never a flag the user did not pass.
+//
+// Errors: ErrCorrupt (wrapped), naming dir's manifest.json and the field.
+func CheckCheckpointConfig(c TrainConfig, dir string) error {
+	m := c.Model
+	bad := func(field string, v any, want string) error {
+		return fmt.Errorf("trainer: resume from %s: %s, object \"trainer\": config.%s %v: %s (the checkpoint's own value, not a flag's: it is damaged, or was edited; nothing was changed): %w",
+			dir, filepath.Join(dir, checkpoint.ManifestFile), field, v, want, checkpoint.ErrCorrupt)
+	}
+	switch {
+	case m.NLayer < 1 || m.NLayer > MaxNLayer:
+		return bad("model.n_layer", m.NLayer, fmt.Sprintf("want 1..%d", MaxNLayer))
+	case m.NEmbd < 1 || m.NEmbd > MaxNEmbd:
+		return bad("model.n_embd", m.NEmbd, fmt.Sprintf("want 1..%d", MaxNEmbd))
+	case m.NHead < 1 || m.NEmbd%m.NHead != 0:
+		return bad("model.n_head", m.NHead, fmt.Sprintf("want a divisor of n_embd %d", m.NEmbd))
+	case m.NCtx < 1 || m.NCtx > MaxNCtx:
+		return bad("model.n_positions", m.NCtx, fmt.Sprintf("want 1..%d", MaxNCtx))
+	case c.Batch < 1:
+		return bad("batch", c.Batch, "want >= 1")
+	case c.GPUs < 0 || c.GPUs > checkpoint.MaxWorldSize:
+		return bad("gpus", c.GPUs, fmt.Sprintf("want 0..%d", checkpoint.MaxWorldSize))
+	}
+	if err := m.Validate(); err != nil {
+		return bad("model", fmt.Sprintf("%+v", m), err.Error())
+	}
+	return nil
+}
+
 // shapeFlags spells the model's shape and the batch as dos train's flags.
 func (c *TrainConfig) shapeFlags() string {
 	m := c.Model
@@ -367,9 +457,9 @@ func jobRecoverHint(err error, root string, rank int) string {
 		return ""
 	}
 	if errors.Is(err, checkpoint.ErrWrongRank) {
-		return fmt.Sprintf("; put rank %d's own checkpoints back in %s (dos ckpt verify %s names what is wrong); without them the job cannot resume from this step", rank, checkpoint.RankRoot(root, rank), root)
+		return fmt.Sprintf("; put rank %d's own checkpoints back in %s (dos ckpt verify %s names what is wrong); without them the job cannot resume from this step", rank, checkpoint.RankRoot(root, rank), checkpoint.ShellQuote(root))
 	}
-	return fmt.Sprintf("; `dos ckpt recover %s` sets rank %d's bad checkpoint aside and moves the job to the newest step every rank holds", root, rank)
+	return fmt.Sprintf("; `dos ckpt recover %s` sets rank %d's bad checkpoint aside and moves the job to the newest step every rank holds", checkpoint.ShellQuote(root), rank)
 }
 
 // recoverHint tells the user of a damaged latest checkpoint the way out.
@@ -377,5 +467,5 @@ func recoverHint(err error, root string) string {
 	if !errors.Is(err, checkpoint.ErrCorrupt) {
 		return ""
 	}
-	return fmt.Sprintf("; `dos ckpt recover %s` sets a checkpoint that does not verify aside (kept whole) and points latest at the newest one that does, or, when none does, leaves %s without a checkpoint, for a new run", root, root)
+	return fmt.Sprintf("; `dos ckpt recover %s` sets a checkpoint that does not verify aside (kept whole) and points latest at the newest one that does, or, when none does, leaves %s without a checkpoint, for a new run", checkpoint.ShellQuote(root), root)
 }

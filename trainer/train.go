@@ -1,7 +1,9 @@
 package trainer
 
 import (
+	crand "crypto/rand"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -67,6 +69,28 @@ type trainerState struct {
 	// for pre-tokenized data (NewTokens; TokenBatches').
 	Data   string      `json:"data,omitempty"`
 	Config TrainConfig `json:"config"`
+	// RunID identifies the run: drawn at random when it starts from
+	// scratch, kept by its resumes and by dos ckpt reshard, so that a
+	// job's rank roots from two runs are told apart
+	// (checkpoint.CheckJob). "" in older checkpoints (not compared).
+	RunID string `json:"run_id,omitempty"`
+}
+
+// withRunID returns st with a new RunID.
+func withRunID(st trainerState) trainerState {
+	st.RunID = newRunID()
+	return st
+}
+
+// newRunID returns a random run identity (trainerState.RunID): 16 hex
+// digits.
+func newRunID() string {
+	var b [8]byte
+	if _, err := crand.Read(b[:]); err != nil {
+		// No system randomness: the time still tells two runs apart.
+		return fmt.Sprintf("%016x", uint64(time.Now().UnixNano()))
+	}
+	return hex.EncodeToString(b[:])
 }
 
 // batches is what a run reads its batches from: a Loader over a text, or
@@ -360,7 +384,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	}
 	id.LossScale, id.InitialLoss, id.InitValLoss = cfg.LossScale, maybeLoss(math.NaN()), maybeLoss(math.NaN())
 	t := &Trainer{cfg: cfg, tok: tok, loader: loader, val: val, about: about, opt: opt, gpu: gpu, zero: zero, out: out, closeDev: closeDev, lock: lock,
-		rng: rand.NewPCG(cfg.Seed, 0x5eed), state: id,
+		rng: rand.NewPCG(cfg.Seed, 0x5eed), state: withRunID(id),
 	}
 	if f, ok := out.(*os.File); ok {
 		if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {

@@ -63,6 +63,13 @@ type zeroRanks struct {
 	root      string
 	keep      int
 	committed int64
+	// abandoned says which lazy save failed ("" for none): the rank
+	// roots that wrote it hold a step the job never committed, and each
+	// engine keeps only --ckpt-keep+1 steps, so a later save would make
+	// a rank's retention retire the job's committed step (before the
+	// job commits the later one, or for good if it fails too). No lazy
+	// save is started after it: --resume rewinds the rank roots first.
+	abandoned string
 }
 
 // zeroRank is one rank: its end of the communicator, its optimizer over
@@ -570,6 +577,9 @@ func (z *zeroRanks) saveLazily(root string, step int64, objects map[string]any, 
 	if z.last != nil {
 		return fmt.Errorf("the lazy save of step %d is not committed yet (commitLazy first)", z.lastStep)
 	}
+	if z.abandoned != "" {
+		return fmt.Errorf("no checkpoint of step %d saved: %s, and its ranks' rank roots keep one step more than --ckpt-keep, the job's committed one among them: a later save would let their retention retire it; resume the job (dos train --resume) to save again", step, z.abandoned)
+	}
 	if err := checkpoint.BeginJob(checkpoint.OS, root, z.n); err != nil {
 		return err
 	}
@@ -605,6 +615,7 @@ func (z *zeroRanks) saveLazily(root string, step int64, objects map[string]any, 
 	}
 	if len(errs) > 0 {
 		z.last = nil // abandoned: the job never commits step
+		z.abandoned = fmt.Sprintf("the lazy save of step %d failed (the job's latest is still step %d)", step, z.committed)
 		return fmt.Errorf("%w (the job's latest checkpoint is unchanged)", errors.Join(errs...))
 	}
 	return nil
@@ -641,6 +652,7 @@ func (z *zeroRanks) commitLazy(root string, wait bool) (int64, error) {
 		}
 	}
 	if len(errs) > 0 {
+		z.abandoned = fmt.Sprintf("the lazy save of step %d failed (the job's latest is still step %d)", step, z.committed)
 		return -1, fmt.Errorf("checkpoint at iteration %d: %w (the job's latest checkpoint is unchanged)", step, errors.Join(errs...))
 	}
 	if err := checkpoint.CommitJob(checkpoint.OS, root, z.n, step); err != nil {

@@ -347,3 +347,53 @@ func TestZeROOneRankBitwise(t *testing.T) {
 		}
 	}
 }
+
+// TestZeROSaveAfterFailedLazySave: rank 1's lazy save of step 4 fails and
+// the caller runs the trainer on (Run again): no later lazy save starts,
+// so that rank 0's engine, which keeps --ckpt-keep+1 steps, never retires
+// the job's committed step 2 (the save of 6 would have left rank 0 with 4
+// and 6, neither committed for the job, had rank 1's save of 6 failed
+// too). The job then resumes from step 2.
+func TestZeROSaveAfterFailedLazySave(t *testing.T) {
+	setMemAvailable(t, 0, false)
+	toks := make([]uint16, 6000)
+	for i := range toks {
+		toks[i] = uint16((i*11 + i/7) % 256)
+	}
+	c := DefaultTrainConfig()
+	c.Model.NLayer, c.Model.NEmbd, c.Model.NHead, c.Model.NCtx = 1, 16, 2, 8
+	c.Batch, c.Steps, c.SampleBytes, c.EvalBatches, c.LogEvery = 4, 6, 0, 1, 0
+	c.CkptDir, c.CkptEvery, c.CkptKeep, c.GPUs = t.TempDir(), 2, 1, 2
+	zeroSaveFault = func(rank int, step int64) error {
+		if rank == 1 && step >= 4 {
+			return errors.New("injected: rank 1's write failed")
+		}
+		return nil
+	}
+	defer func() { zeroSaveFault = nil }()
+	tr, err := NewTokens(c, toks, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tr.Run(); err == nil || !strings.Contains(err.Error(), "rank 1: injected") {
+		t.Fatalf("Run with rank 1's save of step 4 failing: %v", err)
+	}
+	_, runErr := tr.Run() // on: trains 5..6, then saves (or refuses to)
+	tr.Close()
+	if runErr == nil {
+		t.Fatal("the second Run: no error, want the save of step 6 refused or failed")
+	}
+	zeroSaveFault = nil
+	if step, _, err := checkpoint.JobLatest(checkpoint.OS, c.CkptDir); step != 2 || err != nil {
+		t.Fatalf("the job's latest: %d, %v; want 2", step, err)
+	}
+	for r := range 2 {
+		if _, err := os.Stat(filepath.Join(checkpoint.StepDir(checkpoint.RankRoot(c.CkptDir, r), 2), checkpoint.ManifestFile)); err != nil {
+			t.Errorf("rank %d lost the job's committed step 2 (second Run: %v): %v", r, runErr, err)
+		}
+	}
+	c.Resume = true
+	if got, sum := zeroRun(t, c, 2, toks); len(got) != 4 || sum.Steps != 6 {
+		t.Errorf("the resumed run: %d steps logged, ended at %d; want 3..6", len(got), sum.Steps)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/deepstates/dos/checkpoint"
@@ -143,24 +144,31 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 // jobList is dos ckpt ls for a job's root (dos train --gpus): its
 // committed step, then each rank root's listing (a rank's step after the
 // job's, committed in its root but not for the job, listed once, as
-// such).
+// such), then the job root's own leftovers. A rank root that is a
+// symbolic link is named, not listed (CheckJob says why).
 func jobList(root string, stdout, stderr io.Writer) int {
+	rc := 0
+	cerr := checkpoint.CheckJob(checkpoint.OS, root, trainer.JobRank)
+	if cerr != nil {
+		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", cerr)
+		rc = 1
+	}
 	step, world, err := checkpoint.JobLatest(checkpoint.OS, root)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
 		return 1
 	}
 	fmt.Fprintf(stdout, "job %s: %d ranks, latest step %d (committed once every rank's save of it was durable)\n", root, world, step)
-	rc := 0
-	if err := checkpoint.CheckJob(checkpoint.OS, root, trainer.JobRank); err != nil {
-		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
-		rc = 1
-	}
 	for r := range world {
 		rr := checkpoint.RankRoot(root, r)
+		if st, err := os.Lstat(rr); err == nil && st.Mode()&fs.ModeSymlink != 0 {
+			fmt.Fprintf(stdout, "rank %d: %s  (a symbolic link, not the job's own directory: not listed)\n", r, rr)
+			rc = 1
+			continue
+		}
 		fmt.Fprintf(stdout, "rank %d: %s\n", r, rr)
 		if _, err := os.Stat(filepath.Join(checkpoint.StepDir(rr, step), checkpoint.ManifestFile)); err != nil {
-			fmt.Fprintf(stderr, "dos ckpt ls: job %s: rank %d lacks the job's latest step %d (%v): the job cannot resume from it; dos ckpt recover %s moves it to an older step every rank holds, if there is one\n", root, r, step, err, root)
+			fmt.Fprintf(stderr, "dos ckpt ls: job %s: rank %d lacks the job's latest step %d (%v): the job cannot resume from it; put it back, or dos ckpt recover %s moves the job to an older step every rank holds, if there is one (setting the other ranks' pieces of step %d aside, kept whole)\n", root, r, step, err, checkpoint.ShellQuote(root), step)
 			rc = 1
 		}
 		if _, err := os.Stat(rr); err != nil {
@@ -170,7 +178,30 @@ func jobList(root string, stdout, stderr io.Writer) int {
 			rc = c
 		}
 	}
+	holder := checkpoint.Holder(checkpoint.OS, root)
+	if es, err := os.ReadDir(root); err == nil {
+		for _, e := range es {
+			if strings.HasPrefix(e.Name(), ".tmp-") {
+				fmt.Fprintf(stdout, "  %s  (%s)\n", filepath.Join(root, e.Name()), leftoverNote(e.Name(), holder))
+			}
+		}
+	}
+	for _, a := range checkpoint.Aside(checkpoint.OS, root) {
+		fmt.Fprintf(stdout, "  %s  (set aside by dos ckpt recover: kept whole, never loaded or removed by dos)\n", a)
+	}
 	return rc
+}
+
+// leftoverNote says what the temporary entry name (.tmp-*) of a root is
+// and what removes it; holder is the root's holder ("" for none).
+func leftoverNote(name, holder string) string {
+	switch {
+	case holder != "":
+		return "temporary: a save or reshard in progress, or a leftover"
+	case strings.HasPrefix(name, trainer.ReshardTmp):
+		return "leftover of a killed dos ckpt reshard; the next dos train or dos ckpt reshard into this root removes it"
+	}
+	return "leftover of a crashed save or retirement; the next save (or dos train start) removes it"
 }
 
 // ckptInspect prints what a checkpoint holds, from its manifest and
@@ -255,7 +286,7 @@ func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int 
 // above latest, an incomplete one, the leftovers of crashed saves and
 // retirements), and why the root is damaged if it is (exit 1 then).
 func ckptList(root string, stdout, stderr io.Writer) int {
-	if _, err := os.Stat(filepath.Join(root, checkpoint.JobFile)); err == nil {
+	if checkpoint.IsJob(checkpoint.OS, root) {
 		return jobList(root, stdout, stderr)
 	}
 	return listRoot(root, -1, stdout, stderr)
@@ -266,7 +297,7 @@ func ckptList(root string, stdout, stderr io.Writer) int {
 // not committed for the job.
 func listRoot(root string, jobStep int64, stdout, stderr io.Writer) int {
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
-	if errors.Is(err, checkpoint.ErrJobRoot) {
+	if errors.Is(err, checkpoint.ErrJobRoot) && jobStep < 0 {
 		return jobList(root, stdout, stderr)
 	}
 	if err != nil {
@@ -309,17 +340,17 @@ func listRoot(root string, jobStep int64, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "  %s.tmp names %s (a commit was cut short)\n", filepath.Join(root, checkpoint.LatestFile), filepath.Base(info.Pending))
 	}
 	for _, a := range info.Aside {
-		fmt.Fprintf(stdout, "  %s  (set aside by dos ckpt recover: did not verify; kept for inspection)\n", a)
+		why := "did not verify"
+		if strings.HasPrefix(filepath.Base(a), "damaged-unmatched-") {
+			why = "this rank's piece of a job's step that another rank lacked"
+		}
+		fmt.Fprintf(stdout, "  %s  (set aside by dos ckpt recover: %s; kept whole, never loaded or removed by dos)\n", a, why)
 	}
 	if committed == 0 && info.Problem == nil && len(info.Aside) > 0 {
-		fmt.Fprintf(stdout, "%s holds no checkpoint to resume: a new run may start there (dos train --ckpt-dir %s, without --resume)\n", root, root)
+		fmt.Fprintf(stdout, "%s holds no checkpoint to resume: a new run may start there (dos train --ckpt-dir %s, without --resume)\n", root, checkpoint.ShellQuote(root))
 	}
 	for _, l := range info.Leftovers {
-		if holder != "" {
-			fmt.Fprintf(stdout, "  %s  (temporary: a save in progress, or a leftover)\n", l)
-		} else {
-			fmt.Fprintf(stdout, "  %s  (leftover of a crashed save or retirement; the next save removes it)\n", l)
-		}
+		fmt.Fprintf(stdout, "  %s  (%s)\n", l, leftoverNote(filepath.Base(l), holder))
 	}
 	if info.Problem != nil {
 		fmt.Fprintf(stderr, "dos ckpt ls: %s is damaged: %v\n", root, info.Problem)
@@ -332,10 +363,10 @@ func listRoot(root string, jobStep int64, stdout, stderr io.Writer) int {
 // optimizer's value checks; for a job's root, checkpoint.RecoverJob, the
 // rank roots' identities checked too) and says what it did.
 func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
-	if _, err := os.Stat(filepath.Join(root, checkpoint.JobFile)); err == nil {
+	if checkpoint.IsJob(checkpoint.OS, root) {
 		// A job's root: every rank root, then the job.
 		if rank != 0 {
-			fmt.Fprintf(stderr, "dos ckpt recover: %s is a job's root, recovered for every rank; --rank %d: recover one rank's root instead, %s (then the job's root, to move every rank to a step they all hold)\n", root, rank, checkpoint.RankRoot(root, rank))
+			fmt.Fprintf(stderr, "dos ckpt recover: %s is a job's root, recovered for every rank; --rank %d: recover one rank's root instead, dos ckpt recover %s (then the job's root, to move every rank to a step they all hold)\n", root, rank, checkpoint.ShellQuote(checkpoint.RankRoot(root, rank)))
 			return 2
 		}
 		step, note, err := checkpoint.RecoverJob(checkpoint.OS, root, offload.VerifyCheckpoint, trainer.JobRank)
@@ -377,7 +408,7 @@ func whichRank(c *checkpoint.Checkpoint) string {
 }
 
 func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
-	if _, err := os.Stat(filepath.Join(path, checkpoint.JobFile)); err == nil {
+	if checkpoint.IsJob(checkpoint.OS, path) {
 		// A job's root: its rank roots the job's, then its latest step
 		// in every one.
 		if err := checkpoint.CheckJob(checkpoint.OS, path, trainer.JobRank); err != nil {
@@ -401,7 +432,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 		for r := range world {
 			sd := checkpoint.StepDir(checkpoint.RankRoot(path, r), step)
 			if _, err := os.Stat(sd); errors.Is(err, fs.ErrNotExist) && checkpoint.Holder(checkpoint.OS, path) == "" {
-				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d lacks the job's latest step %d (%s is missing): restore it, or dos ckpt recover %s moves the job to an older step every rank holds, if there is one\n", path, r, step, sd, path)
+				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d lacks the job's latest step %d (%s is missing): put it back, or dos ckpt recover %s moves the job to an older step every rank holds, if there is one (setting the other ranks' pieces of step %d aside, kept whole)\n", path, r, step, sd, checkpoint.ShellQuote(path), step)
 				return 1
 			}
 			if rc := verifyRank(sd, r, world, stdout, stderr); rc != 0 {
@@ -411,7 +442,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 					fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d's step %d did not verify while %s holds the job (a running dos train, whose retention may have removed it as verify read it): verify again, or once it has stopped\n", path, r, step, holder)
 					return rc
 				}
-				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d's step %d does not verify (dos ckpt recover %s sets it aside and moves the job to the newest step every rank holds)\n", path, r, step, path)
+				fmt.Fprintf(stderr, "dos ckpt verify: job %s: rank %d's step %d does not verify (dos ckpt recover %s sets it aside and moves the job to the newest step every rank holds)\n", path, r, step, checkpoint.ShellQuote(path))
 				return rc
 			}
 		}
@@ -442,11 +473,11 @@ func verifyRank(path string, rank, world int, stdout, stderr io.Writer) int {
 		return 1
 	}
 	if world > 0 {
-		if r, n, err := trainer.JobRank(c); err != nil {
+		if id, err := trainer.JobRank(c); err != nil {
 			fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
 			return 1
-		} else if n > 0 && (r != rank || n != world) {
-			fmt.Fprintf(stderr, "dos ckpt verify: %s holds rank %d's pieces of a job of %d ranks, not rank %d's of %d: %v\n", dir, r, n, rank, world, checkpoint.ErrWrongRank)
+		} else if id.Ranks > 0 && (id.Rank != rank || id.Ranks != world) {
+			fmt.Fprintf(stderr, "dos ckpt verify: %s holds rank %d's pieces of a job of %d ranks, not rank %d's of %d: %v\n", dir, id.Rank, id.Ranks, rank, world, checkpoint.ErrWrongRank)
 			return 1
 		}
 	}

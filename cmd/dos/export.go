@@ -7,8 +7,6 @@ import (
 	"io"
 	"maps"
 	"math"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 
@@ -57,16 +55,16 @@ func trainCheckpoint(path string) (string, trainer.TrainConfig, error) {
 // recovers first), the newest complete step directory that opens. ok is
 // false when there is none; the trainer then says why.
 func resumeSource(root string) (dir string, cfg trainer.TrainConfig, ok bool) {
-	if _, err := os.Stat(filepath.Join(root, checkpoint.JobFile)); err == nil {
+	if checkpoint.IsJob(checkpoint.OS, root) {
 		// A job of ranks (dos train --gpus): rank 0's directory holds the
 		// trainer's objects; without a usable job latest (a first commit
-		// cut short, a damaged latest), rank 0's newest, as the resume
-		// will recover the job.
+		// cut short, a damaged latest, one naming a step rank 0 lacks),
+		// rank 0's newest, as the resume will recover the job (or refuse
+		// it: the flags taken are the run's either way).
 		if step, _, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
 			if dir, cfg, err := trainCheckpoint(checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)); err == nil {
 				return dir, cfg, true
 			}
-			return "", cfg, false
 		}
 		root = checkpoint.RankRoot(root, 0)
 	}

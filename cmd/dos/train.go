@@ -176,6 +176,11 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	cfg.Model.VocabSize = gpt.PadVocab(tok.VocabSize())
 	if cfg.Resume && cfg.CkptDir != "" {
 		if dir, old, ok := resumeSource(cfg.CkptDir); ok {
+			// The checkpoint's values, checked as the checkpoint's
+			// (damage), before they stand for flags.
+			if err := trainer.CheckCheckpointConfig(old, dir); err != nil {
+				return c.fail(stderr, "%v", err)
+			}
 			var taken []string
 			for _, f := range resumeFlags {
 				if f.name == "gpus" && old.GPUs <= 1 {

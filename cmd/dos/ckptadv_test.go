@@ -1,0 +1,384 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/deepstates/dos/checkpoint"
+)
+
+// The defects an adversary found in the job roots and dos ckpt's job
+// commands after issue 29's fixes, each as a user meets them.
+
+// trainJobWith trains a small model on 2 ranks to steps, saving every 2,
+// with extra flags, into a new job root it returns.
+func trainJobWith(t *testing.T, steps string, extra ...string) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "job")
+	args := append([]string{"--gpus", "2", "--steps", steps, "--ckpt-dir", dir, "--ckpt-every", "2"}, tinyShape...)
+	if rc, stdout, stderr := invoke(t, "train", append(args, extra...)...); rc != 0 {
+		t.Fatalf("dos train %v: rc %d\n%s%s", args, rc, stdout, stderr)
+	}
+	return dir
+}
+
+// resumeArgs are dos train --resume's on dir to steps, no shape flag.
+func resumeArgs(dir, steps string, extra ...string) []string {
+	return append([]string{"--resume", "--ckpt-dir", dir, "--steps", steps, "--sample", "0", "--eval-batches", "1", "--max-memory", "1"}, extra...)
+}
+
+// TestJobMixedRuns (adversary 1): a job root made of job A's rank 0 and
+// another run B's rank 1 is refused by verify, recover and --resume, each
+// naming the two runs; nothing is changed.
+func TestJobMixedRuns(t *testing.T) {
+	a := trainJobWith(t, "4")
+	b := trainJobWith(t, "4", "--seed", "7")
+	m := filepath.Join(t.TempDir(), "mixed")
+	copyTree(t, a, m)
+	os.RemoveAll(checkpoint.RankRoot(m, 1))
+	copyTree(t, checkpoint.RankRoot(b, 1), checkpoint.RankRoot(m, 1))
+	before := treeHash(t, m)
+	for _, args := range [][]string{{"verify", m}, {"recover", m}, {"ls", m}} {
+		rc, stdout, stderr := invoke(t, "ckpt", args...)
+		if rc != 1 || !strings.Contains(stderr, "different runs") || !strings.Contains(stderr, "Nothing was changed") {
+			t.Errorf("dos ckpt %v: rc %d, want 1 naming different runs\n%s%s", args, rc, stdout, stderr)
+		}
+	}
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(m, "8")...); rc != 1 || !strings.Contains(stderr, "different runs") {
+		t.Errorf("dos train --resume of mixed runs: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, _, stderr := invoke(t, "ckpt", "reshard", "--gpus", "1", m, filepath.Join(t.TempDir(), "re")); rc != 1 || !strings.Contains(stderr, "different runs") {
+		t.Errorf("dos ckpt reshard of mixed runs: rc %d\n%s", rc, stderr)
+	}
+	if after := treeHash(t, m); after != before {
+		t.Error("the refused job root was changed")
+	}
+	// A job's own resume keeps its run: it resumes, and verifies after.
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(a, "6")...); rc != 0 {
+		t.Fatalf("dos train --resume of job A: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", a); rc != 0 {
+		t.Errorf("dos ckpt verify of job A resumed: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
+
+// TestJobSymlinkedRankRoot (adversary 2): job M's rank-00001 is a link to
+// job B's rank-00001: --resume --ckpt-keep 1 on M is refused and B is
+// never written; verify, ls, recover and reshard refuse it too.
+func TestJobSymlinkedRankRoot(t *testing.T) {
+	a := trainJobWith(t, "4")
+	b := trainJobWith(t, "4", "--seed", "7")
+	m := filepath.Join(t.TempDir(), "m")
+	copyTree(t, a, m)
+	os.RemoveAll(checkpoint.RankRoot(m, 1))
+	if err := os.Symlink(checkpoint.RankRoot(b, 1), checkpoint.RankRoot(m, 1)); err != nil {
+		t.Fatal(err)
+	}
+	hb, hm := treeHash(t, b), treeHash(t, m)
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(m, "8", "--ckpt-keep", "1")...); rc != 1 || !strings.Contains(stderr, "symbolic link") {
+		t.Errorf("dos train --resume through a linked rank root: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	for _, args := range [][]string{{"verify", m}, {"recover", m}, {"ls", m}, {"reshard", "--gpus", "1", m, filepath.Join(t.TempDir(), "re")}} {
+		if rc, stdout, stderr := invoke(t, "ckpt", args...); rc != 1 || !strings.Contains(stderr, "symbolic link") {
+			t.Errorf("dos ckpt %v: rc %d, want 1 naming the link\n%s%s", args, rc, stdout, stderr)
+		}
+	}
+	if treeHash(t, b) != hb {
+		t.Error("job B was written through M's linked rank root")
+	}
+	if treeHash(t, m) != hm {
+		t.Error("job M was changed by a refusal")
+	}
+}
+
+// TestResumeJobRankStepMissing (adversary 3): rank 1's directory of the
+// job's committed step 8 is moved away: --resume refuses, changing
+// nothing and naming what is missing; put back, the job resumes from 8.
+// dos ckpt recover instead moves the job to step 6, setting rank 0's
+// piece of step 8 aside (kept), not deleting it.
+func TestResumeJobRankStepMissing(t *testing.T) {
+	dir := trainJobWith(t, "8")
+	step8 := checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 8)
+	away := filepath.Join(t.TempDir(), "away")
+	if err := os.Rename(step8, away); err != nil {
+		t.Fatal(err)
+	}
+	before := treeHash(t, dir)
+	rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "4")...)
+	if rc != 1 || !strings.Contains(stderr, step8) || !strings.Contains(stderr, "Nothing was changed") || !strings.Contains(stderr, "dos ckpt recover "+dir) {
+		t.Errorf("dos train --resume with rank 1's step 8 missing: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if strings.Contains(stdout, "at iteration") || strings.Contains(stdout, "resume: recovered") {
+		t.Errorf("dos train --resume said it resumed or recovered, which it did not:\n%s", stdout)
+	}
+	if treeHash(t, dir) != before {
+		t.Fatal("the refused resume changed the job root")
+	}
+	if err := os.Rename(away, step8); err != nil {
+		t.Fatal(err)
+	}
+	if rc, _, stderr := invoke(t, "ckpt", "verify", dir); rc != 0 {
+		t.Fatalf("verify with step 8 put back: rc %d\n%s", rc, stderr)
+	}
+	// recover: the job moves back to 6; rank 0's step 8 is set aside.
+	if err := os.Rename(step8, away); err != nil {
+		t.Fatal(err)
+	}
+	rc, stdout, stderr = invoke(t, "ckpt", "recover", dir)
+	if rc != 0 || !strings.Contains(stdout, "now at step 6") || !strings.Contains(stdout, "set aside") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if m, _ := filepath.Glob(filepath.Join(checkpoint.RankRoot(dir, 0), "damaged-unmatched-step-000000008-*")); len(m) != 1 {
+		t.Errorf("rank 0's step 8 after recover: set aside as %v, want one damaged-unmatched-step-000000008-*; rank 0 holds %v", m, entries(t, checkpoint.RankRoot(dir, 0)))
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", dir); rc != 0 || !strings.Contains(stdout, "step 6 verifies") {
+		t.Errorf("verify after recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
+
+// TestJobLatestNotAFile (adversary 4): a job whose latest is a directory:
+// recover and --resume refuse it, saying to move it away, not with a raw
+// rename error; once moved away, recover repairs the job.
+func TestJobLatestNotAFile(t *testing.T) {
+	dir := trainJobWith(t, "4")
+	latest := filepath.Join(dir, checkpoint.LatestFile)
+	os.Remove(latest)
+	if err := os.Mkdir(latest, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, sub := range []string{"ckpt", "train"} {
+		args := []string{"recover", dir}
+		if sub == "train" {
+			args = resumeArgs(dir, "6")
+		}
+		rc, stdout, stderr := invoke(t, sub, args...)
+		if rc != 1 || !strings.Contains(stderr, "is a directory, not a file: move it away") || strings.Contains(stderr, "file exists") {
+			t.Errorf("dos %s %v with latest a directory: rc %d\n%s%s", sub, args, rc, stdout, stderr)
+		}
+	}
+	if err := os.Remove(latest); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 || !strings.Contains(stdout, "now at step 4") {
+		t.Errorf("dos ckpt recover with latest moved away: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
+
+// TestJobLatestNamesUnheldStep (adversary 5): the job's latest flipped to
+// a step no rank holds (4 -> 3): recover keeps step 4, which verifies in
+// every rank, and points the job at it; --resume alike.
+func TestJobLatestNamesUnheldStep(t *testing.T) {
+	for _, sub := range []string{"ckpt", "train"} {
+		dir := trainJobWith(t, "4")
+		if err := os.WriteFile(filepath.Join(dir, checkpoint.LatestFile), []byte("step-000000003\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		args := []string{"recover", dir}
+		if sub == "train" {
+			args = resumeArgs(dir, "4")
+		}
+		if rc, stdout, stderr := invoke(t, sub, args...); rc != 0 || !strings.Contains(stdout, "no rank root holds") {
+			t.Errorf("dos %s %v: rc %d\n%s%s", sub, args, rc, stdout, stderr)
+		}
+		for r := range 2 {
+			if _, err := os.Stat(checkpoint.StepDir(checkpoint.RankRoot(dir, r), 4)); err != nil {
+				t.Errorf("dos %s: rank %d's step 4: %v", sub, r, err)
+			}
+		}
+		if step, _, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 4 || err != nil {
+			t.Errorf("dos %s: the job's latest: %d, %v; want 4", sub, step, err)
+		}
+	}
+}
+
+// limitedWriter fails the test's command by panicking once more than max
+// bytes are written: output without end is a defect, found in bounded time.
+type limitedWriter struct {
+	n, max int
+	b      strings.Builder
+}
+
+func (w *limitedWriter) Write(p []byte) (int, error) {
+	w.n += len(p)
+	if w.n > w.max {
+		panic("more output than a listing of a few rank roots")
+	}
+	return w.b.Write(p)
+}
+
+// TestCkptLsSelfLinkedRankRoots (adversary 6): rank roots that are links
+// to the job root itself: dos ckpt ls names each once, as damage, and
+// does not recurse.
+func TestCkptLsSelfLinkedRankRoots(t *testing.T) {
+	dir := trainJobWith(t, "4")
+	for r := range 2 {
+		os.RemoveAll(checkpoint.RankRoot(dir, r))
+		if err := os.Symlink(".", checkpoint.RankRoot(dir, r)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stdout, stderr := &limitedWriter{max: 1 << 16}, &limitedWriter{max: 1 << 16}
+	rc := func() (rc int) {
+		defer func() {
+			if p := recover(); p != nil {
+				t.Errorf("dos ckpt ls: %v (%d bytes so far)", p, stdout.n+stderr.n)
+				rc = -1
+			}
+		}()
+		return runCkpt([]string{"ls", dir}, stdout, stderr)
+	}()
+	if rc != 1 || !strings.Contains(stderr.b.String(), "symbolic link") || strings.Count(stdout.b.String(), "job "+dir) != 1 {
+		t.Errorf("dos ckpt ls of self-linked rank roots: rc %d\n%.2000s%.2000s", rc, stdout.b.String(), stderr.b.String())
+	}
+}
+
+// TestReshardLeftoverRemoved (adversary 7): a killed reshard's temporary
+// directory in its destination is listed with what removes it, and the
+// next dos train there removes it, as said.
+func TestReshardLeftoverRemoved(t *testing.T) {
+	dst := filepath.Join(t.TempDir(), "dst")
+	left := filepath.Join(dst, ".tmp-reshard-12345")
+	if err := os.MkdirAll(filepath.Join(left, "rank-00000"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(left, "rank-00000", "x"), []byte("partial"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "ls", dst); rc != 0 || !strings.Contains(stdout, left+"  (leftover of a killed dos ckpt reshard; the next dos train or dos ckpt reshard into this root removes it)") {
+		t.Errorf("dos ckpt ls: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	args := append([]string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dst, "--ckpt-every", "2", "--resume"}, tinyShape...)
+	if rc, stdout, stderr := invoke(t, "train", args...); rc != 0 || !strings.Contains(stdout, "removed "+left) {
+		t.Errorf("dos train into dst: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if _, err := os.Stat(left); err == nil {
+		t.Errorf("%s is still there after dos train saved into %s", left, dst)
+	}
+}
+
+// editRank rewrites rank's checkpoint of step 4 in the job root dir with
+// edit applied to its objects (checksums valid, as a writer writes them).
+func editRank(t *testing.T, dir string, rank int, edit func(objects map[string]json.RawMessage)) {
+	t.Helper()
+	rr := checkpoint.RankRoot(dir, rank)
+	out := rewrite(t, rr, nil, edit)
+	sd := checkpoint.StepDir(rr, 4)
+	if err := os.RemoveAll(sd); err != nil {
+		t.Fatal(err)
+	}
+	copyTree(t, checkpoint.StepDir(out, 4), sd)
+}
+
+// editJSON applies f to the object name decoded as a map and encodes it
+// back.
+func editJSON(t *testing.T, objects map[string]json.RawMessage, name string, f func(o map[string]any)) {
+	t.Helper()
+	var o map[string]any
+	if err := json.Unmarshal(objects[name], &o); err != nil {
+		t.Fatal(err)
+	}
+	f(o)
+	b, err := json.Marshal(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	objects[name] = b
+}
+
+// TestJobRanksDisagreeOnOptimizer (adversary 8): rank 1's checkpoint of
+// the job's step holds another optimizer step, betas or weight decay than
+// rank 0's: verify and --resume refuse it, naming the field.
+func TestJobRanksDisagreeOnOptimizer(t *testing.T) {
+	base := trainJobWith(t, "4")
+	for _, tc := range []struct {
+		what, field string
+		edit        func(o map[string]any)
+	}{
+		{"step 3", `object "optimizer": step`, func(o map[string]any) { o["step"] = 3 }},
+		{"betas", `object "optimizer": hyper`, func(o map[string]any) {
+			o["hyper"].(map[string]any)["betas"] = []float64{0.5, 0.95}
+			o["options"].(map[string]any)["hyper"].(map[string]any)["betas"] = []float64{0.5, 0.95}
+		}},
+		{"weight decay", `object "optimizer": hyper`, func(o map[string]any) {
+			o["hyper"].(map[string]any)["weight_decay"] = 0.0
+			o["options"].(map[string]any)["hyper"].(map[string]any)["weight_decay"] = 0.0
+		}},
+	} {
+		dir := filepath.Join(t.TempDir(), "j")
+		copyTree(t, base, dir)
+		editRank(t, dir, 1, func(objects map[string]json.RawMessage) { editJSON(t, objects, "optimizer", tc.edit) })
+		want := "disagree on " + tc.field
+		if rc, stdout, stderr := invoke(t, "ckpt", "verify", dir); rc != 1 || !strings.Contains(stderr, want) {
+			t.Errorf("%s: dos ckpt verify: rc %d, want 1 saying %q\n%s%s", tc.what, rc, want, stdout, stderr)
+		}
+		if rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "8")...); rc != 1 || !strings.Contains(stderr, want) {
+			t.Errorf("%s: dos train --resume: rc %d, want 1 saying %q\n%s%s", tc.what, rc, want, stdout, stderr)
+		}
+	}
+}
+
+// TestResumeCheckpointConfigInvalid (adversary 9): a checkpoint whose
+// trainer config holds an invalid shape or batch is named as damaged
+// (manifest and field, exit 1) by a --resume given no shape flag, never
+// blamed on flags not given.
+func TestResumeCheckpointConfigInvalid(t *testing.T) {
+	root := trainRoot(t, "2", "2")
+	for _, tc := range []struct {
+		field string
+		edit  func(cfg map[string]any)
+	}{
+		{"config.model.n_layer 100000", func(c map[string]any) { c["model"].(map[string]any)["n_layer"] = 100000 }},
+		{"config.model.n_head 0", func(c map[string]any) { c["model"].(map[string]any)["n_head"] = 0 }},
+		{"config.batch 0", func(c map[string]any) { c["batch"] = 0 }},
+	} {
+		dir := rewrite(t, root, nil, func(objects map[string]json.RawMessage) {
+			editJSON(t, objects, "trainer", func(o map[string]any) { tc.edit(o["config"].(map[string]any)) })
+		})
+		rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "4")...)
+		if rc != 1 || !strings.Contains(stderr, tc.field) || !strings.Contains(stderr, checkpoint.ManifestFile) ||
+			strings.Contains(stderr, "omit these flags") || strings.Contains(stderr, "--batch 0") {
+			t.Errorf("%s: dos train --resume: rc %d, want 1 naming the checkpoint's %s\n%s%s", tc.field, rc, tc.field, stdout, stderr)
+		}
+	}
+}
+
+// TestJobFileMissing (adversary 10): a job root that lost only job.json
+// is a job's root still: ls and verify say so and send to recover, which
+// rewrites job.json from the rank roots' records and keeps the job's
+// latest; the job then resumes.
+func TestJobFileMissing(t *testing.T) {
+	dir := trainJobWith(t, "4")
+	if err := os.Remove(filepath.Join(dir, checkpoint.JobFile)); err != nil {
+		t.Fatal(err)
+	}
+	want := checkpoint.JobFile + " is missing"
+	for _, sub := range []string{"ls", "verify"} {
+		if rc, stdout, stderr := invoke(t, "ckpt", sub, dir); rc != 1 || !strings.Contains(stderr, want) || !strings.Contains(stderr, "dos ckpt recover "+dir) {
+			t.Errorf("dos ckpt %s: rc %d\n%s%s", sub, rc, stdout, stderr)
+		}
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 || !strings.Contains(stdout, "was missing") || !strings.Contains(stdout, "step 4") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if step, world, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 4 || world != 2 || err != nil {
+		t.Errorf("the job after recover: step %d, %d ranks, %v; want 4 of 2", step, world, err)
+	}
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "6")...); rc != 0 || !strings.Contains(stdout, "done: 6 iterations") {
+		t.Errorf("dos train --resume after recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
+
+// TestSuggestedCommandsQuoted (adversary 11): a path with a space is
+// shell-quoted in the command that reshard suggests.
+func TestSuggestedCommandsQuoted(t *testing.T) {
+	src := filepath.Join(t.TempDir(), "sp ace")
+	copyTree(t, trainJobWith(t, "4"), src)
+	dst := src + ".rs"
+	rc, stdout, stderr := invoke(t, "ckpt", "reshard", "--gpus", "1", src, dst)
+	if want := "dos train --resume --ckpt-dir '" + dst + "' --gpus 1"; rc != 0 || !strings.Contains(stdout, want) {
+		t.Errorf("dos ckpt reshard: rc %d, want %q\n%s%s", rc, want, stdout, stderr)
+	}
+}
