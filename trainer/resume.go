@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/offload"
 )
 
 // openRoot takes the lock of cfg.CkptDir (checkpoint.Lock: it creates the
@@ -237,10 +238,10 @@ func (t *Trainer) resume(dir string) error {
 		return fmt.Errorf("trainer: resume from %s: not a dos train checkpoint: %w", dir, err)
 	}
 	if err := checkState(&st, manifestStep, dir); err != nil {
-		return err
+		return fmt.Errorf("%w%s", err, recoverHint(err, root))
 	}
 	if err := CheckCheckpointConfig(st.Config, dir); err != nil {
-		return err
+		return fmt.Errorf("%w%s", err, recoverHint(err, root))
 	}
 	// The model's shape and the batch cannot change: name every flag that
 	// differs (dos train takes the ones not given from the checkpoint).
@@ -388,7 +389,7 @@ func (t *Trainer) resume(dir string) error {
 // matched, so it was written so).
 func checkState(st *trainerState, step int64, dir string) error {
 	bad := func(field string, v any, want string) error {
-		return fmt.Errorf("trainer: resume from %s: %s, object \"trainer\": %s %v: %s: %w",
+		return fmt.Errorf("trainer: checkpoint %s: %s, object \"trainer\": %s %v: %s: %w",
 			dir, filepath.Join(dir, checkpoint.ManifestFile), field, v, want, checkpoint.ErrCorrupt)
 	}
 	switch {
@@ -404,6 +405,33 @@ func checkState(st *trainerState, step int64, dir string) error {
 	return nil
 }
 
+// VerifyCheckpoint is offload.VerifyCheckpoint and, for a dos train
+// checkpoint (one holding the trainer's object), the trainer's state and
+// configuration checked as --resume checks them (the iteration against
+// the step, the data position, the loss scaler's count, the model's shape
+// and the batch): what dos ckpt verify and recover verify with, so that a
+// checkpoint they pass is one --resume takes, and one --resume refuses as
+// damaged is set aside by recover.
+//
+// Errors: those of offload.VerifyCheckpoint; ErrCorrupt (wrapped), naming
+// the manifest and the field.
+func VerifyCheckpoint(c *checkpoint.Checkpoint) error {
+	if err := offload.VerifyCheckpoint(c); err != nil {
+		return err
+	}
+	if _, ok := c.Manifest.Objects["trainer"]; !ok {
+		return nil // not dos train's: the Python binding's, a library's
+	}
+	var st trainerState
+	if err := c.Object("trainer", &st); err != nil {
+		return err
+	}
+	if err := checkState(&st, c.Manifest.Step, c.Dir); err != nil {
+		return err
+	}
+	return CheckCheckpointConfig(st.Config, c.Dir)
+}
+
 // CheckCheckpointConfig checks the configuration c that the dos train
 // checkpoint in dir records (object "trainer", config) where a resume
 // takes it: the model's shape, the vocabulary, the batch and the rank
@@ -415,7 +443,7 @@ func checkState(st *trainerState, step int64, dir string) error {
 func CheckCheckpointConfig(c TrainConfig, dir string) error {
 	m := c.Model
 	bad := func(field string, v any, want string) error {
-		return fmt.Errorf("trainer: resume from %s: %s, object \"trainer\": config.%s %v: %s (the checkpoint's own value, not a flag's: it is damaged, or was edited; nothing was changed): %w",
+		return fmt.Errorf("trainer: checkpoint %s: %s, object \"trainer\": config.%s %v: %s (the checkpoint's own value, not a flag's: it is damaged, or was edited): %w",
 			dir, filepath.Join(dir, checkpoint.ManifestFile), field, v, want, checkpoint.ErrCorrupt)
 	}
 	switch {

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/deepstates/dos/checkpoint"
-	"github.com/deepstates/dos/offload"
 	"github.com/deepstates/dos/trainer"
 )
 
@@ -369,7 +368,7 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "dos ckpt recover: %s is a job's root, recovered for every rank; --rank %d: recover one rank's root instead, dos ckpt recover %s (then the job's root, to move every rank to a step they all hold)\n", root, rank, checkpoint.ShellQuote(checkpoint.RankRoot(root, rank)))
 			return 2
 		}
-		step, note, err := checkpoint.RecoverJob(checkpoint.OS, root, offload.VerifyCheckpoint, trainer.JobRank)
+		step, note, err := checkpoint.RecoverJob(checkpoint.OS, root, trainer.VerifyCheckpoint, trainer.JobRank)
 		switch {
 		case err != nil:
 			fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
@@ -383,7 +382,7 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 		}
 		return 0
 	}
-	rec, err := checkpoint.Rollback(checkpoint.OS, root, rank, offload.VerifyCheckpoint)
+	rec, err := checkpoint.Rollback(checkpoint.OS, root, rank, trainer.VerifyCheckpoint)
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
 		return 1
@@ -468,7 +467,7 @@ func verifyRank(path string, rank, world int, stdout, stderr io.Writer) int {
 	}
 	dir := c.Dir
 	defer c.Close()
-	if err := offload.VerifyCheckpoint(c); err != nil {
+	if err := trainer.VerifyCheckpoint(c); err != nil {
 		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
 		return 1
 	}

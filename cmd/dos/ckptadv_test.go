@@ -382,3 +382,36 @@ func TestSuggestedCommandsQuoted(t *testing.T) {
 		t.Errorf("dos ckpt reshard: rc %d, want %q\n%s%s", rc, want, stdout, stderr)
 	}
 }
+
+// TestVerifyChecksTrainerState: a checkpoint whose trainer state or
+// configuration --resume refuses as damaged (CRCs recomputed) fails dos
+// ckpt verify too, naming the manifest and the field, and dos ckpt recover
+// sets it aside, so that the run resumes from the older checkpoint that
+// verifies: verify and --resume agree, and recover leads somewhere.
+func TestVerifyChecksTrainerState(t *testing.T) {
+	root := trainRoot(t, "4", "2")
+	for _, tc := range []struct {
+		field string
+		edit  func(o map[string]any)
+	}{
+		{"config.model.n_head 0", func(o map[string]any) { o["config"].(map[string]any)["model"].(map[string]any)["n_head"] = 0 }},
+		{"iteration 9223372036854775807", func(o map[string]any) { o["iteration"] = int64(1<<63 - 1) }},
+	} {
+		dir := rewrite(t, root, nil, func(objects map[string]json.RawMessage) {
+			editJSON(t, objects, "trainer", tc.edit)
+		})
+		copyTree(t, checkpoint.StepDir(root, 2), checkpoint.StepDir(dir, 2))
+		if rc, stdout, stderr := invoke(t, "ckpt", "verify", dir); rc != 1 || !strings.Contains(stderr, tc.field) || !strings.Contains(stderr, checkpoint.ManifestFile) {
+			t.Errorf("%s: dos ckpt verify: rc %d, want 1 naming the field\n%s%s", tc.field, rc, stdout, stderr)
+		}
+		if rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "4")...); rc != 1 || !strings.Contains(stderr, tc.field) || !strings.Contains(stderr, "dos ckpt recover "+dir) {
+			t.Errorf("%s: dos train --resume: rc %d, want 1 naming the field and recover\n%s%s", tc.field, rc, stdout, stderr)
+		}
+		if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 || !strings.Contains(stdout, "step-000000002") {
+			t.Errorf("%s: dos ckpt recover: rc %d, want 0 moving latest to step 2\n%s%s", tc.field, rc, stdout, stderr)
+		}
+		if rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "4")...); rc != 0 || !strings.Contains(stdout, "done: 4 iterations") {
+			t.Errorf("%s: dos train --resume after recover: rc %d\n%s%s", tc.field, rc, stdout, stderr)
+		}
+	}
+}
