@@ -412,6 +412,15 @@ func (e *Engine) newFlush(h *Handle, p *plan, s *Snapshot) *flush {
 	fl := &flush{e: e, h: h, p: p, s: s, ctx: ctx, cancel: cancel, chunkBytes: C, nchunks: int((p.fileSize + C - 1) / C)}
 	fl.chunkGroups = make([][]int, fl.nchunks)
 	fl.left = make([]int, len(h.groups))
+	// last[g] is the last chunk group g was added to: pieces come in file
+	// order, so a group's chunks mostly do too, and the check is O(1) (a
+	// chunk may hold millions of one-element subgroups' pieces, where a
+	// search of its groups made a save quadratic); a chunk before it is
+	// searched.
+	last := make([]int, len(h.groups))
+	for g := range last {
+		last[g] = -1
+	}
 	for i, t := range s.Tensors {
 		off := p.manifest.Tensors[i].Offset
 		for j, r := range t.Data {
@@ -421,11 +430,13 @@ func (e *Engine) newFlush(h *Handle, p *plan, s *Snapshot) *flush {
 			}
 			if len(r) > 0 {
 				fl.pieces = append(fl.pieces, piece{data: r, off: off})
-				for k := off / C; k <= (off+int64(len(r))-1)/C; k++ {
-					if !slices.Contains(fl.chunkGroups[k], g) {
-						fl.chunkGroups[k] = append(fl.chunkGroups[k], g)
-						fl.left[g]++
+				for k := int(off / C); k <= int((off+int64(len(r))-1)/C); k++ {
+					if k == last[g] || k < last[g] && slices.Contains(fl.chunkGroups[k], g) {
+						continue
 					}
+					fl.chunkGroups[k] = append(fl.chunkGroups[k], g)
+					fl.left[g]++
+					last[g] = max(last[g], k)
 				}
 			}
 			off += int64(len(r))
