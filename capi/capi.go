@@ -19,6 +19,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"runtime/debug"
 	"slices"
@@ -768,6 +769,9 @@ func dos_adamw_load(h C.int64_t, path *C.char, objectsOut **C.char, errOut **C.c
 		if err := sameFixedHyper(o, C.GoString(path)); err != nil {
 			return err
 		}
+		if err := checkObjects(o, C.GoString(path)); err != nil {
+			return err
+		}
 		_, objs, err := o.LoadCheckpoint(checkpoint.OS, C.GoString(path))
 		if err != nil {
 			return err
@@ -807,6 +811,9 @@ func sameFixedHyper(o *offload.Optimizer, path string) error {
 		}
 		return d
 	}
+	if n, m := max(len(savedGroups), 1), max(len(opts.Groups), 1); n != m {
+		return fmt.Errorf("dos: %s was saved with %d parameter groups; this optimizer has %d: build it with the checkpoint's groups", dir, n, m)
+	}
 	a, b := decay(saved, savedGroups), decay(now, opts.Groups)
 	if saved.Mode != now.Mode || saved.Betas != now.Betas || saved.Eps != now.Eps || saved.AMSGrad != now.AMSGrad ||
 		saved.Maximize != now.Maximize || !slices.Equal(a, b) {
@@ -814,6 +821,73 @@ func sameFixedHyper(o *offload.Optimizer, path string) error {
 			dir, saved.Betas, saved.Eps, a, saved.AMSGrad, saved.Maximize, now.Betas, now.Eps, b, now.AMSGrad, now.Maximize)
 	}
 	return nil
+}
+
+// maxStep is the largest optimizer step a checkpoint may hold for the
+// binding: torch keeps the step as a float, which holds every whole
+// number up to 2**53 exactly (dos.torch.MAX_STEP, load_state_dict's and
+// opt.state's bound); a step counter near int64's end would overflow.
+const maxStep = 1 << 53
+
+// checkObjects refuses, before offload.Optimizer.LoadCheckpoint changes
+// anything, a checkpoint at path (a root or a step directory) whose
+// optimizer object holds a step above maxStep, or whose "torch" object
+// (the binding's: the param groups' lr values) is not a JSON object
+// with "lrs" a list of finite numbers >= 0, one per param group of o. A
+// checkpoint that cannot be read is left to LoadCheckpoint's errors.
+func checkObjects(o *offload.Optimizer, path string) error {
+	dir, err := checkpoint.Resolve(checkpoint.OS, path)
+	if err != nil {
+		return nil
+	}
+	c, err := checkpoint.Open(checkpoint.OS, dir, 0)
+	if err != nil {
+		return nil
+	}
+	defer c.Close()
+	if raw, ok := c.Manifest.Objects[offload.ObjectName]; ok {
+		var obj struct {
+			Step json.Number `json:"step"`
+		}
+		if json.Unmarshal(raw, &obj) == nil && obj.Step != "" {
+			if n, err := obj.Step.Int64(); err != nil || n > maxStep {
+				return fmt.Errorf("dos: %s: the optimizer's step %s is above %d (2**53, the largest step torch's float step count holds exactly); this checkpoint is not one dos.torch.AdamW can continue", dir, obj.Step, int64(maxStep))
+			}
+		}
+	}
+	raw, ok := c.Manifest.Objects["torch"]
+	if !ok {
+		return nil
+	}
+	var t map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &t); err != nil || t == nil {
+		return fmt.Errorf("dos: %s: the \"torch\" object is %s, not dos.torch.AdamW's (an object with \"lrs\", the param groups' lr values): a foreign or edited checkpoint", dir, clip(raw))
+	}
+	lrsRaw, ok := t["lrs"]
+	if !ok {
+		return nil
+	}
+	var lrs []any
+	groups := max(len(o.Options().Groups), 1)
+	if err := json.Unmarshal(lrsRaw, &lrs); err != nil || len(lrs) != groups {
+		return fmt.Errorf("dos: %s: the \"torch\" object's \"lrs\" is %s: want a list of %d lr values (one per param group of this optimizer)", dir, clip(lrsRaw), groups)
+	}
+	for i, v := range lrs {
+		f, ok := v.(float64)
+		if !ok || math.IsNaN(f) || math.IsInf(f, 0) || f < 0 {
+			b, _ := json.Marshal(v)
+			return fmt.Errorf("dos: %s: the \"torch\" object's \"lrs\"[%d] is %s: want a finite number >= 0 (param group %d's lr)", dir, i, clip(b), i)
+		}
+	}
+	return nil
+}
+
+// clip is raw JSON for a message: at most 80 bytes of it.
+func clip(raw json.RawMessage) string {
+	if len(raw) > 80 {
+		return string(raw[:77]) + "..."
+	}
+	return string(raw)
 }
 
 // placementInfo is dos_adamw_placement's JSON: where the update phase runs.

@@ -22,6 +22,7 @@ __all__ = ["AdamW", "SaveHandle"]
 
 _SHARED = ("betas", "eps", "amsgrad", "maximize")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MIN_RING_BYTES = 32 << 20  # save's smallest ring_bytes but 0: two of the checkpointer's 16 MiB chunks
 MAX_STEP = 2 ** 53  # the largest step count taken: a float (torch keeps the step as one) holds it exactly
 
 
@@ -115,7 +116,7 @@ def _path(path, what):
     return b
 
 
-def _refuse_overlaps(ts):
+def _refuse_overlaps(ts, what=""):
     """Refuses (ValueError) tensors whose memory overlaps (distinct Parameters over one storage, such as
     nn.Parameter(a.data)): dos reads every parameter before the step and writes each back after it, so one's
     write would undo the other's update. The tensors are contiguous: each spans [data_ptr, + numel x size)."""
@@ -124,9 +125,19 @@ def _refuse_overlaps(ts):
     for a, b in zip(spans, spans[1:]):
         if a[:2] == b[:2] and b[2] < a[3]:
             i, j = sorted((a[4], b[4]))
-            raise ValueError(f"dos.torch.AdamW: parameters {i} {tuple(ts[i].shape)} and {j} {tuple(ts[j].shape)} share memory "
-                             "(one storage, e.g. nn.Parameter(a.data)); dos keeps one state per parameter and would undo one's "
+            raise ValueError(f"dos.torch.AdamW{what}: parameters {i} {tuple(ts[i].shape)} and {j} {tuple(ts[j].shape)} share memory "
+                             f"(one storage, e.g. nn.Parameter(a.data){', or p1.data = p0.data after construction' if what else ''}); dos keeps one state per parameter and would undo one's "
                              "update with the other's: tie them as one Parameter (pass it once), or give each its own storage (.clone())")
+
+
+def _check_process(pid, what):
+    """Refuses (DosError) a call into dos from a process other than pid, the one that built the object: dos's Go
+    runtime does not survive fork() (the child has only the forking thread, so a call that waits on a
+    goroutine would hang for ever)."""
+    if os.getpid() != pid:
+        raise _native.DosError(f"dos.torch.{what} was built in process {pid}, and this is process {os.getpid()} (a fork()ed "
+                               "child): dos's runtime does not survive fork(); build the optimizer in the child, or use "
+                               "the spawn start method (multiprocessing.set_start_method(\"spawn\"))")
 
 
 def _norm(v):
@@ -314,6 +325,7 @@ class AdamW(torch.optim.Optimizer):
         # the parameters of each group as dos laid them out: step(), state_dict(), load_state_dict() and save()
         # refuse groups whose "params" were edited since (_check_layout)
         self._layout = [tuple(g["params"]) for g in self.param_groups]
+        self._pid = os.getpid()  # dos's runtime does not survive fork(): no other process calls into it (_handle)
         self._h = _native.call("dos_adamw_new", json.dumps(spec).encode())
         # (data_ptr, _version, the data tensor) of each parameter as dos last left it; holding the tensor keeps
         # its storage alive, so that no new buffer can take its address unseen (_changed)
@@ -452,6 +464,7 @@ class AdamW(torch.optim.Optimizer):
                         "state_dict() (torch.optim.AdamW's format) or save(root)")
 
     def _handle(self):
+        _check_process(self.__dict__.get("_pid", os.getpid()), "AdamW")
         if not self._h:
             raise _native.DosError("dos.torch.AdamW: the optimizer is closed")
         return self._h
@@ -474,11 +487,17 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         """One AdamW step over every parameter (torch.optim.AdamW's semantics). Returns the closure's loss.
         Steps from several threads run one after the other; a parameter or gradient another thread replaces
-        meanwhile is read once per step and checked (ValueError if it no longer fits)."""
+        meanwhile is read once per step and checked (ValueError if it no longer fits), as are parameters that
+        share memory (a tie made after construction, ``p1.data = p0.data``: a ValueError, as at construction).
+        A background ``save`` that failed and was not yet reported by its handle's ``wait()`` makes this step
+        raise its DosError instead, the step not taken (the step count stays; the next step is taken). The step
+        is applied whole: a KeyboardInterrupt (Ctrl-C) arriving once dos has updated still gets the new weights
+        into ``p.data``, then propagates."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._handle()  # before the lock: one held at fork() by another thread stays held in the child
         with self._lock:
             self._step()
         return loss
@@ -489,7 +508,7 @@ class AdamW(torch.optim.Optimizer):
         n = len(self._params)
         # One snapshot of each parameter's data and gradient, checked; CPU gradients go into the private buffers
         # that dos reads (torch's copy_, with the GIL held), and the new weights come back through them.
-        held = []
+        held, grads = [], []
         for i, P in enumerate(self._params):
             p = _local(P)  # an FSDP2 parameter's local shard
             d = self._data(i, p)
@@ -506,14 +525,17 @@ class AdamW(torch.optim.Optimizer):
                                  f"{tuple(grad.shape)}; want float32, bfloat16 or float16 of the parameter's shape")
             if grad.device != d.device:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} is on {d.device} with its gradient on {grad.device}")
+            held.append((p, d))
+            grads.append(grad)
+        # a tie made after construction (p1.data = p0.data): one's write-back would undo the other's update
+        _refuse_overlaps([d for _, d in held], ".step")
+        for i, ((p, d), grad) in enumerate(zip(held, grads)):
             if self._changed(i, p, d):  # changed or replaced since dos wrote it: take it
                 self._take(i, p, d)
             if self._cuda:  # into dos's device gradient, on PyTorch's current stream
                 self._views[i][0].copy_(grad.reshape(-1))
-                held.append((p, d))
-                continue
-            self._gbuf[i].view(d.shape).copy_(grad)  # converts the dtype, resolves a lazy negation
-            held.append((p, d))
+            else:
+                self._gbuf[i].view(d.shape).copy_(grad)  # converts the dtype, resolves a lazy negation
         for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
             if not math.isfinite(float(g["lr"])):
                 raise ValueError(f"dos.torch.AdamW: param group {gi}: invalid lr: {g['lr']}")
@@ -529,12 +551,7 @@ class AdamW(torch.optim.Optimizer):
             plens, glens = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
             for i, (w, g) in enumerate(zip(self._wbuf, self._gbuf)):  # private: no other thread reaches them
                 params[i], plens[i], grads[i], glens[i] = w.data_ptr(), w.numel(), g.data_ptr(), g.numel()
-            taken = self._call_step("dos_adamw_step", h, n, params, plens, grads, glens, lrs, len(self.param_groups), 0.0)
-            self.skipped = taken == 0
-            if taken:
-                for i, (p, d) in enumerate(held):
-                    d.copy_(self._wbuf[i].view(d.shape))
-                    self._mark_seen(i, p, d)
+            self._native_step(h, held, "dos_adamw_step", h, n, params, plens, grads, glens, lrs, len(self.param_groups), 0.0)
             return
         # dos's update reads the gradients once PyTorch's stream has written them: an event on that stream,
         # waited for by this thread only (no device-wide synchronisation). The step returns when dos's update
@@ -542,12 +559,33 @@ class AdamW(torch.optim.Optimizer):
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self._dev))
         ev.synchronize()
-        taken = self._call_step("dos_adamw_step_device", h, lrs, len(self.param_groups), 0.0)
-        self.skipped = taken == 0
-        if taken:
-            for i, (p, d) in enumerate(held):
-                d.view(-1).copy_(self._views[i][1])
-                self._mark_seen(i, p, d)
+        self._native_step(h, held, "dos_adamw_step_device", h, lrs, len(self.param_groups), 0.0)
+
+    def _native_step(self, h, held, name, *args):
+        """Calls dos's step (name, args) and, once it is taken, copies the new weights into the parameters'
+        data (held: each parameter's (p, d) of this step) and records them. The step is applied whole: an
+        exception that arrives once dos has taken the step (a KeyboardInterrupt from Ctrl-C lands as soon as
+        the native call returns, before Python could assign its result) still gets the copy-back and the
+        bookkeeping, then propagates; dos's step count says whether the step was taken."""
+        before = _native.call("dos_adamw_get_step", h)
+        taken = None
+        try:
+            taken = self._call_step(name, *args)
+        finally:
+            if taken is None:  # an exception: was the step taken before it arrived?
+                try:
+                    taken = 1 if _native.call("dos_adamw_get_step", h) > before else None
+                except _native.DosError:
+                    pass
+            if taken is not None:
+                self.skipped = taken == 0
+                if taken:
+                    for i, (p, d) in enumerate(held):
+                        if self._cuda:
+                            d.view(-1).copy_(self._views[i][1])
+                        else:
+                            d.copy_(self._wbuf[i].view(d.shape))
+                        self._mark_seen(i, p, d)
 
     _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
 
@@ -565,6 +603,7 @@ class AdamW(torch.optim.Optimizer):
         # lock: a hook may read opt.state
         for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
             hook(self)
+        self._handle()
         with self._lock:  # not beside a step: the moments and the step count of one step
             sd = self._state_dict()
         for hook in list(getattr(self, "_optimizer_state_dict_post_hooks", {}).values()):
@@ -678,6 +717,7 @@ class AdamW(torch.optim.Optimizer):
             r = hook(self, state_dict)
             if r is not None:
                 state_dict = r
+        self._handle()
         with self._lock:
             self._load_state_dict(state_dict)
         for hook in list(getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values()):
@@ -736,17 +776,22 @@ class AdamW(torch.optim.Optimizer):
         background while training goes on (DataStates-LLM). The returned SaveHandle says when it is durable.
         The param groups' lr values ride along, and ``load`` restores them. ``keep`` > 0 keeps only the newest
         ``keep`` checkpoints under ``root`` (the older ones are retired after each commit; 0 keeps all).
-        ``ring_bytes`` is the checkpointer's staging memory between capture and flush (0: 256 MiB): the step
+        ``ring_bytes`` is the checkpointer's staging memory between capture and flush (0: 256 MiB; else at least
+        ``MIN_RING_BYTES``, 32 MiB, two of its 16 MiB chunks, and at most 2**62; a ValueError otherwise): the step
         after a save waits for the capture of the state it updates on the host (the CPU and streamed
         subgroups'), at the disk's pace through a small ring; a ring that holds that state (12 bytes a
         parameter) captures it at memory speed (on the H200 a gpt2-xl step waited 6.9 s with the default).
         A state that ``load`` would refuse (a master weight or moment gone Inf or NaN, which finite but huge
         gradients can cause) is never committed: ``wait()`` raises DosError naming the tensor, and the previous
-        checkpoint stays the latest. A root that another optimizer of this process writes (its retention would
+        checkpoint stays the latest. A background save that failed is also reported by the next ``step()``, which
+        raises that DosError and is not taken (the step count stays; call it again to take it), whether or not
+        ``wait()`` was called; once ``wait()`` or a ``step()`` has reported it, steps go on (each failure is
+        reported by one step at most). A root that another optimizer of this process writes (its retention would
         retire this one's checkpoints) raises DosError: save into another root, or ``close()`` that one first. So does
         a root whose latest committed checkpoint is at this optimizer's step or above (a run resumed from an older
         checkpoint: its save would retire the newer ones): a checkpoint is never replaced or lost. The parameters
         are saved as they are now: those changed since the last step are taken first, as a step takes them."""
+        self._handle()
         with self._lock:
             return self._save(root, keep, ring_bytes)
 
@@ -760,11 +805,14 @@ class AdamW(torch.optim.Optimizer):
                              "(a checkpoint is never replaced)")
         if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= 2**31 - 1:
             raise ValueError(f"dos.torch.AdamW.save: keep={keep!r}: want an int from 0 (0 keeps every checkpoint) to 2**31 - 1")
-        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int) or not 0 <= ring_bytes <= 2**62:
-            raise ValueError(f"dos.torch.AdamW.save: ring_bytes={ring_bytes!r}: want an int from 0 (0: 256 MiB) to 2**62 bytes")
+        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int) or not (
+                ring_bytes == 0 or MIN_RING_BYTES <= ring_bytes <= 2**62):
+            raise ValueError(f"dos.torch.AdamW.save: ring_bytes={ring_bytes!r}: want 0 (the default, 256 MiB) or an int from "
+                             f"{MIN_RING_BYTES} (32 MiB: the checkpointer's ring holds at least two 16 MiB chunks) to 2**62 bytes")
         # the parameters as they are now are what is saved: those changed since dos wrote them are taken first,
         # as a step takes them (every one checked before any is taken)
         data = [(_local(P), self._data(i, _local(P))) for i, P in enumerate(self._params)]
+        _refuse_overlaps([d for _, d in data], ".save")  # a tie made after construction (p1.data = p0.data)
         for i, (p, d) in enumerate(data):
             if self._changed(i, p, d):
                 self._take(i, p, d)
@@ -778,6 +826,7 @@ class AdamW(torch.optim.Optimizer):
         """Restores the state of a checkpoint written by ``save``: ``path`` is a root (its latest
         checkpoint) or one step directory. The parameters' data is set to the loaded master weights, and the
         groups' lr to the saved ones."""
+        self._handle()
         with self._lock:
             self._load(path)
 
@@ -792,7 +841,8 @@ class AdamW(torch.optim.Optimizer):
         for i, (p, d) in enumerate(data):
             d.copy_(self.master_weights(i).view(d.shape))
             self._mark_seen(i, p, d)
-        lrs = (objs.get("torch") or {}).get("lrs")
+        t = objs.get("torch")  # dos checked it before loading: an object, lrs finite numbers >= 0, one per group
+        lrs = t.get("lrs") if isinstance(t, dict) else None
         if lrs and len(lrs) == len(self.param_groups):
             for g, lr in zip(self.param_groups, lrs):
                 g["lr"] = lr
@@ -816,7 +866,12 @@ class AdamW(torch.optim.Optimizer):
         return t
 
     def close(self):
-        """Frees dos's optimizer state; later steps raise. Called when the optimizer is collected."""
+        """Frees dos's optimizer state; later steps raise. Called when the optimizer is collected. In a fork()ed
+        child it only forgets the handle (dos's runtime does not survive fork(); the parent's state is the
+        parent's)."""
+        if self.__dict__.get("_pid", os.getpid()) != os.getpid():
+            self._h = 0
+            return
         lock = self.__dict__.get("_lock")
         if lock is None:  # construction failed before the lock: nothing runs beside this
             h, self._h = getattr(self, "_h", 0), 0
@@ -862,6 +917,7 @@ class _State(MutableMapping):
     def __setitem__(self, P, value):
         """Writes the entries of value (step, exp_avg, ...) into dos, all checked first; others stay."""
         i, opt = self._i(P), self._opt
+        opt._handle()  # before the lock (fork())
         with opt._lock:
             checked = {k: opt._checked_state(i, k, v, "state") for k, v in value.items()}
             for k, v in checked.items():
@@ -892,10 +948,12 @@ class _ParamState(MutableMapping):
     def __getitem__(self, k):
         if k not in self._opt._keys():
             raise KeyError(k)
+        self._opt._handle()  # before the lock (fork())
         with self._opt._lock:
             return self._opt._fetch(self._i, k)
 
     def __setitem__(self, k, v):
+        self._opt._handle()  # before the lock (fork())
         with self._opt._lock:
             self._opt._put(self._i, k, self._opt._checked_state(self._i, k, v, "state"))
 
@@ -922,11 +980,14 @@ class SaveHandle:
 
     def __init__(self, h):
         self._h = h
+        self._pid = os.getpid()
 
     def done(self):
+        _check_process(self._pid, "SaveHandle")
         return bool(_native.lib().dos_save_done(self._h))
 
     def wait(self):
+        _check_process(self._pid, "SaveHandle")
         d = ctypes.c_void_p()
         try:
             _native.call("dos_save_wait", self._h, ctypes.byref(d))
@@ -939,6 +1000,8 @@ class SaveHandle:
 
     def __del__(self):
         try:
+            if self._pid != os.getpid():
+                return  # a fork()ed child: dos's runtime is the parent's
             _native.lib().dos_save_free(self._h)
         except Exception:
             pass

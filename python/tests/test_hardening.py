@@ -351,7 +351,7 @@ def test_save_options_out_of_range_refused(kw, tmp_path):
     p, o = _stepped()
     o.save(str(tmp_path)).wait()
     o.step()
-    with pytest.raises(ValueError, match="want an int from 0"):
+    with pytest.raises(ValueError, match=r"want (an int from 0|0 \(the default)"):
         o.save(str(tmp_path), **kw)
     assert sorted(x for x in os.listdir(tmp_path) if x.startswith("step")) == ["step-000000003"]
 
