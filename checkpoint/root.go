@@ -354,6 +354,9 @@ type Recovery struct {
 	// Skipped are the complete step directories newer than Dir that did
 	// not verify, each with the reason.
 	Skipped []string
+	// SetAside names the step directories Rollback set aside besides
+	// latest's ("NAME as PATH"): the newer ones Skipped for damage.
+	SetAside []string
 }
 
 // Recover returns the checkpoint to resume from under root, repairing a
@@ -386,7 +389,7 @@ func Recover(fsys FS, root string, rank int) (*Recovery, error) {
 	err = writing(fsys, root, func() error {
 		info, err := Inspect(fsys, root) // again, now that no one else writes
 		if err == nil {
-			rec, err = recoverLocked(fsys, root, rank, info, nil)
+			rec, err = recoverLocked(fsys, root, rank, info, nil, false)
 		}
 		return err
 	})
@@ -448,7 +451,7 @@ func rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*
 		if info.Problem == nil {
 			return nil, fmt.Errorf("checkpoint: %s: %w", root, ErrNoCheckpoint)
 		}
-		rec, err := recoverLocked(fsys, root, rank, info, verify)
+		rec, err := recoverLocked(fsys, root, rank, info, verify, true)
 		var nv *noneVerifies
 		if errors.As(err, &nv) {
 			return nil, noneLeftIn(fsys, root, fmt.Sprintf("%v, and no step directory verifies (%s)", info.Problem, nv.why))
@@ -473,7 +476,7 @@ func rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*
 	if info, err = Inspect(fsys, root); err != nil {
 		return nil, err
 	}
-	rec, err := recoverLocked(fsys, root, rank, info, verify)
+	rec, err := recoverLocked(fsys, root, rank, info, verify, true)
 	var nv *noneVerifies
 	if errors.As(err, &nv) {
 		why := fmt.Sprintf("%s did not verify (%v): set aside as %s", name, verr, aside)
@@ -486,12 +489,19 @@ func rollback(fsys FS, root string, rank int, verify func(*Checkpoint) error) (*
 		return nil, fmt.Errorf("checkpoint: %s did not verify (%v) and was set aside as %s: %w", name, verr, aside, err)
 	}
 	rec.Note = fmt.Sprintf("%s did not verify (%v): set aside as %s; latest now names %s, the newest step directory that verifies", name, verr, aside, filepath.Base(rec.Dir))
+	if len(rec.SetAside) > 0 {
+		rec.Note += fmt.Sprintf("; the newer ones that did not verify were set aside too, whole: %s", strings.Join(rec.SetAside, ", "))
+	}
 	return rec, nil
 }
 
 // recoverLocked is Recover's repair, for a caller that holds the root's
 // lock and its write.
-func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*Checkpoint) error) (*Recovery, error) {
+// With aside (Rollback), the complete step directories newer than the one
+// taken that failed to verify for damage are set aside too, whole, as
+// Rollback sets latest's aside: left in place they would sit above latest,
+// where the next save of their step replaces them.
+func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*Checkpoint) error, aside bool) (*Recovery, error) {
 	if info.Latest != "" {
 		return &Recovery{Dir: info.Latest}, nil
 	}
@@ -501,14 +511,19 @@ func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*
 	}
 	rec := &Recovery{}
 	var chosen *StepInfo
-	damage := true // every failure says the checkpoint is bad, not the disk
+	damage := true       // every failure says the checkpoint is bad, not the disk
+	var damaged []string // the skipped step directories that failed for damage
 	for i, s := range info.Steps {
 		if !s.Complete {
 			continue
 		}
 		if err := verifyDir(fsys, s.Dir, rank, verify); err != nil {
 			rec.Skipped = append(rec.Skipped, fmt.Sprintf("%s: %v", filepath.Base(s.Dir), err))
-			damage = damage && (errors.Is(err, ErrCorrupt) || errors.Is(err, fs.ErrNotExist))
+			bad := errors.Is(err, ErrCorrupt) || errors.Is(err, fs.ErrNotExist)
+			damage = damage && bad
+			if bad {
+				damaged = append(damaged, s.Dir)
+			}
 			continue
 		}
 		chosen = &info.Steps[i]
@@ -524,6 +539,20 @@ func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*
 			err = &noneVerifies{err: err, why: why}
 		}
 		return nil, err
+	}
+	if aside {
+		for _, d := range damaged {
+			a := asideName(fsys, root, filepath.Base(d))
+			if err := fsys.Rename(d, a); err != nil {
+				return nil, fmt.Errorf("checkpoint: setting %s aside: %w", d, err)
+			}
+			rec.SetAside = append(rec.SetAside, fmt.Sprintf("%s as %s", filepath.Base(d), a))
+		}
+		if len(rec.SetAside) > 0 {
+			if err := fsys.SyncDir(root); err != nil {
+				return nil, fmt.Errorf("checkpoint: setting step directories aside: fsync %s: %w", root, err)
+			}
+		}
 	}
 	name := filepath.Base(chosen.Dir)
 	tx := &saveTx{fs: fsys, root: root}
@@ -541,6 +570,9 @@ func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*
 	}
 	if len(rec.Skipped) > 0 {
 		rec.Note += fmt.Sprintf(" (skipped %d newer that did not verify: %s)", len(rec.Skipped), strings.Join(rec.Skipped, "; "))
+	}
+	if len(rec.SetAside) > 0 {
+		rec.Note += fmt.Sprintf("; set aside, whole: %s", strings.Join(rec.SetAside, ", "))
 	}
 	return rec, nil
 }

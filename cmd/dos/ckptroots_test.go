@@ -378,3 +378,38 @@ func TestRecoverJobRankRootMissing(t *testing.T) {
 		t.Errorf("dos train --resume with the rank root back: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
+
+// TestRecoverSetsAsideEveryDamagedStep: with the two newest checkpoints
+// damaged, dos ckpt recover sets both aside, whole, and points latest at
+// the oldest, which verifies: the newer damaged one is no longer left
+// above latest (ls called it "not committed", and the next save of its
+// step replaced it); the run then resumes from step 2, both set-aside
+// checkpoints kept.
+func TestRecoverSetsAsideEveryDamagedStep(t *testing.T) {
+	dir := trainRoot(t, "6", "2")
+	for _, step := range []int64{4, 6} {
+		flipByte(t, filepath.Join(checkpoint.StepDir(dir, step), "rank-00000.safetensors"))
+	}
+	rc, stdout, stderr := invoke(t, "ckpt", "recover", dir)
+	if rc != 0 || !strings.Contains(stdout, "step-000000006 did not verify") || !strings.Contains(stdout, "step-000000004 as ") || !strings.Contains(stdout, "latest now names step-000000002") {
+		t.Errorf("dos ckpt recover with steps 4 and 6 damaged: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	aside := setAside(t, dir)
+	if len(aside) != 2 {
+		t.Fatalf("set aside: %v, want steps 4 and 6", aside)
+	}
+	for _, a := range aside {
+		if _, err := os.Stat(filepath.Join(a, checkpoint.ManifestFile)); err != nil {
+			t.Errorf("%s is not whole: %v", a, err)
+		}
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "ls", dir); rc != 0 || strings.Contains(stdout, "above latest") || !strings.Contains(stdout, "* "+checkpoint.StepDir(dir, 2)) {
+		t.Errorf("dos ckpt ls after recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "6")...); rc != 0 || !strings.Contains(stdout, "done: 6 iterations") {
+		t.Errorf("dos train --resume after recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if got := setAside(t, dir); len(got) != 2 {
+		t.Errorf("after the resume, set aside: %v", got)
+	}
+}
