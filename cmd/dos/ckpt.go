@@ -285,6 +285,11 @@ func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int 
 // above latest, an incomplete one, the leftovers of crashed saves and
 // retirements), and why the root is damaged if it is (exit 1 then).
 func ckptList(root string, stdout, stderr io.Writer) int {
+	if _, err := os.Stat(filepath.Join(root, checkpoint.ManifestFile)); err == nil {
+		fmt.Fprintf(stderr, "dos ckpt ls: %s is a checkpoint (a step directory), not a checkpoint root: dos ckpt ls %s lists its root; dos ckpt verify or inspect %s reads it\n",
+			root, checkpoint.ShellQuote(filepath.Dir(filepath.Clean(root))), checkpoint.ShellQuote(root))
+		return 2
+	}
 	if checkpoint.IsJob(checkpoint.OS, root) {
 		return jobList(root, stdout, stderr)
 	}

@@ -413,3 +413,14 @@ func TestRecoverSetsAsideEveryDamagedStep(t *testing.T) {
 		t.Errorf("after the resume, set aside: %v", got)
 	}
 }
+
+// TestCkptLsStepDir: dos ckpt ls of a step directory says it is one and
+// names its root (it said "no committed checkpoints" and exited 0).
+func TestCkptLsStepDir(t *testing.T) {
+	dir := trainRoot(t, "2", "2")
+	step := checkpoint.StepDir(dir, 2)
+	rc, stdout, stderr := invoke(t, "ckpt", "ls", step)
+	if rc != 2 || !strings.Contains(stderr, "is a checkpoint (a step directory), not a checkpoint root: dos ckpt ls "+dir) || strings.Contains(stdout, "no committed") {
+		t.Errorf("dos ckpt ls STEPDIR: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
