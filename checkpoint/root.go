@@ -89,8 +89,8 @@ func readLatest(fsys FS, root string) (string, int64, error) {
 				if h := Holder(fsys, root); h != "" && !strings.HasPrefix(h, fmt.Sprintf("PID %d ", os.Getpid())) {
 					return "", 0, fmt.Errorf("checkpoint: %s: %s is committing its first checkpoint (%s): %w", root, h, damage, ErrNoCheckpoint)
 				}
-				return "", 0, fmt.Errorf("%w: %s has no %s, but holds %s: a first commit was interrupted or %s was removed; checkpoint.Recover (dos train --resume) takes the newest step directory that verifies",
-					ErrCorrupt, root, LatestFile, damage, LatestFile)
+				return "", 0, fmt.Errorf("%w: %s has no %s, but holds %s: a first commit was interrupted or %s was removed; recovery (Recover: dos ckpt recover %s, or dos train --resume) points it at the newest step directory that verifies",
+					ErrCorrupt, root, LatestFile, damage, LatestFile, ShellQuote(root))
 			}
 			return "", 0, fmt.Errorf("checkpoint: %s: %w", root, ErrNoCheckpoint)
 		}

@@ -424,3 +424,19 @@ func TestCkptLsStepDir(t *testing.T) {
 		t.Errorf("dos ckpt ls STEPDIR: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
+
+// TestMissingLatestNamesRecover: a root whose latest was removed is
+// damaged, and ls names the command that repairs it (it named the Go
+// function checkpoint.Recover); recover then repairs it.
+func TestMissingLatestNamesRecover(t *testing.T) {
+	dir := trainRoot(t, "2", "2")
+	if err := os.Remove(filepath.Join(dir, checkpoint.LatestFile)); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "ls", dir); rc != 1 || !strings.Contains(stderr+stdout, "dos ckpt recover "+dir) || strings.Contains(stderr+stdout, "checkpoint.Recover (") {
+		t.Errorf("dos ckpt ls without latest: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 || !strings.Contains(stdout, "step-000000002") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
