@@ -607,7 +607,7 @@ func noneLeftIn(fsys FS, root, why string) error {
 type noneLeftError struct{ root, what string }
 
 func (e *noneLeftError) Error() string {
-	return fmt.Sprintf("checkpoint: %v: %s: %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s, without --resume)", ErrNoneLeft, e.root, e.what, e.root, ShellQuote(e.root))
+	return fmt.Sprintf("checkpoint: %v: %s: %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s without --resume; a program saves into it afresh)", ErrNoneLeft, e.root, e.what, e.root, ShellQuote(e.root))
 }
 func (e *noneLeftError) Unwrap() error { return ErrNoneLeft }
 

@@ -98,7 +98,9 @@ def main(argv=None):
         torch.use_deterministic_algorithms(True)
     if a.ckpt is None:
         with tempfile.TemporaryDirectory(prefix="dos-hf-") as root:
-            return run(a.steps, root, data, device)
+            rc = run(a.steps, root, data, device)
+        print(f"(the checkpoint's root {root} was temporary and is removed; --ckpt DIR keeps one)")
+        return rc
     os.makedirs(a.ckpt, exist_ok=True)
     return run(a.steps, a.ckpt, data, device)
 

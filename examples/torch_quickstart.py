@@ -68,7 +68,9 @@ def main(argv=None):
         ap.error(f"--steps {a.steps}: want at least 2 (the checkpoint is taken halfway)")
     if a.ckpt is None:  # a temporary root, removed at the end
         with tempfile.TemporaryDirectory(prefix="dos-torch-") as root:
-            return run(a.steps, root)
+            rc = run(a.steps, root)
+        print(f"(the checkpoint's root {root} was temporary and is removed; --ckpt DIR keeps one)")
+        return rc
     os.makedirs(a.ckpt, exist_ok=True)
     return run(a.steps, a.ckpt)
 

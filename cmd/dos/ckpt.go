@@ -41,7 +41,7 @@ const ckptUsage = `Usage:
                                  write SRC's latest checkpoint (a job of ranks, or a run without --gpus) into
                                  the empty DST cut for N ranks (1: whole tensors), for dos train --resume
                                  --ckpt-dir DST --gpus N; SRC is not changed
-Exit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usage error.
+Exit status: 0 on success, 1 when a checkpoint is missing or corrupt (recover: when none is left after it set the damaged ones aside), 2 on a usage error.
 `
 
 // ckptSubcommands are dos ckpt's subcommands: the synopsis and what each
@@ -88,7 +88,7 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos ckpt: unknown subcommand %q\n%s", sub, ckptUsage)
 		return 2
 	}
-	c := newCLI("dos ckpt "+sub, info.synopsis, info.about+"\nExit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usage error.")
+	c := newCLI("dos ckpt "+sub, info.synopsis, info.about+"\nExit status: 0 on success, 1 when a checkpoint is missing or corrupt (recover: when none is left after it set the damaged ones aside), 2 on a usage error.")
 	rank := 0
 	all := false
 	gpus := 0

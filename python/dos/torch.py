@@ -835,7 +835,18 @@ class AdamW(torch.optim.Optimizer):
         path = _path(path, ".load")
         data = [(_local(P), self._data(i, _local(P))) for i, P in enumerate(self._params)]  # checked first
         objects = ctypes.c_void_p()
-        _native.call("dos_adamw_load", self._handle(), path, ctypes.byref(objects))
+        try:
+            _native.call("dos_adamw_load", self._handle(), path, ctypes.byref(objects))
+        except _native.DosError as e:
+            shown = os.fsdecode(path)
+            if "corrupt" in str(e):
+                raise _native.DosError(f"{e}; `dos ckpt recover {shown}` sets a checkpoint that does not verify aside "
+                                       "(kept whole, as damaged-step-*) and points latest at the newest that does") from e
+            aside = sorted(os.fsdecode(n) for n in os.listdir(path) if n.startswith(b"damaged-")) if os.path.isdir(path) else []
+            if aside:
+                raise _native.DosError(f"{e}; {shown} holds only checkpoints set aside as damaged ({', '.join(aside)}: "
+                                       "they did not verify), none to load") from e
+            raise
         objs = json.loads(_native.take_string(objects) or "{}")
         self._saved_step = None  # dos refuses a save at or below a root's latest committed step
         for i, (p, d) in enumerate(data):

@@ -97,3 +97,24 @@ def test_dropped_optimizer_frees_its_root(tmp_path):
         assert b.save(tmp_path / "r").wait().endswith("step-000000004")
     finally:
         gc.enable()
+
+
+def test_load_of_a_damaged_root_names_recover(tmp_path):
+    """load() of a root whose latest checkpoint has a flipped byte names `dos ckpt recover` (the fresh-user walk:
+    the CLI named it, the binding did not); once recover (here its library call, through a root left with only
+    set-aside checkpoints) has set it aside, load() says the root holds only damaged checkpoints."""
+    ps, opt = trained(1)
+    root = tmp_path / "r"
+    opt.save(str(root)).wait()
+    step = next(d for d in os.listdir(root) if d.startswith("step-"))
+    f = root / step / "rank-00000.safetensors"
+    b = bytearray(f.read_bytes())
+    b[-5] ^= 0x40
+    f.write_bytes(bytes(b))
+    with pytest.raises(dos.DosError, match=r"dos ckpt recover .*sets a checkpoint that does not verify aside"):
+        opt.load(str(root))
+    os.rename(root / step, root / ("damaged-" + step))
+    os.remove(root / "latest")
+    with pytest.raises(dos.DosError, match=r"holds only checkpoints set aside as damaged \(damaged-step-"):
+        opt.load(str(root))
+    opt.close()
