@@ -15,16 +15,7 @@ import torch
 import dos
 import dos.torch as dt
 from dos import _native
-
-
-def _stepped(n=4, steps=3, dtype=torch.float32, lr=1e-2):
-    torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(n).to(dtype))
-    o = dt.AdamW([p], lr=lr)
-    for _ in range(steps):
-        p.grad = torch.randn(n).to(dtype)
-        o.step()
-    return p, o
+from test_hardening import _stepped  # the tests' directory is on sys.path (pytest's rootdir insertion)
 
 
 def _step_count(o):
