@@ -340,6 +340,13 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 			}
 		}
 	}
+	if !hasLatest && badLatest == "" && heldSteps(perRank) > 1 {
+		// No job latest, but the ranks hold two steps or more: not a
+		// first save cut short (its ranks hold at most its one step) but
+		// a latest lost after the job committed. What they hold is a
+		// checkpoint, never a first save's leftovers to remove.
+		badLatest = fmt.Sprintf("no %s, while its rank roots hold checkpoints of %d steps (a job that committed)", LatestFile, heldSteps(perRank))
+	}
 	if hasLatest && !common[jl] {
 		var holders, lacking []string
 		setAside := true // every rank that lacks it set its piece aside (Rollback: it did not verify)
@@ -455,6 +462,30 @@ func setAsideIn(fsys FS, rankRoot string, step int64) bool {
 		}
 	}
 	return false
+}
+
+// heldSteps counts the distinct steps complete in any rank root (perRank:
+// each rank root's complete steps).
+func heldSteps(perRank []map[int64]bool) int {
+	held := map[int64]bool{}
+	for _, steps := range perRank {
+		maps.Copy(held, steps)
+	}
+	return len(held)
+}
+
+// jobCommitted reports whether the job under root committed a step: its
+// latest names one, or its rank roots hold two steps or more (a first
+// save cut short leaves at most its one step).
+func jobCommitted(fsys FS, root string, world int) bool {
+	if _, _, err := JobLatest(fsys, root); err == nil {
+		return true
+	}
+	perRank := make([]map[int64]bool, world)
+	for r := range world {
+		perRank[r], _ = completeSteps(fsys, RankRoot(root, r))
+	}
+	return heldSteps(perRank) > 1
 }
 
 // ranksLatestSound reports whether every rank root of the job under root
@@ -626,7 +657,7 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	// A rank root missing from a job that committed a step is not damage
 	// recover can mend (a disk not mounted, a directory moved away): it is
 	// refused, nothing moved, so that the job resumes once it is back.
-	if _, _, jerr := JobLatest(fsys, root); jerr == nil {
+	if jobCommitted(fsys, root, world) {
 		var missing []string
 		for r := range world {
 			if _, err := fsys.Stat(RankRoot(root, r)); errors.Is(err, fs.ErrNotExist) {

@@ -440,3 +440,53 @@ func TestMissingLatestNamesRecover(t *testing.T) {
 		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
+
+// TestJobLatestLostKeepsCheckpoints (the second adversary): a job whose
+// latest was removed after it committed steps 2 and 4 is not a first save
+// cut short. With rank 1's root moved away too, recover and --resume
+// refuse, changing nothing (they deleted rank 0's steps 2 and 4 as "what
+// its ranks wrote of a first save", and --resume trained from 0); with
+// rank 1 lacking step 4, recover moves the job to step 2 and sets rank
+// 0's step 4 aside, kept whole (it deleted it).
+func TestJobLatestLostKeepsCheckpoints(t *testing.T) {
+	dir := trainJob(t)
+	if err := os.Remove(filepath.Join(dir, checkpoint.LatestFile)); err != nil {
+		t.Fatal(err)
+	}
+	rr0, rr1 := checkpoint.RankRoot(dir, 0), checkpoint.RankRoot(dir, 1)
+	away := filepath.Join(t.TempDir(), "away")
+	if err := os.Rename(rr1, away); err != nil {
+		t.Fatal(err)
+	}
+	before := entries(t, rr0)
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 1 || !strings.Contains(stderr, "are missing: nothing was changed") {
+		t.Errorf("recover, latest lost and rank 1's root away: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "6", "--gpus", "2")...); rc != 1 || strings.Contains(stdout, "done:") {
+		t.Errorf("--resume, latest lost and rank 1's root away: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if after := entries(t, rr0); !slices.Equal(before, after) {
+		t.Fatalf("rank 0's root changed: %v, then %v", before, after)
+	}
+	if err := os.Rename(away, rr1); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(checkpoint.StepDir(rr1, 4), filepath.Join(t.TempDir(), "step4")); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 {
+		t.Errorf("recover, latest lost and rank 1 lacking step 4: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if step, _, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 2 || err != nil {
+		t.Errorf("the job after recover: step %d, %v; want 2", step, err)
+	}
+	kept := false
+	for _, e := range entries(t, rr0) {
+		if strings.HasPrefix(e, "damaged-") && strings.Contains(e, "step-000000004") {
+			kept = true
+		}
+	}
+	if !kept {
+		t.Errorf("rank 0's step 4 was not kept: %v", entries(t, rr0))
+	}
+}
