@@ -438,3 +438,39 @@ func setJobAside(fsys FS, root string) (string, error) {
 	}
 	return aside, nil
 }
+
+// RankSlot returns the job root whose rank root dir would be (dir named
+// rank-%05d, absent or empty, inside a directory holding a job: its
+// JobFile, or another rank root), and whether it is one. A run or a
+// reshard writing there would put another run's checkpoints among the
+// job's ranks, which CheckJob then refuses: the commands refuse such a
+// destination first. (A rank root that holds checkpoints is the job's
+// own: the trainer's rank checks name it.)
+func RankSlot(fsys FS, dir string) (string, bool) {
+	if es, err := fsys.ReadDir(dir); err == nil && len(es) > 0 {
+		return "", false
+	}
+	clean := filepath.Clean(dir)
+	base, parent := filepath.Base(clean), filepath.Dir(clean)
+	digits, ok := strings.CutPrefix(base, "rank-")
+	if !ok {
+		return "", false
+	}
+	r, err := strconv.Atoi(digits)
+	if err != nil || r < 0 || filepath.Base(RankRoot(parent, r)) != base {
+		return "", false
+	}
+	if _, err := fsys.Stat(filepath.Join(parent, JobFile)); err == nil {
+		return parent, true
+	}
+	ranks, err := rankRootsIn(fsys, parent)
+	if err != nil {
+		return "", false
+	}
+	for _, o := range ranks {
+		if o != r {
+			return parent, true
+		}
+	}
+	return "", false
+}

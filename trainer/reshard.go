@@ -60,6 +60,9 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
+	if job, ok := checkpoint.RankSlot(checkpoint.OS, target); ok {
+		return 0, fmt.Errorf("trainer: reshard: the destination %s is a rank root of the job %s: writing there would mix another run's checkpoints with the job's ranks; choose a directory outside it", dst, job)
+	}
 	// dst's lock, held to the end (no trainer starts there meanwhile),
 	// and the temporary directory: dst is checked writable before the
 	// work.

@@ -23,6 +23,9 @@ import (
 // and saying so on out; a root without any checkpoint gives nil.
 func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoint.Recovery, error) {
 	root := cfg.CkptDir
+	if job, ok := checkpoint.RankSlot(checkpoint.OS, root); ok {
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s is a rank root of the job %s: a run there would mix its checkpoints with the job's ranks; resume the job (--ckpt-dir %s --gpus N), or choose a directory outside it", root, job, checkpoint.ShellQuote(job))
+	}
 	lock, err := checkpoint.Lock(checkpoint.OS, root)
 	if err != nil {
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)

@@ -490,3 +490,26 @@ func TestJobLatestLostKeepsCheckpoints(t *testing.T) {
 		t.Errorf("rank 0's step 4 was not kept: %v", entries(t, rr0))
 	}
 }
+
+// TestRankSlotOfAnotherJobRefused (the second adversary): a fresh run or
+// a reshard into rank-00002 of a healthy job of 2 ranks is refused before
+// it writes (both succeeded, and the job then failed verify and resume
+// for rank roots of two runs); the job still verifies.
+func TestRankSlotOfAnotherJobRefused(t *testing.T) {
+	job := trainJob(t)
+	src := trainJob(t)
+	slot := filepath.Join(job, "rank-00002")
+	fresh := append([]string{"--ckpt-dir", slot, "--steps", "2", "--ckpt-every", "2"}, tinyShape...)
+	if rc, stdout, stderr := invoke(t, "train", fresh...); rc == 0 || !strings.Contains(stderr, "is a rank root of the job "+job) {
+		t.Errorf("dos train --ckpt-dir JOB/rank-00002: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "reshard", "--gpus", "1", src, slot); rc == 0 || !strings.Contains(stderr, "is a rank root of the job "+job) {
+		t.Errorf("dos ckpt reshard SRC JOB/rank-00002: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if _, err := os.Stat(slot); err == nil {
+		t.Errorf("%s was created", slot)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", job); rc != 0 {
+		t.Errorf("dos ckpt verify of the job: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
