@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -404,6 +405,9 @@ func checkState(st *trainerState, step int64, dir string) error {
 		return bad("good_steps", st.GoodSteps, fmt.Sprintf("want 0..%d (the loss scale grows every %d good steps)", ScaleGrowthInterval-1, ScaleGrowthInterval))
 	case st.TextBytes < 0 || st.TrainTokens < 0:
 		return bad("text_bytes/train_tokens", fmt.Sprint(st.TextBytes, "/", st.TrainTokens), "want sizes >= 0")
+	}
+	if err := new(rand.PCG).UnmarshalBinary(st.RNG); err != nil {
+		return bad("rng", fmt.Sprintf("%q", st.RNG), fmt.Sprintf("want math/rand/v2's PCG state (%v)", err))
 	}
 	return nil
 }
