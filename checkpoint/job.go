@@ -152,6 +152,11 @@ func CommitJob(fsys FS, root string, world int, step int64) error {
 // none).
 func readJob(fsys FS, root string) (int, error) {
 	path := filepath.Join(root, JobFile)
+	if st, err := fsys.Stat(path); err == nil && !st.Mode().IsRegular() {
+		// No rename replaces a directory: refused as it is, never sent
+		// to recover (which rewrites only a file).
+		return 0, fmt.Errorf("checkpoint: %s is a %s, not a file: move it away (dos ckpt recover %s then rewrites it from the rank roots)", path, FileKind(st.Mode()), ShellQuote(root))
+	}
 	b, err := readSmallFile(fsys, path, 4096)
 	if err != nil {
 		return 0, err

@@ -513,3 +513,32 @@ func TestRankSlotOfAnotherJobRefused(t *testing.T) {
 		t.Errorf("dos ckpt verify of the job: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
+
+// TestJobFileDirectory (the second adversary): a job.json that is a
+// directory is refused by verify, --resume and recover alike, saying to
+// move it away (they sent the user to recover, which failed on a rename
+// every time); once moved away, recover rewrites it and the job resumes.
+func TestJobFileDirectory(t *testing.T) {
+	dir := trainJob(t)
+	jf := filepath.Join(dir, checkpoint.JobFile)
+	if err := os.Remove(jf); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(jf, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"ckpt", "verify", dir}, {"ckpt", "recover", dir}, append([]string{"train"}, resumeArgs(dir, "6", "--gpus", "2")...)} {
+		if rc, stdout, stderr := invoke(t, args[0], args[1:]...); rc == 0 || !strings.Contains(stderr, "is a directory, not a file: move it away") || strings.Contains(stderr, "file exists") {
+			t.Errorf("dos %v: rc %d\n%s%s", args, rc, stdout, stderr)
+		}
+	}
+	if err := os.Remove(jf); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 {
+		t.Errorf("dos ckpt recover once it is moved away: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "6", "--gpus", "2")...); rc != 0 || !strings.Contains(stdout, "done: 6 iterations") {
+		t.Errorf("--resume after: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
