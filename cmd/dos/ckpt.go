@@ -153,6 +153,27 @@ func jobList(root string, stdout, stderr io.Writer) int {
 		rc = 1
 	}
 	step, world, err := checkpoint.JobLatest(checkpoint.OS, root)
+	if errors.Is(err, checkpoint.ErrNoCheckpoint) {
+		// No job latest: a first save cut short, or a latest lost. What
+		// the rank roots hold is listed, and the repair named.
+		held := false
+		if ranks, rerr := filepath.Glob(filepath.Join(root, "rank-*")); rerr == nil {
+			for _, rr := range ranks {
+				if dirs, lerr := checkpoint.List(checkpoint.OS, rr); lerr == nil && len(dirs) > 0 {
+					held = true
+				}
+			}
+			if held {
+				fmt.Fprintf(stderr, "dos ckpt ls: job %s has no %s, but its rank roots hold checkpoints (listed below): dos ckpt recover %s points it at the newest step every rank holds (or says why none can be)\n",
+					root, checkpoint.LatestFile, checkpoint.ShellQuote(root))
+				for _, rr := range ranks {
+					fmt.Fprintf(stdout, "%s\n", rr)
+					listRoot(rr, -1, stdout, stderr)
+				}
+				return 1
+			}
+		}
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
 		return 1

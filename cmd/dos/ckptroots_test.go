@@ -542,3 +542,23 @@ func TestJobFileDirectory(t *testing.T) {
 		t.Errorf("--resume after: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
+
+// TestCkptLsJobWithoutLatest (the second adversary): ls of a job whose
+// latest was lost says so, lists what its rank roots hold and names
+// recover (it said only "no checkpoint"); recover restores step 4.
+func TestCkptLsJobWithoutLatest(t *testing.T) {
+	dir := trainJob(t)
+	if err := os.Remove(filepath.Join(dir, checkpoint.LatestFile)); err != nil {
+		t.Fatal(err)
+	}
+	rc, stdout, stderr := invoke(t, "ckpt", "ls", dir)
+	if rc != 1 || !strings.Contains(stderr, "has no latest, but its rank roots hold checkpoints") || !strings.Contains(stderr, "dos ckpt recover "+dir) || !strings.Contains(stdout, checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 4)) {
+		t.Errorf("dos ckpt ls of a job without latest: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if step, _, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 4 || err != nil {
+		t.Errorf("the job after recover: step %d, %v; want 4", step, err)
+	}
+}
