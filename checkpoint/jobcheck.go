@@ -258,6 +258,12 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 			}
 		}
 		what := fmt.Sprintf("job %s (of %d ranks, by its %s): %s holds rank %d's pieces of a job of %d ranks, not rank %d's of %d", root, jw, JobFile, rc.dir, rc.rank, rc.ranks, rc.root, jw)
+		if rc.root >= jw {
+			// A rank root beyond the job's ranks (a copy, another job's):
+			// it has no place in the job.
+			return jw, 0, fmt.Errorf("%w: job %s has %d ranks (%s ... %s, by its %s), and %s is not one of them (it holds rank %d's pieces of a job of %d ranks). Nothing was changed: move %s out of the job's root",
+				ErrWrongRank, root, jw, filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, jw-1)), JobFile, rr, rc.rank, rc.ranks, rr)
+		}
 		if all {
 			return jw, 0, fmt.Errorf("%w: %s: %s is a copy of another rank's root, or was moved? Nothing was changed: put rank %d's own checkpoints back in %s; without them the job cannot resume (start afresh with another --ckpt-dir)",
 				ErrWrongRank, what, rr, rc.root, rr)

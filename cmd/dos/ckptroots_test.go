@@ -562,3 +562,23 @@ func TestCkptLsJobWithoutLatest(t *testing.T) {
 		t.Errorf("the job after recover: step %d, %v; want 4", step, err)
 	}
 }
+
+// TestJobExtraRankRoot (the second adversary): a rank-00002 copied into a
+// job of 2 ranks is named as not one of its ranks, to move out (the
+// message said to put "rank 2's own checkpoints" back; the job has no
+// rank 2); moved out, the job verifies.
+func TestJobExtraRankRoot(t *testing.T) {
+	dir := trainJob(t)
+	extra := filepath.Join(dir, "rank-00002")
+	copyTree(t, checkpoint.RankRoot(dir, 1), extra)
+	rc, stdout, stderr := invoke(t, "ckpt", "verify", dir)
+	if rc != 1 || !strings.Contains(stderr, extra+" is not one of them") || !strings.Contains(stderr, "move "+extra+" out") || strings.Contains(stderr, "rank 2's own") {
+		t.Errorf("dos ckpt verify with an extra rank root: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if err := os.RemoveAll(extra); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", dir); rc != 0 {
+		t.Errorf("dos ckpt verify once moved out: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
