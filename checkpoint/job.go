@@ -469,6 +469,17 @@ func setAsideIn(fsys FS, rankRoot string, step int64) bool {
 	return false
 }
 
+// onlyLock reports whether a directory's entries es are none, or only a
+// root's lock file.
+func onlyLock(es []fs.DirEntry) bool {
+	for _, e := range es {
+		if e.Name() != LockFile {
+			return false
+		}
+	}
+	return true
+}
+
 // heldSteps counts the distinct steps complete in any rank root (perRank:
 // each rank root's complete steps).
 func heldSteps(perRank []map[int64]bool) int {
@@ -665,8 +676,11 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	if jobCommitted(fsys, root, world) {
 		var missing []string
 		for r := range world {
-			if _, err := fsys.Stat(RankRoot(root, r)); errors.Is(err, fs.ErrNotExist) {
-				missing = append(missing, RankRoot(root, r))
+			rr := RankRoot(root, r)
+			if _, err := fsys.Stat(rr); errors.Is(err, fs.ErrNotExist) {
+				missing = append(missing, rr)
+			} else if es, err := fsys.ReadDir(rr); err == nil && onlyLock(es) {
+				missing = append(missing, rr+" (empty: an unmounted disk?)")
 			}
 		}
 		if len(missing) > 0 {

@@ -367,6 +367,21 @@ func TestRecoverJobRankRootMissing(t *testing.T) {
 	if after := entries(t, dir); !slices.Equal(before, after) {
 		t.Errorf("recover changed the job's root: %v, then %v", before, after)
 	}
+	// An empty rank root (a mount point whose disk is not mounted) is
+	// missing too: the job was set aside whole as damaged.
+	if err := os.Mkdir(rr, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	rc, stdout, stderr = invoke(t, "ckpt", "recover", dir)
+	if rc != 1 || !strings.Contains(stderr, rr+" (empty: an unmounted disk?) are missing: nothing was changed") {
+		t.Errorf("dos ckpt recover with rank 1's root empty: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if len(setAside(t, dir)) != 0 {
+		t.Errorf("recover set the job aside: %v", entries(t, dir))
+	}
+	if err := os.Remove(rr); err != nil {
+		t.Fatal(err)
+	}
 	if err := os.Rename(away, rr); err != nil {
 		t.Fatal(err)
 	}
