@@ -646,6 +646,16 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 		return 0, "", err
 	}
 	defer lock.Unlock()
+	if partialJobAside(fsys, root) != "" {
+		// A recover killed while it set the job's files aside (no step
+		// was left that every rank holds): finished, as it decided.
+		aside, err := setJobAside(fsys, root)
+		if err != nil {
+			return 0, "", fmt.Errorf("checkpoint: job %s: finishing an interrupted setting aside of its files: %w", root, err)
+		}
+		return 0, "", fmt.Errorf("checkpoint: %w: job %s: an interrupted dos ckpt recover was setting the job's files aside (no step was left that every rank holds): finished; they are, whole, in %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s --gpus N, without --resume)",
+			ErrNoneLeft, root, aside, root, ShellQuote(root))
+	}
 	var notes []string
 	world, fix, err := checkJob(fsys, root, identify)
 	switch {

@@ -98,10 +98,15 @@ func CheckJob(fsys FS, root string, identify Identify) error {
 
 // IsJob reports whether root holds a job's checkpoints: its JobFile, or a
 // rank root (rank-%05d: a directory, a link or anything so named), which
-// a single rank's root never holds. A job whose JobFile was lost is a
-// job's root still (CheckJob and RecoverJob say so and rewrite it).
+// a single rank's root never holds, or the directory an interrupted
+// RecoverJob was setting a job's files aside into (RecoverJob finishes
+// it). A job whose JobFile was lost is a job's root still (CheckJob and
+// RecoverJob say so and rewrite it).
 func IsJob(fsys FS, root string) bool {
 	if _, err := fsys.Stat(filepath.Join(root, JobFile)); err == nil {
+		return true
+	}
+	if partialJobAside(fsys, root) != "" { // a job's files half set aside
 		return true
 	}
 	ranks, err := rankRootsIn(fsys, root)
@@ -411,9 +416,15 @@ func setAsideAll(fsys FS, root string) ([]string, error) {
 // ResumeJob would take for a first save never committed. The caller holds
 // root's lock.
 func setJobAside(fsys FS, root string) (string, error) {
-	aside := asideName(fsys, root, "job")
-	if err := createDurably(fsys, aside); err != nil {
-		return "", fmt.Errorf("checkpoint: job %s: %w", root, err)
+	// The files move into a directory named partial first, renamed to its
+	// final name once all are in: a dos ckpt recover killed meanwhile
+	// leaves that name, and the next one finishes the move into it.
+	partial := partialJobAside(fsys, root)
+	if partial == "" {
+		partial = asideName(fsys, root, "job") + partialSuffix
+		if err := createDurably(fsys, partial); err != nil {
+			return "", fmt.Errorf("checkpoint: job %s: %w", root, err)
+		}
 	}
 	ranks, err := rankRootsIn(fsys, root)
 	if err != nil {
@@ -429,20 +440,46 @@ func setJobAside(fsys FS, root string) (string, error) {
 		if _, err := fsys.Stat(from); errors.Is(err, fs.ErrNotExist) {
 			continue
 		}
-		if err := fsys.Rename(from, filepath.Join(aside, n)); err != nil {
+		if err := fsys.Rename(from, filepath.Join(partial, n)); err != nil {
 			return "", fmt.Errorf("checkpoint: job %s: setting %s aside: %w", root, from, err)
 		}
 		if err := fsys.SyncDir(root); err != nil {
 			return "", fmt.Errorf("checkpoint: job %s: fsync: %w", root, err)
 		}
 	}
-	if err := fsys.SyncDir(aside); err != nil {
+	if err := fsys.SyncDir(partial); err != nil {
 		return "", fmt.Errorf("checkpoint: job %s: fsync: %w", root, err)
+	}
+	aside := strings.TrimSuffix(partial, partialSuffix)
+	if _, err := fsys.Stat(aside); err == nil {
+		aside = asideName(fsys, root, "job")
+	}
+	if err := fsys.Rename(partial, aside); err != nil {
+		return "", fmt.Errorf("checkpoint: job %s: naming %s: %w", root, partial, err)
 	}
 	if err := fsys.SyncDir(root); err != nil {
 		return "", fmt.Errorf("checkpoint: job %s: fsync: %w", root, err)
 	}
 	return aside, nil
+}
+
+// partialSuffix ends the name of the directory a job's files are being
+// set aside into (setJobAside), until all are in.
+const partialSuffix = ".partial"
+
+// partialJobAside returns the directory of root an interrupted
+// setJobAside was moving the job's files into ("" when there is none).
+func partialJobAside(fsys FS, root string) string {
+	es, err := fsys.ReadDir(root)
+	if err != nil {
+		return ""
+	}
+	for _, e := range es {
+		if n := e.Name(); e.IsDir() && strings.HasPrefix(n, asidePrefix+"job-") && strings.HasSuffix(n, partialSuffix) {
+			return filepath.Join(root, n)
+		}
+	}
+	return ""
 }
 
 // RankSlot returns the job root whose rank root dir would be (dir named

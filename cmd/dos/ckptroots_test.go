@@ -597,3 +597,32 @@ func TestJobExtraRankRoot(t *testing.T) {
 		t.Errorf("dos ckpt verify once moved out: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
+
+// TestRecoverFinishesInterruptedJobSetAside (the second adversary): a dos
+// ckpt recover killed while it set a job's files aside (one rank root
+// moved into damaged-job-*.partial, the rest not) is finished by the next
+// recover, which says so (it refused forever, "rank roots missing",
+// never naming where they were); the root then takes a new run.
+func TestRecoverFinishesInterruptedJobSetAside(t *testing.T) {
+	dir := trainJob(t)
+	partial := filepath.Join(dir, "damaged-job-123.partial")
+	if err := os.Mkdir(partial, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(checkpoint.RankRoot(dir, 0), filepath.Join(partial, "rank-00000")); err != nil {
+		t.Fatal(err)
+	}
+	rc, stdout, stderr := invoke(t, "ckpt", "recover", dir)
+	final := filepath.Join(dir, "damaged-job-123")
+	if rc != 1 || !strings.Contains(stderr, "an interrupted dos ckpt recover was setting the job's files aside") || !strings.Contains(stderr, final) {
+		t.Errorf("dos ckpt recover after an interrupted set-aside: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if got := entries(t, final); !slices.Equal(got, []string{checkpoint.JobFile, checkpoint.LatestFile, "rank-00000", "rank-00001"}) {
+		t.Errorf("the set-aside job holds %v", got)
+	}
+	fresh := []string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dir, "--ckpt-every", "2", "--layers", "1", "--embd", "16",
+		"--heads", "2", "--ctx", "8", "--batch", "4", "--sample", "0", "--eval-batches", "1", "--max-memory", "1"}
+	if rc, stdout, stderr := invoke(t, "train", fresh...); rc != 0 {
+		t.Errorf("a new job after: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
