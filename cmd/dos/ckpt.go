@@ -29,7 +29,7 @@ const ckptUsage = `Usage:
   dos ckpt recover [--rank N] ROOT
                                  repair ROOT for --resume: finish a commit a crash cut short, point a
                                  missing or corrupt latest at the newest checkpoint that verifies, or set
-                                 aside (as ROOT/damaged-step-*) a latest checkpoint that does not verify
+                                 aside (as ROOT/damaged-step-*) a latest checkpoint that does not verify, and the newer ones that do not
                                  (none verifies: all set aside, latest removed, a new run may start);
                                  for a job's root, each rank root checked to be its rank's, every rank's
                                  root, then the job moved to the newest step every rank holds
