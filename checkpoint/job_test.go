@@ -235,7 +235,7 @@ func TestResumeJob(t *testing.T) {
 // TestShellQuote: paths a shell would split or expand are single-quoted.
 func TestShellQuote(t *testing.T) {
 	for in, want := range map[string]string{
-		"/tmp/a-b_c.d/e": "/tmp/a-b_c.d/e", "sp ace": "'sp ace'", "it's": `'it'\''s'`, "": "''", "$HOME": "'$HOME'", "a*b": "'a*b'",
+		"/tmp/a-b_c.d/e": "/tmp/a-b_c.d/e", "sp ace": "'sp ace'", "it's": `'it'\''s'`, "": "''", "$HOME": "'$HOME'", "a*b": "'a*b'", "-dash": "./-dash", "-a b": "'./-a b'",
 	} {
 		if got := ShellQuote(in); got != want {
 			t.Errorf("ShellQuote(%q) = %s, want %s", in, got, want)
