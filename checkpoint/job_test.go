@@ -242,3 +242,18 @@ func TestShellQuote(t *testing.T) {
 		}
 	}
 }
+
+// TestDiffering: the ranks-disagree message shows where two JSON texts
+// differ, not their first 120 bytes, which are often alike (the second
+// adversary: a run_id or last_loss beyond them made both quotes equal).
+func TestDiffering(t *testing.T) {
+	a := `{"config":{"model":{"n_layer":1}},` + strings.Repeat(`"x":0,`, 40) + `"run_id":"aaaa"}`
+	b := strings.Replace(a, "aaaa", "bbbb", 1)
+	da, db := differing(a, b)
+	if da == db || !strings.Contains(da, "aaaa") || !strings.Contains(db, "bbbb") || !strings.HasPrefix(da, "...") {
+		t.Errorf("differing: %q, %q", da, db)
+	}
+	if da, db := differing(`{"a":1}`, `{"a":2}`); da != `{"a":1}` || db != `{"a":2}` {
+		t.Errorf("short texts: %q, %q", da, db)
+	}
+}

@@ -322,11 +322,36 @@ func stepsAgree(root string, recs []rankRecord) error {
 			if !ok || v == rc.agree[k] {
 				continue
 			}
-			return fmt.Errorf("%w: job %s: the ranks' checkpoints of step %d disagree on %s: %s holds %.120s, %s holds %.120s. One job's ranks write one state at a step: these are not one job's pieces (copied from another run, or edited). Nothing was changed: put the rank's own checkpoint of step %d back, or move the step's directories out of the rank roots and run dos ckpt recover %s, which moves the job to the newest step every rank holds",
-				ErrWrongRank, root, rc.step, k, f.dir, v, rc.dir, rc.agree[k], rc.step, ShellQuote(root))
+			va, vb := differing(v, rc.agree[k])
+			return fmt.Errorf("%w: job %s: the ranks' checkpoints of step %d disagree on %s: %s holds %s, %s holds %s. One job's ranks write one state at a step: these are not one job's pieces (copied from another run, or edited). Nothing was changed: put the rank's own checkpoint of step %d back, or move the step's directories out of the rank roots and run dos ckpt recover %s, which moves the job to the newest step every rank holds",
+				ErrWrongRank, root, rc.step, k, f.dir, va, rc.dir, vb, rc.step, ShellQuote(root))
 		}
 	}
 	return nil
+}
+
+// differing returns a and b, two JSON texts that differ, cut to where
+// they do: from a little before their first differing byte, at most 120
+// bytes each, "..." marking what was cut (both cut at one length of 120
+// hid a difference beyond it).
+func differing(a, b string) (string, string) {
+	i := 0
+	for i < len(a) && i < len(b) && a[i] == b[i] {
+		i++
+	}
+	lo := max(i-40, 0)
+	cut := func(s string) string {
+		hi := min(lo+120, len(s))
+		out := s[lo:hi]
+		if lo > 0 {
+			out = "..." + out
+		}
+		if hi < len(s) {
+			out += "..."
+		}
+		return out
+	}
+	return cut(a), cut(b)
 }
 
 // ErrNoneLeft is wrapped by the errors of Rollback and RecoverJob when no
