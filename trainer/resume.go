@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -238,8 +239,16 @@ func (t *Trainer) resume(dir string) error {
 	err = c.Object("trainer", &st)
 	manifestStep := c.Manifest.Step
 	c.Close()
-	if err != nil {
+	if errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("trainer: resume from %s: not a dos train checkpoint: %w", dir, err)
+	}
+	if err != nil {
+		// Its CRC matched: a trainer state that does not decode is
+		// damaged (or edited), as dos ckpt verify says.
+		if !errors.Is(err, checkpoint.ErrCorrupt) {
+			err = fmt.Errorf("%w: %w", checkpoint.ErrCorrupt, err)
+		}
+		return fmt.Errorf("trainer: resume from %s: its trainer state does not decode: %w%s", dir, err, recoverHint(err, root))
 	}
 	if err := checkState(&st, manifestStep, dir); err != nil {
 		return fmt.Errorf("%w%s", err, recoverHint(err, root))
@@ -431,6 +440,10 @@ func VerifyCheckpoint(c *checkpoint.Checkpoint) error {
 	}
 	var st trainerState
 	if err := c.Object("trainer", &st); err != nil {
+		if !errors.Is(err, checkpoint.ErrCorrupt) {
+			// Its CRC matched: a value of the wrong type is damage too.
+			err = fmt.Errorf("%w: %s: %w", checkpoint.ErrCorrupt, filepath.Join(c.Dir, checkpoint.ManifestFile), err)
+		}
 		return err
 	}
 	if err := checkState(&st, c.Manifest.Step, c.Dir); err != nil {

@@ -397,6 +397,7 @@ func TestVerifyChecksTrainerState(t *testing.T) {
 		{"config.model.n_head 0", func(o map[string]any) { o["config"].(map[string]any)["model"].(map[string]any)["n_head"] = 0 }},
 		{"iteration 9223372036854775807", func(o map[string]any) { o["iteration"] = int64(1<<63 - 1) }},
 		{`rng "\x00\x00\x00": want math/rand/v2's PCG state`, func(o map[string]any) { o["rng"] = "AAAA" }},
+		{`loader_pos`, func(o map[string]any) { o["loader_pos"] = 1e19 }},
 	} {
 		dir := rewrite(t, root, nil, func(objects map[string]json.RawMessage) {
 			editJSON(t, objects, "trainer", tc.edit)
