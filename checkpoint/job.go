@@ -699,44 +699,61 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 				ErrCorrupt, root, world, strings.Join(missing, ", "), ShellQuote(root))
 		}
 	}
-	var lost []string // the ranks with no checkpoint that verifies
-	for r := range world {
-		rr := RankRoot(root, r)
-		if _, err := fsys.Stat(rr); errors.Is(err, fs.ErrNotExist) {
-			continue // never created here: ResumeJob says what it lacks
-		}
-		rec, err := Rollback(fsys, rr, 0, verify)
-		switch {
-		case errors.Is(err, ErrNoneLeft):
-			var nl *noneLeftError
-			if errors.As(err, &nl) {
-				lost = append(lost, fmt.Sprintf("rank %d: %s: %s", r, rr, nl.what))
-			} else {
-				lost = append(lost, fmt.Sprintf("rank %d: %v", r, err))
+	// Rounds: each rank root rolled back to its newest checkpoint that
+	// verifies, then the job moved to the newest step every rank holds,
+	// whose pieces (each rank root's latest now) the next round verifies,
+	// until a round repairs nothing: the step the job is left at verifies
+	// in every rank.
+	var why string
+	for round := 0; ; round++ {
+		var lost []string // the ranks with no checkpoint that verifies
+		repaired := false
+		for r := range world {
+			rr := RankRoot(root, r)
+			if _, err := fsys.Stat(rr); errors.Is(err, fs.ErrNotExist) {
+				continue // never created here: ResumeJob says what it lacks
 			}
-			continue
-		case errors.Is(err, ErrNoCheckpoint):
-			continue // nothing committed in this rank root yet
-		case err != nil:
-			return 0, "", fmt.Errorf("checkpoint: job %s, rank %d: %w", root, r, err)
+			rec, err := Rollback(fsys, rr, 0, verify)
+			switch {
+			case errors.Is(err, ErrNoneLeft):
+				var nl *noneLeftError
+				if errors.As(err, &nl) {
+					lost = append(lost, fmt.Sprintf("rank %d: %s: %s", r, rr, nl.what))
+				} else {
+					lost = append(lost, fmt.Sprintf("rank %d: %v", r, err))
+				}
+				continue
+			case errors.Is(err, ErrNoCheckpoint):
+				continue // nothing committed in this rank root yet
+			case err != nil:
+				return 0, "", fmt.Errorf("checkpoint: job %s, rank %d: %w", root, r, err)
+			}
+			if rec.Repaired {
+				repaired = true
+				notes = append(notes, fmt.Sprintf("rank %d: %s", r, rec.Note))
+			}
 		}
-		if rec.Repaired {
-			notes = append(notes, fmt.Sprintf("rank %d: %s", r, rec.Note))
+		why = strings.Join(lost, "; ")
+		if len(lost) > 0 {
+			break
 		}
-	}
-	why := strings.Join(lost, "; ")
-	if len(lost) == 0 {
 		step, note, err := resumeJob(fsys, root, world, true)
-		if err == nil {
-			if note != "" {
-				notes = append(notes, note)
+		if err != nil {
+			if !errors.Is(err, ErrCorrupt) {
+				return 0, "", err
 			}
+			why = err.Error()
+			break
+		}
+		if note != "" {
+			notes = append(notes, note)
+		}
+		// A round that repaired nothing and moved nothing leaves the job
+		// as it verified; each other round set a step aside or moved the
+		// job back, which a root's finitely many steps bound.
+		if !repaired && note == "" || round >= 1<<16 {
 			return step, strings.Join(notes, "; "), nil
 		}
-		if !errors.Is(err, ErrCorrupt) {
-			return 0, "", err
-		}
-		why = err.Error()
 	}
 	// No step every rank holds: the job cannot resume. Its files go
 	// aside, whole, for a new job to start in root.

@@ -626,3 +626,23 @@ func TestRecoverFinishesInterruptedJobSetAside(t *testing.T) {
 		t.Errorf("a new job after: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
+
+// TestRecoverJobVerifiesTheStepItMovesTo (the third adversary): with rank
+// 0's step 4 and rank 1's step 2 damaged, recover verifies step 2 in every
+// rank before leaving the job there: none is left that every rank holds,
+// so it says so (it exited 0, "now at step 2", and verify then failed and
+// sent the user back to recover).
+func TestRecoverJobVerifiesTheStepItMovesTo(t *testing.T) {
+	dir := trainJob(t)
+	flipByte(t, filepath.Join(checkpoint.StepDir(checkpoint.RankRoot(dir, 0), 4), "rank-00000.safetensors"))
+	flipByte(t, filepath.Join(checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 2), "rank-00000.safetensors"))
+	rc, stdout, stderr := invoke(t, "ckpt", "recover", dir)
+	if rc != 1 || !strings.Contains(stderr, "no step is left that every rank holds") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	fresh := []string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dir, "--ckpt-every", "2", "--layers", "1", "--embd", "16",
+		"--heads", "2", "--ctx", "8", "--batch", "4", "--sample", "0", "--eval-batches", "1", "--max-memory", "1"}
+	if rc, stdout, stderr := invoke(t, "train", fresh...); rc != 0 {
+		t.Errorf("a new job after: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
