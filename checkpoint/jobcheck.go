@@ -492,6 +492,12 @@ func setJobAside(fsys FS, root string) (string, error) {
 // set aside into (setJobAside), until all are in.
 const partialSuffix = ".partial"
 
+// InterruptedSetAside returns the directory of root into which a dos ckpt
+// recover (RecoverJob) cut short was setting a job's files aside ("" when
+// there is none): a new run must not start in root before RecoverJob has
+// finished it, since it would finish it over the new run's files.
+func InterruptedSetAside(fsys FS, root string) string { return partialJobAside(fsys, root) }
+
 // partialJobAside returns the directory of root an interrupted
 // setJobAside was moving the job's files into ("" when there is none).
 func partialJobAside(fsys FS, root string) string {

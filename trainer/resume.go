@@ -32,6 +32,10 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	if err != nil {
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
 	}
+	if p := checkpoint.InterruptedSetAside(checkpoint.OS, root); p != "" {
+		lock.Unlock()
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds %s: a dos ckpt recover was cut short while it set a job's files aside there; run dos ckpt recover %s to finish it first (a run started now would be set aside with them)", root, p, checkpoint.ShellQuote(root))
+	}
 	if err := removeReshardLeftovers(root, out); err != nil {
 		lock.Unlock()
 		return nil, nil, err

@@ -612,6 +612,13 @@ func TestRecoverFinishesInterruptedJobSetAside(t *testing.T) {
 	if err := os.Rename(checkpoint.RankRoot(dir, 0), filepath.Join(partial, "rank-00000")); err != nil {
 		t.Fatal(err)
 	}
+	// No run starts there before recover has finished it (a new job's
+	// files would be set aside with the old one's).
+	fresh := []string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dir, "--ckpt-every", "2", "--layers", "1", "--embd", "16",
+		"--heads", "2", "--ctx", "8", "--batch", "4", "--sample", "0", "--eval-batches", "1", "--max-memory", "1"}
+	if rc, stdout, stderr := invoke(t, "train", fresh...); rc == 0 || !strings.Contains(stderr, "run dos ckpt recover "+dir+" to finish it first") {
+		t.Errorf("a new job beside an interrupted set-aside: rc %d\n%s%s", rc, stdout, stderr)
+	}
 	rc, stdout, stderr := invoke(t, "ckpt", "recover", dir)
 	final := filepath.Join(dir, "damaged-job-123")
 	if rc != 1 || !strings.Contains(stderr, "an interrupted dos ckpt recover was setting the job's files aside") || !strings.Contains(stderr, final) {
@@ -620,8 +627,6 @@ func TestRecoverFinishesInterruptedJobSetAside(t *testing.T) {
 	if got := entries(t, final); !slices.Equal(got, []string{checkpoint.JobFile, checkpoint.LatestFile, "rank-00000", "rank-00001"}) {
 		t.Errorf("the set-aside job holds %v", got)
 	}
-	fresh := []string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dir, "--ckpt-every", "2", "--layers", "1", "--embd", "16",
-		"--heads", "2", "--ctx", "8", "--batch", "4", "--sample", "0", "--eval-batches", "1", "--max-memory", "1"}
 	if rc, stdout, stderr := invoke(t, "train", fresh...); rc != 0 {
 		t.Errorf("a new job after: rc %d\n%s%s", rc, stdout, stderr)
 	}
