@@ -521,9 +521,28 @@ func partialJobAside(fsys FS, root string) string {
 // destination first. (A rank root that holds checkpoints is the job's
 // own: the trainer's rank checks name it.)
 func RankSlot(fsys FS, dir string) (string, bool) {
-	if es, err := fsys.ReadDir(dir); err == nil && len(es) > 0 {
-		return "", false
+	// What dir names, links resolved (a link to a slot is the slot), and
+	// each directory above it (a root inside an absent slot creates it).
+	if _, ok := fsys.(osFS); ok {
+		if r, err := filepath.EvalSymlinks(dir); err == nil {
+			dir = r
+		}
+		if a, err := filepath.Abs(dir); err == nil {
+			dir = a
+		}
 	}
+	for d := filepath.Clean(dir); ; d = filepath.Dir(d) {
+		if job, ok := rankSlot(fsys, d); ok {
+			return job, true
+		}
+		if filepath.Dir(d) == d {
+			return "", false
+		}
+	}
+}
+
+// rankSlot is RankSlot for dir itself.
+func rankSlot(fsys FS, dir string) (string, bool) {
 	clean := filepath.Clean(dir)
 	base, parent := filepath.Base(clean), filepath.Dir(clean)
 	digits, ok := strings.CutPrefix(base, "rank-")
@@ -532,6 +551,9 @@ func RankSlot(fsys FS, dir string) (string, bool) {
 	}
 	r, err := strconv.Atoi(digits)
 	if err != nil || r < 0 || filepath.Base(RankRoot(parent, r)) != base {
+		return "", false
+	}
+	if es, err := fsys.ReadDir(dir); err == nil && len(es) > 0 {
 		return "", false
 	}
 	if _, err := fsys.Stat(filepath.Join(parent, JobFile)); err == nil {

@@ -524,6 +524,24 @@ func TestRankSlotOfAnotherJobRefused(t *testing.T) {
 	if _, err := os.Stat(slot); err == nil {
 		t.Errorf("%s was created", slot)
 	}
+	// Through a link to an empty slot, and below an absent one (the third
+	// adversary: both wrote there).
+	if err := os.Mkdir(filepath.Join(job, "rank-00003"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(t.TempDir(), "link")
+	if err := os.Symlink(filepath.Join(job, "rank-00003"), link); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []string{link, filepath.Join(slot, "sub")} {
+		args := append([]string{"--ckpt-dir", d, "--steps", "2", "--ckpt-every", "2"}, tinyShape...)
+		if rc, stdout, stderr := invoke(t, "train", args...); rc == 0 || !strings.Contains(stderr, "is a rank root of the job") {
+			t.Errorf("dos train --ckpt-dir %s: rc %d\n%s%s", d, rc, stdout, stderr)
+		}
+	}
+	if err := os.Remove(filepath.Join(job, "rank-00003")); err != nil {
+		t.Fatal(err)
+	}
 	if rc, stdout, stderr := invoke(t, "ckpt", "verify", job); rc != 0 {
 		t.Errorf("dos ckpt verify of the job: rc %d\n%s%s", rc, stdout, stderr)
 	}
