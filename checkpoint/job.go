@@ -8,6 +8,7 @@ import (
 	"maps"
 	"math"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 )
@@ -360,7 +361,7 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 				holders = append(holders, filepath.Base(RankRoot(root, r)))
 			} else {
 				lacking = append(lacking, StepDir(RankRoot(root, r), jl))
-				setAside = setAside && setAsideIn(fsys, RankRoot(root, r), jl)
+				setAside = setAside && setAsideIn(fsys, RankRoot(root, r), jl, committedAt(fsys, root))
 			}
 		}
 		switch {
@@ -456,17 +457,34 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 
 // setAsideIn reports whether rankRoot holds its checkpoint of step set
 // aside (damaged-step-%09d-*: Rollback's, which did not verify).
-func setAsideIn(fsys FS, rankRoot string, step int64) bool {
+func setAsideIn(fsys FS, rankRoot string, step, since int64) bool {
 	es, err := fsys.ReadDir(rankRoot)
 	if err != nil {
 		return false
 	}
 	for _, e := range es {
-		if strings.HasPrefix(e.Name(), asidePrefix+stepDirName(step)+"-") {
+		rest, ok := strings.CutPrefix(e.Name(), asidePrefix+stepDirName(step)+"-")
+		if !ok {
+			continue
+		}
+		// Its name holds when it was set aside (asideName): one set aside
+		// before the job committed the step (again) is an older piece's.
+		secs, _, _ := strings.Cut(rest, "-")
+		if t, err := strconv.ParseInt(secs, 10, 64); err == nil && t >= since {
 			return true
 		}
 	}
 	return false
+}
+
+// committedAt returns when the job under root last moved its latest (its
+// modification time, in unix seconds; 0 when it cannot be read).
+func committedAt(fsys FS, root string) int64 {
+	st, err := fsys.Stat(filepath.Join(root, LatestFile))
+	if err != nil {
+		return 0
+	}
+	return st.ModTime().Unix()
 }
 
 // onlyLock reports whether a directory's entries es are none, or only a

@@ -2,10 +2,12 @@ package checkpoint
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestJobCommit: a two-rank job commits a step only once both ranks hold
@@ -170,6 +172,33 @@ func TestResumeJob(t *testing.T) {
 			t.Errorf("the job's latest: %d, want 4", s)
 		}
 	})
+	t.Run("stale set-aside marker", func(t *testing.T) {
+		// Rank 0 set a step 6 aside an hour before the job committed
+		// step 6 (again); now its step 6 is gone: that old marker is not
+		// this step's, and ResumeJob refuses, changing nothing (the third
+		// adversary: it moved the job back to 4 on the old marker).
+		root := t.TempDir()
+		for _, st := range []int64{4, 6} {
+			for r := range 2 {
+				mustSave(t, OS, RankRoot(root, r), testSnapshot(st))
+			}
+			if err := CommitJob(OS, root, 2, st); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Mkdir(filepath.Join(RankRoot(root, 0), fmt.Sprintf("damaged-step-000000006-%d", time.Now().Unix()-3600)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(StepDir(RankRoot(root, 0), 6), filepath.Join(t.TempDir(), "away")); err != nil {
+			t.Fatal(err)
+		}
+		if step, note, err := ResumeJob(OS, root, 2); err == nil || !strings.Contains(err.Error(), "Nothing was changed") {
+			t.Fatalf("ResumeJob: %d, %q, %v; want a refusal", step, note, err)
+		}
+		if s, _, _ := JobLatest(OS, root); s != 6 {
+			t.Errorf("the job's latest: %d, want 6 (unchanged)", s)
+		}
+	})
 	t.Run("rank rolled back", func(t *testing.T) {
 		// The job committed 6, then rank 0's step 6 was set aside (a bad
 		// checkpoint, dos ckpt recover on its root): the job moves back
@@ -183,7 +212,7 @@ func TestResumeJob(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if err := os.Rename(StepDir(RankRoot(root, 0), 6), filepath.Join(RankRoot(root, 0), "damaged-step-000000006-1")); err != nil {
+		if err := os.Rename(StepDir(RankRoot(root, 0), 6), filepath.Join(RankRoot(root, 0), fmt.Sprintf("damaged-step-000000006-%d", time.Now().Unix()))); err != nil {
 			t.Fatal(err)
 		}
 		step, note, err := ResumeJob(OS, root, 2)
