@@ -19,6 +19,7 @@ def library_path():
 
 
 _lib = None
+_lib_pid = None  # the process that loaded _lib: dos's Go runtime does not survive fork()
 
 # dos_reduce_fn (capi/capi.go): combines this rank's gradient sum of squares with the other ranks', in place;
 # returns 0, or nonzero when it failed.
@@ -56,9 +57,22 @@ SIGNATURES = {
 }
 
 
+def check_process():
+    """Refuses (DosError) a call into dos from a process other than the one that loaded its library: dos's Go
+    runtime does not survive fork() (the child has only the forking thread, so a call that waits on a goroutine,
+    a save's, a step's workers', would hang for ever), whatever object the call is about."""
+    if _lib_pid is not None and os.getpid() != _lib_pid:
+        raise DosError(f"dos: its library was loaded in process {_lib_pid}, and this is process {os.getpid()} (a fork()ed "
+                       "child): dos's Go runtime does not survive fork(), so no call into dos can run here; start such "
+                       "processes with the spawn start method (multiprocessing.set_start_method(\"spawn\"), or a "
+                       "DataLoader's multiprocessing_context=\"spawn\"), and use dos in the parent or in spawned processes")
+
+
 def lib():
-    """The loaded library (loaded once). Raises DosError when it is missing."""
-    global _lib
+    """The loaded library (loaded once). Raises DosError when it is missing, or in a fork()ed child of the process
+    that loaded it (check_process)."""
+    global _lib, _lib_pid
+    check_process()
     if _lib is None:
         path = library_path()
         if not os.path.exists(path):
@@ -67,7 +81,7 @@ def lib():
         for name, (res, args) in SIGNATURES.items():
             f = getattr(l, name)
             f.restype, f.argtypes = res, args
-        _lib = l
+        _lib, _lib_pid = l, os.getpid()
     return _lib
 
 

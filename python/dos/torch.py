@@ -136,8 +136,9 @@ def _check_process(pid, what):
     goroutine would hang for ever)."""
     if os.getpid() != pid:
         raise _native.DosError(f"dos.torch.{what} was built in process {pid}, and this is process {os.getpid()} (a fork()ed "
-                               "child): dos's runtime does not survive fork(); build the optimizer in the child, or use "
-                               "the spawn start method (multiprocessing.set_start_method(\"spawn\"))")
+                               "child): dos's Go runtime does not survive fork(), so no call into dos can run here, not "
+                               "even a new optimizer's; start such processes with the spawn start method "
+                               "(multiprocessing.set_start_method(\"spawn\"))")
 
 
 def _norm(v):

@@ -46,7 +46,8 @@ def test_fork_child_refuses_calls_into_dos(tmp_path):
             for what, f in [("step", o.step), ("save", lambda: o.save({str(tmp_path / "child")!r}).wait()),
                             ("state_dict", o.state_dict), ("load", lambda: o.load({str(tmp_path / "parent")!r})),
                             ("master_weights", lambda: o.master_weights(0)), ("state", lambda: o.state[p]["step"]),
-                            ("wait", h.wait), ("done", h.done)]:
+                            ("wait", h.wait), ("done", h.done),
+                            ("a new optimizer", lambda: dt.AdamW([torch.nn.Parameter(torch.randn(8))], lr=1e-2))]:
                 try:
                     f()
                     bad.append(what + ": no error")
