@@ -11,6 +11,7 @@ import json
 from collections.abc import MutableMapping
 import math
 import os
+import shlex
 import threading
 import weakref
 
@@ -139,6 +140,23 @@ def _check_process(pid, what):
                                "child): dos's Go runtime does not survive fork(), so no call into dos can run here, not "
                                "even a new optimizer's; start such processes with the spawn start method "
                                "(multiprocessing.set_start_method(\"spawn\"))")
+
+
+def _all_of(n, f):
+    """Calls f(0), ..., f(n-1), all of them, even when an exception arrives meanwhile (a KeyboardInterrupt from
+    Ctrl-C lands between any two bytecodes): f(i) is then called again (each f is a copy: idempotent) and the loop
+    goes on; the first such exception is raised at the end. What a step or a load applies is so applied whole."""
+    pending, i = None, 0
+    while i < n:
+        try:
+            while i < n:
+                f(i)
+                i += 1
+        except BaseException as e:  # noqa: B902 (an interrupt too: re-raised below)
+            if pending is None:
+                pending = e
+    if pending is not None:
+        raise pending
 
 
 def _norm(v):
@@ -569,6 +587,10 @@ class AdamW(torch.optim.Optimizer):
         the native call returns, before Python could assign its result) still gets the copy-back and the
         bookkeeping, then propagates; dos's step count says whether the step was taken."""
         before = _native.call("dos_adamw_get_step", h)
+        if before >= MAX_STEP:
+            raise ValueError(f"dos.torch.AdamW.step: the step count is {before}, the largest taken ({MAX_STEP}, 2**53: "
+                             "a float, as torch keeps the step, holds no larger one exactly); a checkpoint of a larger "
+                             "one could not be loaded")
         taken = None
         try:
             taken = self._call_step(name, *args)
@@ -581,12 +603,14 @@ class AdamW(torch.optim.Optimizer):
             if taken is not None:
                 self.skipped = taken == 0
                 if taken:
-                    for i, (p, d) in enumerate(held):
+                    def back(i):
+                        p, d = held[i]
                         if self._cuda:
                             d.view(-1).copy_(self._views[i][1])
                         else:
                             d.copy_(self._wbuf[i].view(d.shape))
                         self._mark_seen(i, p, d)
+                    _all_of(len(held), back)
 
     _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
 
@@ -837,27 +861,42 @@ class AdamW(torch.optim.Optimizer):
         data = [(_local(P), self._data(i, _local(P))) for i, P in enumerate(self._params)]  # checked first
         objects = ctypes.c_void_p()
         try:
-            _native.call("dos_adamw_load", self._handle(), path, ctypes.byref(objects))
-        except _native.DosError as e:
-            shown = os.fsdecode(path)
-            if "corrupt" in str(e):
-                raise _native.DosError(f"{e}; `dos ckpt recover {shown}` sets a checkpoint that does not verify aside "
-                                       "(kept whole, as damaged-step-*) and points latest at the newest that does") from e
-            aside = sorted(os.fsdecode(n) for n in os.listdir(path) if n.startswith(b"damaged-")) if os.path.isdir(path) else []
-            if aside:
-                raise _native.DosError(f"{e}; {shown} holds only checkpoints set aside as damaged ({', '.join(aside)}: "
-                                       "they did not verify), none to load") from e
-            raise
-        objs = json.loads(_native.take_string(objects) or "{}")
+            try:
+                _native.call("dos_adamw_load", self._handle(), path, ctypes.byref(objects))
+            except _native.DosError as e:
+                shown = os.fsdecode(path)
+                root = os.path.dirname(os.path.normpath(shown)) if os.path.exists(os.path.join(path, b"manifest.json")) else shown
+                if "corrupt" in str(e):
+                    raise _native.DosError(f"{e}; `dos ckpt recover {shlex.quote(root)}` sets a checkpoint that does not "
+                                           "verify aside (kept whole, as damaged-step-*) and points latest at the newest "
+                                           "that does") from e
+                aside = sorted(os.fsdecode(n) for n in os.listdir(path) if n.startswith(b"damaged-")) if os.path.isdir(path) else []
+                if aside:
+                    raise _native.DosError(f"{e}; {shown} holds only checkpoints set aside as damaged ({', '.join(aside)}: "
+                                           "they did not verify), none to load") from e
+                raise
+        finally:
+            if objects.value:  # dos loaded it (an interrupt may have arrived since): applied whole
+                self._apply_load(data, objects)
+
+    def _apply_load(self, data, objects):
+        """The parameters' data set from the loaded master weights and the groups' lr from the checkpoint's torch
+        object (objects: dos's C string of the objects, freed here), all of it even under an interrupt."""
+        objs = json.loads(ctypes.string_at(objects.value).decode("utf-8", "replace") or "{}")
         self._saved_step = None  # dos refuses a save at or below a root's latest committed step
-        for i, (p, d) in enumerate(data):
+
+        def take(i):
+            p, d = data[i]
             d.copy_(self.master_weights(i).view(d.shape))
             self._mark_seen(i, p, d)
+        _all_of(len(data), take)
         t = objs.get("torch")  # dos checked it before loading: an object, lrs finite numbers >= 0, one per group
         lrs = t.get("lrs") if isinstance(t, dict) else None
         if lrs and len(lrs) == len(self.param_groups):
             for g, lr in zip(self.param_groups, lrs):
                 g["lr"] = lr
+        ptr, objects.value = objects.value, None
+        _native.lib().dos_free(ctypes.c_void_p(ptr))
 
     def placement(self):
         """Where the update phase runs, as a dict: ``device`` (its name, "" for the CPU workers only),

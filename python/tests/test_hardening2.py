@@ -281,3 +281,54 @@ def test_load_takes_binding_torch_object(tmp_path):
     o2 = dt.AdamW([q], lr=1e-2)
     o2.load(tmp_path)
     assert o2.param_groups[0]["lr"] == 0.25 and _step_count(o2) == 3 and torch.equal(q.detach(), p.detach())
+
+
+@pytest.mark.parametrize("where", ["step", "load"])
+def test_interrupt_inside_the_copy_back_still_applies_it_whole(tmp_path, where):
+    """A KeyboardInterrupt between two parameters' copies (Ctrl-C lands between any two bytecodes) ended the
+    copy-back loop of step() or load(): some parameters kept their old weights while dos had the new state, and
+    the next step took them as the master weights (the third binding adversary). Every parameter is applied, then
+    the interrupt propagates."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    o = dt.AdamW(ps, lr=1e-2)
+    for p in ps:
+        p.grad = torch.randn(5)
+    o.step()
+    if where == "load":
+        root = str(tmp_path / "r")
+        o.save(root).wait()
+        for p in ps:
+            p.data.zero_()
+    real, fired = o._mark_seen, []
+
+    def interrupted(i, p, d):
+        real(i, p, d)
+        if i == 0 and not fired:
+            fired.append(i)
+            raise KeyboardInterrupt
+    o._mark_seen = interrupted
+    for p in ps:
+        p.grad = torch.randn(5)
+    with pytest.raises(KeyboardInterrupt):
+        o.step() if where == "step" else o.load(root)
+    o._mark_seen = real
+    assert fired
+    for i, p in enumerate(ps):
+        assert torch.equal(p.data, o.master_weights(i)), f"parameter {i} was not applied"
+    o.close()
+
+
+def test_step_stops_at_2_53(tmp_path):
+    """A step count set to 2**53 was stepped past it, and the checkpoint of 2**53+1 saved durable could not be
+    loaded (the third binding adversary): step() refuses at 2**53, nothing changed, and the save of 2**53 loads."""
+    p, o = _stepped()
+    o.state[p]["step"] = 2 ** 53
+    before = p.data.clone()
+    p.grad = torch.randn(4)
+    with pytest.raises(ValueError, match="the largest taken"):
+        o.step()
+    assert torch.equal(p.data, before) and int(o.state_dict()["state"][0]["step"].item()) == 2 ** 53
+    o.save(str(tmp_path / "r")).wait()
+    o.load(str(tmp_path / "r"))
+    o.close()
