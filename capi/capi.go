@@ -282,6 +282,24 @@ func status(ok bool) C.int32_t {
 //export dos_version
 func dos_version() *C.char { return cVersion }
 
+// dos_lock_fds writes into fds (room for n) the file descriptors of the
+// checkpoint roots' locks this process holds (checkpoint.HeldLockFDs) and
+// returns how many there are (more than n: the first n written). The
+// Python package closes them in a fork()ed child, which would otherwise
+// keep a root locked after this process released it.
+//
+//export dos_lock_fds
+func dos_lock_fds(fds *C.int32_t, n C.int32_t) C.int32_t {
+	held := checkpoint.HeldLockFDs()
+	if fds != nil && n > 0 {
+		out := unsafe.Slice((*int32)(unsafe.Pointer(fds)), int(n))
+		for k, fd := range held[:min(len(held), int(n))] {
+			out[k] = int32(fd)
+		}
+	}
+	return C.int32_t(len(held))
+}
+
 var cVersion = C.CString("dos capi 1")
 
 //export dos_free

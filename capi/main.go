@@ -24,6 +24,7 @@
 //	int32_t dos_adamw_close(int64_t h, char **err);
 //	void dos_free(char *p);
 //	const char *dos_version(void);
+//	int32_t dos_lock_fds(int32_t *fds, int32_t n);
 //
 // params and grads point to each of the nparams parameters' data and
 // gradient in the spec's dtype (float32, or 16-bit with fp32 master

@@ -328,3 +328,22 @@ func readHolder(f *os.File) (string, error) {
 	}
 	return strings.TrimSpace(string(b[:n])), nil
 }
+
+// HeldLockFDs returns the file descriptors of the root locks this process
+// holds (Lock's, on the OS file system). flock(2) locks belong to the open
+// file, which a fork()ed child shares: a child that never writes a root
+// (a data-loader worker) still pins the lock after this process released
+// it, until the child ends. A binding that lets its users fork closes
+// these descriptors in the child (Python's os.register_at_fork), which
+// leaves this process's lock as it is.
+func HeldLockFDs() []int {
+	locksMu.Lock()
+	defer locksMu.Unlock()
+	var fds []int
+	for _, h := range locks {
+		if h != nil && h.f != nil {
+			fds = append(fds, int(h.f.Fd()))
+		}
+	}
+	return fds
+}

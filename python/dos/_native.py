@@ -29,6 +29,7 @@ REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_double))
 # library's header.
 SIGNATURES = {
     "dos_version": (ctypes.c_char_p, []),
+    "dos_lock_fds": (ctypes.c_int32, [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "dos_free": (None, [ctypes.c_void_p]),
     "dos_adamw_new": (ctypes.c_int64, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p),
@@ -82,7 +83,33 @@ def lib():
             f = getattr(l, name)
             f.restype, f.argtypes = res, args
         _lib, _lib_pid = l, os.getpid()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
     return _lib
+
+
+_fork_fds = []  # the root locks' descriptors as a fork() began (_before_fork)
+
+
+def _before_fork():
+    """In the forking process: the descriptors of the checkpoint roots' locks it holds (dos_lock_fds)."""
+    global _fork_fds
+    _fork_fds = []
+    if _lib is None or os.getpid() != _lib_pid:
+        return
+    buf = (ctypes.c_int32 * 256)()
+    k = _lib.dos_lock_fds(buf, 256)
+    _fork_fds = list(buf[:min(k, 256)])
+
+
+def _after_fork_in_child():
+    """In a fork()ed child: those descriptors closed. An flock(2) lock belongs to the open file, which the child
+    shares: a child that never writes a root (a DataLoader worker) kept it locked after the parent released it."""
+    for fd in _fork_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def take_string(ptr):

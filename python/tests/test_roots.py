@@ -118,3 +118,33 @@ def test_load_of_a_damaged_root_names_recover(tmp_path):
     with pytest.raises(dos.DosError, match=r"holds only checkpoints set aside as damaged \(damaged-step-"):
         opt.load(str(root))
     opt.close()
+
+
+def test_forked_child_does_not_pin_the_root(tmp_path):
+    """A fork()ed child that never touches dos (a DataLoader worker) inherited the root's flock(2) lock: after the
+    parent closed its optimizer, a new optimizer's save into that root was refused ("locked by PID <parent>") while
+    the child lived (the third binding adversary). The child closes the inherited lock descriptors at fork."""
+    import subprocess
+    import sys
+    import textwrap
+    root = str(tmp_path / "r")
+    script = textwrap.dedent(f"""
+        import os, time, torch, dos.torch as dt
+        p = torch.nn.Parameter(torch.randn(8)); p.grad = torch.randn(8)
+        o = dt.AdamW([p], lr=1e-2); o.step(); o.save({root!r}).wait()
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(4)
+            os._exit(0)
+        o.close()
+        q = torch.nn.Parameter(torch.randn(8)); q.grad = torch.randn(8)
+        o2 = dt.AdamW([q], lr=1e-2); o2.step(); o2.step()
+        try:
+            o2.save({root!r}).wait()
+            print("SAVED", flush=True)
+        finally:
+            os.waitpid(pid, 0)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(dos.__file__))] + sys.path))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "SAVED" in r.stdout, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-2000:]}"
