@@ -58,11 +58,17 @@ SIGNATURES = {
 }
 
 
+def forked():
+    """Whether this is a fork()ed child of the process that loaded the library, where no call into dos can run
+    (check_process refuses them; a close there only forgets its handle)."""
+    return _lib_pid is not None and os.getpid() != _lib_pid
+
+
 def check_process():
     """Refuses (DosError) a call into dos from a process other than the one that loaded its library: dos's Go
     runtime does not survive fork() (the child has only the forking thread, so a call that waits on a goroutine,
     a save's, a step's workers', would hang for ever), whatever object the call is about."""
-    if _lib_pid is not None and os.getpid() != _lib_pid:
+    if forked():
         raise DosError(f"dos: its library was loaded in process {_lib_pid}, and this is process {os.getpid()} (a fork()ed "
                        "child): dos's Go runtime does not survive fork(), so no call into dos can run here; start such "
                        "processes with the spawn start method (multiprocessing.set_start_method(\"spawn\"), or a "

@@ -131,17 +131,6 @@ def _refuse_overlaps(ts, what=""):
                              "update with the other's: tie them as one Parameter (pass it once), or give each its own storage (.clone())")
 
 
-def _check_process(pid, what):
-    """Refuses (DosError) a call into dos from a process other than pid, the one that built the object: dos's Go
-    runtime does not survive fork() (the child has only the forking thread, so a call that waits on a
-    goroutine would hang for ever)."""
-    if os.getpid() != pid:
-        raise _native.DosError(f"dos.torch.{what} was built in process {pid}, and this is process {os.getpid()} (a fork()ed "
-                               "child): dos's Go runtime does not survive fork(), so no call into dos can run here, not "
-                               "even a new optimizer's; start such processes with the spawn start method "
-                               "(multiprocessing.set_start_method(\"spawn\"))")
-
-
 def _all_of(n, f):
     """Calls f(0), ..., f(n-1), all of them, even when an exception arrives meanwhile (a KeyboardInterrupt from
     Ctrl-C lands between any two bytecodes): f(i) is then called again (each f is a copy: idempotent) and the loop
@@ -344,7 +333,6 @@ class AdamW(torch.optim.Optimizer):
         # the parameters of each group as dos laid them out: step(), state_dict(), load_state_dict() and save()
         # refuse groups whose "params" were edited since (_check_layout)
         self._layout = [tuple(g["params"]) for g in self.param_groups]
-        self._pid = os.getpid()  # dos's runtime does not survive fork(): no other process calls into it (_handle)
         self._h = _native.call("dos_adamw_new", json.dumps(spec).encode())
         # (data_ptr, _version, the data tensor) of each parameter as dos last left it; holding the tensor keeps
         # its storage alive, so that no new buffer can take its address unseen (_changed)
@@ -483,7 +471,7 @@ class AdamW(torch.optim.Optimizer):
                         "state_dict() (torch.optim.AdamW's format) or save(root)")
 
     def _handle(self):
-        _check_process(self.__dict__.get("_pid", os.getpid()), "AdamW")
+        _native.check_process()  # before any lock: one held at fork() stays held in the child
         if not self._h:
             raise _native.DosError("dos.torch.AdamW: the optimizer is closed")
         return self._h
@@ -920,7 +908,7 @@ class AdamW(torch.optim.Optimizer):
         """Frees dos's optimizer state; later steps raise. Called when the optimizer is collected. In a fork()ed
         child it only forgets the handle (dos's runtime does not survive fork(); the parent's state is the
         parent's)."""
-        if self.__dict__.get("_pid", os.getpid()) != os.getpid():
+        if _native.forked():
             self._h = 0
             return
         lock = self.__dict__.get("_lock")
@@ -1031,14 +1019,11 @@ class SaveHandle:
 
     def __init__(self, h):
         self._h = h
-        self._pid = os.getpid()
 
     def done(self):
-        _check_process(self._pid, "SaveHandle")
         return bool(_native.lib().dos_save_done(self._h))
 
     def wait(self):
-        _check_process(self._pid, "SaveHandle")
         d = ctypes.c_void_p()
         try:
             _native.call("dos_save_wait", self._h, ctypes.byref(d))
@@ -1051,8 +1036,8 @@ class SaveHandle:
 
     def __del__(self):
         try:
-            if self._pid != os.getpid():
-                return  # a fork()ed child: dos's runtime is the parent's
+            if _native.forked():
+                return  # dos's runtime is the parent's
             _native.lib().dos_save_free(self._h)
         except Exception:
             pass
