@@ -20,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os"
 	"runtime"
 	"runtime/debug"
 	"slices"
@@ -185,20 +186,16 @@ var handles struct {
 	// release closes an optimizer's device (offload.OpenDevice's), by the
 	// optimizer's handle, after its Close.
 	release map[int64]func()
-	// owners maps a checkpoint root (its directory's identity, rootID) to
-	// the handle of the optimizer whose engine writes it. The root's lock
-	// (checkpoint.Lock) refuses a writer of another process; within this
-	// process it is shared, so this refuses a second optimizer, whose
-	// retention (keep) would retire the first one's checkpoints.
-	owners map[rootKey]int64
 }
 
 // saver is an optimizer's checkpoint engine on one root.
 type saver struct {
 	root string
-	id   rootKey // root's identity, its key in handles.owners
-	keep int     // checkpoint.EngineOptions.Keep
-	ring int64   // checkpoint.EngineOptions.RingBytes (0: the default)
+	// st is root's directory as the engine opened it: its identity
+	// (os.SameFile), which another optimizer's save compares (ownerOf).
+	st   os.FileInfo
+	keep int   // checkpoint.EngineOptions.Keep
+	ring int64 // checkpoint.EngineOptions.RingBytes (0: the default)
 	e    *checkpoint.Engine
 	last *checkpoint.Handle // the engine's latest save, nil before the first
 }
@@ -247,7 +244,6 @@ func newHandle() int64 {
 	if handles.m == nil {
 		handles.m, handles.eng, handles.saves = map[int64]*offload.Optimizer{}, map[int64]*saver{}, map[int64]savedBy{}
 		handles.release = map[int64]func(){}
-		handles.owners = map[rootKey]int64{}
 	}
 	handles.next++
 	return handles.next
@@ -541,7 +537,6 @@ func dos_adamw_close(h C.int64_t, errOut **C.char) C.int32_t {
 		delete(handles.m, int64(h))
 		delete(handles.eng, int64(h))
 		delete(handles.release, int64(h))
-		disown(sv, int64(h))
 		handles.Unlock()
 		if o == nil {
 			return nil
@@ -647,14 +642,16 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 		if sv == nil || sv.root != dir || sv.keep != int(keep) || sv.ring != int64(ring) {
 			// Refused before this optimizer's engine on its old root is
 			// closed, and before an engine touches dir.
-			if id, err := rootID(dir); err == nil {
-				if err := ownedByOther(id, dir, int64(h)); err != nil {
-					return err
+			if st, err := os.Stat(dir); err == nil {
+				handles.Lock()
+				other := ownerOf(st, int64(h))
+				handles.Unlock()
+				if other != 0 {
+					return ownedByOther(dir, other)
 				}
 			}
 			if sv != nil {
 				handles.Lock()
-				disown(sv, int64(h))
 				delete(handles.eng, int64(h))
 				handles.Unlock()
 				if err := sv.e.Close(); err != nil {
@@ -665,24 +662,23 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 			if err != nil {
 				return err
 			}
-			id, err := rootID(dir) // dir exists now
+			st, err := os.Stat(dir) // dir exists now
 			if err != nil {
 				_ = e.Close()
 				return fmt.Errorf("dos: save: the checkpoint root %s: %w", dir, err)
 			}
-			sv = &saver{root: dir, id: id, keep: int(keep), ring: int64(ring), e: e}
+			sv = &saver{root: dir, st: st, keep: int(keep), ring: int64(ring), e: e}
 			handles.Lock()
 			if handles.m[int64(h)] != o { // closed meanwhile (dos_adamw_close): claim nothing
 				handles.Unlock()
 				_ = e.Close()
 				return fmt.Errorf("dos: save: the optimizer (handle %d) was closed during the save", int64(h))
 			}
-			if other, ok := handles.owners[id]; ok && other != int64(h) { // claimed meanwhile
+			if other := ownerOf(st, int64(h)); other != 0 { // claimed meanwhile
 				handles.Unlock()
 				_ = e.Close()
-				return ownedByOther(id, dir, int64(h))
+				return ownedByOther(dir, other)
 			}
-			handles.owners[id] = int64(h)
 			handles.eng[int64(h)] = sv
 			handles.Unlock()
 		}
@@ -706,25 +702,27 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 	return C.int64_t(id)
 }
 
-// ownedByOther refuses root (its identity id) when an optimizer other
-// than h's writes it.
-func ownedByOther(id rootKey, root string, h int64) error {
-	handles.Lock()
-	other, ok := handles.owners[id]
-	handles.Unlock()
-	if !ok || other == h {
-		return nil
+// ownerOf returns the handle of the optimizer other than h whose engine
+// writes the checkpoint root whose directory is st (os.SameFile: a link or
+// another spelling of it is the same root), 0 for none; hold handles. The
+// root's lock (checkpoint.Lock) refuses a writer of another process; within
+// this process it is shared, so this refuses a second optimizer, whose
+// retention (keep) would retire the first one's checkpoints.
+func ownerOf(st os.FileInfo, h int64) int64 {
+	for oh, sv := range handles.eng {
+		if oh != h && os.SameFile(sv.st, st) {
+			return oh
+		}
 	}
+	return 0
+}
+
+// ownedByOther is the error of a save into root, which the optimizer of
+// handle other writes.
+func ownedByOther(root string, other int64) error {
 	return fmt.Errorf("dos: save: the checkpoint root %s is written by another dos optimizer of this process "+
 		"(a dos.torch.AdamW, handle %d): one optimizer per root, or one's retention would retire the other's "+
 		"checkpoints and a load would mix them; save into another root, or close() that optimizer first", root, other)
-}
-
-// disown releases h's claim on sv's root; hold handles.
-func disown(sv *saver, h int64) {
-	if sv != nil && handles.owners[sv.id] == h {
-		delete(handles.owners, sv.id)
-	}
 }
 
 //export dos_save_done
@@ -757,7 +755,6 @@ func dos_save_wait(sh C.int64_t, dirOut **C.char, errOut **C.char) C.int32_t {
 			mine := handles.eng[sb.oh] == sb.sv // not a later save's engine
 			if mine {
 				delete(handles.eng, sb.oh)
-				disown(sb.sv, sb.oh)
 			}
 			handles.Unlock()
 			if mine {
