@@ -397,6 +397,26 @@ func asideName(fsys FS, root, name string) string {
 	}
 }
 
+// setAside renames each of dirs (step directories of root) aside, whole,
+// as root/damaged-NAME-<unix seconds> (asideName), then fsyncs root once;
+// it returns the new paths of those it moved.
+func setAside(fsys FS, root string, dirs []string) ([]string, error) {
+	var to []string
+	for _, d := range dirs {
+		a := asideName(fsys, root, filepath.Base(d))
+		if err := fsys.Rename(d, a); err != nil {
+			return to, fmt.Errorf("checkpoint: setting %s aside: %w", d, err)
+		}
+		to = append(to, a)
+	}
+	if len(to) > 0 {
+		if err := fsys.SyncDir(root); err != nil {
+			return to, fmt.Errorf("checkpoint: %s: fsync: %w", root, err)
+		}
+	}
+	return to, nil
+}
+
 // setAsideAll sets every step directory of root (complete or not) aside
 // as root/damaged-step-%09d-<unix seconds>, then removes latest and
 // latest.tmp (they named one of them): root then holds no checkpoint.
@@ -408,19 +428,19 @@ func setAsideAll(fsys FS, root string) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint: %s: %w", root, err)
 	}
-	var moved []string
+	var dirs []string
 	for _, e := range es {
-		if _, ok := parseStepDirName(e.Name()); !ok {
-			continue
+		if _, ok := parseStepDirName(e.Name()); ok {
+			dirs = append(dirs, filepath.Join(root, e.Name()))
 		}
-		to := asideName(fsys, root, e.Name())
-		if err := fsys.Rename(filepath.Join(root, e.Name()), to); err != nil {
-			return moved, fmt.Errorf("checkpoint: setting %s aside: %w", filepath.Join(root, e.Name()), err)
-		}
-		moved = append(moved, filepath.Base(to))
 	}
-	if err := fsys.SyncDir(root); err != nil {
-		return moved, fmt.Errorf("checkpoint: %s: fsync: %w", root, err)
+	to, err := setAside(fsys, root, dirs)
+	var moved []string
+	for _, t := range to {
+		moved = append(moved, filepath.Base(t))
+	}
+	if err != nil {
+		return moved, err
 	}
 	for _, n := range []string{LatestFile, pendingLatest} {
 		if err := fsys.RemoveAll(filepath.Join(root, n)); err != nil {

@@ -541,17 +541,12 @@ func recoverLocked(fsys FS, root string, rank int, info *RootInfo, verify func(*
 		return nil, err
 	}
 	if aside {
-		for _, d := range damaged {
-			a := asideName(fsys, root, filepath.Base(d))
-			if err := fsys.Rename(d, a); err != nil {
-				return nil, fmt.Errorf("checkpoint: setting %s aside: %w", d, err)
-			}
-			rec.SetAside = append(rec.SetAside, fmt.Sprintf("%s as %s", filepath.Base(d), a))
+		to, err := setAside(fsys, root, damaged)
+		if err != nil {
+			return nil, err
 		}
-		if len(rec.SetAside) > 0 {
-			if err := fsys.SyncDir(root); err != nil {
-				return nil, fmt.Errorf("checkpoint: setting step directories aside: fsync %s: %w", root, err)
-			}
+		for i, a := range to {
+			rec.SetAside = append(rec.SetAside, fmt.Sprintf("%s as %s", filepath.Base(damaged[i]), a))
 		}
 	}
 	name := filepath.Base(chosen.Dir)
