@@ -69,7 +69,11 @@ func (o *CPUOptions) defaults() {
 // dtype) series: time = latency + params/Uc. progress, when not nil, is
 // called after every point with the points done and the total.
 //
-// Errors: a fit that fails (times that do not grow with size).
+// A series whose times do not grow with size (the machine was busy with
+// other work while it was measured) is measured again, up to
+// calibAttempts times in all, with twice the reps each time.
+//
+// Errors: a series that does not fit after calibAttempts measurements.
 func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, error) {
 	opts.defaults()
 	if slices.Min(opts.Sizes) <= 0 || len(slices.Compact(slices.Sorted(slices.Values(opts.Sizes)))) < 2 {
@@ -105,49 +109,82 @@ func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, er
 	for _, th := range opts.Threads {
 		pool := adam.NewPool(th)
 		for _, d := range opts.GradDTypes {
-			var pts, spts []Point
-			for _, n := range opts.Sizes {
-				g := adam.GradF32(g32[:n])
-				if d != adam.F32 {
-					g = adam.Grad16(d, g16[:n])
+			calls := 0
+			measure := func(reps int) (pts, spts []Point) {
+				if calls++; calls > 1 {
+					total += len(opts.Sizes) // a series measured again
 				}
-				st, o := s.Slice(0, n), out.Slice(0, n)
-				// The optimizer's CPU work per subgroup, each part timed:
-				// the one-pass non-finite check and sum of squares (when
-				// the gradients are on the host), then the step.
-				pool.GradStats(g, 1) // warm-up
-				pool.Step(&c, st, g, o)
-				times := make([]float64, opts.Reps)
-				stimes := make([]float64, opts.Reps)
-				for r := range times {
-					t0 := time.Now()
-					pool.GradStats(g, 1)
-					t1 := time.Now()
+				for _, n := range opts.Sizes {
+					g := adam.GradF32(g32[:n])
+					if d != adam.F32 {
+						g = adam.Grad16(d, g16[:n])
+					}
+					st, o := s.Slice(0, n), out.Slice(0, n)
+					// The optimizer's CPU work per subgroup, each part timed:
+					// the one-pass non-finite check and sum of squares (when
+					// the gradients are on the host), then the step.
+					pool.GradStats(g, 1) // warm-up
 					pool.Step(&c, st, g, o)
-					stimes[r], times[r] = t1.Sub(t0).Seconds(), time.Since(t1).Seconds()
+					times := make([]float64, reps)
+					stimes := make([]float64, reps)
+					for r := range times {
+						t0 := time.Now()
+						pool.GradStats(g, 1)
+						t1 := time.Now()
+						pool.Step(&c, st, g, o)
+						stimes[r], times[r] = t1.Sub(t0).Seconds(), time.Since(t1).Seconds()
+					}
+					slices.Sort(times)
+					slices.Sort(stimes)
+					pts = append(pts, Point{Size: float64(n), Seconds: times[len(times)/2]})
+					spts = append(spts, Point{Size: float64(n), Seconds: stimes[len(stimes)/2]})
+					done++
+					if progress != nil {
+						progress(done, total)
+					}
 				}
-				slices.Sort(times)
-				slices.Sort(stimes)
-				pts = append(pts, Point{Size: float64(n), Seconds: times[len(times)/2]})
-				spts = append(spts, Point{Size: float64(n), Seconds: stimes[len(stimes)/2]})
-				done++
-				if progress != nil {
-					progress(done, total)
-				}
+				return pts, spts
 			}
-			f, err := FitPoints(pts)
+			f, sf, err := fitSeries(measure, opts.Reps)
 			if err != nil {
 				pool.Close()
 				return nil, fmt.Errorf("perfmodel: CPU at %d threads, %v gradients: %w", th, d, err)
-			}
-			sf, err := FitPoints(spts)
-			if err != nil {
-				pool.Close()
-				return nil, fmt.Errorf("perfmodel: CPU gradient checks at %d threads, %v gradients: %w", th, d, err)
 			}
 			fits = append(fits, CPUFit{Threads: th, GradDType: d, Fit: f, Stats: sf})
 		}
 		pool.Close()
 	}
 	return fits, nil
+}
+
+// calibAttempts is how many times CalibrateCPU measures one series before
+// it gives up on a fit.
+const calibAttempts = 3
+
+// fitSeries fits the step times and the gradient-check times that measure
+// returns (measure(reps): one point per size, each the median of reps
+// timings). When either fit fails (noise from other work on the machine
+// can make a larger size look faster) it measures again with twice the
+// reps, up to calibAttempts times in all.
+//
+// Errors: the last attempt's fit error, naming the part (the step or the
+// gradient checks) and the attempts made.
+func fitSeries(measure func(reps int) (pts, spts []Point), reps int) (step, stats Fit, err error) {
+	for a := 1; ; a++ {
+		pts, spts := measure(reps)
+		step, err = FitPoints(pts)
+		if err == nil {
+			stats, err = FitPoints(spts)
+			if err == nil {
+				return step, stats, nil
+			}
+			err = fmt.Errorf("gradient checks: %w", err)
+		} else {
+			err = fmt.Errorf("step: %w", err)
+		}
+		if a == calibAttempts {
+			return Fit{}, Fit{}, fmt.Errorf("%w, in each of %d measurements (up to %d reps a point): is other work loading this machine's CPUs?", err, a, reps)
+		}
+		reps *= 2
+	}
 }
