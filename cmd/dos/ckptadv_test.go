@@ -366,7 +366,7 @@ func TestJobFileMissing(t *testing.T) {
 	if step, world, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 4 || world != 2 || err != nil {
 		t.Errorf("the job after recover: step %d, %d ranks, %v; want 4 of 2", step, world, err)
 	}
-	if rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "6")...); rc != 0 || !strings.Contains(stdout, "done: 6 iterations") {
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "6")...); rc != 0 || !strings.Contains(stdout, "done: 6 iterations (2 this run)") {
 		t.Errorf("dos train --resume after recover: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }

@@ -311,8 +311,12 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	} else if sum.Steps == 0 {
 		fmt.Fprintf(stdout, "done: no iteration trained (the initial weights are step 0 where --ckpt-dir is set), val_loss %.4f\n", sum.ValLoss)
 	} else {
-		fmt.Fprintf(stdout, "done: %d iterations, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
-			sum.Steps, sum.InitialLoss, sum.FinalLoss, sum.InitValLoss, sum.ValLoss, sum.TokensPerS)
+		this := "" // a resumed run's summary covers all runs: say how many were this run's
+		if it, ok := t.Resumed(); ok {
+			this = fmt.Sprintf(" (%d this run)", sum.Steps-it)
+		}
+		fmt.Fprintf(stdout, "done: %d iterations%s, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
+			sum.Steps, this, sum.InitialLoss, sum.FinalLoss, sum.InitValLoss, sum.ValLoss, sum.TokensPerS)
 	}
 	if *summary != "" {
 		if err := writeJSON(*summary, sum); err != nil {
