@@ -37,7 +37,12 @@ import os
 import struct
 import sys
 
-from safetensors import safe_open
+try:
+    from safetensors import safe_open
+except ImportError:
+    sys.exit("check_safetensors.py: Python's safetensors package is not installed here "
+             "(pip install safetensors; Debian 12 does not package it): "
+             "dos ckpt verify DIR checks a checkpoint without it")
 
 try:
     import numpy as np
