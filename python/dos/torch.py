@@ -131,21 +131,10 @@ def _refuse_overlaps(ts, what=""):
                              "update with the other's: tie them as one Parameter (pass it once), or give each its own storage (.clone())")
 
 
-def _all_of(n, f):
-    """Calls f(0), ..., f(n-1), all of them, even when an exception arrives meanwhile (a KeyboardInterrupt from
-    Ctrl-C lands between any two bytecodes): f(i) is then called again (each f is a copy: idempotent) and the loop
-    goes on; the first such exception is raised at the end. What a step or a load applies is so applied whole."""
-    pending, i = None, 0
-    while i < n:
-        try:
-            while i < n:
-                f(i)
-                i += 1
-        except BaseException as e:  # noqa: B902 (an interrupt too: re-raised below)
-            if pending is None:
-                pending = e
-    if pending is not None:
-        raise pending
+@torch.no_grad()
+def _write(p, d, src):
+    """Writes src into d, parameter p's data (p local)."""
+    d.copy_(src)
 
 
 def _norm(v):
@@ -348,6 +337,7 @@ class AdamW(torch.optim.Optimizer):
             self._gbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
             self._wbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
         self._saved_step = None
+        self._unsettled = None  # a change cut short by an exception, finished by the next call (_settle)
         self._lock = threading.Lock()  # one step, save or load at a time: they share dos's gradient buffers
         self.skipped = False
         # Sharded parameters (FSDP2's, or process_group's): every step all-reduces the ranks' gradient sums
@@ -498,16 +488,46 @@ class AdamW(torch.optim.Optimizer):
         share memory (a tie made after construction, ``p1.data = p0.data``: a ValueError, as at construction).
         A background ``save`` that failed and was not yet reported by its handle's ``wait()`` makes this step
         raise its DosError instead, the step not taken (the step count stays; the next step is taken). The step
-        is applied whole: a KeyboardInterrupt (Ctrl-C) arriving once dos has updated still gets the new weights
-        into ``p.data``, then propagates."""
+        is applied whole or not at all: a Ctrl-C during it (on the main thread, with a SIGINT handler set from
+        Python, as the default is) is handled once the new weights are in ``p.data`` (its KeyboardInterrupt
+        raised then); any other exception that arrives once dos has stepped still gets them there, then
+        propagates, and one that cuts even that short leaves the rest to the next call (step, save, load,
+        state_dict, state), which finishes it first."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._handle()  # before the lock: one held at fork() by another thread stays held in the child
-        with self._lock:
+        with self._locked():
             self._step()
         return loss
+
+    def _locked(self):
+        """A context of one step, save, load or state change at a time (self._lock), with Ctrl-C deferred to its
+        end (_native.critical: the change of dos's state and of the parameters' data is made whole first), and
+        first the rest of a change that an exception cut short (_settle)."""
+        self._handle()  # before the lock: one held at fork() by another thread stays held in the child
+        return _native.critical(self._lock, self._settle)
+
+    def _settle(self):
+        """Finishes self._unsettled, the change that an exception (not a deferred Ctrl-C: another signal
+        handler's, a MemoryError) cut short after dos's state changed and before the parameters' data or the
+        groups followed: a step's copy-back, a load's, a load_state_dict's. Each such change is set as
+        _unsettled before it starts, is resumable (each part idempotent) and clears _unsettled once whole; every
+        call that reads or writes dos's state finishes it first, so none sees it half done. An exception
+        meanwhile resumes it, and the first is raised once it is whole; one that comes back twice more (not an
+        interrupt) is raised, the rest left to the next call."""
+        pending, tries = None, 0
+        while self._unsettled is not None:
+            try:
+                self._unsettled()
+            except BaseException as e:  # noqa: B902 (an interrupt too: raised below)
+                if pending is None:
+                    pending = e
+                tries += 1
+                if tries >= 3:
+                    raise
+        if pending is not None:
+            raise pending
 
     def _step(self):
         h = self._handle()
@@ -570,35 +590,35 @@ class AdamW(torch.optim.Optimizer):
 
     def _native_step(self, h, held, name, *args):
         """Calls dos's step (name, args) and, once it is taken, copies the new weights into the parameters'
-        data (held: each parameter's (p, d) of this step) and records them. The step is applied whole: an
-        exception that arrives once dos has taken the step (a KeyboardInterrupt from Ctrl-C lands as soon as
-        the native call returns, before Python could assign its result) still gets the copy-back and the
-        bookkeeping, then propagates; dos's step count says whether the step was taken."""
+        data (held: each parameter's (p, d) of this step) and records them. The step is applied whole: the
+        copy-back is set as unsettled before dos steps (_settle), so an exception that arrives once dos has
+        taken the step (one that lands as the native call returns, before Python could assign its result, or
+        during the copy-back) still gets the copy-back and the bookkeeping, then propagates; dos's step count
+        says whether the step was taken."""
         before = _native.call("dos_adamw_get_step", h)
         if before >= MAX_STEP:
             raise ValueError(f"dos.torch.AdamW.step: the step count is {before}, the largest taken ({MAX_STEP}, 2**53: "
                              "a float, as torch keeps the step, holds no larger one exactly); a checkpoint of a larger "
                              "one could not be loaded")
-        taken = None
+        taken, done = [None], [0]  # dos's answer (1 taken, 0 skipped, -1 not taken); parameters copied back
+
+        def back():
+            if taken[0] is None:  # an exception: was the step taken before it arrived?
+                taken[0] = 1 if _native.call("dos_adamw_get_step", h) > before else -1
+            if taken[0] >= 0:
+                self.skipped = taken[0] == 0
+            while taken[0] == 1 and done[0] < len(held):
+                i = done[0]
+                p, d = held[i]
+                _write(p, d, self._views[i][1].view(d.shape) if self._cuda else self._wbuf[i].view(d.shape))
+                self._mark_seen(i, p, d)
+                done[0] += 1
+            self._unsettled = None
+        self._unsettled = back
         try:
-            taken = self._call_step(name, *args)
+            taken[0] = self._call_step(name, *args)
         finally:
-            if taken is None:  # an exception: was the step taken before it arrived?
-                try:
-                    taken = 1 if _native.call("dos_adamw_get_step", h) > before else None
-                except _native.DosError:
-                    pass
-            if taken is not None:
-                self.skipped = taken == 0
-                if taken:
-                    def back(i):
-                        p, d = held[i]
-                        if self._cuda:
-                            d.view(-1).copy_(self._views[i][1])
-                        else:
-                            d.copy_(self._wbuf[i].view(d.shape))
-                        self._mark_seen(i, p, d)
-                    _all_of(len(held), back)
+            self._settle()
 
     _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
 
@@ -616,8 +636,7 @@ class AdamW(torch.optim.Optimizer):
         # lock: a hook may read opt.state
         for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
             hook(self)
-        self._handle()
-        with self._lock:  # not beside a step: the moments and the step count of one step
+        with self._locked():  # not beside a step: the moments and the step count of one step
             sd = self._state_dict()
         for hook in list(getattr(self, "_optimizer_state_dict_post_hooks", {}).values()):
             r = hook(self, sd)
@@ -721,7 +740,8 @@ class AdamW(torch.optim.Optimizer):
         dos: the moments (in fp32, as the dict holds them), the step (every parameter's must be the same:
         dos keeps one) and the groups' lr. The master weights are the parameters' (load the model first):
         taken from those changed since dos wrote them, as a step takes them; float32 ones on the CPU always.
-        It checks everything before changing anything: on error the optimizer is as it was. A parameter
+        It checks everything before changing anything: on error the optimizer is as it was; then it applies
+        the dict whole (a Ctrl-C is handled once it is applied, as in ``step``): never part old, part new. A parameter
         without state in the dict (torch's before its first step) starts from zero moments. The groups' other
         settings (``initial_lr`` and the like) are restored as torch restores them. torch's load_state_dict
         hooks (torch >= 2) run as torch runs them."""
@@ -730,8 +750,7 @@ class AdamW(torch.optim.Optimizer):
             r = hook(self, state_dict)
             if r is not None:
                 state_dict = r
-        self._handle()
-        with self._lock:
+        with self._locked():
             self._load_state_dict(state_dict)
         for hook in list(getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values()):
             hook(self)
@@ -773,14 +792,24 @@ class AdamW(torch.optim.Optimizer):
         if len(steps) > 1:
             raise ValueError(f"dos.torch.AdamW.load_state_dict: the parameters' steps differ ({sorted(steps)}); "
                              "dos keeps one step count")
-        for i, ((p, d), m) in enumerate(zip(data, moments)):
+        step = steps.pop()
+        settings = [{k: v for k, v in sg.items() if k != "params"} for sg in groups]
+        for i, (p, d) in enumerate(data):  # as a step takes them: dos's master weights are p.data either way
             if self._changed(i, p, d):
                 self._take(i, p, d)
-            for k, t in m.items():
-                self._put(i, k, t)
-        self._put(0, "step", steps.pop())
-        for g, sg in zip(self.param_groups, groups):  # as torch: the saved settings, the parameters stay
-            g.update({k: v for k, v in sg.items() if k != "params"})
+        done = [0]  # parameters whose moments are written
+
+        def apply():  # the whole dict, resumable (_settle): never part old, part new
+            while done[0] < len(moments):
+                for k, t in moments[done[0]].items():
+                    self._put(done[0], k, t)
+                done[0] += 1
+            self._put(0, "step", step)
+            for g, sg in zip(self.param_groups, settings):  # as torch: the saved settings, the parameters stay
+                g.update(sg)
+            self._unsettled = None
+        self._unsettled = apply
+        self._settle()
 
     def save(self, root, keep=0, ring_bytes=0):
         """Checkpoints the optimizer lazily into the checkpoint root directory ``root`` (dos's format:
@@ -804,8 +833,7 @@ class AdamW(torch.optim.Optimizer):
         a root whose latest committed checkpoint is at this optimizer's step or above (a run resumed from an older
         checkpoint: its save would retire the newer ones): a checkpoint is never replaced or lost. The parameters
         are saved as they are now: those changed since the last step are taken first, as a step takes them."""
-        self._handle()
-        with self._lock:
+        with self._locked():
             return self._save(root, keep, ring_bytes)
 
     def _save(self, root, keep, ring_bytes):
@@ -838,9 +866,8 @@ class AdamW(torch.optim.Optimizer):
     def load(self, path):
         """Restores the state of a checkpoint written by ``save``: ``path`` is a root (its latest
         checkpoint) or one step directory. The parameters' data is set to the loaded master weights, and the
-        groups' lr to the saved ones."""
-        self._handle()
-        with self._lock:
+        groups' lr to the saved ones, whole once dos has loaded (a Ctrl-C is handled after, as in ``step``)."""
+        with self._locked():
             self._load(path)
 
     def _load(self, path):
@@ -848,6 +875,9 @@ class AdamW(torch.optim.Optimizer):
         path = _path(path, ".load")
         data = [(_local(P), self._data(i, _local(P))) for i, P in enumerate(self._params)]  # checked first
         objects = ctypes.c_void_p()
+        # set before dos loads (_settle): once dos has loaded (objects set), the parameters' data and the lrs
+        # follow whole, whatever arrives meanwhile
+        self._unsettled = self._apply_load(data, objects)
         try:
             try:
                 _native.call("dos_adamw_load", self._handle(), path, ctypes.byref(objects))
@@ -864,27 +894,34 @@ class AdamW(torch.optim.Optimizer):
                                            "they did not verify), none to load") from e
                 raise
         finally:
-            if objects.value:  # dos loaded it (an interrupt may have arrived since): applied whole
-                self._apply_load(data, objects)
+            self._settle()
 
     def _apply_load(self, data, objects):
-        """The parameters' data set from the loaded master weights and the groups' lr from the checkpoint's torch
-        object (objects: dos's C string of the objects, freed here), all of it even under an interrupt."""
-        objs = json.loads(ctypes.string_at(objects.value).decode("utf-8", "replace") or "{}")
-        self._saved_step = None  # dos refuses a save at or below a root's latest committed step
+        """The unsettled change (_settle) of a load: once dos has loaded (objects, dos's C string of the
+        checkpoint's objects, is set), the parameters' data set from the loaded master weights and the groups'
+        lr from the checkpoint's torch object, and the C string freed; nothing when dos did not load."""
+        done = [0]  # parameters written
 
-        def take(i):
-            p, d = data[i]
-            d.copy_(self.master_weights(i).view(d.shape))
-            self._mark_seen(i, p, d)
-        _all_of(len(data), take)
-        t = objs.get("torch")  # dos checked it before loading: an object, lrs finite numbers >= 0, one per group
-        lrs = t.get("lrs") if isinstance(t, dict) else None
-        if lrs and len(lrs) == len(self.param_groups):
-            for g, lr in zip(self.param_groups, lrs):
-                g["lr"] = lr
-        ptr, objects.value = objects.value, None
-        _native.lib().dos_free(ctypes.c_void_p(ptr))
+        def apply():
+            if objects.value:
+                self._saved_step = None  # dos refuses a save at or below a root's latest committed step
+                while done[0] < len(data):
+                    i = done[0]
+                    p, d = data[i]
+                    _write(p, d, self.master_weights(i).view(d.shape))
+                    self._mark_seen(i, p, d)
+                    done[0] += 1
+                objs = json.loads(ctypes.string_at(objects.value).decode("utf-8", "replace") or "{}")
+                t = objs.get("torch")  # dos checked it before loading: an object, lrs finite numbers >= 0, one per group
+                lrs = t.get("lrs") if isinstance(t, dict) else None
+                if lrs and len(lrs) == len(self.param_groups):
+                    for g, lr in zip(self.param_groups, lrs):
+                        g["lr"] = lr
+                ptr = objects.value
+                objects.value = None
+                _native.lib().dos_free(ctypes.c_void_p(ptr))
+            self._unsettled = None
+        return apply
 
     def placement(self):
         """Where the update phase runs, as a dict: ``device`` (its name, "" for the CPU workers only),
@@ -905,7 +942,8 @@ class AdamW(torch.optim.Optimizer):
         return t
 
     def close(self):
-        """Frees dos's optimizer state; later steps raise. Called when the optimizer is collected. In a fork()ed
+        """Frees dos's optimizer state (first finishing a change an exception cut short, as every call does);
+        later steps raise. Called when the optimizer is collected. In a fork()ed
         child it only forgets the handle (dos's runtime does not survive fork(); the parent's state is the
         parent's)."""
         if _native.forked():
@@ -916,6 +954,11 @@ class AdamW(torch.optim.Optimizer):
             h, self._h = getattr(self, "_h", 0), 0
         else:
             with lock:  # after a step, save or load of another thread, never inside one
+                if getattr(self, "_h", 0) and self.__dict__.get("_unsettled") is not None:
+                    try:
+                        self._settle()  # the parameters' data as dos left them
+                    except Exception:
+                        pass
                 h, self._h = getattr(self, "_h", 0), 0
                 if h:
                     _native.call("dos_adamw_close", h)
@@ -954,13 +997,18 @@ class _State(MutableMapping):
         return _ParamState(self._opt, self._i(P))
 
     def __setitem__(self, P, value):
-        """Writes the entries of value (step, exp_avg, ...) into dos, all checked first; others stay."""
+        """Writes the entries of value (step, exp_avg, ...) into dos, all checked first, then all of them (a
+        Ctrl-C is handled after, as in AdamW.step); others stay."""
         i, opt = self._i(P), self._opt
-        opt._handle()  # before the lock (fork())
-        with opt._lock:
+        with opt._locked():
             checked = {k: opt._checked_state(i, k, v, "state") for k, v in value.items()}
-            for k, v in checked.items():
-                opt._put(i, k, v)
+
+            def apply():  # all of them, resumable (_settle): each put is idempotent
+                for k, v in checked.items():
+                    opt._put(i, k, v)
+                opt._unsettled = None
+            opt._unsettled = apply
+            opt._settle()
 
     def __delitem__(self, P):
         raise TypeError("dos.torch.AdamW.state: a parameter's state cannot be deleted: dos keeps every parameter's")
@@ -987,13 +1035,11 @@ class _ParamState(MutableMapping):
     def __getitem__(self, k):
         if k not in self._opt._keys():
             raise KeyError(k)
-        self._opt._handle()  # before the lock (fork())
-        with self._opt._lock:
+        with self._opt._locked():
             return self._opt._fetch(self._i, k)
 
     def __setitem__(self, k, v):
-        self._opt._handle()  # before the lock (fork())
-        with self._opt._lock:
+        with self._opt._locked():
             self._opt._put(self._i, k, self._opt._checked_state(self._i, k, v, "state"))
 
     def __delitem__(self, k):
