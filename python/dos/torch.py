@@ -133,8 +133,14 @@ def _refuse_overlaps(ts, what=""):
 
 @torch.no_grad()
 def _write(p, d, src):
-    """Writes src into d, parameter p's data (p local)."""
+    """Writes src into d, parameter p's data (p local), and bumps p's version counter as torch.optim's in-place
+    update does (d.copy_ alone, a write through p.data, bumps none): another optimizer over p (a second
+    dos.torch.AdamW, which takes a 16-bit parameter whose _version changed) sees the new weights. The bump is
+    an in-place op on an empty view of p (as_strided: of any layout, p.data replaced by another thread
+    included): a view shares p's version counter, and nothing is written. The caller records p's version
+    after it (_mark_seen), so dos's own write is not taken as a change."""
     d.copy_(src)
+    p.as_strided((0,), (1,)).zero_()
 
 
 def _norm(v):
@@ -168,7 +174,9 @@ class AdamW(torch.optim.Optimizer):
     taken as for 16-bit ones (below); for bfloat16 or float16 parameters ``p.data`` is their 16-bit rounding
     (``master_weights(i)`` reads them), the gradients are 16-bit, and a parameter replaced or changed in
     place (seen by its data pointer and ``_version``; not a change through ``p.data``) is taken into the
-    master weights at the next step, losing their low bits.
+    master weights at the next step, losing their low bits. dos's own writes of the new weights (step, load)
+    bump ``p._version`` as torch.optim's in-place update does, so that another optimizer over the same
+    parameter (a second dos.torch.AdamW, one per loss) takes them.
 
     As dos's update phase does, a step whose gradients hold an Inf or a NaN is skipped whole: nothing
     changes, the step count stays, and ``self.skipped`` is True until the next step that is taken (torch
