@@ -345,6 +345,7 @@ class AdamW(torch.optim.Optimizer):
             self._gbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
             self._wbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
         self._saved_step = None
+        self._last_save = None  # the SaveHandle of the last save()
         self._unsettled = None  # a change cut short by an exception, finished by the next call (_settle)
         self._lock = threading.Lock()  # one step, save or load at a time: they share dos's gradient buffers
         self.skipped = False
@@ -506,8 +507,25 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with self._locked():
-            self._step()
+            try:
+                self._step()
+            except _native.DosError as e:
+                self._reported(e)
+                raise
         return loss
+
+    def _reported(self, e):
+        """After step() raised e: when e is the failure of this optimizer's last save (dos reports it once, by
+        the next step), that save is reported: its handle's wait() has said so (which forgets the step saved,
+        so that it can be saved again, and drops the engine, which would report it again)."""
+        h = self._last_save
+        if h is None or h._reported or not h.done():
+            return
+        try:
+            h.wait()
+        except _native.DosError as we:
+            if str(we) not in str(e):  # another failure: the save's is still to be reported by its wait()
+                h._reported = False
 
     def _locked(self):
         """A context of one step, save, load or state change at a time (self._lock), with Ctrl-C deferred to its
@@ -836,7 +854,7 @@ class AdamW(torch.optim.Optimizer):
         checkpoint stays the latest. A background save that failed is also reported by the next ``step()``, which
         raises that DosError and is not taken (the step count stays; call it again to take it), whether or not
         ``wait()`` was called; once ``wait()`` or a ``step()`` has reported it, steps go on (each failure is
-        reported by one step at most). A root that another optimizer of this process writes (its retention would
+        reported by one step at most), and the same step may be saved again (nothing was committed). A root that another optimizer of this process writes (its retention would
         retire this one's checkpoints) raises DosError: save into another root, or ``close()`` that one first. So does
         a root whose latest committed checkpoint is at this optimizer's step or above (a run resumed from an older
         checkpoint: its save would retire the newer ones): a checkpoint is never replaced or lost. The parameters
@@ -868,7 +886,8 @@ class AdamW(torch.optim.Optimizer):
         objects = json.dumps({"torch": {"lrs": [float(g["lr"]) for g in self.param_groups]}}).encode()
         handle = SaveHandle(_native.call("dos_adamw_save", h, path, objects, int(keep), int(ring_bytes)))
         self._saved_step = handle._saved = (path, step)
-        handle._opt = self  # a failed save forgets the step, so that it can be saved again
+        handle._opt = weakref.ref(self)  # a failed save forgets the step, so that it can be saved again
+        self._last_save = handle
         return handle
 
     def load(self, path):
@@ -1073,6 +1092,7 @@ class SaveHandle:
 
     def __init__(self, h):
         self._h = h
+        self._reported = False  # whether wait() returned or raised (or step() reported its failure)
 
     def done(self):
         return bool(_native.lib().dos_save_done(self._h))
@@ -1082,10 +1102,13 @@ class SaveHandle:
         try:
             _native.call("dos_save_wait", self._h, ctypes.byref(d))
         except _native.DosError:
-            opt = getattr(self, "_opt", None)
+            self._reported = True
+            ref = getattr(self, "_opt", None)
+            opt = ref() if ref is not None else None
             if opt is not None and opt._saved_step == getattr(self, "_saved", None):
                 opt._saved_step = None  # nothing was committed: the same step may be saved again
             raise
+        self._reported = True
         return os.fsdecode(_native.take_bytes(d))
 
     def __del__(self):

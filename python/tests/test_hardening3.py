@@ -415,3 +415,26 @@ def test_two_optimizers_over_one_parameter_see_each_others_updates(dtype):
     assert all(bumped), "a step did not bump p._version"
     assert torch.allclose(got, want, rtol=0, atol=2 ** -7), (got[0].item(), want[0].item())
     assert abs(got[0].item() - 0.4) < 0.01, got[0].item()  # six updates of lr, not three
+
+
+# F5
+def test_resave_after_step_reported_a_failed_save(tmp_path):
+    """A background save that failed and was reported by step() (not by wait()) left the step recorded as saved:
+    a re-save of the same step was refused with "step 1 is saved into ... already" while nothing was committed.
+    Once the state is repaired the re-save commits."""
+    root = tmp_path / "r"
+    p = torch.nn.Parameter(torch.randn(4))
+    o = dt.AdamW([p], lr=1e-2)
+    p.grad = torch.full((4,), 1e38)
+    o.step()
+    h = o.save(root)
+    while not h.done():
+        time.sleep(0.01)
+    p.grad = torch.ones(4)
+    with pytest.raises(dos.DosError, match="exp_avg_sq"):
+        o.step()
+    assert not os.path.exists(root / "latest")
+    o.state[p]["exp_avg_sq"] = torch.ones(4)
+    assert o.save(root).wait().endswith("step-000000001")
+    o.step()
+    assert o.save(root).wait().endswith("step-000000002")
