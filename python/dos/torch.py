@@ -842,6 +842,8 @@ class AdamW(torch.optim.Optimizer):
         safetensors files of every parameter's master weights, exp_avg, exp_avg_sq and max_exp_avg_sq, a
         manifest, crash-consistent commit) and returns at once: the state is captured and written in the
         background while training goes on (DataStates-LLM). The returned SaveHandle says when it is durable.
+        A relative ``root`` is taken from the current directory at this call (``os.path.abspath``: a later
+        ``os.chdir`` changes neither this save nor the directory ``wait()`` returns, which is absolute).
         The param groups' lr values ride along, and ``load`` restores them. ``keep`` > 0 keeps only the newest
         ``keep`` checkpoints under ``root`` (the older ones are retired after each commit; 0 keeps all).
         ``ring_bytes`` is the checkpointer's staging memory between capture and flush (0: 256 MiB; else at least
@@ -865,7 +867,9 @@ class AdamW(torch.optim.Optimizer):
     def _save(self, root, keep, ring_bytes):
         h = self._handle()
         self._check_layout("save")
-        path = _path(root, ".save")
+        # the root as the current directory names it now (not following links): a relative root saved again
+        # after os.chdir is another root, and the checkpoint's directory stays right after a chdir
+        path = os.path.abspath(_path(root, ".save"))
         step = _native.call("dos_adamw_get_step", h)
         if self._saved_step == (path, step):
             raise ValueError(f"dos.torch.AdamW.save: step {step} is saved into {os.fsdecode(path)} already "

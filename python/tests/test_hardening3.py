@@ -438,3 +438,31 @@ def test_resave_after_step_reported_a_failed_save(tmp_path):
     assert o.save(root).wait().endswith("step-000000001")
     o.step()
     assert o.save(root).wait().endswith("step-000000002")
+
+
+# F6
+def test_relative_root_is_the_one_at_save_time(tmp_path, monkeypatch):
+    """A relative root and os.chdir between saves: the second save failed ("root in use by another writer:
+    ck/.lock was removed or replaced"), and wait() returned relative paths. Each save goes into ck under the
+    directory current at its save(), and wait() returns absolute paths."""
+    (tmp_path / "X").mkdir()
+    (tmp_path / "Y").mkdir()
+    ps = _params(torch.float32)
+    o = dt.AdamW(ps, lr=1e-2)
+    monkeypatch.chdir(tmp_path / "X")
+    _grads(ps, 0)
+    o.step()
+    d1 = o.save("ck").wait()
+    assert d1 == str(tmp_path / "X" / "ck" / "step-000000001")
+    monkeypatch.chdir(tmp_path / "Y")
+    _grads(ps, 1)
+    o.step()
+    d2 = o.save("ck").wait()
+    assert d2 == str(tmp_path / "Y" / "ck" / "step-000000002")
+    monkeypatch.chdir(tmp_path / "X")
+    _grads(ps, 2)
+    o.step()
+    assert o.save("ck").wait() == str(tmp_path / "X" / "ck" / "step-000000003")
+    with pytest.raises(ValueError, match="is saved into .*X/ck already"):
+        o.save(str(tmp_path / "X" / "ck"))  # the same root, spelled absolute: the same step saved
+    o.close()
