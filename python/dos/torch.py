@@ -176,7 +176,8 @@ class AdamW(torch.optim.Optimizer):
     place (seen by its data pointer and ``_version``; not a change through ``p.data``) is taken into the
     master weights at the next step, losing their low bits. dos's own writes of the new weights (step, load)
     bump ``p._version`` as torch.optim's in-place update does, so that another optimizer over the same
-    parameter (a second dos.torch.AdamW, one per loss) takes them.
+    parameter (a second dos.torch.AdamW, one per loss) takes them. An optimizer built under
+    ``torch.inference_mode()`` steps outside it (and inside), as torch.optim's does.
 
     As dos's update phase does, a step whose gradients hold an Inf or a NaN is skipped whole: nothing
     changes, the step count stays, and ``self.skipped`` is True until the next step that is taken (torch
@@ -334,16 +335,21 @@ class AdamW(torch.optim.Optimizer):
         # (data_ptr, _version, the data tensor) of each parameter as dos last left it; holding the tensor keeps
         # its storage alive, so that no new buffer can take its address unseen (_changed)
         self._seen = [None] * len(self._params)
-        self._views = self._device_views() if self._cuda else None
-        # CPU parameters: each one's private gradient and weights buffers (flat, of the parameters' dtype), which
-        # only this optimizer holds: dos reads the gradients from and writes the new weights into them, while the
-        # GIL is released, and torch's copy_ moves them from and into the user's tensors with the GIL held, so
-        # that no other thread's change of a user's tensor (p.data.resize_(), p.grad = ...) can free memory that
-        # dos is reading or writing. For float32 the weights buffer also carries the master weights taken in.
-        self._gbuf = self._wbuf = None
-        if not self._cuda:
-            self._gbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
-            self._wbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
+        # The private tensors below are normal ones even when the optimizer is built under
+        # torch.inference_mode() (inference tensors cannot be changed in place outside it, and every step does),
+        # as torch.optim's state, made at its first step, is.
+        with torch.inference_mode(False), torch.no_grad():
+            self._views = self._device_views() if self._cuda else None
+            # CPU parameters: each one's private gradient and weights buffers (flat, of the parameters' dtype),
+            # which only this optimizer holds: dos reads the gradients from and writes the new weights into them,
+            # while the GIL is released, and torch's copy_ moves them from and into the user's tensors with the
+            # GIL held, so that no other thread's change of a user's tensor (p.data.resize_(), p.grad = ...) can
+            # free memory that dos is reading or writing. For float32 the weights buffer also carries the master
+            # weights taken in.
+            self._gbuf = self._wbuf = None
+            if not self._cuda:
+                self._gbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
+                self._wbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
         self._saved_step = None
         self._last_save = None  # the SaveHandle of the last save()
         self._unsettled = None  # a change cut short by an exception, finished by the next call (_settle)

@@ -466,3 +466,27 @@ def test_relative_root_is_the_one_at_save_time(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="is saved into .*X/ck already"):
         o.save(str(tmp_path / "X" / "ck"))  # the same root, spelled absolute: the same step saved
     o.close()
+
+
+# F7b
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizer_built_under_inference_mode_steps_outside(dtype):
+    """An optimizer built under torch.inference_mode() raised "Inplace update to inference tensor outside
+    InferenceMode" at every step outside it (its private buffers were inference tensors); torch.optim.AdamW
+    built so steps. It steps as one built outside, and a step inside inference_mode works too."""
+    ps, qs = _params(dtype), _params(dtype)
+    with torch.inference_mode():
+        o = dt.AdamW(ps, lr=1e-2)
+    ref = dt.AdamW(qs, lr=1e-2)
+    for s in range(2):
+        _grads(ps, s)
+        _grads(qs, s)
+        o.step()
+        ref.step()
+    _grads(ps, 2)
+    _grads(qs, 2)
+    with torch.inference_mode():
+        o.step()
+        ref.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p.detach(), q.detach())
