@@ -6,12 +6,14 @@ GPU when ``device="cuda"``) and writes the new weights into ``p.data`` in place.
 tensors or tensors on one GPU (float32, bfloat16, float16), whole (DDP, one GPU) or
 FSDP2's local shards (``DTensor.to_local()``).
 """
+import atexit
 import ctypes
 import json
 from collections.abc import MutableMapping
 import math
 import os
 import shlex
+import sys
 import threading
 import weakref
 
@@ -141,6 +143,29 @@ def _write(p, d, src):
     after it (_mark_seen), so dos's own write is not taken as a change."""
     d.copy_(src)
     p.as_strided((0,), (1,)).zero_()
+
+
+_saving = weakref.WeakSet()  # the live optimizers that saved: _wait_saves_at_exit waits for their last save
+_exit_hook = []  # [True] once _wait_saves_at_exit is registered
+
+
+def _wait_saves_at_exit():
+    """At interpreter exit (atexit): waits for the last save of every live optimizer (one held by a daemon
+    thread is never collected, so its close() never waits, and the process would end with the save half
+    written) unless its handle reported it already; a failure is named on stderr in one line."""
+    if _native.forked():
+        return  # the parent's saves
+    for opt in list(_saving):
+        h = opt.__dict__.get("_last_save")
+        if h is None or h._reported:
+            continue
+        try:
+            h.wait()
+        except Exception as e:  # noqa: B902 (reported here: nothing else will)
+            path, step = h._saved
+            msg = (str(e).splitlines() or [type(e).__name__])[0]
+            print(f"dos.torch.AdamW: at exit, the save of step {step} into {os.fsdecode(path)} failed: {msg}",
+                  file=sys.stderr, flush=True)
 
 
 def _norm(v):
@@ -866,7 +891,11 @@ class AdamW(torch.optim.Optimizer):
         retire this one's checkpoints) raises DosError: save into another root, or ``close()`` that one first. So does
         a root whose latest committed checkpoint is at this optimizer's step or above (a run resumed from an older
         checkpoint: its save would retire the newer ones): a checkpoint is never replaced or lost. The parameters
-        are saved as they are now: those changed since the last step are taken first, as a step takes them."""
+        are saved as they are now: those changed since the last step are taken first, as a step takes them.
+        At interpreter exit (atexit) the last save of every optimizer still alive then (one held by a daemon
+        thread, say) is waited for, unless its handle was waited for already, so a save that ``save`` returned
+        commits before the process ends (an optimizer collected earlier waits in ``close``); one that fails
+        there is named on stderr in one line."""
         with self._locked():
             return self._save(root, keep, ring_bytes)
 
@@ -898,6 +927,10 @@ class AdamW(torch.optim.Optimizer):
         self._saved_step = handle._saved = (path, step)
         handle._opt = weakref.ref(self)  # a failed save forgets the step, so that it can be saved again
         self._last_save = handle
+        _saving.add(self)
+        if not _exit_hook:
+            atexit.register(_wait_saves_at_exit)
+            _exit_hook.append(True)
         return handle
 
     def load(self, path):

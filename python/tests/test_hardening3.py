@@ -392,6 +392,54 @@ def test_sigint_storm_keeps_p_data_and_dos_in_step():
     assert "interrupts 0 " not in line, line
 
 
+# F3
+def test_save_in_flight_commits_at_exit_with_a_live_optimizer(tmp_path):
+    """A lazy save still running at interpreter exit, its optimizer held by a daemon thread (so never closed),
+    was lost (rc 0, only .tmp-step-* left): an atexit hook waits for it, and it commits. The process ends
+    right after the exit hooks (os._exit): a natural exit's teardown outlasts a small save (the adversary
+    needed a 3 GB state to lose one)."""
+    root = tmp_path / "r"
+    r = _run(f"""
+        import atexit, os, threading, time
+        import torch
+        import dos.torch as dt
+        ps = [torch.nn.Parameter(torch.randn(4_000_000)) for _ in range(4)]
+        opt = dt.AdamW(ps, lr=1e-3)
+        for p in ps:
+            p.grad = torch.full_like(p, 0.01)
+        opt.step()
+        threading.Thread(target=lambda o: time.sleep(1000), args=(opt,), daemon=True).start()
+        h = opt.save({str(root)!r})
+        print("DONE_AT_RETURN", h.done(), flush=True)
+        atexit._run_exitfuncs()
+        os._exit(0)
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists(root / "latest") and (root / "latest").read_text().strip() == "step-000000001", \
+        (r.stdout, os.listdir(root))
+    assert r.stderr == "", r.stderr
+
+
+def test_save_failing_at_exit_says_so_on_stderr(tmp_path):
+    """A save that fails while the exit hook waits for it is named on stderr in one line."""
+    root = tmp_path / "r"
+    r = _run(f"""
+        import threading, time
+        import torch
+        import dos.torch as dt
+        p = torch.nn.Parameter(torch.randn(4))
+        opt = dt.AdamW([p], lr=1e-2)
+        p.grad = torch.full((4,), 1e38)
+        opt.step()  # exp_avg_sq overflows to Inf: the save fails
+        threading.Thread(target=lambda o: time.sleep(1000), args=(opt,), daemon=True).start()
+        opt.save({str(root)!r})
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "save of step 1" in lines[0] and str(root) in lines[0] and "exp_avg_sq" in lines[0], r.stderr
+    assert not os.path.exists(root / "latest")
+
+
 # F4
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # torch.optim has no CPU float16 AdamW
 def test_two_optimizers_over_one_parameter_see_each_others_updates(dtype):
