@@ -32,6 +32,8 @@ REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_double))
 SIGNATURES = {
     "dos_version": (ctypes.c_char_p, []),
     "dos_lock_fds": (ctypes.c_int32, [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
+    "dos_fork_prepare": (ctypes.c_int32, [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
+    "dos_fork_done": (None, []),
     "dos_free": (None, [ctypes.c_void_p]),
     "dos_adamw_new": (ctypes.c_int64, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p),
@@ -92,27 +94,44 @@ def lib():
             f.restype, f.argtypes = res, args
         _lib, _lib_pid = l, os.getpid()
         if hasattr(os, "register_at_fork"):
-            os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                                after_in_child=_after_fork_in_child)
     return _lib
 
 
 _fork_fds = []  # the root locks' descriptors as a fork() began (_before_fork)
+_fork_held = False  # whether _before_fork holds dos's lock files still (dos_fork_prepare)
 
 
 def _before_fork():
-    """In the forking process: the descriptors of the checkpoint roots' locks it holds (dos_lock_fds)."""
-    global _fork_fds
+    """In the forking process: the descriptors of the checkpoint roots' locks it holds, with every open and
+    close of a lock file held off until the fork is done (dos_fork_prepare; _after_fork_in_parent ends it):
+    another thread's save or close between this and fork() would leave the child a lock it then pins, or
+    have it close a reused descriptor number."""
+    global _fork_fds, _fork_held
     _fork_fds = []
     if _lib is None or os.getpid() != _lib_pid:
         return
     buf = (ctypes.c_int32 * 256)()
-    k = _lib.dos_lock_fds(buf, 256)
+    k = _lib.dos_fork_prepare(buf, 256)
+    _fork_held = True
     _fork_fds = list(buf[:min(k, 256)])
+
+
+def _after_fork_in_parent():
+    """In the forking process, after fork() (or its failure): lock files may be opened and closed again."""
+    global _fork_held
+    if _fork_held:
+        _fork_held = False
+        _lib.dos_fork_done()
 
 
 def _after_fork_in_child():
     """In a fork()ed child: those descriptors closed. An flock(2) lock belongs to the open file, which the child
-    shares: a child that never writes a root (a DataLoader worker) kept it locked after the parent released it."""
+    shares: a child that never writes a root (a DataLoader worker) kept it locked after the parent released it.
+    dos's hold on its lock files (dos_fork_prepare) is the parent's: the child never calls into dos."""
+    global _fork_held
+    _fork_held = False
     for fd in _fork_fds:
         try:
             os.close(fd)

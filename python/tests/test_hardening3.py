@@ -516,6 +516,45 @@ def test_relative_root_is_the_one_at_save_time(tmp_path, monkeypatch):
     o.close()
 
 
+# F7a
+def test_fork_while_another_thread_opens_a_root_lock(tmp_path):
+    """A root lock opened on another thread between the fork hook's collection of the lock descriptors and
+    fork() was left open in the child, which pinned the root. A hook run in that window starts a save into a
+    new root and gives it up to 2 s: the child holds no root lock's descriptor."""
+    r = _run(f"""
+        import os, threading
+        import torch
+        started, saved = threading.Event(), threading.Event()
+        def save():
+            started.set()
+            o.save({str(tmp_path / "r")!r}).wait()
+            saved.set()
+        def window():  # registered before dos's hook: runs after it, just before fork()
+            if threading.current_thread() is threading.main_thread() and not started.is_set():
+                threading.Thread(target=save).start()
+                saved.wait(2)
+        os.register_at_fork(before=window)
+        import dos.torch as dt
+        p = torch.nn.Parameter(torch.randn(8))
+        o = dt.AdamW([p], lr=1e-2)
+        pid = os.fork()
+        if pid == 0:
+            locks = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{{fd}}").endswith("/.lock"):
+                        locks.append(fd)
+                except OSError:
+                    pass
+            os._exit(3 if locks else 0)
+        _, st = os.waitpid(pid, 0)
+        saved.wait(10)
+        print("CHILD", os.WEXITSTATUS(st), "SAVED", saved.is_set(), flush=True)
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "CHILD 0 SAVED True" in r.stdout, r.stdout + r.stderr
+
+
 # F7b
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_optimizer_built_under_inference_mode_steps_outside(dtype):
