@@ -286,7 +286,28 @@ func dos_version() *C.char { return cVersion }
 //
 //export dos_lock_fds
 func dos_lock_fds(fds *C.int32_t, n C.int32_t) C.int32_t {
-	held := checkpoint.HeldLockFDs()
+	return putFDs(checkpoint.HeldLockFDs(), fds, n)
+}
+
+// dos_fork_prepare is dos_lock_fds, and holds off every open and close of
+// a root's lock file in this process until dos_fork_done
+// (checkpoint.PrepareFork): the Python package calls it in its before-fork
+// hook and dos_fork_done in the parent after fork(), so that the child
+// closes exactly the lock descriptors held at the fork. The child calls
+// neither (Go's runtime does not survive fork()).
+//
+//export dos_fork_prepare
+func dos_fork_prepare(fds *C.int32_t, n C.int32_t) C.int32_t {
+	return putFDs(checkpoint.PrepareFork(), fds, n)
+}
+
+// dos_fork_done ends dos_fork_prepare's hold (checkpoint.ForkDone).
+//
+//export dos_fork_done
+func dos_fork_done() { checkpoint.ForkDone() }
+
+// putFDs writes held into fds (room for n) and returns len(held).
+func putFDs(held []int, fds *C.int32_t, n C.int32_t) C.int32_t {
 	if fds != nil && n > 0 {
 		out := unsafe.Slice((*int32)(unsafe.Pointer(fds)), int(n))
 		for k, fd := range held[:min(len(held), int(n))] {

@@ -25,6 +25,8 @@
 //	void dos_free(char *p);
 //	const char *dos_version(void);
 //	int32_t dos_lock_fds(int32_t *fds, int32_t n);
+//	int32_t dos_fork_prepare(int32_t *fds, int32_t n);
+//	void dos_fork_done(void);
 //
 // params and grads point to each of the nparams parameters' data and
 // gradient in the spec's dtype (float32, or 16-bit with fp32 master

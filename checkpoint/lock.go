@@ -180,6 +180,8 @@ func Holder(fsys FS, root string) string {
 	if _, ok := fsys.(osFS); !ok {
 		return ""
 	}
+	forkMu.RLock() // its shared lock, until the close, is one a fork()ed child must not inherit
+	defer forkMu.RUnlock()
 	f, err := os.OpenFile(filepath.Join(root, LockFile), os.O_RDONLY|noFollow|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return ""
@@ -210,6 +212,12 @@ type heldLock struct {
 var (
 	locksMu sync.Mutex
 	locks   = map[any]*heldLock{} // by fileKey (OS) or memKey
+
+	// forkMu is read-held from a lock file's open to its registration in
+	// locks (or its close), and across its close, and write-held by
+	// PrepareFork until ForkDone: a fork() in between sees exactly the
+	// descriptors HeldLockFDs lists, never one being opened or closed.
+	forkMu sync.RWMutex
 )
 
 // memKey identifies a root of an FS that cannot lock.
@@ -240,6 +248,8 @@ func lockMem(fsys FS, root string) (*heldLock, bool) {
 // lockOS locks the file name for this process (counted) and reports
 // whether this call took the kernel's lock.
 func lockOS(name string) (*heldLock, bool, error) {
+	forkMu.RLock()
+	defer forkMu.RUnlock()
 	// Never through a link (its target would be truncated), never blocking
 	// on a FIFO.
 	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|noFollow|syscall.O_NONBLOCK, 0o644)
@@ -296,6 +306,8 @@ func lockOS(name string) (*heldLock, bool, error) {
 }
 
 func (h *heldLock) release() {
+	forkMu.RLock()
+	defer forkMu.RUnlock()
 	locksMu.Lock()
 	defer locksMu.Unlock()
 	h.refs--
@@ -339,6 +351,29 @@ func readHolder(f *os.File) (string, error) {
 func HeldLockFDs() []int {
 	locksMu.Lock()
 	defer locksMu.Unlock()
+	return heldLockFDs()
+}
+
+// PrepareFork returns HeldLockFDs and, until ForkDone, holds off every
+// open and close of a root's lock file in this process (other goroutines'
+// Lock, Unlock and Holder wait): a binding calls it just before fork()
+// (Python's os.register_at_fork before hook) and ForkDone just after, in
+// the parent, so that the child closes exactly the lock descriptors this
+// process held at the fork, never one opened in between (which the child
+// would keep, pinning the root) nor a number closed and reused meanwhile.
+// The child calls neither: Go's runtime does not survive fork().
+func PrepareFork() []int {
+	forkMu.Lock()
+	locksMu.Lock()
+	defer locksMu.Unlock()
+	return heldLockFDs()
+}
+
+// ForkDone ends PrepareFork's hold, in the parent after fork().
+func ForkDone() { forkMu.Unlock() }
+
+// heldLockFDs is HeldLockFDs; hold locksMu.
+func heldLockFDs() []int {
 	var fds []int
 	for _, h := range locks {
 		if h != nil && h.f != nil {

@@ -772,3 +772,53 @@ func lockChild(t *testing.T, root string) (*exec.Cmd, string) {
 	}
 	return cmd, fmt.Sprintf("PID %d", cmd.Process.Pid)
 }
+
+// TestPrepareForkHoldsOffLockFiles: between PrepareFork and ForkDone (a
+// binding's fork() in between) no lock file is opened or closed: another
+// goroutine's Lock and Unlock wait, so the descriptors PrepareFork returned
+// are exactly those held at the fork (the binding adversary's fork race:
+// a lock opened in between was left open in the child, pinning its root).
+func TestPrepareForkHoldsOffLockFiles(t *testing.T) {
+	dir := t.TempDir()
+	before := len(HeldLockFDs()) // another test's, if any
+	a, err := Lock(OS, filepath.Join(dir, "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fds := PrepareFork()
+	if !slices.Equal(fds, HeldLockFDs()) || len(fds) != before+1 {
+		t.Fatalf("PrepareFork: %v, HeldLockFDs %v: want a's descriptor too", fds, HeldLockFDs())
+	}
+	locked, unlocked := make(chan *RootLock), make(chan struct{})
+	go func() {
+		b, err := Lock(OS, filepath.Join(dir, "b"))
+		if err != nil {
+			t.Error(err)
+		}
+		locked <- b
+	}()
+	go func() {
+		a.Unlock()
+		close(unlocked)
+	}()
+	select {
+	case <-locked:
+		t.Fatal("Lock of another root ran between PrepareFork and ForkDone")
+	case <-unlocked:
+		t.Fatal("Unlock ran between PrepareFork and ForkDone")
+	case <-time.After(200 * time.Millisecond):
+	}
+	if got := HeldLockFDs(); !slices.Equal(got, fds) {
+		t.Errorf("HeldLockFDs during the hold: %v, want %v", got, fds)
+	}
+	ForkDone()
+	b := <-locked
+	<-unlocked
+	if got := HeldLockFDs(); len(got) != before+1 {
+		t.Errorf("after ForkDone: HeldLockFDs %v, want b's instead of a's", got)
+	}
+	b.Unlock()
+	if got := HeldLockFDs(); len(got) != before {
+		t.Errorf("after b.Unlock: %v", got)
+	}
+}

@@ -5,8 +5,10 @@ error message, raised here as DosError.
 """
 import ctypes
 import os
+import signal
+import threading
 
-__all__ = ["DosError", "REDUCE_FN", "library_path", "lib", "call"]
+__all__ = ["DosError", "REDUCE_FN", "library_path", "lib", "call", "deferred_sigint"]
 
 
 class DosError(RuntimeError):
@@ -30,6 +32,8 @@ REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.POINTER(ctypes.c_double))
 SIGNATURES = {
     "dos_version": (ctypes.c_char_p, []),
     "dos_lock_fds": (ctypes.c_int32, [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
+    "dos_fork_prepare": (ctypes.c_int32, [ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
+    "dos_fork_done": (None, []),
     "dos_free": (None, [ctypes.c_void_p]),
     "dos_adamw_new": (ctypes.c_int64, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]),
     "dos_adamw_step": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p),
@@ -90,32 +94,131 @@ def lib():
             f.restype, f.argtypes = res, args
         _lib, _lib_pid = l, os.getpid()
         if hasattr(os, "register_at_fork"):
-            os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                                after_in_child=_after_fork_in_child)
     return _lib
 
 
 _fork_fds = []  # the root locks' descriptors as a fork() began (_before_fork)
+_fork_held = False  # whether _before_fork holds dos's lock files still (dos_fork_prepare)
 
 
 def _before_fork():
-    """In the forking process: the descriptors of the checkpoint roots' locks it holds (dos_lock_fds)."""
-    global _fork_fds
+    """In the forking process: the descriptors of the checkpoint roots' locks it holds, with every open and
+    close of a lock file held off until the fork is done (dos_fork_prepare; _after_fork_in_parent ends it):
+    another thread's save or close between this and fork() would leave the child a lock it then pins, or
+    have it close a reused descriptor number."""
+    global _fork_fds, _fork_held
     _fork_fds = []
     if _lib is None or os.getpid() != _lib_pid:
         return
     buf = (ctypes.c_int32 * 256)()
-    k = _lib.dos_lock_fds(buf, 256)
+    k = _lib.dos_fork_prepare(buf, 256)
+    _fork_held = True
     _fork_fds = list(buf[:min(k, 256)])
+
+
+def _after_fork_in_parent():
+    """In the forking process, after fork() (or its failure): lock files may be opened and closed again."""
+    global _fork_held
+    if _fork_held:
+        _fork_held = False
+        _lib.dos_fork_done()
 
 
 def _after_fork_in_child():
     """In a fork()ed child: those descriptors closed. An flock(2) lock belongs to the open file, which the child
-    shares: a child that never writes a root (a DataLoader worker) kept it locked after the parent released it."""
+    shares: a child that never writes a root (a DataLoader worker) kept it locked after the parent released it.
+    dos's hold on its lock files (dos_fork_prepare) is the parent's: the child never calls into dos."""
+    global _fork_held
+    _fork_held = False
     for fd in _fork_fds:
         try:
             os.close(fd)
         except OSError:
             pass
+
+
+class deferred_sigint:
+    """A context in which a SIGINT (Ctrl-C) is recorded instead of handled, and handled at its end by the
+    handler it would have run (Python's default raises KeyboardInterrupt there): the binding changes dos's
+    state and the parameters' data in it, which an interrupt between two bytecodes would leave half done.
+    Only on the main thread (where Python runs signal handlers; elsewhere there is nothing to defer) and only
+    for a handler installed from Python (SIG_DFL ends the process, SIG_IGN drops it). Nests: an inner context
+    hands its signal to the outer one's record."""
+
+    def __enter__(self):
+        self._old, self._got = None, None
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        old = signal.getsignal(signal.SIGINT)
+        if not callable(old):
+            return self
+        self._old = old
+        signal.signal(signal.SIGINT, self._record)
+        return self
+
+    def _record(self, signum, frame):
+        if self._got is None:
+            self._got = (signum, frame)
+
+    def restore(self):
+        """The handler back, without handling a recorded signal; whether one was recorded."""
+        old, self._old = self._old, None
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+        return self._got is not None and old is not None
+
+    def __exit__(self, *exc):
+        old = self._old
+        if self.restore():
+            got, self._got = self._got, None
+            old(*got)
+        return False
+
+
+class critical:
+    """A context that holds lock, defers SIGINT (deferred_sigint) and, once both are held, calls first(): the
+    binding's step, save, load or state change, which changes dos's state and then the parameters' data. Its
+    exit handles a deferred SIGINT, then releases the lock. An exception that lands before the exit runs (at
+    the bytecode between a with block's end and its __exit__, where a signal handler other than SIGINT's may
+    raise) leaves both held until the object is collected, with the frame that held it: then they are given
+    back (__del__), the signal not handled."""
+
+    def __init__(self, lock, first):
+        self._lock, self._first, self._defer, self._held = lock, first, None, False
+
+    def __enter__(self):
+        self._lock.acquire()
+        self._held = True
+        try:
+            self._defer = deferred_sigint().__enter__()
+            self._first()
+        except BaseException:  # noqa: B902 (an interrupt too: re-raised)
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        d, self._defer = self._defer, None
+        try:
+            if d is not None:
+                d.__exit__(*exc)
+        finally:
+            if self._held:
+                self._held = False
+                self._lock.release()
+        return False
+
+    def __del__(self):
+        d, self._defer = self._defer, None
+        try:
+            if d is not None:
+                d.restore()
+        finally:
+            if self._held:
+                self._held = False
+                self._lock.release()
 
 
 def take_string(ptr):

@@ -6,12 +6,14 @@ GPU when ``device="cuda"``) and writes the new weights into ``p.data`` in place.
 tensors or tensors on one GPU (float32, bfloat16, float16), whole (DDP, one GPU) or
 FSDP2's local shards (``DTensor.to_local()``).
 """
+import atexit
 import ctypes
 import json
 from collections.abc import MutableMapping
 import math
 import os
 import shlex
+import sys
 import threading
 import weakref
 
@@ -131,21 +133,39 @@ def _refuse_overlaps(ts, what=""):
                              "update with the other's: tie them as one Parameter (pass it once), or give each its own storage (.clone())")
 
 
-def _all_of(n, f):
-    """Calls f(0), ..., f(n-1), all of them, even when an exception arrives meanwhile (a KeyboardInterrupt from
-    Ctrl-C lands between any two bytecodes): f(i) is then called again (each f is a copy: idempotent) and the loop
-    goes on; the first such exception is raised at the end. What a step or a load applies is so applied whole."""
-    pending, i = None, 0
-    while i < n:
+@torch.no_grad()
+def _write(p, d, src):
+    """Writes src into d, parameter p's data (p local), and bumps p's version counter as torch.optim's in-place
+    update does (d.copy_ alone, a write through p.data, bumps none): another optimizer over p (a second
+    dos.torch.AdamW, which takes a 16-bit parameter whose _version changed) sees the new weights. The bump is
+    an in-place op on an empty view of p (as_strided: of any layout, p.data replaced by another thread
+    included): a view shares p's version counter, and nothing is written. The caller records p's version
+    after it (_mark_seen), so dos's own write is not taken as a change."""
+    d.copy_(src)
+    p.as_strided((0,), (1,)).zero_()
+
+
+_saving = weakref.WeakSet()  # the live optimizers that saved: _wait_saves_at_exit waits for their last save
+_exit_hook = []  # [True] once _wait_saves_at_exit is registered
+
+
+def _wait_saves_at_exit():
+    """At interpreter exit (atexit): waits for the last save of every live optimizer (one held by a daemon
+    thread is never collected, so its close() never waits, and the process would end with the save half
+    written) unless its handle reported it already; a failure is named on stderr in one line."""
+    if _native.forked():
+        return  # the parent's saves
+    for opt in list(_saving):
+        h = opt.__dict__.get("_last_save")
+        if h is None or h._reported:
+            continue
         try:
-            while i < n:
-                f(i)
-                i += 1
-        except BaseException as e:  # noqa: B902 (an interrupt too: re-raised below)
-            if pending is None:
-                pending = e
-    if pending is not None:
-        raise pending
+            h.wait()
+        except Exception as e:  # noqa: B902 (reported here: nothing else will)
+            path, step = h._saved
+            msg = (str(e).splitlines() or [type(e).__name__])[0]
+            print(f"dos.torch.AdamW: at exit, the save of step {step} into {os.fsdecode(path)} failed: {msg}",
+                  file=sys.stderr, flush=True)
 
 
 def _norm(v):
@@ -179,7 +199,10 @@ class AdamW(torch.optim.Optimizer):
     taken as for 16-bit ones (below); for bfloat16 or float16 parameters ``p.data`` is their 16-bit rounding
     (``master_weights(i)`` reads them), the gradients are 16-bit, and a parameter replaced or changed in
     place (seen by its data pointer and ``_version``; not a change through ``p.data``) is taken into the
-    master weights at the next step, losing their low bits.
+    master weights at the next step, losing their low bits. dos's own writes of the new weights (step, load)
+    bump ``p._version`` as torch.optim's in-place update does, so that another optimizer over the same
+    parameter (a second dos.torch.AdamW, one per loss) takes them. An optimizer built under
+    ``torch.inference_mode()`` steps outside it (and inside), as torch.optim's does.
 
     As dos's update phase does, a step whose gradients hold an Inf or a NaN is skipped whole: nothing
     changes, the step count stays, and ``self.skipped`` is True until the next step that is taken (torch
@@ -337,17 +360,24 @@ class AdamW(torch.optim.Optimizer):
         # (data_ptr, _version, the data tensor) of each parameter as dos last left it; holding the tensor keeps
         # its storage alive, so that no new buffer can take its address unseen (_changed)
         self._seen = [None] * len(self._params)
-        self._views = self._device_views() if self._cuda else None
-        # CPU parameters: each one's private gradient and weights buffers (flat, of the parameters' dtype), which
-        # only this optimizer holds: dos reads the gradients from and writes the new weights into them, while the
-        # GIL is released, and torch's copy_ moves them from and into the user's tensors with the GIL held, so
-        # that no other thread's change of a user's tensor (p.data.resize_(), p.grad = ...) can free memory that
-        # dos is reading or writing. For float32 the weights buffer also carries the master weights taken in.
-        self._gbuf = self._wbuf = None
-        if not self._cuda:
-            self._gbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
-            self._wbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
+        # The private tensors below are normal ones even when the optimizer is built under
+        # torch.inference_mode() (inference tensors cannot be changed in place outside it, and every step does),
+        # as torch.optim's state, made at its first step, is.
+        with torch.inference_mode(False), torch.no_grad():
+            self._views = self._device_views() if self._cuda else None
+            # CPU parameters: each one's private gradient and weights buffers (flat, of the parameters' dtype),
+            # which only this optimizer holds: dos reads the gradients from and writes the new weights into them,
+            # while the GIL is released, and torch's copy_ moves them from and into the user's tensors with the
+            # GIL held, so that no other thread's change of a user's tensor (p.data.resize_(), p.grad = ...) can
+            # free memory that dos is reading or writing. For float32 the weights buffer also carries the master
+            # weights taken in.
+            self._gbuf = self._wbuf = None
+            if not self._cuda:
+                self._gbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
+                self._wbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
         self._saved_step = None
+        self._last_save = None  # the SaveHandle of the last save()
+        self._unsettled = None  # a change cut short by an exception, finished by the next call (_settle)
         self._lock = threading.Lock()  # one step, save or load at a time: they share dos's gradient buffers
         self.skipped = False
         # Sharded parameters (FSDP2's, or process_group's): every step all-reduces the ranks' gradient sums
@@ -498,16 +528,63 @@ class AdamW(torch.optim.Optimizer):
         share memory (a tie made after construction, ``p1.data = p0.data``: a ValueError, as at construction).
         A background ``save`` that failed and was not yet reported by its handle's ``wait()`` makes this step
         raise its DosError instead, the step not taken (the step count stays; the next step is taken). The step
-        is applied whole: a KeyboardInterrupt (Ctrl-C) arriving once dos has updated still gets the new weights
-        into ``p.data``, then propagates."""
+        is applied whole or not at all: a Ctrl-C during it (on the main thread, with a SIGINT handler set from
+        Python, as the default is) is handled once the new weights are in ``p.data`` (its KeyboardInterrupt
+        raised then); any other exception that arrives once dos has stepped still gets them there, then
+        propagates, and one that cuts even that short leaves the rest to the next call (step, save, load,
+        state_dict, state), which finishes it first."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._handle()  # before the lock: one held at fork() by another thread stays held in the child
-        with self._lock:
-            self._step()
+        with self._locked():
+            try:
+                self._step()
+            except _native.DosError as e:
+                self._reported(e)
+                raise
         return loss
+
+    def _reported(self, e):
+        """After step() raised e: when e is the failure of this optimizer's last save (dos reports it once, by
+        the next step), that save is reported: its handle's wait() has said so (which forgets the step saved,
+        so that it can be saved again, and drops the engine, which would report it again)."""
+        h = self._last_save
+        if h is None or h._reported or not h.done():
+            return
+        try:
+            h.wait()
+        except _native.DosError as we:
+            if str(we) not in str(e):  # another failure: the save's is still to be reported by its wait()
+                h._reported = False
+
+    def _locked(self):
+        """A context of one step, save, load or state change at a time (self._lock), with Ctrl-C deferred to its
+        end (_native.critical: the change of dos's state and of the parameters' data is made whole first), and
+        first the rest of a change that an exception cut short (_settle)."""
+        self._handle()  # before the lock: one held at fork() by another thread stays held in the child
+        return _native.critical(self._lock, self._settle)
+
+    def _settle(self):
+        """Finishes self._unsettled, the change that an exception (not a deferred Ctrl-C: another signal
+        handler's, a MemoryError) cut short after dos's state changed and before the parameters' data or the
+        groups followed: a step's copy-back, a load's, a load_state_dict's. Each such change is set as
+        _unsettled before it starts, is resumable (each part idempotent) and clears _unsettled once whole; every
+        call that reads or writes dos's state finishes it first, so none sees it half done. An exception
+        meanwhile resumes it, and the first is raised once it is whole; one that comes back twice more (not an
+        interrupt) is raised, the rest left to the next call."""
+        pending, tries = None, 0
+        while self._unsettled is not None:
+            try:
+                self._unsettled()
+            except BaseException as e:  # noqa: B902 (an interrupt too: raised below)
+                if pending is None:
+                    pending = e
+                tries += 1
+                if tries >= 3:
+                    raise
+        if pending is not None:
+            raise pending
 
     def _step(self):
         h = self._handle()
@@ -570,35 +647,35 @@ class AdamW(torch.optim.Optimizer):
 
     def _native_step(self, h, held, name, *args):
         """Calls dos's step (name, args) and, once it is taken, copies the new weights into the parameters'
-        data (held: each parameter's (p, d) of this step) and records them. The step is applied whole: an
-        exception that arrives once dos has taken the step (a KeyboardInterrupt from Ctrl-C lands as soon as
-        the native call returns, before Python could assign its result) still gets the copy-back and the
-        bookkeeping, then propagates; dos's step count says whether the step was taken."""
+        data (held: each parameter's (p, d) of this step) and records them. The step is applied whole: the
+        copy-back is set as unsettled before dos steps (_settle), so an exception that arrives once dos has
+        taken the step (one that lands as the native call returns, before Python could assign its result, or
+        during the copy-back) still gets the copy-back and the bookkeeping, then propagates; dos's step count
+        says whether the step was taken."""
         before = _native.call("dos_adamw_get_step", h)
         if before >= MAX_STEP:
             raise ValueError(f"dos.torch.AdamW.step: the step count is {before}, the largest taken ({MAX_STEP}, 2**53: "
                              "a float, as torch keeps the step, holds no larger one exactly); a checkpoint of a larger "
                              "one could not be loaded")
-        taken = None
+        taken, done = [None], [0]  # dos's answer (1 taken, 0 skipped, -1 not taken); parameters copied back
+
+        def back():
+            if taken[0] is None:  # an exception: was the step taken before it arrived?
+                taken[0] = 1 if _native.call("dos_adamw_get_step", h) > before else -1
+            if taken[0] >= 0:
+                self.skipped = taken[0] == 0
+            while taken[0] == 1 and done[0] < len(held):
+                i = done[0]
+                p, d = held[i]
+                _write(p, d, self._views[i][1].view(d.shape) if self._cuda else self._wbuf[i].view(d.shape))
+                self._mark_seen(i, p, d)
+                done[0] += 1
+            self._unsettled = None
+        self._unsettled = back
         try:
-            taken = self._call_step(name, *args)
+            taken[0] = self._call_step(name, *args)
         finally:
-            if taken is None:  # an exception: was the step taken before it arrived?
-                try:
-                    taken = 1 if _native.call("dos_adamw_get_step", h) > before else None
-                except _native.DosError:
-                    pass
-            if taken is not None:
-                self.skipped = taken == 0
-                if taken:
-                    def back(i):
-                        p, d = held[i]
-                        if self._cuda:
-                            d.view(-1).copy_(self._views[i][1])
-                        else:
-                            d.copy_(self._wbuf[i].view(d.shape))
-                        self._mark_seen(i, p, d)
-                    _all_of(len(held), back)
+            self._settle()
 
     _KINDS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
 
@@ -616,8 +693,7 @@ class AdamW(torch.optim.Optimizer):
         # lock: a hook may read opt.state
         for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
             hook(self)
-        self._handle()
-        with self._lock:  # not beside a step: the moments and the step count of one step
+        with self._locked():  # not beside a step: the moments and the step count of one step
             sd = self._state_dict()
         for hook in list(getattr(self, "_optimizer_state_dict_post_hooks", {}).values()):
             r = hook(self, sd)
@@ -721,7 +797,8 @@ class AdamW(torch.optim.Optimizer):
         dos: the moments (in fp32, as the dict holds them), the step (every parameter's must be the same:
         dos keeps one) and the groups' lr. The master weights are the parameters' (load the model first):
         taken from those changed since dos wrote them, as a step takes them; float32 ones on the CPU always.
-        It checks everything before changing anything: on error the optimizer is as it was. A parameter
+        It checks everything before changing anything: on error the optimizer is as it was; then it applies
+        the dict whole (a Ctrl-C is handled once it is applied, as in ``step``): never part old, part new. A parameter
         without state in the dict (torch's before its first step) starts from zero moments. The groups' other
         settings (``initial_lr`` and the like) are restored as torch restores them. torch's load_state_dict
         hooks (torch >= 2) run as torch runs them."""
@@ -730,8 +807,7 @@ class AdamW(torch.optim.Optimizer):
             r = hook(self, state_dict)
             if r is not None:
                 state_dict = r
-        self._handle()
-        with self._lock:
+        with self._locked():
             self._load_state_dict(state_dict)
         for hook in list(getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values()):
             hook(self)
@@ -773,20 +849,32 @@ class AdamW(torch.optim.Optimizer):
         if len(steps) > 1:
             raise ValueError(f"dos.torch.AdamW.load_state_dict: the parameters' steps differ ({sorted(steps)}); "
                              "dos keeps one step count")
-        for i, ((p, d), m) in enumerate(zip(data, moments)):
+        step = steps.pop()
+        settings = [{k: v for k, v in sg.items() if k != "params"} for sg in groups]
+        for i, (p, d) in enumerate(data):  # as a step takes them: dos's master weights are p.data either way
             if self._changed(i, p, d):
                 self._take(i, p, d)
-            for k, t in m.items():
-                self._put(i, k, t)
-        self._put(0, "step", steps.pop())
-        for g, sg in zip(self.param_groups, groups):  # as torch: the saved settings, the parameters stay
-            g.update({k: v for k, v in sg.items() if k != "params"})
+        done = [0]  # parameters whose moments are written
+
+        def apply():  # the whole dict, resumable (_settle): never part old, part new
+            while done[0] < len(moments):
+                for k, t in moments[done[0]].items():
+                    self._put(done[0], k, t)
+                done[0] += 1
+            self._put(0, "step", step)
+            for g, sg in zip(self.param_groups, settings):  # as torch: the saved settings, the parameters stay
+                g.update(sg)
+            self._unsettled = None
+        self._unsettled = apply
+        self._settle()
 
     def save(self, root, keep=0, ring_bytes=0):
         """Checkpoints the optimizer lazily into the checkpoint root directory ``root`` (dos's format:
         safetensors files of every parameter's master weights, exp_avg, exp_avg_sq and max_exp_avg_sq, a
         manifest, crash-consistent commit) and returns at once: the state is captured and written in the
         background while training goes on (DataStates-LLM). The returned SaveHandle says when it is durable.
+        A relative ``root`` is taken from the current directory at this call (``os.path.abspath``: a later
+        ``os.chdir`` changes neither this save nor the directory ``wait()`` returns, which is absolute).
         The param groups' lr values ride along, and ``load`` restores them. ``keep`` > 0 keeps only the newest
         ``keep`` checkpoints under ``root`` (the older ones are retired after each commit; 0 keeps all).
         ``ring_bytes`` is the checkpointer's staging memory between capture and flush (0: 256 MiB; else at least
@@ -799,19 +887,24 @@ class AdamW(torch.optim.Optimizer):
         checkpoint stays the latest. A background save that failed is also reported by the next ``step()``, which
         raises that DosError and is not taken (the step count stays; call it again to take it), whether or not
         ``wait()`` was called; once ``wait()`` or a ``step()`` has reported it, steps go on (each failure is
-        reported by one step at most). A root that another optimizer of this process writes (its retention would
+        reported by one step at most), and the same step may be saved again (nothing was committed). A root that another optimizer of this process writes (its retention would
         retire this one's checkpoints) raises DosError: save into another root, or ``close()`` that one first. So does
         a root whose latest committed checkpoint is at this optimizer's step or above (a run resumed from an older
         checkpoint: its save would retire the newer ones): a checkpoint is never replaced or lost. The parameters
-        are saved as they are now: those changed since the last step are taken first, as a step takes them."""
-        self._handle()
-        with self._lock:
+        are saved as they are now: those changed since the last step are taken first, as a step takes them.
+        At interpreter exit (atexit) the last save of every optimizer still alive then (one held by a daemon
+        thread, say) is waited for, unless its handle was waited for already, so a save that ``save`` returned
+        commits before the process ends (an optimizer collected earlier waits in ``close``); one that fails
+        there is named on stderr in one line."""
+        with self._locked():
             return self._save(root, keep, ring_bytes)
 
     def _save(self, root, keep, ring_bytes):
         h = self._handle()
         self._check_layout("save")
-        path = _path(root, ".save")
+        # the root as the current directory names it now (not following links): a relative root saved again
+        # after os.chdir is another root, and the checkpoint's directory stays right after a chdir
+        path = os.path.abspath(_path(root, ".save"))
         step = _native.call("dos_adamw_get_step", h)
         if self._saved_step == (path, step):
             raise ValueError(f"dos.torch.AdamW.save: step {step} is saved into {os.fsdecode(path)} already "
@@ -832,15 +925,19 @@ class AdamW(torch.optim.Optimizer):
         objects = json.dumps({"torch": {"lrs": [float(g["lr"]) for g in self.param_groups]}}).encode()
         handle = SaveHandle(_native.call("dos_adamw_save", h, path, objects, int(keep), int(ring_bytes)))
         self._saved_step = handle._saved = (path, step)
-        handle._opt = self  # a failed save forgets the step, so that it can be saved again
+        handle._opt = weakref.ref(self)  # a failed save forgets the step, so that it can be saved again
+        self._last_save = handle
+        _saving.add(self)
+        if not _exit_hook:
+            atexit.register(_wait_saves_at_exit)
+            _exit_hook.append(True)
         return handle
 
     def load(self, path):
         """Restores the state of a checkpoint written by ``save``: ``path`` is a root (its latest
         checkpoint) or one step directory. The parameters' data is set to the loaded master weights, and the
-        groups' lr to the saved ones."""
-        self._handle()
-        with self._lock:
+        groups' lr to the saved ones, whole once dos has loaded (a Ctrl-C is handled after, as in ``step``)."""
+        with self._locked():
             self._load(path)
 
     def _load(self, path):
@@ -848,6 +945,9 @@ class AdamW(torch.optim.Optimizer):
         path = _path(path, ".load")
         data = [(_local(P), self._data(i, _local(P))) for i, P in enumerate(self._params)]  # checked first
         objects = ctypes.c_void_p()
+        # set before dos loads (_settle): once dos has loaded (objects set), the parameters' data and the lrs
+        # follow whole, whatever arrives meanwhile
+        self._unsettled = self._apply_load(data, objects)
         try:
             try:
                 _native.call("dos_adamw_load", self._handle(), path, ctypes.byref(objects))
@@ -864,27 +964,34 @@ class AdamW(torch.optim.Optimizer):
                                            "they did not verify), none to load") from e
                 raise
         finally:
-            if objects.value:  # dos loaded it (an interrupt may have arrived since): applied whole
-                self._apply_load(data, objects)
+            self._settle()
 
     def _apply_load(self, data, objects):
-        """The parameters' data set from the loaded master weights and the groups' lr from the checkpoint's torch
-        object (objects: dos's C string of the objects, freed here), all of it even under an interrupt."""
-        objs = json.loads(ctypes.string_at(objects.value).decode("utf-8", "replace") or "{}")
-        self._saved_step = None  # dos refuses a save at or below a root's latest committed step
+        """The unsettled change (_settle) of a load: once dos has loaded (objects, dos's C string of the
+        checkpoint's objects, is set), the parameters' data set from the loaded master weights and the groups'
+        lr from the checkpoint's torch object, and the C string freed; nothing when dos did not load."""
+        done = [0]  # parameters written
 
-        def take(i):
-            p, d = data[i]
-            d.copy_(self.master_weights(i).view(d.shape))
-            self._mark_seen(i, p, d)
-        _all_of(len(data), take)
-        t = objs.get("torch")  # dos checked it before loading: an object, lrs finite numbers >= 0, one per group
-        lrs = t.get("lrs") if isinstance(t, dict) else None
-        if lrs and len(lrs) == len(self.param_groups):
-            for g, lr in zip(self.param_groups, lrs):
-                g["lr"] = lr
-        ptr, objects.value = objects.value, None
-        _native.lib().dos_free(ctypes.c_void_p(ptr))
+        def apply():
+            if objects.value:
+                self._saved_step = None  # dos refuses a save at or below a root's latest committed step
+                while done[0] < len(data):
+                    i = done[0]
+                    p, d = data[i]
+                    _write(p, d, self.master_weights(i).view(d.shape))
+                    self._mark_seen(i, p, d)
+                    done[0] += 1
+                objs = json.loads(ctypes.string_at(objects.value).decode("utf-8", "replace") or "{}")
+                t = objs.get("torch")  # dos checked it before loading: an object, lrs finite numbers >= 0, one per group
+                lrs = t.get("lrs") if isinstance(t, dict) else None
+                if lrs and len(lrs) == len(self.param_groups):
+                    for g, lr in zip(self.param_groups, lrs):
+                        g["lr"] = lr
+                ptr = objects.value
+                objects.value = None
+                _native.lib().dos_free(ctypes.c_void_p(ptr))
+            self._unsettled = None
+        return apply
 
     def placement(self):
         """Where the update phase runs, as a dict: ``device`` (its name, "" for the CPU workers only),
@@ -905,7 +1012,8 @@ class AdamW(torch.optim.Optimizer):
         return t
 
     def close(self):
-        """Frees dos's optimizer state; later steps raise. Called when the optimizer is collected. In a fork()ed
+        """Frees dos's optimizer state (first finishing a change an exception cut short, as every call does);
+        later steps raise. Called when the optimizer is collected. In a fork()ed
         child it only forgets the handle (dos's runtime does not survive fork(); the parent's state is the
         parent's)."""
         if _native.forked():
@@ -916,6 +1024,11 @@ class AdamW(torch.optim.Optimizer):
             h, self._h = getattr(self, "_h", 0), 0
         else:
             with lock:  # after a step, save or load of another thread, never inside one
+                if getattr(self, "_h", 0) and self.__dict__.get("_unsettled") is not None:
+                    try:
+                        self._settle()  # the parameters' data as dos left them
+                    except Exception:
+                        pass
                 h, self._h = getattr(self, "_h", 0), 0
                 if h:
                     _native.call("dos_adamw_close", h)
@@ -954,13 +1067,18 @@ class _State(MutableMapping):
         return _ParamState(self._opt, self._i(P))
 
     def __setitem__(self, P, value):
-        """Writes the entries of value (step, exp_avg, ...) into dos, all checked first; others stay."""
+        """Writes the entries of value (step, exp_avg, ...) into dos, all checked first, then all of them (a
+        Ctrl-C is handled after, as in AdamW.step); others stay."""
         i, opt = self._i(P), self._opt
-        opt._handle()  # before the lock (fork())
-        with opt._lock:
+        with opt._locked():
             checked = {k: opt._checked_state(i, k, v, "state") for k, v in value.items()}
-            for k, v in checked.items():
-                opt._put(i, k, v)
+
+            def apply():  # all of them, resumable (_settle): each put is idempotent
+                for k, v in checked.items():
+                    opt._put(i, k, v)
+                opt._unsettled = None
+            opt._unsettled = apply
+            opt._settle()
 
     def __delitem__(self, P):
         raise TypeError("dos.torch.AdamW.state: a parameter's state cannot be deleted: dos keeps every parameter's")
@@ -987,13 +1105,11 @@ class _ParamState(MutableMapping):
     def __getitem__(self, k):
         if k not in self._opt._keys():
             raise KeyError(k)
-        self._opt._handle()  # before the lock (fork())
-        with self._opt._lock:
+        with self._opt._locked():
             return self._opt._fetch(self._i, k)
 
     def __setitem__(self, k, v):
-        self._opt._handle()  # before the lock (fork())
-        with self._opt._lock:
+        with self._opt._locked():
             self._opt._put(self._i, k, self._opt._checked_state(self._i, k, v, "state"))
 
     def __delitem__(self, k):
@@ -1019,6 +1135,7 @@ class SaveHandle:
 
     def __init__(self, h):
         self._h = h
+        self._reported = False  # whether wait() returned or raised (or step() reported its failure)
 
     def done(self):
         return bool(_native.lib().dos_save_done(self._h))
@@ -1028,10 +1145,13 @@ class SaveHandle:
         try:
             _native.call("dos_save_wait", self._h, ctypes.byref(d))
         except _native.DosError:
-            opt = getattr(self, "_opt", None)
+            self._reported = True
+            ref = getattr(self, "_opt", None)
+            opt = ref() if ref is not None else None
             if opt is not None and opt._saved_step == getattr(self, "_saved", None):
                 opt._saved_step = None  # nothing was committed: the same step may be saved again
             raise
+        self._reported = True
         return os.fsdecode(_native.take_bytes(d))
 
     def __del__(self):
