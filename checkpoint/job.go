@@ -132,9 +132,8 @@ func CommitJob(fsys FS, root string, world int, step int64) error {
 		return fmt.Errorf("checkpoint: CommitJob: world size %d: want 1..%d", world, MaxWorldSize)
 	}
 	for r := range world {
-		m := filepath.Join(StepDir(RankRoot(root, r), step), ManifestFile)
-		if _, err := fsys.Stat(m); err != nil {
-			return fmt.Errorf("checkpoint: job %s: rank %d has not committed step %d (%s: %w)", root, r, step, m, err)
+		if err := stepComplete(fsys, StepDir(RankRoot(root, r), step)); err != nil {
+			return fmt.Errorf("checkpoint: job %s: rank %d has not committed step %d (%w)", root, r, step, err)
 		}
 	}
 	if err := BeginJob(fsys, root, world); err != nil { // job.json, when a first commit has none
@@ -455,6 +454,14 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 	return target, strings.Join(notes, "; "), nil
 }
 
+// lastNotes joins the last n of notes, saying how many came before.
+func lastNotes(notes []string, n int) string {
+	if len(notes) <= n {
+		return strings.Join(notes, "; ")
+	}
+	return fmt.Sprintf("(%d before) ", len(notes)-n) + strings.Join(notes[len(notes)-n:], "; ")
+}
+
 // setAsideIn reports whether rankRoot holds its checkpoint of step set
 // aside (damaged-step-%09d-*: Rollback's, which did not verify).
 func setAsideIn(fsys FS, rankRoot string, step, since int64) bool {
@@ -549,13 +556,38 @@ func completeSteps(fsys FS, rankRoot string) (map[int64]bool, error) {
 		if !ok || !e.IsDir() {
 			continue
 		}
-		if _, err := fsys.Stat(filepath.Join(rankRoot, e.Name(), ManifestFile)); err == nil {
+		switch err := stepComplete(fsys, filepath.Join(rankRoot, e.Name())); {
+		case err == nil:
 			steps[s] = true
-		} else if !errors.Is(err, fs.ErrNotExist) {
+		case !errors.Is(err, errIncomplete):
 			return nil, err
 		}
 	}
 	return steps, nil
+}
+
+// errIncomplete is wrapped by stepComplete's error for a step directory
+// that is not complete: no manifest.json, or one that is no file.
+var errIncomplete = errors.New("not a complete step directory")
+
+// stepComplete returns nil when the step directory dir is complete: its
+// manifest.json, which a save writes last, a regular file (Latest's test
+// of the step latest names). Inspect, CommitJob, RewindRank and the job's
+// steps (completeSteps) all take it, so that a step one of them counts as
+// complete none takes for damaged. Errors: one wrapping errIncomplete
+// that says what is wrong; an I/O error otherwise.
+func stepComplete(fsys FS, dir string) error {
+	m := filepath.Join(dir, ManifestFile)
+	st, err := fsys.Stat(m)
+	switch {
+	case err == nil && st.Mode().IsRegular():
+		return nil
+	case err == nil:
+		return fmt.Errorf("%w: %s is a %s, not a file", errIncomplete, m, FileKind(st.Mode()))
+	case errors.Is(err, fs.ErrNotExist) || errors.Is(err, errNotDir):
+		return fmt.Errorf("%w: %w", errIncomplete, err)
+	}
+	return fmt.Errorf("checkpoint: %w", err)
 }
 
 // pointRank makes step (complete) rankRoot's latest and retires its later
@@ -616,7 +648,7 @@ func pointRank(fsys FS, rankRoot string, step, keepAbove int64) (moved bool, ret
 // Errors: step's directory missing or incomplete; the lock's and the file
 // system's.
 func RewindRank(fsys FS, rankRoot string, step int64) error {
-	if _, err := fsys.Stat(filepath.Join(StepDir(rankRoot, step), ManifestFile)); err != nil {
+	if err := stepComplete(fsys, StepDir(rankRoot, step)); err != nil {
 		return fmt.Errorf("checkpoint: %s: step %d: %w", rankRoot, step, err)
 	}
 	_, _, _, err := pointRank(fsys, rankRoot, step, -1)
@@ -722,8 +754,26 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	// whose pieces (each rank root's latest now) the next round verifies,
 	// until a round repairs nothing: the step the job is left at verifies
 	// in every rank.
+	// Each round that changes something sets a step directory aside or
+	// moves the job back past one: the step directories the rank roots
+	// hold bound the rounds. A round past that bound is a defect (two of
+	// the steps' tests disagreeing): an error, never a success.
+	rounds := 2
+	for r := range world {
+		if es, err := fsys.ReadDir(RankRoot(root, r)); err == nil {
+			for _, e := range es {
+				if _, ok := parseStepDirName(e.Name()); ok {
+					rounds++
+				}
+			}
+		}
+	}
 	var why string
 	for round := 0; ; round++ {
+		if round > rounds {
+			return 0, "", fmt.Errorf("checkpoint: job %s: dos ckpt recover did not settle after %d rounds (each round should set a step aside or move the job back; the last changes: %s): the job was left as it is now; dos ckpt ls %s says what its rank roots hold",
+				root, round, lastNotes(notes, 4), ShellQuote(root))
+		}
 		var lost []string // the ranks with no checkpoint that verifies
 		repaired := false
 		for r := range world {
@@ -767,9 +817,8 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 			notes = append(notes, note)
 		}
 		// A round that repaired nothing and moved nothing leaves the job
-		// as it verified; each other round set a step aside or moved the
-		// job back, which a root's finitely many steps bound.
-		if !repaired && note == "" || round >= 1<<16 {
+		// as it verified.
+		if !repaired && note == "" {
 			return step, strings.Join(notes, "; "), nil
 		}
 	}

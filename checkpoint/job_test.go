@@ -286,3 +286,36 @@ func TestDiffering(t *testing.T) {
 		t.Errorf("short texts: %q, %q", da, db)
 	}
 }
+
+// TestStepCompleteOneTest: rank 1's step 4 has a manifest.json that is a
+// directory. The job's steps (completeSteps) and CommitJob took it for
+// complete (a Stat that succeeded) while Inspect and Latest took it for
+// damaged, so that dos ckpt recover moved the job back and forth between
+// them forever. Now each one says it is not complete.
+func TestStepCompleteOneTest(t *testing.T) {
+	root := t.TempDir()
+	for r := range 2 {
+		for _, s := range []int64{2, 4} {
+			mustSave(t, OS, RankRoot(root, r), testSnapshot(s))
+		}
+	}
+	m := filepath.Join(StepDir(RankRoot(root, 1), 4), ManifestFile)
+	if err := os.Remove(m); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(m, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if steps, err := completeSteps(OS, RankRoot(root, 1)); err != nil || steps[4] || !steps[2] {
+		t.Errorf("completeSteps: %v, %v; want step 2 alone", steps, err)
+	}
+	if info, err := Inspect(OS, RankRoot(root, 1)); err != nil || info.Steps[0].Step != 4 || info.Steps[0].Complete {
+		t.Errorf("Inspect: %+v, %v; want step 4 incomplete", info, err)
+	}
+	if err := CommitJob(OS, root, 2, 4); err == nil || !strings.Contains(err.Error(), m+" is a directory, not a file") {
+		t.Errorf("CommitJob of step 4: %v", err)
+	}
+	if err := RewindRank(OS, RankRoot(root, 1), 4); err == nil || !strings.Contains(err.Error(), "is a directory") {
+		t.Errorf("RewindRank to step 4: %v", err)
+	}
+}

@@ -1,0 +1,91 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/deepstates/dos/checkpoint"
+)
+
+// The defects of the fourth job adversary's report (a hang, a linked step
+// directory, steps deleted, rank roots in a single rank's root, a job that
+// never committed), each as a user meets them with the CLI.
+
+// invokeWithin is invoke, failing the test when the command has not
+// returned within d (it is left running: a hang).
+func invokeWithin(t *testing.T, d time.Duration, sub string, args ...string) (int, string, string) {
+	t.Helper()
+	type result struct {
+		rc             int
+		stdout, stderr string
+	}
+	done := make(chan result, 1)
+	go func() {
+		rc, stdout, stderr := invoke(t, sub, args...)
+		done <- result{rc, stdout, stderr}
+	}()
+	select {
+	case r := <-done:
+		return r.rc, r.stdout, r.stderr
+	case <-time.After(d):
+		t.Fatalf("dos %s %v has not returned after %v", sub, args, d)
+	}
+	return 0, "", ""
+}
+
+// stepsIn returns the step directories (step-*) of a rank root, by name.
+func stepsIn(t *testing.T, rankRoot string) []string {
+	t.Helper()
+	var steps []string
+	for _, e := range entries(t, rankRoot) {
+		if strings.HasPrefix(e, "step-") {
+			steps = append(steps, e)
+		}
+	}
+	return steps
+}
+
+// TestRecoverJobManifestNotAFile (finding 1): rank 1's manifest.json of
+// the job's step 8 is a directory, or a FIFO. dos ckpt recover looped
+// 65,537 times (minutes, megabytes of the same note) and said it had
+// recovered the job at step 8, which still failed verify: a step whose
+// manifest is no file was complete for the job and damaged for the rank
+// root. Now it returns at once, the job moved to step 6, saying so once;
+// verify and --resume then pass.
+func TestRecoverJobManifestNotAFile(t *testing.T) {
+	for _, kind := range []string{"directory", "FIFO"} {
+		t.Run(kind, func(t *testing.T) {
+			dir := trainJobWith(t, "8")
+			m := filepath.Join(checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 8), checkpoint.ManifestFile)
+			if err := os.Remove(m); err != nil {
+				t.Fatal(err)
+			}
+			var err error
+			if kind == "FIFO" {
+				err = syscall.Mkfifo(m, 0o644)
+			} else {
+				err = os.Mkdir(m, 0o755)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			rc, stdout, stderr := invokeWithin(t, time.Minute, "ckpt", "recover", dir)
+			if rc != 0 || !strings.Contains(stdout, "now at step 6") || strings.Count(stdout, "is a "+kind) > 1 || len(stdout) > 4000 {
+				t.Errorf("dos ckpt recover: rc %d, want 0, the job at step 6 (said once)\n%.4000s%s", rc, stdout, stderr)
+			}
+			if step, _, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 6 || err != nil {
+				t.Errorf("the job after recover: step %d, %v; want 6", step, err)
+			}
+			if rc, stdout, stderr := invokeWithin(t, time.Minute, "ckpt", "verify", dir); rc != 0 || !strings.Contains(stdout, "step 6 verifies") {
+				t.Errorf("dos ckpt verify after recover: rc %d\n%s%s", rc, stdout, stderr)
+			}
+			if rc, stdout, stderr := invokeWithin(t, time.Minute, "train", resumeArgs(dir, "8")...); rc != 0 {
+				t.Errorf("dos train --resume after recover: rc %d\n%s%s", rc, stdout, stderr)
+			}
+		})
+	}
+}
