@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"maps"
 	"math"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -541,7 +542,11 @@ func ranksLatestSound(fsys FS, root string, world int) bool {
 }
 
 // completeSteps returns the steps of rankRoot's complete step directories
-// (their manifest written), whatever its latest says.
+// (stepComplete), whatever its latest says. A step entry that is a
+// symbolic link is an error wrapping ErrWrongRank that names it: a job's
+// rank root holds its rank's own step directories, and through a link the
+// job would load, and its retention delete, what may be another run's
+// (CheckJob, which reads each step's record, would not see it).
 func completeSteps(fsys FS, rankRoot string) (map[int64]bool, error) {
 	steps := map[int64]bool{}
 	es, err := fsys.ReadDir(rankRoot)
@@ -553,6 +558,9 @@ func completeSteps(fsys FS, rankRoot string) (map[int64]bool, error) {
 	}
 	for _, e := range es {
 		s, ok := parseStepDirName(e.Name())
+		if ok && e.Type()&fs.ModeSymlink != 0 {
+			return nil, linkedStepDir(fsys, rankRoot, e.Name())
+		}
 		if !ok || !e.IsDir() {
 			continue
 		}
@@ -564,6 +572,21 @@ func completeSteps(fsys FS, rankRoot string) (map[int64]bool, error) {
 		}
 	}
 	return steps, nil
+}
+
+// linkedStepDir is completeSteps' error for the step entry name of
+// rankRoot, a symbolic link.
+func linkedStepDir(fsys FS, rankRoot, name string) error {
+	p := filepath.Join(rankRoot, name)
+	to := ""
+	if fsys == OS {
+		if t, err := os.Readlink(p); err == nil {
+			to = fmt.Sprintf(" to %q", t)
+		}
+	}
+	job := filepath.Dir(rankRoot)
+	return fmt.Errorf("%w: job %s: %s is a symbolic link%s, not a step directory of %s's own: through it the job would load, and its retention delete, a checkpoint that may be another run's. Nothing was changed: put the rank's own %s (a directory) in place of the link, or remove the link (then dos ckpt recover %s moves the job to the newest step every rank holds)",
+		ErrWrongRank, job, p, to, filepath.Base(rankRoot), name, ShellQuote(job))
 }
 
 // errIncomplete is wrapped by stepComplete's error for a step directory

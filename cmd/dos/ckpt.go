@@ -244,6 +244,10 @@ func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int 
 	}
 	dir := c.Dir
 	defer c.Close()
+	if err := linkedRankStep(dir); err != nil {
+		fmt.Fprintf(stderr, "dos ckpt inspect: %v\n", err)
+		return 1
+	}
 	m := c.Manifest
 	fmt.Fprintf(stdout, "%s\n  step %d, %s, created %s, %s v%d\n", dir, m.Step, whichRank(c),
 		m.Created.Format(time.RFC3339), m.Format, m.Version)
@@ -421,6 +425,23 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 	return 0
 }
 
+// linkedRankStep returns an error, wrapping checkpoint.ErrWrongRank, when
+// the step directory dir is a symbolic link in a job's rank root: what it
+// names may be another run's (checkpoint.CheckJob refuses the job for it).
+func linkedRankStep(dir string) error {
+	st, err := os.Lstat(dir)
+	if err != nil || st.Mode()&fs.ModeSymlink == 0 {
+		return nil
+	}
+	rankRoot := filepath.Dir(dir)
+	job := filepath.Dir(rankRoot)
+	if !strings.HasPrefix(filepath.Base(rankRoot), "rank-") || !checkpoint.IsJob(checkpoint.OS, job) {
+		return nil
+	}
+	return fmt.Errorf("%w: %s is a symbolic link in rank root %s of the job %s, not the rank's own step directory: it may name another run's checkpoint; dos ckpt verify %s says what to do",
+		checkpoint.ErrWrongRank, dir, rankRoot, job, checkpoint.ShellQuote(job))
+}
+
 // whichRank says which rank a checkpoint is: "rank R of a job of N ranks"
 // for a job's (dos train --gpus: trainer.CheckpointRank, since the
 // manifest's is its rank root's own, 0 of 1), else the manifest's "rank R
@@ -493,6 +514,10 @@ func verifyRank(path string, rank, world int, stdout, stderr io.Writer) int {
 	}
 	dir := c.Dir
 	defer c.Close()
+	if err := linkedRankStep(dir); err != nil {
+		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
+		return 1
+	}
 	if err := trainer.VerifyCheckpoint(c); err != nil {
 		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
 		return 1

@@ -89,3 +89,62 @@ func TestRecoverJobManifestNotAFile(t *testing.T) {
 		})
 	}
 }
+
+// TestJobSymlinkedStepDir (finding 2): rank 1's step 8 of job W is a
+// link to another run's rank 1 step 8. ls passed, verify said "OK", and
+// reshard joined the two runs' pieces into one checkpoint: the job's
+// identity checks skipped the link (no directory) while the loads
+// followed it. Now ls, verify, recover, reshard and --resume refuse it,
+// naming the link; nothing is changed, the other run's root never
+// written.
+func TestJobSymlinkedStepDir(t *testing.T) {
+	a := trainJobWith(t, "8")
+	b := trainJobWith(t, "8", "--seed", "7")
+	w := filepath.Join(t.TempDir(), "w")
+	copyTree(t, a, w)
+	link := checkpoint.StepDir(checkpoint.RankRoot(w, 1), 8)
+	if err := os.RemoveAll(link); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(checkpoint.StepDir(checkpoint.RankRoot(b, 1), 8), link); err != nil {
+		t.Fatal(err)
+	}
+	hb, hw := treeHash(t, b), treeHash(t, w)
+	re := filepath.Join(t.TempDir(), "re")
+	for _, args := range [][]string{{"ls", w}, {"verify", w}, {"recover", w}, {"reshard", "--gpus", "1", w, re}} {
+		if rc, stdout, stderr := invoke(t, "ckpt", args...); rc != 1 || !strings.Contains(stderr, link+" is a symbolic link") {
+			t.Errorf("dos ckpt %v: rc %d, want 1 naming the link %s\n%s%s", args, rc, link, stdout, stderr)
+		}
+	}
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(w, "9")...); rc != 1 || !strings.Contains(stderr, link+" is a symbolic link") {
+		t.Errorf("dos train --resume: rc %d, want 1 naming the link\n%s%s", rc, stdout, stderr)
+	}
+	if _, err := os.Stat(re); err == nil {
+		t.Errorf("reshard wrote %s", re)
+	}
+	if treeHash(t, b) != hb {
+		t.Error("the other run's root was changed")
+	}
+	if treeHash(t, w) != hw {
+		t.Error("the refused job root was changed")
+	}
+}
+
+// TestRankRootLinkedStepDir (finding 2): verify and inspect of the rank
+// root itself, or of the job's step in it, do not follow the link either.
+func TestRankRootLinkedStepDir(t *testing.T) {
+	a := trainJobWith(t, "4")
+	b := trainJobWith(t, "4", "--seed", "7")
+	link := checkpoint.StepDir(checkpoint.RankRoot(a, 1), 4)
+	if err := os.RemoveAll(link); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(checkpoint.StepDir(checkpoint.RankRoot(b, 1), 4), link); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"verify", checkpoint.RankRoot(a, 1)}, {"inspect", checkpoint.RankRoot(a, 1)}, {"inspect", "--rank", "1", a}, {"verify", link}} {
+		if rc, stdout, stderr := invoke(t, "ckpt", args...); rc != 1 || !strings.Contains(stderr, link+" is a symbolic link") {
+			t.Errorf("dos ckpt %v: rc %d, want 1 naming the link\n%s%s", args, rc, stdout, stderr)
+		}
+	}
+}
