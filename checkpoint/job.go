@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -249,8 +250,11 @@ func writeJob(fsys FS, root string, world int) error {
 // latest, which every rank root holds complete; without a latest (a first
 // commit cut short), or with one that is damaged (it names no step, or a
 // step that no rank root holds while every rank root's own latest names a
-// complete step: a damaged pointer, not a missing checkpoint), the newest
-// step whose directory is complete in every rank root. Each rank root's
+// complete step: a damaged pointer, not a missing checkpoint; or one that
+// two steps or more complete in every rank root follow, which the job
+// committed, since a rank runs at most one save ahead of it: an older
+// latest put back), the newest step whose directory is complete in every
+// rank root. Each rank root's
 // latest is pointed at that step and its later directories (saves the job
 // did not commit) are retired, or, when the job's latest was damaged (they
 // may have been committed), set aside (damaged-unmatched-step-*, kept
@@ -353,6 +357,21 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		// checkpoint, never a first save's leftovers to remove.
 		badLatest = fmt.Sprintf("no %s, while its rank roots hold checkpoints of %d steps (a job that committed)", LatestFile, heldSteps(perRank))
 	}
+	if ahead := stepsAfter(common, jl); hasLatest && len(ahead) > 1 {
+		// A rank runs at most one save ahead of the job (the job commits
+		// a step once every rank's save of it is durable, and a save
+		// that fails ends the run): steps that every rank holds past the
+		// one after the job's latest were committed by the job, whose
+		// latest was moved back since (an older copy of it put back).
+		// Retiring them would delete committed checkpoints: the job
+		// moves to the newest, as for a damaged latest.
+		names := make([]string, len(ahead))
+		for i, a := range ahead {
+			names[i] = fmt.Sprint(a)
+		}
+		badLatest = fmt.Sprintf("a latest of step %d, while every rank root holds steps %s complete after it (a rank runs at most one save ahead of the job: its latest was moved back, or an older copy of it put back)", jl, strings.Join(names, ", "))
+		hasLatest = false
+	}
 	if hasLatest && !common[jl] {
 		var holders, lacking []string
 		setAside := true // every rank that lacks it set its piece aside (Rollback: it did not verify)
@@ -453,6 +472,18 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		notes = append([]string{fmt.Sprintf("the job had %s: its latest is now step %d, the newest that every rank holds", was, target)}, notes...)
 	}
 	return target, strings.Join(notes, "; "), nil
+}
+
+// stepsAfter returns the steps of steps after step, in order.
+func stepsAfter(steps map[int64]bool, step int64) []int64 {
+	var after []int64
+	for s := range steps {
+		if s > step {
+			after = append(after, s)
+		}
+	}
+	slices.Sort(after)
+	return after
 }
 
 // lastNotes joins the last n of notes, saying how many came before.

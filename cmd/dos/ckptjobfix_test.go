@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -146,5 +147,43 @@ func TestRankRootLinkedStepDir(t *testing.T) {
 		if rc, stdout, stderr := invoke(t, "ckpt", args...); rc != 1 || !strings.Contains(stderr, link+" is a symbolic link") {
 			t.Errorf("dos ckpt %v: rc %d, want 1 naming the link\n%s%s", args, rc, stdout, stderr)
 		}
+	}
+}
+
+// TestJobLatestMovedBack (finding 3): the job's latest names step 2 while
+// every rank root holds steps 4, 6 and 8 complete after it (an older copy
+// of latest put back). --resume and recover deleted steps 4, 6 and 8 as
+// "never committed for the job"; a rank runs at most one save ahead of
+// the job, so these were the job's. Now both move the job to step 8, the
+// newest every rank holds, deleting nothing.
+func TestJobLatestMovedBack(t *testing.T) {
+	job := trainJobWith(t, "8")
+	all := []string{"step-000000002", "step-000000004", "step-000000006", "step-000000008"}
+	for _, how := range []string{"recover", "resume"} {
+		t.Run(how, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "jl")
+			copyTree(t, job, dir)
+			if err := os.WriteFile(filepath.Join(dir, checkpoint.LatestFile), []byte("step-000000002\n"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			var rc int
+			var stdout, stderr string
+			if how == "recover" {
+				rc, stdout, stderr = invoke(t, "ckpt", "recover", dir)
+			} else {
+				rc, stdout, stderr = invoke(t, "train", resumeArgs(dir, "8")...)
+			}
+			if rc != 0 || strings.Contains(stdout, "retired") || !strings.Contains(stdout, "step 8") {
+				t.Errorf("dos %s: rc %d, want 0, the job at step 8, nothing retired\n%s%s", how, rc, stdout, stderr)
+			}
+			if step, _, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 8 || err != nil {
+				t.Errorf("the job after %s: step %d, %v; want 8", how, step, err)
+			}
+			for r := range 2 {
+				if got := stepsIn(t, checkpoint.RankRoot(dir, r)); !slices.Equal(got, all) {
+					t.Errorf("rank %d's root after %s holds %v, want %v", r, how, got, all)
+				}
+			}
+		})
 	}
 }
