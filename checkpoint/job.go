@@ -78,6 +78,9 @@ func jobRoot(fsys FS, root string) error {
 	path := filepath.Join(root, JobFile)
 	if _, err := fsys.Stat(path); errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
 		if ranks, err := rankRootsIn(fsys, root); err == nil && len(ranks) > 0 {
+			if holdsSteps(fsys, root) {
+				return strayRankRoots(fsys, root, ranks)
+			}
 			return fmt.Errorf("%w: %s holds the rank roots of a job (%s...) but no %s (lost?): dos ckpt recover %s rewrites it from the rank roots' records",
 				ErrJobRoot, root, RankRoot(root, ranks[0]), JobFile, ShellQuote(root))
 		}

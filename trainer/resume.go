@@ -28,6 +28,9 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	if job, ok := checkpoint.RankSlot(checkpoint.OS, root); ok {
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s is a rank root of the job %s: a run there would mix its checkpoints with the job's ranks; resume the job (--ckpt-dir %s --gpus N), or choose a directory outside it", root, job, checkpoint.ShellQuote(job))
 	}
+	if single, ok := checkpoint.InSingleRoot(checkpoint.OS, root); ok {
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s is inside %s, which holds a single rank's checkpoints: a root named rank-NNNNN there would be taken for a job's rank root, and %s would no longer open; choose a directory outside it", root, single, single)
+	}
 	lock, err := checkpoint.Lock(checkpoint.OS, root)
 	if err != nil {
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)

@@ -187,3 +187,48 @@ func TestJobLatestMovedBack(t *testing.T) {
 		})
 	}
 }
+
+// TestRankRootInSingleRoot (finding 4): dos train --ckpt-dir and dos ckpt
+// reshard into ROOT/rank-00000 of a single rank's root ROOT succeeded,
+// leaving ROOT unusable; a rank-00000 directory there sent ls and recover
+// to "put job.json back" and train to "pass the --gpus it was trained
+// with". Now the writes are refused, nothing created, and a stray
+// rank-00000 is named with what to do: remove it.
+func TestRankRootInSingleRoot(t *testing.T) {
+	single := trainRoot(t, "3", "3")
+	job := trainJob(t)
+	slot := filepath.Join(single, "rank-00000")
+	fresh := append([]string{"--ckpt-dir", slot, "--steps", "2", "--ckpt-every", "2"}, tinyShape...)
+	for _, args := range [][]string{fresh, append([]string{"--gpus", "2"}, fresh...)} {
+		if rc, stdout, stderr := invoke(t, "train", args...); rc == 0 || !strings.Contains(stderr, "inside "+single+", which holds a single rank's checkpoints") {
+			t.Errorf("dos train %v: rc %d\n%s%s", args, rc, stdout, stderr)
+		}
+	}
+	for _, n := range []string{"1", "2"} {
+		if rc, stdout, stderr := invoke(t, "ckpt", "reshard", "--gpus", n, job, slot); rc == 0 || !strings.Contains(stderr, "inside "+single+", which holds a single rank's checkpoints") {
+			t.Errorf("dos ckpt reshard --gpus %s JOB %s: rc %d\n%s%s", n, slot, rc, stdout, stderr)
+		}
+	}
+	if _, err := os.Stat(slot); err == nil {
+		t.Fatalf("%s was created", slot)
+	}
+	if err := os.Mkdir(slot, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	want := "remove " + slot
+	for _, args := range [][]string{{"ls", single}, {"recover", single}, {"verify", single}} {
+		if rc, stdout, stderr := invoke(t, "ckpt", args...); rc != 1 || !strings.Contains(stderr, want) || strings.Contains(stderr, "put job.json back") {
+			t.Errorf("dos ckpt %v: rc %d, want 1 saying to %s\n%s%s", args, rc, want, stdout, stderr)
+		}
+	}
+	resume := append([]string{"--resume", "--ckpt-dir", single, "--steps", "4"}, tinyShape...)
+	if rc, stdout, stderr := invoke(t, "train", resume...); rc != 1 || !strings.Contains(stderr, want) || strings.Contains(stderr, "--gpus it was trained with") {
+		t.Errorf("dos train --resume: rc %d, want 1 saying to %s\n%s%s", rc, want, stdout, stderr)
+	}
+	if err := os.Remove(slot); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "train", resume...); rc != 0 {
+		t.Errorf("dos train --resume with %s removed: rc %d\n%s%s", slot, rc, stdout, stderr)
+	}
+}
