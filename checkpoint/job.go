@@ -316,7 +316,13 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 			return 0, "", err
 		}
 		if w != world {
-			return 0, "", fmt.Errorf("checkpoint: job %s was cut for %d ranks, not %d", root, w, world)
+			if _, never := JobNeverCommitted(fsys, root); never {
+				// Nothing was committed for its rank count: it starts over
+				// with this run's, as on an empty root.
+				note, err := clearFirstSave(fsys, root, w)
+				return -1, note, err
+			}
+			return 0, "", fmt.Errorf("checkpoint: job %s was cut for %s, not %d", root, Ranks(w), world)
 		}
 	}
 	jl, _, err := JobLatest(fsys, root)
@@ -425,17 +431,8 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		}
 		// Nothing was committed: what the ranks wrote of a first save is
 		// not a checkpoint.
-		note := ""
-		for r := range world {
-			rr := RankRoot(root, r)
-			if _, err := fsys.Stat(rr); err == nil {
-				if err := retire(fsys, root, rr); err != nil {
-					return 0, "", err
-				}
-				note = "the job never committed a checkpoint: what its ranks wrote of a first save was removed"
-			}
-		}
-		return -1, note, nil
+		note, err := clearFirstSave(fsys, root, world)
+		return -1, note, err
 	}
 	// The steps after target that the job committed, or may have (its
 	// latest damaged), are set aside; those after its latest retired.
@@ -475,6 +472,84 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		notes = append([]string{fmt.Sprintf("the job had %s: its latest is now step %d, the newest that every rank holds", was, target)}, notes...)
 	}
 	return target, strings.Join(notes, "; "), nil
+}
+
+// JobNeverCommitted reports whether root holds a job that never committed
+// a checkpoint (a run killed before its first commit): its JobFile (world
+// ranks), no latest (nor latest.tmp), and no complete step directory in
+// any of its rank roots. ResumeJob and RecoverJob remove what it left
+// (clearFirstSave), so that a new run of any rank count may start there.
+func JobNeverCommitted(fsys FS, root string) (world int, ok bool) {
+	w, err := readJob(fsys, root)
+	if err != nil {
+		return 0, false
+	}
+	for _, n := range []string{LatestFile, pendingLatest} {
+		if _, err := fsys.Stat(filepath.Join(root, n)); !errors.Is(err, fs.ErrNotExist) {
+			return 0, false
+		}
+	}
+	ranks, err := rankRootsIn(fsys, root)
+	if err != nil {
+		return 0, false
+	}
+	for _, r := range ranks {
+		if steps, err := completeSteps(fsys, RankRoot(root, r)); err != nil || len(steps) > 0 {
+			return 0, false
+		}
+	}
+	return w, true
+}
+
+// clearFirstSave removes what a job of world ranks that never committed
+// left in root: its rank roots (retired: what they hold of a first save
+// is no checkpoint), then JobFile, which names a rank count nothing was
+// committed for. root then holds nothing of a job (JobFresh). It returns
+// what it removed, for a note ("" for nothing). The caller holds root's
+// lock and has checked that the job never committed.
+func clearFirstSave(fsys FS, root string, world int) (string, error) {
+	var removed []string
+	for r := range world {
+		rr := RankRoot(root, r)
+		if _, err := fsys.Stat(rr); err == nil {
+			if err := retire(fsys, root, rr); err != nil {
+				return "", err
+			}
+			removed = append(removed, filepath.Base(rr))
+		}
+	}
+	what := ""
+	if len(removed) > 0 {
+		what = fmt.Sprintf("what its ranks wrote of a first save (%s)", strings.Join(removed, ", "))
+	}
+	jf := filepath.Join(root, JobFile)
+	if _, err := fsys.Stat(jf); err == nil {
+		if err := fsys.RemoveAll(jf); err != nil {
+			return "", fmt.Errorf("checkpoint: job %s never committed a checkpoint: removing %s: %w", root, jf, err)
+		}
+		if err := fsys.RemoveAll(jf + ".tmp"); err != nil {
+			return "", fmt.Errorf("checkpoint: job %s never committed a checkpoint: removing %s.tmp: %w", root, jf, err)
+		}
+		if err := fsys.SyncDir(root); err != nil {
+			return "", fmt.Errorf("checkpoint: job %s: fsync: %w", root, err)
+		}
+		if what != "" {
+			what += " and "
+		}
+		what += fmt.Sprintf("%s (a job of %s)", JobFile, Ranks(world))
+	}
+	if what == "" {
+		return "", nil
+	}
+	return fmt.Sprintf("the job never committed a checkpoint (a run killed before its first commit?): removed %s", what), nil
+}
+
+// Ranks says n ranks for a message: "1 rank", "2 ranks".
+func Ranks(n int) string {
+	if n == 1 {
+		return "1 rank"
+	}
+	return fmt.Sprintf("%d ranks", n)
 }
 
 // stepsAfter returns the steps of steps after step, in order.

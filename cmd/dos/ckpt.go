@@ -173,6 +173,11 @@ func jobList(root string, stdout, stderr io.Writer) int {
 				return 1
 			}
 		}
+		if w, ok := checkpoint.JobNeverCommitted(checkpoint.OS, root); ok {
+			fmt.Fprintf(stderr, "dos ckpt ls: job %s of %s never committed a checkpoint (%s, no latest: a run killed before its first commit?): dos ckpt recover %s removes what it left, for a new run\n",
+				root, checkpoint.Ranks(w), checkpoint.JobFile, checkpoint.ShellQuote(root))
+			return 1
+		}
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
@@ -404,7 +409,11 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
 			return 1
 		case step < 0:
-			fmt.Fprintf(stdout, "recovered job %s: no step is held by every rank; %s\n", root, note)
+			if note == "" {
+				note = "the job never committed a checkpoint, and left nothing to remove"
+			}
+			fmt.Fprintf(stdout, "recovered job %s: %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s --gpus N, without --resume)\n",
+				root, note, root, checkpoint.ShellQuote(root))
 		case note == "":
 			fmt.Fprintf(stdout, "OK job %s: step %d verifies in every rank's root and is the job's latest; nothing to do\n", root, step)
 		default:

@@ -232,3 +232,63 @@ func TestRankRootInSingleRoot(t *testing.T) {
 		t.Errorf("dos train --resume with %s removed: rc %d\n%s%s", slot, rc, stdout, stderr)
 	}
 }
+
+// TestJobNeverCommitted (finding 5): a job killed before its first commit
+// left job.json (3 ranks) and nothing else. dos ckpt recover said "no
+// step is held by every rank; " and left it; a fresh run was told to pass
+// --resume, a one-rank --resume to re-shard. Now recover removes job.json,
+// saying so and that a new run may start; a fresh run then starts there.
+// Without recover, the refusals name it, and --resume with any --gpus
+// starts over.
+func TestJobNeverCommitted(t *testing.T) {
+	onlyJob := func(t *testing.T) string {
+		dir := filepath.Join(t.TempDir(), "onlyjob")
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, checkpoint.JobFile), []byte(`{"format":"dos-job","world_size":3}`), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	fresh := func(dir string, extra ...string) []string {
+		return append(append([]string{"--ckpt-dir", dir, "--steps", "2", "--ckpt-every", "2"}, tinyShape...), extra...)
+	}
+	dir := onlyJob(t)
+	for _, args := range [][]string{fresh(dir, "--gpus", "2"), fresh(dir), fresh(dir, "--resume")} {
+		if rc, stdout, stderr := invoke(t, "train", args...); rc != 1 || !strings.Contains(stderr, "never committed a checkpoint") || !strings.Contains(stderr, "dos ckpt recover "+dir) {
+			t.Errorf("dos train %v: rc %d, want 1 naming dos ckpt recover\n%s%s", args, rc, stdout, stderr)
+		}
+	}
+	rc, stdout, stderr := invoke(t, "ckpt", "recover", dir)
+	if rc != 0 || !strings.Contains(stdout, "never committed a checkpoint") || !strings.Contains(stdout, "removed "+checkpoint.JobFile) ||
+		!strings.Contains(stdout, "a new run may start there") || strings.Contains(stdout, "; \n") || strings.Contains(stdout, "no step is held") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if got := entries(t, dir); slices.Contains(got, checkpoint.JobFile) {
+		t.Errorf("after recover the root holds %v", got)
+	}
+	if rc, stdout, stderr := invoke(t, "train", fresh(dir, "--gpus", "2")...); rc != 0 {
+		t.Errorf("a fresh dos train --gpus 2 after recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	// --resume of another rank count starts over, as on an empty root.
+	dir = onlyJob(t)
+	if rc, stdout, stderr := invoke(t, "train", fresh(dir, "--resume", "--gpus", "2")...); rc != 0 || !strings.Contains(stdout, "starting at iteration 0") {
+		t.Errorf("dos train --resume --gpus 2: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if step, world, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 2 || world != 2 || err != nil {
+		t.Errorf("after --resume --gpus 2: step %d of %d ranks, %v", step, world, err)
+	}
+}
+
+// TestCkptLsJobNeverCommitted (finding 5): ls of such a root says what it
+// is and what clears it (it said "no checkpoint").
+func TestCkptLsJobNeverCommitted(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, checkpoint.JobFile), []byte(`{"format":"dos-job","world_size":1}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "ls", dir); rc != 1 || !strings.Contains(stderr, "of 1 rank never committed a checkpoint") || !strings.Contains(stderr, "dos ckpt recover "+dir) {
+		t.Errorf("dos ckpt ls: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
