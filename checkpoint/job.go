@@ -88,11 +88,11 @@ func jobRoot(fsys FS, root string) error {
 	} else if err != nil {
 		return fmt.Errorf("checkpoint: %s: %w", path, err)
 	}
-	world := "several"
+	world := "several ranks"
 	if w, err := readJob(fsys, root); err == nil {
-		world = fmt.Sprint(w)
+		world = Ranks(w)
 	}
-	return fmt.Errorf("%w: %s holds the checkpoints of a job of %s ranks (%s): each rank's are in its own root, %s, ..., committed by %s's %s",
+	return fmt.Errorf("%w: %s holds the checkpoints of a job of %s (%s): each rank's are in its own root, %s, ..., committed by %s's %s",
 		ErrJobRoot, root, world, JobFile, RankRoot(root, 0), root, LatestFile)
 }
 
@@ -223,7 +223,7 @@ func BeginJob(fsys FS, root string, world int) error {
 	w, err := readJob(fsys, root)
 	switch {
 	case err == nil && w != world:
-		return fmt.Errorf("checkpoint: job %s was cut for %d ranks, not %d", root, w, world)
+		return fmt.Errorf("checkpoint: job %s was cut for %s, not %d", root, Ranks(w), world)
 	case err == nil:
 		return nil
 	case !errors.Is(err, fs.ErrNotExist):
@@ -297,15 +297,27 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		return 0, "", err
 	}
 	haveJob, haveLatest := false, false
+	newest := "" // the last step entry: the newest
 	for _, e := range es {
 		switch n := e.Name(); {
 		case strings.HasPrefix(n, "step-"):
-			return 0, "", fmt.Errorf("checkpoint: %s holds one rank's checkpoints (%s), not a job's", root, n)
+			newest = n
 		case n == JobFile:
 			haveJob = true
 		case n == LatestFile:
 			haveLatest = true
 		}
+	}
+	if newest != "" {
+		// A single rank's root (a job's rank root, perhaps): named by
+		// the checkpoint it would resume, its latest's.
+		what := newest
+		if b, err := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096); err == nil {
+			if name := strings.TrimSpace(string(b)); isStepDirName(name) {
+				what = "its latest, " + name
+			}
+		}
+		return 0, "", fmt.Errorf("checkpoint: %s holds one rank's checkpoints (%s), not a job's", root, what)
 	}
 	if haveLatest && !haveJob {
 		return 0, "", fmt.Errorf("checkpoint: %s has a latest but no %s: one rank's root, not a job's", root, JobFile)
@@ -339,6 +351,15 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		badLatest = fmt.Sprintf("a latest that names no step (%v)", err)
 	case err != nil && !errors.Is(err, ErrNoCheckpoint):
 		return 0, "", err
+	}
+	// A rank root's latest that is no file (a directory...) no commit
+	// can replace: refused before anything changes.
+	for r := range world {
+		p := filepath.Join(RankRoot(root, r), LatestFile)
+		if st, err := fsys.Stat(p); err == nil && !st.Mode().IsRegular() {
+			return 0, "", fmt.Errorf("%w: job %s: %s is a %s, not a file, which no commit replaces. Nothing was changed: move it away, then resume again (the resume points rank %d's root at the job's step)",
+				ErrCorrupt, root, p, FileKind(st.Mode()), r)
+		}
 	}
 	// The steps complete in each rank root, and in every one.
 	perRank := make([]map[int64]bool, world)
@@ -550,6 +571,12 @@ func Ranks(n int) string {
 		return "1 rank"
 	}
 	return fmt.Sprintf("%d ranks", n)
+}
+
+// isStepDirName reports whether name is a step directory's (step-%09d).
+func isStepDirName(name string) bool {
+	_, ok := parseStepDirName(name)
+	return ok
 }
 
 // stepsAfter returns the steps of steps after step, in order.
@@ -842,7 +869,7 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	world, fix, err := checkJob(fsys, root, identify)
 	switch {
 	case fix > 0:
-		was := fmt.Sprintf("said %d ranks", world)
+		was := "said " + Ranks(world)
 		if _, err := fsys.Stat(filepath.Join(root, JobFile)); errors.Is(err, fs.ErrNotExist) {
 			was = "was missing"
 		} else if world == 0 {
@@ -851,7 +878,7 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 		if err := writeJob(fsys, root, fix); err != nil {
 			return 0, "", err
 		}
-		notes = append(notes, fmt.Sprintf("%s %s, but the checkpoints of its %d rank roots record a job of %d ranks: rewritten for %d", JobFile, was, fix, fix, fix))
+		notes = append(notes, fmt.Sprintf("%s %s, but the checkpoints of its %d rank roots record a job of %s: rewritten for %d", JobFile, was, fix, Ranks(fix), fix))
 		world = fix
 	case err != nil:
 		return 0, "", err
@@ -876,9 +903,9 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 			}
 		}
 		if len(missing) > 0 {
-			return 0, "", fmt.Errorf("%w: job %s of %d ranks committed a step, but its rank roots %s are missing: nothing was changed; "+
+			return 0, "", fmt.Errorf("%w: job %s of %s committed a step, but its rank roots %s are missing: nothing was changed; "+
 				"put them back (a disk not mounted, a directory moved?) and run dos ckpt recover %s again, or start a new job in another --ckpt-dir",
-				ErrCorrupt, root, world, strings.Join(missing, ", "), ShellQuote(root))
+				ErrCorrupt, root, Ranks(world), strings.Join(missing, ", "), ShellQuote(root))
 		}
 	}
 	// Rounds: each rank root rolled back to its newest checkpoint that

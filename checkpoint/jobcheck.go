@@ -297,15 +297,15 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 	agreed = max(agreed, 0)
 	jobFile := filepath.Join(root, JobFile)
 	if agreed > 0 && (jerr != nil || jw != agreed) {
-		what := fmt.Sprintf("%s says %d ranks", jobFile, jw)
+		what := fmt.Sprintf("%s says %s", jobFile, Ranks(jw))
 		switch {
 		case errors.Is(jerr, fs.ErrNotExist):
 			what = fmt.Sprintf("%s is missing", jobFile)
 		case jerr != nil:
 			what = fmt.Sprintf("%s is damaged (%v)", jobFile, jerr)
 		}
-		return jw, agreed, fmt.Errorf("%w: job %s: %s, but its %d rank roots (%s ... %s) hold the pieces of a job of %d ranks (each checkpoint records its rank): %s was changed, replaced or removed; dos ckpt recover %s rewrites it for %d ranks",
-			ErrWrongRank, root, what, agreed, filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, agreed-1)), agreed, JobFile, ShellQuote(root), agreed)
+		return jw, agreed, fmt.Errorf("%w: job %s: %s, but its %d rank roots (%s ... %s) hold the pieces of a job of %s (each checkpoint records its rank): %s was changed, replaced or removed; dos ckpt recover %s rewrites it for %d ranks",
+			ErrWrongRank, root, what, agreed, filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, agreed-1)), Ranks(agreed), JobFile, ShellQuote(root), agreed)
 	}
 	if errors.Is(jerr, fs.ErrNotExist) {
 		if len(present) == 0 {
@@ -328,12 +328,12 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 				all = false
 			}
 		}
-		what := fmt.Sprintf("job %s (of %d ranks, by its %s): %s holds rank %d's pieces of a job of %d ranks, not rank %d's of %d", root, jw, JobFile, rc.dir, rc.rank, rc.ranks, rc.root, jw)
+		what := fmt.Sprintf("job %s (of %s, by its %s): %s holds rank %d's pieces of a job of %s, not rank %d's of %d", root, Ranks(jw), JobFile, rc.dir, rc.rank, Ranks(rc.ranks), rc.root, jw)
 		if rc.root >= jw {
 			// A rank root beyond the job's ranks (a copy, another job's):
 			// it has no place in the job.
-			return jw, 0, fmt.Errorf("%w: job %s has %d ranks (%s ... %s, by its %s), and %s is not one of them (it holds rank %d's pieces of a job of %d ranks). Nothing was changed: move %s out of the job's root",
-				ErrWrongRank, root, jw, filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, jw-1)), JobFile, rr, rc.rank, rc.ranks, rr)
+			return jw, 0, fmt.Errorf("%w: job %s has %s (%s ... %s, by its %s), and %s is not one of them (it holds rank %d's pieces of a job of %s). Nothing was changed: move %s out of the job's root",
+				ErrWrongRank, root, Ranks(jw), filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, jw-1)), JobFile, rr, rc.rank, Ranks(rc.ranks), rr)
 		}
 		if all {
 			return jw, 0, fmt.Errorf("%w: %s: %s is a copy of another rank's root, or was moved? Nothing was changed: put rank %d's own checkpoints back in %s; without them the job cannot resume (start afresh with another --ckpt-dir)",

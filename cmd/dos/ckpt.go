@@ -133,11 +133,11 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	case "ls":
 		return ckptList(path, stdout, stderr)
 	case "inspect":
-		return ckptInspect(path, rank, all, stdout, stderr)
+		return ckptInspect(path, rank, c.set("rank"), all, stdout, stderr)
 	case "recover":
 		return ckptRecover(path, rank, stdout, stderr)
 	}
-	return ckptVerify(path, rank, stdout, stderr)
+	return ckptVerify(path, rank, c.set("rank"), stdout, stderr)
 }
 
 // jobList is dos ckpt ls for a job's root (dos train --gpus): its
@@ -183,7 +183,7 @@ func jobList(root string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "job %s: %d ranks, latest step %d (committed once every rank's save of it was durable)\n", root, world, step)
+	fmt.Fprintf(stdout, "job %s: %s, latest step %d (committed once every rank's save of it was durable)\n", root, checkpoint.Ranks(world), step)
 	for r := range world {
 		rr := checkpoint.RankRoot(root, r)
 		if st, err := os.Lstat(rr); err == nil && st.Mode()&fs.ModeSymlink != 0 {
@@ -231,16 +231,24 @@ func leftoverNote(name, holder string) string {
 
 // ckptInspect prints what a checkpoint holds, from its manifest and
 // header only (Open checks that they agree; no tensor data is read).
-func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int {
+func ckptInspect(path string, rank int, rankSet, all bool, stdout, stderr io.Writer) int {
 	if step, world, err := checkpoint.JobLatest(checkpoint.OS, path); err == nil {
 		// A job's root: --rank picks the rank whose committed step to
 		// describe (its file is rank 0's of its own root).
 		if rank >= world {
-			fmt.Fprintf(stderr, "dos ckpt inspect: --rank %d: job %s has %d ranks (0..%d)\n", rank, path, world, world-1)
+			fmt.Fprintf(stderr, "dos ckpt inspect: --rank %d: job %s has %s (0..%d)\n", rank, path, checkpoint.Ranks(world), world-1)
 			return 2
 		}
-		fmt.Fprintf(stdout, "job %s: %d ranks, latest step %d; rank %d's pieces:\n", path, world, step, rank)
+		fmt.Fprintf(stdout, "job %s: %s, latest step %d; rank %d's pieces:\n", path, checkpoint.Ranks(world), step, rank)
 		path, rank = checkpoint.StepDir(checkpoint.RankRoot(path, rank), step), 0
+	} else if r, n, ok := jobRankAt(path); ok {
+		// One rank's root of a job, or a step of it: its file is rank
+		// 0's of its own root; --rank, if given, must be its rank.
+		if rankSet && rank != r {
+			fmt.Fprintf(stderr, "dos ckpt inspect: --rank %d: %s holds rank %d's pieces of a job of %s, not rank %d's (its file is its rank root's own: --rank is not needed)\n", rank, path, r, checkpoint.Ranks(n), rank)
+			return 1
+		}
+		rank = 0
 	}
 	c, err := checkpoint.OpenPath(checkpoint.OS, path, rank)
 	if err != nil {
@@ -462,7 +470,7 @@ func whichRank(c *checkpoint.Checkpoint) string {
 	return fmt.Sprintf("rank %d of %d", c.Manifest.Rank, c.Manifest.WorldSize)
 }
 
-func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
+func ckptVerify(path string, rank int, rankSet bool, stdout, stderr io.Writer) int {
 	if checkpoint.IsJob(checkpoint.OS, path) {
 		// A job's root: its rank roots the job's, then its latest step
 		// in every one.
@@ -476,7 +484,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 			return 1
 		}
 		if rank < 0 || rank >= world {
-			fmt.Fprintf(stderr, "dos ckpt verify: --rank %d: job %s has %d ranks (0..%d)\n", rank, path, world, world-1)
+			fmt.Fprintf(stderr, "dos ckpt verify: --rank %d: job %s has %s (0..%d)\n", rank, path, checkpoint.Ranks(world), world-1)
 			return 2
 		}
 		if rank != 0 {
@@ -501,10 +509,38 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 				return rc
 			}
 		}
-		fmt.Fprintf(stdout, "OK job %s: step %d verifies in all %d ranks' roots\n", path, step, world)
+		roots := fmt.Sprintf("all %d ranks' roots", world)
+		if world == 1 {
+			roots = "its rank's root"
+		}
+		fmt.Fprintf(stdout, "OK job %s: step %d verifies in %s\n", path, step, roots)
 		return 0
 	}
+	if r, n, ok := jobRankAt(path); ok {
+		// One rank's root of a job, or a step of it: its file is rank
+		// 0's of its own root; --rank, if given, must be its rank.
+		if rankSet && rank != r {
+			fmt.Fprintf(stderr, "dos ckpt verify: --rank %d: %s holds rank %d's pieces of a job of %s, not rank %d's (its file is its rank root's own: --rank is not needed)\n", rank, path, r, checkpoint.Ranks(n), rank)
+			return 1
+		}
+		return verifyRank(path, r, n, stdout, stderr)
+	}
 	return verifyRank(path, rank, 0, stdout, stderr)
+}
+
+// jobRankAt returns the rank and rank count that the checkpoint at path
+// (a root's latest, or a step directory) records when it holds one
+// rank's pieces of a job (dos train --gpus: trainer.CheckpointRank; its
+// file is rank 0's of its own root); ok is false otherwise, and when it
+// does not open (the caller's open then says why).
+func jobRankAt(path string) (rank, ranks int, ok bool) {
+	c, err := checkpoint.OpenPath(checkpoint.OS, path, 0)
+	if err != nil {
+		return 0, 0, false
+	}
+	defer c.Close()
+	r, n, ok := trainer.CheckpointRank(c)
+	return r, n, ok && n > 1
 }
 
 // verifyRank is ckptVerify for one checkpoint (a step directory, or a

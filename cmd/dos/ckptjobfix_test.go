@@ -292,3 +292,49 @@ func TestCkptLsJobNeverCommitted(t *testing.T) {
 		t.Errorf("dos ckpt ls: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
+
+// TestJobMinorMessages (the report's minor items): verify --rank 1 of
+// rank 1's root said it held rank 0; a rank root's latest that is a
+// directory gave --resume a raw rename error; "1 ranks"; --resume of a
+// rank root named its oldest step, not the one it was resuming.
+func TestJobMinorMessages(t *testing.T) {
+	job := trainJobWith(t, "8")
+	rr1 := checkpoint.RankRoot(job, 1)
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", "--rank", "1", rr1); rc != 0 || !strings.Contains(stdout, "rank 1 of a job of 2 ranks") {
+		t.Errorf("dos ckpt verify --rank 1 %s: rc %d\n%s%s", rr1, rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", "--rank", "0", rr1); rc != 1 || !strings.Contains(stderr, "holds rank 1's pieces of a job of 2 ranks, not rank 0's") {
+		t.Errorf("dos ckpt verify --rank 0 %s: rc %d\n%s%s", rr1, rc, stdout, stderr)
+	}
+
+	dir := filepath.Join(t.TempDir(), "rl")
+	copyTree(t, job, dir)
+	latest := filepath.Join(checkpoint.RankRoot(dir, 1), checkpoint.LatestFile)
+	if err := os.Remove(latest); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(latest, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	rc, stdout, stderr := invoke(t, "train", resumeArgs(dir, "9")...)
+	if rc != 1 || !strings.Contains(stderr, latest+" is a directory, not a file") || strings.Contains(stderr, "rename") {
+		t.Errorf("dos train --resume, rank 1's latest a directory: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if _, err := os.Stat(latest + ".tmp"); err == nil {
+		t.Errorf("%s.tmp was left behind", latest)
+	}
+
+	dir = filepath.Join(t.TempDir(), "one")
+	copyTree(t, job, dir)
+	if err := os.WriteFile(filepath.Join(dir, checkpoint.JobFile), []byte(`{"format":"dos-job","world_size":1}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", dir); rc != 1 || strings.Contains(stderr, "1 ranks") || !strings.Contains(stderr, "says 1 rank") {
+		t.Errorf("dos ckpt verify, job.json of 1 rank: rc %d\n%s%s", rc, stdout, stderr)
+	}
+
+	rr0 := checkpoint.RankRoot(job, 0)
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(rr0, "9")...); rc != 1 || !strings.Contains(stderr, "step-000000008") || strings.Contains(stderr, "step-000000002") {
+		t.Errorf("dos train --resume --ckpt-dir %s: rc %d, want 1 naming step-000000008\n%s%s", rr0, rc, stdout, stderr)
+	}
+}
