@@ -144,7 +144,7 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 		}
 	}
 	if _, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil && world != cfg.GPUs {
-		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold the pieces of %s, this run has --gpus %d: pass --gpus %d, or re-shard it first (`dos ckpt reshard %s NEWROOT --gpus %d`) and resume from NEWROOT", root, checkpoint.Ranks(world), cfg.GPUs, world, checkpoint.ShellQuote(root), cfg.GPUs)
+		return nil, fmt.Errorf("trainer: resume from %s: its checkpoints hold %d ranks' pieces, this run has --gpus %d: pass --gpus %d, or re-shard it first (`dos ckpt reshard %s NEWROOT --gpus %d`) and resume from NEWROOT", root, world, cfg.GPUs, world, checkpoint.ShellQuote(root), cfg.GPUs)
 	}
 	step, note, err := checkpoint.ResumeJob(checkpoint.OS, root, cfg.GPUs)
 	if err != nil {
