@@ -573,6 +573,35 @@ func Ranks(n int) string {
 	return fmt.Sprintf("%d ranks", n)
 }
 
+// JobResumeStep returns the step a resume of the job of world ranks
+// under root takes when its latest names step: step, or, when two steps
+// or more complete in every rank root follow it (its latest moved back:
+// a rank runs at most one save ahead of the job), the newest of them, as
+// ResumeJob does. It changes nothing; a rank root that cannot be read
+// counts as holding nothing.
+func JobResumeStep(fsys FS, root string, world int, step int64) int64 {
+	var common map[int64]bool
+	for r := range world {
+		steps, err := completeSteps(fsys, RankRoot(root, r))
+		if err != nil {
+			return step
+		}
+		if common == nil {
+			common = steps
+			continue
+		}
+		for s := range common {
+			if !steps[s] {
+				delete(common, s)
+			}
+		}
+	}
+	if ahead := stepsAfter(common, step); len(ahead) > 1 {
+		return ahead[len(ahead)-1]
+	}
+	return step
+}
+
 // isStepDirName reports whether name is a step directory's (step-%09d).
 func isStepDirName(name string) bool {
 	_, ok := parseStepDirName(name)

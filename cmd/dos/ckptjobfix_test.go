@@ -155,7 +155,8 @@ func TestRankRootLinkedStepDir(t *testing.T) {
 // of latest put back). --resume and recover deleted steps 4, 6 and 8 as
 // "never committed for the job"; a rank runs at most one save ahead of
 // the job, so these were the job's. Now both move the job to step 8, the
-// newest every rank holds, deleting nothing.
+// newest every rank holds, deleting nothing; --resume's "resume: from"
+// names step 8's directory, not step 2's.
 func TestJobLatestMovedBack(t *testing.T) {
 	job := trainJobWith(t, "8")
 	all := []string{"step-000000002", "step-000000004", "step-000000006", "step-000000008"}
@@ -173,7 +174,7 @@ func TestJobLatestMovedBack(t *testing.T) {
 			} else {
 				rc, stdout, stderr = invoke(t, "train", resumeArgs(dir, "8")...)
 			}
-			if rc != 0 || strings.Contains(stdout, "retired") || !strings.Contains(stdout, "step 8") {
+			if rc != 0 || strings.Contains(stdout, "retired") || !strings.Contains(stdout, "step 8") || strings.Contains(stdout, "from "+checkpoint.StepDir(checkpoint.RankRoot(dir, 0), 2)) {
 				t.Errorf("dos %s: rc %d, want 0, the job at step 8, nothing retired\n%s%s", how, rc, stdout, stderr)
 			}
 			if step, _, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 8 || err != nil {
