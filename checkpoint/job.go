@@ -7,7 +7,9 @@ import (
 	"io/fs"
 	"maps"
 	"math"
+	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -76,6 +78,9 @@ func jobRoot(fsys FS, root string) error {
 	path := filepath.Join(root, JobFile)
 	if _, err := fsys.Stat(path); errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
 		if ranks, err := rankRootsIn(fsys, root); err == nil && len(ranks) > 0 {
+			if holdsSteps(fsys, root) {
+				return strayRankRoots(fsys, root, ranks)
+			}
 			return fmt.Errorf("%w: %s holds the rank roots of a job (%s...) but no %s (lost?): dos ckpt recover %s rewrites it from the rank roots' records",
 				ErrJobRoot, root, RankRoot(root, ranks[0]), JobFile, ShellQuote(root))
 		}
@@ -83,11 +88,11 @@ func jobRoot(fsys FS, root string) error {
 	} else if err != nil {
 		return fmt.Errorf("checkpoint: %s: %w", path, err)
 	}
-	world := "several"
+	world := "several ranks"
 	if w, err := readJob(fsys, root); err == nil {
-		world = fmt.Sprint(w)
+		world = Ranks(w)
 	}
-	return fmt.Errorf("%w: %s holds the checkpoints of a job of %s ranks (%s): each rank's are in its own root, %s, ..., committed by %s's %s",
+	return fmt.Errorf("%w: %s holds the checkpoints of a job of %s (%s): each rank's are in its own root, %s, ..., committed by %s's %s",
 		ErrJobRoot, root, world, JobFile, RankRoot(root, 0), root, LatestFile)
 }
 
@@ -132,9 +137,8 @@ func CommitJob(fsys FS, root string, world int, step int64) error {
 		return fmt.Errorf("checkpoint: CommitJob: world size %d: want 1..%d", world, MaxWorldSize)
 	}
 	for r := range world {
-		m := filepath.Join(StepDir(RankRoot(root, r), step), ManifestFile)
-		if _, err := fsys.Stat(m); err != nil {
-			return fmt.Errorf("checkpoint: job %s: rank %d has not committed step %d (%s: %w)", root, r, step, m, err)
+		if err := stepComplete(fsys, StepDir(RankRoot(root, r), step)); err != nil {
+			return fmt.Errorf("checkpoint: job %s: rank %d has not committed step %d (%w)", root, r, step, err)
 		}
 	}
 	if err := BeginJob(fsys, root, world); err != nil { // job.json, when a first commit has none
@@ -219,7 +223,7 @@ func BeginJob(fsys FS, root string, world int) error {
 	w, err := readJob(fsys, root)
 	switch {
 	case err == nil && w != world:
-		return fmt.Errorf("checkpoint: job %s was cut for %d ranks, not %d", root, w, world)
+		return fmt.Errorf("checkpoint: job %s was cut for %s, not %d", root, Ranks(w), world)
 	case err == nil:
 		return nil
 	case !errors.Is(err, fs.ErrNotExist):
@@ -249,8 +253,11 @@ func writeJob(fsys FS, root string, world int) error {
 // latest, which every rank root holds complete; without a latest (a first
 // commit cut short), or with one that is damaged (it names no step, or a
 // step that no rank root holds while every rank root's own latest names a
-// complete step: a damaged pointer, not a missing checkpoint), the newest
-// step whose directory is complete in every rank root. Each rank root's
+// complete step: a damaged pointer, not a missing checkpoint; or one that
+// two steps or more complete in every rank root follow, which the job
+// committed, since a rank runs at most one save ahead of it: an older
+// latest put back), the newest step whose directory is complete in every
+// rank root. Each rank root's
 // latest is pointed at that step and its later directories (saves the job
 // did not commit) are retired, or, when the job's latest was damaged (they
 // may have been committed), set aside (damaged-unmatched-step-*, kept
@@ -290,15 +297,27 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		return 0, "", err
 	}
 	haveJob, haveLatest := false, false
+	newest := "" // the last step entry: the newest
 	for _, e := range es {
 		switch n := e.Name(); {
 		case strings.HasPrefix(n, "step-"):
-			return 0, "", fmt.Errorf("checkpoint: %s holds one rank's checkpoints (%s), not a job's", root, n)
+			newest = n
 		case n == JobFile:
 			haveJob = true
 		case n == LatestFile:
 			haveLatest = true
 		}
+	}
+	if newest != "" {
+		// A single rank's root (a job's rank root, perhaps): named by
+		// the checkpoint it would resume, its latest's.
+		what := newest
+		if b, err := readSmallFile(fsys, filepath.Join(root, LatestFile), 4096); err == nil {
+			if name := strings.TrimSpace(string(b)); isStepDirName(name) {
+				what = "its latest, " + name
+			}
+		}
+		return 0, "", fmt.Errorf("checkpoint: %s holds one rank's checkpoints (%s), not a job's", root, what)
 	}
 	if haveLatest && !haveJob {
 		return 0, "", fmt.Errorf("checkpoint: %s has a latest but no %s: one rank's root, not a job's", root, JobFile)
@@ -309,7 +328,13 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 			return 0, "", err
 		}
 		if w != world {
-			return 0, "", fmt.Errorf("checkpoint: job %s was cut for %d ranks, not %d", root, w, world)
+			if _, never := JobNeverCommitted(fsys, root); never {
+				// Nothing was committed for its rank count: it starts over
+				// with this run's, as on an empty root.
+				note, err := clearFirstSave(fsys, root, w)
+				return -1, note, err
+			}
+			return 0, "", fmt.Errorf("checkpoint: job %s was cut for %s, not %d", root, Ranks(w), world)
 		}
 	}
 	jl, _, err := JobLatest(fsys, root)
@@ -326,6 +351,15 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		badLatest = fmt.Sprintf("a latest that names no step (%v)", err)
 	case err != nil && !errors.Is(err, ErrNoCheckpoint):
 		return 0, "", err
+	}
+	// A rank root's latest that is no file (a directory...) no commit
+	// can replace: refused before anything changes.
+	for r := range world {
+		p := filepath.Join(RankRoot(root, r), LatestFile)
+		if st, err := fsys.Stat(p); err == nil && !st.Mode().IsRegular() {
+			return 0, "", fmt.Errorf("%w: job %s: %s is a %s, not a file, which no commit replaces. Nothing was changed: move it away, then resume again (the resume points rank %d's root at the job's step)",
+				ErrCorrupt, root, p, FileKind(st.Mode()), r)
+		}
 	}
 	// The steps complete in each rank root, and in every one.
 	perRank := make([]map[int64]bool, world)
@@ -352,6 +386,21 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		// a latest lost after the job committed. What they hold is a
 		// checkpoint, never a first save's leftovers to remove.
 		badLatest = fmt.Sprintf("no %s, while its rank roots hold checkpoints of %d steps (a job that committed)", LatestFile, heldSteps(perRank))
+	}
+	if ahead := stepsAfter(common, jl); hasLatest && len(ahead) > 1 {
+		// A rank runs at most one save ahead of the job (the job commits
+		// a step once every rank's save of it is durable, and a save
+		// that fails ends the run): steps that every rank holds past the
+		// one after the job's latest were committed by the job, whose
+		// latest was moved back since (an older copy of it put back).
+		// Retiring them would delete committed checkpoints: the job
+		// moves to the newest, as for a damaged latest.
+		names := make([]string, len(ahead))
+		for i, a := range ahead {
+			names[i] = fmt.Sprint(a)
+		}
+		badLatest = fmt.Sprintf("a latest of step %d, while every rank root holds steps %s complete after it (a rank runs at most one save ahead of the job: its latest was moved back, or an older copy of it put back)", jl, strings.Join(names, ", "))
+		hasLatest = false
 	}
 	if hasLatest && !common[jl] {
 		var holders, lacking []string
@@ -403,17 +452,8 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		}
 		// Nothing was committed: what the ranks wrote of a first save is
 		// not a checkpoint.
-		note := ""
-		for r := range world {
-			rr := RankRoot(root, r)
-			if _, err := fsys.Stat(rr); err == nil {
-				if err := retire(fsys, root, rr); err != nil {
-					return 0, "", err
-				}
-				note = "the job never committed a checkpoint: what its ranks wrote of a first save was removed"
-			}
-		}
-		return -1, note, nil
+		note, err := clearFirstSave(fsys, root, world)
+		return -1, note, err
 	}
 	// The steps after target that the job committed, or may have (its
 	// latest damaged), are set aside; those after its latest retired.
@@ -453,6 +493,139 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		notes = append([]string{fmt.Sprintf("the job had %s: its latest is now step %d, the newest that every rank holds", was, target)}, notes...)
 	}
 	return target, strings.Join(notes, "; "), nil
+}
+
+// JobNeverCommitted reports whether root holds a job that never committed
+// a checkpoint (a run killed before its first commit): its JobFile (world
+// ranks), no latest (nor latest.tmp), and no complete step directory in
+// any of its rank roots. ResumeJob and RecoverJob remove what it left
+// (clearFirstSave), so that a new run of any rank count may start there.
+func JobNeverCommitted(fsys FS, root string) (world int, ok bool) {
+	w, err := readJob(fsys, root)
+	if err != nil {
+		return 0, false
+	}
+	for _, n := range []string{LatestFile, pendingLatest} {
+		if _, err := fsys.Stat(filepath.Join(root, n)); !errors.Is(err, fs.ErrNotExist) {
+			return 0, false
+		}
+	}
+	ranks, err := rankRootsIn(fsys, root)
+	if err != nil {
+		return 0, false
+	}
+	for _, r := range ranks {
+		if steps, err := completeSteps(fsys, RankRoot(root, r)); err != nil || len(steps) > 0 {
+			return 0, false
+		}
+	}
+	return w, true
+}
+
+// clearFirstSave removes what a job of world ranks that never committed
+// left in root: its rank roots (retired: what they hold of a first save
+// is no checkpoint), then JobFile, which names a rank count nothing was
+// committed for. root then holds nothing of a job (JobFresh). It returns
+// what it removed, for a note ("" for nothing). The caller holds root's
+// lock and has checked that the job never committed.
+func clearFirstSave(fsys FS, root string, world int) (string, error) {
+	var removed []string
+	for r := range world {
+		rr := RankRoot(root, r)
+		if _, err := fsys.Stat(rr); err == nil {
+			if err := retire(fsys, root, rr); err != nil {
+				return "", err
+			}
+			removed = append(removed, filepath.Base(rr))
+		}
+	}
+	what := ""
+	if len(removed) > 0 {
+		what = fmt.Sprintf("what its ranks wrote of a first save (%s)", strings.Join(removed, ", "))
+	}
+	jf := filepath.Join(root, JobFile)
+	if _, err := fsys.Stat(jf); err == nil {
+		if err := fsys.RemoveAll(jf); err != nil {
+			return "", fmt.Errorf("checkpoint: job %s never committed a checkpoint: removing %s: %w", root, jf, err)
+		}
+		if err := fsys.RemoveAll(jf + ".tmp"); err != nil {
+			return "", fmt.Errorf("checkpoint: job %s never committed a checkpoint: removing %s.tmp: %w", root, jf, err)
+		}
+		if err := fsys.SyncDir(root); err != nil {
+			return "", fmt.Errorf("checkpoint: job %s: fsync: %w", root, err)
+		}
+		if what != "" {
+			what += " and "
+		}
+		what += fmt.Sprintf("%s (a job of %s)", JobFile, Ranks(world))
+	}
+	if what == "" {
+		return "", nil
+	}
+	return fmt.Sprintf("the job never committed a checkpoint (a run killed before its first commit?): removed %s", what), nil
+}
+
+// Ranks says n ranks for a message: "1 rank", "2 ranks".
+func Ranks(n int) string {
+	if n == 1 {
+		return "1 rank"
+	}
+	return fmt.Sprintf("%d ranks", n)
+}
+
+// JobResumeStep returns the step a resume of the job of world ranks
+// under root takes when its latest names step: step, or, when two steps
+// or more complete in every rank root follow it (its latest moved back:
+// a rank runs at most one save ahead of the job), the newest of them, as
+// ResumeJob does. It changes nothing; a rank root that cannot be read
+// counts as holding nothing.
+func JobResumeStep(fsys FS, root string, world int, step int64) int64 {
+	var common map[int64]bool
+	for r := range world {
+		steps, err := completeSteps(fsys, RankRoot(root, r))
+		if err != nil {
+			return step
+		}
+		if common == nil {
+			common = steps
+			continue
+		}
+		for s := range common {
+			if !steps[s] {
+				delete(common, s)
+			}
+		}
+	}
+	if ahead := stepsAfter(common, step); len(ahead) > 1 {
+		return ahead[len(ahead)-1]
+	}
+	return step
+}
+
+// isStepDirName reports whether name is a step directory's (step-%09d).
+func isStepDirName(name string) bool {
+	_, ok := parseStepDirName(name)
+	return ok
+}
+
+// stepsAfter returns the steps of steps after step, in order.
+func stepsAfter(steps map[int64]bool, step int64) []int64 {
+	var after []int64
+	for s := range steps {
+		if s > step {
+			after = append(after, s)
+		}
+	}
+	slices.Sort(after)
+	return after
+}
+
+// lastNotes joins the last n of notes, saying how many came before.
+func lastNotes(notes []string, n int) string {
+	if len(notes) <= n {
+		return strings.Join(notes, "; ")
+	}
+	return fmt.Sprintf("(%d before) ", len(notes)-n) + strings.Join(notes[len(notes)-n:], "; ")
 }
 
 // setAsideIn reports whether rankRoot holds its checkpoint of step set
@@ -534,7 +707,11 @@ func ranksLatestSound(fsys FS, root string, world int) bool {
 }
 
 // completeSteps returns the steps of rankRoot's complete step directories
-// (their manifest written), whatever its latest says.
+// (stepComplete), whatever its latest says. A step entry that is a
+// symbolic link is an error wrapping ErrWrongRank that names it: a job's
+// rank root holds its rank's own step directories, and through a link the
+// job would load, and its retention delete, what may be another run's
+// (CheckJob, which reads each step's record, would not see it).
 func completeSteps(fsys FS, rankRoot string) (map[int64]bool, error) {
 	steps := map[int64]bool{}
 	es, err := fsys.ReadDir(rankRoot)
@@ -546,16 +723,59 @@ func completeSteps(fsys FS, rankRoot string) (map[int64]bool, error) {
 	}
 	for _, e := range es {
 		s, ok := parseStepDirName(e.Name())
+		if ok && e.Type()&fs.ModeSymlink != 0 {
+			return nil, linkedStepDir(fsys, rankRoot, e.Name())
+		}
 		if !ok || !e.IsDir() {
 			continue
 		}
-		if _, err := fsys.Stat(filepath.Join(rankRoot, e.Name(), ManifestFile)); err == nil {
+		switch err := stepComplete(fsys, filepath.Join(rankRoot, e.Name())); {
+		case err == nil:
 			steps[s] = true
-		} else if !errors.Is(err, fs.ErrNotExist) {
+		case !errors.Is(err, errIncomplete):
 			return nil, err
 		}
 	}
 	return steps, nil
+}
+
+// linkedStepDir is completeSteps' error for the step entry name of
+// rankRoot, a symbolic link.
+func linkedStepDir(fsys FS, rankRoot, name string) error {
+	p := filepath.Join(rankRoot, name)
+	to := ""
+	if fsys == OS {
+		if t, err := os.Readlink(p); err == nil {
+			to = fmt.Sprintf(" to %q", t)
+		}
+	}
+	job := filepath.Dir(rankRoot)
+	return fmt.Errorf("%w: job %s: %s is a symbolic link%s, not a step directory of %s's own: through it the job would load, and its retention delete, a checkpoint that may be another run's. Nothing was changed: put the rank's own %s (a directory) in place of the link, or remove the link (then dos ckpt recover %s moves the job to the newest step every rank holds)",
+		ErrWrongRank, job, p, to, filepath.Base(rankRoot), name, ShellQuote(job))
+}
+
+// errIncomplete is wrapped by stepComplete's error for a step directory
+// that is not complete: no manifest.json, or one that is no file.
+var errIncomplete = errors.New("not a complete step directory")
+
+// stepComplete returns nil when the step directory dir is complete: its
+// manifest.json, which a save writes last, a regular file (Latest's test
+// of the step latest names). Inspect, CommitJob, RewindRank and the job's
+// steps (completeSteps) all take it, so that a step one of them counts as
+// complete none takes for damaged. Errors: one wrapping errIncomplete
+// that says what is wrong; an I/O error otherwise.
+func stepComplete(fsys FS, dir string) error {
+	m := filepath.Join(dir, ManifestFile)
+	st, err := fsys.Stat(m)
+	switch {
+	case err == nil && st.Mode().IsRegular():
+		return nil
+	case err == nil:
+		return fmt.Errorf("%w: %s is a %s, not a file", errIncomplete, m, FileKind(st.Mode()))
+	case errors.Is(err, fs.ErrNotExist) || errors.Is(err, errNotDir):
+		return fmt.Errorf("%w: %w", errIncomplete, err)
+	}
+	return fmt.Errorf("checkpoint: %w", err)
 }
 
 // pointRank makes step (complete) rankRoot's latest and retires its later
@@ -616,7 +836,7 @@ func pointRank(fsys FS, rankRoot string, step, keepAbove int64) (moved bool, ret
 // Errors: step's directory missing or incomplete; the lock's and the file
 // system's.
 func RewindRank(fsys FS, rankRoot string, step int64) error {
-	if _, err := fsys.Stat(filepath.Join(StepDir(rankRoot, step), ManifestFile)); err != nil {
+	if err := stepComplete(fsys, StepDir(rankRoot, step)); err != nil {
 		return fmt.Errorf("checkpoint: %s: step %d: %w", rankRoot, step, err)
 	}
 	_, _, _, err := pointRank(fsys, rankRoot, step, -1)
@@ -678,7 +898,7 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	world, fix, err := checkJob(fsys, root, identify)
 	switch {
 	case fix > 0:
-		was := fmt.Sprintf("said %d ranks", world)
+		was := "said " + Ranks(world)
 		if _, err := fsys.Stat(filepath.Join(root, JobFile)); errors.Is(err, fs.ErrNotExist) {
 			was = "was missing"
 		} else if world == 0 {
@@ -687,7 +907,7 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 		if err := writeJob(fsys, root, fix); err != nil {
 			return 0, "", err
 		}
-		notes = append(notes, fmt.Sprintf("%s %s, but the checkpoints of its %d rank roots record a job of %d ranks: rewritten for %d", JobFile, was, fix, fix, fix))
+		notes = append(notes, fmt.Sprintf("%s %s, but the checkpoints of its %d rank roots record a job of %s: rewritten for %d", JobFile, was, fix, Ranks(fix), fix))
 		world = fix
 	case err != nil:
 		return 0, "", err
@@ -712,9 +932,9 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 			}
 		}
 		if len(missing) > 0 {
-			return 0, "", fmt.Errorf("%w: job %s of %d ranks committed a step, but its rank roots %s are missing: nothing was changed; "+
+			return 0, "", fmt.Errorf("%w: job %s of %s committed a step, but its rank roots %s are missing: nothing was changed; "+
 				"put them back (a disk not mounted, a directory moved?) and run dos ckpt recover %s again, or start a new job in another --ckpt-dir",
-				ErrCorrupt, root, world, strings.Join(missing, ", "), ShellQuote(root))
+				ErrCorrupt, root, Ranks(world), strings.Join(missing, ", "), ShellQuote(root))
 		}
 	}
 	// Rounds: each rank root rolled back to its newest checkpoint that
@@ -722,8 +942,26 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	// whose pieces (each rank root's latest now) the next round verifies,
 	// until a round repairs nothing: the step the job is left at verifies
 	// in every rank.
+	// Each round that changes something sets a step directory aside or
+	// moves the job back past one: the step directories the rank roots
+	// hold bound the rounds. A round past that bound is a defect (two of
+	// the steps' tests disagreeing): an error, never a success.
+	rounds := 2
+	for r := range world {
+		if es, err := fsys.ReadDir(RankRoot(root, r)); err == nil {
+			for _, e := range es {
+				if _, ok := parseStepDirName(e.Name()); ok {
+					rounds++
+				}
+			}
+		}
+	}
 	var why string
 	for round := 0; ; round++ {
+		if round > rounds {
+			return 0, "", fmt.Errorf("checkpoint: job %s: dos ckpt recover did not settle after %d rounds (each round should set a step aside or move the job back; the last changes: %s): the job was left as it is now; dos ckpt ls %s says what its rank roots hold",
+				root, round, lastNotes(notes, 4), ShellQuote(root))
+		}
 		var lost []string // the ranks with no checkpoint that verifies
 		repaired := false
 		for r := range world {
@@ -767,9 +1005,8 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 			notes = append(notes, note)
 		}
 		// A round that repaired nothing and moved nothing leaves the job
-		// as it verified; each other round set a step aside or moved the
-		// job back, which a root's finitely many steps bound.
-		if !repaired && note == "" || round >= 1<<16 {
+		// as it verified.
+		if !repaired && note == "" {
 			return step, strings.Join(notes, "; "), nil
 		}
 	}

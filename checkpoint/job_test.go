@@ -286,3 +286,71 @@ func TestDiffering(t *testing.T) {
 		t.Errorf("short texts: %q, %q", da, db)
 	}
 }
+
+// TestStepCompleteOneTest: rank 1's step 4 has a manifest.json that is a
+// directory. The job's steps (completeSteps) and CommitJob took it for
+// complete (a Stat that succeeded) while Inspect and Latest took it for
+// damaged, so that dos ckpt recover moved the job back and forth between
+// them forever. Now each one says it is not complete.
+func TestStepCompleteOneTest(t *testing.T) {
+	root := t.TempDir()
+	for r := range 2 {
+		for _, s := range []int64{2, 4} {
+			mustSave(t, OS, RankRoot(root, r), testSnapshot(s))
+		}
+	}
+	m := filepath.Join(StepDir(RankRoot(root, 1), 4), ManifestFile)
+	if err := os.Remove(m); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(m, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if steps, err := completeSteps(OS, RankRoot(root, 1)); err != nil || steps[4] || !steps[2] {
+		t.Errorf("completeSteps: %v, %v; want step 2 alone", steps, err)
+	}
+	if info, err := Inspect(OS, RankRoot(root, 1)); err != nil || info.Steps[0].Step != 4 || info.Steps[0].Complete {
+		t.Errorf("Inspect: %+v, %v; want step 4 incomplete", info, err)
+	}
+	if err := CommitJob(OS, root, 2, 4); err == nil || !strings.Contains(err.Error(), m+" is a directory, not a file") {
+		t.Errorf("CommitJob of step 4: %v", err)
+	}
+	if err := RewindRank(OS, RankRoot(root, 1), 4); err == nil || !strings.Contains(err.Error(), "is a directory") {
+		t.Errorf("RewindRank to step 4: %v", err)
+	}
+}
+
+// TestResumeJobLatestBehind: the ranks hold steps 2, 4 and 6 and the
+// job's latest names 2. Two steps every rank holds after the job's latest
+// are no uncommitted save (a rank runs at most one ahead): ResumeJob moves
+// the job to 6, deleting nothing (it retired 4 and 6). One such step is
+// the save a crash left before CommitJob: it is retired, as before.
+func TestResumeJobLatestBehind(t *testing.T) {
+	job := func(t *testing.T, steps ...int64) string {
+		root := t.TempDir()
+		for r := range 2 {
+			for _, s := range steps {
+				mustSave(t, OS, RankRoot(root, r), testSnapshot(s))
+			}
+		}
+		if err := CommitJob(OS, root, 2, 2); err != nil {
+			t.Fatal(err)
+		}
+		return root
+	}
+	root := job(t, 2, 4, 6)
+	step, note, err := ResumeJob(OS, root, 2)
+	if step != 6 || err != nil || !strings.Contains(note, "holds steps 4, 6 complete after it") || strings.Contains(note, "retired") {
+		t.Errorf("ResumeJob, latest 2 of 2, 4, 6: step %d, %q, %v; want 6, nothing retired", step, note, err)
+	}
+	for r := range 2 {
+		if steps, _ := completeSteps(OS, RankRoot(root, r)); len(steps) != 3 {
+			t.Errorf("rank %d after ResumeJob holds steps %v, want 2, 4, 6", r, steps)
+		}
+	}
+	root = job(t, 2, 4)
+	step, note, err = ResumeJob(OS, root, 2)
+	if step != 2 || err != nil || !strings.Contains(note, "step-000000004 retired") {
+		t.Errorf("ResumeJob, latest 2 of 2, 4: step %d, %q, %v; want 2, step 4 retired", step, note, err)
+	}
+}

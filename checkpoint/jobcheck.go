@@ -110,7 +110,73 @@ func IsJob(fsys FS, root string) bool {
 		return true
 	}
 	ranks, err := rankRootsIn(fsys, root)
-	return err == nil && len(ranks) > 0
+	return err == nil && len(ranks) > 0 && !holdsSteps(fsys, root)
+}
+
+// holdsSteps reports whether root holds a step directory's name
+// (step-%09d), which a job's root never does: a single rank's root.
+func holdsSteps(fsys FS, root string) bool {
+	es, err := fsys.ReadDir(root)
+	if err != nil {
+		return false
+	}
+	for _, e := range es {
+		if _, ok := parseStepDirName(e.Name()); ok {
+			return true
+		}
+	}
+	return false
+}
+
+// strayRankRoots returns the error of root, without JobFile, that holds
+// step directories (a single rank's root) and the rank roots (rank-%05d)
+// ranks, which a single rank's root never holds: one was made there by
+// hand, or by a run or reshard into ROOT/rank-%05d before InSingleRoot
+// refused it. It says to remove an empty one and to move one that holds
+// files out.
+func strayRankRoots(fsys FS, root string, ranks []int) error {
+	var what []string
+	for _, r := range ranks {
+		rr := RankRoot(root, r)
+		if es, err := fsys.ReadDir(rr); err == nil && onlyLock(es) {
+			what = append(what, fmt.Sprintf("remove %s (it is empty)", rr))
+		} else {
+			what = append(what, fmt.Sprintf("move %s out of %s (it holds files: perhaps another run's checkpoints)", rr, root))
+		}
+	}
+	return fmt.Errorf("checkpoint: %s holds a single rank's checkpoints (step directories, no %s) and %s, named as a job's rank root, which a single rank's root never holds: %s, then %s opens again",
+		root, JobFile, filepath.Base(RankRoot(root, ranks[0])), strings.Join(what, "; "), root)
+}
+
+// InSingleRoot returns the single rank's root that dir is, or would be
+// created, inside as a rank root: dir, or a directory above it, named
+// rank-%05d in a directory that holds step directories and no JobFile.
+// A run or a reshard writing there would make that root look like a
+// job's whose job.json was lost, and it would no longer open: the
+// commands refuse such a destination (RankSlot refuses a slot of a job).
+func InSingleRoot(fsys FS, dir string) (string, bool) {
+	if _, ok := fsys.(osFS); ok {
+		if r, err := filepath.EvalSymlinks(dir); err == nil {
+			dir = r
+		}
+		if a, err := filepath.Abs(dir); err == nil {
+			dir = a
+		}
+	}
+	for d := filepath.Clean(dir); filepath.Dir(d) != d; d = filepath.Dir(d) {
+		base, parent := filepath.Base(d), filepath.Dir(d)
+		digits, ok := strings.CutPrefix(base, "rank-")
+		if !ok {
+			continue
+		}
+		if r, err := strconv.Atoi(digits); err != nil || r < 0 || filepath.Base(RankRoot(parent, r)) != base {
+			continue
+		}
+		if _, err := fsys.Stat(filepath.Join(parent, JobFile)); err != nil && holdsSteps(fsys, parent) {
+			return parent, true
+		}
+	}
+	return "", false
 }
 
 // linkedRankRoot returns an error wrapping ErrWrongRank when one of
@@ -231,15 +297,15 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 	agreed = max(agreed, 0)
 	jobFile := filepath.Join(root, JobFile)
 	if agreed > 0 && (jerr != nil || jw != agreed) {
-		what := fmt.Sprintf("%s says %d ranks", jobFile, jw)
+		what := fmt.Sprintf("%s says %s", jobFile, Ranks(jw))
 		switch {
 		case errors.Is(jerr, fs.ErrNotExist):
 			what = fmt.Sprintf("%s is missing", jobFile)
 		case jerr != nil:
 			what = fmt.Sprintf("%s is damaged (%v)", jobFile, jerr)
 		}
-		return jw, agreed, fmt.Errorf("%w: job %s: %s, but its %d rank roots (%s ... %s) hold the pieces of a job of %d ranks (each checkpoint records its rank): %s was changed, replaced or removed; dos ckpt recover %s rewrites it for %d ranks",
-			ErrWrongRank, root, what, agreed, filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, agreed-1)), agreed, JobFile, ShellQuote(root), agreed)
+		return jw, agreed, fmt.Errorf("%w: job %s: %s, but its %d rank roots (%s ... %s) hold the pieces of a job of %s (each checkpoint records its rank): %s was changed, replaced or removed; dos ckpt recover %s rewrites it for %d ranks",
+			ErrWrongRank, root, what, agreed, filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, agreed-1)), Ranks(agreed), JobFile, ShellQuote(root), agreed)
 	}
 	if errors.Is(jerr, fs.ErrNotExist) {
 		if len(present) == 0 {
@@ -262,12 +328,12 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 				all = false
 			}
 		}
-		what := fmt.Sprintf("job %s (of %d ranks, by its %s): %s holds rank %d's pieces of a job of %d ranks, not rank %d's of %d", root, jw, JobFile, rc.dir, rc.rank, rc.ranks, rc.root, jw)
+		what := fmt.Sprintf("job %s (of %s, by its %s): %s holds rank %d's pieces of a job of %s, not rank %d's of %d", root, Ranks(jw), JobFile, rc.dir, rc.rank, Ranks(rc.ranks), rc.root, jw)
 		if rc.root >= jw {
 			// A rank root beyond the job's ranks (a copy, another job's):
 			// it has no place in the job.
-			return jw, 0, fmt.Errorf("%w: job %s has %d ranks (%s ... %s, by its %s), and %s is not one of them (it holds rank %d's pieces of a job of %d ranks). Nothing was changed: move %s out of the job's root",
-				ErrWrongRank, root, jw, filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, jw-1)), JobFile, rr, rc.rank, rc.ranks, rr)
+			return jw, 0, fmt.Errorf("%w: job %s has %s (%s ... %s, by its %s), and %s is not one of them (it holds rank %d's pieces of a job of %s). Nothing was changed: move %s out of the job's root",
+				ErrWrongRank, root, Ranks(jw), filepath.Base(RankRoot(root, 0)), filepath.Base(RankRoot(root, jw-1)), JobFile, rr, rc.rank, Ranks(rc.ranks), rr)
 		}
 		if all {
 			return jw, 0, fmt.Errorf("%w: %s: %s is a copy of another rank's root, or was moved? Nothing was changed: put rank %d's own checkpoints back in %s; without them the job cannot resume (start afresh with another --ckpt-dir)",

@@ -251,9 +251,10 @@ func inspect(fsys FS, root string) (*RootInfo, error) {
 			continue
 		}
 		s := StepInfo{Dir: path, Step: step}
-		if st, err := fsys.Stat(filepath.Join(path, ManifestFile)); err == nil && st.Mode().IsRegular() {
+		switch err := stepComplete(fsys, path); {
+		case err == nil:
 			s.Complete = true
-		} else if err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, errNotDir) {
+		case !errors.Is(err, errIncomplete):
 			return nil, fmt.Errorf("checkpoint: listing %s: %w", root, err)
 		}
 		s.Committed = s.Complete && latestStep >= 0 && step <= latestStep

@@ -63,6 +63,9 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	if job, ok := checkpoint.RankSlot(checkpoint.OS, target); ok {
 		return 0, fmt.Errorf("trainer: reshard: the destination %s is a rank root of the job %s: writing there would mix another run's checkpoints with the job's ranks; choose a directory outside it", dst, job)
 	}
+	if single, ok := checkpoint.InSingleRoot(checkpoint.OS, target); ok {
+		return 0, fmt.Errorf("trainer: reshard: the destination %s is inside %s, which holds a single rank's checkpoints: a root named rank-NNNNN there would be taken for a job's rank root, and %s would no longer open; choose a directory outside it", dst, single, single)
+	}
 	// dst's lock, held to the end (no trainer starts there meanwhile),
 	// and the temporary directory: dst is checked writable before the
 	// work.

@@ -28,6 +28,9 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	if job, ok := checkpoint.RankSlot(checkpoint.OS, root); ok {
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s is a rank root of the job %s: a run there would mix its checkpoints with the job's ranks; resume the job (--ckpt-dir %s --gpus N), or choose a directory outside it", root, job, checkpoint.ShellQuote(job))
 	}
+	if single, ok := checkpoint.InSingleRoot(checkpoint.OS, root); ok {
+		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s is inside %s, which holds a single rank's checkpoints: a root named rank-NNNNN there would be taken for a job's rank root, and %s would no longer open; choose a directory outside it", root, single, single)
+	}
 	lock, err := checkpoint.Lock(checkpoint.OS, root)
 	if err != nil {
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
@@ -50,6 +53,9 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 	}
 	if isJob(root) {
 		lock.Unlock()
+		if err := neverCommitted(root); err != nil {
+			return nil, nil, err
+		}
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds the checkpoints of a job of ranks (%s, rank-*): pass the --gpus it was trained with, or re-shard it onto one rank first (`dos ckpt reshard %s NEWROOT --gpus 1`) and resume from NEWROOT", root, checkpoint.JobFile, checkpoint.ShellQuote(root))
 	}
 	info, err := checkpoint.Inspect(checkpoint.OS, root)
@@ -123,6 +129,9 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 			return nil, fmt.Errorf("trainer: --ckpt-dir: %w", err)
 		}
 		if !fresh {
+			if err := neverCommitted(root); err != nil {
+				return nil, err
+			}
 			return nil, fmt.Errorf("trainer: --ckpt-dir %s already holds checkpoints: pass --resume to continue, or choose another --ckpt-dir", root)
 		}
 		return nil, nil
@@ -159,6 +168,19 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 		return nil, nil
 	}
 	return &checkpoint.Recovery{Dir: checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)}, nil
+}
+
+// neverCommitted returns the error of a run on root, which holds a job
+// that never committed a checkpoint (checkpoint.JobNeverCommitted: a run
+// killed before its first commit), when that run may not start there:
+// a run from scratch, or a --resume of one rank (nil otherwise).
+func neverCommitted(root string) error {
+	world, ok := checkpoint.JobNeverCommitted(checkpoint.OS, root)
+	if !ok {
+		return nil
+	}
+	return fmt.Errorf("trainer: --ckpt-dir %s holds a job of %s that never committed a checkpoint (%s and no latest: a run killed before its first commit?): dos ckpt recover %s removes what it left, for a new run; or dos train --resume --gpus N starts it over",
+		root, checkpoint.Ranks(world), checkpoint.JobFile, checkpoint.ShellQuote(root))
 }
 
 // nothingToResume returns the error of --resume on root, which holds no

@@ -133,11 +133,11 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	case "ls":
 		return ckptList(path, stdout, stderr)
 	case "inspect":
-		return ckptInspect(path, rank, all, stdout, stderr)
+		return ckptInspect(path, rank, c.set("rank"), all, stdout, stderr)
 	case "recover":
 		return ckptRecover(path, rank, stdout, stderr)
 	}
-	return ckptVerify(path, rank, stdout, stderr)
+	return ckptVerify(path, rank, c.set("rank"), stdout, stderr)
 }
 
 // jobList is dos ckpt ls for a job's root (dos train --gpus): its
@@ -173,12 +173,17 @@ func jobList(root string, stdout, stderr io.Writer) int {
 				return 1
 			}
 		}
+		if w, ok := checkpoint.JobNeverCommitted(checkpoint.OS, root); ok {
+			fmt.Fprintf(stderr, "dos ckpt ls: job %s of %s never committed a checkpoint (%s, no latest: a run killed before its first commit?): dos ckpt recover %s removes what it left, for a new run\n",
+				root, checkpoint.Ranks(w), checkpoint.JobFile, checkpoint.ShellQuote(root))
+			return 1
+		}
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "job %s: %d ranks, latest step %d (committed once every rank's save of it was durable)\n", root, world, step)
+	fmt.Fprintf(stdout, "job %s: %s, latest step %d (committed once every rank's save of it was durable)\n", root, checkpoint.Ranks(world), step)
 	for r := range world {
 		rr := checkpoint.RankRoot(root, r)
 		if st, err := os.Lstat(rr); err == nil && st.Mode()&fs.ModeSymlink != 0 {
@@ -226,16 +231,24 @@ func leftoverNote(name, holder string) string {
 
 // ckptInspect prints what a checkpoint holds, from its manifest and
 // header only (Open checks that they agree; no tensor data is read).
-func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int {
+func ckptInspect(path string, rank int, rankSet, all bool, stdout, stderr io.Writer) int {
 	if step, world, err := checkpoint.JobLatest(checkpoint.OS, path); err == nil {
 		// A job's root: --rank picks the rank whose committed step to
 		// describe (its file is rank 0's of its own root).
 		if rank >= world {
-			fmt.Fprintf(stderr, "dos ckpt inspect: --rank %d: job %s has %d ranks (0..%d)\n", rank, path, world, world-1)
+			fmt.Fprintf(stderr, "dos ckpt inspect: --rank %d: job %s has %s (0..%d)\n", rank, path, checkpoint.Ranks(world), world-1)
 			return 2
 		}
-		fmt.Fprintf(stdout, "job %s: %d ranks, latest step %d; rank %d's pieces:\n", path, world, step, rank)
+		fmt.Fprintf(stdout, "job %s: %s, latest step %d; rank %d's pieces:\n", path, checkpoint.Ranks(world), step, rank)
 		path, rank = checkpoint.StepDir(checkpoint.RankRoot(path, rank), step), 0
+	} else if r, n, ok := jobRankAt(path); ok {
+		// One rank's root of a job, or a step of it: its file is rank
+		// 0's of its own root; --rank, if given, must be its rank.
+		if rankSet && rank != r {
+			fmt.Fprintf(stderr, "dos ckpt inspect: --rank %d: %s holds rank %d's pieces of a job of %s, not rank %d's (its file is its rank root's own: --rank is not needed)\n", rank, path, r, checkpoint.Ranks(n), rank)
+			return 1
+		}
+		rank = 0
 	}
 	c, err := checkpoint.OpenPath(checkpoint.OS, path, rank)
 	if err != nil {
@@ -244,6 +257,10 @@ func ckptInspect(path string, rank int, all bool, stdout, stderr io.Writer) int 
 	}
 	dir := c.Dir
 	defer c.Close()
+	if err := linkedRankStep(dir); err != nil {
+		fmt.Fprintf(stderr, "dos ckpt inspect: %v\n", err)
+		return 1
+	}
 	m := c.Manifest
 	fmt.Fprintf(stdout, "%s\n  step %d, %s, created %s, %s v%d\n", dir, m.Step, whichRank(c),
 		m.Created.Format(time.RFC3339), m.Format, m.Version)
@@ -400,7 +417,11 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
 			return 1
 		case step < 0:
-			fmt.Fprintf(stdout, "recovered job %s: no step is held by every rank; %s\n", root, note)
+			if note == "" {
+				note = "the job never committed a checkpoint, and left nothing to remove"
+			}
+			fmt.Fprintf(stdout, "recovered job %s: %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s --gpus N, without --resume)\n",
+				root, note, root, checkpoint.ShellQuote(root))
 		case note == "":
 			fmt.Fprintf(stdout, "OK job %s: step %d verifies in every rank's root and is the job's latest; nothing to do\n", root, step)
 		default:
@@ -421,6 +442,23 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 	return 0
 }
 
+// linkedRankStep returns an error, wrapping checkpoint.ErrWrongRank, when
+// the step directory dir is a symbolic link in a job's rank root: what it
+// names may be another run's (checkpoint.CheckJob refuses the job for it).
+func linkedRankStep(dir string) error {
+	st, err := os.Lstat(dir)
+	if err != nil || st.Mode()&fs.ModeSymlink == 0 {
+		return nil
+	}
+	rankRoot := filepath.Dir(dir)
+	job := filepath.Dir(rankRoot)
+	if !strings.HasPrefix(filepath.Base(rankRoot), "rank-") || !checkpoint.IsJob(checkpoint.OS, job) {
+		return nil
+	}
+	return fmt.Errorf("%w: %s is a symbolic link in rank root %s of the job %s, not the rank's own step directory: it may name another run's checkpoint; dos ckpt verify %s says what to do",
+		checkpoint.ErrWrongRank, dir, rankRoot, job, checkpoint.ShellQuote(job))
+}
+
 // whichRank says which rank a checkpoint is: "rank R of a job of N ranks"
 // for a job's (dos train --gpus: trainer.CheckpointRank, since the
 // manifest's is its rank root's own, 0 of 1), else the manifest's "rank R
@@ -432,7 +470,7 @@ func whichRank(c *checkpoint.Checkpoint) string {
 	return fmt.Sprintf("rank %d of %d", c.Manifest.Rank, c.Manifest.WorldSize)
 }
 
-func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
+func ckptVerify(path string, rank int, rankSet bool, stdout, stderr io.Writer) int {
 	if checkpoint.IsJob(checkpoint.OS, path) {
 		// A job's root: its rank roots the job's, then its latest step
 		// in every one.
@@ -446,7 +484,7 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 			return 1
 		}
 		if rank < 0 || rank >= world {
-			fmt.Fprintf(stderr, "dos ckpt verify: --rank %d: job %s has %d ranks (0..%d)\n", rank, path, world, world-1)
+			fmt.Fprintf(stderr, "dos ckpt verify: --rank %d: job %s has %s (0..%d)\n", rank, path, checkpoint.Ranks(world), world-1)
 			return 2
 		}
 		if rank != 0 {
@@ -471,10 +509,38 @@ func ckptVerify(path string, rank int, stdout, stderr io.Writer) int {
 				return rc
 			}
 		}
-		fmt.Fprintf(stdout, "OK job %s: step %d verifies in all %d ranks' roots\n", path, step, world)
+		roots := fmt.Sprintf("all %d ranks' roots", world)
+		if world == 1 {
+			roots = "its rank's root"
+		}
+		fmt.Fprintf(stdout, "OK job %s: step %d verifies in %s\n", path, step, roots)
 		return 0
 	}
+	if r, n, ok := jobRankAt(path); ok {
+		// One rank's root of a job, or a step of it: its file is rank
+		// 0's of its own root; --rank, if given, must be its rank.
+		if rankSet && rank != r {
+			fmt.Fprintf(stderr, "dos ckpt verify: --rank %d: %s holds rank %d's pieces of a job of %s, not rank %d's (its file is its rank root's own: --rank is not needed)\n", rank, path, r, checkpoint.Ranks(n), rank)
+			return 1
+		}
+		return verifyRank(path, r, n, stdout, stderr)
+	}
 	return verifyRank(path, rank, 0, stdout, stderr)
+}
+
+// jobRankAt returns the rank and rank count that the checkpoint at path
+// (a root's latest, or a step directory) records when it holds one
+// rank's pieces of a job (dos train --gpus: trainer.CheckpointRank; its
+// file is rank 0's of its own root); ok is false otherwise, and when it
+// does not open (the caller's open then says why).
+func jobRankAt(path string) (rank, ranks int, ok bool) {
+	c, err := checkpoint.OpenPath(checkpoint.OS, path, 0)
+	if err != nil {
+		return 0, 0, false
+	}
+	defer c.Close()
+	r, n, ok := trainer.CheckpointRank(c)
+	return r, n, ok && n > 1
 }
 
 // verifyRank is ckptVerify for one checkpoint (a step directory, or a
@@ -493,6 +559,10 @@ func verifyRank(path string, rank, world int, stdout, stderr io.Writer) int {
 	}
 	dir := c.Dir
 	defer c.Close()
+	if err := linkedRankStep(dir); err != nil {
+		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
+		return 1
+	}
 	if err := trainer.VerifyCheckpoint(c); err != nil {
 		fmt.Fprintf(stderr, "dos ckpt verify: %v\n", err)
 		return 1

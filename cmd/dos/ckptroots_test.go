@@ -172,7 +172,7 @@ func TestJobRankIdentity(t *testing.T) {
 	if rc, _, stderr := invoke(t, "ckpt", "reshard", "--gpus", "1", dir, filepath.Join(t.TempDir(), "re")); rc != 1 || !strings.Contains(stderr, want) {
 		t.Errorf("dos ckpt reshard of a job.json of 1 rank: rc %d\n%s", rc, stderr)
 	}
-	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 || !strings.Contains(stdout, "said 1 ranks") {
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 || !strings.Contains(stdout, "said 1 rank,") {
 		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
 	}
 	if rc, stdout, stderr := invoke(t, "train", resume...); rc != 0 || !strings.Contains(stdout, "done: 6 iterations") {

@@ -61,7 +61,8 @@ func resumeSource(root string) (dir string, cfg trainer.TrainConfig, ok bool) {
 		// cut short, a damaged latest, one naming a step rank 0 lacks),
 		// rank 0's newest, as the resume will recover the job (or refuse
 		// it: the flags taken are the run's either way).
-		if step, _, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
+		if step, world, err := checkpoint.JobLatest(checkpoint.OS, root); err == nil {
+			step = checkpoint.JobResumeStep(checkpoint.OS, root, world, step) // a latest moved back: the step the resume takes
 			if dir, cfg, err := trainCheckpoint(checkpoint.StepDir(checkpoint.RankRoot(root, 0), step)); err == nil {
 				return dir, cfg, true
 			}
