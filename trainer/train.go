@@ -701,6 +701,20 @@ func (t *Trainer) Run() (Summary, error) {
 	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; forward and backward on the %s; %v\n",
 		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, where, t.opt.Options())
 	fmt.Fprint(t.out, t.about)
+	if cfg.CkptDir != "" { // said every run: --ckpt-every and --ckpt-keep are this run's, never a checkpoint's
+		every := "at the end"
+		if cfg.CkptEvery > 0 {
+			every = fmt.Sprintf("every %d iterations and at the end", cfg.CkptEvery)
+		}
+		keep, how := "all", "lazily"
+		if cfg.CkptKeep > 0 {
+			keep = fmt.Sprintf("the newest %d", cfg.CkptKeep)
+		}
+		if cfg.CkptSync {
+			how = "synchronously"
+		}
+		fmt.Fprintf(t.out, "checkpoints into %s: %s, %s, keeping %s (this run's --ckpt-every, --ckpt-sync, --ckpt-keep)\n", cfg.CkptDir, every, how, keep)
+	}
 	sched := ""
 	if s, ok := t.opt.Schedule(); ok {
 		k := "inf"

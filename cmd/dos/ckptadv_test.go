@@ -417,3 +417,20 @@ func TestVerifyChecksTrainerState(t *testing.T) {
 		}
 	}
 }
+
+// TestCheckpointCadenceSaid: every run's header says where, how often and
+// how its checkpoints are written, a resumed run's too: --ckpt-every and
+// --ckpt-keep are the run's own (a checkpoint does not carry them), and a
+// resume without them went back to the defaults without a word.
+func TestCheckpointCadenceSaid(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "one")
+	args := append([]string{"--steps", "4", "--ckpt-dir", dir, "--ckpt-every", "2", "--ckpt-keep", "3"}, tinyShape...)
+	rc, stdout, stderr := invoke(t, "train", args...)
+	if want := "checkpoints into " + dir + ": every 2 iterations and at the end, lazily, keeping the newest 3"; rc != 0 || !strings.Contains(stdout, want) {
+		t.Errorf("dos train: rc %d, want %q\n%s%s", rc, want, stdout, stderr)
+	}
+	rc, stdout, stderr = invoke(t, "train", resumeArgs(dir, "6", "--ckpt-sync")...)
+	if want := "checkpoints into " + dir + ": every 50 iterations and at the end, synchronously, keeping all (this run's"; rc != 0 || !strings.Contains(stdout, want) {
+		t.Errorf("dos train --resume: rc %d, want %q\n%s%s", rc, want, stdout, stderr)
+	}
+}
