@@ -699,7 +699,7 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 	}
 	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; forward and backward on the %s; %v\n",
-		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, where, t.opt.Options())
+		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, where, peakOptions(t.opt.Options(), cfg.LR))
 	fmt.Fprint(t.out, t.about)
 	if cfg.CkptDir != "" { // said every run: --ckpt-every and --ckpt-keep are this run's, never a checkpoint's
 		every := "at the end"
@@ -1059,4 +1059,12 @@ func (l maybeLoss) or0() float64 {
 		return 0
 	}
 	return float64(l)
+}
+
+// peakOptions is o with the peak learning rate (--lr) for the header: a
+// resumed optimizer holds the schedule's rate of its iteration, which the
+// header gave as if it were the run's lr.
+func peakOptions(o offload.Options, lr float64) offload.Options {
+	o.Hyper.LR = lr
+	return o
 }

@@ -421,7 +421,9 @@ func TestVerifyChecksTrainerState(t *testing.T) {
 // TestCheckpointCadenceSaid: every run's header says where, how often and
 // how its checkpoints are written, a resumed run's too: --ckpt-every and
 // --ckpt-keep are the run's own (a checkpoint does not carry them), and a
-// resume without them went back to the defaults without a word.
+// resume without them went back to the defaults without a word. And the
+// header's lr is the run's peak rate (--lr), a resumed run's too (it gave
+// the schedule's rate at the checkpoint's iteration as the run's lr).
 func TestCheckpointCadenceSaid(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "one")
 	args := append([]string{"--steps", "4", "--ckpt-dir", dir, "--ckpt-every", "2", "--ckpt-keep", "3"}, tinyShape...)
@@ -432,5 +434,8 @@ func TestCheckpointCadenceSaid(t *testing.T) {
 	rc, stdout, stderr = invoke(t, "train", resumeArgs(dir, "6", "--ckpt-sync")...)
 	if want := "checkpoints into " + dir + ": every 50 iterations and at the end, synchronously, keeping all (this run's"; rc != 0 || !strings.Contains(stdout, want) {
 		t.Errorf("dos train --resume: rc %d, want %q\n%s%s", rc, want, stdout, stderr)
+	}
+	if want := "mode=adamw lr=0.003 "; !strings.Contains(stdout, want) {
+		t.Errorf("dos train --resume: the header's lr is not the peak, want %q\n%s", want, stdout)
 	}
 }
