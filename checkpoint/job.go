@@ -522,6 +522,98 @@ func JobNeverCommitted(fsys FS, root string) (world int, ok bool) {
 	return w, true
 }
 
+// firstSaveCertain returns nil when root's job of world ranks, with no
+// latest and no step complete in every rank root, surely never committed
+// (a run killed during its first save), so that clearFirstSave deletes
+// no checkpoint: every rank root 0..world-1 is a directory (or none is
+// there at all: then only JobFile goes, and no checkpoint with it), no
+// rank root's own latest names a step not complete in it (damage: a
+// committed step lost), and a rank root that holds no complete step holds
+// the lock file a run opened it with (one empty may be an unmounted
+// disk). Otherwise it returns an error wrapping ErrCorrupt that says what
+// was seen and what to do; nothing is changed.
+func firstSaveCertain(fsys FS, root string, world int) error {
+	var seen []string
+	present := 0
+	for r := range world {
+		rr := RankRoot(root, r)
+		st, err := fsys.Stat(rr)
+		switch {
+		case errors.Is(err, fs.ErrNotExist):
+			seen = append(seen, rr+" is missing")
+			continue
+		case err != nil:
+			return fmt.Errorf("checkpoint: job %s: %w", root, err)
+		case !st.IsDir():
+			seen = append(seen, fmt.Sprintf("%s is a %s, not a directory", rr, FileKind(st.Mode())))
+			present++
+			continue
+		}
+		present++
+		steps, err := completeSteps(fsys, rr)
+		if err != nil {
+			return err
+		}
+		if b, err := readSmallFile(fsys, filepath.Join(rr, LatestFile), 4096); err == nil {
+			name := strings.TrimSpace(string(b))
+			if s, ok := parseStepDirName(name); !ok {
+				seen = append(seen, fmt.Sprintf("%s's latest names no step (%q)", rr, name))
+			} else if !steps[s] {
+				seen = append(seen, fmt.Sprintf("%s's latest names %s, which it does not hold complete (a committed step lost?)", rr, name))
+			}
+		} else if !errors.Is(err, fs.ErrNotExist) {
+			seen = append(seen, fmt.Sprintf("%s's latest cannot be read (%v)", rr, err))
+		}
+		if len(steps) == 0 {
+			if _, err := fsys.Stat(filepath.Join(rr, LockFile)); err != nil {
+				seen = append(seen, rr+" holds nothing, not even the lock file a run opens it with (an unmounted disk?)")
+			}
+		}
+	}
+	if len(seen) == 0 || present == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: job %s has no latest and no step complete in every rank root, as a run killed during its first save leaves it, but %s: it may have committed a checkpoint. Nothing was changed: put back what is missing (a rank root or step directory moved away, a disk not mounted?) and run again; if the job really never committed (a run killed during its first save), remove %s to start over",
+		ErrCorrupt, root, strings.Join(seen, "; "), ShellQuote(root))
+}
+
+// firstSaveUnsure returns firstSaveCertain's error when root's job of
+// world ranks is in the state a resume clears as never committed (no
+// latest, no step complete in every rank root, at most one step held)
+// and that is not certain; nil otherwise. RecoverJob asks it before it
+// changes anything.
+func firstSaveUnsure(fsys FS, root string, world int) error {
+	if world < 1 {
+		return nil
+	}
+	for _, n := range []string{LatestFile, pendingLatest} {
+		if _, err := fsys.Stat(filepath.Join(root, n)); !errors.Is(err, fs.ErrNotExist) {
+			return nil
+		}
+	}
+	perRank := make([]map[int64]bool, world)
+	for r := range world {
+		steps, err := completeSteps(fsys, RankRoot(root, r))
+		if err != nil {
+			return nil // refused later, naming it
+		}
+		perRank[r] = steps
+	}
+	if heldSteps(perRank) > 1 {
+		return nil
+	}
+	for s := range perRank[0] {
+		common := true
+		for r := range world {
+			common = common && perRank[r][s]
+		}
+		if common {
+			return nil
+		}
+	}
+	return firstSaveCertain(fsys, root, world)
+}
+
 // clearFirstSave removes what a job of world ranks that never committed
 // left in root: its rank roots (retired: what they hold of a first save
 // is no checkpoint), then JobFile, which names a rank count nothing was
@@ -529,6 +621,9 @@ func JobNeverCommitted(fsys FS, root string) (world int, ok bool) {
 // what it removed, for a note ("" for nothing). The caller holds root's
 // lock and has checked that the job never committed.
 func clearFirstSave(fsys FS, root string, world int) (string, error) {
+	if err := firstSaveCertain(fsys, root, world); err != nil {
+		return "", err
+	}
 	var removed []string
 	for r := range world {
 		rr := RankRoot(root, r)
@@ -916,6 +1011,13 @@ func RecoverJob(fsys FS, root string, verify func(*Checkpoint) error, identify I
 	// refused, nothing changed.
 	var nf *notFileError
 	if _, _, err := JobLatest(fsys, root); errors.As(err, &nf) {
+		return 0, "", err
+	}
+	// A job that looks never committed (no latest, no step every rank
+	// holds) but may have (a rank root missing, or a rank's latest naming
+	// a step it lacks) is refused before anything changes: recover would
+	// otherwise clear it, or set it aside, as a first save cut short.
+	if err := firstSaveUnsure(fsys, root, world); err != nil {
 		return 0, "", err
 	}
 	// A rank root missing from a job that committed a step is not damage

@@ -3,8 +3,10 @@ package checkpoint
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -138,6 +140,13 @@ func TestResumeJob(t *testing.T) {
 			t.Fatal(err)
 		}
 		mustSave(t, OS, RankRoot(root, 0), testSnapshot(2))
+		// Rank 1's run opened its root (its lock file) and was killed
+		// before its save completed.
+		l, err := Lock(OS, RankRoot(root, 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.Unlock()
 		step, note, err := ResumeJob(OS, root, 2)
 		if step != -1 || err != nil || !strings.Contains(note, "never committed") {
 			t.Fatalf("ResumeJob: %d, %q, %v; want -1 and a note", step, note, err)
@@ -147,6 +156,56 @@ func TestResumeJob(t *testing.T) {
 		}
 		if err := CommitJob(OS, root, 2, 2); err != nil {
 			t.Fatal(err)
+		}
+	})
+	t.Run("first save uncertain", func(t *testing.T) {
+		// No job latest and no step every rank holds, as a first save
+		// cut short leaves, but a rank root is missing, empty without a
+		// lock file, or its latest names a step it lacks: the job may
+		// have committed (adversary round 2, F1). Refused, nothing
+		// changed, by ResumeJob and RecoverJob alike.
+		for _, c := range []struct {
+			name, want string
+			damage     func(root string)
+		}{
+			{"rank root missing", "rank-00001 is missing", func(root string) { os.RemoveAll(RankRoot(root, 1)) }},
+			{"rank root empty", "not even the lock file", func(root string) {
+				os.RemoveAll(RankRoot(root, 1))
+				os.Mkdir(RankRoot(root, 1), 0o755)
+			}},
+			{"rank latest names a step lost", "which it does not hold complete", func(root string) {
+				os.RemoveAll(StepDir(RankRoot(root, 1), 4))
+			}},
+		} {
+			t.Run(c.name, func(t *testing.T) {
+				for _, recover := range []bool{false, true} {
+					root := t.TempDir()
+					if err := BeginJob(OS, root, 2); err != nil {
+						t.Fatal(err)
+					}
+					for r := range 2 {
+						mustSave(t, OS, RankRoot(root, r), testSnapshot(4))
+					}
+					if err := CommitJob(OS, root, 2, 4); err != nil {
+						t.Fatal(err)
+					}
+					os.Remove(filepath.Join(root, LatestFile))
+					c.damage(root)
+					before := treeOf(t, root)
+					var err error
+					if recover {
+						_, _, err = RecoverJob(OS, root, func(*Checkpoint) error { return nil }, func(*Checkpoint) (RankID, error) { return RankID{}, nil })
+					} else {
+						_, _, err = ResumeJob(OS, root, 2)
+					}
+					if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "Nothing was changed") {
+						t.Errorf("recover %v: %v; want ErrCorrupt naming %q", recover, err, c.want)
+					}
+					if after := treeOf(t, root); !slices.Equal(before, after) {
+						t.Errorf("recover %v changed the root:\n%v\n%v", recover, before, after)
+					}
+				}
+			})
 		}
 	})
 	t.Run("job latest lost", func(t *testing.T) {
@@ -353,4 +412,17 @@ func TestResumeJobLatestBehind(t *testing.T) {
 	if step != 2 || err != nil || !strings.Contains(note, "step-000000004 retired") {
 		t.Errorf("ResumeJob, latest 2 of 2, 4: step %d, %q, %v; want 2, step 4 retired", step, note, err)
 	}
+}
+
+// treeOf lists the paths under root (the lock files aside), in order.
+func treeOf(t *testing.T, root string) []string {
+	t.Helper()
+	var out []string
+	filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err == nil && d.Name() != LockFile {
+			out = append(out, p)
+		}
+		return nil
+	})
+	return out
 }
