@@ -102,17 +102,125 @@ func removeReshardLeftovers(root string, out io.Writer) error {
 	if err != nil {
 		return nil // a new root, or one Lock said is usable: nothing left there
 	}
+	moved := false // root holds what a reshard moves in (job.json, rank roots, steps, latest)
+	for _, e := range es {
+		if n := e.Name(); n != checkpoint.LockFile && !strings.HasPrefix(n, ReshardTmp) {
+			moved = true
+		}
+	}
 	for _, e := range es {
 		if !strings.HasPrefix(e.Name(), ReshardTmp) {
 			continue
 		}
 		p := filepath.Join(root, e.Name())
+		if moved {
+			// A reshard killed during its moves: root holds part of its
+			// committed checkpoint, p the rest. Never removed.
+			done, err := finishReshardMoves(p, root)
+			if err != nil {
+				return err
+			}
+			if done {
+				if err := os.RemoveAll(p); err != nil {
+					return fmt.Errorf("trainer: --ckpt-dir: removing %s, emptied: %w", p, err)
+				}
+				fmt.Fprintf(out, "checkpoint: finished the moves of a dos ckpt reshard killed while it moved its checkpoint from %s into %s (then removed it, empty)\n", p, root)
+				continue
+			}
+		}
 		if err := os.RemoveAll(p); err != nil {
 			return fmt.Errorf("trainer: --ckpt-dir: removing %s, the leftover of a killed dos ckpt reshard: %w", p, err)
 		}
 		fmt.Fprintf(out, "checkpoint: removed %s, the leftover of a killed dos ckpt reshard (never a checkpoint)\n", p)
 	}
 	return nil
+}
+
+// FinishReshard completes, under root's lock, the moves of a dos ckpt
+// reshard killed while it moved its committed checkpoint into root (a
+// ReshardTmp* directory beside what it moved already), saying so on out;
+// anything else is left as it is. dos ckpt recover runs it first, so that
+// such a root is not taken for a job missing rank roots.
+func FinishReshard(root string, out io.Writer) error {
+	es, err := os.ReadDir(root)
+	if err != nil {
+		return nil
+	}
+	moved, tmps := false, []string{}
+	for _, e := range es {
+		switch n := e.Name(); {
+		case strings.HasPrefix(n, ReshardTmp):
+			tmps = append(tmps, filepath.Join(root, n))
+		case n != checkpoint.LockFile:
+			moved = true
+		}
+	}
+	if !moved || len(tmps) == 0 {
+		return nil
+	}
+	lock, err := checkpoint.Lock(checkpoint.OS, root)
+	if err != nil {
+		return err
+	}
+	defer lock.Unlock()
+	for _, p := range tmps {
+		done, err := finishReshardMoves(p, root)
+		if err != nil {
+			return err
+		}
+		if done {
+			if err := os.RemoveAll(p); err != nil {
+				return fmt.Errorf("trainer: removing %s, emptied: %w", p, err)
+			}
+			fmt.Fprintf(out, "finished the moves of a dos ckpt reshard killed while it moved its checkpoint from %s into %s (then removed it, empty)\n", p, root)
+		}
+	}
+	return nil
+}
+
+// finishReshardMoves completes what a dos ckpt reshard killed during its
+// moves (reshardMove) left: tmp, in root, holds the rest of its committed
+// checkpoint (its latest, moved last, among them), root the entries
+// moved already. The entries of tmp go into root, its latest last, and
+// it reports true. A tmp that holds nothing but a lock file (killed after
+// its last move) reports false; one that holds more but no latest, or an
+// entry root holds too, is refused, naming it, nothing changed.
+func finishReshardMoves(tmp, root string) (bool, error) {
+	es, err := os.ReadDir(tmp)
+	if err != nil {
+		return false, fmt.Errorf("trainer: --ckpt-dir: reading %s, the leftover of a killed dos ckpt reshard: %w", tmp, err)
+	}
+	var names []string
+	latest := false
+	for _, e := range es {
+		switch n := e.Name(); n {
+		case checkpoint.LockFile:
+		case checkpoint.LatestFile:
+			latest = true
+			names = append(names, n)
+		default:
+			names = append(names, n)
+		}
+	}
+	if len(names) == 0 {
+		return false, nil
+	}
+	refuse := func(why string) error {
+		return fmt.Errorf("trainer: --ckpt-dir %s holds %s, the leftover of a dos ckpt reshard killed while it moved its checkpoint into %s (%s), and %s: nothing was changed; move its entries (%s) into %s yourself, the latest last, or remove %s and reshard again",
+			root, tmp, root, strings.Join(names, ", "), why, strings.Join(names, ", "), root, checkpoint.ShellQuote(root))
+	}
+	if !latest {
+		return false, refuse("no " + checkpoint.LatestFile + " in it (not what a reshard moving its committed checkpoint leaves)")
+	}
+	for _, n := range names {
+		if _, err := os.Lstat(filepath.Join(root, n)); !errors.Is(err, fs.ErrNotExist) {
+			return false, refuse(fmt.Sprintf("%s holds %s too", root, n))
+		}
+	}
+	if err := reshardMove(tmp, root); err != nil {
+		return false, fmt.Errorf("trainer: --ckpt-dir: finishing the moves of a killed dos ckpt reshard from %s: %w", tmp, err)
+	}
+	return true, nil
 }
 
 // openJob is openRoot for the ranks of TrainConfig.GPUs: CkptDir is a

@@ -205,9 +205,19 @@ func jobList(root string, stdout, stderr io.Writer) int {
 	}
 	holder := checkpoint.Holder(checkpoint.OS, root)
 	if es, err := os.ReadDir(root); err == nil {
+		moved := false // root holds more than leftovers: a reshard killed during its moves?
+		for _, e := range es {
+			if n := e.Name(); n != checkpoint.LockFile && !strings.HasPrefix(n, ".tmp-") {
+				moved = true
+			}
+		}
 		for _, e := range es {
 			if strings.HasPrefix(e.Name(), ".tmp-") {
-				fmt.Fprintf(stdout, "  %s  (%s)\n", filepath.Join(root, e.Name()), leftoverNote(e.Name(), holder))
+				note := leftoverNote(e.Name(), holder)
+				if moved && holder == "" && strings.HasPrefix(e.Name(), trainer.ReshardTmp) {
+					note = "leftover of a dos ckpt reshard killed while it moved its checkpoint into this root: what it holds is part of it; dos ckpt recover or dos train --resume finishes the moves"
+				}
+				fmt.Fprintf(stdout, "  %s  (%s)\n", filepath.Join(root, e.Name()), note)
 			}
 		}
 	}
@@ -405,6 +415,10 @@ func listRoot(root string, jobStep int64, stdout, stderr io.Writer) int {
 // optimizer's value checks; for a job's root, checkpoint.RecoverJob, the
 // rank roots' identities checked too) and says what it did.
 func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
+	if err := trainer.FinishReshard(root, stdout); err != nil {
+		fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
+		return 1
+	}
 	if checkpoint.IsJob(checkpoint.OS, root) {
 		// A job's root: every rank root, then the job.
 		if rank != 0 {

@@ -65,3 +65,69 @@ func TestCommittedJobNotClearedAsFirstSave(t *testing.T) {
 		}
 	}
 }
+
+// killedReshardMoves reshards a 2-rank job at step 4 to 4 ranks, then
+// leaves its output as a dos ckpt reshard killed during its moves
+// (reshardMove: job.json and rank roots first, latest last) leaves it:
+// dst holds job.json, rank-00000 and rank-00001; dst/.tmp-reshard-123 holds
+// rank-00002, rank-00003 and the latest.
+func killedReshardMoves(t *testing.T) (dst, tmp string) {
+	src := trainJobWith(t, "4")
+	out := filepath.Join(t.TempDir(), "out")
+	if rc, stdout, stderr := invoke(t, "ckpt", "reshard", "--gpus", "4", src, out); rc != 0 {
+		t.Fatalf("dos ckpt reshard: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	dst = filepath.Join(t.TempDir(), "dst")
+	tmp = filepath.Join(dst, ".tmp-reshard-123")
+	if err := os.MkdirAll(tmp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"rank-00002", "rank-00003", checkpoint.LatestFile} {
+		if err := os.Rename(filepath.Join(out, n), filepath.Join(tmp, n)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, n := range []string{checkpoint.JobFile, "rank-00000", "rank-00001"} {
+		if err := os.Rename(filepath.Join(out, n), filepath.Join(dst, n)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dst, tmp
+}
+
+// TestKilledReshardMovesFinished (round 2, F2): --resume (and dos ckpt
+// recover) on the output of a reshard killed during its final moves
+// removed its .tmp-reshard-* ("never a checkpoint": it held the committed
+// latest and ranks 2-3), then the rank roots and job.json, and started at
+// iteration 0. Now both finish the moves: the job resumes at step 4.
+func TestKilledReshardMovesFinished(t *testing.T) {
+	dst, tmp := killedReshardMoves(t)
+	rc, stdout, stderr := invoke(t, "train", append(resumeArgs(dst, "6"), "--gpus", "4")...)
+	if rc != 0 || !strings.Contains(stdout, "finished the moves of a dos ckpt reshard") || !strings.Contains(stdout, "at iteration 4") || strings.Contains(stdout, "never a checkpoint") {
+		t.Errorf("dos train --resume: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if _, err := os.Stat(tmp); err == nil {
+		t.Errorf("%s still there", tmp)
+	}
+	dst, tmp = killedReshardMoves(t)
+	rc, stdout, stderr = invoke(t, "ckpt", "recover", dst)
+	if rc != 0 || !strings.Contains(stdout, "finished the moves") || !strings.Contains(stdout, "step 4") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if step, world, err := checkpoint.JobLatest(checkpoint.OS, dst); step != 4 || world != 4 || err != nil {
+		t.Errorf("after recover: step %d of %d ranks, %v", step, world, err)
+	}
+	// An entry of the leftover that dst holds too: refused, nothing changed.
+	dst, tmp = killedReshardMoves(t)
+	if err := os.Mkdir(filepath.Join(tmp, "rank-00000"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	before := treeHash(t, dst)
+	rc, stdout, stderr = invoke(t, "train", append(resumeArgs(dst, "6"), "--gpus", "4")...)
+	if rc != 1 || !strings.Contains(stderr, tmp) || !strings.Contains(stderr, "nothing was changed") {
+		t.Errorf("dos train --resume, rank-00000 in both: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if treeHash(t, dst) != before {
+		t.Error("dst changed")
+	}
+}
