@@ -232,6 +232,26 @@ func BeginJob(fsys FS, root string, world int) error {
 	if err := createDurably(fsys, root); err != nil {
 		return fmt.Errorf("checkpoint: job %s: %w", root, err)
 	}
+	// Every rank root, holding its lock file, before job.json: a first
+	// save cut short then leaves every rank root there, which is how a
+	// resume tells it from a committed job with a rank root moved away
+	// or not mounted (firstSaveCertain).
+	for r := range world {
+		rr := RankRoot(root, r)
+		if err := createDurably(fsys, rr); err != nil {
+			return fmt.Errorf("checkpoint: job %s: %w", root, err)
+		}
+		f, err := fsys.OpenFile(filepath.Join(rr, LockFile), os.O_WRONLY|os.O_CREATE, 0o644)
+		if err != nil {
+			return fmt.Errorf("checkpoint: job %s: %w", root, err)
+		}
+		if err := f.Close(); err != nil {
+			return fmt.Errorf("checkpoint: job %s: %w", root, err)
+		}
+		if err := fsys.SyncDir(rr); err != nil {
+			return fmt.Errorf("checkpoint: job %s: fsync: %w", root, err)
+		}
+	}
 	return writeJob(fsys, root, world)
 }
 
@@ -306,6 +326,11 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 			haveJob = true
 		case n == LatestFile:
 			haveLatest = true
+		}
+	}
+	if haveJob {
+		if err := strayStepEntries(root, stepEntries(fsys, root)); err != nil {
+			return 0, "", err
 		}
 	}
 	if newest != "" {
@@ -525,22 +550,28 @@ func JobNeverCommitted(fsys FS, root string) (world int, ok bool) {
 // firstSaveCertain returns nil when root's job of world ranks, with no
 // latest and no step complete in every rank root, surely never committed
 // (a run killed during its first save), so that clearFirstSave deletes
-// no checkpoint: every rank root 0..world-1 is a directory (or none is
-// there at all: then only JobFile goes, and no checkpoint with it), no
+// no checkpoint: every rank root 0..world-1 is a directory (BeginJob
+// makes them all before the first save; one may be missing only where
+// no rank root holds a complete step, and none may be there at all:
+// then clearing deletes no checkpoint), no
 // rank root's own latest names a step not complete in it (damage: a
 // committed step lost), and a rank root that holds no complete step holds
 // the lock file a run opened it with (one empty may be an unmounted
-// disk). Otherwise it returns an error wrapping ErrCorrupt that says what
+// disk; without JobFile, a crash in BeginJob before it wrote one). Otherwise it returns an error wrapping ErrCorrupt that says what
 // was seen and what to do; nothing is changed.
 func firstSaveCertain(fsys FS, root string, world int) error {
-	var seen []string
-	present := 0
+	var seen, missing []string
+	present, held := 0, false
+	// BeginJob writes JobFile after every rank root and its lock file:
+	// without it, an empty rank root is a crash in BeginJob's.
+	_, err := fsys.Stat(filepath.Join(root, JobFile))
+	hasJob := err == nil
 	for r := range world {
 		rr := RankRoot(root, r)
 		st, err := fsys.Stat(rr)
 		switch {
 		case errors.Is(err, fs.ErrNotExist):
-			seen = append(seen, rr+" is missing")
+			missing = append(missing, rr+" is missing")
 			continue
 		case err != nil:
 			return fmt.Errorf("checkpoint: job %s: %w", root, err)
@@ -564,11 +595,18 @@ func firstSaveCertain(fsys FS, root string, world int) error {
 		} else if !errors.Is(err, fs.ErrNotExist) {
 			seen = append(seen, fmt.Sprintf("%s's latest cannot be read (%v)", rr, err))
 		}
-		if len(steps) == 0 {
+		held = held || len(steps) > 0
+		if len(steps) == 0 && hasJob {
 			if _, err := fsys.Stat(filepath.Join(rr, LockFile)); err != nil {
 				seen = append(seen, rr+" holds nothing, not even the lock file a run opens it with (an unmounted disk?)")
 			}
 		}
+	}
+	if held {
+		// A rank root missing beside one that holds a complete step: it
+		// may hold the rest of a committed step elsewhere. (Beside none,
+		// clearing deletes no checkpoint: a crash in BeginJob.)
+		seen = append(missing, seen...)
 	}
 	if len(seen) == 0 || present == 0 {
 		return nil

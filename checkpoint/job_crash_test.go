@@ -61,7 +61,14 @@ func TestJobCrashEveryOp(t *testing.T) {
 					e := newErrorFS(m)
 					e.crashAt = i
 					var err error
+					if first {
+						// dos train: BeginJob before the first save.
+						err = BeginJob(e, root, 2)
+					}
 					for _, r := range order {
+						if err != nil {
+							break
+						}
 						if _, err = Save(e, RankRoot(root, r), testSnapshot(target)); err != nil {
 							break
 						}

@@ -128,6 +128,38 @@ func holdsSteps(fsys FS, root string) bool {
 	return false
 }
 
+// stepEntries returns the names of root's entries named step-*: in a
+// job's root (its checkpoints are in its rank roots) each is stray.
+func stepEntries(fsys FS, root string) []string {
+	es, err := fsys.ReadDir(root)
+	if err != nil {
+		return nil
+	}
+	var names []string
+	for _, e := range es {
+		if strings.HasPrefix(e.Name(), "step-") {
+			names = append(names, e.Name())
+		}
+	}
+	return names
+}
+
+// strayStepEntries returns the error of the job root root (it holds
+// JobFile) that holds the step-* entries names, nil for none: a job's
+// checkpoints are in its rank roots, and such an entry (a note, an empty
+// or copied step directory) would have root taken for a single rank's.
+func strayStepEntries(root string, names []string) error {
+	if len(names) == 0 {
+		return nil
+	}
+	paths := make([]string, len(names))
+	for i, n := range names {
+		paths[i] = filepath.Join(root, n)
+	}
+	return fmt.Errorf("%w: job %s holds %s, named as a step directory, which a job's root never holds (its checkpoints are in its rank roots, rank-NNNNN). Nothing was changed: move %s out of %s, then run again",
+		ErrCorrupt, root, strings.Join(paths, ", "), strings.Join(names, ", "), root)
+}
+
 // strayRankRoots returns the error of root, without JobFile, that holds
 // step directories (a single rank's root) and the rank roots (rank-%05d)
 // ranks, which a single rank's root never holds: one was made there by
@@ -223,6 +255,11 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 	}
 	if err := linkedRankRoot(fsys, root); err != nil {
 		return 0, 0, err
+	}
+	if _, err := fsys.Stat(filepath.Join(root, JobFile)); err == nil {
+		if err := strayStepEntries(root, stepEntries(fsys, root)); err != nil {
+			return 0, 0, err
+		}
 	}
 	present, err := rankRootsIn(fsys, root)
 	if err != nil {

@@ -131,3 +131,36 @@ func TestKilledReshardMovesFinished(t *testing.T) {
 		t.Error("dst changed")
 	}
 }
+
+// TestJobRootStrayStepEntry (round 2, F4): a step-* entry in a job's root
+// (a note step-notes.txt, an empty step-000000001) blocked recover and
+// --resume with "holds one rank's checkpoints (its latest, ...), not a
+// job's", while ls and verify said OK; nothing named the entry. Now all
+// four refuse, naming it and saying to move it out; nothing is changed.
+func TestJobRootStrayStepEntry(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		make func(p string) error
+	}{
+		{"step-notes.txt", func(p string) error { return os.WriteFile(p, []byte("hi\n"), 0o644) }},
+		{"step-000000001", func(p string) error { return os.Mkdir(p, 0o755) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := trainJobWith(t, "4")
+			p := filepath.Join(dir, c.name)
+			if err := c.make(p); err != nil {
+				t.Fatal(err)
+			}
+			before := treeHash(t, dir)
+			for _, args := range [][]string{{"ckpt", "ls", dir}, {"ckpt", "verify", dir}, {"ckpt", "recover", dir}, append([]string{"train"}, append(resumeArgs(dir, "6"), "--gpus", "2")...)} {
+				rc, stdout, stderr := invoke(t, args[0], args[1:]...)
+				if rc != 1 || !strings.Contains(stderr, p) || !strings.Contains(stderr, "move "+c.name+" out of "+dir) || strings.Contains(stderr, "one rank's checkpoints") {
+					t.Errorf("dos %v: rc %d, want 1 naming %s\n%s%s", args, rc, p, stdout, stderr)
+				}
+			}
+			if treeHash(t, dir) != before {
+				t.Error("the job root changed")
+			}
+		})
+	}
+}
