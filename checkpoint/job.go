@@ -735,6 +735,19 @@ func JobResumeStep(fsys FS, root string, world int, step int64) int64 {
 	return step
 }
 
+// MovedBack returns, for the job of world ranks under root whose latest
+// names step, the step a resume takes (JobResumeStep) and, when that is
+// not step (its latest moved back), a note saying so for the read-only
+// commands, which act on that step as the resume would ("" otherwise).
+func MovedBack(fsys FS, root string, world int, step int64) (int64, string) {
+	rs := JobResumeStep(fsys, root, world, step)
+	if rs == step {
+		return step, ""
+	}
+	return rs, fmt.Sprintf("job %s: its latest names step %d, but every rank root holds steps complete after it up to step %d (a rank runs at most one save ahead of the job: its latest was moved back, or an older copy of it put back): dos train --resume takes step %d, which this acts on; dos ckpt recover %s moves the job's latest there",
+		root, step, rs, rs, ShellQuote(root))
+}
+
 // isStepDirName reports whether name is a step directory's (step-%09d).
 func isStepDirName(name string) bool {
 	_, ok := parseStepDirName(name)

@@ -198,7 +198,10 @@ func (e *stepMoved) Unwrap() error { return e.err }
 // latest checkpoint's.
 func sourceStep(src string) (int64, error) {
 	if isJob(src) {
-		step, _, err := checkpoint.JobLatest(checkpoint.OS, src)
+		step, world, err := checkpoint.JobLatest(checkpoint.OS, src)
+		if err == nil {
+			step, _ = checkpoint.MovedBack(checkpoint.OS, src, world, step)
+		}
 		return step, err
 	}
 	dir, err := checkpoint.Resolve(checkpoint.OS, src)
@@ -230,6 +233,10 @@ func readSource(src string, n int, out io.Writer) (rs *reshardSource, err error)
 		step, world, err := checkpoint.JobLatest(checkpoint.OS, src)
 		if err != nil {
 			return nil, fmt.Errorf("trainer: reshard: %w (dos ckpt recover %s moves a damaged or unfinished job to the newest step every rank holds)", err, checkpoint.ShellQuote(src))
+		}
+		if moved, note := checkpoint.MovedBack(checkpoint.OS, src, world, step); note != "" {
+			fmt.Fprintf(out, "reshard: %s\n", note)
+			step = moved
 		}
 		rs.step, rs.world = step, world
 		for r := range rs.world {

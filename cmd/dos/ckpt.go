@@ -183,6 +183,10 @@ func jobList(root string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", err)
 		return 1
 	}
+	if rs, note := checkpoint.MovedBack(checkpoint.OS, root, world, step); note != "" {
+		fmt.Fprintf(stderr, "dos ckpt ls: %s\n", note)
+		step, rc = rs, 1
+	}
 	fmt.Fprintf(stdout, "job %s: %s, latest step %d (committed once every rank's save of it was durable)\n", root, checkpoint.Ranks(world), step)
 	for r := range world {
 		rr := checkpoint.RankRoot(root, r)
@@ -248,6 +252,10 @@ func ckptInspect(path string, rank int, rankSet, all bool, stdout, stderr io.Wri
 		if rank >= world {
 			fmt.Fprintf(stderr, "dos ckpt inspect: --rank %d: job %s has %s (0..%d)\n", rank, path, checkpoint.Ranks(world), world-1)
 			return 2
+		}
+		if rs, note := checkpoint.MovedBack(checkpoint.OS, path, world, step); note != "" {
+			fmt.Fprintf(stderr, "dos ckpt inspect: %s\n", note)
+			step = rs
 		}
 		fmt.Fprintf(stdout, "job %s: %s, latest step %d; rank %d's pieces:\n", path, checkpoint.Ranks(world), step, rank)
 		path, rank = checkpoint.StepDir(checkpoint.RankRoot(path, rank), step), 0
@@ -505,7 +513,12 @@ func ckptVerify(path string, rank int, rankSet bool, stdout, stderr io.Writer) i
 			fmt.Fprintf(stderr, "dos ckpt verify: %s is a job's root, verified for every rank; --rank %d: verify one rank's root instead, %s\n", path, rank, checkpoint.RankRoot(path, rank))
 			return 2
 		}
-		// A job's root: its latest step in every rank's root.
+		// A job's root: its latest step in every rank's root (the step a
+		// resume takes, its latest moved back).
+		if rs, note := checkpoint.MovedBack(checkpoint.OS, path, world, step); note != "" {
+			fmt.Fprintf(stderr, "dos ckpt verify: %s\n", note)
+			step = rs
+		}
 		for r := range world {
 			sd := checkpoint.StepDir(checkpoint.RankRoot(path, r), step)
 			if _, err := os.Stat(sd); errors.Is(err, fs.ErrNotExist) && checkpoint.Holder(checkpoint.OS, path) == "" {

@@ -164,3 +164,29 @@ func TestJobRootStrayStepEntry(t *testing.T) {
 		})
 	}
 }
+
+// TestJobLatestMovedBackReadOnly (round 2, F3): with the job's latest
+// moved back to step 2 while every rank holds 4, 6 and 8, --resume takes
+// step 8, but ls listed 4-8 as "not committed for the job", verify and
+// inspect checked step 2 and reshard exported it. Now each says the
+// latest moved back and acts on step 8, the step a resume takes.
+func TestJobLatestMovedBackReadOnly(t *testing.T) {
+	dir := trainJobWith(t, "8")
+	if err := os.WriteFile(filepath.Join(dir, checkpoint.LatestFile), []byte("step-000000002\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	const said = "dos train --resume takes step 8"
+	if rc, stdout, stderr := invoke(t, "ckpt", "ls", dir); rc != 1 || !strings.Contains(stderr, said) || strings.Contains(stdout, "not committed for the job") {
+		t.Errorf("dos ckpt ls: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", dir); rc != 0 || !strings.Contains(stderr, said) || !strings.Contains(stdout, "step 8 verifies") {
+		t.Errorf("dos ckpt verify: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "inspect", dir); rc != 0 || !strings.Contains(stderr, said) || !strings.Contains(stdout, "latest step 8") {
+		t.Errorf("dos ckpt inspect: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	out := filepath.Join(t.TempDir(), "out")
+	if rc, stdout, stderr := invoke(t, "ckpt", "reshard", "--gpus", "1", dir, out); rc != 0 || !strings.Contains(stdout, said) || !strings.Contains(stdout, "step 8 of") {
+		t.Errorf("dos ckpt reshard: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
