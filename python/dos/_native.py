@@ -5,10 +5,9 @@ error message, raised here as DosError.
 """
 import ctypes
 import os
-import signal
 import threading
 
-__all__ = ["DosError", "REDUCE_FN", "library_path", "lib", "call", "deferred_sigint"]
+__all__ = ["DosError", "REDUCE_FN", "library_path", "lib", "call"]
 
 
 class DosError(RuntimeError):
@@ -137,88 +136,6 @@ def _after_fork_in_child():
             os.close(fd)
         except OSError:
             pass
-
-
-class deferred_sigint:
-    """A context in which a SIGINT (Ctrl-C) is recorded instead of handled, and handled at its end by the
-    handler it would have run (Python's default raises KeyboardInterrupt there): the binding changes dos's
-    state and the parameters' data in it, which an interrupt between two bytecodes would leave half done.
-    Only on the main thread (where Python runs signal handlers; elsewhere there is nothing to defer) and only
-    for a handler installed from Python (SIG_DFL ends the process, SIG_IGN drops it). Nests: an inner context
-    hands its signal to the outer one's record."""
-
-    def __enter__(self):
-        self._old, self._got = None, None
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        old = signal.getsignal(signal.SIGINT)
-        if not callable(old):
-            return self
-        self._old = old
-        signal.signal(signal.SIGINT, self._record)
-        return self
-
-    def _record(self, signum, frame):
-        if self._got is None:
-            self._got = (signum, frame)
-
-    def restore(self):
-        """The handler back, without handling a recorded signal; whether one was recorded."""
-        old, self._old = self._old, None
-        if old is not None:
-            signal.signal(signal.SIGINT, old)
-        return self._got is not None and old is not None
-
-    def __exit__(self, *exc):
-        old = self._old
-        if self.restore():
-            got, self._got = self._got, None
-            old(*got)
-        return False
-
-
-class critical:
-    """A context that holds lock, defers SIGINT (deferred_sigint) and, once both are held, calls first(): the
-    binding's step, save, load or state change, which changes dos's state and then the parameters' data. Its
-    exit handles a deferred SIGINT, then releases the lock. An exception that lands before the exit runs (at
-    the bytecode between a with block's end and its __exit__, where a signal handler other than SIGINT's may
-    raise) leaves both held until the object is collected, with the frame that held it: then they are given
-    back (__del__), the signal not handled."""
-
-    def __init__(self, lock, first):
-        self._lock, self._first, self._defer, self._held = lock, first, None, False
-
-    def __enter__(self):
-        self._lock.acquire()
-        self._held = True
-        try:
-            self._defer = deferred_sigint().__enter__()
-            self._first()
-        except BaseException:  # noqa: B902 (an interrupt too: re-raised)
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        d, self._defer = self._defer, None
-        try:
-            if d is not None:
-                d.__exit__(*exc)
-        finally:
-            if self._held:
-                self._held = False
-                self._lock.release()
-        return False
-
-    def __del__(self):
-        d, self._defer = self._defer, None
-        try:
-            if d is not None:
-                d.restore()
-        finally:
-            if self._held:
-                self._held = False
-                self._lock.release()
 
 
 def take_string(ptr):

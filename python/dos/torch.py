@@ -172,6 +172,48 @@ def _norm(v):
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
+class _Call:
+    """Entered inside ``with opt._lock`` (a threading.RLock, entered by the with statement itself, so that no
+    interrupt falls between its acquire and the block, nor between the block and its release): one call into
+    the optimizer at a time per thread too. A second call from the thread that holds the lock, while the
+    first's frame is still on its stack, comes from a signal handler or a hook that interrupted it: refused
+    with RuntimeError (a plain lock would wait for itself for ever, and the first call's change is half done
+    under it). Then the rest of a change an exception cut short is finished (_settle). The frame is held,
+    not its id() (which later frames reuse), until the call's exit; one that an exception kept from running
+    leaves a frame no longer on the stack, which counts for nothing and is replaced by the next call's."""
+
+    __slots__ = ("_o", "_quiet")
+
+    def __init__(self, o, quiet=False):
+        self._o, self._quiet = o, quiet  # quiet: close's, where what _settle raises is dropped
+
+    def __enter__(self):
+        o = self._o
+        held = o._call_frame
+        if held is not None:
+            f = sys._getframe(1)
+            while f is not None:
+                if f is held:
+                    raise RuntimeError("dos.torch.AdamW: called while this thread is inside another call of the same "
+                                       "optimizer (from a signal handler, or a hook, that interrupted it): dos takes one "
+                                       "call at a time; set a flag in the handler and call the optimizer once the "
+                                       "interrupted call has returned")
+                f = f.f_back
+        o._call_frame = sys._getframe(1)  # the frame itself: an id() is reused by later frames
+        if not self._quiet:
+            o._settle()
+        elif getattr(o, "_h", 0) and o.__dict__.get("_unsettled") is not None:
+            try:
+                o._settle()  # the parameters' data as dos left them
+            except Exception:
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        self._o._call_frame = None
+        return False
+
+
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's signature and defaults, updated by dos.
 
@@ -378,7 +420,11 @@ class AdamW(torch.optim.Optimizer):
         self._saved_step = None
         self._last_save = None  # the SaveHandle of the last save()
         self._unsettled = None  # a change cut short by an exception, finished by the next call (_settle)
-        self._lock = threading.Lock()  # one step, save or load at a time: they share dos's gradient buffers
+        # one step, save or load at a time: they share dos's gradient buffers. An RLock entered by a C-level
+        # with statement (its acquire and release cannot be cut from the with block by an interrupt), with
+        # _Call inside it refusing a second call of the same thread (a signal handler's, a hook's)
+        self._lock = threading.RLock()
+        self._call_frame = None  # the frame of the call that holds _lock (_Call)
         self.skipped = False
         # Sharded parameters (FSDP2's, or process_group's): every step all-reduces the ranks' gradient sums
         # of squares through _reduce, so that each rank clips by the whole model's norm and skips alike.
@@ -528,16 +574,18 @@ class AdamW(torch.optim.Optimizer):
         share memory (a tie made after construction, ``p1.data = p0.data``: a ValueError, as at construction).
         A background ``save`` that failed and was not yet reported by its handle's ``wait()`` makes this step
         raise its DosError instead, the step not taken (the step count stays; the next step is taken). The step
-        is applied whole or not at all: a Ctrl-C during it (on the main thread, with a SIGINT handler set from
-        Python, as the default is) is handled once the new weights are in ``p.data`` (its KeyboardInterrupt
-        raised then); any other exception that arrives once dos has stepped still gets them there, then
-        propagates, and one that cuts even that short leaves the rest to the next call (step, save, load,
-        state_dict, state), which finishes it first."""
+        is applied whole or not at all: an exception that arrives once dos has stepped (a Ctrl-C's
+        KeyboardInterrupt) still gets the new weights into ``p.data``, then propagates (the copy-back goes on
+        through two more), and one that cuts even that short leaves the rest to the next call (step, save,
+        load, state_dict, state, master_weights), which finishes it first. A call from a signal handler or a
+        hook that interrupted a call of the same optimizer on this thread raises RuntimeError (torch.optim's
+        would see the state half updated): set a flag there and call once the interrupted call returns."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with self._locked():
+        self._handle()
+        with self._lock, self._locked():
             try:
                 self._step()
             except _native.DosError as e:
@@ -559,15 +607,16 @@ class AdamW(torch.optim.Optimizer):
                 h._reported = False
 
     def _locked(self):
-        """A context of one step, save, load or state change at a time (self._lock), with Ctrl-C deferred to its
-        end (_native.critical: the change of dos's state and of the parameters' data is made whole first), and
-        first the rest of a change that an exception cut short (_settle)."""
-        self._handle()  # before the lock: one held at fork() by another thread stays held in the child
-        return _native.critical(self._lock, self._settle)
+        """The context inside ``with self._lock`` of one step, save, load or state read or change (_Call): it
+        refuses a call from a signal handler or a hook that interrupted this thread's call (which would
+        otherwise wait for itself), then finishes what an exception cut short of an earlier change (_settle).
+        Callers check the handle first (_handle: a lock held at fork() by another thread stays held in the
+        child)."""
+        return _Call(self)
 
     def _settle(self):
-        """Finishes self._unsettled, the change that an exception (not a deferred Ctrl-C: another signal
-        handler's, a MemoryError) cut short after dos's state changed and before the parameters' data or the
+        """Finishes self._unsettled, the change that an exception (a Ctrl-C's KeyboardInterrupt, another
+        signal handler's, a MemoryError) cut short after dos's state changed and before the parameters' data or the
         groups followed: a step's copy-back, a load's, a load_state_dict's. Each such change is set as
         _unsettled before it starts, is resumable (each part idempotent) and clears _unsettled once whole; every
         call that reads or writes dos's state finishes it first, so none sees it half done. An exception
@@ -693,7 +742,8 @@ class AdamW(torch.optim.Optimizer):
         # lock: a hook may read opt.state
         for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
             hook(self)
-        with self._locked():  # not beside a step: the moments and the step count of one step
+        self._handle()
+        with self._lock, self._locked():  # not beside a step: the moments and the step count of one step
             sd = self._state_dict()
         for hook in list(getattr(self, "_optimizer_state_dict_post_hooks", {}).values()):
             r = hook(self, sd)
@@ -798,7 +848,7 @@ class AdamW(torch.optim.Optimizer):
         dos keeps one) and the groups' lr. The master weights are the parameters' (load the model first):
         taken from those changed since dos wrote them, as a step takes them; float32 ones on the CPU always.
         It checks everything before changing anything: on error the optimizer is as it was; then it applies
-        the dict whole (a Ctrl-C is handled once it is applied, as in ``step``): never part old, part new. A parameter
+        the dict whole (an exception meanwhile, a Ctrl-C's, propagates once it is applied, as in ``step``): never part old, part new. A parameter
         without state in the dict (torch's before its first step) starts from zero moments. The groups' other
         settings (``initial_lr`` and the like) are restored as torch restores them. torch's load_state_dict
         hooks (torch >= 2) run as torch runs them."""
@@ -807,7 +857,8 @@ class AdamW(torch.optim.Optimizer):
             r = hook(self, state_dict)
             if r is not None:
                 state_dict = r
-        with self._locked():
+        self._handle()
+        with self._lock, self._locked():
             self._load_state_dict(state_dict)
         for hook in list(getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values()):
             hook(self)
@@ -896,7 +947,8 @@ class AdamW(torch.optim.Optimizer):
         thread, say) is waited for, unless its handle was waited for already, so a save that ``save`` returned
         commits before the process ends (an optimizer collected earlier waits in ``close``); one that fails
         there is named on stderr in one line."""
-        with self._locked():
+        self._handle()
+        with self._lock, self._locked():
             return self._save(root, keep, ring_bytes)
 
     def _save(self, root, keep, ring_bytes):
@@ -936,8 +988,9 @@ class AdamW(torch.optim.Optimizer):
     def load(self, path):
         """Restores the state of a checkpoint written by ``save``: ``path`` is a root (its latest
         checkpoint) or one step directory. The parameters' data is set to the loaded master weights, and the
-        groups' lr to the saved ones, whole once dos has loaded (a Ctrl-C is handled after, as in ``step``)."""
-        with self._locked():
+        groups' lr to the saved ones, whole once dos has loaded (an exception meanwhile propagates after, as in ``step``)."""
+        self._handle()
+        with self._lock, self._locked():
             self._load(path)
 
     def _load(self, path):
@@ -978,7 +1031,7 @@ class AdamW(torch.optim.Optimizer):
                 while done[0] < len(data):
                     i = done[0]
                     p, d = data[i]
-                    _write(p, d, self.master_weights(i).view(d.shape))
+                    _write(p, d, self._master_weights(i).view(d.shape))
                     self._mark_seen(i, p, d)
                     done[0] += 1
                 objs = json.loads(ctypes.string_at(objects.value).decode("utf-8", "replace") or "{}")
@@ -1007,6 +1060,12 @@ class AdamW(torch.optim.Optimizer):
         16-bit values are rounded from otherwise."""
         if not 0 <= i < len(self._params):
             raise IndexError(f"dos.torch.AdamW.master_weights: parameter {i} of {len(self._params)}")
+        self._handle()
+        with self._lock, self._locked():  # a change cut short finished first, as every call does
+            return self._master_weights(i)
+
+    def _master_weights(self, i):
+        """master_weights(i), for a caller that holds the lock."""
         t = torch.empty(self._shapes[i], dtype=torch.float32)
         _native.call("dos_adamw_state_get", self._handle(), i, 0, t.data_ptr(), t.numel())
         return t
@@ -1023,12 +1082,7 @@ class AdamW(torch.optim.Optimizer):
         if lock is None:  # construction failed before the lock: nothing runs beside this
             h, self._h = getattr(self, "_h", 0), 0
         else:
-            with lock:  # after a step, save or load of another thread, never inside one
-                if getattr(self, "_h", 0) and self.__dict__.get("_unsettled") is not None:
-                    try:
-                        self._settle()  # the parameters' data as dos left them
-                    except Exception:
-                        pass
+            with lock, _Call(self, quiet=True):  # after a step, save or load of another thread, never inside one
                 h, self._h = getattr(self, "_h", 0), 0
                 if h:
                     _native.call("dos_adamw_close", h)
@@ -1067,10 +1121,11 @@ class _State(MutableMapping):
         return _ParamState(self._opt, self._i(P))
 
     def __setitem__(self, P, value):
-        """Writes the entries of value (step, exp_avg, ...) into dos, all checked first, then all of them (a
-        Ctrl-C is handled after, as in AdamW.step); others stay."""
+        """Writes the entries of value (step, exp_avg, ...) into dos, all checked first, then all of them (an
+        exception meanwhile propagates after, as in AdamW.step); others stay."""
         i, opt = self._i(P), self._opt
-        with opt._locked():
+        opt._handle()
+        with opt._lock, opt._locked():
             checked = {k: opt._checked_state(i, k, v, "state") for k, v in value.items()}
 
             def apply():  # all of them, resumable (_settle): each put is idempotent
@@ -1105,11 +1160,13 @@ class _ParamState(MutableMapping):
     def __getitem__(self, k):
         if k not in self._opt._keys():
             raise KeyError(k)
-        with self._opt._locked():
+        self._opt._handle()
+        with self._opt._lock, self._opt._locked():
             return self._opt._fetch(self._i, k)
 
     def __setitem__(self, k, v):
-        with self._opt._locked():
+        self._opt._handle()
+        with self._opt._lock, self._opt._locked():
             self._opt._put(self._i, k, self._opt._checked_state(self._i, k, v, "state"))
 
     def __delitem__(self, k):
