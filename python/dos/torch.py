@@ -946,7 +946,8 @@ class AdamW(torch.optim.Optimizer):
         At interpreter exit (atexit) the last save of every optimizer still alive then (one held by a daemon
         thread, say) is waited for, unless its handle was waited for already, so a save that ``save`` returned
         commits before the process ends (an optimizer collected earlier waits in ``close``); one that fails
-        there is named on stderr in one line."""
+        there, or in the ``close`` of a collected optimizer, is named on stderr in one line (the exit status
+        stays the program's: wait() on the handle is how to fail a run on it)."""
         self._handle()
         with self._lock, self._locked():
             return self._save(root, keep, ring_bytes)
@@ -1085,14 +1086,31 @@ class AdamW(torch.optim.Optimizer):
             with lock, _Call(self, quiet=True):  # after a step, save or load of another thread, never inside one
                 h, self._h = getattr(self, "_h", 0), 0
                 if h:
-                    _native.call("dos_adamw_close", h)
+                    self._close(h)
                 return
         if h:
+            self._close(h)
+
+    def _close(self, h):
+        """dos_adamw_close, which waits for the last save and raises its failure: that save is reported then
+        (the exit hook does not report it again)."""
+        try:
             _native.call("dos_adamw_close", h)
+        finally:
+            last = self.__dict__.get("_last_save")
+            if last is not None:
+                last._reported = True
+            _saving.discard(self)
 
     def __del__(self):
         try:
             self.close()
+        except _native.DosError as e:  # a collected optimizer's last save failed: nothing else will say so
+            try:
+                msg = (str(e).splitlines() or [type(e).__name__])[0]
+                print(f"dos.torch.AdamW: collected with its last save failed: {msg}", file=sys.stderr, flush=True)
+            except Exception:
+                pass
         except Exception:
             pass
 

@@ -440,6 +440,35 @@ def test_save_failing_at_exit_says_so_on_stderr(tmp_path):
     assert not os.path.exists(root / "latest")
 
 
+
+def test_failed_save_reported_once_by_close_and_named_when_collected(tmp_path):
+    """A save whose failure close() raised is not named again at exit, and the failure of a dropped optimizer's
+    last save (its close() at collection) is named on stderr in one line (the second adversary's round: named
+    twice, and not at all)."""
+    r = _run(f"""
+        import gc
+        import torch
+        import dos, dos.torch as dt
+        for i, drop in enumerate((False, True)):
+            p = torch.nn.Parameter(torch.randn(4))
+            opt = dt.AdamW([p], lr=1e-2)
+            p.grad = torch.full((4,), 1e38)
+            opt.step()  # exp_avg_sq overflows to Inf: the save fails
+            opt.save({str(tmp_path)!r} + "/r%d" % i)
+            if drop:
+                del opt
+                gc.collect()
+            else:
+                try:
+                    opt.close()
+                except dos.DosError as e:
+                    print("close raised:", "exp_avg_sq" in str(e))
+        print("end")
+    """)
+    assert r.returncode == 0 and "close raised: True" in r.stdout and "end" in r.stdout, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "collected with its last save failed" in lines[0] and "exp_avg_sq" in lines[0], r.stderr
+
 # F4
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # torch.optim has no CPU float16 AdamW
 def test_two_optimizers_over_one_parameter_see_each_others_updates(dtype):
