@@ -848,8 +848,10 @@ class AdamW(torch.optim.Optimizer):
         dos keeps one) and the groups' lr. The master weights are the parameters' (load the model first):
         taken from those changed since dos wrote them, as a step takes them; float32 ones on the CPU always.
         It checks everything before changing anything: on error the optimizer is as it was; then it applies
-        the dict whole (an exception meanwhile, a Ctrl-C's, propagates once it is applied, as in ``step``): never part old, part new. A parameter
-        without state in the dict (torch's before its first step) starts from zero moments. The groups' other
+        the dict whole (an exception meanwhile, a Ctrl-C's, propagates once it is applied, as in ``step``): never part old, part new. A dict
+        without state (torch's before its first step) starts every parameter from zero moments; one where some
+        parameters have state and others none (torch gives state at a parameter's first gradient) is refused,
+        naming them: dos keeps one step count for all. The groups' other
         settings (``initial_lr`` and the like) are restored as torch restores them. torch's load_state_dict
         hooks (torch >= 2) run as torch runs them."""
         state_dict = dict(state_dict)  # shallow, as torch's: a pre hook may change it
@@ -884,9 +886,11 @@ class AdamW(torch.optim.Optimizer):
                                  f"are {now} in the state dict, {fixed} in this optimizer: dos fixes them at construction")
             if not math.isfinite(float(g["lr"])):
                 raise ValueError(f"dos.torch.AdamW.load_state_dict: group {gi}: invalid lr {g['lr']}")
-        moments, steps, data = [], set(), []
+        moments, steps, data, stateless = [], set(), [], []
         for i, (key, P) in enumerate(zip(index, self._params)):
             st = state_dict["state"].get(key, {})
+            if "step" not in st:
+                stateless.append(i)
             steps.add(self._checked_state(i, "step", st["step"] if "step" in st else 0, "load_state_dict"))
             m = {}
             for k in self._keys()[1:]:
@@ -898,8 +902,13 @@ class AdamW(torch.optim.Optimizer):
             p = _local(P)
             data.append((p, self._data(i, p)))  # checked before anything changes
         if len(steps) > 1:
+            why = ""
+            if stateless:  # torch's optimizer gives state to a parameter at its first gradient
+                why = (f": parameters {stateless[:8]}{' ...' if len(stateless) > 8 else ''} have no state in the dict "
+                       "(torch's had no gradient for them yet), the others have; give every parameter a gradient "
+                       "(zeros) at every step, or leave those out of the optimizer")
             raise ValueError(f"dos.torch.AdamW.load_state_dict: the parameters' steps differ ({sorted(steps)}); "
-                             "dos keeps one step count")
+                             f"dos keeps one step count for all{why}")
         step = steps.pop()
         settings = [{k: v for k, v in sg.items() if k != "params"} for sg in groups]
         for i, (p, d) in enumerate(data):  # as a step takes them: dos's master weights are p.data either way

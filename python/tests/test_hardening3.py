@@ -714,3 +714,21 @@ def test_other_signals_exceptions_never_replace_sigints_handler():
         print("OK", n)
     """, timeout=60)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_load_state_dict_with_some_parameters_stateless_names_them():
+    """A torch state dict where one parameter never had a gradient (no state) beside others that have state:
+    refused, as dos keeps one step count, naming the stateless parameter and what to do (the second
+    adversary's round: the docstring promised zero moments for it, and the message named no parameter)."""
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    t = torch.optim.AdamW([a, b])
+    for _ in range(3):
+        a.grad = torch.ones(3)
+        t.step()
+    o = dt.AdamW([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))])
+    before = o.state_dict()
+    with pytest.raises(ValueError, match=r"steps differ \(\[0, 3\]\).*parameters \[1\] have no state in the dict"):
+        o.load_state_dict(t.state_dict())
+    after = o.state_dict()
+    assert after["state"][0]["step"].item() == before["state"][0]["step"].item() == 0
+    o.close()
