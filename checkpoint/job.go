@@ -412,7 +412,7 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		// checkpoint, never a first save's leftovers to remove.
 		badLatest = fmt.Sprintf("no %s, while its rank roots hold checkpoints of %d steps (a job that committed)", LatestFile, heldSteps(perRank))
 	}
-	if ahead := stepsAfter(common, jl); hasLatest && len(ahead) > 1 {
+	if ahead := stepsAfter(common, jl); hasLatest && (len(ahead) > 1 || rankTwoAhead(perRank, jl)) {
 		// A rank runs at most one save ahead of the job (the job commits
 		// a step once every rank's save of it is durable, and a save
 		// that fails ends the run): steps that every rank holds past the
@@ -425,6 +425,9 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 			names[i] = fmt.Sprint(a)
 		}
 		badLatest = fmt.Sprintf("a latest of step %d, while every rank root holds steps %s complete after it (a rank runs at most one save ahead of the job: its latest was moved back, or an older copy of it put back)", jl, strings.Join(names, ", "))
+		if len(ahead) <= 1 {
+			badLatest = fmt.Sprintf("a latest of step %d, while a rank root holds two steps or more complete after it (a rank runs at most one save ahead of the job: its latest was moved back, or an older copy of it put back)", jl)
+		}
 		hasLatest = false
 	}
 	if hasLatest && !common[jl] {
@@ -714,11 +717,13 @@ func Ranks(n int) string {
 // counts as holding nothing.
 func JobResumeStep(fsys FS, root string, world int, step int64) int64 {
 	var common map[int64]bool
+	perRank := make([]map[int64]bool, 0, world)
 	for r := range world {
 		steps, err := completeSteps(fsys, RankRoot(root, r))
 		if err != nil {
 			return step
 		}
+		perRank = append(perRank, maps.Clone(steps))
 		if common == nil {
 			common = steps
 			continue
@@ -729,10 +734,24 @@ func JobResumeStep(fsys FS, root string, world int, step int64) int64 {
 			}
 		}
 	}
-	if ahead := stepsAfter(common, step); len(ahead) > 1 {
+	if ahead := stepsAfter(common, step); len(ahead) > 1 || (len(ahead) == 1 && rankTwoAhead(perRank, step)) {
 		return ahead[len(ahead)-1]
 	}
 	return step
+}
+
+// rankTwoAhead reports whether a rank root holds two steps or more
+// complete after step: a rank runs at most one save ahead of the job, so
+// the job's latest naming step was moved back (every rank holding both is
+// the case stepsAfter sees; one rank holding both, another having lost its
+// newest, is this one), and what follows it was committed: never retired.
+func rankTwoAhead(perRank []map[int64]bool, step int64) bool {
+	for _, steps := range perRank {
+		if len(stepsAfter(steps, step)) > 1 {
+			return true
+		}
+	}
+	return false
 }
 
 // MovedBack returns, for the job of world ranks under root whose latest

@@ -339,3 +339,55 @@ func TestJobMinorMessages(t *testing.T) {
 		t.Errorf("dos train --resume --ckpt-dir %s: rc %d, want 1 naming step-000000008\n%s%s", rr0, rc, stdout, stderr)
 	}
 }
+
+// TestJobLatestMovedBackRankLostNewest (the third round's F1): a job
+// latest moved back to step 4 of steps 2, 4, 6, 8 while rank 1 lost its
+// step 8: every rank holds only step 6 after the latest, but rank 0 holds
+// two (6 and 8), which a rank one save ahead never does. recover and
+// --resume retired steps 6 and 8 as "never committed"; now the job moves
+// to step 6 and rank 0's step 8 is kept (set aside whole), nothing deleted.
+func TestJobLatestMovedBackRankLostNewest(t *testing.T) {
+	job := trainJobWith(t, "8")
+	for _, how := range []string{"recover", "resume"} {
+		t.Run(how, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "jl")
+			copyTree(t, job, dir)
+			if err := os.WriteFile(filepath.Join(dir, checkpoint.LatestFile), []byte("step-000000004\n"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.RemoveAll(checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 8)); err != nil {
+				t.Fatal(err)
+			}
+			var rc int
+			var stdout, stderr string
+			if how == "recover" {
+				rc, stdout, stderr = invoke(t, "ckpt", "recover", dir)
+			} else {
+				rc, stdout, stderr = invoke(t, "train", resumeArgs(dir, "6")...)
+			}
+			if rc != 0 || strings.Contains(stdout, "retired") {
+				t.Errorf("dos %s: rc %d, want 0 and nothing retired\n%s%s", how, rc, stdout, stderr)
+			}
+			if step, _, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 6 || err != nil {
+				t.Errorf("the job after %s: step %d, %v; want 6", how, step, err)
+			}
+			for r, want := range [][]string{{"step-000000002", "step-000000004", "step-000000006"}, {"step-000000002", "step-000000004", "step-000000006"}} {
+				if got := stepsIn(t, checkpoint.RankRoot(dir, r)); !slices.Equal(got, want) {
+					t.Errorf("rank %d's root after %s holds %v, want %v", r, how, got, want)
+				}
+			}
+			es, _ := os.ReadDir(checkpoint.RankRoot(dir, 0))
+			kept := false
+			for _, e := range es {
+				if strings.Contains(e.Name(), "step-000000008") && e.IsDir() {
+					if _, err := os.Stat(filepath.Join(checkpoint.RankRoot(dir, 0), e.Name(), checkpoint.ManifestFile)); err == nil {
+						kept = true
+					}
+				}
+			}
+			if !kept {
+				t.Errorf("rank 0's step 8 was not kept whole after %s: %v", how, es)
+			}
+		})
+	}
+}
