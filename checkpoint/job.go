@@ -655,6 +655,12 @@ func firstSaveUnsure(fsys FS, root string, world int) error {
 	return firstSaveCertain(fsys, root, world)
 }
 
+// firstSavePrefix names a rank's complete step that clearFirstSave kept
+// whole beside the job (root/first-save-rank-%05d-step-%09d-<unix
+// seconds>): no checkpoint of the root (a new run starts there), never
+// deleted by dos.
+const firstSavePrefix = "first-save-"
+
 // clearFirstSave removes what a job of world ranks that never committed
 // left in root: its rank roots (retired: what they hold of a first save
 // is no checkpoint), then JobFile, which names a rank count nothing was
@@ -665,10 +671,28 @@ func clearFirstSave(fsys FS, root string, world int) (string, error) {
 	if err := firstSaveCertain(fsys, root, world); err != nil {
 		return "", err
 	}
-	var removed []string
+	var removed, kept []string
 	for r := range world {
 		rr := RankRoot(root, r)
 		if _, err := fsys.Stat(rr); err == nil {
+			// A rank's complete step is kept whole beside the job, never
+			// deleted: it is a first save's piece, or (a job whose latest
+			// was lost and another rank's step with it) a committed one.
+			steps, err := completeSteps(fsys, rr)
+			if err != nil {
+				return "", err
+			}
+			for _, st := range slices.Sorted(maps.Keys(steps)) {
+				d := StepDir(rr, st)
+				a := freshName(fsys, root, firstSavePrefix+filepath.Base(rr)+"-"+filepath.Base(d))
+				if err := fsys.Rename(d, a); err != nil {
+					return "", fmt.Errorf("checkpoint: job %s never committed a checkpoint: keeping %s: %w", root, d, err)
+				}
+				if err := fsys.SyncDir(root); err != nil {
+					return "", fmt.Errorf("checkpoint: job %s: fsync: %w", root, err)
+				}
+				kept = append(kept, a)
+			}
 			if err := retire(fsys, root, rr); err != nil {
 				return "", err
 			}
@@ -678,6 +702,9 @@ func clearFirstSave(fsys FS, root string, world int) (string, error) {
 	what := ""
 	if len(removed) > 0 {
 		what = fmt.Sprintf("what its ranks wrote of a first save (%s)", strings.Join(removed, ", "))
+		if len(kept) > 0 {
+			what += fmt.Sprintf(", its complete pieces kept whole as %s (remove them once you know they are not a checkpoint you need)", strings.Join(kept, ", "))
+		}
 	}
 	jf := filepath.Join(root, JobFile)
 	if _, err := fsys.Stat(jf); err == nil {

@@ -490,7 +490,13 @@ func Aside(fsys FS, root string) []string {
 // asideName returns a free name in root for name set aside now:
 // damaged-NAME-<unix seconds>[-k].
 func asideName(fsys FS, root, name string) string {
-	base := filepath.Join(root, fmt.Sprintf("%s%s-%d", asidePrefix, name, time.Now().Unix()))
+	return freshName(fsys, root, asidePrefix+name)
+}
+
+// freshName returns root/NAME-<unix seconds>, or with -2, -3... after it,
+// the first that does not exist.
+func freshName(fsys FS, root, name string) string {
+	base := filepath.Join(root, fmt.Sprintf("%s-%d", name, time.Now().Unix()))
 	p := base
 	for k := 2; ; k++ {
 		if _, err := fsys.Stat(p); errors.Is(err, fs.ErrNotExist) {

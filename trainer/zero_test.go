@@ -248,7 +248,7 @@ func zeroCheckpoint(t *testing.T, sync bool) {
 }
 
 // TestZeROFirstSaveFails: rank 1's very first save fails: the job never
-// committed, and --resume starts over (what rank 0 wrote is retired)
+// committed, and --resume starts over (what rank 0 wrote kept whole beside the job)
 // instead of being refused at its first save; then the run completes.
 // A single-rank root is refused under --gpus and a job's root without it.
 func TestZeROFirstSaveFails(t *testing.T) {

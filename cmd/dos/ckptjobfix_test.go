@@ -391,3 +391,46 @@ func TestJobLatestMovedBackRankLostNewest(t *testing.T) {
 		})
 	}
 }
+
+// TestFirstSaveClearingKeepsCompletePieces (the third round's F2): a job
+// saved with --ckpt-keep 1 (each rank holds step 4 only) that lost its
+// latest and rank 1's step is the picture of a first save cut short; the
+// clearing deleted rank 0's committed step 4. Now recover and --resume
+// keep it whole beside the job (first-save-rank-00000-step-000000004-*),
+// and say so; the run starts over.
+func TestFirstSaveClearingKeepsCompletePieces(t *testing.T) {
+	job := filepath.Join(t.TempDir(), "k1")
+	args := append([]string{"--gpus", "2", "--steps", "4", "--ckpt-dir", job, "--ckpt-every", "2", "--ckpt-keep", "1"}, tinyShape...)
+	if rc, stdout, stderr := invoke(t, "train", args...); rc != 0 {
+		t.Fatalf("dos train: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	for _, how := range []string{"recover", "resume"} {
+		t.Run(how, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "k1")
+			copyTree(t, job, dir)
+			r1 := checkpoint.RankRoot(dir, 1)
+			for _, n := range []string{checkpoint.LatestFile, filepath.Base(checkpoint.StepDir(r1, 4))} {
+				if err := os.RemoveAll(filepath.Join(r1, n)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := os.Remove(filepath.Join(dir, checkpoint.LatestFile)); err != nil {
+				t.Fatal(err)
+			}
+			var rc int
+			var stdout, stderr string
+			if how == "recover" {
+				rc, stdout, stderr = invoke(t, "ckpt", "recover", dir)
+			} else {
+				rc, stdout, stderr = invoke(t, "train", resumeArgs(dir, "2", "--gpus", "2")...)
+			}
+			if rc != 0 || !strings.Contains(stdout, "kept whole as "+filepath.Join(dir, "first-save-rank-00000-step-000000004-")) {
+				t.Errorf("dos %s: rc %d, want 0 and rank 0's step 4 kept whole\n%s%s", how, rc, stdout, stderr)
+			}
+			kept, _ := filepath.Glob(filepath.Join(dir, "first-save-rank-00000-step-000000004-*", checkpoint.ManifestFile))
+			if len(kept) != 1 {
+				t.Errorf("after %s: rank 0's step 4 is not kept whole beside the job (%v)", how, kept)
+			}
+		})
+	}
+}
