@@ -81,6 +81,10 @@ func jobRoot(fsys FS, root string) error {
 			if holdsSteps(fsys, root) {
 				return strayRankRoots(fsys, root, ranks)
 			}
+			if names, empty := emptyRankRoots(fsys, root, ranks); empty {
+				return fmt.Errorf("%w: %s holds rank roots that hold nothing (%s: a job's run killed as it began?), and no %s: nothing was saved there; a job's run (--gpus N) starts there as it is; for one rank's, remove them first (rm -r %s)",
+					ErrJobRoot, root, strings.Join(names, ", "), JobFile, strings.Join(quoteAll(names), " "))
+			}
 			return fmt.Errorf("%w: %s holds the rank roots of a job (%s...) but no %s (lost?): dos ckpt recover %s rewrites it from the rank roots' records",
 				ErrJobRoot, root, RankRoot(root, ranks[0]), JobFile, ShellQuote(root))
 		}
@@ -103,8 +107,9 @@ func RankRoot(root string, rank int) string {
 }
 
 // JobFresh reports whether root holds nothing of a job (no job.json, no
-// latest, no rank root) and nothing of a single-rank root either: what a
-// new job may start in. A missing root is fresh.
+// latest, no rank root but ones that hold only their lock files) and
+// nothing of a single-rank root either: what a new job may start in. A
+// missing root is fresh.
 func JobFresh(fsys FS, root string) (bool, error) {
 	es, err := fsys.ReadDir(root)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -113,11 +118,26 @@ func JobFresh(fsys FS, root string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
+	var ranks []int
 	for _, e := range es {
 		n := e.Name()
-		if n == JobFile || n == LatestFile || n == pendingLatest || strings.HasPrefix(n, "rank-") || strings.HasPrefix(n, "step-") {
+		if n == JobFile || n == LatestFile || n == pendingLatest || strings.HasPrefix(n, "step-") {
 			return false, nil
 		}
+		if strings.HasPrefix(n, "rank-") {
+			r, err := strconv.Atoi(strings.TrimPrefix(n, "rank-"))
+			if err != nil || r < 0 || filepath.Base(RankRoot(root, r)) != n {
+				return false, nil
+			}
+			ranks = append(ranks, r)
+		}
+	}
+	if len(ranks) > 0 {
+		// Rank roots that hold nothing but their lock files: what a run
+		// killed as its job began leaves (BeginJob makes them before
+		// job.json). Nothing was saved: fresh.
+		_, empty := emptyRankRoots(fsys, root, ranks)
+		return empty, nil
 	}
 	return true, nil
 }

@@ -110,7 +110,11 @@ func IsJob(fsys FS, root string) bool {
 		return true
 	}
 	ranks, err := rankRootsIn(fsys, root)
-	return err == nil && len(ranks) > 0 && !holdsSteps(fsys, root)
+	if err != nil || len(ranks) == 0 || holdsSteps(fsys, root) {
+		return false
+	}
+	_, empty := emptyRankRoots(fsys, root, ranks) // a run killed as its job began: nothing of a job yet
+	return !empty
 }
 
 // holdsSteps reports whether root holds a step directory's name
@@ -347,6 +351,12 @@ func checkJob(fsys FS, root string, identify Identify) (world, fix int, err erro
 	if errors.Is(jerr, fs.ErrNotExist) {
 		if len(present) == 0 {
 			return 0, 0, fmt.Errorf("checkpoint: %s is not a job's root (no %s, no rank root): %w", root, JobFile, jerr)
+		}
+		if names, empty := emptyRankRoots(fsys, root, present); empty {
+			// What a run killed as its job began leaves (BeginJob makes
+			// the rank roots, each with its lock file, before job.json).
+			return 0, 0, fmt.Errorf("%w: %s holds no %s and rank roots that hold nothing (%s: a run killed as its job began?): nothing was saved there, and nothing was changed; remove them (rm -r %s) to start a run there",
+				ErrCorrupt, root, JobFile, strings.Join(names, ", "), strings.Join(quoteAll(names), " "))
 		}
 		return 0, 0, fmt.Errorf("%w: job %s: %s is missing, and its rank roots' checkpoints do not say the job's rank count (an older dos, or rank roots missing): nothing was changed; put %s back",
 			ErrCorrupt, root, jobFile, JobFile)
@@ -698,4 +708,33 @@ func rankSlot(fsys FS, dir string) (string, bool) {
 		}
 	}
 	return "", false
+}
+
+// emptyRankRoots returns the rank roots of root among present (ranks) and
+// whether every one holds nothing but its lock file.
+func emptyRankRoots(fsys FS, root string, present []int) ([]string, bool) {
+	var names []string
+	for _, r := range present {
+		rr := RankRoot(root, r)
+		es, err := fsys.ReadDir(rr)
+		if err != nil {
+			return nil, false
+		}
+		for _, e := range es {
+			if e.Name() != LockFile {
+				return nil, false
+			}
+		}
+		names = append(names, rr)
+	}
+	return names, len(names) > 0
+}
+
+// quoteAll is ShellQuote of each of names.
+func quoteAll(names []string) []string {
+	q := make([]string, len(names))
+	for i, n := range names {
+		q[i] = ShellQuote(n)
+	}
+	return q
 }

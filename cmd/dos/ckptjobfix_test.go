@@ -434,3 +434,42 @@ func TestFirstSaveClearingKeepsCompletePieces(t *testing.T) {
 		})
 	}
 }
+
+// TestJobKilledAsItBegan (the third round's F3): a run killed inside
+// BeginJob leaves rank roots that hold only their lock files and no
+// job.json. Every command said "job.json is missing ... put job.json back"
+// (there never was one) or "pass --resume", in a circle. Now a job's run
+// starts there, and one rank's run and recover say to remove them.
+func TestJobKilledAsItBegan(t *testing.T) {
+	mk := func(t *testing.T) string {
+		dir := filepath.Join(t.TempDir(), "bj")
+		for _, p := range []string{checkpoint.RankRoot(dir, 0), checkpoint.RankRoot(dir, 1)} {
+			if err := os.MkdirAll(p, 0o755); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.WriteFile(filepath.Join(checkpoint.RankRoot(dir, 0), checkpoint.LockFile), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	dir := mk(t)
+	want := "hold nothing (" + checkpoint.RankRoot(dir, 0) + ", " + checkpoint.RankRoot(dir, 1)
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc == 0 || !strings.Contains(stderr, want) || !strings.Contains(stderr, "rm -r") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	one := append([]string{"--steps", "2", "--ckpt-dir", dir}, tinyShape...)
+	if rc, stdout, stderr := invoke(t, "train", one...); rc == 0 || !strings.Contains(stderr, want) {
+		t.Errorf("dos train (one rank): rc %d\n%s%s", rc, stdout, stderr)
+	}
+	for _, extra := range [][]string{nil, {"--resume"}} {
+		dir := mk(t)
+		args := append(append([]string{"--gpus", "2", "--steps", "2", "--ckpt-every", "2", "--ckpt-dir", dir}, extra...), tinyShape...)
+		if rc, stdout, stderr := invoke(t, "train", args...); rc != 0 || !strings.Contains(stdout, "done: 2 iterations") {
+			t.Errorf("dos train --gpus 2 %v: rc %d\n%s%s", extra, rc, stdout, stderr)
+		}
+		if step, world, err := checkpoint.JobLatest(checkpoint.OS, dir); step != 2 || world != 2 || err != nil {
+			t.Errorf("the job after dos train --gpus 2 %v: step %d of %d ranks, %v", extra, step, world, err)
+		}
+	}
+}
