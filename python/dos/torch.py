@@ -1090,10 +1090,10 @@ class AdamW(torch.optim.Optimizer):
             return
         lock = self.__dict__.get("_lock")
         if lock is None:  # construction failed before the lock: nothing runs beside this
-            h, self._h = getattr(self, "_h", 0), 0
+            h = getattr(self, "_h", 0)
         else:
             with lock, _Call(self, quiet=True):  # after a step, save or load of another thread, never inside one
-                h, self._h = getattr(self, "_h", 0), 0
+                h = getattr(self, "_h", 0)
                 if h:
                     self._close(h)
                 return
@@ -1102,14 +1102,23 @@ class AdamW(torch.optim.Optimizer):
 
     def _close(self, h):
         """dos_adamw_close, which waits for the last save and raises its failure: that save is reported then
-        (the exit hook does not report it again)."""
+        (the exit hook does not report it again). The handle is forgotten only once dos has closed it: an
+        interrupt before leaves it for the next close() (it was forgotten first, and the state and its root's
+        ownership lived on for the process)."""
+        closed = False
         try:
-            _native.call("dos_adamw_close", h)
+            _native.call("dos_adamw_close", h)  # closed when it returns or raises (a save's failure)
+            closed = True
+        except _native.DosError:
+            closed = True
+            raise
         finally:
-            last = self.__dict__.get("_last_save")
-            if last is not None:
-                last._reported = True
-            _saving.discard(self)
+            if closed:  # closing a handle dos closed already is nothing: an interrupt just after is harmless
+                self._h = 0
+                last = self.__dict__.get("_last_save")
+                if last is not None:
+                    last._reported = True
+                _saving.discard(self)
 
     def __del__(self):
         try:

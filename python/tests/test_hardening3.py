@@ -3,6 +3,7 @@ step(), load(), load_state_dict() and a multi-key opt.state[p] = {...}; a lazy s
 optimizers over one 16-bit parameter; a re-save refused after step() reported a failed save; a relative root and
 os.chdir; fork() racing a root lock's open; an optimizer built under torch.inference_mode()."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -732,3 +733,38 @@ def test_load_state_dict_with_some_parameters_stateless_names_them():
     after = o.state_dict()
     assert after["state"][0]["step"].item() == before["state"][0]["step"].item() == 0
     o.close()
+
+
+def test_interrupt_at_any_line_of_close_leaves_it_closable(tmp_path):
+    """An interrupt at any line of close() (a second Ctrl-C in a finally: opt.close()): the next close() frees
+    dos's state and the root's ownership, so a new optimizer saves into the same root (the third adversary's
+    round: the handle was forgotten before dos closed it, and the root stayed owned for the process)."""
+    root = str(tmp_path / "r")
+    box = {}
+
+    def op(traced):
+        p = torch.nn.Parameter(torch.randn(8))
+        o = dt.AdamW([p], lr=1e-2)
+        p.grad = torch.ones(8)
+        o.step()
+        o.save(root).wait()
+        box["o"] = o
+        traced(o.close)
+
+    def check(k, where):
+        o = box.pop("o")
+        o.close()  # the rest of the first, or nothing
+        q = torch.nn.Parameter(torch.randn(8))
+        n = dt.AdamW([q], lr=1e-2)
+        q.grad = torch.ones(8)
+        n.step()
+        n.step()  # step 2: a step the root's latest (step 1) does not hold
+        try:
+            n.save(root).wait()
+        except _native.DosError as e:
+            raise AssertionError(f"interrupt at {where}: the root is still owned: {e}")
+        finally:
+            n.close()
+        shutil.rmtree(root)
+
+    assert _every_line(op, check) > 3
