@@ -702,6 +702,21 @@ func clearFirstSave(fsys FS, root string, world int) (string, error) {
 			if err != nil {
 				return "", err
 			}
+			if len(steps) > 0 {
+				// The rank root's latest goes first: cut short after it,
+				// the rank root holds a complete step and no latest (cleared
+				// again the same way); cut short after a move, a latest
+				// would name a step no longer there, which no command then
+				// takes for a first save.
+				for _, n := range []string{LatestFile, pendingLatest} {
+					if err := fsys.RemoveAll(filepath.Join(rr, n)); err != nil {
+						return "", fmt.Errorf("checkpoint: job %s never committed a checkpoint: removing %s: %w", root, filepath.Join(rr, n), err)
+					}
+				}
+				if err := fsys.SyncDir(rr); err != nil {
+					return "", fmt.Errorf("checkpoint: job %s: fsync: %w", root, err)
+				}
+			}
 			for _, st := range slices.Sorted(maps.Keys(steps)) {
 				d := StepDir(rr, st)
 				a := freshName(fsys, root, firstSavePrefix+filepath.Base(rr)+"-"+filepath.Base(d))

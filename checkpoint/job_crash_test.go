@@ -114,3 +114,57 @@ func lastOp(e *errorFS) string {
 	}
 	return "-"
 }
+
+// TestClearFirstSaveCrashEveryOp: a job whose first save only rank 0
+// finished (rank 1 holds its lock file) is cleared by ResumeJob, which
+// keeps rank 0's complete step whole beside the job; a crash at every file
+// operation of that clearing (a process crash or a power loss), then a
+// second ResumeJob: it clears what is left (a new run may start) and rank
+// 0's step is never lost: kept beside the job or still in its root. The
+// fourth job adversary's round: cut short between the step's move and the
+// rank root's removal, the rank root's latest named a step no longer
+// there, and every command refused it, in a circle; and a failing Stat
+// made the search for a free name (freshName) loop for ever.
+func TestClearFirstSaveCrashEveryOp(t *testing.T) {
+	const root = "/job"
+	for _, power := range []bool{false, true} {
+		for i := 0; ; i++ {
+			if i > 200 {
+				t.Fatalf("power=%v: ResumeJob still crashing at op %d", power, i)
+			}
+			m := newMemFS()
+			if err := BeginJob(m, root, 2); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := Save(m, RankRoot(root, 0), testSnapshot(2)); err != nil {
+				t.Fatal(err)
+			}
+			e := newErrorFS(m)
+			e.crashAt = i
+			_, _, err := ResumeJob(e, root, 2)
+			done := e.ops <= i
+			if done && err != nil {
+				t.Fatalf("ResumeJob without a crash: %v", err)
+			}
+			c := m.crashClone(power)
+			if step, _, err := ResumeJob(c, root, 2); err != nil || step != -1 {
+				t.Errorf("power=%v crash at op %d (%s): the second ResumeJob: step %d, %v; want -1 (start over)", power, i, lastOp(e), step, err)
+			}
+			es, _ := c.ReadDir(root)
+			kept := false
+			for _, en := range es {
+				if len(en.Name()) > len(firstSavePrefix) && en.Name()[:len(firstSavePrefix)] == firstSavePrefix {
+					if st, err := c.Stat(root + "/" + en.Name() + "/" + ManifestFile); err == nil && st.Mode().IsRegular() {
+						kept = true
+					}
+				}
+			}
+			if !kept {
+				t.Errorf("power=%v crash at op %d (%s): rank 0's complete step 2 is not kept beside the job: %v", power, i, lastOp(e), es)
+			}
+			if done {
+				break
+			}
+		}
+	}
+}

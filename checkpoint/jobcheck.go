@@ -504,12 +504,15 @@ func asideName(fsys FS, root, name string) string {
 }
 
 // freshName returns root/NAME-<unix seconds>, or with -2, -3... after it,
-// the first that does not exist.
+// the first that Stat does not find.
 func freshName(fsys FS, root, name string) string {
 	base := filepath.Join(root, fmt.Sprintf("%s-%d", name, time.Now().Unix()))
 	p := base
 	for k := 2; ; k++ {
-		if _, err := fsys.Stat(p); errors.Is(err, fs.ErrNotExist) {
+		// Taken only when Stat finds it: another error (EIO, EACCES) is
+		// the rename's to report, never a reason to try the next name
+		// (this looped for ever on a failing disk).
+		if _, err := fsys.Stat(p); err != nil {
 			return p
 		}
 		p = fmt.Sprintf("%s-%d", base, k)
