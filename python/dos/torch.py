@@ -879,6 +879,11 @@ class AdamW(torch.optim.Optimizer):
         index = [i for g in groups for i in g["params"]]
         if len(index) != len(self._params):
             raise ValueError(f"dos.torch.AdamW.load_state_dict: {len(index)} parameters, this optimizer has {len(self._params)}")
+        stray = [k for k in state_dict["state"] if k not in set(index)]
+        if stray:  # torch parks them under keys no parameter uses; dos would start those parameters from zero
+            raise ValueError(f"dos.torch.AdamW.load_state_dict: the state dict's state has keys {stray[:8]!r} that its "
+                             f"param groups do not list ({index[:8]!r}...): keys changed on the way (a JSON round trip "
+                             "makes them strings?); its state would be lost")
         for gi, (g, fixed) in enumerate(zip(groups, self._fixed)):
             now = self._hyper(g)
             if now != fixed:

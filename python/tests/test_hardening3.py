@@ -768,3 +768,19 @@ def test_interrupt_at_any_line_of_close_leaves_it_closable(tmp_path):
         shutil.rmtree(root)
 
     assert _every_line(op, check) > 3
+
+
+def test_load_state_dict_with_keys_its_groups_do_not_list_is_refused():
+    """State keys that the param groups do not list (strings after a JSON round trip, the groups' ints): refused,
+    nothing changed (the fourth adversary's round: every parameter silently restarted from zero moments)."""
+    ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    o = dt.AdamW(ps, lr=1e-2)
+    for p in ps:
+        p.grad = torch.ones(3)
+    o.step()
+    sd = o.state_dict()
+    sd["state"] = {str(k): v for k, v in sd["state"].items()}
+    with pytest.raises(ValueError, match=r"keys \['0', '1'\] that its param groups do not list"):
+        o.load_state_dict(sd)
+    assert o.state_dict()["state"][0]["step"].item() == 1
+    o.close()
