@@ -634,8 +634,8 @@ func firstSaveCertain(fsys FS, root string, world int) error {
 	if len(seen) == 0 || present == 0 {
 		return nil
 	}
-	return fmt.Errorf("%w: job %s has no latest and no step complete in every rank root, as a run killed during its first save leaves it, but %s: it may have committed a checkpoint. Nothing was changed: put back what is missing (a rank root or step directory moved away, a disk not mounted?) and run again; if the job really never committed (a run killed during its first save), remove %s to start over",
-		ErrCorrupt, root, strings.Join(seen, "; "), ShellQuote(root))
+	return fmt.Errorf("%w: job %s has no latest and no step complete in every rank root, as a run killed during its first save leaves it, but %s: it may have committed a checkpoint. Nothing was changed: put back what is missing (a rank root or step directory moved away, a disk not mounted?) and run again; if the job really never committed (a run killed during its first save), move %s and its rank roots out of %s to start over (what else it holds, first-save-* pieces kept by an earlier clearing too, stays)",
+		ErrCorrupt, root, strings.Join(seen, "; "), JobFile, ShellQuote(root))
 }
 
 // firstSaveUnsure returns firstSaveCertain's error when root's job of
