@@ -186,6 +186,11 @@ var handles struct {
 	// release closes an optimizer's device (offload.OpenDevice's), by the
 	// optimizer's handle, after its Close.
 	release map[int64]func()
+	// closeErr is a close's error (its last save's failure), kept by the
+	// closed handle until a second dos_adamw_close of it returns it once:
+	// the binding closes again when an interrupt kept it from reading the
+	// first's error.
+	closeErr map[int64]error
 }
 
 // saver is an optimizer's checkpoint engine on one root.
@@ -243,7 +248,7 @@ func lookup(h C.int64_t) (*offload.Optimizer, error) {
 func newHandle() int64 {
 	if handles.m == nil {
 		handles.m, handles.eng, handles.saves = map[int64]*offload.Optimizer{}, map[int64]*saver{}, map[int64]savedBy{}
-		handles.release = map[int64]func(){}
+		handles.release, handles.closeErr = map[int64]func(){}, map[int64]error{}
 	}
 	handles.next++
 	return handles.next
@@ -558,10 +563,13 @@ func dos_adamw_close(h C.int64_t, errOut **C.char) C.int32_t {
 		delete(handles.m, int64(h))
 		delete(handles.eng, int64(h))
 		delete(handles.release, int64(h))
-		handles.Unlock()
-		if o == nil {
-			return nil
+		if o == nil { // closed already: the first close's error, once, if it was not read
+			err := handles.closeErr[int64(h)]
+			delete(handles.closeErr, int64(h))
+			handles.Unlock()
+			return err
 		}
+		handles.Unlock()
 		var errs []error
 		if sv != nil {
 			errs = append(errs, sv.e.Close()) // waits for the save in flight
@@ -570,7 +578,13 @@ func dos_adamw_close(h C.int64_t, errOut **C.char) C.int32_t {
 		if rel != nil {
 			rel() // the device, after the optimizer that used it
 		}
-		return errors.Join(errs...)
+		err := errors.Join(errs...)
+		if err != nil {
+			handles.Lock()
+			handles.closeErr[int64(h)] = err
+			handles.Unlock()
+		}
+		return err
 	}))
 }
 

@@ -21,7 +21,7 @@
 //	void dos_save_free(int64_t save);
 //	int32_t dos_adamw_load(int64_t h, const char *path, char **objects_json, char **err);
 //	int32_t dos_adamw_placement(int64_t h, char **json, char **err);
-//	int32_t dos_adamw_close(int64_t h, char **err);
+//	int32_t dos_adamw_close(int64_t h, char **err); /* waits for the last save; its failure is the error, returned again (once) by a second close of h */
 //	void dos_free(char *p);
 //	const char *dos_version(void);
 //	int32_t dos_lock_fds(int32_t *fds, int32_t n);

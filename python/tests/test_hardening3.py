@@ -2,6 +2,7 @@
 step(), load(), load_state_dict() and a multi-key opt.state[p] = {...}; a lazy save lost at interpreter exit; two
 optimizers over one 16-bit parameter; a re-save refused after step() reported a failed save; a relative root and
 os.chdir; fork() racing a root lock's open; an optimizer built under torch.inference_mode()."""
+import ctypes
 import os
 import shutil
 import signal
@@ -784,3 +785,29 @@ def test_load_state_dict_with_keys_its_groups_do_not_list_is_refused():
         o.load_state_dict(sd)
     assert o.state_dict()["state"][0]["step"].item() == 1
     o.close()
+
+
+def test_close_interrupted_as_dos_returns_still_reports_the_failed_save(tmp_path, monkeypatch):
+    """An interrupt that lands as dos's close returns (dos has closed, its error not yet read: the fifth
+    adversary's round): the next close() raises the last save's failure, which was lost (nothing at close, at
+    exit or at collection)."""
+    p = torch.nn.Parameter(torch.randn(4))
+    o = dt.AdamW([p], lr=1e-2)
+    p.grad = torch.full((4,), 1e38)
+    o.step()  # exp_avg_sq overflows to Inf: the save fails
+    o.save(str(tmp_path / "r"))
+    real = _native.call
+
+    def call(name, *args):
+        if name == "dos_adamw_close":
+            err = ctypes.c_void_p()
+            getattr(_native.lib(), name)(*args, ctypes.byref(err))  # dos closes; its error is never read
+            raise KeyboardInterrupt("as the call returned")
+        return real(name, *args)
+    monkeypatch.setattr(_native, "call", call)
+    with pytest.raises(KeyboardInterrupt):
+        o.close()
+    monkeypatch.setattr(_native, "call", real)
+    with pytest.raises(dos.DosError, match="exp_avg_sq"):
+        o.close()
+    o.close()  # reported once: nothing more
