@@ -118,21 +118,21 @@ func JobFresh(fsys FS, root string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	var ranks []int
+	nrank := 0
 	for _, e := range es {
 		n := e.Name()
 		if n == JobFile || n == LatestFile || n == pendingLatest || strings.HasPrefix(n, "step-") {
 			return false, nil
 		}
 		if strings.HasPrefix(n, "rank-") {
-			r, err := strconv.Atoi(strings.TrimPrefix(n, "rank-"))
-			if err != nil || r < 0 || filepath.Base(RankRoot(root, r)) != n {
-				return false, nil
-			}
-			ranks = append(ranks, r)
+			nrank++
 		}
 	}
-	if len(ranks) > 0 {
+	if nrank > 0 {
+		ranks, err := rankRootsIn(fsys, root)
+		if err != nil || len(ranks) != nrank { // a rank-* entry that is no rank root's name
+			return false, err
+		}
 		// Rank roots that hold nothing but their lock files: what a run
 		// killed as its job began leaves (BeginJob makes them before
 		// job.json). Nothing was saved: fresh.
@@ -407,23 +407,9 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 		}
 	}
 	// The steps complete in each rank root, and in every one.
-	perRank := make([]map[int64]bool, world)
-	common := map[int64]bool{}
-	for r := range world {
-		steps, err := completeSteps(fsys, RankRoot(root, r))
-		if err != nil {
-			return 0, "", err
-		}
-		perRank[r] = steps
-		if r == 0 {
-			maps.Copy(common, steps)
-			continue
-		}
-		for s := range common {
-			if !steps[s] {
-				delete(common, s)
-			}
-		}
+	perRank, common, err := stepsByRank(fsys, root, world)
+	if err != nil {
+		return 0, "", err
 	}
 	if !hasLatest && badLatest == "" && heldSteps(perRank) > 1 {
 		// No job latest, but the ranks hold two steps or more: not a
@@ -778,28 +764,36 @@ func Ranks(n int) string {
 // ResumeJob does. It changes nothing; a rank root that cannot be read
 // counts as holding nothing.
 func JobResumeStep(fsys FS, root string, world int, step int64) int64 {
-	var common map[int64]bool
-	perRank := make([]map[int64]bool, 0, world)
-	for r := range world {
-		steps, err := completeSteps(fsys, RankRoot(root, r))
-		if err != nil {
-			return step
-		}
-		perRank = append(perRank, maps.Clone(steps))
-		if common == nil {
-			common = steps
-			continue
-		}
-		for s := range common {
-			if !steps[s] {
-				delete(common, s)
-			}
-		}
+	perRank, common, err := stepsByRank(fsys, root, world)
+	if err != nil {
+		return step
 	}
 	if ahead := stepsAfter(common, step); len(ahead) > 1 || (len(ahead) == 1 && rankTwoAhead(perRank, step)) {
 		return ahead[len(ahead)-1]
 	}
 	return step
+}
+
+// stepsByRank returns the steps complete in each of the world rank roots
+// under root (completeSteps) and those complete in every one.
+func stepsByRank(fsys FS, root string, world int) (perRank []map[int64]bool, common map[int64]bool, err error) {
+	perRank = make([]map[int64]bool, world)
+	common = map[int64]bool{}
+	for r := range world {
+		if perRank[r], err = completeSteps(fsys, RankRoot(root, r)); err != nil {
+			return nil, nil, err
+		}
+		if r == 0 {
+			maps.Copy(common, perRank[r])
+			continue
+		}
+		for s := range common {
+			if !perRank[r][s] {
+				delete(common, s)
+			}
+		}
+	}
+	return perRank, common, nil
 }
 
 // rankTwoAhead reports whether a rank root holds two steps or more
