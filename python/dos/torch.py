@@ -409,10 +409,11 @@ class AdamW(torch.optim.Optimizer):
             self._views = self._device_views() if self._cuda else None
             # CPU parameters: each one's private gradient and weights buffers (flat, of the parameters' dtype),
             # which only this optimizer holds: dos reads the gradients from and writes the new weights into them,
-            # while the GIL is released, and torch's copy_ moves them from and into the user's tensors with the
-            # GIL held, so that no other thread's change of a user's tensor (p.data.resize_(), p.grad = ...) can
-            # free memory that dos is reading or writing. For float32 the weights buffer also carries the master
-            # weights taken in.
+            # while the GIL is released, and torch's copy_ moves them from and into the user's tensors, so that no
+            # other thread's change of a user's tensor (p.data.resize_(), p.grad = ...) can free memory that dos
+            # is reading or writing. (torch's copy_ releases the GIL too: a resize during it is the user's data
+            # race, as during torch.optim's in-place update; seen faulting in copy_ on the H200.) For float32 the
+            # weights buffer also carries the master weights taken in.
             self._gbuf = self._wbuf = None
             if not self._cuda:
                 self._gbuf = [torch.empty(_local(P).numel(), dtype=self._dtype) for P in self._params]
