@@ -226,10 +226,15 @@ func newerCommitted(sv *saver, dir string, step int64) error {
 			latest = s.Step
 		}
 	}
-	if latest >= step {
+	switch {
+	case latest == step:
+		return fmt.Errorf("dos: save: step %d is saved into %s already (its latest committed checkpoint, by this optimizer "+
+			"or another run at the same step): a checkpoint is never replaced; step first, or save into another root", step, dir)
+	case latest > step:
 		return fmt.Errorf("dos: save: the checkpoint root %s holds a committed checkpoint at step %d, and this optimizer is at step %d: "+
-			"a save there would retire or replace it (a checkpoint is never lost); save into another root, or remove %s's "+
-			"checkpoints of step %d and above yourself first", dir, latest, step, dir, step)
+			"a save there would retire or replace it (a checkpoint is never lost); save into another root, or move %s's "+
+			"checkpoints of step %d and above out of it and run `dos ckpt recover %s` (which points latest at the newest "+
+			"left) first", dir, latest, step, dir, step, dir)
 	}
 	return nil
 }
@@ -674,6 +679,7 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 		handles.Lock()
 		sv := handles.eng[int64(h)]
 		handles.Unlock()
+		fresh := false // sv opened by this call: a refused save closes it, leaving dir unlocked
 		if sv == nil || sv.root != dir || sv.keep != int(keep) || sv.ring != int64(ring) {
 			// Refused before this optimizer's engine on its old root is
 			// closed, and before an engine touches dir.
@@ -689,8 +695,9 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 				handles.Lock()
 				delete(handles.eng, int64(h))
 				handles.Unlock()
-				if err := sv.e.Close(); err != nil {
-					return err
+				if err := sv.e.Close(); err != nil { // the last save's failure, which nothing reported yet
+					return fmt.Errorf("dos: save: the previous save, into %s, failed (nothing is saved into %s now; save "+
+						"again): %w", sv.root, dir, err)
 				}
 			}
 			e, err := checkpoint.NewEngine(checkpoint.OS, dir, checkpoint.EngineOptions{Keep: int(keep), RingBytes: int64(ring)})
@@ -716,9 +723,18 @@ func dos_adamw_save(h C.int64_t, root *C.char, objects *C.char, keep C.int32_t, 
 			}
 			handles.eng[int64(h)] = sv
 			handles.Unlock()
+			fresh = true
 		}
 		step := o.StepCount()
 		if err := newerCommitted(sv, dir, step); err != nil {
+			if fresh { // nothing saved into dir by this engine: let go of the root's lock
+				handles.Lock()
+				if handles.eng[int64(h)] == sv {
+					delete(handles.eng, int64(h))
+				}
+				handles.Unlock()
+				_ = sv.e.Close()
+			}
 			return err
 		}
 		hd, err := o.SaveAsync(sv.e, step, objs)

@@ -9,8 +9,10 @@ FSDP2's local shards (``DTensor.to_local()``).
 import atexit
 import ctypes
 import json
+from collections import Counter
 from collections.abc import MutableMapping
 import math
+import numbers
 import os
 import shlex
 import sys
@@ -146,7 +148,7 @@ def _write(p, d, src):
 
 
 _saving = weakref.WeakSet()  # the live optimizers that saved: _wait_saves_at_exit waits for their last save
-_exit_hook = []  # [True] once _wait_saves_at_exit is registered
+_exit_hook = []  # [True] once _wait_saves_at_exit is registered, then "ran" once it has run
 
 
 def _wait_saves_at_exit():
@@ -155,6 +157,7 @@ def _wait_saves_at_exit():
     written) unless its handle reported it already; a failure is named on stderr in one line."""
     if _native.forked():
         return  # the parent's saves
+    _exit_hook.append("ran")  # a save after this (an exit hook registered before dos's runs after it) waits itself
     for opt in list(_saving):
         h = opt.__dict__.get("_last_save")
         if h is None or h._reported:
@@ -166,6 +169,19 @@ def _wait_saves_at_exit():
             msg = (str(e).splitlines() or [type(e).__name__])[0]
             print(f"dos.torch.AdamW: at exit, the save of step {step} into {os.fsdecode(path)} failed: {msg}",
                   file=sys.stderr, flush=True)
+
+
+def _lr(v, where):
+    """A group's lr as dos takes it: a real number (an int, a float, a NumPy scalar; not a bool), or a 0-dim real tensor (torch >= 2 takes a
+    Tensor lr), finite and >= 0 (torch.optim.AdamW's "Invalid learning rate"); ValueError naming where."""
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if isinstance(v, torch.Tensor):
+        ok = v.numel() == 1 and v.dim() == 0 and not v.is_complex() and v.dtype != torch.bool
+    x = float(v) if ok else math.nan
+    if not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"dos.torch.AdamW{where}: invalid lr {v!r}: want a finite number >= 0 (an int, a float or a "
+                         "0-dim tensor)")
+    return x
 
 
 def _norm(v):
@@ -209,8 +225,10 @@ class _Call:
                 pass
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, typ, e, tb):
         self._o._call_frame = None
+        if isinstance(e, _native.DosError) and not self._quiet:
+            self._o._reported(e)  # whichever call raised the last save's failure, it is reported now
         return False
 
 
@@ -587,17 +605,15 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         self._handle()
         with self._lock, self._locked():
-            try:
-                self._step()
-            except _native.DosError as e:
-                self._reported(e)
-                raise
+            self._step()
         return loss
 
     def _reported(self, e):
-        """After step() raised e: when e is the failure of this optimizer's last save (dos reports it once, by
-        the next step), that save is reported: its handle's wait() has said so (which forgets the step saved,
-        so that it can be saved again, and drops the engine, which would report it again)."""
+        """After a call raised e (_Call's exit: a step, state read or write, load_state_dict, load, save): when
+        e is the failure of this optimizer's last save (dos reports it once, by the next step, state write,
+        save or load), that save is reported: its handle's wait() has said so (which forgets the step saved,
+        so that it can be saved again, and drops the engine, which would report it again at the next save, at
+        close and at exit)."""
         h = self._last_save
         if h is None or h._reported or not h.done():
             return
@@ -606,6 +622,19 @@ class AdamW(torch.optim.Optimizer):
         except _native.DosError as we:
             if str(we) not in str(e):  # another failure: the save's is still to be reported by its wait()
                 h._reported = False
+
+    def _save_failure_first(self):
+        """Before a change made of several writes into dos (load_state_dict, a state[p] = {...}): waits for the
+        last save and raises its failure, if it failed and was not reported (reported then, as step() reports
+        it), so that dos's first write does not raise it after the change began: the change would then be
+        finished whole (_settle) and raise, applied. Nothing has changed when it raises."""
+        h = self._last_save
+        if h is not None and not h._reported:
+            try:
+                h.wait()
+            except _native.DosError as e:
+                raise _native.DosError(f"dos.torch.AdamW: the last save (step {h._saved[1]} into "
+                                       f"{os.fsdecode(h._saved[0])}) failed, nothing was changed now: {e}") from e
 
     def _locked(self):
         """The context inside ``with self._lock`` of one step, save, load or state read or change (_Call): it
@@ -671,15 +700,14 @@ class AdamW(torch.optim.Optimizer):
             else:
                 self._gbuf[i].view(d.shape).copy_(grad)  # converts the dtype, resolves a lazy negation
         for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
-            if not math.isfinite(float(g["lr"])):
-                raise ValueError(f"dos.torch.AdamW: param group {gi}: invalid lr: {g['lr']}")
+            _lr(g["lr"], f": param group {gi}")
             now = self._hyper(g)
             if now != fixed:
                 names = ("weight_decay", "betas", "eps", "amsgrad", "maximize")
                 what = ", ".join(f"{k} {b!r} -> {a!r}" for k, a, b in zip(names, now, fixed) if a != b)
                 raise ValueError(f"dos.torch.AdamW: param group {gi} changed {what} after construction; dos reads only lr "
                                  "at every step (OneCycleLR cycles betas unless cycle_momentum=False)")
-        lrs = (ctypes.c_double * len(self.param_groups))(*[float(g["lr"]) for g in self.param_groups])
+        lrs = (ctypes.c_double * len(self.param_groups))(*[_lr(g["lr"], "") for g in self.param_groups])
         if not self._cuda:
             params, grads = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
             plens, glens = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
@@ -807,6 +835,9 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} is a DTensor whose local shard has shape "
                                  f"{tuple(_local(v).shape)}, this rank's shard of the parameter {tuple(self._shapes[i])}")
         src = torch.as_tensor(_local(v)).detach()
+        if src.is_complex() or src.dtype == torch.bool:
+            raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} is {src.dtype}: want real values (it is copied "
+                             "into float32)")
         if src.shape != self._shapes[i]:
             raise ValueError(f"dos.torch.AdamW.{what}: parameter {i}'s {k} has shape {tuple(src.shape)}, "
                              f"the parameter {tuple(self._shapes[i])}")
@@ -880,6 +911,10 @@ class AdamW(torch.optim.Optimizer):
         index = [i for g in groups for i in g["params"]]
         if len(index) != len(self._params):
             raise ValueError(f"dos.torch.AdamW.load_state_dict: {len(index)} parameters, this optimizer has {len(self._params)}")
+        twice = sorted((k for k, c in Counter(index).items() if c > 1), key=repr)
+        if twice:  # torch gives the state to the last parameter listing it; dos would give it to each
+            raise ValueError(f"dos.torch.AdamW.load_state_dict: the state dict's param groups list {twice[:8]!r} more than "
+                             "once: each parameter has its own index")
         stray = [k for k in state_dict["state"] if k not in set(index)]
         if stray:  # torch parks them under keys no parameter uses; dos would start those parameters from zero
             raise ValueError(f"dos.torch.AdamW.load_state_dict: the state dict's state has keys {stray[:8]!r} that its "
@@ -890,12 +925,16 @@ class AdamW(torch.optim.Optimizer):
             if now != fixed:
                 raise ValueError(f"dos.torch.AdamW.load_state_dict: group {gi}'s (weight_decay, betas, eps, amsgrad, maximize) "
                                  f"are {now} in the state dict, {fixed} in this optimizer: dos fixes them at construction")
-            if not math.isfinite(float(g["lr"])):
-                raise ValueError(f"dos.torch.AdamW.load_state_dict: group {gi}: invalid lr {g['lr']}")
+            _lr(g["lr"], f".load_state_dict: group {gi}")
         moments, steps, data, stateless = [], set(), [], []
         for i, (key, P) in enumerate(zip(index, self._params)):
             st = state_dict["state"].get(key, {})
             if "step" not in st:
+                moment = [k for k in self._keys()[1:] if k in st]
+                if moment:  # dos would take step 0, and restart bias correction on moments that are not zero
+                    raise ValueError(f"dos.torch.AdamW.load_state_dict: parameter {i} has {', '.join(moment)} but no step "
+                                     "in the state dict: the step count goes with the moments (torch.optim's step "
+                                     "refuses it too)")
                 stateless.append(i)
             steps.add(self._checked_state(i, "step", st["step"] if "step" in st else 0, "load_state_dict"))
             m = {}
@@ -917,6 +956,7 @@ class AdamW(torch.optim.Optimizer):
                              f"dos keeps one step count for all{why}")
         step = steps.pop()
         settings = [{k: v for k, v in sg.items() if k != "params"} for sg in groups]
+        self._save_failure_first()
         for i, (p, d) in enumerate(data):  # as a step takes them: dos's master weights are p.data either way
             if self._changed(i, p, d):
                 self._take(i, p, d)
@@ -960,7 +1000,8 @@ class AdamW(torch.optim.Optimizer):
         are saved as they are now: those changed since the last step are taken first, as a step takes them.
         At interpreter exit (atexit) the last save of every optimizer still alive then (one held by a daemon
         thread, say) is waited for, unless its handle was waited for already, so a save that ``save`` returned
-        commits before the process ends (an optimizer collected earlier waits in ``close``); one that fails
+        commits before the process ends (an optimizer collected earlier waits in ``close``; a save made after
+        that wait, from an exit hook registered before dos's, which runs after it, waits in ``save``); one that fails
         there, or in the ``close`` of a collected optimizer, is named on stderr in one line (the exit status
         stays the program's: wait() on the handle is how to fail a run on it)."""
         self._handle()
@@ -999,6 +1040,8 @@ class AdamW(torch.optim.Optimizer):
         if not _exit_hook:
             atexit.register(_wait_saves_at_exit)
             _exit_hook.append(True)
+        elif _exit_hook[-1] == "ran":  # a save from a later exit hook (or a daemon thread at exit): nothing
+            handle.wait()  # would wait for it now, so it is durable when save returns (its failure raised)
         return handle
 
     def load(self, path):
@@ -1127,16 +1170,29 @@ class AdamW(torch.optim.Optimizer):
                 _saving.discard(self)
 
     def __del__(self):
-        try:
-            self.close()
-        except _native.DosError as e:  # a collected optimizer's last save failed: nothing else will say so
+        """close() of a collected optimizer, whose last save's failure nothing else would report: printed on
+        stderr in one line. An interrupt during close (a Ctrl-C while it waits for the save) would end the
+        finalizer with the failure unread: close is called again (dos kept the first close's error for a
+        second one), up to three times, and the interrupt is raised after, which Python prints and ignores, as
+        for any finalizer (it cannot reach the program)."""
+        interrupted = None
+        for _ in range(3):
             try:
-                msg = (str(e).splitlines() or [type(e).__name__])[0]
-                print(f"dos.torch.AdamW: collected with its last save failed: {msg}", file=sys.stderr, flush=True)
+                self.close()
+            except _native.DosError as e:  # a collected optimizer's last save failed: nothing else will say so
+                try:
+                    msg = (str(e).splitlines() or [type(e).__name__])[0]
+                    print(f"dos.torch.AdamW: collected with its last save failed: {msg}", file=sys.stderr, flush=True)
+                except Exception:
+                    pass
             except Exception:
                 pass
-        except Exception:
-            pass
+            except BaseException as e:  # noqa: B902 (an interrupt: close again, then deliver it again)
+                interrupted = interrupted or e
+                continue
+            break
+        if interrupted is not None:
+            raise interrupted  # Python prints it ("Exception ignored in"): a finalizer cannot pass it on
 
 
 class _State(MutableMapping):
@@ -1169,6 +1225,7 @@ class _State(MutableMapping):
         opt._handle()
         with opt._lock, opt._locked():
             checked = {k: opt._checked_state(i, k, v, "state") for k, v in value.items()}
+            opt._save_failure_first()
 
             def apply():  # all of them, resumable (_settle): each put is idempotent
                 for k, v in checked.items():
