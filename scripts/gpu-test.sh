@@ -33,7 +33,7 @@ done
 # python3 has torch and pytest.
 if [ -e "$root/python/dos/libdos.so" ] && python3 -c 'import torch, pytest' 2>/dev/null; then
 	start=$(date +%s)
-	(cd "$root" && PYTHONPATH=python python3 -m pytest -q -rfEs -p no:cacheprovider python/tests) >"$logs/test_python.log" 2>&1
+	(cd "$root" && PYTHONPATH=python python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider python/tests) >"$logs/test_python.log" 2>&1
 	rc=$?
 	[ $rc -ne 0 ] && status=1
 	table+=$(printf '%-22s rc=%-3s %s %ss' "python (pytest)" "$rc" "$(tail -1 "$logs/test_python.log")" "$(($(date +%s) - start))")$'\n'
