@@ -667,6 +667,25 @@ func firstSaveUnsure(fsys FS, root string, world int) error {
 // deleted by dos.
 const firstSavePrefix = "first-save-"
 
+// FirstSaveKept returns the paths of the complete steps an earlier clearing
+// of a first save kept whole in root (root/first-save-rank-NNNNN-step-*-<unix
+// seconds>, sorted), for dos ckpt ls to list; none (nil) when root cannot
+// be read.
+func FirstSaveKept(fsys FS, root string) []string {
+	es, err := fsys.ReadDir(root)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, e := range es {
+		if e.IsDir() && strings.HasPrefix(e.Name(), firstSavePrefix) {
+			out = append(out, filepath.Join(root, e.Name()))
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // clearFirstSave removes what a job of world ranks that never committed
 // left in root: its rank roots (retired: what they hold of a first save
 // is no checkpoint), then JobFile, which names a rank count nothing was

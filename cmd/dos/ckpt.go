@@ -228,7 +228,16 @@ func jobList(root string, stdout, stderr io.Writer) int {
 	for _, a := range checkpoint.Aside(checkpoint.OS, root) {
 		fmt.Fprintf(stdout, "  %s  (set aside by dos ckpt recover: kept whole, never loaded or removed by dos)\n", a)
 	}
+	listFirstSaveKept(root, stdout)
 	return rc
+}
+
+// listFirstSaveKept lists the rank steps an earlier clearing of a job's
+// first save kept whole in root (checkpoint.FirstSaveKept).
+func listFirstSaveKept(root string, stdout io.Writer) {
+	for _, k := range checkpoint.FirstSaveKept(checkpoint.OS, root) {
+		fmt.Fprintf(stdout, "  %s  (a rank's complete step kept whole when a job that never committed was cleared for a new run: no checkpoint of this root, never loaded or removed by dos)\n", k)
+	}
 }
 
 // leftoverNote says what the temporary entry name (.tmp-*) of a root is
@@ -411,6 +420,9 @@ func listRoot(root string, jobStep int64, stdout, stderr io.Writer) int {
 	}
 	for _, l := range info.Leftovers {
 		fmt.Fprintf(stdout, "  %s  (%s)\n", l, leftoverNote(filepath.Base(l), holder))
+	}
+	if jobStep < 0 {
+		listFirstSaveKept(root, stdout)
 	}
 	if info.Problem != nil {
 		fmt.Fprintf(stderr, "dos ckpt ls: %s is damaged: %v\n", root, info.Problem)

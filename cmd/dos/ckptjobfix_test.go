@@ -430,6 +430,8 @@ func TestFirstSaveClearingKeepsCompletePieces(t *testing.T) {
 			kept, _ := filepath.Glob(filepath.Join(dir, "first-save-rank-00000-step-000000004-*", checkpoint.ManifestFile))
 			if len(kept) != 1 {
 				t.Errorf("after %s: rank 0's step 4 is not kept whole beside the job (%v)", how, kept)
+			} else if rc, stdout, stderr := invoke(t, "ckpt", "ls", dir); !strings.Contains(stdout, filepath.Dir(kept[0])+"  (a rank's complete step kept whole") {
+				t.Errorf("dos ckpt ls after %s does not list the kept piece: rc %d\n%s%s", how, rc, stdout, stderr)
 			}
 		})
 	}
