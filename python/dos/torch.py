@@ -177,7 +177,12 @@ def _lr(v, where):
     ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
     if isinstance(v, torch.Tensor):
         ok = v.numel() == 1 and v.dim() == 0 and not v.is_complex() and v.dtype != torch.bool
-    x = float(v) if ok else math.nan
+    elif getattr(v, "ndim", None) == 0 and getattr(getattr(v, "dtype", None), "kind", "") in "iuf":
+        ok = True  # a 0-dim NumPy array of ints or floats, which torch.optim takes too
+    try:
+        x = float(v) if ok else math.nan
+    except OverflowError:  # an int beyond float's range
+        x = math.inf
     if not (math.isfinite(x) and x >= 0):
         raise ValueError(f"dos.torch.AdamW{where}: invalid lr {v!r}: want a finite number >= 0 (an int, a float or a "
                          "0-dim tensor)")
