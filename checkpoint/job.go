@@ -672,17 +672,12 @@ const firstSavePrefix = "first-save-"
 // seconds>, sorted), for dos ckpt ls to list; none (nil) when root cannot
 // be read.
 func FirstSaveKept(fsys FS, root string) []string {
-	es, err := fsys.ReadDir(root)
-	if err != nil {
-		return nil
-	}
 	var out []string
-	for _, e := range es {
-		if e.IsDir() && strings.HasPrefix(e.Name(), firstSavePrefix) {
+	for _, e := range entriesNamed(fsys, root, firstSavePrefix) {
+		if e.IsDir() {
 			out = append(out, filepath.Join(root, e.Name()))
 		}
 	}
-	slices.Sort(out)
 	return out
 }
 

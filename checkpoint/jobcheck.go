@@ -135,17 +135,27 @@ func holdsSteps(fsys FS, root string) bool {
 // stepEntries returns the names of root's entries named step-*: in a
 // job's root (its checkpoints are in its rank roots) each is stray.
 func stepEntries(fsys FS, root string) []string {
+	var names []string
+	for _, e := range entriesNamed(fsys, root, "step-") {
+		names = append(names, e.Name())
+	}
+	return names
+}
+
+// entriesNamed returns root's entries whose names begin with prefix, sorted
+// by name (FS.ReadDir's order); none when root cannot be read.
+func entriesNamed(fsys FS, root, prefix string) []os.DirEntry {
 	es, err := fsys.ReadDir(root)
 	if err != nil {
 		return nil
 	}
-	var names []string
+	var out []os.DirEntry
 	for _, e := range es {
-		if strings.HasPrefix(e.Name(), "step-") {
-			names = append(names, e.Name())
+		if strings.HasPrefix(e.Name(), prefix) {
+			out = append(out, e)
 		}
 	}
-	return names
+	return out
 }
 
 // strayStepEntries returns the error of the job root root (it holds
@@ -484,15 +494,9 @@ func (noneLeft) Unwrap() error { return ErrNoCheckpoint }
 // (damaged-*: checkpoints that did not verify, a job's files), in order;
 // none for a root that does not exist.
 func Aside(fsys FS, root string) []string {
-	es, err := fsys.ReadDir(root)
-	if err != nil {
-		return nil
-	}
 	var out []string
-	for _, e := range es {
-		if strings.HasPrefix(e.Name(), asidePrefix) {
-			out = append(out, filepath.Join(root, e.Name()))
-		}
+	for _, e := range entriesNamed(fsys, root, asidePrefix) {
+		out = append(out, filepath.Join(root, e.Name()))
 	}
 	return out
 }

@@ -148,7 +148,8 @@ def _write(p, d, src):
 
 
 _saving = weakref.WeakSet()  # the live optimizers that saved: _wait_saves_at_exit waits for their last save
-_exit_hook = []  # [True] once _wait_saves_at_exit is registered, then "ran" once it has run
+# _wait_saves_at_exit: registered at the first save; ran, once it has (a save after it waits in save itself)
+_exit_hook = {"registered": False, "ran": False}
 
 
 def _wait_saves_at_exit():
@@ -157,7 +158,7 @@ def _wait_saves_at_exit():
     written) unless its handle reported it already; a failure is named on stderr in one line."""
     if _native.forked():
         return  # the parent's saves
-    _exit_hook.append("ran")  # a save after this (an exit hook registered before dos's runs after it) waits itself
+    _exit_hook["ran"] = True  # a save after this (an exit hook registered before dos's runs after it) waits itself
     for opt in list(_saving):
         h = opt.__dict__.get("_last_save")
         if h is None or h._reported:
@@ -704,15 +705,16 @@ class AdamW(torch.optim.Optimizer):
                 self._views[i][0].copy_(grad.reshape(-1))
             else:
                 self._gbuf[i].view(d.shape).copy_(grad)  # converts the dtype, resolves a lazy negation
+        lrs = []
         for gi, (g, fixed) in enumerate(zip(self.param_groups, self._fixed)):
-            _lr(g["lr"], f": param group {gi}")
+            lrs.append(_lr(g["lr"], f": param group {gi}"))
             now = self._hyper(g)
             if now != fixed:
                 names = ("weight_decay", "betas", "eps", "amsgrad", "maximize")
                 what = ", ".join(f"{k} {b!r} -> {a!r}" for k, a, b in zip(names, now, fixed) if a != b)
                 raise ValueError(f"dos.torch.AdamW: param group {gi} changed {what} after construction; dos reads only lr "
                                  "at every step (OneCycleLR cycles betas unless cycle_momentum=False)")
-        lrs = (ctypes.c_double * len(self.param_groups))(*[_lr(g["lr"], "") for g in self.param_groups])
+        lrs = (ctypes.c_double * len(lrs))(*lrs)
         if not self._cuda:
             params, grads = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
             plens, glens = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
@@ -1042,10 +1044,10 @@ class AdamW(torch.optim.Optimizer):
         handle._opt = weakref.ref(self)  # a failed save forgets the step, so that it can be saved again
         self._last_save = handle
         _saving.add(self)
-        if not _exit_hook:
+        if not _exit_hook["registered"]:
             atexit.register(_wait_saves_at_exit)
-            _exit_hook.append(True)
-        elif _exit_hook[-1] == "ran":  # a save from a later exit hook (or a daemon thread at exit): nothing
+            _exit_hook["registered"] = True
+        elif _exit_hook["ran"]:  # a save from a later exit hook (or a daemon thread at exit): nothing
             handle.wait()  # would wait for it now, so it is durable when save returns (its failure raised)
         return handle
 
@@ -1192,7 +1194,7 @@ class AdamW(torch.optim.Optimizer):
                     pass
             except Exception:
                 pass
-            except BaseException as e:  # noqa: B902 (an interrupt: close again, then deliver it again)
+            except BaseException as e:  # noqa: B902 (an interrupt: close again, then raise it)
                 interrupted = interrupted or e
                 continue
             break
