@@ -48,7 +48,8 @@ Exit status: 0 on success, 1 when a checkpoint is missing or corrupt (recover: w
 // does, for its -h.
 var ckptSubcommands = map[string]struct{ synopsis, about string }{
 	"ls": {"dos ckpt ls ROOT", "Lists the committed checkpoints under ROOT, newest first (* marks latest), then what is not\n" +
-		"committed (leftovers of crashes) and any damage. For a job's root (dos train --gpus): its committed\n" +
+		"committed (leftovers of crashes, steps set aside by recover or kept as first-save-rank-* when a job that\n" +
+		"never committed was cleared) and any damage. For a job's root (dos train --gpus): its committed\n" +
 		"step, then each rank root's listing."},
 	"verify": {"dos ckpt verify [--rank N] PATH", "Opens the checkpoint at PATH (a step directory, or a root's latest), checks that manifest,\n" +
 		"index and file agree, every tensor's CRC32C, that the optimizer state is finite (exp_avg_sq >= 0)\n" +
