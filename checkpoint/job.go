@@ -531,9 +531,13 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 
 // JobNeverCommitted reports whether root holds a job that never committed
 // a checkpoint (a run killed before its first commit): its JobFile (world
-// ranks), no latest (nor latest.tmp), and no complete step directory in
-// any of its rank roots. ResumeJob and RecoverJob remove what it left
-// (clearFirstSave), so that a new run of any rank count may start there.
+// ranks), no latest (nor latest.tmp), and no step complete in every one
+// of its rank roots 0..world-1 (a lazy first save killed after some
+// ranks' pieces were durable leaves those complete, and is still no
+// checkpoint: what ResumeJob takes it for). ResumeJob and RecoverJob
+// remove what it left (clearFirstSave, which keeps a rank's complete
+// piece whole, FirstSaveKept), so that a new run of any rank count may
+// start there.
 func JobNeverCommitted(fsys FS, root string) (world int, ok bool) {
 	w, err := readJob(fsys, root)
 	if err != nil {
@@ -544,14 +548,23 @@ func JobNeverCommitted(fsys FS, root string) (world int, ok bool) {
 			return 0, false
 		}
 	}
-	ranks, err := rankRootsIn(fsys, root)
-	if err != nil {
-		return 0, false
-	}
-	for _, r := range ranks {
-		if steps, err := completeSteps(fsys, RankRoot(root, r)); err != nil || len(steps) > 0 {
+	var common map[int64]bool
+	for r := range w {
+		steps, err := completeSteps(fsys, RankRoot(root, r))
+		if err != nil {
 			return 0, false
 		}
+		if common == nil {
+			common = steps
+		}
+		for s := range common {
+			if !steps[s] {
+				delete(common, s)
+			}
+		}
+	}
+	if len(common) > 0 {
+		return 0, false
 	}
 	return w, true
 }

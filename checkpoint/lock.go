@@ -147,7 +147,11 @@ func (l *RootLock) Unlock() {
 func checkRootPath(fsys FS, root string) error {
 	switch _, err := fsys.Stat(filepath.Join(root, ManifestFile)); {
 	case err == nil:
-		return fmt.Errorf("checkpoint: %s holds %s: it is a checkpoint (a step directory), not a checkpoint root; pass its parent %s", root, ManifestFile, filepath.Dir(filepath.Clean(root)))
+		parent := filepath.Dir(filepath.Clean(root))
+		if job := filepath.Dir(parent); strings.HasPrefix(filepath.Base(parent), "rank-") && IsJob(fsys, job) {
+			return fmt.Errorf("checkpoint: %s holds %s: it is one rank's checkpoint of the job %s (a step directory in its rank root %s), not a checkpoint root; pass the job's root %s", root, ManifestFile, job, parent, job)
+		}
+		return fmt.Errorf("checkpoint: %s holds %s: it is a checkpoint (a step directory), not a checkpoint root; pass its parent %s", root, ManifestFile, parent)
 	case errors.Is(err, errNotDir):
 		if st, serr := fsys.Stat(root); serr == nil && !st.IsDir() {
 			return fmt.Errorf("checkpoint: root %s is a file, not a directory", root)
@@ -274,6 +278,13 @@ func lockOS(name string) (*heldLock, bool, error) {
 	if !st.Mode().IsRegular() {
 		f.Close()
 		return nil, false, fmt.Errorf("checkpoint: %s is a %s, not the root's lock file: remove it", name, FileKind(st.Mode()))
+	}
+	if n := links(st); n > 1 {
+		// One lock for two roots (a copy made with cp -al, rsnapshot):
+		// a writer of either would lock both, and rewrite the other's
+		// holder text.
+		f.Close()
+		return nil, false, fmt.Errorf("checkpoint: %s has %d hard links: another root shares this lock file (a copy made with cp -al or rsnapshot?), and a lock shared by two roots locks both; remove it (rm %s: the next writer makes its own; the checkpoints are not touched) and run again", name, n, ShellQuote(name))
 	}
 	key, ok := keyOf(st)
 	locksMu.Lock()

@@ -11,6 +11,9 @@ type fileKey struct{}
 
 func keyOf(os.FileInfo) (fileKey, bool) { return fileKey{}, false }
 
+// links is 1 where hard link counts are not known.
+func links(os.FileInfo) uint64 { return 1 }
+
 var errWouldBlock = errors.New("would block")
 
 // flock locks nothing where flock(2) does not exist.

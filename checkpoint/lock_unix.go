@@ -19,6 +19,14 @@ func keyOf(st os.FileInfo) (fileKey, bool) {
 	return fileKey{uint64(s.Dev), uint64(s.Ino)}, true
 }
 
+// links is st's hard link count (1 where the system does not say).
+func links(st os.FileInfo) uint64 {
+	if s, ok := st.Sys().(*syscall.Stat_t); ok {
+		return uint64(s.Nlink)
+	}
+	return 1
+}
+
 var errWouldBlock = syscall.EWOULDBLOCK
 
 // flock takes an exclusive flock(2) on f without waiting.

@@ -822,3 +822,44 @@ func TestPrepareForkHoldsOffLockFiles(t *testing.T) {
 		t.Errorf("after b.Unlock: %v", got)
 	}
 }
+
+// TestLockHardLinkedCopy (the job commands' adversary, F5): a root copied
+// with cp -al shares its lock file's inode with the original, so a writer
+// of one locked both and the copy was refused "locked by" the other's
+// writer. Lock refuses such a lock file, naming it and what to do; once
+// it is removed, each root has its own lock and both open at once.
+func TestLockHardLinkedCopy(t *testing.T) {
+	dir := t.TempDir()
+	a, b := filepath.Join(dir, "a"), filepath.Join(dir, "b")
+	mustSave(t, OS, a, testSnapshot(1))
+	if err := os.Mkdir(b, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Link(filepath.Join(a, LockFile), filepath.Join(b, LockFile)); err != nil {
+		t.Fatal(err)
+	}
+	for _, root := range []string{a, b} {
+		if l, err := Lock(OS, root); err == nil || !strings.Contains(err.Error(), "has 2 hard links: another root shares this lock file") {
+			t.Errorf("Lock(%s): %v, want the hard link refused", root, err)
+			if err == nil {
+				l.Unlock()
+			}
+		}
+	}
+	if err := os.Remove(filepath.Join(b, LockFile)); err != nil {
+		t.Fatal(err)
+	}
+	la, err := Lock(OS, a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer la.Unlock()
+	lb, err := Lock(OS, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb.Unlock()
+	if _, err := os.Stat(filepath.Join(a, "latest")); err != nil {
+		t.Errorf("a's checkpoint: %v", err)
+	}
+}

@@ -283,6 +283,9 @@ func readSource(src string, n int, out io.Writer) (rs *reshardSource, err error)
 			if strings.HasPrefix(filepath.Base(rr), "step-") {
 				rr = filepath.Dir(rr)
 			}
+			if note := outsideJob(src); note != "" {
+				return nil, fmt.Errorf("trainer: reshard: %s", note)
+			}
 			return nil, fmt.Errorf("trainer: reshard: %s is in one rank's root of a job of %d ranks (dos train --gpus %d): reshard the job's root, %s", src, w, w, filepath.Dir(rr))
 		}
 		return nil, fmt.Errorf("trainer: reshard: %s: its trainer state says %d ranks, its job %d: %w", dirs[0], w, world, checkpoint.ErrCorrupt)
@@ -434,7 +437,7 @@ func reshardEmpty(dst, target string) error {
 	if len(left) > 0 {
 		if len(stale) > 0 {
 			if _, err := os.Stat(filepath.Join(target, checkpoint.LatestFile)); errors.Is(err, fs.ErrNotExist) {
-				return fmt.Errorf("trainer: reshard: %s holds what an interrupted reshard moved into it (%s, and no %s: not committed); remove what it holds and run reshard again", dst, strings.Join(left, ", "), checkpoint.LatestFile)
+				return fmt.Errorf("trainer: reshard: %s holds what an interrupted reshard moved into it (%s, and no %s yet; the rest is in %s): dos ckpt recover %s finishes its moves, where it had committed its checkpoint; or remove what %s holds and run reshard again", dst, strings.Join(left, ", "), checkpoint.LatestFile, strings.Join(stale, ", "), checkpoint.ShellQuote(dst), dst)
 			}
 		}
 		return fmt.Errorf("trainer: reshard: %s is not empty (%s); choose a new or empty directory", dst, strings.Join(left, ", "))

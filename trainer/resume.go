@@ -39,7 +39,7 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 		lock.Unlock()
 		return nil, nil, fmt.Errorf("trainer: --ckpt-dir %s holds %s: a dos ckpt recover was cut short while it set a job's files aside there; run dos ckpt recover %s to finish it first (a run started now would be set aside with them)", root, p, checkpoint.ShellQuote(root))
 	}
-	if err := removeReshardLeftovers(root, out); err != nil {
+	if err := removeReshardLeftovers(root, cfg.Resume, out); err != nil {
 		lock.Unlock()
 		return nil, nil, err
 	}
@@ -97,7 +97,15 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 // removeReshardLeftovers removes what a killed dos ckpt reshard left in
 // root (ReshardTmp*: never a checkpoint), saying so on out. The caller
 // holds root's lock, which a running Reshard into root would hold.
-func removeReshardLeftovers(root string, out io.Writer) error {
+//
+// With resume, a root holding nothing but such a leftover (a reshard
+// killed before its moves, the only thing ever put there) is refused,
+// left as it is: --resume there would otherwise start over at iteration
+// 0, which is not what the user asked for (ReshardLeftover).
+func removeReshardLeftovers(root string, resume bool, out io.Writer) error {
+	if p, moving := ReshardLeftover(root); p != "" && !moving && resume {
+		return fmt.Errorf("trainer: --resume: %s holds no checkpoint, only %s, the leftover of a dos ckpt reshard into it that was killed before it committed (never a checkpoint): run that reshard again (it removes the leftover; its source is unchanged) and resume from %s; or, to start afresh there, run without --resume", root, p, root)
+	}
 	es, err := os.ReadDir(root)
 	if err != nil {
 		return nil // a new root, or one Lock said is usable: nothing left there
@@ -136,15 +144,41 @@ func removeReshardLeftovers(root string, out io.Writer) error {
 	return nil
 }
 
+// ReshardLeftover returns the path of the first leftover of a killed dos
+// ckpt reshard in root (a ReshardTmp* directory; "" for none), and
+// whether root holds anything else besides its lock file: what that
+// reshard moved in before it was killed (FinishReshard completes the
+// moves), where without it a reshard killed before its moves left root
+// holding no checkpoint. A root missing or unreadable gives "", false.
+// While a reshard runs into root (checkpoint.Holder), the same is seen.
+func ReshardLeftover(root string) (tmp string, moving bool) {
+	es, err := os.ReadDir(root)
+	if err != nil {
+		return "", false
+	}
+	for _, e := range es {
+		switch n := e.Name(); {
+		case strings.HasPrefix(n, ReshardTmp):
+			if tmp == "" {
+				tmp = filepath.Join(root, n)
+			}
+		case n != checkpoint.LockFile:
+			moving = true
+		}
+	}
+	return tmp, moving
+}
+
 // FinishReshard completes, under root's lock, the moves of a dos ckpt
 // reshard killed while it moved its committed checkpoint into root (a
 // ReshardTmp* directory beside what it moved already), saying so on out;
-// anything else is left as it is. dos ckpt recover runs it first, so that
-// such a root is not taken for a job missing rank roots.
-func FinishReshard(root string, out io.Writer) error {
+// anything else is left as it is. It reports whether it finished any.
+// dos ckpt recover runs it first, so that such a root is not taken for a
+// job missing rank roots.
+func FinishReshard(root string, out io.Writer) (bool, error) {
 	es, err := os.ReadDir(root)
 	if err != nil {
-		return nil
+		return false, nil
 	}
 	moved, tmps := false, []string{}
 	for _, e := range es {
@@ -156,26 +190,28 @@ func FinishReshard(root string, out io.Writer) error {
 		}
 	}
 	if !moved || len(tmps) == 0 {
-		return nil
+		return false, nil
 	}
 	lock, err := checkpoint.Lock(checkpoint.OS, root)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer lock.Unlock()
+	finished := false
 	for _, p := range tmps {
 		done, err := finishReshardMoves(p, root)
 		if err != nil {
-			return err
+			return finished, err
 		}
 		if done {
 			if err := os.RemoveAll(p); err != nil {
-				return fmt.Errorf("trainer: removing %s, emptied: %w", p, err)
+				return true, fmt.Errorf("trainer: removing %s, emptied: %w", p, err)
 			}
 			fmt.Fprintf(out, "finished the moves of a dos ckpt reshard killed while it moved its checkpoint from %s into %s (then removed it, empty)\n", p, root)
+			finished = true
 		}
 	}
-	return nil
+	return finished, nil
 }
 
 // finishReshardMoves completes what a dos ckpt reshard killed during its
@@ -260,6 +296,8 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 		switch job := filepath.Dir(filepath.Clean(root)); {
 		case strings.HasPrefix(filepath.Base(filepath.Clean(root)), "rank-") && isJob(job):
 			hint = fmt.Sprintf(" (%s is one rank's root of the job %s: resume the job, --ckpt-dir %s)", root, job, checkpoint.ShellQuote(job))
+		case !isJob(root) && outsideJob(root) != "":
+			hint = " (" + outsideJob(root) + ")"
 		case !isJob(root):
 			hint = fmt.Sprintf(" (to continue a single-rank run on %d ranks, re-shard it first: `dos ckpt reshard %s NEWROOT --gpus %d`)", cfg.GPUs, checkpoint.ShellQuote(root), cfg.GPUs)
 		}
@@ -358,6 +396,25 @@ func JobRank(c *checkpoint.Checkpoint) (checkpoint.RankID, error) {
 // a rank root (checkpoint.IsJob).
 func isJob(root string) bool {
 	return checkpoint.IsJob(checkpoint.OS, root)
+}
+
+// outsideJob returns what path (a root, or a step directory in one) is
+// when its checkpoint records rank r of a job of n > 1 ranks (rankObject)
+// but its root is not in a job's root: one rank's pieces moved or copied
+// out of their job, no run of their own; "" otherwise.
+func outsideJob(path string) string {
+	c, err := checkpoint.OpenPath(checkpoint.OS, path, 0)
+	if err != nil {
+		return ""
+	}
+	r, n, ok := CheckpointRank(c)
+	c.Close()
+	rr := filepath.Dir(c.Dir)
+	if !ok || n < 2 || isJob(filepath.Dir(rr)) {
+		return ""
+	}
+	return fmt.Sprintf("%s holds rank %d's pieces of a job of %s (its checkpoints record it), outside its job's root: no run of its own; put it back as %s in its job's root, beside %s and the other ranks' roots, and use that root",
+		rr, r, checkpoint.Ranks(n), filepath.Base(checkpoint.RankRoot("", r)), checkpoint.JobFile)
 }
 
 // resume restores the run from the checkpoint directory dir.

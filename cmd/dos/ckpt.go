@@ -130,6 +130,15 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	if _, err := os.Stat(path); err != nil {
 		return c.fail(stderr, "%v", err)
 	}
+	if tmp := reshardMovesLeft(path); tmp != "" && sub != "recover" {
+		fmt.Fprintf(stderr, "dos ckpt %s: %s holds part of the checkpoint a dos ckpt reshard was moving into it when it was killed; the rest is in %s: dos ckpt recover %s (or dos train --resume) finishes the moves; nothing was changed\n",
+			sub, path, tmp, checkpoint.ShellQuote(path))
+		return 1
+	}
+	if w, ok := checkpoint.JobNeverCommitted(checkpoint.OS, path); ok && (sub == "verify" || sub == "inspect") {
+		fmt.Fprintf(stderr, "dos ckpt %s: %s\n", sub, neverCommittedNote(path, w))
+		return 1
+	}
 	switch sub {
 	case "ls":
 		return ckptList(path, stdout, stderr)
@@ -139,6 +148,40 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 		return ckptRecover(path, rank, stdout, stderr)
 	}
 	return ckptVerify(path, rank, c.set("rank"), stdout, stderr)
+}
+
+// reshardMovesLeft returns the leftover of a dos ckpt reshard killed
+// while it moved its committed checkpoint into root, when it still holds
+// entries to move (more than a lock file) and no process holds root: what
+// trainer.FinishReshard completes. It returns "" otherwise.
+func reshardMovesLeft(root string) string {
+	tmp, moving := trainer.ReshardLeftover(root)
+	if tmp == "" || !moving || checkpoint.Holder(checkpoint.OS, root) != "" {
+		return ""
+	}
+	es, err := os.ReadDir(tmp)
+	if err != nil {
+		return ""
+	}
+	for _, e := range es {
+		if e.Name() != checkpoint.LockFile {
+			return tmp
+		}
+	}
+	return ""
+}
+
+// neverCommittedNote says that the job root of world ranks never
+// committed a checkpoint (checkpoint.JobNeverCommitted) and what to do.
+func neverCommittedNote(root string, world int) string {
+	return fmt.Sprintf("job %s of %s never committed a checkpoint (%s, no latest, no step complete in every rank root: a run killed before its first commit?): dos ckpt recover %s removes what it left (a rank's complete piece kept whole), for a new run",
+		root, checkpoint.Ranks(world), checkpoint.JobFile, checkpoint.ShellQuote(root))
+}
+
+// dirExists reports whether path names a directory (through links).
+func dirExists(path string) bool {
+	st, err := os.Stat(path)
+	return err == nil && st.IsDir()
 }
 
 // jobList is dos ckpt ls for a job's root (dos train --gpus): its
@@ -153,6 +196,9 @@ func jobList(root string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos ckpt ls: %v\n", cerr)
 		rc = 1
 	}
+	// Rank roots that are not the job's (job.json edited, a rank root a
+	// copy of another): cerr says what to do, and no rank is "missing".
+	wrongRanks := errors.Is(cerr, checkpoint.ErrWrongRank)
 	step, world, err := checkpoint.JobLatest(checkpoint.OS, root)
 	if errors.Is(err, checkpoint.ErrNoCheckpoint) {
 		// No job latest: a first save cut short, or a latest lost. What
@@ -175,8 +221,14 @@ func jobList(root string, stdout, stderr io.Writer) int {
 			}
 		}
 		if w, ok := checkpoint.JobNeverCommitted(checkpoint.OS, root); ok {
-			fmt.Fprintf(stderr, "dos ckpt ls: job %s of %s never committed a checkpoint (%s, no latest: a run killed before its first commit?): dos ckpt recover %s removes what it left, for a new run\n",
-				root, checkpoint.Ranks(w), checkpoint.JobFile, checkpoint.ShellQuote(root))
+			fmt.Fprintf(stderr, "dos ckpt ls: %s\n", neverCommittedNote(root, w))
+			for r := range w {
+				// What the first save left: a rank's piece may be complete.
+				if rr := checkpoint.RankRoot(root, r); dirExists(rr) {
+					fmt.Fprintf(stdout, "%s\n", rr)
+					listRoot(rr, -1, stdout, stderr)
+				}
+			}
 			return 1
 		}
 	}
@@ -196,8 +248,11 @@ func jobList(root string, stdout, stderr io.Writer) int {
 			rc = 1
 			continue
 		}
+		if _, err := os.Lstat(rr); err != nil && wrongRanks {
+			continue // job.json names ranks its rank roots are not: cerr said what to do
+		}
 		fmt.Fprintf(stdout, "rank %d: %s\n", r, rr)
-		if _, err := os.Stat(filepath.Join(checkpoint.StepDir(rr, step), checkpoint.ManifestFile)); err != nil {
+		if _, err := os.Stat(filepath.Join(checkpoint.StepDir(rr, step), checkpoint.ManifestFile)); err != nil && !wrongRanks {
 			fmt.Fprintf(stderr, "dos ckpt ls: job %s: rank %d lacks the job's latest step %d (%v): the job cannot resume from it; put it back, or dos ckpt recover %s moves the job to an older step every rank holds, if there is one (setting the other ranks' pieces of step %d aside, kept whole)\n", root, r, step, err, checkpoint.ShellQuote(root), step)
 			rc = 1
 		}
@@ -259,6 +314,10 @@ func ckptInspect(path string, rank int, rankSet, all bool, stdout, stderr io.Wri
 	if step, world, err := checkpoint.JobLatest(checkpoint.OS, path); err == nil {
 		// A job's root: --rank picks the rank whose committed step to
 		// describe (its file is rank 0's of its own root).
+		if err := checkpoint.CheckJob(checkpoint.OS, path, trainer.JobRank); errors.Is(err, checkpoint.ErrWrongRank) {
+			fmt.Fprintf(stderr, "dos ckpt inspect: %v\n", err)
+			return 1
+		}
 		if rank >= world {
 			fmt.Fprintf(stderr, "dos ckpt inspect: --rank %d: job %s has %s (0..%d)\n", rank, path, checkpoint.Ranks(world), world-1)
 			return 2
@@ -436,9 +495,14 @@ func listRoot(root string, jobStep int64, stdout, stderr io.Writer) int {
 // optimizer's value checks; for a job's root, checkpoint.RecoverJob, the
 // rank roots' identities checked too) and says what it did.
 func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
-	if err := trainer.FinishReshard(root, stdout); err != nil {
+	finished, err := trainer.FinishReshard(root, stdout)
+	if err != nil {
 		fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
 		return 1
+	}
+	nothing := "nothing to do"
+	if finished {
+		nothing = "nothing else to do"
 	}
 	if checkpoint.IsJob(checkpoint.OS, root) {
 		// A job's root: every rank root, then the job.
@@ -458,7 +522,7 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stdout, "recovered job %s: %s. %s holds no checkpoint now: a new run may start there (dos train --ckpt-dir %s --gpus N, without --resume)\n",
 				root, note, root, checkpoint.ShellQuote(root))
 		case note == "":
-			fmt.Fprintf(stdout, "OK job %s: step %d verifies in every rank's root and is the job's latest; nothing to do\n", root, step)
+			fmt.Fprintf(stdout, "OK job %s: step %d verifies in every rank's root and is the job's latest; %s\n", root, step, nothing)
 		default:
 			fmt.Fprintf(stdout, "recovered job %s: now at step %d: %s\n", root, step, note)
 		}
@@ -466,11 +530,15 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 	}
 	rec, err := checkpoint.Rollback(checkpoint.OS, root, rank, trainer.VerifyCheckpoint)
 	if err != nil {
+		if p, moving := trainer.ReshardLeftover(root); p != "" && !moving && errors.Is(err, checkpoint.ErrNoCheckpoint) {
+			fmt.Fprintf(stderr, "dos ckpt recover: %s holds no checkpoint, only %s, the leftover of a dos ckpt reshard into it that was killed before it committed (never a checkpoint): run that reshard again (it removes the leftover; its source is unchanged)\n", root, p)
+			return 1
+		}
 		fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)
 		return 1
 	}
 	if !rec.Repaired {
-		fmt.Fprintf(stdout, "OK %s: latest names %s, which verifies; nothing to do\n", root, rec.Dir)
+		fmt.Fprintf(stdout, "OK %s: latest names %s, which verifies; %s\n", root, rec.Dir, nothing)
 		return 0
 	}
 	fmt.Fprintf(stdout, "recovered %s: %s\n", root, rec.Note)

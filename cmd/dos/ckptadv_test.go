@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -237,7 +238,10 @@ func TestCkptLsSelfLinkedRankRoots(t *testing.T) {
 
 // TestReshardLeftoverRemoved (adversary 7): a killed reshard's temporary
 // directory in its destination is listed with what removes it, and the
-// next dos train there removes it, as said.
+// next dos train there removes it, as said. A --resume there (the job
+// commands' adversary, F2) and dos ckpt recover are refused, leaving it,
+// and say to run the reshard again: before, --resume removed it and
+// trained from iteration 0 with exit status 0.
 func TestReshardLeftoverRemoved(t *testing.T) {
 	dst := filepath.Join(t.TempDir(), "dst")
 	left := filepath.Join(dst, ".tmp-reshard-12345")
@@ -250,7 +254,17 @@ func TestReshardLeftoverRemoved(t *testing.T) {
 	if rc, stdout, stderr := invoke(t, "ckpt", "ls", dst); rc != 0 || !strings.Contains(stdout, left+"  (leftover of a killed dos ckpt reshard; the next dos train or dos ckpt reshard into this root removes it)") {
 		t.Errorf("dos ckpt ls: rc %d\n%s%s", rc, stdout, stderr)
 	}
-	args := append([]string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dst, "--ckpt-every", "2", "--resume"}, tinyShape...)
+	args := append([]string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dst, "--ckpt-every", "2"}, tinyShape...)
+	rerun := "the leftover of a dos ckpt reshard into it that was killed before it committed (never a checkpoint): run that reshard again"
+	if rc, stdout, stderr := invoke(t, "train", append(args, "--resume")...); rc != 1 || !strings.Contains(stderr, left+", "+rerun) || strings.Contains(stdout, "iteration 0") {
+		t.Errorf("dos train --resume into dst: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dst); rc != 1 || !strings.Contains(stderr, left+", "+rerun) {
+		t.Errorf("dos ckpt recover dst: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if _, err := os.Stat(filepath.Join(left, "rank-00000", "x")); err != nil {
+		t.Errorf("a refused --resume or recover touched %s: %v", left, err)
+	}
 	if rc, stdout, stderr := invoke(t, "train", args...); rc != 0 || !strings.Contains(stdout, "removed "+left) {
 		t.Errorf("dos train into dst: rc %d\n%s%s", rc, stdout, stderr)
 	}
@@ -437,5 +451,105 @@ func TestCheckpointCadenceSaid(t *testing.T) {
 	}
 	if want := "mode=adamw lr=0.003 "; !strings.Contains(stdout, want) {
 		t.Errorf("dos train --resume: the header's lr is not the peak, want %q\n%s", want, stdout)
+	}
+}
+
+// TestReshardKilledDuringMoves (the job commands' adversary, F7): a
+// reshard killed after it moved rank-00000 into DST, job.json, rank-00001
+// and latest still in its temporary directory. ls and verify told the
+// user to put job.json back (it is one directory down), and recover,
+// which finished the moves, said "nothing to do". Now ls, verify and
+// inspect name the interrupted moves and recover, changing nothing, and
+// recover says it finished them; the job then lists and verifies.
+func TestReshardKilledDuringMoves(t *testing.T) {
+	job := trainJobWith(t, "4")
+	done := filepath.Join(t.TempDir(), "done")
+	if rc, stdout, stderr := invoke(t, "ckpt", "reshard", job, done, "--gpus", "2"); rc != 0 {
+		t.Fatalf("dos ckpt reshard: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	dst := filepath.Join(t.TempDir(), "dst")
+	tmp := filepath.Join(dst, ".tmp-reshard-123")
+	copyTree(t, done, tmp)
+	if err := os.Rename(filepath.Join(tmp, checkpoint.LockFile), filepath.Join(dst, checkpoint.LockFile)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(checkpoint.RankRoot(tmp, 0), checkpoint.RankRoot(dst, 0)); err != nil {
+		t.Fatal(err)
+	}
+	before := entries(t, dst)
+	for _, sub := range []string{"ls", "verify", "inspect"} {
+		rc, stdout, stderr := invoke(t, "ckpt", sub, dst)
+		if rc != 1 || !strings.Contains(stderr, "a dos ckpt reshard was moving into it when it was killed; the rest is in "+tmp+": dos ckpt recover "+dst) || strings.Contains(stderr, "put job.json back") {
+			t.Errorf("dos ckpt %s: rc %d\n%s%s", sub, rc, stdout, stderr)
+		}
+	}
+	if got := entries(t, dst); !slices.Equal(got, before) {
+		t.Errorf("ls, verify, inspect changed %s: %v, was %v", dst, got, before)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "reshard", job, dst, "--gpus", "2"); rc != 1 || !strings.Contains(stderr, "dos ckpt recover "+dst+" finishes its moves") {
+		t.Errorf("dos ckpt reshard into dst: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	rc, stdout, stderr := invoke(t, "ckpt", "recover", dst)
+	if rc != 0 || !strings.Contains(stdout, "finished the moves of a dos ckpt reshard") || !strings.Contains(stdout, "nothing else to do") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", dst); rc != 0 {
+		t.Errorf("dos ckpt verify after recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
+
+// TestJobFileWorldRaised (the job commands' adversary, F1): job.json
+// edited from 2 ranks to 3. ls listed a rank-00002 that is not there and,
+// after the true diagnosis, a false one ("rank 2 lacks the job's latest
+// step ...; put it back, or recover moves the job to an older step"),
+// and inspect exited 0 describing "3 ranks" beside "rank 0 of a job of 2
+// ranks". Now both give the one diagnosis, with exit status 1.
+func TestJobFileWorldRaised(t *testing.T) {
+	dir := trainJobWith(t, "4")
+	if err := os.WriteFile(filepath.Join(dir, checkpoint.JobFile), []byte(`{"format":"dos-job","world_size":3}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	diag := "job.json says 3 ranks, but its 2 rank roots"
+	rc, stdout, stderr := invoke(t, "ckpt", "ls", dir)
+	if rc != 1 || !strings.Contains(stderr, diag) || strings.Contains(stderr, "lacks the job's latest") || strings.Contains(stdout, "rank-00002") {
+		t.Errorf("dos ckpt ls: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "inspect", dir); rc != 1 || !strings.Contains(stderr, diag) {
+		t.Errorf("dos ckpt inspect: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
+
+// TestRankRootOutsideJob (the job commands' adversary, F3): rank 1's root
+// copied out of its job. --resume there told the user to re-shard "a
+// single-rank run" onto 2 ranks, and reshard, refusing that, named the
+// directory above it "the job's root", which holds no job. Both now say
+// what it is (rank 1's pieces of a job of 2 ranks) and to put it back.
+func TestRankRootOutsideJob(t *testing.T) {
+	job := trainJobWith(t, "4")
+	lone := filepath.Join(t.TempDir(), "lone")
+	copyTree(t, checkpoint.RankRoot(job, 1), lone)
+	what := lone + " holds rank 1's pieces of a job of 2 ranks (its checkpoints record it), outside its job's root: no run of its own; put it back as rank-00001 in its job's root"
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(lone, "6")...); rc != 1 || !strings.Contains(stderr, what) || strings.Contains(stderr, "single-rank run") {
+		t.Errorf("dos train --resume: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	for _, src := range []string{lone, checkpoint.StepDir(lone, 4)} {
+		if rc, stdout, stderr := invoke(t, "ckpt", "reshard", src, filepath.Join(t.TempDir(), "out"), "--gpus", "1"); rc != 1 || !strings.Contains(stderr, what) || strings.Contains(stderr, "reshard the job's root") {
+			t.Errorf("dos ckpt reshard %s: rc %d\n%s%s", src, rc, stdout, stderr)
+		}
+	}
+	// In its job, a rank root is still sent to the job's root.
+	if rc, stdout, stderr := invoke(t, "ckpt", "reshard", checkpoint.RankRoot(job, 0), filepath.Join(t.TempDir(), "out"), "--gpus", "1"); rc != 1 || !strings.Contains(stderr, "reshard the job's root, "+job) {
+		t.Errorf("dos ckpt reshard of a rank root in its job: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
+
+// TestResumeRankStepDir (F3's related case): --ckpt-dir naming a step
+// directory in a job's rank root was sent to "its parent", the rank
+// root, which dos train refuses in turn; now to the job's root.
+func TestResumeRankStepDir(t *testing.T) {
+	job := trainJobWith(t, "4")
+	sd := checkpoint.StepDir(checkpoint.RankRoot(job, 0), 4)
+	if rc, stdout, stderr := invoke(t, "train", resumeArgs(sd, "6", "--gpus", "2")...); rc != 1 || !strings.Contains(stderr, "pass the job's root "+job) {
+		t.Errorf("dos train --resume --ckpt-dir %s: rc %d\n%s%s", sd, rc, stdout, stderr)
 	}
 }

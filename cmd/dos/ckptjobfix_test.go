@@ -475,3 +475,49 @@ func TestJobKilledAsItBegan(t *testing.T) {
 		}
 	}
 }
+
+// TestJobFirstSaveOneRankComplete (the job commands' adversary, F4): a
+// job killed during its first save after rank 0's piece was durable and
+// before rank 1's and any latest. It is no checkpoint, but ls and verify
+// said "no checkpoint" listing nothing, inspect spoke of a latest there
+// is none of, and a fresh run said "already holds checkpoints: pass
+// --resume to continue", which continued nothing. Now every command says
+// the job never committed and that recover clears it, ls lists rank 0's
+// complete piece, and after recover (which keeps that piece whole) a
+// fresh run starts there.
+func TestJobFirstSaveOneRankComplete(t *testing.T) {
+	dir := trainJobWith(t, "2")
+	for _, p := range []string{
+		filepath.Join(dir, checkpoint.LatestFile),
+		filepath.Join(checkpoint.RankRoot(dir, 0), checkpoint.LatestFile),
+		filepath.Join(checkpoint.RankRoot(dir, 1), checkpoint.LatestFile),
+		checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 2),
+	} {
+		if err := os.RemoveAll(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	never := "job " + dir + " of 2 ranks never committed a checkpoint"
+	for _, sub := range []string{"ls", "verify", "inspect"} {
+		rc, stdout, stderr := invoke(t, "ckpt", sub, dir)
+		if rc != 1 || !strings.Contains(stderr, never) || !strings.Contains(stderr, "dos ckpt recover "+dir+" removes what it left") {
+			t.Errorf("dos ckpt %s: rc %d\n%s%s", sub, rc, stdout, stderr)
+		}
+		if sub == "ls" && !strings.Contains(stdout, checkpoint.StepDir(checkpoint.RankRoot(dir, 0), 2)+"  (complete") {
+			t.Errorf("dos ckpt ls does not list rank 0's complete piece:\n%s", stdout)
+		}
+	}
+	fresh := append([]string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dir, "--ckpt-every", "2"}, tinyShape...)
+	if rc, stdout, stderr := invoke(t, "train", fresh...); rc != 1 || !strings.Contains(stderr, "never committed a checkpoint") || strings.Contains(stderr, "pass --resume to continue") {
+		t.Errorf("a fresh dos train: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 0 || !strings.Contains(stdout, "a new run may start there") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if kept := checkpoint.FirstSaveKept(checkpoint.OS, dir); len(kept) != 1 {
+		t.Errorf("recover kept %v, want rank 0's complete piece", kept)
+	}
+	if rc, stdout, stderr := invoke(t, "train", fresh...); rc != 0 {
+		t.Errorf("a fresh dos train after recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
