@@ -521,3 +521,37 @@ func TestJobFirstSaveOneRankComplete(t *testing.T) {
 		t.Errorf("a fresh dos train after recover: rc %d\n%s%s", rc, stdout, stderr)
 	}
 }
+
+// TestJobLostLatestNotFirstSave: a job that committed steps 2, 4 and 6,
+// then lost its latest, its rank roots' latests and rank 1's steps (a
+// directory emptied by hand). Rank 0 holding three complete steps is no
+// first save (which writes one), so no command calls the job "never
+// committed" (JobNeverCommitted asks firstSaveCertain), and recover
+// refuses to clear it, changing nothing.
+func TestJobLostLatestNotFirstSave(t *testing.T) {
+	dir := trainJobWith(t, "6")
+	for _, p := range []string{
+		filepath.Join(dir, checkpoint.LatestFile),
+		filepath.Join(checkpoint.RankRoot(dir, 0), checkpoint.LatestFile),
+		filepath.Join(checkpoint.RankRoot(dir, 1), checkpoint.LatestFile),
+		checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 2),
+		checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 4),
+		checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 6),
+	} {
+		if err := os.RemoveAll(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := entries(t, checkpoint.RankRoot(dir, 0))
+	for _, sub := range []string{"ls", "verify", "inspect"} {
+		if rc, stdout, stderr := invoke(t, "ckpt", sub, dir); rc != 1 || strings.Contains(stderr, "never committed") {
+			t.Errorf("dos ckpt %s: rc %d\n%s%s", sub, rc, stdout, stderr)
+		}
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "recover", dir); rc != 1 || !strings.Contains(strings.ToLower(stderr), "nothing was changed") {
+		t.Errorf("dos ckpt recover: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if got := entries(t, checkpoint.RankRoot(dir, 0)); !slices.Equal(got, before) || len(checkpoint.FirstSaveKept(checkpoint.OS, dir)) != 0 {
+		t.Errorf("rank 0's root after recover: %v, was %v", got, before)
+	}
+}
