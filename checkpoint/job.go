@@ -534,8 +534,9 @@ func resumeJob(fsys FS, root string, world int, rollback bool) (int64, string, e
 // ranks), no latest (nor latest.tmp), and no step complete in every one
 // of its rank roots 0..world-1 (a lazy first save killed after some
 // ranks' pieces were durable leaves those complete, and is still no
-// checkpoint: what ResumeJob takes it for), and nothing that says it may
-// have committed one (firstSaveCertain). ResumeJob and RecoverJob
+// checkpoint: what ResumeJob takes it for), at most one step held (a
+// first save writes one: heldSteps) and nothing else that says it may
+// have committed (firstSaveCertain). ResumeJob and RecoverJob
 // remove what it left (clearFirstSave, which keeps a rank's complete
 // piece whole, FirstSaveKept), so that a new run of any rank count may
 // start there.
@@ -549,23 +550,19 @@ func JobNeverCommitted(fsys FS, root string) (world int, ok bool) {
 			return 0, false
 		}
 	}
-	var common map[int64]bool
+	perRank := make([]map[int64]bool, w)
 	for r := range w {
-		steps, err := completeSteps(fsys, RankRoot(root, r))
-		if err != nil {
+		if perRank[r], err = completeSteps(fsys, RankRoot(root, r)); err != nil {
 			return 0, false
 		}
-		if common == nil {
-			common = steps
-		}
-		for s := range common {
-			if !steps[s] {
-				delete(common, s)
-			}
-		}
 	}
-	if len(common) > 0 || firstSaveCertain(fsys, root, w) != nil {
-		return 0, false // a checkpoint, or perhaps one (ResumeJob says why)
+	if heldSteps(perRank) > 1 || firstSaveCertain(fsys, root, w) != nil {
+		return 0, false // it committed, or may have (ResumeJob says why)
+	}
+	for s := range perRank[0] {
+		if !slices.ContainsFunc(perRank, func(steps map[int64]bool) bool { return !steps[s] }) {
+			return 0, false // a step every rank holds: a checkpoint
+		}
 	}
 	return w, true
 }
@@ -619,9 +616,6 @@ func firstSaveCertain(fsys FS, root string, world int) error {
 			seen = append(seen, fmt.Sprintf("%s's latest cannot be read (%v)", rr, err))
 		}
 		held = held || len(steps) > 0
-		if len(steps) > 1 {
-			seen = append(seen, fmt.Sprintf("%s holds %d complete steps (a first save writes one)", rr, len(steps)))
-		}
 		if len(steps) == 0 && hasJob {
 			if _, err := fsys.Stat(filepath.Join(rr, LockFile)); err != nil {
 				seen = append(seen, rr+" holds nothing, not even the lock file a run opens it with (an unmounted disk?)")

@@ -279,13 +279,6 @@ func lockOS(name string) (*heldLock, bool, error) {
 		f.Close()
 		return nil, false, fmt.Errorf("checkpoint: %s is a %s, not the root's lock file: remove it", name, FileKind(st.Mode()))
 	}
-	if n := links(st); n > 1 {
-		// One lock for two roots (a copy made with cp -al, rsnapshot):
-		// a writer of either would lock both, and rewrite the other's
-		// holder text.
-		f.Close()
-		return nil, false, fmt.Errorf("checkpoint: %s has %d hard links: another root shares this lock file (a copy made with cp -al or rsnapshot?), and a lock shared by two roots locks both; remove it (rm %s: the next writer makes its own; the checkpoints are not touched) and run again", name, n, ShellQuote(name))
-	}
 	key, ok := keyOf(st)
 	locksMu.Lock()
 	defer locksMu.Unlock()
@@ -293,6 +286,13 @@ func lockOS(name string) (*heldLock, bool, error) {
 		f.Close()
 		h.refs++
 		return h, false, nil
+	}
+	if n := links(st); n > 1 {
+		// One lock for two roots (a copy made with cp -al, rsnapshot):
+		// a writer of either would lock both, and rewrite the other's
+		// holder text.
+		f.Close()
+		return nil, false, fmt.Errorf("checkpoint: %s has %d hard links: another root shares this lock file (a copy made with cp -al or rsnapshot?), and a lock shared by two roots locks both; remove it (rm %s: the next writer makes its own; the checkpoints are not touched) and run again", name, n, ShellQuote(name))
 	}
 	if err := flock(f); err != nil {
 		holder := "unknown"

@@ -827,17 +827,32 @@ func TestPrepareForkHoldsOffLockFiles(t *testing.T) {
 // with cp -al shares its lock file's inode with the original, so a writer
 // of one locked both and the copy was refused "locked by" the other's
 // writer. Lock refuses such a lock file, naming it and what to do; once
-// it is removed, each root has its own lock and both open at once.
+// it is removed, each root has its own lock and both open at once. A
+// writer that held its root's lock when the copy was made keeps it, and
+// locks it again (its trainer's end of run did: the second adversary of
+// the fix, F1).
 func TestLockHardLinkedCopy(t *testing.T) {
 	dir := t.TempDir()
 	a, b := filepath.Join(dir, "a"), filepath.Join(dir, "b")
 	mustSave(t, OS, a, testSnapshot(1))
+	held, err := Lock(OS, a)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := os.Mkdir(b, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.Link(filepath.Join(a, LockFile), filepath.Join(b, LockFile)); err != nil {
 		t.Fatal(err)
 	}
+	again, err := Lock(OS, a)
+	if err != nil {
+		t.Errorf("Lock(%s) again while this process holds it: %v", a, err)
+	} else {
+		again.Unlock()
+	}
+	mustSave(t, OS, a, testSnapshot(2))
+	held.Unlock()
 	for _, root := range []string{a, b} {
 		if l, err := Lock(OS, root); err == nil || !strings.Contains(err.Error(), "has 2 hard links: another root shares this lock file") {
 			t.Errorf("Lock(%s): %v, want the hard link refused", root, err)

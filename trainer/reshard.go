@@ -56,6 +56,9 @@ func Reshard(src, dst string, n int, out io.Writer) (int64, error) {
 	if st, err := os.Stat(src); err != nil || !st.IsDir() {
 		return 0, fmt.Errorf("trainer: reshard: the source %s is not a directory (%v)", src, err)
 	}
+	if tmp := ReshardMovesLeft(src); tmp != "" {
+		return 0, fmt.Errorf("trainer: reshard: the source %s holds part of the checkpoint an earlier dos ckpt reshard was moving into it when it was killed; the rest is in %s: dos ckpt recover %s finishes the moves, then reshard it; nothing was changed", src, tmp, checkpoint.ShellQuote(src))
+	}
 	target, err := reshardTarget(src, dst)
 	if err != nil {
 		return 0, err

@@ -169,6 +169,27 @@ func ReshardLeftover(root string) (tmp string, moving bool) {
 	return tmp, moving
 }
 
+// ReshardMovesLeft returns the leftover of a dos ckpt reshard killed
+// while it moved its committed checkpoint into root, when it still holds
+// entries to move (more than a lock file) and no process holds root: what
+// FinishReshard completes. It returns "" otherwise.
+func ReshardMovesLeft(root string) string {
+	tmp, moving := ReshardLeftover(root)
+	if tmp == "" || !moving || checkpoint.Holder(checkpoint.OS, root) != "" {
+		return ""
+	}
+	es, err := os.ReadDir(tmp)
+	if err != nil {
+		return ""
+	}
+	for _, e := range es {
+		if e.Name() != checkpoint.LockFile {
+			return tmp
+		}
+	}
+	return ""
+}
+
 // FinishReshard completes, under root's lock, the moves of a dos ckpt
 // reshard killed while it moved its committed checkpoint into root (a
 // ReshardTmp* directory beside what it moved already), saying so on out;

@@ -130,7 +130,7 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 	if _, err := os.Stat(path); err != nil {
 		return c.fail(stderr, "%v", err)
 	}
-	if tmp := reshardMovesLeft(path); tmp != "" && sub != "recover" {
+	if tmp := trainer.ReshardMovesLeft(path); tmp != "" && sub != "recover" {
 		fmt.Fprintf(stderr, "dos ckpt %s: %s holds part of the checkpoint a dos ckpt reshard was moving into it when it was killed; the rest is in %s: dos ckpt recover %s (or dos train --resume) finishes the moves; nothing was changed\n",
 			sub, path, tmp, checkpoint.ShellQuote(path))
 		return 1
@@ -148,27 +148,6 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 		return ckptRecover(path, rank, stdout, stderr)
 	}
 	return ckptVerify(path, rank, c.set("rank"), stdout, stderr)
-}
-
-// reshardMovesLeft returns the leftover of a dos ckpt reshard killed
-// while it moved its committed checkpoint into root, when it still holds
-// entries to move (more than a lock file) and no process holds root: what
-// trainer.FinishReshard completes. It returns "" otherwise.
-func reshardMovesLeft(root string) string {
-	tmp, moving := trainer.ReshardLeftover(root)
-	if tmp == "" || !moving || checkpoint.Holder(checkpoint.OS, root) != "" {
-		return ""
-	}
-	es, err := os.ReadDir(tmp)
-	if err != nil {
-		return ""
-	}
-	for _, e := range es {
-		if e.Name() != checkpoint.LockFile {
-			return tmp
-		}
-	}
-	return ""
 }
 
 // neverCommittedNote says that the job root of world ranks never
@@ -303,7 +282,7 @@ func leftoverNote(name, holder string) string {
 	case holder != "":
 		return "temporary: a save or reshard in progress, or a leftover"
 	case strings.HasPrefix(name, trainer.ReshardTmp):
-		return "leftover of a killed dos ckpt reshard; the next dos train or dos ckpt reshard into this root removes it"
+		return "leftover of a dos ckpt reshard killed before it committed: run that reshard again (it removes it), or a dos train here without --resume removes it and starts afresh"
 	}
 	return "leftover of a crashed save or retirement; the next save (or dos train start) removes it"
 }

@@ -251,7 +251,7 @@ func TestReshardLeftoverRemoved(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(left, "rank-00000", "x"), []byte("partial"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if rc, stdout, stderr := invoke(t, "ckpt", "ls", dst); rc != 0 || !strings.Contains(stdout, left+"  (leftover of a killed dos ckpt reshard; the next dos train or dos ckpt reshard into this root removes it)") {
+	if rc, stdout, stderr := invoke(t, "ckpt", "ls", dst); rc != 0 || !strings.Contains(stdout, left+"  (leftover of a dos ckpt reshard killed before it committed: run that reshard again (it removes it), or a dos train here without --resume removes it and starts afresh)") {
 		t.Errorf("dos ckpt ls: rc %d\n%s%s", rc, stdout, stderr)
 	}
 	args := append([]string{"--gpus", "2", "--steps", "2", "--ckpt-dir", dst, "--ckpt-every", "2"}, tinyShape...)
@@ -458,8 +458,9 @@ func TestCheckpointCadenceSaid(t *testing.T) {
 // reshard killed after it moved rank-00000 into DST, job.json, rank-00001
 // and latest still in its temporary directory. ls and verify told the
 // user to put job.json back (it is one directory down), and recover,
-// which finished the moves, said "nothing to do". Now ls, verify and
-// inspect name the interrupted moves and recover, changing nothing, and
+// which finished the moves, said "nothing to do". Now ls, verify,
+// inspect and a reshard from it name the interrupted moves and recover,
+// changing nothing, and
 // recover says it finished them; the job then lists and verifies.
 func TestReshardKilledDuringMoves(t *testing.T) {
 	job := trainJobWith(t, "4")
@@ -488,6 +489,9 @@ func TestReshardKilledDuringMoves(t *testing.T) {
 	}
 	if rc, stdout, stderr := invoke(t, "ckpt", "reshard", job, dst, "--gpus", "2"); rc != 1 || !strings.Contains(stderr, "dos ckpt recover "+dst+" finishes its moves") {
 		t.Errorf("dos ckpt reshard into dst: rc %d\n%s%s", rc, stdout, stderr)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "reshard", dst, filepath.Join(t.TempDir(), "out"), "--gpus", "1"); rc != 1 || !strings.Contains(stderr, "the rest is in "+tmp+": dos ckpt recover "+dst+" finishes the moves, then reshard it") {
+		t.Errorf("dos ckpt reshard from dst: rc %d\n%s%s", rc, stdout, stderr)
 	}
 	rc, stdout, stderr := invoke(t, "ckpt", "recover", dst)
 	if rc != 0 || !strings.Contains(stdout, "finished the moves of a dos ckpt reshard") || !strings.Contains(stdout, "nothing else to do") {
