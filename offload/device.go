@@ -1,12 +1,16 @@
 package offload
 
 import (
+	"errors"
 	"fmt"
+	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/internal/cuda"
 	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
@@ -89,30 +93,90 @@ func LoadProfile(path string, dev scheduler.Device) (*perfmodel.Profile, error) 
 	return perfmodel.Load(path, here)
 }
 
-// calibrate measures this machine briefly for Options.Calibrate: the CPU
-// update rate at threads workers and gradient dtype gd
-// (perfmodel.CalibrateCPU, 3 repetitions of subgroups of 8M to 64M
-// parameters) and, on a CUDA device, its copy, conversion and update rates
-// at reduced sizes (perfmodel.CalibrateGPU: copies of 16 to 256 MiB,
-// updates of 16M and 64M parameters, 3 repetitions): a few seconds in
-// all, and up to about 2 GB of host memory while it runs. On another
-// device (the simulated one) the profile has no GPU rates, so the model
-// keeps every subgroup on the CPU.
-func calibrate(dev scheduler.Device, threads int, gd adam.DType) (*perfmodel.Profile, error) {
+// Profile is the performance model's measured rates of a machine, for
+// Options.Profile: what LoadProfile reads and Calibrate measures
+// (perfmodel.Profile).
+type Profile = perfmodel.Profile
+
+// Stream is a device stream an Optimizer orders work after
+// (Optimizer.GradsFinal): the stream a trainer computes its gradients on
+// (scheduler.Stream).
+type Stream = scheduler.Stream
+
+// CUDAStream is the Stream of the CUDA stream s, which must belong to the
+// GPU of the Optimizer's Device (scheduler.CUDAStream).
+func CUDAStream(s *cuda.Stream) Stream { return scheduler.CUDAStream(s) }
+
+// TraceOp is one operation of an update phase as it ran (Optimizer.Trace:
+// its resource, what it did, its start and end from the phase's start;
+// scheduler.Op), and the row type of a trainer's own timeline.
+type TraceOp = scheduler.Op
+
+// TraceCounter is one sample of a quantity along a timeline (its name,
+// time and value; scheduler.Counter), such as the device memory in use.
+type TraceCounter = scheduler.Counter
+
+// Resource names a timeline's row (perfmodel.Resource: "cpu", "h2d",
+// "d2h", "gpu"; a trainer adds its own, such as its compute).
+type Resource = perfmodel.Resource
+
+// Calibrate measures this machine briefly for the performance model, what
+// Options.Calibrate does in New: the CPU update rate at threads workers
+// and gradient dtype gd (perfmodel.CalibrateCPU, 3 repetitions of
+// subgroups of 8M to 64M parameters) and, on a CUDA device dev, its copy,
+// conversion and update rates at reduced sizes (perfmodel.CalibrateGPU:
+// copies of 16 to 256 MiB, updates of 16M and 64M parameters, 3
+// repetitions): a few seconds in all, and up to about 2 GB of host memory
+// while it runs. On another device (the simulated one) the profile has no
+// GPU rates, so the model keeps every subgroup on the CPU.
+//
+// With ranks > 1 (ZeRO-3's ranks in one process, each with threads
+// workers) the CPU is measured by ranks calibrations at once, as the
+// ranks' update phases share the host's memory, and the slowest one's
+// rates are kept; beyond two ranks each one's subgroups are 2/ranks of
+// one calibration's (at least 1M parameters), so that the memory stays
+// two calibrations'. The host memory the calibrations held is returned to
+// the system before Calibrate returns.
+//
+// Errors: the GPU's or the CPU's measurement (named), for instance out of
+// device memory. It panics when threads or ranks is below 1.
+func Calibrate(dev scheduler.Device, threads int, gd adam.DType, ranks int) (*Profile, error) {
+	if threads < 1 || ranks < 1 {
+		panic("offload: Calibrate with threads or ranks below 1")
+	}
 	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC()}
 	if d, k, ok := scheduler.CUDAOf(dev); ok {
 		gp, err := perfmodel.CalibrateGPU(d, k, perfmodel.GPUOptions{
 			CopySizes: []int64{16 << 20, 64 << 20, 256 << 20}, UpdateSizes: []int64{16 << 20, 64 << 20}, Reps: 3,
 			Threads: threads, HostMemSeconds: 0.2}, nil)
 		if err != nil {
-			return nil, fmt.Errorf("the GPU: %w", err)
+			return nil, fmt.Errorf("offload: calibrating the GPU: %w", err)
 		}
 		p.GPU = gp
 	}
-	cpu, err := perfmodel.CalibrateCPU(perfmodel.CPUOptions{Threads: []int{threads}, Reps: 3, GradDTypes: []adam.DType{gd}}, nil)
-	if err != nil {
-		return nil, fmt.Errorf("the CPU: %w", err)
+	co := perfmodel.CPUOptions{Threads: []int{threads}, Reps: 3, GradDTypes: []adam.DType{gd}}
+	if ranks > 2 {
+		// The ranks' subgroups together as large as two calibrations'
+		// (what two ranks measure with: about 3.6 GB at most, whatever
+		// the ranks), each at least 1M.
+		b := max(2*perfmodel.CPUSizes(2)[0]/ranks, 1<<20)
+		co.Sizes = []int{b, 2 * b, 4 * b}
 	}
-	p.CPU = cpu
+	fits, errs := make([][]perfmodel.CPUFit, ranks), make([]error, ranks)
+	var wg sync.WaitGroup
+	for r := range fits {
+		wg.Go(func() { fits[r], errs[r] = perfmodel.CalibrateCPU(co, nil) })
+	}
+	wg.Wait()
+	debug.FreeOSMemory() // the calibrations' subgroups, before the caller allocates its state
+	if err := errors.Join(errs...); err != nil {
+		return nil, fmt.Errorf("offload: calibrating the CPU: %w", err)
+	}
+	p.CPU = fits[0]
+	for _, f := range fits[1:] {
+		if len(f) > 0 && len(p.CPU) > 0 && f[0].Rate < p.CPU[0].Rate {
+			p.CPU = f
+		}
+	}
 	return p, nil
 }

@@ -391,10 +391,10 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	prefault16(o.work.Data)
 	o.pool = adam.NewPool(opts.Threads)
 	if opts.Profile == nil && opts.Calibrate && opts.Schedule == nil && opts.Placement == "" {
-		p, err := calibrate(opts.Device, o.pool.Threads(), opts.GradDType)
+		p, err := Calibrate(opts.Device, o.pool.Threads(), opts.GradDType, 1)
 		if err != nil {
 			o.pool.Close()
-			return nil, fmt.Errorf("offload: calibrating: %w", err)
+			return nil, err
 		}
 		opts.Profile = p
 		o.opts.Profile = p
@@ -718,7 +718,7 @@ func (o *Optimizer) Limit() (limit perfmodel.Prediction, ok bool) {
 // trace), no update phase since New, a re-plan or a load
 // (scheduler.ErrNoPhase), the device's. Call it before the next GradsFinal
 // or Step: they record the phase's events again.
-func (o *Optimizer) Trace() (start time.Time, ops []scheduler.Op, err error) {
+func (o *Optimizer) Trace() (start time.Time, ops []TraceOp, err error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.eng == nil {
@@ -1327,7 +1327,7 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 // OverlapBackward not set; an index out of range; scheduler.ErrBroken
 // (wrapped) after a device fault; a copy that could not be enqueued (what
 // was started is dropped).
-func (o *Optimizer) GradsFinal(s scheduler.Stream, params ...int) error {
+func (o *Optimizer) GradsFinal(s Stream, params ...int) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	switch {

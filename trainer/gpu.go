@@ -4,21 +4,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"runtime/debug"
 	"slices"
-	"sync"
 	"time"
 
-	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/gpt"
 
 	"github.com/deepstates/dos/internal/cublas"
 	"github.com/deepstates/dos/internal/cuda"
 	"github.com/deepstates/dos/internal/gptcuda"
-	"github.com/deepstates/dos/internal/kernels"
 	"github.com/deepstates/dos/offload"
-	"github.com/deepstates/dos/perfmodel"
-	"github.com/deepstates/dos/scheduler"
 )
 
 // samplerOptions are the sampler's: it runs forward only, so one block's
@@ -40,7 +34,7 @@ const (
 type gpuTrainer struct {
 	dev     *cuda.Device
 	s       *cuda.Stream
-	k       *kernels.GPT
+	k       *gptcuda.Kernels
 	m       *gptcuda.Model // the training batch's
 	sampler *gptcuda.Model // B = 1, made by the first Sample
 	w, g    []uint64       // the optimizer's device views, in gpt.Config.Tensors order
@@ -56,7 +50,7 @@ type gpuTrainer struct {
 	blocks [][]int
 	rest   []int
 	opt    *offload.Optimizer
-	stream scheduler.Stream // s, for GradsFinal
+	stream offload.Stream // s, for GradsFinal
 	// beforeBlock, for a ZeRO-3 rank (gpuRank.beforeBlock), is the
 	// sampler's gptcuda.Model.BeforeBlock too; wait (gpuRank.wait) waits
 	// for the sampler's forward before its logits are read.
@@ -91,7 +85,7 @@ func openGPU(cfg *TrainConfig, ordinal, batch int) (*gpuTrainer, error) {
 	if g.s, err = d.NewStream(); err != nil {
 		return fail(err)
 	}
-	if g.k, err = kernels.LoadGPT(d); err != nil {
+	if g.k, err = gptcuda.LoadKernels(d); err != nil {
 		return fail(err)
 	}
 	opts := gptcuda.Options{Recompute: cfg.Recompute}
@@ -137,59 +131,19 @@ func deviceMasters(cfg *TrainConfig, o *offload.Options) {
 }
 
 // calibrate measures this machine's CPU and GPU rates for the performance
-// model at reduced sizes (perfmodel.CalibrateCPU and CalibrateGPU, a few
-// seconds, said on out) with o's CPU workers and gradient dtype, and
-// returns the profile. With ranks > 1 (ZeRO-3's, each with o's workers)
-// the CPU is measured by ranks calibrations at once, as the ranks' update
-// phases share the host's memory (beyond two ranks, their subgroups
-// 2/ranks of one calibration's, at least 1M parameters, so that the
-// memory stays two calibrations'), and the slowest one's rates are kept.
-func (g *gpuTrainer) calibrate(o *offload.Options, ranks int, out io.Writer) (*perfmodel.Profile, error) {
+// model at reduced sizes (offload.Calibrate on o's device, a few seconds,
+// said on out) with o's CPU workers and gradient dtype, ranks (ZeRO-3's,
+// each with o's workers) calibrations of the CPU at once, and returns the
+// profile.
+func (g *gpuTrainer) calibrate(o *offload.Options, ranks int, out io.Writer) (*offload.Profile, error) {
 	start := time.Now()
 	fmt.Fprintf(out, "calibrating the update phase (no --profile: dos calibrate writes one that skips this)...\n")
-	k, err := kernels.Load(g.dev)
+	p, err := offload.Calibrate(o.Device, cpuThreads(o), o.GradDType, max(ranks, 1))
 	if err != nil {
-		return nil, fmt.Errorf("trainer: --device cuda: %w", err)
-	}
-	defer k.Close()
-	gp, err := perfmodel.CalibrateGPU(g.dev, k, perfmodel.GPUOptions{
-		CopySizes: []int64{16 << 20, 64 << 20, 256 << 20}, UpdateSizes: []int64{16 << 20, 64 << 20}, Reps: 3,
-		Threads: o.Threads, HostMemSeconds: 0.2}, nil)
-	if err != nil {
-		return nil, fmt.Errorf("trainer: calibrating the GPU: %w", err)
-	}
-	co := perfmodel.CPUOptions{Threads: []int{cpuThreads(o)}, Reps: 3, GradDTypes: []adam.DType{o.GradDType}}
-	if ranks > 2 {
-		// The ranks' subgroups together as large as two calibrations'
-		// (what two ranks measure with: about 3.6 GB at most, whatever
-		// the ranks), each at least 1M.
-		b := max(2*perfmodel.CPUSizes(2)[0]/ranks, 1<<20)
-		co.Sizes = []int{b, 2 * b, 4 * b}
-	}
-	fits, errs := make([][]perfmodel.CPUFit, max(ranks, 1)), make([]error, max(ranks, 1))
-	var wg sync.WaitGroup
-	for r := range fits {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			fits[r], errs[r] = perfmodel.CalibrateCPU(co, nil)
-		}()
-	}
-	wg.Wait()
-	debug.FreeOSMemory() // the calibrations' subgroups, before the ranks' state is allocated
-	for _, err := range errs {
-		if err != nil {
-			return nil, fmt.Errorf("trainer: calibrating the CPU: %w", err)
-		}
-	}
-	cpu := fits[0]
-	for _, f := range fits[1:] {
-		if len(f) > 0 && len(cpu) > 0 && f[0].Rate < cpu[0].Rate {
-			cpu = f
-		}
+		return nil, fmt.Errorf("trainer: %w", err)
 	}
 	fmt.Fprintf(out, "calibrated in %.1f s\n", time.Since(start).Seconds())
-	return &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC(), CPU: cpu, GPU: gp}, nil
+	return p, nil
 }
 
 // cpuThreads is the optimizer's worker count: Options.Threads, or
@@ -293,7 +247,7 @@ func (g *gpuTrainer) overlap(opt *offload.Optimizer) {
 		return
 	}
 	g.blocks, g.rest = finalAfter(g.m.Config().NLayer)
-	g.opt, g.stream = opt, scheduler.CUDAStream(g.s)
+	g.opt, g.stream = opt, offload.CUDAStream(g.s)
 	g.m.OnBlockBackward(func(l int) error { return opt.GradsFinal(g.stream, g.blocks[l]...) })
 }
 

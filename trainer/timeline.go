@@ -4,20 +4,19 @@ import (
 	"slices"
 	"time"
 
-	"github.com/deepstates/dos/perfmodel"
-	"github.com/deepstates/dos/scheduler"
+	"github.com/deepstates/dos/offload"
 )
 
 // The rows an iteration's timeline adds to the update phase's resources
-// (perfmodel.ResCPU, ResH2D, ResD2H, ResGPU).
+// (offload.Resource: perfmodel.ResCPU, ResH2D, ResD2H, ResGPU).
 const (
 	// ResCompute is forward and backward: the GPU's compute stream with
 	// Device "cuda", the host's goroutines otherwise.
-	ResCompute perfmodel.Resource = "compute"
+	ResCompute offload.Resource = "compute"
 	// ResHost is the optimizer's step outside its update phase: the
 	// gradients' non-finite check and norm, clipping, the working copy's
 	// return, re-planning, and with no device the whole CPU update.
-	ResHost perfmodel.Resource = "step"
+	ResHost offload.Resource = "step"
 )
 
 // IterationTimeline is one training iteration as it ran (issue 17's
@@ -29,22 +28,22 @@ type IterationTimeline struct {
 	Total     time.Duration // the iteration's wall time, forward to the step's return
 	// Ops: "forward" and "backward" (ResCompute); "step" (ResHost), the
 	// step's time outside the update phase, before and after it; the
-	// update phase's operations (scheduler.Engine.Trace, shifted by when
+	// update phase's operations (offload.Optimizer.Trace, shifted by when
 	// the phase began). Forward and backward are timed by the host after
 	// the device finished each (the traced iteration waits for the GPU
 	// between them, which other iterations do not).
-	Ops []scheduler.Op
+	Ops []offload.TraceOp
 	// Memory is the device memory in use (bytes; under --gpu-memory what
 	// dos allocated) at the iteration's start, after forward, after
 	// backward and after the step; empty without Device "cuda".
-	Memory []scheduler.Counter
+	Memory []offload.TraceCounter
 }
 
 // timelineMarks collects the traced iteration's times (Run).
 type timelineMarks struct {
 	t0      time.Time
 	forward time.Time // forward's end (the device synchronised)
-	mem     []scheduler.Counter
+	mem     []offload.TraceCounter
 }
 
 // markMemory records the GPU memory in use at at (nothing without a GPU).
@@ -53,7 +52,7 @@ func (t *Trainer) markMemory(m *timelineMarks, at time.Time) {
 		return
 	}
 	used, _ := t.gpu.memory()
-	m.mem = append(m.mem, scheduler.Counter{Name: "GPU memory (GiB)", At: at.Sub(m.t0), Value: float64(used) / (1 << 30)})
+	m.mem = append(m.mem, offload.TraceCounter{Name: "GPU memory (GiB)", At: at.Sub(m.t0), Value: float64(used) / (1 << 30)})
 }
 
 // finishTimeline builds the IterationTimeline of the iteration that m
@@ -63,11 +62,11 @@ func (t *Trainer) markMemory(m *timelineMarks, at time.Time) {
 func (t *Trainer) finishTimeline(it int, m *timelineMarks, s0, s1 time.Time) {
 	tl := &IterationTimeline{Iteration: it, Total: s1.Sub(m.t0)}
 	tl.Ops = append(tl.Ops,
-		scheduler.Op{Resource: ResCompute, What: "forward", Start: 0, End: m.forward.Sub(m.t0)},
-		scheduler.Op{Resource: ResCompute, What: "backward", Start: m.forward.Sub(m.t0), End: s0.Sub(m.t0)})
+		offload.TraceOp{Resource: ResCompute, What: "forward", Start: 0, End: m.forward.Sub(m.t0)},
+		offload.TraceOp{Resource: ResCompute, What: "backward", Start: m.forward.Sub(m.t0), End: s0.Sub(m.t0)})
 	start, ops, err := t.opt.Trace()
 	if err != nil || len(ops) == 0 || start.Before(s0) { // no device, a re-plan, or no phase in this step: one span
-		tl.Ops = append(tl.Ops, scheduler.Op{Resource: ResHost, What: "step", Start: s0.Sub(m.t0), End: s1.Sub(m.t0)})
+		tl.Ops = append(tl.Ops, offload.TraceOp{Resource: ResHost, What: "step", Start: s0.Sub(m.t0), End: s1.Sub(m.t0)})
 	} else {
 		off := start.Sub(m.t0)
 		end := off
@@ -78,10 +77,10 @@ func (t *Trainer) finishTimeline(it int, m *timelineMarks, s0, s1 time.Time) {
 			tl.Ops = append(tl.Ops, o)
 		}
 		tl.Ops = append(tl.Ops,
-			scheduler.Op{Resource: ResHost, What: "step", Start: s0.Sub(m.t0), End: off},
-			scheduler.Op{Resource: ResHost, What: "step", Start: min(end, s1.Sub(m.t0)), End: s1.Sub(m.t0)})
+			offload.TraceOp{Resource: ResHost, What: "step", Start: s0.Sub(m.t0), End: off},
+			offload.TraceOp{Resource: ResHost, What: "step", Start: min(end, s1.Sub(m.t0)), End: s1.Sub(m.t0)})
 	}
-	slices.SortStableFunc(tl.Ops, func(a, b scheduler.Op) int { return int(a.Start - b.Start) })
+	slices.SortStableFunc(tl.Ops, func(a, b offload.TraceOp) int { return int(a.Start - b.Start) })
 	tl.Memory = m.mem
 	t.timeline = tl
 }

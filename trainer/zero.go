@@ -16,7 +16,6 @@ import (
 	"github.com/deepstates/dos/internal/comm"
 	"github.com/deepstates/dos/internal/nccl"
 	"github.com/deepstates/dos/offload"
-	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/safetensors"
 )
 
@@ -141,7 +140,7 @@ func newZero(cfg *TrainConfig, n int, out io.Writer) (*zeroRanks, error) {
 			return fail(err)
 		}
 	}
-	var calibrated *perfmodel.Profile
+	var calibrated *offload.Profile
 	opts, params := make([]offload.Options, n), make([][]offload.Param, n)
 	for _, rk := range z.ranks {
 		oo := cfg.optimizerOptions()

@@ -12,7 +12,6 @@ import (
 	"github.com/deepstates/dos/internal/gptcuda"
 	"github.com/deepstates/dos/internal/nccl"
 	"github.com/deepstates/dos/offload"
-	"github.com/deepstates/dos/scheduler"
 )
 
 // ZeRO-3 on GPUs (TrainConfig.GPUs > 1 with Device "cuda"): rank r drives
@@ -114,7 +113,7 @@ type gpuRank struct {
 	// holds[s] the block whose matrices slot s holds (-1: none, or stale
 	// since the weights changed).
 	cs                *cuda.Stream
-	stream            scheduler.Stream
+	stream            offload.Stream
 	ready, wholeDone  *cuda.Event
 	gathered, reduced [2]*cuda.Event
 	holds             [2]int
@@ -299,7 +298,7 @@ func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
 // opt's state to the device.
 func (gr *gpuRank) bind(opt *offload.Optimizer, cfg *TrainConfig) error {
 	g, n := gr.g, len(opt.Params())
-	gr.opt, gr.stream = opt, scheduler.CUDAStream(gr.cs)
+	gr.opt, gr.stream = opt, offload.CUDAStream(gr.cs)
 	gr.wv, gr.gv, gr.mv = make([]*cuda.Buffer, n), make([]*cuda.Buffer, n), make([]*cuda.Buffer, n)
 	g.w, g.g, g.masters = make([]uint64, n), make([]uint64, n), make([]uint64, n)
 	borrow := func(t offload.DeviceTensor, err error) (*cuda.Buffer, error) {

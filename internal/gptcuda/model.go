@@ -264,8 +264,20 @@ func arrays(cfg gpt.Config, B, T int, opts Options) []array {
 		a(func(x *activations) *uint64 { return &x.dpre }, 2*att))
 }
 
+// Kernels are the GPT-2 model's CUDA kernels loaded on one device (dos's
+// committed PTX: LayerNorm, GELU, attention, the classifier, embeddings,
+// column sums; kernels.GPT), shared by every Model of that device.
+type Kernels = kernels.GPT
+
+// LoadKernels loads the model's kernels on d (kernels.LoadGPT), for New;
+// Close them after the last Model on d.
+//
+// Errors: the driver's refusal of the PTX (an older driver, another
+// architecture), as kernels.LoadGPT says.
+func LoadKernels(d *cuda.Device) (*Kernels, error) { return kernels.LoadGPT(d) }
+
 // New allocates a Model for cfg at batch B and sequence length T (1 <= T
-// <= cfg.NCtx) on s's device, with kernels k (kernels.LoadGPT) and a
+// <= cfg.NCtx) on s's device, with kernels k (LoadKernels) and a
 // cuBLASLt handle on s.
 //
 // Errors: an invalid cfg, B or T; cuBLASLt missing (cublas.Available's
