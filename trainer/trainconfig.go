@@ -227,6 +227,9 @@ func DefaultTrainConfig() TrainConfig {
 // /proc/meminfo, the one thing Validate reads from the system; skipped
 // where the system does not say), and never more than MaxMemoryBytes. So a
 // run too large for the machine is refused before anything is allocated.
+// Before that, a run on one GPU under GPUMemory whose weights, gradients
+// and activations alone are over the cap (DeviceMemory) is refused too,
+// naming what would fit.
 func (c *TrainConfig) Validate() error {
 	m := c.Model
 	switch {
@@ -378,6 +381,9 @@ func (c *TrainConfig) checkVocab() error {
 // Validate).
 func (c *TrainConfig) checkMemory() error {
 	const gib = 1 << 30
+	if err := c.checkDeviceMemory(); err != nil {
+		return err
+	}
 	need := c.MemoryBytes()
 	limit, over, advice := float64(MaxMemoryBytes), fmt.Sprintf("dos's limit of %d GiB", MaxMemoryBytes>>30), ""
 	if c.MaxMemory > 0 {

@@ -1,0 +1,113 @@
+package trainer
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/deepstates/dos/internal/gptcuda"
+)
+
+// DeviceMemory is the device memory, in bytes, that a run on one GPU
+// (Device "cuda", GPUs 1) allocates outside its update phase, by what
+// holds it. The update phase's resident state and staging come on top,
+// within what is left (the GPU budget: the performance model's
+// perfmodel.Workload.GPUMemory of its schedule, 0 for all on the CPU).
+type DeviceMemory struct {
+	// Activations is the training model's (gptcuda.MemoryBytes at Batch
+	// rows of NCtx positions, with Recompute): activations, scratch and
+	// cuBLASLt's workspace.
+	Activations int64
+	// Sampler is the B = 1 model that samples at the end (SampleBytes >
+	// 0), 0 otherwise.
+	Sampler int64
+	// WeightsGrads is the optimizer's bf16 working copy and the
+	// gradients (GradDType), one element each per parameter
+	// (offload.Options.DeviceBytes).
+	WeightsGrads int64
+	// Masters is the fp32 master weights the model reads on the device
+	// (gptcuda.FP32Tensors: embeddings, LayerNorms), 4 bytes per element;
+	// 0 with BF16Params.
+	Masters int64
+}
+
+// gibBytes is a GiB in bytes, for the messages.
+const gibBytes = 1 << 30
+
+// Total is the sum of m's parts, in bytes.
+func (m DeviceMemory) Total() int64 { return m.Activations + m.Sampler + m.WeightsGrads + m.Masters }
+
+// DeviceMemory returns what a run of c on one GPU allocates on it outside
+// the update phase (DeviceMemory), at batch rows; Activations is 0 where
+// gptcuda refuses c's attention for its head size (New says why).
+func (c *TrainConfig) DeviceMemory(batch int) DeviceMemory {
+	opts := gptcuda.Options{Recompute: c.Recompute}
+	m := DeviceMemory{Activations: gptcuda.MemoryBytes(c.Model, batch, c.Model.NCtx, opts)}
+	if c.SampleBytes > 0 {
+		m.Sampler = gptcuda.MemoryBytes(c.Model, 1, c.Model.NCtx, samplerOptions)
+	}
+	m.WeightsGrads = c.optimizerOptions().DeviceBytes(c.Model.NumParams())
+	if !c.BF16Params {
+		ts := c.Model.Tensors()
+		for _, i := range gptcuda.FP32Tensors(c.Model) {
+			m.Masters += 4 * int64(ts[i].Numel())
+		}
+	}
+	return m
+}
+
+// checkDeviceMemory refuses a run on one GPU under GPUMemory whose device
+// memory outside the update phase (DeviceMemory) is over the cap, before
+// anything is allocated: it could only fail later, out of device memory.
+// The error gives the parts and what would fit (a smaller --batch,
+// --recompute; the gradients are bf16 on the GPU, Validate says). ZeRO-3 ranks (GPUs > 1) and runs
+// without a cap are not checked here (offload's budget is measured once
+// the device is open).
+func (c *TrainConfig) checkDeviceMemory() error {
+	if c.Device != "cuda" || c.GPUs > 1 || c.GPUMemory <= 0 {
+		return nil
+	}
+	capBytes := int64(c.GPUMemory * gibBytes)
+	m := c.DeviceMemory(c.Batch)
+	if m.Activations == 0 || m.Total() <= capBytes {
+		return nil
+	}
+	var fits []string
+	if b := c.largestBatch(capBytes); b > 0 {
+		fits = append(fits, fmt.Sprintf("--batch %d", b))
+	}
+	if !c.Recompute {
+		r := *c
+		r.Recompute = true
+		if r.DeviceMemory(c.Batch).Total() <= capBytes {
+			fits = append(fits, "--recompute")
+		} else if b := r.largestBatch(capBytes); b > 0 {
+			fits = append(fits, fmt.Sprintf("--recompute --batch %d", b))
+		}
+	}
+	advice := "no smaller --batch or --recompute fits: the weights and gradients alone, with one row's activations, are too large for this cap (a GPU with more memory, or ZeRO-3 over several, --gpus N)"
+	if len(fits) > 0 {
+		advice = "what fits: " + strings.Join(fits, ", or ")
+	}
+	sampler := ""
+	if m.Sampler > 0 {
+		sampler = fmt.Sprintf(", the sampler %.2f (--sample 0: none)", float64(m.Sampler)/gibBytes)
+	}
+	return fmt.Errorf("trainer: --gpu-memory %g GiB: --layers %d --embd %d --ctx %d --batch %d need %.2f GiB of device memory before the update phase's (weights and gradients %.2f, fp32 masters %.2f, activations %.2f%s); %s",
+		c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, float64(m.Total())/gibBytes,
+		float64(m.WeightsGrads)/gibBytes, float64(m.Masters)/gibBytes, float64(m.Activations)/gibBytes, sampler, advice)
+}
+
+// largestBatch is the largest batch below c.Batch whose DeviceMemory fits
+// in capBytes, 0 for none (the memory grows with the batch).
+func (c *TrainConfig) largestBatch(capBytes int64) int {
+	lo, hi := 0, c.Batch-1 // lo fits (0: none), hi is the largest to try
+	for lo < hi {
+		mid := lo + (hi-lo+1)/2
+		if m := c.DeviceMemory(mid); m.Activations > 0 && m.Total() <= capBytes {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	return lo
+}

@@ -1,0 +1,109 @@
+package trainer
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/gpt"
+)
+
+// gpuConfig is the 4.24B GPT-2-shaped model (36 × 3072, GPT-2's
+// vocabulary, context 1024) at batch 8 on one GPU under capGiB.
+func gpuConfig(t *testing.T, capGiB float64) TrainConfig {
+	t.Helper()
+	c := DefaultTrainConfig()
+	m, err := gpt.Preset("gpt2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.NLayer, m.NEmbd, m.NHead = 36, 3072, 24
+	c.Model, c.Batch, c.Device, c.GPUMemory, c.GradDType, c.WorkingDType = m, 8, "cuda", capGiB, adam.BF16, adam.BF16
+	c.Tokenizer, c.MaxMemory = "gpt2", 1000 // the host's check is not this test's
+	return c
+}
+
+// TestDeviceMemoryParts: DeviceMemory's parts are offload's and gptcuda's
+// own counts (4 B per parameter with bf16 gradients, the fp32 masters of
+// gptcuda.FP32Tensors) and grow with the batch; --sample 0 drops the
+// sampler, BF16Params the masters.
+func TestDeviceMemoryParts(t *testing.T) {
+	c := gpuConfig(t, 24)
+	m := c.DeviceMemory(8)
+	if n := int64(c.Model.NumParams()); m.WeightsGrads != 4*n {
+		t.Errorf("WeightsGrads %d, want 4 × %d", m.WeightsGrads, n)
+	}
+	C, V, T := int64(c.Model.NEmbd), int64(c.Model.VocabSize), int64(c.Model.NCtx)
+	if want := 4 * (V*C + T*C + int64(c.Model.NLayer)*4*C + 2*C); m.Masters != want {
+		t.Errorf("Masters %d, want %d (wte, wpe, the LayerNorms in fp32)", m.Masters, want)
+	}
+	if m4 := c.DeviceMemory(4); !(m4.Activations > 0 && m4.Activations < m.Activations) || m4.Sampler != m.Sampler || m.Sampler == 0 {
+		t.Errorf("batch 4: %+v, batch 8: %+v", m4, m)
+	}
+	c.SampleBytes, c.BF16Params = 0, true
+	if m := c.DeviceMemory(8); m.Sampler != 0 || m.Masters != 0 || m.Total() != m.Activations+m.WeightsGrads {
+		t.Errorf("--sample 0 --bf16-params: %+v", m)
+	}
+}
+
+// TestValidateDeviceMemory: a run on one GPU whose weights, gradients and
+// activations are over --gpu-memory is refused by Validate, before
+// anything is allocated, naming the parts and what fits; each thing it
+// names does fit. The runs ANCHORS.md measures (gpt2-xl at batch 8 with
+// --recompute under 24 GiB) pass, and so do runs without a cap or on
+// several GPUs (not checked here).
+func TestValidateDeviceMemory(t *testing.T) {
+	c := gpuConfig(t, 24)
+	err := c.Validate()
+	wantErr(t, "4.24B under 24 GiB", err, "--gpu-memory 24 GiB: --layers 36 --embd 3072 --ctx 1024 --batch 8 need 65.",
+		"weights and gradients 15.78, fp32 masters 0.59, activations 47.", "what fits: --recompute --batch 5")
+	fit := c
+	fit.Recompute, fit.Batch = true, 5
+	if err := fit.Validate(); err != nil {
+		t.Errorf("the advice --recompute --batch 5: %v", err)
+	}
+	fit.Batch = 6
+	if err := fit.Validate(); err == nil {
+		t.Errorf("--recompute --batch 6 passes: 5 was not the largest batch that fits")
+	}
+
+	c = gpuConfig(t, 16)
+	c.Recompute = true
+	wantErr(t, "4.24B under 16 GiB", c.Validate(), "no smaller --batch or --recompute fits: the weights and gradients alone")
+
+	// TestGPUMemoryCap's model under its 1 MiB cap, as New refuses it
+	// there (on the GPU machine) before anything is allocated.
+	tiny := DefaultTrainConfig()
+	tiny.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 2, NHead: 2, NEmbd: 128}
+	tiny.Batch, tiny.Device, tiny.Steps = 4, "cuda", 3
+	tiny.WorkingDType, tiny.GradDType = adam.BF16, adam.BF16
+	tiny.SampleBytes, tiny.EvalBatches, tiny.LogEvery = 0, 1, 0
+	tiny.Schedule, tiny.GPUMemory = "1,0,0", 1.0/1024
+	wantErr(t, "TestGPUMemoryCap's 1 MiB", tiny.Validate(), "of device memory before the update phase's", "no smaller --batch or --recompute fits")
+	tiny.GPUMemory = 1
+	if err := tiny.Validate(); err != nil {
+		t.Errorf("TestGPUMemoryCap's model under 1 GiB: %v", err)
+	}
+
+	xl, err := gpt.Preset("gpt2-xl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c = gpuConfig(t, 24)
+	c.Model, c.Recompute = xl, true
+	if err := c.Validate(); err != nil {
+		t.Errorf("gpt2-xl --recompute --batch 8 under 24 GiB: %v", err)
+	}
+	c.Recompute = false
+	wantErr(t, "gpt2-xl without --recompute", c.Validate(), "what fits: --batch 6, or --recompute")
+	for _, f := range []func(*TrainConfig){
+		func(c *TrainConfig) { c.GPUMemory = 0 },
+		func(c *TrainConfig) { c.GPUs = 2 },
+	} {
+		d := gpuConfig(t, 24)
+		f(&d)
+		if err := d.Validate(); err != nil && strings.Contains(err.Error(), "of device memory before the update phase") {
+			t.Errorf("%+v: %v", d.GPUs, err)
+		}
+	}
+}
