@@ -487,16 +487,7 @@ func TestJobKilledAsItBegan(t *testing.T) {
 // fresh run starts there.
 func TestJobFirstSaveOneRankComplete(t *testing.T) {
 	dir := trainJobWith(t, "2")
-	for _, p := range []string{
-		filepath.Join(dir, checkpoint.LatestFile),
-		filepath.Join(checkpoint.RankRoot(dir, 0), checkpoint.LatestFile),
-		filepath.Join(checkpoint.RankRoot(dir, 1), checkpoint.LatestFile),
-		checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 2),
-	} {
-		if err := os.RemoveAll(p); err != nil {
-			t.Fatal(err)
-		}
-	}
+	removeLatests(t, dir, checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 2))
 	never := "job " + dir + " of 2 ranks never committed a checkpoint"
 	for _, sub := range []string{"ls", "verify", "inspect"} {
 		rc, stdout, stderr := invoke(t, "ckpt", sub, dir)
@@ -530,18 +521,8 @@ func TestJobFirstSaveOneRankComplete(t *testing.T) {
 // refuses to clear it, changing nothing.
 func TestJobLostLatestNotFirstSave(t *testing.T) {
 	dir := trainJobWith(t, "6")
-	for _, p := range []string{
-		filepath.Join(dir, checkpoint.LatestFile),
-		filepath.Join(checkpoint.RankRoot(dir, 0), checkpoint.LatestFile),
-		filepath.Join(checkpoint.RankRoot(dir, 1), checkpoint.LatestFile),
-		checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 2),
-		checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 4),
-		checkpoint.StepDir(checkpoint.RankRoot(dir, 1), 6),
-	} {
-		if err := os.RemoveAll(p); err != nil {
-			t.Fatal(err)
-		}
-	}
+	rr1 := checkpoint.RankRoot(dir, 1)
+	removeLatests(t, dir, checkpoint.StepDir(rr1, 2), checkpoint.StepDir(rr1, 4), checkpoint.StepDir(rr1, 6))
 	before := entries(t, checkpoint.RankRoot(dir, 0))
 	for _, sub := range []string{"ls", "verify", "inspect"} {
 		if rc, stdout, stderr := invoke(t, "ckpt", sub, dir); rc != 1 || strings.Contains(stderr, "never committed") {
@@ -553,5 +534,20 @@ func TestJobLostLatestNotFirstSave(t *testing.T) {
 	}
 	if got := entries(t, checkpoint.RankRoot(dir, 0)); !slices.Equal(got, before) || len(checkpoint.FirstSaveKept(checkpoint.OS, dir)) != 0 {
 		t.Errorf("rank 0's root after recover: %v, was %v", got, before)
+	}
+}
+
+// removeLatests removes the 2-rank job dir's latest, its rank roots'
+// latests and the paths more.
+func removeLatests(t *testing.T, dir string, more ...string) {
+	t.Helper()
+	for _, p := range append([]string{
+		filepath.Join(dir, checkpoint.LatestFile),
+		filepath.Join(checkpoint.RankRoot(dir, 0), checkpoint.LatestFile),
+		filepath.Join(checkpoint.RankRoot(dir, 1), checkpoint.LatestFile),
+	}, more...) {
+		if err := os.RemoveAll(p); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
