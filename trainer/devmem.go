@@ -36,6 +36,17 @@ const gibBytes = 1 << 30
 // Total is the sum of m's parts, in bytes.
 func (m DeviceMemory) Total() int64 { return m.Activations + m.Sampler + m.WeightsGrads + m.Masters }
 
+// BudgetLeft is the update phase's device memory under a cap of capBytes
+// once m is allocated, in bytes (negative: m is over the cap): what a
+// run's default GPU budget is under GPUMemory, less the margin the
+// trainer keeps for what the cap counts besides (capMargin, 256 MiB).
+func (m DeviceMemory) BudgetLeft(capBytes int64) int64 { return capBytes - CapMargin - m.Total() }
+
+// CapMargin is the device memory, in bytes, that a run under GPUMemory
+// keeps aside from its update phase's budget for what the cap counts
+// besides DeviceMemory (the kernels' modules, cuBLASLt's handles): 256 MiB.
+const CapMargin = capMargin
+
 // DeviceMemory returns what a run of c on one GPU allocates on it outside
 // the update phase (DeviceMemory), at batch rows; Activations is 0 where
 // gptcuda refuses c's attention for its head size (New says why).
@@ -71,16 +82,18 @@ func (c *TrainConfig) checkDeviceMemory() error {
 	if m.Activations == 0 || m.Total() <= capBytes {
 		return nil
 	}
+	// What it advises fits with CapMargin aside, as the run's budget is.
+	safe := capBytes - CapMargin
 	var fits []string
-	if b := c.largestBatch(capBytes); b > 0 {
+	if b := c.largestBatch(safe); b > 0 {
 		fits = append(fits, fmt.Sprintf("--batch %d", b))
 	}
 	if !c.Recompute {
 		r := *c
 		r.Recompute = true
-		if r.DeviceMemory(c.Batch).Total() <= capBytes {
+		if r.DeviceMemory(c.Batch).Total() <= safe {
 			fits = append(fits, "--recompute")
-		} else if b := r.largestBatch(capBytes); b > 0 {
+		} else if b := r.largestBatch(safe); b > 0 {
 			fits = append(fits, fmt.Sprintf("--recompute --batch %d", b))
 		}
 	}
@@ -98,9 +111,15 @@ func (c *TrainConfig) checkDeviceMemory() error {
 }
 
 // largestBatch is the largest batch below c.Batch whose DeviceMemory fits
-// in capBytes, 0 for none (the memory grows with the batch).
-func (c *TrainConfig) largestBatch(capBytes int64) int {
-	lo, hi := 0, c.Batch-1 // lo fits (0: none), hi is the largest to try
+// in capBytes, 0 for none (LargestBatch).
+func (c *TrainConfig) largestBatch(capBytes int64) int { return c.LargestBatch(capBytes, c.Batch-1) }
+
+// LargestBatch returns the largest batch of at most upTo rows whose
+// DeviceMemory (c's model, Recompute, SampleBytes, BF16Params) fits in
+// capBytes, 0 for none: the memory grows with the batch, so it is found
+// by bisection.
+func (c *TrainConfig) LargestBatch(capBytes int64, upTo int) int {
+	lo, hi := 0, upTo // lo fits (0: none), hi is the largest to try
 	for lo < hi {
 		mid := lo + (hi-lo+1)/2
 		if m := c.DeviceMemory(mid); m.Activations > 0 && m.Total() <= capBytes {

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"math"
 	"slices"
 
 	"github.com/deepstates/dos/adam"
@@ -28,8 +29,13 @@ type planResult struct {
 }
 
 func runPlan(args []string, stdout, stderr io.Writer) int {
-	c := newCLI("dos plan", "dos plan --profile PATH [--params N] [--ranks R] [--subgroup-size N] [flags]",
-		"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile:\n"+
+	c := newCLI("dos plan", "dos plan --profile PATH [--params N] [--ranks R] [--subgroup-size N] [flags]\n       dos plan --gpu-memory GiB --model NAME|--layers L --heads H --embd C [--batch B] [--recompute] [--profile PATH]",
+		"With --gpu-memory: the device memory of a GPT-2 trained on one GPU of that size (dos train --device cuda\n"+
+			"--gpu-memory), before anything is allocated: the weights and gradients, the fp32 masters, the\n"+
+			"activations at --batch and the sampler's, what is left for the update phase, and the largest batch\n"+
+			"that fits with and without --recompute; with --profile too, the update phase's plan within what is\n"+
+			"left (--params and --gpu-budget then follow from the model and the cap).\n\n"+
+			"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile:\n"+
 			"the update phase of each strategy (all on the CPU, a static split, all resident when it fits, the\n"+
 			"performance model's interleaved schedule) and of a k sweep, per rank, as the performance model\n"+
 			"predicts it and as the simulated device replays the engine's schedule operation by operation\n"+
@@ -51,10 +57,33 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	c.Var(dtypeFlag{&gradDType}, "grad-dtype", "gradient dtype on the GPU: float32, bfloat16 or float16")
 	sweep := c.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the chosen residents)")
 	out := outputFlags(c, "each schedule's prediction and replay", "the replay of the model's schedule", "the replay of the model's schedule as a timeline")
+	mf := memoryFlags(c)
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
 	fail := func(format string, a ...any) int { return c.usageError(stderr, format, a...) }
+	if mf.gpuMemory != 0 || mf.given(c) {
+		cfg, msg := mf.config(c)
+		switch {
+		case msg != "":
+			return fail("%s", msg)
+		case *ranks != 1:
+			return fail("--gpu-memory plans one GPU's memory: --ranks 1 (ZeRO-3 ranks' device memory is not planned yet)")
+		}
+		left := memoryPlan(cfg, stdout)
+		if *profPath == "" {
+			return 0
+		}
+		if left <= 0 {
+			fmt.Fprintf(stdout, "no update-phase plan: nothing is left for it under --gpu-memory %g GiB\n", cfg.GPUMemory)
+			return 0
+		}
+		params = int64(cfg.Model.NumParams())
+		if !c.set("gpu-budget") {
+			*budget = math.Floor(float64(left)/(1<<30)*100) / 100 // GiB, to 0.01 below what is left
+		}
+		fmt.Fprintln(stdout)
+	}
 	switch {
 	case *profPath == "":
 		return fail("--profile is required (dos calibrate --json PATH writes one; testdata/profiles/h200.json is the H200 machine's)")

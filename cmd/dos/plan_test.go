@@ -38,3 +38,38 @@ func TestPlan(t *testing.T) {
 		}
 	}
 }
+
+// TestPlanGPUMemory: dos plan --gpu-memory prints a model's device memory
+// on one GPU (trainer.DeviceMemory, what dos train checks before it
+// allocates), what is left for the update phase and the largest batches
+// that fit; with --profile the update phase is planned within what is
+// left. The 4.24B under 24 GiB does not fit at batch 8 (dos
+// train refuses it: TestValidateDeviceMemory), at batch 5 with
+// --recompute it does.
+func TestPlanGPUMemory(t *testing.T) {
+	big := []string{"plan", "--gpu-memory", "24", "--layers", "36", "--heads", "24", "--embd", "3072", "--recompute"}
+	rc, out, errs := runCLI(big...)
+	for _, want := range []string{"4.24B parameters", "weights and gradients (bf16)     15.78 GiB", "activations (batch 8)             8.08 GiB",
+		"before the update phase          26.00 GiB of 24 GiB", "does not fit: over the cap by 2.25 GiB", "largest batch with --recompute (256 MiB kept aside): 5\n"} {
+		if rc != 0 || !strings.Contains(out, want) {
+			t.Errorf("dos plan %v: rc %d, want %q in\n%s%s", big[1:], rc, want, out, errs)
+		}
+	}
+	rc, out, errs = runCLI(append(big, "--batch", "5")...)
+	if rc != 0 || !strings.Contains(out, "left for the update phase") || strings.Contains(out, "does not fit") {
+		t.Errorf("--batch 5: rc %d\n%s%s", rc, out, errs)
+	}
+	rc, out, errs = runCLI("plan", "--gpu-memory", "24", "--model", "gpt2-xl", "--recompute", "--profile", h200)
+	if rc != 0 || !strings.Contains(out, "left for the update phase        12.59 GiB") || !strings.Contains(out, "1.56B per rank in 16 subgroups of up to 100M, 16 CPU workers per rank, GPU budget 12.59 GiB") ||
+		!strings.Contains(out, "the model's choice: k =") {
+		t.Errorf("gpt2-xl with --profile: rc %d\n%s%s", rc, out, errs)
+	}
+	for _, bad := range [][]string{
+		{"--gpu-memory", "24"}, {"--model", "gpt2"}, {"--gpu-memory", "24", "--model", "gpt2", "--ranks", "2"},
+		{"--gpu-memory", "24", "--model", "gpt3"}, {"--gpu-memory", "24", "--model", "gpt2", "--heads", "7"},
+	} {
+		if rc, out, errs := runCLI(append([]string{"plan"}, bad...)...); rc != 2 || errs == "" {
+			t.Errorf("dos plan %v: rc %d, want a usage error\n%s%s", bad, rc, out, errs)
+		}
+	}
+}
