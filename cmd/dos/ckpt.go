@@ -89,14 +89,18 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dos ckpt: unknown subcommand %q\n%s", sub, ckptUsage)
 		return 2
 	}
-	c := newCLI("dos ckpt "+sub, info.synopsis, info.about+"\nExit status: 0 on success, 1 when a checkpoint is missing or corrupt (recover: when none is left after it set the damaged ones aside), 2 on a usage error.")
+	exit := "\nExit status: 0 on success, 1 when a checkpoint is missing or corrupt, 2 on a usage error."
+	if sub == "recover" {
+		exit = "\nExit status: 0 on success, 1 when no checkpoint is left after it set the damaged ones aside (or it cannot tell what to do, nothing changed), 2 on a usage error."
+	}
+	c := newCLI("dos ckpt "+sub, info.synopsis, info.about+exit)
 	rank := 0
 	all := false
 	gpus := 0
 	if sub == "reshard" {
 		c.IntVar(&gpus, "gpus", 0, fmt.Sprintf("the `N` ranks to cut the checkpoint for (1..%d; 1: whole tensors)", checkpoint.MaxWorldSize))
 	} else if sub != "ls" {
-		c.IntVar(&rank, "rank", 0, "the `rank` whose files to "+sub+" (default 0: the first)")
+		c.IntVar(&rank, "rank", 0, "the rank `N` whose files to "+sub+" (default 0: the first)")
 	}
 	if sub == "inspect" {
 		c.BoolVar(&all, "tensors", false, "list every tensor (name, dtype, shape, bytes, offset) and print the objects whole")

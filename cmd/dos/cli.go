@@ -247,6 +247,12 @@ func (c *cli) help(w io.Writer) {
 	if c.about != "" {
 		fmt.Fprintf(w, "%s\n\n", strings.TrimRight(c.about, "\n"))
 	}
+	shown := false
+	c.VisitAll(func(f *flag.Flag) { shown = shown || !c.hidden[f.Name] })
+	if !shown {
+		fmt.Fprintf(w, "(no flags)\n") // not a header over nothing
+		return
+	}
 	fmt.Fprintf(w, "Flags (-flag and --flag are the same; flags may follow the arguments):\n")
 	c.VisitAll(func(f *flag.Flag) {
 		if c.hidden[f.Name] {
