@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/internal/gptcuda"
 )
 
@@ -33,6 +34,24 @@ type DeviceMemory struct {
 // gibBytes is a GiB in bytes, for the messages.
 const gibBytes = 1 << 30
 
+// MaxDeviceBytes bounds what DeviceMemory counts: 1 PiB, beyond any
+// device (and far below where an int64 count of bytes overflows).
+const MaxDeviceBytes = 1 << 50
+
+// TooLarge reports whether m's activations were beyond MaxDeviceBytes
+// (counted as MaxDeviceBytes).
+func (m DeviceMemory) TooLarge() bool { return m.Activations >= MaxDeviceBytes }
+
+// deviceBound reports whether batch rows of cfg might need more than
+// MaxDeviceBytes of activations: an upper bound in float64 of what
+// gptcuda allocates (per layer and token 64 × C bytes and the attention's
+// 8 × H × T, and the logits' 8 × V per token), so that gptcuda.MemoryBytes
+// is only asked where its int64 products cannot overflow.
+func deviceBound(cfg gpt.Config, batch int) bool {
+	L, C, H, T, V, B := float64(cfg.NLayer), float64(cfg.NEmbd), float64(cfg.NHead), float64(cfg.NCtx), float64(cfg.VocabSize), float64(batch)
+	return B*T*(8*V+L*(64*C+8*H*T)) > MaxDeviceBytes
+}
+
 // Total is the sum of m's parts, in bytes.
 func (m DeviceMemory) Total() int64 { return m.Activations + m.Sampler + m.WeightsGrads + m.Masters }
 
@@ -50,10 +69,17 @@ const CapMargin = capMargin
 // DeviceMemory returns what a run of c on one GPU allocates on it outside
 // the update phase (DeviceMemory), at batch rows; Activations is 0 where
 // gptcuda refuses c's attention for its head size (New says why).
+//
+// Where the activations' bytes would be beyond MaxDeviceBytes (a batch or
+// context no device holds: gptcuda's int64 count would overflow) they are
+// MaxDeviceBytes, and TooLarge reports it.
 func (c *TrainConfig) DeviceMemory(batch int) DeviceMemory {
 	opts := gptcuda.Options{Recompute: c.Recompute}
+	if deviceBound(c.Model, batch) {
+		return DeviceMemory{Activations: MaxDeviceBytes, WeightsGrads: c.optimizerOptions().DeviceBytes(c.Model.NumParams())}
+	}
 	m := DeviceMemory{Activations: gptcuda.MemoryBytes(c.Model, batch, c.Model.NCtx, opts)}
-	if c.SampleBytes > 0 {
+	if c.SampleBytes > 0 && !deviceBound(c.Model, 1) {
 		m.Sampler = gptcuda.MemoryBytes(c.Model, 1, c.Model.NCtx, samplerOptions)
 	}
 	m.WeightsGrads = c.optimizerOptions().DeviceBytes(c.Model.NumParams())
@@ -101,6 +127,10 @@ func (c *TrainConfig) checkDeviceMemory() error {
 	if len(fits) > 0 {
 		advice = "what fits: " + strings.Join(fits, ", or ")
 	}
+	if m.TooLarge() {
+		return fmt.Errorf("trainer: --gpu-memory %g GiB: --layers %d --embd %d --ctx %d --batch %d need over %d PiB of device memory for the activations alone; %s",
+			c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, MaxDeviceBytes>>50, advice)
+	}
 	sampler := ""
 	if m.Sampler > 0 {
 		sampler = fmt.Sprintf(", the sampler %.2f (--sample 0: none)", float64(m.Sampler)/gibBytes)
@@ -121,7 +151,7 @@ func (c *TrainConfig) largestBatch(capBytes int64) int { return c.LargestBatch(c
 func (c *TrainConfig) LargestBatch(capBytes int64, upTo int) int {
 	lo, hi := 0, upTo // lo fits (0: none), hi is the largest to try
 	for lo < hi {
-		mid := lo + (hi-lo+1)/2
+		mid := lo + (hi-lo)/2 + 1 // in (lo, hi], without overflow
 		if m := c.DeviceMemory(mid); m.Activations > 0 && m.Total() <= capBytes {
 			lo = mid
 		} else {

@@ -1,6 +1,7 @@
 package trainer
 
 import (
+	"math"
 	"strings"
 	"testing"
 
@@ -110,5 +111,30 @@ func TestValidateDeviceMemory(t *testing.T) {
 		if err := d.Validate(); err != nil && strings.Contains(err.Error(), "of device memory before the update phase") {
 			t.Errorf("%+v: %v", d.GPUs, err)
 		}
+	}
+}
+
+// TestDeviceMemoryTooLarge (the plan's adversary, F1): a batch or context
+// whose bytes an int64 would not hold counted negative activations and
+// passed Validate; now they are MaxDeviceBytes (TooLarge) and refused,
+// and LargestBatch's bisection up to math.MaxInt does not overflow.
+func TestDeviceMemoryTooLarge(t *testing.T) {
+	c := gpuConfig(t, 24)
+	c.Model.NLayer, c.Model.NEmbd, c.Model.NHead = 12, 768, 12
+	for _, b := range []int{100_000_000_000, 1 << 62, math.MaxInt} {
+		m := c.DeviceMemory(b)
+		if !m.TooLarge() || m.Total() < MaxDeviceBytes {
+			t.Errorf("batch %d: %+v, want TooLarge", b, m)
+		}
+	}
+	c.Batch = 100_000_000_000
+	wantErr(t, "batch 1e11", c.Validate(), "need over 1 PiB of device memory for the activations alone", "what fits: --batch 51")
+	if b := c.LargestBatch(24<<30-CapMargin, math.MaxInt); b != 51 {
+		t.Errorf("LargestBatch up to MaxInt: %d, want 51", b)
+	}
+	huge := gpuConfig(t, 80)
+	huge.Model.NLayer, huge.Model.NEmbd, huge.Model.NHead, huge.Model.NCtx = 1024, 1024, 512, 1<<20
+	if m := huge.DeviceMemory(1); !m.TooLarge() {
+		t.Errorf("context 2^20, 1024 layers: %+v, want TooLarge", m)
 	}
 }

@@ -34,7 +34,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			"--gpu-memory), before anything is allocated: the weights and gradients, the fp32 masters, the\n"+
 			"activations at --batch and the sampler's, what is left for the update phase, and the largest batch\n"+
 			"that fits with and without --recompute; with --profile too, the update phase's plan within what is\n"+
-			"left (--params and --gpu-budget then follow from the model and the cap).\n\n"+
+			"left (--params then follows from the model, and --gpu-budget, unless given, from what the cap leaves).\n\n"+
 			"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile:\n"+
 			"the update phase of each strategy (all on the CPU, a static split, all resident when it fits, the\n"+
 			"performance model's interleaved schedule) and of a k sweep, per rank, as the performance model\n"+
@@ -42,7 +42,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			"(scheduler.Simulate). Flags describe another machine\n"+
 			"by scaling the profile's rates; the contention slow-downs stay the profile's, and ranks on one\n"+
 			"host are modelled as sharing only its cores.")
-	profPath := c.String("profile", "", "a dos calibrate --json profile `PATH` (of any machine; required)")
+	profPath := c.String("profile", "", "a dos calibrate --json profile `PATH` (of any machine; required without --gpu-memory)")
 	params := int64(20e9)
 	sgSize := int64(100_000_000)
 	sizeVar(c, &params, "params", "parameters `N` of the model")
@@ -62,15 +62,30 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		return rc
 	}
 	fail := func(format string, a ...any) int { return c.usageError(stderr, format, a...) }
-	if mf.gpuMemory != 0 || mf.given(c) {
+	if mf.given(c) {
 		cfg, msg := mf.config(c)
-		switch {
-		case msg != "":
+		if msg != "" {
 			return fail("%s", msg)
+		}
+		m := cfg.DeviceMemory(cfg.Batch)
+		left := m.BudgetLeft(int64(cfg.GPUMemory * (1 << 30)))
+		switch {
 		case *ranks != 1:
 			return fail("--gpu-memory plans one GPU's memory: --ranks 1 (ZeRO-3 ranks' device memory is not planned yet)")
+		case c.set("params"):
+			return fail("--params: with --gpu-memory the model's flags give the parameters (%s)", count(float64(cfg.Model.NumParams())))
+		case gradDType != adam.BF16:
+			return fail("--grad-dtype %v: with --gpu-memory the gradients are bfloat16, as dos train --device cuda has them", gradDType)
+		case c.set("gpu-budget") && left > 0 && *budget*(1<<30) > float64(left):
+			return fail("--gpu-budget %g GiB is over what --gpu-memory %g GiB leaves the update phase (%.2f GiB)", *budget, cfg.GPUMemory, float64(left)/(1<<30))
 		}
-		left := memoryPlan(cfg, stdout)
+		if *profPath != "" && left > 0 {
+			w := perfmodel.Workload{Params: int64(cfg.Model.NumParams()), SubgroupSize: sgSize, GradDType: gradDType, CopyBytes: 2, Threads: max(*threads, 1), GPUBudget: left}
+			if err := w.Validate(); err != nil {
+				return fail("%v", err)
+			}
+		}
+		memoryPlan(cfg, stdout)
 		if *profPath == "" {
 			return 0
 		}

@@ -47,10 +47,10 @@ func TestPlan(t *testing.T) {
 // train refuses it: TestValidateDeviceMemory), at batch 5 with
 // --recompute it does.
 func TestPlanGPUMemory(t *testing.T) {
-	big := []string{"plan", "--gpu-memory", "24", "--layers", "36", "--heads", "24", "--embd", "3072", "--recompute"}
+	big := []string{"plan", "--gpu-memory", "24", "--layers", "36", "--heads", "24", "--embd", "3072", "--ctx", "1024", "--tokenizer", "gpt2", "--batch", "8", "--recompute"}
 	rc, out, errs := runCLI(big...)
 	for _, want := range []string{"4.24B parameters", "weights and gradients (bf16)     15.78 GiB", "activations (batch 8)             8.08 GiB",
-		"before the update phase          26.00 GiB of 24 GiB", "does not fit: over the cap by 2.25 GiB", "largest batch with --recompute (256 MiB kept aside): 5\n"} {
+		"before the update phase          26.00 GiB of 24 GiB", "does not fit: over the cap by 2.00 GiB (dos train refuses it before allocating)", "largest batch with --recompute (256 MiB kept aside): 5\n"} {
 		if rc != 0 || !strings.Contains(out, want) {
 			t.Errorf("dos plan %v: rc %d, want %q in\n%s%s", big[1:], rc, want, out, errs)
 		}
@@ -59,14 +59,45 @@ func TestPlanGPUMemory(t *testing.T) {
 	if rc != 0 || !strings.Contains(out, "left for the update phase") || strings.Contains(out, "does not fit") {
 		t.Errorf("--batch 5: rc %d\n%s%s", rc, out, errs)
 	}
-	rc, out, errs = runCLI("plan", "--gpu-memory", "24", "--model", "gpt2-xl", "--recompute", "--profile", h200)
+	rc, out, errs = runCLI("plan", "--gpu-memory", "24", "--model", "gpt2-xl", "--batch", "8", "--recompute", "--profile", h200)
 	if rc != 0 || !strings.Contains(out, "left for the update phase        12.59 GiB") || !strings.Contains(out, "1.56B per rank in 16 subgroups of up to 100M, 16 CPU workers per rank, GPU budget 12.59 GiB") ||
 		!strings.Contains(out, "the model's choice: k =") {
 		t.Errorf("gpt2-xl with --profile: rc %d\n%s%s", rc, out, errs)
 	}
+	// The same flags give dos train's run: its defaults (batch 16, context
+	// 64, the byte tokenizer without --model), its refusal exactly over
+	// the cap, and within the 256 MiB it keeps aside a run it accepts.
+	rc, out, errs = runCLI("plan", "--gpu-memory", "24", "--model", "gpt2", "--batch", "52")
+	if rc != 0 || !strings.Contains(out, "--ctx 1024 --tokenizer gpt2 --batch 52") || !strings.Contains(out, "fits, but within the 256 MiB the run keeps aside") ||
+		!strings.Contains(out, "largest batch without --recompute (256 MiB kept aside): 51\n") {
+		t.Errorf("gpt2 --batch 52 under 24 GiB: rc %d\n%s%s", rc, out, errs)
+	}
+	train := []string{"train", "--device", "cuda", "--gpu-memory", "24", "--model", "gpt2", "--max-memory", "1000", "--steps", "1"}
+	if rc, _, errs := runCLI(append(train, "--batch", "53")...); rc != 2 || !strings.Contains(errs, "what fits: --batch 51") {
+		t.Errorf("dos train --batch 53: rc %d %s", rc, errs)
+	}
+	if rc, _, errs := runCLI(append(train, "--batch", "52")...); strings.Contains(errs, "of device memory before the update phase") {
+		t.Errorf("dos train --batch 52 refused: rc %d %s", rc, errs)
+	}
+	rc, out, errs = runCLI("plan", "--gpu-memory", "24", "--layers", "2", "--heads", "2", "--embd", "128")
+	if rc != 0 || !strings.Contains(out, "--ctx 64 --tokenizer byte --batch 16,") {
+		t.Errorf("dos plan without --model: rc %d, want dos train's defaults\n%s%s", rc, out, errs)
+	}
+	// Sizes whose bytes an int64 would not hold are "too large", not
+	// negative, and dos train refuses them too.
+	rc, out, errs = runCLI("plan", "--gpu-memory", "80", "--model", "gpt2", "--batch", "100000000000")
+	if rc != 0 || !strings.Contains(out, "too large to count (over 1 PiB): does not fit") || strings.Contains(out, "-") && strings.Contains(out, "GiB\n  -") {
+		t.Errorf("--batch 1e11: rc %d\n%s%s", rc, out, errs)
+	}
+	if rc, _, errs := runCLI("train", "--device", "cuda", "--gpu-memory", "24", "--model", "gpt2", "--batch", "100000000000", "--steps", "1"); rc != 2 || !strings.Contains(errs, "need over 1 PiB of device memory") {
+		t.Errorf("dos train --batch 1e11: rc %d %s", rc, errs)
+	}
 	for _, bad := range [][]string{
-		{"--gpu-memory", "24"}, {"--model", "gpt2"}, {"--gpu-memory", "24", "--model", "gpt2", "--ranks", "2"},
+		{"--model", "gpt2"}, {"--gpu-memory", "24", "--model", "gpt2", "--ranks", "2"},
 		{"--gpu-memory", "24", "--model", "gpt3"}, {"--gpu-memory", "24", "--model", "gpt2", "--heads", "7"},
+		{"--gpu-memory", "24", "--model", "gpt2", "--params", "7B"}, {"--gpu-memory", "24", "--model", "gpt2", "--grad-dtype", "float32"},
+		{"--gpu-memory", "24", "--model", "gpt2", "--gpu-budget", "100", "--profile", h200},
+		{"--gpu-memory", "24", "--model", "gpt2", "--subgroup-size", "1000", "--profile", h200},
 	} {
 		if rc, out, errs := runCLI(append([]string{"plan"}, bad...)...); rc != 2 || errs == "" {
 			t.Errorf("dos plan %v: rc %d, want a usage error\n%s%s", bad, rc, out, errs)

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/gpt"
@@ -10,35 +11,39 @@ import (
 )
 
 // planMemoryFlags are dos plan's flags for the device memory of a GPT-2
-// on one GPU (--gpu-memory and the model's shape, as dos train takes it).
+// on one GPU: --gpu-memory and the model's flags as dos train takes them
+// (the same names and defaults), so that a plan describes the run the
+// same flags start.
 type planMemoryFlags struct {
-	gpuMemory                float64
-	model                    string
-	layers, heads, embd, ctx int
-	vocab, batch, sample     int
-	recompute, bf16Params    bool
+	gpuMemory        float64
+	model, tokenizer string
+	cfg              trainer.TrainConfig // --layers, --heads, --embd, --ctx, --batch, --sample, --recompute, --bf16-params
 }
+
+// planModelFlags are the flags planMemoryFlags defines besides
+// --gpu-memory.
+var planModelFlags = []string{"model", "tokenizer", "layers", "heads", "embd", "ctx", "batch", "sample", "recompute", "bf16-params"}
 
 // memoryFlags defines them on c.
 func memoryFlags(c *cli) *planMemoryFlags {
-	f := &planMemoryFlags{}
-	c.Float64Var(&f.gpuMemory, "gpu-memory", 0, "plan the device memory of a GPT-2 on one GPU of `GiB` (dos train --device cuda --gpu-memory), for the model the flags below give")
-	c.StringVar(&f.model, "model", "", "with --gpu-memory: a GPT-2 preset `NAME` (gpt2, gpt2-medium, gpt2-large, gpt2-xl); --layers, --heads, --embd and --ctx override its")
-	c.IntVar(&f.layers, "layers", 0, "with --gpu-memory: transformer blocks (0: --model's)")
-	c.IntVar(&f.heads, "heads", 0, "with --gpu-memory: attention heads (0: --model's)")
-	c.IntVar(&f.embd, "embd", 0, "with --gpu-memory: embedding width (0: --model's)")
-	c.IntVar(&f.ctx, "ctx", 0, "with --gpu-memory: context length in tokens (0: --model's, or 1024)")
-	c.IntVar(&f.vocab, "vocab", 0, "with --gpu-memory: vocabulary size (0: GPT-2's, 50304)")
-	c.IntVar(&f.batch, "batch", 8, "with --gpu-memory: sequences per iteration")
-	c.IntVar(&f.sample, "sample", 200, "with --gpu-memory: bytes of text the run samples at the end (dos train --sample; 0: no sampler)")
-	c.BoolVar(&f.recompute, "recompute", false, "with --gpu-memory: activation checkpointing (dos train --recompute)")
-	c.BoolVar(&f.bf16Params, "bf16-params", false, "with --gpu-memory: no fp32 masters on the device (dos train --bf16-params)")
+	f := &planMemoryFlags{cfg: trainer.DefaultTrainConfig()}
+	c.Float64Var(&f.gpuMemory, "gpu-memory", 0, "plan the device memory of a GPT-2 on one GPU of `GiB` (dos train --device cuda --gpu-memory), for the model the flags below give as dos train takes them")
+	c.StringVar(&f.model, "model", "", "with --gpu-memory: a GPT-2 preset `NAME` (gpt2, gpt2-medium, gpt2-large, gpt2-xl: context 1024, the gpt2 tokenizer); --layers, --heads, --embd and --ctx override its")
+	c.StringVar(&f.tokenizer, "tokenizer", "", "with --gpu-memory: `NAME` byte or gpt2, which sets the vocabulary: 256 or 50304 (default byte, gpt2 with --model)")
+	c.IntVar(&f.cfg.Model.NLayer, "layers", f.cfg.Model.NLayer, "with --gpu-memory: transformer blocks (overrides --model's)")
+	c.IntVar(&f.cfg.Model.NHead, "heads", f.cfg.Model.NHead, "with --gpu-memory: attention heads (overrides --model's)")
+	c.IntVar(&f.cfg.Model.NEmbd, "embd", f.cfg.Model.NEmbd, "with --gpu-memory: embedding width (overrides --model's)")
+	c.IntVar(&f.cfg.Model.NCtx, "ctx", f.cfg.Model.NCtx, "with --gpu-memory: context length in tokens (overrides --model's)")
+	c.IntVar(&f.cfg.Batch, "batch", f.cfg.Batch, "with --gpu-memory: sequences per iteration")
+	sizeVar(c, &f.cfg.SampleBytes, "sample", "with --gpu-memory: bytes `N` of text the run samples at the end (0: no sampler)")
+	c.BoolVar(&f.cfg.Recompute, "recompute", false, "with --gpu-memory: activation checkpointing (dos train --recompute)")
+	c.BoolVar(&f.cfg.BF16Params, "bf16-params", false, "with --gpu-memory: no fp32 masters on the device (dos train --bf16-params)")
 	return f
 }
 
-// given reports whether a model flag was set.
+// given reports whether --gpu-memory or a model flag was set.
 func (f *planMemoryFlags) given(c *cli) bool {
-	for _, n := range []string{"model", "layers", "heads", "embd", "ctx", "vocab", "batch", "sample", "recompute", "bf16-params"} {
+	for _, n := range append([]string{"gpu-memory"}, planModelFlags...) {
 		if c.set(n) {
 			return true
 		}
@@ -46,44 +51,45 @@ func (f *planMemoryFlags) given(c *cli) bool {
 	return false
 }
 
-// config returns the dos train configuration the flags describe (Device
-// "cuda", bf16 working copy and gradients, GPUMemory), or what is wrong
-// with them, naming the flag.
+// config returns the dos train --device cuda configuration the flags
+// describe (as dos train builds it: --model's fields where not given, the
+// tokenizer's vocabulary, bf16 working copy and gradients, GPUMemory), or
+// what is wrong with them, naming the flag.
 func (f *planMemoryFlags) config(c *cli) (trainer.TrainConfig, string) {
-	cfg := trainer.DefaultTrainConfig()
-	switch {
-	case !(f.gpuMemory > 0) || f.gpuMemory > 1<<20:
+	cfg := f.cfg
+	if !(f.gpuMemory > 0) || f.gpuMemory > 1<<20 {
 		return cfg, fmt.Sprintf("--gpu-memory %v: want the GPU's GiB, > 0 (the model's flags plan its device memory under it)", f.gpuMemory)
-	case f.model == "" && (f.layers == 0 || f.heads == 0 || f.embd == 0):
-		return cfg, "--gpu-memory needs the model: --model NAME, or --layers, --heads and --embd"
 	}
-	m := gpt.Config{NCtx: 1024, VocabSize: 50304}
 	if f.model != "" {
 		p, err := gpt.Preset(f.model)
 		if err != nil {
-			return cfg, fmt.Sprintf("--model: %v", err)
+			return cfg, fmt.Sprintf("--model %q: want one of %s", f.model, strings.Join(gpt.PresetNames(), ", "))
 		}
-		m = p
-	}
-	for _, o := range []struct {
-		v   int
-		dst *int
-	}{{f.layers, &m.NLayer}, {f.heads, &m.NHead}, {f.embd, &m.NEmbd}, {f.ctx, &m.NCtx}, {f.vocab, &m.VocabSize}} {
-		if o.v != 0 {
-			*o.dst = o.v
+		for _, o := range []struct {
+			name     string
+			dst, src *int
+		}{{"layers", &cfg.Model.NLayer, &p.NLayer}, {"heads", &cfg.Model.NHead, &p.NHead}, {"embd", &cfg.Model.NEmbd, &p.NEmbd}, {"ctx", &cfg.Model.NCtx, &p.NCtx}} {
+			if !c.set(o.name) {
+				*o.dst = *o.src
+			}
 		}
+		cfg.Tokenizer = "gpt2"
 	}
-	cfg.Model, cfg.Batch, cfg.SampleBytes, cfg.Recompute, cfg.BF16Params = m, f.batch, f.sample, f.recompute, f.bf16Params
+	if c.set("tokenizer") {
+		cfg.Tokenizer = f.tokenizer
+	}
+	tok, err := trainer.NewTokenizer(cfg.Tokenizer)
+	if err != nil {
+		return cfg, fmt.Sprintf("--tokenizer: %v", err)
+	}
+	cfg.Model.VocabSize = gpt.PadVocab(tok.VocabSize())
 	cfg.Device, cfg.GPUMemory, cfg.GradDType, cfg.WorkingDType = "cuda", f.gpuMemory, adam.BF16, adam.BF16
-	tok := "byte"
-	if m.VocabSize > 256 {
-		tok = "gpt2"
-	}
-	cfg.Tokenizer, cfg.MaxMemory = tok, float64(trainer.MaxMemoryBytes>>30) // the host's memory is not this plan's
+	// Over the cap is what the plan shows, not an error; the host's
+	// memory is not this plan's.
 	v := cfg
-	v.GPUMemory = 0 // over the cap is what the plan shows, not an error
+	v.GPUMemory, v.MaxMemory = 0, float64(trainer.MaxMemoryBytes>>30)
 	if err := v.Validate(); err != nil {
-		return cfg, fmt.Sprintf("%v", err)
+		return cfg, fmt.Sprintf("the model dos train would build: %v", err)
 	}
 	return cfg, ""
 }
@@ -101,20 +107,28 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 	if cfg.Recompute {
 		rc = " --recompute"
 	}
-	fmt.Fprintf(out, "dos plan: device memory on one GPU under --gpu-memory %g GiB: --layers %d --heads %d --embd %d --ctx %d --vocab %d --batch %d%s, %s parameters\n",
-		cfg.GPUMemory, cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, cfg.Batch, rc, count(float64(cfg.Model.NumParams())))
-	row("weights and gradients (bf16)", m.WeightsGrads, "")
-	row("fp32 masters", m.Masters, "")
-	row(fmt.Sprintf("activations (batch %d)", cfg.Batch), m.Activations, "")
-	row(fmt.Sprintf("sampler (--sample %d)", cfg.SampleBytes), m.Sampler, "")
-	row("before the update phase", m.Total(), fmt.Sprintf(" of %g GiB", cfg.GPUMemory))
-	left := m.BudgetLeft(capBytes)
-	if left > 0 {
-		row("left for the update phase", left, " (its default --gpu-budget: resident state and staging; 256 MiB kept aside)")
+	fmt.Fprintf(out, "dos plan: device memory on one GPU under --gpu-memory %g GiB: --layers %d --heads %d --embd %d --ctx %d --tokenizer %s --batch %d%s, %s parameters\n",
+		cfg.GPUMemory, cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Tokenizer, cfg.Batch, rc, count(float64(cfg.Model.NumParams())))
+	if m.TooLarge() {
+		fmt.Fprintf(out, "  the activations at batch %d are too large to count (over %d PiB): does not fit; dos train refuses it before allocating\n", cfg.Batch, trainer.MaxDeviceBytes>>50)
 	} else {
-		fmt.Fprintf(out, "  does not fit: over the cap by %.2f GiB with the 256 MiB kept aside (dos train refuses it before allocating)\n", float64(-left)/(1<<30))
+		row("weights and gradients (bf16)", m.WeightsGrads, "")
+		row("fp32 masters", m.Masters, "")
+		row(fmt.Sprintf("activations (batch %d)", cfg.Batch), m.Activations, "")
+		row(fmt.Sprintf("sampler (--sample %d)", cfg.SampleBytes), m.Sampler, "")
+		row("before the update phase", m.Total(), fmt.Sprintf(" of %g GiB", cfg.GPUMemory))
 	}
-	upTo := max(cfg.Batch, 1024)
+	left := m.BudgetLeft(capBytes)
+	switch {
+	case m.TooLarge():
+	case left > 0:
+		row("left for the update phase", left, " (its default --gpu-budget: resident state and staging; 256 MiB kept aside)")
+	case m.Total() <= capBytes:
+		fmt.Fprintf(out, "  fits, but within the 256 MiB the run keeps aside (%.0f MiB of it used): dos train accepts it, and the update phase gets no budget (every subgroup on the CPU)\n", float64(m.Total()-(capBytes-trainer.CapMargin))/(1<<20))
+	default:
+		fmt.Fprintf(out, "  does not fit: over the cap by %.2f GiB (dos train refuses it before allocating)\n", float64(m.Total()-capBytes)/(1<<30))
+	}
+	const upTo = 1 << 20
 	for _, r := range []bool{false, true} {
 		c := cfg
 		c.Recompute = r
