@@ -207,9 +207,20 @@ func jobList(root string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "dos ckpt ls: %s\n", neverCommittedNote(root, w))
 			for r := range w {
 				// What the first save left: a rank's piece may be complete.
-				if rr := checkpoint.RankRoot(root, r); dirExists(rr) {
-					fmt.Fprintf(stdout, "%s\n", rr)
-					listRoot(rr, -1, stdout, stderr)
+				// (A rank root without latest is what a first save leaves,
+				// not damage of its own: no listRoot, which would say so.)
+				rr := checkpoint.RankRoot(root, r)
+				if !dirExists(rr) {
+					continue
+				}
+				fmt.Fprintf(stdout, "%s\n", rr)
+				info, _ := checkpoint.Inspect(checkpoint.OS, rr)
+				for _, s := range info.Steps {
+					what := "incomplete: a save cut short"
+					if s.Complete {
+						what = "complete, a rank's piece of a first save that never committed: no checkpoint"
+					}
+					fmt.Fprintf(stdout, "  %s  (%s)\n", s.Dir, what)
 				}
 			}
 			return 1
