@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/trainer"
@@ -131,6 +132,11 @@ func runCkpt(args []string, stdout, stderr io.Writer) int {
 		return c.usageError(stderr, "--rank %d: want a rank >= 0", rank)
 	}
 	path := pos[0]
+	if strings.ContainsFunc(path, unicode.IsControl) && sub != "recover" {
+		// Its listing prints paths raw: a newline or an escape code in
+		// one would print lines that are not there.
+		return c.usageError(stderr, "the path %q holds control characters (a newline, a tab or an escape code), which %s would print raw into its output; rename it (or reach it through a symbolic link without them)", path, sub)
+	}
 	if _, err := os.Stat(path); err != nil {
 		return c.fail(stderr, "%v", err)
 	}

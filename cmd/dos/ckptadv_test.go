@@ -557,3 +557,28 @@ func TestResumeRankStepDir(t *testing.T) {
 		t.Errorf("dos train --resume --ckpt-dir %s: rc %d\n%s%s", sd, rc, stdout, stderr)
 	}
 }
+
+// TestCkptControlCharacters (the job commands' adversary, F6): a root
+// whose name holds a newline made dos ckpt ls print a forged line
+// ("* forged/step-000000099: 2 ranks, ..."); ls, verify and inspect now
+// refuse such a path, quoted, before reading it.
+func TestCkptControlCharacters(t *testing.T) {
+	job := trainJobWith(t, "2")
+	evil := filepath.Join(t.TempDir(), "evil\n* forged-step-000000099")
+	if err := os.Rename(job, evil); err != nil {
+		t.Fatal(err)
+	}
+	for _, sub := range []string{"ls", "verify", "inspect"} {
+		rc, stdout, stderr := invoke(t, "ckpt", sub, evil)
+		if rc != 2 || stdout != "" || !strings.Contains(stderr, `\n* forged-step-000000099" holds control characters`) {
+			t.Errorf("dos ckpt %s: rc %d\n%s%s", sub, rc, stdout, stderr)
+		}
+	}
+	link := filepath.Join(t.TempDir(), "plain")
+	if err := os.Symlink(evil, link); err != nil {
+		t.Fatal(err)
+	}
+	if rc, stdout, stderr := invoke(t, "ckpt", "verify", link); rc != 0 {
+		t.Errorf("dos ckpt verify through a link: rc %d\n%s%s", rc, stdout, stderr)
+	}
+}
