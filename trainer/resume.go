@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/deepstates/dos/checkpoint"
@@ -101,26 +102,13 @@ func openRoot(cfg *TrainConfig, out io.Writer) (*checkpoint.RootLock, *checkpoin
 // With resume, a root holding nothing but such a leftover (a reshard
 // killed before its moves, the only thing ever put there) is refused,
 // left as it is: --resume there would otherwise start over at iteration
-// 0, which is not what the user asked for (ReshardLeftover).
+// 0, which is not what the user asked for (ReshardLeftovers).
 func removeReshardLeftovers(root string, resume bool, out io.Writer) error {
-	if p, moving := ReshardLeftover(root); p != "" && !moving && resume {
-		return fmt.Errorf("trainer: --resume: %s holds no checkpoint, only %s, the leftover of a dos ckpt reshard into it that was killed before it committed (never a checkpoint): run that reshard again (it removes the leftover; its source is unchanged) and resume from %s; or, to start afresh there, run without --resume", root, p, root)
+	tmps, moved := ReshardLeftovers(root) // moved: root holds what a reshard moves in (job.json, rank roots, steps, latest)
+	if len(tmps) > 0 && !moved && resume {
+		return fmt.Errorf("trainer: --resume: %s and resume from %s; or, to start afresh there, run without --resume", KilledReshardNote(root, tmps[0]), root)
 	}
-	es, err := os.ReadDir(root)
-	if err != nil {
-		return nil // a new root, or one Lock said is usable: nothing left there
-	}
-	moved := false // root holds what a reshard moves in (job.json, rank roots, steps, latest)
-	for _, e := range es {
-		if n := e.Name(); n != checkpoint.LockFile && !strings.HasPrefix(n, ReshardTmp) {
-			moved = true
-		}
-	}
-	for _, e := range es {
-		if !strings.HasPrefix(e.Name(), ReshardTmp) {
-			continue
-		}
-		p := filepath.Join(root, e.Name())
+	for _, p := range tmps {
 		if moved {
 			// A reshard killed during its moves: root holds part of its
 			// committed checkpoint, p the rest. Never removed.
@@ -144,29 +132,34 @@ func removeReshardLeftovers(root string, resume bool, out io.Writer) error {
 	return nil
 }
 
-// ReshardLeftover returns the path of the first leftover of a killed dos
-// ckpt reshard in root (a ReshardTmp* directory; "" for none), and
-// whether root holds anything else besides its lock file: what that
+// ReshardLeftovers returns the leftovers of killed dos ckpt reshards in
+// root (its ReshardTmp* directories, in name order; none for none), and
+// whether root holds anything else besides its lock file: what such a
 // reshard moved in before it was killed (FinishReshard completes the
 // moves), where without it a reshard killed before its moves left root
-// holding no checkpoint. A root missing or unreadable gives "", false.
+// holding no checkpoint. A root missing or unreadable gives none, false.
 // While a reshard runs into root (checkpoint.Holder), the same is seen.
-func ReshardLeftover(root string) (tmp string, moving bool) {
+func ReshardLeftovers(root string) (tmps []string, moving bool) {
 	es, err := os.ReadDir(root)
 	if err != nil {
-		return "", false
+		return nil, false
 	}
 	for _, e := range es {
 		switch n := e.Name(); {
 		case strings.HasPrefix(n, ReshardTmp):
-			if tmp == "" {
-				tmp = filepath.Join(root, n)
-			}
+			tmps = append(tmps, filepath.Join(root, n))
 		case n != checkpoint.LockFile:
 			moving = true
 		}
 	}
-	return tmp, moving
+	return tmps, moving
+}
+
+// KilledReshardNote says that root holds no checkpoint, only tmp, the
+// leftover of a dos ckpt reshard into it killed before it committed, and
+// what to do: the message of --resume and of dos ckpt recover there.
+func KilledReshardNote(root, tmp string) string {
+	return fmt.Sprintf("%s holds no checkpoint, only %s, the leftover of a dos ckpt reshard into it that was killed before it committed (never a checkpoint): run that reshard again (it removes the leftover; its source is unchanged)", root, tmp)
 }
 
 // ReshardMovesLeft returns the leftover of a dos ckpt reshard killed
@@ -174,16 +167,12 @@ func ReshardLeftover(root string) (tmp string, moving bool) {
 // entries to move (more than a lock file) and no process holds root: what
 // FinishReshard completes. It returns "" otherwise.
 func ReshardMovesLeft(root string) string {
-	tmp, moving := ReshardLeftover(root)
-	if tmp == "" || !moving || checkpoint.Holder(checkpoint.OS, root) != "" {
+	tmps, moving := ReshardLeftovers(root)
+	if len(tmps) == 0 || !moving || checkpoint.Holder(checkpoint.OS, root) != "" {
 		return ""
 	}
-	es, err := os.ReadDir(tmp)
-	if err != nil {
-		return ""
-	}
-	for _, e := range es {
-		if e.Name() != checkpoint.LockFile {
+	for _, tmp := range tmps {
+		if es, err := os.ReadDir(tmp); err == nil && slices.ContainsFunc(es, func(e os.DirEntry) bool { return e.Name() != checkpoint.LockFile }) {
 			return tmp
 		}
 	}
@@ -197,19 +186,7 @@ func ReshardMovesLeft(root string) string {
 // dos ckpt recover runs it first, so that such a root is not taken for a
 // job missing rank roots.
 func FinishReshard(root string, out io.Writer) (bool, error) {
-	es, err := os.ReadDir(root)
-	if err != nil {
-		return false, nil
-	}
-	moved, tmps := false, []string{}
-	for _, e := range es {
-		switch n := e.Name(); {
-		case strings.HasPrefix(n, ReshardTmp):
-			tmps = append(tmps, filepath.Join(root, n))
-		case n != checkpoint.LockFile:
-			moved = true
-		}
-	}
+	tmps, moved := ReshardLeftovers(root)
 	if !moved || len(tmps) == 0 {
 		return false, nil
 	}
@@ -317,9 +294,10 @@ func openJob(cfg *TrainConfig, out io.Writer) (*checkpoint.Recovery, error) {
 		switch job := filepath.Dir(filepath.Clean(root)); {
 		case strings.HasPrefix(filepath.Base(filepath.Clean(root)), "rank-") && isJob(job):
 			hint = fmt.Sprintf(" (%s is one rank's root of the job %s: resume the job, --ckpt-dir %s)", root, job, checkpoint.ShellQuote(job))
-		case !isJob(root) && outsideJob(root) != "":
+		case isJob(root):
+		case outsideJob(root) != "":
 			hint = " (" + outsideJob(root) + ")"
-		case !isJob(root):
+		default:
 			hint = fmt.Sprintf(" (to continue a single-rank run on %d ranks, re-shard it first: `dos ckpt reshard %s NEWROOT --gpus %d`)", cfg.GPUs, checkpoint.ShellQuote(root), cfg.GPUs)
 		}
 		return nil, fmt.Errorf("trainer: resume from %s: %w%s", root, err, hint)

@@ -530,8 +530,8 @@ func ckptRecover(root string, rank int, stdout, stderr io.Writer) int {
 	}
 	rec, err := checkpoint.Rollback(checkpoint.OS, root, rank, trainer.VerifyCheckpoint)
 	if err != nil {
-		if p, moving := trainer.ReshardLeftover(root); p != "" && !moving && errors.Is(err, checkpoint.ErrNoCheckpoint) {
-			fmt.Fprintf(stderr, "dos ckpt recover: %s holds no checkpoint, only %s, the leftover of a dos ckpt reshard into it that was killed before it committed (never a checkpoint): run that reshard again (it removes the leftover; its source is unchanged)\n", root, p)
+		if tmps, moving := trainer.ReshardLeftovers(root); len(tmps) > 0 && !moving && errors.Is(err, checkpoint.ErrNoCheckpoint) {
+			fmt.Fprintf(stderr, "dos ckpt recover: %s\n", trainer.KilledReshardNote(root, tmps[0]))
 			return 1
 		}
 		fmt.Fprintf(stderr, "dos ckpt recover: %v\n", err)

@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"io"
-	"strings"
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/gpt"
@@ -61,19 +60,9 @@ func (f *planMemoryFlags) config(c *cli) (trainer.TrainConfig, string) {
 		return cfg, fmt.Sprintf("--gpu-memory %v: want the GPU's GiB, > 0 (the model's flags plan its device memory under it)", f.gpuMemory)
 	}
 	if f.model != "" {
-		p, err := gpt.Preset(f.model)
-		if err != nil {
-			return cfg, fmt.Sprintf("--model %q: want one of %s", f.model, strings.Join(gpt.PresetNames(), ", "))
+		if err := applyPreset(c, &cfg, f.model); err != nil {
+			return cfg, err.Error()
 		}
-		for _, o := range []struct {
-			name     string
-			dst, src *int
-		}{{"layers", &cfg.Model.NLayer, &p.NLayer}, {"heads", &cfg.Model.NHead, &p.NHead}, {"embd", &cfg.Model.NEmbd, &p.NEmbd}, {"ctx", &cfg.Model.NCtx, &p.NCtx}} {
-			if !c.set(o.name) {
-				*o.dst = *o.src
-			}
-		}
-		cfg.Tokenizer = "gpt2"
 	}
 	if c.set("tokenizer") {
 		cfg.Tokenizer = f.tokenizer

@@ -68,6 +68,28 @@ var resumeFlags = []struct {
 	{"gpus", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.GPUs = o.GPUs }, func(c trainer.TrainConfig) string { return fmt.Sprint(max(c.GPUs, 1)) }},
 }
 
+// applyPreset makes cfg the GPT-2 preset name (gpt.Preset) where c's
+// flags --layers, --heads, --embd and --ctx were not given, with the gpt2
+// tokenizer: --model, as dos train and dos plan --gpu-memory take it.
+//
+// Errors: an unknown name, listing the presets.
+func applyPreset(c *cli, cfg *trainer.TrainConfig, name string) error {
+	p, err := gpt.Preset(name)
+	if err != nil {
+		return fmt.Errorf("--model %q: want one of %s", name, strings.Join(gpt.PresetNames(), ", "))
+	}
+	for _, f := range []struct {
+		name     string
+		dst, src *int
+	}{{"layers", &cfg.Model.NLayer, &p.NLayer}, {"heads", &cfg.Model.NHead, &p.NHead}, {"embd", &cfg.Model.NEmbd, &p.NEmbd}, {"ctx", &cfg.Model.NCtx, &p.NCtx}} {
+		if !c.set(f.name) {
+			*f.dst = *f.src
+		}
+	}
+	cfg.Tokenizer = "gpt2"
+	return nil
+}
+
 func runTrain(args []string, stdout, stderr io.Writer) int {
 	cfg := trainer.DefaultTrainConfig()
 	c := newCLI("dos train", "dos train [flags]", trainAbout)
@@ -131,22 +153,12 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	// the vocabulary follows the tokenizer.
 	given := c.set
 	if *model != "" {
-		p, err := gpt.Preset(*model)
-		if err != nil {
-			return c.usageError(stderr, "--model %q: want one of %s", *model, strings.Join(gpt.PresetNames(), ", "))
-		}
-		for _, f := range []struct {
-			name     string
-			dst, src *int
-		}{{"layers", &cfg.Model.NLayer, &p.NLayer}, {"heads", &cfg.Model.NHead, &p.NHead}, {"embd", &cfg.Model.NEmbd, &p.NEmbd}, {"ctx", &cfg.Model.NCtx, &p.NCtx}} {
-			if !c.set(f.name) {
-				*f.dst = *f.src
-			}
+		if err := applyPreset(c, &cfg, *model); err != nil {
+			return c.usageError(stderr, "%v", err)
 		}
 		given = func(name string) bool {
 			return c.set(name) || name == "layers" || name == "heads" || name == "embd" || name == "ctx"
 		}
-		cfg.Tokenizer = "gpt2"
 	}
 	if c.set("tokenizer") {
 		cfg.Tokenizer = *tokName
