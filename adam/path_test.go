@@ -156,6 +156,70 @@ func TestPathsBitwise(t *testing.T) {
 	}
 }
 
+// TestGradPartials: the per-block partial sums of every path and of a pool
+// at any thread count are the generic path's bit for bit; added in block
+// order from 0 they give GradStats's sum; and the partials of a gradient cut
+// on a MinChunk boundary into two, each taken alone, are the whole's: the
+// sum does not depend on where each piece was computed. A short dst panics.
+func TestGradPartials(t *testing.T) {
+	n := 5*MinChunk + 123
+	if testing.Short() || raceEnabled {
+		n = 2*MinChunk + 123
+	}
+	blocks := (n + MinChunk - 1) / MinChunk
+	for _, gd := range []DType{F32, BF16, F16} {
+		_, g := randomProblem(n, gd, false, 11)
+		const unscale = 1.0 / 3
+		_, want := Generic.GradStats(g, unscale)
+		ref := make([]float64, blocks)
+		if !Generic.GradPartials(g, unscale, ref) {
+			t.Fatalf("%v: not finite", gd)
+		}
+		var sum float64
+		for _, x := range ref {
+			sum += x
+		}
+		if sum != want {
+			t.Fatalf("%v: partials add to %v, GradStats %v", gd, sum, want)
+		}
+		check := func(name string, got []float64) {
+			t.Helper()
+			for b := range ref {
+				if got[b] != ref[b] {
+					t.Fatalf("%v %s: partial %d = %v, generic %v", gd, name, b, got[b], ref[b])
+				}
+			}
+		}
+		for _, path := range Paths() {
+			got := make([]float64, blocks)
+			path.GradPartials(g, unscale, got)
+			check(path.Name(), got)
+		}
+		for _, threads := range []int{1, 2, 3} {
+			p := NewPoolPath(threads, Paths()[len(Paths())-1])
+			got := make([]float64, blocks)
+			ok := p.GradPartials(g, unscale, got)
+			if _, s := p.GradStats(g, unscale); s != want || !ok {
+				t.Fatalf("pool-%d %v: GradStats %v after GradPartials %v, want %v", threads, gd, s, ok, want)
+			}
+			p.Close()
+			check(fmt.Sprintf("pool-%d", threads), got)
+		}
+		cut := 2 * MinChunk
+		got := make([]float64, blocks)
+		Generic.GradPartials(g.Slice(0, cut), unscale, got[:2])
+		Generic.GradPartials(g.Slice(cut, n), unscale, got[2:])
+		check("cut at 2 blocks", got)
+	}
+	defer func() {
+		if recover() == nil {
+			t.Fatal("GradPartials into too few partials did not panic")
+		}
+	}()
+	_, g := randomProblem(MinChunk+1, F32, false, 1)
+	Generic.GradPartials(g, 1, make([]float64, 1))
+}
+
 // TestPathGradStats: every path's one-pass non-finite check and sum of
 // squares equals the generic path's bit for bit (and every pool's, at any
 // thread count), the generic sum agrees with a plain serial float64 sum, and

@@ -1,6 +1,7 @@
 package adam
 
 import (
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -194,6 +195,40 @@ func (p *Pool) GradStats(g Grad, unscale float32) (finite bool, sumSquares float
 		p.partial = make([]float64, blocks)
 	}
 	p.partial = p.partial[:blocks]
+	finite = p.partials(g, unscale)
+	for _, x := range p.partial {
+		sumSquares += x
+	}
+	return finite, sumSquares
+}
+
+// GradPartials is GradStats without the last sum: it writes the sum of
+// squares of each MinChunk block of g (block b: elements [b*MinChunk,
+// (b+1)*MinChunk), the last one shorter) to dst[b], and reports whether
+// every element is finite. Adding dst in block order from 0 gives
+// GradStats's sum bit for bit; so does adding, in order, the partials of
+// several gradients that lie end to end on MinChunk boundaries, wherever
+// each one's memory is (Path.GradPartials, and the device's kernel in
+// internal/kernels, compute the same bits). It allocates nothing.
+//
+// It panics when dst is shorter than g's blocks.
+func (p *Pool) GradPartials(g Grad, unscale float32, dst []float64) (finite bool) {
+	blocks := (g.Len() + MinChunk - 1) / MinChunk
+	if len(dst) < blocks {
+		panic(fmt.Sprintf("adam: GradPartials: %d partials for %d blocks", len(dst), blocks))
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	keep := p.partial
+	p.partial = dst[:blocks]
+	finite = p.partials(g, unscale)
+	p.partial = keep
+	return finite
+}
+
+// partials runs the pool over g's blocks into p.partial (len: g's blocks);
+// p.mu is held.
+func (p *Pool) partials(g Grad, unscale float32) (finite bool) {
 	t := &p.job
 	t.kind, t.g, t.unscale = taskStats, g, unscale
 	chunks := p.dispatch(g.Len())
@@ -202,10 +237,7 @@ func (p *Pool) GradStats(g Grad, unscale float32) (finite bool, sumSquares float
 	for i := 0; i < chunks; i++ {
 		finite = finite && p.slots[i].finite
 	}
-	for _, x := range p.partial {
-		sumSquares += x
-	}
-	return finite, sumSquares
+	return finite
 }
 
 // AllFinite is GradStats's non-finite check.

@@ -1,6 +1,9 @@
 package adam
 
-import "math"
+import (
+	"fmt"
+	"math"
+)
 
 // scaleFlags packs which of the gradient's scalings apply, in the order
 // loadGrad applies them: bit 0 multiply by Unscale, bit 1 multiply by Clip,
@@ -111,6 +114,22 @@ func (path Path) GradStats(g Grad, unscale float32) (finite bool, sumSquares flo
 		sumSquares += s
 	}
 	return finite, sumSquares
+}
+
+// GradPartials is Pool.GradPartials on one goroutine: dst[b] is the sum
+// of squares of g's MinChunk block b, as GradStats adds them. It panics
+// when dst is shorter than g's blocks.
+func (path Path) GradPartials(g Grad, unscale float32, dst []float64) (finite bool) {
+	if blocks := (g.Len() + MinChunk - 1) / MinChunk; len(dst) < blocks {
+		panic(fmt.Sprintf("adam: GradPartials: %d partials for %d blocks", len(dst), blocks))
+	}
+	finite = true
+	for b, lo := 0, 0; lo < g.Len(); b, lo = b+1, lo+MinChunk {
+		ok, s := path.blockStats(g.Slice(lo, min(lo+MinChunk, g.Len())), unscale)
+		finite = finite && ok
+		dst[b] = s
+	}
+	return finite
 }
 
 // blockStats is GradStats over one block of at most MinChunk elements.
