@@ -42,6 +42,7 @@ type job struct {
 	g       Grad
 	out     Copy16
 	unscale float32
+	partial []float64    // taskStats: where block b's sum goes (partial[b])
 	n       int          // elements in all
 	size    int          // elements per chunk, a multiple of MinChunk (or n)
 	next    atomic.Int64 // the first element of the next chunk to take
@@ -129,7 +130,7 @@ func (p *Pool) run(sl int) {
 		case taskStats:
 			for b := lo; b < hi; b += MinChunk {
 				var f bool
-				f, p.partial[b/MinChunk] = p.path.blockStats(t.g.Slice(b, min(b+MinChunk, hi)), t.unscale)
+				f, t.partial[b/MinChunk] = p.path.blockStats(t.g.Slice(b, min(b+MinChunk, hi)), t.unscale)
 				ok = ok && f
 			}
 		}
@@ -195,7 +196,7 @@ func (p *Pool) GradStats(g Grad, unscale float32) (finite bool, sumSquares float
 		p.partial = make([]float64, blocks)
 	}
 	p.partial = p.partial[:blocks]
-	finite = p.partials(g, unscale)
+	finite = p.partials(g, unscale, p.partial)
 	for _, x := range p.partial {
 		sumSquares += x
 	}
@@ -219,20 +220,16 @@ func (p *Pool) GradPartials(g Grad, unscale float32, dst []float64) (finite bool
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	keep := p.partial
-	p.partial = dst[:blocks]
-	finite = p.partials(g, unscale)
-	p.partial = keep
-	return finite
+	return p.partials(g, unscale, dst)
 }
 
-// partials runs the pool over g's blocks into p.partial (len: g's blocks);
+// partials runs the pool over g's blocks, block b's sum into dst[b];
 // p.mu is held.
-func (p *Pool) partials(g Grad, unscale float32) (finite bool) {
+func (p *Pool) partials(g Grad, unscale float32, dst []float64) (finite bool) {
 	t := &p.job
-	t.kind, t.g, t.unscale = taskStats, g, unscale
+	t.kind, t.g, t.unscale, t.partial = taskStats, g, unscale, dst
 	chunks := p.dispatch(g.Len())
-	t.g = Grad{}
+	t.g, t.partial = Grad{}, nil // keep no caller's memory alive
 	finite = true
 	for i := 0; i < chunks; i++ {
 		finite = finite && p.slots[i].finite
