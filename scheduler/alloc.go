@@ -85,11 +85,24 @@ func (e *Engine) allocBase() error {
 		}
 		*views[a] = unsafe.Slice((*float32)(unsafe.Pointer(&e.host[a].Bytes()[0])), e.total)
 	}
-	if e.grad, err = e.devAlloc(&e.allocs, e.gb*e.total); err != nil {
+	// The device gradients and working copy hold the subgroups that are
+	// not host-held (at least one element, for a device that refuses 0).
+	if e.grad, err = e.devAlloc(&e.allocs, e.gb*max(e.devN, 1)); err != nil {
 		return err
 	}
-	if e.work, err = e.devAlloc(&e.allocs, 2*e.total); err != nil {
+	if e.work, err = e.devAlloc(&e.allocs, 2*max(e.devN, 1)); err != nil {
 		return err
+	}
+	if e.heldN > 0 {
+		if e.hgrad, err = e.hostAlloc(&e.allocs, e.gb*e.heldN); err != nil {
+			return err
+		}
+		if e.hwork, err = e.hostAlloc(&e.allocs, 2*e.heldN); err != nil {
+			return err
+		}
+		if e.mix, err = e.hostAlloc(&e.allocs, e.gb*adam.MinChunk); err != nil {
+			return err
+		}
 	}
 	if e.mirrorN > 0 {
 		if e.mirror, err = e.devAlloc(&e.allocs, 4*e.mirrorN); err != nil {
@@ -138,7 +151,7 @@ func (e *Engine) allocBase() error {
 // staging slots.
 func (e *Engine) allocPlan(p *Plan) error {
 	e.plan, e.updated = p, false
-	e.core = newCore(p, shape{sizes: e.sizes, arrays: e.nArr, gradBytes: e.gb, chunk: e.o.copyChunk})
+	e.core = newCore(p, shape{sizes: e.sizes, arrays: e.nArr, gradBytes: e.gb, chunk: e.o.copyChunk, held: e.held})
 	nops := 0
 	for i := range e.sizes {
 		nops += len(e.core.ops(i))
@@ -246,6 +259,9 @@ func (e *Engine) Replan(p *Plan) error {
 	}
 	if p == nil || len(p.Roles) != len(e.o.Sizes) {
 		return fmt.Errorf("scheduler: Replan: the plan must place the %d subgroups", len(e.o.Sizes))
+	}
+	if err := e.checkHeld(p); err != nil {
+		return fmt.Errorf("scheduler: Replan: %w", err)
 	}
 	if err := firstErr(e.DropPrefetch(), e.Download()); err != nil {
 		return err

@@ -30,7 +30,8 @@ import (
 
 // Operations of a subgroup: a GPU subgroup runs opH2D, opKernel, opD2H; a
 // resident one opKernel; a CPU one opUpcast (with the GPU upcast),
-// opGradD2H, opCPU, opCopyH2D.
+// opGradD2H, opCPU, opCopyH2D; a host-held one (Options.HostHeld) opCPU
+// alone.
 const (
 	opH2D = iota
 	opKernel
@@ -50,6 +51,7 @@ var (
 	residentOps  = []int{opKernel}
 	cpuOps       = []int{opGradD2H, opCPU, opCopyH2D}
 	cpuUpcastOps = []int{opUpcast, opGradD2H, opCPU, opCopyH2D}
+	heldOps      = []int{opCPU}
 )
 
 // Queues: where a step runs. The first four are the engine's streams.
@@ -145,6 +147,7 @@ type shape struct {
 	arrays    int     // state arrays: 3, or 4 with amsgrad
 	gradBytes int64   // bytes per element of the device gradient: 4 or 2
 	chunk     int64   // bytes per state piece; 0 means CopyChunk
+	held      []bool  // per subgroup: host-held (Options.HostHeld); nil for none
 }
 
 // core is the steps of one update phase over a plan.
@@ -184,7 +187,9 @@ const CopyChunk = 64 << 20
 //     has read the slot (host); the gradient D2H after the upcast (host and
 //     stream); the update after the gradient D2H (host), after the copy H2D
 //     of subgroup c-2 left the copy slot (host), after the update before
-//     it (the workers run one at a time); the copy H2D after the update.
+//     it (the workers run one at a time); the copy H2D after the update;
+//   - a host-held subgroup (not in p's orders) is updated by the CPU
+//     workers before the CPU lane's first, in subgroup order.
 //
 // It panics on a plan that does not match sh (a programmer error).
 func newCore(p *Plan, sh shape) *core {
@@ -224,9 +229,16 @@ func newCore(p *Plan, sh shape) *core {
 			dep{h2d, waitStream}, dep{prevKernel, waitOrder})
 		lastOnSlot[slot] = c.stateCopy(opD2H, sD2H, issDrain, i, slot, dep{prevKernel, waitBoth})
 	}
-	// The CPU lane.
-	var updates, copies []int32
+	// The CPU lane: the host-held subgroups first, in order (their
+	// gradients and working copy are on the host: nothing to wait for).
 	prevCPU := int32(-1)
+	for i, held := range sh.held {
+		if held {
+			prevCPU = c.add(step{op: opCPU, queue: qCPU, issuer: issWork, slot: -1, array: -1, sub: int32(i), amount: sh.sizes[i]},
+				dep{prevCPU, waitOrder})
+		}
+	}
+	var updates, copies []int32
 	for ci, i := range p.CPUOrder {
 		n := sh.sizes[i]
 		slot := int8(ci % 2)
@@ -308,6 +320,9 @@ func (c *core) add(st step, deps ...dep) int32 {
 
 // ops returns subgroup i's operations in order.
 func (c *core) ops(i int) []int {
+	if c.shape.held != nil && c.shape.held[i] {
+		return heldOps
+	}
 	switch c.plan.Roles[i] {
 	case OnGPU:
 		return gpuOps

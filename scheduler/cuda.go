@@ -133,6 +133,10 @@ func (c *cudaDevice) Zero(s Stream, m Mem, off, n int64) error {
 	return s.(cudaStream).s.Memset(m.(*cuda.Buffer), off, n, 0)
 }
 
+func (c *cudaDevice) GradPartials(s Stream, gd adam.DType, g Vec, unscale float32, dst []float64) (bool, error) {
+	return c.k.GradPartials(s.(cudaStream).s, kernels.Grad{DType: gd, Vec: kvec(g)}, unscale, dst)
+}
+
 func (c *cudaDevice) GradStats(s Stream, gd adam.DType, g Vec, unscale float32) (bool, float64, error) {
 	return c.k.GradStats(s.(cudaStream).s, kernels.Grad{DType: gd, Vec: kvec(g)}, unscale)
 }

@@ -86,7 +86,13 @@ type Device interface {
 	Zero(s Stream, m Mem, off, n int64) error
 	// GradStats runs adam.Path.GradStats on a gradient of dtype gd on the
 	// device, on s, and waits for it: whether every element is finite,
-	// and the sum of squares of the unscaled elements (its summation
-	// order is the device's own).
+	// and the sum of squares of the unscaled elements, the CPU's bits
+	// (adam.Path.GradStats's order).
 	GradStats(s Stream, gd adam.DType, g Vec, unscale float32) (finite bool, sumSquares float64, err error)
+	// GradPartials is GradStats without the last sum
+	// (adam.Pool.GradPartials on the device): the sum of squares of g's
+	// adam.MinChunk block b goes to dst[b] (len(dst) at least g's
+	// blocks), the CPU's bits, so that the partials of gradients held
+	// partly on the host add up to those of one device gradient.
+	GradPartials(s Stream, gd adam.DType, g Vec, unscale float32, dst []float64) (finite bool, err error)
 }

@@ -45,6 +45,17 @@ type Options struct {
 	// Prefetch moves only the first streamed subgroups' state. Plans that
 	// upcast on the GPU do not use it.
 	Prefetch bool
+	// HostHeld marks the subgroups (nil, or one entry per subgroup) whose
+	// gradient and 16-bit working copy live in pinned host memory, not
+	// in device memory: a trainer that streams their weights to the
+	// device block by block writes their gradients into HostGrad and
+	// reads their working copy from HostWorking (DeepSpeed
+	// ZeRO-Infinity's offload_param). The CPU workers update them in
+	// place, first in each phase, with no copy; the plan must place them
+	// on the CPU (OnCPU) and leave them out of its orders (NewHeldPlan),
+	// and no Mirror span may touch them. The device gradients and
+	// working copy then hold the other subgroups only (DeviceOffset).
+	HostHeld []bool
 
 	// copyChunk, when > 0, replaces CopyChunk (tests cut small states
 	// into pieces with it).
@@ -92,6 +103,16 @@ type Engine struct {
 	gb    int64
 
 	host       [4]Host       // p, m, v, vmax in pinned host memory
+	held       []bool        // Options.HostHeld, one per subgroup (all false without it)
+	doff       []int64       // per subgroup: its first element in grad and work (-1: host-held)
+	hoff       []int64       // per subgroup: its first element in hgrad and hwork (-1: on the device)
+	devN       int64         // elements of grad and work: the subgroups not host-held
+	heldN      int64         // elements of hgrad and hwork
+	hgrad      Host          // host-held subgroups' gradients (Options.GradDType)
+	hwork      Host          // their working copy (Options.WorkingDType)
+	segs       []segment     // the flat space cut where the gradients' place changes (Stats)
+	part       []float64     // Stats' partial sums, one per adam.MinChunk block, with HostHeld
+	mix        Host          // Stats' gather of one block that lies in both places
 	state      adam.State    // views of host
 	grad       Mem           // device gradients
 	work       Mem           // device working copy
@@ -197,6 +218,12 @@ func New(o Options) (*Engine, error) {
 	if err := e.mirrorPieces(o.Mirror); err != nil {
 		return nil, err
 	}
+	if err := e.placeHeld(); err != nil {
+		return nil, err
+	}
+	if err := e.checkHeld(o.Plan); err != nil {
+		return nil, err
+	}
 	if e.pool == nil {
 		e.pool, e.own = adam.NewPool(0), true
 	}
@@ -253,20 +280,22 @@ func (e *Engine) Broken() bool { return e.broken }
 // current only after Download; after writing it, call Load.
 func (e *Engine) HostState() adam.State { return e.state }
 
-// Grad returns the device gradients, all subgroups flat in order, of
-// Options.GradDType: the trainer's backward writes them. The memory is
+// Grad returns the device gradients, all subgroups flat in order (but the
+// host-held ones: DeviceOffset), of Options.GradDType: the trainer's
+// backward writes them. The memory is
 // the engine's from New to Close (Replan does not move it); Stats and
 // Update read it, SetGrad and ZeroGrad write it.
-func (e *Engine) Grad() Vec { return Vec{Mem: e.grad, N: e.total} }
+func (e *Engine) Grad() Vec { return Vec{Mem: e.grad, N: e.devN} }
 
 // Working returns the device working copy (Options.WorkingDType), all
-// subgroups flat in order: forward and backward read it. The memory is
+// subgroups flat in order (but the host-held ones: DeviceOffset): forward
+// and backward read it. The memory is
 // the engine's from New to Close (Replan does not move it); Load and
 // Update write it, GetWorking reads it. When Update returns, every write
 // of the phase to it is complete, the CPU subgroups' copies H2D included
 // (Update drains every stream): work enqueued afterwards on any stream
 // reads the new copy.
-func (e *Engine) Working() Vec { return Vec{Mem: e.work, N: e.total} }
+func (e *Engine) Working() Vec { return Vec{Mem: e.work, N: e.devN} }
 
 // Mirror returns the device fp32 copy of Options.Mirror's master weights,
 // its spans in order where MirrorLayout puts them (a zero Vec without
@@ -355,15 +384,25 @@ func (e *Engine) slotState(slot, i int) State {
 // state without it: their caller waits for the capture first.
 func (e *Engine) Hold(gate func(i int)) { e.gate = gate }
 
-// Stats runs the global checks on the device gradients: whether every
-// element is finite and the sum of squares of the unscaled gradients
-// (Device.GradStats over all subgroups at once, so the result does not
-// depend on the plan). Nothing changes.
+// Stats runs the global checks on the gradients: whether every element is
+// finite and the sum of squares of the unscaled gradients, adam's
+// GradStats over all subgroups flat, whatever the plan and wherever each
+// gradient is: on the device one pass over them all (Device.GradStats);
+// with host-held subgroups each adam.MinChunk block's partial sum where its
+// gradient is (Device.GradPartials, the CPU workers' Pool.GradPartials, a
+// block that lies in both places gathered on the host), the partials added
+// in block order, which is the same sum bit for bit. Nothing changes; it
+// allocates nothing.
+//
+// Errors: ErrBroken; the device's.
 func (e *Engine) Stats(unscale float32) (finite bool, sumSquares float64, err error) {
 	if e.broken {
 		return false, 0, ErrBroken
 	}
-	return e.dev.GradStats(e.s[sKernel], e.o.GradDType, e.Grad(), unscale)
+	if e.heldN == 0 {
+		return e.dev.GradStats(e.s[sKernel], e.o.GradDType, e.Grad(), unscale)
+	}
+	return e.heldStats(unscale)
 }
 
 // Update runs the update phase with the scalars c (adam.Hyper.Coeffs: the

@@ -97,7 +97,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 	st := &e.core.steps[k]
 	i := int(st.sub)
 	n := e.sizes[i]
-	grad := Vec{Mem: e.grad, Off: e.off[i], N: n}
+	grad := Vec{Mem: e.grad, Off: e.doff[i], N: n}
 	switch st.op {
 	case opH2D, opD2H:
 		if st.op == opD2H && st.first && e.gate != nil {
@@ -115,7 +115,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 				return err
 			}
 		}
-		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.coeffs(i), x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.off[i], N: n})); err != nil {
+		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.coeffs(i), x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.doff[i], N: n})); err != nil {
 			return err
 		}
 		e.fail(i, int(st.op), e.copyMirror(i, s, x.Param))
@@ -125,7 +125,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.Widen16(s, e.o.GradDType, Vec{Mem: e.scr, Off: int64(slot) * e.maxN, N: n}, grad), e.dev.Record(e.endEv[k], s))
 	case opGradD2H:
 		gb := elemBytes(e.cpuGD)
-		src, srcOff := e.grad, gb*e.off[i]
+		src, srcOff := e.grad, gb*e.doff[i]
 		if e.core.upcast {
 			src, srcOff = e.scr, 4*int64(slot)*e.maxN
 		}
@@ -151,7 +151,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 				return err
 			}
 		}
-		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.H2D(s, e.work, 2*e.off[i], e.cst, 2*int64(slot)*e.maxN, 2*n)); err != nil {
+		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.H2D(s, e.work, 2*e.doff[i], e.cst, 2*int64(slot)*e.maxN, 2*n)); err != nil {
 			return err
 		}
 		e.fail(i, int(st.op), e.copyMirror(i, s, Vec{}))
@@ -228,20 +228,22 @@ func (e *Engine) statePiece(k int32, st *step, slot int, waits bool) error {
 }
 
 // cpu updates CPU subgroup i on the host from gradient slot slot, writing
-// its copy into copy slot slot.
+// its copy into copy slot slot; a host-held subgroup from its own gradient
+// into its own working copy (HostGrad, HostWorking).
 func (e *Engine) cpu(i, slot int) {
 	n := e.sizes[i]
 	lo := e.off[i]
 	var g adam.Grad
-	h, off := e.gradHost(i, slot)
-	gs := h.Bytes()[off:]
-	if e.cpuGD == adam.F32 {
-		g = adam.GradF32(unsafe.Slice((*float32)(unsafe.Pointer(&gs[0])), n))
+	var out adam.Copy16
+	if e.held[i] {
+		g = e.heldGrad(e.hoff[i], n)
+		out = adam.Copy16{DType: e.o.WorkingDType, Data: e.heldWork(e.hoff[i], n)}
 	} else {
-		g = adam.Grad16(e.cpuGD, unsafe.Slice((*uint16)(unsafe.Pointer(&gs[0])), n))
+		h, off := e.gradHost(i, slot)
+		g = hostGrad(h, e.cpuGD, off/elemBytes(e.cpuGD), n)
+		cs := e.cst.Bytes()
+		out = adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}
 	}
-	cs := e.cst.Bytes()
-	out := adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}
 	if e.gate != nil {
 		e.gate(i) // the update writes subgroup i's host state in place
 	}

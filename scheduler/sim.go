@@ -535,9 +535,33 @@ func (s *Sim) HostView(v Vec, size int64) ([]byte, error) {
 // on st and waits for it. It is not counted among the copies and launches
 // (SimOptions.FailAt).
 func (s *Sim) GradStats(st Stream, gd adam.DType, g Vec, unscale float32) (bool, float64, error) {
-	ag, err := simGrad(gd, g)
+	ag, err := s.statsOrder(st, gd, g)
 	if err != nil {
 		return false, 0, err
+	}
+	finite, sum := adam.DefaultPath.GradStats(ag, unscale)
+	return finite, sum, nil
+}
+
+// GradPartials runs adam.DefaultPath.GradPartials on st and waits for it,
+// as GradStats.
+func (s *Sim) GradPartials(st Stream, gd adam.DType, g Vec, unscale float32, dst []float64) (bool, error) {
+	if blocks := (g.N + adam.MinChunk - 1) / adam.MinChunk; int64(len(dst)) < blocks {
+		return false, fmt.Errorf("scheduler: sim GradPartials: %d partials for %d blocks", len(dst), blocks)
+	}
+	ag, err := s.statsOrder(st, gd, g)
+	if err != nil {
+		return false, err
+	}
+	return adam.DefaultPath.GradPartials(ag, unscale, dst), nil
+}
+
+// statsOrder orders a read of g on st, waited for by the host, and returns
+// g's elements.
+func (s *Sim) statsOrder(st Stream, gd adam.DType, g Vec) (adam.Grad, error) {
+	ag, err := simGrad(gd, g)
+	if err != nil {
+		return adam.Grad{}, err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -546,11 +570,10 @@ func (s *Sim) GradStats(st Stream, gd adam.DType, g Vec, unscale float32) (bool,
 	var us uses
 	us.add(vecUse(g, elemBytes(gd), true, false))
 	if err := s.order(ss, simStats, &us); err != nil {
-		return false, 0, err
+		return adam.Grad{}, err
 	}
 	s.host.join(&ss.vc) // the host waits for it
-	finite, sum := adam.DefaultPath.GradStats(ag, unscale)
-	return finite, sum, nil
+	return ag, nil
 }
 
 // vecUse is the use of v's bytes, of elements of size bytes each.

@@ -59,11 +59,22 @@ func (e *Engine) upload(working bool) error {
 		}
 	}
 	// The working copy, all subgroups flat, rounded on the host into the
-	// staging buffer piece by piece (the CPU's rounding is the kernels').
-	return e.pieces(2*e.total, e.work, true, func(st []byte, o int64) {
-		u := unsafe.Slice((*uint16)(unsafe.Pointer(&st[0])), len(st)/2)
-		adam.Round16(e.o.WorkingDType, u, e.state.Param[o/2:o/2+int64(len(u))])
-	})
+	// staging buffer piece by piece (the CPU's rounding is the kernels'),
+	// the host-held subgroups' in place.
+	for _, sg := range e.segs {
+		p := e.state.Param[sg.off : sg.off+sg.n]
+		if sg.held {
+			adam.Round16(e.o.WorkingDType, e.heldWork(sg.at, sg.n), p)
+			continue
+		}
+		if err := e.pieces(2*sg.n, e.work, 2*sg.at, true, func(st []byte, o int64) {
+			u := unsafe.Slice((*uint16)(unsafe.Pointer(&st[0])), len(st)/2)
+			adam.Round16(e.o.WorkingDType, u, p[o/2:o/2+int64(len(u))])
+		}); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Download moves the resident subgroups' state D2H into the host state and
@@ -84,9 +95,9 @@ func (e *Engine) Download() error {
 const xferElems = 16 << 20
 
 // SetGrad copies a host gradient of every subgroup, flat (total elements,
-// Options.GradDType), into the device gradients and waits: what a GPU
-// trainer's backward leaves there, for a trainer that computes on the
-// host.
+// Options.GradDType), into the device gradients (and the host-held
+// subgroups' into HostGrad) and waits: what a GPU trainer's backward
+// leaves there, for a trainer that computes on the host.
 //
 // Errors: a gradient of another dtype or length, a failed copy.
 func (e *Engine) SetGrad(g adam.Grad) error {
@@ -105,11 +116,33 @@ func (e *Engine) SetGrad(g adam.Grad) error {
 	} else {
 		src = unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(g.U16))), 2*len(g.U16))
 	}
-	return e.through(src, e.grad, true)
+	return e.bySegment(src, e.grad, e.hgrad, e.gb, true)
 }
 
-// ZeroGrad sets the device gradients to zero (a memset on the device) and
-// waits.
+// bySegment copies flat host bytes b (size bytes per element) to where
+// each segment is (up): device memory m through the staging buffer, or
+// the host-held buffer h; or from there into b.
+func (e *Engine) bySegment(b []byte, m Mem, h Host, size int64, up bool) error {
+	for _, sg := range e.segs {
+		part := b[size*sg.off : size*(sg.off+sg.n)]
+		if sg.held {
+			at := h.Bytes()[size*sg.at : size*(sg.at+sg.n)]
+			if up {
+				copy(at, part)
+			} else {
+				copy(part, at)
+			}
+			continue
+		}
+		if err := e.through(part, m, size*sg.at, up); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ZeroGrad sets the device gradients to zero (a memset on the device), and
+// the host-held ones (HostGrad), and waits.
 //
 // Errors: ErrBroken, a memset that could not be enqueued, a failed wait
 // (the engine is then broken).
@@ -122,7 +155,10 @@ func (e *Engine) ZeroGrad() error {
 	}
 	s := e.s[sH2D]
 	e.laneMu[sH2D].Lock()
-	err := firstErr(e.dev.Zero(s, e.grad, 0, e.gb*e.total), e.dev.Record(e.tail[sH2D], s))
+	err := firstErr(e.dev.Zero(s, e.grad, 0, e.gb*e.devN), e.dev.Record(e.tail[sH2D], s))
+	if e.hgrad != nil {
+		clear(e.hgrad.Bytes())
+	}
 	e.laneMu[sH2D].Unlock()
 	if serr := e.dev.Sync(e.tail[sH2D]); serr != nil {
 		e.broken = true
@@ -142,13 +178,14 @@ func (e *Engine) GetWorking(dst []uint16) error {
 	if int64(len(dst)) != e.total {
 		return fmt.Errorf("scheduler: GetWorking: %d elements, want %d", len(dst), e.total)
 	}
-	return e.through(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(dst))), 2*len(dst)), e.work, false)
+	return e.bySegment(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(dst))), 2*len(dst)), e.work, e.hwork, 2, false)
 }
 
-// through copies host bytes b to device memory m (up) or m to b, through
-// the pinned staging buffer, piece by piece, waiting for each.
-func (e *Engine) through(b []byte, m Mem, up bool) error {
-	return e.pieces(int64(len(b)), m, up, func(st []byte, o int64) {
+// through copies host bytes b to device memory m from byte mOff (up) or
+// from there to b, through the pinned staging buffer, piece by piece,
+// waiting for each.
+func (e *Engine) through(b []byte, m Mem, mOff int64, up bool) error {
+	return e.pieces(int64(len(b)), m, mOff, up, func(st []byte, o int64) {
 		if up {
 			copy(st, b[o:])
 		} else {
@@ -158,10 +195,10 @@ func (e *Engine) through(b []byte, m Mem, up bool) error {
 }
 
 // pieces moves size bytes between the pinned staging buffer and device
-// memory m from offset 0, a staging buffer's worth at a time, waiting for
-// each: up, host fills the piece at byte o before it moves H2D; down, it
-// reads it after the D2H.
-func (e *Engine) pieces(size int64, m Mem, up bool, host func(st []byte, o int64)) error {
+// memory m from byte mOff, a staging buffer's worth at a time, waiting for
+// each: up, host fills the piece at byte o (from mOff) before it moves
+// H2D; down, it reads it after the D2H.
+func (e *Engine) pieces(size int64, m Mem, mOff int64, up bool, host func(st []byte, o int64)) error {
 	st := e.xfer.Bytes()
 	l := sH2D
 	if !up {
@@ -176,9 +213,9 @@ func (e *Engine) pieces(size int64, m Mem, up bool, host func(st []byte, o int64
 		var err error
 		e.laneMu[l].Lock()
 		if up {
-			err = e.dev.H2D(s, m, o, e.xfer, 0, n)
+			err = e.dev.H2D(s, m, mOff+o, e.xfer, 0, n)
 		} else {
-			err = e.dev.D2H(s, e.xfer, 0, m, o, n)
+			err = e.dev.D2H(s, e.xfer, 0, m, mOff+o, n)
 		}
 		err = firstErr(err, e.dev.Record(e.tail[l], s))
 		e.laneMu[l].Unlock()

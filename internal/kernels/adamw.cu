@@ -222,20 +222,40 @@ extern "C" __global__ void dos_round_f16(uint16_t *dst, const float *src, long l
 		dst[i] = f32_to_f16(src[i]);
 }
 
-// The fused non-finite check and sum of squares: block b covers elements
-// [b*chunk, (b+1)*chunk); each thread adds float64(float32(g*unscale))^2 of
-// its strided elements in order, the block adds the 256 thread sums in a
-// fixed tree, and writes partial[b]; the host adds the partials in block
-// order. The result depends only on n and chunk, never on timing. Any Inf
-// or NaN (judged before scaling) sets *nonfinite to 1.
+// The fused non-finite check and sum of squares, in the CPU's order
+// (adam.Path.GradStats), so that the sum is the same bits on either side:
+// block b of chunk elements (adam.MinChunk) covers [b*chunk, (b+1)*chunk);
+// within it, element i adds float64(float32(g*unscale))^2 to lane i%16, each
+// lane its elements in order; the block's sum is its 16 lanes added in lane
+// order, written to partial[b]; the host adds the partials in block order.
+// A thread block of 256 threads takes 16 chunk blocks, one group of 16
+// threads (the lanes) each. Any Inf or NaN (judged before scaling) sets
+// *nonfinite to 1.
 template <int GT>
 __device__ void stats_body(const void *g, long long n, float unscale, long long chunk, double *partial,
                            int *nonfinite) {
 	__shared__ double sh[256];
-	long long lo = (long long)blockIdx.x * chunk, hi = min(n, lo + chunk);
+	const int lane = threadIdx.x % 16, grp = threadIdx.x / 16;
+	const long long b = (long long)blockIdx.x * 16 + grp;
+	const long long lo = b * chunk, hi = min(n, lo + chunk);
 	double s = 0;
 	bool bad = false;
-	for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+	long long i = lo + lane;
+	// Unrolled by 4: the loads are independent, the adds stay in order.
+	for (; i + 48 < hi; i += 64) {
+		float x0 = load_grad<GT>(g, i), x1 = load_grad<GT>(g, i + 16), x2 = load_grad<GT>(g, i + 32),
+		      x3 = load_grad<GT>(g, i + 48);
+		uint32_t e = (__float_as_uint(x0) & 0x7f800000u) == 0x7f800000u || (__float_as_uint(x1) & 0x7f800000u) == 0x7f800000u ||
+		             (__float_as_uint(x2) & 0x7f800000u) == 0x7f800000u || (__float_as_uint(x3) & 0x7f800000u) == 0x7f800000u;
+		if (e) bad = true;
+		double y0 = (double)__fmul_rn(x0, unscale), y1 = (double)__fmul_rn(x1, unscale),
+		       y2 = (double)__fmul_rn(x2, unscale), y3 = (double)__fmul_rn(x3, unscale);
+		s = __dadd_rn(s, __dmul_rn(y0, y0));
+		s = __dadd_rn(s, __dmul_rn(y1, y1));
+		s = __dadd_rn(s, __dmul_rn(y2, y2));
+		s = __dadd_rn(s, __dmul_rn(y3, y3));
+	}
+	for (; i < hi; i += 16) {
 		float x = load_grad<GT>(g, i);
 		if ((__float_as_uint(x) & 0x7f800000u) == 0x7f800000u) bad = true;
 		double y = (double)__fmul_rn(x, unscale);
@@ -244,11 +264,11 @@ __device__ void stats_body(const void *g, long long n, float unscale, long long 
 	if (bad) *nonfinite = 1;
 	sh[threadIdx.x] = s;
 	__syncthreads();
-	for (int w = blockDim.x / 2; w > 0; w /= 2) {
-		if (threadIdx.x < w) sh[threadIdx.x] = __dadd_rn(sh[threadIdx.x], sh[threadIdx.x + w]);
-		__syncthreads();
+	if (lane == 0 && lo < n) {
+		double t = 0;
+		for (int j = 0; j < 16; j++) t = __dadd_rn(t, sh[threadIdx.x + j]);
+		partial[b] = t;
 	}
-	if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
 }
 
 extern "C" __global__ void __launch_bounds__(256)

@@ -195,3 +195,28 @@ func BenchmarkGPUPinned(b *testing.B) {
 		h2.Free()
 	}
 }
+
+// BenchmarkGPUGradStats: the non-finite check and sum of squares over one
+// 2^30-element bf16 gradient (2 GiB read, 2 B/param), in the CPU's order.
+func BenchmarkGPUGradStats(b *testing.B) {
+	e := gpu(b)
+	const n = 1 << 30
+	buf, err := e.d.Alloc(2 * n)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer buf.Free()
+	fillDevice(b, e, buf, 1e-3)
+	g := Grad{DType: adam.BF16, Vec: Vec{Buf: buf, N: n}}
+	if _, _, err := e.k.GradStats(e.s, g, 1); err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	for range b.N {
+		if _, _, err := e.k.GradStats(e.s, g, 1); err != nil {
+			b.Fatal(err)
+		}
+	}
+	gparams(b, n)
+	b.ReportMetric(2*float64(n)*float64(b.N)/b.Elapsed().Seconds()/1e9, "GB/s")
+}

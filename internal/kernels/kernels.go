@@ -115,7 +115,11 @@ func Open(ordinal int) (d *cuda.Device, k *Kernels, release func(), err error) {
 // Errors: the driver rejecting the PTX (its log is in the error), a missing
 // kernel, a closed device.
 func Load(d *cuda.Device) (*Kernels, error) {
-	mod, err := d.LoadModule(adamwPTX)
+	ptx, err := ptxSource("adamw.ptx", adamwPTX)
+	if err != nil {
+		return nil, err
+	}
+	mod, err := d.LoadModule(ptx)
 	if err != nil {
 		return nil, fmt.Errorf("kernels: %w", err)
 	}
@@ -397,57 +401,90 @@ func (k *Kernels) cast(s *cuda.Stream, d adam.DType, fs [3]*cuda.Function, dst V
 	return fs[i].Launch(s, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: Block, Y: 1, Z: 1}, 0, a)
 }
 
-// StatsChunk is how many elements one thread block of GradStats covers;
-// the sum's order depends on it and on nothing else.
-const StatsChunk = 1 << 16
+// StatsChunk is how many elements each partial sum of GradStats covers:
+// adam.MinChunk, so that the device adds in the CPU's order.
+const StatsChunk = adam.MinChunk
 
 // GradStats returns whether every element of g is finite and the sum of
-// squares of float32(g_i*unscale) in float64, adam.Path.GradStats's
-// quantities on the device: one pass, the partial sums of each StatsChunk
-// block added in a fixed order, so the result is deterministic (not the
-// CPU's order: it may differ from the CPU's sum in the last bits). It
-// enqueues on s and waits for s (a synchronization point).
+// squares of float32(g_i*unscale) in float64: adam.Path.GradStats on the
+// device, bit for bit (the same per-element operations, the same 16 lanes
+// per StatsChunk block, the blocks added in order). It enqueues on s and
+// waits for s (a synchronization point).
+//
+// Errors: a dtype other than F32, BF16 or F16; g outside its buffer; the
+// driver's.
 func (k *Kernels) GradStats(s *cuda.Stream, g Grad, unscale float32) (finite bool, sumSquares float64, err error) {
-	gi, ok := dtypeIndex(g.DType)
-	if !ok || g.DType == 0 {
-		return false, 0, fmt.Errorf("kernels: GradStats: gradient dtype %v", g.DType)
-	}
-	if err := g.check("gradient", elemSize(g.DType), g.N); err != nil {
-		return false, 0, err
-	}
-	if g.N == 0 {
-		return true, 0, nil
-	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	blocks := (g.N + StatsChunk - 1) / StatsChunk
-	need := 8*blocks + 8 // partial sums, then the flag
-	if k.partial == nil || k.partial.Len() < need {
-		if err := k.grow(&k.partial, &k.host, need); err != nil {
-			return false, 0, err
-		}
-	}
-	flagOff := 8 * blocks
-	if err := s.Memset(k.partial, flagOff, 4, 0); err != nil {
-		return false, 0, err
-	}
-	a := k.args
-	a.Reset()
-	a.Ptr(g.Buf, elemSize(g.DType)*g.Off).U64(uint64(g.N)).F32(unscale).U64(StatsChunk).Ptr(k.partial, 0).Ptr(k.partial, flagOff)
-	if err := k.stats[gi].Launch(s, cuda.Dim3{X: uint32(blocks), Y: 1, Z: 1}, cuda.Dim3{X: Block, Y: 1, Z: 1}, 0, a); err != nil {
-		return false, 0, err
-	}
-	if err := s.CopyDtoH(k.host, 0, k.partial, 0, need); err != nil {
-		return false, 0, err
-	}
-	if err := s.Sync(); err != nil {
-		return false, 0, err
+	blocks, finite, err := k.partials(s, g, unscale)
+	if err != nil || blocks == 0 {
+		return finite, 0, err
 	}
 	h := k.host.Bytes()
 	for b := range blocks {
 		sumSquares += math.Float64frombits(*(*uint64)(unsafe.Pointer(&h[8*b])))
 	}
-	return *(*int32)(unsafe.Pointer(&h[flagOff])) == 0, sumSquares, nil
+	return finite, sumSquares, nil
+}
+
+// GradPartials is GradStats without the last sum, adam.Pool.GradPartials
+// on the device: it writes the sum of squares of g's StatsChunk block b to
+// dst[b] (the same bits as the CPU's) and reports whether every element is
+// finite. It waits for s.
+//
+// Errors: those of GradStats; dst shorter than g's blocks.
+func (k *Kernels) GradPartials(s *cuda.Stream, g Grad, unscale float32, dst []float64) (finite bool, err error) {
+	if blocks := (g.N + StatsChunk - 1) / StatsChunk; int64(len(dst)) < blocks {
+		return false, fmt.Errorf("kernels: GradPartials: %d partials for %d blocks", len(dst), blocks)
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	blocks, finite, err := k.partials(s, g, unscale)
+	if err != nil || blocks == 0 {
+		return finite, err
+	}
+	copy(dst, unsafe.Slice((*float64)(unsafe.Pointer(&k.host.Bytes()[0])), blocks))
+	return finite, nil
+}
+
+// partials runs the stats kernel over g and brings its partial sums to
+// k.host (blocks of them, float64 each); k.mu is held.
+func (k *Kernels) partials(s *cuda.Stream, g Grad, unscale float32) (blocks int64, finite bool, err error) {
+	gi, ok := dtypeIndex(g.DType)
+	if !ok || g.DType == 0 {
+		return 0, false, fmt.Errorf("kernels: GradStats: gradient dtype %v", g.DType)
+	}
+	if err := g.check("gradient", elemSize(g.DType), g.N); err != nil {
+		return 0, false, err
+	}
+	if g.N == 0 {
+		return 0, true, nil
+	}
+	blocks = (g.N + StatsChunk - 1) / StatsChunk
+	need := 8*blocks + 8 // partial sums, then the flag
+	if k.partial == nil || k.partial.Len() < need {
+		if err := k.grow(&k.partial, &k.host, need); err != nil {
+			return 0, false, err
+		}
+	}
+	flagOff := 8 * blocks
+	if err := s.Memset(k.partial, flagOff, 4, 0); err != nil {
+		return 0, false, err
+	}
+	a := k.args
+	a.Reset()
+	a.Ptr(g.Buf, elemSize(g.DType)*g.Off).U64(uint64(g.N)).F32(unscale).U64(StatsChunk).Ptr(k.partial, 0).Ptr(k.partial, flagOff)
+	// 16 blocks of StatsChunk per thread block of 256 (16 lanes each).
+	if err := k.stats[gi].Launch(s, cuda.Dim3{X: uint32((blocks + 15) / 16), Y: 1, Z: 1}, cuda.Dim3{X: 256, Y: 1, Z: 1}, 0, a); err != nil {
+		return 0, false, err
+	}
+	if err := s.CopyDtoH(k.host, 0, k.partial, 0, need); err != nil {
+		return 0, false, err
+	}
+	if err := s.Sync(); err != nil {
+		return 0, false, err
+	}
+	return blocks, *(*int32)(unsafe.Pointer(&k.host.Bytes()[flagOff])) == 0, nil
 }
 
 // grow replaces a device buffer and its pinned host twin with ones of at

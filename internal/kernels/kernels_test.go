@@ -374,22 +374,46 @@ func TestLarge(t *testing.T) {
 }
 
 // TestGradStats: the non-finite flag equals the CPU's, at every position of
-// a small gradient and for every dtype; the sum agrees with the CPU's to
-// 1e-12 relative.
+// a small gradient and for every dtype; the sum of squares and each
+// block's partial sum are the CPU's bit for bit (adam.Path.GradStats and
+// GradPartials, on the generic and the SIMD path), at sizes that end inside
+// a block, inside a thread block of 16 and past several, with an unscale
+// that rounds.
 func TestGradStats(t *testing.T) {
 	e := gpu(t)
 	for _, gd := range dtypes {
-		for _, n := range []int{1, 100, StatsChunk + 7, 5 << 20} {
-			_, g := problem(n, gd, false, uint64(n))
-			okCPU, want := adam.Generic.GradStats(g, 0.5)
-			dg, free, err := e.b.upload16or32(g)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ok, got, err := e.k.GradStats(e.s, dg, 0.5)
-			free()
-			if err != nil || ok != okCPU || math.Abs(got-want) > 1e-12*want {
-				t.Fatalf("%v n=%d: GPU %v %v %v, CPU %v %v", gd, n, ok, got, err, okCPU, want)
+		for _, n := range []int{1, 100, StatsChunk + 7, 16*StatsChunk + 5, 37*StatsChunk - 3, 5 << 20} {
+			for _, unscale := range []float32{0.5, 1.0 / 3} {
+				_, g := problem(n, gd, false, uint64(n))
+				okCPU, want := adam.Generic.GradStats(g, unscale)
+				if ok, simd := adam.DefaultPath.GradStats(g, unscale); ok != okCPU || simd != want {
+					t.Fatalf("%v n=%d: the CPU's paths differ: %v %v and %v %v", gd, n, okCPU, want, ok, simd)
+				}
+				wantP := make([]float64, (n+StatsChunk-1)/StatsChunk)
+				adam.Generic.GradPartials(g, unscale, wantP)
+				dg, free, err := e.b.upload16or32(g)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ok, got, err := e.k.GradStats(e.s, dg, unscale)
+				gotP := make([]float64, len(wantP)+1)
+				okP, errP := e.k.GradPartials(e.s, dg, unscale, gotP)
+				_, errShort := e.k.GradPartials(e.s, dg, unscale, gotP[:len(wantP)-1])
+				free()
+				if err != nil || ok != okCPU || got != want {
+					t.Fatalf("%v n=%d unscale %g: GPU %v %v (%x) %v, CPU %v %v (%x)", gd, n, unscale, ok, got, math.Float64bits(got), err, okCPU, want, math.Float64bits(want))
+				}
+				if errP != nil || okP != okCPU {
+					t.Fatalf("%v n=%d: GradPartials %v %v", gd, n, okP, errP)
+				}
+				for b := range wantP {
+					if gotP[b] != wantP[b] {
+						t.Fatalf("%v n=%d: partial %d: GPU %v, CPU %v", gd, n, b, gotP[b], wantP[b])
+					}
+				}
+				if errShort == nil {
+					t.Fatalf("%v n=%d: GradPartials into %d partials for %d blocks: no error", gd, n, len(wantP)-1, len(wantP))
+				}
 			}
 		}
 		for at := range 40 {
