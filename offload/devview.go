@@ -100,7 +100,10 @@ func (o *Optimizer) DeviceGrad(i int) (DeviceTensor, error) {
 	if err := o.deviceViews(); err != nil {
 		return DeviceTensor{}, err
 	}
-	return o.deviceTensor(i, o.opts.GradDType, o.eng.Grad(), lo, hi), nil
+	if err := o.notHeld(i, "DeviceGrad", "HostGrad"); err != nil {
+		return DeviceTensor{}, err
+	}
+	return o.deviceTensor(i, o.opts.GradDType, o.eng.Grad(), o.devOff(lo), o.devOff(lo)+hi-lo), nil
 }
 
 // DeviceWorking returns the device working copy of parameter i (in New's
@@ -120,7 +123,93 @@ func (o *Optimizer) DeviceWorking(i int) (DeviceTensor, error) {
 	if err := o.deviceViews(); err != nil {
 		return DeviceTensor{}, err
 	}
-	return o.deviceTensor(i, o.opts.WorkingDType, o.eng.Working(), lo, hi), nil
+	if err := o.notHeld(i, "DeviceWorking", "HostWorking"); err != nil {
+		return DeviceTensor{}, err
+	}
+	return o.deviceTensor(i, o.opts.WorkingDType, o.eng.Working(), o.devOff(lo), o.devOff(lo)+hi-lo), nil
+}
+
+// notHeld refuses a device view of an Options.OffloadParam parameter.
+func (o *Optimizer) notHeld(i int, view, instead string) error {
+	if o.offloaded[i] {
+		return fmt.Errorf("offload: %s(%q): the parameter is in Options.OffloadParam, its buffer is in host memory (%s)", view, o.params[i].Name, instead)
+	}
+	return nil
+}
+
+// devOff returns where flat element lo (of a parameter that is not
+// host-held) is in the engine's device buffers; 0 for an empty
+// parameter's lo, which may be no device element. The caller holds o.mu.
+func (o *Optimizer) devOff(lo int) int {
+	at, _ := o.eng.DeviceOffset(int64(lo))
+	return int(at)
+}
+
+// HostTensor is one Options.OffloadParam parameter's buffer in the
+// engine's pinned host memory: its gradient, which a trainer that streams
+// the parameter copies D2H after the backward wrote it on the device
+// (HostGrad), or its 16-bit working copy, which it copies H2D before a
+// forward or backward reads it (HostWorking). Len elements of DType,
+// contiguous, row-major in Shape: Bytes, which is bytes [Off, Off+len)
+// of Host (a CUDA device's host memory is a *cuda.HostBuffer, which the
+// trainer's copies name). It stays valid as a DeviceTensor does.
+type HostTensor struct {
+	Name  string
+	Shape []int
+	DType adam.DType
+	Len   int
+	Bytes []byte
+	Host  scheduler.Host
+	Off   int64
+}
+
+// HostGrad returns the pinned host gradient of Options.OffloadParam
+// parameter i (in New's order), of Options.GradDType: where a trainer
+// that streams it puts its gradient (the D2H copy of what its backward
+// wrote) before a Step with StepArgs.GradOnDevice, complete before the
+// Step is called (Step reads it on the host). A Step without
+// GradOnDevice overwrites it with Grad's; ZeroGrad zeroes it. Panics if i
+// is out of range.
+//
+// Errors: those of DeviceGrad; a parameter not in OffloadParam.
+func (o *Optimizer) HostGrad(i int) (HostTensor, error) {
+	return o.hostTensor(i, "HostGrad", true)
+}
+
+// HostWorking returns the pinned host 16-bit working copy of
+// Options.OffloadParam parameter i (in New's order), of
+// Options.WorkingDType: what a trainer that streams it copies to the
+// device before each forward and backward that reads it. Step writes it
+// (complete when Step returns), and so does SyncDevice, as DeviceWorking.
+// Panics if i is out of range.
+//
+// Errors: those of HostGrad.
+func (o *Optimizer) HostWorking(i int) (HostTensor, error) {
+	return o.hostTensor(i, "HostWorking", false)
+}
+
+// hostTensor is HostGrad's (grad) or HostWorking's view of parameter i.
+func (o *Optimizer) hostTensor(i int, view string, grad bool) (HostTensor, error) {
+	lo, hi := o.span(i)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if err := o.deviceViews(); err != nil {
+		return HostTensor{}, err
+	}
+	if !o.offloaded[i] {
+		return HostTensor{}, fmt.Errorf("offload: %s(%q): the parameter is not in Options.OffloadParam (its buffer is on the device)", view, o.params[i].Name)
+	}
+	h, d := o.eng.HostWorking(), o.opts.WorkingDType
+	if grad {
+		h, d = o.eng.HostGrad(), o.opts.GradDType
+	}
+	at := int64(0)
+	if hi > lo {
+		at, _ = o.eng.HostOffset(int64(lo))
+	}
+	es := int64(d.Size())
+	return HostTensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: d, Len: hi - lo,
+		Bytes: h.Bytes()[es*at : es*(at+int64(hi-lo))], Host: h, Off: es * at}, nil
 }
 
 // DeviceMaster returns the device fp32 copy of parameter i's master

@@ -42,6 +42,9 @@ type Subgroup struct {
 	Offset int
 	Len    int
 	Group  int // the parameter group of all its elements
+	// HostHeld: its parameters are Options.OffloadParam's (all or none
+	// of them), their gradients and working copy in pinned host memory.
+	HostHeld bool
 }
 
 // Tensor is one parameter's buffer owned by the Optimizer: a gradient the
@@ -213,6 +216,8 @@ type Optimizer struct {
 	byName    map[string]int
 	subgroups []Subgroup
 	total     int
+	offloaded []bool // per parameter: named in Options.OffloadParam
+	held      []bool // per subgroup: HostHeld (scheduler.Options.HostHeld)
 
 	step  int64
 	state adam.State // flat, total elements each
@@ -314,6 +319,7 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	opts.Groups = slices.Clone(opts.Groups) // the caller's slices are not the optimizer's
 	opts.DeviceMasters = slices.Clone(opts.DeviceMasters)
 	opts.SubgroupSizes = slices.Clone(opts.SubgroupSizes)
+	opts.OffloadParam = slices.Clone(opts.OffloadParam)
 	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params))}
 	for i, p := range params {
 		if p.Name == "" {
@@ -356,6 +362,9 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 				o.layout = append(o.layout, i)
 			}
 		}
+	}
+	if err := o.offloadParams(); err != nil {
+		return nil, err
 	}
 	o.cut(opts.SubgroupSize)
 	if err := o.mirrorSpans(); err != nil {
@@ -464,6 +473,25 @@ func (o *Optimizer) mirrorSpans() error {
 	return nil
 }
 
+// offloadParams resolves Options.OffloadParam into o.offloaded.
+func (o *Optimizer) offloadParams() error {
+	o.offloaded = make([]bool, len(o.params))
+	for _, name := range o.opts.OffloadParam {
+		i, ok := o.byName[name]
+		if !ok {
+			return fmt.Errorf("offload: Options.OffloadParam: no parameter named %q", name)
+		}
+		if o.offloaded[i] {
+			return fmt.Errorf("offload: Options.OffloadParam: %q is named twice", name)
+		}
+		if slices.Contains(o.opts.DeviceMasters, name) {
+			return fmt.Errorf("offload: %q is in both Options.OffloadParam and Options.DeviceMasters: a host-held parameter has no device copy to refresh", name)
+		}
+		o.offloaded[i] = true
+	}
+	return nil
+}
+
 // newEngine builds the engine on Options.Device and makes it the
 // optimizer's.
 func (o *Optimizer) newEngine() error {
@@ -487,62 +515,105 @@ func (o *Optimizer) setPlan(plan *perfmodel.Prediction) {
 	}
 }
 
-// workload is the update phase the performance model plans with a device.
+// workload is the update phase the performance model plans with a
+// device: the subgroups that are not host-held (Options.OffloadParam's
+// are the CPU workers' in place, outside the model's lanes).
 func (o *Optimizer) workload() perfmodel.Workload {
-	return perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(o.opts.SubgroupSize), Sizes: o.subgroupSizes(),
+	sizes := o.deviceSizes()
+	var n int64
+	for _, x := range sizes {
+		n += x
+	}
+	return perfmodel.Workload{Params: n, SubgroupSize: int64(o.opts.SubgroupSize), Sizes: sizes,
 		GradDType: o.opts.GradDType, CopyBytes: 2, AMSGrad: o.opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: o.opts.GPUBudget,
 		Prefetch: o.opts.OverlapBackward}
 }
 
 // cut cuts the flat space into subgroups of at most size elements within
 // each group (a subgroup is updated with one group's lr and
-// weight_decay), and sizes the per-subgroup coefficients.
+// weight_decay) and within each run of parameters that are all, or all
+// not, Options.OffloadParam's, and sizes the per-subgroup coefficients.
 func (o *Optimizer) cut(size int) {
-	totals := make([]int64, len(o.opts.groups()))
-	for _, p := range o.params {
-		totals[p.Group] += int64(p.Len)
+	lens, groups := make([]int64, len(o.layout)), make([]int, len(o.layout))
+	held := make([]bool, len(o.layout))
+	for k, i := range o.layout {
+		lens[k], groups[k], held[k] = int64(o.params[i].Len), o.params[i].Group, o.offloaded[i]
 	}
-	o.subgroups = o.subgroups[:0]
+	o.subgroups, o.held = o.subgroups[:0], o.held[:0]
 	start := 0
-	for g, sizes := range cutGroups(totals, size) {
-		for _, n := range sizes {
-			o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: start, Len: int(n), Group: g})
-			start += int(n)
-		}
+	for _, r := range cutRuns(lens, groups, held, size) {
+		o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: start, Len: int(r.n), Group: r.group, HostHeld: r.held})
+		o.held = append(o.held, r.held)
+		start += int(r.n)
 	}
 	o.opts.SubgroupSize = size
 	o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
 }
 
-// cutGroups cuts each group's total elements into subgroups of at most
-// size, group by group: New's cut of the flat space.
-func cutGroups(totals []int64, size int) [][]int64 {
-	out := make([][]int64, len(totals))
-	for g, t := range totals {
-		out[g] = perfmodel.SubgroupSizes(t, int64(size))
+// cutSub is one subgroup of cutRuns: n elements of one group, host-held
+// or not.
+type cutSub struct {
+	n     int64
+	group int
+	held  bool
+}
+
+// cutRuns is New's cut of the flat space: the parameters in its order
+// (lens, their groups and whether each is host-held), each run of them
+// in one group and of one kind cut into subgroups of at most size
+// (perfmodel.SubgroupSizes). An empty parameter joins the run it is in;
+// a group of no elements has no subgroup.
+func cutRuns(lens []int64, groups []int, held []bool, size int) []cutSub {
+	var out []cutSub
+	var run int64
+	last := -1 // the last non-empty parameter of the current run
+	flush := func() {
+		for _, n := range perfmodel.SubgroupSizes(run, int64(size)) {
+			out = append(out, cutSub{n: n, group: groups[last], held: held[last]})
+		}
+		run = 0
+	}
+	for k, n := range lens {
+		if n == 0 {
+			continue
+		}
+		if last >= 0 && (groups[k] != groups[last] || held[k] != held[last]) {
+			flush()
+		}
+		run += n
+		last = k
+	}
+	if last >= 0 {
+		flush()
 	}
 	return out
 }
 
 // CutSizes returns the lengths, in order, of the subgroups New cuts params
-// into with opts (its Groups and SubgroupSize, 0 meaning the default):
-// the count a forced Options.Schedule must add up to, before New is
-// called. A parameter whose group or shape New would refuse is left out.
+// into with opts (its Groups, SubgroupSize, 0 meaning the default, and
+// OffloadParam), before New is called; a forced Options.Schedule counts
+// those that hold no OffloadParam parameter. A parameter whose group or
+// shape New would refuse is left out.
 func CutSizes(params []Param, opts Options) []int64 {
 	opts.EnsureDefaults()
-	totals := make([]int64, len(opts.groups()))
-	for _, p := range params {
-		n := int64(1)
-		for _, d := range p.Shape {
-			n *= int64(max(d, 0))
-		}
-		if p.Group >= 0 && p.Group < len(totals) {
-			totals[p.Group] += n
+	var lens []int64
+	var groups []int
+	var held []bool
+	for g := range opts.groups() {
+		for _, p := range params {
+			if p.Group != g {
+				continue
+			}
+			n := int64(1)
+			for _, d := range p.Shape {
+				n *= int64(max(d, 0))
+			}
+			lens, groups, held = append(lens, n), append(groups, g), append(held, slices.Contains(opts.OffloadParam, p.Name))
 		}
 	}
 	var sizes []int64
-	for _, s := range cutGroups(totals, opts.SubgroupSize) {
-		sizes = append(sizes, s...)
+	for _, r := range cutRuns(lens, groups, held, opts.SubgroupSize) {
+		sizes = append(sizes, r.n)
 	}
 	return sizes
 }
@@ -581,9 +652,9 @@ func (o *Optimizer) chooseSubgroupSize() error {
 func (o *Optimizer) choosePlan() (perfmodel.Schedule, *perfmodel.Prediction, error) {
 	var pred *perfmodel.Prediction
 	opts := o.opts
-	n := len(o.subgroups)
-	s := perfmodel.Schedule{CPU: n}
 	w := o.workload()
+	n := len(w.Sizes)
+	s := perfmodel.Schedule{CPU: n}
 	forced := opts.Schedule
 	switch opts.Placement {
 	case "cpu":
@@ -592,11 +663,14 @@ func (o *Optimizer) choosePlan() (perfmodel.Schedule, *perfmodel.Prediction, err
 		st := perfmodel.StaticSplit(w)
 		forced = &st
 	}
+	if n == 0 { // every subgroup host-held (OffloadParam): nothing to place
+		return s, nil, nil
+	}
 	if forced != nil {
 		s = *forced
 		if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU > n || s.GPU > n || s.Resident > n || s.CPU+s.GPU+s.Resident != n {
-			return s, nil, fmt.Errorf("offload: Options.Schedule %d CPU + %d GPU + %d resident: the counts must add up to the %d subgroups (%d parameters in subgroups of %d)",
-				s.CPU, s.GPU, s.Resident, n, o.total, opts.SubgroupSize)
+			return s, nil, fmt.Errorf("offload: Options.Schedule %d CPU + %d GPU + %d resident: the counts must add up to the %d subgroups (%d parameters in subgroups of %d%s)",
+				s.CPU, s.GPU, s.Resident, n, w.Params, opts.SubgroupSize, o.heldNote())
 		}
 		if need := w.GPUMemory(s); opts.GPUBudget > 0 && need > opts.GPUBudget {
 			return s, nil, fmt.Errorf("offload: Options.Schedule %+v needs %d bytes of device memory, over GPUBudget %d", s, need, opts.GPUBudget)
@@ -630,7 +704,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 		return nil, nil, err
 	}
 	n, opts := len(o.subgroups), o.opts
-	plan, err := scheduler.NewPlan(n, s)
+	plan, err := scheduler.NewHeldPlan(o.held, s)
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
@@ -639,7 +713,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 		sizes[i] = sg.Len
 	}
 	eng, err := scheduler.New(scheduler.Options{Device: opts.Device, Sizes: sizes, GradDType: opts.GradDType, WorkingDType: opts.WorkingDType,
-		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror, Prefetch: opts.OverlapBackward})
+		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror, Prefetch: opts.OverlapBackward, HostHeld: o.heldOrNil()})
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
@@ -776,6 +850,7 @@ func (o *Optimizer) Options() Options {
 	opts.Groups = slices.Clone(opts.Groups) // a copy: SetGroupLR changes them
 	opts.DeviceMasters = slices.Clone(opts.DeviceMasters)
 	opts.SubgroupSizes = slices.Clone(opts.SubgroupSizes)
+	opts.OffloadParam = slices.Clone(opts.OffloadParam)
 	return opts
 }
 
@@ -1167,6 +1242,35 @@ func (o *Optimizer) subgroupSizes() []int64 {
 		sizes[i] = int64(sg.Len)
 	}
 	return sizes
+}
+
+// deviceSizes returns the sizes of the subgroups that are not host-held,
+// in order: those the engine's lanes place (scheduler.NewHeldPlan).
+func (o *Optimizer) deviceSizes() []int64 {
+	var sizes []int64
+	for _, sg := range o.subgroups {
+		if !sg.HostHeld {
+			sizes = append(sizes, int64(sg.Len))
+		}
+	}
+	return sizes
+}
+
+// heldOrNil is scheduler.Options.HostHeld: nil without OffloadParam.
+func (o *Optimizer) heldOrNil() []bool {
+	if len(o.opts.OffloadParam) == 0 {
+		return nil
+	}
+	return o.held
+}
+
+// heldNote says, for an error about the subgroup counts, how many
+// subgroups OffloadParam leaves out of them.
+func (o *Optimizer) heldNote() string {
+	if n := len(o.subgroups) - len(o.deviceSizes()); n > 0 {
+		return fmt.Sprintf("; %d more host-held subgroups of Options.OffloadParam are not counted", n)
+	}
+	return ""
 }
 
 // groupCoeffs computes every parameter group's scalars for step: Hyper

@@ -133,11 +133,26 @@ type Options struct {
 	// that work (perfmodel.Workload.Prefetch). The update is the same,
 	// bit for bit. Not saved in checkpoints.
 	OverlapBackward bool `json:"-"`
+	// OffloadParam, with Device, names the parameters whose 16-bit
+	// working copy and gradient live in pinned host memory instead of
+	// device memory (DeepSpeed ZeRO-Infinity's offload_param, per
+	// parameter): a trainer streams their weights to the device before it
+	// reads them (HostWorking) and copies their gradients back into
+	// HostGrad; the CPU workers update them in place, first in each
+	// update phase, with no copy (scheduler.Options.HostHeld). New cuts
+	// the subgroups where a run of such parameters begins and ends, so a
+	// subgroup is all of one kind; a forced Schedule counts the other
+	// subgroups only. None of them may be in DeviceMasters. They save
+	// GradDType's size + 2 bytes of device memory per element
+	// (DeviceBytes). The update is the same, bit for bit. Not saved in
+	// checkpoints.
+	OffloadParam []string `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,
 	// ceil(parameters / SubgroupSize) without Groups, the sum of each
-	// group's ceil(its parameters / SubgroupSize) with them
-	// (len(Optimizer.Subgroups()) after New).
+	// group's ceil(its parameters / SubgroupSize) with them, less the
+	// OffloadParam subgroups (CutSizes; len(Optimizer.Subgroups()) after
+	// New, less those whose HostHeld is set).
 	Schedule *perfmodel.Schedule `json:"-"`
 	// Placement, with Device and no Schedule, names a fixed placement
 	// instead of the model's choice, resolved by New over the optimizer's
@@ -228,8 +243,8 @@ func (o *Options) Validate() error {
 	if o.GPUBudget < 0 {
 		return fmt.Errorf("offload: GPUBudget %d: want >= 0 bytes", o.GPUBudget)
 	}
-	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0 || o.Replan || o.OverlapBackward) {
-		return errors.New("offload: Schedule, GPUBudget, DeviceMasters, Replan and OverlapBackward need a Device")
+	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0 || o.Replan || o.OverlapBackward || len(o.OffloadParam) > 0) {
+		return errors.New("offload: Schedule, GPUBudget, OffloadParam, DeviceMasters, Replan and OverlapBackward need a Device")
 	}
 	if o.Replan && (o.Schedule != nil || o.Placement != "" || (o.Profile == nil && !o.Calibrate)) {
 		return errors.New("offload: Replan corrects the performance model's schedule: it needs Profile or Calibrate, and no forced Schedule or Placement")
