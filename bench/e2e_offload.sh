@@ -6,7 +6,7 @@
 #   OUT=$OUT bash bench/e2e_offload.sh
 #
 # RUNS is a space-separated list of MODEL,CAP_GiB,BATCH (default "gpt2-xl,24,8"); MODEL is a GPT-2 preset or
-# LAYERS:EMBD:HEADS. T = 1024, STEPS iterations (default 12; the medians leave the first 2 out). For each:
+# LAYERS:EMBD:HEADS (dos's vocabulary: TOKENIZER, default byte; gpt2 gives PyTorch's model's 50304). T = 1024, STEPS iterations (default 12; the medians leave the first 2 out). For each:
 #   dos-model   bin/dos train --device cuda --gpu-memory CAP --replan (the performance model's schedule from the
 #               start-up calibration, corrected online)
 #   dos-nooverlap  dos-model with --no-overlap (nothing of the update phase during backward): what the overlap
@@ -16,6 +16,8 @@
 #               subgroups of 1e8 (the static split skips the calibration that chooses the size)
 #   dos-static-25M  the static split in subgroups of 2.5e7, the finest size dos-model may choose (it packs the
 #               budget best): the static split at its best
+#   dos-stream-N  dos-model with --stream-blocks N: the first N blocks' weights and gradients in host memory,
+#               streamed to the GPU block by block (dos-model streams as few as the cap needs: --stream-blocks auto)
 #   fsdp2       python3 bench/torch_offload.py --mode fsdp2 --cap-gib CAP (FSDP2 with CPUOffloadPolicy, one rank,
 #               bf16 mixed precision)
 #   dos         python3 bench/torch_offload.py --mode dos --cap-gib CAP (dos.torch.AdamW on the same PyTorch model:
@@ -49,7 +51,7 @@ for run in $runs; do
 	tag=${model//:/x}
 	if [[ $model == *:*:* ]]; then
 		IFS=: read -r L C H <<<"$model"
-		arch=(--layers "$L" --embd "$C" --heads "$H" --ctx 1024)
+		arch=(--layers "$L" --embd "$C" --heads "$H" --ctx 1024 --tokenizer "${TOKENIZER:-byte}")
 	else
 		arch=(--model "$model")
 	fi
@@ -63,6 +65,7 @@ for run in $runs; do
 		dos-cpu) flags+=(--schedule cpu) ;;
 		dos-static) flags+=(--schedule static) ;;
 		dos-static-25M) flags+=(--schedule static --subgroup-size 25000000) ;;
+		dos-stream-*) flags+=(--replan --stream-blocks "${strat#dos-stream-}") ;;
 		esac
 		rm -f "$base.jsonl"
 		start=$(date +%s)

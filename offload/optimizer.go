@@ -590,11 +590,21 @@ func cutRuns(lens []int64, groups []int, held []bool, size int) []cutSub {
 }
 
 // CutSizes returns the lengths, in order, of the subgroups New cuts params
-// into with opts (its Groups, SubgroupSize, 0 meaning the default, and
-// OffloadParam), before New is called; a forced Options.Schedule counts
-// those that hold no OffloadParam parameter. A parameter whose group or
-// shape New would refuse is left out.
+// into with opts (CutSubgroups).
 func CutSizes(params []Param, opts Options) []int64 {
+	var sizes []int64
+	for _, sg := range CutSubgroups(params, opts) {
+		sizes = append(sizes, int64(sg.Len))
+	}
+	return sizes
+}
+
+// CutSubgroups returns the subgroups New cuts params into with opts (its
+// Groups, SubgroupSize, 0 meaning the default, and OffloadParam), before
+// New is called: Optimizer.Subgroups' values. A forced Options.Schedule
+// counts those that are not HostHeld. A parameter whose group or shape
+// New would refuse is left out.
+func CutSubgroups(params []Param, opts Options) []Subgroup {
 	opts.EnsureDefaults()
 	var lens []int64
 	var groups []int
@@ -611,11 +621,13 @@ func CutSizes(params []Param, opts Options) []int64 {
 			lens, groups, held = append(lens, n), append(groups, g), append(held, slices.Contains(opts.OffloadParam, p.Name))
 		}
 	}
-	var sizes []int64
+	var out []Subgroup
+	off := 0
 	for _, r := range cutRuns(lens, groups, held, opts.SubgroupSize) {
-		sizes = append(sizes, r.n)
+		out = append(out, Subgroup{Index: len(out), Offset: off, Len: int(r.n), Group: r.group, HostHeld: r.held})
+		off += int(r.n)
 	}
-	return sizes
+	return out
 }
 
 // chooseSubgroupSize keeps the candidate of Options.SubgroupSizes whose

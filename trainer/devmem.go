@@ -22,9 +22,14 @@ type DeviceMemory struct {
 	// 0), 0 otherwise.
 	Sampler int64
 	// WeightsGrads is the optimizer's bf16 working copy and the
-	// gradients (GradDType), one element each per parameter
-	// (offload.Options.DeviceBytes).
+	// gradients (GradDType), one element each per parameter that is not
+	// streamed (offload.Options.DeviceBytes).
 	WeightsGrads int64
+	// Streamed is how many blocks' matrices and biases stream from host
+	// memory (TrainConfig.Streamed), and Slots their two block slots'
+	// working copy and gradients on the device (0 without streaming).
+	Streamed int
+	Slots    int64
 	// Masters is the fp32 master weights the model reads on the device
 	// (gptcuda.FP32Tensors: embeddings, LayerNorms), 4 bytes per element;
 	// 0 with BF16Params.
@@ -53,7 +58,9 @@ func deviceBound(cfg gpt.Config, batch int) bool {
 }
 
 // Total is the sum of m's parts, in bytes.
-func (m DeviceMemory) Total() int64 { return m.Activations + m.Sampler + m.WeightsGrads + m.Masters }
+func (m DeviceMemory) Total() int64 {
+	return m.Activations + m.Sampler + m.WeightsGrads + m.Masters + m.Slots
+}
 
 // BudgetLeft is the update phase's device memory under a cap of capBytes
 // once m is allocated, in bytes (negative: m is over the cap): what a
@@ -74,15 +81,25 @@ const CapMargin = capMargin
 // context no device holds: gptcuda's int64 count would overflow) they are
 // MaxDeviceBytes, and TooLarge reports it.
 func (c *TrainConfig) DeviceMemory(batch int) DeviceMemory {
+	return c.deviceMemory(batch, c.streamedAt(batch))
+}
+
+// deviceMemory is DeviceMemory with n blocks streamed.
+func (c *TrainConfig) deviceMemory(batch, n int) DeviceMemory {
 	opts := gptcuda.Options{Recompute: c.Recompute}
-	if deviceBound(c.Model, batch) {
-		return DeviceMemory{Activations: MaxDeviceBytes, WeightsGrads: c.optimizerOptions().DeviceBytes(c.Model.NumParams())}
+	weights := c.optimizerOptions().DeviceBytes(c.Model.NumParams() - n*blockStreamedElems(c.Model))
+	var slots int64
+	if n > 0 {
+		slots = 2 * slotBytes(c.Model)
 	}
-	m := DeviceMemory{Activations: gptcuda.MemoryBytes(c.Model, batch, c.Model.NCtx, opts)}
+	if deviceBound(c.Model, batch) {
+		return DeviceMemory{Activations: MaxDeviceBytes, WeightsGrads: weights, Streamed: n, Slots: slots}
+	}
+	m := DeviceMemory{Activations: gptcuda.MemoryBytes(c.Model, batch, c.Model.NCtx, opts), Streamed: n, Slots: slots}
 	if c.SampleBytes > 0 && !deviceBound(c.Model, 1) {
 		m.Sampler = gptcuda.MemoryBytes(c.Model, 1, c.Model.NCtx, samplerOptions)
 	}
-	m.WeightsGrads = c.optimizerOptions().DeviceBytes(c.Model.NumParams())
+	m.WeightsGrads = weights
 	if !c.BF16Params {
 		ts := c.Model.Tensors()
 		for _, i := range gptcuda.FP32Tensors(c.Model) {
@@ -111,6 +128,16 @@ func (c *TrainConfig) checkDeviceMemory() error {
 	// What it advises fits with CapMargin aside, as the run's budget is.
 	safe := capBytes - CapMargin
 	var fits []string
+	if c.GPUs <= 1 && c.Streamed() < c.Model.NLayer {
+		// Streaming more blocks' weights from host memory.
+		r := *c
+		for n := c.Streamed() + 1; n <= c.Model.NLayer; n++ {
+			if r.deviceMemory(c.Batch, n).Total() <= safe {
+				fits = append(fits, fmt.Sprintf("--stream-blocks %d", n))
+				break
+			}
+		}
+	}
 	if b := c.largestBatch(safe); b > 0 {
 		fits = append(fits, fmt.Sprintf("--batch %d", b))
 	}
@@ -123,7 +150,7 @@ func (c *TrainConfig) checkDeviceMemory() error {
 			fits = append(fits, fmt.Sprintf("--recompute --batch %d", b))
 		}
 	}
-	advice := "no smaller --batch or --recompute fits: the weights and gradients alone, with one row's activations, are too large for this cap (a GPU with more memory, or ZeRO-3 over several, --gpus N)"
+	advice := "no smaller --batch, --recompute or --stream-blocks fits: what stays on the device, with one row's activations, is too large for this cap (a GPU with more memory, or ZeRO-3 over several, --gpus N)"
 	if len(fits) > 0 {
 		advice = "what fits: " + strings.Join(fits, ", or ")
 	}
@@ -132,8 +159,11 @@ func (c *TrainConfig) checkDeviceMemory() error {
 			c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, MaxDeviceBytes>>50, advice)
 	}
 	sampler := ""
+	if m.Streamed > 0 {
+		sampler = fmt.Sprintf(", %d blocks streamed: their 2 slots %.2f", m.Streamed, float64(m.Slots)/gibBytes)
+	}
 	if m.Sampler > 0 {
-		sampler = fmt.Sprintf(", the sampler %.2f (--sample 0: none)", float64(m.Sampler)/gibBytes)
+		sampler += fmt.Sprintf(", the sampler %.2f (--sample 0: none)", float64(m.Sampler)/gibBytes)
 	}
 	return fmt.Errorf("trainer: --gpu-memory %g GiB: --layers %d --embd %d --ctx %d --batch %d need %.2f GiB of device memory before the update phase's (weights and gradients %.2f, fp32 masters %.2f, activations %.2f%s); %s",
 		c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, float64(m.Total())/gibBytes,

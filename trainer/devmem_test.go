@@ -56,8 +56,34 @@ func TestDeviceMemoryParts(t *testing.T) {
 func TestValidateDeviceMemory(t *testing.T) {
 	c := gpuConfig(t, 24)
 	err := c.Validate()
+	// Streaming does not make batch 8 fit without --recompute: the
+	// activations alone are 47 GiB.
 	wantErr(t, "4.24B under 24 GiB", err, "--gpu-memory 24 GiB: --layers 36 --embd 3072 --ctx 1024 --batch 8 need 65.",
-		"weights and gradients 15.78, fp32 masters 0.59, activations 47.", "what fits: --recompute --batch 5")
+		"weights and gradients 15.78, fp32 masters 0.59, activations 47.", "what fits: --batch 3, or --recompute")
+	// The advice: --recompute, with 13 blocks streamed (StreamAuto).
+	auto := c
+	auto.Recompute = true
+	if err := auto.Validate(); err != nil || auto.Streamed() != 13 {
+		t.Errorf("the advice --recompute: %v, %d blocks streamed, want 13", err, auto.Streamed())
+	}
+	if m := auto.DeviceMemory(8); m.BudgetLeft(24<<30) < StreamReserve || m.Streamed != 13 || m.Slots != 2*slotBytes(auto.Model) {
+		t.Errorf("--recompute with 13 blocks streamed: %+v leaves %d bytes, want at least StreamReserve", m, m.BudgetLeft(24<<30))
+	}
+	auto.StreamBlocks = 12 // one fewer leaves the update phase less than StreamReserve
+	if m := auto.DeviceMemory(8); m.BudgetLeft(24<<30) >= StreamReserve {
+		t.Errorf("12 blocks streamed leave %d bytes: 13 was not the fewest", m.BudgetLeft(24<<30))
+	}
+	// Without streaming (--stream-blocks 0), the refusal, which
+	// with --recompute names the blocks to stream.
+	c.StreamBlocks = 0
+	wantErr(t, "4.24B under 24 GiB, --stream-blocks 0", c.Validate(), "what fits: --recompute --batch 5")
+	r := c
+	r.Recompute = true
+	wantErr(t, "4.24B --recompute under 24 GiB, --stream-blocks 0", r.Validate(), "(weights and gradients 15.78, fp32 masters 0.59, activations 8.08", "what fits: --stream-blocks 8, or --batch 5")
+	r.StreamBlocks = 8
+	if err := r.Validate(); err != nil {
+		t.Errorf("the advice --stream-blocks 8: %v", err)
+	}
 	fit := c
 	fit.Recompute, fit.Batch = true, 5
 	if err := fit.Validate(); err != nil {
@@ -75,7 +101,16 @@ func TestValidateDeviceMemory(t *testing.T) {
 
 	c = gpuConfig(t, 16)
 	c.Recompute = true
-	wantErr(t, "4.24B under 16 GiB", c.Validate(), "no smaller --batch or --recompute fits: the weights and gradients alone")
+	if err := c.Validate(); err != nil || c.Streamed() == 0 {
+		t.Errorf("4.24B under 16 GiB with --recompute: %v, %d blocks streamed", err, c.Streamed())
+	}
+	c = gpuConfig(t, 3)
+	c.Recompute = true
+	wantErr(t, "4.24B under 3 GiB", c.Validate(), "no smaller --batch, --recompute or --stream-blocks fits")
+	c.StreamBlocks = 37
+	wantErr(t, "--stream-blocks 37", c.Validate(), "--stream-blocks 37: want 0..36")
+	c.StreamBlocks, c.GPUs = 2, 2
+	wantErr(t, "--stream-blocks 2 --gpus 2", c.Validate(), "needs --device cuda and one GPU")
 
 	// TestGPUMemoryCap's model under its 1 MiB cap, as New refuses it
 	// there (on the GPU machine) before anything is allocated.
@@ -85,7 +120,7 @@ func TestValidateDeviceMemory(t *testing.T) {
 	tiny.WorkingDType, tiny.GradDType = adam.BF16, adam.BF16
 	tiny.SampleBytes, tiny.EvalBatches, tiny.LogEvery = 0, 1, 0
 	tiny.Schedule, tiny.GPUMemory = "1,0,0", 1.0/1024
-	wantErr(t, "TestGPUMemoryCap's 1 MiB", tiny.Validate(), "of device memory before the update phase's", "no smaller --batch or --recompute fits")
+	wantErr(t, "TestGPUMemoryCap's 1 MiB", tiny.Validate(), "of device memory before the update phase's", "no smaller --batch, --recompute or --stream-blocks fits")
 	tiny.GPUMemory = 1
 	if err := tiny.Validate(); err != nil {
 		t.Errorf("TestGPUMemoryCap's model under 1 GiB: %v", err)

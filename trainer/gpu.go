@@ -56,6 +56,9 @@ type gpuTrainer struct {
 	// for the sampler's forward before its logits are read.
 	beforeBlock func(l int, backward bool) error
 	wait        func() error
+	// bs is the blocks streamed from host memory (TrainConfig.Streamed;
+	// nil for none).
+	bs *blockStream
 }
 
 // openGPU opens GPU ordinal (it shares the primary context with the
@@ -93,6 +96,11 @@ func openGPU(cfg *TrainConfig, ordinal, batch int) (*gpuTrainer, error) {
 		return fail(err)
 	}
 	g.activations = gptcuda.MemoryBytes(cfg.Model, batch, cfg.Model.NCtx, opts)
+	if n := cfg.Streamed(); n > 0 {
+		if g.bs, err = newBlockStream(d, g.s, cfg.Model, n); err != nil {
+			return fail(err)
+		}
+	}
 	return g, nil
 }
 
@@ -103,6 +111,9 @@ func openGPU(cfg *TrainConfig, ordinal, batch int) (*gpuTrainer, error) {
 // calibration of this machine's CPU and GPU rates (calibrate).
 func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) error {
 	deviceMasters(cfg, o)
+	if g.bs != nil {
+		o.OffloadParam = streamedNames(cfg.Model, g.bs.n)
+	}
 	if cfg.GPUBudget == 0 {
 		b, err := g.budget(cfg, o, offloadParams(cfg.Model), 1)
 		if err != nil {
@@ -172,8 +183,9 @@ func gpuAvailable() error {
 // split evenly: the device memory free now (after the models' activations
 // and, with ranks, their replicas) over share, less what offload.New
 // allocates outside the budget (the gradients, the working copy and the
-// fp32 DeviceMasters of params), less the sampler's model when the run
-// samples, less a margin.
+// fp32 DeviceMasters of params, but for o.OffloadParam's, which are in
+// host memory), less the sampler's model when the run samples, less a
+// margin.
 func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options, params []offload.Param, share int) (int64, error) {
 	free, _, err := g.dev.MemInfo()
 	if err != nil {
@@ -188,6 +200,9 @@ func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options, params []offlo
 		n := 1
 		for _, d := range p.Shape {
 			n *= d
+		}
+		if slices.Contains(o.OffloadParam, p.Name) {
+			continue
 		}
 		elems += n
 		if slices.Contains(o.DeviceMasters, p.Name) {
@@ -220,7 +235,25 @@ func (g *gpuTrainer) bind(opt *offload.Optimizer) error {
 	if err := g.m.SetMasters(g.masters); err != nil {
 		return err
 	}
+	streamed := make([]bool, n)
+	if g.bs != nil {
+		for _, name := range opt.Options().OffloadParam {
+			i, err := opt.Index(name)
+			if err != nil {
+				return err
+			}
+			streamed[i] = true
+		}
+		if err := g.bs.bind(opt, g.w, g.g); err != nil {
+			return err
+		}
+		g.beforeBlock = g.bs.before
+		g.m.BeforeBlock(g.bs.before)
+	}
 	for i := range n {
+		if streamed[i] {
+			continue
+		}
 		w, err := opt.DeviceWorking(i)
 		if err != nil {
 			return err
@@ -232,6 +265,9 @@ func (g *gpuTrainer) bind(opt *offload.Optimizer) error {
 		g.w[i], g.g[i] = w.Ptr, gr.Ptr
 	}
 	g.overlap(opt)
+	if g.bs != nil {
+		g.bs.invalidate()
+	}
 	return opt.SyncDevice()
 }
 
@@ -242,13 +278,20 @@ func (g *gpuTrainer) bind(opt *offload.Optimizer) error {
 // global value then starts during the backward.
 func (g *gpuTrainer) overlap(opt *offload.Optimizer) {
 	g.blocks, g.rest = nil, nil
-	if !opt.Options().OverlapBackward {
-		g.m.OnBlockBackward(nil)
-		return
+	var final func(l int) error
+	if opt.Options().OverlapBackward {
+		g.blocks, g.rest = finalAfter(g.m.Config().NLayer)
+		g.opt, g.stream = opt, offload.CUDAStream(g.s)
+		final = func(l int) error { return opt.GradsFinal(g.stream, g.blocks[l]...) }
 	}
-	g.blocks, g.rest = finalAfter(g.m.Config().NLayer)
-	g.opt, g.stream = opt, offload.CUDAStream(g.s)
-	g.m.OnBlockBackward(func(l int) error { return opt.GradsFinal(g.stream, g.blocks[l]...) })
+	switch {
+	case g.bs != nil && final != nil:
+		g.m.OnBlockBackward(func(l int) error { return errors.Join(g.bs.after(l), final(l)) })
+	case g.bs != nil:
+		g.m.OnBlockBackward(g.bs.after)
+	default:
+		g.m.OnBlockBackward(final)
+	}
 }
 
 // step runs forward and backward on a batch with the loss scaled by scale
@@ -266,6 +309,11 @@ func (g *gpuTrainer) step(inputs, targets []int32, scale float32, afterForward f
 	}
 	if err := g.m.Backward(g.w, g.g); err != nil {
 		return 0, err
+	}
+	if g.bs != nil {
+		if err := g.bs.end(); err != nil {
+			return 0, err
+		}
 	}
 	if g.rest != nil {
 		if err := g.opt.GradsFinal(g.stream, g.rest...); err != nil {
@@ -340,6 +388,10 @@ func (g *gpuTrainer) close() error {
 		return nil
 	}
 	var errs []error
+	if g.bs != nil {
+		errs = append(errs, g.bs.close())
+		g.bs = nil
+	}
 	for _, m := range []**gptcuda.Model{&g.sampler, &g.m} {
 		if *m != nil {
 			errs = append(errs, (*m).Close())

@@ -113,6 +113,18 @@ type TrainConfig struct {
 	// forward and recomputes the block in backward (gptcuda's
 	// Options.Recompute): for when the activations do not fit.
 	Recompute bool `json:"recompute,omitempty"`
+	// StreamBlocks, with Device "cuda" on one GPU, is how many
+	// transformer blocks, the first ones, keep their matrices and biases
+	// (their bf16 working copy and gradients) in pinned host memory
+	// instead of device memory (offload.Options.OffloadParam, DeepSpeed
+	// ZeRO-Infinity's offload_param): each such block is copied H2D into
+	// one of two block slots before its forward and again before its
+	// backward, overlapped with the previous block's compute, and its
+	// gradients go D2H as its backward ends; the CPU workers update them
+	// in place. StreamAuto (-1): as few as GPUMemory needs to leave the
+	// update phase StreamReserve, none without a cap. The trajectory is
+	// the same, bit for bit. Not saved in checkpoints.
+	StreamBlocks int `json:"-"`
 	// NoOverlap, with Device "cuda", turns off what the update phase does
 	// during backward (offload.Options.OverlapBackward: the CPU subgroups'
 	// gradients move to the host as their blocks' backward ends, and the
@@ -214,6 +226,8 @@ func DefaultTrainConfig() TrainConfig {
 		LogEvery:    10,
 		SampleBytes: 200,
 		ValFraction: 0.1,
+		// As few streamed blocks as --gpu-memory needs (none without).
+		StreamBlocks: StreamAuto,
 	}
 }
 
@@ -342,6 +356,10 @@ func (c *TrainConfig) Validate() error {
 		return errors.New("trainer: --gpu-memory caps the GPU's memory: it needs --device cuda")
 	case c.GPUMemory != 0 && c.GPUBudget > c.GPUMemory:
 		return fmt.Errorf("trainer: --gpu-budget %v GiB is over --gpu-memory %v GiB", c.GPUBudget, c.GPUMemory)
+	case c.StreamBlocks < StreamAuto || c.StreamBlocks > m.NLayer:
+		return fmt.Errorf("trainer: --stream-blocks %d: want 0..%d (--layers), or auto", c.StreamBlocks, m.NLayer)
+	case c.StreamBlocks > 0 && (c.Device != "cuda" || c.GPUs > 1):
+		return fmt.Errorf("trainer: --stream-blocks %d streams blocks' weights to one GPU: it needs --device cuda and one GPU (ZeRO-3's ranks gather theirs: --gpus)", c.StreamBlocks)
 	}
 	if c.Schedule != "" && c.Schedule != "cpu" && c.Schedule != "static" {
 		s, err := offload.ParseSchedule(c.Schedule)
@@ -486,7 +504,10 @@ func (c *TrainConfig) MemoryBytes() float64 {
 			perParam += 2
 		}
 	}
-	floats += math.Max(V*C, math.Max(T*C, 4*C*C)) // the initial weights' buffer (New)
+	// Streamed blocks' gradients and working copy in pinned host memory
+	// (offload.Options.OffloadParam), 2 + 2 bytes a parameter.
+	floats += float64(c.Streamed() * blockStreamedElems(c.Model)) // 4 bytes each, as a float
+	floats += math.Max(V*C, math.Max(T*C, 4*C*C))                 // the initial weights' buffer (New)
 	ring := 0.0
 	if c.CkptDir != "" && !c.CkptSync {
 		ring = c.ringBytes(params)
@@ -586,6 +607,17 @@ func (c *TrainConfig) paramCount() int {
 
 // subgroups returns the optimizer's subgroup count for the model.
 func (c *TrainConfig) subgroups() int {
+	if n := c.Streamed(); n > 0 {
+		o := c.optimizerOptions()
+		o.OffloadParam = streamedNames(c.Model, n)
+		dev := 0
+		for _, sg := range offload.CutSubgroups(offloadParams(c.Model), *o) {
+			if !sg.HostHeld {
+				dev++
+			}
+		}
+		return dev
+	}
 	return offload.SubgroupCount(c.paramCount(), c.optimizerOptions().SubgroupSize)
 }
 

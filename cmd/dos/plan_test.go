@@ -43,12 +43,22 @@ func TestPlan(t *testing.T) {
 // on one GPU (trainer.DeviceMemory, what dos train checks before it
 // allocates), what is left for the update phase and the largest batches
 // that fit; with --profile the update phase is planned within what is
-// left. The 4.24B under 24 GiB does not fit at batch 8 (dos
-// train refuses it: TestValidateDeviceMemory), at batch 5 with
-// --recompute it does.
+// left. The 4.24B under 24 GiB does not fit at batch 8 with its
+// weights all on the device (--stream-blocks 0; dos train refuses it:
+// TestValidateDeviceMemory), at batch 5 with --recompute it does; by
+// default 13 of its blocks stream from host memory and it fits with 2.39
+// GiB left for the update phase.
 func TestPlanGPUMemory(t *testing.T) {
-	big := []string{"plan", "--gpu-memory", "24", "--layers", "36", "--heads", "24", "--embd", "3072", "--ctx", "1024", "--tokenizer", "gpt2", "--batch", "8", "--recompute"}
-	rc, out, errs := runCLI(big...)
+	auto := []string{"plan", "--gpu-memory", "24", "--layers", "36", "--heads", "24", "--embd", "3072", "--ctx", "1024", "--tokenizer", "gpt2", "--batch", "8", "--recompute"}
+	rc, out, errs := runCLI(auto...)
+	for _, want := range []string{"weights and gradients (bf16)     10.29 GiB", "2 block slots (13 of 36 streamed)    0.84 GiB (5.49 GiB of weights and gradients in host memory)",
+		"before the update phase          21.36 GiB of 24 GiB", "left for the update phase         2.39 GiB", "largest batch with --recompute (256 MiB kept aside): 20\n"} {
+		if rc != 0 || !strings.Contains(out, want) {
+			t.Errorf("dos plan %v: rc %d, want %q in\n%s%s", auto[1:], rc, want, out, errs)
+		}
+	}
+	big := append(auto, "--stream-blocks", "0")
+	rc, out, errs = runCLI(big...)
 	for _, want := range []string{"4.24B parameters", "weights and gradients (bf16)     15.78 GiB", "activations (batch 8)             8.08 GiB",
 		"before the update phase          26.00 GiB of 24 GiB", "does not fit: over the cap by 2.00 GiB (dos train refuses it before allocating)", "largest batch with --recompute (256 MiB kept aside): 5\n"} {
 		if rc != 0 || !strings.Contains(out, want) {

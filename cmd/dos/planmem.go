@@ -21,7 +21,7 @@ type planMemoryFlags struct {
 
 // planModelFlags are the flags planMemoryFlags defines besides
 // --gpu-memory.
-var planModelFlags = []string{"model", "tokenizer", "layers", "heads", "embd", "ctx", "batch", "sample", "recompute", "bf16-params"}
+var planModelFlags = []string{"model", "tokenizer", "layers", "heads", "embd", "ctx", "batch", "sample", "recompute", "bf16-params", "stream-blocks"}
 
 // memoryFlags defines them on c.
 func memoryFlags(c *cli) *planMemoryFlags {
@@ -37,6 +37,7 @@ func memoryFlags(c *cli) *planMemoryFlags {
 	sizeVar(c, &f.cfg.SampleBytes, "sample", "with --gpu-memory: bytes `N` of text the run samples at the end (0: no sampler)")
 	c.BoolVar(&f.cfg.Recompute, "recompute", false, "with --gpu-memory: activation checkpointing (dos train --recompute)")
 	c.BoolVar(&f.cfg.BF16Params, "bf16-params", false, "with --gpu-memory: no fp32 masters on the device (dos train --bf16-params)")
+	c.Var(streamFlag{&f.cfg.StreamBlocks}, "stream-blocks", "with --gpu-memory: blocks `N` whose weights and gradients stream from host memory (dos train --stream-blocks; auto, the default: as few as the cap needs to leave the update phase 2 GiB)")
 	return f
 }
 
@@ -102,6 +103,9 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 		fmt.Fprintf(out, "  the activations at batch %d are too large to count (over %d PiB): does not fit; dos train refuses it before allocating\n", cfg.Batch, trainer.MaxDeviceBytes>>50)
 	} else {
 		row("weights and gradients (bf16)", m.WeightsGrads, "")
+		if m.Streamed > 0 {
+			row(fmt.Sprintf("2 block slots (%d of %d streamed)", m.Streamed, cfg.Model.NLayer), m.Slots, fmt.Sprintf(" (%.2f GiB of weights and gradients in host memory)", float64(int64(m.Streamed)*trainer.StreamedBlockBytes(cfg.Model))/(1<<30)))
+		}
 		row("fp32 masters", m.Masters, "")
 		row(fmt.Sprintf("activations (batch %d)", cfg.Batch), m.Activations, "")
 		row(fmt.Sprintf("sampler (--sample %d)", cfg.SampleBytes), m.Sampler, "")

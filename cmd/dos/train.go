@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"github.com/deepstates/dos"
@@ -29,6 +30,29 @@ func (f dtypeFlag) Set(s string) error {
 		return err
 	}
 	*f.d = d
+	return nil
+}
+
+// streamFlag is --stream-blocks: a count of blocks, or auto
+// (trainer.StreamAuto).
+type streamFlag struct{ n *int }
+
+func (f streamFlag) String() string {
+	if f.n == nil || *f.n == trainer.StreamAuto {
+		return "auto"
+	}
+	return strconv.Itoa(*f.n)
+}
+func (f streamFlag) Set(s string) error {
+	if s == "auto" {
+		*f.n = trainer.StreamAuto
+		return nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 0 {
+		return fmt.Errorf("want a count of blocks >= 0, or auto")
+	}
+	*f.n = n
 	return nil
 }
 
@@ -142,6 +166,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&cfg.Recompute, "recompute", cfg.Recompute, "with --device cuda: keep one block's activations and recompute each block's forward in backward (about a third more compute, a fraction of the activation memory)")
 	fs.IntVar(&cfg.GPUs, "gpus", cfg.GPUs, "ZeRO-3 data parallelism over `N` ranks, 0..64 (default 0 or 1: one rank, no sharding): each holds 1/N of every tensor and of its optimizer state and trains on batch/N rows; the working copy is all-gathered and the gradients reduce-scattered between them. The ranks run in this process: on the host or with --device sim over an in-process communicator; with --device cuda rank r on GPU r over NCCL (see --collectives). With --ckpt-dir each rank saves into --ckpt-dir/rank-%05d, lazily (its own engine, --ckpt-ring split between the ranks) or with --ckpt-sync synchronously, and the job commits a step once all ranks' saves are durable (each rank root keeps one step more than --ckpt-keep while a lazy save awaits the job's commit, --ckpt-keep at the end); --resume needs the same N (and takes it from the checkpoint unless given): dos ckpt reshard cuts a checkpoint for another N. --threads is then per rank (0: GOMAXPROCS/N)")
 	fs.StringVar(&cfg.Collectives, "collectives", cfg.Collectives, "with --device cuda: how the GPU ranks of --gpus N all-gather and reduce-scatter: nccl (the default: NCCL, one rank per GPU, GPUs 0..N-1; nothing to do with one GPU) or staged (--gpus 2 or more: through pinned host memory, rank r on GPU r mod the GPUs there are: several ranks may share one GPU, slowly; for tests)")
+	fs.Var(streamFlag{&cfg.StreamBlocks}, "stream-blocks", "with --device cuda on one GPU: keep the first `N` transformer blocks' matrices and biases (their bf16 weights and gradients) in pinned host memory and stream them to the GPU block by block, H2D before each block's forward and backward, gradients D2H as its backward ends (DeepSpeed's offload_param), so that a model larger than the GPU trains; the CPU updates them in place; the same trajectory, bit for bit (auto, the default: as few blocks as --gpu-memory needs to leave the update phase 2 GiB, none without a cap)")
 	fs.BoolVar(&cfg.NoOverlap, "no-overlap", cfg.NoOverlap, "with --device cuda: start none of the update phase during backward (by default the CPU subgroups' gradients move to the host as their blocks' backward ends, and the first streamed subgroups' state to the device); the same trajectory, bit for bit")
 	timeline := fs.String("timeline", "", "draw one iteration's timeline to this `PATH` (.svg, .png or .pdf; the Chrome trace beside it, PATH with .json): forward, backward, the optimizer step and its update phase's CPU, H2D, D2H and GPU operations, and the GPU memory in use (that iteration waits for the device after forward)")
 	fs.IntVar(&cfg.TimelineAt, "timeline-at", 0, "with --timeline: the iteration `N` to draw, from 1 (0, the default: the last of the run)")
