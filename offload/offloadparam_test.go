@@ -2,6 +2,7 @@ package offload
 
 import (
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"testing"
@@ -215,5 +216,39 @@ func TestOffloadParamRefused(t *testing.T) {
 				t.Fatalf("%v, want an error containing %q", err, c.want)
 			}
 		})
+	}
+}
+
+// TestOffloadParamPlanned: the performance model plans the subgroups that
+// are not host-held and counts the host-held ones as CPU work before them
+// (perfmodel.Workload.HostHeld): the plan places only the others, and
+// with every subgroup on the CPU its CPU busy time is that of every
+// parameter, as without OffloadParam; with every parameter held the plan
+// is the held work alone.
+func TestOffloadParamPlanned(t *testing.T) {
+	prof := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion,
+		CPU: []perfmodel.CPUFit{{Threads: 1, GradDType: adam.BF16, Fit: perfmodel.Fit{Rate: 1e6}}},
+		GPU: &perfmodel.GPUProfile{Update: perfmodel.Fit{Rate: 1e11}, H2D: perfmodel.Fit{Rate: 2e10}, D2H: perfmodel.Fit{Rate: 2e10},
+			H2DBoth: perfmodel.Fit{Rate: 2e10}, D2HBoth: perfmodel.Fit{Rate: 2e10}, Convert: perfmodel.Fit{Rate: 1e12}}}
+	opts := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 400, Threads: 1, Profile: prof, Placement: "cpu",
+		Device: scheduler.NewSim(scheduler.SimOptions{}), GPUBudget: 1 << 30}
+	held := []string{"h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias"}
+	o := newWith(t, testParams, opts)
+	opts.Device, opts.OffloadParam = scheduler.NewSim(scheduler.SimOptions{}), held
+	h := newWith(t, testParams, opts)
+	a, _ := o.Plan()
+	b, ok := h.Plan()
+	if !ok || b.CPU != 4 || a.CPU != 5 {
+		t.Fatalf("plans %+v (nothing held), %+v (held), want 5 and 4 CPU subgroups", a, b)
+	}
+	// 832 parameters in the lanes and 816 held, at 1e6 a second: all of
+	// them, as without OffloadParam.
+	if got, want := b.Busy[perfmodel.ResCPU], 832e-6+816e-6; math.Abs(got-want) > 1e-9 || math.Abs(a.Busy[perfmodel.ResCPU]-want) > 1e-9 {
+		t.Errorf("CPU busy with %v held: %g s, want %g", held, got, want)
+	}
+	opts.Device, opts.OffloadParam = scheduler.NewSim(scheduler.SimOptions{}), []string{"wte.weight", "h.0.ln_1.weight", "h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias", "ln_f.bias"}
+	all := newWith(t, testParams, opts)
+	if p, ok := all.Plan(); !ok || p.Schedule != (perfmodel.Schedule{}) || math.Abs(p.Makespan-1648e-6) > 1e-9 {
+		t.Errorf("every parameter held: plan %+v, %v; want 1648 parameters on the CPU alone", p, ok)
 	}
 }

@@ -516,15 +516,16 @@ func (o *Optimizer) setPlan(plan *perfmodel.Prediction) {
 }
 
 // workload is the update phase the performance model plans with a
-// device: the subgroups that are not host-held (Options.OffloadParam's
-// are the CPU workers' in place, outside the model's lanes).
+// device: the subgroups that are not host-held in the model's lanes, the
+// host-held ones (Options.OffloadParam's) as the CPU workers' work before
+// them (perfmodel.Workload.HostHeld).
 func (o *Optimizer) workload() perfmodel.Workload {
 	sizes := o.deviceSizes()
 	var n int64
 	for _, x := range sizes {
 		n += x
 	}
-	return perfmodel.Workload{Params: n, SubgroupSize: int64(o.opts.SubgroupSize), Sizes: sizes,
+	return perfmodel.Workload{Params: n, HostHeld: int64(o.total) - n, SubgroupSize: int64(o.opts.SubgroupSize), Sizes: sizes,
 		GradDType: o.opts.GradDType, CopyBytes: 2, AMSGrad: o.opts.Hyper.AMSGrad, Threads: o.pool.Threads(), GPUBudget: o.opts.GPUBudget,
 		Prefetch: o.opts.OverlapBackward}
 }
@@ -675,7 +676,7 @@ func (o *Optimizer) choosePlan() (perfmodel.Schedule, *perfmodel.Prediction, err
 		st := perfmodel.StaticSplit(w)
 		forced = &st
 	}
-	if n == 0 { // every subgroup host-held (OffloadParam): nothing to place
+	if n == 0 && opts.Profile == nil { // every subgroup host-held (OffloadParam): nothing to place
 		return s, nil, nil
 	}
 	if forced != nil {

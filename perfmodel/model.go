@@ -34,6 +34,13 @@ type Workload struct {
 	// longer than they do; offload's trainer then measures the phase
 	// alone).
 	Prefetch bool
+	// HostHeld is the parameters of the host-held subgroups
+	// (scheduler.Options.HostHeld: offload's OffloadParam), outside
+	// Params and Sizes: their gradients and working copy are in host
+	// memory, and the CPU workers update them in place before the CPU
+	// lane's first subgroup, with no copy. Params may be 0 when it is
+	// not (every subgroup host-held). 0: none.
+	HostHeld int64
 }
 
 // Schedule is how many subgroups update where; they add up to the
@@ -172,8 +179,10 @@ const MaxParams = 1 << 50
 // Validate checks the workload, naming the field at fault.
 func (w Workload) Validate() error {
 	switch {
-	case w.Params <= 0 || w.Params > MaxParams:
-		return fmt.Errorf("perfmodel: workload Params %d: want 1 to %d", w.Params, int64(MaxParams))
+	case w.HostHeld < 0 || w.HostHeld > MaxParams:
+		return fmt.Errorf("perfmodel: workload HostHeld %d: want 0 to %d", w.HostHeld, int64(MaxParams))
+	case w.Params < 0 || w.Params > MaxParams || w.Params == 0 && w.HostHeld == 0:
+		return fmt.Errorf("perfmodel: workload Params %d: want 1 to %d (0 with HostHeld)", w.Params, int64(MaxParams))
 	case w.SubgroupSize <= 0:
 		return fmt.Errorf("perfmodel: workload SubgroupSize %d: want > 0", w.SubgroupSize)
 	case w.Subgroups() > MaxSubgroups:
@@ -224,6 +233,14 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 	gb, _ := gradBytes(w.GradDType)
 	n := w.Subgroups()
 	g := p.GPU
+	if n == 0 { // only host-held subgroups: the CPU workers' alone
+		cf, err := p.cpuFit(w.Threads, w.GradDType)
+		if err != nil {
+			return Prediction{}, err
+		}
+		t := cf.Fit.Time(float64(w.HostHeld))
+		return Prediction{Schedule: s, K: s.K(), Makespan: t, Bottleneck: ResCPU, Busy: map[Resource]float64{ResCPU: t, ResH2D: 0, ResD2H: 0, ResGPU: 0}}, nil
+	}
 	sz := float64(w.Params) / float64(n) // the mean subgroup, in params
 	st := w.stateBytes() * sz            // bytes of p, m, v (and vmax)
 	cpuDType := w.GradDType
@@ -249,7 +266,11 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 			h2d, d2h = g.H2DBoth, g.D2HBoth // both lanes at once: the duplex rates
 		}
 	}
-	tCPU := c * uc.Time(sz)
+	held := 0.0 // the host-held subgroups, first on the CPU
+	if w.HostHeld > 0 {
+		held = uc.Time(float64(w.HostHeld))
+	}
+	tCPU := held + c*uc.Time(sz)
 	if g == nil && cf.Stats.Valid() {
 		// Gradients on the host: the global checks run on the CPU too.
 		tCPU += c * cf.Stats.Time(sz)
@@ -311,14 +332,17 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 		}
 		switch res {
 		case ResCPU:
-			return convT + gradIn, h2d.Time(up)
+			if c == 0 { // only the host-held subgroups: nothing to wait for
+				return 0, 0
+			}
+			return max(0, convT+gradIn-held), h2d.Time(up)
 		case ResGPU:
 			if r > 0 {
 				return 0, 0
 			}
 			return stateIn, d2h.Time(st)
 		case ResH2D:
-			cpuCopy := convT + gradIn + uc.Time(sz) // the first CPU subgroup's copy
+			cpuCopy := max(held, convT+gradIn) + uc.Time(sz) // the first CPU subgroup's copy
 			switch {
 			case gp == 0 || gp <= preState: // no state moves up in the phase
 				fill = cpuCopy

@@ -516,3 +516,50 @@ func TestPrefetchRates(t *testing.T) {
 		t.Errorf("all-CPU without Prefetch: H2D busy %g s, want the duplex rate's", pr.Busy[ResH2D])
 	}
 }
+
+// TestHostHeld: host-held parameters (Workload.HostHeld) are CPU work
+// before the CPU lane's first subgroup: with the CPU at 1M params per 3 s
+// and 6M held, 18 s more on the CPU, so the choice moves subgroups off the
+// CPU (12 subgroups, the PCIe-bound case of TestPCIeBound: c = 3 without,
+// and with 18 s of held work the CPU takes none: max(18, 12 s of state
+// each way) = 18 s, and the GPU lane's 12 subgroups fill nothing of it);
+// every subgroup host-held (Params 0) is the held time alone.
+func TestHostHeld(t *testing.T) {
+	p := profile(1e6/3, true, 1e15, 12e6)
+	w := w12
+	w.GPUBudget = 24e6 // two staging slots of 12 MB
+	base, err := p.Choose(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.HostHeld = 6e6
+	pr, err := p.Choose(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if base.CPU != 3 || pr.CPU != 0 || pr.GPU != 12 || pr.Bottleneck != ResCPU || !near(pr.Makespan, 18) || !near(pr.Busy[ResCPU], 18) {
+		t.Errorf("without held %+v; with 6M held %+v, want 0 CPU, 12 streamed, 18 s on the CPU", base, pr)
+	}
+	// At a fixed schedule the held time adds to the CPU's busy time.
+	s := Schedule{CPU: 3, GPU: 9}
+	nb := w
+	nb.HostHeld = 0
+	a, _ := p.Predict(nb, s)
+	b, _ := p.Predict(w, s)
+	if !near(b.Busy[ResCPU]-a.Busy[ResCPU], 18) || b.Makespan < a.Makespan {
+		t.Errorf("%+v: CPU busy %g without, %g with 6M held (want 18 s more)", s, a.Busy[ResCPU], b.Busy[ResCPU])
+	}
+	all := Workload{SubgroupSize: 1e6, GradDType: adam.BF16, CopyBytes: 2, Threads: 1, HostHeld: 3e6}
+	pa, err := p.Choose(all)
+	if err != nil || pa.Schedule != (Schedule{}) || !near(pa.Makespan, 9) || pa.Bottleneck != ResCPU {
+		t.Errorf("every subgroup host-held: %+v, %v; want 9 s on the CPU", pa, err)
+	}
+	if l, err := p.Limit(all); err != nil || !near(l.Makespan, 9) {
+		t.Errorf("Limit, every subgroup host-held: %+v, %v", l, err)
+	}
+	for _, bad := range []Workload{{SubgroupSize: 1e6, GradDType: adam.BF16, Threads: 1}, {Params: 1, SubgroupSize: 1, GradDType: adam.BF16, Threads: 1, HostHeld: -1}} {
+		if err := bad.Validate(); err == nil {
+			t.Errorf("%+v accepted", bad)
+		}
+	}
+}
