@@ -9,6 +9,7 @@ import (
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
+	"github.com/deepstates/dos/trainer"
 )
 
 // planResult is one schedule of dos plan, as --json writes it: the
@@ -62,6 +63,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		return rc
 	}
 	fail := func(format string, a ...any) int { return c.usageError(stderr, format, a...) }
+	var held int64 // the streamed blocks' parameters (--stream-blocks): the CPU's, in place
 	if mf.given(c) {
 		cfg, msg := mf.config(c)
 		if msg != "" {
@@ -93,7 +95,8 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stdout, "no update-phase plan: nothing is left for it under --gpu-memory %g GiB\n", cfg.GPUMemory)
 			return 0
 		}
-		params = int64(cfg.Model.NumParams())
+		held = int64(m.Streamed) * trainer.StreamedBlockBytes(cfg.Model) / 4
+		params = int64(cfg.Model.NumParams()) - held
 		if !c.set("gpu-budget") {
 			*budget = math.Floor(float64(left)/(1<<30)*100) / 100 // GiB, to 0.01 below what is left
 		}
@@ -142,7 +145,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	p := scaledProfile(prof, *cpuScale, *pcie, *ug) // the machine
 	g := *p.GPU
 	rankParams := (params + int64(*ranks) - 1) / int64(*ranks)
-	w := perfmodel.Workload{Params: rankParams, SubgroupSize: sgSize, GradDType: gradDType, CopyBytes: 2, Threads: perRank, GPUBudget: int64(*budget * (1 << 30))}
+	w := perfmodel.Workload{Params: rankParams, SubgroupSize: sgSize, GradDType: gradDType, CopyBytes: 2, Threads: perRank, GPUBudget: int64(*budget * (1 << 30)), HostHeld: held}
 	if err := w.Validate(); err != nil {
 		return fail("%v", err)
 	}
@@ -163,6 +166,9 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	n := w.Subgroups()
 	fmt.Fprintf(stdout, "dos plan: %s parameters over %d rank(s): %s per rank in %d subgroups of up to %s, %d CPU workers per rank, GPU budget %g GiB per rank\n",
 		count(float64(params)), *ranks, count(float64(rankParams)), n, count(float64(sgSize)), perRank, *budget)
+	if held > 0 {
+		fmt.Fprintf(stdout, "and %s parameters of the streamed blocks (--stream-blocks), updated by the CPU workers first, in place: the model counts them; the replay does not (its column is the other subgroups' phase)\n", count(float64(held)))
+	}
 	if *threads < *ranks {
 		fmt.Fprintf(stdout, "note: %d CPU workers over %d ranks: 1 worker per rank, %d in all (more than --threads)\n", *threads, *ranks, *ranks)
 	}

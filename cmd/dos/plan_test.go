@@ -57,6 +57,13 @@ func TestPlanGPUMemory(t *testing.T) {
 			t.Errorf("dos plan %v: rc %d, want %q in\n%s%s", auto[1:], rc, want, out, errs)
 		}
 	}
+	// With --profile the update phase is planned over the blocks that stay
+	// on the GPU, the streamed ones counted as the CPU's work first.
+	rc, out, errs = runCLI(append(auto, "--sample", "0", "--profile", h200)...)
+	if rc != 0 || !strings.Contains(out, "9 of 36 streamed") || !strings.Contains(out, "and 1.02B parameters of the streamed blocks (--stream-blocks), updated by the CPU workers first") ||
+		!strings.Contains(out, "dos plan: 3.22B parameters over 1 rank(s)") {
+		t.Errorf("dos plan --profile with streamed blocks: rc %d\n%s%s", rc, out, errs)
+	}
 	big := append(auto, "--stream-blocks", "0")
 	rc, out, errs = runCLI(big...)
 	for _, want := range []string{"4.24B parameters", "weights and gradients (bf16)     15.78 GiB", "activations (batch 8)             8.08 GiB",
