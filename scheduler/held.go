@@ -65,14 +65,19 @@ func (e *Engine) checkHeld(p *Plan) error {
 	if e.heldN == 0 {
 		return nil
 	}
-	inOrder := make([]bool, len(e.sizes))
+	return heldPlanErr(e.held, p)
+}
+
+// heldPlanErr is checkHeld for the subgroups held marks.
+func heldPlanErr(held []bool, p *Plan) error {
+	inOrder := make([]bool, len(held))
 	for _, i := range p.GPUOrder {
 		inOrder[i] = true
 	}
 	for _, i := range p.CPUOrder {
 		inOrder[i] = true
 	}
-	for i, h := range e.held {
+	for i, h := range held {
 		if h && (p.Roles[i] != OnCPU || inOrder[i]) {
 			return fmt.Errorf("scheduler: subgroup %d is host-held (Options.HostHeld): the plan must place it on the CPU outside its lanes' orders (NewHeldPlan), not %v", i, p.Roles[i])
 		}

@@ -25,6 +25,10 @@ type SimWorkload struct {
 	Sizes     []int64    // parameters per subgroup, > 0 each
 	GradDType adam.DType // adam.F32, BF16 or F16: the gradient on the device
 	AMSGrad   bool       // 16 B/param of state instead of 12
+	// HostHeld marks host-held subgroups (nil, or one per subgroup:
+	// Options.HostHeld): the CPU workers update them first, with no
+	// copy; the plan places them as NewHeldPlan does.
+	HostHeld []bool
 }
 
 // Simulate replays Engine.Update's schedule for plan in virtual time, with
@@ -77,7 +81,17 @@ func Simulate(m Machine, w SimWorkload, plan *Plan) ([]Op, error) {
 	if w.AMSGrad {
 		arrays = 4
 	}
-	c := newCore(plan, shape{sizes: w.Sizes, arrays: arrays, gradBytes: int64(gb)})
+	held := w.HostHeld
+	switch {
+	case held == nil:
+		held = make([]bool, len(w.Sizes))
+	case len(held) != len(w.Sizes):
+		return nil, fmt.Errorf("scheduler: Simulate: HostHeld has %d entries for %d subgroups", len(held), len(w.Sizes))
+	}
+	if err := heldPlanErr(held, plan); err != nil {
+		return nil, fmt.Errorf("scheduler: Simulate: %w", err)
+	}
+	c := newCore(plan, shape{sizes: w.Sizes, arrays: arrays, gradBytes: int64(gb), held: held})
 	times, err := replayRates(c, uc, p.GPU)
 	if err != nil {
 		return nil, err

@@ -167,7 +167,8 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	fmt.Fprintf(stdout, "dos plan: %s parameters over %d rank(s): %s per rank in %d subgroups of up to %s, %d CPU workers per rank, GPU budget %g GiB per rank\n",
 		count(float64(params)), *ranks, count(float64(rankParams)), n, count(float64(sgSize)), perRank, *budget)
 	if held > 0 {
-		fmt.Fprintf(stdout, "and %s parameters of the streamed blocks (--stream-blocks), updated by the CPU workers first, in place: the model counts them; the replay does not (its column is the other subgroups' phase)\n", count(float64(held)))
+		fmt.Fprintf(stdout, "and %s parameters of the streamed blocks (--stream-blocks) in %d more subgroups, updated by the CPU workers first, in place (the schedules below place the others)\n",
+			count(float64(held)), perfmodel.SubgroupCount(held, sgSize))
 	}
 	if *threads < *ranks {
 		fmt.Fprintf(stdout, "note: %d CPU workers over %d ranks: 1 worker per rank, %d in all (more than --threads)\n", *threads, *ranks, *ranks)
@@ -177,9 +178,16 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stdout, "machine: Uc %.2f Gparam/s at %d workers, Ug %.1f Gparam/s, H2D/D2H %.1f/%.1f GB/s (both at once %.1f/%.1f), contention CPU %.2fx, PCIe %.2fx (from %s, measured on %s, %s)\n",
 		uc.Rate/1e9, perRank, g.Update.Rate/1e9, g.H2D.Rate/1e9, g.D2H.Rate/1e9, g.H2DBoth.Rate/1e9, g.D2HBoth.Rate/1e9, g.Contention.CPU, g.Contention.PCIe, *profPath, prof.Machine.CPU, prof.Machine.GPU)
-	sizes := perfmodel.SubgroupSizes(rankParams, sgSize)
+	// The streamed blocks' subgroups first (they are the CPU's first
+	// anyway), then the others.
+	heldSizes := perfmodel.SubgroupSizes(held, sgSize)
+	sizes := append(heldSizes, perfmodel.SubgroupSizes(rankParams, sgSize)...)
+	heldSG := make([]bool, len(sizes))
+	for i := range heldSizes {
+		heldSG[i] = true
+	}
 	fmt.Fprintf(stdout, "%-12s %5s %5s %5s %7s %7s %9s %9s %12s %-6s %5s %5s %5s\n", "schedule", "cpu", "gpu", "res", "k", "upcast", "model s", "replay s", "Gparam/s", "bneck", "cpu", "h2d", "d2h")
-	pl := &planner{p: &p, w: w, sizes: sizes, threads: perRank, out: stdout}
+	pl := &planner{p: &p, w: w, sizes: sizes, held: heldSG, threads: perRank, out: stdout}
 	for _, x := range strategies(w, choice, *sweep) {
 		if err := pl.row(x.name, x.s); err != nil {
 			return c.fail(stderr, "%v", err)
@@ -246,7 +254,8 @@ func scaledProfile(prof *perfmodel.Profile, cpuScale, pcie, ug float64) perfmode
 type planner struct {
 	p        *perfmodel.Profile
 	w        perfmodel.Workload
-	sizes    []int64 // the subgroups, perfmodel.SubgroupSizes
+	sizes    []int64 // the subgroups, perfmodel.SubgroupSizes: the held ones first
+	held     []bool  // per subgroup: the streamed blocks' (host-held)
 	threads  int     // CPU workers per rank
 	out      io.Writer
 	results  []planResult
@@ -266,11 +275,11 @@ func (pl *planner) row(name string, s perfmodel.Schedule) error {
 		pl.results = append(pl.results, res)
 		return nil
 	}
-	plan, err := scheduler.NewPlan(len(pl.sizes), s)
+	plan, err := scheduler.NewHeldPlan(pl.held, s)
 	if err != nil {
 		return err
 	}
-	ops, err := scheduler.Simulate(scheduler.Machine{Profile: pl.p, Threads: pl.threads}, scheduler.SimWorkload{Sizes: pl.sizes, GradDType: pl.w.GradDType}, plan)
+	ops, err := scheduler.Simulate(scheduler.Machine{Profile: pl.p, Threads: pl.threads}, scheduler.SimWorkload{Sizes: pl.sizes, GradDType: pl.w.GradDType, HostHeld: pl.held}, plan)
 	if err != nil {
 		return err
 	}
@@ -285,7 +294,7 @@ func (pl *planner) row(name string, s perfmodel.Schedule) error {
 	}
 	pl.results = append(pl.results, res)
 	fmt.Fprintf(pl.out, "%-12s %5d %5d %5d %7s %7v %9.3f %9.3f %12.2f %-6s %5.2f %5.2f %5.2f\n", name, s.CPU, s.GPU, s.Resident, kString(s.K()), s.UpcastOnGPU,
-		pr.Makespan, sum.Makespan.Seconds(), float64(pl.w.Params)/pr.Makespan/1e9, pr.Bottleneck, sum.Fraction(perfmodel.ResCPU), sum.Fraction(perfmodel.ResH2D), sum.Fraction(perfmodel.ResD2H))
+		pr.Makespan, sum.Makespan.Seconds(), float64(pl.w.Params+pl.w.HostHeld)/pr.Makespan/1e9, pr.Bottleneck, sum.Fraction(perfmodel.ResCPU), sum.Fraction(perfmodel.ResH2D), sum.Fraction(perfmodel.ResD2H))
 	return nil
 }
 

@@ -60,8 +60,8 @@ func TestPlanGPUMemory(t *testing.T) {
 	// With --profile the update phase is planned over the blocks that stay
 	// on the GPU, the streamed ones counted as the CPU's work first.
 	rc, out, errs = runCLI(append(auto, "--sample", "0", "--profile", h200)...)
-	if rc != 0 || !strings.Contains(out, "9 of 36 streamed") || !strings.Contains(out, "and 1.02B parameters of the streamed blocks (--stream-blocks), updated by the CPU workers first") ||
-		!strings.Contains(out, "dos plan: 3.22B parameters over 1 rank(s)") {
+	if rc != 0 || !strings.Contains(out, "9 of 36 streamed") || !strings.Contains(out, "and 1.02B parameters of the streamed blocks (--stream-blocks) in 11 more subgroups, updated by the CPU workers first") ||
+		!strings.Contains(out, "dos plan: 3.22B parameters over 1 rank(s)") || !strings.Contains(out, "model           12    21     0    0.57   false     0.841     0.842") {
 		t.Errorf("dos plan --profile with streamed blocks: rc %d\n%s%s", rc, out, errs)
 	}
 	big := append(auto, "--stream-blocks", "0")
