@@ -91,6 +91,9 @@ func testOffloadParam(t *testing.T, c offloadCase, newDev func() scheduler.Devic
 	if want := CutSizes(c.params, dopts); !slices.Equal(cut, want) {
 		t.Fatalf("subgroups %v, CutSizes %v", cut, want)
 	}
+	if want := CutSubgroups(c.params, dopts); !slices.Equal(o.Subgroups(), want) {
+		t.Fatalf("subgroups %+v, CutSubgroups %+v", o.Subgroups(), want)
+	}
 	held := make([]bool, len(o.Params()))
 	grads, works := make([]DeviceTensor, len(held)), make([]DeviceTensor, len(held))
 	hgrads, hworks := make([]HostTensor, len(held)), make([]HostTensor, len(held))

@@ -110,7 +110,7 @@ func TestValidateDeviceMemory(t *testing.T) {
 	c.StreamBlocks = 37
 	wantErr(t, "--stream-blocks 37", c.Validate(), "--stream-blocks 37: want 0..36")
 	c.StreamBlocks, c.GPUs = 2, 2
-	wantErr(t, "--stream-blocks 2 --gpus 2", c.Validate(), "needs --device cuda and one GPU")
+	wantErr(t, "--stream-blocks 2 --gpus 2", c.Validate(), "built for one GPU only, not yet for ZeRO-3")
 
 	// TestGPUMemoryCap's model under its 1 MiB cap, as New refuses it
 	// there (on the GPU machine) before anything is allocated.

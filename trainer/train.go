@@ -735,8 +735,12 @@ func (t *Trainer) Run() (Summary, error) {
 		fmt.Fprintf(t.out, "update phase on %s%s: %d of %d subgroups on the CPU, %d streamed through the GPU, %d resident (k = %s, upcast on the GPU: %v)\n",
 			t.opt.Options().Device.Name(), per, s.CPU, len(t.opt.Subgroups())-held, s.GPU, s.Resident, k, s.UpcastOnGPU)
 		if t.gpu != nil && t.gpu.bs != nil {
-			fmt.Fprintf(t.out, "weights streamed: blocks 0..%d of %d (--stream-blocks %d): their matrices and biases, %.2f GiB of bf16 weights and gradients, in pinned host memory, copied to 2 block slots (%.2f GiB) before each forward and backward; their %d subgroups update on the CPU first, in place\n",
-				t.gpu.bs.n-1, cfg.Model.NLayer, t.gpu.bs.n, float64(int64(t.gpu.bs.n)*StreamedBlockBytes(cfg.Model))/(1<<30), float64(t.gpu.bs.bytes())/(1<<30), held)
+			how := fmt.Sprint(t.gpu.bs.n)
+			if cfg.StreamBlocks == StreamAuto {
+				how = fmt.Sprintf("auto: %d", t.gpu.bs.n)
+			}
+			fmt.Fprintf(t.out, "weights from host memory: blocks 0..%d of %d (--stream-blocks %s): their matrices and biases, %.2f GiB of bf16 weights and gradients, in pinned host memory, copied to 2 block slots (%.2f GiB) before each forward and backward; their %d subgroups update on the CPU first, in place\n",
+				t.gpu.bs.n-1, cfg.Model.NLayer, how, float64(int64(t.gpu.bs.n)*StreamedBlockBytes(cfg.Model))/(1<<30), float64(t.gpu.bs.bytes())/(1<<30), held)
 		}
 	}
 	if t.gpu != nil {

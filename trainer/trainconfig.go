@@ -358,8 +358,10 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --gpu-budget %v GiB is over --gpu-memory %v GiB", c.GPUBudget, c.GPUMemory)
 	case c.StreamBlocks < StreamAuto || c.StreamBlocks > m.NLayer:
 		return fmt.Errorf("trainer: --stream-blocks %d: want 0..%d (--layers), or auto", c.StreamBlocks, m.NLayer)
-	case c.StreamBlocks > 0 && (c.Device != "cuda" || c.GPUs > 1):
-		return fmt.Errorf("trainer: --stream-blocks %d streams blocks' weights to one GPU: it needs --device cuda and one GPU (ZeRO-3's ranks gather theirs: --gpus)", c.StreamBlocks)
+	case c.StreamBlocks > 0 && c.Device != "cuda":
+		return fmt.Errorf("trainer: --stream-blocks %d streams blocks' weights from host memory to the GPU: it needs --device cuda", c.StreamBlocks)
+	case c.StreamBlocks > 0 && c.GPUs > 1:
+		return fmt.Errorf("trainer: --stream-blocks %d with --gpus %d: streaming blocks' weights is built for one GPU only, not yet for ZeRO-3's ranks", c.StreamBlocks, c.GPUs)
 	}
 	if c.Schedule != "" && c.Schedule != "cpu" && c.Schedule != "static" {
 		s, err := offload.ParseSchedule(c.Schedule)

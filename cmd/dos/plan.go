@@ -30,9 +30,10 @@ type planResult struct {
 }
 
 func runPlan(args []string, stdout, stderr io.Writer) int {
-	c := newCLI("dos plan", "dos plan --profile PATH [--params N] [--ranks R] [--subgroup-size N] [flags]\n       dos plan --gpu-memory GiB --model NAME|--layers L --heads H --embd C [--batch B] [--recompute] [--profile PATH]",
+	c := newCLI("dos plan", "dos plan --profile PATH [--params N] [--ranks R] [--subgroup-size N] [flags]\n       dos plan --gpu-memory GiB --model NAME|--layers L --heads H --embd C [--ctx T] [--tokenizer byte|gpt2] [--batch B] [--recompute] [--sample N] [--bf16-params] [--stream-blocks N|auto] [--profile PATH]",
 		"With --gpu-memory: the device memory of a GPT-2 trained on one GPU of that size (dos train --device cuda\n"+
-			"--gpu-memory), before anything is allocated: the weights and gradients, the fp32 masters, the\n"+
+			"--gpu-memory), before anything is allocated: the weights and gradients, the block slots of the blocks\n"+
+			"whose weights stream from host memory (--stream-blocks), the fp32 masters, the\n"+
 			"activations at --batch and the sampler's, what is left for the update phase, and the largest batch\n"+
 			"that fits with and without --recompute; with --profile too, the update phase's plan within what is\n"+
 			"left (--params then follows from the model, and --gpu-budget, unless given, from what the cap leaves).\n\n"+

@@ -51,8 +51,8 @@ func TestPlan(t *testing.T) {
 func TestPlanGPUMemory(t *testing.T) {
 	auto := []string{"plan", "--gpu-memory", "24", "--layers", "36", "--heads", "24", "--embd", "3072", "--ctx", "1024", "--tokenizer", "gpt2", "--batch", "8", "--recompute"}
 	rc, out, errs := runCLI(auto...)
-	for _, want := range []string{"weights and gradients (bf16)     10.29 GiB", "2 block slots (13 of 36 streamed)    0.84 GiB (5.49 GiB of weights and gradients in host memory)",
-		"before the update phase          21.36 GiB of 24 GiB", "left for the update phase         2.39 GiB", "largest batch with --recompute (256 MiB kept aside): 20\n"} {
+	for _, want := range []string{"weights and gradients (bf16)     10.29 GiB", "block slots (13/36 from host)     0.84 GiB (5.49 GiB of weights and gradients in host memory)",
+		"before the update phase          21.36 GiB of 24 GiB", "left for the update phase         2.39 GiB", "largest batch with --recompute (256 MiB kept aside, 34 blocks from host memory): 20\n"} {
 		if rc != 0 || !strings.Contains(out, want) {
 			t.Errorf("dos plan %v: rc %d, want %q in\n%s%s", auto[1:], rc, want, out, errs)
 		}
@@ -60,7 +60,7 @@ func TestPlanGPUMemory(t *testing.T) {
 	// With --profile the update phase is planned over the blocks that stay
 	// on the GPU, the streamed ones counted as the CPU's work first.
 	rc, out, errs = runCLI(append(auto, "--sample", "0", "--profile", h200)...)
-	if rc != 0 || !strings.Contains(out, "9 of 36 streamed") || !strings.Contains(out, "and 1.02B parameters of the streamed blocks (--stream-blocks) in 11 more subgroups, updated by the CPU workers first") ||
+	if rc != 0 || !strings.Contains(out, "block slots (9/36 from host)") || !strings.Contains(out, "and 1.02B parameters of the streamed blocks (--stream-blocks) in 11 more subgroups, updated by the CPU workers first") ||
 		!strings.Contains(out, "dos plan: 3.22B parameters over 1 rank(s)") || !strings.Contains(out, "model           12    21     0    0.57   false     0.841     0.842") {
 		t.Errorf("dos plan --profile with streamed blocks: rc %d\n%s%s", rc, out, errs)
 	}

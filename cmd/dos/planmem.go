@@ -37,7 +37,7 @@ func memoryFlags(c *cli) *planMemoryFlags {
 	sizeVar(c, &f.cfg.SampleBytes, "sample", "with --gpu-memory: bytes `N` of text the run samples at the end (0: no sampler)")
 	c.BoolVar(&f.cfg.Recompute, "recompute", false, "with --gpu-memory: activation checkpointing (dos train --recompute)")
 	c.BoolVar(&f.cfg.BF16Params, "bf16-params", false, "with --gpu-memory: no fp32 masters on the device (dos train --bf16-params)")
-	c.Var(streamFlag{&f.cfg.StreamBlocks}, "stream-blocks", "with --gpu-memory: blocks `N` whose weights and gradients stream from host memory (dos train --stream-blocks; auto, the default: as few as the cap needs to leave the update phase 2 GiB)")
+	c.Var(streamFlag{&f.cfg.StreamBlocks}, "stream-blocks", "with --gpu-memory: blocks `N` whose weights and gradients stream from host memory (dos train --stream-blocks; auto: none when the run fits the cap, else the fewest that leave the update phase 2 GiB, else the fewest that fit)")
 	return f
 }
 
@@ -104,7 +104,7 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 	} else {
 		row("weights and gradients (bf16)", m.WeightsGrads, "")
 		if m.Streamed > 0 {
-			row(fmt.Sprintf("2 block slots (%d of %d streamed)", m.Streamed, cfg.Model.NLayer), m.Slots, fmt.Sprintf(" (%.2f GiB of weights and gradients in host memory)", float64(int64(m.Streamed)*trainer.StreamedBlockBytes(cfg.Model))/(1<<30)))
+			row(fmt.Sprintf("block slots (%d/%d from host)", m.Streamed, cfg.Model.NLayer), m.Slots, fmt.Sprintf(" (%.2f GiB of weights and gradients in host memory)", float64(int64(m.Streamed)*trainer.StreamedBlockBytes(cfg.Model))/(1<<30)))
 		}
 		row("fp32 masters", m.Masters, "")
 		row(fmt.Sprintf("activations (batch %d)", cfg.Batch), m.Activations, "")
@@ -121,6 +121,12 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 	default:
 		fmt.Fprintf(out, "  does not fit: over the cap by %.2f GiB (dos train refuses it before allocating)\n", float64(m.Total()-capBytes)/(1<<30))
 	}
+	if m.Total() > capBytes && cfg.StreamBlocks != 0 && m.Streamed == 0 && !m.TooLarge() {
+		all := cfg
+		all.StreamBlocks = cfg.Model.NLayer
+		fmt.Fprintf(out, "  with all %d blocks' weights from host memory (--stream-blocks %d) it would need %.2f GiB: it does not fit either\n",
+			cfg.Model.NLayer, cfg.Model.NLayer, float64(all.DeviceMemory(cfg.Batch).Total())/(1<<30))
+	}
 	const upTo = 1 << 20
 	for _, r := range []bool{false, true} {
 		c := cfg
@@ -132,7 +138,13 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 		if b := c.LargestBatch(capBytes-trainer.CapMargin, upTo); b == 0 {
 			fmt.Fprintf(out, "  largest batch %s (256 MiB kept aside): none fits\n", what)
 		} else {
-			fmt.Fprintf(out, "  largest batch %s (256 MiB kept aside): %d%s\n", what, b, map[bool]string{true: " (or more)", false: ""}[b == upTo])
+			at := c
+			at.Batch = b
+			streamed := ""
+			if n := at.Streamed(); n > 0 { // the blocks --stream-blocks picks at that batch
+				streamed = fmt.Sprintf(", %d blocks from host memory", n)
+			}
+			fmt.Fprintf(out, "  largest batch %s (256 MiB kept aside%s): %d%s\n", what, streamed, b, map[bool]string{true: " (or more)", false: ""}[b == upTo])
 		}
 	}
 	return left
