@@ -136,7 +136,7 @@ func TestValidateDeviceMemory(t *testing.T) {
 		t.Errorf("gpt2-xl --recompute --batch 8 under 24 GiB: %v", err)
 	}
 	c.Recompute = false
-	wantErr(t, "gpt2-xl without --recompute", c.Validate(), "what fits: --batch 5, or --recompute")
+	wantErr(t, "gpt2-xl without --recompute", c.Validate(), "what fits: --batch 7, or --recompute")
 	for _, f := range []func(*TrainConfig){
 		func(c *TrainConfig) { c.GPUMemory = 0 },
 		func(c *TrainConfig) { c.GPUs = 2 },
@@ -163,13 +163,66 @@ func TestDeviceMemoryTooLarge(t *testing.T) {
 		}
 	}
 	c.Batch = 100_000_000_000
-	wantErr(t, "batch 1e11", c.Validate(), "need over 1 PiB of device memory for the activations alone", "what fits: --batch 51")
-	if b := c.LargestBatch(24<<30-CapMargin, math.MaxInt); b != 51 {
-		t.Errorf("LargestBatch up to MaxInt: %d, want 51", b)
+	wantErr(t, "batch 1e11", c.Validate(), "need over 1 PiB of device memory for the activations alone", "what fits: --batch 52")
+	// 52 with 6 blocks' weights from host memory (StreamAuto), 51 without.
+	if b := c.LargestBatch(24<<30-CapMargin, math.MaxInt); b != 52 {
+		t.Errorf("LargestBatch up to MaxInt: %d, want 52", b)
 	}
 	huge := gpuConfig(t, 80)
 	huge.Model.NLayer, huge.Model.NEmbd, huge.Model.NHead, huge.Model.NCtx = 1024, 1024, 512, 1<<20
 	if m := huge.DeviceMemory(1); !m.TooLarge() {
 		t.Errorf("context 2^20, 1024 layers: %+v, want TooLarge", m)
+	}
+}
+
+// TestLargestBatchAuto (the adversary's find): with --stream-blocks auto,
+// DeviceMemory had to grow with the batch for LargestBatch's bisection:
+// a batch that fit the cap unstreamed but not the cap less CapMargin was
+// followed by a larger one that streamed and fit, and bisection skipped
+// it. Every threshold is now the cap less CapMargin; the bisection finds
+// the largest batch a scan finds.
+func TestLargestBatchAuto(t *testing.T) {
+	for _, gib := range []float64{16, 24, 40} {
+		for _, rc := range []bool{false, true} {
+			c := gpuConfig(t, gib)
+			c.Model.NLayer, c.Model.NEmbd, c.Model.NHead = 48, 1600, 25 // gpt2-xl's shape
+			c.Recompute = rc
+			capBytes := int64(gib*gibBytes) - CapMargin
+			best := 0
+			for b := 1; b <= 96; b++ {
+				if c.DeviceMemory(b).Total() <= capBytes {
+					best = b
+				}
+			}
+			if got := c.LargestBatch(capBytes, 96); got != best {
+				t.Errorf("%g GiB, --recompute %v: LargestBatch %d, the largest batch that fits %d", gib, rc, got, best)
+			}
+		}
+	}
+}
+
+// TestStreamedFewest: StreamAuto's count (closed form) is the fewest
+// blocks, counted one by one, that leave the update phase StreamReserve,
+// else the fewest that fit, for the 4.24B model from 12 to 40 GiB.
+func TestStreamedFewest(t *testing.T) {
+	for gib := 12.0; gib <= 40; gib += 2 {
+		c := gpuConfig(t, gib)
+		c.Recompute = true
+		safe := int64(gib*gibBytes) - CapMargin
+		want := 0
+		if c.deviceMemory(8, 0).Total() > safe {
+		rooms:
+			for _, room := range []int64{safe - StreamReserve, safe} {
+				for n := 1; n <= c.Model.NLayer; n++ {
+					if c.deviceMemory(8, n).Total() <= room {
+						want = n
+						break rooms
+					}
+				}
+			}
+		}
+		if got := c.Streamed(); got != want {
+			t.Errorf("%g GiB: %d blocks, want %d", gib, got, want)
+		}
 	}
 }

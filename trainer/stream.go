@@ -50,8 +50,8 @@ const StreamReserve = 2 << 30
 
 // Streamed returns how many blocks stream their weights from host memory
 // (the first ones): StreamBlocks, or with StreamAuto none when the run fits
-// under GPUMemory without (or there is no cap), else the fewest that leave
-// the update phase StreamReserve (after CapMargin), else the fewest that
+// under GPUMemory less CapMargin without (or there is no cap), else the
+// fewest that leave the update phase StreamReserve, else the fewest that
 // fit, else none (checkDeviceMemory refuses the run). 0 off the GPU and for
 // ZeRO-3's ranks.
 func (c *TrainConfig) Streamed() int { return c.streamedAt(c.Batch) }
@@ -67,16 +67,28 @@ func (c *TrainConfig) streamedAt(batch int) int {
 	if c.GPUMemory <= 0 {
 		return 0
 	}
-	capBytes := int64(c.GPUMemory * gibBytes)
-	if c.deviceMemory(batch, 0).Total() <= capBytes {
+	// Every threshold is the cap less CapMargin, what the run keeps
+	// aside: then a batch fits (DeviceMemory within it) exactly when some
+	// count of blocks makes it fit, which grows with the batch, so
+	// LargestBatch's bisection holds.
+	safe := int64(c.GPUMemory*gibBytes) - CapMargin
+	if c.deviceMemory(batch, 0).Total() <= safe {
 		return 0 // it fits as it is
 	}
-	safe := capBytes - CapMargin
+	// From one block on, each saves the same bytes (its weights and
+	// gradients; the slots are there from the first): the fewest blocks
+	// for a room follow in closed form.
+	one := c.deviceMemory(batch, 1)
+	per := c.deviceMemory(batch, 0).WeightsGrads - one.WeightsGrads
 	for _, room := range []int64{safe - StreamReserve, safe} {
-		for n := 0; n <= c.Model.NLayer; n++ {
-			if c.deviceMemory(batch, n).Total() <= room {
-				return n
-			}
+		n := 1
+		if over := one.Total() - room; over > 0 && per > 0 {
+			n += int((over + per - 1) / per)
+		} else if over > 0 {
+			continue
+		}
+		if n <= c.Model.NLayer {
+			return n
 		}
 	}
 	return 0 // nothing fits: checkDeviceMemory says what would
