@@ -266,9 +266,15 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 			h2d, d2h = g.H2DBoth, g.D2HBoth // both lanes at once: the duplex rates
 		}
 	}
-	held := 0.0 // the host-held subgroups, first on the CPU
+	held := 0.0 // the host-held subgroups, first on the CPU, from GradDType gradients (never upcast)
 	if w.HostHeld > 0 {
-		held = uc.Time(float64(w.HostHeld))
+		hf := cf
+		if cpuDType != w.GradDType {
+			if hf, err = p.cpuFit(w.Threads, w.GradDType); err != nil {
+				return Prediction{}, err
+			}
+		}
+		held = hf.Fit.Time(float64(w.HostHeld))
 	}
 	tCPU := held + c*uc.Time(sz)
 	if g == nil && cf.Stats.Valid() {

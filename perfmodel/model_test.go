@@ -563,3 +563,34 @@ func TestHostHeld(t *testing.T) {
 		}
 	}
 }
+
+// TestHostHeldUpcastRate (an adversarial review's find): the host-held
+// subgroups' gradients stay GradDType on the host (never upcast), so their
+// CPU time is the GradDType rate's with UpcastOnGPU too.
+func TestHostHeldUpcastRate(t *testing.T) {
+	p := profile(1e6, true, 1e15, 1e12)
+	for i := range p.CPU {
+		if p.CPU[i].GradDType == adam.F32 {
+			p.CPU[i].Fit = rate(0.25e6) // f32 gradients 4x slower on this CPU
+		}
+	}
+	w := w12
+	w.GPUBudget = 1 << 40
+	w.HostHeld = 1e6
+	nb := w
+	nb.HostHeld = 0
+	for _, up := range []bool{false, true} {
+		s := Schedule{CPU: 2, GPU: 10, UpcastOnGPU: up}
+		a, err := p.Predict(nb, s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := p.Predict(w, s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := b.Busy[ResCPU] - a.Busy[ResCPU]; !near(d, 1) {
+			t.Errorf("upcast %v: 1M held bf16 params at 1e6/s add %g s of CPU, want 1", up, d)
+		}
+	}
+}
