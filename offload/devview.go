@@ -203,10 +203,10 @@ func (o *Optimizer) hostTensor(i int, view string, grad bool) (HostTensor, error
 	if grad {
 		h, d = o.eng.HostGrad(), o.opts.GradDType
 	}
-	at := int64(0)
-	if hi > lo {
-		at, _ = o.eng.HostOffset(int64(lo))
+	if hi == lo { // an empty parameter: no host memory, perhaps none at all
+		return HostTensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: d, Host: h}, nil
 	}
+	at, _ := o.eng.HostOffset(int64(lo))
 	es := int64(d.Size())
 	return HostTensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: d, Len: hi - lo,
 		Bytes: h.Bytes()[es*at : es*(at+int64(hi-lo))], Host: h, Off: es * at}, nil

@@ -676,8 +676,8 @@ func (o *Optimizer) choosePlan() (perfmodel.Schedule, *perfmodel.Prediction, err
 		st := perfmodel.StaticSplit(w)
 		forced = &st
 	}
-	if n == 0 && opts.Profile == nil { // every subgroup host-held (OffloadParam): nothing to place
-		return s, nil, nil
+	if n == 0 && opts.Profile == nil && (forced == nil || *forced == (perfmodel.Schedule{CPU: 0})) {
+		return s, nil, nil // every subgroup host-held (OffloadParam): nothing to place
 	}
 	if forced != nil {
 		s = *forced

@@ -240,6 +240,7 @@ func (e *Engine) mixedBlock(b int64, unscale float32) (bool, error) {
 	lo, hi := b*mc, min((b+1)*mc, e.total)
 	s := e.s[sD2H]
 	copied := false
+	var err error // a copy that could not be enqueued: wait for those that were first
 	for _, sg := range e.segs {
 		a, z := max(lo, sg.off), min(hi, sg.off+sg.n)
 		if a >= z {
@@ -251,16 +252,19 @@ func (e *Engine) mixedBlock(b int64, unscale float32) (bool, error) {
 			continue
 		}
 		e.laneMu[sD2H].Lock()
-		err := e.dev.D2H(s, e.mix, e.gb*(a-lo), e.grad, e.gb*at, e.gb*(z-a))
+		err = e.dev.D2H(s, e.mix, e.gb*(a-lo), e.grad, e.gb*at, e.gb*(z-a))
 		e.laneMu[sD2H].Unlock()
 		if err != nil {
-			return false, err
+			break
 		}
 		copied = true
 	}
+	if !copied && err != nil {
+		return false, err
+	}
 	if copied {
 		e.laneMu[sD2H].Lock()
-		err := e.dev.Record(e.tail[sD2H], s)
+		err = firstErr(err, e.dev.Record(e.tail[sD2H], s))
 		e.laneMu[sD2H].Unlock()
 		if serr := e.dev.Sync(e.tail[sD2H]); serr != nil {
 			e.broken = true // the copy may still be writing e.mix
