@@ -141,6 +141,14 @@ func setupWith(t testing.TB, d Device, p *problem, sizes []int, s perfmodel.Sche
 	if err != nil {
 		t.Fatal(err)
 	}
+	loadProblem(t, e, p)
+	return e
+}
+
+// loadProblem writes p's initial state into e's host state and loads it
+// (Engine.Load).
+func loadProblem(t testing.TB, e *Engine, p *problem) {
+	t.Helper()
 	hs := e.HostState()
 	copy(hs.Param, p.state.Param)
 	copy(hs.ExpAvg, p.state.ExpAvg)
@@ -149,7 +157,6 @@ func setupWith(t testing.TB, d Device, p *problem, sizes []int, s perfmodel.Sche
 	if err := e.Load(); err != nil {
 		t.Fatal(err)
 	}
-	return e
 }
 
 // testMirror is the Options.Mirror of setup's engines: two spans, each

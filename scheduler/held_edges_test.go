@@ -162,14 +162,7 @@ func TestHeldAMSGrad(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer e.Close()
-			hs := e.HostState()
-			copy(hs.Param, p.state.Param)
-			copy(hs.ExpAvg, p.state.ExpAvg)
-			copy(hs.ExpAvgSq, p.state.ExpAvgSq)
-			copy(hs.MaxExpAvgSq, p.state.MaxExpAvgSq)
-			if err := e.Load(); err != nil {
-				t.Fatal(err)
-			}
+			loadProblem(t, e, p)
 			runHeld(t, d, e, p, h, 3, 1)
 			checkHeldRun(t, d, e, want, wantCopy)
 		})

@@ -71,14 +71,7 @@ func setupHeld(t testing.TB, d Device, p *problem, held []bool, s perfmodel.Sche
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := e.HostState()
-	copy(hs.Param, p.state.Param)
-	copy(hs.ExpAvg, p.state.ExpAvg)
-	copy(hs.ExpAvgSq, p.state.ExpAvgSq)
-	copy(hs.MaxExpAvgSq, p.state.MaxExpAvgSq)
-	if err := e.Load(); err != nil {
-		t.Fatal(err)
-	}
+	loadProblem(t, e, p)
 	return e
 }
 
