@@ -155,8 +155,8 @@ func (c *TrainConfig) checkDeviceMemory() error {
 		advice = "what fits: " + strings.Join(fits, ", or ")
 	}
 	if m.TooLarge() {
-		return fmt.Errorf("trainer: --gpu-memory %g GiB: --layers %d --embd %d --ctx %d --batch %d need over %d PiB of device memory for the activations alone; %s",
-			c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, MaxDeviceBytes>>50, advice)
+		return &DeviceMemoryError{fmt.Sprintf("trainer: --gpu-memory %g GiB: --layers %d --embd %d --ctx %d --batch %d need over %d PiB of device memory for the activations alone; %s",
+			c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, MaxDeviceBytes>>50, advice)}
 	}
 	sampler := ""
 	if m.Streamed > 0 {
@@ -165,10 +165,18 @@ func (c *TrainConfig) checkDeviceMemory() error {
 	if m.Sampler > 0 {
 		sampler += fmt.Sprintf(", the sampler %.2f (--sample 0: none)", float64(m.Sampler)/gibBytes)
 	}
-	return fmt.Errorf("trainer: --gpu-memory %g GiB: --layers %d --embd %d --ctx %d --batch %d need %.2f GiB of device memory before the update phase's (weights and gradients %.2f, fp32 masters %.2f, activations %.2f%s); %s",
+	return &DeviceMemoryError{fmt.Sprintf("trainer: --gpu-memory %g GiB: --layers %d --embd %d --ctx %d --batch %d need %.2f GiB of device memory before the update phase's (weights and gradients %.2f, fp32 masters %.2f, activations %.2f%s); %s",
 		c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, float64(m.Total())/gibBytes,
-		float64(m.WeightsGrads)/gibBytes, float64(m.Masters)/gibBytes, float64(m.Activations)/gibBytes, sampler, advice)
+		float64(m.WeightsGrads)/gibBytes, float64(m.Masters)/gibBytes, float64(m.Activations)/gibBytes, sampler, advice)}
 }
+
+// DeviceMemoryError is Validate's refusal of a run on one GPU whose device
+// memory outside the update phase is over GPUMemory (checkDeviceMemory):
+// the flags are each valid, the run does not fit. Its message gives the
+// parts and what would fit.
+type DeviceMemoryError struct{ msg string }
+
+func (e *DeviceMemoryError) Error() string { return e.msg }
 
 // largestBatch is the largest batch below c.Batch whose DeviceMemory fits
 // in capBytes, 0 for none (LargestBatch).

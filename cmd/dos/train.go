@@ -245,6 +245,11 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	if err := cfg.Validate(); err != nil {
+		var dm *trainer.DeviceMemoryError
+		if errors.As(err, &dm) { // the flags are right, the run does not fit: no usage
+			c.fail(stderr, "%v", err)
+			return 2
+		}
 		return c.usageError(stderr, "%v", err)
 	}
 	switch {
