@@ -66,7 +66,12 @@
 // elements, the last one shorter, as DeepSpeed ZeRO-3 cuts its flat
 // partition into sub_group_size pieces (perfmodel.SubgroupSizes); a
 // parameter may span two or more subgroups, a subgroup never two groups, so
-// that each subgroup is updated with one group's lr and weight_decay.
+// that each subgroup is updated with one group's lr and weight_decay. With
+// Options.OffloadParam each run of parameters that are all, or all not,
+// held on the host is cut apart too (CutSubgroups), so that a subgroup is
+// host-held (Subgroup.HostHeld: its gradient and working copy in pinned
+// host memory, HostGrad and HostWorking, updated by the CPU workers in
+// place before the others) or not.
 //
 // # Parameter groups
 //
