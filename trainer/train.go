@@ -933,7 +933,7 @@ func (t *Trainer) Run() (Summary, error) {
 	sum.ValLoss = l
 	sum.Steps = t.state.Iteration
 	t.logf("iter %5d  val_loss %.4f (from %.4f)\n", t.state.Iteration, sum.ValLoss, sum.InitValLoss)
-	if cfg.SampleBytes > 0 {
+	if cfg.SampleBytes > 0 && cfg.Steps > 0 { // --steps 0 saves the initial weights: nothing to hear yet
 		if sum.Sample, err = t.Sample([]byte("\nLight "), cfg.SampleBytes); err != nil {
 			return sum, err
 		}

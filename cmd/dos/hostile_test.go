@@ -23,6 +23,12 @@ func TestStepsZeroResume(t *testing.T) {
 	if rc, out, errs := runCLI(append(args, "--resume")...); rc != 0 {
 		t.Errorf("--steps 0 --resume on a step-0 root: rc %d\n%s%s", rc, out, errs)
 	}
+	// With the sampler on (--sample 40 after zeroTiny's 0), --steps 0 saves
+	// the initial weights and prints no sample of them.
+	fresh := append([]string{"train", "--steps", "0", "--ckpt-dir", filepath.Join(t.TempDir(), "ck")}, append(zeroTiny, "--sample", "40")...)
+	if rc, out, errs := runCLI(fresh...); rc != 0 || strings.Contains(out, "sample:") {
+		t.Errorf("--steps 0 --sample 40: rc %d, want no sample\n%s%s", rc, out, errs)
+	}
 }
 
 // TestTokenizeOutSpecial: --out naming a symlink or a device node is
