@@ -217,7 +217,6 @@ type Optimizer struct {
 	subgroups []Subgroup
 	total     int
 	offloaded []bool // per parameter: named in Options.OffloadParam
-	held      []bool // per subgroup: HostHeld (scheduler.Options.HostHeld)
 
 	step  int64
 	state adam.State // flat, total elements each
@@ -540,37 +539,25 @@ func (o *Optimizer) cut(size int) {
 	for k, i := range o.layout {
 		lens[k], groups[k], held[k] = int64(o.params[i].Len), o.params[i].Group, o.offloaded[i]
 	}
-	o.subgroups, o.held = o.subgroups[:0], o.held[:0]
-	start := 0
-	for _, r := range cutRuns(lens, groups, held, size) {
-		o.subgroups = append(o.subgroups, Subgroup{Index: len(o.subgroups), Offset: start, Len: int(r.n), Group: r.group, HostHeld: r.held})
-		o.held = append(o.held, r.held)
-		start += int(r.n)
-	}
+	o.subgroups = cutRuns(lens, groups, held, size)
 	o.opts.SubgroupSize = size
 	o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
 }
 
-// cutSub is one subgroup of cutRuns: n elements of one group, host-held
-// or not.
-type cutSub struct {
-	n     int64
-	group int
-	held  bool
-}
-
-// cutRuns is New's cut of the flat space: the parameters in its order
-// (lens, their groups and whether each is host-held), each run of them
-// in one group and of one kind cut into subgroups of at most size
-// (perfmodel.SubgroupSizes). An empty parameter joins the run it is in;
-// a group of no elements has no subgroup.
-func cutRuns(lens []int64, groups []int, held []bool, size int) []cutSub {
-	var out []cutSub
+// cutRuns is New's cut of the flat space into its subgroups: the
+// parameters in its order (lens, their groups and whether each is
+// host-held), each run of them in one group and of one kind cut into
+// subgroups of at most size (perfmodel.SubgroupSizes). An empty parameter
+// joins the run it is in; a group of no elements has no subgroup.
+func cutRuns(lens []int64, groups []int, held []bool, size int) []Subgroup {
+	var out []Subgroup
 	var run int64
+	off := 0
 	last := -1 // the last non-empty parameter of the current run
 	flush := func() {
 		for _, n := range perfmodel.SubgroupSizes(run, int64(size)) {
-			out = append(out, cutSub{n: n, group: groups[last], held: held[last]})
+			out = append(out, Subgroup{Index: len(out), Offset: off, Len: int(n), Group: groups[last], HostHeld: held[last]})
+			off += int(n)
 		}
 		run = 0
 	}
@@ -622,13 +609,7 @@ func CutSubgroups(params []Param, opts Options) []Subgroup {
 			lens, groups, held = append(lens, n), append(groups, g), append(held, slices.Contains(opts.OffloadParam, p.Name))
 		}
 	}
-	var out []Subgroup
-	off := 0
-	for _, r := range cutRuns(lens, groups, held, opts.SubgroupSize) {
-		out = append(out, Subgroup{Index: len(out), Offset: off, Len: int(r.n), Group: r.group, HostHeld: r.held})
-		off += int(r.n)
-	}
-	return out
+	return cutRuns(lens, groups, held, opts.SubgroupSize)
 }
 
 // chooseSubgroupSize keeps the candidate of Options.SubgroupSizes whose
@@ -676,7 +657,7 @@ func (o *Optimizer) choosePlan() (perfmodel.Schedule, *perfmodel.Prediction, err
 		st := perfmodel.StaticSplit(w)
 		forced = &st
 	}
-	if n == 0 && opts.Profile == nil && (forced == nil || *forced == (perfmodel.Schedule{CPU: 0})) {
+	if n == 0 && opts.Profile == nil && (forced == nil || *forced == (perfmodel.Schedule{})) {
 		return s, nil, nil // every subgroup host-held (OffloadParam): nothing to place
 	}
 	if forced != nil {
@@ -717,7 +698,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 		return nil, nil, err
 	}
 	n, opts := len(o.subgroups), o.opts
-	plan, err := scheduler.NewHeldPlan(o.held, s)
+	plan, err := scheduler.NewHeldPlan(o.held(), s)
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
@@ -726,7 +707,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 		sizes[i] = sg.Len
 	}
 	eng, err := scheduler.New(scheduler.Options{Device: opts.Device, Sizes: sizes, GradDType: opts.GradDType, WorkingDType: opts.WorkingDType,
-		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror, Prefetch: opts.OverlapBackward, HostHeld: o.heldOrNil()})
+		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror, Prefetch: opts.OverlapBackward, HostHeld: o.held()})
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
@@ -1269,12 +1250,14 @@ func (o *Optimizer) deviceSizes() []int64 {
 	return sizes
 }
 
-// heldOrNil is scheduler.Options.HostHeld: nil without OffloadParam.
-func (o *Optimizer) heldOrNil() []bool {
-	if len(o.opts.OffloadParam) == 0 {
-		return nil
+// held returns each subgroup's HostHeld: scheduler.Options.HostHeld
+// (all false without OffloadParam, as nil is).
+func (o *Optimizer) held() []bool {
+	h := make([]bool, len(o.subgroups))
+	for i, sg := range o.subgroups {
+		h[i] = sg.HostHeld
 	}
-	return o.held
+	return h
 }
 
 // heldNote says, for an error about the subgroup counts, how many

@@ -233,12 +233,12 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 	gb, _ := gradBytes(w.GradDType)
 	n := w.Subgroups()
 	g := p.GPU
+	held, err := p.heldTime(w) // the host-held subgroups, first on the CPU
+	if err != nil {
+		return Prediction{}, err
+	}
 	if n == 0 { // only host-held subgroups: the CPU workers' alone
-		cf, err := p.cpuFit(w.Threads, w.GradDType)
-		if err != nil {
-			return Prediction{}, err
-		}
-		t := cf.Fit.Time(float64(w.HostHeld))
+		t := held
 		return Prediction{Schedule: s, K: s.K(), Makespan: t, Bottleneck: ResCPU, Busy: map[Resource]float64{ResCPU: t, ResH2D: 0, ResD2H: 0, ResGPU: 0}}, nil
 	}
 	sz := float64(w.Params) / float64(n) // the mean subgroup, in params
@@ -265,16 +265,6 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 		if hasH2D && hasD2H {
 			h2d, d2h = g.H2DBoth, g.D2HBoth // both lanes at once: the duplex rates
 		}
-	}
-	held := 0.0 // the host-held subgroups, first on the CPU, from GradDType gradients (never upcast)
-	if w.HostHeld > 0 {
-		hf := cf
-		if cpuDType != w.GradDType {
-			if hf, err = p.cpuFit(w.Threads, w.GradDType); err != nil {
-				return Prediction{}, err
-			}
-		}
-		held = hf.Fit.Time(float64(w.HostHeld))
 	}
 	tCPU := held + c*uc.Time(sz)
 	if g == nil && cf.Stats.Valid() {
@@ -384,6 +374,19 @@ func (p *Profile) makespan(w Workload, upcast bool, c, gp, r float64, s Schedule
 		}
 	}
 	return pr, nil
+}
+
+// heldTime is the CPU workers' time for w's host-held subgroups (0 for
+// none), at the GradDType rate: their gradients are never upcast.
+func (p *Profile) heldTime(w Workload) (float64, error) {
+	if w.HostHeld == 0 {
+		return 0, nil
+	}
+	cf, err := p.cpuFit(w.Threads, w.GradDType)
+	if err != nil {
+		return 0, err
+	}
+	return cf.Fit.Time(float64(w.HostHeld)), nil
 }
 
 // Limit returns the fluid bound of w's update phase under p: the least

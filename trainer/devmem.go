@@ -128,14 +128,11 @@ func (c *TrainConfig) checkDeviceMemory() error {
 	// What it advises fits with CapMargin aside, as the run's budget is.
 	safe := capBytes - CapMargin
 	var fits []string
-	if c.GPUs <= 1 && c.Streamed() < c.Model.NLayer {
-		// Streaming more blocks' weights from host memory.
-		r := *c
-		for n := c.Streamed() + 1; n <= c.Model.NLayer; n++ {
-			if r.deviceMemory(c.Batch, n).Total() <= safe {
-				fits = append(fits, fmt.Sprintf("--stream-blocks %d", n))
-				break
-			}
+	if c.GPUs <= 1 {
+		// More blocks' weights from host memory (the fewest that fit are
+		// more than now: now does not fit).
+		if n, ok := c.fewestStreamed(c.Batch, c.deviceMemory(c.Batch, 0), safe); ok {
+			fits = append(fits, fmt.Sprintf("--stream-blocks %d", n))
 		}
 	}
 	if b := c.largestBatch(safe); b > 0 {

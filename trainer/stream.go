@@ -72,26 +72,34 @@ func (c *TrainConfig) streamedAt(batch int) int {
 	// count of blocks makes it fit, which grows with the batch, so
 	// LargestBatch's bisection holds.
 	safe := int64(c.GPUMemory*gibBytes) - CapMargin
-	if c.deviceMemory(batch, 0).Total() <= safe {
+	zero := c.deviceMemory(batch, 0)
+	if zero.Total() <= safe {
 		return 0 // it fits as it is
 	}
-	// From one block on, each saves the same bytes (its weights and
-	// gradients; the slots are there from the first): the fewest blocks
-	// for a room follow in closed form.
-	one := c.deviceMemory(batch, 1)
-	per := c.deviceMemory(batch, 0).WeightsGrads - one.WeightsGrads
 	for _, room := range []int64{safe - StreamReserve, safe} {
-		n := 1
-		if over := one.Total() - room; over > 0 && per > 0 {
-			n += int((over + per - 1) / per)
-		} else if over > 0 {
-			continue
-		}
-		if n <= c.Model.NLayer {
+		if n, ok := c.fewestStreamed(batch, zero, room); ok {
 			return n
 		}
 	}
 	return 0 // nothing fits: checkDeviceMemory says what would
+}
+
+// fewestStreamed returns the fewest blocks (1 to NLayer) whose weights
+// from host memory make batch rows fit in room bytes of device memory,
+// false for none; zero is deviceMemory(batch, 0). From one block on, each
+// saves the same bytes (its weights and gradients; the slots are there
+// from the first), so the count follows in closed form.
+func (c *TrainConfig) fewestStreamed(batch int, zero DeviceMemory, room int64) (int, bool) {
+	one := c.deviceMemory(batch, 1)
+	per := zero.WeightsGrads - one.WeightsGrads
+	n := 1
+	if over := one.Total() - room; over > 0 {
+		if per <= 0 {
+			return 0, false
+		}
+		n += int((over + per - 1) / per)
+	}
+	return n, n <= c.Model.NLayer
 }
 
 // streamedNames returns the names of the streamed tensors of blocks

@@ -121,9 +121,10 @@ type TrainConfig struct {
 	// one of two block slots before its forward and again before its
 	// backward, overlapped with the previous block's compute, and its
 	// gradients go D2H as its backward ends; the CPU workers update them
-	// in place. StreamAuto (-1): as few as GPUMemory needs to leave the
-	// update phase StreamReserve, none without a cap. The trajectory is
-	// the same, bit for bit. Not saved in checkpoints.
+	// in place. StreamAuto (-1): none when the run fits GPUMemory (less
+	// CapMargin) or there is no cap, else the fewest that leave the
+	// update phase StreamReserve, else the fewest that fit (Streamed).
+	// The trajectory is the same, bit for bit. Not saved in checkpoints.
 	StreamBlocks int `json:"-"`
 	// NoOverlap, with Device "cuda", turns off what the update phase does
 	// during backward (offload.Options.OverlapBackward: the CPU subgroups'
