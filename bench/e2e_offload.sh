@@ -19,7 +19,9 @@
 #   dos-stream-N  dos-model with --stream-blocks N: the first N blocks' weights and gradients in host memory,
 #               streamed to the GPU block by block (dos-model streams as few as the cap needs: --stream-blocks auto)
 #   fsdp2       python3 bench/torch_offload.py --mode fsdp2 --cap-gib CAP (FSDP2 with CPUOffloadPolicy, one rank,
-#               bf16 mixed precision)
+#               bf16 mixed precision, clip_grad_norm_(1.0) as dos clips)
+#   fsdp2-noclip  the same without clip_grad_norm_ (the "vs fsdp2" column is against it where it ran, else fsdp2);
+#               any MODE-noclip passes --no-clip
 #   dos         python3 bench/torch_offload.py --mode dos --cap-gib CAP (dos.torch.AdamW on the same PyTorch model:
 #               issue 18's binding, DOS_TORCH_BUDGET_GIB of update-phase budget, default 8, inside the cap)
 #   gpu         python3 bench/torch_offload.py --mode gpu --cap-gib CAP (all on the GPU: the ceiling, where it fits)
@@ -99,8 +101,10 @@ PY
 	for mc in "${modes[@]}"; do
 		IFS=, read -r mode c <<<"$mc"
 		base="$out/$tag-$c-b$batch-$mode"
-		python3 bench/torch_offload.py --mode "$mode" --model "$model" --batch "$batch" --steps "$steps" --warmup 2 \
-			--cap-gib "$c" --gpu-budget-gib "${DOS_TORCH_BUDGET_GIB:-8}" "${torchrc[@]}" >"$base.log" 2>&1
+		clip=()
+		[[ $mode == *-noclip ]] && clip=(--no-clip)
+		python3 bench/torch_offload.py --mode "${mode%-noclip}" --model "$model" --batch "$batch" --steps "$steps" --warmup 2 \
+			--cap-gib "$c" --gpu-budget-gib "${DOS_TORCH_BUDGET_GIB:-8}" "${torchrc[@]}" "${clip[@]}" >"$base.log" 2>&1
 		python3 - "$base.log" "$mode" "$cap" "$model" "$batch" "$c" >>"$out/results.jsonl" <<'PY'
 import json, sys
 lines = [l for l in open(sys.argv[1], errors="replace") if l.startswith("torch_offload ")]
@@ -121,7 +125,9 @@ print("| model | cap GiB | B | strategy | tokens/s | ms/iter | fwd+bwd ms | step
 print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
 for r in rows:
     ref = next((q.get("tokens_per_s", 0) for q in rows if q["model"] == r["model"] and q["cap_gib"] == r["cap_gib"]
-                and q["strategy"] == "fsdp2"), 0)
+                and q["strategy"] == "fsdp2-noclip" and "error" not in q), 0) or next(
+        (q.get("tokens_per_s", 0) for q in rows if q["model"] == r["model"] and q["cap_gib"] == r["cap_gib"]
+         and q["strategy"] == "fsdp2"), 0)
     tps = r.get("tokens_per_s", 0)
     tfl = r.get("tflops") or (round(r["mfu"] * 989, 1) if r.get("mfu") else "")
     pred = f" ({r['predicted_ms']})" if r.get("predicted_ms") else ""

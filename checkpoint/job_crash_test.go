@@ -6,7 +6,7 @@ import (
 )
 
 // resumeAfterCrash is what dos train --gpus --resume does after a crash
-// (trainer's openJob, then zeroRanks.save): ResumeJob finds the step every
+// (trainer's openJob, then saver.save): ResumeJob finds the step every
 // rank holds (-1: start at 0), then BeginJob, a save of the next step
 // (from+2) by every rank and CommitJob.
 func resumeAfterCrash(fsys FS, root string, world int) (from int64, err error) {

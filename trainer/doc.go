@@ -20,6 +20,24 @@
 // interleaved between the CPU and the GPU in the performance model's
 // schedule (a short calibration at start without TrainConfig.Profile). The
 // host model stays the float64 reference the GPU model is tested against.
+// With TrainConfig.StreamBlocks (dos train --stream-blocks N|auto) the
+// first blocks' matrices and biases live in pinned host memory instead
+// (offload.Options.OffloadParam) and stream to two block slots on the GPU
+// before each block's forward and backward, their gradients back as the
+// block's backward ends (stream.go): a model larger than the GPU trains.
+//
+// # One loop over replicas
+//
+// Run, Evaluate and Sample step a world of ranks (world.go): one, or
+// ZeRO-3's N. Each rank is a replica of the model, where its forward and
+// backward run, and the offload.Optimizer that owns its parameters; the
+// replica constructors (newWorld) are the one place that asks where. A
+// host replica (host.go) runs the Go model, its weights read from its
+// optimizer or all-gathered from the ranks' pieces; a GPU replica
+// (gpu.go) runs gptcuda, each block's weights from its source: resident in
+// device memory or streamed from host memory (localSource), or
+// all-gathered from its peers (gatherSource, zerogpu.go). One saver
+// (checkpointing.go) writes the checkpoints of one rank or of a job.
 //
 // # Ranks
 //
@@ -30,7 +48,7 @@
 // of the global batch, reduce-scatters the averaged gradients into its
 // piece and steps with the whole model's gradient norm
 // (offload.StepArgs.Reduce): on the host or Device "sim" over
-// internal/comm's in-process communicator (zero.go), with Device "cuda"
+// internal/comm's in-process communicator (zero.go, host.go), with Device "cuda"
 // rank r on GPU r over NCCL, each block's matrices gathered just before
 // the block runs (zerogpu.go). Checkpoints of a job:
 // each rank saves into CkptDir/rank-%05d and the job commits the step in

@@ -28,46 +28,65 @@ const (
 	capMargin = 256 << 20
 )
 
-// gpuTrainer is forward and backward on the GPU (gptcuda) for a Trainer
-// with Device "cuda": the model reads the optimizer's device working copy
-// and writes its gradients where the update phase reads them.
-type gpuTrainer struct {
+// gpuReplica is forward and backward on one GPU (gptcuda): the model
+// reads each block's weights where its weightSource puts them and writes
+// its gradients where the source takes them to the optimizer.
+type gpuReplica struct {
 	dev     *cuda.Device
 	s       *cuda.Stream
 	k       *gptcuda.Kernels
 	m       *gptcuda.Model // the training batch's
-	sampler *gptcuda.Model // B = 1, made by the first Sample
-	w, g    []uint64       // the optimizer's device views, in gpt.Config.Tensors order
-	masters []uint64       // its fp32 DeviceMasters (0 for the others), same order
-	logits  []float32      // one row, for sampling
-	toks    []int32        // the sampler's window, padded to NCtx
+	sampler *gptcuda.Model // B = 1, made by the first next
+	cfg     *TrainConfig
+	src     weightSource
+	// w, g are the tensors' device addresses the model reads and writes
+	// (gpt.Config.Tensors order) and masters its fp32 master weights (0
+	// for the others), all set by src.bind.
+	w, g    []uint64
+	masters []uint64
+	logits  []float32 // one row, for sampling
+	toks    []int32   // the sampler's window, padded to NCtx
 	// activations is the model's device memory (gptcuda.MemoryBytes).
 	activations int64
-	// With offload.Options.OverlapBackward: the parameters (the optimizer's
-	// indices) whose gradients are final after block l's backward
-	// (blocks[l], ln_f's with the last block) and after the whole backward
-	// (rest: the embeddings), for Optimizer.GradsFinal.
-	blocks [][]int
-	rest   []int
-	opt    *offload.Optimizer
-	stream offload.Stream // s, for GradsFinal
-	// beforeBlock, for a ZeRO-3 rank (gpuRank.beforeBlock), is the
-	// sampler's gptcuda.Model.BeforeBlock too; wait (gpuRank.wait) waits
-	// for the sampler's forward before its logits are read.
+	// beforeBlock is the training model's BeforeBlock (src.bind's), the
+	// sampler's too.
 	beforeBlock func(l int, backward bool) error
-	wait        func() error
-	// bs is the blocks streamed from host memory (TrainConfig.Streamed;
-	// nil for none).
-	bs *blockStream
+}
+
+// weightSource is where a GPU replica's weights come from, block by
+// block, and where its gradients go: resident in the optimizer's device
+// memory or streamed from pinned host memory (localSource), or
+// all-gathered from the ZeRO-3 ranks' pieces (gatherSource).
+type weightSource interface {
+	// bind sets the replica's w, g and masters for opt, and the model's
+	// hooks.
+	bind(opt *offload.Optimizer) error
+	// refresh enqueues what brings the current weights in before a
+	// pass (the tensors outside the blocks, for a job).
+	refresh() error
+	// end enqueues what the backward's end hands to the optimizer (the
+	// gradients outside the blocks, the streamed blocks' last copies).
+	end() error
+	// wait returns once the model's stream is done with what is
+	// enqueued on it where a bare Sync could wait for ever (a job's peer
+	// stopped); nil at once where gptcuda's own syncs do.
+	wait() error
+	// streamed returns how many blocks stream from host memory.
+	streamed() int
+	// describe returns the header's line of the blocks streamed ("" for
+	// none) and a note on the replica's own device memory for the GPU
+	// memory line ("" for none).
+	describe(cfg *TrainConfig) (line, memNote string)
+	close() error
 }
 
 // openGPU opens GPU ordinal (it shares the primary context with the
 // optimizer's device), loads the GPT kernels and allocates the model's
 // activations for batch rows (cfg.Batch, or a ZeRO-3 rank's
-// cfg.Batch/cfg.GPUs).
+// cfg.Batch/cfg.GPUs). The caller sets its weight source.
 //
 // Errors: no GPU or no cuBLASLt (their reasons), out of device memory.
-func openGPU(cfg *TrainConfig, ordinal, batch int) (*gpuTrainer, error) {
+func openGPU(cfg *TrainConfig, ordinal, batch int) (*gpuReplica, error) {
 	if err := gpuAvailable(); err != nil {
 		return nil, err
 	}
@@ -81,8 +100,8 @@ func openGPU(cfg *TrainConfig, ordinal, batch int) (*gpuTrainer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("trainer: --device cuda: %w", err)
 	}
-	g := &gpuTrainer{dev: d}
-	fail := func(err error) (*gpuTrainer, error) {
+	g := &gpuReplica{dev: d, cfg: cfg}
+	fail := func(err error) (*gpuReplica, error) {
 		return nil, errors.Join(fmt.Errorf("trainer: --device cuda: %w", err), g.close())
 	}
 	if g.s, err = d.NewStream(); err != nil {
@@ -96,37 +115,25 @@ func openGPU(cfg *TrainConfig, ordinal, batch int) (*gpuTrainer, error) {
 		return fail(err)
 	}
 	g.activations = gptcuda.MemoryBytes(cfg.Model, batch, cfg.Model.NCtx, opts)
-	if n := cfg.Streamed(); n > 0 {
-		if g.bs, err = newBlockStream(d, g.s, cfg.Model, n); err != nil {
-			return fail(err)
-		}
-	}
 	return g, nil
 }
 
-// plan sets the update phase's budget and schedule in o: GPUBudget, when
-// cfg leaves it 0, to what the model left (budget), less the sampler's
-// model when the run samples; with neither --profile
-// nor --schedule, the performance model's schedule from a short
-// calibration of this machine's CPU and GPU rates (calibrate).
-func (g *gpuTrainer) plan(cfg *TrainConfig, o *offload.Options, out io.Writer) error {
-	deviceMasters(cfg, o)
-	if g.bs != nil {
-		o.OffloadParam = streamedNames(cfg.Model, g.bs.n)
+// openLocal opens the one GPU of a run alone, its weights resident but
+// for the first streamed blocks' (TrainConfig.Streamed), whose slots it
+// allocates.
+func openLocal(cfg *TrainConfig) (*gpuReplica, error) {
+	g, err := openGPU(cfg, 0, cfg.Batch)
+	if err != nil {
+		return nil, err
 	}
-	if cfg.GPUBudget == 0 {
-		b, err := g.budget(cfg, o, offloadParams(cfg.Model), 1)
-		if err != nil {
-			return err
+	src := &localSource{g: g}
+	g.src = src
+	if n := cfg.Streamed(); n > 0 {
+		if src.bs, err = newBlockStream(g.dev, g.s, cfg.Model, n); err != nil {
+			return nil, errors.Join(fmt.Errorf("trainer: --device cuda: %w", err), g.close())
 		}
-		o.GPUBudget = b
 	}
-	if cfg.Profile != "" || cfg.Schedule != "" {
-		return nil
-	}
-	p, err := g.calibrate(o, 1, out)
-	o.Profile, o.Schedule = p, nil
-	return err
+	return g, nil
 }
 
 // deviceMasters names in o.DeviceMasters the tensors the GPU model reads
@@ -146,7 +153,7 @@ func deviceMasters(cfg *TrainConfig, o *offload.Options) {
 // said on out) with o's CPU workers and gradient dtype, ranks (ZeRO-3's,
 // each with o's workers) calibrations of the CPU at once, and returns the
 // profile.
-func (g *gpuTrainer) calibrate(o *offload.Options, ranks int, out io.Writer) (*offload.Profile, error) {
+func calibrate(o *offload.Options, ranks int, out io.Writer) (*offload.Profile, error) {
 	start := time.Now()
 	fmt.Fprintf(out, "calibrating the update phase (no --profile: dos calibrate writes one that skips this)...\n")
 	p, err := offload.Calibrate(o.Device, cpuThreads(o), o.GradDType, max(ranks, 1))
@@ -186,7 +193,7 @@ func gpuAvailable() error {
 // fp32 DeviceMasters of params, but for o.OffloadParam's, which are in
 // host memory), less the sampler's model when the run samples, less a
 // margin.
-func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options, params []offload.Param, share int) (int64, error) {
+func (g *gpuReplica) budget(cfg *TrainConfig, o *offload.Options, params []offload.Param, share int) (int64, error) {
 	free, _, err := g.dev.MemInfo()
 	if err != nil {
 		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
@@ -216,124 +223,70 @@ func (g *gpuTrainer) budget(cfg *TrainConfig, o *offload.Options, params []offlo
 	return max(b, 1), nil // 1, not 0: offload reads 0 as no limit
 }
 
-// bind takes the optimizer's device views (and its fp32 DeviceMasters,
-// which the model then reads) and brings its state to the device.
-func (g *gpuTrainer) bind(opt *offload.Optimizer) error {
+// streamed returns how many blocks stream from host memory.
+func (g *gpuReplica) streamed() int { return g.src.streamed() }
+
+func (g *gpuReplica) bind(opt *offload.Optimizer) error {
 	n := len(opt.Params())
 	g.w, g.g, g.masters = make([]uint64, n), make([]uint64, n), make([]uint64, n)
-	for _, name := range opt.Options().DeviceMasters {
-		i, err := opt.Index(name)
-		if err != nil {
-			return err
-		}
-		m, err := opt.DeviceMaster(i)
-		if err != nil {
-			return err
-		}
-		g.masters[i] = m.Ptr
+	if err := g.src.bind(opt); err != nil {
+		return err
 	}
 	if err := g.m.SetMasters(g.masters); err != nil {
 		return err
 	}
-	streamed := make([]bool, n)
-	if g.bs != nil {
-		for _, name := range opt.Options().OffloadParam {
-			i, err := opt.Index(name)
-			if err != nil {
-				return err
-			}
-			streamed[i] = true
-		}
-		if err := g.bs.bind(opt, g.w, g.g); err != nil {
-			return err
-		}
-		g.beforeBlock = g.bs.before
-		g.m.BeforeBlock(g.bs.before)
-	}
-	for i := range n {
-		if streamed[i] {
-			continue
-		}
-		w, err := opt.DeviceWorking(i)
-		if err != nil {
-			return err
-		}
-		gr, err := opt.DeviceGrad(i)
-		if err != nil {
-			return err
-		}
-		g.w[i], g.g[i] = w.Ptr, gr.Ptr
-	}
-	g.overlap(opt)
-	if g.bs != nil {
-		g.bs.invalidate()
-	}
+	g.m.BeforeBlock(g.beforeBlock)
 	return opt.SyncDevice()
 }
 
-// overlap tells opt, with Options.OverlapBackward, which gradients are
-// final as the backward goes (gptcuda.Model.OnBlockBackward): block l's
-// tensors after its backward (ln_f's with the last block's), the
-// embeddings' at the end (step). The update phase's work that needs no
-// global value then starts during the backward.
-func (g *gpuTrainer) overlap(opt *offload.Optimizer) {
-	g.blocks, g.rest = nil, nil
-	var final func(l int) error
-	if opt.Options().OverlapBackward {
-		g.blocks, g.rest = finalAfter(g.m.Config().NLayer)
-		g.opt, g.stream = opt, offload.CUDAStream(g.s)
-		final = func(l int) error { return opt.GradsFinal(g.stream, g.blocks[l]...) }
-	}
-	switch {
-	case g.bs != nil && final != nil:
-		g.m.OnBlockBackward(func(l int) error { return errors.Join(g.bs.after(l), final(l)) })
-	case g.bs != nil:
-		g.m.OnBlockBackward(g.bs.after)
-	default:
-		g.m.OnBlockBackward(final)
-	}
-}
+func (g *gpuReplica) refresh() error { return g.src.refresh() }
 
-// step runs forward and backward on a batch with the loss scaled by scale
-// and returns the mean loss; the gradients are complete on the device when
-// it returns (Loss waits for the stream). afterForward, when not nil, runs
-// between the two (the traced iteration's mark).
-func (g *gpuTrainer) step(inputs, targets []int32, scale float32, afterForward func() error) (float64, error) {
+func (g *gpuReplica) forwardBackward(inputs, targets []int32, scale float32, mark func()) (float64, error) {
+	if err := g.src.refresh(); err != nil {
+		return 0, err
+	}
+	if err := g.src.wait(); err != nil { // Forward starts with its stream's Sync
+		return 0, err
+	}
 	if err := g.m.Forward(g.w, inputs, targets, scale); err != nil {
 		return 0, err
 	}
-	if afterForward != nil {
-		if err := afterForward(); err != nil {
+	if mark != nil {
+		if err := g.src.wait(); err != nil {
 			return 0, err
 		}
+		if err := g.s.Sync(); err != nil {
+			return 0, err
+		}
+		mark()
 	}
 	if err := g.m.Backward(g.w, g.g); err != nil {
 		return 0, err
 	}
-	if g.bs != nil {
-		if err := g.bs.end(); err != nil {
-			return 0, err
-		}
+	if err := g.src.end(); err != nil {
+		return 0, err
 	}
-	if g.rest != nil {
-		if err := g.opt.GradsFinal(g.stream, g.rest...); err != nil {
-			return 0, err
-		}
+	if err := g.src.wait(); err != nil {
+		return 0, err
 	}
-	return g.m.Loss()
+	return g.m.Loss() // waits for the stream: the gradients are complete
 }
 
-// loss returns the mean loss of a batch without gradients.
-func (g *gpuTrainer) loss(inputs, targets []int32) (float64, error) {
+func (g *gpuReplica) loss(inputs, targets []int32) (float64, error) {
+	if err := g.src.wait(); err != nil {
+		return 0, err
+	}
 	if err := g.m.Forward(g.w, inputs, targets, 0); err != nil {
+		return 0, err
+	}
+	if err := g.src.wait(); err != nil {
 		return 0, err
 	}
 	return g.m.Loss()
 }
 
-// next returns the logits after the tokens of window (at most NCtx) for
-// sampling, on a B = 1 model made at the first call.
-func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
+func (g *gpuReplica) next(window []int32) ([]float32, error) {
+	cfg := g.cfg
 	T := cfg.Model.NCtx
 	if g.sampler == nil {
 		m, err := gptcuda.New(g.s, g.k, cfg.Model, 1, T, samplerOptions)
@@ -350,18 +303,14 @@ func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 	}
 	clear(g.toks)
 	copy(g.toks, window)
-	if g.wait != nil { // a ZeRO-3 rank: Forward starts with its stream's Sync
-		if err := g.wait(); err != nil {
-			return nil, err
-		}
+	if err := g.src.wait(); err != nil {
+		return nil, err
 	}
 	if err := g.sampler.Forward(g.w, g.toks, nil, 0); err != nil {
 		return nil, err
 	}
-	if g.wait != nil {
-		if err := g.wait(); err != nil {
-			return nil, err
-		}
+	if err := g.src.wait(); err != nil {
+		return nil, err
 	}
 	if err := g.sampler.LogitsAt(len(window)-1, g.logits); err != nil {
 		return nil, err
@@ -371,7 +320,7 @@ func (g *gpuTrainer) next(cfg *TrainConfig, window []int32) ([]float32, error) {
 
 // memory returns the device memory in use, in bytes, and the total: under
 // --gpu-memory what dos allocated and the cap.
-func (g *gpuTrainer) memory() (used, total int64) {
+func (g *gpuReplica) memory() (used, total int64) {
 	if limit := cuda.MemoryLimit(g.dev.Ordinal); limit > 0 {
 		return cuda.MemoryUsed(g.dev.Ordinal), limit
 	}
@@ -382,15 +331,23 @@ func (g *gpuTrainer) memory() (used, total int64) {
 	return total - free, total
 }
 
-// close frees the models, the kernels, the stream and the device handle.
-func (g *gpuTrainer) close() error {
+func (g *gpuReplica) describe(cfg *TrainConfig) string {
+	line, note := g.src.describe(cfg)
+	used, total := g.memory()
+	return line + fmt.Sprintf("GPU memory: %.1f of %.1f GiB in use (model activations %.1f GiB%s)\n",
+		float64(used)/(1<<30), float64(total)/(1<<30), float64(g.activations)/(1<<30), note)
+}
+
+// close frees the weight source's buffers (after their streams' work),
+// the models, the kernels, the stream and the device handle.
+func (g *gpuReplica) close() error {
 	if g == nil {
 		return nil
 	}
 	var errs []error
-	if g.bs != nil {
-		errs = append(errs, g.bs.close())
-		g.bs = nil
+	if g.src != nil {
+		errs = append(errs, g.src.close())
+		g.src = nil
 	}
 	for _, m := range []**gptcuda.Model{&g.sampler, &g.m} {
 		if *m != nil {
@@ -411,6 +368,136 @@ func (g *gpuTrainer) close() error {
 		g.dev = nil
 	}
 	return errors.Join(errs...)
+}
+
+// localSource is the weights of a GPU alone: resident in the optimizer's
+// device memory (its working copy, gradients and fp32 masters, read and
+// written in place), but for the first bs.n blocks' matrices and biases,
+// which stream from its pinned host memory through two block slots
+// (stream.go; nil bs: none). With offload.Options.OverlapBackward it
+// tells the optimizer which gradients are final as the backward goes
+// (gptcuda.Model.OnBlockBackward): block l's tensors after its backward
+// (ln_f's with the last block's), the embeddings' at the end. The update
+// phase's work that needs no global value then starts during the
+// backward.
+type localSource struct {
+	g  *gpuReplica
+	bs *blockStream
+	// With the overlap: the parameters (the optimizer's indices) whose
+	// gradients are final after block l's backward (blocks[l]) and after
+	// the whole backward (rest), for Optimizer.GradsFinal.
+	blocks [][]int
+	rest   []int
+	opt    *offload.Optimizer
+	stream offload.Stream // the model's, for GradsFinal
+}
+
+func (l *localSource) bind(opt *offload.Optimizer) error {
+	g, n := l.g, len(opt.Params())
+	l.opt = opt
+	for _, name := range opt.Options().DeviceMasters {
+		i, err := opt.Index(name)
+		if err != nil {
+			return err
+		}
+		m, err := opt.DeviceMaster(i)
+		if err != nil {
+			return err
+		}
+		g.masters[i] = m.Ptr
+	}
+	streamed := make([]bool, n)
+	if l.bs != nil {
+		for b := range l.bs.n {
+			for _, o := range streamedOffsets {
+				streamed[gpt.LayerBase(b)+o] = true
+			}
+		}
+		if err := l.bs.bind(opt, g.w, g.g); err != nil {
+			return err
+		}
+		g.beforeBlock = l.bs.before
+	}
+	for i := range n {
+		if streamed[i] {
+			continue
+		}
+		w, err := opt.DeviceWorking(i)
+		if err != nil {
+			return err
+		}
+		gr, err := opt.DeviceGrad(i)
+		if err != nil {
+			return err
+		}
+		g.w[i], g.g[i] = w.Ptr, gr.Ptr
+	}
+	l.blocks, l.rest = nil, nil
+	var final func(b int) error
+	if opt.Options().OverlapBackward {
+		l.blocks, l.rest = finalAfter(g.m.Config().NLayer)
+		l.stream = offload.CUDAStream(g.s)
+		final = func(b int) error { return opt.GradsFinal(l.stream, l.blocks[b]...) }
+	}
+	switch {
+	case l.bs != nil && final != nil:
+		g.m.OnBlockBackward(func(b int) error { return errors.Join(l.bs.after(b), final(b)) })
+	case l.bs != nil:
+		g.m.OnBlockBackward(l.bs.after)
+	default:
+		g.m.OnBlockBackward(final)
+	}
+	if l.bs != nil {
+		l.bs.invalidate()
+	}
+	return nil
+}
+
+func (l *localSource) refresh() error { return nil }
+
+func (l *localSource) end() error {
+	if l.bs != nil {
+		if err := l.bs.end(); err != nil {
+			return err
+		}
+	}
+	if l.rest != nil {
+		return l.opt.GradsFinal(l.stream, l.rest...)
+	}
+	return nil
+}
+
+func (l *localSource) wait() error { return nil }
+
+func (l *localSource) streamed() int {
+	if l.bs == nil {
+		return 0
+	}
+	return l.bs.n
+}
+
+func (l *localSource) describe(cfg *TrainConfig) (line, memNote string) {
+	if l.bs == nil {
+		return "", ""
+	}
+	held := 0
+	for _, sg := range l.opt.Subgroups() {
+		if sg.HostHeld {
+			held++
+		}
+	}
+	how := fmt.Sprint(l.bs.n)
+	if cfg.StreamBlocks == StreamAuto {
+		how = fmt.Sprintf("auto: %d", l.bs.n)
+	}
+	return fmt.Sprintf("weights from host memory: blocks 0..%d of %d (--stream-blocks %s): their matrices and biases, %.2f GiB of bf16 weights and gradients, in pinned host memory, copied to 2 block slots (%.2f GiB) before each forward and backward; their %d subgroups update on the CPU first, in place\n",
+		l.bs.n-1, cfg.Model.NLayer, how, float64(int64(l.bs.n)*StreamedBlockBytes(cfg.Model))/(1<<30), float64(l.bs.bytes())/(1<<30), held), ""
+}
+
+func (l *localSource) close() error {
+	err := l.bs.close()
+	l.bs = nil
+	return err
 }
 
 // finalAfter sorts GPT-2's tensors (gpt.Config.Tensors indices, which are

@@ -471,33 +471,12 @@ func (t *Trainer) resume(dir string) error {
 		return fmt.Errorf("trainer: resume from %s: %s: a resumed run keeps the model's shape and batch (it was trained with %s); omit these flags",
 			dir, strings.Join(differ, ", "), st.Config.shapeFlags())
 	}
-	if t.zero == nil && st.Config.GPUs > 1 {
+	if !t.w.job && st.Config.GPUs > 1 {
 		return fmt.Errorf("trainer: resume from %s: it is one rank's root of a job of %d ranks (dos train --gpus %d): resume the job's root, its parent directory, with --gpus %d, or re-shard that for one rank (`dos ckpt reshard %s NEWROOT --gpus 1`)",
 			root, st.Config.GPUs, st.Config.GPUs, st.Config.GPUs, checkpoint.ShellQuote(filepath.Dir(filepath.Clean(root))))
 	}
-	_, objs, err := t.opt.LoadCheckpoint(checkpoint.OS, dir)
-	if err == nil && t.zero != nil {
-		err = checkRank(objs, dir, 0, t.zero.n)
-	}
-	if err != nil {
-		if t.zero != nil {
-			return fmt.Errorf("trainer: resume from %s: rank 0: %w%s", root, err, jobRecoverHint(err, root, 0))
-		}
-		return fmt.Errorf("trainer: resume from %s: %w%s", root, err, recoverHint(err, root))
-	}
-	if t.zero != nil {
-		// Rank 0's directory is dir; the others' hold the same step, the
-		// iteration it was saved at (save).
-		for _, rk := range t.zero.ranks[1:] {
-			d := checkpoint.StepDir(checkpoint.RankRoot(root, rk.r), int64(st.Iteration))
-			_, objs, err := rk.opt.LoadCheckpoint(checkpoint.OS, d)
-			if err == nil {
-				err = checkRank(objs, d, rk.r, t.zero.n)
-			}
-			if err != nil {
-				return fmt.Errorf("trainer: resume from %s: rank %d: %w%s", d, rk.r, err, jobRecoverHint(err, root, rk.r))
-			}
-		}
+	if err := t.saver.load(dir, int64(st.Iteration)); err != nil {
+		return err
 	}
 	if st.Data != t.state.Data {
 		was, is := "a text (--text)", "pre-tokenized data (--data)"

@@ -72,8 +72,8 @@ func TestGPUStreamBitwise(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer tr.Close()
-		if tr.gpu.bs == nil && c.StreamBlocks > 0 || tr.gpu.bs != nil && tr.gpu.bs.n != c.StreamBlocks {
-			t.Fatalf("--stream-blocks %d: the trainer streams %v", c.StreamBlocks, tr.gpu.bs)
+		if n := tr.w.ranks[0].rep.(*gpuReplica).streamed(); n != c.StreamBlocks {
+			t.Fatalf("--stream-blocks %d: the trainer streams %d blocks", c.StreamBlocks, n)
 		}
 		s, err := tr.Run()
 		if err != nil {

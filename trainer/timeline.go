@@ -48,10 +48,10 @@ type timelineMarks struct {
 
 // markMemory records the GPU memory in use at at (nothing without a GPU).
 func (t *Trainer) markMemory(m *timelineMarks, at time.Time) {
-	if t.gpu == nil {
+	used, total := t.w.memory()
+	if total == 0 { // the host's
 		return
 	}
-	used, _ := t.gpu.memory()
 	m.mem = append(m.mem, offload.TraceCounter{Name: "GPU memory (GiB)", At: at.Sub(m.t0), Value: float64(used) / (1 << 30)})
 }
 

@@ -15,7 +15,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/checkpoint"
 	"github.com/deepstates/dos/offload"
 )
@@ -108,27 +107,21 @@ type Trainer struct {
 	cfg     TrainConfig
 	tok     Tokenizer
 	loader  batches
-	val     batches // the validation data's, read from its start by Evaluate
-	about   string  // the data, said after the model (none for the default: a byte-level text)
-	opt     *offload.Optimizer
-	model   *Model[float32] // forward and backward on the host, or
-	gpu     *gpuTrainer     // on the GPU (Device "cuda"), or
-	zero    *zeroRanks      // on GPUs ranks of ZeRO-3 (TrainConfig.GPUs > 1; opt is rank 0's)
+	val     batches            // the validation data's, read from its start by Evaluate
+	about   string             // the data, said after the model (none for the default: a byte-level text)
+	w       *world             // the ranks: their replicas and optimizers (world.go)
+	opt     *offload.Optimizer // rank 0's, whose plan and schedule the run reports
+	saver   *saver             // the checkpoints into cfg.CkptDir
 	rng     *rand.PCG
 	logJSON *os.File // cfg.LogJSON's
 
-	params, grads [][]float32 // what the model reads and writes
-	own16         bool        // params are fp32 copies of the 16-bit working copy
-	inputs, tgts  []int32
-	state         trainerState
-	out           io.Writer
-	tty           bool
+	inputs, tgts []int32
+	state        trainerState
+	out          io.Writer
+	tty          bool
 
-	engine    *checkpoint.Engine   // the lazy checkpointer, made at the first save
-	closeDev  func()               // releases the update phase's device (cfg.Device)
 	lock      *checkpoint.RootLock // cfg.CkptDir's, for the whole run
 	closed    bool
-	last      *checkpoint.Handle // its last save, reported when it is durable
 	resumed   bool               // New loaded a checkpoint
 	resumedAt int                // its iteration
 	timeline  *IterationTimeline // cfg.TimelineAt's, once traced
@@ -325,67 +318,24 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 			return nil, err
 		}
 	}
-	// The GPU model first: its activations are allocated before the
-	// update phase's budget is taken from what is left. ZeRO-3's ranks
-	// open their GPUs and plan their shards themselves (newZero); the
-	// trainer's GPU is then rank 0's, which samples.
-	var gpu *gpuTrainer
-	var zero *zeroRanks
-	if cfg.GPUs > 1 || zeroOneRank != "" {
-		if zero, err = newZero(&cfg, max(cfg.GPUs, 1), out); err != nil {
-			return nil, err
-		}
-		if r0 := zero.ranks[0].gpu; r0 != nil {
-			gpu = r0.g
-		}
-	} else if cfg.Device == "cuda" {
-		if gpu, err = openGPU(&cfg, 0, cfg.Batch); err != nil {
-			return nil, err
-		}
+	// The replicas first (on the GPU their activations are allocated
+	// before the update phase's budget is taken from what is left), then
+	// the ranks' optimizers.
+	w, err := newWorld(&cfg, out)
+	if err != nil {
+		return nil, err
 	}
-	oo := cfg.optimizerOptions()
-	closeDev := func() {}
-	if zero == nil {
-		if closeDev, err = cfg.device(oo); err != nil {
-			return nil, errors.Join(err, gpu.close())
-		}
-	}
-	release := func() error {
-		closeDev()
-		if zero != nil {
-			return zero.close()
-		}
-		return gpu.close()
-	}
-	if cfg.Profile != "" && zero == nil {
-		p, err := offload.LoadProfile(cfg.Profile, oo.Device)
-		if err != nil {
-			return nil, errors.Join(fmt.Errorf("trainer: --profile: %w", err), release())
-		}
-		oo.Profile = p
-	}
-	if gpu != nil && zero == nil {
-		if err := gpu.plan(&cfg, oo, out); err != nil {
-			return nil, errors.Join(err, release())
-		}
-	}
-	oo.Replan = cfg.Replan // with the device and the profile (or calibration) set above
-	oo.OverlapBackward = gpu != nil && !cfg.NoOverlap
-	var opt *offload.Optimizer
-	if zero != nil {
-		opt = zero.ranks[0].opt
-	} else if opt, err = offload.New(offloadParams(cfg.Model), *oo); err != nil {
-		return nil, errors.Join(err, release())
-	}
+	opt := w.ranks[0].opt
 	// The subgroup size the optimizer cut at (SubgroupSizes: the model's
 	// choice) is the run's: checkpoints record it and a resume keeps it.
 	if len(cfg.SubgroupSizes) > 0 {
 		cfg.SubgroupSize = opt.Options().SubgroupSize
 	}
 	id.LossScale, id.InitialLoss, id.InitValLoss = cfg.LossScale, maybeLoss(math.NaN()), maybeLoss(math.NaN())
-	t := &Trainer{cfg: cfg, tok: tok, loader: loader, val: val, about: about, opt: opt, gpu: gpu, zero: zero, out: out, closeDev: closeDev, lock: lock,
+	t := &Trainer{cfg: cfg, tok: tok, loader: loader, val: val, about: about, w: w, opt: opt, out: out, lock: lock,
 		rng: rand.NewPCG(cfg.Seed, 0x5eed), state: withRunID(id),
 	}
+	t.saver = &saver{w: w, root: cfg.CkptDir, keep: cfg.CkptKeep, logf: t.logf, committed: -1}
 	if f, ok := out.(*os.File); ok {
 		if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
 			t.tty = true
@@ -401,14 +351,8 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	for i, p := range cfg.Model.Tensors() {
 		v := buf[:p.Numel()]
 		InitParamInto(cfg.Model, cfg.Seed, i, v)
-		var set error
-		if zero != nil {
-			set = zero.setParam(i, p.Name, v)
-		} else {
-			set = opt.SetParam(opt.Params()[i].Name, v)
-		}
-		if set != nil {
-			return nil, errors.Join(set, t.Close())
+		if err := w.setParam(i, p.Name, v); err != nil {
+			return nil, errors.Join(err, t.Close())
 		}
 	}
 	if from != nil {
@@ -429,51 +373,13 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	return t, nil
 }
 
-// bind points the model's parameter and gradient slices at the optimizer's
-// buffers where the dtypes allow (fp32: no copy), else at fp32 buffers the
-// trainer converts from and to. On the GPU, the model takes the
-// optimizer's device views instead, and the optimizer's state goes to the
-// device.
+// bind binds every rank's replica to its optimizer (world.bind) and
+// allocates the batch's tokens.
 func (t *Trainer) bind() error {
 	T := t.cfg.Model.NCtx
 	t.inputs = make([]int32, t.cfg.Batch*T)
 	t.tgts = make([]int32, t.cfg.Batch*T)
-	if t.zero != nil && t.gpu != nil {
-		return t.zero.bind(&t.cfg)
-	}
-	if t.gpu != nil {
-		return t.gpu.bind(t.opt)
-	}
-	t.model = NewModel[float32](t.cfg.Model, t.cfg.Batch, T)
-	if t.zero != nil {
-		// The ranks' replicas train; this model evaluates and samples
-		// with the working copy gathered from the ranks' pieces.
-		if err := t.zero.bind(&t.cfg); err != nil {
-			return err
-		}
-		t.own16 = true
-		t.params = make([][]float32, len(t.zero.lens))
-		for i, l := range t.zero.lens {
-			t.params[i] = make([]float32, l)
-		}
-		return nil
-	}
-	n := len(t.opt.Params())
-	t.params, t.grads = make([][]float32, n), make([][]float32, n)
-	t.own16 = t.cfg.WorkingDType != 0
-	for i, p := range t.opt.Params() {
-		if t.own16 {
-			t.params[i] = make([]float32, p.Len)
-		} else {
-			t.params[i] = t.opt.Working(i).Float32()
-		}
-		if t.cfg.GradDType == adam.F32 {
-			t.grads[i] = t.opt.Grad(i).Float32()
-		} else {
-			t.grads[i] = make([]float32, p.Len)
-		}
-	}
-	return nil
+	return t.w.bind()
 }
 
 // Close releases the optimizer's workers, the update phase's device, the
@@ -485,37 +391,16 @@ func (t *Trainer) bind() error {
 // released whatever they say.
 func (t *Trainer) Close() error {
 	var errs []error
-	// The GPU model first: its stream's work reads the optimizer's device
-	// buffers. (ZeRO-3's ranks close theirs, rank 0's t.gpu among them,
-	// each before its optimizer.)
-	if t.zero == nil {
-		errs = append(errs, t.gpu.close())
-	}
-	t.gpu = nil
 	if !t.closed {
-		if t.zero != nil {
-			// A lazy save still in flight (a run stopped by an error after
-			// it): the job commits it once every rank's save is durable.
-			if _, err := t.zero.commitLazy(t.cfg.CkptDir, true); err != nil {
-				errs = append(errs, fmt.Errorf("trainer: %w", err))
-			}
-			errs = append(errs, t.zero.close())
-		} else {
-			errs = append(errs, t.opt.Close())
-		}
+		// A lazy save still in flight (a run stopped by an error after
+		// it): durable (a job's committed) before the optimizers close.
+		errs = append(errs, t.saver.report(true))
+		errs = append(errs, t.w.close(), t.saver.close())
 		t.closed = true
-	}
-	if t.closeDev != nil {
-		t.closeDev()
-		t.closeDev = nil
 	}
 	if t.logJSON != nil {
 		errs = append(errs, t.logJSON.Close())
 		t.logJSON = nil
-	}
-	if t.engine != nil {
-		errs = append(errs, t.engine.Close())
-		t.engine = nil
 	}
 	t.lock.Unlock()
 	return errors.Join(errs...)
@@ -529,45 +414,7 @@ func (t *Trainer) Close() error {
 func (t *Trainer) Resumed() (iteration int, ok bool) { return t.resumedAt, t.resumed }
 
 // NumParams returns the model's parameter count.
-func (t *Trainer) NumParams() int {
-	if t.zero != nil {
-		return t.cfg.Model.NumParams()
-	}
-	return t.opt.NumParams()
-}
-
-// refresh copies the 16-bit working copy into the model's fp32
-// parameters, or on GPU ranks all-gathers it into their replicas (whose
-// rank 0's the sampler reads).
-//
-// Errors: only on GPU ranks (a collective's).
-func (t *Trainer) refresh() error {
-	if t.zero != nil && t.gpu != nil {
-		return t.zero.gatherGPU()
-	}
-	if t.zero != nil {
-		t.zero.gather(t.params, t.cfg.WorkingDType)
-		return nil
-	}
-	if !t.own16 {
-		return nil
-	}
-	for i, dst := range t.params {
-		adam.Widen16(t.cfg.WorkingDType, dst, t.opt.Working(i).Uint16())
-	}
-	return nil
-}
-
-// handOver rounds the model's fp32 gradients into the optimizer's 16-bit
-// gradient buffers (an overflow becomes Inf, which skips the step).
-func (t *Trainer) handOver() {
-	if t.cfg.GradDType == adam.F32 {
-		return
-	}
-	for i, g := range t.grads {
-		adam.Round16(t.cfg.GradDType, t.opt.Grad(i).Uint16(), g)
-	}
-}
+func (t *Trainer) NumParams() int { return t.cfg.Model.NumParams() }
 
 // Evaluate returns the mean loss over cfg.EvalBatches batches of the
 // validation split, read from its start (the same batches every time).
@@ -576,64 +423,34 @@ func (t *Trainer) handOver() {
 func (t *Trainer) Evaluate() (float64, error) {
 	n := max(t.cfg.EvalBatches, 1)
 	t.val.SetPos(0) // cannot fail: every loader holds a sequence
-	if err := t.refresh(); err != nil {
+	if err := t.w.refresh(); err != nil {
 		return 0, err
 	}
 	var sum float64
 	for range n {
 		t.val.Next(t.inputs, t.tgts)
-		if t.zero != nil && t.gpu != nil {
-			l, err := t.zero.lossGPU(t.inputs, t.tgts)
-			if err != nil {
-				return 0, err
-			}
-			sum += l
-			continue
+		l, err := t.w.loss(t.inputs, t.tgts)
+		if err != nil {
+			return 0, err
 		}
-		if t.gpu != nil {
-			l, err := t.gpu.loss(t.inputs, t.tgts)
-			if err != nil {
-				return 0, err
-			}
-			sum += l
-			continue
-		}
-		sum += float64(t.model.Forward(t.params, t.inputs, t.tgts))
+		sum += l
 	}
 	return sum / float64(n), nil
 }
 
 // forwardBackward computes the batch's loss and the gradients of scale ×
-// loss where the optimizer reads them, on the host or the GPU. With marks
-// (the traced iteration: TrainConfig.TimelineAt) it records when forward
-// ended, waiting for the device first.
+// loss where the optimizers read them, on every rank. With marks (the
+// traced iteration: TrainConfig.TimelineAt) it records when forward
+// ended, the device synchronised first.
 func (t *Trainer) forwardBackward(scale float32, marks *timelineMarks) (float64, error) {
-	if t.zero != nil {
-		return t.zero.forwardBackward(&t.cfg, t.inputs, t.tgts, scale)
-	}
-	if t.gpu != nil {
-		var mark func() error
-		if marks != nil {
-			mark = func() error {
-				_, err := t.gpu.m.Loss() // waits for the stream
-				marks.forward = time.Now()
-				t.markMemory(marks, marks.forward)
-				return err
-			}
-		}
-		return t.gpu.step(t.inputs, t.tgts, scale, mark)
-	}
-	t.refresh() // cannot fail on the host
-	loss := float64(t.model.Forward(t.params, t.inputs, t.tgts))
+	var mark func()
 	if marks != nil {
-		marks.forward = time.Now()
+		mark = func() {
+			marks.forward = time.Now()
+			t.markMemory(marks, marks.forward)
+		}
 	}
-	if math.IsNaN(loss) || math.IsInf(loss, 0) {
-		return loss, nil
-	}
-	t.model.Backward(t.params, t.grads, scale)
-	t.handOver()
-	return loss, nil
+	return t.w.forwardBackward(t.inputs, t.tgts, scale, mark)
 }
 
 func (t *Trainer) logf(format string, args ...any) {
@@ -674,10 +491,7 @@ func (t *Trainer) Run() (Summary, error) {
 	sum := Summary{Params: t.NumParams()}
 	tokens := cfg.Batch * cfg.Model.NCtx
 	flops := cfg.Model.FLOPsPerToken(cfg.Model.NCtx)
-	peak := PeakFLOPS // MFU is per GPU: over the GPUs' peak
-	if t.zero != nil {
-		peak *= float64(t.zero.gpus())
-	}
+	peak := PeakFLOPS * float64(max(t.w.gpus, 1)) // MFU is per GPU: over the GPUs' peak
 	if t.resumed && t.state.Iteration >= cfg.Steps {
 		// Nothing to train (New said so): the checkpoint's summary, its
 		// validation loss evaluated, without the run's header, log
@@ -688,18 +502,8 @@ func (t *Trainer) Run() (Summary, error) {
 		sum.ValLoss = l
 		return sum, err
 	}
-	where := "CPU"
-	if t.gpu != nil {
-		where = "GPU"
-	}
-	if t.zero != nil {
-		where = fmt.Sprintf("CPU, ZeRO-3 over %d ranks (each steps its 1/%d of every tensor; an in-process communicator)", t.zero.n, t.zero.n)
-		if t.gpu != nil {
-			where = fmt.Sprintf("GPUs, ZeRO-3 over %d ranks (each steps its 1/%d of every tensor; %s)", t.zero.n, t.zero.n, t.zero.about())
-		}
-	}
 	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; forward and backward on the %s; %v\n",
-		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, where, peakOptions(t.opt.Options(), cfg.LR))
+		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, t.w.where(), peakOptions(t.opt.Options(), cfg.LR))
 	fmt.Fprint(t.out, t.about)
 	if cfg.CkptDir != "" { // said every run: --ckpt-every and --ckpt-keep are this run's, never a checkpoint's
 		every := "at the end"
@@ -723,7 +527,7 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		sched = fmt.Sprintf("%d/%d/%d", s.CPU, s.GPU, s.Resident)
 		per := ""
-		if t.zero != nil {
+		if t.w.job {
 			per = " (rank 0's shard)"
 		}
 		held := 0
@@ -734,23 +538,8 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		fmt.Fprintf(t.out, "update phase on %s%s: %d of %d subgroups on the CPU, %d streamed through the GPU, %d resident (k = %s, upcast on the GPU: %v)\n",
 			t.opt.Options().Device.Name(), per, s.CPU, len(t.opt.Subgroups())-held, s.GPU, s.Resident, k, s.UpcastOnGPU)
-		if t.gpu != nil && t.gpu.bs != nil {
-			how := fmt.Sprint(t.gpu.bs.n)
-			if cfg.StreamBlocks == StreamAuto {
-				how = fmt.Sprintf("auto: %d", t.gpu.bs.n)
-			}
-			fmt.Fprintf(t.out, "weights from host memory: blocks 0..%d of %d (--stream-blocks %s): their matrices and biases, %.2f GiB of bf16 weights and gradients, in pinned host memory, copied to 2 block slots (%.2f GiB) before each forward and backward; their %d subgroups update on the CPU first, in place\n",
-				t.gpu.bs.n-1, cfg.Model.NLayer, how, float64(int64(t.gpu.bs.n)*StreamedBlockBytes(cfg.Model))/(1<<30), float64(t.gpu.bs.bytes())/(1<<30), held)
-		}
 	}
-	if t.gpu != nil {
-		used, total := t.gpu.memory()
-		per := ""
-		if t.zero != nil {
-			per = fmt.Sprintf(", rank 0's GPU; its replicas of the parameters and gradients %.1f GiB", float64(t.zero.ranks[0].gpu.replicaBytes())/(1<<30))
-		}
-		fmt.Fprintf(t.out, "GPU memory: %.1f of %.1f GiB in use (model activations %.1f GiB%s)\n", float64(used)/(1<<30), float64(total)/(1<<30), float64(t.gpu.activations)/(1<<30), per)
-	}
+	fmt.Fprint(t.out, t.w.ranks[0].rep.describe(cfg))
 	if math.IsNaN(float64(t.state.InitValLoss)) {
 		l, err := t.Evaluate()
 		if err != nil {
@@ -766,11 +555,7 @@ func (t *Trainer) Run() (Summary, error) {
 	for t.state.Iteration < cfg.Steps {
 		it := t.state.Iteration + 1
 		t0 := time.Now()
-		setLR := t.opt.SetLR
-		if t.zero != nil {
-			setLR = t.zero.setLR
-		}
-		if err := setLR(cfg.LRAt(it)); err != nil {
+		if err := t.w.setLR(cfg.LRAt(it)); err != nil {
 			return sum, err
 		}
 		t.loader.Next(t.inputs, t.tgts)
@@ -795,11 +580,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if marks != nil {
 			t.markMemory(marks, s0)
 		}
-		step := t.opt.Step
-		if t.zero != nil {
-			step = t.zero.step
-		}
-		res, err := step(offload.StepArgs{LossScale: float64(scale), GradOnDevice: t.gpu != nil})
+		res, err := t.w.step(offload.StepArgs{LossScale: float64(scale)})
 		if err != nil {
 			return sum, err
 		}
@@ -858,8 +639,8 @@ func (t *Trainer) Run() (Summary, error) {
 		var line string
 		if t.tty || logNow { // only then: the GPU's memory is a driver call
 			line = fmt.Sprintf("iter %5d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", it, cfg.Steps, loss, cfg.LRAt(it), res.GradNorm, rate)
-			if t.gpu != nil {
-				used, _ := t.gpu.memory()
+			if t.w.gpus > 0 {
+				used, _ := t.w.memory()
 				line += fmt.Sprintf("  MFU %.1f%%  update %.0f ms (%s)  GPU %.1f GiB", 100*rate*flops/peak, 1e3*res.Elapsed.Seconds(), sched, float64(used)/(1<<30))
 			}
 			line += "  ETA " + eta(float64(cfg.Steps-it)*float64(tokens)/rate)
@@ -881,7 +662,7 @@ func (t *Trainer) Run() (Summary, error) {
 			}
 			t.logf("iter %5d  val_loss %.4f\n", it, l)
 		}
-		if err := t.reportSave(false); err != nil { // a lazy checkpoint durable since the last iteration
+		if err := t.saver.report(false); err != nil { // a lazy checkpoint durable since the last iteration
 			return sum, err
 		}
 		if cfg.CkptEvery > 0 && it%cfg.CkptEvery == 0 {
@@ -902,7 +683,7 @@ func (t *Trainer) Run() (Summary, error) {
 				limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid bound), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
 			}
 			per := ""
-			if t.zero != nil {
+			if t.w.job {
 				per = " of rank 0's shard"
 			}
 			t.logf("update phase%s: %.3f ms measured (mean of iterations 2..%d of this run), %.3f ms predicted by the performance model (CPU/GPU/resident subgroups %d/%d/%d, bottleneck %s)%s\n",
@@ -912,7 +693,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if done > 1 {
 			sum.TokensPerS = float64((done-1)*tokens) / time.Since(warm).Seconds()
 		}
-		if t.gpu != nil {
+		if t.w.gpus > 0 {
 			sum.MFU = sum.TokensPerS * flops / peak
 		}
 	}
@@ -921,7 +702,7 @@ func (t *Trainer) Run() (Summary, error) {
 			return sum, err
 		}
 	}
-	if err := t.reportSave(true); err != nil { // the last checkpoint is durable before Run returns
+	if err := t.saver.report(true); err != nil { // the last checkpoint is durable before Run returns
 		return sum, err
 	}
 	sum.FinalLoss = t.state.LastLoss
@@ -977,13 +758,9 @@ func eta(sec float64) string {
 // Errors: only on the GPU (a device fault, out of memory for the B = 1
 // model).
 func (t *Trainer) Sample(prompt []byte, n int) (string, error) {
-	T, V := t.cfg.Model.NCtx, t.cfg.Model.VocabSize
-	var m *Model[float32]
-	if t.gpu == nil {
-		m = NewModel[float32](t.cfg.Model, 1, T)
-	}
+	T := t.cfg.Model.NCtx
 	r := rand.New(t.rng)
-	if err := t.refresh(); err != nil {
+	if err := t.w.refresh(); err != nil {
 		return string(prompt), err
 	}
 	p, err := t.tok.Encode(prompt)
@@ -1000,25 +777,11 @@ func (t *Trainer) Sample(prompt []byte, n int) (string, error) {
 			ctx[0] = gpt2EOT
 		}
 	}
-	toks := make([]int32, T)
 	out := append([]byte(nil), prompt...)
 	for made := 0; made < n && len(out)-len(prompt) < n; made++ {
-		window := ctx[max(0, len(ctx)-T):]
-		var logits []float32
-		if t.zero != nil && t.gpu != nil {
-			if logits, err = t.zero.nextGPU(&t.cfg, window); err != nil {
-				return string(out), err
-			}
-		} else if t.gpu != nil {
-			if logits, err = t.gpu.next(&t.cfg, window); err != nil {
-				return string(out), err
-			}
-		} else {
-			clear(toks)
-			copy(toks, window)
-			m.Forward(t.params, toks, nil)
-			row := (len(window) - 1) * V
-			logits = m.Logits()[row : row+V]
+		logits, err := t.w.next(ctx[max(0, len(ctx)-T):])
+		if err != nil {
+			return string(out), err
 		}
 		next := int32(sampleLogits(logits[:t.tok.VocabSize()], r.Float64()))
 		ctx = append(ctx, next)

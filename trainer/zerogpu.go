@@ -25,7 +25,7 @@ import (
 //     matrices (the embeddings, the LayerNorms, ln_f) and the fp32 master
 //     weights of those the model reads in fp32 (gptcuda.FP32Tensors) from
 //     the ranks' pieces in their optimizers' device memory into its
-//     replica of them (gpuRank.gatherWhole);
+//     replica of them (gatherSource.refresh);
 //  2. runs forward and backward on its rows; before each block's forward
 //     and backward (gptcuda.Model.BeforeBlock) it all-gathers that
 //     block's matrices and biases into one of two block slots, which
@@ -38,7 +38,7 @@ import (
 //     after the backward; with the overlap (not TrainConfig.NoOverlap)
 //     offload.Optimizer.GradsFinal then starts the update phase's work
 //     that needs no global value;
-//  4. steps its optimizer (zeroRanks.step: the sum of squares all-reduced
+//  4. steps its optimizer (world.step: the sum of squares all-reduced
 //     on the host, so that every rank clips and skips alike).
 //
 // So a GPU holds, besides its activations and its 1/GPUs of the working
@@ -61,7 +61,7 @@ import (
 // reduce-scatter while block l-1's backward runs, which waits for it only
 // to reuse its gradient slot. (Staged's collectives wait on the host, so
 // there they do not overlap.) The loss and the gradient norm's
-// sum of squares are scalars, all-reduced on the host (zeroRank.c) since
+// sum of squares are scalars, all-reduced on the host (rank.c) since
 // the ranks share a process. Sampling runs on every rank (each its own
 // B = 1 model, whose blocks are gathered as the training model's); rank
 // 0's logits are drawn from.
@@ -72,9 +72,9 @@ import (
 // small tensors).
 var streamedOffsets = []int{gpt.AttnW, gpt.AttnB, gpt.AttnProjW, gpt.AttnProjB, gpt.FcW, gpt.FcB, gpt.FcProjW, gpt.FcProjB}
 
-// gpuRank is a zeroRank's GPU side.
-type gpuRank struct {
-	g *gpuTrainer      // its model, stream and device
+// gatherSource is a ZeRO-3 GPU rank's weightSource (see above).
+type gatherSource struct {
+	g *gpuReplica      // its model, stream and device
 	c nccl.Collectives // its end of the device communicator
 	// The replicas, each tensor padded to n pieces: the bf16 working copy
 	// the model reads (work), the bf16 gradients it writes (grad), and
@@ -117,7 +117,7 @@ type gpuRank struct {
 	ready, wholeDone  *cuda.Event
 	gathered, reduced [2]*cuda.Event
 	holds             [2]int
-	// done is wait's event; failed is zeroRanks.failed.
+	// done is wait's event; failed is world.failed.
 	done   *cuda.Event
 	failed *atomic.Bool
 	rank   int
@@ -134,80 +134,91 @@ const replicaAlign = 256
 // alignUp rounds n up to a multiple of a.
 func alignUp(n, a int64) int64 { return (n + a - 1) / a * a }
 
-// openGPUs opens every rank's GPU, model and replicas, then the device
+// openGPUs opens every rank's GPU, model and replicas (each a
+// gpuReplica whose weights are gathered: gatherSource), then the device
 // communicator: NCCL over GPUs 0..n-1, or with cfg.Collectives "staged"
 // the collectives through host memory, rank r on GPU r mod the GPUs this
-// host has.
+// host has. It sets w's abort and collectives.
 //
 // Errors: fewer GPUs than ranks for NCCL (naming --collectives staged), no
 // NCCL, out of device memory, the models' and NCCL's own.
-func (z *zeroRanks) openGPUs(cfg *TrainConfig) error {
+func (w *world) openGPUs(cfg *TrainConfig) ([]*gpuReplica, error) {
 	count, err := cuda.DeviceCount()
 	if err != nil {
-		return fmt.Errorf("trainer: --device cuda: %w", err)
+		return nil, fmt.Errorf("trainer: --device cuda: %w", err)
 	}
 	staged := cfg.Collectives == "staged" || zeroOneRank == "staged"
 	if !staged {
-		if count < z.n {
-			return fmt.Errorf("trainer: --gpus %d: this host has %d GPU(s), and NCCL runs one rank per GPU (--collectives staged runs several ranks on one GPU through host memory, slowly: for tests)", z.n, count)
+		if count < w.n {
+			return nil, fmt.Errorf("trainer: --gpus %d: this host has %d GPU(s), and NCCL runs one rank per GPU (--collectives staged runs several ranks on one GPU through host memory, slowly: for tests)", w.n, count)
 		}
 		if err := nccl.Available(); err != nil {
-			return fmt.Errorf("trainer: --gpus %d: %w (--collectives staged moves the collectives through host memory instead)", z.n, err)
+			return nil, fmt.Errorf("trainer: --gpus %d: %w (--collectives staged moves the collectives through host memory instead)", w.n, err)
 		}
 		// bf16 and ncclAvg came with NCCL 2.10.
 		if v, path, err := nccl.Version(); err != nil || v < minNCCL {
-			return fmt.Errorf("trainer: --gpus %d: NCCL %s is version %d (%v): want 2.10 or later (bf16 and ncclAvg); point DOS_NCCL at a newer libnccl.so.2", z.n, path, v, err)
+			return nil, fmt.Errorf("trainer: --gpus %d: NCCL %s is version %d (%v): want 2.10 or later (bf16 and ncclAvg); point DOS_NCCL at a newer libnccl.so.2", w.n, path, v, err)
 		}
 	}
-	devs := make([]*cuda.Device, z.n)
-	for _, rk := range z.ranks {
-		g, err := openGPU(cfg, rk.r%count, cfg.Batch/z.n)
+	devs := make([]*cuda.Device, w.n)
+	gs := make([]*gpuReplica, w.n)
+	srcs := make([]*gatherSource, w.n)
+	seen := map[int]bool{}
+	for _, rk := range w.ranks {
+		g, err := openGPU(cfg, rk.r%count, cfg.Batch/w.n)
 		if err != nil {
-			return fmt.Errorf("rank %d: %w", rk.r, err)
+			return nil, fmt.Errorf("rank %d: %w", rk.r, err)
 		}
-		rk.gpu = &gpuRank{g: g, failed: &z.failed, rank: rk.r}
+		src := &gatherSource{g: g, failed: &w.failed, rank: rk.r}
+		g.src, gs[rk.r], srcs[rk.r] = src, g, src
+		rk.rep, rk.gradOnDevice = g, true
 		devs[rk.r] = g.dev
-		if err := rk.gpu.alloc(cfg, z, rk.r); err != nil {
-			return fmt.Errorf("trainer: rank %d: %w", rk.r, err)
+		seen[g.dev.Ordinal] = true
+		if err := src.alloc(cfg, w, rk.r); err != nil {
+			return nil, fmt.Errorf("trainer: rank %d: %w", rk.r, err)
 		}
 	}
 	var cs []nccl.Collectives
 	if staged {
 		st, err := nccl.NewStaged(devs)
 		if err != nil {
-			return fmt.Errorf("trainer: %w", err)
+			return nil, fmt.Errorf("trainer: %w", err)
 		}
 		for _, s := range st {
 			cs = append(cs, s)
 		}
+		w.collectives = fmt.Sprintf("staged through host memory, %d GPU(s)", len(seen))
 	} else {
 		cm, err := nccl.InitAll(devs)
 		if err != nil {
-			return fmt.Errorf("trainer: --gpus %d: %w", z.n, err)
+			return nil, fmt.Errorf("trainer: --gpus %d: %w", w.n, err)
 		}
 		for _, c := range cm {
 			cs = append(cs, c)
 		}
+		v, _, _ := nccl.Version()
+		w.collectives = fmt.Sprintf("NCCL %d.%d.%d over %d GPUs", v/10000, v/100%100, v%100, len(seen))
 	}
-	for r, rk := range z.ranks {
-		rk.gpu.c = cs[r]
+	for r, src := range srcs {
+		src.c = cs[r]
 	}
-	return nil
-}
-
-// share returns how many ranks run on rank r's GPU.
-func (z *zeroRanks) share(r int) int {
-	n := 0
-	for _, rk := range z.ranks {
-		if rk.gpu != nil && rk.gpu.g.dev.Ordinal == z.ranks[r].gpu.g.dev.Ordinal {
-			n++
+	// A failed rank aborts its own end at once but for NCCL's, whose
+	// ends are aborted all together once every rank has returned.
+	w.abort = func(rk *rank, err error, all bool) {
+		for _, src := range srcs {
+			if src.c == nil {
+				continue
+			}
+			if _, isNCCL := src.c.(*nccl.Comm); all || src.rank == rk.r && !isNCCL {
+				src.c.Abort(err)
+			}
 		}
 	}
-	return n
+	return gs, nil
 }
 
 // alloc allocates rank r's replicas and staging piece (zeroed).
-func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
+func (gr *gatherSource) alloc(cfg *TrainConfig, z *world, r int) error {
 	k, L := len(z.lens), cfg.Model.NLayer
 	gr.off, gr.moff, gr.soff, gr.msoff = make([]int64, k), make([]int64, k), make([]int64, k), make([]int64, k)
 	gr.short, gr.piece = make([]bool, k), make([]int64, k)
@@ -293,14 +304,12 @@ func (gr *gpuRank) alloc(cfg *TrainConfig, z *zeroRanks, r int) error {
 	return s.Sync()
 }
 
-// bind takes opt's device views of this rank's pieces, points the model
-// at the replicas (its fp32 masters too), sets its hooks, and brings
-// opt's state to the device.
-func (gr *gpuRank) bind(opt *offload.Optimizer, cfg *TrainConfig) error {
+// bind takes opt's device views of this rank's pieces and points the
+// model at the replicas (its fp32 masters too) and sets its hooks.
+func (gr *gatherSource) bind(opt *offload.Optimizer) error {
 	g, n := gr.g, len(opt.Params())
 	gr.opt, gr.stream = opt, offload.CUDAStream(gr.cs)
 	gr.wv, gr.gv, gr.mv = make([]*cuda.Buffer, n), make([]*cuda.Buffer, n), make([]*cuda.Buffer, n)
-	g.w, g.g, g.masters = make([]uint64, n), make([]uint64, n), make([]uint64, n)
 	borrow := func(t offload.DeviceTensor, err error) (*cuda.Buffer, error) {
 		if err != nil || t.Len == 0 {
 			return nil, err
@@ -324,18 +333,14 @@ func (gr *gpuRank) bind(opt *offload.Optimizer, cfg *TrainConfig) error {
 			g.masters[i] = gr.master.Ptr() + 4*uint64(gr.moff[i])
 		}
 	}
-	if err := g.m.SetMasters(g.masters); err != nil {
-		return err
-	}
 	gr.overlap = opt.Options().OverlapBackward
-	g.beforeBlock, g.wait = gr.beforeBlock, gr.wait
-	g.m.BeforeBlock(gr.beforeBlock)
+	g.beforeBlock = gr.beforeBlock
 	g.m.OnBlockBackward(gr.afterBlock)
-	return opt.SyncDevice()
+	return nil
 }
 
 // events lists the rank's events, for alloc and close.
-func (gr *gpuRank) events() []**cuda.Event {
+func (gr *gatherSource) events() []**cuda.Event {
 	return []**cuda.Event{&gr.ready, &gr.wholeDone, &gr.gathered[0], &gr.gathered[1], &gr.reduced[0], &gr.reduced[1], &gr.done}
 }
 
@@ -347,7 +352,7 @@ func (gr *gpuRank) events() []**cuda.Event {
 // stream's Sync waiting for ever. Every wait of a rank's goroutine on its
 // streams goes through it (gptcuda's Forward, Loss and LogitsAt then find
 // the work done). It does not allocate.
-func (gr *gpuRank) wait() error {
+func (gr *gatherSource) wait() error {
 	if err := gr.done.Record(gr.g.s); err != nil {
 		return err
 	}
@@ -367,7 +372,7 @@ func (gr *gpuRank) wait() error {
 
 // toComm orders the collectives' stream after the work enqueued on the
 // model's stream so far.
-func (gr *gpuRank) toComm() error {
+func (gr *gatherSource) toComm() error {
 	if err := gr.ready.Record(gr.g.s); err != nil {
 		return err
 	}
@@ -377,7 +382,7 @@ func (gr *gpuRank) toComm() error {
 // issue enqueues block l's gather into its slot on the collectives'
 // stream, after the model's work so far (which holds the slot's last
 // reader).
-func (gr *gpuRank) issue(l int) error {
+func (gr *gatherSource) issue(l int) error {
 	s := l % 2
 	gr.holds[s] = -1
 	if err := gr.toComm(); err != nil {
@@ -402,7 +407,7 @@ var zeroBlockFault func(rank, l int, backward bool) error
 // (block l+2's reduce-scatter done), and the next block's gather
 // enqueued into the other slot (l+1 forward, l-1 backward), which block
 // l computes meanwhile.
-func (gr *gpuRank) beforeBlock(l int, backward bool) error {
+func (gr *gatherSource) beforeBlock(l int, backward bool) error {
 	if f := zeroBlockFault; f != nil {
 		if err := f(gr.rank, l, backward); err != nil {
 			return err
@@ -432,7 +437,7 @@ func (gr *gpuRank) beforeBlock(l int, backward bool) error {
 
 // afterBlock is the model's OnBlockBackward: block l's gradients
 // reduce-scattered on the collectives' stream once its backward is done.
-func (gr *gpuRank) afterBlock(l int) error {
+func (gr *gatherSource) afterBlock(l int) error {
 	if err := gr.toComm(); err != nil {
 		return err
 	}
@@ -442,10 +447,10 @@ func (gr *gpuRank) afterBlock(l int) error {
 	return gr.reduced[l%2].Record(gr.cs)
 }
 
-// gatherWhole gathers the tensors outside the blocks' matrices (and
+// refresh gathers the tensors outside the blocks' matrices (and
 // forgets what the slots hold: the weights changed since), the model's
 // stream ordered after it.
-func (gr *gpuRank) gatherWhole() error {
+func (gr *gatherSource) refresh() error {
 	gr.holds = [2]int{-1, -1}
 	if err := gr.toComm(); err != nil {
 		return err
@@ -457,7 +462,7 @@ func (gr *gpuRank) gatherWhole() error {
 }
 
 // joinComm orders the model's stream after the collectives' work so far.
-func (gr *gpuRank) joinComm() error {
+func (gr *gatherSource) joinComm() error {
 	if err := gr.wholeDone.Record(gr.cs); err != nil {
 		return err
 	}
@@ -467,7 +472,7 @@ func (gr *gpuRank) joinComm() error {
 // grouped runs f, the collectives of one rank, as one NCCL group (one
 // launch) when c is NCCL's (Staged's calls each wait anyway), unless
 // another rank failed (errRankFailed).
-func (gr *gpuRank) grouped(f func() error) error {
+func (gr *gatherSource) grouped(f func() error) error {
 	if gr.failed.Load() {
 		return errRankFailed
 	}
@@ -485,7 +490,7 @@ func (gr *gpuRank) grouped(f func() error) error {
 // pieceSpan returns the span a collective sends or receives tensor i's
 // piece of es-byte elements (p of them) through: the optimizer's device
 // memory v, or the staging piece at off when the piece is short.
-func (gr *gpuRank) pieceSpan(i int, v *cuda.Buffer, off int64, es, p int64) nccl.Span {
+func (gr *gatherSource) pieceSpan(i int, v *cuda.Buffer, off int64, es, p int64) nccl.Span {
 	if gr.short[i] {
 		return nccl.Span{Buf: gr.stage, Off: off, Len: es * p}
 	}
@@ -494,7 +499,7 @@ func (gr *gpuRank) pieceSpan(i int, v *cuda.Buffer, off int64, es, p int64) nccl
 
 // gather all-gathers the working copy (and master weights) of tensors
 // idx into the replicas, on stream s.
-func (gr *gpuRank) gather(s *cuda.Stream, idx []int) error {
+func (gr *gatherSource) gather(s *cuda.Stream, idx []int) error {
 	for _, i := range idx {
 		if gr.short[i] && gr.wv[i] != nil {
 			if err := s.CopyDtoD(gr.stage, gr.soff[i], gr.wv[i], 0, gr.wv[i].Len()); err != nil {
@@ -528,7 +533,7 @@ func (gr *gpuRank) gather(s *cuda.Stream, idx []int) error {
 // replica into the optimizer's device gradients (their mean over the
 // ranks) on stream s (the collectives'), and with the overlap tells the
 // optimizer they are final (GradsFinal).
-func (gr *gpuRank) reduceScatter(s *cuda.Stream, idx []int) error {
+func (gr *gatherSource) reduceScatter(s *cuda.Stream, idx []int) error {
 	n := int64(gr.c.Size())
 	err := gr.grouped(func() error {
 		for _, i := range idx {
@@ -555,56 +560,28 @@ func (gr *gpuRank) reduceScatter(s *cuda.Stream, idx []int) error {
 	return nil
 }
 
-// forwardBackward runs steps 1-3 of the iteration on this rank's rows
-// inputs and targets and returns its loss (the mean over its rows); the
-// gradients are in the optimizer's device memory when it returns.
-func (gr *gpuRank) forwardBackward(inputs, targets []int32, scale float32) (float64, error) {
-	g := gr.g
-	if err := gr.gatherWhole(); err != nil {
-		return 0, err
-	}
-	if err := gr.wait(); err != nil { // Forward starts with its stream's Sync
-		return 0, err
-	}
-	if err := g.m.Forward(g.w, inputs, targets, scale); err != nil {
-		return 0, err
-	}
-	if err := g.m.Backward(g.w, g.g); err != nil {
-		return 0, err
-	}
+// end reduce-scatters the gradients of the tensors outside the blocks
+// (the embeddings', the LayerNorms') once the backward is done, the
+// model's stream ordered after it.
+func (gr *gatherSource) end() error {
 	if err := gr.toComm(); err != nil {
-		return 0, err
+		return err
 	}
 	if err := gr.reduceScatter(gr.cs, gr.rest); err != nil {
-		return 0, err
+		return err
 	}
-	if err := gr.joinComm(); err != nil {
-		return 0, err
-	}
-	if err := gr.wait(); err != nil {
-		return 0, err
-	}
-	return g.m.Loss()
+	return gr.joinComm()
 }
 
-// loss returns the mean loss over this rank's rows without gradients
-// (the whole tensors gathered before: zeroRanks.gatherGPU).
-func (gr *gpuRank) loss(inputs, targets []int32) (float64, error) {
-	if err := gr.wait(); err != nil { // Forward starts with its stream's Sync
-		return 0, err
-	}
-	if err := gr.g.m.Forward(gr.g.w, inputs, targets, 0); err != nil {
-		return 0, err
-	}
-	if err := gr.wait(); err != nil {
-		return 0, err
-	}
-	return gr.g.m.Loss()
+func (gr *gatherSource) streamed() int { return 0 }
+
+func (gr *gatherSource) describe(*TrainConfig) (line, memNote string) {
+	return "", fmt.Sprintf(", rank 0's GPU; its replicas of the parameters and gradients %.1f GiB", float64(gr.replicaBytes())/(1<<30))
 }
 
 // close frees the borrowed views, the replicas and the staging piece
-// (after the stream's work), the communicator's end and the model.
-func (gr *gpuRank) close() error {
+// (after the streams' work) and the communicator's end.
+func (gr *gatherSource) close() error {
 	if gr == nil {
 		return nil
 	}
@@ -636,13 +613,12 @@ func (gr *gpuRank) close() error {
 		errs = append(errs, gr.cs.Free())
 		gr.cs = nil
 	}
-	errs = append(errs, gr.g.close())
 	return errors.Join(errs...)
 }
 
 // replicaBytes returns the device memory of the rank's replicas and
 // staging piece.
-func (gr *gpuRank) replicaBytes() int64 {
+func (gr *gatherSource) replicaBytes() int64 {
 	var n int64
 	for _, b := range []*cuda.Buffer{gr.work, gr.grad, gr.master, gr.stage} {
 		if b != nil {
@@ -650,24 +626,4 @@ func (gr *gpuRank) replicaBytes() int64 {
 		}
 	}
 	return n
-}
-
-// gpus returns how many GPUs the ranks run on (1 on the host).
-func (z *zeroRanks) gpus() int {
-	seen := map[int]bool{}
-	for _, rk := range z.ranks {
-		if rk.gpu != nil {
-			seen[rk.gpu.g.dev.Ordinal] = true
-		}
-	}
-	return max(len(seen), 1)
-}
-
-// about says how the GPU ranks communicate, for the run's first line.
-func (z *zeroRanks) about() string {
-	if _, ok := z.ranks[0].gpu.c.(*nccl.Comm); ok {
-		v, _, _ := nccl.Version()
-		return fmt.Sprintf("NCCL %d.%d.%d over %d GPUs", v/10000, v/100%100, v%100, z.gpus())
-	}
-	return fmt.Sprintf("staged through host memory, %d GPU(s)", z.gpus())
 }

@@ -177,12 +177,13 @@ func TestZeROGPUErrors(t *testing.T) {
 	// Two of the six blocks' matrices are on a GPU at a time: the bf16
 	// working copy's replica is well under the whole model's 2 B per
 	// parameter (the blocks' matrices are 95 % of it here).
-	work, whole := tr.zero.ranks[0].gpu.work.Len(), 2*int64(s.Params)
+	src := tr.w.ranks[0].rep.(*gpuReplica).src.(*gatherSource)
+	work, whole := src.work.Len(), 2*int64(s.Params)
 	if work > whole/2 {
 		t.Errorf("rank 0's working-copy replica is %d bytes, the whole model's %d: want under half", work, whole)
 	}
 	t.Logf("%d ranks on %d GPU(s): loss %.4f -> %.4f, sample %q; rank 0's replicas %d bytes (work %d; the whole model in bf16: %d)",
-		c.GPUs, gpus, s.InitialLoss, s.FinalLoss, s.Sample, tr.zero.ranks[0].gpu.replicaBytes(), work, whole)
+		c.GPUs, gpus, s.InitialLoss, s.FinalLoss, s.Sample, src.replicaBytes(), work, whole)
 }
 
 // TestZeROGPUOneRank: one rank through the ZeRO-3 GPU path, over NCCL (a
