@@ -36,7 +36,9 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			"whose weights stream from host memory (--stream-blocks), the fp32 masters, the\n"+
 			"activations at --batch and the sampler's, what is left for the update phase, and the largest batch\n"+
 			"that fits with and without --recompute; with --profile too, the update phase's plan within what is\n"+
-			"left (--params then follows from the model, and --gpu-budget, unless given, from what the cap leaves).\n\n"+
+			"left (--params then follows from the model, and --gpu-budget, unless given, from what the cap leaves),\n"+
+			"and the update phase the model predicts for each count of blocks from host memory that fits (the\n"+
+			"held blocks' CPU work against the budget they free; forward and backward not modelled).\n\n"+
 			"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile:\n"+
 			"the update phase of each strategy (all on the CPU, a static split, all resident when it fits, the\n"+
 			"performance model's interleaved schedule) and of a k sweep, per rank, as the performance model\n"+
@@ -64,12 +66,14 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		return rc
 	}
 	fail := func(format string, a ...any) int { return c.usageError(stderr, format, a...) }
-	var held int64 // the streamed blocks' parameters (--stream-blocks): the CPU's, in place
+	var held int64                  // the streamed blocks' parameters (--stream-blocks): the CPU's, in place
+	var memCfg *trainer.TrainConfig // with --gpu-memory: the run planned
 	if mf.given(c) {
 		cfg, msg := mf.config(c)
 		if msg != "" {
 			return fail("%s", msg)
 		}
+		memCfg = &cfg
 		m := cfg.DeviceMemory(cfg.Batch)
 		left := m.BudgetLeft(int64(cfg.GPUMemory * (1 << 30)))
 		switch {
@@ -205,6 +209,12 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": gradDType, "profile": *profPath}
 	if limErr == nil {
 		meta["limit_s"] = lim.Makespan
+	}
+	if memCfg != nil {
+		fmt.Fprintln(stdout)
+		if _, err := streamSweep(*memCfg, &p, perRank, sgSize, stdout); err != nil {
+			return c.fail(stderr, "%v", err)
+		}
 	}
 	if err := writePlanOutputs(out, stdout, meta, results, modelOps, rankParams); err != nil {
 		return c.fail(stderr, "%v", err)

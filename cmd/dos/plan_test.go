@@ -64,6 +64,16 @@ func TestPlanGPUMemory(t *testing.T) {
 		!strings.Contains(out, "dos plan: 3.22B parameters over 1 rank(s)") || !strings.Contains(out, "model           12    21     0    0.57   false     0.841     0.842") {
 		t.Errorf("dos plan --profile with streamed blocks: rc %d\n%s%s", rc, out, errs)
 	}
+	// The sweep over the blocks streamed: each count that fits, the
+	// update phase the model predicts for it; auto's 9 and the model's
+	// fastest, 18 (the held blocks' in-place CPU work against the budget
+	// they free), marked.
+	for _, want := range []string{"the update phase by blocks from host memory", "\n       9       2.25        1.02B      0.841        12/21/0  <- --stream-blocks auto\n",
+		"\n      18       6.05        2.04B      0.756         0/19/3  <- the model's fastest\n", "\n      36      13.64        4.08B      1.057          0/0/2 \n"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("dos plan --profile, the streamed blocks' sweep: want %q in\n%s", want, out)
+		}
+	}
 	big := append(auto, "--stream-blocks", "0")
 	rc, out, errs = runCLI(big...)
 	for _, want := range []string{"4.24B parameters", "weights and gradients (bf16)     15.78 GiB", "activations (batch 8)             8.08 GiB",

@@ -6,6 +6,7 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/gpt"
+	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/trainer"
 )
 
@@ -148,4 +149,71 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 		}
 	}
 	return left
+}
+
+// streamSweep prints, for cfg under its GPUMemory and the machine p with
+// threads CPU workers, the update phase the performance model predicts
+// (perfmodel.Profile.Choose over the blocks on the GPU, the streamed
+// blocks' parameters the CPU's first: Workload.HostHeld) for each count
+// of blocks whose weights come from host memory that fits: what each
+// block moved off the GPU costs in CPU work and gives the update phase in
+// budget (its resident state and staging). It marks the count
+// --stream-blocks auto takes and the count the model predicts fastest,
+// and returns the latter (-1 when none fits).
+//
+// Errors: the workload's (a subgroup size the model refuses).
+func streamSweep(cfg trainer.TrainConfig, p *perfmodel.Profile, threads int, sgSize int64, out io.Writer) (int, error) {
+	capBytes := int64(cfg.GPUMemory * (1 << 30))
+	auto := cfg
+	auto.StreamBlocks = trainer.StreamAuto
+	chosen := auto.Streamed()
+	type row struct {
+		n          int
+		left, held int64
+		pred       perfmodel.Prediction
+	}
+	var rows []row
+	best := -1
+	for n := 0; n <= cfg.Model.NLayer; n++ {
+		c := cfg
+		c.StreamBlocks = n
+		left := c.DeviceMemory(c.Batch).BudgetLeft(capBytes)
+		if left <= 0 {
+			continue
+		}
+		held := int64(n) * trainer.StreamedBlockBytes(cfg.Model) / 4
+		w := perfmodel.Workload{Params: int64(cfg.Model.NumParams()) - held, HostHeld: held, SubgroupSize: sgSize, GradDType: adam.BF16, CopyBytes: 2, Threads: threads, GPUBudget: left}
+		pr, err := p.Choose(w)
+		if err != nil {
+			return -1, err
+		}
+		rows = append(rows, row{n, left, held, pr})
+		if best < 0 || pr.Makespan < rows[best].pred.Makespan {
+			best = len(rows) - 1
+		}
+	}
+	if len(rows) == 0 {
+		fmt.Fprintf(out, "streamed blocks: no count fits under --gpu-memory %g GiB\n", cfg.GPUMemory)
+		return -1, nil
+	}
+	fmt.Fprintf(out, "the update phase by blocks from host memory (the performance model's choice for each; the fwd+bwd is not modelled):\n")
+	fmt.Fprintf(out, "  %6s %10s %12s %10s %14s  %s\n", "blocks", "budget GiB", "host-held", "update s", "cpu/gpu/res", "")
+	// Every count would be a long table for deep models: the first and
+	// last that fit, auto's, the best, and about ten between.
+	step := max(1, len(rows)/10)
+	for i, r := range rows {
+		mark := ""
+		if r.n == chosen {
+			mark += " <- --stream-blocks auto"
+		}
+		if i == best {
+			mark += " <- the model's fastest"
+		}
+		if mark == "" && i%step != 0 && i != len(rows)-1 {
+			continue
+		}
+		fmt.Fprintf(out, "  %6d %10.2f %12s %10.3f %14s %s\n", r.n, float64(r.left)/(1<<30), count(float64(r.held)), r.pred.Makespan,
+			fmt.Sprintf("%d/%d/%d", r.pred.CPU, r.pred.GPU, r.pred.Resident), mark)
+	}
+	return rows[best].n, nil
 }
