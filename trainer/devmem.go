@@ -9,8 +9,9 @@ import (
 )
 
 // DeviceMemory is the device memory, in bytes, that a run on one GPU
-// (Device "cuda", GPUs 1) allocates outside its update phase, by what
-// holds it. The update phase's resident state and staging come on top,
+// (Device "cuda", GPUs 1), or one rank of a ZeRO-3 job on its own GPU
+// (GPUs > 1: NCCL's one rank per GPU), allocates outside its update
+// phase, by what holds it. The update phase's resident state and staging come on top,
 // within what is left (the GPU budget: the performance model's
 // perfmodel.Workload.GPUMemory of its schedule, 0 for all on the CPU).
 type DeviceMemory struct {
@@ -34,6 +35,12 @@ type DeviceMemory struct {
 	// (gptcuda.FP32Tensors: embeddings, LayerNorms), 4 bytes per element;
 	// 0 with BF16Params.
 	Masters int64
+	// Replicas is a ZeRO-3 rank's replicas (replicaLayout): the tensors
+	// outside the blocks' matrices whole and two blocks' matrices, in
+	// bf16 for the working copy and the gradients, their fp32 masters,
+	// and the staging pieces; 0 on one GPU. WeightsGrads and Masters
+	// are then the rank's pieces (its 1/GPUs, the largest rank's).
+	Replicas int64
 }
 
 // gibBytes is a GiB in bytes, for the messages.
@@ -59,7 +66,7 @@ func deviceBound(cfg gpt.Config, batch int) bool {
 
 // Total is the sum of m's parts, in bytes.
 func (m DeviceMemory) Total() int64 {
-	return m.Activations + m.Sampler + m.WeightsGrads + m.Masters + m.Slots
+	return m.Activations + m.Sampler + m.WeightsGrads + m.Masters + m.Slots + m.Replicas
 }
 
 // BudgetLeft is the update phase's device memory under a cap of capBytes
@@ -86,6 +93,9 @@ func (c *TrainConfig) DeviceMemory(batch int) DeviceMemory {
 
 // deviceMemory is DeviceMemory with n blocks streamed.
 func (c *TrainConfig) deviceMemory(batch, n int) DeviceMemory {
+	if c.GPUs > 1 {
+		return c.rankDeviceMemory(batch)
+	}
 	opts := gptcuda.Options{Recompute: c.Recompute}
 	weights := c.optimizerOptions().DeviceBytes(c.Model.NumParams() - n*blockStreamedElems(c.Model))
 	var slots int64
@@ -109,15 +119,64 @@ func (c *TrainConfig) deviceMemory(batch, n int) DeviceMemory {
 	return m
 }
 
+// rankDeviceMemory is DeviceMemory for one rank of a ZeRO-3 job of
+// GPUs ranks at a global batch of batch rows (batch/GPUs each): the
+// largest of the first and the last rank's (the first has the longest
+// pieces, the last the most staging).
+func (c *TrainConfig) rankDeviceMemory(batch int) DeviceMemory {
+	n := c.GPUs
+	rows := batch / n
+	var m DeviceMemory
+	if deviceBound(c.Model, rows) {
+		m.Activations = MaxDeviceBytes
+	} else {
+		m.Activations = gptcuda.MemoryBytes(c.Model, rows, c.Model.NCtx, gptcuda.Options{Recompute: c.Recompute})
+		if c.SampleBytes > 0 && !deviceBound(c.Model, 1) {
+			m.Sampler = gptcuda.MemoryBytes(c.Model, 1, c.Model.NCtx, samplerOptions)
+		}
+	}
+	ts := c.Model.Tensors()
+	lens, piece := make([]int, len(ts)), make([]int, len(ts))
+	for i, t := range ts {
+		lens[i], piece[i] = t.Numel(), (t.Numel()+n-1)/n
+	}
+	fp32 := map[int]bool{}
+	if !c.BF16Params {
+		for _, i := range gptcuda.FP32Tensors(c.Model) {
+			fp32[i] = true
+		}
+	}
+	best := m
+	for _, r := range []int{0, n - 1} {
+		elems, masters := 0, int64(0)
+		for i, l := range lens {
+			lo, hi := pieceOf(l, n, r)
+			elems += hi - lo
+			if fp32[i] {
+				masters += 4 * int64(hi-lo)
+			}
+		}
+		at := m
+		at.WeightsGrads, at.Masters = c.optimizerOptions().DeviceBytes(elems), masters
+		at.Replicas = replicaLayout(c, lens, piece, n, r).bytes()
+		if r == 0 || at.Total() > best.Total() {
+			best = at
+		}
+	}
+	return best
+}
+
 // checkDeviceMemory refuses a run on one GPU under GPUMemory whose device
 // memory outside the update phase (DeviceMemory) is over the cap, before
 // anything is allocated: it could only fail later, out of device memory.
 // The error gives the parts and what would fit (a smaller --batch,
-// --recompute; the gradients are bf16 on the GPU, Validate says). ZeRO-3 ranks (GPUs > 1) and runs
-// without a cap are not checked here (offload's budget is measured once
-// the device is open).
+// --recompute; the gradients are bf16 on the GPU, Validate says). A
+// ZeRO-3 job over NCCL (GPUs > 1, one rank per GPU) is checked per rank
+// (rankDeviceMemory); staged collectives, which may put several ranks on
+// one GPU, and runs without a cap are not checked here (offload's budget
+// is measured once the device is open).
 func (c *TrainConfig) checkDeviceMemory() error {
-	if c.Device != "cuda" || c.GPUs > 1 || c.GPUMemory <= 0 {
+	if c.Device != "cuda" || c.GPUs > 1 && c.Collectives == "staged" || c.GPUMemory <= 0 {
 		return nil
 	}
 	capBytes := int64(c.GPUMemory * gibBytes)
@@ -138,6 +197,15 @@ func (c *TrainConfig) checkDeviceMemory() error {
 	if b := c.largestBatch(safe); b > 0 {
 		fits = append(fits, fmt.Sprintf("--batch %d", b))
 	}
+	if c.GPUs > 1 { // more ranks, smaller pieces and rows
+		more := *c
+		for more.GPUs = c.GPUs + 1; more.GPUs <= 4*c.GPUs; more.GPUs++ {
+			if c.Batch%more.GPUs == 0 && more.DeviceMemory(c.Batch).Total() <= safe {
+				fits = append(fits, fmt.Sprintf("--gpus %d", more.GPUs))
+				break
+			}
+		}
+	}
 	if !c.Recompute {
 		r := *c
 		r.Recompute = true
@@ -156,6 +224,9 @@ func (c *TrainConfig) checkDeviceMemory() error {
 			c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, MaxDeviceBytes>>50, advice)}
 	}
 	sampler := ""
+	if m.Replicas > 0 {
+		sampler = fmt.Sprintf(", the rank's replicas %.2f (--gpus %d: each GPU's; weights and gradients and masters are its pieces)", float64(m.Replicas)/gibBytes, c.GPUs)
+	}
 	if m.Streamed > 0 {
 		sampler = fmt.Sprintf(", %d blocks streamed: their 2 slots %.2f", m.Streamed, float64(m.Slots)/gibBytes)
 	}
@@ -184,10 +255,28 @@ func (c *TrainConfig) largestBatch(capBytes int64) int { return c.LargestBatch(c
 // capBytes, 0 for none: the memory grows with the batch, so it is found
 // by bisection.
 func (c *TrainConfig) LargestBatch(capBytes int64, upTo int) int {
+	if c.GPUs > 1 { // in rows per rank: the batch is a multiple of the ranks
+		return c.rankRows(capBytes, upTo/c.GPUs) * c.GPUs
+	}
 	lo, hi := 0, upTo // lo fits (0: none), hi is the largest to try
 	for lo < hi {
 		mid := lo + (hi-lo)/2 + 1 // in (lo, hi], without overflow
 		if m := c.DeviceMemory(mid); m.Activations > 0 && m.Total() <= capBytes {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	return lo
+}
+
+// rankRows is LargestBatch for a ZeRO-3 rank: the most rows per rank, at
+// most upTo, whose rankDeviceMemory fits in capBytes.
+func (c *TrainConfig) rankRows(capBytes int64, upTo int) int {
+	lo, hi := 0, upTo
+	for lo < hi {
+		mid := lo + (hi-lo)/2 + 1
+		if m := c.rankDeviceMemory(mid * c.GPUs); m.Activations > 0 && m.Total() <= capBytes {
 			lo = mid
 		} else {
 			hi = mid - 1

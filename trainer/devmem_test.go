@@ -139,13 +139,57 @@ func TestValidateDeviceMemory(t *testing.T) {
 	wantErr(t, "gpt2-xl without --recompute", c.Validate(), "what fits: --batch 7, or --recompute")
 	for _, f := range []func(*TrainConfig){
 		func(c *TrainConfig) { c.GPUMemory = 0 },
-		func(c *TrainConfig) { c.GPUs = 2 },
+		func(c *TrainConfig) { c.GPUs, c.Collectives = 2, "staged" }, // ranks may share a GPU: not checked
 	} {
 		d := gpuConfig(t, 24)
 		f(&d)
 		if err := d.Validate(); err != nil && strings.Contains(err.Error(), "of device memory before the update phase") {
 			t.Errorf("%+v: %v", d.GPUs, err)
 		}
+	}
+}
+
+// TestValidateRankDeviceMemory: a ZeRO-3 job over NCCL (one rank per GPU)
+// is checked per GPU before anything is allocated: the rank's rows'
+// activations, its pieces of the weights, gradients and masters, and its
+// replicas (replicaLayout, what gatherSource allocates); the refusal
+// names what fits, and each does.
+func TestValidateRankDeviceMemory(t *testing.T) {
+	c := gpuConfig(t, 24)
+	c.GPUs = 2
+	one := gpuConfig(t, 24)
+	m, m1 := c.DeviceMemory(8), one.deviceMemory(8, 0)
+	// Half the weights and masters (the first rank's pieces round up),
+	// and the replicas: the whole tensors outside the blocks' matrices
+	// and two blocks', bf16 twice (working copy, gradients), their fp32
+	// masters.
+	if m.WeightsGrads < m1.WeightsGrads/2 || m.WeightsGrads > m1.WeightsGrads/2+1<<20 || m.Masters < m1.Masters/2 || m.Masters > m1.Masters/2+1<<20 {
+		t.Errorf("--gpus 2: pieces %d and %d bytes, want half of one GPU's %d and %d", m.WeightsGrads, m.Masters, m1.WeightsGrads, m1.Masters)
+	}
+	C := int64(c.Model.NEmbd)
+	block := int64(blockStreamedElems(c.Model))
+	outside := int64(c.Model.NumParams()) - int64(c.Model.NLayer)*block
+	if lo, hi := 2*2*(outside+2*block)+m1.Masters, 2*2*(outside+2*block)+m1.Masters+4<<20; m.Replicas < lo || m.Replicas > hi {
+		t.Errorf("--gpus 2: replicas %d bytes, want %d..%d (C %d)", m.Replicas, lo, hi, C)
+	}
+	if rows := one.deviceMemory(4, 0).Activations; m.Activations != rows {
+		t.Errorf("--gpus 2 at batch 8: activations %d, want one GPU's at 4 rows, %d", m.Activations, rows)
+	}
+	wantErr(t, "4.24B --gpus 2 under 24 GiB", c.Validate(), "the rank's replicas 2.02 (--gpus 2", "what fits: --batch 2, or --gpus 4, or --recompute")
+	for _, f := range []func(*TrainConfig){
+		func(c *TrainConfig) { c.Batch = 2 },
+		func(c *TrainConfig) { c.GPUs = 4 },
+		func(c *TrainConfig) { c.Recompute = true },
+	} {
+		d := c
+		f(&d)
+		if err := d.Validate(); err != nil {
+			t.Errorf("the advice for --gpus 2 (now --gpus %d --batch %d --recompute %v): %v", d.GPUs, d.Batch, d.Recompute, err)
+		}
+	}
+	// 2 is the largest batch (a multiple of the ranks) with CapMargin aside.
+	if b := c.LargestBatch(24<<30-CapMargin, 64); b != 2 || c.DeviceMemory(4).BudgetLeft(24<<30) >= 0 {
+		t.Errorf("LargestBatch for --gpus 2: %d, want 2", b)
 	}
 }
 

@@ -79,26 +79,19 @@ type gatherSource struct {
 	// The replicas, each tensor padded to n pieces: the bf16 working copy
 	// the model reads (work), the bf16 gradients it writes (grad), and
 	// the fp32 master weights of the tensors it reads in fp32 (master,
-	// nil with --bf16-params). work and grad hold the whole tensors
-	// first, then two block slots of the streamed tensors. off[i] is
-	// tensor i's element offset in work and grad (block l's streamed
-	// tensors in slot l mod 2), moff[i] in master (-1: none).
-	work, grad, master *cuda.Buffer
-	off, moff          []int64
-	// stage holds the short pieces (short[i]): 2·piece bytes each for the
-	// working copy and the gradient (at soff[i]) and 4·piece for the
-	// master weights (at msoff[i]).
-	stage       *cuda.Buffer
-	soff, msoff []int64
-	short       []bool
-	piece       []int64 // each tensor's piece, ceil(numel/n) elements
-	// whole lists the tensors gathered at the start of a pass, blocks[l]
-	// block l's streamed ones (gathered by BeforeBlock); final[l] the
-	// tensors whose gradients block l's backward ends (finalAfter), rest
-	// those the backward's end does.
-	whole         []int
-	blocks, final [][]int
-	rest          []int
+	// nil with --bf16-params), and the staging pieces (stage) of the
+	// short pieces, laid out by replicaLayout (replicas: work and grad
+	// hold the whole tensors first, then two block slots of the streamed
+	// tensors; off[i] is tensor i's element offset in them, block l's
+	// streamed tensors in slot l mod 2, moff[i] in master, -1: none; a
+	// short piece's 2·piece bytes of working copy and gradient at soff[i]
+	// in stage, its 4·piece of masters at msoff[i]). whole lists the
+	// tensors gathered at the start of a pass, blocks[l] block l's
+	// streamed ones (gathered by BeforeBlock); final[l] the tensors whose
+	// gradients block l's backward ends (finalAfter), rest those the
+	// backward's end does.
+	work, grad, master, stage *cuda.Buffer
+	replicas
 	// The optimizer's device memory of this rank's pieces (cuda.Borrow),
 	// nil for an empty piece: the working copy, the gradients and the
 	// master weights.
@@ -219,63 +212,8 @@ func (w *world) openGPUs(cfg *TrainConfig) ([]*gpuReplica, error) {
 
 // alloc allocates rank r's replicas and staging piece (zeroed).
 func (gr *gatherSource) alloc(cfg *TrainConfig, z *world, r int) error {
-	k, L := len(z.lens), cfg.Model.NLayer
-	gr.off, gr.moff, gr.soff, gr.msoff = make([]int64, k), make([]int64, k), make([]int64, k), make([]int64, k)
-	gr.short, gr.piece = make([]bool, k), make([]int64, k)
-	fp32 := make([]bool, k)
-	if !cfg.BF16Params {
-		for _, i := range gptcuda.FP32Tensors(cfg.Model) {
-			fp32[i] = true
-		}
-	}
-	streamed := make([]int, k) // 1 + the tensor's index in streamedOffsets, 0 for a whole one
-	gr.blocks = make([][]int, L)
-	for l := range L {
-		for j, o := range streamedOffsets {
-			i := gpt.LayerBase(l) + o
-			streamed[i] = j + 1
-			gr.blocks[l] = append(gr.blocks[l], i)
-		}
-	}
-	gr.final, gr.rest = finalAfter(L)
-	n := int64(z.n)
-	var words, mwords, stage int64 // bytes of the whole tensors, the masters, stage
-	slot := make([]int64, len(streamedOffsets))
-	var slotBytes int64
-	for i, l := range z.lens {
-		p := int64(z.piece[i])
-		gr.piece[i] = p
-		gr.moff[i], gr.soff[i], gr.msoff[i] = -1, -1, -1
-		if j := streamed[i]; j > 0 {
-			if i < gpt.LayerBase(1) { // block 0's lay out the slot
-				slot[j-1] = slotBytes
-				slotBytes = alignUp(slotBytes+2*p*n, replicaAlign)
-			}
-		} else {
-			gr.whole = append(gr.whole, i)
-			gr.off[i] = words / 2
-			words = alignUp(words+2*p*n, replicaAlign)
-		}
-		if fp32[i] {
-			gr.moff[i] = mwords / 4
-			mwords = alignUp(mwords+4*p*n, replicaAlign)
-		}
-		if lo, hi := pieceOf(l, z.n, r); int64(hi-lo) < p {
-			gr.short[i] = true
-			gr.soff[i] = stage
-			stage = alignUp(stage+2*p, replicaAlign)
-			if fp32[i] {
-				gr.msoff[i] = stage
-				stage = alignUp(stage+4*p, replicaAlign)
-			}
-		}
-	}
-	for l, idx := range gr.blocks {
-		for j, i := range idx {
-			gr.off[i] = (words + int64(l%2)*slotBytes + slot[j]) / 2
-		}
-	}
-	words += 2 * slotBytes
+	gr.replicas = replicaLayout(cfg, z.lens, z.piece, z.n, r)
+	words, mwords, stage := gr.workBytes, gr.masterBytes, gr.stageBytes
 	d, s := gr.g.dev, gr.g.s
 	var err error
 	if gr.cs, err = d.NewStream(); err != nil {
@@ -302,6 +240,92 @@ func (gr *gatherSource) alloc(cfg *TrainConfig, z *world, r int) error {
 		}
 	}
 	return s.Sync()
+}
+
+// replicas is a GPU rank's replica layout (replicaLayout): gatherSource's
+// offsets and tensor lists, and the bytes of its buffers.
+type replicas struct {
+	off, moff, soff, msoff []int64
+	short                  []bool
+	piece                  []int64
+	whole                  []int
+	blocks, final          [][]int
+	rest                   []int
+	// workBytes is the bf16 working copy's replica (the whole tensors and
+	// two block slots), the gradients' the same; masterBytes the fp32
+	// masters'; stageBytes the staging pieces'.
+	workBytes, masterBytes, stageBytes int64
+}
+
+// bytes returns the device memory of the replicas and staging pieces.
+func (r replicas) bytes() int64 { return 2*r.workBytes + r.masterBytes + r.stageBytes }
+
+// replicaLayout lays out rank r of n's replicas for cfg's tensors (lens
+// elements each, piece per rank's piece): each tensor padded to n pieces
+// at replicaAlign, the tensors outside the blocks' matrices whole, then
+// the blocks' matrices and biases in two slots, block l in slot l mod 2,
+// the fp32 masters of gptcuda.FP32Tensors (none with BF16Params), and a
+// staging piece for each of this rank's short pieces.
+func replicaLayout(cfg *TrainConfig, lens, piece []int, n, r int) replicas {
+	k, L := len(lens), cfg.Model.NLayer
+	var gr replicas
+	gr.off, gr.moff, gr.soff, gr.msoff = make([]int64, k), make([]int64, k), make([]int64, k), make([]int64, k)
+	gr.short, gr.piece = make([]bool, k), make([]int64, k)
+	fp32 := make([]bool, k)
+	if !cfg.BF16Params {
+		for _, i := range gptcuda.FP32Tensors(cfg.Model) {
+			fp32[i] = true
+		}
+	}
+	streamed := make([]int, k) // 1 + the tensor's index in streamedOffsets, 0 for a whole one
+	gr.blocks = make([][]int, L)
+	for l := range L {
+		for j, o := range streamedOffsets {
+			i := gpt.LayerBase(l) + o
+			streamed[i] = j + 1
+			gr.blocks[l] = append(gr.blocks[l], i)
+		}
+	}
+	gr.final, gr.rest = finalAfter(L)
+	nn := int64(n)
+	var words, mwords, stage int64 // bytes of the whole tensors, the masters, stage
+	slot := make([]int64, len(streamedOffsets))
+	var slotBytes int64
+	for i, l := range lens {
+		p := int64(piece[i])
+		gr.piece[i] = p
+		gr.moff[i], gr.soff[i], gr.msoff[i] = -1, -1, -1
+		if j := streamed[i]; j > 0 {
+			if i < gpt.LayerBase(1) { // block 0's lay out the slot
+				slot[j-1] = slotBytes
+				slotBytes = alignUp(slotBytes+2*p*nn, replicaAlign)
+			}
+		} else {
+			gr.whole = append(gr.whole, i)
+			gr.off[i] = words / 2
+			words = alignUp(words+2*p*nn, replicaAlign)
+		}
+		if fp32[i] {
+			gr.moff[i] = mwords / 4
+			mwords = alignUp(mwords+4*p*nn, replicaAlign)
+		}
+		if lo, hi := pieceOf(l, n, r); int64(hi-lo) < p {
+			gr.short[i] = true
+			gr.soff[i] = stage
+			stage = alignUp(stage+2*p, replicaAlign)
+			if fp32[i] {
+				gr.msoff[i] = stage
+				stage = alignUp(stage+4*p, replicaAlign)
+			}
+		}
+	}
+	for l, idx := range gr.blocks {
+		for j, i := range idx {
+			gr.off[i] = (words + int64(l%2)*slotBytes + slot[j]) / 2
+		}
+	}
+	gr.workBytes, gr.masterBytes, gr.stageBytes = words+2*slotBytes, mwords, stage
+	return gr
 }
 
 // bind takes opt's device views of this rank's pieces and points the
