@@ -30,7 +30,7 @@ type planResult struct {
 }
 
 func runPlan(args []string, stdout, stderr io.Writer) int {
-	c := newCLI("dos plan", "dos plan --profile PATH [--params N] [--ranks R] [--subgroup-size N] [flags]\n       dos plan --gpu-memory GiB --model NAME|--layers L --heads H --embd C [--ctx T] [--tokenizer byte|gpt2] [--batch B] [--recompute] [--sample N] [--bf16-params] [--stream-blocks N|auto] [--profile PATH]",
+	c := newCLI("dos plan", "dos plan --profile PATH [--params N] [--ranks R] [--subgroup-size N] [flags]\n       dos plan --gpu-memory GiB --model NAME|--layers L --heads H --embd C [--ctx T] [--tokenizer byte|gpt2] [--batch B] [--recompute] [--sample N] [--bf16-params] [--stream-blocks N|auto] [--ranks N] [--profile PATH]",
 		"With --gpu-memory: the device memory of a GPT-2 trained on one GPU of that size (dos train --device cuda\n"+
 			"--gpu-memory), before anything is allocated: the weights and gradients, the block slots of the blocks\n"+
 			"whose weights stream from host memory (--stream-blocks), the fp32 masters, the\n"+
@@ -38,7 +38,9 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			"that fits with and without --recompute; with --profile too, the update phase's plan within what is\n"+
 			"left (--params then follows from the model, and --gpu-budget, unless given, from what the cap leaves),\n"+
 			"and the update phase the model predicts for each count of blocks from host memory that fits (the\n"+
-			"held blocks' CPU work against the budget they free; forward and backward not modelled).\n\n"+
+			"held blocks' CPU work against the budget they free; forward and backward not modelled). With\n"+
+			"--ranks N, each GPU of a ZeRO-3 job of N ranks (dos train --gpus N, a rank per GPU): its rows, pieces\n"+
+			"and replicas.\n\n"+
 			"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile:\n"+
 			"the update phase of each strategy (all on the CPU, a static split, all resident when it fits, the\n"+
 			"performance model's interleaved schedule) and of a k sweep, per rank, as the performance model\n"+
@@ -74,11 +76,20 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			return fail("%s", msg)
 		}
 		memCfg = &cfg
+		if *ranks > 1 { // ZeRO-3: each GPU's memory, one rank per GPU (NCCL's)
+			switch {
+			case *ranks > 1024:
+				return fail("--ranks %d: want 1 to 1024", *ranks)
+			case cfg.Batch%*ranks != 0:
+				return fail("--batch %d: with --ranks %d it must be a multiple of the ranks (each trains batch/ranks rows)", cfg.Batch, *ranks)
+			case cfg.StreamBlocks > 0:
+				return fail("--stream-blocks %d with --ranks %d: streaming blocks' weights is built for one GPU only, not yet for ZeRO-3's ranks", cfg.StreamBlocks, *ranks)
+			}
+			cfg.GPUs = *ranks
+		}
 		m := cfg.DeviceMemory(cfg.Batch)
 		left := m.BudgetLeft(int64(cfg.GPUMemory * (1 << 30)))
 		switch {
-		case *ranks != 1:
-			return fail("--gpu-memory plans one GPU's memory: --ranks 1 (ZeRO-3 ranks' device memory is not planned yet)")
 		case c.set("params"):
 			return fail("--params: with --gpu-memory the model's flags give the parameters (%s)", count(float64(cfg.Model.NumParams())))
 		case gradDType != adam.BF16:
@@ -210,7 +221,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	if limErr == nil {
 		meta["limit_s"] = lim.Makespan
 	}
-	if memCfg != nil {
+	if memCfg != nil && memCfg.GPUs <= 1 { // streaming is one GPU's
 		fmt.Fprintln(stdout)
 		if _, err := streamSweep(*memCfg, &p, perRank, sgSize, stdout); err != nil {
 			return c.fail(stderr, "%v", err)

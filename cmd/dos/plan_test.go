@@ -74,6 +74,17 @@ func TestPlanGPUMemory(t *testing.T) {
 			t.Errorf("dos plan --profile, the streamed blocks' sweep: want %q in\n%s", want, out)
 		}
 	}
+	// --ranks N: each GPU of a ZeRO-3 job, as dos train --gpus N checks it.
+	rc, out, errs = runCLI(append(auto, "--ranks", "2", "--stream-blocks", "auto")...)
+	for _, want := range []string{"on each of 2 GPUs (ZeRO-3, a rank per GPU: batch 4 rows each)", "the rank's replicas               2.02 GiB",
+		"weights and gradients (bf16)      7.89 GiB (the rank's 1/2", "activations (batch 8: 4 rows)", "left for the update phase         7.65 GiB"} {
+		if rc != 0 || !strings.Contains(out, want) || strings.Contains(out, "block slots") {
+			t.Errorf("dos plan --ranks 2: rc %d, want %q in\n%s%s", rc, want, out, errs)
+		}
+	}
+	if rc, _, errs := runCLI(append(auto, "--ranks", "3")...); rc != 2 || !strings.Contains(errs, "--batch 8: with --ranks 3 it must be a multiple of the ranks") {
+		t.Errorf("dos plan --ranks 3 --batch 8: rc %d %s", rc, errs)
+	}
 	big := append(auto, "--stream-blocks", "0")
 	rc, out, errs = runCLI(big...)
 	for _, want := range []string{"4.24B parameters", "weights and gradients (bf16)     15.78 GiB", "activations (batch 8)             8.08 GiB",
@@ -128,7 +139,7 @@ func TestPlanGPUMemory(t *testing.T) {
 		t.Errorf("dos train --batch 1e11: rc %d %s", rc, errs)
 	}
 	for _, bad := range [][]string{
-		{"--model", "gpt2"}, {"--gpu-memory", "24", "--model", "gpt2", "--ranks", "2"},
+		{"--model", "gpt2"}, {"--gpu-memory", "24", "--model", "gpt2", "--ranks", "3"}, {"--gpu-memory", "24", "--model", "gpt2", "--ranks", "2", "--stream-blocks", "2"},
 		{"--gpu-memory", "24", "--model", "gpt3"}, {"--gpu-memory", "24", "--model", "gpt2", "--heads", "7"},
 		{"--gpu-memory", "24", "--model", "gpt2", "--params", "7B"}, {"--gpu-memory", "24", "--model", "gpt2", "--grad-dtype", "float32"},
 		{"--gpu-memory", "24", "--model", "gpt2", "--gpu-budget", "100", "--profile", h200},

@@ -98,17 +98,32 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 	if cfg.Recompute {
 		rc = " --recompute"
 	}
-	fmt.Fprintf(out, "dos plan: device memory on one GPU under --gpu-memory %g GiB: --layers %d --heads %d --embd %d --ctx %d --tokenizer %s --batch %d%s, %s parameters\n",
-		cfg.GPUMemory, cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Tokenizer, cfg.Batch, rc, count(float64(cfg.Model.NumParams())))
+	where := "one GPU"
+	if cfg.GPUs > 1 {
+		where = fmt.Sprintf("each of %d GPUs (ZeRO-3, a rank per GPU: batch %d rows each)", cfg.GPUs, cfg.Batch/cfg.GPUs)
+	}
+	fmt.Fprintf(out, "dos plan: device memory on %s under --gpu-memory %g GiB: --layers %d --heads %d --embd %d --ctx %d --tokenizer %s --batch %d%s, %s parameters\n",
+		where, cfg.GPUMemory, cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Tokenizer, cfg.Batch, rc, count(float64(cfg.Model.NumParams())))
 	if m.TooLarge() {
 		fmt.Fprintf(out, "  the activations at batch %d are too large to count (over %d PiB): does not fit; dos train refuses it before allocating\n", cfg.Batch, trainer.MaxDeviceBytes>>50)
 	} else {
-		row("weights and gradients (bf16)", m.WeightsGrads, "")
+		pieces := ""
+		if cfg.GPUs > 1 {
+			pieces = fmt.Sprintf(" (the rank's 1/%d; the masters' too)", cfg.GPUs)
+		}
+		row("weights and gradients (bf16)", m.WeightsGrads, pieces)
 		if m.Streamed > 0 {
 			row(fmt.Sprintf("block slots (%d/%d from host)", m.Streamed, cfg.Model.NLayer), m.Slots, fmt.Sprintf(" (%.2f GiB of weights and gradients in host memory)", float64(int64(m.Streamed)*trainer.StreamedBlockBytes(cfg.Model))/(1<<30)))
 		}
 		row("fp32 masters", m.Masters, "")
-		row(fmt.Sprintf("activations (batch %d)", cfg.Batch), m.Activations, "")
+		if m.Replicas > 0 {
+			row("the rank's replicas", m.Replicas, " (the tensors outside the blocks' matrices and two blocks', working copy, gradients and masters)")
+		}
+		rows := fmt.Sprintf("batch %d", cfg.Batch)
+		if cfg.GPUs > 1 {
+			rows += fmt.Sprintf(": %d rows", cfg.Batch/cfg.GPUs)
+		}
+		row(fmt.Sprintf("activations (%s)", rows), m.Activations, "")
 		row(fmt.Sprintf("sampler (--sample %d)", cfg.SampleBytes), m.Sampler, "")
 		row("before the update phase", m.Total(), fmt.Sprintf(" of %g GiB", cfg.GPUMemory))
 	}
@@ -122,7 +137,7 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 	default:
 		fmt.Fprintf(out, "  does not fit: over the cap by %.2f GiB (dos train refuses it before allocating)\n", float64(m.Total()-capBytes)/(1<<30))
 	}
-	if m.Total() > capBytes && cfg.StreamBlocks != 0 && m.Streamed == 0 && !m.TooLarge() {
+	if m.Total() > capBytes && cfg.StreamBlocks != 0 && m.Streamed == 0 && !m.TooLarge() && cfg.GPUs <= 1 {
 		all := cfg
 		all.StreamBlocks = cfg.Model.NLayer
 		fmt.Fprintf(out, "  with all %d blocks' weights from host memory (--stream-blocks %d) it would need %.2f GiB: it does not fit either\n",
