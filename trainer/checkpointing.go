@@ -164,11 +164,12 @@ func (s *saver) saveLazily(step int64, objects map[string]any, ringBytes int64) 
 			return fail(err)
 		}
 	}
-	if s.engines == nil {
+	if s.engines == nil { // every rank's, or none (a later save tries again)
 		keep := s.keep
 		if w.job && keep > 0 {
 			keep++
 		}
+		var engines []*checkpoint.Engine
 		for r := range w.n {
 			e, err := checkpoint.NewEngine(checkpoint.OS, s.rootOf(r),
 				checkpoint.EngineOptions{ChunkBytes: checkpoint.DefaultChunkBytes, RingBytes: ringBytes, Keep: keep})
@@ -176,10 +177,14 @@ func (s *saver) saveLazily(step int64, objects map[string]any, ringBytes int64) 
 				if w.job {
 					err = fmt.Errorf("rank %d: %w", r, err)
 				}
+				for _, e := range engines {
+					e.Close()
+				}
 				return fmt.Errorf("trainer: checkpoint engine: %w", err)
 			}
-			s.engines = append(s.engines, e)
+			engines = append(engines, e)
 		}
+		s.engines = engines
 	}
 	s.last, s.lastStep = make([]*checkpoint.Handle, w.n), step
 	var errs []error

@@ -360,6 +360,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 			return nil, errors.Join(err, t.Close())
 		}
 		t.resumed, t.resumedAt = true, t.state.Iteration
+		t.saver.committed = int64(t.state.Iteration) // the job's latest, which a failed save leaves
 	}
 	if err := t.bind(); err != nil {
 		return nil, errors.Join(err, t.Close())

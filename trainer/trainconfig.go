@@ -454,9 +454,9 @@ const MaxMemoryBytes = 1 << 40
 //
 // With GPUs N > 1 (on the host or "sim") the pieces of the N optimizers add
 // up to one model's state, and each rank adds its fp32 replica of the
-// parameters and gradients (8N B per parameter), the trainer an fp32
-// working copy (4 B), and the activations are N models' of Batch/N rows
-// and Evaluate's of Batch.
+// parameters and gradients (8N B per parameter; no fp32 copies beside
+// them), and the activations are N models' of Batch/N rows (which
+// evaluate too), and rank 0's sampler of one row when the run samples.
 //
 // With Device "cuda" the activations are on the GPU and there are no fp32
 // copies: 16 B per parameter (18 with the overlap with backward: the CPU
@@ -486,10 +486,11 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	}
 	floats := model(float64(c.Batch))
 	if n := float64(c.GPUs); c.GPUs > 1 && c.Device != "cuda" {
-		// ZeRO-3 ranks (zero.go): the optimizers' pieces add up to one
-		// model's state; the trainer's fp32 working copy for Evaluate and
-		// each rank's fp32 replica of the parameters and gradients are
-		// 4 + 8N B; N models of Batch/N rows and Evaluate's of Batch.
+		// ZeRO-3 ranks (hostGathered): the optimizers' pieces add up to
+		// one model's state (12 B), gradients (4 B, or 2 in 16 bits) and
+		// 16-bit working copy (2 B, if any); each rank's fp32 replica of
+		// the parameters and gradients is 8N B; N models of Batch/N rows,
+		// and rank 0's sampler.
 		perParam = 12 + 4 + 8*n
 		if c.GradDType != adam.F32 {
 			perParam -= 2
@@ -497,7 +498,10 @@ func (c *TrainConfig) MemoryBytes() float64 {
 		if c.WorkingDType != 0 {
 			perParam += 2
 		}
-		floats = n*model(float64(c.Batch)/n) + model(float64(c.Batch))
+		floats = n * model(float64(c.Batch)/n)
+		if c.SampleBytes > 0 {
+			floats += model(1)
+		}
 	}
 	if c.Device == "cuda" {
 		// The GPU holds the activations and reads the 16-bit copies

@@ -130,10 +130,14 @@ func TestMemoryBytesMeasured(t *testing.T) {
 		t.Skip("allocates about 100 MB")
 	}
 	text := []byte(strings.Repeat("Of the Reflexions, Refractions, Inflexions and Colours of Light. ", 200))
-	for _, dt := range []adam.DType{0, adam.BF16} {
+	for _, tc := range []struct {
+		dt   adam.DType
+		gpus int
+	}{{0, 1}, {adam.BF16, 1}, {0, 2}, {adam.BF16, 4}} {
+		dt := tc.dt
 		c := DefaultTrainConfig()
 		c.Model = Config{VocabSize: VocabSize, NCtx: 64, NLayer: 3, NHead: 4, NEmbd: 256}
-		c.Batch = 8
+		c.Batch, c.GPUs = 8, tc.gpus
 		if dt != 0 {
 			c.GradDType, c.WorkingDType = dt, dt
 		}
@@ -149,9 +153,9 @@ func TestMemoryBytesMeasured(t *testing.T) {
 			t.Fatal(err)
 		}
 		got, est := float64(after.TotalAlloc-before.TotalAlloc), c.MemoryBytes()
-		t.Logf("grad/working %v/%v: New allocated %.1f MiB, MemoryBytes %.1f MiB (%.3f)", c.GradDType, c.WorkingDType, got/(1<<20), est/(1<<20), got/est)
+		t.Logf("grad/working %v/%v, %d rank(s): New allocated %.1f MiB, MemoryBytes %.1f MiB (%.3f)", c.GradDType, c.WorkingDType, c.GPUs, got/(1<<20), est/(1<<20), got/est)
 		if r := got / est; r < 0.9 || r > 1.1 {
-			t.Errorf("grad/working %v/%v: New allocated %.0f bytes, MemoryBytes estimates %.0f (ratio %.2f)", c.GradDType, c.WorkingDType, got, est, r)
+			t.Errorf("grad/working %v/%v, %d rank(s): New allocated %.0f bytes, MemoryBytes estimates %.0f (ratio %.2f)", c.GradDType, c.WorkingDType, c.GPUs, got, est, r)
 		}
 	}
 }

@@ -388,10 +388,14 @@ func (w *world) loss(inputs, targets []int32) (float64, error) {
 	return w.ranks[0].loss, err
 }
 
-// next returns rank 0's logits after the tokens of window for sampling:
-// every rank runs its B = 1 model on window (a job's blocks' gathers are
-// collectives).
+// next returns rank 0's logits after the tokens of window for sampling.
+// On GPUs every rank runs its B = 1 model on window (a job's blocks'
+// gathers are collectives); on the host a replica holds the whole weights
+// once refreshed, and rank 0's alone runs.
 func (w *world) next(window []int32) ([]float32, error) {
+	if w.gpus == 0 {
+		return w.ranks[0].rep.next(window)
+	}
 	var logits []float32
 	err := w.each(func(rk *rank) error {
 		l, err := rk.rep.next(window)

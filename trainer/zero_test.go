@@ -392,7 +392,27 @@ func TestZeROSaveAfterFailedLazySave(t *testing.T) {
 			t.Errorf("rank %d lost the job's committed step 2 (second Run: %v): %v", r, runErr, err)
 		}
 	}
+	// A resumed job whose first save fails says the job's latest is the
+	// step it resumed from (it said -1, the first run's none).
 	c.Resume = true
+	zeroSaveFault = func(rank int, step int64) error {
+		if rank == 1 {
+			return errors.New("injected: rank 1's write failed")
+		}
+		return nil
+	}
+	tr, err = NewTokens(c, toks, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tr.Run(); err == nil || !strings.Contains(err.Error(), "rank 1: injected") {
+		t.Fatalf("the resumed Run with rank 1's save of step 4 failing: %v", err)
+	}
+	if _, err := tr.Run(); err == nil || !strings.Contains(err.Error(), "the job's latest is still step 2") {
+		t.Errorf("the resumed job's second Run: %v, want the save refused naming step 2", err)
+	}
+	tr.Close()
+	zeroSaveFault = nil
 	if got, sum := zeroRun(t, c, 2, toks); len(got) != 4 || sum.Steps != 6 {
 		t.Errorf("the resumed run: %d steps logged, ended at %d; want 3..6", len(got), sum.Steps)
 	}
