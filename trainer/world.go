@@ -353,19 +353,13 @@ func (rk *rank) allReduce(v float64, op comm.Op) (float64, error) {
 // still takes part in every collective (its gradient then carries the NaN
 // to the step, which skips).
 func (w *world) forwardBackward(inputs, targets []int32, scale float32, mark func()) (float64, error) {
-	err := w.each(func(rk *rank) error {
+	return w.meanLoss(inputs, targets, func(rk *rank, in, tg []int32) (float64, error) {
 		m := mark
 		if rk.r != 0 {
 			m = nil
 		}
-		loss, err := rk.rep.forwardBackward(w.rows(inputs, rk.r), w.rows(targets, rk.r), scale, m)
-		if err != nil {
-			return err
-		}
-		rk.loss, err = rk.allReduce(loss, comm.Avg)
-		return err
+		return rk.rep.forwardBackward(in, tg, scale, m)
 	})
-	return w.ranks[0].loss, err
 }
 
 // refresh brings every replica's weights in for the passes outside the
@@ -377,8 +371,14 @@ func (w *world) refresh() error {
 // loss returns the ranks' mean loss of a batch without gradients, each
 // rank's forward on its rows.
 func (w *world) loss(inputs, targets []int32) (float64, error) {
+	return w.meanLoss(inputs, targets, func(rk *rank, in, tg []int32) (float64, error) { return rk.rep.loss(in, tg) })
+}
+
+// meanLoss runs f on every rank over its rows of inputs and targets and
+// returns the ranks' mean of what f returns (all-reduced in a job).
+func (w *world) meanLoss(inputs, targets []int32, f func(rk *rank, in, tg []int32) (float64, error)) (float64, error) {
 	err := w.each(func(rk *rank) error {
-		loss, err := rk.rep.loss(w.rows(inputs, rk.r), w.rows(targets, rk.r))
+		loss, err := f(rk, w.rows(inputs, rk.r), w.rows(targets, rk.r))
 		if err != nil {
 			return err
 		}
