@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/offload"
@@ -110,6 +111,99 @@ func InitParamInto(c Config, seed uint64, i int, dst []float32) {
 	for j := range dst {
 		dst[j] = float32(r.NormFloat64() * std)
 	}
+}
+
+// initWindow is the most bytes of initial weights initWeights draws at
+// once, in each of its two windows (at least the largest tensor's).
+const initWindow = 256 << 20
+
+// initWindows cuts c.Tensors() into initWeights's windows, [lo, hi) of
+// consecutive tensors with at most max(window/4, the largest tensor's)
+// elements each, and returns them with the fullest window's elements.
+func initWindows(c Config, window int) (windows [][2]int, most int) {
+	ts := c.Tensors()
+	size := window / 4
+	for _, p := range ts {
+		size = max(size, p.Numel())
+	}
+	for lo := 0; lo < len(ts); {
+		hi, n := lo, 0
+		for hi < len(ts) && n+ts[hi].Numel() <= size {
+			n += ts[hi].Numel()
+			hi++
+		}
+		windows = append(windows, [2]int{lo, hi})
+		most = max(most, n)
+		lo = hi
+	}
+	return windows, most
+}
+
+// initBufferElems is the fp32 elements initWeights allocates for c: one
+// window's slab when one window holds the model, else two.
+func initBufferElems(c Config) int {
+	windows, most := initWindows(c, initWindow)
+	return min(len(windows), 2) * most
+}
+
+// initWeights draws InitParams(c, seed) and hands tensor i to set (in
+// the order of c.Tensors(), one call at a time, its values valid only
+// during the call): the same bits as InitParamInto tensor by tensor, each
+// tensor from its own stream, but drawn on workers goroutines a window of
+// tensors at a time while set takes the window before. A large model's
+// fp32 copy is never whole in memory: two windows of max(window, the
+// largest tensor) bytes are, one when it holds the model (initBufferElems;
+// window: initWindow, or a test's). A 4.24B model's NormFloat64 draws take
+// about half a minute on one core. Returns set's first error; no tensor
+// after it is handed to set.
+func initWeights(c Config, seed uint64, workers, window int, set func(i int, v []float32) error) error {
+	ts := c.Tensors()
+	windows, most := initWindows(c, window)
+	slabs := [2][]float32{make([]float32, most)}
+	if len(windows) > 1 {
+		slabs[1] = make([]float32, most)
+	}
+	views := func(w int) [][]float32 {
+		vs, off := make([][]float32, 0, windows[w][1]-windows[w][0]), 0
+		for i := windows[w][0]; i < windows[w][1]; i++ {
+			vs = append(vs, slabs[w%2][off:off+ts[i].Numel()])
+			off += ts[i].Numel()
+		}
+		return vs
+	}
+	draw := func(w int) *sync.WaitGroup {
+		var wg sync.WaitGroup
+		vs := views(w)
+		wg.Add(len(vs))
+		go func() { // the dispatch too: set does not wait for it
+			sem := make(chan struct{}, max(workers, 1))
+			for j, v := range vs {
+				sem <- struct{}{}
+				go func() {
+					defer wg.Done()
+					InitParamInto(c, seed, windows[w][0]+j, v)
+					<-sem
+				}()
+			}
+		}()
+		return &wg
+	}
+	next := draw(0)
+	for w := range windows {
+		next.Wait()
+		if w+1 < len(windows) {
+			next = draw(w + 1) // into the other slab, while set takes this one
+		}
+		for j, v := range views(w) {
+			if err := set(windows[w][0]+j, v); err != nil {
+				if w+1 < len(windows) {
+					next.Wait()
+				}
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 func fill[F float32 | float64](x []F, v F) {

@@ -1,10 +1,12 @@
 package trainer
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -633,4 +635,43 @@ func BenchmarkTrainStep(b *testing.B) {
 		}
 		b.ReportMetric(float64(b.N*B*T)/b.Elapsed().Seconds(), "tokens/s")
 	})
+}
+
+// TestInitWeightsParallel: the windows drawn on several goroutines give
+// InitParams's bits, tensor by tensor in order, whatever the window (one
+// tensor, several, the whole model) and the workers; set's error stops
+// the drawing and is returned.
+func TestInitWeightsParallel(t *testing.T) {
+	c := Config{VocabSize: 97, NCtx: 16, NLayer: 3, NHead: 2, NEmbd: 8}
+	want := InitParams(c, 5)
+	for _, window := range []int{4, 4 * 200, 4 * 2000, 1 << 30} {
+		for _, workers := range []int{1, 3, 16} {
+			next := 0
+			err := initWeights(c, 5, workers, window, func(i int, v []float32) error {
+				if i != next {
+					t.Fatalf("window %d, workers %d: tensor %d handed before %d", window, workers, i, next)
+				}
+				next++
+				if !slices.Equal(v, want[i]) {
+					t.Fatalf("window %d, workers %d: tensor %d differs from InitParams", window, workers, i)
+				}
+				return nil
+			})
+			if err != nil || next != len(want) {
+				t.Fatalf("window %d, workers %d: %d of %d tensors, err %v", window, workers, next, len(want), err)
+			}
+		}
+	}
+	stop := errors.New("full")
+	calls := 0
+	err := initWeights(c, 5, 4, 4*200, func(i int, v []float32) error {
+		calls++
+		if i == 4 {
+			return stop
+		}
+		return nil
+	})
+	if !errors.Is(err, stop) || calls != 5 {
+		t.Fatalf("set's error: %v after %d calls, want %v after 5", err, calls, stop)
+	}
 }

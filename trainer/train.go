@@ -341,19 +341,16 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 			t.tty = true
 		}
 	}
-	// The initial weights, one tensor at a time through one buffer (the
-	// whole model's in fp32 would be 4 bytes a parameter more at the peak).
-	largest := 0
-	for _, p := range cfg.Model.Tensors() {
-		largest = max(largest, p.Numel())
+	// The initial weights, drawn a window of tensors at a time on the
+	// CPU's cores (the whole model's in fp32 would be 4 bytes a parameter
+	// more at the peak).
+	started := time.Now()
+	ts := cfg.Model.Tensors()
+	if err := initWeights(cfg.Model, cfg.Seed, workers(), initWindow, func(i int, v []float32) error { return w.setParam(i, ts[i].Name, v) }); err != nil {
+		return nil, errors.Join(err, t.Close())
 	}
-	buf := make([]float32, largest)
-	for i, p := range cfg.Model.Tensors() {
-		v := buf[:p.Numel()]
-		InitParamInto(cfg.Model, cfg.Seed, i, v)
-		if err := w.setParam(i, p.Name, v); err != nil {
-			return nil, errors.Join(err, t.Close())
-		}
+	if el := time.Since(started); el > time.Second { // a large model's: said, as the calibration's is
+		fmt.Fprintf(out, "initial weights in %.1f s\n", el.Seconds())
 	}
 	if from != nil {
 		if err := t.resume(from.Dir); err != nil {

@@ -441,8 +441,9 @@ const MaxMemoryBytes = 1 << 40
 //     (2 B, if any), the trainer's fp32 copies of 16-bit gradients and of a
 //     16-bit working copy (4 B each): 16 B with fp32 gradients and no
 //     working copy, 24 B with bf16 gradients and working copy;
-//   - the initial weights' buffer New hands them through, one tensor at
-//     a time: the largest tensor's, in fp32 (max(V*C, T*C, 4C²) floats);
+//   - the initial weights' buffers New draws them into, a window of
+//     tensors at a time: in fp32, the whole model's when it has at most
+//     64M parameters, else two windows of max(64M, V*C, 4C²) floats;
 //   - the activations of one batch, llm.c's count of about
 //     L*(16C + H*T) + 13C + 2V + max(4C, V) floats per position, the
 //     transposed-weight buffer (max(4C², VC) floats) and one attention
@@ -461,7 +462,7 @@ const MaxMemoryBytes = 1 << 40
 // With Device "cuda" the activations are on the GPU and there are no fp32
 // copies: 16 B per parameter (18 with the overlap with backward: the CPU
 // subgroups' gradients in pinned memory of their own, counted for every
-// parameter), the initial weights' buffer and the ring.
+// parameter), the initial weights' buffers and the ring.
 //
 // What New allocates (runtime.MemStats.TotalAlloc) is within 1 % of it
 // (TestMemoryBytesMeasured); the peak RSS of `dos train` on the 2-core
@@ -514,7 +515,7 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	// Streamed blocks' gradients and working copy in pinned host memory
 	// (offload.Options.OffloadParam), 2 + 2 bytes a parameter.
 	floats += float64(c.Streamed() * blockStreamedElems(c.Model)) // 4 bytes each, as a float
-	floats += math.Max(V*C, math.Max(T*C, 4*C*C))                 // the initial weights' buffer (New)
+	floats += float64(initBufferElems(c.Model))                   // the initial weights' windows (New)
 	ring := 0.0
 	if c.CkptDir != "" && !c.CkptSync {
 		ring = c.ringBytes(params)

@@ -68,7 +68,7 @@ func TestValidateMemory(t *testing.T) {
 	big := DefaultTrainConfig()
 	big.Model.NEmbd, big.Model.NLayer, big.Model.NHead = 2048, 24, 16
 	setMemAvailable(t, 20*gib, true)
-	wantErr(t, "embd 2048 layers 24", big.Validate(), "--layers 24 --embd 2048 --ctx 64 --batch 16 need about 21.4 GiB",
+	wantErr(t, "embd 2048 layers 24", big.Validate(), "--layers 24 --embd 2048 --ctx 64 --batch 16 need about 21.8 GiB",
 		"over the 20.0 GiB available (MemAvailable in /proc/meminfo)", "--max-memory")
 
 	// The default model with less available than it needs: refused.

@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/deepstates/dos/internal/comm"
 	"github.com/deepstates/dos/offload"
@@ -246,6 +247,7 @@ func newWorld(cfg *TrainConfig, out io.Writer) (*world, error) {
 			opts[r].Profile, opts[r].Schedule = p, nil
 		}
 	}
+	started := time.Now()
 	for _, rk := range w.ranks {
 		var err error
 		if rk.opt, err = offload.New(params[rk.r], opts[rk.r]); err != nil {
@@ -254,6 +256,9 @@ func newWorld(cfg *TrainConfig, out io.Writer) (*world, error) {
 			}
 			return fail(err)
 		}
+	}
+	if el := time.Since(started); el > time.Second { // a large model's pinned host memory: said, as the calibration is
+		fmt.Fprintf(out, "the optimizer's state allocated in %.1f s\n", el.Seconds())
 	}
 	return w, nil
 }
