@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/offload"
@@ -114,7 +115,8 @@ func InitParamInto(c Config, seed uint64, i int, dst []float32) {
 }
 
 // initWindow is the most bytes of initial weights initWeights draws at
-// once, in each of its two windows (at least the largest tensor's).
+// once, in each of its two windows (more when the largest tensor is:
+// then a window is that tensor's).
 const initWindow = 256 << 20
 
 // initWindows cuts c.Tensors() into initWeights's windows, [lo, hi) of
@@ -163,29 +165,26 @@ func initWeights(c Config, seed uint64, workers, window int, set func(i int, v [
 	if len(windows) > 1 {
 		slabs[1] = make([]float32, most)
 	}
-	views := func(w int) [][]float32 {
-		vs, off := make([][]float32, 0, windows[w][1]-windows[w][0]), 0
-		for i := windows[w][0]; i < windows[w][1]; i++ {
-			vs = append(vs, slabs[w%2][off:off+ts[i].Numel()])
+	views := make([][][]float32, len(windows)) // window w's tensors, in slab w mod 2
+	for w, win := range windows {
+		off := 0
+		for i := win[0]; i < win[1]; i++ {
+			views[w] = append(views[w], slabs[w%2][off:off+ts[i].Numel()])
 			off += ts[i].Numel()
 		}
-		return vs
 	}
+	// draw starts window w's tensors on at most workers goroutines, each
+	// taking the next tensor not yet taken, and returns what to wait on.
 	draw := func(w int) *sync.WaitGroup {
 		var wg sync.WaitGroup
-		vs := views(w)
-		wg.Add(len(vs))
-		go func() { // the dispatch too: set does not wait for it
-			sem := make(chan struct{}, max(workers, 1))
-			for j, v := range vs {
-				sem <- struct{}{}
-				go func() {
-					defer wg.Done()
-					InitParamInto(c, seed, windows[w][0]+j, v)
-					<-sem
-				}()
-			}
-		}()
+		var taken atomic.Int64
+		for range min(max(workers, 1), len(views[w])) {
+			wg.Go(func() {
+				for j := int(taken.Add(1)) - 1; j < len(views[w]); j = int(taken.Add(1)) - 1 {
+					InitParamInto(c, seed, windows[w][0]+j, views[w][j])
+				}
+			})
+		}
 		return &wg
 	}
 	next := draw(0)
@@ -194,11 +193,9 @@ func initWeights(c Config, seed uint64, workers, window int, set func(i int, v [
 		if w+1 < len(windows) {
 			next = draw(w + 1) // into the other slab, while set takes this one
 		}
-		for j, v := range views(w) {
+		for j, v := range views[w] {
 			if err := set(windows[w][0]+j, v); err != nil {
-				if w+1 < len(windows) {
-					next.Wait()
-				}
+				next.Wait()
 				return err
 			}
 		}
