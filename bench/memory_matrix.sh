@@ -51,6 +51,7 @@ gpt2-xl 4G b8 rc|$xl --gpu-memory 4 --batch 8 --recompute
 4.24B 8G b8 rc|$b42 --gpu-memory 8 --batch 8 --recompute|noadvice
 4.24B 24G b32 rc|$b42 --gpu-memory 24 --batch 32 --recompute|noadvice
 4.24B 24G b8|$b42 --gpu-memory 24 --batch 8|noadvice
+4.24B 24G b8 rc (streamed)|$b42 --gpu-memory 24 --batch 8 --recompute
 5.60B 8G b8 rc|$b56 --gpu-memory 8 --batch 8 --recompute|noadvice
 EOF
 fi

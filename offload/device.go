@@ -98,6 +98,11 @@ func LoadProfile(path string, dev scheduler.Device) (*perfmodel.Profile, error) 
 // (perfmodel.Profile).
 type Profile = perfmodel.Profile
 
+// Prediction is the performance model's plan of one update phase
+// (perfmodel.Prediction): its schedule, its predicted time in seconds
+// (Makespan), its bottleneck.
+type Prediction = perfmodel.Prediction
+
 // Stream is a device stream an Optimizer orders work after
 // (Optimizer.GradsFinal): the stream a trainer computes its gradients on
 // (scheduler.Stream).
@@ -124,11 +129,13 @@ type Resource = perfmodel.Resource
 // Options.Calibrate does in New: the CPU update rate at threads workers
 // and gradient dtype gd (perfmodel.CalibrateCPU, 3 repetitions of
 // subgroups of 8M to 64M parameters) and, on a CUDA device dev, its copy,
-// conversion and update rates at reduced sizes (perfmodel.CalibrateGPU:
-// copies of 16 to 256 MiB, updates of 16M and 64M parameters, 3
-// repetitions): a few seconds in all, and up to about 2 GB of host memory
-// while it runs. On another device (the simulated one) the profile has no
-// GPU rates, so the model keeps every subgroup on the CPU.
+// conversion and update rates at reduced sizes (perfmodel.CalibrateGPU,
+// 3 repetitions, at CalibrationSizes(deviceBytes): at most deviceBytes
+// of device memory, 0 for CalibrationBytes, copies of 16 to 256 MiB and
+// updates of 16M and 64M parameters): a few seconds in all, and up to
+// about 2 GB of host memory while it runs. On another device (the
+// simulated one) the profile has no GPU rates, so the model keeps every
+// subgroup on the CPU.
 //
 // With ranks > 1 (ZeRO-3's ranks in one process, each with threads
 // workers) the CPU is measured by ranks calibrations at once, as the
@@ -138,17 +145,21 @@ type Resource = perfmodel.Resource
 // two calibrations'. The host memory the calibrations held is returned to
 // the system before Calibrate returns.
 //
-// Errors: the GPU's or the CPU's measurement (named), for instance out of
-// device memory. It panics when threads or ranks is below 1.
-func Calibrate(dev scheduler.Device, threads int, gd adam.DType, ranks int) (*Profile, error) {
+// Errors: deviceBytes (on a CUDA device) below MinCalibrationBytes, the
+// GPU's or the CPU's measurement (named), for instance out of device
+// memory. It panics when threads or ranks is below 1.
+func Calibrate(dev scheduler.Device, threads int, gd adam.DType, ranks int, deviceBytes int64) (*Profile, error) {
 	if threads < 1 || ranks < 1 {
 		panic("offload: Calibrate with threads or ranks below 1")
 	}
 	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion, Created: time.Now().UTC()}
 	if d, k, ok := scheduler.CUDAOf(dev); ok {
+		copies, updates, err := CalibrationSizes(deviceBytes)
+		if err != nil {
+			return nil, err
+		}
 		gp, err := perfmodel.CalibrateGPU(d, k, perfmodel.GPUOptions{
-			CopySizes: []int64{16 << 20, 64 << 20, 256 << 20}, UpdateSizes: []int64{16 << 20, 64 << 20}, Reps: 3,
-			Threads: threads, HostMemSeconds: 0.2}, nil)
+			CopySizes: copies, UpdateSizes: updates, Reps: 3, Threads: threads, HostMemSeconds: 0.2}, nil)
 		if err != nil {
 			return nil, fmt.Errorf("offload: calibrating the GPU: %w", err)
 		}
@@ -179,4 +190,48 @@ func Calibrate(dev scheduler.Device, threads int, gd adam.DType, ranks int) (*Pr
 		}
 	}
 	return p, nil
+}
+
+// CalibrationBytes is the device memory, in bytes, that Calibrate's GPU
+// measurement holds at its full sizes (copies of 16 to 256 MiB, updates
+// of 16M and 64M parameters): two 256 MiB copy buffers and five fp32
+// buffers of 64M elements, 1.75 GiB; MinCalibrationBytes at its
+// smallest (copies of 1 to 16 MiB, updates of 1M and 4M parameters),
+// 112 MiB.
+const (
+	CalibrationBytes    = calibrationPerElem * calibrationMaxElems
+	MinCalibrationBytes = calibrationPerElem * calibrationMinElems
+)
+
+const (
+	// calibrationPerElem is perfmodel.CalibrateGPU's device bytes per
+	// parameter of its largest update: 5 fp32 buffers, and 2 copy
+	// buffers of 4 bytes per parameter each.
+	calibrationPerElem  = 5*4 + 2*4
+	calibrationMaxElems = 64 << 20
+	calibrationMinElems = 4 << 20
+)
+
+// CalibrationSizes returns the copy sizes (bytes) and update sizes
+// (parameters) at which Calibrate measures the GPU within deviceBytes
+// of device memory (0: CalibrationBytes): the largest update of 64M
+// parameters halved until the measurement fits, to 4M at least, the
+// updates that and a quarter of it, and the copies 1/16, 1/4 and all of
+// 4 bytes per parameter of it. Smaller sizes fit the same latency and
+// rate less surely (the updates come closer to the L2 cache's size).
+//
+// Errors: deviceBytes below MinCalibrationBytes (negative included).
+func CalibrationSizes(deviceBytes int64) (copies, updates []int64, err error) {
+	if deviceBytes == 0 {
+		deviceBytes = CalibrationBytes
+	}
+	if deviceBytes < MinCalibrationBytes {
+		return nil, nil, fmt.Errorf("offload: calibrating the GPU in %d MiB of device memory: it needs %d MiB at least (a profile from dos calibrate skips it)",
+			deviceBytes>>20, MinCalibrationBytes>>20)
+	}
+	n := int64(calibrationMaxElems)
+	for n > calibrationMinElems && calibrationPerElem*n > deviceBytes {
+		n /= 2
+	}
+	return []int64{n / 4, n, 4 * n}, []int64{n / 4, n}, nil
 }

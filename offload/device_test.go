@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
@@ -294,4 +296,35 @@ func testDeviceSaveAsync(t *testing.T, dev scheduler.Device) {
 		}
 	}
 	sameState(t, b, a)
+}
+
+// TestCalibrationSizes: Calibrate's GPU sizes at the full budget are the
+// ones it always used (copies of 16, 64, 256 MiB, updates of 16M and
+// 64M), they shrink by halves to fit a smaller one, never below the
+// floor, and each set's device memory (two copy buffers, five fp32
+// update buffers) is within what was given.
+func TestCalibrationSizes(t *testing.T) {
+	footprint := func(c, u []int64) int64 { return 2*slices.Max(c) + 5*4*slices.Max(u) }
+	c, u, err := CalibrationSizes(0)
+	if err != nil || !slices.Equal(c, []int64{16 << 20, 64 << 20, 256 << 20}) || !slices.Equal(u, []int64{16 << 20, 64 << 20}) || footprint(c, u) != CalibrationBytes {
+		t.Fatalf("full: %v %v %v", c, u, err)
+	}
+	if CalibrationBytes != 1792<<20 || MinCalibrationBytes != 112<<20 {
+		t.Errorf("CalibrationBytes %d, MinCalibrationBytes %d", CalibrationBytes, MinCalibrationBytes)
+	}
+	for _, room := range []int64{CalibrationBytes - 1, 1 << 30, 300 << 20, MinCalibrationBytes} {
+		c, u, err := CalibrationSizes(room)
+		if f := footprint(c, u); err != nil || f > room || 2*f <= room { // the largest that fits: twice it does not
+
+			t.Errorf("room %d MiB: %v %v (%d MiB) %v", room>>20, c, u, footprint(c, u)>>20, err)
+		}
+	}
+	if c, u, _ := CalibrationSizes(300 << 20); slices.Max(u) != 8<<20 || slices.Max(c) != 32<<20 {
+		t.Errorf("300 MiB: %v %v, want updates up to 8M, copies up to 32 MiB", c, u)
+	}
+	for _, room := range []int64{MinCalibrationBytes - 1, 1, -5} {
+		if _, _, err := CalibrationSizes(room); err == nil || !strings.Contains(err.Error(), "needs 112 MiB at least") {
+			t.Errorf("room %d: %v, want a refusal", room, err)
+		}
+	}
 }

@@ -308,6 +308,90 @@ func (s *lazySave) waitCapture() {
 // Errors: no parameters, an empty or duplicate name, a negative dimension, a
 // total over 2^40 elements, or invalid options.
 func New(params []Param, opts Options) (*Optimizer, error) {
+	o, err := layOut(params, opts)
+	if err != nil {
+		return nil, err
+	}
+	opts = o.opts
+	if opts.OverlapBackward {
+		o.final = make([]bool, len(o.params))
+	}
+	o.gcoeffs = make([]adam.Coeffs, len(opts.groups()))
+	if opts.Device == nil {
+		o.state = adam.State{Param: make([]float32, o.total), ExpAvg: make([]float32, o.total), ExpAvgSq: make([]float32, o.total)}
+		if opts.Hyper.AMSGrad {
+			o.state.MaxExpAvgSq = make([]float32, o.total)
+		}
+	}
+	if opts.GradDType == adam.F32 {
+		o.grad = adam.GradF32(make([]float32, o.total))
+	} else {
+		o.grad = adam.Grad16(opts.GradDType, make([]uint16, o.total))
+	}
+	if opts.WorkingDType != 0 {
+		o.work = adam.Copy16{DType: opts.WorkingDType, Data: make([]uint16, o.total)}
+	}
+	// Fault every page in now, so that the first Step does not pay for it
+	// (on the 2-core machine, 130 MB of fresh state made the first step
+	// 475 ms against 8-10 ms for the next ones).
+	for _, s := range o.stateSlices() {
+		prefault32(s)
+	}
+	prefault32(o.grad.F32)
+	prefault16(o.grad.U16)
+	prefault16(o.work.Data)
+	o.pool = adam.NewPool(opts.Threads)
+	if opts.Profile == nil && opts.Calibrate && opts.Schedule == nil && opts.Placement == "" {
+		// Within what the optimizer will hold on the device (its budget,
+		// the gradients and the working copy), not yet allocated.
+		room := max(opts.GPUBudget+opts.DeviceBytes(o.total), MinCalibrationBytes)
+		p, err := Calibrate(opts.Device, o.pool.Threads(), opts.GradDType, 1, room)
+		if err != nil {
+			o.pool.Close()
+			return nil, err
+		}
+		opts.Profile = p
+		o.opts.Profile = p
+	}
+	if opts.Device != nil {
+		if len(opts.SubgroupSizes) > 0 {
+			if err := o.chooseSubgroupSize(); err != nil {
+				o.pool.Close()
+				return nil, err
+			}
+		}
+		if err := o.newEngine(); err != nil {
+			o.pool.Close()
+			return nil, err
+		}
+		return o, nil
+	}
+	if opts.Profile != nil {
+		w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), Sizes: o.subgroupSizes(), GradDType: opts.GradDType,
+			AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads()}
+		if opts.WorkingDType != 0 {
+			w.CopyBytes = 2
+		}
+		// This optimizer updates on the host, gradients included: plan
+		// with the CPU rates only (a profile's GPU rates would charge
+		// PCIe copies that do not happen).
+		host := *opts.Profile
+		host.GPU = nil
+		plan, err := host.Choose(w)
+		if err != nil {
+			o.pool.Close()
+			return nil, fmt.Errorf("offload: planning the update phase: %w", err)
+		}
+		o.plan = &plan
+	}
+	return o, nil
+}
+
+// layOut is New's first part, which allocates nothing large: opts with
+// its defaults and validated, the parameters checked and laid out in the
+// flat space, OffloadParam and DeviceMasters resolved, the subgroups cut
+// at SubgroupSize. Errors: New's about the options and the parameters.
+func layOut(params []Param, opts Options) (*Optimizer, error) {
 	opts.EnsureDefaults()
 	if err := opts.Validate(); err != nil {
 		return nil, err
@@ -370,75 +454,47 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 		return nil, err
 	}
 	o.ready = o.total
-	if opts.OverlapBackward {
-		o.final = make([]bool, len(o.params))
-	}
-	o.gcoeffs = make([]adam.Coeffs, len(opts.groups()))
-	if opts.Device == nil {
-		o.state = adam.State{Param: make([]float32, o.total), ExpAvg: make([]float32, o.total), ExpAvgSq: make([]float32, o.total)}
-		if opts.Hyper.AMSGrad {
-			o.state.MaxExpAvgSq = make([]float32, o.total)
-		}
-	}
-	if opts.GradDType == adam.F32 {
-		o.grad = adam.GradF32(make([]float32, o.total))
-	} else {
-		o.grad = adam.Grad16(opts.GradDType, make([]uint16, o.total))
-	}
-	if opts.WorkingDType != 0 {
-		o.work = adam.Copy16{DType: opts.WorkingDType, Data: make([]uint16, o.total)}
-	}
-	// Fault every page in now, so that the first Step does not pay for it
-	// (on the 2-core machine, 130 MB of fresh state made the first step
-	// 475 ms against 8-10 ms for the next ones).
-	for _, s := range o.stateSlices() {
-		prefault32(s)
-	}
-	prefault32(o.grad.F32)
-	prefault16(o.grad.U16)
-	prefault16(o.work.Data)
-	o.pool = adam.NewPool(opts.Threads)
-	if opts.Profile == nil && opts.Calibrate && opts.Schedule == nil && opts.Placement == "" {
-		p, err := Calibrate(opts.Device, o.pool.Threads(), opts.GradDType, 1)
-		if err != nil {
-			o.pool.Close()
-			return nil, err
-		}
-		opts.Profile = p
-		o.opts.Profile = p
-	}
-	if opts.Device != nil {
-		if len(opts.SubgroupSizes) > 0 {
-			if err := o.chooseSubgroupSize(); err != nil {
-				o.pool.Close()
-				return nil, err
-			}
-		}
-		if err := o.newEngine(); err != nil {
-			o.pool.Close()
-			return nil, err
-		}
-		return o, nil
-	}
-	if opts.Profile != nil {
-		w := perfmodel.Workload{Params: int64(o.total), SubgroupSize: int64(opts.SubgroupSize), Sizes: o.subgroupSizes(), GradDType: opts.GradDType,
-			AMSGrad: opts.Hyper.AMSGrad, Threads: o.pool.Threads()}
-		if opts.WorkingDType != 0 {
-			w.CopyBytes = 2
-		}
-		// This optimizer updates on the host, gradients included: plan
-		// with the CPU rates only (a profile's GPU rates would charge
-		// PCIe copies that do not happen).
-		host := *opts.Profile
-		host.GPU = nil
-		plan, err := host.Choose(w)
-		if err != nil {
-			o.pool.Close()
-			return nil, fmt.Errorf("offload: planning the update phase: %w", err)
-		}
-		o.plan = &plan
-	}
 	return o, nil
+}
+
+// PredictUpdate returns the update phase the performance model predicts
+// for the optimizer New(params, opts) would make on a device (its
+// schedule and time, perfmodel.Prediction; Makespan in seconds), without
+// allocating its state: the subgroups cut as New cuts them (the
+// SubgroupSizes candidate New keeps), OffloadParam's host-held, planned
+// within GPUBudget as New plans them (the model's schedule, or Schedule's
+// or Placement's). opts.Profile is required; Device is not used (nil
+// is taken for a device, as a GPU trainer's options name one).
+//
+// Errors: no Profile, New's about the options and the parameters, the
+// model's (a schedule that does not fit).
+func PredictUpdate(params []Param, opts Options) (*Prediction, error) {
+	if opts.Profile == nil {
+		return nil, errors.New("offload: PredictUpdate needs Options.Profile")
+	}
+	opts.Calibrate = false
+	if opts.Device == nil { // what needs a device is validated against one
+		opts.Device = scheduler.NewSim(scheduler.SimOptions{})
+	}
+	o, err := layOut(params, opts)
+	if err != nil {
+		return nil, err
+	}
+	o.pool = adam.NewPool(o.opts.Threads)
+	defer o.pool.Close()
+	if len(o.opts.SubgroupSizes) > 0 {
+		if err := o.chooseSubgroupSize(); err != nil {
+			return nil, err
+		}
+	}
+	_, pred, err := o.choosePlan()
+	if err != nil {
+		return nil, err
+	}
+	if pred == nil {
+		return nil, errors.New("offload: PredictUpdate: the model made no prediction")
+	}
+	return pred, nil
 }
 
 // mirrorSpans resolves Options.DeviceMasters into the engine's mirror

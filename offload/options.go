@@ -63,7 +63,8 @@ type Options struct {
 	// 64M parameters, whatever the model's size: 1 to 3 s and up to about
 	// 2 GB of memory while it runs), and with a CUDA Device its copy,
 	// conversion and update rates at reduced sizes (perfmodel.CalibrateGPU,
-	// about a second more). On the simulated device the profile has no GPU
+	// about a second more, in at most GPUBudget and DeviceBytes' device
+	// memory, at least MinCalibrationBytes: Calibrate). On the simulated device the profile has no GPU
 	// rates: the model keeps every subgroup on the CPU. With a forced
 	// Schedule nothing is measured. Not saved in checkpoints.
 	Calibrate bool `json:"-"`

@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
@@ -137,5 +138,42 @@ func TestCheckpointHyper(t *testing.T) {
 	}
 	if _, _, _, err := CheckpointHyper(checkpoint.OS, t.TempDir()); err == nil {
 		t.Error("an empty root: no error")
+	}
+}
+
+// TestPredictUpdate: PredictUpdate, which allocates nothing, gives the
+// plan New makes with the same options (the candidate size it keeps,
+// OffloadParam's subgroups host-held, the budget), on a device or with
+// none; without a profile it is refused.
+func TestPredictUpdate(t *testing.T) {
+	prof := truthProfile()
+	for i := range prof.CPU {
+		prof.CPU[i].Fit.LatencyS = 1e-9
+	}
+	g := prof.GPU
+	for _, f := range []*perfmodel.Fit{&g.Update, &g.H2D, &g.D2H, &g.H2DBoth, &g.D2HBoth, &g.Convert} {
+		f.LatencyS = 1e-9
+	}
+	for _, held := range [][]string{nil, {"h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias"}} {
+		opts := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, Threads: 2, MaxGradNorm: 1, Device: scheduler.NewSim(scheduler.SimOptions{}),
+			Profile: prof, GPUBudget: 12 * 800, SubgroupSizes: []int{2000, 400, 100}, OffloadParam: held}
+		o := newWith(t, testParams, opts)
+		want, ok := o.Plan()
+		if !ok {
+			t.Fatal("New made no plan")
+		}
+		for _, dev := range []bool{true, false} {
+			po := opts
+			if !dev {
+				po.Device = nil
+			}
+			got, err := PredictUpdate(testParams, po)
+			if err != nil || got.Makespan != want.Makespan || got.Schedule != want.Schedule {
+				t.Errorf("held %v, device %v: %+v %v, want New's %+v", held, dev, got, err, want)
+			}
+		}
+	}
+	if _, err := PredictUpdate(testParams, Options{}); err == nil || !strings.Contains(err.Error(), "needs Options.Profile") {
+		t.Errorf("no profile: %v", err)
 	}
 }

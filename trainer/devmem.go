@@ -6,6 +6,7 @@ import (
 
 	"github.com/deepstates/dos/gpt"
 	"github.com/deepstates/dos/internal/gptcuda"
+	"github.com/deepstates/dos/offload"
 )
 
 // DeviceMemory is the device memory, in bytes, that a run on one GPU
@@ -41,6 +42,13 @@ type DeviceMemory struct {
 	// and the staging pieces; 0 on one GPU. WeightsGrads and Masters
 	// are then the rank's pieces (its 1/GPUs, the largest rank's).
 	Replicas int64
+	// Calibration is the start-up calibration's device memory at its
+	// smallest (offload.MinCalibrationBytes; it measures at larger sizes
+	// where more is free), 0 with Profile or Schedule (no calibration).
+	// It runs before the optimizer allocates WeightsGrads and Masters
+	// and after the activations, slots and replicas, and the sampler
+	// comes at the end: Total counts the larger of the two.
+	Calibration int64
 }
 
 // gibBytes is a GiB in bytes, for the messages.
@@ -64,9 +72,11 @@ func deviceBound(cfg gpt.Config, batch int) bool {
 	return B*T*(8*V+L*(64*C+8*H*T)) > MaxDeviceBytes
 }
 
-// Total is the sum of m's parts, in bytes.
+// Total is the device memory m's parts need at their peak, in bytes:
+// their sum, but Calibration only where it is more than the sampler, the
+// weights, gradients and masters it runs before.
 func (m DeviceMemory) Total() int64 {
-	return m.Activations + m.Sampler + m.WeightsGrads + m.Masters + m.Slots + m.Replicas
+	return m.Activations + m.Slots + m.Replicas + max(m.Sampler+m.WeightsGrads+m.Masters, m.Calibration)
 }
 
 // BudgetLeft is the update phase's device memory under a cap of capBytes
@@ -93,6 +103,15 @@ func (c *TrainConfig) DeviceMemory(batch int) DeviceMemory {
 
 // deviceMemory is DeviceMemory with n blocks streamed.
 func (c *TrainConfig) deviceMemory(batch, n int) DeviceMemory {
+	m := c.deviceParts(batch, n)
+	if c.Profile == "" && c.Schedule == "" {
+		m.Calibration = offload.MinCalibrationBytes
+	}
+	return m
+}
+
+// deviceParts is deviceMemory but for the calibration.
+func (c *TrainConfig) deviceParts(batch, n int) DeviceMemory {
 	if c.GPUs > 1 {
 		return c.rankDeviceMemory(batch)
 	}
@@ -179,13 +198,13 @@ func (c *TrainConfig) checkDeviceMemory() error {
 	if c.Device != "cuda" || c.GPUs > 1 && c.Collectives == "staged" || c.GPUMemory <= 0 {
 		return nil
 	}
-	capBytes := int64(c.GPUMemory * gibBytes)
+	// The run keeps CapMargin aside (the kernels' modules, cuBLASLt's
+	// handles), and what it advises fits with it aside too.
+	safe := int64(c.GPUMemory*gibBytes) - CapMargin
 	m := c.DeviceMemory(c.Batch)
-	if m.Activations == 0 || m.Total() <= capBytes {
+	if m.Activations == 0 || m.Total() <= safe {
 		return nil
 	}
-	// What it advises fits with CapMargin aside, as the run's budget is.
-	safe := capBytes - CapMargin
 	var fits []string
 	if c.GPUs <= 1 {
 		// More blocks' weights from host memory (the fewest that fit are
@@ -233,8 +252,11 @@ func (c *TrainConfig) checkDeviceMemory() error {
 	if m.Sampler > 0 {
 		sampler += fmt.Sprintf(", the sampler %.2f (--sample 0: none)", float64(m.Sampler)/gibBytes)
 	}
-	return &DeviceMemoryError{fmt.Sprintf("trainer: --gpu-memory %g GiB: --layers %d --embd %d --ctx %d --batch %d need %.2f GiB of device memory before the update phase's (weights and gradients %.2f, fp32 masters %.2f, activations %.2f%s); %s",
-		c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, float64(m.Total())/gibBytes,
+	if m.Calibration > m.Sampler+m.WeightsGrads+m.Masters {
+		sampler += fmt.Sprintf(", the start-up calibration %.2f (more than the weights, gradients and masters it runs before; --profile: none)", float64(m.Calibration)/gibBytes)
+	}
+	return &DeviceMemoryError{fmt.Sprintf("trainer: --gpu-memory %g GiB: --layers %d --embd %d --ctx %d --batch %d need %.2f GiB of device memory before the update phase's, over the %.2f the cap leaves once %d MiB are kept aside (weights and gradients %.2f, fp32 masters %.2f, activations %.2f%s); %s",
+		c.GPUMemory, c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, float64(m.Total())/gibBytes, float64(safe)/gibBytes, CapMargin>>20,
 		float64(m.WeightsGrads)/gibBytes, float64(m.Masters)/gibBytes, float64(m.Activations)/gibBytes, sampler, advice)}
 }
 
@@ -276,7 +298,7 @@ func (c *TrainConfig) rankRows(capBytes int64, upTo int) int {
 	lo, hi := 0, upTo
 	for lo < hi {
 		mid := lo + (hi-lo)/2 + 1
-		if m := c.rankDeviceMemory(mid * c.GPUs); m.Activations > 0 && m.Total() <= capBytes {
+		if m := c.deviceMemory(mid*c.GPUs, 0); m.Activations > 0 && m.Total() <= capBytes {
 			lo = mid
 		} else {
 			hi = mid - 1

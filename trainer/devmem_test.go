@@ -7,6 +7,7 @@ import (
 
 	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/gpt"
+	"github.com/deepstates/dos/offload"
 )
 
 // gpuConfig is the 4.24B GPT-2-shaped model (36 × 3072, GPT-2's
@@ -44,6 +45,36 @@ func TestDeviceMemoryParts(t *testing.T) {
 	c.SampleBytes, c.BF16Params = 0, true
 	if m := c.DeviceMemory(8); m.Sampler != 0 || m.Masters != 0 || m.Total() != m.Activations+m.WeightsGrads {
 		t.Errorf("--sample 0 --bf16-params: %+v", m)
+	}
+}
+
+// TestDeviceMemoryCalibration: the start-up calibration's floor
+// (offload.MinCalibrationBytes) counts in Total only where it is more
+// than the weights, gradients, masters and sampler it runs before (a
+// small model's), and not at all with --profile; a run that fits only
+// without it is refused.
+func TestDeviceMemoryCalibration(t *testing.T) {
+	c := gpuConfig(t, 24)
+	c.Model.NLayer, c.Model.NEmbd, c.Model.NHead, c.Model.VocabSize, c.Tokenizer = 2, 128, 2, 256, "byte"
+	c.SampleBytes = 0
+	m := c.DeviceMemory(8)
+	rest := m.WeightsGrads + m.Masters
+	if m.Calibration != offload.MinCalibrationBytes || rest >= m.Calibration || m.Total() != m.Activations+m.Calibration {
+		t.Errorf("a small model: %+v, Total %d, want the activations and the calibration's %d", m, m.Total(), offload.MinCalibrationBytes)
+	}
+	c.Profile = "h200.json"
+	if p := c.DeviceMemory(8); p.Calibration != 0 || p.Total() != p.Activations+rest {
+		t.Errorf("--profile: %+v, want no calibration", p)
+	}
+	// A cap the activations and weights fit in, the calibration not.
+	c.Profile = ""
+	c.GPUMemory = float64(CapMargin+m.Activations+rest+(m.Calibration-rest)/2) / gibBytes
+	if err := c.checkDeviceMemory(); err == nil || !strings.Contains(err.Error(), "the start-up calibration 0.11 (") {
+		t.Errorf("under %.4f GiB: %v, want a refusal naming the calibration", c.GPUMemory, err)
+	}
+	big := gpuConfig(t, 24)
+	if m := big.DeviceMemory(8); m.Total() != m.Activations+m.Sampler+m.WeightsGrads+m.Masters+m.Slots {
+		t.Errorf("the 4.24B model: %+v: the calibration counted where the weights are larger", m)
 	}
 }
 

@@ -136,6 +136,64 @@ func openLocal(cfg *TrainConfig) (*gpuReplica, error) {
 	return g, nil
 }
 
+// profileFirst, on one GPU where --stream-blocks auto streams (cfg.Streamed
+// > 0, no --schedule), opens the optimizer's device before the replica
+// (w.early; rank 0 closes it), gets the performance model's profile (cfg.Profile's,
+// or a calibration then, in the whole cap: w.profile) and sets the count of
+// streamed blocks by it (TrainConfig.StreamSweep's pick), said on out. Elsewhere it does
+// nothing.
+//
+// Errors: no GPU, the device's, the profile's or the calibration's, the
+// model's.
+func (w *world) profileFirst(cfg *TrainConfig, out io.Writer) error {
+	if cfg.StreamBlocks != StreamAuto || cfg.Schedule != "" || cfg.Streamed() == 0 {
+		return nil
+	}
+	if err := gpuAvailable(); err != nil {
+		return err
+	}
+	if err := cuda.SetMemoryLimit(0, int64(cfg.GPUMemory*(1<<30))); err != nil {
+		return fmt.Errorf("trainer: --gpu-memory: %w", err)
+	}
+	o := cfg.optimizerOptions()
+	dev, release, err := offload.OpenDevice("cuda")
+	if err != nil {
+		return fmt.Errorf("trainer: --device cuda: %w", err)
+	}
+	o.Device, w.early, w.ranks[0].closeDev = dev, o, release
+	fewest := cfg.Streamed()
+	var p *offload.Profile
+	if cfg.Profile != "" {
+		if p, err = offload.LoadProfile(cfg.Profile, dev); err != nil {
+			return fmt.Errorf("trainer: --profile: %w", err)
+		}
+	} else {
+		// Nothing is allocated yet: the cap less its margin, less what
+		// opening the device took.
+		room := int64(cfg.GPUMemory*(1<<30)) - capMargin - cuda.MemoryUsed(0)
+		if p, err = calibrate(o, 1, room, out); err != nil {
+			return err
+		}
+		w.profile = p
+	}
+	sweep, pick, err := cfg.StreamSweep(p, cpuThreads(o))
+	if err != nil || pick < 0 {
+		return err
+	}
+	cfg.streamModel = sweep[pick].Blocks
+	if n := cfg.streamModel; n != fewest {
+		first := sweep[0]
+		for _, sc := range sweep {
+			if sc.Blocks == fewest {
+				first = sc
+			}
+		}
+		fmt.Fprintf(out, "--stream-blocks auto: %d blocks, the performance model's fastest update phase (%.0f ms predicted, a %.2f GiB budget; without the model %d: %.0f ms, %.2f GiB)\n",
+			n, 1e3*sweep[pick].Update.Makespan, float64(sweep[pick].Budget)/gibBytes, fewest, 1e3*first.Update.Makespan, float64(first.Budget)/gibBytes)
+	}
+	return nil
+}
+
 // deviceMasters names in o.DeviceMasters the tensors the GPU model reads
 // in fp32 (gptcuda.FP32Tensors), unless cfg.BF16Params.
 func deviceMasters(cfg *TrainConfig, o *offload.Options) {
@@ -151,12 +209,17 @@ func deviceMasters(cfg *TrainConfig, o *offload.Options) {
 // calibrate measures this machine's CPU and GPU rates for the performance
 // model at reduced sizes (offload.Calibrate on o's device, a few seconds,
 // said on out) with o's CPU workers and gradient dtype, ranks (ZeRO-3's,
-// each with o's workers) calibrations of the CPU at once, and returns the
+// each with o's workers) calibrations of the CPU at once, in at most
+// room bytes of device memory (gpuReplica.room before the optimizers
+// allocate theirs; smaller sizes where it is short), and returns the
 // profile.
-func calibrate(o *offload.Options, ranks int, out io.Writer) (*offload.Profile, error) {
+func calibrate(o *offload.Options, ranks int, room int64, out io.Writer) (*offload.Profile, error) {
 	start := time.Now()
 	fmt.Fprintf(out, "calibrating the update phase (no --profile: dos calibrate writes one that skips this)...\n")
-	p, err := offload.Calibrate(o.Device, cpuThreads(o), o.GradDType, max(ranks, 1))
+	if room < offload.CalibrationBytes {
+		fmt.Fprintf(out, "  at reduced sizes: %d MiB of device memory free\n", room>>20)
+	}
+	p, err := offload.Calibrate(o.Device, cpuThreads(o), o.GradDType, max(ranks, 1), max(room, 1))
 	if err != nil {
 		return nil, fmt.Errorf("trainer: %w", err)
 	}
@@ -194,13 +257,9 @@ func gpuAvailable() error {
 // host memory), less the sampler's model when the run samples, less a
 // margin.
 func (g *gpuReplica) budget(cfg *TrainConfig, o *offload.Options, params []offload.Param, share int) (int64, error) {
-	free, _, err := g.dev.MemInfo()
+	room, err := g.room()
 	if err != nil {
-		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
-	}
-	margin := int64(gpuMargin)
-	if limit := cuda.MemoryLimit(g.dev.Ordinal); limit > 0 { // --gpu-memory: what the cap leaves
-		free, margin = min(free, limit-cuda.MemoryUsed(g.dev.Ordinal)), capMargin
+		return 0, err
 	}
 	elems, masters := 0, int64(0)
 	for _, p := range params {
@@ -216,11 +275,26 @@ func (g *gpuReplica) budget(cfg *TrainConfig, o *offload.Options, params []offlo
 			masters += 4 * int64(n)
 		}
 	}
-	b := (free-margin)/int64(share) - o.DeviceBytes(elems) - masters
+	b := room/int64(share) - o.DeviceBytes(elems) - masters
 	if cfg.SampleBytes > 0 { // room for the sampler's B = 1 model, made at the end (every rank samples)
 		b -= gptcuda.MemoryBytes(cfg.Model, 1, cfg.Model.NCtx, samplerOptions)
 	}
 	return max(b, 1), nil // 1, not 0: offload reads 0 as no limit
+}
+
+// room returns the device memory, in bytes, that g's GPU has free now
+// less a margin: under --gpu-memory what the cap leaves less capMargin,
+// otherwise cuMemGetInfo's free memory less gpuMargin (negative when
+// less is free).
+func (g *gpuReplica) room() (int64, error) {
+	free, _, err := g.dev.MemInfo()
+	if err != nil {
+		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
+	}
+	if limit := cuda.MemoryLimit(g.dev.Ordinal); limit > 0 {
+		return min(free, limit-cuda.MemoryUsed(g.dev.Ordinal)) - capMargin, nil
+	}
+	return free - gpuMargin, nil
 }
 
 // streamed returns how many blocks stream from host memory.

@@ -51,12 +51,82 @@ const StreamReserve = 2 << 30
 // Streamed returns how many blocks stream their weights from host memory
 // (the first ones): StreamBlocks, or with StreamAuto none when the run fits
 // under GPUMemory less CapMargin without (or there is no cap), else the
-// fewest that leave the update phase StreamReserve, else the fewest that
-// fit, else none (checkDeviceMemory refuses the run). 0 off the GPU and for
-// ZeRO-3's ranks.
+// count the performance model chose once the run has a profile
+// (StreamSweep), else the fewest that leave the update phase
+// StreamReserve, else the fewest that fit, else none (checkDeviceMemory
+// refuses the run). 0 off the GPU and for ZeRO-3's ranks.
 func (c *TrainConfig) Streamed() int { return c.streamedAt(c.Batch) }
 
-// streamedAt is Streamed at batch rows.
+// StreamChoice is one count of streamed blocks that StreamSweep weighed.
+type StreamChoice struct {
+	// Blocks is the count: blocks 0..Blocks-1 stream from host memory.
+	Blocks int
+	// Budget is the update phase's device memory under GPUMemory with
+	// them, in bytes (DeviceMemory.BudgetLeft), and HostHeld their
+	// parameters, which the CPU workers update first, in place.
+	Budget, HostHeld int64
+	// Update is the performance model's plan of the update phase
+	// (offload.PredictUpdate: its schedule and Makespan in seconds).
+	Update offload.Prediction
+}
+
+// StreamSweep weighs, for c on one GPU under GPUMemory, each count of
+// streamed blocks (0 to NLayer) that leaves the update phase some device
+// memory (DeviceMemory.BudgetLeft > 0) and whose host memory
+// (MemoryBytes) is within what the run may use, by the update phase the
+// performance model predicts with profile p and c's optimizer options
+// (offload.PredictUpdate over the subgroups New would cut, at threads CPU
+// workers), and returns them by count with the index of the one
+// StreamAuto takes (-1 for none): where the run does not fit without
+// streaming, the fastest count from 1 on, or the fewest within 2 % of
+// it, since the forward and backward, which the model does not plan,
+// copy each streamed block twice more. Counts below the fewest that fit
+// are not in the list.
+//
+// Errors: the model's (offload.PredictUpdate).
+func (c *TrainConfig) StreamSweep(p *offload.Profile, threads int) ([]StreamChoice, int, error) {
+	capBytes := int64(c.GPUMemory * gibBytes)
+	limit, _, _ := c.hostLimit()
+	params := offloadParams(c.Model)
+	var out []StreamChoice
+	for n := 0; n <= c.Model.NLayer; n++ {
+		at := *c
+		at.StreamBlocks, at.streamModel = n, 0
+		left := at.DeviceMemory(c.Batch).BudgetLeft(capBytes)
+		if left <= 0 || at.MemoryBytes() > limit {
+			continue
+		}
+		o := at.optimizerOptions()
+		deviceMasters(&at, o)
+		o.OffloadParam = streamedNames(c.Model, n)
+		o.Profile, o.GPUBudget, o.Threads, o.SubgroupSizes = p, left, threads, c.SubgroupSizes
+		o.OverlapBackward = !c.NoOverlap
+		pr, err := offload.PredictUpdate(params, *o)
+		if err != nil {
+			return nil, -1, fmt.Errorf("trainer: %d blocks streamed: %w", n, err)
+		}
+		out = append(out, StreamChoice{Blocks: n, Budget: left, HostHeld: int64(n * blockStreamedElems(c.Model)), Update: *pr})
+	}
+	pick := -1
+	if auto := *c; auto.StreamBlocks == StreamAuto && auto.streamedAt(c.Batch) > 0 {
+		fastest := -1
+		for i, sc := range out {
+			if sc.Blocks > 0 && (fastest < 0 || sc.Update.Makespan < out[fastest].Update.Makespan) {
+				fastest = i
+			}
+		}
+		for i, sc := range out {
+			if fastest >= 0 && sc.Blocks > 0 && sc.Update.Makespan <= 1.02*out[fastest].Update.Makespan {
+				pick = i
+				break
+			}
+		}
+	}
+	return out, pick, nil
+}
+
+// streamedAt is Streamed at batch rows (the model's count only at
+// c.Batch, the batch it was chosen for).
 func (c *TrainConfig) streamedAt(batch int) int {
 	if c.Device != "cuda" || c.GPUs > 1 || c.StreamBlocks == 0 {
 		return 0
@@ -75,6 +145,9 @@ func (c *TrainConfig) streamedAt(batch int) int {
 	zero := c.deviceMemory(batch, 0)
 	if zero.Total() <= safe {
 		return 0 // it fits as it is
+	}
+	if c.streamModel > 0 && batch == c.Batch { // the performance model's count (StreamSweep)
+		return c.streamModel
 	}
 	for _, room := range []int64{safe - StreamReserve, safe} {
 		if n, ok := c.fewestStreamed(batch, zero, room); ok {
@@ -98,6 +171,11 @@ func (c *TrainConfig) fewestStreamed(batch int, zero DeviceMemory, room int64) (
 			return 0, false
 		}
 		n += int((over + per - 1) / per)
+	}
+	// Where the calibration's floor is more than what stays (a tiny
+	// model's), each block saves less than per: count on.
+	for n <= c.Model.NLayer && c.deviceMemory(batch, n).Total() > room {
+		n++
 	}
 	return n, n <= c.Model.NLayer
 }

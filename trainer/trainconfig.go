@@ -122,10 +122,16 @@ type TrainConfig struct {
 	// backward, overlapped with the previous block's compute, and its
 	// gradients go D2H as its backward ends; the CPU workers update them
 	// in place. StreamAuto (-1): none when the run fits GPUMemory (less
-	// CapMargin) or there is no cap, else the fewest that leave the
-	// update phase StreamReserve, else the fewest that fit (Streamed).
-	// The trajectory is the same, bit for bit. Not saved in checkpoints.
+	// CapMargin) or there is no cap, else the count whose update phase
+	// the performance model predicts fastest once the run has a profile
+	// (StreamSweep), and before that (Validate, dos plan without one)
+	// the fewest that leave the update phase StreamReserve, else the
+	// fewest that fit (Streamed). The trajectory is the same, bit for
+	// bit. Not saved in checkpoints.
 	StreamBlocks int `json:"-"`
+	// streamModel is StreamAuto's count chosen by the performance model
+	// (StreamSweep), set by the run once it has a profile; 0 before.
+	streamModel int
 	// NoOverlap, with Device "cuda", turns off what the update phase does
 	// during backward (offload.Options.OverlapBackward: the CPU subgroups'
 	// gradients move to the host as their blocks' backward ends, and the
@@ -406,14 +412,7 @@ func (c *TrainConfig) checkMemory() error {
 		return err
 	}
 	need := c.MemoryBytes()
-	limit, over, advice := float64(MaxMemoryBytes), fmt.Sprintf("dos's limit of %d GiB", MaxMemoryBytes>>30), ""
-	if c.MaxMemory > 0 {
-		limit, over = c.MaxMemory*gib, fmt.Sprintf("--max-memory %g GiB", c.MaxMemory)
-		advice = fmt.Sprintf(", or raise --max-memory (at most %d GiB)", MaxMemoryBytes>>30)
-	} else if avail, ok := memAvailable(); ok && float64(avail) < limit {
-		limit, over = float64(avail), fmt.Sprintf("the %.1f GiB available (MemAvailable in /proc/meminfo)", float64(avail)/gib)
-		advice = fmt.Sprintf(", or pass --max-memory GiB (at most %d) to allow more than is available now", MaxMemoryBytes>>30)
-	}
+	limit, over, advice := c.hostLimit()
 	if need > limit {
 		ring := ""
 		if c.CkptRing > 0 {
@@ -423,6 +422,22 @@ func (c *TrainConfig) checkMemory() error {
 			c.Model.NLayer, c.Model.NEmbd, c.Model.NCtx, c.Batch, ring, need/gib, map[bool]string{true: ", the checkpoint ring", false: ""}[ring != ""], over, map[bool]string{true: " or --ckpt-ring", false: ""}[ring != ""], advice)
 	}
 	return nil
+}
+
+// hostLimit returns the host memory in bytes the run may use (MaxMemory,
+// else MemAvailable, never more than MaxMemoryBytes), what that limit is
+// for checkMemory's message, and its advice on raising it.
+func (c *TrainConfig) hostLimit() (limit float64, what, advice string) {
+	const gib = 1 << 30
+	limit, what = float64(MaxMemoryBytes), fmt.Sprintf("dos's limit of %d GiB", MaxMemoryBytes>>30)
+	if c.MaxMemory > 0 {
+		limit, what = c.MaxMemory*gib, fmt.Sprintf("--max-memory %g GiB", c.MaxMemory)
+		advice = fmt.Sprintf(", or raise --max-memory (at most %d GiB)", MaxMemoryBytes>>30)
+	} else if avail, ok := memAvailable(); ok && float64(avail) < limit {
+		limit, what = float64(avail), fmt.Sprintf("the %.1f GiB available (MemAvailable in /proc/meminfo)", float64(avail)/gib)
+		advice = fmt.Sprintf(", or pass --max-memory GiB (at most %d) to allow more than is available now", MaxMemoryBytes>>30)
+	}
+	return limit, what, advice
 }
 
 // MaxMemoryBytes bounds MemoryBytes: a configuration that needs more is
@@ -584,6 +599,17 @@ func (c *TrainConfig) deviceOn(o *offload.Options, spec string) (func(), error) 
 		return nil, fmt.Errorf("trainer: --device %s: %w", c.Device, err)
 	}
 	o.Device = dev
+	if err := c.configureDevice(o); err != nil {
+		closeDev()
+		return nil, err
+	}
+	return closeDev, nil
+}
+
+// configureDevice sets o, whose Device is open, for c: its budget, its
+// subgroup sizes and its schedule (c.Schedule, or the mixed one when
+// there is no profile). Errors: --schedule's.
+func (c *TrainConfig) configureDevice(o *offload.Options) error {
 	o.GPUBudget = int64(c.GPUBudget * (1 << 30))
 	if o.GPUBudget == 0 {
 		o.GPUBudget = DefaultGPUBudget
@@ -597,15 +623,14 @@ func (c *TrainConfig) deviceOn(o *offload.Options, spec string) (func(), error) 
 	case c.Schedule != "":
 		s, err := offload.ParseSchedule(c.Schedule)
 		if err != nil {
-			closeDev()
-			return nil, fmt.Errorf("trainer: --schedule: %w", err)
+			return fmt.Errorf("trainer: --schedule: %w", err)
 		}
 		o.Schedule = &s
 	case c.Profile == "":
 		s := offload.MixedSchedule(c.subgroups())
 		o.Schedule = &s
 	}
-	return closeDev, nil
+	return nil
 }
 
 // paramCount returns the model's parameters.

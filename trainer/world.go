@@ -100,6 +100,11 @@ type world struct {
 	// header.
 	gpus        int
 	collectives string
+	// early, on one GPU where StreamAuto streams, holds the optimizer's
+	// device, opened before the replica (profileFirst; rank 0 closes
+	// it), and profile the calibration made then; nil otherwise.
+	early   *offload.Options
+	profile *offload.Profile
 	// failed is set by the first rank that fails (each): the GPU ranks
 	// then stop waiting on their streams and issuing collectives.
 	failed atomic.Bool
@@ -152,6 +157,9 @@ func newWorld(cfg *TrainConfig, out io.Writer) (*world, error) {
 		}
 		gpus = gs
 	case cfg.Device == "cuda":
+		if err := w.profileFirst(cfg, out); err != nil {
+			return fail(err)
+		}
 		g, err := openLocal(cfg)
 		if err != nil {
 			return fail(err)
@@ -190,11 +198,18 @@ func newWorld(cfg *TrainConfig, out io.Writer) (*world, error) {
 			}
 			params[rk.r] = shardParams(cfg.Model, w.n, rk.r)
 		}
-		closeDev, err := cfg.deviceOn(oo, spec)
-		if err != nil {
-			return fail(err)
+		if rk.r == 0 && w.early != nil { // opened before the replica, and closed with the rank
+			oo.Device = w.early.Device
+			if err := cfg.configureDevice(oo); err != nil {
+				return fail(err)
+			}
+		} else {
+			closeDev, err := cfg.deviceOn(oo, spec)
+			if err != nil {
+				return fail(err)
+			}
+			rk.closeDev = closeDev
 		}
-		rk.closeDev = closeDev
 		if w.job && oo.Schedule != nil && cfg.Schedule == "" {
 			// cfg.device's default split counts the whole model's
 			// subgroups: this rank's share has fewer.
@@ -239,9 +254,15 @@ func newWorld(cfg *TrainConfig, out io.Writer) (*world, error) {
 		opts[r].GPUBudget = b
 	}
 	if gpus != nil && cfg.Profile == "" && cfg.Schedule == "" {
-		p, err := calibrate(&opts[0], w.n, out)
-		if err != nil {
-			return fail(err)
+		p := w.profile // profileFirst's calibration, before the replica
+		if p == nil {
+			room, err := gpus[0].room()
+			if err != nil {
+				return fail(err)
+			}
+			if p, err = calibrate(&opts[0], w.n, room, out); err != nil {
+				return fail(err)
+			}
 		}
 		for r := range opts {
 			opts[r].Profile, opts[r].Schedule = p, nil

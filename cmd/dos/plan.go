@@ -223,7 +223,13 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	if memCfg != nil && memCfg.GPUs <= 1 { // streaming is one GPU's
 		fmt.Fprintln(stdout)
-		if _, err := streamSweep(*memCfg, &p, perRank, sgSize, stdout); err != nil {
+		sc := *memCfg
+		sc.SubgroupSize = int(sgSize)
+		sc.MaxMemory = trainer.MaxMemoryBytes >> 30 // the profile's machine's host memory, not this one's
+		if !c.set("subgroup-size") {                // dos train's choice of size, as it makes it
+			sc.SubgroupSizes = []int{CUDASubgroupSize, CUDASubgroupSize / 2, CUDASubgroupSize / 4}
+		}
+		if _, err := streamSweep(sc, &p, perRank, stdout); err != nil {
 			return c.fail(stderr, "%v", err)
 		}
 	}

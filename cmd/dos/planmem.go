@@ -125,6 +125,9 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 		}
 		row(fmt.Sprintf("activations (%s)", rows), m.Activations, "")
 		row(fmt.Sprintf("sampler (--sample %d)", cfg.SampleBytes), m.Sampler, "")
+		if m.Calibration > m.Sampler+m.WeightsGrads+m.Masters {
+			row("start-up calibration", m.Calibration, " (before the weights, gradients and masters, more than they: counted instead)")
+		}
 		row("before the update phase", m.Total(), fmt.Sprintf(" of %g GiB", cfg.GPUMemory))
 	}
 	left := m.BudgetLeft(capBytes)
@@ -133,7 +136,7 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 	case left > 0:
 		row("left for the update phase", left, " (its default --gpu-budget: resident state and staging; 256 MiB kept aside)")
 	case m.Total() <= capBytes:
-		fmt.Fprintf(out, "  fits, but within the 256 MiB the run keeps aside (%.0f MiB of it used): dos train accepts it, and the update phase gets no budget (every subgroup on the CPU)\n", float64(m.Total()-(capBytes-trainer.CapMargin))/(1<<20))
+		fmt.Fprintf(out, "  fits under the cap, but not outside the 256 MiB the run keeps aside for the kernels' modules and cuBLASLt (%.0f MiB of it used): dos train refuses it before allocating\n", float64(m.Total()-(capBytes-trainer.CapMargin))/(1<<20))
 	default:
 		fmt.Fprintf(out, "  does not fit: over the cap by %.2f GiB (dos train refuses it before allocating)\n", float64(m.Total()-capBytes)/(1<<30))
 	}
@@ -168,48 +171,33 @@ func memoryPlan(cfg trainer.TrainConfig, out io.Writer) int64 {
 
 // streamSweep prints, for cfg under its GPUMemory and the machine p with
 // threads CPU workers, the update phase the performance model predicts
-// (perfmodel.Profile.Choose over the blocks on the GPU, the streamed
-// blocks' parameters the CPU's first: Workload.HostHeld) for each count
-// of blocks whose weights come from host memory that fits: what each
-// block moved off the GPU costs in CPU work and gives the update phase in
-// budget (its resident state and staging). It marks the count
-// --stream-blocks auto takes and the count the model predicts fastest,
-// and returns the latter (-1 when none fits).
+// for each count of blocks whose weights come from host memory that
+// fits (trainer.TrainConfig.StreamSweep: offload.PredictUpdate over the
+// subgroups dos train cuts, the streamed blocks' parameters the CPU's
+// first): what each block moved off the GPU costs in CPU work and gives
+// the update phase in budget (its resident state and staging). It marks
+// the count the model predicts fastest and the count dos train's
+// --stream-blocks auto takes once it has the profile (the fewest within
+// 2 % of the fastest), and returns the latter (-1 when the run needs no
+// streaming or none fits).
 //
-// Errors: the workload's (a subgroup size the model refuses).
-func streamSweep(cfg trainer.TrainConfig, p *perfmodel.Profile, threads int, sgSize int64, out io.Writer) (int, error) {
-	capBytes := int64(cfg.GPUMemory * (1 << 30))
+// Errors: the model's.
+func streamSweep(cfg trainer.TrainConfig, p *perfmodel.Profile, threads int, out io.Writer) (int, error) {
 	auto := cfg
 	auto.StreamBlocks = trainer.StreamAuto
-	chosen := auto.Streamed()
-	type row struct {
-		n          int
-		left, held int64
-		pred       perfmodel.Prediction
-	}
-	var rows []row
-	best := -1
-	for n := 0; n <= cfg.Model.NLayer; n++ {
-		c := cfg
-		c.StreamBlocks = n
-		left := c.DeviceMemory(c.Batch).BudgetLeft(capBytes)
-		if left <= 0 {
-			continue
-		}
-		held := int64(n) * trainer.StreamedBlockBytes(cfg.Model) / 4
-		w := perfmodel.Workload{Params: int64(cfg.Model.NumParams()) - held, HostHeld: held, SubgroupSize: sgSize, GradDType: adam.BF16, CopyBytes: 2, Threads: threads, GPUBudget: left}
-		pr, err := p.Choose(w)
-		if err != nil {
-			return -1, err
-		}
-		rows = append(rows, row{n, left, held, pr})
-		if best < 0 || pr.Makespan < rows[best].pred.Makespan {
-			best = len(rows) - 1
-		}
+	rows, pick, err := auto.StreamSweep(p, threads)
+	if err != nil {
+		return -1, err
 	}
 	if len(rows) == 0 {
 		fmt.Fprintf(out, "streamed blocks: no count fits under --gpu-memory %g GiB\n", cfg.GPUMemory)
 		return -1, nil
+	}
+	best := 0
+	for i, r := range rows {
+		if r.Update.Makespan < rows[best].Update.Makespan {
+			best = i
+		}
 	}
 	fmt.Fprintf(out, "the update phase by blocks from host memory (the performance model's choice for each; the fwd+bwd is not modelled):\n")
 	fmt.Fprintf(out, "  %6s %10s %12s %10s %14s  %s\n", "blocks", "budget GiB", "host-held", "update s", "cpu/gpu/res", "")
@@ -218,8 +206,8 @@ func streamSweep(cfg trainer.TrainConfig, p *perfmodel.Profile, threads int, sgS
 	step := max(1, len(rows)/10)
 	for i, r := range rows {
 		mark := ""
-		if r.n == chosen {
-			mark += " <- --stream-blocks auto"
+		if i == pick {
+			mark += " <- --stream-blocks auto (dos train's, with this profile)"
 		}
 		if i == best {
 			mark += " <- the model's fastest"
@@ -227,8 +215,11 @@ func streamSweep(cfg trainer.TrainConfig, p *perfmodel.Profile, threads int, sgS
 		if mark == "" && i%step != 0 && i != len(rows)-1 {
 			continue
 		}
-		fmt.Fprintf(out, "  %6d %10.2f %12s %10.3f %14s %s\n", r.n, float64(r.left)/(1<<30), count(float64(r.held)), r.pred.Makespan,
-			fmt.Sprintf("%d/%d/%d", r.pred.CPU, r.pred.GPU, r.pred.Resident), mark)
+		fmt.Fprintf(out, "  %6d %10.2f %12s %10.3f %14s %s\n", r.Blocks, float64(r.Budget)/(1<<30), count(float64(r.HostHeld)), r.Update.Makespan,
+			fmt.Sprintf("%d/%d/%d", r.Update.CPU, r.Update.GPU, r.Update.Resident), mark)
 	}
-	return rows[best].n, nil
+	if pick < 0 {
+		return -1, nil
+	}
+	return rows[pick].Blocks, nil
 }
