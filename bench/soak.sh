@@ -31,7 +31,8 @@ while kill -0 "$pid" 2>/dev/null; do
 	rss=$(awk '/^VmRSS/ {print $2}' "/proc/$pid/status" 2>/dev/null)
 	hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status" 2>/dev/null)
 	gpu=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null | awk -F', *' -v p="$pid" '$1 == p {print $2}')
-	iters=$(wc -l <"$out/soak.jsonl" 2>/dev/null || echo 0)
+	iters=0
+	[ -f "$out/soak.jsonl" ] && iters=$(wc -l <"$out/soak.jsonl")
 	printf '%s\t%s\t%s\t%s\t%s\n' "$(since)" "${rss:-}" "${hwm:-}" "${gpu:-}" "${iters// /}" >>"$out/memory.tsv"
 	sleep "${EVERY:-2}"
 done

@@ -226,8 +226,8 @@ func CalibrationSizes(deviceBytes int64) (copies, updates []int64, err error) {
 		deviceBytes = CalibrationBytes
 	}
 	if deviceBytes < MinCalibrationBytes {
-		return nil, nil, fmt.Errorf("offload: calibrating the GPU in %d MiB of device memory: it needs %d MiB at least (a profile from dos calibrate skips it)",
-			deviceBytes>>20, MinCalibrationBytes>>20)
+		return nil, nil, fmt.Errorf("offload: calibrating the GPU in %d MiB of device memory: it needs %d MiB at least (a profile skips it: dos calibrate --json PATH, then --profile PATH)",
+			max(deviceBytes, 0)>>20, MinCalibrationBytes>>20)
 	}
 	n := int64(calibrationMaxElems)
 	for n > calibrationMinElems && calibrationPerElem*n > deviceBytes {

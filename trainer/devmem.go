@@ -83,7 +83,10 @@ func (m DeviceMemory) Total() int64 {
 // once m is allocated, in bytes (negative: m is over the cap): what a
 // run's default GPU budget is under GPUMemory, less the margin the
 // trainer keeps for what the cap counts besides (capMargin, 256 MiB).
-func (m DeviceMemory) BudgetLeft(capBytes int64) int64 { return capBytes - CapMargin - m.Total() }
+// The calibration, freed before the budget is taken, is not counted.
+func (m DeviceMemory) BudgetLeft(capBytes int64) int64 {
+	return capBytes - CapMargin - (m.Activations + m.Slots + m.Replicas + m.Sampler + m.WeightsGrads + m.Masters)
+}
 
 // CapMargin is the device memory, in bytes, that a run under GPUMemory
 // keeps aside from its update phase's budget for what the cap counts
@@ -232,6 +235,13 @@ func (c *TrainConfig) checkDeviceMemory() error {
 			fits = append(fits, "--recompute")
 		} else if b := r.largestBatch(safe); b > 0 {
 			fits = append(fits, fmt.Sprintf("--recompute --batch %d", b))
+		}
+	}
+	if m.Calibration > 0 && m.Calibration > m.Sampler+m.WeightsGrads+m.Masters {
+		p := *c
+		p.Profile = "profile"
+		if p.DeviceMemory(c.Batch).Total() <= safe {
+			fits = append(fits, "--profile PATH (from dos calibrate --json PATH: no start-up calibration on the device)")
 		}
 	}
 	advice := "no smaller --batch, --recompute or --stream-blocks fits: what stays on the device, with one row's activations, is too large for this cap (a GPU with more memory, or ZeRO-3 over several, --gpus N)"

@@ -59,6 +59,9 @@ func TestDeviceMemoryCalibration(t *testing.T) {
 	c.SampleBytes = 0
 	m := c.DeviceMemory(8)
 	rest := m.WeightsGrads + m.Masters
+	if m.BudgetLeft(1<<30) != 1<<30-CapMargin-m.Activations-rest {
+		t.Errorf("BudgetLeft %d: the calibration, freed before the budget is taken, counted", m.BudgetLeft(1<<30))
+	}
 	if m.Calibration != offload.MinCalibrationBytes || rest >= m.Calibration || m.Total() != m.Activations+m.Calibration {
 		t.Errorf("a small model: %+v, Total %d, want the activations and the calibration's %d", m, m.Total(), offload.MinCalibrationBytes)
 	}

@@ -168,9 +168,20 @@ func (w *world) profileFirst(cfg *TrainConfig, out io.Writer) error {
 			return fmt.Errorf("trainer: --profile: %w", err)
 		}
 	} else {
-		// Nothing is allocated yet: the cap less its margin, less what
-		// opening the device took.
-		room := int64(cfg.GPUMemory*(1<<30)) - capMargin - cuda.MemoryUsed(0)
+		// Nothing is allocated yet: what the cap leaves (and the device
+		// has free) less its margin.
+		d, err := cuda.Open(0)
+		if err != nil {
+			return fmt.Errorf("trainer: --device cuda: %w", err)
+		}
+		free, _, err := d.MemInfo()
+		if cerr := d.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return fmt.Errorf("trainer: --device cuda: %w", err)
+		}
+		room := min(free, int64(cfg.GPUMemory*(1<<30))-cuda.MemoryUsed(0)) - capMargin
 		if p, err = calibrate(o, 1, room, out); err != nil {
 			return err
 		}
@@ -180,17 +191,19 @@ func (w *world) profileFirst(cfg *TrainConfig, out io.Writer) error {
 	if err != nil || pick < 0 {
 		return err
 	}
-	cfg.streamModel = sweep[pick].Blocks
-	if n := cfg.streamModel; n != fewest {
-		first := sweep[0]
-		for _, sc := range sweep {
-			if sc.Blocks == fewest {
-				first = sc
-			}
-		}
-		fmt.Fprintf(out, "--stream-blocks auto: %d blocks, the performance model's fastest update phase (%.0f ms predicted, a %.2f GiB budget; without the model %d: %.0f ms, %.2f GiB)\n",
-			n, 1e3*sweep[pick].Update.Makespan, float64(sweep[pick].Budget)/gibBytes, fewest, 1e3*first.Update.Makespan, float64(first.Budget)/gibBytes)
+	n := sweep[pick].Blocks
+	cfg.streamModel, cfg.streamKey = n, cfg.streamKeyNow() // as ChooseStreamed, with the sweep kept for the message
+	if n == fewest {
+		return nil
 	}
+	at, without := sweep[pick], ""
+	for _, sc := range sweep {
+		if sc.Blocks == fewest {
+			without = fmt.Sprintf("; without the model %d: %.0f ms, %.2f GiB", fewest, 1e3*sc.Update.Makespan, float64(sc.Budget)/gibBytes)
+		}
+	}
+	fmt.Fprintf(out, "--stream-blocks auto: %d blocks, the fewest within 2 %% of the performance model's fastest update phase (%.0f ms predicted, a %.2f GiB budget%s)\n",
+		n, 1e3*at.Update.Makespan, float64(at.Budget)/gibBytes, without)
 	return nil
 }
 
@@ -217,7 +230,7 @@ func calibrate(o *offload.Options, ranks int, room int64, out io.Writer) (*offlo
 	start := time.Now()
 	fmt.Fprintf(out, "calibrating the update phase (no --profile: dos calibrate writes one that skips this)...\n")
 	if room < offload.CalibrationBytes {
-		fmt.Fprintf(out, "  at reduced sizes: %d MiB of device memory free\n", room>>20)
+		fmt.Fprintf(out, "  at reduced sizes: %d MiB of device memory free\n", max(room, 0)>>20)
 	}
 	p, err := offload.Calibrate(o.Device, cpuThreads(o), o.GradDType, max(ranks, 1), max(room, 1))
 	if err != nil {

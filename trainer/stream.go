@@ -57,6 +57,41 @@ const StreamReserve = 2 << 30
 // refuses the run). 0 off the GPU and for ZeRO-3's ranks.
 func (c *TrainConfig) Streamed() int { return c.streamedAt(c.Batch) }
 
+// ChooseStreamed makes StreamAuto's count the one StreamSweep picks with
+// profile p at threads CPU workers, where the run streams (Streamed > 0
+// under StreamAuto), and returns it; 0, changing nothing, where it does
+// not stream, StreamBlocks is a count, or no count fits. Streamed,
+// DeviceMemory and MemoryBytes at c.Batch then count it. dos train does
+// this once it has its profile, before it allocates.
+//
+// Errors: StreamSweep's.
+func (c *TrainConfig) ChooseStreamed(p *offload.Profile, threads int) (int, error) {
+	if c.StreamBlocks != StreamAuto || c.Streamed() == 0 {
+		return 0, nil
+	}
+	sweep, pick, err := c.StreamSweep(p, threads)
+	if err != nil || pick < 0 {
+		return 0, err
+	}
+	c.streamModel, c.streamKey = sweep[pick].Blocks, c.streamKeyNow()
+	return c.streamModel, nil
+}
+
+// streamKey is what ChooseStreamed's count was chosen for: a copy of
+// the config that differs in any of it counts its own.
+type streamKey struct {
+	batch     int
+	gpuMemory float64
+	recompute bool
+	model     Config
+	gpuBudget float64
+	sample    int
+}
+
+func (c *TrainConfig) streamKeyNow() streamKey {
+	return streamKey{batch: c.Batch, gpuMemory: c.GPUMemory, recompute: c.Recompute, model: c.Model, gpuBudget: c.GPUBudget, sample: c.SampleBytes}
+}
+
 // StreamChoice is one count of streamed blocks that StreamSweep weighed.
 type StreamChoice struct {
 	// Blocks is the count: blocks 0..Blocks-1 stream from host memory.
@@ -72,7 +107,8 @@ type StreamChoice struct {
 
 // StreamSweep weighs, for c on one GPU under GPUMemory, each count of
 // streamed blocks (0 to NLayer) that leaves the update phase some device
-// memory (DeviceMemory.BudgetLeft > 0) and whose host memory
+// memory (DeviceMemory.BudgetLeft > 0; with GPUBudget set, at least that,
+// and the budget is then GPUBudget) and whose host memory
 // (MemoryBytes) is within what the run may use, by the update phase the
 // performance model predicts with profile p and c's optimizer options
 // (offload.PredictUpdate over the subgroups New would cut, at threads CPU
@@ -93,6 +129,12 @@ func (c *TrainConfig) StreamSweep(p *offload.Profile, threads int) ([]StreamChoi
 		at := *c
 		at.StreamBlocks, at.streamModel = n, 0
 		left := at.DeviceMemory(c.Batch).BudgetLeft(capBytes)
+		if given := int64(c.GPUBudget * gibBytes); given > 0 { // --gpu-budget: what the run's update phase gets
+			if left < given {
+				continue
+			}
+			left = given
+		}
 		if left <= 0 || at.MemoryBytes() > limit {
 			continue
 		}
@@ -146,7 +188,7 @@ func (c *TrainConfig) streamedAt(batch int) int {
 	if zero.Total() <= safe {
 		return 0 // it fits as it is
 	}
-	if c.streamModel > 0 && batch == c.Batch { // the performance model's count (StreamSweep)
+	if c.streamModel > 0 && c.streamKey == c.streamKeyNow() && batch == c.Batch { // the performance model's count (ChooseStreamed)
 		return c.streamModel
 	}
 	for _, room := range []int64{safe - StreamReserve, safe} {

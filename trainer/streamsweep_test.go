@@ -44,20 +44,38 @@ func TestStreamSweep(t *testing.T) {
 		t.Errorf("counts %d..%d, fastest %d (%.3f s), picked %d (%.3f s)", sweep[0].Blocks, sweep[len(sweep)-1].Blocks,
 			sweep[fastest].Blocks, sweep[fastest].Update.Makespan, sweep[pick].Blocks, sweep[pick].Update.Makespan)
 	}
-	c.streamModel = sweep[pick].Blocks
+	c.streamModel, c.streamKey = sweep[pick].Blocks, c.streamKeyNow()
 	if n, m := c.Streamed(), c.DeviceMemory(c.Batch); n != 16 || m.Streamed != 16 || m.BudgetLeft(24<<30) != sweep[pick].Budget {
 		t.Errorf("after: Streamed %d, DeviceMemory %+v", n, m)
+	}
+	if d := c; true {
+		d.Batch = 7 // a copy at another batch counts its own
+		if n := d.Streamed(); n == 16 {
+			t.Errorf("batch 7: %d blocks, the count chosen for batch 8", n)
+		}
 	}
 	if grew := c.MemoryBytes() - hostBefore; grew != float64(4*7*blockStreamedElems(c.Model)) {
 		t.Errorf("host memory grew by %.0f bytes, want 4 a parameter of the 7 more blocks", grew)
 	}
 	// The host memory the run may use bounds the counts: one that holds 12 blocks.
-	c.streamModel = 12
+	c.streamModel, c.streamKey = 12, c.streamKeyNow()
 	c.MaxMemory = c.MemoryBytes() / gibBytes
 	c.streamModel = 0
 	if sweep, _, err := c.StreamSweep(p, 16); err != nil || sweep[len(sweep)-1].Blocks != 12 {
 		t.Errorf("under --max-memory %.2f: up to %d blocks, %v", c.MaxMemory, sweep[len(sweep)-1].Blocks, err)
 	}
+	// --gpu-budget: every count weighed leaves at least it, and plans with it.
+	c.MaxMemory, c.streamModel, c.GPUBudget = 1000, 0, 2
+	if sweep, pick, err := c.StreamSweep(p, 2); err != nil || pick < 0 {
+		t.Errorf("--gpu-budget 2: pick %d, %v", pick, err)
+	} else {
+		for _, sc := range sweep {
+			if m := c.deviceMemory(c.Batch, sc.Blocks); sc.Budget != 2<<30 || m.BudgetLeft(24<<30) < 2<<30 {
+				t.Errorf("--gpu-budget 2, %d blocks: budget %d, %d left", sc.Blocks, sc.Budget, m.BudgetLeft(24<<30))
+			}
+		}
+	}
+	c.GPUBudget = 0
 	xl := gpuConfig(t, 24)
 	xl.Model.NLayer, xl.Model.NEmbd, xl.Model.NHead = 48, 1600, 25
 	xl.Recompute, xl.StreamBlocks, xl.SampleBytes = true, StreamAuto, 0

@@ -130,8 +130,10 @@ type TrainConfig struct {
 	// bit. Not saved in checkpoints.
 	StreamBlocks int `json:"-"`
 	// streamModel is StreamAuto's count chosen by the performance model
-	// (StreamSweep), set by the run once it has a profile; 0 before.
+	// for streamKey (ChooseStreamed), set once the run has a profile; 0
+	// before. A copy at another batch, cap or model does not take it.
 	streamModel int
+	streamKey   streamKey
 	// NoOverlap, with Device "cuda", turns off what the update phase does
 	// during backward (offload.Options.OverlapBackward: the CPU subgroups'
 	// gradients move to the host as their blocks' backward ends, and the

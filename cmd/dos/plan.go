@@ -87,6 +87,32 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			}
 			cfg.GPUs = *ranks
 		}
+		// dos train's cut and, for the profile's machine, its host memory.
+		cfg.SubgroupSize = int(sgSize)
+		if !c.set("subgroup-size") {
+			cfg.SubgroupSizes = []int{CUDASubgroupSize, CUDASubgroupSize / 2, CUDASubgroupSize / 4}
+		}
+		cfg.MaxMemory = trainer.MaxMemoryBytes >> 30
+		if *profPath != "" {
+			cfg.Profile = *profPath // dos train --profile does not calibrate
+		}
+		if c.set("gpu-budget") {
+			cfg.GPUBudget = *budget // auto's count must leave it (trainer.TrainConfig.StreamSweep)
+		}
+		if prof, err := perfmodel.Read(*profPath); *profPath != "" && err == nil && prof.GPU != nil && cfg.GPUs <= 1 {
+			// With a profile, auto's count is the one dos train takes
+			// with it: the tables below are that run's. A profile that
+			// does not read is refused further down.
+			n := *threads
+			for _, f := range prof.CPU {
+				if *threads == 0 {
+					n = max(n, f.Threads)
+				}
+			}
+			if _, err := cfg.ChooseStreamed(prof, max(n, 1)); err != nil {
+				return c.fail(stderr, "%v", err)
+			}
+		}
 		m := cfg.DeviceMemory(cfg.Batch)
 		left := m.BudgetLeft(int64(cfg.GPUMemory * (1 << 30)))
 		switch {
@@ -223,13 +249,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	if memCfg != nil && memCfg.GPUs <= 1 { // streaming is one GPU's
 		fmt.Fprintln(stdout)
-		sc := *memCfg
-		sc.SubgroupSize = int(sgSize)
-		sc.MaxMemory = trainer.MaxMemoryBytes >> 30 // the profile's machine's host memory, not this one's
-		if !c.set("subgroup-size") {                // dos train's choice of size, as it makes it
-			sc.SubgroupSizes = []int{CUDASubgroupSize, CUDASubgroupSize / 2, CUDASubgroupSize / 4}
-		}
-		if _, err := streamSweep(sc, &p, perRank, stdout); err != nil {
+		if _, err := streamSweep(*memCfg, &p, perRank, stdout); err != nil {
 			return c.fail(stderr, "%v", err)
 		}
 	}

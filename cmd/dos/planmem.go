@@ -38,7 +38,7 @@ func memoryFlags(c *cli) *planMemoryFlags {
 	sizeVar(c, &f.cfg.SampleBytes, "sample", "with --gpu-memory: bytes `N` of text the run samples at the end (0: no sampler)")
 	c.BoolVar(&f.cfg.Recompute, "recompute", false, "with --gpu-memory: activation checkpointing (dos train --recompute)")
 	c.BoolVar(&f.cfg.BF16Params, "bf16-params", false, "with --gpu-memory: no fp32 masters on the device (dos train --bf16-params)")
-	c.Var(streamFlag{&f.cfg.StreamBlocks}, "stream-blocks", "with --gpu-memory: blocks `N` whose weights and gradients stream from host memory (dos train --stream-blocks; auto: none when the run fits the cap, else the fewest that leave the update phase 2 GiB, else the fewest that fit)")
+	c.Var(streamFlag{&f.cfg.StreamBlocks}, "stream-blocks", "with --gpu-memory: blocks `N` whose weights and gradients stream from host memory (dos train --stream-blocks; auto: none when the run fits the cap, else with --profile the count dos train takes, the fewest within 2 % of the performance model's fastest, and without a profile the fewest that leave the update phase 2 GiB, else the fewest that fit)")
 	return f
 }
 
