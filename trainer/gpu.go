@@ -174,14 +174,13 @@ func (w *world) profileFirst(cfg *TrainConfig, out io.Writer) error {
 		if err != nil {
 			return fmt.Errorf("trainer: --device cuda: %w", err)
 		}
-		free, _, err := d.MemInfo()
-		if cerr := d.Close(); err == nil {
-			err = cerr
+		room, err := deviceRoom(d) // the cap is set: what it leaves, at most what is free
+		if cerr := d.Close(); err == nil && cerr != nil {
+			err = fmt.Errorf("trainer: --device cuda: %w", cerr)
 		}
 		if err != nil {
-			return fmt.Errorf("trainer: --device cuda: %w", err)
+			return err
 		}
-		room := min(free, int64(cfg.GPUMemory*(1<<30))-cuda.MemoryUsed(0)) - capMargin
 		if p, err = calibrate(o, 1, room, out); err != nil {
 			return err
 		}
@@ -299,13 +298,16 @@ func (g *gpuReplica) budget(cfg *TrainConfig, o *offload.Options, params []offlo
 // less a margin: under --gpu-memory what the cap leaves less capMargin,
 // otherwise cuMemGetInfo's free memory less gpuMargin (negative when
 // less is free).
-func (g *gpuReplica) room() (int64, error) {
-	free, _, err := g.dev.MemInfo()
+func (g *gpuReplica) room() (int64, error) { return deviceRoom(g.dev) }
+
+// deviceRoom is gpuReplica.room on d.
+func deviceRoom(d *cuda.Device) (int64, error) {
+	free, _, err := d.MemInfo()
 	if err != nil {
 		return 0, fmt.Errorf("trainer: --device cuda: %w", err)
 	}
-	if limit := cuda.MemoryLimit(g.dev.Ordinal); limit > 0 {
-		return min(free, limit-cuda.MemoryUsed(g.dev.Ordinal)) - capMargin, nil
+	if limit := cuda.MemoryLimit(d.Ordinal); limit > 0 {
+		return min(free, limit-cuda.MemoryUsed(d.Ordinal)) - capMargin, nil
 	}
 	return free - gpuMargin, nil
 }
