@@ -28,7 +28,10 @@
 # RECOMPUTE=1 (the default) runs both sides with activation checkpointing (dos --recompute, transformers'
 # gradient_checkpointing_enable), so the two do the same work under the cap; RECOMPUTE=0 runs neither.
 # STRATS (default "dos-model dos-nooverlap dos-cpu dos-static dos-static-25M") picks the dos runs, MODES (default
-# "fsdp2 dos gpu"; set and empty: none) the PyTorch runs; DOS_BIN (default bin/dos) the dos binary. GPU_NOCAP=1 (the default) adds the all-on-GPU run without a cap, as the reference ceiling.
+# "fsdp2 dos gpu"; set and empty: none) the PyTorch runs; DOS_BIN (default bin/dos) the dos binary; DOS_FLAGS
+# (default none) more flags for every dos run, e.g. "--profile P.json" so that the runs of one call share one
+# `dos calibrate --json` profile instead of each calibrating afresh (each calibration plans a little differently);
+# RUN_TIMEOUT (seconds, default 0: none) stops any one run there, so that one slow run leaves the call's others. GPU_NOCAP=1 (the default) adds the all-on-GPU run without a cap, as the reference ceiling.
 # Every dos run draws its last iteration with --timeline to OUT/MODEL-CAP-bBATCH-STRATEGY-timeline.svg (the Chrome
 # trace beside it). Prints one line per run and a markdown table: tokens/s, ms per iteration, forward+backward and update (medians),
 # dos's predicted update, TFLOP/s and each run against fsdp2. Logs, JSON and summaries go to OUT (default /tmp/e2e).
@@ -61,6 +64,8 @@ for run in $runs; do
 		base="$out/$tag-$cap-b$batch-$strat"
 		flags=(--device cuda "${arch[@]}" --batch "$batch" --gpu-memory "$cap" --steps "$steps" "${dosrc[@]}"
 			--log-every 1 --sample 0 --eval-every 0 --eval-batches 1 --timeline "$base-timeline.svg")
+		# shellcheck disable=SC2206 # DOS_FLAGS are words
+		flags+=(${DOS_FLAGS:-})
 		case $strat in
 		dos-model) flags+=(--replan) ;;
 		dos-nooverlap) flags+=(--replan --no-overlap) ;;
@@ -71,7 +76,7 @@ for run in $runs; do
 		esac
 		rm -f "$base.jsonl"
 		start=$(date +%s)
-		"$dosbin" train "${flags[@]}" --log-json "$base.jsonl" --summary-json "$base.json" >"$base.log" 2>&1
+		timeout "${RUN_TIMEOUT:-0}" "$dosbin" train "${flags[@]}" --log-json "$base.jsonl" --summary-json "$base.json" >"$base.log" 2>&1
 		rc=$?
 		python3 - "$model" "$cap" "$batch" "$strat" "$base" "$rc" "$(($(date +%s) - start))" >>"$out/results.jsonl" <<'PY'
 import json, statistics, sys
@@ -103,7 +108,7 @@ PY
 		base="$out/$tag-$c-b$batch-$mode"
 		clip=()
 		[[ $mode == *-noclip ]] && clip=(--no-clip)
-		python3 bench/torch_offload.py --mode "${mode%-noclip}" --model "$model" --batch "$batch" --steps "$steps" --warmup 2 \
+		timeout "${RUN_TIMEOUT:-0}" python3 bench/torch_offload.py --mode "${mode%-noclip}" --model "$model" --batch "$batch" --steps "$steps" --warmup 2 \
 			--cap-gib "$c" --gpu-budget-gib "${DOS_TORCH_BUDGET_GIB:-8}" "${torchrc[@]}" "${clip[@]}" >"$base.log" 2>&1
 		python3 - "$base.log" "$mode" "$cap" "$model" "$batch" "$c" >>"$out/results.jsonl" <<'PY'
 import json, sys

@@ -140,7 +140,7 @@ func openLocal(cfg *TrainConfig) (*gpuReplica, error) {
 // > 0, no --schedule), opens the optimizer's device before the replica
 // (w.early; rank 0 closes it), gets the performance model's profile (cfg.Profile's,
 // or a calibration then, in the whole cap: w.profile) and sets the count of
-// streamed blocks by it (TrainConfig.StreamSweep's pick), said on out. Elsewhere it does
+// streamed blocks by it (TrainConfig.ChooseStreamed), said on out. Elsewhere it does
 // nothing.
 //
 // Errors: no GPU, the device's, the profile's or the calibration's, the
@@ -186,12 +186,11 @@ func (w *world) profileFirst(cfg *TrainConfig, out io.Writer) error {
 		}
 		w.profile = p
 	}
-	sweep, pick, err := cfg.StreamSweep(p, cpuThreads(o))
+	sweep, pick, err := cfg.ChooseStreamed(p, cpuThreads(o))
 	if err != nil || pick < 0 {
 		return err
 	}
 	n := sweep[pick].Blocks
-	cfg.streamModel, cfg.streamKey = n, cfg.streamKeyNow() // as ChooseStreamed, with the sweep kept for the message
 	if n == fewest {
 		return nil
 	}

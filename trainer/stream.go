@@ -59,22 +59,23 @@ func (c *TrainConfig) Streamed() int { return c.streamedAt(c.Batch) }
 
 // ChooseStreamed makes StreamAuto's count the one StreamSweep picks with
 // profile p at threads CPU workers, where the run streams (Streamed > 0
-// under StreamAuto), and returns it; 0, changing nothing, where it does
-// not stream, StreamBlocks is a count, or no count fits. Streamed,
-// DeviceMemory and MemoryBytes at c.Batch then count it. dos train does
-// this once it has its profile, before it allocates.
+// under StreamAuto), and returns StreamSweep's list and the index of the
+// count taken; nil and -1, changing nothing, where it does not stream,
+// StreamBlocks is a count, or no count fits. Streamed, DeviceMemory and
+// MemoryBytes at c.Batch then count it. dos train does this once it has
+// its profile, before it allocates.
 //
 // Errors: StreamSweep's.
-func (c *TrainConfig) ChooseStreamed(p *offload.Profile, threads int) (int, error) {
+func (c *TrainConfig) ChooseStreamed(p *offload.Profile, threads int) ([]StreamChoice, int, error) {
 	if c.StreamBlocks != StreamAuto || c.Streamed() == 0 {
-		return 0, nil
+		return nil, -1, nil
 	}
 	sweep, pick, err := c.StreamSweep(p, threads)
 	if err != nil || pick < 0 {
-		return 0, err
+		return nil, -1, err
 	}
 	c.streamModel, c.streamKey = sweep[pick].Blocks, c.streamKeyNow()
-	return c.streamModel, nil
+	return sweep, pick, nil
 }
 
 // streamKey is what ChooseStreamed's count was chosen for: a copy of

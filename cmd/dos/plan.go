@@ -90,7 +90,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		// dos train's cut and, for the profile's machine, its host memory.
 		cfg.SubgroupSize = int(sgSize)
 		if !c.set("subgroup-size") {
-			cfg.SubgroupSizes = []int{CUDASubgroupSize, CUDASubgroupSize / 2, CUDASubgroupSize / 4}
+			cfg.SubgroupSizes = cudaSubgroupSizes()
 		}
 		cfg.MaxMemory = trainer.MaxMemoryBytes >> 30
 		if *profPath != "" {
@@ -109,7 +109,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 					n = max(n, f.Threads)
 				}
 			}
-			if _, err := cfg.ChooseStreamed(prof, max(n, 1)); err != nil {
+			if _, _, err := cfg.ChooseStreamed(prof, max(n, 1)); err != nil {
 				return c.fail(stderr, "%v", err)
 			}
 		}

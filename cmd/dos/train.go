@@ -203,7 +203,7 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		// and fit the streamed lane's staging where 100M cannot.
 		if !c.set("subgroup-size") {
 			cfg.SubgroupSize = CUDASubgroupSize
-			cfg.SubgroupSizes = []int{CUDASubgroupSize, CUDASubgroupSize / 2, CUDASubgroupSize / 4}
+			cfg.SubgroupSizes = cudaSubgroupSizes()
 		}
 	}
 	tok, err := trainer.NewTokenizer(cfg.Tokenizer)
@@ -400,6 +400,13 @@ func writeIteration(t *trainer.Trainer, path string, cfg trainer.TrainConfig, st
 
 // CUDASubgroupSize is dos train's --subgroup-size with --device cuda.
 const CUDASubgroupSize = 100_000_000
+
+// cudaSubgroupSizes are the subgroup sizes the performance model chooses
+// among with --device cuda and no --subgroup-size (dos train and dos
+// plan's sweep alike): CUDASubgroupSize, its half and its quarter.
+func cudaSubgroupSizes() []int {
+	return []int{CUDASubgroupSize, CUDASubgroupSize / 2, CUDASubgroupSize / 4}
+}
 
 // maxText is the largest --text file dos train reads, in bytes.
 const maxText = 1 << 30
