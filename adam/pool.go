@@ -32,6 +32,8 @@ type taskKind uint8
 const (
 	taskStep taskKind = iota
 	taskStats
+	taskStepSave // taskStep, each chunk's state and copy saved first
+	taskCopy     // save and saveOut copied into s and out
 )
 
 // job is one call's work, shared by the goroutines that take its chunks.
@@ -43,6 +45,8 @@ type job struct {
 	out     Copy16
 	unscale float32
 	partial []float64    // taskStats: where block b's sum goes (partial[b])
+	save    State        // taskStepSave: where s goes before the step; taskCopy: the source
+	saveOut []uint16     // the same for out.Data
 	n       int          // elements in all
 	size    int          // elements per chunk, a multiple of MinChunk (or n)
 	next    atomic.Int64 // the first element of the next chunk to take
@@ -127,6 +131,13 @@ func (p *Pool) run(sl int) {
 		switch t.kind {
 		case taskStep:
 			p.path.Step(&t.c, t.s.Slice(lo, hi), t.g.Slice(lo, hi), t.out.Slice(lo, hi))
+		case taskStepSave:
+			// Copied a chunk at a time, so that the step reads the state
+			// the copy just brought into the cache.
+			copyState(t.save.Slice(lo, hi), t.s.Slice(lo, hi), t.saveOut, t.out.Data, lo, hi)
+			p.path.Step(&t.c, t.s.Slice(lo, hi), t.g.Slice(lo, hi), t.out.Slice(lo, hi))
+		case taskCopy:
+			copyState(t.s.Slice(lo, hi), t.save.Slice(lo, hi), t.out.Data, t.saveOut, lo, hi)
 		case taskStats:
 			for b := lo; b < hi; b += MinChunk {
 				var f bool
@@ -182,6 +193,69 @@ func (p *Pool) Step(c *Coeffs, s State, g Grad, out Copy16) {
 	t.kind, t.c, t.s, t.g, t.out = taskStep, *c, s, g, out
 	p.dispatch(len(s.Param))
 	t.s, t.g, t.out = State{}, Grad{}, Copy16{} // keep no caller's memory alive
+}
+
+// StepSave is Step that first copies what the step overwrites: the state s
+// into save and the working copy out.Data into saveOut (when out is not
+// zero), each chunk just before its step, so that Restore can undo the
+// step exactly (the speculative update of scheduler.Engine.Speculate;
+// DeepSpeed's SuperOffload calls it speculation-then-validation). save
+// has s's arrays and lengths (MaxExpAvgSq only with c.AMSGrad), saveOut
+// out's length. The step's results are Step's bit for bit. It allocates
+// nothing. Panics as Step does, and on save or saveOut of other lengths.
+func (p *Pool) StepSave(c *Coeffs, s State, g Grad, out Copy16, save State, saveOut []uint16) {
+	checkLens(c, s, g, out)
+	if !c.AMSGrad {
+		s.MaxExpAvgSq, save.MaxExpAvgSq = nil, nil
+	}
+	checkSave(s, out.Data, save, saveOut)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	t := &p.job
+	t.kind, t.c, t.s, t.g, t.out, t.save, t.saveOut = taskStepSave, *c, s, g, out, save, saveOut
+	p.dispatch(len(s.Param))
+	t.s, t.g, t.out, t.save, t.saveOut = State{}, Grad{}, Copy16{}, State{}, nil // keep no caller's memory alive
+}
+
+// Restore copies save back into s and saveOut into out (when both are
+// non-nil), in parallel: it undoes a StepSave that saved into them. The
+// arrays of s that are nil (MaxExpAvgSq without amsgrad) are skipped. It
+// allocates nothing. Panics on lengths that differ.
+func (p *Pool) Restore(s State, out []uint16, save State, saveOut []uint16) {
+	checkSave(s, out, save, saveOut)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	t := &p.job
+	t.kind, t.s, t.out, t.save, t.saveOut = taskCopy, s, Copy16{Data: out}, save, saveOut
+	p.dispatch(len(s.Param))
+	t.s, t.out, t.save, t.saveOut = State{}, Copy16{}, State{}, nil
+}
+
+// checkSave panics unless save has s's lengths (MaxExpAvgSq where s has
+// one) and saveOut out's.
+func checkSave(s State, out []uint16, save State, saveOut []uint16) {
+	n := len(s.Param)
+	if len(s.ExpAvg) != n || len(s.ExpAvgSq) != n || len(save.Param) != n || len(save.ExpAvg) != n || len(save.ExpAvgSq) != n ||
+		(s.MaxExpAvgSq != nil && (len(s.MaxExpAvgSq) != n || len(save.MaxExpAvgSq) != n)) || len(out) != len(saveOut) {
+		panic(fmt.Sprintf("adam: a saved state of %d/%d elements (working copy %d) for a state of %d (working copy %d)",
+			len(save.Param), len(save.MaxExpAvgSq), len(saveOut), n, len(out)))
+	}
+}
+
+// copyState copies elements [lo, hi) of the working copy from to to
+// (both full length; skipped when either is empty) and the chunk of state
+// from into to (both already cut to the chunk; MaxExpAvgSq where to has
+// one).
+func copyState(to, from State, toOut, fromOut []uint16, lo, hi int) {
+	copy(to.Param, from.Param)
+	copy(to.ExpAvg, from.ExpAvg)
+	copy(to.ExpAvgSq, from.ExpAvgSq)
+	if to.MaxExpAvgSq != nil {
+		copy(to.MaxExpAvgSq, from.MaxExpAvgSq)
+	}
+	if len(toOut) > 0 && len(fromOut) > 0 {
+		copy(toOut[lo:hi], fromOut[lo:hi])
+	}
 }
 
 // GradStats is the parallel form of Path.GradStats on the pool's path, with

@@ -153,12 +153,15 @@ func TestNoAllocs(t *testing.T) {
 	n := 4 * MinChunk
 	s, g := randomProblem(n, BF16, false, 1)
 	out := Copy16{BF16, make([]uint16, n)}
+	save, saveOut := s.Clone(), make([]uint16, n)
 	c := DefaultHyper().Coeffs(1, 1, 1)
 	for name, f := range map[string]func(){
 		"Step":            func() { Step(&c, s, g, out) },
 		"Pool.Step":       func() { pool.Step(&c, s, g, out) },
 		"Pool.AllFinite":  func() { pool.AllFinite(g) },
 		"Pool.SumSquares": func() { pool.SumSquares(g, 1) },
+		"Pool.StepSave":   func() { pool.StepSave(&c, s, g, out, save, saveOut) },
+		"Pool.Restore":    func() { pool.Restore(s, out.Data, save, saveOut) },
 	} {
 		f()
 		if a := testing.AllocsPerRun(20, f); a != 0 {

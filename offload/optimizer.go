@@ -146,6 +146,9 @@ type StepResult struct {
 	// faulted.
 	Predicted, Measured time.Duration
 	Replanned           bool
+	// Speculated is how many parameters (Options.Speculate) were updated
+	// during the backward and kept, their scalars being the step's.
+	Speculated int64
 }
 
 // String describes the step for a log line: "step 12 grad_norm 1.234
@@ -248,6 +251,12 @@ type Optimizer struct {
 	// space's suffix they cover (total when none).
 	final []bool
 	ready int
+	// Options.Speculate's: the scalars GradsFinal speculates with (one
+	// per subgroup), the last Step's unscale, and whether the last Step
+	// clipped or was skipped (then the next backward does not speculate).
+	specCs      []adam.Coeffs
+	lastUnscale float32
+	specPaused  bool
 }
 
 // devState says, with Options.Device, where the optimizer's current state
@@ -403,7 +412,7 @@ func layOut(params []Param, opts Options) (*Optimizer, error) {
 	opts.DeviceMasters = slices.Clone(opts.DeviceMasters)
 	opts.SubgroupSizes = slices.Clone(opts.SubgroupSizes)
 	opts.OffloadParam = slices.Clone(opts.OffloadParam)
-	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params))}
+	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params)), lastUnscale: 1}
 	for i, p := range params {
 		if p.Name == "" {
 			return nil, fmt.Errorf("offload: parameter %d has an empty name", i)
@@ -598,6 +607,7 @@ func (o *Optimizer) cut(size int) {
 	o.subgroups = cutRuns(lens, groups, held, size)
 	o.opts.SubgroupSize = size
 	o.sgcoeffs = make([]adam.Coeffs, len(o.subgroups))
+	o.specCs = make([]adam.Coeffs, len(o.subgroups))
 }
 
 // cutRuns is New's cut of the flat space into its subgroups: the
@@ -763,7 +773,8 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 		sizes[i] = sg.Len
 	}
 	eng, err := scheduler.New(scheduler.Options{Device: opts.Device, Sizes: sizes, GradDType: opts.GradDType, WorkingDType: opts.WorkingDType,
-		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror, Prefetch: opts.OverlapBackward, HostHeld: o.held()})
+		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror, Prefetch: opts.OverlapBackward, HostHeld: o.held(),
+		Speculate: opts.Speculate})
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
@@ -784,6 +795,11 @@ func (o *Optimizer) Schedule() (s perfmodel.Schedule, ok bool) {
 // syncHost makes the host state current: the resident subgroups' state
 // comes back from the device. The caller holds o.mu.
 func (o *Optimizer) syncHost() error {
+	if o.eng != nil && o.dev != devBroken {
+		// What Options.Speculate updated before the Step is not the
+		// state yet: the last step's is read.
+		o.eng.DropSpeculation()
+	}
 	if o.pending.d2h {
 		// A lazy checkpoint's D2H of the resident state: the host state
 		// is current once its capture is done.
@@ -1411,7 +1427,9 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 	if err != nil {
 		return res, err
 	}
+	o.lastUnscale = unscale
 	if skip {
+		o.specPaused = true // the drop (endPrefetch) restores what was speculated
 		res.Skipped = true
 		res.Elapsed = time.Since(start)
 		return res, nil
@@ -1421,6 +1439,7 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 		clip, res.GradNorm = clipCoef(ss, o.opts.MaxGradNorm)
 		res.ClipCoef = float64(clip)
 	}
+	o.specPaused = clip != 1
 	// A phase that may wait on a lazy checkpoint's capture (the engine's
 	// per-subgroup holds) measures the capture too: Options.Replan leaves
 	// it out of the fit.
@@ -1430,6 +1449,11 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 	o.groupCoeffs(o.step+1, unscale, clip)
 	for i, sg := range o.subgroups {
 		o.sgcoeffs[i] = o.gcoeffs[sg.Group]
+	}
+	// The speculative updates of these very scalars are kept (the phase
+	// skips them); the others are restored first (Options.Speculate).
+	if res.Speculated, err = o.eng.EndSpeculation(o.sgcoeffs); err != nil {
+		return res, o.engineErr(err)
 	}
 	if err = o.eng.UpdatePer(o.sgcoeffs); err != nil && !isFault(err) {
 		if o.eng.Broken() {
@@ -1512,6 +1536,17 @@ func (o *Optimizer) GradsFinal(s Stream, params ...int) error {
 	o.ready = r
 	if err := o.eng.Prefetch(s, int64(r)); err != nil {
 		return o.engineErr(err)
+	}
+	if o.opts.Speculate > 0 && !o.specPaused {
+		// The scalars of a step that neither clips nor is skipped, with
+		// the last step's loss scale: what the Step keeps when it has them.
+		o.groupCoeffs(o.step+1, o.lastUnscale, 1)
+		for i, sg := range o.subgroups {
+			o.specCs[i] = o.gcoeffs[sg.Group]
+		}
+		if err := o.eng.Speculate(s, int64(r), o.specCs); err != nil {
+			return o.engineErr(err)
+		}
 	}
 	return nil
 }

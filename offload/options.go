@@ -148,6 +148,21 @@ type Options struct {
 	// (DeviceBytes). The update is the same, bit for bit. Not saved in
 	// checkpoints.
 	OffloadParam []string `json:"-"`
+	// Speculate, with OverlapBackward and OffloadParam, is host memory in
+	// bytes for speculative updates (scheduler.Engine.Speculate): as
+	// GradsFinal learns that an OffloadParam subgroup's gradients are
+	// final, the CPU workers update it at once, during the backward, with
+	// clip factor 1 and the last step's loss scale, saving what the update
+	// overwrites (scheduler.SpeculateBytes: 14 bytes a parameter, 18 with
+	// amsgrad) while this memory lasts; the Step keeps each one whose
+	// scalars turn out to be those, bit for bit, and restores the others
+	// (a skipped step, clipping that binds, another rate) before its
+	// phase updates them as before (DeepSpeed's SuperOffload:
+	// speculation-then-validation). So the update is the same, bit for
+	// bit. After a step that clipped or was skipped, the next backward
+	// does not speculate (a run that always clips loses nothing). 0: none.
+	// Not saved in checkpoints.
+	Speculate int64 `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,
 	// ceil(parameters / SubgroupSize) without Groups, the sum of each
@@ -246,6 +261,12 @@ func (o *Options) Validate() error {
 	}
 	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0 || o.Replan || o.OverlapBackward || len(o.OffloadParam) > 0) {
 		return errors.New("offload: Schedule, GPUBudget, OffloadParam, DeviceMasters, Replan and OverlapBackward need a Device")
+	}
+	if o.Speculate < 0 {
+		return fmt.Errorf("offload: Speculate %d: want bytes >= 0", o.Speculate)
+	}
+	if o.Speculate > 0 && (!o.OverlapBackward || len(o.OffloadParam) == 0) {
+		return errors.New("offload: Speculate starts the OffloadParam subgroups' updates during the backward (GradsFinal): it needs OverlapBackward and OffloadParam")
 	}
 	if o.Replan && (o.Schedule != nil || o.Placement != "" || (o.Profile == nil && !o.Calibrate)) {
 		return errors.New("offload: Replan corrects the performance model's schedule: it needs Profile or Calibrate, and no forced Schedule or Placement")

@@ -56,6 +56,12 @@ type Options struct {
 	// and no Mirror span may touch them. The device gradients and
 	// working copy then hold the other subgroups only (DeviceOffset).
 	HostHeld []bool
+	// Speculate is host memory in bytes for the saves of speculative
+	// updates (Speculate: the host-held subgroups updated during the
+	// trainer's backward, kept or undone when the step's scalars are
+	// known): SpeculateBytes(n) speculates on n parameters at most. 0:
+	// none. Ignored without host-held subgroups.
+	Speculate int64
 
 	// copyChunk, when > 0, replaces CopyChunk (tests cut small states
 	// into pieces with it).
@@ -149,6 +155,23 @@ type Engine struct {
 	gpre    Host    // pinned: every CPU subgroup's gradient (Options.Prefetch)
 	gpOff   []int64 // per CPU subgroup: its gradient's byte offset in gpre
 
+	// Speculate's (speculate.go), for the next Update.
+	specSave    adam.State     // the saves of the speculated subgroups' state, specN elements
+	specOut     []uint16       // and of their working copy
+	specN       int64          // elements the saves hold (0: no speculation)
+	specUsed    int64          // elements of the saves in use
+	specAt      []int64        // per subgroup: its save's first element, -1 when not speculated
+	specC       []adam.Coeffs  // per subgroup: the scalars speculated with
+	specT       [][2]time.Time // per subgroup: when its speculative update ran
+	specEv      []Event        // recorded by Speculate on the trainer's stream, in turn
+	specNext    int            // the next of specEv
+	specReady   int64          // the lowest ready of this phase's Speculate calls
+	specCovered int            // the first subgroup inside [specReady, total)
+	specOn      bool           // a Speculate since the last Update or drop (specC set)
+	specStop    atomic.Bool    // the worker takes no more subgroups
+	specReq     chan specReq   // to the worker
+	specAck     chan struct{}  // from the worker, for a stop request
+
 	// Per Update.
 	c           *adam.Coeffs  // the phase's scalars (Update), or
 	cs          []adam.Coeffs // each subgroup's (UpdatePer)
@@ -233,6 +256,9 @@ func New(o Options) (*Engine, error) {
 	if err := e.allocPlan(o.Plan); err != nil {
 		return nil, errors.Join(err, e.Close())
 	}
+	if err := e.allocSpec(); err != nil {
+		return nil, errors.Join(err, e.Close())
+	}
 	n := len(o.Sizes)
 	e.done = make([]uint8, n)
 	e.cpuT = make([][2]time.Duration, n)
@@ -253,6 +279,7 @@ func New(o Options) (*Engine, error) {
 // Errors: the device's, for what it could not free (the rest is freed).
 func (e *Engine) Close() error {
 	_ = e.DropPrefetch() // its copies done before their memory is freed
+	e.closeSpec()
 	if e.running {
 		for l := issDrain; l < numIssuers; l++ {
 			close(e.start[l])
@@ -457,7 +484,10 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 			break
 		}
 	}
-	// What Prefetch issued is done (enqueued): the issuers skip it.
+	e.t0 = time.Now()
+	// What Prefetch issued is done (enqueued), and what EndSpeculation
+	// kept (updated): the issuers skip it.
+	e.settleSpec()
 	copy(e.done, e.pre)
 	copy(e.preLast, e.pre)
 	e.first = nil
@@ -465,7 +495,6 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 	e.deviceFault.Store(false)
 	e.issued = [numIssuers]int32{}
 	e.ended = [numIssuers]bool{}
-	e.t0 = time.Now()
 	// base on the kernel stream, where Prefetch issues nothing (the copy
 	// lanes may still be busy with what it issued), after the last drain
 	// of every stream (done: a no-op on a GPU; on the simulated device's
@@ -491,8 +520,10 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 			return err // nothing was done (a prefetch stays pending)
 		}
 	}
-	// From here the phase takes what Prefetch issued: its copies are
-	// waited for by the steps after them and by the drain.
+	// From here the phase takes what Prefetch issued (its copies are
+	// waited for by the steps after them and by the drain) and the kept
+	// speculative updates.
+	e.takeSpec()
 	defer func() { clear(e.pre); e.preOn = false }()
 	for l := issDrain; l < numIssuers; l++ {
 		e.start[l] <- struct{}{}

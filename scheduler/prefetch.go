@@ -120,12 +120,14 @@ func (e *Engine) prefetch(s Stream, ready int64) error {
 
 // DropPrefetch forgets what Prefetch issued for the next Update: it waits
 // for those copies (so that nothing reuses the memory they use) and the
-// next Update does that work itself. A skipped step (non-finite
+// next Update does that work itself. It undoes what Speculate updated too
+// (DropSpeculation). A skipped step (non-finite
 // gradients) calls it; so do ZeroGrad, SetGrad, Load, Replan and Close. Without
 // a prefetch it does nothing.
 //
 // Errors: a failed wait (the engine is then broken).
 func (e *Engine) DropPrefetch() error {
+	e.dropSpec() // its kept subgroups are marked in pre
 	if !e.preOn {
 		return nil
 	}

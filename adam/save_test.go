@@ -1,0 +1,96 @@
+package adam
+
+import (
+	"fmt"
+	"testing"
+)
+
+// TestStepSaveRestore: StepSave's step is Pool.Step's bit for bit, what it
+// saved is the state and working copy before the step, and Restore puts
+// them back exactly, at sizes around the chunk boundaries, with and
+// without amsgrad and a working copy.
+func TestStepSaveRestore(t *testing.T) {
+	pool := NewPool(4)
+	defer pool.Close()
+	h := DefaultHyper()
+	for _, n := range []int{0, 1, 17, MinChunk - 1, MinChunk + 1, 3*MinChunk + 5, MaxChunk*3 + 7} {
+		for _, amsgrad := range []bool{false, true} {
+			for _, out := range []DType{0, BF16, F16} {
+				t.Run(fmt.Sprintf("n=%d/amsgrad=%t/out=%v", n, amsgrad, out), func(t *testing.T) {
+					hh := h
+					hh.AMSGrad = amsgrad
+					s, g := randomProblem(n, BF16, amsgrad, uint64(n)+3)
+					before := s.Clone()
+					ref := s.Clone()
+					var o, oref Copy16
+					var saveOut []uint16
+					if out != 0 {
+						o, oref = Copy16{out, make([]uint16, n)}, Copy16{out, make([]uint16, n)}
+						for i := range n {
+							o.Data[i] = uint16(i * 7)
+							oref.Data[i] = uint16(i * 7)
+						}
+						saveOut = make([]uint16, n)
+					}
+					save := State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
+					if amsgrad {
+						save.MaxExpAvgSq = make([]float32, n)
+					}
+					c := hh.Coeffs(4, 0.5, 1)
+					pool.Step(&c, ref, g, oref)
+					pool.StepSave(&c, s, g, o, save, saveOut)
+					sameBits(t, "param", ref.Param, s.Param)
+					sameBits(t, "exp_avg", ref.ExpAvg, s.ExpAvg)
+					sameBits(t, "exp_avg_sq", ref.ExpAvgSq, s.ExpAvgSq)
+					sameBits(t, "saved param", before.Param, save.Param)
+					sameBits(t, "saved exp_avg", before.ExpAvg, save.ExpAvg)
+					sameBits(t, "saved exp_avg_sq", before.ExpAvgSq, save.ExpAvgSq)
+					if amsgrad {
+						sameBits(t, "max_exp_avg_sq", ref.MaxExpAvgSq, s.MaxExpAvgSq)
+						sameBits(t, "saved max_exp_avg_sq", before.MaxExpAvgSq, save.MaxExpAvgSq)
+					}
+					for i := range o.Data {
+						if o.Data[i] != oref.Data[i] || saveOut[i] != uint16(i*7) {
+							t.Fatalf("copy[%d] = %#x (want %#x), saved %#x (want %#x)", i, o.Data[i], oref.Data[i], saveOut[i], uint16(i*7))
+						}
+					}
+					if n > 0 && out != 0 && ref.Param[0] == before.Param[0] {
+						t.Fatal("the step changed nothing: the test proves nothing")
+					}
+					pool.Restore(s, o.Data, save, saveOut)
+					sameBits(t, "restored param", before.Param, s.Param)
+					sameBits(t, "restored exp_avg", before.ExpAvg, s.ExpAvg)
+					sameBits(t, "restored exp_avg_sq", before.ExpAvgSq, s.ExpAvgSq)
+					if amsgrad {
+						sameBits(t, "restored max_exp_avg_sq", before.MaxExpAvgSq, s.MaxExpAvgSq)
+					}
+					for i := range o.Data {
+						if o.Data[i] != uint16(i*7) {
+							t.Fatalf("restored copy[%d] = %#x, want %#x", i, o.Data[i], uint16(i*7))
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
+// TestStepSaveLengthsPanic: a save of another length panics before
+// anything is written.
+func TestStepSaveLengthsPanic(t *testing.T) {
+	pool := NewPool(2)
+	defer pool.Close()
+	s, g := randomProblem(10, F32, false, 1)
+	save := State{Param: make([]float32, 9), ExpAvg: make([]float32, 10), ExpAvgSq: make([]float32, 10)}
+	c := DefaultHyper().Coeffs(1, 1, 1)
+	before := s.Clone()
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Fatal("no panic for a save of 9 elements")
+			}
+		}()
+		pool.StepSave(&c, s, g, Copy16{}, save, nil)
+	}()
+	sameBits(t, "param", before.Param, s.Param)
+}

@@ -1,0 +1,316 @@
+package scheduler
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// Speculation: the host-held subgroups' updates (Options.HostHeld) started
+// during the trainer's backward, before the global checks, with the
+// scalars the step will most likely have (no clipping, the last step's
+// loss scale), then kept or undone when the step's real scalars are known
+// (DeepSpeed's SuperOffload calls this speculation-then-validation).
+//
+// A host-held subgroup's gradient lands in pinned host memory as its
+// block's backward ends, and its update is the CPU workers' alone: nothing
+// on the device reads its state. So once its gradient is final the workers
+// may update it in place, first copying what the update overwrites (the
+// state and the 16-bit working copy) into the saves (Options.Speculate
+// bytes of host memory, 14 bytes a parameter, 18 with amsgrad). When the
+// step's scalars are known (EndSpeculation), a subgroup speculated with
+// exactly those scalars is kept: the next Update skips it, and its update
+// is the serial phase's bit for bit (the same kernel on the same operands).
+// Any other subgroup (a skipped step, clipping, another rate) gets its
+// saved state back, bit for bit, and the phase updates it as before. So the
+// committed bits are always the serial step's.
+//
+// The workers take the final subgroups from the last one down, as the
+// backward makes them final, until the saves are full; what they did not
+// reach is the phase's. The lazy checkpoint's gate (Hold) is kept: a
+// speculative update of subgroup i waits for the capture of subgroup i.
+
+// specReq is one Speculate call's news for the worker: the held subgroups
+// inside [ready, total) are final once event ev (recorded on the trainer's
+// stream) is done. A request with stop set is EndSpeculation's barrier.
+type specReq struct {
+	ready int64
+	ev    int // index into specEv
+	stop  bool
+}
+
+// allocSpec makes the saves (Options.Speculate bytes, cut to whole
+// parameters) and starts the speculation worker, when there are host-held
+// subgroups and Options.Speculate > 0.
+func (e *Engine) allocSpec() error {
+	if e.o.Speculate < 0 {
+		return fmt.Errorf("scheduler: Options.Speculate %d: want bytes >= 0", e.o.Speculate)
+	}
+	if e.o.Speculate == 0 || e.heldN == 0 {
+		return nil
+	}
+	per := int64(4*e.nArr + 2)
+	n := min(e.o.Speculate/per, e.heldN)
+	e.specSave = adam.State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
+	if e.nArr == 4 {
+		e.specSave.MaxExpAvgSq = make([]float32, n)
+	}
+	e.specOut = make([]uint16, n)
+	e.specN = n
+	nh := 0
+	for _, h := range e.held {
+		if h {
+			nh++
+		}
+	}
+	e.specEv = make([]Event, nh+1)
+	for k := range e.specEv {
+		ev, err := e.dev.NewEvent()
+		if err != nil {
+			return err
+		}
+		e.specEv[k] = ev
+		e.allocs = append(e.allocs, ev)
+	}
+	n0 := len(e.sizes)
+	e.specAt, e.specC, e.specT = make([]int64, n0), make([]adam.Coeffs, n0), make([][2]time.Time, n0)
+	for i := range e.specAt {
+		e.specAt[i] = -1
+	}
+	// One request per held subgroup at most per phase, and the barrier.
+	e.specReq = make(chan specReq, nh+2)
+	e.specReady, e.specCovered = e.total, len(e.sizes)
+	e.specAck = make(chan struct{})
+	go e.specWorker()
+	return nil
+}
+
+// SpeculateBytes is the host memory Options.Speculate needs to speculate on
+// n parameters: what their update overwrites, 14 bytes a parameter (p,
+// exp_avg, exp_avg_sq in fp32 and the 16-bit working copy), 18 with
+// amsgrad.
+func SpeculateBytes(n int64, amsgrad bool) int64 {
+	if amsgrad {
+		return 18 * n
+	}
+	return 14 * n
+}
+
+// Speculate starts, in the background on the CPU workers, the updates of
+// the host-held subgroups that lie inside [ready, total) and are not
+// started yet, given that their gradients are final once the work
+// enqueued on s so far is done, with cs[i] as subgroup i's scalars (the
+// scalars the caller expects the step to have: clip factor 1, the last
+// step's unscale). The first call after an Update (or a drop) fixes cs for
+// the phase; later calls only add subgroups. It waits for nothing and
+// allocates nothing: the workers wait for s's work, copy what each update
+// overwrites into the saves (Options.Speculate) and update the subgroup in
+// place, the last subgroups first, while the saves last. Call
+// EndSpeculation before the next Update, with that step's scalars. The
+// gradients in [ready, total) must not change until then. Without
+// Options.Speculate or host-held subgroups it does nothing.
+//
+// Errors: ErrBroken; ErrEngineClosed; ready outside [0, total]; len(cs)
+// other than the subgroup count; an event that could not be recorded.
+func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
+	switch {
+	case e.broken:
+		return ErrBroken
+	case !e.running:
+		return ErrEngineClosed
+	case ready < 0 || ready > e.total:
+		return fmt.Errorf("scheduler: Speculate: ready %d is outside [0, %d]", ready, e.total)
+	case len(cs) != len(e.sizes):
+		return fmt.Errorf("scheduler: Speculate with %d coefficients for %d subgroups", len(cs), len(e.sizes))
+	case e.specN == 0 || ready >= e.specReady:
+		return nil
+	}
+	if !e.specOn {
+		copy(e.specC, cs)
+		e.specOn = true
+	}
+	e.specReady = ready
+	// A request only for a suffix with a held subgroup not asked for yet
+	// (at most one per held subgroup and phase: the channel never fills).
+	news := false
+	for e.specCovered > 0 && e.off[e.specCovered-1] >= ready {
+		e.specCovered--
+		news = news || e.held[e.specCovered]
+	}
+	if !news {
+		return nil
+	}
+	ev := e.specEv[e.specNext]
+	if err := e.dev.Record(ev, s); err != nil {
+		return err
+	}
+	e.specReq <- specReq{ready: ready, ev: e.specNext}
+	e.specNext = (e.specNext + 1) % len(e.specEv)
+	return nil
+}
+
+// specWorker runs the requests of Speculate until Close.
+func (e *Engine) specWorker() {
+	for r := range e.specReq {
+		if r.stop {
+			e.specAck <- struct{}{}
+			continue
+		}
+		if e.specStop.Load() {
+			continue
+		}
+		if e.dev.Sync(e.specEv[r.ev]) != nil {
+			// The device faulted: the phase finds it (nothing of this
+			// subgroup changed).
+			e.specStop.Store(true)
+			continue
+		}
+		for i := len(e.sizes) - 1; i >= 0 && e.off[i] >= r.ready; i-- {
+			if e.specStop.Load() {
+				break
+			}
+			n := e.sizes[i]
+			if !e.held[i] || e.specAt[i] >= 0 || e.specUsed+n > e.specN {
+				continue
+			}
+			if e.gate != nil {
+				e.gate(i) // the update writes subgroup i's host state in place
+			}
+			at := e.specUsed
+			lo := e.off[i]
+			e.specT[i][0] = time.Now()
+			e.pool.StepSave(&e.specC[i], e.state.Slice(int(lo), int(lo+n)), e.heldGrad(e.hoff[i], n),
+				adam.Copy16{DType: e.o.WorkingDType, Data: e.heldWork(e.hoff[i], n)},
+				e.specSave.Slice(int(at), int(at+n)), e.specOut[at:at+n])
+			e.specT[i][1] = time.Now()
+			e.specAt[i], e.specUsed = at, at+n
+		}
+	}
+}
+
+// WaitSpeculation waits until the CPU workers have run what every
+// Speculate so far asked (each final subgroup updated, while the saves
+// lasted), so that what EndSpeculation keeps does not depend on timing
+// (tests). Without Options.Speculate it does nothing.
+func (e *Engine) WaitSpeculation() {
+	if e.specN > 0 {
+		e.specReq <- specReq{stop: true}
+		<-e.specAck
+	}
+}
+
+// stopSpec stops the worker after the subgroup it is updating, if any,
+// and waits for it; the worker then takes requests again.
+func (e *Engine) stopSpec() {
+	e.specStop.Store(true)
+	e.specReq <- specReq{stop: true}
+	<-e.specAck
+	e.specStop.Store(false)
+	e.specOn, e.specReady, e.specCovered = false, e.total, len(e.sizes)
+}
+
+// EndSpeculation ends the speculation of the coming step: the worker
+// stops (the subgroup it is updating finishes), then each speculated
+// subgroup whose scalars were cs[i], bit for bit, is kept for the next
+// Update, which skips it (its update is done), and every other one gets
+// its saved state and working copy back. cs nil keeps none (a skipped
+// step). It returns how many parameters were kept. Without a speculation
+// it does nothing. A drop (DropPrefetch, ZeroGrad, SetGrad, Load, Replan,
+// Close) before the next Update undoes the kept ones too.
+//
+// Errors: len(cs) other than the subgroup count (nothing is kept then:
+// every speculated subgroup is restored).
+func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
+	if e.specN == 0 {
+		return 0, nil
+	}
+	e.stopSpec()
+	if cs != nil && len(cs) != len(e.sizes) {
+		err = fmt.Errorf("scheduler: EndSpeculation with %d coefficients for %d subgroups", len(cs), len(e.sizes))
+		cs = nil
+	}
+	for i, at := range e.specAt {
+		if at < 0 || e.pre[i]&(1<<opCPU) != 0 {
+			continue
+		}
+		if cs != nil && cs[i] == e.specC[i] {
+			e.pre[i] |= 1 << opCPU // done: the phase skips it
+			e.preOn = true         // so that a drop undoes it
+			kept += e.sizes[i]
+			continue
+		}
+		e.restoreSpec(i)
+	}
+	return kept, err
+}
+
+// restoreSpec gives speculated subgroup i its saved state and working
+// copy back and forgets its speculation.
+func (e *Engine) restoreSpec(i int) {
+	at, n, lo := e.specAt[i], e.sizes[i], e.off[i]
+	e.pool.Restore(e.state.Slice(int(lo), int(lo+n)), e.heldWork(e.hoff[i], n), e.specSave.Slice(int(at), int(at+n)), e.specOut[at:at+n])
+	e.specAt[i] = -1
+	e.pre[i] &^= 1 << opCPU
+}
+
+// dropSpec undoes every speculated subgroup, kept ones too (a drop before
+// the Update that would take them).
+func (e *Engine) dropSpec() {
+	if e.specN == 0 {
+		return
+	}
+	e.stopSpec()
+	for i, at := range e.specAt {
+		if at >= 0 {
+			e.restoreSpec(i)
+		}
+	}
+	e.specUsed = 0
+}
+
+// DropSpeculation undoes every speculated subgroup, kept ones too: a
+// caller about to read or write the host state before the next Update
+// (a checkpoint, the master weights) calls it, so that it sees the last
+// step's state. The prefetched copies stay. Without a speculation it does
+// nothing.
+func (e *Engine) DropSpeculation() { e.dropSpec() }
+
+// settleSpec, at an Update's start, stops the worker and undoes what was
+// speculated but not kept (a Speculate after EndSpeculation), so that only
+// the kept subgroups carry their done bit into the phase.
+func (e *Engine) settleSpec() {
+	if e.specN == 0 {
+		return
+	}
+	e.stopSpec()
+	for i, at := range e.specAt {
+		if at >= 0 && e.pre[i]&(1<<opCPU) == 0 {
+			e.restoreSpec(i)
+		}
+	}
+}
+
+// takeSpec is the Update's, once its phase runs: the kept subgroups are
+// this phase's (their times before its start, negative), their saves free
+// again.
+func (e *Engine) takeSpec() {
+	if e.specN == 0 {
+		return
+	}
+	for i, at := range e.specAt {
+		if at >= 0 {
+			e.cpuT[i] = [2]time.Duration{e.specT[i][0].Sub(e.t0), e.specT[i][1].Sub(e.t0)}
+			e.specAt[i] = -1
+		}
+	}
+	e.specUsed = 0
+}
+
+// closeSpec stops the worker for good.
+func (e *Engine) closeSpec() {
+	if e.specReq != nil {
+		close(e.specReq)
+		e.specReq = nil
+	}
+}

@@ -1,0 +1,253 @@
+package scheduler
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
+)
+
+// specCase is one step of a speculation test: the bound on the norm that
+// the step clips to (0: none; tiny: clipping binds) and what happens
+// between the speculation and the step.
+type specCase struct {
+	maxNorm float64
+	drop    bool // DropPrefetch after EndSpeculation kept what it could, then the phase anyway
+	late    bool // another Speculate after EndSpeculation (its updates must be undone)
+}
+
+// specReference runs the steps on the host as a trainer does (the global
+// checks, a non-finite step skipped, clipping per step).
+func specReference(p *problem, h adam.Hyper, cases []specCase) (adam.State, []uint16) {
+	s := p.state.Clone()
+	out := adam.Copy16{DType: adam.BF16, Data: make([]uint16, s.Len())}
+	adam.Round16(adam.BF16, out.Data, s.Param)
+	t := int64(0)
+	for k, sc := range cases {
+		finite, sum := adam.DefaultPath.GradStats(p.grad(k), 1)
+		if !finite {
+			continue
+		}
+		t++
+		c := h.Coeffs(t, 1, clipCoef(sum, sc.maxNorm))
+		adam.DefaultPath.Step(&c, s, p.grad(k), out)
+	}
+	return s, out.Data
+}
+
+// TestEngineSpeculate: the host-held subgroups updated during the
+// backward with clip 1 (Speculate), then kept when the step's scalars are
+// those (EndSpeculation) and undone otherwise (clipping binds, a
+// non-finite step, a drop before the phase, a Speculate after
+// EndSpeculation), give the serial steps' state and working copy bit for
+// bit, under every schedule of the other subgroups, with saves for every
+// held subgroup and for one only; and a kept subgroup is one the phase
+// did not update.
+func TestEngineSpeculate(t *testing.T) { forDevices(t, testEngineSpeculate) }
+
+func testEngineSpeculate(t *testing.T, newDev func() Device) {
+	h := adam.DefaultHyper()
+	// Step 1 carries an Inf (skipped); step 2 clips; step 3 drops after
+	// keeping; step 4 speculates again after EndSpeculation.
+	cases := []specCase{{}, {}, {maxNorm: 1e-3}, {drop: true}, {late: true}, {maxNorm: 1e30}}
+	for _, held := range [][]bool{heldPatterns[1], heldPatterns[5]} {
+		p := heldProblem(adam.BF16, len(cases), 41, 30000)
+		want, wantCopy := specReference(p, h, cases)
+		scheds := heldSchedules(len(heldSizes) - countHeld(held))
+		for _, budget := range []int64{SpeculateBytes(1<<20, false), SpeculateBytes(40000, false)} {
+			for _, s := range scheds[:min(3, len(scheds))] {
+				t.Run(fmt.Sprintf("held=%v/%+v/budget=%d", held, s, budget), func(t *testing.T) {
+					d := newDev()
+					e := specEngine(t, d, p, held, s, budget)
+					defer e.Close()
+					runSpeculate(t, d, e, p, h, cases)
+					checkHeldRun(t, d, e, want, wantCopy)
+				})
+			}
+		}
+	}
+}
+
+// specEngine is setupHeld's engine with Options.Speculate budget bytes.
+func specEngine(t testing.TB, d Device, p *problem, held []bool, s perfmodel.Schedule, budget int64) *Engine {
+	t.Helper()
+	plan, err := NewHeldPlan(held, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := New(Options{Device: d, Sizes: heldSizes, GradDType: p.gd, WorkingDType: adam.BF16, Plan: plan, HostHeld: held,
+		Prefetch: true, Speculate: budget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	loadProblem(t, e, p)
+	return e
+}
+
+// runSpeculate steps e over p's gradients as a trainer with speculation
+// does: the gradients written the last subgroups first, each followed by
+// Prefetch and Speculate (clip 1), then Stats, EndSpeculation with the
+// step's scalars (nil for a skipped step) and Update.
+func runSpeculate(t *testing.T, d Device, e *Engine, p *problem, h adam.Hyper, cases []specCase) {
+	t.Helper()
+	bwd, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.FreeStream(bwd)
+	ev, _ := d.NewEvent()
+	defer d.FreeEvent(ev)
+	host, err := d.AllocHost(2 * e.total)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.FreeHost(host)
+	cs := make([]adam.Coeffs, len(e.sizes))
+	step := int64(0)
+	speculate := func(half bool) {
+		for i := range cs {
+			cs[i] = h.Coeffs(step+1, 1, 1)
+		}
+		for i := len(e.sizes) - 1; i >= 0; i-- {
+			if half && i < len(e.sizes)/2 {
+				break
+			}
+			if err := firstErr(e.Prefetch(bwd, e.off[i]), e.Speculate(bwd, e.off[i], cs)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for k, sc := range cases {
+		b := p.gradBytes(k)
+		copy(host.Bytes(), b)
+		for i := len(e.sizes) - 1; i >= 0; i-- {
+			off, n := e.off[i], int64(e.sizes[i])
+			if e.HostHeld(i) {
+				at, _ := e.HostOffset(off)
+				copy(e.HostGrad().Bytes()[2*at:], b[2*off:2*(off+n)])
+			} else {
+				at, _ := e.DeviceOffset(off)
+				if err := d.H2D(bwd, e.grad, 2*at, host, 2*off, 2*n); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		speculate(sc.late)
+		if err := firstErr(d.Record(ev, bwd), d.Sync(ev)); err != nil {
+			t.Fatal(err)
+		}
+		e.WaitSpeculation()
+		finite, sum, err := e.Stats(1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !finite {
+			if kept, err := e.EndSpeculation(nil); err != nil || kept != 0 {
+				t.Fatalf("step %d (skipped): EndSpeculation(nil) kept %d, %v", k, kept, err)
+			}
+			if err := e.DropPrefetch(); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		c := h.Coeffs(step+1, 1, clipCoef(sum, sc.maxNorm))
+		for i := range cs {
+			cs[i] = c
+		}
+		kept, err := e.EndSpeculation(cs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		heldN := int64(0)
+		for i, n := range e.sizes {
+			if e.held[i] {
+				heldN += n
+			}
+		}
+		switch {
+		case c.Clip != 1 && kept != 0:
+			t.Fatalf("step %d: clipping binds (%g) but %d parameters were kept", k, c.Clip, kept)
+		case c.Clip == 1 && !sc.late && e.specN >= heldN && kept != heldN:
+			t.Fatalf("step %d: %d of %d held parameters kept with saves for %d", k, kept, heldN, e.specN)
+		case c.Clip == 1 && kept == 0:
+			t.Fatalf("step %d: nothing kept (saves for %d)", k, e.specN)
+		}
+		if sc.drop {
+			if err := e.DropPrefetch(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if sc.late {
+			// A Speculate after EndSpeculation of the held subgroups not
+			// speculated yet (the first half), with other scalars: the
+			// Update undoes them and updates them itself.
+			for i := range cs {
+				cs[i] = h.Coeffs(step+7, 1, 1)
+			}
+			if err := e.Speculate(bwd, 0, cs); err != nil {
+				t.Fatal(err)
+			}
+			e.WaitSpeculation()
+			for i := range cs {
+				cs[i] = c
+			}
+		}
+		step++
+		if err := e.UpdatePer(cs); err != nil {
+			t.Fatal(err)
+		}
+		for i := range e.sizes {
+			if e.held[i] && e.preLast[i]&(1<<opCPU) != 0 && (sc.drop || c.Clip != 1) {
+				t.Fatalf("step %d: subgroup %d counted as kept after a drop or with clipping", k, i)
+			}
+		}
+		if kept > 0 && !sc.drop {
+			n := 0
+			for i := range e.sizes {
+				if e.preLast[i]&(1<<opCPU) != 0 {
+					n++
+					if e.cpuT[i][1] > 0 {
+						t.Fatalf("step %d: kept subgroup %d ended at %v, after the phase's start", k, i, e.cpuT[i][1])
+					}
+				}
+			}
+			if n == 0 {
+				t.Fatalf("step %d: %d parameters kept, but the phase updated every subgroup", k, kept)
+			}
+		}
+	}
+}
+
+// TestSpeculateNoHeld: without host-held subgroups or without saves,
+// Speculate and EndSpeculation do nothing, and a negative budget is
+// refused.
+func TestSpeculateNoHeld(t *testing.T) {
+	d := NewSim(SimOptions{})
+	p := heldProblem(adam.BF16, 1, 3, -1)
+	for _, tc := range []struct {
+		held   []bool
+		budget int64
+	}{{make([]bool, len(heldSizes)), 1 << 30}, {heldPatterns[1], 0}} {
+		e := specEngine(t, d, p, tc.held, perfmodel.Schedule{CPU: len(heldSizes) - countHeld(tc.held)}, tc.budget)
+		s, _ := d.NewStream()
+		cs := make([]adam.Coeffs, len(heldSizes))
+		for i := range cs {
+			cs[i] = adam.DefaultHyper().Coeffs(1, 1, 1)
+		}
+		if err := e.Speculate(s, 0, cs); err != nil {
+			t.Fatal(err)
+		}
+		if kept, err := e.EndSpeculation(cs); kept != 0 || err != nil {
+			t.Fatalf("held %v budget %d: kept %d, %v", tc.held, tc.budget, kept, err)
+		}
+		if err := e.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	plan, _ := NewHeldPlan(heldPatterns[1], perfmodel.Schedule{CPU: 4})
+	if _, err := New(Options{Device: d, Sizes: heldSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, Plan: plan,
+		HostHeld: heldPatterns[1], Speculate: -1}); err == nil {
+		t.Fatal("Options.Speculate -1 accepted")
+	}
+}
