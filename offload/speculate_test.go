@@ -36,9 +36,9 @@ func TestSpeculate(t *testing.T) {
 	held := []string{"h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias"}
 	steps := []specStep{
 		{scale: 0.01, kept: -1}, {scale: 0.01, kept: -1},
-		{scale: 1, kept: 0},     // clips: restored
-		{scale: 0.01, kept: 0},  // paused after a clip
-		{scale: 0.01, kept: -1}, //
+		{scale: 1, kept: 0},                                       // clips: restored
+		{scale: 0.01, kept: 0},                                    // paused after a clip
+		{scale: 0.01, kept: -1},                                   //
 		{scale: 0.01, nan: true, kept: 0}, {scale: 0.01, kept: 0}, // skipped, then paused
 		{scale: 0.01, kept: -1},
 		{scale: 0.01, lossScale: 4, kept: 0}, // another unscale: restored
