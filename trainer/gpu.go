@@ -526,6 +526,19 @@ func (l *localSource) bind(opt *offload.Optimizer) error {
 		l.blocks, l.rest = finalAfter(g.m.Config().NLayer)
 		l.stream = offload.CUDAStream(g.s)
 		final = func(b int) error { return opt.GradsFinal(l.stream, l.blocks[b]...) }
+		if l.bs != nil {
+			// A streamed block's gradients are final once its D2H into the
+			// host gradients is done (the d2h stream, after the model's
+			// work so far): what a speculative update reads
+			// (offload.Options.Speculate).
+			d2h := offload.CUDAStream(l.bs.d2h)
+			final = func(b int) error {
+				if b < l.bs.n {
+					return opt.GradsFinal(d2h, l.blocks[b]...)
+				}
+				return opt.GradsFinal(l.stream, l.blocks[b]...)
+			}
+		}
 	}
 	switch {
 	case l.bs != nil && final != nil:

@@ -1,8 +1,11 @@
 package trainer
 
 import (
+	"encoding/json"
 	"fmt"
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -112,6 +115,22 @@ func TestGPUStreamBitwise(t *testing.T) {
 			c.StreamBlocks = n
 			same(fmt.Sprintf("recompute %v, %d blocks streamed", recompute, n), ref, run(c))
 		}
+		// Speculative updates of the streamed blocks (--speculate): with
+		// clipping at 0.5 (it binds in the first steps: restored, then
+		// paused) and without clipping (kept at every step), bitwise the
+		// resident run's.
+		c.StreamBlocks, c.Speculate = 3, 1
+		same(fmt.Sprintf("recompute %v, 3 blocks streamed, speculating, clipping at 0.5", recompute), ref, run(c))
+		nc := c
+		nc.MaxGradNorm, nc.StreamBlocks, nc.Speculate = 0, 0, 0
+		refNoClip := run(nc)
+		nc.StreamBlocks, nc.Speculate = 3, 1
+		nc.LogJSON = filepath.Join(t.TempDir(), "steps.jsonl")
+		same(fmt.Sprintf("recompute %v, 3 blocks streamed, speculating, no clipping", recompute), refNoClip, run(nc))
+		if kept := speculatedSteps(t, nc.LogJSON); kept != nc.Steps {
+			t.Errorf("recompute %v, no clipping: %d of %d steps kept a speculative update", recompute, kept, nc.Steps)
+		}
+		c.Speculate = 0
 		if recompute {
 			continue
 		}
@@ -124,4 +143,27 @@ func TestGPUStreamBitwise(t *testing.T) {
 		ref.s.InitialLoss, ref.s.Sample = got.s.InitialLoss, got.s.Sample // the resumed run's first iteration is 4
 		same("2 blocks streamed to iteration 3, resumed with 3", ref, got)
 	}
+}
+
+// speculatedSteps counts the steps of a --log-json file that kept a
+// speculative update (speculated > 0).
+func speculatedSteps(t *testing.T, path string) int {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		var r struct {
+			Speculated int64 `json:"speculated"`
+		}
+		if err := json.Unmarshal([]byte(line), &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.Speculated > 0 {
+			n++
+		}
+	}
+	return n
 }

@@ -477,6 +477,9 @@ type stepRecord struct {
 	PredictedS float64 `json:"predicted_s,omitempty"`
 	MeasuredS  float64 `json:"measured_s,omitempty"`
 	Replanned  bool    `json:"replanned,omitempty"`
+	// With --speculate: the parameters updated during the backward and
+	// kept (offload.StepResult.Speculated).
+	Speculated int64 `json:"speculated,omitempty"`
 }
 
 // Run trains from the current iteration to cfg.Steps and returns the
@@ -622,7 +625,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if t.logJSON != nil {
 			rec := stepRecord{Step: it, Loss: loss, LR: cfg.LRAt(it), GradNorm: res.GradNorm, Skipped: res.Skipped, Pos: pos,
 				Seconds: now.Sub(t0).Seconds(), UpdateS: res.Elapsed.Seconds(),
-				PredictedS: res.Predicted.Seconds(), MeasuredS: res.Measured.Seconds(), Replanned: res.Replanned}
+				PredictedS: res.Predicted.Seconds(), MeasuredS: res.Measured.Seconds(), Replanned: res.Replanned, Speculated: res.Speculated}
 			if err := writeRecord(t.logJSON, rec); err != nil {
 				return sum, fmt.Errorf("trainer: --log-json: %w", err)
 			}

@@ -140,6 +140,14 @@ type TrainConfig struct {
 	// first streamed subgroups' state to the device): for comparison; the
 	// trajectory is the same, bit for bit.
 	NoOverlap bool `json:"no_overlap,omitempty"`
+	// Speculate, with blocks streamed from host memory (StreamBlocks) and
+	// the overlap (not NoOverlap), is host memory in GiB for speculative
+	// updates (offload.Options.Speculate): the streamed blocks' subgroups
+	// updated by the CPU workers during the backward, as their gradients
+	// arrive, kept when the step neither clips nor is skipped, restored
+	// otherwise; 14 bytes per parameter speculated on. 0: none. The
+	// trajectory is the same, bit for bit. Not saved in checkpoints.
+	Speculate float64 `json:"-"`
 	// Replan, with a Device and the performance model's schedule
 	// (--profile, or the start-up calibration with cuda; not --schedule),
 	// corrects the model online from every update phase's measured times
@@ -335,6 +343,10 @@ func (c *TrainConfig) Validate() error {
 		return errors.New("trainer: --recompute needs --device cuda (the host's model keeps its activations)")
 	case c.NoOverlap && c.Device != "cuda":
 		return errors.New("trainer: --no-overlap needs --device cuda (only the GPU trainer overlaps its backward with the update phase)")
+	case !(c.Speculate >= 0) || c.Speculate > MaxMemoryBytes>>30:
+		return fmt.Errorf("trainer: --speculate %v: want GiB from 0 to %d", c.Speculate, MaxMemoryBytes>>30)
+	case c.Speculate > 0 && (c.Device != "cuda" || c.NoOverlap || c.StreamBlocks == 0):
+		return errors.New("trainer: --speculate updates the streamed blocks during the backward: it needs --device cuda, --stream-blocks, and not --no-overlap")
 	case c.Replan && (c.Device == "" || c.Schedule != ""):
 		return errors.New("trainer: --replan corrects the performance model's schedule: it needs --device, and no --schedule")
 	case c.Replan && c.Device == "sim" && c.Profile == "":
@@ -533,6 +545,7 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	// (offload.Options.OffloadParam), 2 + 2 bytes a parameter.
 	floats += float64(c.Streamed() * blockStreamedElems(c.Model)) // 4 bytes each, as a float
 	floats += float64(initBufferElems(c.Model))                   // the initial weights' windows (New)
+	floats += float64(c.speculateBytes()) / 4                     // the speculation's saves
 	ring := 0.0
 	if c.CkptDir != "" && !c.CkptSync {
 		ring = c.ringBytes(params)
@@ -541,6 +554,17 @@ func (c *TrainConfig) MemoryBytes() float64 {
 		}
 	}
 	return perParam*params + 4*floats + ring
+}
+
+// speculateBytes is offload.Options.Speculate for the run: Speculate GiB,
+// at most what the streamed blocks' parameters need
+// (scheduler.SpeculateBytes, 14 B each); 0 when the run does not stream.
+func (c *TrainConfig) speculateBytes() int64 {
+	n := c.Streamed()
+	if c.Speculate <= 0 || n == 0 || c.NoOverlap {
+		return 0
+	}
+	return min(int64(c.Speculate*(1<<30)), 14*int64(n*blockStreamedElems(c.Model)))
 }
 
 // ringBytes is the lazy checkpointer's ring for params parameters:
