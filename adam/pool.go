@@ -217,10 +217,11 @@ func (p *Pool) StepSave(c *Coeffs, s State, g Grad, out Copy16, save State, save
 	t.s, t.g, t.out, t.save, t.saveOut = State{}, Grad{}, Copy16{}, State{}, nil // keep no caller's memory alive
 }
 
-// Restore copies save back into s and saveOut into out (when both are
-// non-nil), in parallel: it undoes a StepSave that saved into them. The
-// arrays of s that are nil (MaxExpAvgSq without amsgrad) are skipped. It
-// allocates nothing. Panics on lengths that differ.
+// Restore copies save back into s and saveOut into out, in parallel: it
+// undoes a StepSave that saved into them. out and saveOut have the same
+// length (both empty: no working copy); s's MaxExpAvgSq, when nil
+// (without amsgrad), is skipped, else save's must match it. It allocates
+// nothing. Panics on lengths that differ.
 func (p *Pool) Restore(s State, out []uint16, save State, saveOut []uint16) {
 	checkSave(s, out, save, saveOut)
 	p.mu.Lock()

@@ -63,7 +63,9 @@ func (o *Optimizer) stateSlices() [][]float32 {
 // object (step, hyperparameters, options, parameter list) and the trainer's
 // objects, each marshalled to JSON. The views are valid until the next Step,
 // SetParam or LoadCheckpoint (and with Options.Device until Close); they are
-// not synchronized with those calls (see Optimizer's Concurrency).
+// not synchronized with those calls (see Optimizer's Concurrency). With
+// Options.Speculate the next backward does not speculate (GradsFinal would
+// update the host-held subgroups under the views before the Step).
 //
 // Errors: ErrClosed, an object named "optimizer", or one that does not
 // marshal.
@@ -76,6 +78,7 @@ func (o *Optimizer) Snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 	if err := o.syncHost(); err != nil {
 		return nil, err
 	}
+	o.specPaused = true // the views stay the state's until the next Step
 	return o.snapshot(objects)
 }
 
@@ -226,6 +229,11 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 	}
 	if err := o.settle(true); err != nil {
 		return nil, err
+	}
+	if o.eng != nil && o.dev != devBroken {
+		// The state of the last step, not what Options.Speculate wrote
+		// since.
+		o.eng.DropSpeculation()
 	}
 	snap, err := o.snapshot(objects)
 	if err != nil {

@@ -167,9 +167,12 @@ type HostTensor struct {
 // parameter i (in New's order), of Options.GradDType: where a trainer
 // that streams it puts its gradient (the D2H copy of what its backward
 // wrote) before a Step with StepArgs.GradOnDevice, complete before the
-// Step is called (Step reads it on the host). A Step without
-// GradOnDevice overwrites it with Grad's; ZeroGrad zeroes it. Panics if i
-// is out of range.
+// Step is called (Step reads it on the host). With Options.Speculate it
+// must be complete earlier, once the work enqueued on the stream given to
+// GradsFinal for i is done (a copy enqueued there before that call, or
+// written before it): the CPU workers read it then. A Step without
+// GradOnDevice overwrites it with Grad's (and so drops what was
+// speculated); ZeroGrad zeroes it. Panics if i is out of range.
 //
 // Errors: those of DeviceGrad; a parameter not in OffloadParam.
 func (o *Optimizer) HostGrad(i int) (HostTensor, error) {
@@ -180,8 +183,11 @@ func (o *Optimizer) HostGrad(i int) (HostTensor, error) {
 // Options.OffloadParam parameter i (in New's order), of
 // Options.WorkingDType: what a trainer that streams it copies to the
 // device before each forward and backward that reads it. Step writes it
-// (complete when Step returns), and so does SyncDevice, as DeviceWorking.
-// Panics if i is out of range.
+// (complete when Step returns), and so does SyncDevice, as DeviceWorking;
+// with Options.Speculate the CPU workers also write it during the
+// backward, after GradsFinal for i, and a restore writes it back before
+// the Step returns (or before a read of the state): it is the step's
+// again whenever the Step has returned. Panics if i is out of range.
 //
 // Errors: those of HostGrad.
 func (o *Optimizer) HostWorking(i int) (HostTensor, error) {

@@ -1488,8 +1488,10 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 }
 
 // GradsFinal tells the optimizer, with Options.OverlapBackward, that the
-// device gradients (DeviceGrad) of the parameters params (indices) are
-// final once the work enqueued on s so far is done: a GPU trainer calls it
+// gradients of the parameters params (indices) are final once the work
+// enqueued on s so far is done (DeviceGrad's, and with Options.Speculate
+// HostGrad's too: copy an OffloadParam gradient into HostGrad on s, or
+// before this call): a GPU trainer calls it
 // during its backward, as each block's gradients are written (the last
 // blocks' first). Once every parameter from some flat offset to the end of
 // the flat space (Params' Offset; parameter order) is final, the update
@@ -1500,8 +1502,12 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 // and allocates nothing. The gradients it was told of must not change until
 // the next Step, which uses what it started; ZeroGrad, a skipped or failed
 // Step, SetParam, WriteState and LoadCheckpoint drop it (the Step then
-// does that work itself). The update is the same, bit for bit. s is a
-// stream of Options.Device (scheduler.CUDAStream wraps a CUDA stream).
+// does that work itself). With Options.Speculate the OffloadParam
+// subgroups inside the final suffix are also updated speculatively, in
+// the background (scheduler.Engine.Speculate), unless the last Step
+// clipped or was skipped or a Snapshot was taken since. The update is the
+// same, bit for bit. s is a stream of Options.Device (scheduler.CUDAStream
+// wraps a CUDA stream).
 //
 // Errors: ErrClosed; ErrNoDevice without Options.Device; Options.
 // OverlapBackward not set; an index out of range; scheduler.ErrBroken
@@ -1596,6 +1602,9 @@ func (o *Optimizer) syncWorking() error {
 	case o.dev == devBroken || o.eng == nil:
 		return fmt.Errorf("offload: %w: the host working copy is a step or more behind the device's, which cannot be read (LoadCheckpoint restores both)", scheduler.ErrBroken)
 	}
+	// The host-held working copy is read in place: what Options.Speculate
+	// wrote there before the Step is not the step's yet.
+	o.eng.DropSpeculation()
 	if err := o.eng.GetWorking(o.work.Data); err != nil {
 		o.noteBroken()
 		return fmt.Errorf("offload: fetching the working copy from the device: %w", err)

@@ -158,10 +158,15 @@ type Options struct {
 	// scalars turn out to be those, bit for bit, and restores the others
 	// (a skipped step, clipping that binds, another rate) before its
 	// phase updates them as before (DeepSpeed's SuperOffload:
-	// speculation-then-validation). So the update is the same, bit for
-	// bit. After a step that clipped or was skipped, the next backward
-	// does not speculate (a run that always clips loses nothing). 0: none.
-	// Not saved in checkpoints.
+	// speculation-then-validation). Every read of the state before the
+	// Step (Master, Snapshot, SaveAsync, SaveCheckpoint, Working of a stale
+	// copy, Close) restores them first, and so does every write (SetParam,
+	// ZeroGrad, LoadCheckpoint, a Step without GradOnDevice). So the
+	// update is the same, bit for bit, provided HostGrad is written by the
+	// time GradsFinal's stream work is done (see HostGrad). After a step
+	// that clipped or was skipped, or a Snapshot, the next backward does
+	// not speculate (a run that always clips loses nothing). 0: none. Not
+	// saved in checkpoints.
 	Speculate int64 `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,

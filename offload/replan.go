@@ -75,7 +75,10 @@ func (o *Optimizer) refit(res *StepResult, held bool) error {
 		return o.engineErr(err)
 	}
 	res.Predicted, res.Measured = seconds(o.plan.Makespan), b.Makespan
-	if held {
+	if held || res.Speculated > 0 {
+		// A capture's waits, or host-held updates done before the phase
+		// (Options.Speculate), which the plan counts in it: not the
+		// phase the model predicts.
 		return nil
 	}
 	next, basePred, err := o.re.observe(b, o.plan, o.step)

@@ -136,15 +136,15 @@ type Engine struct {
 	base       Event
 	xfer       Host // pinned staging for SetGrad and GetWorking
 	tail       [4]Event
-	dlEv       Event       // DownloadAsync's
-	gate       func(i int) // Hold's
-	mirror     Mem         // Options.Mirror's fp32 master weights on the device
-	mirrorN    int64       // its elements
-	mpieces    [][]mpiece  // per subgroup: its parts of the mirror
-	allocs     []any       // freed by Close
-	planAllocs []any       // freed by Close (and by Replan, but for the pinned buffers the next plan takes)
-	spare      []Host      // during Replan: the old plan's pinned host buffers, for the new one
-	leaked     error       // Replan's failures to free a spare: Close returns them
+	dlEv       Event                       // DownloadAsync's
+	gate       atomic.Pointer[func(i int)] // Hold's (nil: none); read by the lanes and the speculation worker
+	mirror     Mem                         // Options.Mirror's fp32 master weights on the device
+	mirrorN    int64                       // its elements
+	mpieces    [][]mpiece                  // per subgroup: its parts of the mirror
+	allocs     []any                       // freed by Close
+	planAllocs []any                       // freed by Close (and by Replan, but for the pinned buffers the next plan takes)
+	spare      []Host                      // during Replan: the old plan's pinned host buffers, for the new one
+	leaked     error                       // Replan's failures to free a spare: Close returns them
 
 	// Prefetch's (prefetch.go), for the next Update.
 	pre     []uint8 // per subgroup: bit per operation Prefetch issued
@@ -397,19 +397,37 @@ func (e *Engine) slotState(slot, i int) State {
 	return s
 }
 
-// Hold makes every later Update call gate(i) and wait for it to return
-// before its first write to subgroup i's host state: before a CPU
-// subgroup's update (in place, in the host state) and before a GPU
-// subgroup's state D2H. Resident subgroups' host state is not written by
-// Update. A lazy checkpoint's copy-on-write uses it (offload.SaveAsync
-// passes checkpoint.Handle.WaitGroup), so that the next update of
-// subgroup i waits only for the capture of subgroup i (DataStates-LLM's
-// lazy, copy-on-write capture). gate runs on the engine's goroutines,
-// once per subgroup and Update (again for a subgroup whose state D2H is
-// redone after a fault), and must not call the engine; nil removes it.
-// Call it between Updates. Download, DownloadAsync and Replan write host
-// state without it: their caller waits for the capture first.
-func (e *Engine) Hold(gate func(i int)) { e.gate = gate }
+// Hold makes every later Update, and every speculative update
+// (Speculate), call gate(i) and wait for it to return before its first
+// write to subgroup i's host state: before a CPU subgroup's update (in
+// place, in the host state) and before a GPU subgroup's state D2H.
+// Resident subgroups' host state is not written by Update. A lazy
+// checkpoint's copy-on-write uses it (offload.SaveAsync passes
+// checkpoint.Handle.WaitGroup), so that the next update of subgroup i
+// waits only for the capture of subgroup i (DataStates-LLM's lazy,
+// copy-on-write capture). gate runs on the engine's goroutines, once per
+// subgroup and Update, again for a subgroup whose state D2H is redone
+// after a fault and for a speculated subgroup that was restored (its
+// update runs twice), and must not call the engine; nil removes it. It
+// may be called at any time, also while a speculative update runs (that
+// update keeps the gate it read). Download, DownloadAsync, Replan and the
+// restores of speculated subgroups write host state without it: their
+// caller waits for the capture first, and a restore follows a gated
+// speculative update of the same subgroup.
+func (e *Engine) Hold(gate func(i int)) {
+	if gate == nil {
+		e.gate.Store(nil)
+		return
+	}
+	e.gate.Store(&gate)
+}
+
+// waitGate calls Hold's gate for subgroup i, if any.
+func (e *Engine) waitGate(i int) {
+	if g := e.gate.Load(); g != nil {
+		(*g)(i)
+	}
+}
 
 // Stats runs the global checks on the gradients: whether every element is
 // finite and the sum of squares of the unscaled gradients, adam's

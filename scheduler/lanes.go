@@ -100,8 +100,8 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 	grad := Vec{Mem: e.grad, Off: e.doff[i], N: n}
 	switch st.op {
 	case opH2D, opD2H:
-		if st.op == opD2H && st.first && e.gate != nil {
-			e.gate(i) // the state D2H writes subgroup i's host state
+		if st.op == opD2H && st.first {
+			e.waitGate(i) // the state D2H writes subgroup i's host state
 		}
 		return e.statePiece(k, st, slot, waits)
 	case opKernel:
@@ -244,9 +244,7 @@ func (e *Engine) cpu(i, slot int) {
 		cs := e.cst.Bytes()
 		out = adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}
 	}
-	if e.gate != nil {
-		e.gate(i) // the update writes subgroup i's host state in place
-	}
+	e.waitGate(i) // the update writes subgroup i's host state in place
 	e.cpuT[i][0] = time.Since(e.t0)
 	e.pool.Step(e.coeffs(i), e.state.Slice(int(lo), int(lo+n)), g, out)
 	e.cpuT[i][1] = time.Since(e.t0)

@@ -27,8 +27,8 @@ import (
 // committed bits are always the serial step's.
 //
 // The workers take the final subgroups from the last one down, as the
-// backward makes them final, until the saves are full; what they did not
-// reach is the phase's. The lazy checkpoint's gate (Hold) is kept: a
+// backward makes them final, each that still fits in the saves; what they
+// did not take is the phase's. The lazy checkpoint's gate (Hold) is kept: a
 // speculative update of subgroup i waits for the capture of subgroup i.
 
 // specReq is one Speculate call's news for the worker: the held subgroups
@@ -52,12 +52,9 @@ func (e *Engine) allocSpec() error {
 	}
 	per := int64(4*e.nArr + 2)
 	n := min(e.o.Speculate/per, e.heldN)
-	e.specSave = adam.State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
-	if e.nArr == 4 {
-		e.specSave.MaxExpAvgSq = make([]float32, n)
+	if n == 0 {
+		return nil
 	}
-	e.specOut = make([]uint16, n)
-	e.specN = n
 	nh := 0
 	for _, h := range e.held {
 		if h {
@@ -78,11 +75,17 @@ func (e *Engine) allocSpec() error {
 	for i := range e.specAt {
 		e.specAt[i] = -1
 	}
+	e.specSave = adam.State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
+	if e.nArr == 4 {
+		e.specSave.MaxExpAvgSq = make([]float32, n)
+	}
+	e.specOut = make([]uint16, n)
 	// One request per held subgroup at most per phase, and the barrier.
 	e.specReq = make(chan specReq, nh+2)
 	e.specReady, e.specCovered = e.total, len(e.sizes)
 	e.specAck = make(chan struct{})
 	go e.specWorker()
+	e.specN = n // last: speculation is on once the worker runs
 	return nil
 }
 
@@ -102,11 +105,12 @@ func SpeculateBytes(n int64, amsgrad bool) int64 {
 // started yet, given that their gradients are final once the work
 // enqueued on s so far is done, with cs[i] as subgroup i's scalars (the
 // scalars the caller expects the step to have: clip factor 1, the last
-// step's unscale). The first call after an Update (or a drop) fixes cs for
-// the phase; later calls only add subgroups. It waits for nothing and
-// allocates nothing: the workers wait for s's work, copy what each update
-// overwrites into the saves (Options.Speculate) and update the subgroup in
-// place, the last subgroups first, while the saves last. Call
+// step's unscale). The first call after an Update, a drop or
+// EndSpeculation fixes cs for the phase; later calls only add subgroups.
+// It waits for nothing and allocates nothing: the workers wait for s's
+// work, copy what each update overwrites into the saves
+// (Options.Speculate) and update the subgroup in place, the last
+// subgroups first, skipping any that no longer fits in the saves. Call
 // EndSpeculation before the next Update, with that step's scalars. The
 // gradients in [ready, total) must not change until then. Without
 // Options.Speculate or host-held subgroups it does nothing.
@@ -174,9 +178,7 @@ func (e *Engine) specWorker() {
 			if !e.held[i] || e.specAt[i] >= 0 || e.specUsed+n > e.specN {
 				continue
 			}
-			if e.gate != nil {
-				e.gate(i) // the update writes subgroup i's host state in place
-			}
+			e.waitGate(i) // the update writes subgroup i's host state in place
 			at := e.specUsed
 			lo := e.off[i]
 			e.specT[i][0] = time.Now()
@@ -194,15 +196,19 @@ func (e *Engine) specWorker() {
 // lasted), so that what EndSpeculation keeps does not depend on timing
 // (tests). Without Options.Speculate it does nothing.
 func (e *Engine) WaitSpeculation() {
-	if e.specN > 0 {
+	if e.specN > 0 && e.specReq != nil {
 		e.specReq <- specReq{stop: true}
 		<-e.specAck
 	}
 }
 
 // stopSpec stops the worker after the subgroup it is updating, if any,
-// and waits for it; the worker then takes requests again.
+// and waits for it; the worker then takes requests again. After Close
+// (no worker) it does nothing.
 func (e *Engine) stopSpec() {
+	if e.specReq == nil {
+		return
+	}
 	e.specStop.Store(true)
 	e.specReq <- specReq{stop: true}
 	<-e.specAck
