@@ -196,12 +196,13 @@ func (p *Pool) Step(c *Coeffs, s State, g Grad, out Copy16) {
 }
 
 // StepSave is Step that first copies what the step overwrites: the state s
-// into save and the working copy out.Data into saveOut (when out is not
-// zero), each chunk just before its step, so that Restore can undo the
+// into save and the working copy out.Data into saveOut (when saveOut is
+// not empty: a working copy that is not saved is written all the same),
+// each chunk just before its step, so that Restore can undo the
 // step exactly (the speculative update of scheduler.Engine.Speculate;
 // DeepSpeed's SuperOffload calls it speculation-then-validation). save
 // has s's arrays and lengths (MaxExpAvgSq only with c.AMSGrad), saveOut
-// out's length. The step's results are Step's bit for bit. It allocates
+// out's length or none. The step's results are Step's bit for bit. It allocates
 // nothing. Panics as Step does, and on save or saveOut of other lengths.
 func (p *Pool) StepSave(c *Coeffs, s State, g Grad, out Copy16, save State, saveOut []uint16) {
 	checkLens(c, s, g, out)
@@ -219,7 +220,7 @@ func (p *Pool) StepSave(c *Coeffs, s State, g Grad, out Copy16, save State, save
 
 // Restore copies save back into s and saveOut into out, in parallel: it
 // undoes a StepSave that saved into them. out and saveOut have the same
-// length (both empty: no working copy); s's MaxExpAvgSq, when nil
+// length (saveOut empty: the working copy is left as it is); s's MaxExpAvgSq, when nil
 // (without amsgrad), is skipped, else save's must match it. It allocates
 // nothing. Panics on lengths that differ.
 func (p *Pool) Restore(s State, out []uint16, save State, saveOut []uint16) {
@@ -237,7 +238,7 @@ func (p *Pool) Restore(s State, out []uint16, save State, saveOut []uint16) {
 func checkSave(s State, out []uint16, save State, saveOut []uint16) {
 	n := len(s.Param)
 	if len(s.ExpAvg) != n || len(s.ExpAvgSq) != n || len(save.Param) != n || len(save.ExpAvg) != n || len(save.ExpAvgSq) != n ||
-		(s.MaxExpAvgSq != nil && (len(s.MaxExpAvgSq) != n || len(save.MaxExpAvgSq) != n)) || len(out) != len(saveOut) {
+		(s.MaxExpAvgSq != nil && (len(s.MaxExpAvgSq) != n || len(save.MaxExpAvgSq) != n)) || (len(saveOut) != 0 && len(out) != len(saveOut)) {
 		panic(fmt.Sprintf("adam: a saved state of %d/%d elements (working copy %d) for a state of %d (working copy %d)",
 			len(save.Param), len(save.MaxExpAvgSq), len(saveOut), n, len(out)))
 	}

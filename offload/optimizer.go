@@ -1503,8 +1503,9 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 // the next Step, which uses what it started; ZeroGrad, a skipped or failed
 // Step, SetParam, WriteState and LoadCheckpoint drop it (the Step then
 // does that work itself). With Options.Speculate the OffloadParam
-// subgroups inside the final suffix are also updated speculatively, in
-// the background (scheduler.Engine.Speculate), unless the last Step
+// subgroups and the CPU subgroups (whose gradients were moved) inside the
+// final suffix are also updated speculatively, in the background
+// (scheduler.Engine.Speculate), unless the last Step
 // clipped or was skipped or a Snapshot was taken since. The update is the
 // same, bit for bit. s is a stream of Options.Device (scheduler.CUDAStream
 // wraps a CUDA stream).

@@ -148,13 +148,14 @@ type Options struct {
 	// (DeviceBytes). The update is the same, bit for bit. Not saved in
 	// checkpoints.
 	OffloadParam []string `json:"-"`
-	// Speculate, with OverlapBackward and OffloadParam, is host memory in
-	// bytes for speculative updates (scheduler.Engine.Speculate): as
-	// GradsFinal learns that an OffloadParam subgroup's gradients are
-	// final, the CPU workers update it at once, during the backward, with
-	// clip factor 1 and the last step's loss scale, saving what the update
-	// overwrites (scheduler.SpeculateBytes: 14 bytes a parameter, 18 with
-	// amsgrad) while this memory lasts; the Step keeps each one whose
+	// Speculate, with OverlapBackward, is host memory in bytes for
+	// speculative updates (scheduler.Engine.Speculate): as GradsFinal
+	// learns that an OffloadParam subgroup's gradients are final, or that
+	// a CPU subgroup's are (their D2H then starts at once), the CPU
+	// workers update it during the backward, with clip factor 1 and the
+	// last step's loss scale, saving what the update overwrites
+	// (scheduler.SpeculateBytes: 14 bytes a parameter, 18 with amsgrad)
+	// while this memory lasts; the Step keeps each one whose
 	// scalars turn out to be those, bit for bit, and restores the others
 	// (a skipped step, clipping that binds, another rate) before its
 	// phase updates them as before (DeepSpeed's SuperOffload:
@@ -270,8 +271,8 @@ func (o *Options) Validate() error {
 	if o.Speculate < 0 {
 		return fmt.Errorf("offload: Speculate %d: want bytes >= 0", o.Speculate)
 	}
-	if o.Speculate > 0 && (!o.OverlapBackward || len(o.OffloadParam) == 0) {
-		return errors.New("offload: Speculate starts the OffloadParam subgroups' updates during the backward (GradsFinal): it needs OverlapBackward and OffloadParam")
+	if o.Speculate > 0 && !o.OverlapBackward {
+		return errors.New("offload: Speculate starts the CPU and OffloadParam subgroups' updates during the backward (GradsFinal): it needs OverlapBackward")
 	}
 	if o.Replan && (o.Schedule != nil || o.Placement != "" || (o.Profile == nil && !o.Calibrate)) {
 		return errors.New("offload: Replan corrects the performance model's schedule: it needs Profile or Calibrate, and no forced Schedule or Placement")

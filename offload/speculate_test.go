@@ -46,9 +46,23 @@ func TestSpeculate(t *testing.T) {
 		{scale: 0.01, lossScale: 4, snapshot: true, kept: 0},
 		{scale: 0.01, lossScale: 4, kept: -1},
 	}
+	type variant struct {
+		held []string
+		s    perfmodel.Schedule
+	}
+	var variants []variant
 	for _, s := range []perfmodel.Schedule{{CPU: 2, GPU: 1, Resident: 1}, {CPU: 4}, {GPU: 4}, {Resident: 4}} {
+		variants = append(variants, variant{held, s})
+	}
+	// Without OffloadParam: the CPU subgroups, from their prefetched
+	// gradients (not with the upcast on the GPU: nothing to speculate on).
+	for _, s := range []perfmodel.Schedule{{CPU: 5}, {CPU: 3, GPU: 1, Resident: 1}} {
+		variants = append(variants, variant{nil, s})
+	}
+	for _, v := range variants {
+		held, s := v.held, v.s
 		for _, budget := range []int64{1 << 20, scheduler.SpeculateBytes(400, false)} {
-			t.Run(fmt.Sprintf("%+v/budget=%d", s, budget), func(t *testing.T) {
+			t.Run(fmt.Sprintf("held=%v/%+v/budget=%d", held, s, budget), func(t *testing.T) {
 				base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, MaxGradNorm: 0.5, SubgroupSize: 400, Threads: 2}
 				ref := newWith(t, testParams, base)
 				sim := scheduler.NewSim(scheduler.SimOptions{})
@@ -68,7 +82,7 @@ func TestSpeculate(t *testing.T) {
 					fill(ref, int64(k+1))
 					scaleGrads(ref, st.scale)
 					if st.nan {
-						hi, _ := ref.Index(held[0])
+						hi, _ := ref.Index("h.0.attn.c_attn.weight")
 						ref.Grad(hi).Uint16()[3] = 0x7fc0
 					}
 					at := int64(0)

@@ -57,10 +57,11 @@ type Options struct {
 	// working copy then hold the other subgroups only (DeviceOffset).
 	HostHeld []bool
 	// Speculate is host memory in bytes for the saves of speculative
-	// updates (Speculate: the host-held subgroups updated during the
-	// trainer's backward, kept or undone when the step's scalars are
-	// known): SpeculateBytes(n) speculates on n parameters at most. 0:
-	// none. Ignored without host-held subgroups.
+	// updates (Speculate: the host-held subgroups, and with Prefetch the
+	// CPU subgroups, updated during the trainer's backward, kept or undone
+	// when the step's scalars are known): SpeculateBytes(n) speculates on
+	// n parameters at most, 2 bytes of each pinned. 0: none. Ignored
+	// without host-held subgroups and without Prefetch.
 	Speculate int64
 
 	// copyChunk, when > 0, replaces CopyChunk (tests cut small states
@@ -158,6 +159,7 @@ type Engine struct {
 	// Speculate's (speculate.go), for the next Update.
 	specSave    adam.State     // the saves of the speculated subgroups' state, specN elements
 	specOut     []uint16       // and of their working copy
+	specOutH    Host           // specOut's pinned memory
 	specN       int64          // elements the saves hold (0: no speculation)
 	specUsed    int64          // elements of the saves in use
 	specAt      []int64        // per subgroup: its save's first element, -1 when not speculated
@@ -542,7 +544,7 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 	// waited for by the steps after them and by the drain) and the kept
 	// speculative updates.
 	e.takeSpec()
-	defer func() { clear(e.pre); e.preOn = false }()
+	defer func() { clear(e.pre); e.preOn = false; e.endSpec() }()
 	for l := issDrain; l < numIssuers; l++ {
 		e.start[l] <- struct{}{}
 	}

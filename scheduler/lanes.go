@@ -151,7 +151,11 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 				return err
 			}
 		}
-		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.H2D(s, e.work, 2*e.doff[i], e.cst, 2*int64(slot)*e.maxN, 2*n)); err != nil {
+		src, srcOff := e.cst, 2*int64(slot)*e.maxN
+		if h, off, ok := e.specSource(i); ok {
+			src, srcOff = h, off // a kept speculative update's copy
+		}
+		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.H2D(s, e.work, 2*e.doff[i], src, srcOff, 2*n)); err != nil {
 			return err
 		}
 		e.fail(i, int(st.op), e.copyMirror(i, s, Vec{}))

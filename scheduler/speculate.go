@@ -9,31 +9,40 @@ import (
 	"github.com/deepstates/dos/adam"
 )
 
-// Speculation: the host-held subgroups' updates (Options.HostHeld) started
-// during the trainer's backward, before the global checks, with the
-// scalars the step will most likely have (no clipping, the last step's
-// loss scale), then kept or undone when the step's real scalars are known
-// (DeepSpeed's SuperOffload calls this speculation-then-validation).
+// Speculation: updates started during the trainer's backward, before the
+// global checks, with the scalars the step will most likely have (no
+// clipping, the last step's loss scale), then kept or undone when the
+// step's real scalars are known (DeepSpeed's SuperOffload calls this
+// speculation-then-validation). Two kinds of subgroup qualify, those the
+// CPU workers update from a gradient already on the host:
 //
-// A host-held subgroup's gradient lands in pinned host memory as its
-// block's backward ends, and its update is the CPU workers' alone: nothing
-// on the device reads its state. So once its gradient is final the workers
-// may update it in place, first copying what the update overwrites (the
-// state and the 16-bit working copy) into the saves (Options.Speculate
-// bytes of host memory, 14 bytes a parameter, 18 with amsgrad). When the
-// step's scalars are known (EndSpeculation), a subgroup speculated with
-// exactly those scalars is kept: the next Update skips it, and its update
-// is the serial phase's bit for bit (the same kernel on the same operands).
-// Any other subgroup (a skipped step, clipping, another rate) gets its
-// saved state back, bit for bit, and the phase updates it as before. So the
-// committed bits are always the serial step's.
+//   - a host-held subgroup (Options.HostHeld): its gradient lands in pinned
+//     host memory as its block's backward ends, and nothing on the device
+//     reads its state; its working copy is updated in place, the old one
+//     saved;
+//   - a CPU subgroup whose gradient Prefetch moved into its own pinned
+//     place (Options.Prefetch, no upcast on the GPU): once that copy is
+//     done; its new working copy goes to the saves' pinned 16-bit part,
+//     from which the phase's copy H2D moves it to the device (the device
+//     copy is not touched before the Step).
+//
+// Before updating, the workers copy the state the update overwrites (and a
+// held subgroup's working copy) into the saves (Options.Speculate bytes of
+// host memory, 14 bytes a parameter, 18 with amsgrad). When the step's
+// scalars are known (EndSpeculation), a subgroup speculated with exactly
+// those scalars is kept: the next Update skips its update (and its
+// gradient's copy), and its update is the serial phase's bit for bit (the
+// same kernel on the same operands). Any other subgroup (a skipped step,
+// clipping, another rate) gets its saved state back, bit for bit, and the
+// phase updates it as before. So the committed bits are always the serial
+// step's.
 //
 // The workers take the final subgroups from the last one down, as the
 // backward makes them final, each that still fits in the saves; what they
 // did not take is the phase's. The lazy checkpoint's gate (Hold) is kept: a
 // speculative update of subgroup i waits for the capture of subgroup i.
 
-// specReq is one Speculate call's news for the worker: the held subgroups
+// specReq is one Speculate call's news for the worker: the subgroups
 // inside [ready, total) are final once event ev (recorded on the trainer's
 // stream) is done. A request with stop set is EndSpeculation's barrier.
 type specReq struct {
@@ -43,27 +52,26 @@ type specReq struct {
 }
 
 // allocSpec makes the saves (Options.Speculate bytes, cut to whole
-// parameters) and starts the speculation worker, when there are host-held
-// subgroups and Options.Speculate > 0.
+// parameters) and starts the speculation worker, when Options.Speculate >
+// 0 and some subgroup may be speculated on: a host-held one, or with
+// Options.Prefetch a CPU subgroup (whose gradient Prefetch brings to the
+// host during the backward).
 func (e *Engine) allocSpec() error {
 	if e.o.Speculate < 0 {
 		return fmt.Errorf("scheduler: Options.Speculate %d: want bytes >= 0", e.o.Speculate)
 	}
-	if e.o.Speculate == 0 || e.heldN == 0 {
+	if e.o.Speculate == 0 || (e.heldN == 0 && !e.o.Prefetch) {
 		return nil
 	}
 	per := int64(4*e.nArr + 2)
-	n := min(e.o.Speculate/per, e.heldN)
+	n := min(e.o.Speculate/per, e.total)
 	if n == 0 {
 		return nil
 	}
-	nh := 0
-	for _, h := range e.held {
-		if h {
-			nh++
-		}
-	}
-	e.specEv = make([]Event, nh+1)
+	n0 := len(e.sizes)
+	// One event and one request per subgroup at most per phase, and the
+	// barrier.
+	e.specEv = make([]Event, n0+1)
 	for k := range e.specEv {
 		ev, err := e.dev.NewEvent()
 		if err != nil {
@@ -72,7 +80,6 @@ func (e *Engine) allocSpec() error {
 		e.specEv[k] = ev
 		e.allocs = append(e.allocs, ev)
 	}
-	n0 := len(e.sizes)
 	e.specAt, e.specC, e.specT = make([]int64, n0), make([]adam.Coeffs, n0), make([][2]time.Time, n0)
 	for i := range e.specAt {
 		e.specAt[i] = -1
@@ -81,7 +88,16 @@ func (e *Engine) allocSpec() error {
 	if e.nArr == 4 {
 		e.specSave.MaxExpAvgSq = make([]float32, n)
 	}
-	e.specOut = make([]uint16, n)
+	// The 16-bit part in pinned memory: a CPU subgroup's new working copy
+	// moves H2D from it in the phase (a host-held one's old copy is saved
+	// there).
+	h, err := e.dev.AllocHost(2 * n)
+	if err != nil {
+		return fmt.Errorf("scheduler: Options.Speculate's %d bytes of pinned memory: %w", 2*n, err)
+	}
+	e.allocs = append(e.allocs, h)
+	e.specOutH = h
+	e.specOut = unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(h.Bytes()))), n)
 	// Mapped now, on every core, not by the first speculative updates
 	// (12 GiB of saves took the first iterations 0.3 to 0.7 s more on
 	// the H100).
@@ -89,15 +105,20 @@ func (e *Engine) allocSpec() error {
 	for _, a := range [][]float32{e.specSave.Param, e.specSave.ExpAvg, e.specSave.ExpAvgSq, e.specSave.MaxExpAvgSq} {
 		prefault(&wg, unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(a))), 4*len(a)), e.pool.Threads())
 	}
-	prefault(&wg, unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(e.specOut))), 2*len(e.specOut)), e.pool.Threads())
 	wg.Wait()
-	// One request per held subgroup at most per phase, and the barrier.
-	e.specReq = make(chan specReq, nh+2)
+	e.specReq = make(chan specReq, n0+2)
 	e.specReady, e.specCovered = e.total, len(e.sizes)
 	e.specAck = make(chan struct{})
 	go e.specWorker()
 	e.specN = n // last: speculation is on once the worker runs
 	return nil
+}
+
+// specCPU reports whether subgroup i, not host-held, may be speculated on:
+// a CPU subgroup of the plan whose gradient Prefetch moves to the host
+// (Options.Prefetch, no upcast on the GPU).
+func (e *Engine) specCPU(i int) bool {
+	return !e.held[i] && e.gpre != nil && e.plan.Roles[i] == OnCPU
 }
 
 // SpeculateBytes is the host memory Options.Speculate needs to speculate on
@@ -112,8 +133,10 @@ func SpeculateBytes(n int64, amsgrad bool) int64 {
 }
 
 // Speculate starts, in the background on the CPU workers, the updates of
-// the host-held subgroups that lie inside [ready, total) and are not
-// started yet, given that their gradients are final once the work
+// the host-held subgroups, and of the CPU subgroups whose gradient
+// Prefetch moved (each once that copy is done), that lie inside [ready,
+// total) and are not started yet, given that their gradients are final
+// once the work
 // enqueued on s so far is done, with cs[i] as subgroup i's scalars (the
 // scalars the caller expects the step to have: clip factor 1, the last
 // step's unscale). The first call after an Update, a drop or
@@ -124,7 +147,7 @@ func SpeculateBytes(n int64, amsgrad bool) int64 {
 // subgroups first, skipping any that no longer fits in the saves. Call
 // EndSpeculation before the next Update, with that step's scalars. The
 // gradients in [ready, total) must not change until then. Without
-// Options.Speculate or host-held subgroups it does nothing.
+// Options.Speculate, or with nothing to speculate on, it does nothing.
 //
 // Errors: ErrBroken; ErrEngineClosed; ready outside [0, total]; len(cs)
 // other than the subgroup count; an event that could not be recorded.
@@ -151,7 +174,7 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 	news := false
 	for e.specCovered > 0 && e.off[e.specCovered-1] >= ready {
 		e.specCovered--
-		news = news || e.held[e.specCovered]
+		news = news || e.held[e.specCovered] || e.specCPU(e.specCovered)
 	}
 	if !news {
 		return nil
@@ -186,16 +209,32 @@ func (e *Engine) specWorker() {
 				break
 			}
 			n := e.sizes[i]
-			if !e.held[i] || e.specAt[i] >= 0 || e.specUsed+n > e.specN {
+			if e.specAt[i] >= 0 || e.specUsed+n > e.specN {
+				continue
+			}
+			var g adam.Grad
+			at, lo := e.specUsed, e.off[i]
+			out := adam.Copy16{DType: e.o.WorkingDType, Data: e.specOut[at : at+n]}
+			var saveOut []uint16
+			switch {
+			case e.held[i]:
+				// In place: the new working copy over the old, saved.
+				g, out.Data, saveOut = e.heldGrad(e.hoff[i], n), e.heldWork(e.hoff[i], n), e.specOut[at:at+n]
+			case e.specCPU(i) && e.pre[i]&(1<<opGradD2H) != 0:
+				// From the gradient Prefetch moved into the subgroup's own
+				// place, once that copy is done; the new working copy into
+				// the saves' pinned 16-bit part, which the phase copies H2D.
+				if e.dev.Sync(e.endEv[e.core.opSteps[i][opGradD2H][1]]) != nil {
+					e.specStop.Store(true)
+					continue
+				}
+				g = hostGrad(e.gpre, e.cpuGD, e.gpOff[i]/elemBytes(e.cpuGD), n)
+			default:
 				continue
 			}
 			e.waitGate(i) // the update writes subgroup i's host state in place
-			at := e.specUsed
-			lo := e.off[i]
 			e.specT[i][0] = time.Now()
-			e.pool.StepSave(&e.specC[i], e.state.Slice(int(lo), int(lo+n)), e.heldGrad(e.hoff[i], n),
-				adam.Copy16{DType: e.o.WorkingDType, Data: e.heldWork(e.hoff[i], n)},
-				e.specSave.Slice(int(at), int(at+n)), e.specOut[at:at+n])
+			e.pool.StepSave(&e.specC[i], e.state.Slice(int(lo), int(lo+n)), g, out, e.specSave.Slice(int(at), int(at+n)), saveOut)
 			e.specT[i][1] = time.Now()
 			e.specAt[i], e.specUsed = at, at+n
 		}
@@ -266,7 +305,11 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 // copy back and forgets its speculation.
 func (e *Engine) restoreSpec(i int) {
 	at, n, lo := e.specAt[i], e.sizes[i], e.off[i]
-	e.pool.Restore(e.state.Slice(int(lo), int(lo+n)), e.heldWork(e.hoff[i], n), e.specSave.Slice(int(at), int(at+n)), e.specOut[at:at+n])
+	var out, saveOut []uint16
+	if e.held[i] {
+		out, saveOut = e.heldWork(e.hoff[i], n), e.specOut[at:at+n]
+	}
+	e.pool.Restore(e.state.Slice(int(lo), int(lo+n)), out, e.specSave.Slice(int(at), int(at+n)), saveOut)
 	e.specAt[i] = -1
 	e.pre[i] &^= 1 << opCPU
 }
@@ -309,19 +352,36 @@ func (e *Engine) settleSpec() {
 }
 
 // takeSpec is the Update's, once its phase runs: the kept subgroups are
-// this phase's (their times before its start, negative), their saves free
-// again.
+// this phase's, their times before its start (negative).
 func (e *Engine) takeSpec() {
-	if e.specN == 0 {
-		return
-	}
 	for i, at := range e.specAt {
 		if at >= 0 {
 			e.cpuT[i] = [2]time.Duration{e.specT[i][0].Sub(e.t0), e.specT[i][1].Sub(e.t0)}
-			e.specAt[i] = -1
 		}
 	}
+}
+
+// endSpec is the end of an Update that took the kept subgroups: their
+// saves are free again (the phase copied a CPU subgroup's new working
+// copy from them).
+func (e *Engine) endSpec() {
+	if e.specN == 0 {
+		return
+	}
+	for i := range e.specAt {
+		e.specAt[i] = -1
+	}
 	e.specUsed = 0
+}
+
+// specSource returns where kept CPU subgroup i's new working copy is for
+// its copy H2D: the saves' pinned 16-bit part (ok false when i was not
+// kept: the copy staging then).
+func (e *Engine) specSource(i int) (Host, int64, bool) {
+	if e.specN == 0 || e.held[i] || e.specAt[i] < 0 || e.pre[i]&(1<<opCPU) == 0 {
+		return nil, 0, false
+	}
+	return e.specOutH, 2 * e.specAt[i], true
 }
 
 // prefault writes a zero into every 4 KiB page of b (fresh, all-zero

@@ -130,6 +130,14 @@ func TestGPUStreamBitwise(t *testing.T) {
 		if kept := speculatedSteps(t, nc.LogJSON); kept != nc.Steps {
 			t.Errorf("recompute %v, no clipping: %d of %d steps kept a speculative update", recompute, kept, nc.Steps)
 		}
+		// Nothing streamed: the CPU subgroups speculated on, from their
+		// gradients moved during the backward.
+		nc.StreamBlocks = 0
+		nc.LogJSON = filepath.Join(t.TempDir(), "steps.jsonl")
+		same(fmt.Sprintf("recompute %v, nothing streamed, speculating, no clipping", recompute), refNoClip, run(nc))
+		if kept := speculatedSteps(t, nc.LogJSON); kept != nc.Steps {
+			t.Errorf("recompute %v, nothing streamed, no clipping: %d of %d steps kept a speculative update", recompute, kept, nc.Steps)
+		}
 		c.Speculate = 0
 		if recompute {
 			continue

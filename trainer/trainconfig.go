@@ -140,13 +140,14 @@ type TrainConfig struct {
 	// first streamed subgroups' state to the device): for comparison; the
 	// trajectory is the same, bit for bit.
 	NoOverlap bool `json:"no_overlap,omitempty"`
-	// Speculate, with blocks streamed from host memory (StreamBlocks) and
-	// the overlap (not NoOverlap), is host memory in GiB for speculative
-	// updates (offload.Options.Speculate): the streamed blocks' subgroups
-	// updated by the CPU workers during the backward, as their gradients
-	// arrive, kept when the step neither clips nor is skipped, restored
-	// otherwise; 14 bytes per parameter speculated on. 0: none. The
-	// trajectory is the same, bit for bit. Not saved in checkpoints.
+	// Speculate, with Device "cuda" on one GPU and the overlap (not
+	// NoOverlap), is host memory in GiB for speculative updates
+	// (offload.Options.Speculate): the streamed blocks' subgroups and the
+	// CPU subgroups updated by the CPU workers during the backward, as
+	// their gradients arrive, kept when the step neither clips nor is
+	// skipped, restored otherwise; 14 bytes per parameter speculated on,
+	// at most the model's. 0: none. The trajectory is the same, bit for
+	// bit. Not saved in checkpoints.
 	Speculate float64 `json:"-"`
 	// Replan, with a Device and the performance model's schedule
 	// (--profile, or the start-up calibration with cuda; not --schedule),
@@ -345,8 +346,8 @@ func (c *TrainConfig) Validate() error {
 		return errors.New("trainer: --no-overlap needs --device cuda (only the GPU trainer overlaps its backward with the update phase)")
 	case !(c.Speculate >= 0) || c.Speculate > MaxMemoryBytes>>30:
 		return fmt.Errorf("trainer: --speculate %v: want GiB from 0 to %d", c.Speculate, MaxMemoryBytes>>30)
-	case c.Speculate > 0 && (c.Device != "cuda" || c.NoOverlap || c.StreamBlocks == 0):
-		return errors.New("trainer: --speculate updates the streamed blocks during the backward: it needs --device cuda, --stream-blocks, and not --no-overlap")
+	case c.Speculate > 0 && (c.Device != "cuda" || c.NoOverlap || c.GPUs > 1):
+		return errors.New("trainer: --speculate updates the CPU's subgroups during the backward: it needs --device cuda on one GPU, and not --no-overlap")
 	case c.Replan && (c.Device == "" || c.Schedule != ""):
 		return errors.New("trainer: --replan corrects the performance model's schedule: it needs --device, and no --schedule")
 	case c.Replan && c.Device == "sim" && c.Profile == "":
@@ -557,14 +558,13 @@ func (c *TrainConfig) MemoryBytes() float64 {
 }
 
 // speculateBytes is offload.Options.Speculate for the run: Speculate GiB,
-// at most what the streamed blocks' parameters need
-// (scheduler.SpeculateBytes, 14 B each); 0 when the run does not stream.
+// at most what every parameter needs (scheduler.SpeculateBytes, 14 B
+// each); 0 off one GPU or without the overlap.
 func (c *TrainConfig) speculateBytes() int64 {
-	n := c.Streamed()
-	if c.Speculate <= 0 || n == 0 || c.NoOverlap {
+	if c.Speculate <= 0 || c.Device != "cuda" || c.GPUs > 1 || c.NoOverlap {
 		return 0
 	}
-	return min(int64(c.Speculate*(1<<30)), 14*int64(n*blockStreamedElems(c.Model)))
+	return min(int64(c.Speculate*(1<<30)), 14*int64(c.Model.NumParams()))
 }
 
 // ringBytes is the lazy checkpointer's ring for params parameters:

@@ -203,12 +203,9 @@ func TestValidateNamesFlags(t *testing.T) {
 		{func(c *TrainConfig) { c.NoOverlap = true }, "--no-overlap needs --device cuda"},
 		{func(c *TrainConfig) { c.NoOverlap, c.Device, c.WorkingDType = true, "sim", adam.BF16 }, "--no-overlap needs --device cuda"},
 		{func(c *TrainConfig) { c.Speculate = -1 }, "--speculate -1: want GiB from 0"},
-		{func(c *TrainConfig) { c.Speculate = 4 }, "--speculate updates the streamed blocks during the backward: it needs --device cuda, --stream-blocks"},
+		{func(c *TrainConfig) { c.Speculate = 4 }, "--speculate updates the CPU's subgroups during the backward: it needs --device cuda on one GPU"},
 		{func(c *TrainConfig) {
-			c.Device, c.WorkingDType, c.GradDType, c.Speculate, c.StreamBlocks = "cuda", adam.BF16, adam.BF16, 4, 0
-		}, "--speculate updates the streamed blocks"},
-		{func(c *TrainConfig) {
-			c.Device, c.WorkingDType, c.GradDType, c.Speculate, c.StreamBlocks, c.NoOverlap = "cuda", adam.BF16, adam.BF16, 4, 1, true
+			c.Device, c.WorkingDType, c.GradDType, c.Speculate, c.NoOverlap = "cuda", adam.BF16, adam.BF16, 4, true
 		}, "and not --no-overlap"},
 		{func(c *TrainConfig) { c.GPUMemory = -1 }, "--gpu-memory -1 GiB"},
 		{func(c *TrainConfig) { c.GPUMemory = 24 }, "--gpu-memory caps the GPU's memory: it needs --device cuda"},
@@ -260,24 +257,24 @@ func TestParseMemAvailable(t *testing.T) {
 }
 
 // TestSpeculateMemory: --speculate's saves count in MemoryBytes, at most
-// 14 bytes per streamed parameter, and nothing without streamed blocks.
+// 14 bytes per parameter, and nothing with --no-overlap.
 func TestSpeculateMemory(t *testing.T) {
 	setMemAvailable(t, 0, false)
 	c := DefaultTrainConfig()
 	c.Device, c.WorkingDType, c.GradDType, c.StreamBlocks = "cuda", adam.BF16, adam.BF16, 2
 	base := c.MemoryBytes()
-	held := int64(2 * blockStreamedElems(c.Model))
+	all := int64(c.Model.NumParams())
 	for _, tc := range []struct {
 		gib  float64
 		want int64
-	}{{0, 0}, {1.0 / 1024, 1 << 20}, {100, 14 * held}} {
+	}{{0, 0}, {1.0 / 1024, 1 << 20}, {100, 14 * all}} {
 		c.Speculate = tc.gib
 		if got := c.MemoryBytes() - base; got != float64(tc.want) {
-			t.Errorf("--speculate %g: MemoryBytes grew by %v, want %d (14 B x %d streamed parameters at most)", tc.gib, got, tc.want, held)
+			t.Errorf("--speculate %g: MemoryBytes grew by %v, want %d (14 B x %d parameters at most)", tc.gib, got, tc.want, all)
 		}
 	}
-	c.StreamBlocks = 0
+	c.NoOverlap = true
 	if got := c.speculateBytes(); got != 0 {
-		t.Errorf("--speculate 100 without streamed blocks: %d bytes of saves", got)
+		t.Errorf("--speculate 100 with --no-overlap: %d bytes of saves", got)
 	}
 }

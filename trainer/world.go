@@ -231,9 +231,7 @@ func newWorld(cfg *TrainConfig, out io.Writer) (*world, error) {
 			deviceMasters(cfg, oo)
 			oo.OffloadParam = streamedNames(cfg.Model, gpus[rk.r].streamed())
 			oo.OverlapBackward = !cfg.NoOverlap
-			if len(oo.OffloadParam) > 0 {
-				oo.Speculate = cfg.speculateBytes()
-			}
+			oo.Speculate = cfg.speculateBytes()
 		}
 		oo.Replan = cfg.Replan
 		opts[rk.r] = *oo
