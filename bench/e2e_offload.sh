@@ -18,6 +18,8 @@
 #               budget best): the static split at its best
 #   dos-stream-N  dos-model with --stream-blocks N: the first N blocks' weights and gradients in host memory,
 #               streamed to the GPU block by block (dos-model streams as few as the cap needs: --stream-blocks auto)
+#   dos-spec-G  dos-model with --speculate G: G GiB of host memory for the CPU's speculative updates during the
+#               backward (kept when the step neither clips nor is skipped; give DOS_FLAGS=--clip 0 to see them all kept)
 #   fsdp2       python3 bench/torch_offload.py --mode fsdp2 --cap-gib CAP (FSDP2 with CPUOffloadPolicy, one rank,
 #               bf16 mixed precision, clip_grad_norm_(1.0) as dos clips)
 #   fsdp2-noclip  the same without clip_grad_norm_ (the "vs fsdp2" column is against it where it ran, else fsdp2);
@@ -73,6 +75,7 @@ for run in $runs; do
 		dos-static) flags+=(--schedule static) ;;
 		dos-static-25M) flags+=(--schedule static --subgroup-size 25000000) ;;
 		dos-stream-*) flags+=(--replan --stream-blocks "${strat#dos-stream-}") ;;
+		dos-spec-*) flags+=(--replan --speculate "${strat#dos-spec-}") ;;
 		esac
 		rm -f "$base.jsonl"
 		start=$(date +%s)
