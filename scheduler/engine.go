@@ -157,22 +157,23 @@ type Engine struct {
 	gpOff   []int64 // per CPU subgroup: its gradient's byte offset in gpre
 
 	// Speculate's (speculate.go), for the next Update.
-	specSave    adam.State     // the saves of the speculated subgroups' state, specN elements
-	specOut     []uint16       // and of their working copy
-	specOutH    Host           // specOut's pinned memory
-	specN       int64          // elements the saves hold (0: no speculation)
-	specUsed    int64          // elements of the saves in use
-	specAt      []int64        // per subgroup: its save's first element, -1 when not speculated
-	specC       []adam.Coeffs  // per subgroup: the scalars speculated with
-	specT       [][2]time.Time // per subgroup: when its speculative update ran
-	specEv      []Event        // recorded by Speculate on the trainer's stream, in turn
-	specNext    int            // the next of specEv
-	specReady   int64          // the lowest ready of this phase's Speculate calls
-	specCovered int            // the first subgroup inside [specReady, total)
-	specOn      bool           // a Speculate since the last Update or drop (specC set)
-	specStop    atomic.Bool    // the worker takes no more subgroups
-	specReq     chan specReq   // to the worker
-	specAck     chan struct{}  // from the worker, for a stop request
+	specSave               adam.State     // the saves of the speculated subgroups' state, specN elements
+	specOut                []uint16       // and of their working copy
+	specOutH               Host           // specOut's pinned memory
+	specN                  int64          // elements the saves hold (0: no speculation)
+	specUsed               int64          // elements of the saves in use
+	specAt                 []int64        // per subgroup: its save's first element, -1 when not speculated
+	specC                  []adam.Coeffs  // per subgroup: the scalars speculated with
+	specT                  [][2]time.Time // per subgroup: when its speculative update ran
+	specUndo, specUndoLast []specUndo     // undone speculative updates since the last phase, and those of the last phase (Trace)
+	specEv                 []Event        // recorded by Speculate on the trainer's stream, in turn
+	specNext               int            // the next of specEv
+	specReady              int64          // the lowest ready of this phase's Speculate calls
+	specCovered            int            // the first subgroup inside [specReady, total)
+	specOn                 bool           // a Speculate since the last Update or drop (specC set)
+	specStop               atomic.Bool    // the worker takes no more subgroups
+	specReq                chan specReq   // to the worker
+	specAck                chan struct{}  // from the worker, for a stop request
 
 	// Per Update.
 	c           *adam.Coeffs  // the phase's scalars (Update), or

@@ -81,6 +81,7 @@ func (e *Engine) allocSpec() error {
 		e.allocs = append(e.allocs, ev)
 	}
 	e.specAt, e.specC, e.specT = make([]int64, n0), make([]adam.Coeffs, n0), make([][2]time.Time, n0)
+	e.specUndo, e.specUndoLast = make([]specUndo, 0, n0), make([]specUndo, 0, n0)
 	for i := range e.specAt {
 		e.specAt[i] = -1
 	}
@@ -309,9 +310,20 @@ func (e *Engine) restoreSpec(i int) {
 	if e.held[i] {
 		out, saveOut = e.heldWork(e.hoff[i], n), e.specOut[at:at+n]
 	}
+	t := time.Now()
 	e.pool.Restore(e.state.Slice(int(lo), int(lo+n)), out, e.specSave.Slice(int(at), int(at+n)), saveOut)
+	if len(e.specUndo) < cap(e.specUndo) { // for Trace: never allocates
+		e.specUndo = append(e.specUndo, specUndo{sub: i, spec: e.specT[i], restore: [2]time.Time{t, time.Now()}})
+	}
 	e.specAt[i] = -1
 	e.pre[i] &^= 1 << opCPU
+}
+
+// specUndo is a speculative update undone, for Trace: subgroup sub, when
+// its update ran and when it was restored.
+type specUndo struct {
+	sub           int
+	spec, restore [2]time.Time
 }
 
 // dropSpec undoes every speculated subgroup, kept ones too (a drop before
@@ -327,6 +339,7 @@ func (e *Engine) dropSpec() {
 		}
 	}
 	e.specUsed = 0
+	e.specUndo = e.specUndo[:0] // dropped, not validated: no phase of theirs to trace
 }
 
 // DropSpeculation undoes every speculated subgroup, kept ones too: a
@@ -352,8 +365,14 @@ func (e *Engine) settleSpec() {
 }
 
 // takeSpec is the Update's, once its phase runs: the kept subgroups are
-// this phase's, their times before its start (negative).
+// this phase's, their times before its start (negative); what was undone
+// since the last phase is this one's too (Trace).
 func (e *Engine) takeSpec() {
+	if e.specN == 0 {
+		return
+	}
+	e.specUndoLast = append(e.specUndoLast[:0], e.specUndo...)
+	e.specUndo = e.specUndo[:0]
 	for i, at := range e.specAt {
 		if at >= 0 {
 			e.cpuT[i] = [2]time.Duration{e.specT[i][0].Sub(e.t0), e.specT[i][1].Sub(e.t0)}

@@ -199,6 +199,11 @@ func runSpeculate(t *testing.T, d Device, e *Engine, p *problem, h adam.Hyper, c
 		if err := e.UpdatePer(cs); err != nil {
 			t.Fatal(err)
 		}
+		traced := kept
+		if sc.drop {
+			traced = 0 // undone by the drop
+		}
+		checkSpecTrace(t, e, k, traced, c.Clip != 1)
 		for i := range e.sizes {
 			if e.held[i] && e.preLast[i]&(1<<opCPU) != 0 && (sc.drop || c.Clip != 1) {
 				t.Fatalf("step %d: subgroup %d counted as kept after a drop or with clipping", k, i)
@@ -256,5 +261,40 @@ func TestSpeculateNoHeld(t *testing.T) {
 	if _, err := New(Options{Device: d, Sizes: heldSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, Plan: plan,
 		HostHeld: heldPatterns[1], Speculate: -1}); err == nil {
 		t.Fatal("Options.Speculate -1 accepted")
+	}
+}
+
+// checkSpecTrace: the phase's Trace shows the kept speculative updates
+// (before the phase: negative times), and after a step that clipped the
+// undone ones, each with its restore after it.
+func checkSpecTrace(t *testing.T, e *Engine, k int, kept int64, undone bool) {
+	t.Helper()
+	ops, err := e.Trace()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var keptN, undoneN, restores int64
+	for _, o := range ops {
+		switch o.What {
+		case SpeculativeKept:
+			keptN += o.Bytes
+			if o.Start >= 0 || o.End > 0 {
+				t.Errorf("step %d: kept speculative update of subgroup %d at [%v, %v], not before the phase", k, o.Subgroup, o.Start, o.End)
+			}
+		case SpeculativeUndone:
+			undoneN++
+		case Restore:
+			restores++
+		}
+	}
+	if keptN != kept {
+		t.Errorf("step %d: Trace shows %d kept speculative parameters, EndSpeculation kept %d", k, keptN, kept)
+	}
+	some := false // anything to speculate on
+	for i := range e.sizes {
+		some = some || e.held[i] || e.specCPU(i)
+	}
+	if undoneN != restores || (undone && e.specN > 0 && some && undoneN == 0) {
+		t.Errorf("step %d: Trace shows %d undone speculative updates and %d restores (clipping: %v)", k, undoneN, restores, undone)
 	}
 }

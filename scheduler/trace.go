@@ -13,17 +13,28 @@ import (
 // Op is one traced operation of the last Update.
 type Op struct {
 	Resource perfmodel.Resource // where it ran
-	What     string             // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"
+	What     string             // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"; SpeculativeKept, SpeculativeUndone, Restore
 	Subgroup int                // its index
 	Start    time.Duration      // from the start of the update phase
 	End      time.Duration
 	Bytes    int64 // moved over PCIe (copies) or params updated (kernels, CPU)
 }
 
+// Op.What of a speculative update (Speculate) the last Update kept, of one
+// undone before it (its scalars were not the step's), and of that undoing.
+const (
+	SpeculativeKept   = "CPU AdamW, speculative"
+	SpeculativeUndone = "CPU AdamW, speculative, undone"
+	Restore           = "restore"
+)
+
 // Trace returns the operations of the last Update with their times: the
 // device's by its events (from an event recorded at the start), the CPU's
 // by the host clock from the same start, sorted by start. What Prefetch
-// issued for it comes first, at negative times (during the backward). Read
+// issued for it comes first, at negative times (during the backward), and
+// so do the speculative updates (Speculate): those kept, as
+// SpeculativeKept, those undone before the phase, as SpeculativeUndone,
+// each followed by its Restore. Read
 // it before the next Prefetch or Update, which record those events again.
 // Errors: ErrNoPhase before the first Update or after a Replan; the
 // device's (Elapsed).
@@ -46,8 +57,16 @@ func (e *Engine) Trace() ([]Op, error) {
 			if o.Start, o.End, err = e.opSpan(i, op); err != nil {
 				return nil, err
 			}
+			if op == opCPU && e.preLast[i]&(1<<opCPU) != 0 {
+				o.What = SpeculativeKept
+			}
 			ops = append(ops, o)
 		}
+	}
+	for _, u := range e.specUndoLast {
+		ops = append(ops,
+			Op{Resource: perfmodel.ResCPU, What: SpeculativeUndone, Subgroup: u.sub, Start: u.spec[0].Sub(e.t0), End: u.spec[1].Sub(e.t0), Bytes: e.sizes[u.sub]},
+			Op{Resource: perfmodel.ResCPU, What: Restore, Subgroup: u.sub, Start: u.restore[0].Sub(e.t0), End: u.restore[1].Sub(e.t0), Bytes: e.sizes[u.sub]})
 	}
 	slices.SortStableFunc(ops, func(a, b Op) int { return int(a.Start - b.Start) })
 	return ops, nil
