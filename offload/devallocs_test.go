@@ -74,3 +74,45 @@ func TestGradsFinalNoAllocs(t *testing.T) {
 		t.Fatalf("GradsFinal and Step allocate %v times", a)
 	}
 }
+
+// TestSpeculateNoAllocs: with Options.Speculate (no clipping, so that every
+// step keeps what the CPU subgroups' speculation did), GradsFinal for every
+// parameter and the Step allocate nothing either.
+func TestSpeculateNoAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts are checked without -race (make test runs them)")
+	}
+	opts, sim := deviceOpts(Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Threads: 2},
+		perfmodel.Schedule{CPU: 4, GPU: 1, Resident: 1})
+	opts.OverlapBackward, opts.Speculate = true, 1<<20
+	o := newTest(t, opts)
+	s, err := sim.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(o, 1)
+	o.Step(StepArgs{}) // the first Step loads the state onto the device and its gradients
+	params := make([][]int, len(o.Params()))
+	for i := range params {
+		params[i] = []int{len(params) - 1 - i}
+	}
+	var kept int64
+	if a := testing.AllocsPerRun(10, func() {
+		for _, p := range params {
+			if err := o.GradsFinal(s, p...); err != nil {
+				t.Fatal(err)
+			}
+		}
+		o.eng.WaitSpeculation()
+		res, err := o.Step(StepArgs{GradOnDevice: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		kept += res.Speculated
+	}); a != 0 {
+		t.Fatalf("GradsFinal and Step with Speculate allocate %v times", a)
+	}
+	if kept == 0 {
+		t.Fatal("no step kept a speculative update: the test proves nothing")
+	}
+}
