@@ -1401,6 +1401,9 @@ func globalStats(reduce func(float64) (float64, error), finite bool, ss float64)
 // then the working copy comes back to the host mirror (unless onDevice:
 // the mirror is then stale, workStale).
 func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult, onDevice bool, reduce func(float64) (float64, error)) (StepResult, error) {
+	// The backward is over: what Options.Speculate did not reach is the
+	// phase's, at half the memory traffic (no saves).
+	o.eng.StopSpeculation()
 	// A lazy checkpoint in capture: the engine waits per subgroup (Hold,
 	// set by SaveAsync); the resident state's D2H is ordered before the
 	// kernels on the device. o.pending.d2h stays: syncHost must still

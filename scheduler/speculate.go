@@ -267,6 +267,19 @@ func (e *Engine) stopSpec() {
 	e.specOn, e.specReady, e.specCovered = false, e.total, len(e.sizes)
 }
 
+// StopSpeculation stops the CPU workers' speculation after the subgroup
+// they are updating, if any, and keeps what they did for EndSpeculation:
+// a caller whose backward has ended calls it, so that what is left is the
+// phase's. A speculative update moves about twice the memory of the
+// phase's (it saves what it overwrites), so it pays only while the CPU
+// would otherwise wait for the backward. Without a speculation it does
+// nothing.
+func (e *Engine) StopSpeculation() {
+	if e.specN > 0 {
+		e.stopSpec()
+	}
+}
+
 // EndSpeculation ends the speculation of the coming step: the worker
 // stops (the subgroup it is updating finishes), then each speculated
 // subgroup whose scalars were cs[i], bit for bit, is kept for the next
