@@ -168,8 +168,10 @@ type Options struct {
 	// update is the same, bit for bit, provided HostGrad is written by the
 	// time GradsFinal's stream work is done (see HostGrad). After a step
 	// that clipped or was skipped, or a Snapshot, the next backward does
-	// not speculate (a run that always clips loses nothing). 0: none. Not
-	// saved in checkpoints.
+	// not speculate (a run that always clips loses nothing). With Replan
+	// a step that kept a speculative update is not refitted from (its
+	// phase lacks work the plan counts): the performance model does not
+	// plan the speculation yet. 0: none. Not saved in checkpoints.
 	Speculate int64 `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,
