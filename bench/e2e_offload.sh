@@ -27,6 +27,9 @@
 #   dos         python3 bench/torch_offload.py --mode dos --cap-gib CAP (dos.torch.AdamW on the same PyTorch model:
 #               issue 18's binding, DOS_TORCH_BUDGET_GIB of update-phase budget, default 8, inside the cap)
 #   gpu         python3 bench/torch_offload.py --mode gpu --cap-gib CAP (all on the GPU: the ceiling, where it fits)
+#   torchao     python3 bench/torch_offload.py --mode torchao --cap-gib CAP (torchao's CPUOffloadOptimizer, which
+#               cannot clip; TORCHAO_CPU_OFFLOAD, default .torchao/cpu_offload.py: a copy of its one file, fetched
+#               for the run and carried, never committed)
 # RECOMPUTE=1 (the default) runs both sides with activation checkpointing (dos --recompute, transformers'
 # gradient_checkpointing_enable), so the two do the same work under the cap; RECOMPUTE=0 runs neither.
 # STRATS (default "dos-model dos-nooverlap dos-cpu dos-static dos-static-25M") picks the dos runs, MODES (default
@@ -45,6 +48,7 @@ mkdir -p "$out"
 steps=${STEPS:-12}
 runs=${RUNS:-"gpt2-xl,24,8"}
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+export TORCHAO_CPU_OFFLOAD=${TORCHAO_CPU_OFFLOAD:-$root/.torchao/cpu_offload.py}
 dosrc=()
 torchrc=()
 dosbin=${DOS_BIN:-bin/dos}

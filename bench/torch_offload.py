@@ -13,7 +13,16 @@ from fp32 logits, clip_grad_norm_(1.0), AdamW lr 6e-4, betas (0.9, 0.95), weight
          (MixedPrecisionPolicy), torch.optim.AdamW(fused=True) on the CPU shards: what a PyTorch user picks
          today (ANCHORS.md: 0.74-0.80 s per iteration at 1.5B, B 8);
   dos    bfloat16 parameters on the GPU, dos.torch.AdamW(device="cuda", gpu_budget, schedule): fp32 master
-         weights and the moments in dos's pinned host memory, the update phase interleaved.
+         weights and the moments in dos's pinned host memory, the update phase interleaved;
+  torchao  fp32 parameters on the GPU, torchao's CPUOffloadOptimizer(torch.optim.AdamW, offload_gradients=True,
+         fused=True): each gradient moves to pinned host memory in a post-accumulate-grad hook during the
+         backward (its device copy freed), the step runs PyTorch's fused CPU AdamW per parameter as the
+         gradients arrived and copies each parameter back: the strongest single-GPU offload in PyTorch
+         (ANCHORS.md). It cannot clip (the device gradients are gone): --no-clip is implied. torchao is not
+         installed on the GPU machine and not part of this repository: TORCHAO_CPU_OFFLOAD names a copy of
+         its one file, torchao/optim/cpu_offload.py of pytorch/ao, fetched for the run into an ignored folder
+         (bench/e2e_offload.sh uses .torchao/cpu_offload.py when it is there); its one import,
+         torchao.utils.get_available_devices, is provided here.
 --model is a GPT-2 preset or LAYERS:EMBD:HEADS (dos train's --layers, --embd, --heads).
 --cap-gib caps the process's device memory, for a smaller card's: PyTorch's allocator through
 torch.cuda.set_per_process_memory_fraction, less (in dos mode) the device memory dos.torch.AdamW took.
@@ -35,9 +44,34 @@ from torch_gpt2 import MODELS, VOCAB, flops_per_token, make_model  # noqa: E402
 
 
 
+def torchao_optimizer():
+    """torchao's CPUOffloadOptimizer class from the file TORCHAO_CPU_OFFLOAD names (see --mode torchao), with the
+    torchao.utils it imports provided when torchao is not installed."""
+    import importlib.util
+    import types
+
+    path = os.environ.get("TORCHAO_CPU_OFFLOAD", "")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--mode torchao: TORCHAO_CPU_OFFLOAD={path!r} is not a file: set it to a copy of "
+                                "torchao/optim/cpu_offload.py (pytorch/ao), which this repository does not hold")
+    try:
+        import torchao.utils  # noqa: F401
+    except ImportError:
+        utils = types.ModuleType("torchao.utils")
+        utils.TORCH_VERSION_AT_LEAST_2_4 = True  # what older copies import too
+        utils.get_available_devices = lambda: ["cpu", "cuda"]
+        pkg = types.ModuleType("torchao")
+        pkg.utils = utils
+        sys.modules["torchao"], sys.modules["torchao.utils"] = pkg, utils
+    spec = importlib.util.spec_from_file_location("torchao_cpu_offload", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.CPUOffloadOptimizer
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=["dos", "fsdp2", "gpu"], required=True)
+    ap.add_argument("--mode", choices=["dos", "fsdp2", "gpu", "torchao"], required=True)
     ap.add_argument("--model", default="gpt2-xl", help=f"{', '.join(sorted(MODELS))} or LAYERS:EMBD:HEADS")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
@@ -115,6 +149,10 @@ def main():
             if a.mode == "gpu":
                 model = model.to(dev, torch.float32)
                 opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
+            elif a.mode == "torchao":
+                model = model.to(dev, torch.float32)
+                opt = torchao_optimizer()(model.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True, **kw)
+                a.no_clip = True  # its hooks free the device gradients: nothing left to clip
             else:
                 import dos.torch as dt
 
