@@ -841,8 +841,10 @@ func (l maybeLoss) or0() float64 {
 
 // peakOptions is o with the peak learning rate (--lr) for the header: a
 // resumed optimizer holds the schedule's rate of its iteration, which the
-// header gave as if it were the run's lr.
+// header gave as if it were the run's lr; and the CPU workers it runs (0
+// means GOMAXPROCS: the header said threads=0).
 func peakOptions(o offload.Options, lr float64) offload.Options {
 	o.Hyper.LR = lr
+	o.Threads = cpuThreads(&o) // the workers it runs, not 0 for "GOMAXPROCS"
 	return o
 }
