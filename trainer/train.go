@@ -503,8 +503,8 @@ func (t *Trainer) Run() (Summary, error) {
 		sum.ValLoss = l
 		return sum, err
 	}
-	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %d iterations; forward and backward on the %s; %v\n",
-		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, cfg.Steps, t.w.where(), peakOptions(t.opt.Options(), cfg.LR))
+	fmt.Fprintf(t.out, "dos train: GPT-2 %d layers, %d heads, width %d, context %d, vocab %d: %d params; batch %d (%d tokens); %s; forward and backward on the %s; %v\n",
+		cfg.Model.NLayer, cfg.Model.NHead, cfg.Model.NEmbd, cfg.Model.NCtx, cfg.Model.VocabSize, t.NumParams(), cfg.Batch, tokens, Iterations(cfg.Steps), t.w.where(), peakOptions(t.opt.Options(), cfg.LR))
 	fmt.Fprint(t.out, t.about)
 	if cfg.CkptDir != "" { // said every run: --ckpt-every and --ckpt-keep are this run's, never a checkpoint's
 		every := "at the end"
@@ -837,6 +837,14 @@ func (l maybeLoss) or0() float64 {
 		return 0
 	}
 	return float64(l)
+}
+
+// Iterations says n iterations in English: "1 iteration", "3 iterations".
+func Iterations(n int) string {
+	if n == 1 {
+		return "1 iteration"
+	}
+	return fmt.Sprintf("%d iterations", n)
 }
 
 // peakOptions is o with the peak learning rate (--lr) for the header: a

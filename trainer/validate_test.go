@@ -278,3 +278,13 @@ func TestSpeculateMemory(t *testing.T) {
 		t.Errorf("--speculate 100 with --no-overlap: %d bytes of saves", got)
 	}
 }
+
+// TestIterations: the header and the last line say "1 iteration", not "1
+// iterations".
+func TestIterations(t *testing.T) {
+	for n, want := range map[int]string{0: "0 iterations", 1: "1 iteration", 2: "2 iterations"} {
+		if got := Iterations(n); got != want {
+			t.Errorf("Iterations(%d) = %q, want %q", n, got, want)
+		}
+	}
+}

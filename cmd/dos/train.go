@@ -358,8 +358,8 @@ func runTrain(args []string, stdout, stderr io.Writer) int {
 		if it, ok := t.Resumed(); ok {
 			this = fmt.Sprintf(" (%d this run)", sum.Steps-it)
 		}
-		fmt.Fprintf(stdout, "done: %d iterations%s, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
-			sum.Steps, this, sum.InitialLoss, sum.FinalLoss, sum.InitValLoss, sum.ValLoss, sum.TokensPerS)
+		fmt.Fprintf(stdout, "done: %s%s, loss %.4f -> %.4f, val_loss %.4f -> %.4f, %.0f tokens/s\n",
+			trainer.Iterations(sum.Steps), this, sum.InitialLoss, sum.FinalLoss, sum.InitValLoss, sum.ValLoss, sum.TokensPerS)
 	}
 	if *summary != "" {
 		if err := writeJSON(*summary, sum); err != nil {
