@@ -170,6 +170,7 @@ type Engine struct {
 	specNext               int            // the next of specEv
 	specReady              int64          // the lowest ready of this phase's Speculate calls
 	specCovered            int            // the first subgroup inside [specReady, total)
+	specCan                []bool         // per subgroup: may be speculated on in this phase (decided by Speculate)
 	specOn                 bool           // a Speculate since the last Update or drop (specC set)
 	specStop               atomic.Bool    // the worker takes no more subgroups
 	specReq                chan specReq   // to the worker

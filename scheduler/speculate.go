@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"fmt"
+	"math"
 	"sync"
 	"time"
 	"unsafe"
@@ -82,6 +83,7 @@ func (e *Engine) allocSpec() error {
 	}
 	e.specAt, e.specC, e.specT = make([]int64, n0), make([]adam.Coeffs, n0), make([][2]time.Time, n0)
 	e.specUndo, e.specUndoLast = make([]specUndo, 0, n0), make([]specUndo, 0, n0)
+	e.specCan = make([]bool, n0)
 	for i := range e.specAt {
 		e.specAt[i] = -1
 	}
@@ -134,10 +136,11 @@ func SpeculateBytes(n int64, amsgrad bool) int64 {
 }
 
 // Speculate starts, in the background on the CPU workers, the updates of
-// the host-held subgroups, and of the CPU subgroups whose gradient
-// Prefetch moved (each once that copy is done), that lie inside [ready,
-// total) and are not started yet, given that their gradients are final
-// once the work
+// the host-held subgroups, and of the CPU subgroups whose gradient copy an
+// earlier Prefetch issued (each once that copy is done; call Prefetch
+// first: a CPU subgroup this call covers without it is left to the
+// phase), that lie inside [ready, total) and are not started yet, given
+// that their gradients are final once the work
 // enqueued on s so far is done, with cs[i] as subgroup i's scalars (the
 // scalars the caller expects the step to have: clip factor 1, the last
 // step's unscale). The first call after an Update, a drop or
@@ -172,10 +175,16 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 	e.specReady = ready
 	// A request only for a suffix with a held subgroup not asked for yet
 	// (at most one per held subgroup and phase: the channel never fills).
+	// Which of them qualify is decided here, on the caller's goroutine,
+	// after its Prefetch: a CPU subgroup only once its gradient's copy was
+	// issued (and its end event recorded), never what a later Prefetch
+	// issues (the worker would read the gradient before it lands).
 	news := false
 	for e.specCovered > 0 && e.off[e.specCovered-1] >= ready {
 		e.specCovered--
-		news = news || e.held[e.specCovered] || e.specCPU(e.specCovered)
+		c := e.specCovered
+		e.specCan[c] = e.held[c] || (e.specCPU(c) && e.pre[c]&(1<<opGradD2H) != 0)
+		news = news || e.specCan[c]
 	}
 	if !news {
 		return nil
@@ -213,6 +222,9 @@ func (e *Engine) specWorker() {
 			if e.specAt[i] >= 0 || e.specUsed+n > e.specN {
 				continue
 			}
+			if !e.specCan[i] {
+				continue
+			}
 			var g adam.Grad
 			at, lo := e.specUsed, e.off[i]
 			out := adam.Copy16{DType: e.o.WorkingDType, Data: e.specOut[at : at+n]}
@@ -221,7 +233,7 @@ func (e *Engine) specWorker() {
 			case e.held[i]:
 				// In place: the new working copy over the old, saved.
 				g, out.Data, saveOut = e.heldGrad(e.hoff[i], n), e.heldWork(e.hoff[i], n), e.specOut[at:at+n]
-			case e.specCPU(i) && e.pre[i]&(1<<opGradD2H) != 0:
+			default: // a CPU subgroup whose gradient's copy Prefetch issued
 				// From the gradient Prefetch moved into the subgroup's own
 				// place, once that copy is done; the new working copy into
 				// the saves' pinned 16-bit part, which the phase copies H2D.
@@ -230,8 +242,6 @@ func (e *Engine) specWorker() {
 					continue
 				}
 				g = hostGrad(e.gpre, e.cpuGD, e.gpOff[i]/elemBytes(e.cpuGD), n)
-			default:
-				continue
 			}
 			e.waitGate(i) // the update writes subgroup i's host state in place
 			e.specT[i][0] = time.Now()
@@ -265,6 +275,7 @@ func (e *Engine) stopSpec() {
 	<-e.specAck
 	e.specStop.Store(false)
 	e.specOn, e.specReady, e.specCovered = false, e.total, len(e.sizes)
+	clear(e.specCan)
 }
 
 // StopSpeculation stops the CPU workers' speculation after the subgroup
@@ -304,7 +315,7 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 		if at < 0 || e.pre[i]&(1<<opCPU) != 0 {
 			continue
 		}
-		if cs != nil && cs[i] == e.specC[i] {
+		if cs != nil && sameCoeffs(&cs[i], &e.specC[i]) {
 			e.pre[i] |= 1 << opCPU // done: the phase skips it
 			e.preOn = true         // so that a drop undoes it
 			kept += e.sizes[i]
@@ -313,6 +324,16 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 		e.restoreSpec(i)
 	}
 	return kept, err
+}
+
+// sameCoeffs reports whether a and b are the same scalars bit for bit (a
+// float == would take -0 for +0, which a step multiplies differently).
+func sameCoeffs(a, b *adam.Coeffs) bool {
+	f := func(x, y float32) bool { return math.Float32bits(x) == math.Float32bits(y) }
+	return a.Step == b.Step && a.AMSGrad == b.AMSGrad && a.Maximize == b.Maximize &&
+		f(a.Unscale, b.Unscale) && f(a.Clip, b.Clip) && f(a.Decay, b.Decay) && f(a.L2, b.L2) &&
+		f(a.Beta1Weight, b.Beta1Weight) && f(a.Beta2, b.Beta2) && f(a.OneMinusB2, b.OneMinusB2) &&
+		f(a.BC2Sqrt, b.BC2Sqrt) && f(a.Eps, b.Eps) && f(a.NegStepSize, b.NegStepSize)
 }
 
 // restoreSpec gives speculated subgroup i its saved state and working

@@ -2,6 +2,8 @@ package scheduler
 
 import (
 	"fmt"
+	"math"
+	"reflect"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
@@ -296,5 +298,24 @@ func checkSpecTrace(t *testing.T, e *Engine, k int, kept int64, undone bool) {
 	}
 	if undoneN != restores || (undone && e.specN > 0 && some && undoneN == 0) {
 		t.Errorf("step %d: Trace shows %d undone speculative updates and %d restores (clipping: %v)", k, undoneN, restores, undone)
+	}
+}
+
+// TestSameCoeffsFields: sameCoeffs compares every field of adam.Coeffs (a
+// field added there and not here would let a speculation with other
+// scalars be kept), and tells -0 from +0.
+func TestSameCoeffsFields(t *testing.T) {
+	if n := reflect.TypeOf(adam.Coeffs{}).NumField(); n != 13 {
+		t.Fatalf("adam.Coeffs has %d fields; sameCoeffs compares 13: compare the new ones too", n)
+	}
+	a := adam.DefaultHyper().Coeffs(3, 1, 1)
+	b := a
+	if !sameCoeffs(&a, &b) {
+		t.Fatal("the same scalars differ")
+	}
+	b.NegStepSize = float32(math.Copysign(0, -1))
+	a.NegStepSize = 0
+	if sameCoeffs(&a, &b) {
+		t.Fatal("-0 and +0 counted the same")
 	}
 }
