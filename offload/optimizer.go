@@ -253,7 +253,9 @@ type Optimizer struct {
 	ready int
 	// Options.Speculate's: the scalars GradsFinal speculates with (one
 	// per subgroup), the last Step's unscale, and whether the last Step
-	// clipped or was skipped (then the next backward does not speculate).
+	// clipped or was skipped, or there was none yet, or a Snapshot was
+	// taken since (then the next backward does not speculate: a run that
+	// clips at every step never speculates).
 	specCs      []adam.Coeffs
 	lastUnscale float32
 	specPaused  bool
@@ -412,7 +414,7 @@ func layOut(params []Param, opts Options) (*Optimizer, error) {
 	opts.DeviceMasters = slices.Clone(opts.DeviceMasters)
 	opts.SubgroupSizes = slices.Clone(opts.SubgroupSizes)
 	opts.OffloadParam = slices.Clone(opts.OffloadParam)
-	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params)), lastUnscale: 1}
+	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params)), lastUnscale: 1, specPaused: true}
 	for i, p := range params {
 		if p.Name == "" {
 			return nil, fmt.Errorf("offload: parameter %d has an empty name", i)

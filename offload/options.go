@@ -166,9 +166,10 @@ type Options struct {
 	// copy, Close) restores them first, and so does every write (SetParam,
 	// ZeroGrad, LoadCheckpoint, a Step without GradOnDevice). So the
 	// update is the same, bit for bit, provided HostGrad is written by the
-	// time GradsFinal's stream work is done (see HostGrad). After a step
-	// that clipped or was skipped, or a Snapshot, the next backward does
-	// not speculate (a run that always clips loses nothing). With Replan
+	// time GradsFinal's stream work is done (see HostGrad). The first
+	// backward does not speculate, nor does one after a step that clipped
+	// or was skipped, or after a Snapshot (a run that always clips loses
+	// nothing). With Replan
 	// a step that kept a speculative update is not refitted from (its
 	// phase lacks work the plan counts): the performance model does not
 	// plan the speculation yet. 0: none. Not saved in checkpoints.

@@ -46,6 +46,7 @@ func newSpecRig(t *testing.T, base Options, s perfmodel.Schedule, budget int64) 
 	if err := r.b.SyncDevice(); err != nil {
 		t.Fatal(err)
 	}
+	r.b.specPaused = false // speculate from the first backward (New pauses it)
 	return r
 }
 

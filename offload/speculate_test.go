@@ -35,6 +35,7 @@ type specStep struct {
 func TestSpeculate(t *testing.T) {
 	held := []string{"h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias"}
 	steps := []specStep{
+		{scale: 0.01, kept: 0}, // the first backward does not speculate
 		{scale: 0.01, kept: -1}, {scale: 0.01, kept: -1},
 		{scale: 1, kept: 0},                                       // clips: restored
 		{scale: 0.01, kept: 0},                                    // paused after a clip
