@@ -11,9 +11,9 @@ import (
 	"github.com/deepstates/dos/scheduler"
 )
 
-// specRig is TestSpeculate's set-up: ref, the host optimizer (the serial
-// path), and b, the same on the simulated device with the held parameters
-// in OffloadParam and Options.Speculate.
+// specRig is the speculation tests' set-up: ref, the host optimizer (the
+// serial path), and b, the same parameters on the simulated device with
+// the held ones in OffloadParam and Options.Speculate.
 type specRig struct {
 	ref, b *Optimizer
 	sim    *scheduler.Sim
@@ -28,14 +28,16 @@ func specBase() Options {
 	return Options{GradDType: adam.BF16, WorkingDType: adam.BF16, MaxGradNorm: 0.5, SubgroupSize: 400, Threads: 2}
 }
 
-func newSpecRig(t *testing.T, base Options, s perfmodel.Schedule, budget int64) *specRig {
+// newRig makes a specRig over ps with held in OffloadParam (nil: none),
+// the schedule s of the other subgroups and budget bytes of saves.
+func newRig(t *testing.T, ps []Param, base Options, held []string, s perfmodel.Schedule, budget int64) *specRig {
 	t.Helper()
-	r := &specRig{held: specHeld}
-	r.ref = newWith(t, testParams, base)
+	r := &specRig{held: held}
+	r.ref = newWith(t, ps, base)
 	r.sim = scheduler.NewSim(scheduler.SimOptions{})
 	o := base
-	o.Device, o.Schedule, o.OverlapBackward, o.OffloadParam, o.Speculate = r.sim, &s, true, r.held, budget
-	r.b = newWith(t, testParams, o)
+	o.Device, o.Schedule, o.OverlapBackward, o.OffloadParam, o.Speculate = r.sim, &s, true, held, budget
+	r.b = newWith(t, ps, o)
 	r.io = newStreamIO(t, r.sim, 1<<16)
 	h, err := r.sim.AllocHost(1 << 16)
 	if err != nil {
@@ -46,7 +48,15 @@ func newSpecRig(t *testing.T, base Options, s perfmodel.Schedule, budget int64) 
 	if err := r.b.SyncDevice(); err != nil {
 		t.Fatal(err)
 	}
-	r.b.specPaused = false // speculate from the first backward (New pauses it)
+	return r
+}
+
+// newSpecRig is newRig over testParams with specHeld, speculating from the
+// first backward (New pauses it until a Step that did not clip).
+func newSpecRig(t *testing.T, base Options, s perfmodel.Schedule, budget int64) *specRig {
+	t.Helper()
+	r := newRig(t, testParams, base, specHeld, s, budget)
+	r.b.specPaused = false
 	return r
 }
 
@@ -61,9 +71,22 @@ func (r *specRig) backward(t *testing.T, k int64, scale float32, nanDev, wait bo
 	if nanDev {
 		r.ref.Grad(4).Uint16()[1] = 0x7fc0 // ln_f.bias: not held
 	}
+	r.send(t, false, wait)
+}
+
+// send writes ref's gradients where b's trainer would, the last parameter
+// first (a held one's into HostGrad, the others' H2D into DeviceGrad on the
+// trainer's stream; with host, into b's host Grad too, for a Step without
+// GradOnDevice), each followed by GradsFinal, then waits for the stream
+// and, with wait, for the speculation.
+func (r *specRig) send(t *testing.T, host, wait bool) {
+	t.Helper()
 	at := int64(0)
-	for _, i := range []int{4, 3, 2, 1, 0} {
+	for i := len(r.b.Params()) - 1; i >= 0; i-- {
 		src := tensorBytes(r.ref.Grad(i))
+		if host {
+			copy(tensorBytes(r.b.Grad(i)), src)
+		}
 		if slices.Contains(r.held, r.b.Params()[i].Name) {
 			hg, err := r.b.HostGrad(i)
 			if err != nil {

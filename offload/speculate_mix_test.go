@@ -27,32 +27,16 @@ func mixParams(groups bool) []Param {
 	return ps
 }
 
-// mixRig is specRig over any params.
+// mixRig is a specRig over any params.
 type mixRig struct{ specRig }
 
 func newMixRig(t *testing.T, ps []Param, base Options, s perfmodel.Schedule, budget int64) *mixRig {
 	t.Helper()
-	r := &mixRig{specRig{held: specHeld}}
-	r.ref = newWith(t, ps, base)
-	r.sim = scheduler.NewSim(scheduler.SimOptions{})
-	o := base
-	o.Device, o.Schedule, o.OverlapBackward, o.OffloadParam, o.Speculate = r.sim, &s, true, r.held, budget
-	r.b = newWith(t, ps, o)
-	r.io = newStreamIO(t, r.sim, 1<<16)
-	h, err := r.sim.AllocHost(1 << 16)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = r.sim.FreeHost(h) })
-	r.host = h
-	if err := r.b.SyncDevice(); err != nil {
-		t.Fatal(err)
-	}
-	return r
+	return &mixRig{*newRig(t, ps, base, specHeld, s, budget)}
 }
 
 // backwardAll is specRig.backward that also fills b's host gradients
-// (for a Step without GradOnDevice).
+// (for a Step without GradOnDevice), with a NaN in ln_f.bias's.
 func (r *mixRig) backwardAll(t *testing.T, k int64, scale float32, nan bool) {
 	t.Helper()
 	fill(r.ref, k)
@@ -61,35 +45,7 @@ func (r *mixRig) backwardAll(t *testing.T, k int64, scale float32, nan bool) {
 		i, _ := r.ref.Index("ln_f.bias")
 		r.ref.Grad(i).Uint16()[1] = 0x7fc0
 	}
-	at := int64(0)
-	for i := len(r.b.Params()) - 1; i >= 0; i-- {
-		src := tensorBytes(r.ref.Grad(i))
-		copy(tensorBytes(r.b.Grad(i)), src)
-		if slices.Contains(r.held, r.b.Params()[i].Name) {
-			hg, err := r.b.HostGrad(i)
-			if err != nil {
-				t.Fatal(err)
-			}
-			copy(hg.Bytes, src)
-		} else {
-			g, err := r.b.DeviceGrad(i)
-			if err != nil {
-				t.Fatal(err)
-			}
-			copy(r.host.Bytes()[at:], src)
-			if err := r.sim.H2D(r.io.s, g.Vec.Mem, g.Vec.Off*int64(g.DType.Size()), r.host, at, g.Bytes()); err != nil {
-				t.Fatal(err)
-			}
-			at += g.Bytes()
-		}
-		if err := r.b.GradsFinal(scheduler.Stream(r.io.s), i); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := errors.Join(r.sim.Record(r.io.ev, r.io.s), r.sim.Sync(r.io.ev)); err != nil {
-		t.Fatal(err)
-	}
-	r.b.eng.WaitSpeculation()
+	r.send(t, true, true)
 }
 
 // TestSpeculateMix: every call a user may make between the backward

@@ -1,9 +1,7 @@
 package offload
 
 import (
-	"errors"
 	"fmt"
-	"slices"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
@@ -64,21 +62,8 @@ func TestSpeculate(t *testing.T) {
 		held, s := v.held, v.s
 		for _, budget := range []int64{1 << 20, scheduler.SpeculateBytes(400, false)} {
 			t.Run(fmt.Sprintf("held=%v/%+v/budget=%d", held, s, budget), func(t *testing.T) {
-				base := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, MaxGradNorm: 0.5, SubgroupSize: 400, Threads: 2}
-				ref := newWith(t, testParams, base)
-				sim := scheduler.NewSim(scheduler.SimOptions{})
-				o := base
-				o.Device, o.Schedule, o.OverlapBackward, o.OffloadParam, o.Speculate = sim, &s, true, held, budget
-				b := newWith(t, testParams, o)
-				io := newStreamIO(t, sim, 1<<16)
-				host, err := sim.AllocHost(1 << 16)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer sim.FreeHost(host)
-				if err := b.SyncDevice(); err != nil {
-					t.Fatal(err)
-				}
+				r := newRig(t, testParams, specBase(), held, s, budget)
+				ref, b, sim := r.ref, r.b, r.sim
 				for k, st := range steps {
 					fill(ref, int64(k+1))
 					scaleGrads(ref, st.scale)
@@ -86,34 +71,7 @@ func TestSpeculate(t *testing.T) {
 						hi, _ := ref.Index("h.0.attn.c_attn.weight")
 						ref.Grad(hi).Uint16()[3] = 0x7fc0
 					}
-					at := int64(0)
-					for _, i := range []int{4, 3, 2, 1, 0} {
-						src := tensorBytes(ref.Grad(i))
-						if slices.Contains(held, b.Params()[i].Name) {
-							hg, err := b.HostGrad(i)
-							if err != nil {
-								t.Fatal(err)
-							}
-							copy(hg.Bytes, src)
-						} else {
-							g, err := b.DeviceGrad(i)
-							if err != nil {
-								t.Fatal(err)
-							}
-							copy(host.Bytes()[at:], src)
-							if err := sim.H2D(io.s, g.Vec.Mem, g.Vec.Off*int64(g.DType.Size()), host, at, g.Bytes()); err != nil {
-								t.Fatal(err)
-							}
-							at += g.Bytes()
-						}
-						if err := b.GradsFinal(scheduler.Stream(io.s), i); err != nil {
-							t.Fatal(err)
-						}
-					}
-					if err := errors.Join(sim.Record(io.ev, io.s), sim.Sync(io.ev)); err != nil {
-						t.Fatal(err)
-					}
-					b.eng.WaitSpeculation()
+					r.send(t, false, true)
 					if st.snapshot {
 						if _, err := b.Snapshot(nil); err != nil {
 							t.Fatal(err)

@@ -59,6 +59,13 @@ func countHeld(held []bool) (n int) {
 // that are not held) and prefetch as given, and loads p's initial state.
 func setupHeld(t testing.TB, d Device, p *problem, held []bool, s perfmodel.Schedule, mirror []Span, prefetch bool) *Engine {
 	t.Helper()
+	return newHeld(t, d, p, held, s, Options{Mirror: mirror, Prefetch: prefetch})
+}
+
+// newHeld is setupHeld with more of the Options (Mirror, Prefetch,
+// Speculate) in o.
+func newHeld(t testing.TB, d Device, p *problem, held []bool, s perfmodel.Schedule, o Options) *Engine {
+	t.Helper()
 	if held == nil {
 		held = make([]bool, len(heldSizes))
 	}
@@ -66,8 +73,8 @@ func setupHeld(t testing.TB, d Device, p *problem, held []bool, s perfmodel.Sche
 	if err != nil {
 		t.Fatal(err)
 	}
-	e, err := New(Options{Device: d, Sizes: heldSizes, GradDType: p.gd, WorkingDType: adam.BF16, Plan: plan, HostHeld: held,
-		Mirror: mirror, Prefetch: prefetch})
+	o.Device, o.Sizes, o.GradDType, o.WorkingDType, o.Plan, o.HostHeld = d, heldSizes, p.gd, adam.BF16, plan, held
+	e, err := New(o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -376,18 +383,7 @@ func testEngineHostHeldPrefetch(t *testing.T, newDev func() Device) {
 			d := newDev()
 			e := setupHeld(t, d, p, held, s, nil, true)
 			defer e.Close()
-			bwd, err := d.NewStream()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer d.FreeStream(bwd)
-			ev, _ := d.NewEvent()
-			defer d.FreeEvent(ev)
-			host, err := d.AllocHost(2 * e.total)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer d.FreeHost(host)
+			bwd, ev, host := backwardIO(t, d, 2*e.total)
 			for k := range 3 {
 				b := p.gradBytes(k)
 				copy(host.Bytes(), b)

@@ -29,19 +29,8 @@ func testEnginePrefetch(t *testing.T, newDev func() Device) {
 				d := newDev()
 				e := setupPrefetch(t, d, p, s)
 				defer e.Close()
-				bwd, err := d.NewStream()
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer d.FreeStream(bwd)
-				ev, _ := d.NewEvent()
-				defer d.FreeEvent(ev)
 				gb := elemBytes(gd)
-				host, err := d.AllocHost(gb * int64(n))
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer d.FreeHost(host)
+				bwd, ev, host := backwardIO(t, d, gb*int64(n))
 				// backward writes step's gradients from the last element
 				// down, in four suffixes, calling Prefetch after each.
 				backward := func(grad []byte) {

@@ -71,20 +71,11 @@ func testEngineSpeculate(t *testing.T, newDev func() Device) {
 	}
 }
 
-// specEngine is setupHeld's engine with Options.Speculate budget bytes.
+// specEngine is setupHeld's engine with Prefetch and Options.Speculate
+// budget bytes.
 func specEngine(t testing.TB, d Device, p *problem, held []bool, s perfmodel.Schedule, budget int64) *Engine {
 	t.Helper()
-	plan, err := NewHeldPlan(held, s)
-	if err != nil {
-		t.Fatal(err)
-	}
-	e, err := New(Options{Device: d, Sizes: heldSizes, GradDType: p.gd, WorkingDType: adam.BF16, Plan: plan, HostHeld: held,
-		Prefetch: true, Speculate: budget})
-	if err != nil {
-		t.Fatal(err)
-	}
-	loadProblem(t, e, p)
-	return e
+	return newHeld(t, d, p, held, s, Options{Prefetch: true, Speculate: budget})
 }
 
 // runSpeculate steps e over p's gradients as a trainer with speculation
@@ -93,18 +84,7 @@ func specEngine(t testing.TB, d Device, p *problem, held []bool, s perfmodel.Sch
 // step's scalars (nil for a skipped step) and Update.
 func runSpeculate(t *testing.T, d Device, e *Engine, p *problem, h adam.Hyper, cases []specCase) {
 	t.Helper()
-	bwd, err := d.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.FreeStream(bwd)
-	ev, _ := d.NewEvent()
-	defer d.FreeEvent(ev)
-	host, err := d.AllocHost(2 * e.total)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.FreeHost(host)
+	bwd, ev, host := backwardIO(t, d, 2*e.total)
 	cs := make([]adam.Coeffs, len(e.sizes))
 	step := int64(0)
 	speculate := func(half bool) {
@@ -318,4 +298,27 @@ func TestSameCoeffsFields(t *testing.T) {
 	if sameCoeffs(&a, &b) {
 		t.Fatal("-0 and +0 counted the same")
 	}
+}
+
+// backwardIO returns a stream and an event on d for a test's backward and
+// bytes of pinned host memory to copy its gradients from, all freed when
+// the test ends.
+func backwardIO(t testing.TB, d Device, bytes int64) (Stream, Event, Host) {
+	t.Helper()
+	s, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.FreeStream(s) })
+	ev, err := d.NewEvent()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.FreeEvent(ev) })
+	h, err := d.AllocHost(bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.FreeHost(h) })
+	return s, ev, h
 }
