@@ -853,6 +853,22 @@ func (o *Optimizer) Limit() (limit perfmodel.Prediction, ok bool) {
 	return lim, err == nil
 }
 
+// Bound returns a lower bound on this optimizer's update phase on
+// Options.Device: perfmodel.Profile.Bound of Options.Profile for its
+// subgroups, GPU budget and OverlapBackward, every resource at its rate
+// alone with no latency or contention (ok false without a device or a
+// profile). Unlike Limit, which is a prediction, no phase should run
+// under it; one that does says the profile's rates are off.
+func (o *Optimizer) Bound() (b perfmodel.Bound, ok bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.eng == nil || o.opts.Profile == nil {
+		return perfmodel.Bound{}, false
+	}
+	b, err := o.opts.Profile.Bound(o.workload())
+	return b, err == nil
+}
+
 // Trace returns the last update phase's operations (scheduler.Engine.Trace:
 // times from the phase's start) and the host time the phase began
 // (scheduler.Engine.PhaseStart), to place it in an iteration's timeline.

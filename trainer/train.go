@@ -33,11 +33,14 @@ type Summary struct {
 	// UpdateS is the mean wall time of the optimizer's update phase this
 	// run, its first iteration left out (warm-up), in seconds;
 	// UpdatePredictedS the performance model's prediction (0 without a
-	// profile) and UpdateLimitS the machine's limit for the phase with a
-	// device (offload.Optimizer.Limit: the model's fluid bound).
+	// profile), UpdateLimitS the machine's limit for the phase with a
+	// device (offload.Optimizer.Limit: the model's fluid limit, a
+	// prediction that counts contention) and UpdateBoundS a lower bound
+	// (offload.Optimizer.Bound: every resource at its rate alone).
 	UpdateS          float64 `json:"update_s"`
 	UpdatePredictedS float64 `json:"update_predicted_s,omitempty"`
 	UpdateLimitS     float64 `json:"update_limit_s,omitempty"`
+	UpdateBoundS     float64 `json:"update_bound_s,omitempty"`
 	// MFU is the model FLOP utilization of the GPU trainer: TokensPerS ×
 	// gpt.Config.FLOPsPerToken over PeakFLOPS (llm.c's count); 0 on the
 	// host.
@@ -681,7 +684,11 @@ func (t *Trainer) Run() (Summary, error) {
 			limit := ""
 			if lim, ok := t.opt.Limit(); ok && lim.Makespan > 0 {
 				sum.UpdateLimitS = lim.Makespan
-				limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid bound), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
+				limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid limit), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
+			}
+			if b, ok := t.opt.Bound(); ok && b.Seconds > 0 {
+				sum.UpdateBoundS = b.Seconds
+				limit += fmt.Sprintf("; its lower bound %.3f ms (%s, every resource at its rate alone)", 1e3*b.Seconds, b.Bottleneck)
 			}
 			per := ""
 			if t.w.job {

@@ -158,6 +158,9 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	if limErr == nil {
 		fmt.Fprintf(stdout, "%s\n", limitLine(lim, results))
 	}
+	if b, err := prof.Bound(w); err == nil {
+		fmt.Fprintf(stdout, "%s\n", boundLine(b, results))
+	}
 	if *out.trace != "" && modelOps != nil {
 		if err := writeTrace(*out.trace, modelOps); err != nil {
 			return c.fail(stderr, "--trace: %v", err)
@@ -192,6 +195,21 @@ func limitLine(lim perfmodel.Prediction, rs []benchResult) string {
 	for _, r := range rs {
 		if r.Name == "model" && lim.Makespan > 0 {
 			s += fmt.Sprintf("; the model's schedule ran %.3f s, %+.1f%% of it", r.Seconds, 100*(r.Seconds/lim.Makespan-1))
+		}
+	}
+	return s
+}
+
+// boundLine says the lower bound of the update phase
+// (perfmodel.Profile.Bound: every resource at its rate alone, no latency
+// or contention) and, when the model's schedule was measured, how far
+// above it that ran.
+func boundLine(b perfmodel.Bound, rs []benchResult) string {
+	s := fmt.Sprintf("lower bound: %.3f s, %s-bound (perfmodel.Profile.Bound: every resource at its measured rate alone, no latency, fill, drain or contention, at about %.0f CPU, %.0f streamed, %.0f resident; a phase under it means the profile's rates are off)",
+		b.Seconds, b.Bottleneck, b.CPU, b.GPU, b.Resident)
+	for _, r := range rs {
+		if r.Name == "model" && b.Seconds > 0 {
+			s += fmt.Sprintf("; the model's schedule ran %.2fx it", r.Seconds/b.Seconds)
 		}
 	}
 	return s

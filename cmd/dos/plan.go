@@ -242,8 +242,15 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	if limErr == nil {
 		fmt.Fprintf(stdout, "%s\n", limitLine(lim, nil))
 	}
+	bound, boundErr := p.Bound(w)
+	if boundErr == nil {
+		fmt.Fprintf(stdout, "%s\n", boundLine(bound, nil))
+	}
 	meta := map[string]any{"params": params, "ranks": *ranks, "rank_params": rankParams, "subgroups": n,
 		"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": gradDType, "profile": *profPath}
+	if boundErr == nil {
+		meta["bound_s"] = bound.Seconds
+	}
 	if limErr == nil {
 		meta["limit_s"] = lim.Makespan
 	}

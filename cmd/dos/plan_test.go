@@ -24,6 +24,12 @@ func TestPlan(t *testing.T) {
 	if !strings.Contains(out.String(), "machine limit: 0.539 s, the performance model's fluid bound") {
 		t.Errorf("no machine limit of 0.539 s:\n%s", out.String())
 	}
+	// The lower bound, under both: the copies (12 B of state each way for
+	// a streamed subgroup, 2 B up and down for a CPU one) at their rates
+	// alone.
+	if !strings.Contains(out.String(), "lower bound: 0.365 s, pcie-bound") {
+		t.Errorf("no lower bound of 0.365 s:\n%s", out.String())
+	}
 	out.Reset()
 	if rc := run([]string{"plan", "--profile", "../../testdata/profiles/h200.json", "--threads", "2", "--ranks", "4", "--sweep", "0"}, &out, &errb); rc != 0 ||
 		!strings.Contains(out.String(), "note: 2 CPU workers over 4 ranks: 1 worker per rank, 4 in all") {

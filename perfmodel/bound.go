@@ -1,0 +1,179 @@
+package perfmodel
+
+import (
+	"errors"
+	"math"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// Bound is a lower bound on an update phase: what no schedule and no
+// engine can beat on the machine a profile measured (issue 31: the
+// prediction, Predict and Limit, and the bound are kept apart).
+type Bound struct {
+	// Seconds is the bound: over every split of the subgroups between the
+	// CPU workers, the streamed GPU lane and residency (the CPU's share a
+	// real number), the least of the largest per-resource time in Busy.
+	Seconds float64
+	// Bottleneck is the resource whose time is Seconds at the best split.
+	Bottleneck Resource
+	// Busy is each resource's time at that split, in seconds: the CPU
+	// workers' updates, each PCIe direction's bytes, both directions'
+	// bytes together (ResPCIe), the GPU's kernels.
+	Busy map[Resource]float64
+	// CPU, GPU and Resident are the split, in subgroups (CPU and GPU may
+	// be fractional), and UpcastOnGPU whether its CPU gradients widen on
+	// the GPU.
+	CPU, GPU, Resident float64
+	UpcastOnGPU        bool
+}
+
+// ResPCIe is Bound's resource for both PCIe directions together: their
+// bytes at the best rate the link moved them at, one direction alone or
+// both at once.
+const ResPCIe Resource = "pcie"
+
+// Bound returns a lower bound on w's update phase under p. Each resource
+// does its work at the rate p measured for it alone, with no latency, no
+// fill or drain and no contention: the CPU workers' updates (w.Threads of
+// them; the host-held subgroups' too) at the CPU's fitted rate; the bytes
+// of each PCIe direction at that lane's rate alone; both directions' bytes
+// together at the fastest of the two alone and of the duplex pair's sum;
+// the fused kernels (and the upcast) at the GPU's rates. The work moved
+// before the phase by Workload.Prefetch is left out as the model leaves it
+// out. The bound is the least, over every split (the CPU's share of the
+// non-resident subgroups a real number, the resident ones within the GPU
+// budget, with and without the upcast), of the largest of those times. An
+// engine measured under it means the profile's rates are wrong, not that
+// the engine is fast: Limit, by contrast, is a prediction (it counts the
+// contention the calibration measured) and was beaten.
+//
+// Errors: a nil profile, a bad workload, no CPU rate for the threads and
+// dtype.
+func (p *Profile) Bound(w Workload) (Bound, error) {
+	if p == nil {
+		return Bound{}, errors.New("perfmodel: nil profile")
+	}
+	if err := w.Validate(); err != nil {
+		return Bound{}, err
+	}
+	n := w.Subgroups()
+	best := Bound{Seconds: math.Inf(1)}
+	if p.GPU == nil {
+		b, err := p.boundAt(w, false, float64(n), 0, 0)
+		if err != nil {
+			return Bound{}, err
+		}
+		return b, nil
+	}
+	budget := float64(w.GPUBudget)
+	for r := 0; r <= n && w.gpuMemory(Schedule{Resident: r}) <= budget; r++ {
+		N := float64(n - r)
+		streams := r < n && w.gpuMemory(Schedule{Resident: r, GPU: 1}) <= budget
+		for _, upcast := range []bool{false, true} {
+			if upcast && (N == 0 || w.gpuMemory(Schedule{Resident: r, CPU: 1, UpcastOnGPU: true}) > budget) {
+				continue
+			}
+			at := func(c float64) (Bound, error) { return p.boundAt(w, upcast, c, N-c, float64(r)) }
+			if !streams {
+				b, err := at(N)
+				if err != nil {
+					return Bound{}, err
+				}
+				if b.Seconds < best.Seconds {
+					best = b
+				}
+				continue
+			}
+			// Each time is linear in the CPU's share c, so their maximum is
+			// convex: a ternary search finds its least.
+			lo, hi := 0.0, N
+			for range 100 {
+				m1, m2 := lo+(hi-lo)/3, hi-(hi-lo)/3
+				b1, err := at(m1)
+				if err != nil {
+					return Bound{}, err
+				}
+				b2, err := at(m2)
+				if err != nil {
+					return Bound{}, err
+				}
+				if b1.Seconds <= b2.Seconds {
+					hi = m2
+				} else {
+					lo = m1
+				}
+			}
+			for _, c := range []float64{0, N, (lo + hi) / 2} {
+				b, err := at(c)
+				if err != nil {
+					return Bound{}, err
+				}
+				if b.Seconds < best.Seconds {
+					best = b
+				}
+			}
+		}
+	}
+	return best, nil
+}
+
+// boundAt is Bound's times for c CPU, gp streamed and r resident
+// subgroups of the mean size.
+func (p *Profile) boundAt(w Workload, upcast bool, c, gp, r float64) (Bound, error) {
+	gb, err := gradBytes(w.GradDType)
+	if err != nil {
+		return Bound{}, err
+	}
+	n := float64(w.Subgroups())
+	sz := 0.0
+	if n > 0 {
+		sz = float64(w.Params) / n
+	}
+	st := w.stateBytes() * sz
+	cpuDType, down := w.GradDType, gb*sz
+	if upcast && gb == 2 {
+		cpuDType, down = adam.F32, 4*sz
+	}
+	rate := func(d adam.DType) (float64, error) {
+		f, err := p.cpuFit(w.Threads, d)
+		return f.Rate, err
+	}
+	uc, err := rate(cpuDType)
+	if err != nil {
+		return Bound{}, err
+	}
+	tCPU := c * sz / uc
+	if w.HostHeld > 0 {
+		uh, err := rate(w.GradDType) // never upcast
+		if err != nil {
+			return Bound{}, err
+		}
+		tCPU += float64(w.HostHeld) / uh
+	}
+	b := Bound{Busy: map[Resource]float64{ResCPU: tCPU, ResH2D: 0, ResD2H: 0, ResPCIe: 0, ResGPU: 0}, CPU: c, GPU: gp, Resident: r, UpcastOnGPU: upcast}
+	if g := p.GPU; g != nil {
+		preGrad := w.Prefetch && !(upcast && gb == 2)
+		preState := 0.0
+		if w.Prefetch {
+			preState = min(gp, 2)
+		}
+		up := (gp-preState)*st + c*float64(w.CopyBytes)*sz
+		dn := gp * st
+		if !preGrad {
+			dn += c * down
+		}
+		both := max(g.H2D.Rate, g.D2H.Rate, g.H2DBoth.Rate+g.D2HBoth.Rate)
+		b.Busy[ResH2D], b.Busy[ResD2H], b.Busy[ResPCIe] = up/g.H2D.Rate, dn/g.D2H.Rate, (up+dn)/both
+		b.Busy[ResGPU] = (gp + r) * sz / g.Update.Rate
+		if upcast && gb == 2 {
+			b.Busy[ResGPU] += c * sz / g.Convert.Rate
+		}
+	}
+	for _, res := range []Resource{ResCPU, ResH2D, ResD2H, ResPCIe, ResGPU} {
+		if b.Busy[res] > b.Seconds {
+			b.Seconds, b.Bottleneck = b.Busy[res], res
+		}
+	}
+	return b, nil
+}
