@@ -75,6 +75,33 @@ func TestStepSaveRestore(t *testing.T) {
 	}
 }
 
+// TestStepSaveOutNotSaved: a working copy written but not saved (saveOut
+// empty: the scheduler's CPU subgroups write their new copy into a buffer
+// of their own) is written as Step writes it, and Restore with no working
+// copy restores the state alone.
+func TestStepSaveOutNotSaved(t *testing.T) {
+	pool := NewPool(4)
+	defer pool.Close()
+	n := 3*MinChunk + 5
+	s, g := randomProblem(n, BF16, false, 21)
+	before, ref := s.Clone(), s.Clone()
+	out, oref := Copy16{BF16, make([]uint16, n)}, Copy16{BF16, make([]uint16, n)}
+	save := State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
+	c := DefaultHyper().Coeffs(2, 1, 1)
+	pool.Step(&c, ref, g, oref)
+	pool.StepSave(&c, s, g, out, save, nil)
+	sameBits(t, "param", ref.Param, s.Param)
+	for i := range out.Data {
+		if out.Data[i] != oref.Data[i] {
+			t.Fatalf("copy[%d] = %#x, want %#x", i, out.Data[i], oref.Data[i])
+		}
+	}
+	pool.Restore(s, nil, save, nil)
+	sameBits(t, "restored param", before.Param, s.Param)
+	sameBits(t, "restored exp_avg", before.ExpAvg, s.ExpAvg)
+	sameBits(t, "restored exp_avg_sq", before.ExpAvgSq, s.ExpAvgSq)
+}
+
 // TestStepSaveLengthsPanic: a save of another length panics before
 // anything is written.
 func TestStepSaveLengthsPanic(t *testing.T) {

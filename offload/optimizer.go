@@ -228,7 +228,7 @@ type Optimizer struct {
 	pool  *adam.Pool
 
 	pending  lazySave              // the lazy save whose capture may still read the state
-	gcoeffs  []adam.Coeffs         // per parameter group, this step's
+	gcoeffs  []adam.Coeffs         // per parameter group: groupCoeffs's last (a step's, or a speculation's)
 	sgcoeffs []adam.Coeffs         // per subgroup, this step's: its group's, for the engine
 	plan     *perfmodel.Prediction // the model's schedule, with Options.Profile
 
@@ -857,8 +857,10 @@ func (o *Optimizer) Limit() (limit perfmodel.Prediction, ok bool) {
 // Options.Device: perfmodel.Profile.Bound of Options.Profile for its
 // subgroups, GPU budget and OverlapBackward, every resource at its rate
 // alone with no latency or contention (ok false without a device or a
-// profile). Unlike Limit, which is a prediction, no phase should run
-// under it; one that does says the profile's rates are off.
+// profile, or when the model has none for them). Unlike Limit, which is a
+// prediction, no phase should run under it, one that does says the
+// profile's rates are off; but a phase that kept speculative updates
+// (Options.Speculate) did part of its work before it and is not bounded.
 func (o *Optimizer) Bound() (b perfmodel.Bound, ok bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -1373,6 +1375,15 @@ func (o *Optimizer) groupCoeffs(step int64, unscale, clip float32) {
 	}
 }
 
+// subgroupCoeffs writes each subgroup's scalars of step into dst (one per
+// subgroup): its parameter group's (groupCoeffs). It allocates nothing.
+func (o *Optimizer) subgroupCoeffs(dst []adam.Coeffs, step int64, unscale, clip float32) {
+	o.groupCoeffs(step, unscale, clip)
+	for i, sg := range o.subgroups {
+		dst[i] = o.gcoeffs[sg.Group]
+	}
+}
+
 // engineErr wraps an error of the engine outside the update phase and,
 // when the engine says it is broken (a wait failed with work in flight),
 // makes the optimizer broken: only LoadCheckpoint, with a new engine,
@@ -1467,10 +1478,7 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 	held := o.pending.h != nil && !o.pending.h.Captured()
 	// In fields: the engine's lanes read the coefficients, so locals
 	// would escape and cost an allocation per Step.
-	o.groupCoeffs(o.step+1, unscale, clip)
-	for i, sg := range o.subgroups {
-		o.sgcoeffs[i] = o.gcoeffs[sg.Group]
-	}
+	o.subgroupCoeffs(o.sgcoeffs, o.step+1, unscale, clip)
 	// The speculative updates of these very scalars are kept (the phase
 	// skips them); the others are restored first (Options.Speculate).
 	if res.Speculated, err = o.eng.EndSpeculation(o.sgcoeffs); err != nil {
@@ -1526,7 +1534,7 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 // does that work itself). With Options.Speculate the OffloadParam
 // subgroups and the CPU subgroups (whose gradients were moved) inside the
 // final suffix are also updated speculatively, in the background
-// (scheduler.Engine.Speculate), unless the last Step
+// (scheduler.Engine.Speculate), unless there was no Step yet, the last Step
 // clipped or was skipped or a Snapshot was taken since. The update is the
 // same, bit for bit. s is a stream of Options.Device (scheduler.CUDAStream
 // wraps a CUDA stream).
@@ -1568,10 +1576,7 @@ func (o *Optimizer) GradsFinal(s Stream, params ...int) error {
 	if o.opts.Speculate > 0 && !o.specPaused {
 		// The scalars of a step that neither clips nor is skipped, with
 		// the last step's loss scale: what the Step keeps when it has them.
-		o.groupCoeffs(o.step+1, o.lastUnscale, 1)
-		for i, sg := range o.subgroups {
-			o.specCs[i] = o.gcoeffs[sg.Group]
-		}
+		o.subgroupCoeffs(o.specCs, o.step+1, o.lastUnscale, 1)
 		if err := o.eng.Speculate(s, int64(r), o.specCs); err != nil {
 			return o.engineErr(err)
 		}

@@ -151,7 +151,8 @@ type Options struct {
 	// Speculate, with OverlapBackward, is host memory in bytes for
 	// speculative updates (scheduler.Engine.Speculate): as GradsFinal
 	// learns that an OffloadParam subgroup's gradients are final, or that
-	// a CPU subgroup's are (their D2H then starts at once), the CPU
+	// a CPU subgroup's are (their D2H then starts at once; not under a
+	// schedule that upcasts them on the GPU), the CPU
 	// workers update it during the backward, with clip factor 1 and the
 	// last step's loss scale, saving what the update overwrites
 	// (scheduler.SpeculateBytes: 14 bytes a parameter, 18 with amsgrad)
@@ -312,3 +313,8 @@ func (o Options) String() string {
 	}
 	return s
 }
+
+// SpeculateBytes is the host memory Options.Speculate needs to speculate
+// on n parameters (scheduler.SpeculateBytes): 14 bytes a parameter, 18
+// with amsgrad.
+func SpeculateBytes(n int64, amsgrad bool) int64 { return scheduler.SpeculateBytes(n, amsgrad) }

@@ -414,7 +414,7 @@ func fillGrads(o *Optimizer, k int) {
 }
 
 // TestOptimizerLimit: with a device and a profile, Limit is the profile's
-// fluid bound for the optimizer's subgroups and budget, at or below its
+// fluid limit for the optimizer's subgroups and budget, at or below its
 // plan's prediction; OverlapBackward plans (and bounds) the phase without
 // the prefetched copies; without a profile or a device there is none.
 func TestOptimizerLimit(t *testing.T) {

@@ -46,7 +46,9 @@ const ResPCIe Resource = "pcie"
 // budget, with and without the upcast), of the largest of those times. An
 // engine measured under it means the profile's rates are wrong, not that
 // the engine is fast: Limit, by contrast, is a prediction (it counts the
-// contention the calibration measured) and was beaten.
+// contention the calibration measured) and was beaten. It bounds a phase
+// that does all of w's work: one whose speculative updates were kept
+// (scheduler.Engine.Speculate) did part of it during the backward.
 //
 // Errors: a nil profile, a bad workload, no CPU rate for the threads and
 // dtype.

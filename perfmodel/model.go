@@ -389,7 +389,7 @@ func (p *Profile) heldTime(w Workload) (float64, error) {
 	return cf.Fit.Time(float64(w.HostHeld)), nil
 }
 
-// Limit returns the fluid bound of w's update phase under p: the least
+// Limit returns the fluid limit of w's update phase under p: the least
 // time over every split of the subgroups between the CPU workers, the
 // streamed GPU lane and residency within the GPU budget, with the CPU and
 // streamed counts taken as real numbers (any fraction of the non-resident

@@ -447,7 +447,7 @@ func TestScaled(t *testing.T) {
 	}
 }
 
-// TestLimit: the fluid bound. 12 subgroups of 1M, the CPU at 1 s a
+// TestLimit: the fluid limit. 12 subgroups of 1M, the CPU at 1 s a
 // subgroup, PCIe at 12 MB/s each way (a state 1 s, a 16-bit gradient or
 // copy 1/6 s), a budget for the two staging slots only: x subgroups' worth
 // on the CPU balances the lanes at x = (12 - x) + x/6, x = 72/11 s. With

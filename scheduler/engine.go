@@ -59,9 +59,10 @@ type Options struct {
 	// Speculate is host memory in bytes for the saves of speculative
 	// updates (Speculate: the host-held subgroups, and with Prefetch the
 	// CPU subgroups, updated during the trainer's backward, kept or undone
-	// when the step's scalars are known): SpeculateBytes(n) speculates on
-	// n parameters at most, 2 bytes of each pinned. 0: none. Ignored
-	// without host-held subgroups and without Prefetch.
+	// when the step's scalars are known): SpeculateBytes(n, AMSGrad)
+	// speculates on n parameters at most, 2 bytes of each pinned. 0: none.
+	// Ignored when nothing qualifies at New: no host-held subgroups, and
+	// no Prefetch (or a plan that upcasts CPU gradients on the GPU).
 	Speculate int64
 
 	// copyChunk, when > 0, replaces CopyChunk (tests cut small states
@@ -171,6 +172,7 @@ type Engine struct {
 	specReady              int64          // the lowest ready of this phase's Speculate calls
 	specCovered            int            // the first subgroup inside [specReady, total)
 	specCan                []bool         // per subgroup: may be speculated on in this phase (decided by Speculate)
+	specHalted             bool           // StopSpeculation was called: Speculate starts nothing until the speculation is settled
 	specOn                 bool           // a Speculate since the last Update or drop (specC set)
 	specStop               atomic.Bool    // the worker takes no more subgroups
 	specReq                chan specReq   // to the worker
@@ -506,10 +508,10 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 			break
 		}
 	}
-	e.t0 = time.Now()
 	// What Prefetch issued is done (enqueued), and what EndSpeculation
 	// kept (updated): the issuers skip it.
 	e.settleSpec()
+	e.t0 = time.Now() // after the settling: its restores are before the phase
 	copy(e.done, e.pre)
 	copy(e.preLast, e.pre)
 	e.first = nil

@@ -110,9 +110,11 @@ func (e *Engine) prefetch(s Stream, ready int64) error {
 		// Marked first: the step's copy then lands in the subgroup's
 		// own place (gradHost); a failure drops the mark with the rest.
 		e.pre[i] |= 1 << opGradD2H
-		k := e.core.opSteps[i][opGradD2H][0]
-		if err := e.exec(k, int(e.core.steps[k].slot), false); err != nil {
-			return err
+		r := e.core.opSteps[i][opGradD2H]
+		for k := r[0]; k <= r[1]; k++ { // one step today; its last one's end event is what Speculate waits for
+			if err := e.exec(k, int(e.core.steps[k].slot), false); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -120,10 +122,11 @@ func (e *Engine) prefetch(s Stream, ready int64) error {
 
 // DropPrefetch forgets what Prefetch issued for the next Update: it waits
 // for those copies (so that nothing reuses the memory they use) and the
-// next Update does that work itself. It undoes what Speculate updated too
-// (DropSpeculation). A skipped step (non-finite
-// gradients) calls it; so do ZeroGrad, SetGrad, Load, Replan and Close. Without
-// a prefetch it does nothing.
+// next Update does that work itself. It first undoes what Speculate
+// updated (DropSpeculation), whether or not anything was prefetched. A
+// skipped step (non-finite gradients) calls it; so do ZeroGrad, SetGrad,
+// Load, Replan and Close. Without a prefetch or a speculation it does
+// nothing.
 //
 // Errors: a failed wait (the engine is then broken).
 func (e *Engine) DropPrefetch() error {

@@ -61,11 +61,10 @@ func (e *Engine) allocSpec() error {
 	if e.o.Speculate < 0 {
 		return fmt.Errorf("scheduler: Options.Speculate %d: want bytes >= 0", e.o.Speculate)
 	}
-	if e.o.Speculate == 0 || (e.heldN == 0 && !e.o.Prefetch) {
-		return nil
+	if e.o.Speculate == 0 || (e.heldN == 0 && e.gpre == nil) {
+		return nil // nothing would qualify: no held subgroup, no CPU gradient moved by Prefetch
 	}
-	per := int64(4*e.nArr + 2)
-	n := min(e.o.Speculate/per, e.total)
+	n := min(e.o.Speculate/SpeculateBytes(1, e.nArr == 4), e.total)
 	if n == 0 {
 		return nil
 	}
@@ -165,7 +164,7 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 		return fmt.Errorf("scheduler: Speculate: ready %d is outside [0, %d]", ready, e.total)
 	case len(cs) != len(e.sizes):
 		return fmt.Errorf("scheduler: Speculate with %d coefficients for %d subgroups", len(cs), len(e.sizes))
-	case e.specN == 0 || ready >= e.specReady:
+	case e.specN == 0 || e.specHalted || ready >= e.specReady:
 		return nil
 	}
 	if !e.specOn {
@@ -173,8 +172,8 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 		e.specOn = true
 	}
 	e.specReady = ready
-	// A request only for a suffix with a held subgroup not asked for yet
-	// (at most one per held subgroup and phase: the channel never fills).
+	// A request only for a suffix with a qualifying subgroup not asked for
+	// yet (at most one per subgroup and phase: the channel never fills).
 	// Which of them qualify is decided here, on the caller's goroutine,
 	// after its Prefetch: a CPU subgroup only once its gradient's copy was
 	// issued (and its end event recorded), never what a later Prefetch
@@ -267,6 +266,14 @@ func (e *Engine) WaitSpeculation() {
 // and waits for it; the worker then takes requests again. After Close
 // (no worker) it does nothing.
 func (e *Engine) stopSpec() {
+	e.haltSpec()
+	e.specOn, e.specHalted, e.specReady, e.specCovered = false, false, e.total, len(e.sizes)
+	clear(e.specCan)
+}
+
+// haltSpec stops the worker after the subgroup it is updating and waits
+// for it, changing nothing else (after Close it does nothing).
+func (e *Engine) haltSpec() {
 	if e.specReq == nil {
 		return
 	}
@@ -274,20 +281,21 @@ func (e *Engine) stopSpec() {
 	e.specReq <- specReq{stop: true}
 	<-e.specAck
 	e.specStop.Store(false)
-	e.specOn, e.specReady, e.specCovered = false, e.total, len(e.sizes)
-	clear(e.specCan)
 }
 
 // StopSpeculation stops the CPU workers' speculation after the subgroup
 // they are updating, if any, and keeps what they did for EndSpeculation:
 // a caller whose backward has ended calls it, so that what is left is the
-// phase's. A speculative update moves about twice the memory of the
+// phase's; Speculate then starts nothing more until EndSpeculation, a drop
+// or the Update (it would fix other scalars for what was already
+// updated). A speculative update moves about twice the memory of the
 // phase's (it saves what it overwrites), so it pays only while the CPU
 // would otherwise wait for the backward. Without a speculation it does
 // nothing.
 func (e *Engine) StopSpeculation() {
 	if e.specN > 0 {
-		e.stopSpec()
+		e.haltSpec()
+		e.specHalted = true
 	}
 }
 
@@ -316,12 +324,14 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 			continue
 		}
 		if cs != nil && sameCoeffs(&cs[i], &e.specC[i]) {
-			e.pre[i] |= 1 << opCPU // done: the phase skips it
-			e.preOn = true         // so that a drop undoes it
+			e.pre[i] |= 1 << opCPU // done: the phase skips it (a drop undoes it: dropSpec)
 			kept += e.sizes[i]
 			continue
 		}
 		e.restoreSpec(i)
+	}
+	if kept == 0 {
+		e.specUsed = 0 // every save is free again
 	}
 	return kept, err
 }
@@ -443,7 +453,7 @@ func (e *Engine) specSource(i int) (Host, int64, bool) {
 func prefault(wg *sync.WaitGroup, b []byte, threads int) {
 	const page = 4096
 	pages := (len(b) + page - 1) / page
-	per := (pages + threads - 1) / max(threads, 1)
+	per := max(1, (pages+threads-1)/max(threads, 1))
 	for lo := 0; lo < pages; lo += per {
 		hi := min(lo+per, pages)
 		wg.Go(func() {

@@ -1,7 +1,8 @@
 package scheduler
 
 import (
-	"os"
+	"math"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -68,7 +69,7 @@ func TestSpeculatePrefetchFailThenGoOn(t *testing.T) {
 // subgroup whose gradient copy Prefetch issues after the Speculate that
 // covered it is not speculated on, and every step is the serial one.
 func TestSpeculateBeforePrefetch(t *testing.T) {
-	runOrder(t, bkDelay(50), func(t *testing.T, sim *Sim, a *Engine, bwd Stream, k, i int, cs []adam.Coeffs) {
+	runOrder(t, 50*time.Millisecond, func(t *testing.T, sim *Sim, a *Engine, bwd Stream, k, i int, cs []adam.Coeffs) {
 		if err := firstErr(a.Speculate(bwd, a.off[i], cs), a.Prefetch(bwd, a.off[i])); err != nil {
 			t.Fatal(err)
 		}
@@ -98,7 +99,7 @@ func runOrder(t *testing.T, syncDelay time.Duration, call func(t *testing.T, sim
 		return e
 	}
 	sim := NewSim(SimOptions{})
-	d := &slowDev{Sim: sim, slow: map[Event]bool{}, syncDelay: syncDelay, d2hDelay: bkDelay(100)}
+	d := &slowDev{Sim: sim, slow: map[Event]bool{}, syncDelay: syncDelay, d2hDelay: 100 * time.Millisecond}
 	a := mk(d, 1<<20)
 	defer a.Close()
 	d.mu.Lock()
@@ -137,18 +138,19 @@ func runOrder(t *testing.T, syncDelay time.Duration, call func(t *testing.T, sim
 			t.Fatal(err)
 		}
 		sa, sr := a.HostState(), r.HostState()
-		for j := range sa.Param {
-			if sa.Param[j] != sr.Param[j] || sa.ExpAvg[j] != sr.ExpAvg[j] {
-				t.Fatalf("step %d (kept %d): element %d: p %g m %g, serial p %g m %g", k, kept, j, sa.Param[j], sa.ExpAvg[j], sr.Param[j], sr.ExpAvg[j])
+		for name, x := range map[string][2][]float32{"p": {sa.Param, sr.Param}, "exp_avg": {sa.ExpAvg, sr.ExpAvg}, "exp_avg_sq": {sa.ExpAvgSq, sr.ExpAvgSq}} {
+			for j := range x[0] {
+				if math.Float32bits(x[0][j]) != math.Float32bits(x[1][j]) {
+					t.Fatalf("step %d (kept %d): %s[%d] %g, serial %g", k, kept, name, j, x[0][j], x[1][j])
+				}
 			}
 		}
+		wa, wr := make([]uint16, a.total), make([]uint16, r.total)
+		if err := firstErr(a.GetWorking(wa), r.GetWorking(wr)); err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(wa, wr) {
+			t.Fatalf("step %d (kept %d): the working copy differs from the serial one", k, kept)
+		}
 	}
-}
-
-// bkDelay is ms milliseconds, or none with BK_NODELAY set.
-func bkDelay(ms int) time.Duration {
-	if os.Getenv("BK_NODELAY") != "" {
-		return 0
-	}
-	return time.Duration(ms) * time.Millisecond
 }

@@ -213,9 +213,10 @@ func runSpeculate(t *testing.T, d Device, e *Engine, p *problem, h adam.Hyper, c
 	}
 }
 
-// TestSpeculateNoHeld: without host-held subgroups or without saves,
-// Speculate and EndSpeculation do nothing, and a negative budget is
-// refused.
+// TestSpeculateNoHeld: with nothing that qualifies (no host-held
+// subgroup and no CPU gradient that Prefetch moved: it was not called) or
+// without saves, Speculate and EndSpeculation do nothing, and a negative
+// budget is refused.
 func TestSpeculateNoHeld(t *testing.T) {
 	d := NewSim(SimOptions{})
 	p := heldProblem(adam.BF16, 1, 3, -1)
@@ -265,7 +266,7 @@ func checkSpecTrace(t *testing.T, e *Engine, k int, kept int64, undone bool) {
 			}
 		case SpeculativeUndone:
 			undoneN++
-		case Restore:
+		case SpeculativeRestore:
 			restores++
 		}
 	}
@@ -321,4 +322,55 @@ func backwardIO(t testing.TB, d Device, bytes int64) (Stream, Event, Host) {
 	}
 	t.Cleanup(func() { _ = d.FreeHost(h) })
 	return s, ev, h
+}
+
+// TestStopThenSpeculate: after StopSpeculation a Speculate with other
+// scalars starts nothing, and the subgroups already updated with the first
+// ones are not taken for the second's: EndSpeculation with the second
+// keeps nothing, and the step is the serial one.
+func TestStopThenSpeculate(t *testing.T) {
+	d := NewSim(SimOptions{})
+	h := adam.DefaultHyper()
+	p := heldProblem(adam.BF16, 1, 13, -1)
+	want, wantCopy := specReference(p, h, []specCase{{}})
+	held := heldPatterns[1]
+	e := specEngine(t, d, p, held, perfmodel.Schedule{CPU: len(heldSizes) - countHeld(held)}, SpeculateBytes(1<<20, false))
+	defer e.Close()
+	bwd, ev, host := backwardIO(t, d, 2*e.total)
+	b := p.gradBytes(0)
+	copy(host.Bytes(), b)
+	for i := len(e.sizes) - 1; i >= 0; i-- {
+		off, n := e.off[i], int64(e.sizes[i])
+		if e.HostHeld(i) {
+			at, _ := e.HostOffset(off)
+			copy(e.HostGrad().Bytes()[2*at:], b[2*off:2*(off+n)])
+		} else {
+			at, _ := e.DeviceOffset(off)
+			if err := d.H2D(bwd, e.grad, 2*at, host, 2*off, 2*n); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	cs1, cs2 := make([]adam.Coeffs, len(e.sizes)), make([]adam.Coeffs, len(e.sizes))
+	h2 := h
+	h2.LR *= 10
+	for i := range cs1 {
+		cs1[i], cs2[i] = h2.Coeffs(1, 1, 1), h.Coeffs(1, 1, 1)
+	}
+	if err := firstErr(e.Prefetch(bwd, 0), e.Speculate(bwd, 0, cs1), d.Record(ev, bwd), d.Sync(ev)); err != nil {
+		t.Fatal(err)
+	}
+	e.WaitSpeculation()
+	e.StopSpeculation()
+	if err := e.Speculate(bwd, 0, cs2); err != nil {
+		t.Fatal(err)
+	}
+	e.WaitSpeculation()
+	if kept, err := e.EndSpeculation(cs2); err != nil || kept != 0 {
+		t.Fatalf("EndSpeculation with the second scalars kept %d parameters updated with the first (%v)", kept, err)
+	}
+	if err := e.UpdatePer(cs2); err != nil {
+		t.Fatal(err)
+	}
+	checkHeldRun(t, d, e, want, wantCopy)
 }

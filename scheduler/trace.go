@@ -13,7 +13,7 @@ import (
 // Op is one traced operation of the last Update.
 type Op struct {
 	Resource perfmodel.Resource // where it ran
-	What     string             // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"; SpeculativeKept, SpeculativeUndone, Restore
+	What     string             // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"; SpeculativeKept, SpeculativeUndone, SpeculativeRestore
 	Subgroup int                // its index
 	Start    time.Duration      // from the start of the update phase
 	End      time.Duration
@@ -23,9 +23,9 @@ type Op struct {
 // Op.What of a speculative update (Speculate) the last Update kept, of one
 // undone before it (its scalars were not the step's), and of that undoing.
 const (
-	SpeculativeKept   = "CPU AdamW, speculative"
-	SpeculativeUndone = "CPU AdamW, speculative, undone"
-	Restore           = "restore"
+	SpeculativeKept    = "CPU AdamW, speculative"
+	SpeculativeUndone  = "CPU AdamW, speculative, undone"
+	SpeculativeRestore = "restore"
 )
 
 // Trace returns the operations of the last Update with their times: the
@@ -34,7 +34,7 @@ const (
 // issued for it comes first, at negative times (during the backward), and
 // so do the speculative updates (Speculate): those kept, as
 // SpeculativeKept, those undone before the phase, as SpeculativeUndone,
-// each followed by its Restore. Read
+// each followed by its SpeculativeRestore. Read
 // it before the next Prefetch or Update, which record those events again.
 // Errors: ErrNoPhase before the first Update or after a Replan; the
 // device's (Elapsed).
@@ -66,7 +66,7 @@ func (e *Engine) Trace() ([]Op, error) {
 	for _, u := range e.specUndoLast {
 		ops = append(ops,
 			Op{Resource: perfmodel.ResCPU, What: SpeculativeUndone, Subgroup: u.sub, Start: u.spec[0].Sub(e.t0), End: u.spec[1].Sub(e.t0), Bytes: e.sizes[u.sub]},
-			Op{Resource: perfmodel.ResCPU, What: Restore, Subgroup: u.sub, Start: u.restore[0].Sub(e.t0), End: u.restore[1].Sub(e.t0), Bytes: e.sizes[u.sub]})
+			Op{Resource: perfmodel.ResCPU, What: SpeculativeRestore, Subgroup: u.sub, Start: u.restore[0].Sub(e.t0), End: u.restore[1].Sub(e.t0), Bytes: e.sizes[u.sub]})
 	}
 	slices.SortStableFunc(ops, func(a, b Op) int { return int(a.Start - b.Start) })
 	return ops, nil

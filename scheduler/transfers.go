@@ -168,13 +168,16 @@ func (e *Engine) ZeroGrad() error {
 }
 
 // GetWorking copies the device working copy, flat (total elements), into
-// dst and waits: for a trainer whose forward runs on the host.
+// dst and waits: for a trainer whose forward runs on the host. It undoes
+// a speculation first (DropSpeculation): the host-held working copy it
+// reads is the last step's.
 //
 // Errors: a dst of another length, a failed copy.
 func (e *Engine) GetWorking(dst []uint16) error {
 	if e.broken {
 		return ErrBroken
 	}
+	e.dropSpec()
 	if int64(len(dst)) != e.total {
 		return fmt.Errorf("scheduler: GetWorking: %d elements, want %d", len(dst), e.total)
 	}

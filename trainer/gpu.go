@@ -542,7 +542,12 @@ func (l *localSource) bind(opt *offload.Optimizer) error {
 	}
 	switch {
 	case l.bs != nil && final != nil:
-		g.m.OnBlockBackward(func(b int) error { return errors.Join(l.bs.after(b), final(b)) })
+		g.m.OnBlockBackward(func(b int) error {
+			if err := l.bs.after(b); err != nil {
+				return err // its gradients did not move: nothing of it is final
+			}
+			return final(b)
+		})
 	case l.bs != nil:
 		g.m.OnBlockBackward(l.bs.after)
 	default:

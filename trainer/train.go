@@ -556,6 +556,7 @@ func (t *Trainer) Run() (Summary, error) {
 	var warm time.Time // the end of this run's first iteration
 	done := 0
 	var updates time.Duration
+	var speculated int64 // parameters kept from speculative updates, this run
 	for t.state.Iteration < cfg.Steps {
 		it := t.state.Iteration + 1
 		t0 := time.Now()
@@ -596,6 +597,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if done > 0 { // the first update of a run also pays for the caches and page tables warming up
 			updates += res.Elapsed
 		}
+		speculated += res.Speculated
 		if t.state.LossScale > 0 {
 			if res.Skipped {
 				t.state.LossScale = max(t.state.LossScale/2, 1) // floor 1: see validScale
@@ -686,7 +688,9 @@ func (t *Trainer) Run() (Summary, error) {
 				sum.UpdateLimitS = lim.Makespan
 				limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid limit), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
 			}
-			if b, ok := t.opt.Bound(); ok && b.Seconds > 0 {
+			if b, ok := t.opt.Bound(); ok && b.Seconds > 0 && speculated == 0 {
+				// (a phase that kept speculative updates did part of its
+				// work in the backward: the bound is not its)
 				sum.UpdateBoundS = b.Seconds
 				limit += fmt.Sprintf("; its lower bound %.3f ms (%s, every resource at its rate alone)", 1e3*b.Seconds, b.Bottleneck)
 			}

@@ -564,7 +564,7 @@ func (c *TrainConfig) speculateBytes() int64 {
 	if c.Speculate <= 0 || c.Device != "cuda" || c.GPUs > 1 || c.NoOverlap {
 		return 0
 	}
-	return min(int64(c.Speculate*(1<<30)), 14*int64(c.Model.NumParams()))
+	return min(int64(c.Speculate*(1<<30)), offload.SpeculateBytes(int64(c.Model.NumParams()), false)) // the trainer's AdamW has no amsgrad
 }
 
 // ringBytes is the lazy checkpointer's ring for params parameters:

@@ -187,10 +187,10 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 }
 
 // limitLine says the machine's limit for the update phase
-// (perfmodel.Profile.Limit: the model's fluid bound) and, when the model's
+// (perfmodel.Profile.Limit: the model's fluid limit, a prediction) and, when the model's
 // schedule was measured, how far above it that ran.
 func limitLine(lim perfmodel.Prediction, rs []benchResult) string {
-	s := fmt.Sprintf("machine limit: %.3f s, the performance model's fluid bound (perfmodel.Profile.Limit: the subgroups split in any proportion, about %d CPU, %d streamed, %d resident, with no fill or drain; a bound of the model's rates and contention, which the replay's per-operation contention may dip under)",
+	s := fmt.Sprintf("machine limit: %.3f s, the performance model's fluid limit (perfmodel.Profile.Limit: the subgroups split in any proportion, about %d CPU, %d streamed, %d resident, with no fill or drain; a prediction with the model's rates and contention, which a run may dip under: the lower bound is below)",
 		lim.Makespan, lim.CPU, lim.GPU, lim.Resident)
 	for _, r := range rs {
 		if r.Name == "model" && lim.Makespan > 0 {

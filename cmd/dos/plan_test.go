@@ -19,9 +19,9 @@ func TestPlan(t *testing.T) {
 	if !strings.Contains(out.String(), "k = 1.12 (28 CPU, 25 GPU, 26 resident subgroups per rank), 0.542 s") {
 		t.Errorf("%s", out.String())
 	}
-	// The fluid bound, a little below the model's choice (its fill and
+	// The fluid limit, a little below the model's choice (its fill and
 	// drain, whole subgroups).
-	if !strings.Contains(out.String(), "machine limit: 0.539 s, the performance model's fluid bound") {
+	if !strings.Contains(out.String(), "machine limit: 0.539 s, the performance model's fluid limit") {
 		t.Errorf("no machine limit of 0.539 s:\n%s", out.String())
 	}
 	// The lower bound, under both: the copies (12 B of state each way for

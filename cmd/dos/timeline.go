@@ -29,12 +29,12 @@ var opColors = map[string]color.Color{
 	"CPU AdamW": color.RGBA{R: 214, G: 39, B: 40, A: 255},
 	// Speculative updates during the backward (--speculate): kept, undone
 	// (the step clipped or was skipped), and the undoing.
-	scheduler.SpeculativeKept:   color.RGBA{R: 255, G: 152, B: 150, A: 255},
-	scheduler.SpeculativeUndone: color.RGBA{R: 140, G: 86, B: 75, A: 255},
-	scheduler.Restore:           color.RGBA{R: 23, G: 190, B: 207, A: 255},
-	"forward":                   color.RGBA{R: 148, G: 103, B: 189, A: 255},
-	"backward":                  color.RGBA{R: 197, G: 176, B: 213, A: 255},
-	"step":                      color.RGBA{R: 127, G: 127, B: 127, A: 255},
+	scheduler.SpeculativeKept:    color.RGBA{R: 255, G: 152, B: 150, A: 255},
+	scheduler.SpeculativeUndone:  color.RGBA{R: 140, G: 86, B: 75, A: 255},
+	scheduler.SpeculativeRestore: color.RGBA{R: 23, G: 190, B: 207, A: 255},
+	"forward":                    color.RGBA{R: 148, G: 103, B: 189, A: 255},
+	"backward":                   color.RGBA{R: 197, G: 176, B: 213, A: 255},
+	"step":                       color.RGBA{R: 127, G: 127, B: 127, A: 255},
 }
 
 // iterationRows are an iteration's rows (dos train --timeline), bottom to
