@@ -389,17 +389,8 @@ func testEngineHostHeldPrefetch(t *testing.T, newDev func() Device) {
 				copy(host.Bytes(), b)
 				// The last subgroups first, as a backward.
 				for i := len(e.sizes) - 1; i >= 0; i-- {
-					off, n := e.off[i], int64(e.sizes[i])
-					if e.HostHeld(i) {
-						at, _ := e.HostOffset(off)
-						copy(e.HostGrad().Bytes()[2*at:], b[2*off:2*(off+n)])
-					} else {
-						at, _ := e.DeviceOffset(off)
-						if err := d.H2D(bwd, e.grad, 2*at, host, 2*off, 2*n); err != nil {
-							t.Fatal(err)
-						}
-					}
-					if err := e.Prefetch(bwd, off); err != nil {
+					putGrad(t, d, e, bwd, host, b, i)
+					if err := e.Prefetch(bwd, e.off[i]); err != nil {
 						t.Fatal(err)
 					}
 				}

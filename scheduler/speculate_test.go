@@ -104,16 +104,7 @@ func runSpeculate(t *testing.T, d Device, e *Engine, p *problem, h adam.Hyper, c
 		b := p.gradBytes(k)
 		copy(host.Bytes(), b)
 		for i := len(e.sizes) - 1; i >= 0; i-- {
-			off, n := e.off[i], int64(e.sizes[i])
-			if e.HostHeld(i) {
-				at, _ := e.HostOffset(off)
-				copy(e.HostGrad().Bytes()[2*at:], b[2*off:2*(off+n)])
-			} else {
-				at, _ := e.DeviceOffset(off)
-				if err := d.H2D(bwd, e.grad, 2*at, host, 2*off, 2*n); err != nil {
-					t.Fatal(err)
-				}
-			}
+			putGrad(t, d, e, bwd, host, b, i)
 		}
 		speculate(sc.late)
 		if err := firstErr(d.Record(ev, bwd), d.Sync(ev)); err != nil {
@@ -340,16 +331,7 @@ func TestStopThenSpeculate(t *testing.T) {
 	b := p.gradBytes(0)
 	copy(host.Bytes(), b)
 	for i := len(e.sizes) - 1; i >= 0; i-- {
-		off, n := e.off[i], int64(e.sizes[i])
-		if e.HostHeld(i) {
-			at, _ := e.HostOffset(off)
-			copy(e.HostGrad().Bytes()[2*at:], b[2*off:2*(off+n)])
-		} else {
-			at, _ := e.DeviceOffset(off)
-			if err := d.H2D(bwd, e.grad, 2*at, host, 2*off, 2*n); err != nil {
-				t.Fatal(err)
-			}
-		}
+		putGrad(t, d, e, bwd, host, b, i)
 	}
 	cs1, cs2 := make([]adam.Coeffs, len(e.sizes)), make([]adam.Coeffs, len(e.sizes))
 	h2 := h
@@ -373,4 +355,22 @@ func TestStopThenSpeculate(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkHeldRun(t, d, e, want, wantCopy)
+}
+
+// putGrad writes subgroup i's part of the flat bf16 gradient b (also in
+// host, pinned, at the same offsets) where a trainer's backward would: a
+// host-held subgroup's into HostGrad, another's H2D on bwd into the device
+// gradients.
+func putGrad(t testing.TB, d Device, e *Engine, bwd Stream, host Host, b []byte, i int) {
+	t.Helper()
+	off, n := e.off[i], e.sizes[i]
+	if e.HostHeld(i) {
+		at, _ := e.HostOffset(off)
+		copy(e.HostGrad().Bytes()[2*at:], b[2*off:2*(off+n)])
+		return
+	}
+	at, _ := e.DeviceOffset(off)
+	if err := d.H2D(bwd, e.grad, 2*at, host, 2*off, 2*n); err != nil {
+		t.Fatal(err)
+	}
 }
