@@ -103,6 +103,16 @@ type Profile = perfmodel.Profile
 // (Makespan), its bottleneck.
 type Prediction = perfmodel.Prediction
 
+// Bound is a lower bound on an update phase or a whole iteration
+// (perfmodel.Bound: seconds, the binding resource, each resource's time):
+// what Optimizer.Bound and Optimizer.IterationBound return.
+type Bound = perfmodel.Bound
+
+// Iteration is what a training iteration does besides its update phase,
+// for Optimizer.IterationBound (perfmodel.Iteration: the forward and
+// backward's seconds, the streamed weights' bytes each way).
+type Iteration = perfmodel.Iteration
+
 // Stream is a device stream an Optimizer orders work after
 // (Optimizer.GradsFinal): the stream a trainer computes its gradients on
 // (scheduler.Stream).

@@ -861,13 +861,29 @@ func (o *Optimizer) Limit() (limit perfmodel.Prediction, ok bool) {
 // prediction, no phase should run under it, one that does says the
 // profile's rates are off; but a phase that kept speculative updates
 // (Options.Speculate) did part of its work before it and is not bounded.
-func (o *Optimizer) Bound() (b perfmodel.Bound, ok bool) {
+func (o *Optimizer) Bound() (b Bound, ok bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.eng == nil || o.opts.Profile == nil {
-		return perfmodel.Bound{}, false
+		return Bound{}, false
 	}
 	b, err := o.opts.Profile.Bound(o.workload())
+	return b, err == nil
+}
+
+// IterationBound returns a lower bound on a whole training iteration of
+// this optimizer and it (perfmodel.Profile.IterationBound: Bound's work
+// with it's forward and backward on the GPU and its copies on PCIe, the
+// largest resource's time, every overlap the exact step allows taken as
+// reached), with Options.Device and a profile (ok false otherwise, or for
+// a negative field of it).
+func (o *Optimizer) IterationBound(it Iteration) (b Bound, ok bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.eng == nil || o.opts.Profile == nil {
+		return Bound{}, false
+	}
+	b, err := o.opts.Profile.IterationBound(o.workload(), it)
 	return b, err == nil
 }
 

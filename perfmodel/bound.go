@@ -52,7 +52,37 @@ const ResPCIe Resource = "pcie"
 //
 // Errors: a nil profile, a bad workload, no CPU rate for the threads and
 // dtype.
-func (p *Profile) Bound(w Workload) (Bound, error) {
+func (p *Profile) Bound(w Workload) (Bound, error) { return p.bound(w, Iteration{}) }
+
+// Iteration is what a training iteration does besides its update phase,
+// for IterationBound: the GPU's forward and backward, in seconds (measured:
+// the model's compute), and the bytes its streamed weights move (each
+// block slot's H2D before its forward and again before its backward, its
+// gradients' D2H).
+type Iteration struct {
+	Compute  float64 // seconds of forward and backward on the GPU
+	H2DBytes float64 // bytes host to device outside the update phase
+	D2HBytes float64 // bytes device to host outside the update phase
+}
+
+// IterationBound returns a lower bound on a whole iteration of w's
+// optimizer and it: Bound's, with the iteration's forward and backward
+// added to the GPU's time (the update's kernels run on the same GPU) and
+// its copies to the PCIe lanes' bytes. The CPU's work may hide behind the
+// compute (the speculation, the overlap with backward), so the bound is
+// the largest resource's time, not a sum: what an iteration with every
+// overlap the exact step allows could reach (issue 31's whole-iteration
+// bound). The work Workload.Prefetch moves before the phase counts here.
+// Errors: Bound's; a negative field of it.
+func (p *Profile) IterationBound(w Workload, it Iteration) (Bound, error) {
+	if !(it.Compute >= 0 && it.H2DBytes >= 0 && it.D2HBytes >= 0) {
+		return Bound{}, errors.New("perfmodel: IterationBound: the iteration's compute and bytes must be >= 0")
+	}
+	w.Prefetch = false // what the prefetch moves before the phase is the iteration's work all the same
+	return p.bound(w, it)
+}
+
+func (p *Profile) bound(w Workload, it Iteration) (Bound, error) {
 	if p == nil {
 		return Bound{}, errors.New("perfmodel: nil profile")
 	}
@@ -62,7 +92,7 @@ func (p *Profile) Bound(w Workload) (Bound, error) {
 	n := w.Subgroups()
 	best := Bound{Seconds: math.Inf(1)}
 	if p.GPU == nil {
-		b, err := p.boundAt(w, false, float64(n), 0, 0)
+		b, err := p.boundAt(w, it, false, float64(n), 0, 0)
 		if err != nil {
 			return Bound{}, err
 		}
@@ -76,7 +106,7 @@ func (p *Profile) Bound(w Workload) (Bound, error) {
 			if upcast && (N == 0 || w.gpuMemory(Schedule{Resident: r, CPU: 1, UpcastOnGPU: true}) > budget) {
 				continue
 			}
-			at := func(c float64) (Bound, error) { return p.boundAt(w, upcast, c, N-c, float64(r)) }
+			at := func(c float64) (Bound, error) { return p.boundAt(w, it, upcast, c, N-c, float64(r)) }
 			if !streams {
 				b, err := at(N)
 				if err != nil {
@@ -121,8 +151,8 @@ func (p *Profile) Bound(w Workload) (Bound, error) {
 }
 
 // boundAt is Bound's times for c CPU, gp streamed and r resident
-// subgroups of the mean size.
-func (p *Profile) boundAt(w Workload, upcast bool, c, gp, r float64) (Bound, error) {
+// subgroups of the mean size, with it's work added.
+func (p *Profile) boundAt(w Workload, it Iteration, upcast bool, c, gp, r float64) (Bound, error) {
 	gb, err := gradBytes(w.GradDType)
 	if err != nil {
 		return Bound{}, err
@@ -153,21 +183,21 @@ func (p *Profile) boundAt(w Workload, upcast bool, c, gp, r float64) (Bound, err
 		}
 		tCPU += float64(w.HostHeld) / uh
 	}
-	b := Bound{Busy: map[Resource]float64{ResCPU: tCPU, ResH2D: 0, ResD2H: 0, ResPCIe: 0, ResGPU: 0}, CPU: c, GPU: gp, Resident: r, UpcastOnGPU: upcast}
+	b := Bound{Busy: map[Resource]float64{ResCPU: tCPU, ResH2D: 0, ResD2H: 0, ResPCIe: 0, ResGPU: it.Compute}, CPU: c, GPU: gp, Resident: r, UpcastOnGPU: upcast}
 	if g := p.GPU; g != nil {
 		preGrad := w.Prefetch && !(upcast && gb == 2)
 		preState := 0.0
 		if w.Prefetch {
 			preState = min(gp, 2)
 		}
-		up := (gp-preState)*st + c*float64(w.CopyBytes)*sz
-		dn := gp * st
+		up := (gp-preState)*st + c*float64(w.CopyBytes)*sz + it.H2DBytes
+		dn := gp*st + it.D2HBytes
 		if !preGrad {
 			dn += c * down
 		}
 		both := max(g.H2D.Rate, g.D2H.Rate, g.H2DBoth.Rate+g.D2HBoth.Rate)
 		b.Busy[ResH2D], b.Busy[ResD2H], b.Busy[ResPCIe] = up/g.H2D.Rate, dn/g.D2H.Rate, (up+dn)/both
-		b.Busy[ResGPU] = (gp + r) * sz / g.Update.Rate
+		b.Busy[ResGPU] += (gp + r) * sz / g.Update.Rate
 		if upcast && gb == 2 {
 			b.Busy[ResGPU] += c * sz / g.Convert.Rate
 		}

@@ -83,3 +83,41 @@ func TestBoundMeasured(t *testing.T) {
 		t.Errorf("without a GPU: bound %v s (%s), want the CPU's %v s", b.Seconds, b.Bottleneck, want)
 	}
 }
+
+// TestIterationBound: a whole iteration's bound is at least the update
+// phase's (with its prefetched work counted) and at least the compute;
+// with no compute and no copies it is the phase's; the streamed weights'
+// copies add to PCIe; a negative compute is refused.
+func TestIterationBound(t *testing.T) {
+	p, err := Read("../testdata/profiles/h200.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := Workload{Params: 4_236_000_000, SubgroupSize: 100_000_000, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 6 << 30, Prefetch: true}
+	noPre := w
+	noPre.Prefetch = false
+	phase, err := p.Bound(noPre)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := p.IterationBound(w, Iteration{}); err != nil || b.Seconds != phase.Seconds {
+		t.Errorf("no compute, no copies: %v s (%v), want the phase's %v s with the prefetched work", b.Seconds, err, phase.Seconds)
+	}
+	for _, it := range []Iteration{{Compute: 0.52}, {Compute: 0.1}, {Compute: 0.52, H2DBytes: 2 * 2 * 2.0e9, D2HBytes: 2 * 2.0e9}} {
+		b, err := p.IterationBound(w, it)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b.Seconds < phase.Seconds || b.Seconds < it.Compute {
+			t.Errorf("%+v: bound %.3f s (%s), under the phase's %.3f s or the compute", it, b.Seconds, b.Bottleneck, phase.Seconds)
+		}
+		t.Logf("4.24B, 6 GiB of update budget, %+v: iteration bound %.3f s (%s)", it, b.Seconds, b.Bottleneck)
+	}
+	with, _ := p.IterationBound(w, Iteration{H2DBytes: 8e9, D2HBytes: 4e9})
+	if with.Busy[ResPCIe] <= phase.Busy[ResPCIe] {
+		t.Errorf("12 GB of streamed copies left PCIe at %v s (the phase alone %v s)", with.Busy[ResPCIe], phase.Busy[ResPCIe])
+	}
+	if _, err := p.IterationBound(w, Iteration{Compute: -1}); err == nil {
+		t.Error("a negative compute accepted")
+	}
+}

@@ -41,6 +41,14 @@ type Summary struct {
 	UpdatePredictedS float64 `json:"update_predicted_s,omitempty"`
 	UpdateLimitS     float64 `json:"update_limit_s,omitempty"`
 	UpdateBoundS     float64 `json:"update_bound_s,omitempty"`
+	// IterationS is the mean iteration, its first left out, in seconds,
+	// and IterationBoundS a lower bound on it with a device and a profile
+	// on one GPU (offload.Optimizer.IterationBound: the measured forward
+	// and backward on the GPU beside the update phase's work at each
+	// resource's rate alone, the streamed weights' copies on PCIe; the
+	// largest resource's time, as if every overlap were reached).
+	IterationS      float64 `json:"iteration_s,omitempty"`
+	IterationBoundS float64 `json:"iteration_bound_s,omitempty"`
 	// MFU is the model FLOP utilization of the GPU trainer: TokensPerS ×
 	// gpt.Config.FLOPsPerToken over PeakFLOPS (llm.c's count); 0 on the
 	// host.
@@ -555,8 +563,8 @@ func (t *Trainer) Run() (Summary, error) {
 	start := time.Now()
 	var warm time.Time // the end of this run's first iteration
 	done := 0
-	var updates time.Duration
-	var speculated int64 // parameters kept from speculative updates, this run
+	var updates, computes time.Duration // the update phases and the forwards and backwards, the first iteration's left out
+	var speculated int64                 // parameters kept from speculative updates, this run
 	for t.state.Iteration < cfg.Steps {
 		it := t.state.Iteration + 1
 		t0 := time.Now()
@@ -596,6 +604,7 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		if done > 0 { // the first update of a run also pays for the caches and page tables warming up
 			updates += res.Elapsed
+			computes += s0.Sub(t0)
 		}
 		speculated += res.Speculated
 		if t.state.LossScale > 0 {
@@ -704,6 +713,8 @@ func (t *Trainer) Run() (Summary, error) {
 		sum.TokensPerS = float64(done*tokens) / time.Since(start).Seconds()
 		if done > 1 {
 			sum.TokensPerS = float64((done-1)*tokens) / time.Since(warm).Seconds()
+			sum.IterationS = time.Since(warm).Seconds() / float64(done-1)
+			t.iterationBound(&sum, computes.Seconds()/float64(done-1))
 		}
 		if t.w.gpus > 0 {
 			sum.MFU = sum.TokensPerS * flops / peak
@@ -848,6 +859,33 @@ func (l maybeLoss) or0() float64 {
 		return 0
 	}
 	return float64(l)
+}
+
+// iterationBound sets sum.IterationBoundS on one GPU with a profile, from
+// the mean forward and backward compute (seconds) and the streamed
+// blocks' copies, and says it beside the measured iteration.
+func (t *Trainer) iterationBound(sum *Summary, compute float64) {
+	if t.w.gpus == 0 || t.w.job {
+		return
+	}
+	h2d, d2h := streamedCopyBytes(t.cfg.Model, t.cfg.Streamed())
+	b, ok := t.opt.IterationBound(offload.Iteration{Compute: compute, H2DBytes: h2d, D2HBytes: d2h})
+	if !ok || b.Seconds <= 0 {
+		return
+	}
+	sum.IterationBoundS = b.Seconds
+	t.logf("iteration: %.1f ms measured (forward and backward %.1f ms), its lower bound %.1f ms (%s-bound: the forward and backward and the update phase's work at each resource's rate alone, every overlap reached), %.2fx it\n",
+		1e3*sum.IterationS, 1e3*compute, 1e3*b.Seconds, b.Bottleneck, sum.IterationS/b.Seconds)
+}
+
+// streamedCopyBytes returns the bytes one iteration's n streamed blocks of
+// cfg's model move (blockStream): each block's bf16 weights H2D before its
+// forward and again before its backward, but for the two blocks whose
+// slots still hold them from the forward (the last ones, the backward's
+// first), and its bf16 gradients D2H once.
+func streamedCopyBytes(cfg Config, n int) (h2d, d2h float64) {
+	per := 2 * float64(blockStreamedElems(cfg))
+	return per * float64(n+max(n-2, 0)), per * float64(n)
 }
 
 // Iterations says n iterations in English: "1 iteration", "3 iterations".
