@@ -564,7 +564,7 @@ func (t *Trainer) Run() (Summary, error) {
 	var warm time.Time // the end of this run's first iteration
 	done := 0
 	var updates, computes time.Duration // the update phases and the forwards and backwards, the first iteration's left out
-	var speculated int64                 // parameters kept from speculative updates, this run
+	var speculated int64                // parameters kept from speculative updates, this run
 	for t.state.Iteration < cfg.Steps {
 		it := t.state.Iteration + 1
 		t0 := time.Now()
