@@ -62,7 +62,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	gradDType := adam.BF16
 	c.Var(dtypeFlag{&gradDType}, "grad-dtype", "gradient dtype on the GPU: float32, bfloat16 or float16")
 	sweep := c.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the chosen residents)")
-	out := outputFlags(c, "each schedule's prediction and replay", "the replay of the model's schedule", "the replay of the model's schedule as a timeline")
+	out := outputFlags(c, "each schedule's prediction and replay, the machine's limit (limit_s) and the lower bound (bound_s)", "the replay of the model's schedule", "the replay of the model's schedule as a timeline")
 	mf := memoryFlags(c)
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
