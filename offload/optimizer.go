@@ -257,6 +257,7 @@ type Optimizer struct {
 	// taken since (then the next backward does not speculate: a run that
 	// clips at every step never speculates).
 	specCs      []adam.Coeffs
+	specSet     bool // specCs is this step's (resetFinal clears it)
 	lastUnscale float32
 	specPaused  bool
 }
@@ -1590,9 +1591,14 @@ func (o *Optimizer) GradsFinal(s Stream, params ...int) error {
 		return o.engineErr(err)
 	}
 	if o.opts.Speculate > 0 && !o.specPaused {
-		// The scalars of a step that neither clips nor is skipped, with
-		// the last step's loss scale: what the Step keeps when it has them.
-		o.subgroupCoeffs(o.specCs, o.step+1, o.lastUnscale, 1)
+		if !o.specSet {
+			// The scalars of a step that neither clips nor is skipped,
+			// with the last step's loss scale: what the Step keeps when it
+			// has them. Once per step (the engine fixes them at its first
+			// Speculate).
+			o.subgroupCoeffs(o.specCs, o.step+1, o.lastUnscale, 1)
+			o.specSet = true
+		}
 		if err := o.eng.Speculate(s, int64(r), o.specCs); err != nil {
 			return o.engineErr(err)
 		}
@@ -1617,6 +1623,7 @@ func (o *Optimizer) endPrefetch() {
 func (o *Optimizer) resetFinal() {
 	clear(o.final)
 	o.ready = o.total
+	o.specSet = false
 }
 
 // dropPrefetch drops what GradsFinal started, before the host state
@@ -1645,9 +1652,6 @@ func (o *Optimizer) syncWorking() error {
 	case o.dev == devBroken || o.eng == nil:
 		return fmt.Errorf("offload: %w: the host working copy is a step or more behind the device's, which cannot be read (LoadCheckpoint restores both)", scheduler.ErrBroken)
 	}
-	// The host-held working copy is read in place: what Options.Speculate
-	// wrote there before the Step is not the step's yet.
-	o.eng.DropSpeculation()
 	if err := o.eng.GetWorking(o.work.Data); err != nil {
 		o.noteBroken()
 		return fmt.Errorf("offload: fetching the working copy from the device: %w", err)

@@ -99,9 +99,8 @@ func (p *Profile) bound(w Workload, it Iteration) (Bound, error) {
 		return b, nil
 	}
 	budget := float64(w.GPUBudget)
-	for r := 0; r <= n && w.gpuMemory(Schedule{Resident: r}) <= budget; r++ {
+	for r, streams := range w.residencies() {
 		N := float64(n - r)
-		streams := r < n && w.gpuMemory(Schedule{Resident: r, GPU: 1}) <= budget
 		for _, upcast := range []bool{false, true} {
 			if upcast && (N == 0 || w.gpuMemory(Schedule{Resident: r, CPU: 1, UpcastOnGPU: true}) > budget) {
 				continue

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"iter"
 	"math"
 	"slices"
 
@@ -422,10 +423,8 @@ func (p *Profile) Limit(w Workload) (Prediction, error) {
 	}
 	n := w.Subgroups()
 	budget := float64(w.GPUBudget)
-	for r := 0; r <= n && w.gpuMemory(Schedule{Resident: r}) <= budget; r++ {
+	for r, streams := range w.residencies() {
 		N := float64(n - r)
-		// Any part streaming needs the two staging slots.
-		streams := r < n && w.gpuMemory(Schedule{Resident: r, GPU: 1}) <= budget
 		for _, upcast := range []bool{false, true} {
 			at := func(c float64) Prediction {
 				s := Schedule{CPU: int(math.Round(c)), GPU: n - r - int(math.Round(c)), Resident: r, UpcastOnGPU: upcast}
@@ -465,6 +464,21 @@ func (p *Profile) Limit(w Workload) (Prediction, error) {
 		}
 	}
 	return best, nil
+}
+
+// residencies yields each count r of resident subgroups whose state fits
+// w's GPU budget, from 0 up, with whether the others may stream too (any
+// part streaming needs the two staging slots): the splits Limit and Bound
+// range over.
+func (w Workload) residencies() iter.Seq2[int, bool] {
+	return func(yield func(int, bool) bool) {
+		n, budget := w.Subgroups(), float64(w.GPUBudget)
+		for r := 0; r <= n && w.gpuMemory(Schedule{Resident: r}) <= budget; r++ {
+			if !yield(r, r < n && w.gpuMemory(Schedule{Resident: r, GPU: 1}) <= budget) {
+				return
+			}
+		}
+	}
 }
 
 // better reports whether a beats b: a shorter makespan, or, within 1e-9

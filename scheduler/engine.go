@@ -173,6 +173,7 @@ type Engine struct {
 	specCovered            int            // the first subgroup inside [specReady, total)
 	specCan                []bool         // per subgroup: may be speculated on in this phase (decided by Speculate)
 	specHalted             bool           // StopSpeculation was called: Speculate starts nothing until the speculation is settled
+	specIdle               bool           // the worker has had no request since it last stopped (true before any)
 	specOn                 bool           // a Speculate since the last Update or drop (specC set)
 	specStop               atomic.Bool    // the worker takes no more subgroups
 	specReq                chan specReq   // to the worker

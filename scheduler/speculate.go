@@ -111,7 +111,8 @@ func (e *Engine) allocSpec() error {
 	e.specReq = make(chan specReq, n0+2)
 	e.specReady, e.specCovered = e.total, len(e.sizes)
 	e.specAck = make(chan struct{})
-	go e.specWorker()
+	go e.specWorker(e.specReq)
+	e.specIdle = true
 	e.specN = n // last: speculation is on once the worker runs
 	return nil
 }
@@ -193,13 +194,15 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 		return err
 	}
 	e.specReq <- specReq{ready: ready, ev: e.specNext}
+	e.specIdle = false
 	e.specNext = (e.specNext + 1) % len(e.specEv)
 	return nil
 }
 
-// specWorker runs the requests of Speculate until Close.
-func (e *Engine) specWorker() {
-	for r := range e.specReq {
+// specWorker runs the requests of Speculate on reqs until Close closes
+// it (a parameter: Close sets the field to nil).
+func (e *Engine) specWorker(reqs <-chan specReq) {
+	for r := range reqs {
 		if r.stop {
 			e.specAck <- struct{}{}
 			continue
@@ -256,7 +259,7 @@ func (e *Engine) specWorker() {
 // lasted), so that what EndSpeculation keeps does not depend on timing
 // (tests). Without Options.Speculate it does nothing.
 func (e *Engine) WaitSpeculation() {
-	if e.specN > 0 && e.specReq != nil {
+	if e.specN > 0 && e.specReq != nil && !e.specIdle {
 		e.specReq <- specReq{stop: true}
 		<-e.specAck
 	}
@@ -272,15 +275,17 @@ func (e *Engine) stopSpec() {
 }
 
 // haltSpec stops the worker after the subgroup it is updating and waits
-// for it, changing nothing else (after Close it does nothing).
+// for it, changing nothing else. It does nothing when the worker has had
+// no request since it last stopped (it idles) or after Close.
 func (e *Engine) haltSpec() {
-	if e.specReq == nil {
+	if e.specReq == nil || e.specIdle {
 		return
 	}
 	e.specStop.Store(true)
 	e.specReq <- specReq{stop: true}
 	<-e.specAck
 	e.specStop.Store(false)
+	e.specIdle = true
 }
 
 // StopSpeculation stops the CPU workers' speculation after the subgroup
@@ -377,13 +382,19 @@ func (e *Engine) dropSpec() {
 		return
 	}
 	e.stopSpec()
+	e.restoreSpecs(true)
+	e.specUsed = 0
+	e.specUndo = e.specUndo[:0] // dropped, not validated: no phase of theirs to trace
+}
+
+// restoreSpecs gives every speculated subgroup its saved state back: only
+// those EndSpeculation did not keep, or, with kept, those too.
+func (e *Engine) restoreSpecs(kept bool) {
 	for i, at := range e.specAt {
-		if at >= 0 {
+		if at >= 0 && (kept || e.pre[i]&(1<<opCPU) == 0) {
 			e.restoreSpec(i)
 		}
 	}
-	e.specUsed = 0
-	e.specUndo = e.specUndo[:0] // dropped, not validated: no phase of theirs to trace
 }
 
 // DropSpeculation undoes every speculated subgroup, kept ones too: a
@@ -401,11 +412,7 @@ func (e *Engine) settleSpec() {
 		return
 	}
 	e.stopSpec()
-	for i, at := range e.specAt {
-		if at >= 0 && e.pre[i]&(1<<opCPU) == 0 {
-			e.restoreSpec(i)
-		}
-	}
+	e.restoreSpecs(false)
 }
 
 // takeSpec is the Update's, once its phase runs: the kept subgroups are
