@@ -507,6 +507,7 @@ func (o *Optimizer) load(fsys checkpoint.FS, dir string) (map[string]json.RawMes
 		copy(dst, fresh[k])
 	}
 	o.step = obj.Step
+	o.stepAt.Store(o.step)
 	o.re.last, o.re.warm = o.step, false // Replan refits from the loaded step on, its first phase left out
 	o.opts.Hyper = obj.Hyper
 	copy(o.opts.Groups, obj.Options.Groups) // their lr and weight_decay, as load_state_dict

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"math"
 	"slices"
+	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -260,6 +261,19 @@ type Optimizer struct {
 	specSet     bool // specCs is this step's (resetFinal clears it)
 	lastUnscale float32
 	specPaused  bool
+
+	// StepAsync's: the step whose phase beginDevice began (under mu),
+	// the engine while its phase runs (for WaitParams; set and cleared
+	// under readyMu's write lock, so that no WaitParams is inside the
+	// engine when the phase's end re-plans it), the step count with the
+	// step under way (StepCount), and the results WaitStep has not taken
+	// (asyncN, the caller's goroutine's alone).
+	cur      curStep
+	readyMu  sync.RWMutex
+	phase    atomic.Pointer[scheduler.Engine]
+	stepAt   atomic.Int64
+	asyncRes chan asyncResult
+	asyncN   int
 }
 
 // devState says, with Options.Device, where the optimizer's current state
@@ -415,7 +429,7 @@ func layOut(params []Param, opts Options) (*Optimizer, error) {
 	opts.DeviceMasters = slices.Clone(opts.DeviceMasters)
 	opts.SubgroupSizes = slices.Clone(opts.SubgroupSizes)
 	opts.OffloadParam = slices.Clone(opts.OffloadParam)
-	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params)), lastUnscale: 1, specPaused: true}
+	o := &Optimizer{opts: opts, byName: make(map[string]int, len(params)), lastUnscale: 1, specPaused: true, asyncRes: make(chan asyncResult, 1)}
 	for i, p := range params {
 		if p.Name == "" {
 			return nil, fmt.Errorf("offload: parameter %d has an empty name", i)
@@ -968,12 +982,9 @@ func (o *Optimizer) Subgroups() []Subgroup { return o.subgroups }
 func (o *Optimizer) NumParams() int { return o.total }
 
 // StepCount returns the step counter: the number of steps taken, skipped
-// steps excluded.
-func (o *Optimizer) StepCount() int64 {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return o.step
-}
+// steps excluded, and the one StepAsync began (it counts from the phase's
+// start: the weights are changing). It takes no lock.
+func (o *Optimizer) StepCount() int64 { return o.stepAt.Load() }
 
 // SetLR sets the learning rate of every parameter group for the next
 // steps, as assigning each param_groups[g]["lr"] does in PyTorch (for
@@ -1266,20 +1277,140 @@ func (o *Optimizer) ZeroGrad() error {
 // error: it is reported in StepResult.Skipped.
 func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	o.mu.Lock()
-	defer o.mu.Unlock()
+	res, begun, err := o.beginStep(args)
+	if !begun {
+		o.endStep()
+		return res, err
+	}
+	return o.finishStep()
+}
+
+// StepAsync is Step that returns once the update phase has begun, its
+// tail running on a goroutine of the optimizer's: a trainer's next
+// forward overlaps it, each block reading its weights after WaitParams
+// (issue 31; DESIGN.md, the update hidden behind compute), and WaitStep
+// then returns the step's whole result. It begins the phase with
+// Options.Device and StepArgs.GradOnDevice when the step is neither
+// skipped nor refused; otherwise it is Step, and WaitStep returns Step's
+// result. The StepResult it returns has Step (the count once this step is
+// taken), Skipped, GradNorm, ClipCoef and Speculated; WaitStep's has
+// Elapsed and Options.Replan's fields too. Until the phase ends,
+// o's lock is held: the methods that take it (see Concurrency) wait for
+// the phase, StepCount included, except that StepCount counts the step
+// under way at once. StepAsync and WaitStep are called from one goroutine,
+// in turn: a StepAsync before the last one's WaitStep is an error. It
+// allocates a goroutine's start per step and nothing else.
+//
+// Errors: Step's that come before the update phase; a StepAsync whose
+// result WaitStep has not taken. The phase's own come from WaitStep.
+func (o *Optimizer) StepAsync(args StepArgs) (StepResult, error) {
+	if o.asyncN > 0 {
+		return StepResult{}, errors.New("offload: StepAsync before WaitStep took the last one's result")
+	}
+	o.mu.Lock()
+	res, begun, err := o.beginStep(args)
+	o.asyncN++
+	switch {
+	case !begun:
+		o.endStep()
+	case !args.GradOnDevice:
+		// The working copy comes back into the host buffers at the
+		// phase's end: a forward reading them must wait for all of it.
+		res, err = o.finishStep()
+	default:
+		go o.finishAsync()
+		return res, nil
+	}
+	o.asyncRes <- asyncResult{res, err}
+	return res, err
+}
+
+// WaitStep waits for the step StepAsync began and returns its result and
+// error: those Step would have returned. With none (no StepAsync since
+// the last WaitStep) it returns a zero StepResult and nil at once.
+func (o *Optimizer) WaitStep() (StepResult, error) {
+	if o.asyncN == 0 {
+		return StepResult{}, nil
+	}
+	o.asyncN--
+	r := <-o.asyncRes
+	return r.res, r.err
+}
+
+// WaitParams makes s wait until the parameters with indices [lo, hi)
+// (Params' order) have their new values in the update phase StepAsync
+// began: their working copy (DeviceWorking, and an OffloadParam's
+// HostWorking: then a wait on the host, for the copy the caller enqueues
+// after it) and their fp32 copy (DeviceMaster). Work enqueued on s after
+// it reads them; with no phase under way it returns at once. It takes no
+// lock and may be called while StepAsync's phase runs, from the goroutine
+// that called StepAsync (scheduler.Engine.WaitReady, per subgroup that
+// holds the parameters). s may be nil for a host wait alone.
+//
+// Errors: lo, hi out of order or range; the phase stopped before it
+// updated them (a fault, which WaitStep reports); the device's.
+func (o *Optimizer) WaitParams(s Stream, lo, hi int) error {
+	if lo < 0 || hi > len(o.params) || lo > hi {
+		return fmt.Errorf("offload: WaitParams(%d, %d): want 0 <= lo <= hi <= %d", lo, hi, len(o.params))
+	}
+	if lo == hi {
+		return nil
+	}
+	o.readyMu.RLock()
+	defer o.readyMu.RUnlock()
+	e := o.phase.Load()
+	if e == nil {
+		return nil
+	}
+	a, b := o.params[lo].Offset, o.params[lo].Offset+o.params[lo].Len
+	for _, p := range o.params[lo+1 : hi] {
+		a, b = min(a, p.Offset), max(b, p.Offset+p.Len)
+	}
+	sgs := o.subgroups
+	k := sort.Search(len(sgs), func(k int) bool { return sgs[k].Offset+sgs[k].Len > a })
+	for ; k < len(sgs) && sgs[k].Offset < b; k++ {
+		if err := e.WaitReady(s, k); err != nil {
+			return fmt.Errorf("offload: WaitParams: %w", err)
+		}
+	}
+	return nil
+}
+
+// asyncResult is a step's result, from StepAsync to WaitStep.
+type asyncResult struct {
+	res StepResult
+	err error
+}
+
+// finishAsync is StepAsync's goroutine: the phase's end.
+func (o *Optimizer) finishAsync() {
+	res, err := o.finishStep()
+	o.asyncRes <- asyncResult{res, err}
+}
+
+// endStep ends a Step that did not begin an update phase: what GradsFinal
+// prefetched is dropped (endPrefetch), and o's lock released.
+func (o *Optimizer) endStep() {
+	o.endPrefetch()
+	o.mu.Unlock()
+}
+
+// beginStep is Step up to its update phase, o.mu held: begun says the
+// phase began (finishStep ends it); otherwise the step is over (res and
+// err are Step's).
+func (o *Optimizer) beginStep(args StepArgs) (res StepResult, begun bool, err error) {
 	// What GradsFinal prefetched is this step's: the engine's Update takes
 	// it; a Step that returns before that (skipped, refused, failed) drops
-	// it, so that the next backward's gradients are moved again.
-	defer o.endPrefetch()
+	// it (endStep), so that the next backward's gradients are moved again.
 	start := time.Now()
 	if o.pool == nil {
-		return StepResult{}, ErrClosed
+		return StepResult{}, false, ErrClosed
 	}
 	if o.dev == devBroken {
-		return StepResult{}, fmt.Errorf("offload: %w (LoadCheckpoint restores one)", scheduler.ErrBroken)
+		return StepResult{}, false, fmt.Errorf("offload: %w (LoadCheckpoint restores one)", scheduler.ErrBroken)
 	}
 	if err := o.settle(false); err != nil {
-		return StepResult{}, err
+		return StepResult{}, false, err
 	}
 	unscale := float32(1)
 	switch s := args.LossScale; {
@@ -1287,14 +1418,14 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	case s > 0 && !math.IsInf(s, 0) && !math.IsInf(float64(float32(1/s)), 0) && float32(1/s) != 0:
 		unscale = float32(1 / s)
 	default:
-		return StepResult{}, fmt.Errorf("offload: LossScale %v: want a finite value > 0 whose reciprocal is a finite, non-zero float32", s)
+		return StepResult{}, false, fmt.Errorf("offload: LossScale %v: want a finite value > 0 whose reciprocal is a finite, non-zero float32", s)
 	}
-	res := StepResult{Step: o.step, ClipCoef: 1}
+	res = StepResult{Step: o.step, ClipCoef: 1}
 	if o.eng != nil {
-		return o.stepDevice(start, unscale, res, args.GradOnDevice, args.Reduce)
+		return o.beginDevice(start, unscale, res, args.GradOnDevice, args.Reduce)
 	}
 	if args.GradOnDevice {
-		return res, fmt.Errorf("offload: StepArgs.GradOnDevice: %w", ErrNoDevice)
+		return res, false, fmt.Errorf("offload: StepArgs.GradOnDevice: %w", ErrNoDevice)
 	}
 	// One pass over every gradient: the non-finite check and, when
 	// clipping, the sum of squares (adam.Pool.GradStats).
@@ -1309,12 +1440,12 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	}
 	ss, skip, err := globalStats(args.Reduce, finite, ss)
 	if err != nil {
-		return res, err
+		return res, false, err
 	}
 	if skip {
 		res.Skipped = true
 		res.Elapsed = time.Since(start)
-		return res, nil
+		return res, false, nil
 	}
 	clip := float32(1)
 	if o.opts.MaxGradNorm > 0 {
@@ -1322,6 +1453,7 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 		res.ClipCoef = float64(clip)
 	}
 	o.step++
+	o.stepAt.Store(o.step)
 	o.groupCoeffs(o.step, unscale, clip)
 	for _, sg := range o.subgroups {
 		lo, hi := sg.Offset, sg.Offset+sg.Len
@@ -1335,7 +1467,7 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 	}
 	res.Step = o.step
 	res.Elapsed = time.Since(start)
-	return res, nil
+	return res, false, nil
 }
 
 // subgroupSizes returns the subgroups' sizes, for the performance model.
@@ -1446,7 +1578,7 @@ func globalStats(reduce func(float64) (float64, error), finite bool, ss float64)
 // run there over every subgroup whatever its role, then the update phase,
 // then the working copy comes back to the host mirror (unless onDevice:
 // the mirror is then stale, workStale).
-func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult, onDevice bool, reduce func(float64) (float64, error)) (StepResult, error) {
+func (o *Optimizer) beginDevice(start time.Time, unscale float32, res StepResult, onDevice bool, reduce func(float64) (float64, error)) (StepResult, bool, error) {
 	// The backward is over: what Options.Speculate did not reach is the
 	// phase's, at half the memory traffic (no saves).
 	o.eng.StopSpeculation()
@@ -1458,30 +1590,30 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 		// The trainer's forward read a device copy that was not the
 		// master weights' (SyncDevice was due): its gradients are not
 		// theirs.
-		return res, errors.New("offload: Step with GradOnDevice, but New, SetParam or LoadCheckpoint changed the master weights since the last SyncDevice: the gradients came from a stale device working copy (call SyncDevice before the forward)")
+		return res, false, errors.New("offload: Step with GradOnDevice, but New, SetParam or LoadCheckpoint changed the master weights since the last SyncDevice: the gradients came from a stale device working copy (call SyncDevice before the forward)")
 	}
 	if err := o.loadDevice(); err != nil {
-		return res, err
+		return res, false, err
 	}
 	if !onDevice {
 		if err := o.eng.SetGrad(o.grad); err != nil {
-			return res, o.engineErr(err)
+			return res, false, o.engineErr(err)
 		}
 	}
 	finite, ss, err := o.eng.Stats(unscale)
 	if err != nil {
-		return res, o.engineErr(err)
+		return res, false, o.engineErr(err)
 	}
 	ss, skip, err := globalStats(reduce, finite, ss)
 	if err != nil {
-		return res, err
+		return res, false, err
 	}
 	o.lastUnscale = unscale
 	if skip {
 		o.specPaused = true // the drop (endPrefetch) restores what was speculated
 		res.Skipped = true
 		res.Elapsed = time.Since(start)
-		return res, nil
+		return res, false, nil
 	}
 	clip := float32(1)
 	if o.opts.MaxGradNorm > 0 {
@@ -1489,31 +1621,67 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 		res.ClipCoef = float64(clip)
 	}
 	o.specPaused = clip != 1
-	// A phase that may wait on a lazy checkpoint's capture (the engine's
-	// per-subgroup holds) measures the capture too: Options.Replan leaves
-	// it out of the fit.
-	held := o.pending.h != nil && !o.pending.h.Captured()
 	// In fields: the engine's lanes read the coefficients, so locals
 	// would escape and cost an allocation per Step.
 	o.subgroupCoeffs(o.sgcoeffs, o.step+1, unscale, clip)
 	// The speculative updates of these very scalars are kept (the phase
 	// skips them); the others are restored first (Options.Speculate).
 	if res.Speculated, err = o.eng.EndSpeculation(o.sgcoeffs); err != nil {
-		return res, o.engineErr(err)
+		return res, false, o.engineErr(err)
 	}
-	if err = o.eng.UpdatePer(o.sgcoeffs); err != nil && !isFault(err) {
+	if err = o.eng.StartUpdatePer(o.sgcoeffs); err != nil {
 		if o.eng.Broken() {
 			o.dev = devBroken
 		}
+		return res, false, fmt.Errorf("offload: step %d: %w", o.step+1, err)
+	}
+	res.Step = o.step + 1
+	o.stepAt.Store(o.step + 1)
+	o.readyMu.Lock()
+	o.phase.Store(o.eng)
+	o.readyMu.Unlock()
+	// A phase that may wait on a lazy checkpoint's capture (the engine's
+	// per-subgroup holds) measures the capture too: Options.Replan leaves
+	// it out of the fit.
+	o.cur = curStep{start: start, res: res, onDevice: onDevice, held: o.pending.h != nil && !o.pending.h.Captured()}
+	return res, true, nil
+}
+
+// curStep is the step whose update phase beginDevice began, for
+// finishStep.
+type curStep struct {
+	start          time.Time
+	res            StepResult
+	onDevice, held bool
+}
+
+// finishStep ends the update phase beginDevice began (o.cur), completes
+// the step as Step does, drops what it did not take of GradsFinal's, and
+// releases o.mu.
+func (o *Optimizer) finishStep() (StepResult, error) {
+	defer o.mu.Unlock()
+	defer o.endPrefetch()
+	res := o.cur.res
+	err := o.eng.FinishUpdate()
+	o.readyMu.Lock()
+	o.phase.Store(nil)
+	o.readyMu.Unlock()
+	if err != nil && !isFault(err) {
+		if o.eng.Broken() {
+			o.dev = devBroken
+		}
+		o.stepAt.Store(o.step)
+		res.Step = o.step
 		return res, fmt.Errorf("offload: step %d: %w", o.step+1, err)
 	}
 	// Done, or completed after a fault (err says which).
 	o.step++
+	o.stepAt.Store(o.step)
 	if o.eng.Plan().Schedule.Resident > 0 {
 		o.dev = devDeviceAhead
 	}
 	res.Step = o.step
-	if onDevice {
+	if o.cur.onDevice {
 		o.workStale.Store(true) // Working fetches it
 	} else if gerr := o.eng.GetWorking(o.work.Data); gerr != nil {
 		o.workStale.Store(true) // Working tries again
@@ -1527,9 +1695,9 @@ func (o *Optimizer) stepDevice(start time.Time, unscale float32, res StepResult,
 	if o.re.base != nil && err == nil {
 		// Options.Replan: after the working copy is where the caller
 		// reads it, so that a failed re-plan leaves a consistent step.
-		err = o.refit(&res, held)
+		err = o.refit(&res, o.cur.held)
 	}
-	res.Elapsed = time.Since(start)
+	res.Elapsed = time.Since(o.cur.start)
 	return res, err
 }
 

@@ -29,11 +29,14 @@ func specBase() Options {
 }
 
 // newRig makes a specRig over ps with held in OffloadParam (nil: none),
+// base's DeviceMasters b's alone,
 // the schedule s of the other subgroups and budget bytes of saves.
 func newRig(t *testing.T, ps []Param, base Options, held []string, s perfmodel.Schedule, budget int64) *specRig {
 	t.Helper()
 	r := &specRig{held: held}
-	r.ref = newWith(t, ps, base)
+	hb := base
+	hb.DeviceMasters = nil // the device's
+	r.ref = newWith(t, ps, hb)
 	r.sim = scheduler.NewSim(scheduler.SimOptions{})
 	o := base
 	o.Device, o.Schedule, o.OverlapBackward, o.OffloadParam, o.Speculate = r.sim, &s, true, held, budget

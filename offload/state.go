@@ -125,5 +125,6 @@ func (o *Optimizer) SetStepCount(step int64) error {
 		return fmt.Errorf("offload: SetStepCount(%d): want >= 0", step)
 	}
 	o.step = step
+	o.stepAt.Store(step)
 	return nil
 }

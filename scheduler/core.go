@@ -319,6 +319,21 @@ func (c *core) add(st step, deps ...dep) int32 {
 }
 
 // ops returns subgroup i's operations in order.
+// readyStep returns the step after which subgroup i's new 16-bit working
+// copy and its mirror part are written: a host-held subgroup's CPU update,
+// a CPU subgroup's copy H2D, another's kernel (the mirror's copies follow
+// it on its stream, before its end event).
+func (c *core) readyStep(i int) int32 {
+	op := opKernel
+	switch {
+	case c.shape.held != nil && c.shape.held[i]:
+		op = opCPU
+	case c.plan.Roles[i] == OnCPU:
+		op = opCopyH2D
+	}
+	return c.opSteps[i][op][1]
+}
+
 func (c *core) ops(i int) []int {
 	if c.shape.held != nil && c.shape.held[i] {
 		return heldOps

@@ -200,6 +200,8 @@ type Engine struct {
 	fin         chan struct{}
 	running     bool // the issuers' goroutines run
 	broken      bool
+	inPhase     bool // StartUpdatePer began a phase that FinishUpdate has not ended
+	phaseOn     bool // on progMu: inPhase, for WaitReady
 }
 
 // New allocates the engine's memory on the device and the host: the host
@@ -494,11 +496,88 @@ func (e *Engine) coeffs(i int) *adam.Coeffs {
 }
 
 func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
+	if err := e.beginPhase(c, cs); err != nil {
+		return err
+	}
+	return e.endPhase()
+}
+
+// StartUpdatePer is UpdatePer's first half: it settles the speculation,
+// starts the phase's lanes and returns, the GPU lane not yet issued;
+// FinishUpdate is the second half, which issues the GPU lane, waits for
+// every copy and returns UpdatePer's error. Between the two, WaitReady may
+// be called from any goroutine and FinishUpdate from any one goroutine;
+// nothing else of the engine. A trainer runs FinishUpdate on a goroutine
+// of its own and its next forward meanwhile, each block after WaitReady of
+// its subgroups (issue 31: the next forward over the update's tail).
+//
+// Errors: those of UpdatePer before the phase began (nothing was done,
+// and FinishUpdate must not be called).
+func (e *Engine) StartUpdatePer(cs []adam.Coeffs) error {
+	if len(cs) != len(e.sizes) {
+		return fmt.Errorf("scheduler: StartUpdatePer with %d coefficients for %d subgroups", len(cs), len(e.sizes))
+	}
+	return e.beginPhase(nil, cs)
+}
+
+// FinishUpdate is the second half of the update phase StartUpdatePer
+// began: see there.
+//
+// Errors: those of Update; no phase begun.
+func (e *Engine) FinishUpdate() error {
+	if !e.inPhase {
+		return errors.New("scheduler: FinishUpdate without StartUpdatePer")
+	}
+	return e.endPhase()
+}
+
+// WaitReady returns once subgroup i's update in the phase under way (or
+// the last one) has been issued to where its new 16-bit working copy and
+// its part of the mirror are written, and makes s wait for them on the
+// device: after a GPU subgroup's kernel and a CPU subgroup's copy H2D, the
+// work enqueued on s from now on waits for their end event; a host-held
+// subgroup's CPU update has returned (s waits for nothing: the caller
+// copies its HostWorking after this). With no phase under way it returns
+// at once (the last phase drained every stream). It may be called from any
+// goroutine while the phase runs (the one method that may), and waits only
+// on the host for the lane that issues the subgroup's step. s may be nil
+// (a host wait only, for a host-held subgroup).
+//
+// Errors: i out of range; the phase stopped before it issued subgroup i's
+// step (a fault: FinishUpdate reports it); the device's.
+func (e *Engine) WaitReady(s Stream, i int) error {
+	if i < 0 || i >= len(e.sizes) {
+		return fmt.Errorf("scheduler: WaitReady of subgroup %d of %d", i, len(e.sizes))
+	}
+	e.progMu.Lock()
+	on := e.phaseOn
+	e.progMu.Unlock()
+	if !on {
+		return nil
+	}
+	k := e.core.readyStep(i)
+	st := &e.core.steps[k]
+	if !e.issuedYet(st) {
+		return fmt.Errorf("scheduler: WaitReady: the update phase stopped before subgroup %d's %s", i, opNames[st.op])
+	}
+	if st.queue == qCPU || s == nil {
+		return nil
+	}
+	return e.dev.Wait(s, e.endEv[k])
+}
+
+// beginPhase is the update phase's first half: the checks, the settling of
+// the speculation, the phase's events, and the lanes but the GPU's
+// started.
+func (e *Engine) beginPhase(c *adam.Coeffs, cs []adam.Coeffs) error {
 	if e.broken {
 		return ErrBroken
 	}
 	if !e.running {
 		return ErrEngineClosed
+	}
+	if e.inPhase {
+		return errors.New("scheduler: an update phase is under way (FinishUpdate first)")
 	}
 	e.c, e.cs = c, cs
 	for i := range e.sizes {
@@ -518,8 +597,10 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 	e.first = nil
 	e.abort.Store(false)
 	e.deviceFault.Store(false)
+	e.progMu.Lock()
 	e.issued = [numIssuers]int32{}
 	e.ended = [numIssuers]bool{}
+	e.progMu.Unlock()
 	// base on the kernel stream, where Prefetch issues nothing (the copy
 	// lanes may still be busy with what it issued), after the last drain
 	// of every stream (done: a no-op on a GPU; on the simulated device's
@@ -547,12 +628,32 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 	}
 	// From here the phase takes what Prefetch issued (its copies are
 	// waited for by the steps after them and by the drain) and the kept
-	// speculative updates.
+	// speculative updates: endPhase ends it.
 	e.takeSpec()
-	defer func() { clear(e.pre); e.preOn = false; e.endSpec() }()
+	e.inPhase = true
+	e.progMu.Lock()
+	e.phaseOn = true
+	e.progMu.Unlock()
 	for l := issDrain; l < numIssuers; l++ {
 		e.start[l] <- struct{}{}
 	}
+	return nil
+}
+
+// endPhase is the update phase's second half: the GPU lane issued on this
+// goroutine, the other issuers waited for, every stream drained, a fault
+// completed.
+func (e *Engine) endPhase() error {
+	defer func() {
+		clear(e.pre)
+		e.preOn = false
+		e.endSpec()
+		e.inPhase = false
+		e.progMu.Lock()
+		e.phaseOn = false
+		e.progMu.Unlock()
+		e.progress.Broadcast()
+	}()
 	e.issue(issGPU)
 	for range numIssuers - 1 {
 		<-e.fin
