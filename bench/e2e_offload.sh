@@ -11,6 +11,8 @@
 #               start-up calibration, corrected online)
 #   dos-nooverlap  dos-model with --no-overlap (nothing of the update phase during backward): what the overlap
 #               with backward gains
+#   dos-nofwd   dos-model with --no-overlap-forward (each forward after the update phase): what running the next
+#               forward over the update's tail gains
 #   dos-cpu     the same with --schedule cpu (every subgroup on the CPU: ZeRO-Offload's placement)
 #   dos-static  the same with --schedule static (as many subgroups resident as the budget holds: TwinFlow's),
 #               subgroups of 1e8 (the static split skips the calibration that chooses the size)
@@ -75,6 +77,7 @@ for run in $runs; do
 		case $strat in
 		dos-model) flags+=(--replan) ;;
 		dos-nooverlap) flags+=(--replan --no-overlap) ;;
+		dos-nofwd) flags+=(--replan --no-overlap-forward) ;;
 		dos-cpu) flags+=(--schedule cpu) ;;
 		dos-static) flags+=(--schedule static) ;;
 		dos-static-25M) flags+=(--schedule static --subgroup-size 25000000) ;;

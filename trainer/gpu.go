@@ -73,6 +73,10 @@ type weightSource interface {
 	wait() error
 	// streamed returns how many blocks stream from host memory.
 	streamed() int
+	// overlapsUpdate says whether the forward waits for each block's
+	// weights of a StepAsync phase under way (Optimizer.WaitParams), so
+	// that it may run before WaitStep.
+	overlapsUpdate() bool
 	// describe returns the header's line of the blocks streamed ("" for
 	// none) and a note on the replica's own device memory for the GPU
 	// memory line ("" for none).
@@ -329,25 +333,29 @@ func (g *gpuReplica) bind(opt *offload.Optimizer) error {
 
 func (g *gpuReplica) refresh() error { return g.src.refresh() }
 
-func (g *gpuReplica) forwardBackward(inputs, targets []int32, scale float32, mark func()) (float64, error) {
+func (g *gpuReplica) forward(inputs, targets []int32, scale float32, mark func()) error {
 	if err := g.src.refresh(); err != nil {
-		return 0, err
+		return err
 	}
 	if err := g.src.wait(); err != nil { // Forward starts with its stream's Sync
-		return 0, err
+		return err
 	}
 	if err := g.m.Forward(g.w, inputs, targets, scale); err != nil {
-		return 0, err
+		return err
 	}
 	if mark != nil {
 		if err := g.src.wait(); err != nil {
-			return 0, err
+			return err
 		}
 		if err := g.s.Sync(); err != nil {
-			return 0, err
+			return err
 		}
 		mark()
 	}
+	return nil
+}
+
+func (g *gpuReplica) backward() (float64, error) {
 	if err := g.m.Backward(g.w, g.g); err != nil {
 		return 0, err
 	}
@@ -359,6 +367,8 @@ func (g *gpuReplica) forwardBackward(inputs, targets []int32, scale float32, mar
 	}
 	return g.m.Loss() // waits for the stream: the gradients are complete
 }
+
+func (g *gpuReplica) overlapsUpdate() bool { return g.src.overlapsUpdate() }
 
 func (g *gpuReplica) loss(inputs, targets []int32) (float64, error) {
 	if err := g.src.wait(); err != nil {
@@ -477,7 +487,7 @@ type localSource struct {
 	blocks [][]int
 	rest   []int
 	opt    *offload.Optimizer
-	stream offload.Stream // the model's, for GradsFinal
+	stream offload.Stream // the model's, for GradsFinal and WaitParams
 }
 
 func (l *localSource) bind(opt *offload.Optimizer) error {
@@ -504,8 +514,11 @@ func (l *localSource) bind(opt *offload.Optimizer) error {
 		if err := l.bs.bind(opt, g.w, g.g); err != nil {
 			return err
 		}
-		g.beforeBlock = l.bs.before
+		h2d := offload.CUDAStream(l.bs.h2d)
+		l.bs.weightsReady = func(b int) error { return opt.WaitParams(h2d, gpt.LayerBase(b), gpt.LayerBase(b+1)) }
 	}
+	l.stream = offload.CUDAStream(g.s)
+	g.beforeBlock = l.before
 	for i := range n {
 		if streamed[i] {
 			continue
@@ -524,7 +537,6 @@ func (l *localSource) bind(opt *offload.Optimizer) error {
 	var final func(b int) error
 	if opt.Options().OverlapBackward {
 		l.blocks, l.rest = finalAfter(g.m.Config().NLayer)
-		l.stream = offload.CUDAStream(g.s)
 		final = func(b int) error { return opt.GradsFinal(l.stream, l.blocks[b]...) }
 		if l.bs != nil {
 			// A streamed block's gradients are final once its D2H into the
@@ -559,7 +571,33 @@ func (l *localSource) bind(opt *offload.Optimizer) error {
 	return nil
 }
 
-func (l *localSource) refresh() error { return nil }
+// refresh makes the model's stream wait for the embeddings' weights of a
+// StepAsync phase under way (wte, wpe: the forward's first reads).
+func (l *localSource) refresh() error { return l.opt.WaitParams(l.stream, 0, gpt.LayerBase(0)) }
+
+// before is the model's BeforeBlock: in the forward, the model's stream
+// waits for block l's weights of a StepAsync phase under way (and the
+// last block's for ln_f's too); then the streamed blocks' slots
+// (blockStream.before).
+func (l *localSource) before(b int, backward bool) error {
+	if !backward {
+		hi := gpt.LayerBase(b + 1)
+		if b == l.g.m.Config().NLayer-1 {
+			hi = len(l.g.w)
+		}
+		if err := l.opt.WaitParams(l.stream, gpt.LayerBase(b), hi); err != nil {
+			return err
+		}
+	}
+	if l.bs != nil {
+		return l.bs.before(b, backward)
+	}
+	return nil
+}
+
+// overlapsUpdate: the forward waits for each block's weights (refresh,
+// before, and blockStream.issue for a streamed block's copy).
+func (l *localSource) overlapsUpdate() bool { return true }
 
 func (l *localSource) end() error {
 	if l.bs != nil {

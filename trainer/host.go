@@ -23,6 +23,9 @@ type hostReplica struct {
 	// slice per tensor (weights.bind's: the optimizer's own buffers
 	// where the dtypes allow).
 	params, grads [][]float32
+	// The last forward's loss and loss scale, for backward.
+	lossNow float64
+	scale   float32
 }
 
 // hostWeights is where a host replica's weights come from and its
@@ -45,24 +48,35 @@ func (h *hostReplica) bind(opt *offload.Optimizer) error {
 
 func (h *hostReplica) refresh() error { return h.weights.pull(h.params) }
 
-func (h *hostReplica) forwardBackward(inputs, targets []int32, scale float32, mark func()) (float64, error) {
+func (h *hostReplica) forward(inputs, targets []int32, scale float32, mark func()) error {
 	if err := h.weights.pull(h.params); err != nil {
-		return 0, err
+		return err
 	}
-	loss := float64(h.model.Forward(h.params, inputs, targets))
+	h.lossNow, h.scale = float64(h.model.Forward(h.params, inputs, targets)), scale
 	if mark != nil {
 		mark()
 	}
+	return nil
+}
+
+func (h *hostReplica) backward() (float64, error) {
+	loss := h.lossNow
 	if math.IsNaN(loss) || math.IsInf(loss, 0) {
 		for _, g := range h.grads {
 			clear(g)
 		}
 		h.grads[0][0] = float32(math.NaN())
 	} else {
-		h.model.Backward(h.params, h.grads, scale)
+		h.model.Backward(h.params, h.grads, h.scale)
 	}
 	return loss, h.weights.push(h.grads)
 }
+
+// overlapsUpdate: yes, trivially: a host replica's optimizer steps
+// without StepArgs.GradOnDevice, so its StepAsync is Step (the working
+// copy comes back to the host whole before it returns), and the next
+// forward that runs before WaitStep reads the step's weights.
+func (h *hostReplica) overlapsUpdate() bool { return true }
 
 func (h *hostReplica) loss(inputs, targets []int32) (float64, error) {
 	return float64(h.model.Forward(h.params, inputs, targets)), nil

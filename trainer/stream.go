@@ -283,6 +283,11 @@ type blockStream struct {
 	hw, hg          [][]hostSpan // per streamed block, per streamedOffsets: its host working copy and gradient
 	opt             *offload.Optimizer
 	model           *cuda.Stream // the model's stream
+	// weightsReady waits for block l's weights of a StepAsync phase under way
+	// (Optimizer.WaitParams, the h2d stream's device waits and the host
+	// wait for the CPU's updates of its host working copy) before issue
+	// copies them; nil: none.
+	weightsReady func(l int) error
 }
 
 // hostSpan is a streamed tensor's place in pinned host memory.
@@ -378,6 +383,11 @@ func (b *blockStream) invalidate() { b.holds, b.at = [2]int{-1, -1}, -1 }
 func (b *blockStream) issue(l int) error {
 	s := l % 2
 	b.holds[s] = -1
+	if b.weightsReady != nil {
+		if err := b.weightsReady(l); err != nil {
+			return err
+		}
+	}
 	if err := b.ready.Record(b.model); err != nil {
 		return err
 	}

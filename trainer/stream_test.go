@@ -107,7 +107,12 @@ func TestGPUStreamBitwise(t *testing.T) {
 	for _, recompute := range []bool{false, true} {
 		c := cfg
 		c.Recompute, c.StreamBlocks = recompute, 0
+		// The reference runs each forward after the update phase; every
+		// other run overlaps it with the phase's tail (the default).
+		c.NoOverlapForward = true
 		ref := run(c)
+		c.NoOverlapForward = false
+		same(fmt.Sprintf("recompute %v, resident, the forward over the update's tail", recompute), ref, run(c))
 		if !(ref.s.FinalLoss < ref.s.InitialLoss) || ref.s.Sample == "" {
 			t.Fatalf("the resident run: %+v", ref.s)
 		}
@@ -122,8 +127,9 @@ func TestGPUStreamBitwise(t *testing.T) {
 		c.StreamBlocks, c.Speculate = 3, 1
 		same(fmt.Sprintf("recompute %v, 3 blocks streamed, speculating, clipping at 0.5", recompute), ref, run(c))
 		nc := c
-		nc.MaxGradNorm, nc.StreamBlocks, nc.Speculate = 0, 0, 0
+		nc.MaxGradNorm, nc.StreamBlocks, nc.Speculate, nc.NoOverlapForward = 0, 0, 0, true
 		refNoClip := run(nc)
+		nc.NoOverlapForward = false
 		nc.StreamBlocks, nc.Speculate = 3, 1
 		nc.LogJSON = filepath.Join(t.TempDir(), "steps.jsonl")
 		same(fmt.Sprintf("recompute %v, 3 blocks streamed, speculating, no clipping", recompute), refNoClip, run(nc))

@@ -447,11 +447,11 @@ func (t *Trainer) Evaluate() (float64, error) {
 	return sum / float64(n), nil
 }
 
-// forwardBackward computes the batch's loss and the gradients of scale ×
-// loss where the optimizers read them, on every rank. With marks (the
-// traced iteration: TrainConfig.TimelineAt) it records when forward
-// ended, the device synchronised first.
-func (t *Trainer) forwardBackward(scale float32, marks *timelineMarks) (float64, error) {
+// forward runs the forward of the batch in t.inputs and t.tgts on every
+// rank, for a backward of scale × loss. With marks (the traced iteration:
+// TrainConfig.TimelineAt) it records when forward ended, the device
+// synchronised first.
+func (t *Trainer) forward(scale float32, marks *timelineMarks) error {
 	var mark func()
 	if marks != nil {
 		mark = func() {
@@ -459,7 +459,32 @@ func (t *Trainer) forwardBackward(scale float32, marks *timelineMarks) (float64,
 			t.markMemory(marks, marks.forward)
 		}
 	}
-	return t.w.forwardBackward(t.inputs, t.tgts, scale, mark)
+	return t.w.forward(t.inputs, t.tgts, scale, mark)
+}
+
+// lossScale is the loss scale of the next backward: TrainState.LossScale,
+// 1 without one.
+func (t *Trainer) lossScale() float32 {
+	if t.state.LossScale > 0 {
+		return float32(t.state.LossScale)
+	}
+	return 1
+}
+
+// overlapForward says whether iteration it+1's forward runs during
+// iteration it's update phase (between StepAsync and WaitStep): not with
+// TrainConfig.NoOverlapForward, nor after the last iteration, nor where
+// iteration it ends in an evaluation or a checkpoint (they read the
+// weights, and a checkpoint saves the data's position), nor around the
+// traced iteration (its timeline is its own), nor on a replica that does
+// not wait for the weights per block (a job's ZeRO-3 ranks).
+func (t *Trainer) overlapForward(it int) bool {
+	cfg := &t.cfg
+	return !cfg.NoOverlapForward && it < cfg.Steps &&
+		!(cfg.EvalEvery > 0 && it%cfg.EvalEvery == 0) &&
+		!(cfg.CkptEvery > 0 && it%cfg.CkptEvery == 0) &&
+		it != cfg.TimelineAt && it+1 != cfg.TimelineAt &&
+		t.w.overlapsUpdate()
 }
 
 func (t *Trainer) logf(format string, args ...any) {
@@ -565,24 +590,29 @@ func (t *Trainer) Run() (Summary, error) {
 	done := 0
 	var updates, computes time.Duration // the update phases and the forwards and backwards, the first iteration's left out
 	var speculated int64                // parameters kept from speculative updates, this run
+	// ahead: the next iteration's forward ran during this one's update
+	// phase (overlapForward), on the batch from aheadPos with that scale.
+	ahead, aheadPos, aheadScale := false, int64(0), float32(1)
 	for t.state.Iteration < cfg.Steps {
 		it := t.state.Iteration + 1
 		t0 := time.Now()
 		if err := t.w.setLR(cfg.LRAt(it)); err != nil {
 			return sum, err
 		}
-		t.loader.Next(t.inputs, t.tgts)
-		pos := t.loader.lastStart()
-		scale := float32(1)
-		if t.state.LossScale > 0 {
-			scale = float32(t.state.LossScale)
-		}
 		var marks *timelineMarks
-		if it == cfg.TimelineAt {
-			marks = &timelineMarks{t0: t0}
-			t.markMemory(marks, t0)
+		pos, scale := aheadPos, aheadScale
+		if !ahead {
+			t.loader.Next(t.inputs, t.tgts)
+			pos, scale = t.loader.lastStart(), t.lossScale()
+			if it == cfg.TimelineAt {
+				marks = &timelineMarks{t0: t0}
+				t.markMemory(marks, t0)
+			}
+			if err := t.forward(scale, marks); err != nil {
+				return sum, err
+			}
 		}
-		loss, err := t.forwardBackward(scale, marks)
+		loss, err := t.w.backward()
 		if err != nil {
 			return sum, err
 		}
@@ -593,8 +623,30 @@ func (t *Trainer) Run() (Summary, error) {
 		if marks != nil {
 			t.markMemory(marks, s0)
 		}
-		res, err := t.w.step(offload.StepArgs{LossScale: float64(scale)})
+		res, err := t.w.stepAsync(offload.StepArgs{LossScale: float64(scale)})
 		if err != nil {
+			return sum, err
+		}
+		if t.state.LossScale > 0 { // res.Skipped is known: the next forward's scale
+			if res.Skipped {
+				t.state.LossScale = max(t.state.LossScale/2, 1) // floor 1: see validScale
+				t.state.GoodSteps = 0
+			} else if t.state.GoodSteps++; t.state.GoodSteps == ScaleGrowthInterval {
+				t.state.LossScale = min(t.state.LossScale*2, 1<<64)
+				t.state.GoodSteps = 0
+			}
+		}
+		// The next iteration's forward over this update phase's tail,
+		// each block once its weights are written.
+		if ahead = t.overlapForward(it); ahead {
+			t.loader.Next(t.inputs, t.tgts)
+			aheadPos, aheadScale = t.loader.lastStart(), t.lossScale()
+			if err := t.forward(aheadScale, nil); err != nil {
+				_, _ = t.w.waitStep()
+				return sum, err
+			}
+		}
+		if res, err = t.w.waitStep(); err != nil {
 			return sum, err
 		}
 		if marks != nil {
@@ -607,15 +659,6 @@ func (t *Trainer) Run() (Summary, error) {
 			computes += s0.Sub(t0)
 		}
 		speculated += res.Speculated
-		if t.state.LossScale > 0 {
-			if res.Skipped {
-				t.state.LossScale = max(t.state.LossScale/2, 1) // floor 1: see validScale
-				t.state.GoodSteps = 0
-			} else if t.state.GoodSteps++; t.state.GoodSteps == ScaleGrowthInterval {
-				t.state.LossScale = min(t.state.LossScale*2, 1<<64)
-				t.state.GoodSteps = 0
-			}
-		}
 		if res.Skipped {
 			sum.Skipped++
 		}

@@ -140,6 +140,15 @@ type TrainConfig struct {
 	// first streamed subgroups' state to the device): for comparison; the
 	// trajectory is the same, bit for bit.
 	NoOverlap bool `json:"no_overlap,omitempty"`
+	// NoOverlapForward runs each iteration's forward after the last
+	// update phase has ended. By default the next iteration's forward
+	// runs during the update phase, each block once its weights are
+	// written (offload.Optimizer.StepAsync and WaitParams; on a GPU
+	// replica that waits per block, not in a ZeRO-3 job), except where
+	// an evaluation, a checkpoint or the traced iteration comes between:
+	// for comparison; the trajectory is the same, bit for bit. Not
+	// saved in checkpoints.
+	NoOverlapForward bool `json:"-"`
 	// Speculate, with Device "cuda" on one GPU and the overlap (not
 	// NoOverlap), is host memory in GiB for speculative updates
 	// (offload.Options.Speculate): the streamed blocks' subgroups and the

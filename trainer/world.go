@@ -42,13 +42,22 @@ type replica interface {
 	// iteration (Evaluate, Sample): after an update the replica's
 	// copies are stale.
 	refresh() error
-	// forwardBackward runs forward and backward on the rank's rows of a
-	// batch, the loss scaled by scale, and returns the rows' mean loss;
-	// the gradients are where the optimizer reads them when it returns
-	// (a non-finite loss leaves a NaN gradient, which skips the step).
-	// mark, when not nil, runs once forward is done (the device
-	// synchronised first): the traced iteration's time.
-	forwardBackward(inputs, targets []int32, scale float32, mark func()) (float64, error)
+	// forward runs (enqueues) the forward of the rank's rows of a batch
+	// for a backward of the loss scaled by scale. mark, when not nil,
+	// runs once forward is done (the device synchronised first): the
+	// traced iteration's time. While the optimizer's StepAsync phase
+	// runs, a replica whose overlapsUpdate says so reads each block's
+	// weights after Optimizer.WaitParams; the others are called only
+	// after WaitStep.
+	forward(inputs, targets []int32, scale float32, mark func()) error
+	// backward runs the backward of the last forward and returns the
+	// rows' mean loss; the gradients are where the optimizer reads them
+	// when it returns (a non-finite loss leaves a NaN gradient, which
+	// skips the step). Never while a StepAsync phase runs.
+	backward() (float64, error)
+	// overlapsUpdate says whether forward may run while the optimizer's
+	// StepAsync phase runs (it waits for each block's weights).
+	overlapsUpdate() bool
 	// loss returns the rows' mean loss without gradients, the weights
 	// refreshed before.
 	loss(inputs, targets []int32) (float64, error)
@@ -374,19 +383,43 @@ func (rk *rank) allReduce(v float64, op comm.Op) (float64, error) {
 	return math.Float64frombits(binary.LittleEndian.Uint64(rk.scalar[:])), nil
 }
 
-// forwardBackward runs forward and backward on every rank over its rows
-// of inputs and targets and returns the ranks' mean loss; mark (the
-// traced iteration's) runs on rank 0. A rank whose loss is not finite
-// still takes part in every collective (its gradient then carries the NaN
-// to the step, which skips).
-func (w *world) forwardBackward(inputs, targets []int32, scale float32, mark func()) (float64, error) {
-	return w.meanLoss(inputs, targets, func(rk *rank, in, tg []int32) (float64, error) {
+// forward runs the forward of every rank over its rows of inputs and
+// targets; mark (the traced iteration's) runs on rank 0.
+func (w *world) forward(inputs, targets []int32, scale float32, mark func()) error {
+	return w.each(func(rk *rank) error {
 		m := mark
 		if rk.r != 0 {
 			m = nil
 		}
-		return rk.rep.forwardBackward(in, tg, scale, m)
+		return rk.rep.forward(w.rows(inputs, rk.r), w.rows(targets, rk.r), scale, m)
 	})
+}
+
+// backward runs every rank's backward of its last forward and returns
+// the ranks' mean loss. A rank whose loss is not finite still takes part
+// in every collective (its gradient then carries the NaN to the step,
+// which skips).
+func (w *world) backward() (float64, error) {
+	err := w.each(func(rk *rank) error {
+		loss, err := rk.rep.backward()
+		if err != nil {
+			return err
+		}
+		rk.loss, err = rk.allReduce(loss, comm.Avg)
+		return err
+	})
+	return w.ranks[0].loss, err
+}
+
+// overlapsUpdate says whether every rank's forward may run while its
+// optimizer's StepAsync phase runs.
+func (w *world) overlapsUpdate() bool {
+	for _, rk := range w.ranks {
+		if !rk.rep.overlapsUpdate() {
+			return false
+		}
+	}
+	return true
 }
 
 // refresh brings every replica's weights in for the passes outside the
@@ -434,22 +467,38 @@ func (w *world) next(window []int32) ([]float32, error) {
 	return logits, err
 }
 
-// step steps every rank's optimizer, the sums of squares all-reduced in a
-// job, and returns rank 0's result (the ranks agree on skipped, norm and
-// clip).
-func (w *world) step(args offload.StepArgs) (offload.StepResult, error) {
+// stepAsync begins every rank's optimizer step (offload.Optimizer.
+// StepAsync), the sums of squares all-reduced in a job, and returns rank
+// 0's result so far (the ranks agree on skipped, norm and clip); waitStep
+// ends them.
+func (w *world) stepAsync(args offload.StepArgs) (offload.StepResult, error) {
 	err := w.each(func(rk *rank) error {
 		a := args
 		a.GradOnDevice = rk.gradOnDevice
 		if rk.c != nil {
-			a.Reduce = func(ss float64) (float64, error) { return rk.allReduce(ss, comm.Sum) }
+			a.Reduce = rk.reduce
 		}
 		var err error
-		rk.res, err = rk.opt.Step(a)
+		rk.res, err = rk.opt.StepAsync(a)
 		return err
 	})
 	return w.ranks[0].res, err
 }
+
+// waitStep waits for every rank's step that stepAsync began and returns
+// rank 0's result.
+func (w *world) waitStep() (offload.StepResult, error) {
+	err := w.each(func(rk *rank) error {
+		var err error
+		rk.res, err = rk.opt.WaitStep()
+		return err
+	})
+	return w.ranks[0].res, err
+}
+
+// reduce is the rank's StepArgs.Reduce in a job: the sum of the ranks'
+// sums of squares.
+func (rk *rank) reduce(ss float64) (float64, error) { return rk.allReduce(ss, comm.Sum) }
 
 // setLR sets every rank's learning rate.
 func (w *world) setLR(lr float64) error {

@@ -431,6 +431,10 @@ var zeroBlockFault func(rank, l int, backward bool) error
 // (block l+2's reduce-scatter done), and the next block's gather
 // enqueued into the other slot (l+1 forward, l-1 backward), which block
 // l computes meanwhile.
+// overlapsUpdate: no: a rank's gathers read its piece of every block, and
+// its forward runs only after WaitStep.
+func (gr *gatherSource) overlapsUpdate() bool { return false }
+
 func (gr *gatherSource) beforeBlock(l int, backward bool) error {
 	if f := zeroBlockFault; f != nil {
 		if err := f(gr.rank, l, backward); err != nil {
