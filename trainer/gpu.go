@@ -571,17 +571,23 @@ func (l *localSource) bind(opt *offload.Optimizer) error {
 	return nil
 }
 
-// refresh makes the model's stream wait for the embeddings' weights of a
-// StepAsync phase under way (wte, wpe: the forward's first reads).
-func (l *localSource) refresh() error { return l.opt.WaitParams(l.stream, 0, gpt.LayerBase(0)) }
+// refresh makes the model's stream wait for the weights of a StepAsync
+// phase under way that the forward reads before block 0's BeforeBlock:
+// wte, wpe and block 0's ln_1.
+func (l *localSource) refresh() error { return l.opt.WaitParams(l.stream, 0, ln1End(0)) }
+
+// ln1End is the index after block b's ln_1 parameters (gpt.Config.Tensors
+// order): gptcuda's forward computes block b's ln_1 at the end of block
+// b-1 (or after the embeddings), before block b's BeforeBlock.
+func ln1End(b int) int { return gpt.LayerBase(b) + gpt.Ln1B + 1 }
 
 // before is the model's BeforeBlock: in the forward, the model's stream
-// waits for block l's weights of a StepAsync phase under way (and the
-// last block's for ln_f's too); then the streamed blocks' slots
-// (blockStream.before).
+// waits for the weights of a StepAsync phase under way that block b reads
+// (its own, and block b+1's ln_1, computed at its end; ln_f with the
+// last); then the streamed blocks' slots (blockStream.before).
 func (l *localSource) before(b int, backward bool) error {
 	if !backward {
-		hi := gpt.LayerBase(b + 1)
+		hi := ln1End(b + 1)
 		if b == l.g.m.Config().NLayer-1 {
 			hi = len(l.g.w)
 		}
