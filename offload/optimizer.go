@@ -1301,15 +1301,16 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 // in turn: a StepAsync before the last one's WaitStep is an error. It
 // allocates a goroutine's start per step and nothing else.
 //
-// Errors: Step's that come before the update phase; a StepAsync whose
-// result WaitStep has not taken. The phase's own come from WaitStep.
+// Errors: Step's that come before the update phase (and all of Step's
+// without the phase on a goroutine), which leave nothing for WaitStep; a
+// StepAsync whose result WaitStep has not taken. The phase's own come
+// from WaitStep.
 func (o *Optimizer) StepAsync(args StepArgs) (StepResult, error) {
 	if o.asyncN > 0 {
 		return StepResult{}, errors.New("offload: StepAsync before WaitStep took the last one's result")
 	}
 	o.mu.Lock()
 	res, begun, err := o.beginStep(args)
-	o.asyncN++
 	switch {
 	case !begun:
 		o.endStep()
@@ -1318,11 +1319,16 @@ func (o *Optimizer) StepAsync(args StepArgs) (StepResult, error) {
 		// phase's end: a forward reading them must wait for all of it.
 		res, err = o.finishStep()
 	default:
+		o.asyncN++
 		go o.finishAsync()
 		return res, nil
 	}
-	o.asyncRes <- asyncResult{res, err}
-	return res, err
+	if err != nil {
+		return res, err // nothing for WaitStep
+	}
+	o.asyncN++
+	o.asyncRes <- asyncResult{res, nil}
+	return res, nil
 }
 
 // WaitStep waits for the step StepAsync began and returns its result and

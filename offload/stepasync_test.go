@@ -152,3 +152,40 @@ func readDevice(x *streamIO, v DeviceTensor) ([]byte, error) {
 	}
 	return bytes.Clone(x.h.Bytes()[:v.Bytes()]), nil
 }
+
+// TestStepAsyncHost: without a device StepAsync is Step (the same state
+// and result, WaitStep's too); a refused StepAsync leaves nothing for
+// WaitStep; a StepAsync before WaitStep took the last result is refused.
+func TestStepAsyncHost(t *testing.T) {
+	base := Options{MaxGradNorm: 0.5, SubgroupSize: 400, Threads: 2}
+	ref, o := newTest(t, base), newTest(t, base)
+	for step := int64(1); step <= 3; step++ {
+		fill(ref, step)
+		fill(o, step)
+		rr, err := ref.Step(StepArgs{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ra, err := o.StepAsync(StepArgs{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := o.StepAsync(StepArgs{}); err == nil {
+			t.Fatal("a second StepAsync before WaitStep: no error")
+		}
+		rb, err := o.WaitStep()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ra.Step != rr.Step || rb.Step != rr.Step || rb.GradNorm != rr.GradNorm || ra.GradNorm != rr.GradNorm {
+			t.Fatalf("step %d: StepAsync %+v, WaitStep %+v, Step %+v", step, ra, rb, rr)
+		}
+		sameState(t, ref, o)
+	}
+	if _, err := o.StepAsync(StepArgs{LossScale: -1}); err == nil {
+		t.Fatal("LossScale -1: no error")
+	}
+	if r, err := o.WaitStep(); err != nil || r != (StepResult{}) {
+		t.Fatalf("WaitStep after a refused StepAsync: %+v, %v; want a zero result and nil", r, err)
+	}
+}

@@ -482,6 +482,9 @@ func (w *world) stepAsync(args offload.StepArgs) (offload.StepResult, error) {
 		rk.res, err = rk.opt.StepAsync(a)
 		return err
 	})
+	if err != nil {
+		_, _ = w.waitStep() // the ranks whose step began
+	}
 	return w.ranks[0].res, err
 }
 
