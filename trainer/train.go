@@ -588,7 +588,8 @@ func (t *Trainer) Run() (Summary, error) {
 	start := time.Now()
 	var warm time.Time // the end of this run's first iteration
 	done := 0
-	var updates, computes time.Duration // the update phases and the forwards and backwards, the first iteration's left out
+	var updates, computes time.Duration // the update phases, and the forwards and backwards run in their own iteration; the first iteration's left out
+	serial := 0                         // the iterations computes counts
 	var speculated int64                // parameters kept from speculative updates, this run
 	// ahead: the next iteration's forward ran during this one's update
 	// phase (overlapForward), on the batch from aheadPos with that scale.
@@ -596,6 +597,7 @@ func (t *Trainer) Run() (Summary, error) {
 	for t.state.Iteration < cfg.Steps {
 		it := t.state.Iteration + 1
 		t0 := time.Now()
+		ranAhead := ahead // this iteration's forward ran during the last update phase
 		if err := t.w.setLR(cfg.LRAt(it)); err != nil {
 			return sum, err
 		}
@@ -656,7 +658,10 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		if done > 0 { // the first update of a run also pays for the caches and page tables warming up
 			updates += res.Elapsed
-			computes += s0.Sub(t0)
+			if !ranAhead {
+				computes += s0.Sub(t0)
+				serial++
+			}
 		}
 		speculated += res.Speculated
 		if res.Skipped {
@@ -757,7 +762,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if done > 1 {
 			sum.TokensPerS = float64((done-1)*tokens) / time.Since(warm).Seconds()
 			sum.IterationS = time.Since(warm).Seconds() / float64(done-1)
-			t.iterationBound(&sum, computes.Seconds()/float64(done-1))
+			t.iterationBound(&sum, computes, serial)
 		}
 		if t.w.gpus > 0 {
 			sum.MFU = sum.TokensPerS * flops / peak
@@ -905,12 +910,19 @@ func (l maybeLoss) or0() float64 {
 }
 
 // iterationBound sets sum.IterationBoundS on one GPU with a profile, from
-// the mean forward and backward compute (seconds) and the streamed
-// blocks' copies, and says it beside the measured iteration.
-func (t *Trainer) iterationBound(sum *Summary, compute float64) {
+// the mean forward and backward compute of the serial iterations (computes
+// over serial of them: those whose forward ran in their own iteration, the
+// first left out) and the streamed blocks' copies, and says it beside the
+// measured iteration; with no serial iteration it says why there is none.
+func (t *Trainer) iterationBound(sum *Summary, computes time.Duration, serial int) {
 	if t.w.gpus == 0 || t.w.job {
 		return
 	}
+	if serial == 0 {
+		t.logf("iteration: %.1f ms measured; its lower bound needs the forward's time, which no iteration after the first measured alone (every forward ran during the update phase before it): --no-overlap-forward measures it\n", 1e3*sum.IterationS)
+		return
+	}
+	compute := computes.Seconds() / float64(serial)
 	h2d, d2h := streamedCopyBytes(t.cfg.Model, t.cfg.Streamed())
 	b, ok := t.opt.IterationBound(offload.Iteration{Compute: compute, H2DBytes: h2d, D2HBytes: d2h})
 	if !ok || b.Seconds <= 0 {
