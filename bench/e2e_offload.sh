@@ -41,7 +41,7 @@
 # RUN_TIMEOUT (seconds, default 0: none) stops any one run there, so that one slow run leaves the call's others. GPU_NOCAP=1 (the default) adds the all-on-GPU run without a cap, as the reference ceiling.
 # Every dos run draws its last iteration with --timeline to OUT/MODEL-CAP-bBATCH-STRATEGY-timeline.svg (the Chrome
 # trace beside it). Prints one line per run and a markdown table: tokens/s, ms per iteration, forward+backward and update (medians),
-# dos's predicted update, TFLOP/s and each run against fsdp2. Logs, JSON and summaries go to OUT (default /tmp/e2e).
+# dos's predicted update, TFLOP/s and each run against fsdp2 and torchao. Logs, JSON and summaries go to OUT (default /tmp/e2e).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root" || exit 2
@@ -136,19 +136,27 @@ echo
 python3 - "$out/results.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print("| model | cap GiB | B | strategy | tokens/s | ms/iter | fwd+bwd ms | step ms (predicted) | TFLOP/s | vs fsdp2 |")
-print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+
+
+def ref(r, *strategies):
+    """The tokens/s of the first of strategies that ran on r's model and cap."""
+    for s in strategies:
+        for q in rows:
+            if q["model"] == r["model"] and q["cap_gib"] == r["cap_gib"] and q["strategy"] == s and "error" not in q:
+                return q.get("tokens_per_s", 0)
+    return 0
+
+
+print("| model | cap GiB | B | strategy | tokens/s | ms/iter | fwd+bwd ms | step ms (predicted) | TFLOP/s | vs fsdp2 | vs torchao |")
+print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
 for r in rows:
-    ref = next((q.get("tokens_per_s", 0) for q in rows if q["model"] == r["model"] and q["cap_gib"] == r["cap_gib"]
-                and q["strategy"] == "fsdp2-noclip" and "error" not in q), 0) or next(
-        (q.get("tokens_per_s", 0) for q in rows if q["model"] == r["model"] and q["cap_gib"] == r["cap_gib"]
-         and q["strategy"] == "fsdp2"), 0)
+    fsdp, tao = ref(r, "fsdp2-noclip", "fsdp2"), ref(r, "torchao")
     tps = r.get("tokens_per_s", 0)
     tfl = r.get("tflops") or (round(r["mfu"] * 989, 1) if r.get("mfu") else "")
     pred = f" ({r['predicted_ms']})" if r.get("predicted_ms") else ""
     if "error" in r:
-        print(f"| {r['model']} | {r['cap_gib']:g} | {r.get('batch', '')} | {r['strategy']} | failed: {r['error'][:120]} | | | | | |")
+        print(f"| {r['model']} | {r['cap_gib']:g} | {r.get('batch', '')} | {r['strategy']} | failed: {r['error'][:120]} | | | | | | |")
         continue
     print(f"| {r['model']} | {r['cap_gib']:g} | {r['batch']} | {r['strategy']} | {tps:.0f} | {r['ms_per_iter']} | "
-          f"{r['fwd_bwd_ms']} | {r['step_ms']}{pred} | {tfl} | {f'{tps / ref:.2f}x' if ref else '-'} |")
+          f"{r['fwd_bwd_ms']} | {r['step_ms']}{pred} | {tfl} | {f'{tps / fsdp:.2f}x' if fsdp else '-'} | {f'{tps / tao:.2f}x' if tao else '-'} |")
 PY
