@@ -174,7 +174,7 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 //
 // One mutex serializes the methods that read or write the optimizer state,
 // the step counter, the hyperparameters, the worker pool or the engine:
-// Step, ZeroGrad, SetParam, SetLR, Master, StepCount, Options, Schedule,
+// Step, ZeroGrad, SetParam, SetLR, Master, Options, Schedule,
 // Snapshot, SaveAsync, SaveCheckpoint, LoadCheckpoint, SyncDevice,
 // SyncHost, DeviceGrad, DeviceWorking, DeviceMaster and Close. Each may be
 // called from any goroutine at any time: two calls run one after the other,
@@ -1368,15 +1368,21 @@ func (o *Optimizer) WaitParams(s Stream, lo, hi int) error {
 	if e == nil {
 		return nil
 	}
-	a, b := o.params[lo].Offset, o.params[lo].Offset+o.params[lo].Len
-	for _, p := range o.params[lo+1 : hi] {
-		a, b = min(a, p.Offset), max(b, p.Offset+p.Len)
-	}
-	sgs := o.subgroups
-	k := sort.Search(len(sgs), func(k int) bool { return sgs[k].Offset+sgs[k].Len > a })
-	for ; k < len(sgs) && sgs[k].Offset < b; k++ {
-		if err := e.WaitReady(s, k); err != nil {
-			return fmt.Errorf("offload: WaitParams: %w", err)
+	sgs, last := o.subgroups, -1
+	for _, p := range o.params[lo:hi] {
+		// Each parameter's own subgroups (with parameter groups the flat
+		// space is group after group: a span over several would wait for
+		// others' too); consecutive ones share them.
+		a, b := p.Offset, p.Offset+p.Len
+		k := sort.Search(len(sgs), func(k int) bool { return sgs[k].Offset+sgs[k].Len > a })
+		for ; k < len(sgs) && sgs[k].Offset < b; k++ {
+			if k == last {
+				continue
+			}
+			last = k
+			if err := e.WaitReady(s, k); err != nil {
+				return fmt.Errorf("offload: WaitParams: %w", err)
+			}
 		}
 	}
 	return nil

@@ -318,7 +318,6 @@ func (c *core) add(st step, deps ...dep) int32 {
 	return k
 }
 
-// ops returns subgroup i's operations in order.
 // readyStep returns the step after which subgroup i's new 16-bit working
 // copy and its mirror part are written: a host-held subgroup's CPU update,
 // a CPU subgroup's copy H2D, another's kernel (the mirror's copies follow
@@ -334,6 +333,7 @@ func (c *core) readyStep(i int) int32 {
 	return c.opSteps[i][op][1]
 }
 
+// ops returns subgroup i's operations in order.
 func (c *core) ops(i int) []int {
 	if c.shape.held != nil && c.shape.held[i] {
 		return heldOps

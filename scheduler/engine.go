@@ -557,8 +557,10 @@ func (e *Engine) WaitReady(s Stream, i int) error {
 	}
 	k := e.core.readyStep(i)
 	st := &e.core.steps[k]
-	if !e.issuedYet(st) {
-		return fmt.Errorf("scheduler: WaitReady: the update phase stopped before subgroup %d's %s", i, opNames[st.op])
+	if !e.issuedYet(st) || e.abort.Load() {
+		// (a fault is recorded before the lanes stop: a step issued
+		// after it, or one whose mirror copy failed, is not complete)
+		return fmt.Errorf("scheduler: WaitReady: the update phase faulted before subgroup %d's %s was complete", i, opNames[st.op])
 	}
 	if st.queue == qCPU || s == nil {
 		return nil

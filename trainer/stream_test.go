@@ -69,7 +69,9 @@ func TestGPUStreamBitwise(t *testing.T) {
 	}
 	run := func(c TrainConfig) result {
 		t.Helper()
-		c.Schedule = schedule(c)
+		if c.Schedule == "" {
+			c.Schedule = schedule(c)
+		}
 		tr, err := New(c, text, nil)
 		if err != nil {
 			t.Fatal(err)
@@ -113,6 +115,14 @@ func TestGPUStreamBitwise(t *testing.T) {
 		ref := run(c)
 		c.NoOverlapForward = false
 		same(fmt.Sprintf("recompute %v, resident, the forward over the update's tail", recompute), ref, run(c))
+		// Every subgroup on one CPU worker: the update phase is far slower
+		// than this model's forward, which runs ahead and must wait for
+		// each block (a missing wait reads the last step's weights).
+		slow := c
+		slow.Schedule, slow.Threads = "cpu", 1
+		same(fmt.Sprintf("recompute %v, resident, the forward over a slow CPU update phase", recompute), ref, run(slow))
+		slow.StreamBlocks = 3
+		same(fmt.Sprintf("recompute %v, 3 blocks streamed, the forward over a slow CPU update phase", recompute), ref, run(slow))
 		if !(ref.s.FinalLoss < ref.s.InitialLoss) || ref.s.Sample == "" {
 			t.Fatalf("the resident run: %+v", ref.s)
 		}

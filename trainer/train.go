@@ -644,8 +644,8 @@ func (t *Trainer) Run() (Summary, error) {
 			t.loader.Next(t.inputs, t.tgts)
 			aheadPos, aheadScale = t.loader.lastStart(), t.lossScale()
 			if err := t.forward(aheadScale, nil); err != nil {
-				_, _ = t.w.waitStep()
-				return sum, err
+				_, werr := t.w.waitStep()
+				return sum, errors.Join(err, werr)
 			}
 		}
 		if res, err = t.w.waitStep(); err != nil {

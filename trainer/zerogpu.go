@@ -426,15 +426,15 @@ func (gr *gatherSource) issue(l int) error {
 // fails that rank there, as a device fault would.
 var zeroBlockFault func(rank, l int, backward bool) error
 
+// overlapsUpdate: no: a rank's gathers read its piece of every block, and
+// its forward runs only after WaitStep.
+func (gr *gatherSource) overlapsUpdate() bool { return false }
+
 // beforeBlock is the models' BeforeBlock: block l's matrices in their
 // slot (gathered now if they are not there yet), its gradient slot free
 // (block l+2's reduce-scatter done), and the next block's gather
 // enqueued into the other slot (l+1 forward, l-1 backward), which block
 // l computes meanwhile.
-// overlapsUpdate: no: a rank's gathers read its piece of every block, and
-// its forward runs only after WaitStep.
-func (gr *gatherSource) overlapsUpdate() bool { return false }
-
 func (gr *gatherSource) beforeBlock(l int, backward bool) error {
 	if f := zeroBlockFault; f != nil {
 		if err := f(gr.rank, l, backward); err != nil {
