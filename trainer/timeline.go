@@ -19,6 +19,12 @@ const (
 	ResHost offload.Resource = "step"
 )
 
+// NextForward is the What of the next iteration's forward on ResCompute
+// when it ran during the traced iteration's update phase (TrainConfig.
+// NoOverlapForward off): from its first block's enqueue, each block
+// waiting for its weights, to its end.
+const NextForward = "next forward"
+
 // IterationTimeline is one training iteration as it ran (issue 17's
 // timeline; TrainConfig.TimelineAt): forward, backward, the optimizer's
 // step and its update phase's operations, with their times from the
@@ -26,7 +32,8 @@ const (
 type IterationTimeline struct {
 	Iteration int
 	Total     time.Duration // the iteration's wall time, forward to the step's return
-	// Ops: "forward" and "backward" (ResCompute); "step" (ResHost), the
+	// Ops: "forward" and "backward" (ResCompute), and NextForward when
+	// the next iteration's forward ran during the step; "step" (ResHost), the
 	// step's time outside the update phase, before and after it; the
 	// update phase's operations (offload.Optimizer.Trace, shifted by when
 	// the phase began). Forward and backward are timed by the host after
@@ -42,7 +49,8 @@ type IterationTimeline struct {
 // timelineMarks collects the traced iteration's times (Run).
 type timelineMarks struct {
 	t0      time.Time
-	forward time.Time // forward's end (the device synchronised)
+	forward time.Time    // forward's end (the device synchronised)
+	next    [2]time.Time // NextForward's start and end (the device synchronised), when it ran
 	mem     []offload.TraceCounter
 }
 
@@ -64,6 +72,9 @@ func (t *Trainer) finishTimeline(it int, m *timelineMarks, s0, s1 time.Time) {
 	tl.Ops = append(tl.Ops,
 		offload.TraceOp{Resource: ResCompute, What: "forward", Start: 0, End: m.forward.Sub(m.t0)},
 		offload.TraceOp{Resource: ResCompute, What: "backward", Start: m.forward.Sub(m.t0), End: s0.Sub(m.t0)})
+	if !m.next[0].IsZero() {
+		tl.Ops = append(tl.Ops, offload.TraceOp{Resource: ResCompute, What: NextForward, Start: m.next[0].Sub(m.t0), End: m.next[1].Sub(m.t0)})
+	}
 	start, ops, err := t.opt.Trace()
 	if err != nil || len(ops) == 0 || start.Before(s0) { // no device, a re-plan, or no phase in this step: one span
 		tl.Ops = append(tl.Ops, offload.TraceOp{Resource: ResHost, What: "step", Start: s0.Sub(m.t0), End: s1.Sub(m.t0)})

@@ -84,3 +84,50 @@ func tinySim() ([]byte, TrainConfig) {
 	c.Device, c.WorkingDType, c.GradDType = "sim", adam.BF16, adam.BF16
 	return text, c
 }
+
+// TestTimelineNextForward: the traced iteration's timeline draws the next
+// iteration's forward where it ran, during the step (after the backward),
+// and its own forward alone, before its backward; the last iteration has
+// no next forward.
+func TestTimelineNextForward(t *testing.T) {
+	for _, at := range []int{2, 3} {
+		text, c := tinySim()
+		c.Steps, c.TimelineAt = 3, at
+		tr, err := New(c, text, io.Discard)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tr.Run(); err != nil {
+			t.Fatal(err)
+		}
+		tl, ok := tr.Timeline()
+		tr.Close()
+		if !ok {
+			t.Fatal("no timeline")
+		}
+		var fwd, bwd, next []offload.TraceOp
+		for _, o := range tl.Ops {
+			switch {
+			case o.Resource == ResCompute && o.What == "forward":
+				fwd = append(fwd, o)
+			case o.Resource == ResCompute && o.What == "backward":
+				bwd = append(bwd, o)
+			case o.Resource == ResCompute && o.What == NextForward:
+				next = append(next, o)
+			}
+		}
+		wantNext := 1
+		if at == c.Steps {
+			wantNext = 0
+		}
+		if len(fwd) != 1 || len(bwd) != 1 || len(next) != wantNext {
+			t.Fatalf("iteration %d traced: %d forward, %d backward, %d next forward spans; want 1, 1, %d", at, len(fwd), len(bwd), len(next), wantNext)
+		}
+		if fwd[0].End > bwd[0].Start {
+			t.Errorf("iteration %d: forward %+v ends after the backward %+v starts", at, fwd[0], bwd[0])
+		}
+		if wantNext == 1 && (next[0].Start < bwd[0].End || next[0].End < next[0].Start || next[0].End > tl.Total) {
+			t.Errorf("iteration %d: next forward %+v, backward %+v, total %v: want it after the backward, inside the iteration", at, next[0], bwd[0], tl.Total)
+		}
+	}
+}

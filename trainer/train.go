@@ -475,15 +475,16 @@ func (t *Trainer) lossScale() float32 {
 // iteration it's update phase (between StepAsync and WaitStep): not with
 // TrainConfig.NoOverlapForward, nor after the last iteration, nor where
 // iteration it ends in an evaluation or a checkpoint (they read the
-// weights, and a checkpoint saves the data's position), nor around the
-// traced iteration (its timeline is its own), nor on a replica that does
-// not wait for the weights per block (a job's ZeRO-3 ranks).
+// weights, and a checkpoint saves the data's position), nor into the
+// traced iteration (its forward is timed alone; the one after it runs
+// during its step, drawn as NextForward), nor on a replica that does not
+// wait for the weights per block (a job's ZeRO-3 ranks).
 func (t *Trainer) overlapForward(it int) bool {
 	cfg := &t.cfg
 	return !cfg.NoOverlapForward && it < cfg.Steps &&
 		!(cfg.EvalEvery > 0 && it%cfg.EvalEvery == 0) &&
 		!(cfg.CkptEvery > 0 && it%cfg.CkptEvery == 0) &&
-		it != cfg.TimelineAt && it+1 != cfg.TimelineAt &&
+		it+1 != cfg.TimelineAt &&
 		t.w.overlapsUpdate()
 }
 
@@ -643,7 +644,12 @@ func (t *Trainer) Run() (Summary, error) {
 		if ahead = t.overlapForward(it); ahead {
 			t.loader.Next(t.inputs, t.tgts)
 			aheadPos, aheadScale = t.loader.lastStart(), t.lossScale()
-			if err := t.forward(aheadScale, nil); err != nil {
+			var end func() // the traced iteration's: NextForward's span
+			if marks != nil {
+				marks.next[0] = time.Now()
+				end = func() { marks.next[1] = time.Now() }
+			}
+			if err := t.w.forward(t.inputs, t.tgts, aheadScale, end); err != nil {
 				_, werr := t.w.waitStep()
 				return sum, errors.Join(err, werr)
 			}

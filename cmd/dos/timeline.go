@@ -33,6 +33,7 @@ var opColors = map[string]color.Color{
 	scheduler.SpeculativeUndone:  color.RGBA{R: 140, G: 86, B: 75, A: 255},
 	scheduler.SpeculativeRestore: color.RGBA{R: 23, G: 190, B: 207, A: 255},
 	"forward":                    color.RGBA{R: 148, G: 103, B: 189, A: 255},
+	trainer.NextForward:          color.RGBA{R: 188, G: 189, B: 34, A: 255},
 	"backward":                   color.RGBA{R: 197, G: 176, B: 213, A: 255},
 	"step":                       color.RGBA{R: 127, G: 127, B: 127, A: 255},
 }
@@ -107,7 +108,7 @@ func plotIteration(tl trainer.IterationTimeline, title, path string) error {
 		}
 	}
 	return plotGantt(gantt{tl.Ops, iterationRows}, title, fmt.Sprintf("time from the start of iteration %d (ms)", tl.Iteration),
-		[]string{"forward", "backward", "step", "state H2D", "copy H2D", "state D2H", "grad D2H", "AdamW", "upcast", "CPU AdamW"}, path)
+		[]string{"forward", "backward", trainer.NextForward, "step", "state H2D", "copy H2D", "state D2H", "grad D2H", "AdamW", "upcast", "CPU AdamW"}, path)
 }
 
 // plotGantt draws g with its rows labelled by their busy fractions and a
