@@ -34,7 +34,7 @@
 #               for the run and carried, never committed)
 # RECOMPUTE=1 (the default) runs both sides with activation checkpointing (dos --recompute, transformers'
 # gradient_checkpointing_enable), so the two do the same work under the cap; RECOMPUTE=0 runs neither.
-# STRATS (default "dos-model dos-nooverlap dos-cpu dos-static dos-static-25M") picks the dos runs, MODES (default
+# STRATS (default "dos-model dos-nooverlap dos-cpu dos-static dos-static-25M"; set and empty: none) picks the dos runs, MODES (default
 # "fsdp2 dos gpu"; set and empty: none) the PyTorch runs; DOS_BIN (default bin/dos) the dos binary; DOS_FLAGS
 # (default none) more flags for every dos run, e.g. "--profile P.json" so that the runs of one call share one
 # `dos calibrate --json` profile instead of each calibrating afresh (each calibration plans a little differently);
@@ -68,7 +68,7 @@ for run in $runs; do
 	else
 		arch=(--model "$model")
 	fi
-	for strat in ${STRATS:-dos-model dos-nooverlap dos-cpu dos-static dos-static-25M}; do
+	for strat in ${STRATS-dos-model dos-nooverlap dos-cpu dos-static dos-static-25M}; do
 		base="$out/$tag-$cap-b$batch-$strat"
 		flags=(--device cuda "${arch[@]}" --batch "$batch" --gpu-memory "$cap" --steps "$steps" "${dosrc[@]}"
 			--log-every 1 --sample 0 --eval-every 0 --eval-batches 1 --timeline "$base-timeline.svg")
