@@ -11,6 +11,8 @@
 #               start-up calibration, corrected online)
 #   dos-nooverlap  dos-model with --no-overlap (nothing of the update phase during backward): what the overlap
 #               with backward gains
+#   dos-first, dos-first-spec-G  dos-model, dos-spec-G with --resident-first (the resident subgroups are the first
+#               blocks: the speculation starts with the backward)
 #   dos-nofwd   dos-model with --no-overlap-forward (each forward after the update phase): what running the next
 #               forward over the update's tail gains
 #   dos-cpu     the same with --schedule cpu (every subgroup on the CPU: ZeRO-Offload's placement)
@@ -83,6 +85,8 @@ for run in $runs; do
 		dos-static-25M) flags+=(--schedule static --subgroup-size 25000000) ;;
 		dos-stream-*) flags+=(--replan --stream-blocks "${strat#dos-stream-}") ;;
 		dos-spec-*) flags+=(--replan --speculate "${strat#dos-spec-}") ;;
+		dos-first) flags+=(--replan --resident-first) ;;
+		dos-first-spec-*) flags+=(--replan --resident-first --speculate "${strat#dos-first-spec-}") ;;
 		esac
 		rm -f "$base.jsonl"
 		start=$(date +%s)

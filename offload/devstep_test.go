@@ -822,7 +822,7 @@ func TestDeviceMastersRefused(t *testing.T) {
 	}{
 		{[]string{"nope"}, true, `no parameter named "nope"`},
 		{[]string{testParams[1].Name, testParams[1].Name}, true, "named twice"},
-		{[]string{testParams[1].Name}, false, "DeviceMasters, Replan and OverlapBackward need a Device"},
+		{[]string{testParams[1].Name}, false, "DeviceMasters, Replan, OverlapBackward and ResidentFirst need a Device"},
 	} {
 		o := base
 		o.DeviceMasters = tc.masters

@@ -781,7 +781,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 		return nil, nil, err
 	}
 	n, opts := len(o.subgroups), o.opts
-	plan, err := scheduler.NewHeldPlan(o.held(), s)
+	plan, err := scheduler.NewHeldPlanIn(o.held(), s, o.residentLayout())
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
@@ -1480,6 +1480,15 @@ func (o *Optimizer) beginStep(args StepArgs) (res StepResult, begun bool, err er
 	res.Step = o.step
 	res.Elapsed = time.Since(start)
 	return res, false, nil
+}
+
+// residentLayout is where the plans put the resident subgroups (Options.
+// ResidentFirst).
+func (o *Optimizer) residentLayout() scheduler.Layout {
+	if o.opts.ResidentFirst {
+		return scheduler.ResidentFirst
+	}
+	return scheduler.ResidentLast
 }
 
 // subgroupSizes returns the subgroups' sizes, for the performance model.

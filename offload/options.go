@@ -190,6 +190,13 @@ type Options struct {
 	// ZeRO-Offload++'s and TwinFlow's). "": the model's choice (all on
 	// the CPU without a profile). Not saved in checkpoints.
 	Placement string `json:"-"`
+	// ResidentFirst, with Device, puts the resident subgroups first in
+	// the flat space instead of last (scheduler.ResidentFirst: a GPT's
+	// first blocks resident, so that OverlapBackward's speculation starts
+	// with the backward and the next forward reads its first blocks at
+	// the phase's start). Issue 31's experiment, off by default; the
+	// update is the same, bit for bit. Not saved in checkpoints.
+	ResidentFirst bool `json:"-"`
 }
 
 // Group is one parameter group's own hyperparameters (Options.Groups).
@@ -271,8 +278,8 @@ func (o *Options) Validate() error {
 	if o.GPUBudget < 0 {
 		return fmt.Errorf("offload: GPUBudget %d: want >= 0 bytes", o.GPUBudget)
 	}
-	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0 || o.Replan || o.OverlapBackward || len(o.OffloadParam) > 0) {
-		return errors.New("offload: Schedule, GPUBudget, OffloadParam, DeviceMasters, Replan and OverlapBackward need a Device")
+	if o.Device == nil && (o.Schedule != nil || o.GPUBudget != 0 || len(o.DeviceMasters) > 0 || o.Replan || o.OverlapBackward || len(o.OffloadParam) > 0 || o.ResidentFirst) {
+		return errors.New("offload: Schedule, GPUBudget, OffloadParam, DeviceMasters, Replan, OverlapBackward and ResidentFirst need a Device")
 	}
 	if o.Speculate < 0 {
 		return fmt.Errorf("offload: Speculate %d: want bytes >= 0", o.Speculate)

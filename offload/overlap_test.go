@@ -133,7 +133,7 @@ func TestGradsFinalErrors(t *testing.T) {
 	if err := o.GradsFinal(s, 0); err == nil || !strings.Contains(err.Error(), "OverlapBackward") {
 		t.Errorf("without OverlapBackward: %v", err)
 	}
-	if _, err := New(testParams, Options{OverlapBackward: true}); err == nil || !strings.Contains(err.Error(), "OverlapBackward need a Device") {
+	if _, err := New(testParams, Options{OverlapBackward: true}); err == nil || !strings.Contains(err.Error(), "OverlapBackward and ResidentFirst need a Device") {
 		t.Errorf("OverlapBackward without a device: %v", err)
 	}
 	opts.OverlapBackward = true

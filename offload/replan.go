@@ -86,7 +86,7 @@ func (o *Optimizer) refit(res *StepResult, held bool) error {
 		return err
 	}
 	if next.Schedule != o.plan.Schedule {
-		plan, err := scheduler.NewHeldPlan(o.held(), next.Schedule)
+		plan, err := scheduler.NewHeldPlanIn(o.held(), next.Schedule, o.residentLayout())
 		if err != nil {
 			return fmt.Errorf("offload: re-planning: %w", err)
 		}

@@ -29,13 +29,13 @@ func specBase() Options {
 }
 
 // newRig makes a specRig over ps with held in OffloadParam (nil: none),
-// base's DeviceMasters b's alone,
+// base's DeviceMasters and ResidentFirst b's alone,
 // the schedule s of the other subgroups and budget bytes of saves.
 func newRig(t *testing.T, ps []Param, base Options, held []string, s perfmodel.Schedule, budget int64) *specRig {
 	t.Helper()
 	r := &specRig{held: held}
 	hb := base
-	hb.DeviceMasters = nil // the device's
+	hb.DeviceMasters, hb.ResidentFirst = nil, false // the device's
 	r.ref = newWith(t, ps, hb)
 	r.sim = scheduler.NewSim(scheduler.SimOptions{})
 	o := base

@@ -18,7 +18,8 @@ import (
 // host optimizer's Step gives, while the phase still runs; WaitStep then
 // returns Step's result and the state is Step's, bit for bit, over
 // TestSpeculate's mix of kept, clipped, skipped and restored steps, with
-// speculation and without, on several schedules; on the simulated device
+// speculation and without, on several schedules, the resident subgroups
+// last and first (Options.ResidentFirst); on the simulated device
 // every read is ordered after the write it reads.
 func TestStepAsync(t *testing.T) {
 	steps := []specStep{
@@ -31,10 +32,14 @@ func TestStepAsync(t *testing.T) {
 			if held == nil {
 				s.CPU++ // the held parameters' subgroup is one of the others then
 			}
-			for _, budget := range []int64{0, 1 << 20} {
-				t.Run(fmt.Sprintf("held=%v/%+v/speculate=%d", held, s, budget), func(t *testing.T) {
+			for _, c := range []struct {
+				budget int64
+				first  bool
+			}{{0, false}, {1 << 20, false}, {1 << 20, true}} {
+				budget := c.budget
+				t.Run(fmt.Sprintf("held=%v/%+v/speculate=%d/residentFirst=%v", held, s, budget, c.first), func(t *testing.T) {
 					base := specBase()
-					base.DeviceMasters = masters
+					base.DeviceMasters, base.ResidentFirst = masters, c.first
 					r := newRig(t, testParams, base, held, s, budget)
 					b := r.b
 					// The views, before the phase holds the lock.

@@ -92,13 +92,21 @@ func heldPlanErr(held []bool, p *Plan) error {
 //
 // Errors: NewPlan's, for the subgroups not held.
 func NewHeldPlan(held []bool, s perfmodel.Schedule) (*Plan, error) {
+	return NewHeldPlanIn(held, s, ResidentLast)
+}
+
+// NewHeldPlanIn is NewHeldPlan with the resident subgroups (among those
+// not held) where l puts them (NewPlanIn).
+//
+// Errors: NewHeldPlan's; an unknown layout.
+func NewHeldPlanIn(held []bool, s perfmodel.Schedule, l Layout) (*Plan, error) {
 	var dev []int
 	for i, h := range held {
 		if !h {
 			dev = append(dev, i)
 		}
 	}
-	sub, err := NewPlan(len(dev), s)
+	sub, err := NewPlanIn(len(dev), s, l)
 	if err != nil {
 		return nil, err
 	}

@@ -57,9 +57,39 @@ type Plan struct {
 // D2H).
 //
 // Errors: counts that are negative or do not add up to n.
-func NewPlan(n int, s perfmodel.Schedule) (*Plan, error) {
+func NewPlan(n int, s perfmodel.Schedule) (*Plan, error) { return NewPlanIn(n, s, ResidentLast) }
+
+// Layout is where a plan puts its resident subgroups in the flat space.
+type Layout uint8
+
+const (
+	// ResidentLast: the last subgroups (NewPlan's). Their kernels fill
+	// the GPU lane around the streamed state's copies.
+	ResidentLast Layout = iota
+	// ResidentFirst: the first subgroups, the GPU lane starting with
+	// their kernels, the stride over the others as NewPlan's. A GPT's
+	// first blocks are then resident: their gradients are final last in
+	// the backward (the speculation, on CPU subgroups, starts with the
+	// backward's first blocks instead of after the resident ones) and
+	// the next forward reads them first (their kernels run at the
+	// phase's start). Issue 31's experiment; the update is the same, bit
+	// for bit.
+	ResidentFirst
+)
+
+// NewPlanIn is NewPlan with the resident subgroups where l puts them.
+//
+// Errors: NewPlan's; an unknown layout.
+func NewPlanIn(n int, s perfmodel.Schedule, l Layout) (*Plan, error) {
 	if s.CPU < 0 || s.GPU < 0 || s.Resident < 0 || s.CPU+s.GPU+s.Resident != n {
 		return nil, fmt.Errorf("scheduler: schedule %d CPU + %d GPU + %d resident subgroups for %d subgroups", s.CPU, s.GPU, s.Resident, n)
+	}
+	switch l {
+	case ResidentLast:
+	case ResidentFirst:
+		return residentFirst(n, s), nil
+	default:
+		return nil, fmt.Errorf("scheduler: layout %d: want ResidentLast or ResidentFirst", l)
 	}
 	p := &Plan{Schedule: s, Roles: make([]Role, n)}
 	nr := n - s.Resident
@@ -85,6 +115,27 @@ func NewPlan(n int, s perfmodel.Schedule) (*Plan, error) {
 		p.GPUOrder = append(p.GPUOrder, j)
 	}
 	return p, nil
+}
+
+// residentFirst is NewPlanIn's ResidentFirst plan: subgroups 0..R-1
+// resident, the stride of NewPlan over R..n-1, the GPU lane the residents'
+// kernels then the streamed subgroups, the CPU lane in order.
+func residentFirst(n int, s perfmodel.Schedule) *Plan {
+	p := &Plan{Schedule: s, Roles: make([]Role, n)}
+	r, nr := s.Resident, n-s.Resident
+	for j := range r {
+		p.Roles[j] = Resident
+		p.GPUOrder = append(p.GPUOrder, j)
+	}
+	for j := range nr {
+		if (j+1)*s.GPU/nr > j*s.GPU/nr {
+			p.Roles[r+j] = OnGPU
+			p.GPUOrder = append(p.GPUOrder, r+j)
+		} else {
+			p.CPUOrder = append(p.CPUOrder, r+j)
+		}
+	}
+	return p
 }
 
 // MixedSchedule splits n subgroups into every role: a third resident

@@ -15,7 +15,8 @@ import (
 // on the host and on the simulated device, with an evaluation and a
 // checkpoint in between (no overlap at those iterations: the batch order
 // and the saved data position are the serial run's), and an overlapped
-// run's checkpoint resumed continues the same trajectory.
+// run's checkpoint resumed continues the same trajectory; on the
+// simulated device the resident subgroups first (ResidentFirst) too.
 func TestOverlapForwardBitwise(t *testing.T) {
 	setMemAvailable(t, 0, false)
 	toks := make([]uint16, 6000)
@@ -47,6 +48,17 @@ func TestOverlapForwardBitwise(t *testing.T) {
 		}
 		if gsum.ValLoss != wsum.ValLoss || gsum.FinalLoss != wsum.FinalLoss {
 			t.Errorf("device %q: final and validation loss %v %v overlapped, %v %v serial", dev, gsum.FinalLoss, gsum.ValLoss, wsum.FinalLoss, wsum.ValLoss)
+		}
+		if dev == "sim" { // the resident subgroups first (--resident-first): the same trajectory
+			f := c
+			n := f.subgroups()
+			f.ResidentFirst, f.Schedule, f.CkptDir = true, fmt.Sprintf("%d,%d,%d", n-n/3-n/3, n/3, n/3), t.TempDir()
+			first, _ := zeroRun(t, f, 1, toks)
+			for i := range want {
+				if first[i] != want[i] {
+					t.Errorf("step %d with the resident subgroups first: loss, norm %v; %v", i+1, first[i], want[i])
+				}
+			}
 		}
 		// The overlapped run's checkpoint of step 5 (the forward of 5 ran
 		// during step 4; none ran during step 5), made the latest and

@@ -123,6 +123,13 @@ func TestGPUStreamBitwise(t *testing.T) {
 		same(fmt.Sprintf("recompute %v, resident, the forward over a slow CPU update phase", recompute), ref, run(slow))
 		slow.StreamBlocks = 3
 		same(fmt.Sprintf("recompute %v, 3 blocks streamed, the forward over a slow CPU update phase", recompute), ref, run(slow))
+		// The resident subgroups first (--resident-first), resident and
+		// streamed, speculating.
+		rf := c
+		rf.ResidentFirst = true
+		same(fmt.Sprintf("recompute %v, resident subgroups first", recompute), ref, run(rf))
+		rf.StreamBlocks, rf.Speculate = 3, 1
+		same(fmt.Sprintf("recompute %v, resident subgroups first, 3 blocks streamed, speculating", recompute), ref, run(rf))
 		if !(ref.s.FinalLoss < ref.s.InitialLoss) || ref.s.Sample == "" {
 			t.Fatalf("the resident run: %+v", ref.s)
 		}

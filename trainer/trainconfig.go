@@ -149,6 +149,13 @@ type TrainConfig struct {
 	// for comparison; the trajectory is the same, bit for bit. Not
 	// saved in checkpoints.
 	NoOverlapForward bool `json:"-"`
+	// ResidentFirst, with a Device, puts the resident subgroups at the
+	// front of the flat space, the first blocks, instead of the last
+	// (offload.Options.ResidentFirst): the speculation starts with the
+	// backward, and the next forward finds its first blocks updated at
+	// the update phase's start. Issue 31's experiment, off by default; the
+	// trajectory is the same, bit for bit. Not saved in checkpoints.
+	ResidentFirst bool `json:"-"`
 	// Speculate, with Device "cuda" on one GPU and the overlap (not
 	// NoOverlap), is host memory in GiB for speculative updates
 	// (offload.Options.Speculate): the streamed blocks' subgroups and the
@@ -351,6 +358,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --device cuda trains in bf16: --working-dtype %v --grad-dtype %v, want bfloat16 for both", c.WorkingDType, c.GradDType)
 	case c.Recompute && c.Device != "cuda":
 		return errors.New("trainer: --recompute needs --device cuda (the host's model keeps its activations)")
+	case c.ResidentFirst && c.Device == "":
+		return errors.New("trainer: --resident-first places the update phase's resident subgroups: it needs --device cuda or sim")
 	case c.NoOverlap && c.Device != "cuda":
 		return errors.New("trainer: --no-overlap needs --device cuda (only the GPU trainer overlaps its backward with the update phase)")
 	case !(c.Speculate >= 0) || c.Speculate > MaxMemoryBytes>>30:

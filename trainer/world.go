@@ -243,6 +243,7 @@ func newWorld(cfg *TrainConfig, out io.Writer) (*world, error) {
 			oo.Speculate = cfg.speculateBytes()
 		}
 		oo.Replan = cfg.Replan
+		oo.ResidentFirst = cfg.ResidentFirst && oo.Device != nil
 		opts[rk.r] = *oo
 	}
 	// The budgets once every rank's replica is allocated and before any
