@@ -186,6 +186,10 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // and Schedule keep working after Close; Master returns ErrClosed after
 // Close with Options.Device (its state was freed).
 //
+// StepAsync holds the lock from its call until its phase ends, on a
+// goroutine of its own: a method called meanwhile waits for the phase.
+// StepCount, WaitParams and WaitStep take no lock.
+//
 // Params, Subgroups, NumParams, Index, Grad and Working read only what
 // New set, take no lock, and are safe with any call, Close included; but
 // Working, after a Step with StepArgs.GradOnDevice, takes the lock to
@@ -1296,8 +1300,8 @@ func (o *Optimizer) Step(args StepArgs) (StepResult, error) {
 // taken), Skipped, GradNorm, ClipCoef and Speculated; WaitStep's has
 // Elapsed and Options.Replan's fields too. Until the phase ends,
 // o's lock is held: the methods that take it (see Concurrency) wait for
-// the phase, StepCount included, except that StepCount counts the step
-// under way at once. StepAsync and WaitStep are called from one goroutine,
+// the phase; StepCount, which takes none, counts the step under way at
+// once. StepAsync and WaitStep are called from one goroutine,
 // in turn: a StepAsync before the last one's WaitStep is an error. It
 // allocates a goroutine's start per step and nothing else.
 //
