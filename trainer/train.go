@@ -574,8 +574,12 @@ func (t *Trainer) Run() (Summary, error) {
 				held++
 			}
 		}
-		fmt.Fprintf(t.out, "update phase on %s%s: %d of %d subgroups on the CPU, %d streamed through the GPU, %d resident (k = %s, upcast on the GPU: %v)\n",
-			t.opt.Options().Device.Name(), per, s.CPU, len(t.opt.Subgroups())-held, s.GPU, s.Resident, k, s.UpcastOnGPU)
+		first := ""
+		if t.opt.Options().ResidentFirst && s.Resident > 0 {
+			first = ", the resident ones first in the model (--resident-first)"
+		}
+		fmt.Fprintf(t.out, "update phase on %s%s: %d of %d subgroups on the CPU, %d streamed through the GPU, %d resident (k = %s, upcast on the GPU: %v)%s\n",
+			t.opt.Options().Device.Name(), per, s.CPU, len(t.opt.Subgroups())-held, s.GPU, s.Resident, k, s.UpcastOnGPU, first)
 	}
 	fmt.Fprint(t.out, t.w.ranks[0].rep.describe(cfg))
 	if math.IsNaN(float64(t.state.InitValLoss)) {
