@@ -1392,6 +1392,35 @@ func (o *Optimizer) WaitParams(s Stream, lo, hi int) error {
 	return nil
 }
 
+// ParamsReady reports, without waiting, whether WaitParams(s, lo, hi)
+// would find every subgroup of the parameters [lo, hi) issued: true with
+// no phase under way; for an OffloadParam's HostWorking it means its new
+// values are there. A trainer uses it to enqueue a copy ahead only when
+// it would not wait (scheduler.Engine.Ready). It takes no lock; lo and hi
+// out of range or order report false.
+func (o *Optimizer) ParamsReady(lo, hi int) bool {
+	if lo < 0 || hi > len(o.params) || lo > hi {
+		return false
+	}
+	o.readyMu.RLock()
+	defer o.readyMu.RUnlock()
+	e := o.phase.Load()
+	if e == nil {
+		return true
+	}
+	sgs := o.subgroups
+	for _, p := range o.params[lo:hi] {
+		a, b := p.Offset, p.Offset+p.Len
+		k := sort.Search(len(sgs), func(k int) bool { return sgs[k].Offset+sgs[k].Len > a })
+		for ; k < len(sgs) && sgs[k].Offset < b; k++ {
+			if !e.Ready(k) {
+				return false
+			}
+		}
+	}
+	return true
+}
+
 // asyncResult is a step's result, from StepAsync to WaitStep.
 type asyncResult struct {
 	res StepResult

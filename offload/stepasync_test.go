@@ -115,6 +115,9 @@ func forwardReads(r *specRig, k int, dw, dm []DeviceTensor, hw []HostTensor) err
 		if err := b.WaitParams(r.io.s, i, i+1); err != nil {
 			return err
 		}
+		if !b.ParamsReady(i, i+1) {
+			return fmt.Errorf("step %d: ParamsReady(%d, %d) false after WaitParams", k, i, i+1)
+		}
 		want := tensorBytes(ref.Working(i))
 		var got []byte
 		if hw[i].Bytes != nil {
@@ -192,5 +195,8 @@ func TestStepAsyncHost(t *testing.T) {
 	}
 	if r, err := o.WaitStep(); err != nil || r != (StepResult{}) {
 		t.Fatalf("WaitStep after a refused StepAsync: %+v, %v; want a zero result and nil", r, err)
+	}
+	if !o.ParamsReady(0, len(o.Params())) || o.ParamsReady(1, 0) || o.ParamsReady(0, len(o.Params())+1) {
+		t.Error("ParamsReady: want true with no phase, false out of order or range")
 	}
 }

@@ -568,6 +568,19 @@ func (e *Engine) WaitReady(s Stream, i int) error {
 	return e.dev.Wait(s, e.endEv[k])
 }
 
+// Ready reports, without waiting, whether WaitReady(s, i) would return at
+// once on the host: no phase is under way, or the lane has issued
+// subgroup i's step (a host-held subgroup's CPU update has returned; a
+// device step still needs WaitReady's stream wait before a read). Like
+// WaitReady it may be called from any goroutine while the phase runs.
+// It panics when i is out of range.
+func (e *Engine) Ready(i int) bool {
+	st := &e.core.steps[e.core.readyStep(i)]
+	e.progMu.Lock()
+	defer e.progMu.Unlock()
+	return !e.phaseOn || e.issued[st.issuer] > st.seq
+}
+
 // beginPhase is the update phase's first half: the checks, the settling of
 // the speculation, the phase's events, and the lanes but the GPU's
 // started.

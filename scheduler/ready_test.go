@@ -8,6 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
 )
 
 // TestWaitReady: a reader on a stream of its own (the next forward) that
@@ -127,4 +128,50 @@ func readReady(d Device, e *Engine, param []float32, wantCopy []uint16) error {
 		}
 	}
 	return nil
+}
+
+// TestReady: Ready is true with no phase; during one it is false for a
+// subgroup whose CPU update a Hold gate keeps back and true for one
+// WaitReady returned for, and turns true once the gate lets it go.
+func TestReady(t *testing.T) {
+	d := NewSim(SimOptions{})
+	h := adam.DefaultHyper()
+	p := heldProblem(adam.BF16, 1, 71, -1)
+	e := setupHeld(t, d, p, nil, perfmodel.Schedule{CPU: len(heldSizes)}, nil, false)
+	defer e.Close()
+	if !e.Ready(3) {
+		t.Fatal("Ready(3) before any phase: false")
+	}
+	putHeld(t, d, e, p.gradBytes(0))
+	release := make(chan struct{})
+	e.Hold(func(i int) {
+		if i == 3 {
+			<-release
+		}
+	})
+	c := h.Coeffs(1, 1, 1)
+	cs := make([]adam.Coeffs, len(heldSizes))
+	for i := range cs {
+		cs[i] = c
+	}
+	if err := e.StartUpdatePer(cs); err != nil {
+		t.Fatal(err)
+	}
+	fin := make(chan error, 1)
+	go func() { fin <- e.FinishUpdate() }()
+	err := e.WaitReady(nil, 2)
+	ready2, ready3 := e.Ready(2), e.Ready(3)
+	close(release)
+	if ferr := <-fin; ferr != nil {
+		t.Fatal(ferr)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !ready2 || ready3 {
+		t.Errorf("during the phase, subgroup 3's update held back: Ready(2) %v, Ready(3) %v; want true, false", ready2, ready3)
+	}
+	if !e.Ready(3) {
+		t.Error("Ready(3) after the phase: false")
+	}
 }

@@ -516,6 +516,7 @@ func (l *localSource) bind(opt *offload.Optimizer) error {
 		}
 		h2d := offload.CUDAStream(l.bs.h2d)
 		l.bs.weightsReady = func(b int) error { return opt.WaitParams(h2d, gpt.LayerBase(b), gpt.LayerBase(b+1)) }
+		l.bs.weightsReadyNow = func(b int) bool { return opt.ParamsReady(gpt.LayerBase(b), gpt.LayerBase(b+1)) }
 	}
 	l.stream = offload.CUDAStream(g.s)
 	g.beforeBlock = l.before

@@ -288,6 +288,9 @@ type blockStream struct {
 	// wait for the CPU's updates of its host working copy) before issue
 	// copies them; nil: none.
 	weightsReady func(l int) error
+	// weightsReadyNow says, without waiting, whether weightsReady(l)
+	// would return at once (Optimizer.ParamsReady); nil: always.
+	weightsReadyNow func(l int) bool
 }
 
 // hostSpan is a streamed tensor's place in pinned host memory.
@@ -434,6 +437,12 @@ func (b *blockStream) before(l int, backward bool) error {
 		next = l - 1
 	}
 	if next >= 0 && next < b.n && b.holds[next%2] != next {
+		if !backward && b.weightsReadyNow != nil && !b.weightsReadyNow(next) {
+			// Its update is still running (a forward over the update
+			// phase): copying it now would hold block l's kernels back
+			// until then; before(next) copies it once it is written.
+			return nil
+		}
 		return b.issue(next)
 	}
 	return nil
