@@ -172,6 +172,7 @@ type Engine struct {
 	specReady              int64          // the lowest ready of this phase's Speculate calls
 	specCovered            int            // the first subgroup inside [specReady, total)
 	specCan                []bool         // per subgroup: may be speculated on in this phase (decided by Speculate)
+	specCopied             []bool         // per subgroup: specCopy put its speculative working copy on the device
 	specHalted             bool           // StopSpeculation was called: Speculate starts nothing until the speculation is settled
 	specIdle               bool           // the worker has had no request since it last stopped (true before any)
 	specOn                 bool           // a Speculate since the last Update or drop (specC set)

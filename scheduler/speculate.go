@@ -24,8 +24,11 @@ import (
 //   - a CPU subgroup whose gradient Prefetch moved into its own pinned
 //     place (Options.Prefetch, no upcast on the GPU): once that copy is
 //     done; its new working copy goes to the saves' pinned 16-bit part,
-//     from which the phase's copy H2D moves it to the device (the device
-//     copy is not touched before the Step).
+//     from which it moves H2D into the device working copy at once, with
+//     its mirror part (specCopy): its block's backward is over, so nothing
+//     of the iteration reads those weights again, and a kept update's
+//     phase has no copy left to do; a restore copies the old working copy
+//     back.
 //
 // Before updating, the workers copy the state the update overwrites (and a
 // held subgroup's working copy) into the saves (Options.Speculate bytes of
@@ -82,7 +85,7 @@ func (e *Engine) allocSpec() error {
 	}
 	e.specAt, e.specC, e.specT = make([]int64, n0), make([]adam.Coeffs, n0), make([][2]time.Time, n0)
 	e.specUndo, e.specUndoLast = make([]specUndo, 0, n0), make([]specUndo, 0, n0)
-	e.specCan = make([]bool, n0)
+	e.specCan, e.specCopied = make([]bool, n0), make([]bool, n0)
 	for i := range e.specAt {
 		e.specAt[i] = -1
 	}
@@ -250,8 +253,35 @@ func (e *Engine) specWorker(reqs <-chan specReq) {
 			e.pool.StepSave(&e.specC[i], e.state.Slice(int(lo), int(lo+n)), g, out, e.specSave.Slice(int(at), int(at+n)), saveOut)
 			e.specT[i][1] = time.Now()
 			e.specAt[i], e.specUsed = at, at+n
+			if !e.held[i] {
+				// Its working copy H2D now, during the backward: the
+				// phase then skips the copy if it keeps the update.
+				if e.specCopy(i, at) != nil {
+					e.specStop.Store(true) // the phase copies it (specSource), or restoreSpec
+					continue
+				}
+				e.specCopied[i] = true
+			}
 		}
 	}
+}
+
+// specCopy enqueues speculated CPU subgroup i's new working copy (the
+// saves' 16-bit part from element at) H2D into the device working copy,
+// and its mirror part from the host state, on the H2D lane between the
+// copy step's start and end events, as Prefetch issues a step: its
+// gradient's copy is done, which the trainer ordered after its block's
+// backward, so nothing of this iteration reads those weights again. A
+// phase that keeps the update skips its copy (EndSpeculation sets the
+// step's done bit; WaitReady waits for the end event recorded here); a
+// restore copies the old working copy back (restoreSpec).
+func (e *Engine) specCopy(i int, at int64) error {
+	k := e.core.opSteps[i][opCopyH2D]
+	s := e.s[sH2D]
+	e.laneMu[sH2D].Lock()
+	defer e.laneMu[sH2D].Unlock()
+	return firstErr(e.dev.Record(e.startEv[k[0]], s), e.dev.H2D(s, e.work, 2*e.doff[i], e.specOutH, 2*at, 2*e.sizes[i]),
+		e.copyMirror(i, s, Vec{}), e.dev.Record(e.endEv[k[1]], s))
 }
 
 // WaitSpeculation waits until the CPU workers have run what every
@@ -330,6 +360,9 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 		}
 		if cs != nil && sameCoeffs(&cs[i], &e.specC[i]) {
 			e.pre[i] |= 1 << opCPU // done: the phase skips it (a drop undoes it: dropSpec)
+			if e.specCopied[i] {
+				e.pre[i] |= 1 << opCopyH2D // and its copy, enqueued during the backward
+			}
 			kept += e.sizes[i]
 			continue
 		}
@@ -361,11 +394,25 @@ func (e *Engine) restoreSpec(i int) {
 	}
 	t := time.Now()
 	e.pool.Restore(e.state.Slice(int(lo), int(lo+n)), out, e.specSave.Slice(int(at), int(at+n)), saveOut)
+	if e.specCopied[i] {
+		// The device has the speculative working copy (specCopy): the
+		// old one back, rounded from the restored master weights, as
+		// the phase or the last Load wrote it, and the mirror's part.
+		adam.Round16(e.o.WorkingDType, e.specOut[at:at+n], e.state.Param[lo:lo+n])
+		err := e.specCopy(i, at)
+		if err == nil {
+			err = e.dev.Sync(e.endEv[e.core.opSteps[i][opCopyH2D][1]])
+		}
+		if err != nil {
+			e.broken = true // the device's copy is neither: restore from a checkpoint
+		}
+		e.specCopied[i] = false
+	}
 	if len(e.specUndo) < cap(e.specUndo) { // for Trace: never allocates
 		e.specUndo = append(e.specUndo, specUndo{sub: i, spec: e.specT[i], restore: [2]time.Time{t, time.Now()}})
 	}
 	e.specAt[i] = -1
-	e.pre[i] &^= 1 << opCPU
+	e.pre[i] &^= 1<<opCPU | 1<<opCopyH2D
 }
 
 // specUndo is a speculative update undone, for Trace: subgroup sub, when
