@@ -488,6 +488,7 @@ func (e *Engine) endSpec() {
 	for i := range e.specAt {
 		e.specAt[i] = -1
 	}
+	clear(e.specCopied)
 	e.specUsed = 0
 }
 
