@@ -116,3 +116,44 @@ func TestSpeculateNoAllocs(t *testing.T) {
 		t.Fatal("no step kept a speculative update: the test proves nothing")
 	}
 }
+
+// TestWaitParamsNoAllocs: while a StepAsync phase runs (a Hold gate keeps
+// the last subgroup's update back), WaitParams and ParamsReady over the
+// first parameter's subgroups allocate nothing: the trainer calls them for
+// every block of its forward.
+func TestWaitParamsNoAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts are checked without -race (make test runs them)")
+	}
+	opts, _ := deviceOpts(Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, MaxGradNorm: 1, Threads: 2},
+		perfmodel.Schedule{CPU: 6})
+	o := newTest(t, opts)
+	fill(o, 1)
+	o.Step(StepArgs{}) // the first Step loads the state onto the device and its gradients
+	last := len(o.Subgroups()) - 1
+	release := make(chan struct{})
+	o.eng.Hold(func(i int) {
+		if i == last {
+			<-release
+		}
+	})
+	if _, err := o.StepAsync(StepArgs{GradOnDevice: true}); err != nil {
+		t.Fatal(err)
+	}
+	a := testing.AllocsPerRun(10, func() {
+		if err := o.WaitParams(nil, 0, 1); err != nil || !o.ParamsReady(0, 1) {
+			t.Errorf("WaitParams: %v; ParamsReady false", err)
+		}
+	})
+	ready := o.ParamsReady(len(o.Params())-1, len(o.Params()))
+	close(release)
+	if _, err := o.WaitStep(); err != nil {
+		t.Fatal(err)
+	}
+	if ready {
+		t.Error("ParamsReady of the last parameter true while its subgroup's update is held back")
+	}
+	if a != 0 {
+		t.Fatalf("WaitParams and ParamsReady allocate %v times during a phase", a)
+	}
+}

@@ -3,6 +3,7 @@ package offload
 import (
 	"errors"
 	"fmt"
+	"iter"
 	"maps"
 	"math"
 	"slices"
@@ -1372,24 +1373,32 @@ func (o *Optimizer) WaitParams(s Stream, lo, hi int) error {
 	if e == nil {
 		return nil
 	}
-	sgs, last := o.subgroups, -1
-	for _, p := range o.params[lo:hi] {
-		// Each parameter's own subgroups (with parameter groups the flat
-		// space is group after group: a span over several would wait for
-		// others' too); consecutive ones share them.
-		a, b := p.Offset, p.Offset+p.Len
-		k := sort.Search(len(sgs), func(k int) bool { return sgs[k].Offset+sgs[k].Len > a })
-		for ; k < len(sgs) && sgs[k].Offset < b; k++ {
-			if k == last {
-				continue
-			}
-			last = k
-			if err := e.WaitReady(s, k); err != nil {
-				return fmt.Errorf("offload: WaitParams: %w", err)
-			}
+	for k := range o.paramSubgroups(lo, hi) {
+		if err := e.WaitReady(s, k); err != nil {
+			return fmt.Errorf("offload: WaitParams: %w", err)
 		}
 	}
 	return nil
+}
+
+// paramSubgroups yields the subgroups that hold the parameters [lo, hi)
+// (valid indices), each parameter's own (with parameter groups the flat
+// space is group after group: a span over several would take others'
+// too), a subgroup shared by consecutive parameters once.
+func (o *Optimizer) paramSubgroups(lo, hi int) iter.Seq[int] {
+	return func(yield func(int) bool) {
+		sgs, last := o.subgroups, -1
+		for _, p := range o.params[lo:hi] {
+			a, b := p.Offset, p.Offset+p.Len
+			k := sort.Search(len(sgs), func(k int) bool { return sgs[k].Offset+sgs[k].Len > a })
+			for ; k < len(sgs) && sgs[k].Offset < b; k++ {
+				if k != last && !yield(k) {
+					return
+				}
+				last = k
+			}
+		}
+	}
 }
 
 // ParamsReady reports, without waiting, whether WaitParams(s, lo, hi)
@@ -1408,14 +1417,9 @@ func (o *Optimizer) ParamsReady(lo, hi int) bool {
 	if e == nil {
 		return true
 	}
-	sgs := o.subgroups
-	for _, p := range o.params[lo:hi] {
-		a, b := p.Offset, p.Offset+p.Len
-		k := sort.Search(len(sgs), func(k int) bool { return sgs[k].Offset+sgs[k].Len > a })
-		for ; k < len(sgs) && sgs[k].Offset < b; k++ {
-			if !e.Ready(k) {
-				return false
-			}
+	for k := range o.paramSubgroups(lo, hi) {
+		if !e.Ready(k) {
+			return false
 		}
 	}
 	return true

@@ -173,6 +173,7 @@ type Engine struct {
 	specCovered            int            // the first subgroup inside [specReady, total)
 	specCan                []bool         // per subgroup: may be speculated on in this phase (decided by Speculate)
 	specCopied             []bool         // per subgroup: specCopy put its speculative working copy on the device
+	specRecopied           bool           // restoreSpec put old working copies back on the device: syncRecopies waits for them
 	specHalted             bool           // StopSpeculation was called: Speculate starts nothing until the speculation is settled
 	specIdle               bool           // the worker has had no request since it last stopped (true before any)
 	specOn                 bool           // a Speculate since the last Update or drop (specC set)
@@ -506,9 +507,9 @@ func (e *Engine) update(c *adam.Coeffs, cs []adam.Coeffs) error {
 // StartUpdatePer is UpdatePer's first half: it settles the speculation,
 // starts the phase's lanes and returns, the GPU lane not yet issued;
 // FinishUpdate is the second half, which issues the GPU lane, waits for
-// every copy and returns UpdatePer's error. Between the two, WaitReady may
-// be called from any goroutine and FinishUpdate from any one goroutine;
-// nothing else of the engine. A trainer runs FinishUpdate on a goroutine
+// every copy and returns UpdatePer's error. Between the two, WaitReady and
+// Ready may be called from any goroutine and FinishUpdate from any one
+// goroutine; nothing else of the engine. A trainer runs FinishUpdate on a goroutine
 // of its own and its next forward meanwhile, each block after WaitReady of
 // its subgroups (issue 31: the next forward over the update's tail).
 //
@@ -540,7 +541,7 @@ func (e *Engine) FinishUpdate() error {
 // subgroup's CPU update has returned (s waits for nothing: the caller
 // copies its HostWorking after this). With no phase under way it returns
 // at once (the last phase drained every stream). It may be called from any
-// goroutine while the phase runs (the one method that may), and waits only
+// goroutine while the phase runs (as Ready may), and waits only
 // on the host for the lane that issues the subgroup's step. s may be nil
 // (a host wait only, for a host-held subgroup).
 //

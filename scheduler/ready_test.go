@@ -45,16 +45,7 @@ func testWaitReady(t *testing.T, newDev func() Device) {
 					if err != nil {
 						t.Fatal(err)
 					}
-					c := h.Coeffs(1, 1, clipCoef(sum, maxNorm))
-					cs := make([]adam.Coeffs, len(heldSizes))
-					for i := range cs {
-						cs[i] = c
-					}
-					if err := e.StartUpdatePer(cs); err != nil {
-						t.Fatal(err)
-					}
-					fin := make(chan error, 1)
-					go func() { fin <- e.FinishUpdate() }()
+					fin := startPhase(t, e, h.Coeffs(1, 1, clipCoef(sum, maxNorm)))
 					rerr := readReady(d, e, want.Param, wantCopy)
 					if err := <-fin; err != nil {
 						t.Fatal(err)
@@ -75,6 +66,23 @@ func testWaitReady(t *testing.T, newDev func() Device) {
 			}
 		}
 	}
+}
+
+// startPhase begins an update phase of e with c for every subgroup
+// (StartUpdatePer) and runs FinishUpdate on a goroutine, whose error the
+// channel returns.
+func startPhase(t *testing.T, e *Engine, c adam.Coeffs) <-chan error {
+	t.Helper()
+	cs := make([]adam.Coeffs, len(e.sizes))
+	for i := range cs {
+		cs[i] = c
+	}
+	if err := e.StartUpdatePer(cs); err != nil {
+		t.Fatal(err)
+	}
+	fin := make(chan error, 1)
+	go func() { fin <- e.FinishUpdate() }()
+	return fin
 }
 
 // readReady waits for each subgroup of e in order on a stream of its own
@@ -149,16 +157,7 @@ func TestReady(t *testing.T) {
 			<-release
 		}
 	})
-	c := h.Coeffs(1, 1, 1)
-	cs := make([]adam.Coeffs, len(heldSizes))
-	for i := range cs {
-		cs[i] = c
-	}
-	if err := e.StartUpdatePer(cs); err != nil {
-		t.Fatal(err)
-	}
-	fin := make(chan error, 1)
-	go func() { fin <- e.FinishUpdate() }()
+	fin := startPhase(t, e, h.Coeffs(1, 1, 1))
 	err := e.WaitReady(nil, 2)
 	ready2, ready3 := e.Ready(2), e.Ready(3)
 	close(release)

@@ -368,6 +368,7 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 		}
 		e.restoreSpec(i)
 	}
+	e.syncRecopies()
 	if kept == 0 {
 		e.specUsed = 0 // every save is free again
 	}
@@ -398,21 +399,33 @@ func (e *Engine) restoreSpec(i int) {
 		// The device has the speculative working copy (specCopy): the
 		// old one back, rounded from the restored master weights, as
 		// the phase or the last Load wrote it, and the mirror's part.
+		// Its caller waits for the copies once (syncRecopies).
 		adam.Round16(e.o.WorkingDType, e.specOut[at:at+n], e.state.Param[lo:lo+n])
-		err := e.specCopy(i, at)
-		if err == nil {
-			err = e.dev.Sync(e.endEv[e.core.opSteps[i][opCopyH2D][1]])
-		}
-		if err != nil {
+		if e.specCopy(i, at) != nil {
 			e.broken = true // the device's copy is neither: restore from a checkpoint
 		}
-		e.specCopied[i] = false
+		e.specCopied[i], e.specRecopied = false, true
 	}
 	if len(e.specUndo) < cap(e.specUndo) { // for Trace: never allocates
 		e.specUndo = append(e.specUndo, specUndo{sub: i, spec: e.specT[i], restore: [2]time.Time{t, time.Now()}})
 	}
 	e.specAt[i] = -1
 	e.pre[i] &^= 1<<opCPU | 1<<opCopyH2D
+}
+
+// syncRecopies waits for the old working copies restoreSpec put back on
+// the device, if any: the next reader may be the trainer's forward, which
+// waits for no phase after a skipped step or a drop.
+func (e *Engine) syncRecopies() {
+	if !e.specRecopied {
+		return
+	}
+	e.specRecopied = false
+	e.laneMu[sH2D].Lock()
+	defer e.laneMu[sH2D].Unlock()
+	if firstErr(e.dev.Record(e.tail[sH2D], e.s[sH2D]), e.dev.Sync(e.tail[sH2D])) != nil {
+		e.broken = true // the device's copy is neither: restore from a checkpoint
+	}
 }
 
 // specUndo is a speculative update undone, for Trace: subgroup sub, when
@@ -442,6 +455,7 @@ func (e *Engine) restoreSpecs(kept bool) {
 			e.restoreSpec(i)
 		}
 	}
+	e.syncRecopies()
 }
 
 // DropSpeculation undoes every speculated subgroup, kept ones too: a

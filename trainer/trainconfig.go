@@ -364,7 +364,7 @@ func (c *TrainConfig) Validate() error {
 		return errors.New("trainer: --no-overlap needs --device cuda (only the GPU trainer overlaps its backward with the update phase)")
 	case !(c.Speculate >= 0) || c.Speculate > MaxMemoryBytes>>30:
 		return fmt.Errorf("trainer: --speculate %v: want GiB from 0 to %d", c.Speculate, MaxMemoryBytes>>30)
-	case c.Speculate > 0 && (c.Device != "cuda" || c.NoOverlap || c.GPUs > 1):
+	case c.Speculate > 0 && !c.maySpeculate():
 		return errors.New("trainer: --speculate updates the CPU's subgroups during the backward: it needs --device cuda on one GPU, and not --no-overlap")
 	case c.Replan && (c.Device == "" || c.Schedule != ""):
 		return errors.New("trainer: --replan corrects the performance model's schedule: it needs --device, and no --schedule")
@@ -575,11 +575,15 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	return perParam*params + 4*floats + ring
 }
 
+// maySpeculate says whether the run may speculate (Speculate): the GPU
+// trainer on one GPU, with the overlap with backward.
+func (c *TrainConfig) maySpeculate() bool { return c.Device == "cuda" && c.GPUs <= 1 && !c.NoOverlap }
+
 // speculateBytes is offload.Options.Speculate for the run: Speculate GiB,
 // at most what every parameter needs (scheduler.SpeculateBytes, 14 B
 // each); 0 off one GPU or without the overlap.
 func (c *TrainConfig) speculateBytes() int64 {
-	if c.Speculate <= 0 || c.Device != "cuda" || c.GPUs > 1 || c.NoOverlap {
+	if c.Speculate <= 0 || !c.maySpeculate() {
 		return 0
 	}
 	return min(int64(c.Speculate*(1<<30)), offload.SpeculateBytes(int64(c.Model.NumParams()), false)) // the trainer's AdamW has no amsgrad
