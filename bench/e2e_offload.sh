@@ -106,7 +106,10 @@ try:
     r.update(ms_per_iter=round(1e3 * it, 1), fwd_bwd_ms=round(1e3 * (it - upd), 1), step_ms=round(1e3 * upd, 1),
              predicted_ms=round(1e3 * statistics.median(pred), 1) if pred else None,
              tokens_per_s=round(int(batch) * 1024 / it, 1), params=s["params"], mfu=s.get("mfu"),
-             replans=sum(1 for x in steps if x.get("replanned")))
+             replans=sum(1 for x in steps if x.get("replanned")),
+             iter_predicted_ms=round(1e3 * s["iteration_predicted_s"], 1) if s.get("iteration_predicted_s") else None,
+             iter_bound_ms=round(1e3 * s["iteration_bound_s"], 1) if s.get("iteration_bound_s") else None,
+             speculated=sum(x.get("speculated", 0) for x in timed))
 except Exception as e:
     tail = open(base + ".log", errors="replace").read().strip().splitlines()[-1:] or [""]
     r["error"] = f"rc {rc}: {tail[0][:400]} ({type(e).__name__})"

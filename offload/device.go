@@ -113,6 +113,17 @@ type Bound = perfmodel.Bound
 // backward's seconds, the streamed weights' bytes each way).
 type Iteration = perfmodel.Iteration
 
+// IterationWork is a training iteration's work besides its update phase,
+// for Optimizer.PredictIteration (perfmodel.IterationWork: the forward's
+// and backward's seconds alone, the blocks, whether the forward overlaps
+// the phase; the speculation's fields are the optimizer's).
+type IterationWork = perfmodel.IterationWork
+
+// IterationPrediction is Optimizer.PredictIteration's answer
+// (perfmodel.IterationPrediction: the phase, what speculation hides, the
+// iteration, in seconds).
+type IterationPrediction = perfmodel.IterationPrediction
+
 // Stream is a device stream an Optimizer orders work after
 // (Optimizer.GradsFinal): the stream a trainer computes its gradients on
 // (scheduler.Stream).

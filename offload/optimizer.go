@@ -907,6 +907,32 @@ func (o *Optimizer) IterationBound(it Iteration) (b Bound, ok bool) {
 	return b, err == nil
 }
 
+// PredictIteration predicts one training iteration of this optimizer
+// under its plan (perfmodel.Profile.PredictIteration), with
+// Options.Device and a profile (ok false otherwise, before the first
+// plan, or for bad fields of it). it's SpeculateParams and ResidentFirst
+// are the optimizer's (Options.Speculate over SpeculateBytes' bytes a
+// parameter, Options.ResidentFirst); the caller gives the forward's and
+// backward's times, the blocks and whether the forward overlaps the phase.
+func (o *Optimizer) PredictIteration(it IterationWork) (p IterationPrediction, ok bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.eng == nil || o.opts.Profile == nil || o.plan == nil {
+		return IterationPrediction{}, false
+	}
+	p, err := o.opts.Profile.PredictIteration(o.workload(), o.plan.Schedule, o.iterationWork(it))
+	return p, err == nil
+}
+
+// iterationWork is it with the optimizer's speculation and layout.
+func (o *Optimizer) iterationWork(it IterationWork) IterationWork {
+	it.SpeculateParams, it.ResidentFirst = 0, o.opts.ResidentFirst
+	if o.opts.Speculate > 0 {
+		it.SpeculateParams = o.opts.Speculate / SpeculateBytes(1, o.opts.Hyper.AMSGrad)
+	}
+	return it
+}
+
 // Trace returns the last update phase's operations (scheduler.Engine.Trace:
 // times from the phase's start) and the host time the phase began
 // (scheduler.Engine.PhaseStart), to place it in an iteration's timeline.

@@ -50,6 +50,10 @@ type replanState struct {
 	// is not folded in (cold caches and page faults, cuBLAS-free but not
 	// cost-free).
 	warm bool
+	// iter, once Optimizer.PlanIteration has given it, is the iteration
+	// the refits choose the schedule for (perfmodel.Profile.
+	// ChooseIteration) instead of the phase alone.
+	iter *perfmodel.IterationWork
 }
 
 // newReplanState starts Options.Replan from the model's plan of w on
@@ -86,29 +90,102 @@ func (o *Optimizer) refit(res *StepResult, held bool) error {
 		return err
 	}
 	if next.Schedule != o.plan.Schedule {
-		plan, err := scheduler.NewHeldPlanIn(o.held(), next.Schedule, o.residentLayout())
-		if err != nil {
-			return fmt.Errorf("offload: re-planning: %w", err)
+		moved, err := o.moveTo(next.Schedule)
+		if err != nil || !moved {
+			return err
 		}
-		// Replan writes the resident subgroups' host state: a lazy
-		// checkpoint's capture must be done with it first.
-		o.pending.waitCapture()
-		if err := o.eng.Replan(plan); errors.Is(err, scheduler.ErrReplanRefused) {
-			// The new plan's memory could not be had (a cap, fragments):
-			// the engine runs the old plan, synced; that schedule is not
-			// tried again.
-			o.dev = devSynced
-			o.re.seen[next.Schedule] = math.Inf(1)
-			return nil
-		} else if err != nil {
-			return o.engineErr(err)
-		}
-		o.dev = devSynced // the resident state downloaded, the new one uploaded
 		o.re.basePred = basePred
 		res.Replanned = true
 	}
 	o.plan = next
 	return nil
+}
+
+// moveTo re-plans the engine to schedule s (scheduler.Engine.Replan: the
+// resident state downloaded, the new resident state uploaded) and reports
+// whether it moved: a plan whose memory could not be had (a cap,
+// fragments) leaves the engine on the old plan, synced, and with
+// Options.Replan that schedule is not tried again. The caller holds o.mu,
+// between phases.
+func (o *Optimizer) moveTo(s perfmodel.Schedule) (bool, error) {
+	plan, err := scheduler.NewHeldPlanIn(o.held(), s, o.residentLayout())
+	if err != nil {
+		return false, fmt.Errorf("offload: re-planning: %w", err)
+	}
+	// Replan writes the resident subgroups' host state: a lazy
+	// checkpoint's capture must be done with it first.
+	o.pending.waitCapture()
+	if err := o.eng.Replan(plan); errors.Is(err, scheduler.ErrReplanRefused) {
+		o.dev = devSynced
+		if o.opts.Replan {
+			o.re.seen[s] = math.Inf(1)
+		}
+		return false, nil
+	} else if err != nil {
+		return false, o.engineErr(err)
+	}
+	o.dev = devSynced // the resident state downloaded, the new one uploaded
+	return true, nil
+}
+
+// PlanIteration chooses the update phase's schedule for the whole
+// training iteration it (perfmodel.Profile.ChooseIteration, with the
+// optimizer's speculation and layout: Optimizer.PredictIteration's) and
+// re-plans the engine to it when that iteration is predicted replanGain
+// (5 %) faster than the plan in use's; with Options.Replan the later
+// refits choose for the iteration too (issue 31 item 3: the schedule is
+// the iteration's, not the phase's alone). It needs Options.Device and a
+// profile, and does nothing with a forced Options.Schedule. Call it
+// between steps: it waits for a phase StepAsync began. It returns whether
+// the schedule changed.
+//
+// Errors: a closed optimizer, a device fault before (the state must be
+// loaded again), the model's, the device's while it moves the resident
+// state (the optimizer is then broken, as after a failed Step).
+func (o *Optimizer) PlanIteration(it IterationWork) (changed bool, err error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	switch {
+	case o.pool == nil:
+		return false, ErrClosed
+	case o.eng == nil || o.opts.Profile == nil || o.plan == nil || o.opts.Schedule != nil:
+		return false, nil
+	case o.dev == devBroken:
+		return false, errors.New("offload: PlanIteration: a device fault left the state inconsistent; LoadCheckpoint restores it")
+	}
+	it = o.iterationWork(it)
+	prof, g := o.opts.Profile, 1.0
+	if o.opts.Replan {
+		prof, g = o.re.base.Scaled(o.re.f), max(o.re.g, 0)
+		o.re.iter = &it
+	}
+	w := o.workload()
+	now, err := prof.PredictIteration(w, o.plan.Schedule, it)
+	if err != nil {
+		return false, fmt.Errorf("offload: PlanIteration: %w", err)
+	}
+	best, err := prof.ChooseIteration(w, it)
+	if err != nil {
+		return false, fmt.Errorf("offload: PlanIteration: %w", err)
+	}
+	if best.Phase.Schedule == o.plan.Schedule || best.Seconds >= (1-replanGain)*now.Seconds {
+		return false, nil
+	}
+	moved, err := o.moveTo(best.Phase.Schedule)
+	if err != nil || !moved {
+		return false, err
+	}
+	next := best.Phase
+	if o.opts.Replan {
+		if o.re.basePred, err = o.re.base.Predict(w, next.Schedule); err != nil {
+			return true, fmt.Errorf("offload: PlanIteration: %w", err)
+		}
+		if g > 0 {
+			next.Makespan *= g
+		}
+	}
+	o.plan = &next
+	return true, nil
 }
 
 // observe folds one measured update phase b of the schedule that cur
@@ -177,7 +254,25 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step
 		now.Makespan *= re.g
 		best.Makespan *= re.g
 	}
-	if m, ok := re.seen[best.Schedule]; best.Schedule == now.Schedule || best.Makespan >= (1-replanGain)*now.Makespan ||
+	worse := best.Makespan >= (1-replanGain)*now.Makespan
+	if re.iter != nil {
+		// The schedule is the iteration's: the one whose iteration is
+		// the shortest, if that beats the iteration of the one in use by
+		// replanGain.
+		nowIt, err := scaled.PredictIteration(w, cur.Schedule, *re.iter)
+		if err != nil {
+			return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
+		}
+		bi, err := scaled.ChooseIteration(w, *re.iter)
+		if err != nil {
+			return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
+		}
+		best, worse = bi.Phase, bi.Seconds >= (1-replanGain)*nowIt.Seconds
+		if re.g > 0 {
+			best.Makespan *= re.g
+		}
+	}
+	if m, ok := re.seen[best.Schedule]; best.Schedule == now.Schedule || worse ||
 		(ok && m > (1-replanGain)*re.seen[cur.Schedule]) {
 		return &now, basePred, nil // the same schedule (or one already measured no faster), its corrected prediction
 	}

@@ -30,16 +30,20 @@ func specBase() Options {
 
 // newRig makes a specRig over ps with held in OffloadParam (nil: none),
 // base's DeviceMasters and ResidentFirst b's alone,
-// the schedule s of the other subgroups and budget bytes of saves.
+// the schedule s of the other subgroups (zero: base.Profile's choice) and
+// budget bytes of saves.
 func newRig(t *testing.T, ps []Param, base Options, held []string, s perfmodel.Schedule, budget int64) *specRig {
 	t.Helper()
 	r := &specRig{held: held}
 	hb := base
-	hb.DeviceMasters, hb.ResidentFirst = nil, false // the device's
+	hb.DeviceMasters, hb.ResidentFirst, hb.GPUBudget, hb.Profile = nil, false, 0, nil // the device's
 	r.ref = newWith(t, ps, hb)
 	r.sim = scheduler.NewSim(scheduler.SimOptions{})
 	o := base
-	o.Device, o.Schedule, o.OverlapBackward, o.OffloadParam, o.Speculate = r.sim, &s, true, held, budget
+	o.Device, o.OverlapBackward, o.OffloadParam, o.Speculate = r.sim, true, held, budget
+	if s != (perfmodel.Schedule{}) { // else the profile's choice
+		o.Schedule = &s
+	}
 	r.b = newWith(t, ps, o)
 	r.io = newStreamIO(t, r.sim, 1<<16)
 	h, err := r.sim.AllocHost(1 << 16)

@@ -653,6 +653,47 @@ func TestGPUMemoryCap(t *testing.T) {
 	}
 }
 
+// TestGPUIterationModel: a run on the GPU with the start-up calibration
+// (no --schedule, no --profile) reports its iteration's prediction and
+// lower bound (the forward and backward measured alone: the overlap runs
+// the second iteration's forward alone), with the next forward overlapped
+// and without; a bound is under the measured iteration, and the
+// prediction is finite and positive.
+func TestGPUIterationModel(t *testing.T) {
+	gpuEnv(t)
+	setMemAvailable(t, 0, false)
+	cfg := DefaultTrainConfig()
+	cfg.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 4, NHead: 2, NEmbd: 128}
+	cfg.Batch, cfg.Device, cfg.Steps = 4, "cuda", 5
+	cfg.WorkingDType, cfg.GradDType = adam.BF16, adam.BF16
+	cfg.SubgroupSize = 60_000
+	cfg.SampleBytes, cfg.EvalBatches, cfg.LogEvery = 0, 1, 0
+	text := []byte(strings.Repeat("Light is propagated in straight lines, and refracted at the surfaces of bodies. ", 400))
+	for _, noFwd := range []bool{false, true} {
+		c := cfg
+		c.NoOverlapForward = noFwd
+		var log strings.Builder
+		tr, err := New(c, text, &log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sum, err := tr.Run()
+		tr.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !(sum.IterationS > 0) || !(sum.IterationPredictedS > 0) || math.IsInf(sum.IterationPredictedS, 0) ||
+			!(sum.IterationBoundS > 0) || sum.IterationBoundS > sum.IterationS {
+			t.Errorf("--no-overlap-forward %v: iteration %v s measured, %v predicted, bound %v: want a positive prediction and a bound under the measured\n%s",
+				noFwd, sum.IterationS, sum.IterationPredictedS, sum.IterationBoundS, log.String())
+		}
+		if !strings.Contains(log.String(), "ms predicted (") {
+			t.Errorf("--no-overlap-forward %v: no iteration prediction in the log:\n%s", noFwd, log.String())
+		}
+		t.Logf("--no-overlap-forward %v: iteration %.2f ms measured, %.2f ms predicted, bound %.2f ms", noFwd, 1e3*sum.IterationS, 1e3*sum.IterationPredictedS, 1e3*sum.IterationBoundS)
+	}
+}
+
 // TestGPUOverlapBitwise trains on the GPU for 6 iterations with the update
 // phase split between the CPU, streamed and resident subgroups, with the
 // overlap with backward (the default) and without (--no-overlap): the

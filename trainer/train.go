@@ -41,14 +41,18 @@ type Summary struct {
 	UpdatePredictedS float64 `json:"update_predicted_s,omitempty"`
 	UpdateLimitS     float64 `json:"update_limit_s,omitempty"`
 	UpdateBoundS     float64 `json:"update_bound_s,omitempty"`
-	// IterationS is the mean iteration, its first left out, in seconds,
-	// and IterationBoundS a lower bound on it with a device and a profile
-	// on one GPU (offload.Optimizer.IterationBound: the measured forward
-	// and backward on the GPU beside the update phase's work at each
-	// resource's rate alone, the streamed weights' copies on PCIe; the
-	// largest resource's time, as if every overlap were reached).
-	IterationS      float64 `json:"iteration_s,omitempty"`
-	IterationBoundS float64 `json:"iteration_bound_s,omitempty"`
+	// IterationS is the mean iteration, its first left out, in seconds;
+	// with a device and a profile on one GPU, IterationPredictedS the
+	// performance model's prediction of it (offload.Optimizer.
+	// PredictIteration: the forward and backward measured alone, the
+	// planned phase, the overlaps the run takes) and IterationBoundS a
+	// lower bound on it (offload.Optimizer.IterationBound: the measured
+	// forward and backward on the GPU beside the update phase's work at
+	// each resource's rate alone, the streamed weights' copies on PCIe;
+	// the largest resource's time, as if every overlap were reached).
+	IterationS          float64 `json:"iteration_s,omitempty"`
+	IterationPredictedS float64 `json:"iteration_predicted_s,omitempty"`
+	IterationBoundS     float64 `json:"iteration_bound_s,omitempty"`
 	// MFU is the model FLOP utilization of the GPU trainer: TokensPerS ×
 	// gpt.Config.FLOPsPerToken over PeakFLOPS (llm.c's count); 0 on the
 	// host.
@@ -450,16 +454,27 @@ func (t *Trainer) Evaluate() (float64, error) {
 // forward runs the forward of the batch in t.inputs and t.tgts on every
 // rank, for a backward of scale × loss. With marks (the traced iteration:
 // TrainConfig.TimelineAt) it records when forward ended, the device
-// synchronised first.
-func (t *Trainer) forward(scale float32, marks *timelineMarks) error {
+// synchronised first; on one GPU it sets *end to that time too (the
+// iteration's model measures the forward alone: a stream's sync, no more),
+// elsewhere to when forward returned.
+func (t *Trainer) forward(scale float32, marks *timelineMarks, end *time.Time) error {
 	var mark func()
-	if marks != nil {
+	if marks != nil || t.w.gpus > 0 && !t.w.job {
 		mark = func() {
-			marks.forward = time.Now()
-			t.markMemory(marks, marks.forward)
+			*end = time.Now()
+			if marks != nil {
+				marks.forward = *end
+				t.markMemory(marks, marks.forward)
+			}
 		}
 	}
-	return t.w.forward(t.inputs, t.tgts, scale, mark)
+	if err := t.w.forward(t.inputs, t.tgts, scale, mark); err != nil {
+		return err
+	}
+	if mark == nil {
+		*end = time.Now()
+	}
+	return nil
 }
 
 // lossScale is the loss scale of the next backward: TrainState.LossScale,
@@ -593,9 +608,12 @@ func (t *Trainer) Run() (Summary, error) {
 	start := time.Now()
 	var warm time.Time // the end of this run's first iteration
 	done := 0
-	var updates, computes time.Duration // the update phases, and the forwards and backwards run in their own iteration; the first iteration's left out
-	serial := 0                         // the iterations computes counts
-	var speculated int64                // parameters kept from speculative updates, this run
+	// The update phases, and the forwards and backwards of the iterations
+	// whose forward ran in their own iteration (not during the last update
+	// phase: serial counts them); the first iteration's left out.
+	var updates, forwards, backwards time.Duration
+	serial := 0
+	var speculated int64 // parameters kept from speculative updates, this run
 	// ahead: the next iteration's forward ran during this one's update
 	// phase (overlapForward), on the batch from aheadPos with that scale.
 	ahead, aheadPos, aheadScale := false, int64(0), float32(1)
@@ -608,6 +626,7 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		var marks *timelineMarks
 		pos, scale := aheadPos, aheadScale
+		f1 := t0 // the end of this iteration's own forward
 		if !ahead {
 			t.loader.Next(t.inputs, t.tgts)
 			pos, scale = t.loader.lastStart(), t.lossScale()
@@ -615,10 +634,11 @@ func (t *Trainer) Run() (Summary, error) {
 				marks = &timelineMarks{t0: t0}
 				t.markMemory(marks, t0)
 			}
-			if err := t.forward(scale, marks); err != nil {
+			if err := t.forward(scale, marks, &f1); err != nil {
 				return sum, err
 			}
 		}
+		b0 := time.Now() // the backward's start: the forward is done, or queued ahead of it on the host
 		loss, err := t.w.backward()
 		if err != nil {
 			return sum, err
@@ -644,8 +664,10 @@ func (t *Trainer) Run() (Summary, error) {
 			}
 		}
 		// The next iteration's forward over this update phase's tail,
-		// each block once its weights are written.
-		if ahead = t.overlapForward(it); ahead {
+		// each block once its weights are written; but the second
+		// iteration's forward runs alone, once, to measure it (the
+		// iteration's prediction and bound need its time).
+		if ahead = done > 0 && t.overlapForward(it); ahead {
 			t.loader.Next(t.inputs, t.tgts)
 			aheadPos, aheadScale = t.loader.lastStart(), t.lossScale()
 			var end func() // the traced iteration's: NextForward's span
@@ -669,8 +691,13 @@ func (t *Trainer) Run() (Summary, error) {
 		if done > 0 { // the first update of a run also pays for the caches and page tables warming up
 			updates += res.Elapsed
 			if !ranAhead {
-				computes += s0.Sub(t0)
-				serial++
+				forwards += f1.Sub(t0)
+				backwards += s0.Sub(b0)
+				if serial++; serial == 1 {
+					if err := t.planIteration(it, f1.Sub(t0), s0.Sub(b0), &sched); err != nil {
+						return sum, err
+					}
+				}
 			}
 		}
 		speculated += res.Speculated
@@ -772,7 +799,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if done > 1 {
 			sum.TokensPerS = float64((done-1)*tokens) / time.Since(warm).Seconds()
 			sum.IterationS = time.Since(warm).Seconds() / float64(done-1)
-			t.iterationBound(&sum, computes, serial)
+			t.iterationModel(&sum, forwards, backwards, serial)
 		}
 		if t.w.gpus > 0 {
 			sum.MFU = sum.TokensPerS * flops / peak
@@ -919,36 +946,78 @@ func (l maybeLoss) or0() float64 {
 	return float64(l)
 }
 
-// iterationBound sets sum.IterationBoundS on one GPU with a profile, from
-// the mean forward and backward compute of the serial iterations (computes
-// over serial of them: those whose forward ran in their own iteration, the
-// first left out) and the streamed blocks' copies, and says it beside the
-// measured iteration; with no serial iteration it says why there is none.
-func (t *Trainer) iterationBound(sum *Summary, computes time.Duration, serial int) {
+// iterationModel sets sum.IterationPredictedS and sum.IterationBoundS on
+// one GPU with a profile, from the mean forward and backward of the
+// serial iterations (serial of them, whose forward ran in their own
+// iteration, the first left out: the overlap runs the second's alone to
+// measure it) and the streamed blocks' copies, and says them beside the
+// measured iteration; with no serial iteration it says why there are none.
+func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration, serial int) {
 	if t.w.gpus == 0 || t.w.job {
 		return
 	}
 	if serial == 0 {
-		t.logf("iteration: %.1f ms measured; its lower bound needs the forward's time, which no iteration after the first measured alone (every forward ran during the update phase before it): --no-overlap-forward measures it\n", 1e3*sum.IterationS)
+		t.logf("iteration: %.1f ms measured; its prediction and lower bound need the forward's time alone, which no iteration after the first measured (every forward ran during the update phase before it)\n", 1e3*sum.IterationS)
 		return
 	}
-	compute := computes.Seconds() / float64(serial)
-	h2d, d2h := streamedCopyBytes(t.cfg.Model, t.cfg.Streamed())
-	b, ok := t.opt.IterationBound(offload.Iteration{Compute: compute, H2DBytes: h2d, D2HBytes: d2h})
+	fwd, bwd := forwards.Seconds()/float64(serial), backwards.Seconds()/float64(serial)
+	h2d, d2h := StreamedCopyBytes(t.cfg.Model, t.cfg.Streamed())
+	b, ok := t.opt.IterationBound(offload.Iteration{Compute: fwd + bwd, H2DBytes: h2d, D2HBytes: d2h})
 	if !ok || b.Seconds <= 0 {
 		return
 	}
 	sum.IterationBoundS = b.Seconds
-	t.logf("iteration: %.1f ms measured (forward and backward %.1f ms), its lower bound %.1f ms (%s-bound: the forward and backward and the update phase's work at each resource's rate alone, every overlap reached), %.2fx it\n",
-		1e3*sum.IterationS, 1e3*compute, 1e3*b.Seconds, b.Bottleneck, sum.IterationS/b.Seconds)
+	overlap := !t.cfg.NoOverlapForward && t.w.overlapsUpdate()
+	pred := ""
+	if p, ok := t.opt.PredictIteration(offload.IterationWork{Forward: fwd, Backward: bwd, Blocks: t.cfg.Model.NLayer, OverlapForward: overlap}); ok {
+		sum.IterationPredictedS = p.Seconds
+		how := "forward, backward and update phase in turn"
+		if overlap {
+			how = "the next forward beside the update phase"
+		}
+		if p.Speculated > 0 {
+			how += fmt.Sprintf(", %.1f ms of CPU updates speculated in the backward", 1e3*p.Speculated)
+		}
+		pred = fmt.Sprintf(", %.1f ms predicted (%s; %+.1f%% measured over it; serial %.1f ms)", 1e3*p.Seconds, how, 100*(sum.IterationS/p.Seconds-1), 1e3*p.Serial)
+	}
+	t.logf("iteration: %.1f ms measured (forward %.1f ms and backward %.1f ms alone)%s, its lower bound %.1f ms (%s-bound: the forward and backward and the update phase's work at each resource's rate alone, every overlap reached), %.2fx it\n",
+		1e3*sum.IterationS, 1e3*fwd, 1e3*bwd, pred, 1e3*b.Seconds, b.Bottleneck, sum.IterationS/b.Seconds)
 }
 
-// streamedCopyBytes returns the bytes one iteration's n streamed blocks of
-// cfg's model move (blockStream): each block's bf16 weights H2D before its
-// forward and again before its backward, but for the two blocks whose
-// slots still hold them from the forward (the last ones, the backward's
-// first), and its bf16 gradients D2H once.
-func streamedCopyBytes(cfg Config, n int) (h2d, d2h float64) {
+// planIteration, with speculation on one GPU, has the optimizer choose
+// the update phase's schedule for the whole iteration of iteration it,
+// whose forward and backward took fwd and bwd alone
+// (offload.Optimizer.PlanIteration: speculation hides CPU work in the
+// backward, so the iteration's best schedule may give the CPU more than
+// the phase's does), and says so when it moved; sched is the log lines'
+// schedule.
+func (t *Trainer) planIteration(it int, fwd, bwd time.Duration, sched *string) error {
+	if t.w.gpus == 0 || t.w.job || t.cfg.speculateBytes() == 0 {
+		return nil
+	}
+	work := offload.IterationWork{Forward: fwd.Seconds(), Backward: bwd.Seconds(), Blocks: t.cfg.Model.NLayer,
+		OverlapForward: !t.cfg.NoOverlapForward && t.w.overlapsUpdate()}
+	before, _ := t.opt.PredictIteration(work)
+	moved, err := t.opt.PlanIteration(work)
+	if err != nil || !moved {
+		return err
+	}
+	s, _ := t.opt.Schedule()
+	*sched = fmt.Sprintf("%d/%d/%d", s.CPU, s.GPU, s.Resident)
+	after, _ := t.opt.PredictIteration(work)
+	t.logf("iter %5d  planned the update phase for the iteration (forward %.1f ms, backward %.1f ms alone; speculation hides CPU work in the backward): now %d CPU / %d streamed / %d resident subgroups, the iteration predicted %.1f ms, was %.1f ms\n",
+		it, 1e3*fwd.Seconds(), 1e3*bwd.Seconds(), s.CPU, s.GPU, s.Resident, 1e3*after.Seconds, 1e3*before.Seconds)
+	return nil
+}
+
+// StreamedCopyBytes returns the bytes one iteration's n streamed blocks
+// of cfg's model move (blockStream, --stream-blocks): each block's bf16
+// weights H2D before its forward and again before its backward, but for
+// the two blocks whose slots still hold them from the forward (the last
+// ones, the backward's first), and its bf16 gradients D2H once. n <= 0:
+// none.
+func StreamedCopyBytes(cfg Config, n int) (h2d, d2h float64) {
+	n = max(n, 0)
 	per := 2 * float64(blockStreamedElems(cfg))
 	return per * float64(n+max(n-2, 0)), per * float64(n)
 }

@@ -296,7 +296,7 @@ func TestStreamedCopyBytes(t *testing.T) {
 	cfg := Config{VocabSize: 256, NCtx: 64, NLayer: 6, NHead: 2, NEmbd: 128}
 	per := 2 * float64(blockStreamedElems(cfg))
 	for n, want := range map[int][2]float64{0: {0, 0}, 1: {per, per}, 2: {2 * per, 2 * per}, 5: {8 * per, 5 * per}} {
-		if h, d := streamedCopyBytes(cfg, n); h != want[0] || d != want[1] {
+		if h, d := StreamedCopyBytes(cfg, n); h != want[0] || d != want[1] {
 			t.Errorf("%d blocks: %v bytes H2D, %v D2H; want %v, %v", n, h, d, want[0], want[1])
 		}
 	}

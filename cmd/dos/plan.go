@@ -64,10 +64,23 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	sweep := c.Int("sweep", 7, "schedules `N` of the k sweep (GPU subgroups from 0 to all, the chosen residents)")
 	out := outputFlags(c, "each schedule's prediction and replay, the machine's limit (limit_s) and the lower bound (bound_s)", "the replay of the model's schedule", "the replay of the model's schedule as a timeline")
 	mf := memoryFlags(c)
+	fwdMS := c.Float64("forward-ms", 0, "with --gpu-memory: one forward's `ms` on the GPU, measured alone (dos train's \"iteration:\" line prints it): with --backward-ms, the whole iteration predicted")
+	bwdMS := c.Float64("backward-ms", 0, "with --gpu-memory: one backward's `ms` on the GPU, measured alone, recomputation included (with --forward-ms)")
+	specGiB := c.Float64("speculate", 0, "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate) in the iteration's prediction")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
 	fail := func(format string, a ...any) int { return c.usageError(stderr, format, a...) }
+	switch iter := c.set("forward-ms") || c.set("backward-ms") || c.set("speculate"); {
+	case iter && !mf.given(c):
+		return fail("--forward-ms, --backward-ms and --speculate need --gpu-memory and the model's flags (the iteration's blocks and copies are the model's)")
+	case iter && !(c.set("forward-ms") && c.set("backward-ms")):
+		return fail("--forward-ms and --backward-ms go together: the iteration's prediction needs both")
+	case !(*fwdMS >= 0 && *fwdMS < 1e9) || !(*bwdMS >= 0 && *bwdMS < 1e9):
+		return fail("--forward-ms %v, --backward-ms %v: want milliseconds from 0 to 1e9", *fwdMS, *bwdMS)
+	case !(*specGiB >= 0 && *specGiB <= float64(trainer.MaxMemoryBytes>>30)):
+		return fail("--speculate %v: want GiB from 0 to %d", *specGiB, trainer.MaxMemoryBytes>>30)
+	}
 	var held int64                  // the streamed blocks' parameters (--stream-blocks): the CPU's, in place
 	var memCfg *trainer.TrainConfig // with --gpu-memory: the run planned
 	if mf.given(c) {
@@ -254,6 +267,11 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	if limErr == nil {
 		meta["limit_s"] = lim.Makespan
 	}
+	if memCfg != nil && memCfg.GPUs <= 1 && c.set("forward-ms") {
+		if err := iterationPlan(*memCfg, &p, w, *fwdMS/1e3, *bwdMS/1e3, *specGiB, stdout, meta); err != nil {
+			return c.fail(stderr, "%v", err)
+		}
+	}
 	if memCfg != nil && memCfg.GPUs <= 1 { // streaming is one GPU's
 		fmt.Fprintln(stdout)
 		if _, err := streamSweep(*memCfg, &p, perRank, stdout); err != nil {
@@ -383,5 +401,78 @@ func writePlanOutputs(out *outputs, stdout io.Writer, meta map[string]any, resul
 		}
 		fmt.Fprintf(stdout, "timeline written to %s\n", *out.plot)
 	}
+	return nil
+}
+
+// iterationPlan prints the whole iteration the model predicts for cfg's
+// run on one GPU under p (perfmodel.Profile.PredictIteration), from the
+// forward's and backward's seconds measured alone: nothing overlapped, the
+// next forward beside the update phase (dos train's default), and with
+// speculate GiB of speculation with the resident subgroups last (the
+// default) and first (--resident-first); and the iteration's lower bound.
+// The update phase is dos train's on the GPU: w with the prefetch during
+// the backward, under the model's choice for it. It adds the predictions
+// to meta (iteration_*_s) for --json.
+func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Workload, fwd, bwd, speculate float64, stdout io.Writer, meta map[string]any) error {
+	w.Prefetch = true
+	ch, err := p.Choose(w)
+	if err != nil {
+		return err
+	}
+	it := perfmodel.IterationWork{Forward: fwd, Backward: bwd, Blocks: cfg.Model.NLayer}
+	tokens := float64(cfg.Batch * cfg.Model.NCtx)
+	line := func(name string, it perfmodel.IterationWork, key string) (perfmodel.IterationPrediction, error) {
+		r, err := p.PredictIteration(w, ch.Schedule, it)
+		if err != nil {
+			return r, err
+		}
+		extra := ""
+		if r.Speculated > 0 {
+			extra = fmt.Sprintf(", %.1f ms of CPU updates speculated in the backward", 1e3*r.Speculated)
+		}
+		fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (update phase after the backward %.1f ms%s)\n", name, 1e3*r.Seconds, tokens/r.Seconds, 1e3*r.After, extra)
+		meta[key] = r.Seconds
+		return r, nil
+	}
+	fmt.Fprintf(stdout, "\nthe whole iteration, from a forward of %.1f ms and a backward of %.1f ms measured alone, %d x %d tokens; the update phase with its prefetch in the backward, %d CPU / %d streamed / %d resident subgroups, %.1f ms:\n",
+		1e3*fwd, 1e3*bwd, cfg.Batch, cfg.Model.NCtx, ch.CPU, ch.GPU, ch.Resident, 1e3*ch.Makespan)
+	if _, err := line("serial (--no-overlap-forward)", it, "iteration_serial_s"); err != nil {
+		return err
+	}
+	it.OverlapForward = true
+	if _, err := line("the next forward beside the phase (default)", it, "iteration_s"); err != nil {
+		return err
+	}
+	if speculate > 0 {
+		it.SpeculateParams = int64(speculate*(1<<30)) / scheduler.SpeculateBytes(1, false) // dos train's AdamW has no amsgrad
+		if _, err := line(fmt.Sprintf("and --speculate %g", speculate), it, "iteration_speculate_s"); err != nil {
+			return err
+		}
+		it.ResidentFirst = true
+		if _, err := line(fmt.Sprintf("and --speculate %g --resident-first", speculate), it, "iteration_speculate_first_s"); err != nil {
+			return err
+		}
+		for _, first := range []bool{false, true} {
+			it.ResidentFirst = first
+			r, err := p.ChooseIteration(w, it)
+			if err != nil {
+				return err
+			}
+			name := "the schedule chosen for the iteration"
+			if first {
+				name += ", --resident-first"
+			}
+			fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (%d CPU / %d streamed / %d resident subgroups, update phase %.1f ms alone, %.1f ms after the backward, %.1f ms speculated)\n",
+				name, 1e3*r.Seconds, tokens/r.Seconds, r.Phase.CPU, r.Phase.GPU, r.Phase.Resident, 1e3*r.Phase.Makespan, 1e3*r.After, 1e3*r.Speculated)
+		}
+	}
+	h2d, d2h := trainer.StreamedCopyBytes(cfg.Model, cfg.Streamed())
+	b, err := p.IterationBound(w, perfmodel.Iteration{Compute: fwd + bwd, H2DBytes: h2d, D2HBytes: d2h})
+	if err != nil {
+		return err
+	}
+	meta["iteration_bound_s"] = b.Seconds
+	fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (%s-bound: each resource's work at its rate alone, every overlap reached)\n", "its lower bound", 1e3*b.Seconds, tokens/b.Seconds, b.Bottleneck)
+	fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels; a speculation a clipped or skipped step throws away)\n")
 	return nil
 }

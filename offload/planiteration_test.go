@@ -1,0 +1,98 @@
+package offload
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
+	"github.com/deepstates/dos/scheduler"
+)
+
+// iterProfile is a machine whose CPU workers and fused kernels update at
+// the same rate, 1e8 parameters/s, over a fast PCIe: the phase alone is
+// shortest split between them, but with a long backward to hide the CPU's
+// speculative updates the iteration is shortest with every subgroup on the
+// CPU.
+func iterProfile() *perfmodel.Profile {
+	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-5} }
+	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion}
+	for _, d := range []adam.DType{adam.F32, adam.BF16} {
+		p.CPU = append(p.CPU, perfmodel.CPUFit{Threads: 2, GradDType: d, Fit: fit(1e8)})
+	}
+	p.GPU = &perfmodel.GPUProfile{Update: fit(1e8), H2D: fit(1e12), D2H: fit(1e12), H2DBoth: fit(1e12), D2HBoth: fit(1e12), Convert: fit(1e12)}
+	return p
+}
+
+// TestPlanIteration: PlanIteration moves the engine from the phase's best
+// schedule to the iteration's (perfmodel.Profile.ChooseIteration) when the
+// speculation hides the CPU's work in a long backward, the steps after it
+// keep the serial step's bits (speculation kept), a second call finds
+// nothing better, a short backward (nothing to hide) or a forced schedule
+// keeps the plan, and a closed optimizer says ErrClosed.
+func TestPlanIteration(t *testing.T) {
+	base := specBase()
+	base.Profile, base.GPUBudget = iterProfile(), 1<<20
+	r := newRig(t, testParams, base, nil, perfmodel.Schedule{}, scheduler.SpeculateBytes(1<<20, false))
+	r.b.specPaused = false
+	start, _ := r.b.Schedule()
+	long := IterationWork{Forward: 1e-5, Backward: 1e-4, Blocks: 1, OverlapForward: true}
+	short := long
+	short.Backward = 0
+	if moved, err := r.b.PlanIteration(short); err != nil || moved {
+		t.Fatalf("a backward too short to hide anything: moved %v, %v; want the phase's schedule %+v kept", moved, err, start)
+	}
+	before, ok := r.b.PredictIteration(long)
+	if !ok {
+		t.Fatal("no prediction")
+	}
+	moved, err := r.b.PlanIteration(long)
+	if err != nil || !moved {
+		t.Fatalf("PlanIteration: moved %v, %v; want a move from %+v", moved, err, start)
+	}
+	now, _ := r.b.Schedule()
+	after, _ := r.b.PredictIteration(long)
+	plan, _ := r.b.Plan()
+	if now == start || now.CPU <= start.CPU || plan.Schedule != now || !(after.Seconds < 0.95*before.Seconds) || after.Speculated == 0 {
+		t.Fatalf("schedule %+v -> %+v (plan %+v), iteration %.6f -> %.6f s (speculated %.6f s): want more CPU subgroups and a shorter iteration",
+			start, now, plan.Schedule, before.Seconds, after.Seconds, after.Speculated)
+	}
+	t.Logf("schedule %+v -> %+v, the iteration predicted %.1f -> %.1f µs", start, now, 1e6*before.Seconds, 1e6*after.Seconds)
+	if moved, err := r.b.PlanIteration(long); err != nil || moved {
+		t.Fatalf("again: moved %v, %v; want nothing", moved, err)
+	}
+	kept := int64(0)
+	for k := int64(1); k <= 4; k++ {
+		r.backward(t, k, 0.01, false, true)
+		rr, err := r.ref.Step(StepArgs{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rb, err := r.b.Step(StepArgs{GradOnDevice: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rr.ClipCoef != rb.ClipCoef || rr.GradNorm != rb.GradNorm {
+			t.Fatalf("step %d: clip %v norm %v, the reference's %v %v", k, rb.ClipCoef, rb.GradNorm, rr.ClipCoef, rr.GradNorm)
+		}
+		kept += rb.Speculated
+		sameState(t, synced(t, r.ref), synced(t, r.b.workingNow(t)))
+	}
+	if kept == 0 {
+		t.Error("no speculative update kept after the move")
+	}
+	if err := r.sim.OrderErr(); err != nil {
+		t.Fatal(err)
+	}
+
+	forced := newRig(t, testParams, base, nil, start, scheduler.SpeculateBytes(1<<20, false))
+	if moved, err := forced.b.PlanIteration(long); err != nil || moved {
+		t.Errorf("a forced schedule: moved %v, %v; want it kept", moved, err)
+	}
+	if err := forced.b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := forced.b.PlanIteration(long); !errors.Is(err, ErrClosed) {
+		t.Errorf("closed: %v, want ErrClosed", err)
+	}
+}

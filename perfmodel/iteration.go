@@ -1,0 +1,188 @@
+package perfmodel
+
+import (
+	"errors"
+	"fmt"
+	"math"
+)
+
+// IterationWork is a training iteration's work besides its update phase,
+// as PredictIteration takes it: the forward's and the backward's times on
+// the GPU, each measured alone (recomputation and the streamed blocks'
+// copies included: they are part of the compute the trainer times), and
+// what overlaps the phase with them.
+type IterationWork struct {
+	Forward  float64 // seconds of one forward, alone
+	Backward float64 // seconds of one backward, alone
+	// Blocks is the model's transformer blocks, >= 1: an overlapped
+	// forward runs block by block behind the phase, so the last block's
+	// forward (Forward/Blocks) runs after the phase's last update.
+	Blocks int
+	// OverlapForward: the next iteration's forward runs during the update
+	// phase, each block once its weights are written (issue 31 item 2;
+	// trainer: the default).
+	OverlapForward bool
+	// SpeculateParams is the parameters the CPU workers may update
+	// speculatively during the backward (offload.Options.Speculate over
+	// scheduler.SpeculateBytes' bytes a parameter; 0: none). Only the
+	// host-held subgroups and, with Workload.Prefetch and no upcast on
+	// the GPU, the CPU subgroups are speculated on; the prediction is that of an
+	// iteration that keeps them (no clipping, no skip).
+	SpeculateParams int64
+	// ResidentFirst: the resident subgroups lead the flat space
+	// (scheduler.Layout.ResidentFirst), so the speculation may start with
+	// the backward; else they are its suffix, the last blocks, whose
+	// backward runs first, and the speculation starts after their share
+	// of the parameters' share of the backward.
+	ResidentFirst bool
+}
+
+// IterationPrediction is PredictIteration's whole iteration, in seconds.
+type IterationPrediction struct {
+	Phase Prediction // the update phase alone (Predict)
+	// Speculated is the CPU workers' update work done during the
+	// backward: the speculated parameters' share of the CPU's busy time
+	// in the phase, at most the backward's time after the resident
+	// share (IterationWork.ResidentFirst).
+	Speculated float64
+	// After is the phase once the backward ends: the phase less
+	// Speculated, no less than its other resources' busy time and fill.
+	After float64
+	// Seconds is the iteration: forward, backward and After one after the
+	// other, or with OverlapForward the backward, then the phase with the
+	// next forward beside it (the longer of After plus the last block's
+	// forward, and the forward).
+	Seconds float64
+	// Serial is the iteration with nothing overlapped: forward, backward
+	// and the whole phase.
+	Serial float64
+}
+
+// PredictIteration predicts one training iteration of w under schedule s
+// and it (issue 31 item 3: the prediction, beside IterationBound's bound).
+// The model: the phase as Predict has it; speculation takes the share of
+// the CPU workers' time that min(SpeculateParams, the speculable
+// parameters) is of theirs out of the phase, as far as the backward's
+// window allows; the overlapped
+// forward runs beside the rest. It leaves out the contention of the
+// overlapped forward with the phase's copies and kernels (both run on the
+// same GPU and PCIe link): a measured iteration over it by a few percent
+// is that contention.
+//
+// Errors: Predict's; negative or non-finite times, Blocks < 1,
+// SpeculateParams < 0.
+func (p *Profile) PredictIteration(w Workload, s Schedule, it IterationWork) (IterationPrediction, error) {
+	switch {
+	case !(it.Forward >= 0) || !(it.Backward >= 0) || math.IsInf(it.Forward+it.Backward, 0):
+		return IterationPrediction{}, fmt.Errorf("perfmodel: PredictIteration: forward %v s and backward %v s: want finite times >= 0", it.Forward, it.Backward)
+	case it.Blocks < 1:
+		return IterationPrediction{}, fmt.Errorf("perfmodel: PredictIteration: %d blocks: want >= 1", it.Blocks)
+	case it.SpeculateParams < 0:
+		return IterationPrediction{}, errors.New("perfmodel: PredictIteration: SpeculateParams must be >= 0")
+	}
+	ph, err := p.Predict(w, s)
+	if err != nil {
+		return IterationPrediction{}, err
+	}
+	return p.iteration(w, ph, it)
+}
+
+// iteration is PredictIteration's model for the phase ph of a valid w and
+// it.
+func (p *Profile) iteration(w Workload, ph Prediction, it IterationWork) (IterationPrediction, error) {
+	s := ph.Schedule
+	r := IterationPrediction{Phase: ph, After: ph.Makespan}
+	if f := speculableShare(w, s, it.SpeculateParams); f > 0 {
+		after := 0.0 // the backward's share before the first speculable gradient
+		if !it.ResidentFirst && s.Resident > 0 {
+			sizes := w.Sizes
+			if sizes == nil {
+				sizes = SubgroupSizes(w.Params, w.SubgroupSize)
+			}
+			var res int64
+			for _, n := range sizes[len(sizes)-min(s.Resident, len(sizes)):] {
+				res += n
+			}
+			after = float64(res) / float64(w.Params+w.HostHeld)
+		}
+		r.Speculated = min(f*ph.Busy[ResCPU], it.Backward*(1-after))
+		rest := ph.Fill + ph.Drain // what the CPU's work never hid
+		for _, res := range Resources {
+			if res != ResCPU {
+				rest = max(rest, ph.Busy[res])
+			}
+		}
+		r.After = max(ph.Makespan-r.Speculated, rest)
+	}
+	r.Serial = it.Forward + it.Backward + ph.Makespan
+	r.Seconds = it.Forward + it.Backward + r.After
+	if it.OverlapForward {
+		r.Seconds = it.Backward + max(r.After+it.Forward/float64(it.Blocks), it.Forward)
+	}
+	return r, nil
+}
+
+// speculableShare is the share of the CPU workers' work under s that the
+// speculation on at most n parameters takes: the host-held parameters
+// and, when their gradients reach the host before the phase
+// (Workload.Prefetch without the upcast on the GPU: scheduler.Engine.
+// Speculate takes those), the CPU subgroups', over all the CPU's.
+func speculableShare(w Workload, s Schedule, n int64) float64 {
+	cpu := 0.0
+	if k := w.Subgroups(); k > 0 {
+		cpu = float64(w.Params) / float64(k) * float64(s.CPU)
+	}
+	all := float64(w.HostHeld) + cpu
+	if n <= 0 || all == 0 {
+		return 0
+	}
+	m := float64(w.HostHeld)
+	if w.Prefetch && !s.UpcastOnGPU {
+		m += cpu
+	}
+	return min(float64(n), m) / all
+}
+
+// ChooseIteration returns the schedule of w whose whole iteration it
+// (PredictIteration) is the shortest, with its phase and iteration
+// predictions: issue 31's schedule chosen for the iteration, not for the
+// update phase alone. Without speculation it is Choose's schedule (the
+// overlapped forward hides the same phase either way); with speculation
+// the CPU's share may grow by what the backward hides. It searches every
+// CPU count at each residency the budget allows, with and without the
+// upcast: at most 2 (subgroups+1)^2 predictions. Ties keep Choose's.
+//
+// Errors: Choose's and PredictIteration's.
+func (p *Profile) ChooseIteration(w Workload, it IterationWork) (IterationPrediction, error) {
+	best, err := p.Choose(w)
+	if err != nil {
+		return IterationPrediction{}, err
+	}
+	bi, err := p.PredictIteration(w, best.Schedule, it)
+	if err != nil || it.SpeculateParams == 0 {
+		return bi, err
+	}
+	n := w.Subgroups()
+	for r := range w.residencies() {
+		for _, upcast := range []bool{false, true} {
+			for c := 0; c <= n-r; c++ {
+				s := Schedule{CPU: c, GPU: n - r - c, Resident: r, UpcastOnGPU: upcast}
+				if p.GPU == nil && (s.GPU > 0 || s.Resident > 0 || upcast) || w.gpuMemory(s) > float64(w.GPUBudget) {
+					continue
+				}
+				ph, err := p.predict(w, s)
+				if err != nil {
+					return IterationPrediction{}, err
+				}
+				x, err := p.iteration(w, ph, it)
+				if err != nil {
+					return IterationPrediction{}, err
+				}
+				if x.Seconds < bi.Seconds*(1-1e-9) {
+					bi = x
+				}
+			}
+		}
+	}
+	return bi, nil
+}

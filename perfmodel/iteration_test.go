@@ -1,0 +1,137 @@
+package perfmodel
+
+import (
+	"math"
+	"strings"
+	"testing"
+
+	"github.com/deepstates/dos/adam"
+)
+
+// TestPredictIteration: with the H200's profile and the 4.24B model's
+// update phase (a CPU-bound schedule), the serial iteration is forward,
+// backward and the phase; the overlapped forward hides the shorter of
+// itself and the phase but for its last block; speculation takes the CPU
+// time of the speculated parameters out of the phase, capped by the
+// backward's window after the resident share, by the CPU's busy time and
+// by what the CPU may speculate on (nothing of the CPU subgroups without
+// the prefetch or with the upcast; the host-held ones always).
+func TestPredictIteration(t *testing.T) {
+	p, err := Read("../testdata/profiles/h200.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const held = 600_000_000
+	w := Workload{Params: 3_600_000_000, SubgroupSize: 100_000_000, GradDType: adam.BF16, CopyBytes: 2, Threads: 16,
+		GPUBudget: 16 << 30, Prefetch: true, HostHeld: held}
+	ch, err := p.Choose(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := ch.Schedule
+	if s.CPU == 0 || s.UpcastOnGPU {
+		t.Fatalf("the chosen schedule %+v: the test wants CPU subgroups without the upcast", s)
+	}
+	ph, err := p.Predict(w, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cpuParams := float64(w.Params) / float64(w.Subgroups()) * float64(s.CPU)
+	share := func(n float64) float64 { return n / (held + cpuParams) * ph.Busy[ResCPU] } // n parameters' share of the CPU's time
+	sizes := SubgroupSizes(w.Params, w.SubgroupSize)
+	var resParams int64 // the resident subgroups: the flat space's suffix
+	for _, n := range sizes[len(sizes)-s.Resident:] {
+		resParams += n
+	}
+	if s.Resident == 0 {
+		t.Fatalf("the chosen schedule %+v: the test wants resident subgroups", s)
+	}
+	rest := ph.Fill + ph.Drain
+	for _, r := range Resources {
+		if r != ResCPU {
+			rest = max(rest, ph.Busy[r])
+		}
+	}
+	const fwd, bwd = 0.150, 0.400
+	near := func(a, b float64) bool { return math.Abs(a-b) <= 1e-12*max(1, math.Abs(b)) }
+	for _, tc := range []struct {
+		name    string
+		w       Workload
+		s       Schedule
+		it      IterationWork
+		spec    float64 // the expected Speculated
+		seconds func(after float64) float64
+	}{
+		{"serial", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36}, 0,
+			func(a float64) float64 { return fwd + bwd + a }},
+		{"overlap", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, OverlapForward: true}, 0,
+			func(a float64) float64 { return bwd + max(a+fwd/36, fwd) }},
+		{"overlap, a long forward", w, s, IterationWork{Forward: 10, Backward: bwd, Blocks: 36, OverlapForward: true}, 0,
+			func(a float64) float64 { return bwd + 10 }},
+		{"speculate 100M", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, OverlapForward: true, SpeculateParams: 100_000_000}, share(100_000_000),
+			func(a float64) float64 { return bwd + max(a+fwd/36, fwd) }},
+		{"speculate all: the window after the residents", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, SpeculateParams: 1 << 40},
+			min(ph.Busy[ResCPU], (1-float64(resParams)/float64(w.Params+held))*bwd),
+			func(a float64) float64 { return fwd + bwd + a }},
+		{"speculate all, resident first: the whole backward", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, SpeculateParams: 1 << 40, ResidentFirst: true},
+			min(ph.Busy[ResCPU], bwd),
+			func(a float64) float64 { return fwd + bwd + a }},
+		{"speculate all, a long backward", w, s, IterationWork{Forward: fwd, Backward: 100, Blocks: 36, SpeculateParams: 1 << 40},
+			ph.Busy[ResCPU],
+			func(a float64) float64 { return fwd + 100 + a }},
+	} {
+		r, err := p.PredictIteration(tc.w, tc.s, tc.it)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		after := ph.Makespan
+		if tc.spec > 0 {
+			after = max(ph.Makespan-tc.spec, rest)
+		}
+		if r.Phase.Makespan != ph.Makespan || !near(r.Speculated, tc.spec) || !near(r.After, after) ||
+			!near(r.Seconds, tc.seconds(after)) || !near(r.Serial, tc.it.Forward+tc.it.Backward+ph.Makespan) {
+			t.Errorf("%s: phase %.4f speculated %.4f after %.4f iteration %.4f serial %.4f s; want %.4f %.4f %.4f %.4f %.4f",
+				tc.name, r.Phase.Makespan, r.Speculated, r.After, r.Seconds, r.Serial,
+				ph.Makespan, tc.spec, after, tc.seconds(after), tc.it.Forward+tc.it.Backward+ph.Makespan)
+		}
+		if tc.spec > 0 && !(r.Seconds < r.Serial) {
+			t.Errorf("%s: iteration %.4f s not under the serial %.4f s", tc.name, r.Seconds, r.Serial)
+		}
+	}
+
+	// Without the prefetch, or with the upcast on the GPU, only the
+	// host-held parameters are speculated on.
+	for _, tc := range []struct {
+		name string
+		w    Workload
+		s    Schedule
+	}{
+		{"no prefetch", func() Workload { v := w; v.Prefetch = false; return v }(), s},
+		{"upcast", func() Workload { v := w; v.GPUBudget = 24 << 30; return v }(), Schedule{CPU: s.CPU, GPU: s.GPU, Resident: s.Resident, UpcastOnGPU: true}},
+	} {
+		ph, err := p.Predict(tc.w, tc.s)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		r, err := p.PredictIteration(tc.w, tc.s, IterationWork{Forward: fwd, Backward: 100, Blocks: 36, SpeculateParams: 1 << 40})
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		cpu := float64(tc.w.Params) / float64(tc.w.Subgroups()) * float64(tc.s.CPU)
+		if want := held / (held + cpu) * ph.Busy[ResCPU]; !near(r.Speculated, want) {
+			t.Errorf("%s: speculated %.4f s, want the host-held parameters' %.4f s", tc.name, r.Speculated, want)
+		}
+	}
+
+	for _, bad := range []IterationWork{
+		{Forward: -1, Backward: 1, Blocks: 1},
+		{Forward: 1, Backward: math.NaN(), Blocks: 1},
+		{Forward: math.Inf(1), Backward: 1, Blocks: 1},
+		{Forward: 1, Backward: 1},
+		{Forward: 1, Backward: 1, Blocks: 1, SpeculateParams: -1},
+	} {
+		if _, err := p.PredictIteration(w, s, bad); err == nil || !strings.Contains(err.Error(), "PredictIteration") {
+			t.Errorf("%+v: error %v, want PredictIteration's", bad, err)
+		}
+	}
+}
