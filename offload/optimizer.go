@@ -244,6 +244,9 @@ type Optimizer struct {
 	eng *scheduler.Engine
 	dev devState
 	re  replanState // Options.Replan's
+	// specRateSeen is the last rate specRate measured, in parameters a
+	// second (0: none yet).
+	specRateSeen float64
 	// mirrorAt: for each parameter in Options.DeviceMasters, its first
 	// element in the engine's mirror (scheduler.Engine.Mirror).
 	mirrorAt map[int]int64
@@ -924,13 +927,40 @@ func (o *Optimizer) PredictIteration(it IterationWork) (p IterationPrediction, o
 	return p, err == nil
 }
 
-// iterationWork is it with the optimizer's speculation and layout.
+// iterationWork is it with the optimizer's speculation and layout, and
+// the speculation's rate as the last phase that kept some measured it
+// (specRate). The caller holds o.mu.
 func (o *Optimizer) iterationWork(it IterationWork) IterationWork {
-	it.SpeculateParams, it.ResidentFirst = 0, o.opts.ResidentFirst
+	it.SpeculateParams, it.SpeculateRate, it.ResidentFirst = 0, 0, o.opts.ResidentFirst
 	if o.opts.Speculate > 0 {
 		it.SpeculateParams = o.opts.Speculate / SpeculateBytes(1, o.opts.Hyper.AMSGrad)
+		it.SpeculateRate = o.specRate()
 	}
 	return it
+}
+
+// specRate returns the parameters a second the last phase's kept
+// speculative updates ran at, from their first start to their last end
+// (scheduler.Engine.Trace), or, when it kept none, the last such rate
+// measured (0 before any). It allocates (the trace). The caller holds
+// o.mu.
+func (o *Optimizer) specRate() float64 {
+	ops, err := o.eng.Trace()
+	if err != nil {
+		return o.specRateSeen
+	}
+	var params int64
+	first, last := time.Duration(math.MaxInt64), time.Duration(math.MinInt64)
+	for _, op := range ops {
+		if op.What == scheduler.SpeculativeKept {
+			params += op.Bytes
+			first, last = min(first, op.Start), max(last, op.End)
+		}
+	}
+	if params > 0 && last > first {
+		o.specRateSeen = float64(params) / (last - first).Seconds()
+	}
+	return o.specRateSeen
 }
 
 // Trace returns the last update phase's operations (scheduler.Engine.Trace:

@@ -99,10 +99,15 @@ func (p *Profile) bound(w Workload, it Iteration) (Bound, error) {
 		return b, nil
 	}
 	budget := float64(w.GPUBudget)
+	// The upcast needs the CPU's fp32 rate, which a profile measured for
+	// one 16-bit dtype (the trainer's start-up calibration) lacks: then
+	// no schedule upcasts (Choose skips them too).
+	_, err := p.cpuFit(w.Threads, adam.F32)
+	f32 := err == nil
 	for r, streams := range w.residencies() {
 		N := float64(n - r)
 		for _, upcast := range []bool{false, true} {
-			if upcast && (N == 0 || w.gpuMemory(Schedule{Resident: r, CPU: 1, UpcastOnGPU: true}) > budget) {
+			if upcast && (N == 0 || w.gpuMemory(Schedule{Resident: r, CPU: 1, UpcastOnGPU: true}) > budget || !f32) {
 				continue
 			}
 			at := func(c float64) (Bound, error) { return p.boundAt(w, it, upcast, c, N-c, float64(r)) }

@@ -121,3 +121,35 @@ func TestIterationBound(t *testing.T) {
 		t.Error("a negative compute accepted")
 	}
 }
+
+// TestBoundOneDType: a profile with the CPU's rate for bfloat16 gradients
+// alone (the trainer's start-up calibration measures the run's dtype
+// only) bounds and chooses without the upcast, which needs the fp32 rate,
+// instead of failing.
+func TestBoundOneDType(t *testing.T) {
+	p, err := Read("../testdata/profiles/h200.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := *p
+	q.CPU = nil
+	for _, f := range p.CPU {
+		if f.GradDType == adam.BF16 {
+			q.CPU = append(q.CPU, f)
+		}
+	}
+	w := Workload{Params: 1_557_000_000, SubgroupSize: 100_000_000, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 8 << 30, Prefetch: true}
+	b, err := q.Bound(w)
+	if err != nil || !(b.Seconds > 0) || b.UpcastOnGPU {
+		t.Fatalf("Bound: %+v, %v; want a bound without the upcast", b, err)
+	}
+	if full, err := p.Bound(w); err != nil || full.Seconds > b.Seconds*(1+1e-9) {
+		t.Errorf("the bound with the fp32 rate %v (%v) is over the one without it %v: it has more splits", full.Seconds, err, b.Seconds)
+	}
+	if _, err := q.IterationBound(w, Iteration{Compute: 0.2}); err != nil {
+		t.Errorf("IterationBound: %v", err)
+	}
+	if r, err := q.ChooseIteration(w, IterationWork{Forward: 0.1, Backward: 0.3, Blocks: 48, SpeculateParams: 1e9}); err != nil || r.Phase.UpcastOnGPU {
+		t.Errorf("ChooseIteration: %+v, %v; want a schedule without the upcast", r.Phase.Schedule, err)
+	}
+}

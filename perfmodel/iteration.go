@@ -29,6 +29,12 @@ type IterationWork struct {
 	// the GPU, the CPU subgroups are speculated on; the prediction is that of an
 	// iteration that keeps them (no clipping, no skip).
 	SpeculateParams int64
+	// SpeculateRate is the parameters a second the CPU workers speculate
+	// on during the backward, measured (offload: the last phase's kept
+	// speculative updates over their span; the backward's compute and
+	// gradient copies share the host with them); 0: the CPU's fitted
+	// rate at the workload's Threads, as if they had the host alone.
+	SpeculateRate float64
 	// ResidentFirst: the resident subgroups lead the flat space
 	// (scheduler.Layout.ResidentFirst), so the speculation may start with
 	// the backward; else they are its suffix, the last blocks, whose
@@ -41,9 +47,11 @@ type IterationWork struct {
 type IterationPrediction struct {
 	Phase Prediction // the update phase alone (Predict)
 	// Speculated is the CPU workers' update work done during the
-	// backward: the speculated parameters' share of the CPU's busy time
-	// in the phase, at most the backward's time after the resident
-	// share (IterationWork.ResidentFirst).
+	// backward, in the phase's CPU seconds: the share of the CPU's busy
+	// time in the phase of the parameters speculated on, the least of
+	// SpeculateParams, the speculable ones and what SpeculateRate
+	// updates in the backward after the resident share
+	// (IterationWork.ResidentFirst).
 	Speculated float64
 	// After is the phase once the backward ends: the phase less
 	// Speculated, no less than its other resources' busy time and fill.
@@ -61,16 +69,15 @@ type IterationPrediction struct {
 // PredictIteration predicts one training iteration of w under schedule s
 // and it (issue 31 item 3: the prediction, beside IterationBound's bound).
 // The model: the phase as Predict has it; speculation takes the share of
-// the CPU workers' time that min(SpeculateParams, the speculable
-// parameters) is of theirs out of the phase, as far as the backward's
-// window allows; the overlapped
+// the CPU workers' time that the parameters it updates in the backward
+// (Speculated) are of theirs out of the phase; the overlapped
 // forward runs beside the rest. It leaves out the contention of the
 // overlapped forward with the phase's copies and kernels (both run on the
 // same GPU and PCIe link): a measured iteration over it by a few percent
 // is that contention.
 //
 // Errors: Predict's; negative or non-finite times, Blocks < 1,
-// SpeculateParams < 0.
+// SpeculateParams or SpeculateRate < 0.
 func (p *Profile) PredictIteration(w Workload, s Schedule, it IterationWork) (IterationPrediction, error) {
 	switch {
 	case !(it.Forward >= 0) || !(it.Backward >= 0) || math.IsInf(it.Forward+it.Backward, 0):
@@ -79,6 +86,8 @@ func (p *Profile) PredictIteration(w Workload, s Schedule, it IterationWork) (It
 		return IterationPrediction{}, fmt.Errorf("perfmodel: PredictIteration: %d blocks: want >= 1", it.Blocks)
 	case it.SpeculateParams < 0:
 		return IterationPrediction{}, errors.New("perfmodel: PredictIteration: SpeculateParams must be >= 0")
+	case !(it.SpeculateRate >= 0) || math.IsInf(it.SpeculateRate, 0):
+		return IterationPrediction{}, fmt.Errorf("perfmodel: PredictIteration: SpeculateRate %v: want parameters a second >= 0", it.SpeculateRate)
 	}
 	ph, err := p.Predict(w, s)
 	if err != nil {
@@ -92,7 +101,7 @@ func (p *Profile) PredictIteration(w Workload, s Schedule, it IterationWork) (It
 func (p *Profile) iteration(w Workload, ph Prediction, it IterationWork) (IterationPrediction, error) {
 	s := ph.Schedule
 	r := IterationPrediction{Phase: ph, After: ph.Makespan}
-	if f := speculableShare(w, s, it.SpeculateParams); f > 0 {
+	if all, m := speculable(w, s); it.SpeculateParams > 0 && m > 0 {
 		after := 0.0 // the backward's share before the first speculable gradient
 		if !it.ResidentFirst && s.Resident > 0 {
 			sizes := w.Sizes
@@ -105,7 +114,16 @@ func (p *Profile) iteration(w Workload, ph Prediction, it IterationWork) (Iterat
 			}
 			after = float64(res) / float64(w.Params+w.HostHeld)
 		}
-		r.Speculated = min(f*ph.Busy[ResCPU], it.Backward*(1-after))
+		rate := it.SpeculateRate
+		if rate == 0 {
+			cf, err := p.cpuFit(w.Threads, w.GradDType) // speculated gradients are never upcast
+			if err != nil {
+				return IterationPrediction{}, err
+			}
+			rate = cf.Fit.Rate
+		}
+		hidden := min(float64(it.SpeculateParams), m, rate*it.Backward*(1-after))
+		r.Speculated = hidden / all * ph.Busy[ResCPU]
 		rest := ph.Fill + ph.Drain // what the CPU's work never hid
 		for _, res := range Resources {
 			if res != ResCPU {
@@ -122,25 +140,22 @@ func (p *Profile) iteration(w Workload, ph Prediction, it IterationWork) (Iterat
 	return r, nil
 }
 
-// speculableShare is the share of the CPU workers' work under s that the
-// speculation on at most n parameters takes: the host-held parameters
-// and, when their gradients reach the host before the phase
-// (Workload.Prefetch without the upcast on the GPU: scheduler.Engine.
-// Speculate takes those), the CPU subgroups', over all the CPU's.
-func speculableShare(w Workload, s Schedule, n int64) float64 {
+// speculable returns the parameters the CPU workers update under s (the
+// host-held ones and the CPU subgroups', the mean subgroup's size each)
+// and of those the ones the speculation may take: the host-held ones and,
+// when their gradients reach the host before the phase (Workload.Prefetch
+// without the upcast on the GPU: scheduler.Engine.Speculate takes those),
+// the CPU subgroups'.
+func speculable(w Workload, s Schedule) (all, m float64) {
 	cpu := 0.0
 	if k := w.Subgroups(); k > 0 {
 		cpu = float64(w.Params) / float64(k) * float64(s.CPU)
 	}
-	all := float64(w.HostHeld) + cpu
-	if n <= 0 || all == 0 {
-		return 0
-	}
-	m := float64(w.HostHeld)
+	all, m = float64(w.HostHeld)+cpu, float64(w.HostHeld)
 	if w.Prefetch && !s.UpcastOnGPU {
 		m += cpu
 	}
-	return min(float64(n), m) / all
+	return all, m
 }
 
 // ChooseIteration returns the schedule of w whose whole iteration it
@@ -172,7 +187,7 @@ func (p *Profile) ChooseIteration(w Workload, it IterationWork) (IterationPredic
 				}
 				ph, err := p.predict(w, s)
 				if err != nil {
-					return IterationPrediction{}, err
+					continue // as Choose: a rate the profile lacks (the upcast's fp32)
 				}
 				x, err := p.iteration(w, ph, it)
 				if err != nil {

@@ -38,6 +38,10 @@ func TestPredictIteration(t *testing.T) {
 	}
 	cpuParams := float64(w.Params) / float64(w.Subgroups()) * float64(s.CPU)
 	share := func(n float64) float64 { return n / (held + cpuParams) * ph.Busy[ResCPU] } // n parameters' share of the CPU's time
+	cf, err := p.CPURate(16, adam.BF16)
+	if err != nil {
+		t.Fatal(err)
+	}
 	sizes := SubgroupSizes(w.Params, w.SubgroupSize)
 	var resParams int64 // the resident subgroups: the flat space's suffix
 	for _, n := range sizes[len(sizes)-s.Resident:] {
@@ -71,14 +75,17 @@ func TestPredictIteration(t *testing.T) {
 		{"speculate 100M", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, OverlapForward: true, SpeculateParams: 100_000_000}, share(100_000_000),
 			func(a float64) float64 { return bwd + max(a+fwd/36, fwd) }},
 		{"speculate all: the window after the residents", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, SpeculateParams: 1 << 40},
-			min(ph.Busy[ResCPU], (1-float64(resParams)/float64(w.Params+held))*bwd),
+			share(min(held+cpuParams, cf.Rate*(1-float64(resParams)/float64(w.Params+held))*bwd)),
 			func(a float64) float64 { return fwd + bwd + a }},
 		{"speculate all, resident first: the whole backward", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, SpeculateParams: 1 << 40, ResidentFirst: true},
-			min(ph.Busy[ResCPU], bwd),
+			share(min(held+cpuParams, cf.Rate*bwd)),
 			func(a float64) float64 { return fwd + bwd + a }},
 		{"speculate all, a long backward", w, s, IterationWork{Forward: fwd, Backward: 100, Blocks: 36, SpeculateParams: 1 << 40},
 			ph.Busy[ResCPU],
 			func(a float64) float64 { return fwd + 100 + a }},
+		{"speculate at a measured rate", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, SpeculateParams: 1 << 40, SpeculateRate: 1e9, ResidentFirst: true},
+			share(min(held+cpuParams, 1e9*bwd)),
+			func(a float64) float64 { return fwd + bwd + a }},
 	} {
 		r, err := p.PredictIteration(tc.w, tc.s, tc.it)
 		if err != nil {
@@ -129,6 +136,8 @@ func TestPredictIteration(t *testing.T) {
 		{Forward: math.Inf(1), Backward: 1, Blocks: 1},
 		{Forward: 1, Backward: 1},
 		{Forward: 1, Backward: 1, Blocks: 1, SpeculateParams: -1},
+		{Forward: 1, Backward: 1, Blocks: 1, SpeculateRate: -1},
+		{Forward: 1, Backward: 1, Blocks: 1, SpeculateRate: math.Inf(1)},
 	} {
 		if _, err := p.PredictIteration(w, s, bad); err == nil || !strings.Contains(err.Error(), "PredictIteration") {
 			t.Errorf("%+v: error %v, want PredictIteration's", bad, err)

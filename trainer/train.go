@@ -613,6 +613,13 @@ func (t *Trainer) Run() (Summary, error) {
 	// phase: serial counts them); the first iteration's left out.
 	var updates, forwards, backwards time.Duration
 	serial := 0
+	// steady is the iterations after the first whose forward ran as the
+	// run's do (during the last update phase with the overlap, else
+	// alone) and that moved no state for a re-plan: steadyN of them, the
+	// iteration the model predicts.
+	var steady time.Duration
+	steadyN := 0
+	overlap := !cfg.NoOverlapForward && t.w.overlapsUpdate()
 	var speculated int64 // parameters kept from speculative updates, this run
 	// ahead: the next iteration's forward ran during this one's update
 	// phase (overlapForward), on the batch from aheadPos with that scale.
@@ -721,6 +728,10 @@ func (t *Trainer) Run() (Summary, error) {
 		if done == 1 {
 			warm = now
 		}
+		if done > 1 && ranAhead == overlap && !res.Replanned {
+			steady += now.Sub(t0)
+			steadyN++
+		}
 		if t.logJSON != nil {
 			rec := stepRecord{Step: it, Loss: loss, LR: cfg.LRAt(it), GradNorm: res.GradNorm, Skipped: res.Skipped, Pos: pos,
 				Seconds: now.Sub(t0).Seconds(), UpdateS: res.Elapsed.Seconds(),
@@ -799,7 +810,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if done > 1 {
 			sum.TokensPerS = float64((done-1)*tokens) / time.Since(warm).Seconds()
 			sum.IterationS = time.Since(warm).Seconds() / float64(done-1)
-			t.iterationModel(&sum, forwards, backwards, serial)
+			t.iterationModel(&sum, forwards, backwards, serial, steady, steadyN)
 		}
 		if t.w.gpus > 0 {
 			sum.MFU = sum.TokensPerS * flops / peak
@@ -951,37 +962,41 @@ func (l maybeLoss) or0() float64 {
 // serial iterations (serial of them, whose forward ran in their own
 // iteration, the first left out: the overlap runs the second's alone to
 // measure it) and the streamed blocks' copies, and says them beside the
-// measured iteration; with no serial iteration it says why there are none.
-func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration, serial int) {
+// measured iteration: the mean of the steadyN steady iterations (steady
+// in all; see Run), else sum.IterationS. With no serial iteration it says
+// why there are none.
+func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration, serial int, steady time.Duration, steadyN int) {
 	if t.w.gpus == 0 || t.w.job {
 		return
 	}
+	measured, of := sum.IterationS, "the mean of this run's iterations after the first"
+	if steadyN > 0 {
+		measured, of = steady.Seconds()/float64(steadyN), fmt.Sprintf("the mean of %s that moved no state for a re-plan, after the first", Iterations(steadyN))
+	}
 	if serial == 0 {
-		t.logf("iteration: %.1f ms measured; its prediction and lower bound need the forward's time alone, which no iteration after the first measured (every forward ran during the update phase before it)\n", 1e3*sum.IterationS)
+		t.logf("iteration: %.1f ms measured (%s); its prediction and lower bound need the forward's time alone, which no iteration after the first measured (every forward ran during the update phase before it)\n", 1e3*measured, of)
 		return
 	}
 	fwd, bwd := forwards.Seconds()/float64(serial), backwards.Seconds()/float64(serial)
-	h2d, d2h := StreamedCopyBytes(t.cfg.Model, t.cfg.Streamed())
-	b, ok := t.opt.IterationBound(offload.Iteration{Compute: fwd + bwd, H2DBytes: h2d, D2HBytes: d2h})
-	if !ok || b.Seconds <= 0 {
-		return
-	}
-	sum.IterationBoundS = b.Seconds
 	overlap := !t.cfg.NoOverlapForward && t.w.overlapsUpdate()
-	pred := ""
-	if p, ok := t.opt.PredictIteration(offload.IterationWork{Forward: fwd, Backward: bwd, Blocks: t.cfg.Model.NLayer, OverlapForward: overlap}); ok {
+	line := fmt.Sprintf("iteration: %.1f ms measured (%s; forward %.1f ms and backward %.1f ms alone)", 1e3*measured, of, 1e3*fwd, 1e3*bwd)
+	if p, ok := t.opt.PredictIteration(offload.IterationWork{Forward: fwd, Backward: bwd, Blocks: t.cfg.Model.NLayer, OverlapForward: overlap}); ok && p.Seconds > 0 {
 		sum.IterationPredictedS = p.Seconds
 		how := "forward, backward and update phase in turn"
 		if overlap {
 			how = "the next forward beside the update phase"
 		}
 		if p.Speculated > 0 {
-			how += fmt.Sprintf(", %.1f ms of CPU updates speculated in the backward", 1e3*p.Speculated)
+			how += fmt.Sprintf(", %.1f ms of the CPU's updates speculated in the backward", 1e3*p.Speculated)
 		}
-		pred = fmt.Sprintf(", %.1f ms predicted (%s; %+.1f%% measured over it; serial %.1f ms)", 1e3*p.Seconds, how, 100*(sum.IterationS/p.Seconds-1), 1e3*p.Serial)
+		line += fmt.Sprintf(", %.1f ms predicted (%s; %+.1f%% measured over it; serial %.1f ms)", 1e3*p.Seconds, how, 100*(measured/p.Seconds-1), 1e3*p.Serial)
 	}
-	t.logf("iteration: %.1f ms measured (forward %.1f ms and backward %.1f ms alone)%s, its lower bound %.1f ms (%s-bound: the forward and backward and the update phase's work at each resource's rate alone, every overlap reached), %.2fx it\n",
-		1e3*sum.IterationS, 1e3*fwd, 1e3*bwd, pred, 1e3*b.Seconds, b.Bottleneck, sum.IterationS/b.Seconds)
+	h2d, d2h := StreamedCopyBytes(t.cfg.Model, t.cfg.Streamed())
+	if b, ok := t.opt.IterationBound(offload.Iteration{Compute: fwd + bwd, H2DBytes: h2d, D2HBytes: d2h}); ok && b.Seconds > 0 {
+		sum.IterationBoundS = b.Seconds
+		line += fmt.Sprintf(", its lower bound %.1f ms (%s-bound: the forward and backward and the update phase's work at each resource's rate alone, every overlap reached), %.2fx it", 1e3*b.Seconds, b.Bottleneck, measured/b.Seconds)
+	}
+	t.logf("%s\n", line)
 }
 
 // planIteration, with speculation on one GPU, has the optimizer choose
