@@ -30,7 +30,7 @@ type planResult struct {
 }
 
 func runPlan(args []string, stdout, stderr io.Writer) int {
-	c := newCLI("dos plan", "dos plan --profile PATH [--params N] [--ranks R] [--subgroup-size N] [flags]\n       dos plan --gpu-memory GiB --model NAME|--layers L --heads H --embd C [--ctx T] [--tokenizer byte|gpt2] [--batch B] [--recompute] [--sample N] [--bf16-params] [--stream-blocks N|auto] [--ranks N] [--profile PATH]",
+	c := newCLI("dos plan", "dos plan --profile PATH [--params N] [--ranks R] [--subgroup-size N] [flags]\n       dos plan --gpu-memory GiB --model NAME|--layers L --heads H --embd C [--ctx T] [--tokenizer byte|gpt2] [--batch B] [--recompute] [--sample N] [--bf16-params] [--stream-blocks N|auto] [--ranks N] [--profile PATH [--forward-ms F --backward-ms B [--speculate GiB]]]",
 		"With --gpu-memory: the device memory of a GPT-2 trained on one GPU of that size (dos train --device cuda\n"+
 			"--gpu-memory), before anything is allocated: the weights and gradients, the block slots of the blocks\n"+
 			"whose weights stream from host memory (--stream-blocks), the fp32 masters, the\n"+
@@ -38,7 +38,9 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 			"that fits with and without --recompute; with --profile too, the update phase's plan within what is\n"+
 			"left (--params then follows from the model, and --gpu-budget, unless given, from what the cap leaves),\n"+
 			"and the update phase the model predicts for each count of blocks from host memory that fits (the\n"+
-			"held blocks' CPU work against the budget they free; forward and backward not modelled). With\n"+
+			"held blocks' CPU work against the budget they free; forward and backward not modelled); with\n"+
+			"--forward-ms and --backward-ms too, the whole iteration (serial, the next forward beside the phase,\n"+
+			"with --speculate, under the schedule chosen for the iteration) and its lower bound. With\n"+
 			"--ranks N, each GPU of a ZeRO-3 job of N ranks (dos train --gpus N, a rank per GPU): its rows, pieces\n"+
 			"and replicas.\n\n"+
 			"Answers \"what k and what update time would I get\" for a model size and a machine, from a profile:\n"+

@@ -2,6 +2,9 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -116,6 +119,39 @@ func TestPlanGPUMemory(t *testing.T) {
 	if rc != 0 || !strings.Contains(out, "left for the update phase        12.59 GiB") || !strings.Contains(out, "1.56B per rank in 16 subgroups of up to 100M, 16 CPU workers per rank, GPU budget 12.59 GiB") ||
 		!strings.Contains(out, "the model's choice: k =") {
 		t.Errorf("gpt2-xl with --profile: rc %d\n%s%s", rc, out, errs)
+	}
+	// The whole iteration from a measured forward and backward: the
+	// overlap under the serial iteration, the speculation under that, the
+	// schedule chosen for the iteration no slower, the bound under all.
+	iter := []string{"plan", "--gpu-memory", "40", "--layers", "36", "--heads", "24", "--embd", "3072", "--ctx", "1024", "--tokenizer", "gpt2", "--batch", "8", "--recompute",
+		"--profile", h200, "--forward-ms", "148", "--backward-ms", "405", "--speculate", "12", "--json", filepath.Join(t.TempDir(), "plan.json")}
+	rc, out, errs = runCLI(iter...)
+	if rc != 0 || !strings.Contains(out, "from a forward of 148.0 ms and a backward of 405.0 ms measured alone, 8 x 1024 tokens") {
+		t.Fatalf("dos plan --forward-ms: rc %d\n%s%s", rc, out, errs)
+	}
+	raw, err := os.ReadFile(iter[len(iter)-1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var all map[string]any
+	if err := json.Unmarshal(raw, &all); err != nil {
+		t.Fatalf("%v: %s", err, raw)
+	}
+	m := map[string]float64{}
+	for k, v := range all {
+		if x, ok := v.(float64); ok {
+			m[k] = x
+		}
+	}
+	if !(m["iteration_bound_s"] > 0 && m["iteration_bound_s"] < m["iteration_speculate_s"] && m["iteration_speculate_s"] <= m["iteration_s"] && m["iteration_s"] < m["iteration_serial_s"]) ||
+		!strings.Contains(out, "the schedule chosen for the iteration") {
+		t.Errorf("dos plan --forward-ms: want bound < speculate <= overlapped < serial: %v\n%s", m, out)
+	}
+	for _, bad := range [][]string{{"--forward-ms", "1", "--backward-ms", "2"}, {"--gpu-memory", "24", "--model", "gpt2", "--forward-ms", "1"},
+		{"--gpu-memory", "24", "--model", "gpt2", "--forward-ms", "-1", "--backward-ms", "2"}, {"--gpu-memory", "24", "--model", "gpt2", "--speculate", "NaN", "--forward-ms", "1", "--backward-ms", "2"}} {
+		if rc, _, errs := runCLI(append([]string{"plan", "--profile", h200}, bad...)...); rc != 2 || !strings.Contains(errs, "--") {
+			t.Errorf("dos plan %v: rc %d %s, want a usage error", bad, rc, errs)
+		}
 	}
 	// The same flags give dos train's run: its defaults (batch 16, context
 	// 64, the byte tokenizer without --model), and its refusal of what
