@@ -913,10 +913,12 @@ func (o *Optimizer) IterationBound(it Iteration) (b Bound, ok bool) {
 // PredictIteration predicts one training iteration of this optimizer
 // under its plan (perfmodel.Profile.PredictIteration), with
 // Options.Device and a profile (ok false otherwise, before the first
-// plan, or for bad fields of it). it's SpeculateParams and ResidentFirst
-// are the optimizer's (Options.Speculate over SpeculateBytes' bytes a
-// parameter, Options.ResidentFirst); the caller gives the forward's and
-// backward's times, the blocks and whether the forward overlaps the phase.
+// plan, or for bad fields of it). it's speculation fields and
+// ResidentFirst are the optimizer's: Options.Speculate over
+// SpeculateBytes' bytes a parameter at the rate the last phase that kept
+// speculative updates measured (none before one has), and
+// Options.ResidentFirst; the caller gives the forward's and backward's
+// times, the blocks and whether the forward overlaps the phase.
 func (o *Optimizer) PredictIteration(it IterationWork) (p IterationPrediction, ok bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -929,12 +931,14 @@ func (o *Optimizer) PredictIteration(it IterationWork) (p IterationPrediction, o
 
 // iterationWork is it with the optimizer's speculation and layout, and
 // the speculation's rate as the last phase that kept some measured it
-// (specRate). The caller holds o.mu.
+// (specRate); with no phase that kept some, no speculation. The caller
+// holds o.mu.
 func (o *Optimizer) iterationWork(it IterationWork) IterationWork {
 	it.SpeculateParams, it.SpeculateRate, it.ResidentFirst = 0, 0, o.opts.ResidentFirst
 	if o.opts.Speculate > 0 {
-		it.SpeculateParams = o.opts.Speculate / SpeculateBytes(1, o.opts.Hyper.AMSGrad)
-		it.SpeculateRate = o.specRate()
+		if it.SpeculateRate = o.specRate(); it.SpeculateRate > 0 { // none kept yet: none predicted
+			it.SpeculateParams = o.opts.Speculate / SpeculateBytes(1, o.opts.Hyper.AMSGrad)
+		}
 	}
 	return it
 }

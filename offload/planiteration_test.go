@@ -26,10 +26,11 @@ func iterProfile() *perfmodel.Profile {
 
 // TestPlanIteration: PlanIteration moves the engine from the phase's best
 // schedule to the iteration's (perfmodel.Profile.ChooseIteration) when the
-// speculation hides the CPU's work in a long backward, the steps after it
-// keep the serial step's bits (speculation kept), a second call finds
-// nothing better, a short backward (nothing to hide) or a forced schedule
-// keeps the plan, and a closed optimizer says ErrClosed.
+// speculation hides the CPU's work in a long backward, once a step has
+// kept speculative updates (after a clipped one, none: no move); the steps
+// after it keep the serial step's bits (speculation kept), a second call
+// finds nothing better, a short backward (nothing to hide) or a forced
+// schedule keeps the plan, and a closed optimizer says ErrClosed.
 func TestPlanIteration(t *testing.T) {
 	base := specBase()
 	base.Profile, base.GPUBudget = iterProfile(), 1<<20
@@ -39,6 +40,35 @@ func TestPlanIteration(t *testing.T) {
 	long := IterationWork{Forward: 1e-5, Backward: 1e-4, Blocks: 1, OverlapForward: true}
 	short := long
 	short.Backward = 0
+	step := func(k int64, scale float32) StepResult {
+		t.Helper()
+		r.backward(t, k, scale, false, true)
+		rr, err := r.ref.Step(StepArgs{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rb, err := r.b.Step(StepArgs{GradOnDevice: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rr.ClipCoef != rb.ClipCoef || rr.GradNorm != rb.GradNorm {
+			t.Fatalf("step %d: clip %v norm %v, the reference's %v %v", k, rb.ClipCoef, rb.GradNorm, rr.ClipCoef, rr.GradNorm)
+		}
+		sameState(t, synced(t, r.ref), synced(t, r.b.workingNow(t)))
+		return rb
+	}
+	// A step that clips keeps no speculation: none is predicted, and the
+	// phase's schedule stays (a run whose every step clips is not moved).
+	if res := step(1, 1); res.Speculated != 0 {
+		t.Fatalf("a clipped step kept %d speculated parameters", res.Speculated)
+	}
+	if moved, err := r.b.PlanIteration(long); err != nil || moved {
+		t.Fatalf("no speculation kept yet: moved %v, %v; want the phase's schedule %+v kept", moved, err, start)
+	}
+	r.b.specPaused = false
+	if res := step(2, 0.01); res.Speculated == 0 {
+		t.Fatal("no speculation kept")
+	}
 	if moved, err := r.b.PlanIteration(short); err != nil || moved {
 		t.Fatalf("a backward too short to hide anything: moved %v, %v; want the phase's schedule %+v kept", moved, err, start)
 	}
@@ -62,21 +92,8 @@ func TestPlanIteration(t *testing.T) {
 		t.Fatalf("again: moved %v, %v; want nothing", moved, err)
 	}
 	kept := int64(0)
-	for k := int64(1); k <= 4; k++ {
-		r.backward(t, k, 0.01, false, true)
-		rr, err := r.ref.Step(StepArgs{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		rb, err := r.b.Step(StepArgs{GradOnDevice: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if rr.ClipCoef != rb.ClipCoef || rr.GradNorm != rb.GradNorm {
-			t.Fatalf("step %d: clip %v norm %v, the reference's %v %v", k, rb.ClipCoef, rb.GradNorm, rr.ClipCoef, rr.GradNorm)
-		}
-		kept += rb.Speculated
-		sameState(t, synced(t, r.ref), synced(t, r.b.workingNow(t)))
+	for k := int64(3); k <= 6; k++ {
+		kept += step(k, 0.01).Speculated
 	}
 	if kept == 0 {
 		t.Error("no speculative update kept after the move")

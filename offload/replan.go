@@ -50,9 +50,12 @@ type replanState struct {
 	// is not folded in (cold caches and page faults, cuBLAS-free but not
 	// cost-free).
 	warm bool
-	// iter, once Optimizer.PlanIteration has given it, is the iteration
-	// the refits choose the schedule for (perfmodel.Profile.
-	// ChooseIteration) instead of the phase alone.
+	// iter, once Optimizer.PlanIteration has chosen the schedule for the
+	// iteration, holds the refits to it: they correct its prediction and
+	// move nothing. (A refit sees only phases that kept no speculative
+	// update, a clipped or skipped step's, where the phase's best
+	// schedule is not the iteration's: moving there and back would cost
+	// two moves of the resident state for each clipped step.)
 	iter *perfmodel.IterationWork
 }
 
@@ -133,8 +136,11 @@ func (o *Optimizer) moveTo(s perfmodel.Schedule) (bool, error) {
 // optimizer's speculation and layout: Optimizer.PredictIteration's) and
 // re-plans the engine to it when that iteration is predicted replanGain
 // (5 %) faster than the plan in use's; with Options.Replan the later
-// refits choose for the iteration too (issue 31 item 3: the schedule is
-// the iteration's, not the phase's alone). It needs Options.Device and a
+// refits then keep that schedule (issue 31 item 3: the schedule is the
+// iteration's, not the phase's alone). The speculation counts only once a
+// phase has kept some of its updates, at the rate they ran (specRate):
+// before that, and in a run whose every step clips, the iteration's best
+// schedule is the phase's. It needs Options.Device and a
 // profile, and does nothing with a forced Options.Schedule. Call it
 // between steps: it waits for a phase StepAsync began. It returns whether
 // the schedule changed.
@@ -254,25 +260,7 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step
 		now.Makespan *= re.g
 		best.Makespan *= re.g
 	}
-	worse := best.Makespan >= (1-replanGain)*now.Makespan
-	if re.iter != nil {
-		// The schedule is the iteration's: the one whose iteration is
-		// the shortest, if that beats the iteration of the one in use by
-		// replanGain.
-		nowIt, err := scaled.PredictIteration(w, cur.Schedule, *re.iter)
-		if err != nil {
-			return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
-		}
-		bi, err := scaled.ChooseIteration(w, *re.iter)
-		if err != nil {
-			return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
-		}
-		best, worse = bi.Phase, bi.Seconds >= (1-replanGain)*nowIt.Seconds
-		if re.g > 0 {
-			best.Makespan *= re.g
-		}
-	}
-	if m, ok := re.seen[best.Schedule]; best.Schedule == now.Schedule || worse ||
+	if m, ok := re.seen[best.Schedule]; re.iter != nil || best.Schedule == now.Schedule || best.Makespan >= (1-replanGain)*now.Makespan ||
 		(ok && m > (1-replanGain)*re.seen[cur.Schedule]) {
 		return &now, basePred, nil // the same schedule (or one already measured no faster), its corrected prediction
 	}

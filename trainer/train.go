@@ -620,6 +620,7 @@ func (t *Trainer) Run() (Summary, error) {
 	var steady time.Duration
 	steadyN := 0
 	overlap := !cfg.NoOverlapForward && t.w.overlapsUpdate()
+	planned := false // planIteration has run
 	var speculated int64 // parameters kept from speculative updates, this run
 	// ahead: the next iteration's forward ran during this one's update
 	// phase (overlapForward), on the batch from aheadPos with that scale.
@@ -700,10 +701,15 @@ func (t *Trainer) Run() (Summary, error) {
 			if !ranAhead {
 				forwards += f1.Sub(t0)
 				backwards += s0.Sub(b0)
-				if serial++; serial == 1 {
-					if err := t.planIteration(it, f1.Sub(t0), s0.Sub(b0), &sched); err != nil {
-						return sum, err
-					}
+				serial++
+			}
+			// The schedule for the iteration, once: from the forward and
+			// backward measured alone, at the first step that kept
+			// speculative updates (their rate measured).
+			if !planned && serial > 0 && res.Speculated > 0 {
+				planned = true
+				if err := t.planIteration(it, forwards/time.Duration(serial), backwards/time.Duration(serial), &sched); err != nil {
+					return sum, err
 				}
 			}
 		}
@@ -1000,8 +1006,9 @@ func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration
 }
 
 // planIteration, with speculation on one GPU, has the optimizer choose
-// the update phase's schedule for the whole iteration of iteration it,
-// whose forward and backward took fwd and bwd alone
+// the update phase's schedule for the whole iteration, after iteration it
+// (whose step kept speculative updates), from a forward and backward of
+// fwd and bwd alone
 // (offload.Optimizer.PlanIteration: speculation hides CPU work in the
 // backward, so the iteration's best schedule may give the CPU more than
 // the phase's does), and says so when it moved; sched is the log lines'
