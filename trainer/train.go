@@ -620,7 +620,7 @@ func (t *Trainer) Run() (Summary, error) {
 	var steady time.Duration
 	steadyN := 0
 	overlap := !cfg.NoOverlapForward && t.w.overlapsUpdate()
-	planned := false // planIteration has run
+	planned := false     // planIteration has run
 	var speculated int64 // parameters kept from speculative updates, this run
 	// ahead: the next iteration's forward ran during this one's update
 	// phase (overlapForward), on the batch from aheadPos with that scale.
