@@ -163,16 +163,24 @@ func (o *Optimizer) PlanIteration(it IterationWork) (changed bool, err error) {
 	prof, g := o.opts.Profile, 1.0
 	if o.opts.Replan {
 		prof, g = o.re.base.Scaled(o.re.f), max(o.re.g, 0)
-		o.re.iter = &it
 	}
 	w := o.workload()
 	now, err := prof.PredictIteration(w, o.plan.Schedule, it)
 	if err != nil {
 		return false, fmt.Errorf("offload: PlanIteration: %w", err)
 	}
+	if o.dev == devHostAhead {
+		// SetParam or a load wrote the host state the device has not
+		// seen: a move now would download the device's over it. The
+		// next Step uploads it; plan after that.
+		return false, nil
+	}
 	best, err := prof.ChooseIteration(w, it)
 	if err != nil {
 		return false, fmt.Errorf("offload: PlanIteration: %w", err)
+	}
+	if o.opts.Replan && it.SpeculateParams > 0 {
+		o.re.iter = &it
 	}
 	if best.Phase.Schedule == o.plan.Schedule || best.Seconds >= (1-replanGain)*now.Seconds {
 		return false, nil

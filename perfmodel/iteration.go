@@ -53,13 +53,16 @@ type IterationPrediction struct {
 	// updates in the backward after the resident share
 	// (IterationWork.ResidentFirst).
 	Speculated float64
-	// After is the phase once the backward ends: the phase less
-	// Speculated, no less than its other resources' busy time and fill.
+	// After is the phase once the backward ends: with the CPU the
+	// phase's bottleneck, the phase less Speculated, no less than its
+	// other resources' busy time (and the CPU's fill and drain); else the
+	// phase.
 	After float64
 	// Seconds is the iteration: forward, backward and After one after the
 	// other, or with OverlapForward the backward, then the phase with the
 	// next forward beside it (the longer of After plus the last block's
-	// forward, and the forward).
+	// forward, and the forward), no less than the GPU's forward, backward
+	// and phase kernels one after the other.
 	Seconds float64
 	// Serial is the iteration with nothing overlapped: forward, backward
 	// and the whole phase.
@@ -130,12 +133,16 @@ func (p *Profile) iteration(w Workload, ph Prediction, it IterationWork) (Iterat
 				rest = max(rest, ph.Busy[res])
 			}
 		}
-		r.After = max(ph.Makespan-r.Speculated, rest)
+		if ph.Bottleneck == ResCPU { // else less CPU work shortens nothing
+			r.After = max(ph.Makespan-r.Speculated, rest)
+		}
 	}
 	r.Serial = it.Forward + it.Backward + ph.Makespan
 	r.Seconds = it.Forward + it.Backward + r.After
 	if it.OverlapForward {
-		r.Seconds = it.Backward + max(r.After+it.Forward/float64(it.Blocks), it.Forward)
+		// The phase's kernels and the forward share the GPU: never less
+		// than the three one after the other.
+		r.Seconds = max(it.Backward+max(r.After+it.Forward/float64(it.Blocks), it.Forward), it.Forward+it.Backward+ph.Busy[ResGPU])
 	}
 	return r, nil
 }
