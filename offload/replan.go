@@ -140,10 +140,13 @@ func (o *Optimizer) moveTo(s perfmodel.Schedule) (bool, error) {
 // iteration's, not the phase's alone). The speculation counts only once a
 // phase has kept some of its updates, at the rate they ran (specRate):
 // before that, and in a run whose every step clips, the iteration's best
-// schedule is the phase's. It needs Options.Device and a
-// profile, and does nothing with a forced Options.Schedule. Call it
-// between steps: it waits for a phase StepAsync began. It returns whether
-// the schedule changed.
+// schedule is the phase's. It needs Options.Device and a profile, and
+// does nothing with a forced Options.Schedule, nor while the host state is
+// ahead of the device's (after SetParam or a load: the next Step uploads
+// it). Call it after a Step or WaitStep and before the next backward (it
+// waits for a phase StepAsync began; between GradsFinal and Step it would
+// throw that step's speculation away). It returns whether the schedule
+// changed.
 //
 // Errors: a closed optimizer, a device fault before (the state must be
 // loaded again), the model's, the device's while it moves the resident

@@ -170,9 +170,11 @@ func speculable(w Workload, s Schedule) (all, m float64) {
 // predictions: issue 31's schedule chosen for the iteration, not for the
 // update phase alone. Without speculation it is Choose's schedule (the
 // overlapped forward hides the same phase either way); with speculation
-// the CPU's share may grow by what the backward hides. It searches every
-// CPU count at each residency the budget allows, with and without the
-// upcast: at most 2 (subgroups+1)^2 predictions. Ties keep Choose's.
+// the CPU's share may grow by what the backward hides. It searches the
+// residencies the budget allows and the CPU counts at each, with and
+// without the upcast: every pair up to 64 subgroups, else a grid of about
+// 64 a side, then every pair within a grid step of the grid's best. Ties
+// keep Choose's.
 //
 // Errors: Choose's and PredictIteration's.
 func (p *Profile) ChooseIteration(w Workload, it IterationWork) (IterationPrediction, error) {
@@ -185,23 +187,45 @@ func (p *Profile) ChooseIteration(w Workload, it IterationWork) (IterationPredic
 		return bi, err
 	}
 	n := w.Subgroups()
+	rmax := -1
 	for r := range w.residencies() {
-		for _, upcast := range []bool{false, true} {
-			for c := 0; c <= n-r; c++ {
-				s := Schedule{CPU: c, GPU: n - r - c, Resident: r, UpcastOnGPU: upcast}
-				if p.GPU == nil && (s.GPU > 0 || s.Resident > 0 || upcast) || w.gpuMemory(s) > float64(w.GPUBudget) {
-					continue
-				}
-				ph, err := p.predict(w, s)
-				if err != nil {
-					continue // as Choose: a rate the profile lacks (the upcast's fp32)
-				}
-				x, err := p.iteration(w, ph, it)
-				if err != nil {
+		rmax = r
+	}
+	try := func(r, c int, upcast bool) error {
+		s := Schedule{CPU: c, GPU: n - r - c, Resident: r, UpcastOnGPU: upcast}
+		if r < 0 || r > rmax || c < 0 || s.GPU < 0 || p.GPU == nil && (s.GPU > 0 || s.Resident > 0 || upcast) || w.gpuMemory(s) > float64(w.GPUBudget) {
+			return nil
+		}
+		ph, err := p.predict(w, s)
+		if err != nil {
+			return nil // as Choose: a rate the profile lacks (the upcast's fp32)
+		}
+		x, err := p.iteration(w, ph, it)
+		if err != nil {
+			return err
+		}
+		if x.Seconds < bi.Seconds*(1-1e-9) {
+			bi = x
+		}
+		return nil
+	}
+	const side = 64
+	step := max(1, (n+side)/side) // a grid step: 1 (every pair) up to 63 subgroups
+	for _, upcast := range []bool{false, true} {
+		for r := 0; r <= rmax; r += step {
+			for c := 0; c <= n-r; c += step {
+				if err := try(r, c, upcast); err != nil {
 					return IterationPrediction{}, err
 				}
-				if x.Seconds < bi.Seconds*(1-1e-9) {
-					bi = x
+			}
+		}
+	}
+	if step > 1 {
+		s := bi.Phase.Schedule
+		for r := s.Resident - step; r <= s.Resident+step; r++ {
+			for c := s.CPU - step; c <= s.CPU+step; c++ {
+				if err := try(r, c, s.UpcastOnGPU); err != nil {
+					return IterationPrediction{}, err
 				}
 			}
 		}

@@ -629,6 +629,7 @@ func (t *Trainer) Run() (Summary, error) {
 		it := t.state.Iteration + 1
 		t0 := time.Now()
 		ranAhead := ahead // this iteration's forward ran during the last update phase
+		moved := false    // planIteration moved the state after this iteration's step
 		if err := t.w.setLR(cfg.LRAt(it)); err != nil {
 			return sum, err
 		}
@@ -708,7 +709,7 @@ func (t *Trainer) Run() (Summary, error) {
 			// speculative updates (their rate measured).
 			if !planned && serial > 0 && res.Speculated > 0 {
 				planned = true
-				if err := t.planIteration(it, forwards/time.Duration(serial), backwards/time.Duration(serial), &sched); err != nil {
+				if moved, err = t.planIteration(it, forwards/time.Duration(serial), backwards/time.Duration(serial), &sched); err != nil {
 					return sum, err
 				}
 			}
@@ -734,7 +735,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if done == 1 {
 			warm = now
 		}
-		if done > 1 && ranAhead == overlap && !res.Replanned {
+		if done > 1 && ranAhead == overlap && !res.Replanned && !moved {
 			steady += now.Sub(t0)
 			steadyN++
 		}
@@ -1011,25 +1012,24 @@ func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration
 // fwd and bwd alone
 // (offload.Optimizer.PlanIteration: speculation hides CPU work in the
 // backward, so the iteration's best schedule may give the CPU more than
-// the phase's does), and says so when it moved; sched is the log lines'
+// the phase's does), says so and returns true when it moved; sched is the log lines'
 // schedule.
-func (t *Trainer) planIteration(it int, fwd, bwd time.Duration, sched *string) error {
+func (t *Trainer) planIteration(it int, fwd, bwd time.Duration, sched *string) (moved bool, err error) {
 	if t.w.gpus == 0 || t.w.job || t.cfg.speculateBytes() == 0 {
-		return nil
+		return false, nil
 	}
 	work := offload.IterationWork{Forward: fwd.Seconds(), Backward: bwd.Seconds(), Blocks: t.cfg.Model.NLayer,
 		OverlapForward: !t.cfg.NoOverlapForward && t.w.overlapsUpdate()}
 	before, _ := t.opt.PredictIteration(work)
-	moved, err := t.opt.PlanIteration(work)
-	if err != nil || !moved {
-		return err
+	if moved, err = t.opt.PlanIteration(work); err != nil || !moved {
+		return false, err
 	}
 	s, _ := t.opt.Schedule()
 	*sched = fmt.Sprintf("%d/%d/%d", s.CPU, s.GPU, s.Resident)
 	after, _ := t.opt.PredictIteration(work)
 	t.logf("iter %5d  planned the update phase for the iteration (forward %.1f ms, backward %.1f ms alone; speculation hides CPU work in the backward): now %d CPU / %d streamed / %d resident subgroups, the iteration predicted %.1f ms, was %.1f ms\n",
 		it, 1e3*fwd.Seconds(), 1e3*bwd.Seconds(), s.CPU, s.GPU, s.Resident, 1e3*after.Seconds, 1e3*before.Seconds)
-	return nil
+	return true, nil
 }
 
 // StreamedCopyBytes returns the bytes one iteration's n streamed blocks

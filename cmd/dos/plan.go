@@ -76,6 +76,8 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	switch iter := c.set("forward-ms") || c.set("backward-ms") || c.set("speculate"); {
 	case iter && !mf.given(c):
 		return fail("--forward-ms, --backward-ms and --speculate need --gpu-memory and the model's flags (the iteration's blocks and copies are the model's)")
+	case iter && (*profPath == "" || *ranks > 1):
+		return fail("--forward-ms, --backward-ms and --speculate need --profile and one GPU (the iteration's prediction is one GPU's run, not a ZeRO-3 job's)")
 	case iter && !(c.set("forward-ms") && c.set("backward-ms")):
 		return fail("--forward-ms and --backward-ms go together: the iteration's prediction needs both")
 	case !(*fwdMS >= 0 && *fwdMS < 1e9) || !(*bwdMS >= 0 && *bwdMS < 1e9):
