@@ -459,7 +459,7 @@ func (t *Trainer) Evaluate() (float64, error) {
 // elsewhere to when forward returned.
 func (t *Trainer) forward(scale float32, marks *timelineMarks, end *time.Time) error {
 	var mark func()
-	if marks != nil || t.w.gpus > 0 && !t.w.job {
+	if marks != nil || t.modelsIteration() {
 		mark = func() {
 			*end = time.Now()
 			if marks != nil {
@@ -673,10 +673,10 @@ func (t *Trainer) Run() (Summary, error) {
 			}
 		}
 		// The next iteration's forward over this update phase's tail,
-		// each block once its weights are written; but the second
-		// iteration's forward runs alone, once, to measure it (the
-		// iteration's prediction and bound need its time).
-		if ahead = done > 0 && t.overlapForward(it); ahead {
+		// each block once its weights are written; but on one GPU the
+		// second iteration's forward runs alone, once, to measure it
+		// (the iteration's prediction and bound need its time).
+		if ahead = (done > 0 || !t.modelsIteration()) && t.overlapForward(it); ahead {
 			t.loader.Next(t.inputs, t.tgts)
 			aheadPos, aheadScale = t.loader.lastStart(), t.lossScale()
 			var end func() // the traced iteration's: NextForward's span
@@ -964,6 +964,10 @@ func (l maybeLoss) or0() float64 {
 	return float64(l)
 }
 
+// modelsIteration says whether the run predicts and bounds its iteration
+// (iterationModel): on one GPU, not in a ZeRO-3 job.
+func (t *Trainer) modelsIteration() bool { return t.w.gpus > 0 && !t.w.job }
+
 // iterationModel sets sum.IterationPredictedS and sum.IterationBoundS on
 // one GPU with a profile, from the mean forward and backward of the
 // serial iterations (serial of them, whose forward ran in their own
@@ -973,7 +977,7 @@ func (l maybeLoss) or0() float64 {
 // in all; see Run), else sum.IterationS. With no serial iteration it says
 // why there are none.
 func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration, serial int, steady time.Duration, steadyN int) {
-	if t.w.gpus == 0 || t.w.job {
+	if !t.modelsIteration() {
 		return
 	}
 	measured, of := sum.IterationS, "the mean of this run's iterations after the first"
@@ -1015,7 +1019,7 @@ func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration
 // the phase's does), says so and returns true when it moved; sched is the log lines'
 // schedule.
 func (t *Trainer) planIteration(it int, fwd, bwd time.Duration, sched *string) (moved bool, err error) {
-	if t.w.gpus == 0 || t.w.job || t.cfg.speculateBytes() == 0 {
+	if !t.modelsIteration() || t.cfg.speculateBytes() == 0 {
 		return false, nil
 	}
 	work := offload.IterationWork{Forward: fwd.Seconds(), Backward: bwd.Seconds(), Blocks: t.cfg.Model.NLayer,

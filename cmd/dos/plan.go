@@ -444,7 +444,7 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		return err
 	}
 	it.OverlapForward = true
-	if _, err := line("the next forward beside the phase (default)", it, "iteration_s"); err != nil {
+	if _, err := line("the next forward beside the phase (default)", it, "iteration_overlap_s"); err != nil {
 		return err
 	}
 	if speculate > 0 {

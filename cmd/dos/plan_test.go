@@ -143,9 +143,9 @@ func TestPlanGPUMemory(t *testing.T) {
 			m[k] = x
 		}
 	}
-	if !(m["iteration_bound_s"] > 0 && m["iteration_bound_s"] < m["iteration_speculate_s"] && m["iteration_speculate_s"] <= m["iteration_s"] && m["iteration_s"] < m["iteration_serial_s"]) ||
+	if !(m["iteration_bound_s"] > 0 && m["iteration_bound_s"] < m["iteration_speculate_s"] && m["iteration_speculate_s"] <= m["iteration_overlap_s"] && m["iteration_overlap_s"] < m["iteration_serial_s"]) ||
 		!strings.Contains(out, "the schedule chosen for the iteration") {
-		t.Errorf("dos plan --forward-ms: want bound < speculate <= overlapped < serial: %v\n%s", m, out)
+		t.Errorf("dos plan --forward-ms: want bound < speculate <= overlap < serial: %v\n%s", m, out)
 	}
 	for _, bad := range [][]string{{"--forward-ms", "1", "--backward-ms", "2"}, {"--gpu-memory", "24", "--model", "gpt2", "--forward-ms", "1"},
 		{"--gpu-memory", "24", "--model", "gpt2", "--forward-ms", "-1", "--backward-ms", "2"}, {"--gpu-memory", "24", "--model", "gpt2", "--speculate", "NaN", "--forward-ms", "1", "--backward-ms", "2"}} {
