@@ -27,7 +27,7 @@ type Summary struct {
 	InitValLoss float64 `json:"initial_val_loss"`
 	Steps       int     `json:"steps"`         // iterations done, in all runs
 	Params      int     `json:"params"`        // model parameters
-	TokensPerS  float64 `json:"tokens_per_s"`  // this run's, its first iteration left out when there are two or more
+	TokensPerS  float64 `json:"tokens_per_s"`  // this run's, its first iteration left out when there are two or more (on one GPU the second's forward runs alone, measured for the iteration's model: it counts)
 	Skipped     int     `json:"skipped_steps"` // optimizer steps skipped for non-finite gradients, this run
 	Sample      string  `json:"sample"`
 	// UpdateS is the mean wall time of the optimizer's update phase this
