@@ -4,7 +4,6 @@ import (
 	"errors"
 	"testing"
 
-	"github.com/deepstates/dos/adam"
 	"github.com/deepstates/dos/perfmodel"
 	"github.com/deepstates/dos/scheduler"
 )
@@ -14,15 +13,7 @@ import (
 // shortest split between them, but with a long backward to hide the CPU's
 // speculative updates the iteration is shortest with every subgroup on the
 // CPU.
-func iterProfile() *perfmodel.Profile {
-	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-5} }
-	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion}
-	for _, d := range []adam.DType{adam.F32, adam.BF16} {
-		p.CPU = append(p.CPU, perfmodel.CPUFit{Threads: 2, GradDType: d, Fit: fit(1e8)})
-	}
-	p.GPU = &perfmodel.GPUProfile{Update: fit(1e8), H2D: fit(1e12), D2H: fit(1e12), H2DBoth: fit(1e12), D2HBoth: fit(1e12), Convert: fit(1e12)}
-	return p
-}
+func iterProfile() *perfmodel.Profile { return flatProfile(2, 1e8, 1e8, 1e12, 1e12) }
 
 // TestPlanIteration: PlanIteration moves the engine from the phase's best
 // schedule to the iteration's (perfmodel.Profile.ChooseIteration) when the

@@ -17,13 +17,19 @@ import (
 // truthProfile is a machine whose PCIe is slow next to its CPU: the CPU
 // workers at 1e9 parameters/s, the fused update at 5e10, copies at 1e10
 // bytes/s.
-func truthProfile() *perfmodel.Profile {
+func truthProfile() *perfmodel.Profile { return flatProfile(1, 1e9, 5e10, 1e10, 4e11) }
+
+// flatProfile is a machine of threads CPU workers at cpu parameters/s
+// (either gradient dtype), the fused update at update, copies at pcie
+// bytes/s each way (both at once too) and the upcast at convert, every
+// operation with 10 µs of latency.
+func flatProfile(threads int, cpu, update, pcie, convert float64) *perfmodel.Profile {
 	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-5} }
 	p := &perfmodel.Profile{Format: perfmodel.ProfileFormat, Version: perfmodel.ProfileVersion}
 	for _, d := range []adam.DType{adam.F32, adam.BF16} {
-		p.CPU = append(p.CPU, perfmodel.CPUFit{Threads: 1, GradDType: d, Fit: fit(1e9)})
+		p.CPU = append(p.CPU, perfmodel.CPUFit{Threads: threads, GradDType: d, Fit: fit(cpu)})
 	}
-	p.GPU = &perfmodel.GPUProfile{Update: fit(5e10), H2D: fit(1e10), D2H: fit(1e10), H2DBoth: fit(1e10), D2HBoth: fit(1e10), Convert: fit(4e11)}
+	p.GPU = &perfmodel.GPUProfile{Update: fit(update), H2D: fit(pcie), D2H: fit(pcie), H2DBoth: fit(pcie), D2HBoth: fit(pcie), Convert: fit(convert)}
 	return p
 }
 

@@ -653,6 +653,23 @@ func TestGPUMemoryCap(t *testing.T) {
 	}
 }
 
+// smallGPURun skips without a GPU and returns the GPU tests' small run of
+// steps iterations (4 blocks of width 128, context 64, batch 4, bf16
+// working copy and gradients, subgroups of 60,000: 14 of them, no
+// sample, one evaluation batch, quiet) and its text.
+func smallGPURun(t *testing.T, steps int) (TrainConfig, []byte) {
+	t.Helper()
+	gpuEnv(t)
+	setMemAvailable(t, 0, false)
+	cfg := DefaultTrainConfig()
+	cfg.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 4, NHead: 2, NEmbd: 128}
+	cfg.Batch, cfg.Device, cfg.Steps = 4, "cuda", steps
+	cfg.WorkingDType, cfg.GradDType = adam.BF16, adam.BF16
+	cfg.SubgroupSize = 60_000
+	cfg.SampleBytes, cfg.EvalBatches, cfg.LogEvery = 0, 1, 0
+	return cfg, []byte(strings.Repeat("Light is propagated in straight lines, and refracted at the surfaces of bodies. ", 400))
+}
+
 // TestGPUIterationModel: a run on the GPU with the start-up calibration
 // (no --schedule, no --profile) reports its iteration's prediction and
 // lower bound (the forward and backward measured alone: the overlap runs
@@ -660,15 +677,7 @@ func TestGPUMemoryCap(t *testing.T) {
 // and without; a bound is under the measured iteration, and the
 // prediction is finite and positive.
 func TestGPUIterationModel(t *testing.T) {
-	gpuEnv(t)
-	setMemAvailable(t, 0, false)
-	cfg := DefaultTrainConfig()
-	cfg.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 4, NHead: 2, NEmbd: 128}
-	cfg.Batch, cfg.Device, cfg.Steps = 4, "cuda", 5
-	cfg.WorkingDType, cfg.GradDType = adam.BF16, adam.BF16
-	cfg.SubgroupSize = 60_000
-	cfg.SampleBytes, cfg.EvalBatches, cfg.LogEvery = 0, 1, 0
-	text := []byte(strings.Repeat("Light is propagated in straight lines, and refracted at the surfaces of bodies. ", 400))
+	cfg, text := smallGPURun(t, 5)
 	for _, noFwd := range []bool{false, true} {
 		c := cfg
 		c.NoOverlapForward = noFwd
@@ -702,16 +711,9 @@ func TestGPUIterationModel(t *testing.T) {
 // the first streamed subgroups' state H2D before the phase (during the
 // backward).
 func TestGPUOverlapBitwise(t *testing.T) {
-	gpuEnv(t)
-	setMemAvailable(t, 0, false)
-	cfg := DefaultTrainConfig()
-	cfg.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 4, NHead: 2, NEmbd: 128}
-	cfg.Batch, cfg.Device, cfg.Steps = 4, "cuda", 6
-	cfg.WorkingDType, cfg.GradDType = adam.BF16, adam.BF16
-	cfg.SubgroupSize = 60_000 // 14 subgroups
+	cfg, text := smallGPURun(t, 6)
 	cfg.Schedule = "6,5,3"
-	cfg.SampleBytes, cfg.EvalBatches, cfg.LogEvery, cfg.DecaySteps = 0, 1, 0, 6
-	text := []byte(strings.Repeat("Light is propagated in straight lines, and refracted at the surfaces of bodies. ", 400))
+	cfg.DecaySteps = 6
 	var sums [2]Summary
 	var masters [2]map[string][]float32
 	for r, noOverlap := range []bool{false, true} {
