@@ -241,6 +241,26 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step
 	if !(measured > 0) || (step > re.last && step-re.last < replanEvery) {
 		return nil, basePred, nil
 	}
+	if back, ok := re.fasterSeen(cur.Schedule); ok {
+		// A schedule already run was measured faster than the one in
+		// use by replanGain: a refit moved on a prediction the machine
+		// did not keep (on an H100, 4.24B under 40 GiB: 33/27/25 ran
+		// 605 ms, the refit moved to 58/0/27 predicted at 590 and it
+		// ran 700). Go back to what was measured.
+		re.last = step
+		scaled := re.base.Scaled(re.f)
+		p, err := scaled.Predict(re.w, back)
+		if err != nil {
+			return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
+		}
+		if re.g > 0 {
+			p.Makespan *= re.g
+		}
+		if basePred, err = re.base.Predict(re.w, back); err != nil {
+			return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
+		}
+		return &p, basePred, nil
+	}
 	lanes := false // the refit is for a lane's miss alone
 	if math.Abs(cur.Makespan-measured) <= replanMiss*measured {
 		if re.laneFit[cur.Schedule] || predictionMiss(cur, b) <= replanMiss*measured {
@@ -279,6 +299,28 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step
 		return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
 	}
 	return &best, basePred, nil
+}
+
+// fasterSeen returns the schedule measured fastest (seen) when it is not
+// cur and cur's measured phase is over it by more than replanGain; not
+// once the schedule is the iteration's (iter: its phase is longer by
+// design).
+func (re *replanState) fasterSeen(cur perfmodel.Schedule) (perfmodel.Schedule, bool) {
+	m, ok := re.seen[cur]
+	if !ok || re.iter != nil {
+		return perfmodel.Schedule{}, false
+	}
+	var best perfmodel.Schedule
+	bt := math.Inf(1)
+	for s, t := range re.seen {
+		if t < bt || t == bt && fmt.Sprint(s) < fmt.Sprint(best) { // ties: a fixed order, not the map's
+			best, bt = s, t
+		}
+	}
+	if best == cur || !(m > (1+replanGain)*bt) {
+		return perfmodel.Schedule{}, false
+	}
+	return best, true
 }
 
 // predictionMiss is how far p missed the measured phase b, in seconds:

@@ -139,6 +139,48 @@ func TestReplanObserveIteration(t *testing.T) {
 	}
 }
 
+// TestReplanRevert: the model's best schedule, run, measures slower than
+// a schedule run before by more than replanGain, with busy times the
+// model foresaw (the miss is in their overlap, which no factor corrects:
+// the corrected model keeps choosing it). The refit moves back to the
+// schedule measured faster; not when it is within replanGain, nor once
+// the schedule is the iteration's.
+func TestReplanRevert(t *testing.T) {
+	truth := truthProfile()
+	w := perfmodel.Workload{Params: 24e8, SubgroupSize: 1e8, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 6 << 30}
+	cur := must(truth.Choose(w))
+	other := perfmodel.Schedule{CPU: w.Subgroups()}
+	if cur.Schedule == other {
+		t.Fatal("the model's best is all on the CPU: the test needs another")
+	}
+	for _, tc := range []struct {
+		name   string
+		seen   float64 // the other schedule's measured phase over the current one's
+		iter   bool
+		revert bool
+	}{
+		{"the other 10 % faster", 0.90, false, true},
+		{"the other 3 % faster", 0.97, false, false},
+		{"the iteration's schedule", 0.90, true, false},
+	} {
+		re := newReplanState(truth, cur, w, 0)
+		re.warm = true
+		b := measured(t, truth, w, cur.Schedule)
+		b.Makespan = seconds(1.2 * cur.Makespan) // the overlap missed, every lane foreseen
+		re.seen[other] = tc.seen * b.Makespan.Seconds()
+		if tc.iter {
+			re.iter = &perfmodel.IterationWork{Forward: 0.1, Backward: 0.3, Blocks: 24}
+		}
+		next, _, err := re.observe(b, &cur, replanEvery)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if back := next != nil && next.Schedule == other; back != tc.revert {
+			t.Errorf("%s: next %+v, want a move back to %+v: %v", tc.name, next, other, tc.revert)
+		}
+	}
+}
+
 // TestReplanLanes: a profile that thinks the CPU 1.2 times slower and
 // PCIe 1.1 times faster than they are predicts its schedule's makespan
 // within replanMiss (so a check of the makespan alone never refits) while
