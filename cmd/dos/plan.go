@@ -78,10 +78,12 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		return fail("--forward-ms, --backward-ms and --speculate need --gpu-memory and the model's flags (the iteration's blocks and copies are the model's)")
 	case iter && (*profPath == "" || *ranks > 1):
 		return fail("--forward-ms, --backward-ms and --speculate need --profile and one GPU (the iteration's prediction is one GPU's run, not a ZeRO-3 job's)")
+	case iter && !c.set("forward-ms") && !c.set("backward-ms"):
+		return fail("--speculate needs --forward-ms and --backward-ms: it is the iteration's prediction's")
 	case iter && !(c.set("forward-ms") && c.set("backward-ms")):
 		return fail("--forward-ms and --backward-ms go together: the iteration's prediction needs both")
-	case !(*fwdMS >= 0 && *fwdMS < 1e9) || !(*bwdMS >= 0 && *bwdMS < 1e9):
-		return fail("--forward-ms %v, --backward-ms %v: want milliseconds from 0 to 1e9", *fwdMS, *bwdMS)
+	case iter && (!(*fwdMS > 0 && *fwdMS < 1e9) || !(*bwdMS > 0 && *bwdMS < 1e9)):
+		return fail("--forward-ms %v, --backward-ms %v: want milliseconds over 0 and under 1e9", *fwdMS, *bwdMS)
 	case !(*specGiB >= 0 && *specGiB <= float64(trainer.MaxMemoryBytes>>30)):
 		return fail("--speculate %v: want GiB from 0 to %d", *specGiB, trainer.MaxMemoryBytes>>30)
 	}
@@ -438,8 +440,8 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		meta[key] = r.Seconds
 		return r, nil
 	}
-	fmt.Fprintf(stdout, "\nthe whole iteration, from a forward of %.1f ms and a backward of %.1f ms measured alone, %d x %d tokens; the update phase with its prefetch in the backward, %d CPU / %d streamed / %d resident subgroups, %.1f ms:\n",
-		1e3*fwd, 1e3*bwd, cfg.Batch, cfg.Model.NCtx, ch.CPU, ch.GPU, ch.Resident, 1e3*ch.Makespan)
+	fmt.Fprintf(stdout, "\nthe whole iteration, from a forward of %.1f ms and a backward of %.1f ms measured alone, %d x %d tokens; the update phase with its prefetch in the backward, %d CPU / %d streamed / %d resident subgroups of up to %s (--subgroup-size, not dos train's cut), %.1f ms:\n",
+		1e3*fwd, 1e3*bwd, cfg.Batch, cfg.Model.NCtx, ch.CPU, ch.GPU, ch.Resident, count(float64(w.SubgroupSize)), 1e3*ch.Makespan)
 	if _, err := line("serial (--no-overlap-forward)", it, "iteration_serial_s"); err != nil {
 		return err
 	}
@@ -468,6 +470,11 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 			}
 			fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (%d CPU / %d streamed / %d resident subgroups, update phase %.1f ms alone, %.1f ms after the backward, %.1f ms speculated)\n",
 				name, 1e3*r.Seconds, tokens/r.Seconds, r.Phase.CPU, r.Phase.GPU, r.Phase.Resident, 1e3*r.Phase.Makespan, 1e3*r.After, 1e3*r.Speculated)
+			key := "iteration_chosen"
+			if first {
+				key += "_first"
+			}
+			meta[key+"_s"], meta[key+"_schedule"] = r.Seconds, r.Phase.Schedule
 		}
 	}
 	h2d, d2h := trainer.StreamedCopyBytes(cfg.Model, cfg.Streamed())
@@ -477,6 +484,6 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 	}
 	meta["iteration_bound_s"] = b.Seconds
 	fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (%s-bound: each resource's work at its rate alone, every overlap reached)\n", "its lower bound", 1e3*b.Seconds, tokens/b.Seconds, b.Bottleneck)
-	fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels; a speculation a clipped or skipped step throws away)\n")
+	fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels. The speculation's rows are dos train --speculate's once a step kept its updates, at the CPU's phase rate here (dos train measures the speculation's own, about half on an H100); a step that clips (dos train's default --clip 1 early on) or is skipped keeps none. Speculation shortens only a CPU-bound phase: the rows without a gain are copy-bound, and the schedule chosen for the iteration, which dos train --speculate moves to, gives the CPU more)\n")
 	return nil
 }

@@ -147,7 +147,11 @@ func TestPlanGPUMemory(t *testing.T) {
 		!strings.Contains(out, "the schedule chosen for the iteration") {
 		t.Errorf("dos plan --forward-ms: want bound < speculate <= overlap < serial: %v\n%s", m, out)
 	}
+	if m := all["iteration_chosen_s"]; !(m.(float64) > 0 && m.(float64) <= all["iteration_speculate_s"].(float64)) || all["iteration_chosen_schedule"] == nil {
+		t.Errorf("dos plan --json: the chosen schedule's iteration %v, schedule %v: want it at most the speculated one's %v", m, all["iteration_chosen_schedule"], all["iteration_speculate_s"])
+	}
 	for _, bad := range [][]string{{"--forward-ms", "1", "--backward-ms", "2"}, {"--gpu-memory", "24", "--model", "gpt2", "--forward-ms", "1"},
+		{"--gpu-memory", "24", "--model", "gpt2", "--speculate", "4"}, {"--gpu-memory", "24", "--model", "gpt2", "--forward-ms", "0", "--backward-ms", "2"},
 		{"--gpu-memory", "24", "--model", "gpt2", "--forward-ms", "-1", "--backward-ms", "2"}, {"--gpu-memory", "24", "--model", "gpt2", "--speculate", "NaN", "--forward-ms", "1", "--backward-ms", "2"}} {
 		if rc, _, errs := runCLI(append([]string{"plan", "--profile", h200}, bad...)...); rc != 2 || !strings.Contains(errs, "--") {
 			t.Errorf("dos plan %v: rc %d %s, want a usage error", bad, rc, errs)
