@@ -161,22 +161,21 @@ func (o *Optimizer) PlanIteration(it IterationWork) (changed bool, err error) {
 		return false, nil
 	case o.dev == devBroken:
 		return false, errors.New("offload: PlanIteration: a device fault left the state inconsistent; LoadCheckpoint restores it")
+	case o.dev == devHostAhead:
+		// SetParam or a load wrote the host state the device has not
+		// seen: a move now would download the device's over it. The
+		// next Step uploads it; plan after that.
+		return false, nil
 	}
 	it = o.iterationWork(it)
-	prof, g := o.opts.Profile, 1.0
+	prof := o.opts.Profile
 	if o.opts.Replan {
-		prof, g = o.re.base.Scaled(o.re.f), max(o.re.g, 0)
+		prof = o.re.base.Scaled(o.re.f)
 	}
 	w := o.workload()
 	now, err := prof.PredictIteration(w, o.plan.Schedule, it)
 	if err != nil {
 		return false, fmt.Errorf("offload: PlanIteration: %w", err)
-	}
-	if o.dev == devHostAhead {
-		// SetParam or a load wrote the host state the device has not
-		// seen: a move now would download the device's over it. The
-		// next Step uploads it; plan after that.
-		return false, nil
 	}
 	best, err := prof.ChooseIteration(w, it)
 	if err != nil {
@@ -194,11 +193,8 @@ func (o *Optimizer) PlanIteration(it IterationWork) (changed bool, err error) {
 	}
 	next := best.Phase
 	if o.opts.Replan {
-		if o.re.basePred, err = o.re.base.Predict(w, next.Schedule); err != nil {
-			return true, fmt.Errorf("offload: PlanIteration: %w", err)
-		}
-		if g > 0 {
-			next.Makespan *= g
+		if next, o.re.basePred, err = o.re.corrected(next.Schedule); err != nil {
+			return true, err
 		}
 	}
 	o.plan = &next
@@ -248,16 +244,9 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step
 		// 605 ms, the refit moved to 58/0/27 predicted at 590 and it
 		// ran 700). Go back to what was measured.
 		re.last = step
-		scaled := re.base.Scaled(re.f)
-		p, err := scaled.Predict(re.w, back)
+		p, basePred, err := re.corrected(back)
 		if err != nil {
-			return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
-		}
-		if re.g > 0 {
-			p.Makespan *= re.g
-		}
-		if basePred, err = re.base.Predict(re.w, back); err != nil {
-			return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
+			return nil, basePred, err
 		}
 		return &p, basePred, nil
 	}
@@ -313,7 +302,7 @@ func (re *replanState) fasterSeen(cur perfmodel.Schedule) (perfmodel.Schedule, b
 	var best perfmodel.Schedule
 	bt := math.Inf(1)
 	for s, t := range re.seen {
-		if t < bt || t == bt && fmt.Sprint(s) < fmt.Sprint(best) { // ties: a fixed order, not the map's
+		if t < bt || t == bt && scheduleLess(s, best) { // ties: a fixed order, not the map's
 			best, bt = s, t
 		}
 	}
@@ -321,6 +310,36 @@ func (re *replanState) fasterSeen(cur perfmodel.Schedule) (perfmodel.Schedule, b
 		return perfmodel.Schedule{}, false
 	}
 	return best, true
+}
+
+// scheduleLess orders schedules by their CPU, streamed and resident
+// counts, then the upcast.
+func scheduleLess(a, b perfmodel.Schedule) bool {
+	switch {
+	case a.CPU != b.CPU:
+		return a.CPU < b.CPU
+	case a.GPU != b.GPU:
+		return a.GPU < b.GPU
+	case a.Resident != b.Resident:
+		return a.Resident < b.Resident
+	}
+	return !a.UpcastOnGPU && b.UpcastOnGPU
+}
+
+// corrected returns the refit's prediction of schedule s (the profile
+// corrected per resource, its makespan scaled by g) and the base
+// profile's, which the next refit's factors are measured against.
+func (re *replanState) corrected(s perfmodel.Schedule) (p, base perfmodel.Prediction, err error) {
+	if p, err = re.base.Scaled(re.f).Predict(re.w, s); err != nil {
+		return p, base, fmt.Errorf("offload: re-planning: %w", err)
+	}
+	if re.g > 0 {
+		p.Makespan *= re.g
+	}
+	if base, err = re.base.Predict(re.w, s); err != nil {
+		return p, base, fmt.Errorf("offload: re-planning: %w", err)
+	}
+	return p, base, nil
 }
 
 // predictionMiss is how far p missed the measured phase b, in seconds:

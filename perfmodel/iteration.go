@@ -38,8 +38,8 @@ type IterationWork struct {
 	// ResidentFirst: the resident subgroups lead the flat space
 	// (scheduler.Layout.ResidentFirst), so the speculation may start with
 	// the backward; else they are its suffix, the last blocks, whose
-	// backward runs first, and the speculation starts after their share
-	// of the parameters' share of the backward.
+	// backward runs first, and the speculation starts once the backward
+	// has gone through their share of the parameters.
 	ResidentFirst bool
 }
 
@@ -127,13 +127,13 @@ func (p *Profile) iteration(w Workload, ph Prediction, it IterationWork) (Iterat
 		}
 		hidden := min(float64(it.SpeculateParams), m, rate*it.Backward*(1-after))
 		r.Speculated = hidden / all * ph.Busy[ResCPU]
-		rest := ph.Fill + ph.Drain // what the CPU's work never hid
-		for _, res := range Resources {
-			if res != ResCPU {
-				rest = max(rest, ph.Busy[res])
-			}
-		}
 		if ph.Bottleneck == ResCPU { // else less CPU work shortens nothing
+			rest := ph.Fill + ph.Drain // what the CPU's work never hid
+			for _, res := range Resources {
+				if res != ResCPU {
+					rest = max(rest, ph.Busy[res])
+				}
+			}
 			r.After = max(ph.Makespan-r.Speculated, rest)
 		}
 	}

@@ -94,7 +94,7 @@ func NewPlanIn(n int, s perfmodel.Schedule, l Layout) (*Plan, error) {
 	p := &Plan{Schedule: s, Roles: make([]Role, n)}
 	nr := n - s.Resident
 	for j := range nr {
-		if (j+1)*s.GPU/nr > j*s.GPU/nr {
+		if streamed(j, s.GPU, nr) {
 			p.Roles[j] = OnGPU
 		}
 	}
@@ -117,6 +117,11 @@ func NewPlanIn(n int, s perfmodel.Schedule, l Layout) (*Plan, error) {
 	return p, nil
 }
 
+// streamed reports whether the j-th of nr non-resident subgroups streams
+// through the GPU when gpu of them do: the stride spreads them evenly, k
+// CPU subgroups to each streamed one (DESIGN.md).
+func streamed(j, gpu, nr int) bool { return (j+1)*gpu/nr > j*gpu/nr }
+
 // residentFirst is NewPlanIn's ResidentFirst plan: subgroups 0..R-1
 // resident, the stride of NewPlan over R..n-1, the GPU lane the residents'
 // kernels then the streamed subgroups, the CPU lane in order.
@@ -128,7 +133,7 @@ func residentFirst(n int, s perfmodel.Schedule) *Plan {
 		p.GPUOrder = append(p.GPUOrder, j)
 	}
 	for j := range nr {
-		if (j+1)*s.GPU/nr > j*s.GPU/nr {
+		if streamed(j, s.GPU, nr) {
 			p.Roles[r+j] = OnGPU
 			p.GPUOrder = append(p.GPUOrder, r+j)
 		} else {

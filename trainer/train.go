@@ -496,11 +496,23 @@ func (t *Trainer) lossScale() float32 {
 // wait for the weights per block (a job's ZeRO-3 ranks).
 func (t *Trainer) overlapForward(it int) bool {
 	cfg := &t.cfg
-	return !cfg.NoOverlapForward && it < cfg.Steps &&
+	return t.forwardOverlaps() && it < cfg.Steps &&
 		!(cfg.EvalEvery > 0 && it%cfg.EvalEvery == 0) &&
 		!(cfg.CkptEvery > 0 && it%cfg.CkptEvery == 0) &&
-		it+1 != cfg.TimelineAt &&
-		t.w.overlapsUpdate()
+		it+1 != cfg.TimelineAt
+}
+
+// forwardOverlaps says whether the run's forwards run during the update
+// phase before them (overlapForward, where nothing comes between): not
+// with TrainConfig.NoOverlapForward, nor on a replica that does not wait
+// for the weights per block.
+func (t *Trainer) forwardOverlaps() bool { return !t.cfg.NoOverlapForward && t.w.overlapsUpdate() }
+
+// iterationWork is the iteration's work for the performance model
+// (offload.IterationWork): the forward and backward measured alone, the
+// blocks, whether the forward overlaps the phase.
+func (t *Trainer) iterationWork(fwd, bwd time.Duration) offload.IterationWork {
+	return offload.IterationWork{Forward: fwd.Seconds(), Backward: bwd.Seconds(), Blocks: t.cfg.Model.NLayer, OverlapForward: t.forwardOverlaps()}
 }
 
 func (t *Trainer) logf(format string, args ...any) {
@@ -619,7 +631,7 @@ func (t *Trainer) Run() (Summary, error) {
 	// iteration the model predicts.
 	var steady time.Duration
 	steadyN := 0
-	overlap := !cfg.NoOverlapForward && t.w.overlapsUpdate()
+	overlap := t.forwardOverlaps()
 	planned := false     // planIteration has run
 	var speculated int64 // parameters kept from speculative updates, this run
 	// ahead: the next iteration's forward ran during this one's update
@@ -988,13 +1000,13 @@ func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration
 		t.logf("iteration: %.1f ms measured (%s); its prediction and lower bound need the forward's time alone, which no iteration after the first measured (every forward ran during the update phase before it)\n", 1e3*measured, of)
 		return
 	}
-	fwd, bwd := forwards.Seconds()/float64(serial), backwards.Seconds()/float64(serial)
-	overlap := !t.cfg.NoOverlapForward && t.w.overlapsUpdate()
+	work := t.iterationWork(forwards/time.Duration(serial), backwards/time.Duration(serial))
+	fwd, bwd := work.Forward, work.Backward
 	line := fmt.Sprintf("iteration: %.1f ms measured (%s; forward %.1f ms and backward %.1f ms alone)", 1e3*measured, of, 1e3*fwd, 1e3*bwd)
-	if p, ok := t.opt.PredictIteration(offload.IterationWork{Forward: fwd, Backward: bwd, Blocks: t.cfg.Model.NLayer, OverlapForward: overlap}); ok && p.Seconds > 0 {
+	if p, ok := t.opt.PredictIteration(work); ok && p.Seconds > 0 {
 		sum.IterationPredictedS = p.Seconds
 		how := "forward, backward and update phase in turn"
-		if overlap {
+		if work.OverlapForward {
 			how = "the next forward beside the update phase"
 		}
 		if p.Speculated > 0 {
@@ -1013,17 +1025,15 @@ func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration
 // planIteration, with speculation on one GPU, has the optimizer choose
 // the update phase's schedule for the whole iteration, after iteration it
 // (whose step kept speculative updates), from a forward and backward of
-// fwd and bwd alone
-// (offload.Optimizer.PlanIteration: speculation hides CPU work in the
-// backward, so the iteration's best schedule may give the CPU more than
-// the phase's does), says so and returns true when it moved; sched is the log lines'
-// schedule.
+// fwd and bwd alone (offload.Optimizer.PlanIteration: speculation hides
+// CPU work in the backward, so the iteration's best schedule may give the
+// CPU more than the phase's does); it says so and returns true when it
+// moved. sched is the log lines' schedule.
 func (t *Trainer) planIteration(it int, fwd, bwd time.Duration, sched *string) (moved bool, err error) {
 	if !t.modelsIteration() || t.cfg.speculateBytes() == 0 {
 		return false, nil
 	}
-	work := offload.IterationWork{Forward: fwd.Seconds(), Backward: bwd.Seconds(), Blocks: t.cfg.Model.NLayer,
-		OverlapForward: !t.cfg.NoOverlapForward && t.w.overlapsUpdate()}
+	work := t.iterationWork(fwd, bwd)
 	before, _ := t.opt.PredictIteration(work)
 	if moved, err = t.opt.PlanIteration(work); err != nil || !moved {
 		return false, err

@@ -427,35 +427,37 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 	}
 	it := perfmodel.IterationWork{Forward: fwd, Backward: bwd, Blocks: cfg.Model.NLayer}
 	tokens := float64(cfg.Batch * cfg.Model.NCtx)
-	line := func(name string, it perfmodel.IterationWork, key string) (perfmodel.IterationPrediction, error) {
-		r, err := p.PredictIteration(w, ch.Schedule, it)
-		if err != nil {
-			return r, err
-		}
+	row := func(name, key string, r perfmodel.IterationPrediction, schedule string) {
 		extra := ""
 		if r.Speculated > 0 {
 			extra = fmt.Sprintf(", %.1f ms of CPU updates speculated in the backward", 1e3*r.Speculated)
 		}
-		fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (update phase after the backward %.1f ms%s)\n", name, 1e3*r.Seconds, tokens/r.Seconds, 1e3*r.After, extra)
+		fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (%supdate phase after the backward %.1f ms%s)\n", name, 1e3*r.Seconds, tokens/r.Seconds, schedule, 1e3*r.After, extra)
 		meta[key] = r.Seconds
-		return r, nil
+	}
+	line := func(name string, it perfmodel.IterationWork, key string) error {
+		r, err := p.PredictIteration(w, ch.Schedule, it)
+		if err == nil {
+			row(name, key, r, "")
+		}
+		return err
 	}
 	fmt.Fprintf(stdout, "\nthe whole iteration, from a forward of %.1f ms and a backward of %.1f ms measured alone, %d x %d tokens; the update phase with its prefetch in the backward, %d CPU / %d streamed / %d resident subgroups of up to %s (--subgroup-size, not dos train's cut), %.1f ms:\n",
 		1e3*fwd, 1e3*bwd, cfg.Batch, cfg.Model.NCtx, ch.CPU, ch.GPU, ch.Resident, count(float64(w.SubgroupSize)), 1e3*ch.Makespan)
-	if _, err := line("serial (--no-overlap-forward)", it, "iteration_serial_s"); err != nil {
+	if err := line("serial (--no-overlap-forward)", it, "iteration_serial_s"); err != nil {
 		return err
 	}
 	it.OverlapForward = true
-	if _, err := line("the next forward beside the phase (default)", it, "iteration_overlap_s"); err != nil {
+	if err := line("the next forward beside the phase (default)", it, "iteration_overlap_s"); err != nil {
 		return err
 	}
 	if speculate > 0 {
 		it.SpeculateParams = int64(speculate*(1<<30)) / scheduler.SpeculateBytes(1, false) // dos train's AdamW has no amsgrad
-		if _, err := line(fmt.Sprintf("and --speculate %g", speculate), it, "iteration_speculate_s"); err != nil {
+		if err := line(fmt.Sprintf("and --speculate %g", speculate), it, "iteration_speculate_s"); err != nil {
 			return err
 		}
 		it.ResidentFirst = true
-		if _, err := line(fmt.Sprintf("and --speculate %g --resident-first", speculate), it, "iteration_speculate_first_s"); err != nil {
+		if err := line(fmt.Sprintf("and --speculate %g --resident-first", speculate), it, "iteration_speculate_first_s"); err != nil {
 			return err
 		}
 		for _, first := range []bool{false, true} {
@@ -464,17 +466,13 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 			if err != nil {
 				return err
 			}
-			name := "the schedule chosen for the iteration"
+			name, key := "the schedule chosen for the iteration", "iteration_chosen"
 			if first {
-				name += ", --resident-first"
+				name, key = name+", --resident-first", key+"_first"
 			}
-			fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (%d CPU / %d streamed / %d resident subgroups, update phase %.1f ms alone, %.1f ms after the backward, %.1f ms speculated)\n",
-				name, 1e3*r.Seconds, tokens/r.Seconds, r.Phase.CPU, r.Phase.GPU, r.Phase.Resident, 1e3*r.Phase.Makespan, 1e3*r.After, 1e3*r.Speculated)
-			key := "iteration_chosen"
-			if first {
-				key += "_first"
-			}
-			meta[key+"_s"], meta[key+"_schedule"] = r.Seconds, r.Phase.Schedule
+			row(name, key+"_s", r, fmt.Sprintf("%d CPU / %d streamed / %d resident subgroups, update phase %.1f ms alone; ",
+				r.Phase.CPU, r.Phase.GPU, r.Phase.Resident, 1e3*r.Phase.Makespan))
+			meta[key+"_schedule"] = r.Phase.Schedule
 		}
 	}
 	h2d, d2h := trainer.StreamedCopyBytes(cfg.Model, cfg.Streamed())
