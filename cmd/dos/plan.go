@@ -68,7 +68,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	mf := memoryFlags(c)
 	fwdMS := c.Float64("forward-ms", 0, "with --gpu-memory: one forward's `ms` on the GPU, measured alone (dos train's \"iteration:\" line prints it): with --backward-ms, the whole iteration predicted")
 	bwdMS := c.Float64("backward-ms", 0, "with --gpu-memory: one backward's `ms` on the GPU, measured alone, recomputation included (with --forward-ms)")
-	specGiB := c.Float64("speculate", 0, "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate) in the iteration's prediction")
+	specGiB := c.Float64("speculate", 0, "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate) in the iteration's prediction (0: no speculation rows)")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
