@@ -99,3 +99,36 @@ func BenchmarkStep(b *testing.B) {
 		report(b, 28)
 	})
 }
+
+// BenchmarkStepSave measures the speculative update (Pool.StepSave, as
+// scheduler.Engine's speculation runs it: a bf16 gradient, a bf16 copy,
+// the fp32 state saved first) against Pool.Step on the same operands, in
+// the same run: what the save costs over the phase's step ("save"), and
+// what it cost with the built-in copy a chunk before the step
+// ("save-copy").
+func BenchmarkStepSave(b *testing.B) {
+	if testing.Short() {
+		b.Skip("large buffers")
+	}
+	s, g16 := randomProblem(benchN, BF16, false, 1)
+	out := Copy16{BF16, make([]uint16, benchN)}
+	save := State{Param: make([]float32, benchN), ExpAvg: make([]float32, benchN), ExpAvgSq: make([]float32, benchN)}
+	copyState(save, s, nil, nil, 0, 0) // fault the pages in before timing
+	c := DefaultHyper().Coeffs(1, 1, 1)
+	pool := NewPool(0)
+	defer pool.Close()
+	for _, mode := range []string{"step", "save", "save-copy"} {
+		b.Run(fmt.Sprintf("pool-%d/%s/n=%dM", pool.Threads(), mode, benchN>>20), func(b *testing.B) {
+			saveNonTemporal = mode != "save-copy"
+			defer func() { saveNonTemporal = true }()
+			for b.Loop() {
+				if mode == "step" {
+					pool.Step(&c, s, g16, out)
+				} else {
+					pool.StepSave(&c, s, g16, out, save, nil)
+				}
+			}
+			b.ReportMetric(float64(benchN)*float64(b.N)/b.Elapsed().Seconds()/1e9, "Gparam/s")
+		})
+	}
+}

@@ -46,6 +46,12 @@ func scaleAVX512(x *float32, n int, a float32, b float32, flags int)
 //go:noescape
 func statsAVX512(acc *[16]float64, x *float32, n int, unscale float32) bool
 
+// copyNTAVX512 copies n fp32 values from src to dst with non-temporal stores and fences them; n is a multiple of 64
+// and dst is aligned to 64 bytes (Path.copyNT handles the rest).
+//
+//go:noescape
+func copyNTAVX512(dst *float32, src *float32, n int)
+
 // updateAVX2 is update (step.go) on 8 lanes; n is a multiple of 8.
 // k holds decay, l2, w, 1-w, beta2, 1-beta2, sqrt(bias correction 2), eps,
 // -step size (kernelArgs). flags: bit 0 L2 weight decay, bit 1 lerp with a
@@ -87,3 +93,9 @@ func scaleAVX2(x *float32, n int, a float32, b float32, flags int)
 //
 //go:noescape
 func statsAVX2(acc *[16]float64, x *float32, n int, unscale float32) bool
+
+// copyNTAVX2 copies n fp32 values from src to dst with non-temporal stores and fences them; n is a multiple of 32
+// and dst is aligned to 32 bytes (Path.copyNT handles the rest).
+//
+//go:noescape
+func copyNTAVX2(dst *float32, src *float32, n int)

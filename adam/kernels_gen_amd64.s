@@ -264,6 +264,37 @@ done:
 	VZEROUPPER
 	RET
 
+// func copyNTAVX512(dst *float32, src *float32, n int)
+// Requires: AVX, AVX512F, MMX+
+TEXT ·copyNTAVX512(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), AX
+	MOVQ src+8(FP), CX
+	MOVQ n+16(FP), DX
+	XORQ BX, BX
+
+loop:
+	CMPQ       BX, DX
+	JGE        done
+	PREFETCHT0 2048(CX)(BX*4)
+	VMOVUPS    (CX)(BX*4), Z0
+	PREFETCHT0 2112(CX)(BX*4)
+	VMOVUPS    64(CX)(BX*4), Z1
+	PREFETCHT0 2176(CX)(BX*4)
+	VMOVUPS    128(CX)(BX*4), Z2
+	PREFETCHT0 2240(CX)(BX*4)
+	VMOVUPS    192(CX)(BX*4), Z3
+	VMOVNTPS   Z0, (AX)(BX*4)
+	VMOVNTPS   Z1, 64(AX)(BX*4)
+	VMOVNTPS   Z2, 128(AX)(BX*4)
+	VMOVNTPS   Z3, 192(AX)(BX*4)
+	ADDQ       $0x40, BX
+	JMP        loop
+
+done:
+	SFENCE
+	VZEROUPPER
+	RET
+
 // func updateAVX2(p *float32, m *float32, v *float32, vmax *float32, grad *float32, n int, k *[9]float32, flags int)
 // Requires: AVX, MMX+
 TEXT ·updateAVX2(SB), NOSPLIT, $0-64
@@ -544,5 +575,34 @@ done:
 	VMOVUPD Y4, 96(AX)
 	VPTEST  Y6, Y6
 	SETNE   ret+32(FP)
+	VZEROUPPER
+	RET
+
+// func copyNTAVX2(dst *float32, src *float32, n int)
+// Requires: AVX, MMX+
+TEXT ·copyNTAVX2(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), AX
+	MOVQ src+8(FP), CX
+	MOVQ n+16(FP), DX
+	XORQ BX, BX
+
+loop:
+	CMPQ       BX, DX
+	JGE        done
+	PREFETCHT0 2048(CX)(BX*4)
+	VMOVUPS    (CX)(BX*4), Y0
+	VMOVUPS    32(CX)(BX*4), Y1
+	PREFETCHT0 2112(CX)(BX*4)
+	VMOVUPS    64(CX)(BX*4), Y2
+	VMOVUPS    96(CX)(BX*4), Y3
+	VMOVNTPS   Y0, (AX)(BX*4)
+	VMOVNTPS   Y1, 32(AX)(BX*4)
+	VMOVNTPS   Y2, 64(AX)(BX*4)
+	VMOVNTPS   Y3, 96(AX)(BX*4)
+	ADDQ       $0x20, BX
+	JMP        loop
+
+done:
+	SFENCE
 	VZEROUPPER
 	RET

@@ -121,3 +121,33 @@ func TestStepSaveLengthsPanic(t *testing.T) {
 	}()
 	sameBits(t, "param", before.Param, s.Param)
 }
+
+// TestCopyNT: Path.copyNT copies exactly src into dst on every path, for
+// destinations at every alignment within a vector and lengths around the
+// kernel's multiple, and writes nothing past dst.
+func TestCopyNT(t *testing.T) {
+	for _, path := range Paths() {
+		for _, n := range []int{0, 1, 63, 64, 65, 127, 128, 200, 4096 + 3} {
+			for off := range 17 {
+				src := make([]float32, n)
+				for i := range src {
+					src[i] = float32(i) + 0.5
+				}
+				buf := make([]float32, off+n+40)
+				for i := range buf {
+					buf[i] = -1
+				}
+				path.copyNT(buf[off:off+n], src)
+				for i, x := range buf {
+					want := float32(-1)
+					if i >= off && i < off+n {
+						want = src[i-off]
+					}
+					if x != want {
+						t.Fatalf("%s n=%d off=%d: buf[%d] = %v, want %v", path, n, off, i, x, want)
+					}
+				}
+			}
+		}
+	}
+}

@@ -28,6 +28,16 @@ func simdKernel(lanes int, p, m, v, vmax, g *float32, n int, k *[9]float32, flag
 	}
 }
 
+// simdCopyNT copies n fp32 values (a multiple of 4 lanes; dst aligned to
+// the vector width) with the path's non-temporal kernel.
+func simdCopyNT(lanes int, dst, src *float32, n int) {
+	if lanes == 16 {
+		copyNTAVX512(dst, src, n)
+	} else {
+		copyNTAVX2(dst, src, n)
+	}
+}
+
 func simdPaths() []Path {
 	var ps []Path
 	if cpuid.CPU.Supports(cpuid.AVX, cpuid.AVX2, cpuid.F16C) {

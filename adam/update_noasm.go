@@ -19,3 +19,7 @@ func simdScale(lanes int, x *float32, n int, a, b float32, flags int) {
 func simdStats(lanes int, acc *[statLanes]float64, x *float32, n int, unscale float32) bool {
 	panic("adam: no SIMD kernel in this build")
 }
+
+func simdCopyNT(lanes int, dst, src *float32, n int) {
+	panic("adam: no SIMD kernel in this build")
+}

@@ -72,3 +72,30 @@ func (k kernel) roundF16() {
 	})
 	k.ret()
 }
+
+// copyNT copies fp32 values with non-temporal stores (VMOVNTPS: the
+// destination's lines are written to memory without being read first),
+// four vectors an iteration, then fences the stores (SFENCE), so that a
+// reader synchronised with the caller afterwards sees them. The source is
+// read through the cache, where the caller's next pass finds it.
+func (k kernel) copyNT() {
+	k.text("copyNT", "func(dst, src *float32, n int)",
+		fmt.Sprintf("copyNT%s copies n fp32 values from src to dst with non-temporal stores and fences them; n is a multiple of %d", k.suffix, 4*k.lanes),
+		fmt.Sprintf("and dst is aligned to %d bytes (Path.copyNT handles the rest).", 4*k.lanes))
+	dst, src, n := k.param("dst"), k.param("src"), k.param("n")
+	k.loop(n, 4*k.lanes, func(i reg.GPVirtual) {
+		var v [4]reg.VecVirtual
+		for j := range v {
+			if off := 4 * k.lanes * j; off%64 == 0 { // a prefetch a cache line
+				k.PREFETCHT0(at(src, i, 4).Offset(prefetch + off))
+			}
+			v[j] = k.vec()
+			k.VMOVUPS(at(src, i, 4).Offset(4*k.lanes*j), v[j])
+		}
+		for j := range v {
+			k.VMOVNTPS(v[j], at(dst, i, 4).Offset(4*k.lanes*j))
+		}
+	})
+	k.SFENCE()
+	k.ret()
+}

@@ -74,6 +74,7 @@ func generate() (map[string][]byte, error) {
 		k.roundF16()
 		k.scale()
 		k.stats()
+		k.copyNT()
 	}
 	f, err := ctx.Result()
 	if err != nil {
