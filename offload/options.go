@@ -172,8 +172,9 @@ type Options struct {
 	// or was skipped, or after a Snapshot (a run that always clips loses
 	// nothing). With Replan
 	// a step that kept a speculative update is not refitted from (its
-	// phase lacks work the plan counts): the performance model does not
-	// plan the speculation yet. 0: none. Not saved in checkpoints.
+	// phase lacks work the plan counts); Optimizer.PlanIteration plans
+	// the schedule for the whole iteration with the speculation's rate
+	// measured in the last phase. 0: none. Not saved in checkpoints.
 	Speculate int64 `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,

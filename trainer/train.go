@@ -810,7 +810,12 @@ func (t *Trainer) Run() (Summary, error) {
 			limit := ""
 			if lim, ok := t.opt.Limit(); ok && lim.Makespan > 0 {
 				sum.UpdateLimitS = lim.Makespan
-				limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid limit), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
+				if speculated == 0 {
+					limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid limit), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
+				} else {
+					// (nor is the limit: it covers the whole phase)
+					limit = fmt.Sprintf("; %.0f parameters' CPU updates a step (mean) were done in the backward (speculation), outside the phase and its limit", float64(speculated)/float64(done))
+				}
 			}
 			if b, ok := t.opt.Bound(); ok && b.Seconds > 0 && speculated == 0 {
 				// (a phase that kept speculative updates did part of its
