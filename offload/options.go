@@ -157,8 +157,8 @@ type Options struct {
 	// last step's loss scale, saving what the update overwrites
 	// (scheduler.SpeculateBytes: 14 bytes a parameter, 18 with amsgrad)
 	// while this memory lasts and until the Step begins (what is left is
-	// the phase's: a speculative update moves about twice the memory, for
-	// its saves); the Step keeps each one whose
+	// the phase's: a speculative update moves about 1.4 times the
+	// memory, for its saves); the Step keeps each one whose
 	// scalars turn out to be those, bit for bit, and restores the others
 	// (a skipped step, clipping that binds, another rate) before its
 	// phase updates them as before (DeepSpeed's SuperOffload:

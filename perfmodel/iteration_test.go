@@ -53,6 +53,10 @@ func TestPredictIteration(t *testing.T) {
 	if s.Resident == 0 {
 		t.Fatalf("the chosen schedule %+v: the test wants resident subgroups", s)
 	}
+	resShare := float64(resParams) / float64(w.Params+held)
+	if resShare <= 1.0/36 {
+		t.Fatalf("the resident suffix is %.3f of the parameters: the test wants more than a block's", resShare)
+	}
 	rest := ph.Fill + ph.Drain
 	for _, r := range Resources {
 		if r != ResCPU {
@@ -71,11 +75,13 @@ func TestPredictIteration(t *testing.T) {
 	}{
 		{"serial", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36}, 0,
 			func(a float64) float64 { return fwd + bwd + a }},
-		{"overlap", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, OverlapForward: true}, 0,
+		{"overlap: the resident suffix's forward after the phase", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, OverlapForward: true}, 0,
+			func(a float64) float64 { return bwd + max(a+fwd*max(1.0/36, resShare), fwd) }},
+		{"overlap, resident first: the last block's forward after the phase", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, OverlapForward: true, ResidentFirst: true}, 0,
 			func(a float64) float64 { return bwd + max(a+fwd/36, fwd) }},
 		{"overlap, a long forward", w, s, IterationWork{Forward: 10, Backward: bwd, Blocks: 36, OverlapForward: true}, 0,
 			func(a float64) float64 { return bwd + 10 }},
-		{"speculate 100M", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, OverlapForward: true, SpeculateParams: 100_000_000}, share(100_000_000),
+		{"speculate 100M", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, OverlapForward: true, SpeculateParams: 100_000_000, ResidentFirst: true}, share(100_000_000),
 			func(a float64) float64 { return bwd + max(a+fwd/36, fwd) }},
 		{"speculate all: the window after the residents", w, s, IterationWork{Forward: fwd, Backward: bwd, Blocks: 36, SpeculateParams: 1 << 40},
 			share(min(held+cpuParams, cf.Rate*(1-float64(resParams)/float64(w.Params+held))*bwd)),

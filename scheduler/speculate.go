@@ -323,9 +323,10 @@ func (e *Engine) haltSpec() {
 // a caller whose backward has ended calls it, so that what is left is the
 // phase's; Speculate then starts nothing more until EndSpeculation, a drop
 // or the Update (it would fix other scalars for what was already
-// updated). A speculative update moves about twice the memory of the
-// phase's (it saves what it overwrites), so it pays only while the CPU
-// would otherwise wait for the backward. Without a speculation it does
+// updated). A speculative update moves about 1.4 times the memory of the
+// phase's (it saves what it overwrites: 40 bytes a parameter against 28,
+// adam.Pool.StepSave; 2.8 against 4.6 Gparam/s on an H100 host), so it
+// pays only while the CPU would otherwise wait for the backward. Without a speculation it does
 // nothing.
 func (e *Engine) StopSpeculation() {
 	if e.specN > 0 {

@@ -634,6 +634,7 @@ func (t *Trainer) Run() (Summary, error) {
 	overlap := t.forwardOverlaps()
 	planned := false     // planIteration has run
 	var speculated int64 // parameters kept from speculative updates, this run
+	specSteps := 0       // the steps that kept some
 	// ahead: the next iteration's forward ran during this one's update
 	// phase (overlapForward), on the batch from aheadPos with that scale.
 	ahead, aheadPos, aheadScale := false, int64(0), float32(1)
@@ -727,6 +728,9 @@ func (t *Trainer) Run() (Summary, error) {
 			}
 		}
 		speculated += res.Speculated
+		if res.Speculated > 0 {
+			specSteps++
+		}
 		if res.Skipped {
 			sum.Skipped++
 		}
@@ -814,7 +818,7 @@ func (t *Trainer) Run() (Summary, error) {
 					limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid limit), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
 				} else {
 					// (nor is the limit: it covers the whole phase)
-					limit = fmt.Sprintf("; %.0f parameters' CPU updates a step (mean) were done in the backward (speculation), outside the phase and its limit", float64(speculated)/float64(done))
+					limit = fmt.Sprintf("; %.0f parameters' CPU updates a step were done in the backward (the mean of the %d steps that kept speculative updates), outside the phase and its limit", float64(speculated)/float64(specSteps), specSteps)
 				}
 			}
 			if b, ok := t.opt.Bound(); ok && b.Seconds > 0 && speculated == 0 {
