@@ -329,7 +329,14 @@ func (h *heldLock) release() {
 		delete(locks, h.key)
 	}
 	if h.f != nil {
-		_ = h.f.Close() // releases the flock
+		// Unlocked first, not by the close alone: the kernel releases a
+		// flock(2) lock at the last close of its open file, and a fork()ed
+		// child shares that file until it closes its copy (the binding's
+		// child does so in its after-fork hook, which may run after this
+		// process has gone on: a save into the root just after a fork was
+		// refused, "locked by" this process, 1 run in 10 on a busy machine).
+		_ = funlock(h.f)
+		_ = h.f.Close()
 	}
 }
 
@@ -354,11 +361,12 @@ func readHolder(f *os.File) (string, error) {
 
 // HeldLockFDs returns the file descriptors of the root locks this process
 // holds (Lock's, on the OS file system). flock(2) locks belong to the open
-// file, which a fork()ed child shares: a child that never writes a root
-// (a data-loader worker) still pins the lock after this process released
-// it, until the child ends. A binding that lets its users fork closes
-// these descriptors in the child (Python's os.register_at_fork), which
-// leaves this process's lock as it is.
+// file, which a fork()ed child shares: the last Unlock releases the lock
+// for the child's copy too (LOCK_UN), but a child that never writes a root
+// (a data-loader worker) would hold it past this process's end, until the
+// child ends. A binding that lets its users fork closes these descriptors
+// in the child (Python's os.register_at_fork), which leaves this process's
+// lock as it is.
 func HeldLockFDs() []int {
 	locksMu.Lock()
 	defer locksMu.Unlock()

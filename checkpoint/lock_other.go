@@ -19,6 +19,9 @@ var errWouldBlock = errors.New("would block")
 // flock locks nothing where flock(2) does not exist.
 func flock(*os.File) error { return nil }
 
+// funlock unlocks nothing where flock(2) does not exist.
+func funlock(*os.File) error { return nil }
+
 func isReadOnly(error) bool { return false }
 
 func tryShared(*os.File) error { return nil }

@@ -39,6 +39,17 @@ func flock(f *os.File) error {
 	}
 }
 
+// funlock releases f's flock(2) lock, for every descriptor of its open
+// file (a fork()ed child's copies included).
+func funlock(f *os.File) error {
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+		if !errors.Is(err, syscall.EINTR) {
+			return err
+		}
+	}
+}
+
 func isReadOnly(err error) bool { return errors.Is(err, syscall.EROFS) }
 
 // noFollow makes an open fail on a symbolic link (ELOOP).

@@ -823,6 +823,39 @@ func TestPrepareForkHoldsOffLockFiles(t *testing.T) {
 	}
 }
 
+// TestUnlockReleasesAForkedChildsCopy: a copy of the lock's descriptor
+// (a fork()ed child's, which shares the open file until the child closes
+// it, here a dup) does not keep the root locked after Unlock: a new Lock
+// takes it at once. The binding's child closes its copies in an after-fork
+// hook that may run after the parent has gone on: the parent's next save
+// into the root was refused "locked by" itself (1 run in 10 of
+// test_roots.py on a busy machine).
+func TestUnlockReleasesAForkedChildsCopy(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "r")
+	before := HeldLockFDs() // another test's, if any
+	l, err := Lock(OS, root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fd int
+	for _, f := range HeldLockFDs() {
+		if !slices.Contains(before, f) {
+			fd = f
+		}
+	}
+	child, err := syscall.Dup(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(child)
+	l.Unlock()
+	again, err := Lock(OS, root)
+	if err != nil {
+		t.Fatalf("Lock after Unlock, with a copy of the old descriptor open: %v", err)
+	}
+	again.Unlock()
+}
+
 // TestLockHardLinkedCopy (the job commands' adversary, F5): a root copied
 // with cp -al shares its lock file's inode with the original, so a writer
 // of one locked both and the copy was refused "locked by" the other's

@@ -123,19 +123,37 @@ def test_load_of_a_damaged_root_names_recover(tmp_path):
 def test_forked_child_does_not_pin_the_root(tmp_path):
     """A fork()ed child that never touches dos (a DataLoader worker) inherited the root's flock(2) lock: after the
     parent closed its optimizer, a new optimizer's save into that root was refused ("locked by PID <parent>") while
-    the child lived (the third binding adversary). The child closes the inherited lock descriptors at fork."""
+    the child lived (the third binding adversary). The child closes the inherited lock descriptors at fork, in an
+    after-fork hook, which runs when the child is scheduled and after the hooks registered before dos's: the parent
+    often goes on first (its save was refused in 1 run of 10 on a busy machine). Here such a hook holds the child
+    until the parent has saved, every time: the parent's close releases the lock whatever copies its children
+    hold still; then the child closes its copies (none is left open in it), so it would not hold the lock past the
+    parent's end."""
     import subprocess
     import sys
     import textwrap
     root = str(tmp_path / "r")
     script = textwrap.dedent(f"""
-        import os, time, torch, dos.torch as dt
+        import os, torch
+        r, w = os.pipe()
+        def hold():  # registered before dos's hooks: runs before them, in the child
+            os.close(w)
+            os.read(r, 1)  # until the parent has saved (it closes w)
+        os.register_at_fork(after_in_child=hold)
+        import dos.torch as dt
         p = torch.nn.Parameter(torch.randn(8)); p.grad = torch.randn(8)
         o = dt.AdamW([p], lr=1e-2); o.step(); o.save({root!r}).wait()
         pid = os.fork()
-        if pid == 0:
-            time.sleep(4)
-            os._exit(0)
+        if pid == 0:  # dos's hook has run
+            locks = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{{fd}}").endswith("/.lock"):
+                        locks.append(fd)
+                except OSError:  # listdir's own descriptor, closed by now
+                    pass
+            os._exit(3 if locks else 0)
+        os.close(r)
         o.close()
         q = torch.nn.Parameter(torch.randn(8)); q.grad = torch.randn(8)
         o2 = dt.AdamW([q], lr=1e-2); o2.step(); o2.step()
@@ -143,8 +161,11 @@ def test_forked_child_does_not_pin_the_root(tmp_path):
             o2.save({root!r}).wait()
             print("SAVED", flush=True)
         finally:
-            os.waitpid(pid, 0)
+            os.close(w)
+            _, st = os.waitpid(pid, 0)
+            print("CHILD", os.waitstatus_to_exitcode(st), flush=True)
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(dos.__file__))] + sys.path))
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "SAVED" in r.stdout, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-2000:]}"
+    assert "CHILD 0" in r.stdout, f"the child kept a root lock's descriptor open\n{r.stdout}"
