@@ -140,11 +140,14 @@ def _write(p, d, src):
     """Writes src into d, parameter p's data (p local), and bumps p's version counter as torch.optim's in-place
     update does (d.copy_ alone, a write through p.data, bumps none): another optimizer over p (a second
     dos.torch.AdamW, which takes a 16-bit parameter whose _version changed) sees the new weights. The bump is
-    an in-place op on an empty view of p (as_strided: of any layout, p.data replaced by another thread
-    included): a view shares p's version counter, and nothing is written. The caller records p's version
-    after it (_mark_seen), so dos's own write is not taken as a change."""
+    an in-place op on an empty view of p (p[None][:0]: of any shape and layout, p.data replaced by another
+    thread included): a view shares p's version counter, and nothing is written. The view is taken by basic
+    indexing, which torch does with the GIL held, as it replaces p.data (p.data = t) with it held: a method
+    of p (p.as_strided) reads p's storage with the GIL released, and another thread's p.data = t meanwhile
+    freed the storage it was taking (a segfault, test_threads). The caller records p's version after it
+    (_mark_seen), so dos's own write is not taken as a change."""
     d.copy_(src)
-    p.as_strided((0,), (1,)).zero_()
+    p[None][:0].zero_()
 
 
 _saving = weakref.WeakSet()  # the live optimizers that saved: _wait_saves_at_exit waits for their last save
@@ -686,7 +689,10 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(f"dos.torch.AdamW: parameter {i} {tuple(d.shape)} has no gradient at this step; dos "
                                  "updates every parameter at every step: leave parameters that take no part in the loss "
                                  "out of the optimizer, or give them zero gradients")
-            grad = grad.detach()  # its own shape and storage: p.grad.data = ... does not change it
+            # its own shape and storage, which p.grad.data = ... does not change, taken with the GIL held (.data,
+            # as _data takes p's): grad.detach() reads the gradient with the GIL released, and another thread's
+            # p.grad.data = t meanwhile freed the storage it was taking (a segfault, test_threads)
+            grad = grad.data
             if grad.is_sparse:
                 raise ValueError(f"dos.torch.AdamW: parameter {i} has a sparse gradient")
             if grad.shape != d.shape or not (grad.is_floating_point() and grad.dtype in _DTYPES):
