@@ -81,6 +81,19 @@ def _every_line(op, check, limit=3000):
     raise AssertionError(f"op ran more than {limit} lines")
 
 
+@pytest.fixture
+def python_sigint():
+    """SIGINT handled by Python's default_int_handler (a KeyboardInterrupt) during the test, whatever this process
+    inherited: one started with SIGINT ignored (a background job of a shell: nohup, `make python-test &`, some CI
+    runners) keeps it ignored, and a real SIGINT then raised nothing (test_sigints_during_step_leave_it_whole
+    failed, DID NOT RAISE, in 10 runs of 10 so started)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _params(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in (5, 3, 4)]
@@ -296,7 +309,7 @@ def test_interrupt_at_any_line_of_a_multi_key_state_set_leaves_old_or_new():
     assert _every_line(op, check) > 5
 
 
-def test_sigints_during_step_leave_it_whole(monkeypatch):
+def test_sigints_during_step_leave_it_whole(monkeypatch, python_sigint):
     """Real SIGINTs sent as dos's step returns and at every later call into dos and every parameter's copy-back:
     one KeyboardInterrupt, and the step whole by the next call (master_weights, like every call, finishes what
     the interrupts cut short), SIGINT's handler untouched (Python's). The second one landed in _native_step's
@@ -614,29 +627,42 @@ def test_ctrl_c_while_another_thread_holds_the_lock_leaves_it_free():
     """A Ctrl-C that arrives while step() waits for the lock another thread holds (its KeyboardInterrupt raised
     as the acquire returns) leaves the lock free: the second adversary's round found it held for ever after
     (a manual acquire before the flag that said so), and every later call of the process waited (6 of 20
-    runs of a stepping loop beside a state_dict() reader hung)."""
-    r = _run("""
-        import os, signal, threading, time
+    runs of a stepping loop beside a state_dict() reader hung). The Ctrl-C is sent once the main thread waits
+    at step()'s acquire, not 5 ms after the lock was taken (a main thread not yet in step() by then would get
+    its KeyboardInterrupt outside the try: not seen, but nothing ruled it out), with SIGINT Python's (an
+    inherited SIG_IGN raised none, and the test passed checking nothing); each one is raised by its step()."""
+    r = _run(f"""
+        import os, signal, sys, threading, time
         import torch
         import dos.torch as dt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         p = torch.nn.Parameter(torch.randn(4)); opt = dt.AdamW([p])
         p.grad = torch.ones(4)
+        main = threading.main_thread().ident
+        def waiting_in_step():  # the main thread at step()'s `with self._lock`
+            f = sys._current_frames().get(main)
+            return (f is not None and f.f_code.co_name == "step" and f.f_code.co_filename == {TORCH_PY!r}
+                    and "with self._lock" in open({TORCH_PY!r}).read().splitlines()[f.f_lineno - 1])
+        interrupts = 0
         for _ in range(5):
             held = threading.Event()
             def other():
                 opt._lock.acquire()  # another thread's call in progress
                 held.set()
-                time.sleep(0.005)
+                end = time.monotonic() + 30
+                while not waiting_in_step() and time.monotonic() < end:
+                    time.sleep(0.001)
                 os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C ...
                 opt._lock.release()  # ... as that call ends
             t = threading.Thread(target=other); t.start(); held.wait()
             try:
                 opt.step()
             except KeyboardInterrupt:
-                pass
+                interrupts += 1
             t.join(); time.sleep(0.002)
             assert opt._lock.acquire(timeout=5), "the lock is left held"
             opt._lock.release()
+        assert interrupts == 5, f"{{interrupts}} KeyboardInterrupts raised by step() for 5 Ctrl-Cs"
         opt.step()
         print("OK", opt.state[p]["step"].item())
     """, timeout=60)
