@@ -482,6 +482,10 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 	}
 	meta["iteration_bound_s"] = b.Seconds
 	fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (%s-bound: each resource's work at its rate alone, every overlap reached)\n", "its lower bound", 1e3*b.Seconds, tokens/b.Seconds, b.Bottleneck)
-	fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels. The speculation's rows are dos train --speculate's once a step kept its updates, at the CPU's phase rate here (dos train measures the speculation's own: on an H100, 2.8 Gparam/s against the phase's 4.6, for the saves it writes); a step that clips (dos train's default --clip 1 early on) or is skipped keeps none. Speculation shortens only a CPU-bound phase: the rows without a gain are copy-bound, and the schedule chosen for the iteration, which dos train --speculate moves to, gives the CPU more)\n")
+	if speculate == 0 {
+		fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels)\n")
+		return nil
+	}
+	fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels. The speculation's rows are dos train --speculate's once a step kept its updates, at the profile's CPU rate alone here (dos train measures the speculation's own: on an H100, 2.8 Gparam/s against the phase's 4.6, for the saves it writes); a step that clips (dos train's default --clip 1 early on) or is skipped keeps none; the CPU's speculated work is in its phase's CPU ms, not wall time. Speculation shortens only a CPU-bound phase: the rows without a gain are copy-bound, and the schedule chosen for the iteration, which dos train --speculate moves to, gives the CPU more)\n")
 	return nil
 }
