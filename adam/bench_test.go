@@ -114,6 +114,9 @@ func BenchmarkStepSave(b *testing.B) {
 	out := Copy16{BF16, make([]uint16, benchN)}
 	save := State{Param: make([]float32, benchN), ExpAvg: make([]float32, benchN), ExpAvgSq: make([]float32, benchN)}
 	copyState(save, s, nil, nil, 0, 0) // fault the pages in before timing
+	for i := range out.Data {
+		out.Data[i] = 1
+	}
 	c := DefaultHyper().Coeffs(1, 1, 1)
 	pool := NewPool(0)
 	defer pool.Close()

@@ -210,7 +210,8 @@ func (p *Pool) Step(c *Coeffs, s State, g Grad, out Copy16) {
 // StepSave is Step that first copies what the step overwrites: the state s
 // into save and the working copy out.Data into saveOut (when saveOut is
 // not empty: a working copy that is not saved is written all the same),
-// each chunk just before its step, so that Restore can undo the
+// each block of saveBlock elements just before its step (the fp32 state
+// with non-temporal stores), so that Restore can undo the
 // step exactly (the speculative update of scheduler.Engine.Speculate;
 // DeepSpeed's SuperOffload calls it speculation-then-validation). save
 // has s's arrays and lengths (MaxExpAvgSq only with c.AMSGrad), saveOut
@@ -286,7 +287,9 @@ func (path Path) saveState(to, from State, toOut, fromOut []uint16, lo, hi int) 
 // The generic path, and fewer than 64 elements, use the built-in copy.
 func (path Path) copyNT(dst, src []float32) {
 	n := len(src)
-	dst = dst[:n]
+	if len(dst) != n {
+		panic(fmt.Sprintf("adam: copyNT of %d elements into %d", n, len(dst)))
+	}
 	if path.lanes < 8 || n < 64 {
 		copy(dst, src)
 		return

@@ -15,8 +15,9 @@ type IterationWork struct {
 	Forward  float64 // seconds of one forward, alone
 	Backward float64 // seconds of one backward, alone
 	// Blocks is the model's transformer blocks, >= 1: an overlapped
-	// forward runs block by block behind the phase, so the last block's
-	// forward (Forward/Blocks) runs after the phase's last update.
+	// forward runs block by block behind the phase, so at least the last
+	// block's forward (Forward/Blocks) runs after the phase's last update
+	// (without ResidentFirst, the resident suffix's share of it).
 	Blocks int
 	// OverlapForward: the next iteration's forward runs during the update
 	// phase, each block once its weights are written (issue 31 item 2;
@@ -148,10 +149,10 @@ func (p *Profile) iteration(w Workload, ph Prediction, it IterationWork) (Iterat
 	r.Seconds = it.Forward + it.Backward + r.After
 	if it.OverlapForward {
 		// The forward follows the phase block by block: what comes after
-		// the phase's last update runs after the phase, the last block,
-		// or with the resident subgroups the suffix the whole suffix
-		// (their updates are done first, but the forward reaches them
-		// only after the blocks the CPU and the copies update; measured
+		// the phase's last update runs after the phase: the last block,
+		// or, when the resident subgroups are the suffix, that whole
+		// suffix (their updates are done first, but the forward reaches
+		// them only after the blocks the CPU and the copies update; measured
 		// on gpt2-xl under 24 GiB, 46 of 63 subgroups resident: 322.7 ms
 		// an iteration, the serial 323.1). The phase's kernels and the
 		// forward share the GPU: never less than the three one after
@@ -183,9 +184,12 @@ func speculable(w Workload, s Schedule) (all, m float64) {
 // ChooseIteration returns the schedule of w whose whole iteration it
 // (PredictIteration) is the shortest, with its phase and iteration
 // predictions: issue 31's schedule chosen for the iteration, not for the
-// update phase alone. Without speculation it is Choose's schedule (the
-// overlapped forward hides the same phase either way); with speculation
-// the CPU's share may grow by what the backward hides. It searches the
+// update phase alone. Without speculation, and with the overlapped
+// forward only behind the last block (ResidentFirst) or not at all, it is
+// Choose's schedule (the iteration is the phase plus the same times);
+// with speculation the CPU's share may grow by what the backward hides,
+// and with the resident subgroups last the forward of their suffix
+// follows the phase, so fewer of them may be faster. It searches the
 // residencies the budget allows and the CPU counts at each, with and
 // without the upcast: every pair up to 64 subgroups, else a grid of about
 // 64 a side, then every pair within a grid step of the grid's best. Ties
@@ -198,7 +202,7 @@ func (p *Profile) ChooseIteration(w Workload, it IterationWork) (IterationPredic
 		return IterationPrediction{}, err
 	}
 	bi, err := p.PredictIteration(w, best.Schedule, it)
-	if err != nil || it.SpeculateParams == 0 {
+	if err != nil || it.SpeculateParams == 0 && (!it.OverlapForward || it.ResidentFirst) {
 		return bi, err
 	}
 	n := w.Subgroups()

@@ -11,7 +11,8 @@ import (
 // TestPredictIteration: with the H200's profile and the 4.24B model's
 // update phase (a CPU-bound schedule), the serial iteration is forward,
 // backward and the phase; the overlapped forward hides the shorter of
-// itself and the phase but for its last block; speculation takes the CPU
+// itself and the phase but for its last block, or with the resident
+// subgroups last but for their suffix; speculation takes the CPU
 // time of the speculated parameters out of the phase, capped by the
 // backward's window after the resident share, by the CPU's busy time and
 // by what the CPU may speculate on (nothing of the CPU subgroups without

@@ -813,8 +813,8 @@ func (t *Trainer) Run() (Summary, error) {
 			sum.UpdatePredictedS = plan.Makespan
 			limit := ""
 			if lim, ok := t.opt.Limit(); ok && lim.Makespan > 0 {
-				sum.UpdateLimitS = lim.Makespan
 				if speculated == 0 {
+					sum.UpdateLimitS = lim.Makespan
 					limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid limit), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
 				} else {
 					// (nor is the limit: it covers the whole phase)
