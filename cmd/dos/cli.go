@@ -83,7 +83,18 @@ func flagError(err error) string {
 	msg := err.Error()
 	if m := invalidValue.FindStringSubmatch(msg); m != nil {
 		if v, uerr := strconv.Unquote(m[1]); uerr == nil {
-			return fmt.Sprintf("--%s %s: %s", m[2], v, m[3])
+			why := m[3]
+			switch why {
+			case "parse error": // strconv's, for a number flag
+				if _, ferr := strconv.ParseFloat(v, 64); ferr == nil {
+					why = "not a whole number"
+				} else {
+					why = "not a number (give the number alone: the flag's unit is in its name or its -h line)"
+				}
+			case "value out of range":
+				why = "out of range for the flag"
+			}
+			return fmt.Sprintf("--%s %s: %s", m[2], v, why)
 		}
 	}
 	return msg

@@ -165,6 +165,9 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	switch {
 	case *profPath == "":
+		if memCfg == nil {
+			return fail("say what to plan: --profile PATH for the update phase of --params N parameters (dos calibrate --json PATH writes one; testdata/profiles/h200.json is the H200 machine's), or --gpu-memory GiB with --model NAME (or --layers, --heads, --embd) for a model's device memory, or both")
+		}
 		return fail("--profile is required (dos calibrate --json PATH writes one; testdata/profiles/h200.json is the H200 machine's)")
 	case params < 1 || params > perfmodel.MaxParams:
 		return fail("--params %d: want 1 to %d", params, int64(perfmodel.MaxParams))
@@ -442,8 +445,12 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		}
 		return err
 	}
-	fmt.Fprintf(stdout, "\nthe whole iteration, from a forward of %.1f ms and a backward of %.1f ms measured alone, %d x %d tokens; the update phase with its prefetch in the backward, %d CPU / %d streamed / %d resident subgroups of up to %s (--subgroup-size, not dos train's cut), %.1f ms:\n",
-		1e3*fwd, 1e3*bwd, cfg.Batch, cfg.Model.NCtx, ch.CPU, ch.GPU, ch.Resident, count(float64(w.SubgroupSize)), 1e3*ch.Makespan)
+	held := ""
+	if w.HostHeld > 0 {
+		held = fmt.Sprintf(" (and first, on the CPU, the %s parameters of the blocks from host memory)", count(float64(w.HostHeld)))
+	}
+	fmt.Fprintf(stdout, "\nthe whole iteration, from a forward of %.1f ms and a backward of %.1f ms measured alone, %d x %d tokens; the update phase with its prefetch in the backward, %d CPU / %d streamed / %d resident subgroups of up to %s (--subgroup-size, not dos train's cut)%s, %.1f ms:\n",
+		1e3*fwd, 1e3*bwd, cfg.Batch, cfg.Model.NCtx, ch.CPU, ch.GPU, ch.Resident, count(float64(w.SubgroupSize)), held, 1e3*ch.Makespan)
 	if err := line("serial (--no-overlap-forward)", it, "iteration_serial_s"); err != nil {
 		return err
 	}

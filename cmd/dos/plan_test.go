@@ -38,6 +38,23 @@ func TestPlan(t *testing.T) {
 		!strings.Contains(out.String(), "note: 2 CPU workers over 4 ranks: 1 worker per rank, 4 in all") {
 		t.Errorf("fewer threads than ranks: rc %d, no note:\n%s", rc, out.String())
 	}
+	// What a new user typed first, each refused in words that say what to
+	// give.
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"plan"}, "say what to plan: --profile PATH"},
+		{[]string{"plan", "--model", "gpt2-xl"}, "the model's flags need --gpu-memory GiB"},
+		{[]string{"plan", "--model", "gpt2-xl", "--gpu-memory", "24", "--profile", "../../testdata/profiles/h200.json", "--forward-ms", "60ms", "--backward-ms", "100"}, "--forward-ms 60ms: not a number"},
+		{[]string{"plan", "--profile", "../../testdata/profiles/h200.json", "--ranks", "1.5"}, "--ranks 1.5: not a whole number"},
+	} {
+		out.Reset()
+		errb.Reset()
+		if rc := run(c.args, &out, &errb); rc != 2 || !strings.Contains(errb.String(), c.want) {
+			t.Errorf("%v: rc %d, stderr %q, want %q", c.args, rc, errb.String(), c.want)
+		}
+	}
 	for _, args := range [][]string{{"plan"}, {"plan", "--profile", "x", "--params", "-1"}, {"plan", "--profile", "../../testdata/profiles/h200.json", "--ranks", "0"},
 		{"plan", "--profile", "../../testdata/profiles/h200.json", "--gpu-budget", "NaN"}, {"plan", "--profile", "../../testdata/profiles/h200.json", "--subgroup-size", "1"}} {
 		out.Reset()

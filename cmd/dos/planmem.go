@@ -58,6 +58,9 @@ func (f *planMemoryFlags) given(c *cli) bool {
 // what is wrong with them, naming the flag.
 func (f *planMemoryFlags) config(c *cli) (trainer.TrainConfig, string) {
 	cfg := f.cfg
+	if !c.set("gpu-memory") {
+		return cfg, "the model's flags need --gpu-memory GiB, the GPU's memory to plan the model's device memory under (e.g. --gpu-memory 24)"
+	}
 	if !(f.gpuMemory > 0) || f.gpuMemory > 1<<20 {
 		return cfg, fmt.Sprintf("--gpu-memory %v: want the GPU's GiB, > 0 (the model's flags plan its device memory under it)", f.gpuMemory)
 	}
