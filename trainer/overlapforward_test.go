@@ -25,6 +25,7 @@ func TestOverlapForwardBitwise(t *testing.T) {
 	}
 	for _, dev := range []string{"", "sim"} {
 		c := DefaultTrainConfig()
+		serialSchedule(&c) // the resident subgroups last; f below puts them first
 		c.Model.NLayer, c.Model.NEmbd, c.Model.NHead, c.Model.NCtx = 2, 32, 2, 16
 		c.Batch, c.Steps, c.SampleBytes, c.EvalBatches, c.LogEvery = 4, 8, 0, 1, 0
 		c.EvalEvery, c.CkptEvery = 3, 5

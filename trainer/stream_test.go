@@ -51,6 +51,7 @@ func TestGPUStreamBitwise(t *testing.T) {
 	gpuEnv(t)
 	setMemAvailable(t, 0, false)
 	cfg := DefaultTrainConfig()
+	serialSchedule(&cfg)
 	cfg.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 4, NHead: 2, NEmbd: 128}
 	cfg.Batch, cfg.Device, cfg.Steps = 4, "cuda", 6
 	cfg.WorkingDType, cfg.GradDType = adam.BF16, adam.BF16

@@ -607,6 +607,16 @@ func (t *Trainer) Run() (Summary, error) {
 		}
 		fmt.Fprintf(t.out, "update phase on %s%s: %d of %d subgroups on the CPU, %d streamed through the GPU, %d resident (k = %s, upcast on the GPU: %v)%s\n",
 			t.opt.Options().Device.Name(), per, s.CPU, len(t.opt.Subgroups())-held, s.GPU, s.Resident, k, s.UpcastOnGPU, first)
+		if b := t.opt.Options().Speculate; b > 0 {
+			auto := ""
+			if cfg.Speculate == SpeculateAuto {
+				auto = " (--speculate auto)"
+			}
+			fmt.Fprintf(t.out, "speculative updates in the backward: %.2f GiB of host memory%s for the saves of up to %.3gB parameters a step, kept when the step neither clips nor is skipped\n",
+				float64(b)/(1<<30), auto, float64(b/offload.SpeculateBytes(1, false))/1e9)
+		} else if cfg.Speculate == SpeculateAuto && cfg.maySpeculate() {
+			fmt.Fprintf(t.out, "speculative updates in the backward: none (--speculate auto: under 256 MiB of host memory to spare)\n")
+		}
 	}
 	fmt.Fprint(t.out, t.w.ranks[0].rep.describe(cfg))
 	if math.IsNaN(float64(t.state.InitValLoss)) {

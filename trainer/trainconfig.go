@@ -153,8 +153,10 @@ type TrainConfig struct {
 	// front of the flat space, the first blocks, instead of the last
 	// (offload.Options.ResidentFirst): the speculation starts with the
 	// backward, and the next forward finds its first blocks updated at
-	// the update phase's start. Issue 31's experiment, off by default; the
-	// trajectory is the same, bit for bit. Not saved in checkpoints.
+	// the update phase's start. On by default (DefaultTrainConfig; gpt2-xl
+	// under 24 GiB on an H100 ran 22 % faster with it, BENCHMARKS.md,
+	// issue 31); without a Device (no resident subgroups) it does nothing.
+	// The trajectory is the same, bit for bit. Not saved in checkpoints.
 	ResidentFirst bool `json:"-"`
 	// Speculate, with Device "cuda" on one GPU and the overlap (not
 	// NoOverlap), is host memory in GiB for speculative updates
@@ -162,9 +164,15 @@ type TrainConfig struct {
 	// CPU subgroups updated by the CPU workers during the backward, as
 	// their gradients arrive, kept when the step neither clips nor is
 	// skipped, restored otherwise; 14 bytes per parameter speculated on,
-	// at most the model's. 0: none. The trajectory is the same, bit for
-	// bit. Not saved in checkpoints.
+	// at most the model's. 0: none. SpeculateAuto (-1, the default):
+	// SpeculateAutoGiB,
+	// or less where the host memory the run may use leaves less (half of
+	// what MemoryBytes leaves of it, counted when Validate runs; none
+	// before Validate or where the run may not speculate). The trajectory
+	// is the same, bit for bit. Not saved in checkpoints.
 	Speculate float64 `json:"-"`
+	// specAuto is SpeculateAuto's bytes, set by Validate.
+	specAuto int64
 	// Replan, with a Device and the performance model's schedule
 	// (--profile, or the start-up calibration with cuda; not --schedule),
 	// corrects the model online from every update phase's measured times
@@ -262,6 +270,11 @@ func DefaultTrainConfig() TrainConfig {
 		ValFraction: 0.1,
 		// As few streamed blocks as --gpu-memory needs (none without).
 		StreamBlocks: StreamAuto,
+		// Issue 31's: the forward reads its first blocks' resident
+		// weights at the phase's start, and the CPU updates during the
+		// backward where no step clips (both change no bit).
+		ResidentFirst: true,
+		Speculate:     SpeculateAuto,
 	}
 }
 
@@ -358,12 +371,10 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --device cuda trains in bf16: --working-dtype %v --grad-dtype %v, want bfloat16 for both", c.WorkingDType, c.GradDType)
 	case c.Recompute && c.Device != "cuda":
 		return errors.New("trainer: --recompute needs --device cuda (the host's model keeps its activations)")
-	case c.ResidentFirst && c.Device == "":
-		return errors.New("trainer: --resident-first places the update phase's resident subgroups: it needs --device cuda or sim")
 	case c.NoOverlap && c.Device != "cuda":
 		return errors.New("trainer: --no-overlap needs --device cuda (only the GPU trainer overlaps its backward with the update phase)")
-	case !(c.Speculate >= 0) || c.Speculate > MaxMemoryBytes>>30:
-		return fmt.Errorf("trainer: --speculate %v: want GiB from 0 to %d", c.Speculate, MaxMemoryBytes>>30)
+	case c.Speculate != SpeculateAuto && (!(c.Speculate >= 0) || c.Speculate > MaxMemoryBytes>>30):
+		return fmt.Errorf("trainer: --speculate %v: want GiB from 0 to %d, or auto", c.Speculate, MaxMemoryBytes>>30)
 	case c.Speculate > 0 && !c.maySpeculate():
 		return errors.New("trainer: --speculate updates the CPU's subgroups during the backward: it needs --device cuda on one GPU, and not --no-overlap")
 	case c.Replan && (c.Device == "" || c.Schedule != ""):
@@ -415,6 +426,7 @@ func (c *TrainConfig) Validate() error {
 	if err := c.optimizerOptions().Validate(); err != nil { // passes after the checks above
 		return fmt.Errorf("trainer: %w", err)
 	}
+	c.resolveSpeculate()
 	return c.checkMemory()
 }
 
@@ -583,10 +595,47 @@ func (c *TrainConfig) maySpeculate() bool { return c.Device == "cuda" && c.GPUs 
 // at most what every parameter needs (scheduler.SpeculateBytes, 14 B
 // each); 0 off one GPU or without the overlap.
 func (c *TrainConfig) speculateBytes() int64 {
+	if c.Speculate == SpeculateAuto && c.maySpeculate() {
+		return c.specAuto
+	}
 	if c.Speculate <= 0 || !c.maySpeculate() {
 		return 0
 	}
 	return min(int64(c.Speculate*(1<<30)), offload.SpeculateBytes(int64(c.Model.NumParams()), false)) // the trainer's AdamW has no amsgrad
+}
+
+// SpeculateAuto is TrainConfig.Speculate's auto (--speculate auto):
+// SpeculateAutoGiB of host memory for speculative updates, or what the
+// host memory the run may use leaves (resolveSpeculate).
+const SpeculateAuto = -1
+
+// SpeculateAutoGiB is SpeculateAuto's most host memory, in GiB: the saves
+// of about 1.2B parameters. Of 12, 16 and 24 GiB on a 4.24B GPT-2 (36 x
+// 3072, B = 8, T = 1024) on an H100 host, 16 was the fastest under 40 GiB
+// and under 24 (the CPU workers updated 1.1-1.2B parameters in a backward:
+// BENCHMARKS.md, issue 31).
+const SpeculateAutoGiB = 16
+
+// resolveSpeculate sets SpeculateAuto's bytes (specAuto): at most
+// SpeculateAutoGiB and what every parameter needs, and at most half of
+// what MemoryBytes, without them, leaves of the host memory the run may
+// use (hostLimit); nothing under 256 MiB, nor where the run may not
+// speculate.
+func (c *TrainConfig) resolveSpeculate() {
+	c.specAuto = 0
+	if c.Speculate != SpeculateAuto || !c.maySpeculate() {
+		return
+	}
+	limit, _, _ := c.hostLimit()
+	room := (limit - c.MemoryBytes()) / 2 // MemoryBytes counts specAuto, 0 here
+	b := min(int64(SpeculateAutoGiB)<<30, offload.SpeculateBytes(int64(c.Model.NumParams()), false))
+	if room < float64(b) {
+		b = int64(max(room, 0))
+	}
+	if b < 256<<20 {
+		b = 0
+	}
+	c.specAuto = b
 }
 
 // ringBytes is the lazy checkpointer's ring for params parameters:

@@ -202,7 +202,7 @@ func TestValidateNamesFlags(t *testing.T) {
 		{func(c *TrainConfig) { c.Recompute = true }, "--recompute needs --device cuda"},
 		{func(c *TrainConfig) { c.NoOverlap = true }, "--no-overlap needs --device cuda"},
 		{func(c *TrainConfig) { c.NoOverlap, c.Device, c.WorkingDType = true, "sim", adam.BF16 }, "--no-overlap needs --device cuda"},
-		{func(c *TrainConfig) { c.Speculate = -1 }, "--speculate -1: want GiB from 0"},
+		{func(c *TrainConfig) { c.Speculate = -2 }, "--speculate -2: want GiB from 0"},
 		{func(c *TrainConfig) { c.Speculate = 4 }, "--speculate updates the CPU's subgroups during the backward: it needs --device cuda on one GPU"},
 		{func(c *TrainConfig) {
 			c.Device, c.WorkingDType, c.GradDType, c.Speculate, c.NoOverlap = "cuda", adam.BF16, adam.BF16, 4, true
@@ -276,6 +276,61 @@ func TestSpeculateMemory(t *testing.T) {
 	c.NoOverlap = true
 	if got := c.speculateBytes(); got != 0 {
 		t.Errorf("--speculate 100 with --no-overlap: %d bytes of saves", got)
+	}
+}
+
+// TestSpeculateAuto: --speculate auto takes SpeculateAutoGiB where the
+// host memory allows, what every parameter needs for a small model, half
+// of what the run leaves of the memory it may use where that is less, and
+// nothing where that is under 256 MiB, off one GPU or on the host.
+func TestSpeculateAuto(t *testing.T) {
+	c := DefaultTrainConfig()
+	c.Device, c.WorkingDType, c.GradDType, c.StreamBlocks, c.Speculate, c.Tokenizer = "cuda", adam.BF16, adam.BF16, 0, SpeculateAuto, "gpt2"
+	c.Model = Config{VocabSize: 50304, NCtx: 1024, NLayer: 36, NHead: 24, NEmbd: 3072} // 4.24B: 12 GiB is 0.92B parameters
+	setMemAvailable(t, 0, false)
+	c.MaxMemory = 200
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if got := c.speculateBytes(); got != SpeculateAutoGiB<<30 {
+		t.Errorf("4.24B with 200 GiB: %d bytes of saves, want %d", got, int64(SpeculateAutoGiB)<<30)
+	}
+	c.specAuto = 0
+	base := c.MemoryBytes()
+	c.MaxMemory = math.Ceil((base + 8<<30) / (1 << 30)) // 8 to 9 GiB left: half of it
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	limit := c.MaxMemory * (1 << 30)
+	if got, want := c.speculateBytes(), int64((limit-base)/2); got != want {
+		t.Errorf("%.2f GiB left: %d bytes of saves, want %d (half)", (limit-base)/(1<<30), got, want)
+	}
+	if got := c.MemoryBytes(); got > limit {
+		t.Errorf("MemoryBytes %v with the saves, over the %v allowed", got, limit)
+	}
+	c.MaxMemory = (base + 400<<20) / (1 << 30) // 400 MiB left: 200 of saves, under 256
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if got := c.speculateBytes(); got != 0 {
+		t.Errorf("%.2f GiB left: %d bytes of saves, want none", c.MaxMemory-base/(1<<30), got)
+	}
+	small := DefaultTrainConfig()
+	small.Device, small.WorkingDType, small.GradDType, small.Speculate, small.MaxMemory, small.Tokenizer = "cuda", adam.BF16, adam.BF16, SpeculateAuto, 200, "gpt2"
+	small.Model = Config{VocabSize: 50304, NCtx: 1024, NLayer: 12, NHead: 12, NEmbd: 768}
+	if err := small.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := small.speculateBytes(), 14*int64(small.Model.NumParams()); got != want {
+		t.Errorf("gpt2: %d bytes of saves, want %d (14 B a parameter)", got, want)
+	}
+	host := DefaultTrainConfig()
+	host.Speculate = SpeculateAuto
+	if err := host.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if got := host.speculateBytes(); got != 0 {
+		t.Errorf("on the host: %d bytes of saves", got)
 	}
 }
 

@@ -20,6 +20,7 @@ import (
 // slots blocks 3 and 2 held.
 func zeroGPUConfig() TrainConfig {
 	c := DefaultTrainConfig()
+	serialSchedule(&c)
 	c.Model = Config{VocabSize: 256, NCtx: 64, NLayer: 4, NHead: 2, NEmbd: 128}
 	c.Batch, c.Device, c.Steps, c.DecaySteps = 6, "cuda", 8, 8
 	c.WorkingDType, c.GradDType = adam.BF16, adam.BF16

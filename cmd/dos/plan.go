@@ -68,7 +68,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	mf := memoryFlags(c)
 	fwdMS := c.Float64("forward-ms", 0, "with --gpu-memory: one forward's `ms` on the GPU, measured alone (dos train's \"iteration:\" line prints it): with --backward-ms, the whole iteration predicted")
 	bwdMS := c.Float64("backward-ms", 0, "with --gpu-memory: one backward's `ms` on the GPU, measured alone, recomputation included (with --forward-ms)")
-	specGiB := c.Float64("speculate", 0, "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate) in the iteration's prediction (0: no speculation rows)")
+	specGiB := c.Float64("speculate", trainer.SpeculateAutoGiB, "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate; its auto, the default, is this default where the host memory allows) in the iteration's prediction (0: no speculation rows)")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
@@ -416,9 +416,11 @@ func writePlanOutputs(out *outputs, stdout io.Writer, meta map[string]any, resul
 // iterationPlan prints the whole iteration the model predicts for cfg's
 // run on one GPU under p (perfmodel.Profile.PredictIteration), from the
 // forward's and backward's seconds measured alone: nothing overlapped, the
-// next forward beside the update phase (dos train's default), and with
-// speculate GiB of speculation with the resident subgroups last (the
-// default) and first (--resident-first); and the iteration's lower bound.
+// next forward beside the update phase with the resident subgroups last
+// (--resident-first=false) and first (dos train's default, and its
+// iteration while steps clip), and with speculate GiB of speculation with
+// the resident subgroups last and first (the default once a step keeps
+// its speculative updates); and the iteration's lower bound.
 // The update phase is dos train's on the GPU: w with the prefetch during
 // the backward, under the model's choice for it. It adds the predictions
 // to meta (iteration_*_s) for --json.
@@ -435,7 +437,7 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		if r.Speculated > 0 {
 			extra = fmt.Sprintf(", %.1f ms of CPU updates speculated in the backward", 1e3*r.Speculated)
 		}
-		fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (%supdate phase after the backward %.1f ms%s)\n", name, 1e3*r.Seconds, tokens/r.Seconds, schedule, 1e3*r.After, extra)
+		fmt.Fprintf(stdout, "  %-62s %8.1f ms  %9.0f tokens/s  (%supdate phase after the backward %.1f ms%s)\n", name, 1e3*r.Seconds, tokens/r.Seconds, schedule, 1e3*r.After, extra)
 		meta[key] = r.Seconds
 	}
 	line := func(name string, it perfmodel.IterationWork, key string) error {
@@ -455,16 +457,21 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		return err
 	}
 	it.OverlapForward = true
-	if err := line("the next forward beside the phase (default)", it, "iteration_overlap_s"); err != nil {
+	if err := line("the next forward beside the phase, --resident-first=false", it, "iteration_overlap_s"); err != nil {
+		return err
+	}
+	it.ResidentFirst = true
+	if err := line("the next forward beside the phase (default; clipping)", it, "iteration_overlap_first_s"); err != nil {
 		return err
 	}
 	if speculate > 0 {
 		it.SpeculateParams = int64(speculate*(1<<30)) / scheduler.SpeculateBytes(1, false) // dos train's AdamW has no amsgrad
-		if err := line(fmt.Sprintf("and --speculate %g", speculate), it, "iteration_speculate_s"); err != nil {
+		it.ResidentFirst = false
+		if err := line(fmt.Sprintf("and --speculate %g --resident-first=false", speculate), it, "iteration_speculate_s"); err != nil {
 			return err
 		}
 		it.ResidentFirst = true
-		if err := line(fmt.Sprintf("and --speculate %g --resident-first", speculate), it, "iteration_speculate_first_s"); err != nil {
+		if err := line(fmt.Sprintf("and --speculate %g (default once a step keeps them)", speculate), it, "iteration_speculate_first_s"); err != nil {
 			return err
 		}
 		for _, first := range []bool{false, true} {
@@ -473,9 +480,9 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 			if err != nil {
 				return err
 			}
-			name, key := "the schedule chosen for the iteration", "iteration_chosen"
+			name, key := "the schedule chosen for the iteration, --resident-first=false", "iteration_chosen"
 			if first {
-				name, key = name+", --resident-first", key+"_first"
+				name, key = "the schedule chosen for the iteration (default)", key+"_first"
 			}
 			row(name, key+"_s", r, fmt.Sprintf("%d CPU / %d streamed / %d resident subgroups, update phase %.1f ms alone; ",
 				r.Phase.CPU, r.Phase.GPU, r.Phase.Resident, 1e3*r.Phase.Makespan))
@@ -488,7 +495,7 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		return err
 	}
 	meta["iteration_bound_s"] = b.Seconds
-	fmt.Fprintf(stdout, "  %-56s %8.1f ms  %9.0f tokens/s  (%s-bound: each resource's work at its rate alone, every overlap reached)\n", "its lower bound", 1e3*b.Seconds, tokens/b.Seconds, b.Bottleneck)
+	fmt.Fprintf(stdout, "  %-62s %8.1f ms  %9.0f tokens/s  (%s-bound: each resource's work at its rate alone, every overlap reached)\n", "its lower bound", 1e3*b.Seconds, tokens/b.Seconds, b.Bottleneck)
 	if speculate == 0 {
 		fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels)\n")
 		return nil

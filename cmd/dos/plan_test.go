@@ -164,6 +164,13 @@ func TestPlanGPUMemory(t *testing.T) {
 		!strings.Contains(out, "the schedule chosen for the iteration") {
 		t.Errorf("dos plan --forward-ms: want bound < speculate <= overlap < serial: %v\n%s", m, out)
 	}
+	// The resident subgroups first (dos train's default): the forward
+	// runs through them at the phase's start, never later than with them
+	// last; and with the speculation, at most that.
+	if !(m["iteration_overlap_first_s"] > 0 && m["iteration_overlap_first_s"] <= m["iteration_overlap_s"] && m["iteration_speculate_first_s"] <= m["iteration_overlap_first_s"]) ||
+		all["iteration_chosen_first_schedule"] == nil {
+		t.Errorf("dos plan --json: want 0 < overlap first <= overlap, speculate first <= overlap first, and the chosen first schedule: %v %v", m, all["iteration_chosen_first_schedule"])
+	}
 	if m := all["iteration_chosen_s"]; !(m.(float64) > 0 && m.(float64) <= all["iteration_speculate_s"].(float64)) || all["iteration_chosen_schedule"] == nil {
 		t.Errorf("dos plan --json: the chosen schedule's iteration %v, schedule %v: want it at most the speculated one's %v", m, all["iteration_chosen_schedule"], all["iteration_speculate_s"])
 	}
