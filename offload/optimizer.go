@@ -1385,6 +1385,7 @@ func (o *Optimizer) StepAsync(args StepArgs) (StepResult, error) {
 		// phase's end: a forward reading them must wait for all of it.
 		res, err = o.finishStep()
 	default:
+		o.cur.shared = true // the caller's forward shares the GPU with the phase
 		o.asyncN++
 		go o.finishAsync()
 		return res, nil
@@ -1772,6 +1773,10 @@ type curStep struct {
 	start          time.Time
 	res            StepResult
 	onDevice, held bool
+	// shared: StepAsync's phase, beside which the caller runs its next
+	// forward on the same GPU (Options.Replan does not fit the GPU's
+	// rate from it).
+	shared bool
 }
 
 // finishStep ends the update phase beginDevice began (o.cur), completes
@@ -1814,7 +1819,7 @@ func (o *Optimizer) finishStep() (StepResult, error) {
 	if o.re.base != nil && err == nil {
 		// Options.Replan: after the working copy is where the caller
 		// reads it, so that a failed re-plan leaves a consistent step.
-		err = o.refit(&res, o.cur.held)
+		err = o.refit(&res, o.cur.held, o.cur.shared)
 	}
 	res.Elapsed = time.Since(o.cur.start)
 	return res, err

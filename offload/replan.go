@@ -74,9 +74,11 @@ var resources = [...]perfmodel.Resource{perfmodel.ResCPU, perfmodel.ResH2D, perf
 // checkpoint's capture (held) is reported but not observed: its time is
 // the checkpoint's as much as the schedule's (on the H200, gpt2-xl, the
 // phase after each 18.7 GB save took 2.0-2.3 s against 0.11 s, and folding
-// it in made the next 100 predictions wrong). It allocates only when it
-// refits. The caller holds o.mu.
-func (o *Optimizer) refit(res *StepResult, held bool) error {
+// it in made the next 100 predictions wrong). A phase that shared the GPU
+// with the caller's work (shared: StepAsync's, beside the next forward)
+// is observed without the GPU's busy time (replanState.observe). It
+// allocates only when it refits. The caller holds o.mu.
+func (o *Optimizer) refit(res *StepResult, held, shared bool) error {
 	b, err := o.eng.Measure()
 	if err != nil {
 		return o.engineErr(err)
@@ -88,7 +90,7 @@ func (o *Optimizer) refit(res *StepResult, held bool) error {
 		// phase the model predicts.
 		return nil
 	}
-	next, basePred, err := o.re.observe(b, o.plan, o.step)
+	next, basePred, err := o.re.observe(b, o.plan, o.step, shared)
 	if err != nil || next == nil {
 		return err
 	}
@@ -209,13 +211,23 @@ func (o *Optimizer) PlanIteration(it IterationWork) (changed bool, err error) {
 // before step, refits:
 // it returns the corrected prediction to plan with next (cur's schedule
 // unless another is predicted replanGain faster, then that one, with the
-// base profile's prediction of it); nil when nothing changes.
-func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step int64) (next *perfmodel.Prediction, basePred perfmodel.Prediction, err error) {
+// base profile's prediction of it); nil when nothing changes. With
+// gpuShared (the caller's kernels ran beside the phase's: StepAsync and
+// the next forward) the GPU's factor is left as it was: its kernels'
+// busy time then counts the forward's share of the SMs, and folding it in
+// made the GPU look slow (gpt2-xl on an H100 with no cap, all but one
+// subgroup resident: a 23.1 ms phase against 14.4 predicted moved 9
+// subgroups to the CPU, whose phase then ran 90.6 ms, and back, at about
+// 0.8 s a move).
+func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step int64, gpuShared bool) (next *perfmodel.Prediction, basePred perfmodel.Prediction, err error) {
 	if !re.warm {
 		re.warm = true
 		return nil, basePred, nil
 	}
 	for _, r := range resources {
+		if gpuShared && r == perfmodel.ResGPU {
+			continue
+		}
 		p, m := re.basePred.Busy[r], b.Of(r).Seconds()
 		if !(p > 0) || !(m > 0) {
 			continue

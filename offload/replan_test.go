@@ -70,7 +70,7 @@ func TestReplanObserve(t *testing.T) {
 	re := newReplanState(base, first, w, 0)
 	cur, replans := &first, 0
 	for step := int64(1); step <= 20; step++ {
-		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step)
+		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -120,7 +120,7 @@ func TestReplanObserveIteration(t *testing.T) {
 		}
 		cur, moved := &first, false
 		for step := int64(1); step <= 20; step++ {
-			next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step)
+			next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -171,7 +171,7 @@ func TestReplanRevert(t *testing.T) {
 		if tc.iter {
 			re.iter = &perfmodel.IterationWork{Forward: 0.1, Backward: 0.3, Blocks: 24}
 		}
-		next, _, err := re.observe(b, &cur, replanEvery)
+		next, _, err := re.observe(b, &cur, replanEvery, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -204,7 +204,7 @@ func TestReplanLanes(t *testing.T) {
 	re := newReplanState(base, first, w, 0)
 	cur := &first
 	for step := int64(1); step <= 12; step++ {
-		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step)
+		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -237,7 +237,7 @@ func TestReplanLanesContention(t *testing.T) {
 	re := newReplanState(base, first, w, 0)
 	cur, refits, schedules := &first, 0, map[perfmodel.Schedule]bool{first.Schedule: true}
 	for step := int64(1); step <= 300; step++ {
-		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step)
+		next, basePred, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -315,7 +315,7 @@ func TestReplanNoCycle(t *testing.T) {
 	re.seen[best.Schedule] = 10 * must(truth.Predict(w, first.Schedule)).Makespan // measured far slower once
 	cur := &first
 	for step := int64(1); step <= 12; step++ {
-		next, _, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step)
+		next, _, err := re.observe(measured(t, truth, w, cur.Schedule), cur, step, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -400,7 +400,7 @@ func TestReplanHeld(t *testing.T) {
 	}
 	f0, seen0 := snapshot()
 	var res StepResult
-	if err := o.refit(&res, true); err != nil {
+	if err := o.refit(&res, true, false); err != nil {
 		t.Fatal(err)
 	}
 	if !(res.Measured > 0) || !(res.Predicted > 0) {
@@ -409,7 +409,7 @@ func TestReplanHeld(t *testing.T) {
 	if f, seen := snapshot(); !maps.Equal(f, f0) || !maps.Equal(seen, seen0) {
 		t.Errorf("held phase folded in: factors %v -> %v, measured schedules %v -> %v", f0, f, seen0, seen)
 	}
-	if err := o.refit(&res, false); err != nil {
+	if err := o.refit(&res, false, false); err != nil {
 		t.Fatal(err)
 	}
 	if f, seen := snapshot(); maps.Equal(f, f0) && maps.Equal(seen, seen0) {
@@ -526,5 +526,38 @@ func TestOptimizerLimit(t *testing.T) {
 	}
 	if _, ok := newTest(t, Options{SubgroupSize: 300}).Limit(); ok {
 		t.Error("a limit without a device")
+	}
+}
+
+// TestReplanGPUShared: a phase whose GPU kernels ran beside the caller's
+// next forward (StepAsync) measures the GPU three times slower than it is
+// and the makespan 1.5 times the prediction. Observed as shared, the
+// GPU's factor is not folded in and the refit keeps the schedule; observed
+// as the phase's own, the GPU's factor is 3.
+func TestReplanGPUShared(t *testing.T) {
+	truth := truthProfile()
+	w := perfmodel.Workload{Params: 24e8, SubgroupSize: 1e8, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 6 << 30}
+	cur := must(truth.Choose(w))
+	if cur.Resident == 0 && cur.GPU == 0 {
+		t.Fatalf("the test needs GPU work in the schedule: %+v", cur.Schedule)
+	}
+	for _, shared := range []bool{true, false} {
+		re := newReplanState(truth, cur, w, 0)
+		re.warm = true
+		b := measured(t, truth, w, cur.Schedule)
+		b.GPU *= 3
+		b.Makespan = seconds(1.5 * cur.Makespan)
+		next, _, err := re.observe(b, &cur, replanEvery, shared)
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch {
+		case shared && re.f[perfmodel.ResGPU] != 0:
+			t.Errorf("shared: the GPU's factor %v, want it not folded in (0)", re.f[perfmodel.ResGPU])
+		case shared && (next == nil || next.Schedule != cur.Schedule):
+			t.Errorf("shared: next %+v, want the schedule kept, %+v", next, cur.Schedule)
+		case !shared && math.Abs(re.f[perfmodel.ResGPU]-3) > 1e-9:
+			t.Errorf("the phase's own: the GPU's factor %v, want 3", re.f[perfmodel.ResGPU])
+		}
 	}
 }
