@@ -200,6 +200,10 @@ func editDistance(a, b string) int {
 func (c *cli) parseNoArgs(args []string, stdout, stderr io.Writer) (rc int, ok bool) {
 	pos, rc, ok := c.parse(args, stdout, stderr)
 	if ok && len(pos) > 0 {
+		if k := len(args) - len(pos) - 1; (pos[0] == "true" || pos[0] == "false") && k >= 0 && strings.HasPrefix(args[k], "-") && !strings.Contains(args[k], "=") {
+			// flag's boolean flags take no separate value
+			return c.usageError(stderr, "unexpected argument %q (a switch takes its value after an equals sign: %s=%s)", pos[0], args[k], pos[0]), false
+		}
 		return c.usageError(stderr, "unexpected argument %q", pos[0]), false
 	}
 	return rc, ok

@@ -96,6 +96,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"eval"}, "want --ckpt PATH"},
 		{[]string{"export", "--ckpt", "x"}, "want --ckpt PATH and --hf DIR"},
 		{[]string{"version", "extra"}, `unexpected argument "extra"`},
+		{[]string{"train", "--resident-first", "false"}, `unexpected argument "false" (a switch takes its value after an equals sign: --resident-first=false)`},
 		{[]string{"ckpt", "verify", "a", "b"}, "want one directory, got 2 arguments"},
 		{[]string{"train", "--heads", "3"}, "--heads 3 must divide --embd"},
 	} {

@@ -68,11 +68,16 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	mf := memoryFlags(c)
 	fwdMS := c.Float64("forward-ms", 0, "with --gpu-memory: one forward's `ms` on the GPU, measured alone (dos train's \"iteration:\" line prints it): with --backward-ms, the whole iteration predicted")
 	bwdMS := c.Float64("backward-ms", 0, "with --gpu-memory: one backward's `ms` on the GPU, measured alone, recomputation included (with --forward-ms)")
-	specGiB := c.Float64("speculate", trainer.SpeculateAutoGiB, "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate; its auto, the default, is this default where the host memory allows) in the iteration's prediction (0: no speculation rows)")
+	specGiB := new(float64)
+	*specGiB = trainer.SpeculateAutoGiB
+	c.Var(speculateFlag{specGiB}, "speculate", "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate) in the iteration's prediction; auto, the default: dos train's auto, 16 where the host memory allows; 0: no speculation rows")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
 	fail := func(format string, a ...any) int { return c.usageError(stderr, format, a...) }
+	if *specGiB == trainer.SpeculateAuto {
+		*specGiB = trainer.SpeculateAutoGiB // dos train's auto where the host memory allows
+	}
 	switch iter := c.set("forward-ms") || c.set("backward-ms") || c.set("speculate"); {
 	case iter && !mf.given(c):
 		return fail("--forward-ms, --backward-ms and --speculate need --gpu-memory and the model's flags (the iteration's blocks and copies are the model's)")
@@ -437,7 +442,7 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		if r.Speculated > 0 {
 			extra = fmt.Sprintf(", %.1f ms of CPU updates speculated in the backward", 1e3*r.Speculated)
 		}
-		fmt.Fprintf(stdout, "  %-62s %8.1f ms  %9.0f tokens/s  (%supdate phase after the backward %.1f ms%s)\n", name, 1e3*r.Seconds, tokens/r.Seconds, schedule, 1e3*r.After, extra)
+		fmt.Fprintf(stdout, "  %-86s %8.1f ms  %9.0f tokens/s  (%supdate phase after the backward %.1f ms%s)\n", name, 1e3*r.Seconds, tokens/r.Seconds, schedule, 1e3*r.After, extra)
 		meta[key] = r.Seconds
 	}
 	line := func(name string, it perfmodel.IterationWork, key string) error {
@@ -461,7 +466,7 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		return err
 	}
 	it.ResidentFirst = true
-	if err := line("the next forward beside the phase (default; clipping)", it, "iteration_overlap_first_s"); err != nil {
+	if err := line("the next forward beside the phase (default while steps clip)", it, "iteration_overlap_first_s"); err != nil {
 		return err
 	}
 	if speculate > 0 {
@@ -471,7 +476,7 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 			return err
 		}
 		it.ResidentFirst = true
-		if err := line(fmt.Sprintf("and --speculate %g (default once a step keeps them)", speculate), it, "iteration_speculate_first_s"); err != nil {
+		if err := line(fmt.Sprintf("and --speculate %g, the resident subgroups first", speculate), it, "iteration_speculate_first_s"); err != nil {
 			return err
 		}
 		for _, first := range []bool{false, true} {
@@ -482,7 +487,7 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 			}
 			name, key := "the schedule chosen for the iteration, --resident-first=false", "iteration_chosen"
 			if first {
-				name, key = "the schedule chosen for the iteration (default)", key+"_first"
+				name, key = "the schedule chosen for the iteration (default once a step keeps speculative updates)", key+"_first"
 			}
 			row(name, key+"_s", r, fmt.Sprintf("%d CPU / %d streamed / %d resident subgroups, update phase %.1f ms alone; ",
 				r.Phase.CPU, r.Phase.GPU, r.Phase.Resident, 1e3*r.Phase.Makespan))
@@ -495,11 +500,11 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		return err
 	}
 	meta["iteration_bound_s"] = b.Seconds
-	fmt.Fprintf(stdout, "  %-62s %8.1f ms  %9.0f tokens/s  (%s-bound: each resource's work at its rate alone, every overlap reached)\n", "its lower bound", 1e3*b.Seconds, tokens/b.Seconds, b.Bottleneck)
+	fmt.Fprintf(stdout, "  %-86s %8.1f ms  %9.0f tokens/s  (%s-bound: each resource's work at its rate alone, every overlap reached)\n", "its lower bound", 1e3*b.Seconds, tokens/b.Seconds, b.Bottleneck)
 	if speculate == 0 {
 		fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels)\n")
 		return nil
 	}
-	fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels. The speculation's rows are dos train --speculate's once a step kept its updates, at the profile's CPU rate alone here (dos train measures the speculation's own: on an H100, 2.8 Gparam/s against the phase's 4.6, for the saves it writes); a step that clips (dos train's default --clip 1 early on) or is skipped keeps none; the CPU's speculated work is in its phase's CPU ms, not wall time. Speculation shortens only a CPU-bound phase: the rows without a gain are copy-bound, and the schedule chosen for the iteration, which dos train --speculate moves to, gives the CPU more)\n")
+	fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels. The speculation's rows are dos train --speculate's once a step kept its updates, at the profile's CPU rate alone here (dos train measures the speculation's own: on an H100, 2.8 Gparam/s against the phase's 4.6, for the saves it writes); a step that clips (dos train's default --clip 1 binds while the gradients are large, early in training) or is skipped keeps none; the CPU's speculated work is in its phase's CPU ms, not wall time. Speculation shortens only a CPU-bound phase: the rows without a gain are copy-bound, and the schedule chosen for the iteration, which dos train --speculate moves to, gives the CPU more)\n")
 	return nil
 }
