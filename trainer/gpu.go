@@ -195,6 +195,7 @@ func (w *world) profileFirst(cfg *TrainConfig, out io.Writer) error {
 		return err
 	}
 	n := sweep[pick].Blocks
+	cfg.resolveSpeculate() // --speculate auto: half of what this count leaves
 	if n == fewest {
 		return nil
 	}

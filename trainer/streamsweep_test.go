@@ -83,3 +83,43 @@ func TestStreamSweep(t *testing.T) {
 		t.Errorf("gpt2-xl under 24 GiB: pick %d, %v: it fits without streaming", pick, err)
 	}
 }
+
+// TestStreamSweepSpeculateAuto: --speculate auto's saves do not take part
+// in --stream-blocks auto's choice (the 4.24B model under 24 GiB with 80
+// GiB of host memory takes the count it takes with --speculate 0), and
+// once the count is chosen they take half of what it leaves.
+func TestStreamSweepSpeculateAuto(t *testing.T) {
+	p, err := perfmodel.Read("../testdata/profiles/h200.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	setMemAvailable(t, 0, false)
+	pick := func(spec float64) (TrainConfig, int) {
+		c := gpuConfig(t, 24)
+		c.Recompute, c.SampleBytes, c.StreamBlocks, c.MaxMemory, c.Speculate = true, 0, StreamAuto, 80, spec
+		c.SubgroupSize, c.SubgroupSizes = 100_000_000, []int{100_000_000, 50_000_000, 25_000_000}
+		if err := c.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		sweep, i, err := c.ChooseStreamed(p, 16)
+		if err != nil || i < 0 {
+			t.Fatalf("--speculate %v: pick %d, %v", spec, i, err)
+		}
+		return c, sweep[i].Blocks
+	}
+	_, off := pick(0)
+	c, auto := pick(SpeculateAuto)
+	if auto != off {
+		t.Errorf("--stream-blocks auto: %d blocks with --speculate auto, %d with 0", auto, off)
+	}
+	c.resolveSpeculate()
+	got := c.speculateBytes()
+	c.specAuto = 0
+	want := int64((80*gibBytes - c.MemoryBytes()) / 2)
+	if want > SpeculateAutoGiB<<30 {
+		want = SpeculateAutoGiB << 30
+	}
+	if got != want || got <= 0 {
+		t.Errorf("after the count (%d blocks): %d bytes of saves, want %d (half of what is left)", auto, got, want)
+	}
+}

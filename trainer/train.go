@@ -615,7 +615,7 @@ func (t *Trainer) Run() (Summary, error) {
 			fmt.Fprintf(t.out, "speculative updates in the backward: %.2f GiB of host memory%s for the saves of up to %.3gB parameters a step, kept when the step neither clips nor is skipped\n",
 				float64(b)/(1<<30), auto, float64(b/offload.SpeculateBytes(1, false))/1e9)
 		} else if cfg.Speculate == SpeculateAuto && cfg.maySpeculate() {
-			fmt.Fprintf(t.out, "speculative updates in the backward: none (--speculate auto: under 256 MiB of host memory to spare)\n")
+			fmt.Fprintf(t.out, "speculative updates in the backward: none (--speculate auto: under 512 MiB of host memory left, of which it takes half)\n")
 		}
 	}
 	fmt.Fprint(t.out, t.w.ranks[0].rep.describe(cfg))

@@ -610,17 +610,19 @@ func (c *TrainConfig) speculateBytes() int64 {
 const SpeculateAuto = -1
 
 // SpeculateAutoGiB is SpeculateAuto's most host memory, in GiB: the saves
-// of about 1.2B parameters. Of 12, 16 and 24 GiB on a 4.24B GPT-2 (36 x
-// 3072, B = 8, T = 1024) on an H100 host, 16 was the fastest under 40 GiB
-// and under 24 (the CPU workers updated 1.1-1.2B parameters in a backward:
-// BENCHMARKS.md, issue 31).
+// of about 1.2B parameters. On a 4.24B GPT-2 (36 x 3072, B = 8, T = 1024)
+// on an H100 host, 16 GiB was 10 % faster than 12 under 40 GiB, and 24 no
+// faster than 16 under 24 GiB (the CPU workers updated 1.1-1.2B
+// parameters in a backward: BENCHMARKS.md, issue 31).
 const SpeculateAutoGiB = 16
 
 // resolveSpeculate sets SpeculateAuto's bytes (specAuto): at most
 // SpeculateAutoGiB and what every parameter needs, and at most half of
 // what MemoryBytes, without them, leaves of the host memory the run may
-// use (hostLimit); nothing under 256 MiB, nor where the run may not
-// speculate.
+// use (hostLimit); nothing where that half is under both 256 MiB and what
+// every parameter needs, nor where the run may not speculate. Validate
+// calls it, and again the GPU trainer once --stream-blocks auto's count
+// is chosen (StreamSweep leaves the saves out).
 func (c *TrainConfig) resolveSpeculate() {
 	c.specAuto = 0
 	if c.Speculate != SpeculateAuto || !c.maySpeculate() {
@@ -631,9 +633,9 @@ func (c *TrainConfig) resolveSpeculate() {
 	b := min(int64(SpeculateAutoGiB)<<30, offload.SpeculateBytes(int64(c.Model.NumParams()), false))
 	if room < float64(b) {
 		b = int64(max(room, 0))
-	}
-	if b < 256<<20 {
-		b = 0
+		if b < 256<<20 {
+			b = 0 // too little host memory to spare
+		}
 	}
 	c.specAuto = b
 }

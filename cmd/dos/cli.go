@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"math/big"
 	"regexp"
 	"strconv"
@@ -74,30 +75,53 @@ func (c *cli) parse(args []string, stdout, stderr io.Writer) (pos []string, rc i
 }
 
 // invalidValue matches the flag package's error for a value that Set
-// refused.
-var invalidValue = regexp.MustCompile(`^invalid value ("(?:[^"\\]|\\.)*") for flag -(\S+): (.*)$`)
+// refused; invalidBool its error for a boolean flag's value.
+var (
+	invalidValue = regexp.MustCompile(`^invalid value ("(?:[^"\\]|\\.)*") for flag -(\S+): (.*)$`)
+	invalidBool  = regexp.MustCompile(`^invalid boolean value ("(?:[^"\\]|\\.)*") for -(\S+): (.*)$`)
+)
 
 // flagError spells a parse error of the flag package as the rest of dos
-// does: "--params 1.5: 1.5 is not a whole number".
+// does: "--batch 1.5: not a whole number".
 func flagError(err error) string {
 	msg := err.Error()
+	if m := invalidBool.FindStringSubmatch(msg); m != nil {
+		if v, uerr := strconv.Unquote(m[1]); uerr == nil {
+			return fmt.Sprintf("--%s=%s: want true or false (--%s alone is true; --%s=false turns it off)", m[2], v, m[2], m[2])
+		}
+	}
 	if m := invalidValue.FindStringSubmatch(msg); m != nil {
 		if v, uerr := strconv.Unquote(m[1]); uerr == nil {
-			why := m[3]
-			switch why {
-			case "parse error": // strconv's, for a number flag
-				if _, ferr := strconv.ParseFloat(v, 64); ferr == nil {
-					why = "not a whole number"
-				} else {
-					why = "not a number (give the number alone: the flag's unit is in its name or its -h line)"
-				}
-			case "value out of range":
-				why = "out of range for the flag"
-			}
-			return fmt.Sprintf("--%s %s: %s", m[2], v, why)
+			return fmt.Sprintf("--%s %s: %s", m[2], v, numberError(v, m[3]))
 		}
 	}
 	return msg
+}
+
+// numberError says why a number flag refused v, from the flag package's
+// reason: strconv's "parse error" for a value that is not an integer in
+// the flag's syntax (a fraction, an exponent, a sign a count cannot have,
+// a unit), "value out of range".
+func numberError(v, why string) string {
+	switch why {
+	case "parse error":
+		f, err := strconv.ParseFloat(v, 64)
+		switch {
+		case errors.Is(err, strconv.ErrRange) || math.IsInf(f, 0):
+			return "out of range for the flag"
+		case err != nil:
+			return "not a number (give the number alone: the flag's unit is in its name or its -h line)"
+		case f != math.Trunc(f): // a fraction or NaN
+			return "not a whole number"
+		case f < 0:
+			return "want a whole number >= 0"
+		default: // 1e3
+			return fmt.Sprintf("write the whole number in digits (%.0f)", f)
+		}
+	case "value out of range":
+		return "out of range for the flag"
+	}
+	return why
 }
 
 // undefinedFlag matches the flag package's error for a flag the set does

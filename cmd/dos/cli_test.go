@@ -97,6 +97,13 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"export", "--ckpt", "x"}, "want --ckpt PATH and --hf DIR"},
 		{[]string{"version", "extra"}, `unexpected argument "extra"`},
 		{[]string{"train", "--resident-first", "false"}, `unexpected argument "false" (a switch takes its value after an equals sign: --resident-first=false)`},
+		{[]string{"train", "--resident-first=no"}, "--resident-first=no: want true or false"},
+		{[]string{"train", "--batch", "1e3"}, "--batch 1e3: write the whole number in digits (1000)"},
+		{[]string{"train", "--batch", "1.5"}, "--batch 1.5: not a whole number"},
+		{[]string{"train", "--seed", "-1"}, "--seed -1: want a whole number >= 0"},
+		{[]string{"train", "--batch", "1e400"}, "--batch 1e400: out of range for the flag"},
+		{[]string{"train", "--batch", "16x"}, "--batch 16x: not a number"},
+		{[]string{"train", "--speculate", "1e400"}, "--speculate 1e400: want GiB from 0 to 1024, or auto"},
 		{[]string{"ckpt", "verify", "a", "b"}, "want one directory, got 2 arguments"},
 		{[]string{"train", "--heads", "3"}, "--heads 3 must divide --embd"},
 	} {

@@ -74,8 +74,8 @@ func (f speculateFlag) Set(s string) error {
 		return nil
 	}
 	x, err := strconv.ParseFloat(s, 64)
-	if err != nil || !(x >= 0) {
-		return fmt.Errorf("want GiB >= 0, or auto")
+	if err != nil || !(x >= 0) || x > trainer.MaxMemoryBytes>>30 {
+		return fmt.Errorf("want GiB from 0 to %d, or auto", trainer.MaxMemoryBytes>>30)
 	}
 	*f.gib = x
 	return nil
