@@ -1611,6 +1611,19 @@ func (o *Optimizer) deviceSizes() []int64 {
 	return sizes
 }
 
+// cpuParams returns the parameters the plan in use updates on the CPU
+// workers: its CPU subgroups' and the host-held ones'.
+func (o *Optimizer) cpuParams() int64 {
+	roles := o.eng.Plan().Roles
+	var n int64
+	for i, sg := range o.subgroups {
+		if sg.HostHeld || (i < len(roles) && roles[i] == scheduler.OnCPU) {
+			n += int64(sg.Len)
+		}
+	}
+	return n
+}
+
 // held returns each subgroup's HostHeld: scheduler.Options.HostHeld
 // (all false without OffloadParam, as nil is).
 func (o *Optimizer) held() []bool {

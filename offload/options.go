@@ -170,11 +170,12 @@ type Options struct {
 	// time GradsFinal's stream work is done (see HostGrad). The first
 	// backward does not speculate, nor does one after a step that clipped
 	// or was skipped, or after a Snapshot (a run that always clips loses
-	// nothing). With Replan
-	// a step that kept a speculative update is not refitted from (its
-	// phase lacks work the plan counts); Optimizer.PlanIteration plans
-	// the schedule for the whole iteration with the speculation's rate
-	// measured in the last phase. 0: none. Not saved in checkpoints.
+	// nothing). With Replan a step that kept a speculative update
+	// corrects the CPU's rate alone (its phase lacks work the plan
+	// counts: replanState.observeCPU) and re-plans nothing;
+	// Optimizer.PlanIteration plans the schedule for the whole iteration
+	// with the speculation's rate measured in the last phase (and with
+	// Replan, the corrected rates). 0: none. Not saved in checkpoints.
 	Speculate int64 `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,

@@ -561,3 +561,41 @@ func TestReplanGPUShared(t *testing.T) {
 		}
 	}
 }
+
+// TestReplanObserveCPU: a phase that kept speculative updates of a
+// quarter of the CPU's parameters folds in the CPU's factor alone, its
+// busy time against three quarters of the predicted (the CPU 1.25 times
+// slower than the profile: the factor 1.25), then halfway to the next
+// phase's; the other lanes' factors are untouched and nothing re-plans.
+func TestReplanObserveCPU(t *testing.T) {
+	truth := truthProfile()
+	w := perfmodel.Workload{Params: 24e8, SubgroupSize: 1e8, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: 6 << 30}
+	cur := must(truth.Choose(w))
+	re := newReplanState(truth, cur, w, 0)
+	b := measured(t, truth, w, cur.Schedule)
+	re.observeCPU(b, 4, 3) // the first phase: not folded
+	if re.f[perfmodel.ResCPU] != 0 || re.cpuSeen != 0 {
+		t.Fatalf("the first phase folded: %v", re.f)
+	}
+	b.CPU = seconds(1.25 * 0.75 * cur.Busy[perfmodel.ResCPU])
+	re.observeCPU(b, 4e8, 3e8)
+	if f := re.f[perfmodel.ResCPU]; math.Abs(f-1.25) > 1e-6 {
+		t.Errorf("the CPU's factor %v, want 1.25", f)
+	}
+	b.CPU = seconds(1.5 * 0.5 * cur.Busy[perfmodel.ResCPU])
+	re.observeCPU(b, 4e8, 2e8)
+	if f := re.f[perfmodel.ResCPU]; math.Abs(f-1.375) > 1e-6 || re.cpuSeen != 2 {
+		t.Errorf("after a second phase 1.5 times slower: the CPU's factor %v, want 1.375 (halfway); %d phases", f, re.cpuSeen)
+	}
+	for _, r := range []perfmodel.Resource{perfmodel.ResH2D, perfmodel.ResD2H, perfmodel.ResGPU} {
+		if re.f[r] != 0 {
+			t.Errorf("%v's factor %v, want it untouched", r, re.f[r])
+		}
+	}
+	for _, bad := range [][2]int64{{0, 0}, {4, 0}, {4, 5}} {
+		re.observeCPU(b, bad[0], bad[1])
+	}
+	if re.cpuSeen != 2 {
+		t.Errorf("%d phases folded after bad counts, want 2", re.cpuSeen)
+	}
+}

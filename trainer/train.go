@@ -643,6 +643,7 @@ func (t *Trainer) Run() (Summary, error) {
 	steadyN := 0
 	overlap := t.forwardOverlaps()
 	planned := false     // planIteration has run
+	keptSince := 0       // with --replan, the steps that kept speculative updates since planIteration ran, until it runs again
 	var speculated int64 // parameters kept from speculative updates, this run
 	specSteps := 0       // the steps that kept some
 	// ahead: the next iteration's forward ran during this one's update
@@ -730,6 +731,18 @@ func (t *Trainer) Run() (Summary, error) {
 			// The schedule for the iteration, once: from the forward and
 			// backward measured alone, at the first step that kept
 			// speculative updates (their rate measured).
+			// With --replan, once more after replanIterationAfter more
+			// such steps: their phases corrected the CPU's rate
+			// (offload's refit from a speculating phase), which the
+			// first plan took from the profile alone.
+			if planned && keptSince >= 0 && res.Speculated > 0 && t.cfg.Replan {
+				if keptSince++; keptSince == replanIterationAfter {
+					keptSince = -1 // once
+					if moved, err = t.planIteration(it, forwards/time.Duration(serial), backwards/time.Duration(serial), &sched); err != nil {
+						return sum, err
+					}
+				}
+			}
 			if !planned && serial > 0 && res.Speculated > 0 {
 				planned = true
 				if moved, err = t.planIteration(it, forwards/time.Duration(serial), backwards/time.Duration(serial), &sched); err != nil {
@@ -1064,6 +1077,13 @@ func (t *Trainer) planIteration(it int, fwd, bwd time.Duration, sched *string) (
 		it, 1e3*fwd.Seconds(), 1e3*bwd.Seconds(), s.CPU, s.GPU, s.Resident, 1e3*after.Seconds, 1e3*before.Seconds)
 	return true, nil
 }
+
+// replanIterationAfter is how many steps that kept speculative updates,
+// after the first plan for the iteration, a --replan run folds into the
+// CPU's rate before it plans the iteration once more (offload's refit:
+// the first sets the CPU's factor, each later one moves it halfway to its
+// own).
+const replanIterationAfter = 4
 
 // StreamedCopyBytes returns the bytes one iteration's n streamed blocks
 // of cfg's model move (blockStream, --stream-blocks): each block's bf16
