@@ -18,6 +18,13 @@ const (
 	replanGain  = 0.05 // a new schedule must be predicted this much faster to move state for it
 	replanEvery = 3    // steps between refits that may re-plan
 	replanNew   = 0.5  // the newest phase's weight in each resource's factor
+	// replanMinShare: a resource predicted busy for less of the phase
+	// than this tells too little of its rate to fold in (its latencies
+	// and its place among the others dominate: gpt2-xl with no cap on an
+	// H100, one CPU subgroup beside 31 resident ones, re-planned
+	// to a phase predicted at 16.4 ms that gave the CPU 450M parameters
+	// more, 73 ms of work at the profile's rate; it ran 90.6 ms)
+	replanMinShare = 0.05
 )
 
 // replanState is Options.Replan's: the profile the model started from,
@@ -266,7 +273,7 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step
 			continue
 		}
 		p, m := re.basePred.Busy[r], b.Of(r).Seconds()
-		if !(p > 0) || !(m > 0) {
+		if !(p > 0) || !(m > 0) || p < replanMinShare*re.basePred.Makespan {
 			continue
 		}
 		if x := re.f[r]; x > 0 {
