@@ -116,6 +116,11 @@ type StepArgs struct {
 	// New, SetParam or LoadCheckpoint the device working copy the
 	// gradients came from was not the master weights'.
 	GradOnDevice bool
+	// Beside, with StepAsync, says the caller runs GPU work of its own
+	// beside the update phase (a trainer's next forward): Options.Replan
+	// then does not fit the GPU's rate from the phase, whose kernels
+	// share the GPU with the caller's. Step ignores it.
+	Beside bool
 	// Reduce, for ZeRO-3 ranks that each step their own shard, combines
 	// this rank's gradient statistics with the other ranks' (an
 	// all-reduce: comm.Comm's AllReduce with Sum): it receives the sum of
@@ -1385,7 +1390,7 @@ func (o *Optimizer) StepAsync(args StepArgs) (StepResult, error) {
 		// phase's end: a forward reading them must wait for all of it.
 		res, err = o.finishStep()
 	default:
-		o.cur.shared = true // the caller's forward shares the GPU with the phase
+		o.cur.shared = args.Beside // the caller's forward shares the GPU with the phase
 		o.asyncN++
 		go o.finishAsync()
 		return res, nil
@@ -1786,9 +1791,9 @@ type curStep struct {
 	start          time.Time
 	res            StepResult
 	onDevice, held bool
-	// shared: StepAsync's phase, beside which the caller runs its next
-	// forward on the same GPU (Options.Replan does not fit the GPU's
-	// rate from it).
+	// shared: StepAsync's phase with StepArgs.Beside, beside which the
+	// caller runs its next forward on the same GPU (Options.Replan does
+	// not fit the GPU's rate from it).
 	shared bool
 }
 

@@ -238,7 +238,9 @@ func (re *replanState) observeCPU(b scheduler.Busy, all, left int64) {
 	if !(p > 0) || !(m > 0) || all <= 0 || left <= 0 || left > all {
 		return
 	}
-	p *= float64(left) / float64(all)
+	if p *= float64(left) / float64(all); p < replanMinShare*re.basePred.Makespan {
+		return // too little left to tell the rate (observe's rule)
+	}
 	if x := re.f[perfmodel.ResCPU]; x > 0 {
 		re.f[perfmodel.ResCPU] = (1-replanNew)*x + replanNew*m/p
 	} else {

@@ -594,10 +594,47 @@ func TestReplanObserveCPU(t *testing.T) {
 			t.Errorf("%v's factor %v, want it untouched", r, re.f[r])
 		}
 	}
-	for _, bad := range [][2]int64{{0, 0}, {4, 0}, {4, 5}} {
+	for _, bad := range [][2]int64{{0, 0}, {4, 0}, {4, 5}, {1e9, 1}} { // the last: too little left to tell
 		re.observeCPU(b, bad[0], bad[1])
 	}
 	if re.cpuSeen != 2 {
 		t.Errorf("%d phases folded after bad counts, want 2", re.cpuSeen)
+	}
+}
+
+// TestReplanStepAsyncBeside: Replan folds the GPU's rate from a StepAsync
+// phase as from Step's, unless the caller says it ran GPU work of its own
+// beside it (StepArgs.Beside: a trainer's next forward).
+func TestReplanStepAsyncBeside(t *testing.T) {
+	fit := func(rate float64) perfmodel.Fit { return perfmodel.Fit{Rate: rate, LatencyS: 1e-6} }
+	var f [3]float64
+	for mode := range f {
+		sim := scheduler.NewSim(scheduler.SimOptions{Profile: &perfmodel.GPUProfile{H2D: fit(1e7), D2H: fit(1e7), Update: fit(5e8), Convert: fit(4e11)}})
+		opts := Options{GradDType: adam.BF16, WorkingDType: adam.BF16, SubgroupSize: 300, Threads: 2, MaxGradNorm: 1,
+			Device: sim, Profile: truthProfile(), GPUBudget: 2 * 12 * 300, Replan: true}
+		o := newWith(t, testParams, opts)
+		fillGrads(o, 0)
+		if _, err := o.Step(StepArgs{}); err != nil { // loads the device
+			t.Fatal(err)
+		}
+		for step := range 8 {
+			fillGrads(o, step)
+			var err error
+			if mode == 0 {
+				_, err = o.Step(StepArgs{GradOnDevice: true})
+			} else if _, err = o.StepAsync(StepArgs{GradOnDevice: true, Beside: mode == 2}); err == nil {
+				_, err = o.WaitStep()
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		f[mode] = o.re.f[perfmodel.ResGPU]
+		if err := o.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !(f[0] > 0) || !(f[1] > 0) || f[2] != 0 {
+		t.Errorf("the GPU's factor: %v after Step, %v after StepAsync alone, %v beside the caller's work: want the first two folded, the last 0", f[0], f[1], f[2])
 	}
 }

@@ -340,6 +340,9 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 	if err != nil {
 		return nil, err
 	}
+	// What the world chose on its copy: --stream-blocks auto's count and
+	// --speculate auto's saves at that count.
+	cfg.streamModel, cfg.streamKey, cfg.specAuto = w.cfg.streamModel, w.cfg.streamKey, w.cfg.specAuto
 	opt := w.ranks[0].opt
 	// The subgroup size the optimizer cut at (SubgroupSizes: the model's
 	// choice) is the run's: checkpoints record it and a resume keeps it.
@@ -683,7 +686,12 @@ func (t *Trainer) Run() (Summary, error) {
 		if marks != nil {
 			t.markMemory(marks, s0)
 		}
-		res, err := t.w.stepAsync(offload.StepArgs{LossScale: float64(scale)})
+		// The next iteration's forward over this update phase's tail,
+		// each block once its weights are written; but on one GPU the
+		// second iteration's forward runs alone, once, to measure it
+		// (the iteration's prediction and bound need its time).
+		ahead = (done > 0 || !t.modelsIteration()) && t.overlapForward(it)
+		res, err := t.w.stepAsync(offload.StepArgs{LossScale: float64(scale), Beside: ahead})
 		if err != nil {
 			return sum, err
 		}
@@ -696,11 +704,7 @@ func (t *Trainer) Run() (Summary, error) {
 				t.state.GoodSteps = 0
 			}
 		}
-		// The next iteration's forward over this update phase's tail,
-		// each block once its weights are written; but on one GPU the
-		// second iteration's forward runs alone, once, to measure it
-		// (the iteration's prediction and bound need its time).
-		if ahead = (done > 0 || !t.modelsIteration()) && t.overlapForward(it); ahead {
+		if ahead {
 			t.loader.Next(t.inputs, t.tgts)
 			aheadPos, aheadScale = t.loader.lastStart(), t.lossScale()
 			var end func() // the traced iteration's: NextForward's span
@@ -1062,7 +1066,7 @@ func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration
 // CPU more than the phase's does); it says so and returns true when it
 // moved. sched is the log lines' schedule.
 func (t *Trainer) planIteration(it int, fwd, bwd time.Duration, sched *string) (moved bool, err error) {
-	if !t.modelsIteration() || t.cfg.speculateBytes() == 0 {
+	if !t.modelsIteration() || t.opt.Options().Speculate == 0 {
 		return false, nil
 	}
 	work := t.iterationWork(fwd, bwd)
