@@ -224,6 +224,17 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	if rc, ok := out.check(c, stderr); !ok {
 		return rc
 	}
+	cut := "--subgroup-size"
+	if memCfg != nil && !c.set("subgroup-size") {
+		// dos train's cut on the GPU: the performance model's choice
+		// among its sizes (offload.Options.SubgroupSizes: the fastest,
+		// or the largest within 2 % of it), so that every table below
+		// is the run's.
+		if sgSize, err = trainCut(&p, w); err != nil {
+			return c.fail(stderr, "%v", err)
+		}
+		w.SubgroupSize, cut = sgSize, "dos train's cut"
+	}
 	choice, err := p.Choose(w)
 	if err != nil {
 		return c.fail(stderr, "%v", err)
@@ -282,7 +293,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 		meta["limit_s"] = lim.Makespan
 	}
 	if memCfg != nil && memCfg.GPUs <= 1 && c.set("forward-ms") {
-		if err := iterationPlan(*memCfg, &p, w, *fwdMS/1e3, *bwdMS/1e3, *specGiB, stdout, meta); err != nil {
+		if err := iterationPlan(*memCfg, &p, w, cut, *fwdMS/1e3, *bwdMS/1e3, *specGiB, stdout, meta); err != nil {
 			return c.fail(stderr, "%v", err)
 		}
 	}
@@ -418,6 +429,31 @@ func writePlanOutputs(out *outputs, stdout io.Writer, meta map[string]any, resul
 	return nil
 }
 
+// trainCut returns the subgroup size dos train --device cuda cuts w's
+// parameters at: of cudaSubgroupSizes, the largest whose update phase p
+// predicts within 2 % of the fastest's (offload's chooseSubgroupSize).
+//
+// Errors: the model's.
+func trainCut(p *perfmodel.Profile, w perfmodel.Workload) (int64, error) {
+	sizes := cudaSubgroupSizes()
+	best := make([]float64, len(sizes))
+	for k, size := range sizes {
+		w.SubgroupSize = int64(size)
+		pr, err := p.Choose(w)
+		if err != nil {
+			return 0, err
+		}
+		best[k] = pr.Makespan
+	}
+	fastest, pick := slices.Min(best), -1
+	for k, size := range sizes {
+		if best[k] <= 1.02*fastest && (pick < 0 || size > sizes[pick]) {
+			pick = k
+		}
+	}
+	return int64(sizes[pick]), nil
+}
+
 // iterationPlan prints the whole iteration the model predicts for cfg's
 // run on one GPU under p (perfmodel.Profile.PredictIteration), from the
 // forward's and backward's seconds measured alone: nothing overlapped, the
@@ -429,7 +465,7 @@ func writePlanOutputs(out *outputs, stdout io.Writer, meta map[string]any, resul
 // The update phase is dos train's on the GPU: w with the prefetch during
 // the backward, under the model's choice for it. It adds the predictions
 // to meta (iteration_*_s) for --json.
-func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Workload, fwd, bwd, speculate float64, stdout io.Writer, meta map[string]any) error {
+func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Workload, cut string, fwd, bwd, speculate float64, stdout io.Writer, meta map[string]any) error {
 	w.Prefetch = true
 	ch, err := p.Choose(w)
 	if err != nil {
@@ -456,8 +492,8 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 	if w.HostHeld > 0 {
 		held = fmt.Sprintf(" (and first, on the CPU, the %s parameters of the blocks from host memory)", count(float64(w.HostHeld)))
 	}
-	fmt.Fprintf(stdout, "\nthe whole iteration, from a forward of %.1f ms and a backward of %.1f ms measured alone, %d x %d tokens; the update phase with its prefetch in the backward, %d CPU / %d streamed / %d resident subgroups of up to %s (--subgroup-size, not dos train's cut)%s, %.1f ms:\n",
-		1e3*fwd, 1e3*bwd, cfg.Batch, cfg.Model.NCtx, ch.CPU, ch.GPU, ch.Resident, count(float64(w.SubgroupSize)), held, 1e3*ch.Makespan)
+	fmt.Fprintf(stdout, "\nthe whole iteration, from a forward of %.1f ms and a backward of %.1f ms measured alone, %d x %d tokens; the update phase with its prefetch in the backward, %d CPU / %d streamed / %d resident subgroups of up to %s (%s)%s, %.1f ms:\n",
+		1e3*fwd, 1e3*bwd, cfg.Batch, cfg.Model.NCtx, ch.CPU, ch.GPU, ch.Resident, count(float64(w.SubgroupSize)), cut, held, 1e3*ch.Makespan)
 	if err := line("serial (--no-overlap-forward)", it, "iteration_serial_s"); err != nil {
 		return err
 	}

@@ -92,8 +92,10 @@ func TestPlanGPUMemory(t *testing.T) {
 		t.Errorf("dos plan --sample 0 without a profile: rc %d, want 9 blocks streamed\n%s", rc, out)
 	}
 	rc, out, errs = runCLI(append(auto, "--sample", "0", "--profile", h200)...)
-	if rc != 0 || !strings.Contains(out, "block slots (16/36 from host)") || !strings.Contains(out, "and 1.81B parameters of the streamed blocks (--stream-blocks) in 19 more subgroups, updated by the CPU workers first") ||
-		!strings.Contains(out, "dos plan: 2.42B parameters over 1 rank(s)") || !strings.Contains(out, "model            2    21     2    0.10   false     0.772") ||
+	// Without --subgroup-size, dos train's cut: the model's choice of
+	// 100M, 50M or 25M (50M here).
+	if rc != 0 || !strings.Contains(out, "block slots (16/36 from host)") || !strings.Contains(out, "and 1.81B parameters of the streamed blocks (--stream-blocks) in 37 more subgroups, updated by the CPU workers first") ||
+		!strings.Contains(out, "dos plan: 2.42B parameters over 1 rank(s): 2.42B per rank in 49 subgroups of up to 50M") || !strings.Contains(out, "model            2    40     7    0.05   false     0.739") ||
 		!strings.Contains(out, "largest batch with --recompute (256 MiB kept aside, 35 blocks from host memory): 22") {
 		t.Errorf("dos plan --profile with streamed blocks: rc %d\n%s%s", rc, out, errs)
 	}
@@ -134,7 +136,7 @@ func TestPlanGPUMemory(t *testing.T) {
 		t.Errorf("--batch 5: rc %d\n%s%s", rc, out, errs)
 	}
 	rc, out, errs = runCLI("plan", "--gpu-memory", "24", "--model", "gpt2-xl", "--batch", "8", "--recompute", "--profile", h200)
-	if rc != 0 || !strings.Contains(out, "left for the update phase        12.59 GiB") || !strings.Contains(out, "1.56B per rank in 16 subgroups of up to 100M, 16 CPU workers per rank, GPU budget 12.59 GiB") ||
+	if rc != 0 || !strings.Contains(out, "left for the update phase        12.59 GiB") || !strings.Contains(out, "1.56B per rank in 63 subgroups of up to 25M, 16 CPU workers per rank, GPU budget 12.59 GiB") ||
 		!strings.Contains(out, "the model's choice: k =") {
 		t.Errorf("gpt2-xl with --profile: rc %d\n%s%s", rc, out, errs)
 	}
