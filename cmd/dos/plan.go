@@ -55,7 +55,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	sgSize := int64(100_000_000)
 	sizeVar(c, &params, "params", "parameters `N` of the model")
 	ranks := c.Int("ranks", 1, "GPUs (ranks) per host: each updates params/ranks with threads/ranks CPU workers over its own PCIe link")
-	sizeVar(c, &sgSize, "subgroup-size", "parameters per subgroup `N`")
+	sizeVar(c, &sgSize, "subgroup-size", "parameters per subgroup `N` (with a model's flags and a profile, unset: dos train's cut, the performance model's choice of 100M, 50M or 25M)")
 	budget := c.Float64("gpu-budget", 16, "GPU memory in `GiB` per rank for the update phase (resident state and staging)")
 	threads := c.Int("threads", 0, "CPU workers `N` on the host (0: the profile's largest measured count)")
 	cpuScale := c.Float64("cpu-scale", 1, "multiply the profile's CPU update rate by `F` (a host with more cores or memory bandwidth)")
@@ -70,7 +70,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	bwdMS := c.Float64("backward-ms", 0, "with --gpu-memory: one backward's `ms` on the GPU, measured alone, recomputation included (with --forward-ms)")
 	specGiB := new(float64)
 	*specGiB = trainer.SpeculateAutoGiB
-	c.Var(speculateFlag{specGiB}, "speculate", "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate) in the iteration's prediction; auto, the default: dos train's auto, 16 where the host memory allows; 0: no speculation rows")
+	c.Var(speculateFlag{specGiB}, "speculate", "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate) in the iteration's prediction, or auto, dos train's default (16 here, as where the host memory allows); 0: no rows with speculation, nor the schedule chosen for the iteration")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}
