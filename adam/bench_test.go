@@ -120,14 +120,19 @@ func BenchmarkStepSave(b *testing.B) {
 	c := DefaultHyper().Coeffs(1, 1, 1)
 	pool := NewPool(0)
 	defer pool.Close()
-	for _, mode := range []string{"step", "save", "save-copy"} {
+	to := State{Param: make([]float32, benchN), ExpAvg: make([]float32, benchN), ExpAvgSq: make([]float32, benchN)}
+	copyState(to, s, nil, nil, 0, 0)
+	for _, mode := range []string{"step", "save", "save-copy", "step-to"} {
 		b.Run(fmt.Sprintf("pool-%d/%s/n=%dM", pool.Threads(), mode, benchN>>20), func(b *testing.B) {
 			saveNonTemporal = mode != "save-copy"
 			defer func() { saveNonTemporal = true }()
 			for b.Loop() {
-				if mode == "step" {
+				switch mode {
+				case "step":
 					pool.Step(&c, s, g16, out)
-				} else {
+				case "step-to":
+					pool.StepTo(&c, s, g16, out, to)
+				default:
 					pool.StepSave(&c, s, g16, out, save, nil)
 				}
 			}

@@ -12,6 +12,13 @@ package adam
 //go:noescape
 func updateAVX512(p *float32, m *float32, v *float32, vmax *float32, grad *float32, n int, k *[9]float32, flags int)
 
+// updateToAVX512 is updateAVX512 with the new p, m, v (and vmax) written to dp, dm, dv (and dvmax)
+// with non-temporal stores, aligned to 64 bytes, and the new p to pc through the cache; p, m, v
+// and vmax are only read. n is a multiple of the lanes.
+//
+//go:noescape
+func updateToAVX512(p *float32, m *float32, v *float32, vmax *float32, grad *float32, dp *float32, dm *float32, dv *float32, dvmax *float32, pc *float32, n int, k *[9]float32, flags int)
+
 // widenBF16AVX512 is BF16ToF32 (dtype.go) on 16 lanes; n is a multiple of 16.
 //
 //go:noescape
@@ -59,6 +66,13 @@ func copyNTAVX512(dst *float32, src *float32, n int)
 //
 //go:noescape
 func updateAVX2(p *float32, m *float32, v *float32, vmax *float32, grad *float32, n int, k *[9]float32, flags int)
+
+// updateToAVX2 is updateAVX2 with the new p, m, v (and vmax) written to dp, dm, dv (and dvmax)
+// with non-temporal stores, aligned to 32 bytes, and the new p to pc through the cache; p, m, v
+// and vmax are only read. n is a multiple of the lanes.
+//
+//go:noescape
+func updateToAVX2(p *float32, m *float32, v *float32, vmax *float32, grad *float32, dp *float32, dm *float32, dv *float32, dvmax *float32, pc *float32, n int, k *[9]float32, flags int)
 
 // widenBF16AVX2 is BF16ToF32 (dtype.go) on 8 lanes; n is a multiple of 8.
 //

@@ -87,6 +87,96 @@ done:
 	VZEROUPPER
 	RET
 
+// func updateToAVX512(p *float32, m *float32, v *float32, vmax *float32, grad *float32, dp *float32, dm *float32, dv *float32, dvmax *float32, pc *float32, n int, k *[9]float32, flags int)
+// Requires: AVX, AVX512F, MMX+
+TEXT ·updateToAVX512(SB), NOSPLIT, $0-104
+	MOVQ         p+0(FP), AX
+	MOVQ         m+8(FP), CX
+	MOVQ         v+16(FP), DX
+	MOVQ         vmax+24(FP), BX
+	MOVQ         grad+32(FP), SI
+	MOVQ         dp+40(FP), DI
+	MOVQ         dm+48(FP), R8
+	MOVQ         dv+56(FP), R9
+	MOVQ         dvmax+64(FP), R10
+	MOVQ         pc+72(FP), R11
+	MOVQ         n+80(FP), R12
+	MOVQ         k+88(FP), R13
+	MOVQ         flags+96(FP), R14
+	VBROADCASTSS (R13), Z0
+	VBROADCASTSS 4(R13), Z1
+	VBROADCASTSS 8(R13), Z2
+	VBROADCASTSS 12(R13), Z3
+	VBROADCASTSS 16(R13), Z4
+	VBROADCASTSS 20(R13), Z5
+	VBROADCASTSS 24(R13), Z6
+	VBROADCASTSS 28(R13), Z7
+	VBROADCASTSS 32(R13), Z8
+	XORQ         R13, R13
+
+loop:
+	CMPQ       R13, R12
+	JGE        done
+	PREFETCHT0 2048(AX)(R13*4)
+	PREFETCHT0 2048(SI)(R13*4)
+	PREFETCHT0 2048(CX)(R13*4)
+	PREFETCHT0 2048(DX)(R13*4)
+	VMOVUPS    (AX)(R13*4), Z9
+	VMOVUPS    (SI)(R13*4), Z10
+	VMOVUPS    (CX)(R13*4), Z11
+	VMOVUPS    (DX)(R13*4), Z12
+	VMULPS     Z0, Z9, Z9
+	BTQ        $0x00, R14
+	JCC        nol2
+	VMULPS     Z9, Z1, Z13
+	VADDPS     Z13, Z10, Z10
+
+nol2:
+	VSUBPS Z11, Z10, Z13
+	BTQ    $0x01, R14
+	JCC    biglerp
+	VMULPS Z13, Z2, Z13
+	VADDPS Z13, Z11, Z11
+	JMP    lerped
+
+biglerp:
+	VMULPS Z3, Z13, Z13
+	VSUBPS Z13, Z10, Z11
+
+lerped:
+	VMULPS     Z4, Z12, Z12
+	VMULPS     Z10, Z5, Z13
+	VMULPS     Z10, Z13, Z13
+	VADDPS     Z13, Z12, Z12
+	VMOVAPS    Z12, Z10
+	BTQ        $0x02, R14
+	JCC        noams
+	PREFETCHT0 2048(BX)(R13*4)
+	VMOVUPS    (BX)(R13*4), Z13
+	VMAXPS     Z12, Z13, Z10
+	VCMPPS     $0x03, Z13, Z13, K1
+	VMOVAPS    Z13, K1, Z10
+	VMOVNTPS   Z10, (R10)(R13*4)
+
+noams:
+	VSQRTPS  Z10, Z10
+	VDIVPS   Z6, Z10, Z10
+	VADDPS   Z7, Z10, Z10
+	VMULPS   Z11, Z8, Z13
+	VDIVPS   Z10, Z13, Z13
+	VADDPS   Z13, Z9, Z9
+	VMOVNTPS Z9, (DI)(R13*4)
+	VMOVUPS  Z9, (R11)(R13*4)
+	VMOVNTPS Z11, (R8)(R13*4)
+	VMOVNTPS Z12, (R9)(R13*4)
+	ADDQ     $0x10, R13
+	JMP      loop
+
+done:
+	SFENCE
+	VZEROUPPER
+	RET
+
 // func widenBF16AVX512(dst *float32, src *uint16, n int)
 // Requires: AVX, AVX512F, MMX+
 TEXT ·widenBF16AVX512(SB), NOSPLIT, $0-24
@@ -375,6 +465,96 @@ noams:
 	JMP     loop
 
 done:
+	VZEROUPPER
+	RET
+
+// func updateToAVX2(p *float32, m *float32, v *float32, vmax *float32, grad *float32, dp *float32, dm *float32, dv *float32, dvmax *float32, pc *float32, n int, k *[9]float32, flags int)
+// Requires: AVX, MMX+
+TEXT ·updateToAVX2(SB), NOSPLIT, $0-104
+	MOVQ         p+0(FP), AX
+	MOVQ         m+8(FP), CX
+	MOVQ         v+16(FP), DX
+	MOVQ         vmax+24(FP), BX
+	MOVQ         grad+32(FP), SI
+	MOVQ         dp+40(FP), DI
+	MOVQ         dm+48(FP), R8
+	MOVQ         dv+56(FP), R9
+	MOVQ         dvmax+64(FP), R10
+	MOVQ         pc+72(FP), R11
+	MOVQ         n+80(FP), R12
+	MOVQ         k+88(FP), R13
+	MOVQ         flags+96(FP), R14
+	VBROADCASTSS (R13), Y0
+	VBROADCASTSS 4(R13), Y1
+	VBROADCASTSS 8(R13), Y2
+	VBROADCASTSS 12(R13), Y3
+	VBROADCASTSS 16(R13), Y4
+	VBROADCASTSS 20(R13), Y5
+	VBROADCASTSS 24(R13), Y6
+	VBROADCASTSS 28(R13), Y7
+	VBROADCASTSS 32(R13), Y8
+	XORQ         R13, R13
+
+loop:
+	CMPQ       R13, R12
+	JGE        done
+	PREFETCHT0 2048(AX)(R13*4)
+	PREFETCHT0 2048(SI)(R13*4)
+	PREFETCHT0 2048(CX)(R13*4)
+	PREFETCHT0 2048(DX)(R13*4)
+	VMOVUPS    (AX)(R13*4), Y9
+	VMOVUPS    (SI)(R13*4), Y10
+	VMOVUPS    (CX)(R13*4), Y11
+	VMOVUPS    (DX)(R13*4), Y12
+	VMULPS     Y0, Y9, Y9
+	BTQ        $0x00, R14
+	JCC        nol2
+	VMULPS     Y9, Y1, Y13
+	VADDPS     Y13, Y10, Y10
+
+nol2:
+	VSUBPS Y11, Y10, Y13
+	BTQ    $0x01, R14
+	JCC    biglerp
+	VMULPS Y13, Y2, Y13
+	VADDPS Y13, Y11, Y11
+	JMP    lerped
+
+biglerp:
+	VMULPS Y3, Y13, Y13
+	VSUBPS Y13, Y10, Y11
+
+lerped:
+	VMULPS     Y4, Y12, Y12
+	VMULPS     Y10, Y5, Y13
+	VMULPS     Y10, Y13, Y13
+	VADDPS     Y13, Y12, Y12
+	VMOVAPS    Y12, Y10
+	BTQ        $0x02, R14
+	JCC        noams
+	PREFETCHT0 2048(BX)(R13*4)
+	VMOVUPS    (BX)(R13*4), Y13
+	VMAXPS     Y12, Y13, Y10
+	VCMPPS     $0x03, Y13, Y13, Y14
+	VBLENDVPS  Y14, Y13, Y10, Y10
+	VMOVNTPS   Y10, (R10)(R13*4)
+
+noams:
+	VSQRTPS  Y10, Y10
+	VDIVPS   Y6, Y10, Y10
+	VADDPS   Y7, Y10, Y10
+	VMULPS   Y11, Y8, Y13
+	VDIVPS   Y10, Y13, Y13
+	VADDPS   Y13, Y9, Y9
+	VMOVNTPS Y9, (DI)(R13*4)
+	VMOVUPS  Y9, (R11)(R13*4)
+	VMOVNTPS Y11, (R8)(R13*4)
+	VMOVNTPS Y12, (R9)(R13*4)
+	ADDQ     $0x08, R13
+	JMP      loop
+
+done:
+	SFENCE
 	VZEROUPPER
 	RET
 

@@ -3,6 +3,7 @@ package adam
 import (
 	"fmt"
 	"os"
+	"unsafe"
 )
 
 // The kernels of the avx2 and avx512 paths, kernels_gen_amd64.s and its
@@ -84,6 +85,63 @@ func kernelArgs(c *Coeffs) (k [9]float32, flags int) {
 		flags |= 4
 	}
 	return k, flags
+}
+
+// updateTo is update out of place: the new p, m, v (and vmax) of the
+// inputs p, m, v, vmax and g go to dp, dm, dv, dvmax, and the new p to pc
+// too; the inputs are only read. On a SIMD path the elements from dp's
+// first vector-aligned one on, a multiple of the lanes, take the kernel's
+// non-temporal stores (dm, dv and dvmax must then be aligned alike, as
+// arrays allocated alike are); the rest, and every element where they
+// are not, are copied to the outputs and updated there in place.
+func (path Path) updateTo(c *Coeffs, p, m, v, vmax, g, dp, dm, dv, dvmax, pc []float32) {
+	n := len(g)
+	a, body := n, 0 // the reference's head; the kernel's body
+	if path.lanes > 1 && n > 0 {
+		mask := uintptr(4*path.lanes - 1)
+		off := func(x []float32) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(x))) & mask }
+		if o := off(dp); off(dm) == o && off(dv) == o && (vmax == nil || off(dvmax) == o) {
+			a = min(n, int((-uintptr(unsafe.Pointer(unsafe.SliceData(dp)))&mask)/4))
+			body = (n - a) - (n-a)%path.lanes
+		}
+	}
+	ref := func(lo, hi int) {
+		if lo == hi {
+			return
+		}
+		copy(dp[lo:hi], p[lo:hi])
+		copy(dm[lo:hi], m[lo:hi])
+		copy(dv[lo:hi], v[lo:hi])
+		var vt []float32
+		if vmax != nil {
+			copy(dvmax[lo:hi], vmax[lo:hi])
+			vt = dvmax[lo:hi]
+		}
+		update(c, dp[lo:hi], dm[lo:hi], dv[lo:hi], vt, g[lo:hi])
+		copy(pc[lo:hi], dp[lo:hi])
+	}
+	ref(0, a)
+	if body > 0 {
+		hi := a + body
+		_, _, _, _, _, _, _ = p[hi-1], m[hi-1], v[hi-1], dp[hi-1], dm[hi-1], dv[hi-1], pc[hi-1]
+		var vm, dvm *float32
+		if vmax != nil {
+			vm, dvm = &vmax[a:hi][0], &dvmax[a:hi][0]
+			raceRead32(vmax[a:hi])
+			raceWrite32(dvmax[a:hi])
+		}
+		raceRead32(g[a:hi])
+		raceRead32(p[a:hi])
+		raceRead32(m[a:hi])
+		raceRead32(v[a:hi])
+		raceWrite32(dp[a:hi])
+		raceWrite32(dm[a:hi])
+		raceWrite32(dv[a:hi])
+		raceWrite32(pc[a:hi])
+		k, flags := kernelArgs(c)
+		simdKernelTo(path.lanes, &p[a], &m[a], &v[a], vm, &g[a], &dp[a], &dm[a], &dv[a], dvm, &pc[a], body, &k, flags)
+	}
+	ref(a+body, n)
 }
 
 // update runs the core on the path: the lane-multiple head in the

@@ -35,6 +35,7 @@ const (
 	taskStats
 	taskStepSave // taskStep, each chunk's state and copy saved first
 	taskCopy     // save and saveOut copied into s and out
+	taskStepTo   // taskStep with the new state written to save, s left as it is
 )
 
 // job is one call's work, shared by the goroutines that take its chunks.
@@ -46,7 +47,7 @@ type job struct {
 	out     Copy16
 	unscale float32
 	partial []float64    // taskStats: where block b's sum goes (partial[b])
-	save    State        // taskStepSave: where s goes before the step; taskCopy: the source
+	save    State        // taskStepSave: where s goes before the step; taskCopy: the source; taskStepTo: the new state
 	saveOut []uint16     // the same for out.Data
 	n       int          // elements in all
 	size    int          // elements per chunk, a multiple of MinChunk (or n)
@@ -150,6 +151,8 @@ func (p *Pool) run(sl int) {
 			}
 		case taskCopy:
 			copyState(t.s.Slice(lo, hi), t.save.Slice(lo, hi), t.out.Data, t.saveOut, lo, hi)
+		case taskStepTo:
+			p.path.StepTo(&t.c, t.s.Slice(lo, hi), t.g.Slice(lo, hi), t.out.Slice(lo, hi), t.save.Slice(lo, hi))
 		case taskStats:
 			for b := lo; b < hi; b += MinChunk {
 				var f bool
@@ -229,6 +232,24 @@ func (p *Pool) StepSave(c *Coeffs, s State, g Grad, out Copy16, save State, save
 	t.kind, t.c, t.s, t.g, t.out, t.save, t.saveOut = taskStepSave, *c, s, g, out, save, saveOut
 	p.dispatch(len(s.Param))
 	t.s, t.g, t.out, t.save, t.saveOut = State{}, Grad{}, Copy16{}, State{}, nil // keep no caller's memory alive
+}
+
+// StepTo is the parallel form of Path.StepTo on the pool's path, with the
+// same arguments, semantics and panics: Step that leaves s as it is and
+// writes the new state into to (28 bytes of memory traffic a parameter,
+// against StepSave's 40), results bitwise Step's. It allocates nothing.
+func (p *Pool) StepTo(c *Coeffs, s State, g Grad, out Copy16, to State) {
+	checkLens(c, s, g, out)
+	if !c.AMSGrad {
+		s.MaxExpAvgSq, to.MaxExpAvgSq = nil, nil
+	}
+	checkSave(s, nil, to, nil)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	t := &p.job
+	t.kind, t.c, t.s, t.g, t.out, t.save = taskStepTo, *c, s, g, out, to
+	p.dispatch(len(s.Param))
+	t.s, t.g, t.out, t.save = State{}, Grad{}, Copy16{}, State{} // keep no caller's memory alive
 }
 
 // Restore copies save back into s and saveOut into out, in parallel: it

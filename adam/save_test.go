@@ -151,3 +151,68 @@ func TestCopyNT(t *testing.T) {
 		}
 	}
 }
+
+// TestStepTo: StepTo writes Pool.Step's new state, bit for bit, into to
+// and leaves s as it was, on every path, at sizes around the block and
+// chunk boundaries, with and without amsgrad, a working copy and a
+// gradient that needs scaling; with to = s it is Step.
+func TestStepTo(t *testing.T) {
+	h := DefaultHyper()
+	for _, path := range Paths() {
+		pool := NewPoolPath(3, path)
+		for _, n := range []int{0, 1, 17, saveBlock - 1, saveBlock + 3, MinChunk + 1, 3*MinChunk + 5, MaxChunk*2 + 7} {
+			for _, amsgrad := range []bool{false, true} {
+				for _, gd := range []DType{BF16, F32} {
+					for _, out := range []DType{0, BF16} {
+						name := fmt.Sprintf("%s/n=%d/amsgrad=%t/grad=%v/out=%v", path, n, amsgrad, gd, out)
+						hh := h
+						hh.AMSGrad = amsgrad
+						s, g := randomProblem(n, gd, amsgrad, uint64(n)+11)
+						before, ref := s.Clone(), s.Clone()
+						var o, oref Copy16
+						if out != 0 {
+							o, oref = Copy16{out, make([]uint16, n)}, Copy16{out, make([]uint16, n)}
+						}
+						to := State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
+						if amsgrad {
+							to.MaxExpAvgSq = make([]float32, n)
+						}
+						for _, clip := range []float32{1, 0.5} {
+							c := hh.Coeffs(4, clip, 1)
+							copyState(ref, before, nil, nil, 0, 0)
+							pool.Step(&c, ref, g, oref)
+							pool.StepTo(&c, s, g, o, to)
+							what := fmt.Sprintf("%s/clip=%v", name, clip)
+							sameBits(t, what+" param", ref.Param, to.Param)
+							sameBits(t, what+" exp_avg", ref.ExpAvg, to.ExpAvg)
+							sameBits(t, what+" exp_avg_sq", ref.ExpAvgSq, to.ExpAvgSq)
+							sameBits(t, what+" s's param", before.Param, s.Param)
+							sameBits(t, what+" s's exp_avg", before.ExpAvg, s.ExpAvg)
+							sameBits(t, what+" s's exp_avg_sq", before.ExpAvgSq, s.ExpAvgSq)
+							if amsgrad {
+								sameBits(t, what+" max_exp_avg_sq", ref.MaxExpAvgSq, to.MaxExpAvgSq)
+								sameBits(t, what+" s's max_exp_avg_sq", before.MaxExpAvgSq, s.MaxExpAvgSq)
+							}
+							for i := range o.Data {
+								if o.Data[i] != oref.Data[i] {
+									t.Fatalf("%s: copy[%d] = %#x, want %#x", what, i, o.Data[i], oref.Data[i])
+								}
+							}
+							if n > 0 && ref.Param[0] == before.Param[0] {
+								t.Fatalf("%s: the step changed nothing: the test proves nothing", what)
+							}
+						}
+						// In place: to = s.
+						c := hh.Coeffs(5, 1, 1)
+						copyState(ref, before, nil, nil, 0, 0)
+						pool.Step(&c, ref, g, oref)
+						pool.StepTo(&c, s, g, o, s)
+						sameBits(t, name+" in place param", ref.Param, s.Param)
+						sameBits(t, name+" in place exp_avg_sq", ref.ExpAvgSq, s.ExpAvgSq)
+					}
+				}
+			}
+		}
+		pool.Close()
+	}
+}

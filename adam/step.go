@@ -3,6 +3,7 @@ package adam
 import (
 	"fmt"
 	"math"
+	"unsafe"
 )
 
 // State is the optimizer state of n parameters: fp32 master weights and the
@@ -154,6 +155,51 @@ func (path Path) Step(c *Coeffs, s State, g Grad, out Copy16) {
 		if out.DType != 0 {
 			path.Round16(out.DType, out.Data[lo:hi], s.Param[lo:hi])
 		}
+	}
+}
+
+// StepTo is Step that leaves s as it is and writes the new state to to
+// (s's arrays and lengths; MaxExpAvgSq only with c.AMSGrad) and the new
+// 16-bit copy to out: the update out of place, for a speculative update
+// that a rollback undoes by keeping s (Pool.StepTo). On a SIMD path the
+// new state goes to memory with non-temporal stores (none of to's lines
+// is read first: 28 bytes of memory traffic a parameter for a bf16
+// gradient and copy, as Step's), in blocks that start on to.Param's
+// vector alignment; the results are Step's bit for bit. to may be s
+// itself, never a part of it. It allocates nothing. Panics as Step does,
+// and on to of other lengths.
+func (path Path) StepTo(c *Coeffs, s State, g Grad, out Copy16, to State) {
+	checkLens(c, s, g, out)
+	if !c.AMSGrad {
+		s.MaxExpAvgSq, to.MaxExpAvgSq = nil, nil
+	}
+	checkSave(s, nil, to, nil)
+	n := len(s.Param)
+	// The first block ends where to.Param is aligned to 64 bytes (either
+	// path's vector), so that every block after it starts aligned.
+	first := block
+	if n > 0 {
+		if a := int((-uintptr(unsafe.Pointer(&to.Param[0])) & 63) / 4); a > 0 {
+			first = a
+		}
+	}
+	var gb, pc [block]float32
+	for lo := 0; lo < n; {
+		hi := min(lo+block, n)
+		if lo == 0 {
+			hi = min(first, n)
+		}
+		gs := gb[:hi-lo]
+		path.loadGrad(c, gs, g, lo)
+		var vmax, dvmax []float32
+		if c.AMSGrad {
+			vmax, dvmax = s.MaxExpAvgSq[lo:hi], to.MaxExpAvgSq[lo:hi]
+		}
+		path.updateTo(c, s.Param[lo:hi], s.ExpAvg[lo:hi], s.ExpAvgSq[lo:hi], vmax, gs, to.Param[lo:hi], to.ExpAvg[lo:hi], to.ExpAvgSq[lo:hi], dvmax, pc[:hi-lo])
+		if out.DType != 0 {
+			path.Round16(out.DType, out.Data[lo:hi], pc[:hi-lo])
+		}
+		lo = hi
 	}
 }
 

@@ -162,6 +162,7 @@ func TestNoAllocs(t *testing.T) {
 		"Pool.SumSquares": func() { pool.SumSquares(g, 1) },
 		"Pool.StepSave":   func() { pool.StepSave(&c, s, g, out, save, saveOut) },
 		"Pool.Restore":    func() { pool.Restore(s, out.Data, save, saveOut) },
+		"Pool.StepTo":     func() { pool.StepTo(&c, s, g, out, save) }, // after its first call
 	} {
 		f()
 		if a := testing.AllocsPerRun(20, f); a != 0 {

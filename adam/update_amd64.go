@@ -28,6 +28,14 @@ func simdKernel(lanes int, p, m, v, vmax, g *float32, n int, k *[9]float32, flag
 	}
 }
 
+func simdKernelTo(lanes int, p, m, v, vmax, g, dp, dm, dv, dvmax, pc *float32, n int, k *[9]float32, flags int) {
+	if lanes == 16 {
+		updateToAVX512(p, m, v, vmax, g, dp, dm, dv, dvmax, pc, n, k, flags)
+	} else {
+		updateToAVX2(p, m, v, vmax, g, dp, dm, dv, dvmax, pc, n, k, flags)
+	}
+}
+
 // simdCopyNT copies n fp32 values (a multiple of 4 lanes; dst aligned to
 // the vector width) with the path's non-temporal kernel.
 func simdCopyNT(lanes int, dst, src *float32, n int) {

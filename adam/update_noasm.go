@@ -8,6 +8,10 @@ func simdKernel(lanes int, p, m, v, vmax, g *float32, n int, k *[9]float32, flag
 	panic("adam: no SIMD kernel in this build")
 }
 
+func simdKernelTo(lanes int, p, m, v, vmax, g, dp, dm, dv, dvmax, pc *float32, n int, k *[9]float32, flags int) {
+	panic("adam: no SIMD kernel in this build")
+}
+
 func simdWiden(lanes int, d DType, dst []float32, src []uint16, n int) bool { return false }
 
 func simdRound(lanes int, d DType, dst []uint16, src []float32, n int) bool { return false }

@@ -68,6 +68,7 @@ func generate() (map[string][]byte, error) {
 	for _, s := range []isa{avx512, avx2} {
 		k := kernel{ctx, s}
 		k.update()
+		k.updateTo()
 		k.widenBF16()
 		k.widenF16()
 		k.roundBF16()

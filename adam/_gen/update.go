@@ -18,6 +18,50 @@ func (k kernel) update() {
 		"small weight, bit 2 amsgrad (vmax is read and written only then).")
 	p, m, v, vmax, g := k.param("p"), k.param("m"), k.param("v"), k.param("vmax"), k.param("grad")
 	n, kp, flags := k.param("n"), k.param("k"), k.param("flags")
+	k.adam(updateIO{p: p, m: m, v: v, vmax: vmax, g: g, dp: p, dm: m, dv: v, dvmax: vmax}, n, kp, flags)
+	k.ret()
+}
+
+// updateTo is update out of place: it reads p, m, v (and vmax) and
+// writes their new values to dp, dm, dv (and dvmax) with non-temporal
+// stores, the new p to pc too, through the cache (the working copy is
+// rounded from it), and fences the stores.
+func (k kernel) updateTo() {
+	k.text("updateTo", "func(p, m, v, vmax, grad, dp, dm, dv, dvmax, pc *float32, n int, k *[9]float32, flags int)",
+		fmt.Sprintf("updateTo%s is update%s with the new p, m, v (and vmax) written to dp, dm, dv (and dvmax)", k.suffix, k.suffix),
+		fmt.Sprintf("with non-temporal stores, aligned to %d bytes, and the new p to pc through the cache; p, m, v", 4*k.lanes),
+		"and vmax are only read. n is a multiple of the lanes.")
+	io := updateIO{p: k.param("p"), m: k.param("m"), v: k.param("v"), vmax: k.param("vmax"), g: k.param("grad"),
+		dp: k.param("dp"), dm: k.param("dm"), dv: k.param("dv"), dvmax: k.param("dvmax"), pc: k.param("pc"), nt: true}
+	n, kp, flags := k.param("n"), k.param("k"), k.param("flags")
+	k.adam(io, n, kp, flags)
+	k.SFENCE()
+	k.ret()
+}
+
+// updateIO is where the AdamW core reads and writes: the inputs p, m, v,
+// vmax and the gradient g; the outputs dp, dm, dv, dvmax (the inputs,
+// in place), with non-temporal stores when nt, and pc, when set, a copy
+// of the new p through the cache.
+type updateIO struct {
+	p, m, v, vmax, g      reg.GPVirtual
+	dp, dm, dv, dvmax, pc reg.GPVirtual
+	nt                    bool
+}
+
+// store writes x to dst[i], non-temporally when io.nt.
+func (k kernel) store(io updateIO, x reg.VecVirtual, dst Mem) {
+	if io.nt {
+		k.VMOVNTPS(x, dst)
+	} else {
+		k.VMOVUPS(x, dst)
+	}
+}
+
+// adam is the element-wise AdamW core's loop over n elements: the same
+// operations in the same order as the Go reference update() in step.go.
+func (k kernel) adam(io updateIO, n, kp, flags reg.GPVirtual) {
+	p, m, v, vmax, g := io.p, io.m, io.v, io.vmax, io.g
 	var c [9]reg.VecVirtual
 	for j := range c {
 		c[j] = k.vec()
@@ -68,7 +112,7 @@ func (k kernel) update() {
 			k.VMOVUPS(at(vmax, i, 4), vm)
 			k.VMAXPS(V, vm, den)    // vmax > v ? vmax : v
 			k.whereNaN(vm, vm, den) // a NaN vmax wins, as torch.maximum
-			k.VMOVUPS(den, at(vmax, i, 4))
+			k.store(io, den, at(io.dvmax, i, 4))
 		})
 		k.VSQRTPS(den, den)
 		k.VDIVPS(bc2, den, den) // sqrt(v) / sqrt(bias correction 2)
@@ -77,9 +121,11 @@ func (k kernel) update() {
 		k.VMULPS(M, negStep, u) // -step size * m
 		k.VDIVPS(den, u, u)     // / denom
 		k.VADDPS(u, P, P)       // p + ...
-		k.VMOVUPS(P, at(p, i, 4))
-		k.VMOVUPS(M, at(m, i, 4))
-		k.VMOVUPS(V, at(v, i, 4))
+		k.store(io, P, at(io.dp, i, 4))
+		if io.pc != nil {
+			k.VMOVUPS(P, at(io.pc, i, 4))
+		}
+		k.store(io, M, at(io.dm, i, 4))
+		k.store(io, V, at(io.dv, i, 4))
 	})
-	k.ret()
 }
