@@ -216,3 +216,35 @@ func TestStepTo(t *testing.T) {
 		pool.Close()
 	}
 }
+
+// TestStepToAlignment: StepTo's results do not depend on where to's
+// arrays start: aligned alike at any offset (a reference head, then the
+// non-temporal kernel), or each at another offset (the reference
+// throughout), on every path.
+func TestStepToAlignment(t *testing.T) {
+	const n = 3*block + 37
+	for _, path := range Paths() {
+		for _, offs := range [][3]int{{0, 0, 0}, {5, 5, 5}, {15, 15, 15}, {1, 2, 3}, {0, 8, 0}} {
+			s, g := randomProblem(n, BF16, false, 7)
+			ref := s.Clone()
+			c := DefaultHyper().Coeffs(3, 0.75, 1)
+			out, oref := Copy16{BF16, make([]uint16, n)}, Copy16{BF16, make([]uint16, n)}
+			path.Step(&c, ref, g, oref)
+			// One buffer, the arrays 1024 elements (a multiple of any
+			// vector) apart: aligned alike exactly when their offsets are.
+			all := make([]float32, 3*1024)
+			buf := func(k, off int) []float32 { return all[k*1024+off : k*1024+off+n] }
+			to := State{Param: buf(0, offs[0]), ExpAvg: buf(1, offs[1]), ExpAvgSq: buf(2, offs[2])}
+			path.StepTo(&c, s, g, out, to)
+			what := fmt.Sprintf("%s/offsets=%v", path, offs)
+			sameBits(t, what+" param", ref.Param, to.Param)
+			sameBits(t, what+" exp_avg", ref.ExpAvg, to.ExpAvg)
+			sameBits(t, what+" exp_avg_sq", ref.ExpAvgSq, to.ExpAvgSq)
+			for i := range out.Data {
+				if out.Data[i] != oref.Data[i] {
+					t.Fatalf("%s: copy[%d] = %#x, want %#x", what, i, out.Data[i], oref.Data[i])
+				}
+			}
+		}
+	}
+}
