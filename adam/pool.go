@@ -237,7 +237,8 @@ func (p *Pool) StepSave(c *Coeffs, s State, g Grad, out Copy16, save State, save
 // StepTo is the parallel form of Path.StepTo on the pool's path, with the
 // same arguments, semantics and panics: Step that leaves s as it is and
 // writes the new state into to (28 bytes of memory traffic a parameter,
-// against StepSave's 40), results bitwise Step's. It allocates nothing.
+// against StepSave's 40), results bitwise Step's (a NaN's sign and payload
+// aside, as Path.StepTo says). It allocates nothing.
 func (p *Pool) StepTo(c *Coeffs, s State, g Grad, out Copy16, to State) {
 	checkLens(c, s, g, out)
 	if !c.AMSGrad {

@@ -165,8 +165,12 @@ func (path Path) Step(c *Coeffs, s State, g Grad, out Copy16) {
 // new state goes to memory with non-temporal stores (none of to's lines
 // is read first: 28 bytes of memory traffic a parameter for a bf16
 // gradient and copy, as Step's), in blocks that start on to.Param's
-// vector alignment; the results are Step's bit for bit. to may be s
-// itself, never a part of it. It allocates nothing. Panics as Step does,
+// vector alignment; the results are Step's bit for bit, but for a NaN
+// result's sign and payload (the elements the kernel and the Go reference
+// take may differ from Step's, and which NaN an operation on NaNs returns
+// depends on operand order: see Path). Where to's arrays are not aligned
+// alike, the Go reference takes every element (no non-temporal stores).
+// to may be s itself, never a part of it. It allocates nothing. Panics as Step does,
 // and on to of other lengths.
 func (path Path) StepTo(c *Coeffs, s State, g Grad, out Copy16, to State) {
 	checkLens(c, s, g, out)
