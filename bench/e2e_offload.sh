@@ -34,6 +34,9 @@
 #   torchao     python3 bench/torch_offload.py --mode torchao --cap-gib CAP (torchao's CPUOffloadOptimizer, which
 #               cannot clip; TORCHAO_CPU_OFFLOAD, default .torchao/cpu_offload.py: a copy of its one file, fetched
 #               for the run and carried, never committed)
+# dos train's defaults include --resident-first and --speculate auto (since 2026-12-07), so every dos strategy
+# runs with them unless DOS_FLAGS says "--resident-first=false --speculate 0" (the strategies' own flags come
+# after DOS_FLAGS and win; bench/issue31.sh does this).
 # RECOMPUTE=1 (the default) runs both sides with activation checkpointing (dos --recompute, transformers'
 # gradient_checkpointing_enable), so the two do the same work under the cap; RECOMPUTE=0 runs neither.
 # STRATS (default "dos-model dos-nooverlap dos-cpu dos-static dos-static-25M"; set and empty: none) picks the dos runs, MODES (default

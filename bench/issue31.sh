@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 31's calls on the GPU machine, one PART a call (each fits the device's 600 s a command), from the
+# repository root after `make gpu-bins` here (carry bin and the ignored .torchao with torchao's
+# cpu_offload.py: bench/e2e_offload.sh says how):
+#
+#   PART=tests OUT=$OUT bash bench/issue31.sh   # trainer.test -test.run TestGPU, DOS_REQUIRE_GPU=1; adam.test's StepSave bench (step, save, step-to)
+#   PART=xl    ...                              # gpt2-xl under 24 GiB: dos (old defaults, --resident-first, and both with --speculate 12), torchao, FSDP2 without clipping
+#   PART=b40   ...                              # 4.24B (36 x 3072) under 40 GiB: dos --replan, --resident-first --speculate 12 and 16, torchao, FSDP2
+#   PART=b24   ...                              # 4.24B under 24 GiB, blocks streamed: dos --replan, --resident-first --speculate 16 and 24, FSDP2 (torchao peaks at 29 GiB)
+#   PART=clip  ...                              # gpt2-xl under 24 GiB with --clip 1 from step 1: the speculation must cost nothing
+#   PART=soak  ...                              # 300 iterations of gpt2-xl under 24 GiB with the speculation: drift and memory
+#
+# Every e2e part shares one `dos calibrate --json` profile (OUT/P.json) and runs every dos strategy with --clip 0
+# (CLIP overrides it), T = 1024, B = 8, STEPS iterations (default 6). dos train's defaults now include
+# --resident-first and --speculate auto; the strategies name their flags, so "dos-model" here is
+# `--replan --resident-first=false --speculate 0` (the defaults before 2026-12-07). Results and logs go to OUT
+# (default /tmp/issue31), the tables last; BENCHMARKS.md "Session of 2026-12-07 (fourth)" has the last figures.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+export DOS_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+out=${OUT:-/tmp/issue31}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1
+profile() { [ -s "$out/P.json" ] || bin/dos calibrate --json "$out/P.json" >"$out/calibrate.log" 2>&1; }
+e2e() { # SUBDIR RUNS STRATS MODES
+	profile
+	OUT="$out/$1" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-6} RUNS="$2" STRATS="$3" MODES="$4" RUN_TIMEOUT=${RUN_TIMEOUT:-300} \
+		DOS_FLAGS="--profile $out/P.json --clip ${CLIP:-0} --resident-first=false --speculate 0" bash bench/e2e_offload.sh 2>&1 | tail -n 12
+}
+case ${PART:?PART: tests, xl, b40, b24, clip or soak} in
+tests)
+	(cd trainer && ../bin/test/trainer.test -test.run TestGPU -test.v) >"$out/trainer-gpu.log" 2>&1
+	echo "trainer.test TestGPU: $(grep -c '^--- PASS' "$out/trainer-gpu.log") pass, $(grep -c '^--- FAIL' "$out/trainer-gpu.log") fail, $(grep -c '^--- SKIP' "$out/trainer-gpu.log") skip"
+	(cd adam && ../bin/test/adam.test -test.run XXX -test.bench StepSave -test.benchtime 10x -test.count 2) 2>&1 | tee "$out/adam-bench.log" | grep Benchmark
+	;;
+xl) e2e xl "gpt2-xl,24,8" "dos-model dos-first dos-first-spec-12" "torchao fsdp2-noclip" ;;
+b40) e2e b40 "36:3072:24,40,8" "dos-model dos-first-spec-12 dos-first-spec-16" "torchao fsdp2-noclip" ;;
+b24) e2e b24 "36:3072:24,24,8" "dos-model dos-first-spec-16 dos-first-spec-24" "fsdp2-noclip" ;;
+clip) CLIP=1 STEPS=10 e2e clip "gpt2-xl,24,8" "dos-model dos-first dos-first-spec-12" "" ;;
+soak)
+	OUT="$out/soak" DOS_BIN=bin/dos bash bench/soak.sh --device cuda --model gpt2-xl --tokenizer gpt2 --batch 8 --gpu-memory 24 \
+		--recompute --replan --speculate 12 --clip 0 --steps 300 --sample 0 --eval-every 0 2>&1 | tail -n 8
+	;;
+*)
+	echo "issue31.sh: PART $PART: want tests, xl, b40, b24, clip or soak" >&2
+	exit 2
+	;;
+esac
