@@ -209,8 +209,11 @@ func streamSweep(cfg trainer.TrainConfig, p *perfmodel.Profile, threads int, out
 	step := max(1, len(rows)/10)
 	for i, r := range rows {
 		mark := ""
-		if i == pick {
+		switch {
+		case i == pick:
 			mark += " <- --stream-blocks auto (dos train's, with this profile)"
+		case pick < 0 && r.Blocks == 0:
+			mark += " <- --stream-blocks auto (none: the run fits on the GPU)"
 		}
 		if i == best {
 			mark += " <- the model's fastest"
