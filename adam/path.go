@@ -87,6 +87,16 @@ func kernelArgs(c *Coeffs) (k [9]float32, flags int) {
 	return k, flags
 }
 
+// alignHead returns how many elements of x come before its first one at
+// an address that is a multiple of bytes (a power of two, at least 4), at
+// most len(x).
+func alignHead(x []float32, bytes uintptr) int {
+	if len(x) == 0 {
+		return 0
+	}
+	return min(len(x), int((-uintptr(unsafe.Pointer(unsafe.SliceData(x)))&(bytes-1))/4))
+}
+
 // updateTo is update out of place: the new p, m, v (and vmax) of the
 // inputs p, m, v, vmax and g go to dp, dm, dv, dvmax, and the new p to pc
 // too; the inputs are only read. On a SIMD path the elements from dp's
@@ -97,12 +107,9 @@ func kernelArgs(c *Coeffs) (k [9]float32, flags int) {
 func (path Path) updateTo(c *Coeffs, p, m, v, vmax, g, dp, dm, dv, dvmax, pc []float32) {
 	n := len(g)
 	a, body := n, 0 // the reference's head; the kernel's body
-	if path.lanes > 1 && n > 0 {
-		mask := uintptr(4*path.lanes - 1)
-		off := func(x []float32) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(x))) & mask }
-		if o := off(dp); off(dm) == o && off(dv) == o && (vmax == nil || off(dvmax) == o) {
-			a = min(n, int((-uintptr(unsafe.Pointer(unsafe.SliceData(dp)))&mask)/4))
-			body = (n - a) - (n-a)%path.lanes
+	if vec := uintptr(4 * path.lanes); path.lanes > 1 && n > 0 {
+		if h := alignHead(dp, vec); alignHead(dm, vec) == h && alignHead(dv, vec) == h && (vmax == nil || alignHead(dvmax, vec) == h) {
+			a, body = h, (n-h)-(n-h)%path.lanes
 		}
 	}
 	ref := func(lo, hi int) {

@@ -5,7 +5,6 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
-	"unsafe"
 )
 
 // MinChunk is the smallest number of elements a Pool gives one goroutine:
@@ -316,8 +315,7 @@ func (path Path) copyNT(dst, src []float32) {
 		copy(dst, src)
 		return
 	}
-	// Elements up to the next vector-aligned address of dst.
-	a := int((-uintptr(unsafe.Pointer(&dst[0])) / 4) & uintptr(path.lanes-1))
+	a := alignHead(dst, uintptr(4*path.lanes)) // elements up to the next vector-aligned address of dst
 	body := (n - a) &^ (4*path.lanes - 1)
 	copy(dst[:a], src[:a])
 	if body > 0 {

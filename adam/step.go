@@ -3,7 +3,6 @@ package adam
 import (
 	"fmt"
 	"math"
-	"unsafe"
 )
 
 // State is the optimizer state of n parameters: fp32 master weights and the
@@ -182,10 +181,8 @@ func (path Path) StepTo(c *Coeffs, s State, g Grad, out Copy16, to State) {
 	// The first block ends where to.Param is aligned to 64 bytes (either
 	// path's vector), so that every block after it starts aligned.
 	first := block
-	if n > 0 {
-		if a := int((-uintptr(unsafe.Pointer(&to.Param[0])) & 63) / 4); a > 0 {
-			first = a
-		}
+	if a := alignHead(to.Param, 64); a > 0 {
+		first = a
 	}
 	var gb, pc [block]float32
 	for lo := 0; lo < n; {

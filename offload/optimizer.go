@@ -726,14 +726,7 @@ func (o *Optimizer) chooseSubgroupSize() error {
 		}
 		best[k] = pred.Makespan
 	}
-	fastest := slices.Min(best)
-	pick := -1
-	for k, c := range cands {
-		if best[k] <= 1.02*fastest && (pick < 0 || c > cands[pick]) {
-			pick = k
-		}
-	}
-	o.cut(cands[pick])
+	o.cut(cands[perfmodel.PickSubgroupSize(cands, best)])
 	return nil
 }
 

@@ -241,12 +241,18 @@ func (re *replanState) observeCPU(b scheduler.Busy, all, left int64) {
 	if p *= float64(left) / float64(all); p < replanMinShare*re.basePred.Makespan {
 		return // too little left to tell the rate (observe's rule)
 	}
-	if x := re.f[perfmodel.ResCPU]; x > 0 {
-		re.f[perfmodel.ResCPU] = (1-replanNew)*x + replanNew*m/p
-	} else {
-		re.f[perfmodel.ResCPU] = m / p
-	}
+	re.f[perfmodel.ResCPU] = weigh(re.f[perfmodel.ResCPU], m/p)
 	re.cpuSeen++
+}
+
+// weigh folds the newest measurement y into the running value x, y
+// itself when x is not set yet (0): each factor, seen phase and the
+// makespan's correction, weighted toward recent phases by replanNew.
+func weigh(x, y float64) float64 {
+	if x > 0 {
+		return (1-replanNew)*x + replanNew*y
+	}
+	return y
 }
 
 // observe folds one measured update phase b of the schedule that cur
@@ -278,19 +284,11 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step
 		if !(p > 0) || !(m > 0) || p < replanMinShare*re.basePred.Makespan {
 			continue
 		}
-		if x := re.f[r]; x > 0 {
-			re.f[r] = (1-replanNew)*x + replanNew*m/p
-		} else {
-			re.f[r] = m / p
-		}
+		re.f[r] = weigh(re.f[r], m/p)
 	}
 	measured := b.Makespan.Seconds()
 	if measured > 0 {
-		if x, ok := re.seen[cur.Schedule]; ok {
-			re.seen[cur.Schedule] = (1-replanNew)*x + replanNew*measured
-		} else {
-			re.seen[cur.Schedule] = measured // allocates once per schedule
-		}
+		re.seen[cur.Schedule] = weigh(re.seen[cur.Schedule], measured) // allocates once per schedule
 	}
 	if !(measured > 0) || (step > re.last && step-re.last < replanEvery) {
 		return nil, basePred, nil
@@ -330,11 +328,7 @@ func (re *replanState) observe(b scheduler.Busy, cur *perfmodel.Prediction, step
 		return nil, basePred, fmt.Errorf("offload: re-planning: %w", err)
 	}
 	if now.Makespan > 0 {
-		if x := measured / now.Makespan; re.g > 0 {
-			re.g = (1-replanNew)*re.g + replanNew*x
-		} else {
-			re.g = x
-		}
+		re.g = weigh(re.g, measured/now.Makespan)
 		now.Makespan *= re.g
 		best.Makespan *= re.g
 	}

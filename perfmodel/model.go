@@ -127,6 +127,27 @@ func SubgroupCount(total, size int64) int {
 	return int((total-1)/size + 1) // no overflow
 }
 
+// PickSubgroupSize returns the index of the subgroup size of sizes (in
+// parameters) to cut at, given the update phase predicted at each
+// (makespans, seconds, one per size): the largest whose phase is within
+// 2 % of the fastest (a smaller cut packs a budget better but pays more
+// per-subgroup latency and bookkeeping for no gain). offload's
+// Options.SubgroupSizes choice and dos plan's take it. Panics on lengths
+// that differ or none.
+func PickSubgroupSize(sizes []int, makespans []float64) int {
+	if len(sizes) == 0 || len(sizes) != len(makespans) {
+		panic(fmt.Sprintf("perfmodel: PickSubgroupSize of %d sizes and %d makespans", len(sizes), len(makespans)))
+	}
+	fastest := slices.Min(makespans)
+	pick := -1
+	for k, size := range sizes {
+		if makespans[k] <= 1.02*fastest && (pick < 0 || size > sizes[pick]) {
+			pick = k
+		}
+	}
+	return pick
+}
+
 // SubgroupSizes returns the sizes of the SubgroupCount(total, size)
 // subgroups, in order: size each, the last one the rest.
 func SubgroupSizes(total, size int64) []int64 {

@@ -594,3 +594,22 @@ func TestHostHeldUpcastRate(t *testing.T) {
 		}
 	}
 }
+
+// TestPickSubgroupSize: the largest size whose phase is within 2 % of the
+// fastest, whatever the order.
+func TestPickSubgroupSize(t *testing.T) {
+	for _, c := range []struct {
+		sizes []int
+		times []float64
+		want  int
+	}{
+		{[]int{100, 50, 25}, []float64{1.0, 1.0, 1.0}, 0},
+		{[]int{100, 50, 25}, []float64{1.05, 1.0, 0.99}, 1},
+		{[]int{100, 50, 25}, []float64{1.2, 1.1, 1.0}, 2},
+		{[]int{25, 100, 50}, []float64{1.0, 1.019, 1.5}, 1},
+	} {
+		if got := PickSubgroupSize(c.sizes, c.times); got != c.want {
+			t.Errorf("sizes %v, phases %v: picked %d, want %d", c.sizes, c.times, got, c.want)
+		}
+	}
+}

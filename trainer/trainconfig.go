@@ -165,13 +165,14 @@ type TrainConfig struct {
 	// their gradients arrive, kept when the step neither clips nor is
 	// skipped, restored otherwise; 14 bytes per parameter speculated on,
 	// at most the model's. 0: none. SpeculateAuto (-1, the default):
-	// SpeculateAutoGiB,
-	// or less where the host memory the run may use leaves less (half of
-	// what MemoryBytes leaves of it, counted when Validate runs; none
-	// before Validate or where the run may not speculate). The trajectory
-	// is the same, bit for bit. Not saved in checkpoints.
+	// SpeculateAutoGiB, or less where the host memory the run may use
+	// leaves less (resolveSpeculate: half of what MemoryBytes leaves of
+	// it, counted when Validate runs and again once --stream-blocks
+	// auto's count is chosen; none before Validate or where the run may
+	// not speculate). The trajectory is the same, bit for bit. Not saved
+	// in checkpoints.
 	Speculate float64 `json:"-"`
-	// specAuto is SpeculateAuto's bytes, set by Validate.
+	// specAuto is SpeculateAuto's bytes (resolveSpeculate).
 	specAuto int64
 	// Replan, with a Device and the performance model's schedule
 	// (--profile, or the start-up calibration with cuda; not --schedule),

@@ -430,8 +430,8 @@ func writePlanOutputs(out *outputs, stdout io.Writer, meta map[string]any, resul
 }
 
 // trainCut returns the subgroup size dos train --device cuda cuts w's
-// parameters at: of cudaSubgroupSizes, the largest whose update phase p
-// predicts within 2 % of the fastest's (offload's chooseSubgroupSize).
+// parameters at: of cudaSubgroupSizes, perfmodel.PickSubgroupSize's pick
+// by the update phase p predicts at each (offload's choice).
 //
 // Errors: the model's.
 func trainCut(p *perfmodel.Profile, w perfmodel.Workload) (int64, error) {
@@ -445,13 +445,7 @@ func trainCut(p *perfmodel.Profile, w perfmodel.Workload) (int64, error) {
 		}
 		best[k] = pr.Makespan
 	}
-	fastest, pick := slices.Min(best), -1
-	for k, size := range sizes {
-		if best[k] <= 1.02*fastest && (pick < 0 || size > sizes[pick]) {
-			pick = k
-		}
-	}
-	return int64(sizes[pick]), nil
+	return int64(sizes[perfmodel.PickSubgroupSize(sizes, best)]), nil
 }
 
 // iterationPlan prints the whole iteration the model predicts for cfg's
