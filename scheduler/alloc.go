@@ -266,6 +266,7 @@ func (e *Engine) Replan(p *Plan) error {
 	if err := firstErr(e.DropPrefetch(), e.Download()); err != nil {
 		return err
 	}
+	e.home() // the roles change: every state where the new plan reads it
 	old := e.plan
 	// The old plan's pinned host buffers wait in e.spare for the new plan
 	// (planHost); what it does not take is freed by then, or on the way

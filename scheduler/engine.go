@@ -56,11 +56,12 @@ type Options struct {
 	// and no Mirror span may touch them. The device gradients and
 	// working copy then hold the other subgroups only (DeviceOffset).
 	HostHeld []bool
-	// Speculate is host memory in bytes for the saves of speculative
+	// Speculate is host memory in bytes for the slots of speculative
 	// updates (Speculate: the host-held subgroups, and with Prefetch the
-	// CPU subgroups, updated during the trainer's backward, kept or undone
-	// when the step's scalars are known): SpeculateBytes(n, AMSGrad)
-	// speculates on n parameters at most, 2 bytes of each pinned. 0: none.
+	// CPU subgroups, updated out of place during the trainer's backward,
+	// kept or undone when the step's scalars are known):
+	// SpeculateBytes(n, AMSGrad) holds n parameters' state, 6 bytes of
+	// each pinned. 0: none.
 	// Ignored when nothing qualifies at New: no host-held subgroups, and
 	// no Prefetch (or a plan that upcasts CPU gradients on the GPU).
 	Speculate int64
@@ -158,12 +159,13 @@ type Engine struct {
 	gpOff   []int64 // per CPU subgroup: its gradient's byte offset in gpre
 
 	// Speculate's (speculate.go), for the next Update.
-	specSave               adam.State     // the saves of the speculated subgroups' state, specN elements
-	specOut                []uint16       // and of their working copy
+	slots                  adam.State     // the slots: specN elements per array, a subgroup's state where a kept speculative update moved it (Param pinned: slotsH)
+	slotsH                 Host           // slots.Param's pinned memory (the mirror's H2D reads it)
+	specOut                []uint16       // per slot element: a speculated CPU subgroup's new working copy, for its H2D
 	specOutH               Host           // specOut's pinned memory
-	specN                  int64          // elements the saves hold (0: no speculation)
-	specUsed               int64          // elements of the saves in use
-	specAt                 []int64        // per subgroup: its save's first element, -1 when not speculated
+	specN                  int64          // elements the slots hold (0: no speculation)
+	loc                    []int64        // per subgroup: where its state is, homeLoc (the host state) or a slot's first element
+	specTo                 []int64        // per subgroup: where its speculative update wrote the new state (homeLoc or a slot), noSpec when not speculated
 	specC                  []adam.Coeffs  // per subgroup: the scalars speculated with
 	specT                  [][2]time.Time // per subgroup: when its speculative update ran
 	specUndo, specUndoLast []specUndo     // undone speculative updates since the last phase, and those of the last phase (Trace)
@@ -315,7 +317,10 @@ func (e *Engine) Broken() bool { return e.broken }
 
 // HostState returns the master state in pinned host memory, all subgroups
 // flat in order (total elements per array). For resident subgroups it is
-// current only after Download; after writing it, call Load.
+// current only after Download, and with Options.Speculate only after
+// DropSpeculation (a kept speculative update may leave a subgroup's state
+// in a slot of its own until the subgroup's next one); after writing it,
+// call Load.
 func (e *Engine) HostState() adam.State { return e.state }
 
 // Grad returns the device gradients, all subgroups flat in order (but the
@@ -421,10 +426,10 @@ func (e *Engine) slotState(slot, i int) State {
 // after a fault and for a speculated subgroup that was restored (its
 // update runs twice), and must not call the engine; nil removes it. It
 // may be called at any time, also while a speculative update runs (that
-// update keeps the gate it read). Download, DownloadAsync, Replan and the
-// restores of speculated subgroups write host state without it: their
-// caller waits for the capture first, and a restore follows a gated
-// speculative update of the same subgroup.
+// update keeps the gate it read). A speculative update that writes into a
+// slot, not the host state, and a CPU update of a state in a slot, do not
+// call it. Download, DownloadAsync and Replan write host state without
+// it: their caller waits for the capture first.
 func (e *Engine) Hold(gate func(i int)) {
 	if gate == nil {
 		e.gate.Store(nil)

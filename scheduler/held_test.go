@@ -115,7 +115,7 @@ func checkHeldRun(t testing.TB, d Device, e *Engine, want adam.State, wantCopy [
 	if err := e.Download(); err != nil {
 		t.Fatal(err)
 	}
-	got := e.HostState()
+	got := e.current()
 	for a, x := range [][2][]float32{{got.Param, want.Param}, {got.ExpAvg, want.ExpAvg}, {got.ExpAvgSq, want.ExpAvgSq}, {got.MaxExpAvgSq, want.MaxExpAvgSq}} {
 		for i := range x[1] {
 			if math.Float32bits(x[0][i]) != math.Float32bits(x[1][i]) {

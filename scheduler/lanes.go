@@ -118,7 +118,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.coeffs(i), x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.doff[i], N: n})); err != nil {
 			return err
 		}
-		e.fail(i, int(st.op), e.copyMirror(i, s, x.Param))
+		e.fail(i, int(st.op), e.copyMirror(i, s, x.Param, homeLoc))
 		return e.dev.Record(e.endEv[k], s)
 	case opUpcast:
 		s := e.s[sUpcast]
@@ -158,7 +158,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.H2D(s, e.work, 2*e.doff[i], src, srcOff, 2*n)); err != nil {
 			return err
 		}
-		e.fail(i, int(st.op), e.copyMirror(i, s, Vec{}))
+		e.fail(i, int(st.op), e.copyMirror(i, s, Vec{}, e.where(i)))
 		return e.dev.Record(e.endEv[k], s)
 	}
 	panic("scheduler: unknown operation")
@@ -166,18 +166,20 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 
 // copyMirror enqueues on s the copies of subgroup i's updated master
 // weights into the mirror (Options.Mirror): device to device from master
-// (its N elements, on the device), or H2D from the host state when
-// master.Mem is nil. It stops at the first copy that fails. In the lanes
+// (its N elements, on the device), or H2D from the host when master.Mem is
+// nil, from where (stateAt: the host state, or a slot of the
+// speculation's). It stops at the first copy that fails. In the lanes
 // the subgroup's operation has been applied and must not run again, so
 // they record that error as the phase's fault (fail) without failing the
 // step, and complete refreshes the whole mirror.
-func (e *Engine) copyMirror(i int, s Stream, master Vec) error {
+func (e *Engine) copyMirror(i int, s Stream, master Vec, where int64) error {
+	h, hOff := e.paramHost(i, where)
 	for _, p := range e.mpieces[i] {
 		var err error
 		if master.Mem != nil {
 			err = e.dev.D2D(s, e.mirror, 4*p.at, master.Mem, 4*(master.Off+p.sub), 4*p.n)
 		} else {
-			err = e.dev.H2D(s, e.mirror, 4*p.at, e.host[0], 4*(e.off[i]+p.sub), 4*p.n)
+			err = e.dev.H2D(s, e.mirror, 4*p.at, h, hOff+4*p.sub, 4*p.n)
 		}
 		if err != nil {
 			return err
@@ -236,7 +238,6 @@ func (e *Engine) statePiece(k int32, st *step, slot int, waits bool) error {
 // into its own working copy (HostGrad, HostWorking).
 func (e *Engine) cpu(i, slot int) {
 	n := e.sizes[i]
-	lo := e.off[i]
 	var g adam.Grad
 	var out adam.Copy16
 	if e.held[i] {
@@ -248,9 +249,12 @@ func (e *Engine) cpu(i, slot int) {
 		cs := e.cst.Bytes()
 		out = adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}
 	}
-	e.waitGate(i) // the update writes subgroup i's host state in place
+	where := e.where(i) // the host state, or a slot where a kept speculative update left it
+	if where == homeLoc {
+		e.waitGate(i) // the update writes subgroup i's host state in place
+	}
 	e.cpuT[i][0] = time.Since(e.t0)
-	e.pool.Step(e.coeffs(i), e.state.Slice(int(lo), int(lo+n)), g, out)
+	e.pool.Step(e.coeffs(i), e.stateAt(i, where), g, out)
 	e.cpuT[i][1] = time.Since(e.t0)
 }
 

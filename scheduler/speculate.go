@@ -19,32 +19,52 @@ import (
 //
 //   - a host-held subgroup (Options.HostHeld): its gradient lands in pinned
 //     host memory as its block's backward ends, and nothing on the device
-//     reads its state; its working copy is updated in place, the old one
-//     saved;
+//     reads its state; its working copy is updated in place;
 //   - a CPU subgroup whose gradient Prefetch moved into its own pinned
 //     place (Options.Prefetch, no upcast on the GPU): once that copy is
-//     done; its new working copy goes to the saves' pinned 16-bit part,
+//     done; its new working copy goes to the slots' pinned 16-bit part,
 //     from which it moves H2D into the device working copy at once, with
 //     its mirror part (specCopy): its block's backward is over, so nothing
 //     of the iteration reads those weights again, and a kept update's
-//     phase has no copy left to do; a restore copies the old working copy
+//     phase has no copy left to do; an undo copies the old working copy
 //     back.
 //
-// Before updating, the workers copy the state the update overwrites (and a
-// held subgroup's working copy) into the saves (Options.Speculate bytes of
-// host memory, 14 bytes a parameter, 18 with amsgrad). When the step's
-// scalars are known (EndSpeculation), a subgroup speculated with exactly
-// those scalars is kept: the next Update skips its update (and its
-// gradient's copy), and its update is the serial phase's bit for bit (the
-// same kernel on the same operands). Any other subgroup (a skipped step,
-// clipping, another rate) gets its saved state back, bit for bit, and the
-// phase updates it as before. So the committed bits are always the serial
-// step's.
+// A speculative update is out of place (adam.Pool.StepTo): it reads the
+// subgroup's state where it is and writes the new state elsewhere, so the
+// old state stays as it was until the update is validated. A subgroup's
+// state is in the host state (HostState, its home) or in a slot of
+// Options.Speculate's host memory (14 bytes a parameter, 18 with
+// amsgrad): an update from home writes into a free slot, one from a slot
+// writes home. When the step's scalars are known (EndSpeculation), a
+// subgroup speculated with exactly those scalars is kept: the next Update
+// skips its update (and its gradient's copy), and at the Update's end
+// its state is where the speculation wrote it (its old slot free again).
+// Its update is the serial phase's bit for bit (adam's StepTo is Step's).
+// Any other subgroup (a skipped step, clipping, another rate) is undone
+// by forgetting the new state (its old state never moved; an old working
+// copy is rounded again from it), and the phase updates it as before,
+// where it is. So the committed bits are always the serial step's, and a
+// speculative update moves what the phase's would, 28 bytes a parameter
+// (a copy-and-update in place, StepSave, moved 40).
 //
 // The workers take the final subgroups from the last one down, as the
-// backward makes them final, each that still fits in the saves; what they
-// did not take is the phase's. The lazy checkpoint's gate (Hold) is kept: a
-// speculative update of subgroup i waits for the capture of subgroup i.
+// backward makes them final, each that has a free slot or goes home; what
+// they did not take is the phase's, wherever its state is. A reader of
+// the host state (a checkpoint, the master weights) calls
+// DropSpeculation first, which moves every state home. The lazy
+// checkpoint's gate (Hold) is kept: a speculative update that writes
+// subgroup i's host state waits for the capture of subgroup i.
+
+// homeLoc and noSpec are values of Engine.loc and Engine.specTo: a
+// subgroup's state in the host state, and no speculative update.
+const (
+	homeLoc int64 = -1
+	noSpec  int64 = -2
+)
+
+// slotAlign is the slots' alignment in elements (64 bytes): StepTo's
+// kernel takes a destination whose arrays are aligned alike.
+const slotAlign = 16
 
 // specReq is one Speculate call's news for the worker: the subgroups
 // inside [ready, total) are final once event ev (recorded on the trainer's
@@ -55,7 +75,7 @@ type specReq struct {
 	stop  bool
 }
 
-// allocSpec makes the saves (Options.Speculate bytes, cut to whole
+// allocSpec makes the slots (Options.Speculate bytes, cut to whole
 // parameters) and starts the speculation worker, when Options.Speculate >
 // 0 and some subgroup may be speculated on: a host-held one, or with
 // Options.Prefetch a CPU subgroup (whose gradient Prefetch brings to the
@@ -67,8 +87,8 @@ func (e *Engine) allocSpec() error {
 	if e.o.Speculate == 0 || (e.heldN == 0 && e.gpre == nil) {
 		return nil // nothing would qualify: no held subgroup, no CPU gradient moved by Prefetch
 	}
-	n := min(e.o.Speculate/SpeculateBytes(1, e.nArr == 4), e.total)
-	if n == 0 {
+	n := min(e.o.Speculate/SpeculateBytes(1, e.nArr == 4), e.total+slotAlign*int64(len(e.sizes)))
+	if n < slotAlign {
 		return nil
 	}
 	n0 := len(e.sizes)
@@ -83,21 +103,27 @@ func (e *Engine) allocSpec() error {
 		e.specEv[k] = ev
 		e.allocs = append(e.allocs, ev)
 	}
-	e.specAt, e.specC, e.specT = make([]int64, n0), make([]adam.Coeffs, n0), make([][2]time.Time, n0)
+	e.specC, e.specT = make([]adam.Coeffs, n0), make([][2]time.Time, n0)
 	e.specUndo, e.specUndoLast = make([]specUndo, 0, n0), make([]specUndo, 0, n0)
 	e.specCan, e.specCopied = make([]bool, n0), make([]bool, n0)
-	for i := range e.specAt {
-		e.specAt[i] = -1
+	e.loc, e.specTo = make([]int64, n0), make([]int64, n0)
+	for i := range e.loc {
+		e.loc[i], e.specTo[i] = homeLoc, noSpec
 	}
-	e.specSave = adam.State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
-	if e.nArr == 4 {
-		e.specSave.MaxExpAvgSq = make([]float32, n)
-	}
-	// The 16-bit part in pinned memory: a CPU subgroup's new working copy
-	// moves H2D from it in the phase (a host-held one's old copy is saved
-	// there).
-	h, err := e.dev.AllocHost(2 * n)
+	// The slots' master weights and 16-bit part in pinned memory: the
+	// mirror's H2D reads the one, a CPU subgroup's new working copy moves
+	// H2D from the other.
+	h, err := e.dev.AllocHost(4 * n)
 	if err != nil {
+		return fmt.Errorf("scheduler: Options.Speculate's %d bytes of pinned memory: %w", 4*n, err)
+	}
+	e.allocs = append(e.allocs, h)
+	e.slotsH = h
+	e.slots = adam.State{Param: unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(h.Bytes()))), n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
+	if e.nArr == 4 {
+		e.slots.MaxExpAvgSq = make([]float32, n)
+	}
+	if h, err = e.dev.AllocHost(2 * n); err != nil {
 		return fmt.Errorf("scheduler: Options.Speculate's %d bytes of pinned memory: %w", 2*n, err)
 	}
 	e.allocs = append(e.allocs, h)
@@ -107,7 +133,7 @@ func (e *Engine) allocSpec() error {
 	// (12 GiB of saves took the first iterations 0.3 to 0.7 s more on
 	// the H100).
 	var wg sync.WaitGroup
-	for _, a := range [][]float32{e.specSave.Param, e.specSave.ExpAvg, e.specSave.ExpAvgSq, e.specSave.MaxExpAvgSq} {
+	for _, a := range [][]float32{e.slots.ExpAvg, e.slots.ExpAvgSq, e.slots.MaxExpAvgSq} {
 		prefault(&wg, unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(a))), 4*len(a)), e.pool.Threads())
 	}
 	wg.Wait()
@@ -120,6 +146,94 @@ func (e *Engine) allocSpec() error {
 	return nil
 }
 
+// stateAt returns subgroup i's state arrays at where: homeLoc (the host
+// state) or a slot's first element.
+func (e *Engine) stateAt(i int, where int64) adam.State {
+	n := e.sizes[i]
+	if where == homeLoc {
+		return e.state.Slice(int(e.off[i]), int(e.off[i]+n))
+	}
+	return e.slots.Slice(int(where), int(where+n))
+}
+
+// paramHost returns the pinned memory and byte offset of subgroup i's
+// master weights at where (stateAt), for an H2D.
+func (e *Engine) paramHost(i int, where int64) (Host, int64) {
+	if where == homeLoc {
+		return e.host[0], 4 * e.off[i]
+	}
+	return e.slotsH, 4 * where
+}
+
+// where returns where subgroup i's state is for the phase: where a kept
+// speculative update wrote it, else where it was (homeLoc without
+// Options.Speculate).
+func (e *Engine) where(i int) int64 {
+	if e.specN == 0 {
+		return homeLoc
+	}
+	if t := e.specTo[i]; t != noSpec {
+		return t
+	}
+	return e.loc[i]
+}
+
+// allocSlot returns the first element, a multiple of slotAlign, of the
+// first n free elements in a row of the slots (ok false when there are
+// none). A slot is in use while a subgroup's state is there or a
+// speculative update wrote there. It allocates nothing; its cost, a pass
+// over the subgroups per run in use it steps over, is small beside an
+// update of n elements.
+func (e *Engine) allocSlot(n int64) (at int64, ok bool) {
+	for at+n <= e.specN {
+		end := int64(-1) // the end of the last run in use that overlaps [at, at+n)
+		for i, l := range e.loc {
+			for _, u := range [2]int64{l, e.specTo[i]} {
+				if u >= 0 && u < at+n && at < u+e.sizes[i] {
+					end = max(end, u+e.sizes[i])
+				}
+			}
+		}
+		if end < 0 {
+			return at, true
+		}
+		at = (end + slotAlign - 1) / slotAlign * slotAlign
+	}
+	return 0, false
+}
+
+// home moves every state a kept speculative update left in a slot back
+// into the host state (after the gate: it writes there), on the pool's
+// workers. No speculative update may be pending (dropSpec first).
+func (e *Engine) home() {
+	for i, l := range e.loc { // nil without Options.Speculate
+		if l == homeLoc {
+			continue
+		}
+		e.waitGate(i)
+		e.pool.Restore(e.stateAt(i, homeLoc), nil, e.stateAt(i, l), nil)
+		e.loc[i] = homeLoc
+	}
+}
+
+// round16 rounds src into dst (adam.Round16) on as many goroutines as the
+// pool has threads: an undo's working copies, on the caller's goroutine
+// while the pool's workers idle.
+func (e *Engine) round16(dst []uint16, src []float32) {
+	const chunk = 1 << 18
+	if len(src) <= chunk {
+		adam.Round16(e.o.WorkingDType, dst, src)
+		return
+	}
+	var wg sync.WaitGroup
+	per := max(chunk, (len(src)+e.pool.Threads()-1)/e.pool.Threads())
+	for lo := 0; lo < len(src); lo += per {
+		hi := min(lo+per, len(src))
+		wg.Go(func() { adam.Round16(e.o.WorkingDType, dst[lo:hi], src[lo:hi]) })
+	}
+	wg.Wait()
+}
+
 // specCPU reports whether subgroup i, not host-held, may be speculated on:
 // a CPU subgroup of the plan whose gradient Prefetch moves to the host
 // (Options.Prefetch, no upcast on the GPU).
@@ -128,8 +242,8 @@ func (e *Engine) specCPU(i int) bool {
 }
 
 // SpeculateBytes is the host memory Options.Speculate needs to speculate on
-// n parameters: what their update overwrites, 14 bytes a parameter (p,
-// exp_avg, exp_avg_sq in fp32 and the 16-bit working copy), 18 with
+// n parameters: the slots their new state goes to, 14 bytes a parameter
+// (p, exp_avg, exp_avg_sq in fp32 and the 16-bit working copy), 18 with
 // amsgrad.
 func SpeculateBytes(n int64, amsgrad bool) int64 {
 	if amsgrad {
@@ -149,9 +263,9 @@ func SpeculateBytes(n int64, amsgrad bool) int64 {
 // step's unscale). The first call after an Update, a drop or
 // EndSpeculation fixes cs for the phase; later calls only add subgroups.
 // It waits for nothing and allocates nothing: the workers wait for s's
-// work, copy what each update overwrites into the saves
-// (Options.Speculate) and update the subgroup in place, the last
-// subgroups first, skipping any that no longer fits in the saves. Call
+// work and update each subgroup out of place (from home into a free slot
+// of Options.Speculate's, or from its slot home), the last subgroups
+// first, skipping any that finds no free slot. Call
 // EndSpeculation before the next Update, with that step's scalars. The
 // gradients in [ready, total) must not change until then. Without
 // Options.Speculate, or with nothing to speculate on, it does nothing.
@@ -223,40 +337,45 @@ func (e *Engine) specWorker(reqs <-chan specReq) {
 			if e.specStop.Load() {
 				break
 			}
-			n := e.sizes[i]
-			if e.specAt[i] >= 0 || e.specUsed+n > e.specN {
+			if e.specTo[i] != noSpec || !e.specCan[i] {
 				continue
 			}
-			if !e.specCan[i] {
-				continue
+			n, from, to := e.sizes[i], e.loc[i], homeLoc
+			if from == homeLoc {
+				at, ok := e.allocSlot(n)
+				if !ok {
+					continue // the slots are full: the phase's
+				}
+				to = at
 			}
+			slot := max(from, to) // its specOut part: a CPU subgroup's new working copy
 			var g adam.Grad
-			at, lo := e.specUsed, e.off[i]
-			out := adam.Copy16{DType: e.o.WorkingDType, Data: e.specOut[at : at+n]}
-			var saveOut []uint16
-			switch {
-			case e.held[i]:
-				// In place: the new working copy over the old, saved.
-				g, out.Data, saveOut = e.heldGrad(e.hoff[i], n), e.heldWork(e.hoff[i], n), e.specOut[at:at+n]
-			default: // a CPU subgroup whose gradient's copy Prefetch issued
+			out := adam.Copy16{DType: e.o.WorkingDType, Data: e.specOut[slot : slot+n]}
+			if e.held[i] {
+				// The new working copy over the old, which an undo
+				// rounds again from the old master weights.
+				g, out.Data = e.heldGrad(e.hoff[i], n), e.heldWork(e.hoff[i], n)
+			} else { // a CPU subgroup whose gradient's copy Prefetch issued
 				// From the gradient Prefetch moved into the subgroup's own
 				// place, once that copy is done; the new working copy into
-				// the saves' pinned 16-bit part, which the phase copies H2D.
+				// the slots' pinned 16-bit part, which moves H2D at once.
 				if e.dev.Sync(e.endEv[e.core.opSteps[i][opGradD2H][1]]) != nil {
 					e.specStop.Store(true)
 					continue
 				}
 				g = hostGrad(e.gpre, e.cpuGD, e.gpOff[i]/elemBytes(e.cpuGD), n)
 			}
-			e.waitGate(i) // the update writes subgroup i's host state in place
+			if to == homeLoc {
+				e.waitGate(i) // the update writes subgroup i's host state
+			}
 			e.specT[i][0] = time.Now()
-			e.pool.StepSave(&e.specC[i], e.state.Slice(int(lo), int(lo+n)), g, out, e.specSave.Slice(int(at), int(at+n)), saveOut)
+			e.pool.StepTo(&e.specC[i], e.stateAt(i, from), g, out, e.stateAt(i, to))
 			e.specT[i][1] = time.Now()
-			e.specAt[i], e.specUsed = at, at+n
+			e.specTo[i] = to
 			if !e.held[i] {
 				// Its working copy H2D now, during the backward: the
 				// phase then skips the copy if it keeps the update.
-				if e.specCopy(i, at) != nil {
+				if e.specCopy(i, slot, to) != nil {
 					e.specStop.Store(true) // the phase copies it (specSource), or restoreSpec
 					continue
 				}
@@ -266,22 +385,22 @@ func (e *Engine) specWorker(reqs <-chan specReq) {
 	}
 }
 
-// specCopy enqueues speculated CPU subgroup i's new working copy (the
-// saves' 16-bit part from element at) H2D into the device working copy,
-// and its mirror part from the host state, on the H2D lane between the
-// copy step's start and end events, as Prefetch issues a step: its
-// gradient's copy is done, which the trainer ordered after its block's
-// backward, so nothing of this iteration reads those weights again. A
-// phase that keeps the update skips its copy (EndSpeculation sets the
-// step's done bit; WaitReady waits for the end event recorded here); a
-// restore copies the old working copy back (restoreSpec).
-func (e *Engine) specCopy(i int, at int64) error {
+// specCopy enqueues speculated CPU subgroup i's working copy (the slots'
+// 16-bit part from element slot) H2D into the device working copy, and
+// its mirror part from its master weights at where (stateAt), on the H2D
+// lane between the copy step's start and end events, as Prefetch issues a
+// step: its gradient's copy is done, which the trainer ordered after its
+// block's backward, so nothing of this iteration reads those weights
+// again. A phase that keeps the update skips its copy (EndSpeculation
+// sets the step's done bit; WaitReady waits for the end event recorded
+// here); an undo copies the old working copy back (restoreSpec).
+func (e *Engine) specCopy(i int, slot, where int64) error {
 	k := e.core.opSteps[i][opCopyH2D]
 	s := e.s[sH2D]
 	e.laneMu[sH2D].Lock()
 	defer e.laneMu[sH2D].Unlock()
-	return firstErr(e.dev.Record(e.startEv[k[0]], s), e.dev.H2D(s, e.work, 2*e.doff[i], e.specOutH, 2*at, 2*e.sizes[i]),
-		e.copyMirror(i, s, Vec{}), e.dev.Record(e.endEv[k[1]], s))
+	return firstErr(e.dev.Record(e.startEv[k[0]], s), e.dev.H2D(s, e.work, 2*e.doff[i], e.specOutH, 2*slot, 2*e.sizes[i]),
+		e.copyMirror(i, s, Vec{}, where), e.dev.Record(e.endEv[k[1]], s))
 }
 
 // WaitSpeculation waits until the CPU workers have run what every
@@ -323,11 +442,7 @@ func (e *Engine) haltSpec() {
 // a caller whose backward has ended calls it, so that what is left is the
 // phase's; Speculate then starts nothing more until EndSpeculation, a drop
 // or the Update (it would fix other scalars for what was already
-// updated). A speculative update moves about 1.4 times the memory of the
-// phase's (it saves what it overwrites: 40 bytes a parameter against 28,
-// adam.Pool.StepSave; 2.8 against 4.6 Gparam/s on an H100 host), so it
-// pays only while the CPU would otherwise wait for the backward. Without a speculation it does
-// nothing.
+// updated). Without a speculation it does nothing.
 func (e *Engine) StopSpeculation() {
 	if e.specN > 0 {
 		e.haltSpec()
@@ -338,14 +453,15 @@ func (e *Engine) StopSpeculation() {
 // EndSpeculation ends the speculation of the coming step: the worker
 // stops (the subgroup it is updating finishes), then each speculated
 // subgroup whose scalars were cs[i], bit for bit, is kept for the next
-// Update, which skips it (its update is done), and every other one gets
-// its saved state and working copy back. cs nil keeps none (a skipped
-// step). It returns how many parameters were kept. Without a speculation
-// it does nothing. A drop (DropPrefetch, ZeroGrad, SetGrad, Load, Replan,
-// Close) before the next Update undoes the kept ones too.
+// Update, which skips it (its update is done), and every other one is
+// undone (its state never moved; its working copy gets the old one back).
+// cs nil keeps none (a skipped step). It returns how many parameters were
+// kept. Without a speculation it does nothing. A drop (DropPrefetch,
+// ZeroGrad, SetGrad, Load, Replan, DropSpeculation, Close) before the
+// next Update undoes the kept ones too.
 //
 // Errors: len(cs) other than the subgroup count (nothing is kept then:
-// every speculated subgroup is restored).
+// every speculated subgroup is undone).
 func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 	if e.specN == 0 {
 		return 0, nil
@@ -355,8 +471,8 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 		err = fmt.Errorf("scheduler: EndSpeculation with %d coefficients for %d subgroups", len(cs), len(e.sizes))
 		cs = nil
 	}
-	for i, at := range e.specAt {
-		if at < 0 || e.pre[i]&(1<<opCPU) != 0 {
+	for i, to := range e.specTo {
+		if to == noSpec || e.pre[i]&(1<<opCPU) != 0 {
 			continue
 		}
 		if cs != nil && sameCoeffs(&cs[i], &e.specC[i]) {
@@ -370,9 +486,6 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 		e.restoreSpec(i)
 	}
 	e.syncRecopies()
-	if kept == 0 {
-		e.specUsed = 0 // every save is free again
-	}
 	return kept, err
 }
 
@@ -386,23 +499,23 @@ func sameCoeffs(a, b *adam.Coeffs) bool {
 		f(a.BC2Sqrt, b.BC2Sqrt) && f(a.Eps, b.Eps) && f(a.NegStepSize, b.NegStepSize)
 }
 
-// restoreSpec gives speculated subgroup i its saved state and working
-// copy back and forgets its speculation.
+// restoreSpec undoes speculated subgroup i: its state is where it was
+// (the new one is forgotten, its slot free again), and its working copy,
+// on the host (host-held) or on the device (specCopy), the old one again,
+// rounded from the old master weights, as the phase or the last Load
+// wrote it.
 func (e *Engine) restoreSpec(i int) {
-	at, n, lo := e.specAt[i], e.sizes[i], e.off[i]
-	var out, saveOut []uint16
-	if e.held[i] {
-		out, saveOut = e.heldWork(e.hoff[i], n), e.specOut[at:at+n]
-	}
+	n, from := e.sizes[i], e.loc[i]
+	slot := max(from, e.specTo[i])
 	t := time.Now()
-	e.pool.Restore(e.state.Slice(int(lo), int(lo+n)), out, e.specSave.Slice(int(at), int(at+n)), saveOut)
+	old := e.stateAt(i, from).Param
+	if e.held[i] {
+		e.round16(e.heldWork(e.hoff[i], n), old)
+	}
 	if e.specCopied[i] {
-		// The device has the speculative working copy (specCopy): the
-		// old one back, rounded from the restored master weights, as
-		// the phase or the last Load wrote it, and the mirror's part.
 		// Its caller waits for the copies once (syncRecopies).
-		adam.Round16(e.o.WorkingDType, e.specOut[at:at+n], e.state.Param[lo:lo+n])
-		if e.specCopy(i, at) != nil {
+		e.round16(e.specOut[slot:slot+n], old)
+		if e.specCopy(i, slot, from) != nil {
 			e.broken = true // the device's copy is neither: restore from a checkpoint
 		}
 		e.specCopied[i], e.specRecopied = false, true
@@ -410,7 +523,7 @@ func (e *Engine) restoreSpec(i int) {
 	if len(e.specUndo) < cap(e.specUndo) { // for Trace: never allocates
 		e.specUndo = append(e.specUndo, specUndo{sub: i, spec: e.specT[i], restore: [2]time.Time{t, time.Now()}})
 	}
-	e.specAt[i] = -1
+	e.specTo[i] = noSpec
 	e.pre[i] &^= 1<<opCPU | 1<<opCopyH2D
 }
 
@@ -444,27 +557,30 @@ func (e *Engine) dropSpec() {
 	}
 	e.stopSpec()
 	e.restoreSpecs(true)
-	e.specUsed = 0
 	e.specUndo = e.specUndo[:0] // dropped, not validated: no phase of theirs to trace
 }
 
-// restoreSpecs gives every speculated subgroup its saved state back: only
-// those EndSpeculation did not keep, or, with kept, those too.
+// restoreSpecs undoes every speculated subgroup: only those EndSpeculation
+// did not keep, or, with kept, those too.
 func (e *Engine) restoreSpecs(kept bool) {
-	for i, at := range e.specAt {
-		if at >= 0 && (kept || e.pre[i]&(1<<opCPU) == 0) {
+	for i, to := range e.specTo {
+		if to != noSpec && (kept || e.pre[i]&(1<<opCPU) == 0) {
 			e.restoreSpec(i)
 		}
 	}
 	e.syncRecopies()
 }
 
-// DropSpeculation undoes every speculated subgroup, kept ones too: a
-// caller about to read or write the host state before the next Update
-// (a checkpoint, the master weights) calls it, so that it sees the last
-// step's state. The prefetched copies stay. Without a speculation it does
-// nothing.
-func (e *Engine) DropSpeculation() { e.dropSpec() }
+// DropSpeculation undoes every speculated subgroup, kept ones too, and
+// moves every state that kept speculative updates left in the slots back
+// into the host state (HostState): a caller about to read or write the
+// host state (a checkpoint, the master weights) calls it, so that it sees
+// the last step's state there. The prefetched copies stay. Without a
+// speculation it does nothing.
+func (e *Engine) DropSpeculation() {
+	e.dropSpec()
+	e.home()
+}
 
 // settleSpec, at an Update's start, stops the worker and undoes what was
 // speculated but not kept (a Speculate after EndSpeculation), so that only
@@ -486,35 +602,36 @@ func (e *Engine) takeSpec() {
 	}
 	e.specUndoLast = append(e.specUndoLast[:0], e.specUndo...)
 	e.specUndo = e.specUndo[:0]
-	for i, at := range e.specAt {
-		if at >= 0 {
+	for i, to := range e.specTo {
+		if to != noSpec {
 			e.cpuT[i] = [2]time.Duration{e.specT[i][0].Sub(e.t0), e.specT[i][1].Sub(e.t0)}
 		}
 	}
 }
 
-// endSpec is the end of an Update that took the kept subgroups: their
-// saves are free again (the phase copied a CPU subgroup's new working
-// copy from them).
+// endSpec is the end of an Update that took the kept subgroups: each
+// one's state is where its speculative update wrote it (its old slot, if
+// any, free again).
 func (e *Engine) endSpec() {
 	if e.specN == 0 {
 		return
 	}
-	for i := range e.specAt {
-		e.specAt[i] = -1
+	for i, to := range e.specTo {
+		if to != noSpec {
+			e.loc[i], e.specTo[i] = to, noSpec
+		}
 	}
 	clear(e.specCopied)
-	e.specUsed = 0
 }
 
 // specSource returns where kept CPU subgroup i's new working copy is for
-// its copy H2D: the saves' pinned 16-bit part (ok false when i was not
+// its copy H2D: the slots' pinned 16-bit part (ok false when i was not
 // kept: the copy staging then).
 func (e *Engine) specSource(i int) (Host, int64, bool) {
-	if e.specN == 0 || e.held[i] || e.specAt[i] < 0 || e.pre[i]&(1<<opCPU) == 0 {
+	if e.specN == 0 || e.held[i] || e.specTo[i] == noSpec || e.pre[i]&(1<<opCPU) == 0 {
 		return nil, 0, false
 	}
-	return e.specOutH, 2 * e.specAt[i], true
+	return e.specOutH, 2 * max(e.loc[i], e.specTo[i]), true
 }
 
 // prefault writes a zero into every 4 KiB page of b (fresh, all-zero

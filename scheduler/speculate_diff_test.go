@@ -211,7 +211,7 @@ func (bp *bkPair) compare(k int) {
 	if err := firstErr(bp.a.Download(), bp.r.Download()); err != nil {
 		t.Fatal(err)
 	}
-	sa, sr := bp.a.HostState(), bp.r.HostState()
+	sa, sr := bp.a.current(), bp.r.current()
 	for a, x := range [][2][]float32{{sa.Param, sr.Param}, {sa.ExpAvg, sr.ExpAvg}, {sa.ExpAvgSq, sr.ExpAvgSq}, {sa.MaxExpAvgSq, sr.MaxExpAvgSq}} {
 		for i := range x[1] {
 			if math.Float32bits(x[0][i]) != math.Float32bits(x[1][i]) {

@@ -137,7 +137,7 @@ func runOrder(t *testing.T, syncDelay time.Duration, call func(t *testing.T, sim
 		if err := firstErr(a.Download(), r.Download()); err != nil {
 			t.Fatal(err)
 		}
-		sa, sr := a.HostState(), r.HostState()
+		sa, sr := a.current(), r.current()
 		for name, x := range map[string][2][]float32{"p": {sa.Param, sr.Param}, "exp_avg": {sa.ExpAvg, sr.ExpAvg}, "exp_avg_sq": {sa.ExpAvgSq, sr.ExpAvgSq}} {
 			for j := range x[0] {
 				if math.Float32bits(x[0][j]) != math.Float32bits(x[1][j]) {

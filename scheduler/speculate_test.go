@@ -374,3 +374,24 @@ func putGrad(t testing.TB, d Device, e *Engine, bwd Stream, host Host, b []byte,
 		t.Fatal(err)
 	}
 }
+
+// current returns a copy of the master state as HostState would hold it
+// after DropSpeculation, each subgroup's from where it is (its home or a
+// slot), leaving the engine as it is: a test compares it every step
+// without moving the states home, so that the next steps speculate from
+// the slots too.
+func (e *Engine) current() adam.State {
+	s := e.state.Clone()
+	for i := range e.sizes {
+		if w := e.where(i); w != homeLoc {
+			lo, n := int(e.off[i]), int(e.sizes[i])
+			dst := s.Slice(lo, lo+n)
+			src := e.stateAt(i, w)
+			copy(dst.Param, src.Param)
+			copy(dst.ExpAvg, src.ExpAvg)
+			copy(dst.ExpAvgSq, src.ExpAvgSq)
+			copy(dst.MaxExpAvgSq, src.MaxExpAvgSq)
+		}
+	}
+	return s
+}

@@ -16,7 +16,11 @@ import (
 // Load makes the device match the host state: it moves the resident
 // subgroups' state H2D and writes every subgroup's working copy, rounded
 // from the master weights. It waits for the copies. It drops a pending
-// Prefetch first (its state copies read the host state before).
+// Prefetch and speculation first (its state copies read the host state
+// before), and takes the host state as every subgroup's (HostState's
+// arrays, as the caller wrote them: a state a kept speculative update
+// left in a slot is forgotten, so call DropSpeculation before writing
+// part of the host state).
 //
 // Errors: a failed copy or allocation.
 func (e *Engine) Load() error {
@@ -26,6 +30,9 @@ func (e *Engine) Load() error {
 	// A prefetched state H2D read the host state before it changed.
 	if err := e.DropPrefetch(); err != nil {
 		return err
+	}
+	for i := range e.loc { // nil without Options.Speculate
+		e.loc[i] = homeLoc
 	}
 	return e.upload(true)
 }
@@ -53,7 +60,7 @@ func (e *Engine) upload(working bool) error {
 	}
 	// The mirror, from the host master weights (pinned).
 	for i := range e.mpieces {
-		if err := e.copyMirror(i, s, Vec{}); err != nil {
+		if err := e.copyMirror(i, s, Vec{}, homeLoc); err != nil {
 			_ = e.drainAfterFailure(s, e.tail[sH2D])
 			return err
 		}
