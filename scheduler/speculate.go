@@ -130,7 +130,7 @@ func (e *Engine) allocSpec() error {
 	e.specOutH = h
 	e.specOut = unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(h.Bytes()))), n)
 	// Mapped now, on every core, not by the first speculative updates
-	// (12 GiB of saves took the first iterations 0.3 to 0.7 s more on
+	// (12 GiB of slots took the first iterations 0.3 to 0.7 s more on
 	// the H100).
 	var wg sync.WaitGroup
 	for _, a := range [][]float32{e.slots.ExpAvg, e.slots.ExpAvgSq, e.slots.MaxExpAvgSq} {
@@ -404,7 +404,7 @@ func (e *Engine) specCopy(i int, slot, where int64) error {
 }
 
 // WaitSpeculation waits until the CPU workers have run what every
-// Speculate so far asked (each final subgroup updated, while the saves
+// Speculate so far asked (each final subgroup updated, while free slots
 // lasted), so that what EndSpeculation keeps does not depend on timing
 // (tests). Without Options.Speculate it does nothing.
 func (e *Engine) WaitSpeculation() {

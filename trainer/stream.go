@@ -130,7 +130,7 @@ func (c *TrainConfig) StreamSweep(p *offload.Profile, threads int) ([]StreamChoi
 		at := *c
 		at.StreamBlocks, at.streamModel = n, 0
 		if at.Speculate == SpeculateAuto {
-			at.specAuto = 0 // auto's saves take their share of what the count leaves, once chosen (resolveSpeculate)
+			at.specAuto = 0 // auto's slots take their share of what the count leaves, once chosen (resolveSpeculate)
 		}
 		left := at.DeviceMemory(c.Batch).BudgetLeft(capBytes)
 		if given := int64(c.GPUBudget * gibBytes); given > 0 { // --gpu-budget: what the run's update phase gets

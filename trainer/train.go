@@ -341,7 +341,7 @@ func newTrainer(cfg TrainConfig, tok Tokenizer, loader, val batches, id trainerS
 		return nil, err
 	}
 	// What the world chose on its copy: --stream-blocks auto's count and
-	// --speculate auto's saves at that count.
+	// --speculate auto's slots at that count.
 	cfg.streamModel, cfg.streamKey, cfg.specAuto = w.cfg.streamModel, w.cfg.streamKey, w.cfg.specAuto
 	opt := w.ranks[0].opt
 	// The subgroup size the optimizer cut at (SubgroupSizes: the model's
@@ -615,7 +615,7 @@ func (t *Trainer) Run() (Summary, error) {
 			if cfg.Speculate == SpeculateAuto {
 				auto = " (--speculate auto)"
 			}
-			fmt.Fprintf(t.out, "speculative updates in the backward: %.2f GiB of host memory%s for the saves of up to %.3gB parameters a step, kept when the step neither clips nor is skipped\n",
+			fmt.Fprintf(t.out, "speculative updates in the backward: %.2f GiB of host memory%s for the slots of up to %.3gB parameters' new state a step, kept when the step neither clips nor is skipped\n",
 				float64(b)/(1<<30), auto, float64(b/offload.SpeculateBytes(1, false))/1e9)
 		} else if cfg.Speculate == SpeculateAuto && cfg.maySpeculate() {
 			fmt.Fprintf(t.out, "speculative updates in the backward: none (--speculate auto: under 512 MiB of host memory left, of which it takes half)\n")

@@ -577,7 +577,7 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	// (offload.Options.OffloadParam), 2 + 2 bytes a parameter.
 	floats += float64(c.Streamed() * blockStreamedElems(c.Model)) // 4 bytes each, as a float
 	floats += float64(initBufferElems(c.Model))                   // the initial weights' windows (New)
-	floats += float64(c.speculateBytes()) / 4                     // the speculation's saves
+	floats += float64(c.speculateBytes()) / 4                     // the speculation's slots
 	ring := 0.0
 	if c.CkptDir != "" && !c.CkptSync {
 		ring = c.ringBytes(params)
@@ -610,11 +610,12 @@ func (c *TrainConfig) speculateBytes() int64 {
 // host memory the run may use leaves (resolveSpeculate).
 const SpeculateAuto = -1
 
-// SpeculateAutoGiB is SpeculateAuto's most host memory, in GiB: the saves
-// of about 1.2B parameters. On a 4.24B GPT-2 (36 x 3072, B = 8, T = 1024)
-// on an H100 host, 16 GiB was 10 % faster than 12 under 40 GiB, and 24 no
-// faster than 16 under 24 GiB (the CPU workers updated 1.1-1.2B
-// parameters in a backward: BENCHMARKS.md, issue 31).
+// SpeculateAutoGiB is SpeculateAuto's most host memory, in GiB: the slots
+// of about 1.2B parameters' new state. On a 4.24B GPT-2 (36 x 3072, B =
+// 8, T = 1024) on an H100 host, 16 GiB was 5 % faster than 12 under 40
+// GiB, and 24 was 4 % faster than 16 under 24 GiB, blocks streamed (the
+// slots, not the backward, limit what the CPU workers update in it since
+// the updates run out of place: BENCHMARKS.md, issue 31, 2026-12-07).
 const SpeculateAutoGiB = 16
 
 // resolveSpeculate sets SpeculateAuto's bytes (specAuto): at most
@@ -623,7 +624,7 @@ const SpeculateAutoGiB = 16
 // use (hostLimit); nothing where that half is under both 256 MiB and what
 // every parameter needs, nor where the run may not speculate. Validate
 // calls it, and again the GPU trainer once --stream-blocks auto's count
-// is chosen (StreamSweep leaves the saves out).
+// is chosen (StreamSweep leaves the slots out).
 func (c *TrainConfig) resolveSpeculate() {
 	c.specAuto = 0
 	if c.Speculate != SpeculateAuto || !c.maySpeculate() {
