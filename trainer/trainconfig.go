@@ -162,8 +162,9 @@ type TrainConfig struct {
 	// NoOverlap), is host memory in GiB for speculative updates
 	// (offload.Options.Speculate): the streamed blocks' subgroups and the
 	// CPU subgroups updated by the CPU workers during the backward, as
-	// their gradients arrive, kept when the step neither clips nor is
-	// skipped, restored otherwise; 14 bytes per parameter speculated on,
+	// their gradients arrive, out of place into slots of this memory, kept
+	// when the step neither clips nor is skipped, undone otherwise; 14
+	// bytes per parameter speculated on,
 	// at most the model's. 0: none. SpeculateAuto (-1, the default):
 	// SpeculateAutoGiB, or less where the host memory the run may use
 	// leaves less (resolveSpeculate: half of what MemoryBytes leaves of
@@ -611,12 +612,14 @@ func (c *TrainConfig) speculateBytes() int64 {
 const SpeculateAuto = -1
 
 // SpeculateAutoGiB is SpeculateAuto's most host memory, in GiB: the slots
-// of about 1.2B parameters' new state. On a 4.24B GPT-2 (36 x 3072, B =
-// 8, T = 1024) on an H100 host, 16 GiB was 5 % faster than 12 under 40
-// GiB, and 24 was 4 % faster than 16 under 24 GiB, blocks streamed (the
-// slots, not the backward, limit what the CPU workers update in it since
-// the updates run out of place: BENCHMARKS.md, issue 31, 2026-12-07).
-const SpeculateAutoGiB = 16
+// of about 1.8B parameters' new state. On a 4.24B GPT-2 (36 x 3072, B =
+// 8, T = 1024) on an H100 host, 24 GiB was 4 % faster than 16 under 24
+// GiB, blocks streamed, and 16 5 % faster than 12 under 40 GiB, where 16
+// GiB of slots were full 123 ms before the backward ended (the slots, not
+// the backward, limit what the CPU workers update in it since the
+// updates run out of place: BENCHMARKS.md, issue 31, 2026-12-07's fifth
+// session; 24 under 40 GiB is not measured yet).
+const SpeculateAutoGiB = 24
 
 // resolveSpeculate sets SpeculateAuto's bytes (specAuto): at most
 // SpeculateAutoGiB and what every parameter needs, and at most half of

@@ -70,7 +70,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	bwdMS := c.Float64("backward-ms", 0, "with --gpu-memory: one backward's `ms` on the GPU, measured alone, recomputation included (with --forward-ms)")
 	specGiB := new(float64)
 	*specGiB = trainer.SpeculateAutoGiB
-	c.Var(speculateFlag{specGiB}, "speculate", "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate) in the iteration's prediction, or auto, dos train's default (16 here, as where the host memory allows); 0: no rows with speculation, nor the schedule chosen for the iteration")
+	c.Var(speculateFlag{specGiB}, "speculate", "with --forward-ms: host memory in `GiB` for speculative updates (dos train --speculate) in the iteration's prediction, or auto, dos train's default (24 here, as where the host memory allows); 0: no rows with speculation, nor the schedule chosen for the iteration")
 	if rc, ok := c.parseNoArgs(args, stdout, stderr); !ok {
 		return rc
 	}

@@ -177,10 +177,10 @@ func TestPlanGPUMemory(t *testing.T) {
 	if m := all["iteration_chosen_s"]; !(m.(float64) > 0 && m.(float64) <= all["iteration_speculate_s"].(float64)) || all["iteration_chosen_schedule"] == nil {
 		t.Errorf("dos plan --json: the chosen schedule's iteration %v, schedule %v: want it at most the speculated one's %v", m, all["iteration_chosen_schedule"], all["iteration_speculate_s"])
 	}
-	// --speculate auto is dos train's auto: 16 GiB.
+	// --speculate auto is dos train's auto: 24 GiB.
 	auto = slices.Clone(iter[:len(iter)-2])
 	auto[len(auto)-1] = "auto"
-	if rc, out, errs = runCLI(auto...); rc != 0 || !strings.Contains(out, "and --speculate 16, the resident subgroups first") {
+	if rc, out, errs = runCLI(auto...); rc != 0 || !strings.Contains(out, "and --speculate 24, the resident subgroups first") {
 		t.Errorf("dos plan --speculate auto: rc %d\n%s%s", rc, out, errs)
 	}
 	for _, bad := range [][]string{{"--forward-ms", "1", "--backward-ms", "2"}, {"--gpu-memory", "24", "--model", "gpt2", "--forward-ms", "1"},

@@ -1,0 +1,50 @@
+package offload
+
+import (
+	"math"
+	"testing"
+
+	"github.com/deepstates/dos/checkpoint"
+	"github.com/deepstates/dos/perfmodel"
+)
+
+// TestBreakLoadCheckpointAfterKept: a Step keeps a speculation (a held
+// subgroup's state now lives in a slot), then LoadCheckpoint writes the
+// host state; a Master (or ReadState, Snapshot, SaveCheckpoint, SetParam)
+// before the next Step or SyncDevice must see the loaded state.
+func TestBreakLoadCheckpointAfterKept(t *testing.T) {
+	for _, read := range []string{"Master", "SaveCheckpoint"} {
+		t.Run(read, func(t *testing.T) {
+			r := newSpecRig(t, specBase(), perfmodel.Schedule{CPU: 4}, 1<<20)
+			root := t.TempDir()
+			if _, err := r.b.SaveCheckpoint(checkpoint.OS, root, nil); err != nil { // step 0
+				t.Fatal(err)
+			}
+			r.backward(t, 1, 0.01, false, true)
+			if _, rb := r.step(t, StepArgs{}); rb.Speculated == 0 {
+				t.Fatal("step 1 kept nothing")
+			}
+			if _, _, err := r.b.LoadCheckpoint(checkpoint.OS, root); err != nil {
+				t.Fatal(err)
+			}
+			want := loaded(t, specBase(), root)
+			got := r.b
+			if read == "SaveCheckpoint" {
+				root2 := t.TempDir()
+				if _, err := r.b.SaveCheckpoint(checkpoint.OS, root2, nil); err != nil {
+					t.Fatal(err)
+				}
+				got = loaded(t, specBase(), root2)
+			}
+			for _, name := range specHeld {
+				i, _ := want.Index(name)
+				w, g := master(t, want, i), master(t, got, i)
+				for j := range w {
+					if math.Float32bits(w[j]) != math.Float32bits(g[j]) {
+						t.Fatalf("after LoadCheckpoint of step 0, %s: %s.master[%d] = %g, the checkpoint's %g", read, name, j, g[j], w[j])
+					}
+				}
+			}
+		})
+	}
+}
