@@ -153,6 +153,13 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 				return fail("%v", err)
 			}
 		}
+		if *profPath == "" {
+			for _, f := range []string{"json", "trace", "plot"} {
+				if c.set(f) {
+					return fail("--%s needs --profile: it writes the update phase's prediction and replay, which --gpu-memory's memory plan alone does not make", f)
+				}
+			}
+		}
 		memoryPlan(cfg, stdout)
 		if *profPath == "" {
 			return 0

@@ -190,6 +190,17 @@ func TestPlanGPUMemory(t *testing.T) {
 			t.Errorf("dos plan %v: rc %d %s, want a usage error", bad, rc, errs)
 		}
 	}
+	// The update phase's outputs without --profile: refused, nothing
+	// written (they were ignored without a word).
+	for _, f := range []string{"--json", "--trace", "--plot"} {
+		path := filepath.Join(t.TempDir(), "out.svg")
+		if rc, _, errs := runCLI("plan", "--gpu-memory", "24", "--model", "gpt2", f, path); rc != 2 || !strings.Contains(errs, f+" needs --profile") {
+			t.Errorf("dos plan --gpu-memory 24 --model gpt2 %s, no --profile: rc %d %s, want a usage error naming %s", f, rc, errs, f)
+		}
+		if _, err := os.Stat(path); err == nil {
+			t.Errorf("dos plan %s without --profile wrote %s", f, path)
+		}
+	}
 	// The same flags give dos train's run: its defaults (batch 16, context
 	// 64, the byte tokenizer without --model), and its refusal of what
 	// fits under the cap but not outside the 256 MiB it keeps aside (with
