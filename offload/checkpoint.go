@@ -396,6 +396,13 @@ func (o *Optimizer) LoadCheckpoint(fsys checkpoint.FS, path string) (dir string,
 	if err := o.dropPrefetch(); err != nil {
 		return "", nil, err
 	}
+	if o.eng != nil {
+		// The states kept speculative updates left in the engine's slots
+		// come home first, so that the checkpoint's replace them all (a
+		// later DropSpeculation would otherwise bring the old ones back
+		// over it), and a load that fails leaves the last step's.
+		o.eng.DropSpeculation()
+	}
 	objects, err = o.load(fsys, dir)
 	if err == nil {
 		// load rounded the whole host working copy from the loaded

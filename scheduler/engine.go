@@ -175,6 +175,7 @@ type Engine struct {
 	specCovered            int            // the first subgroup inside [specReady, total)
 	specCan                []bool         // per subgroup: may be speculated on in this phase (decided by Speculate)
 	specCopied             []bool         // per subgroup: specCopy put its speculative working copy on the device
+	specDirty              []bool         // per subgroup: specCopy was tried (an undo copies the old working copy back, even after a failed one)
 	specRecopied           bool           // restoreSpec put old working copies back on the device: syncRecopies waits for them
 	specHalted             bool           // StopSpeculation was called: Speculate starts nothing until the speculation is settled
 	specIdle               bool           // the worker has had no request since it last stopped (true before any)
@@ -613,6 +614,9 @@ func (e *Engine) beginPhase(c *adam.Coeffs, cs []adam.Coeffs) error {
 	// What Prefetch issued is done (enqueued), and what EndSpeculation
 	// kept (updated): the issuers skip it.
 	e.settleSpec()
+	if e.broken {
+		return ErrBroken // an undo's copy back to the device failed: its working copy is neither
+	}
 	e.t0 = time.Now() // after the settling: its restores are before the phase
 	copy(e.done, e.pre)
 	copy(e.preLast, e.pre)

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"sync"
@@ -105,7 +106,7 @@ func (e *Engine) allocSpec() error {
 	}
 	e.specC, e.specT = make([]adam.Coeffs, n0), make([][2]time.Time, n0)
 	e.specUndo, e.specUndoLast = make([]specUndo, 0, n0), make([]specUndo, 0, n0)
-	e.specCan, e.specCopied = make([]bool, n0), make([]bool, n0)
+	e.specCan, e.specCopied, e.specDirty = make([]bool, n0), make([]bool, n0), make([]bool, n0)
 	e.loc, e.specTo = make([]int64, n0), make([]int64, n0)
 	for i := range e.loc {
 		e.loc[i], e.specTo[i] = homeLoc, noSpec
@@ -206,6 +207,9 @@ func (e *Engine) allocSlot(n int64) (at int64, ok bool) {
 // into the host state (after the gate: it writes there), on the pool's
 // workers. No speculative update may be pending (dropSpec first).
 func (e *Engine) home() {
+	if !e.running {
+		return // closed: the slots are freed, and nothing reads the state again
+	}
 	for i, l := range e.loc { // nil without Options.Speculate
 		if l == homeLoc {
 			continue
@@ -374,7 +378,10 @@ func (e *Engine) specWorker(reqs <-chan specReq) {
 			e.specTo[i] = to
 			if !e.held[i] {
 				// Its working copy H2D now, during the backward: the
-				// phase then skips the copy if it keeps the update.
+				// phase then skips the copy if it keeps the update. A
+				// copy that failed may have changed the device's copies
+				// all the same: an undo copies the old ones back.
+				e.specDirty[i] = true
 				if e.specCopy(i, slot, to) != nil {
 					e.specStop.Store(true) // the phase copies it (specSource), or restoreSpec
 					continue
@@ -399,8 +406,16 @@ func (e *Engine) specCopy(i int, slot, where int64) error {
 	s := e.s[sH2D]
 	e.laneMu[sH2D].Lock()
 	defer e.laneMu[sH2D].Unlock()
-	return firstErr(e.dev.Record(e.startEv[k[0]], s), e.dev.H2D(s, e.work, 2*e.doff[i], e.specOutH, 2*slot, 2*e.sizes[i]),
-		e.copyMirror(i, s, Vec{}, where), e.dev.Record(e.endEv[k[1]], s))
+	if err := e.dev.Record(e.startEv[k[0]], s); err != nil {
+		return err
+	}
+	if err := e.dev.H2D(s, e.work, 2*e.doff[i], e.specOutH, 2*slot, 2*e.sizes[i]); err != nil {
+		return err
+	}
+	if err := e.copyMirror(i, s, Vec{}, where); err != nil {
+		return err
+	}
+	return e.dev.Record(e.endEv[k[1]], s)
 }
 
 // WaitSpeculation waits until the CPU workers have run what every
@@ -461,7 +476,9 @@ func (e *Engine) StopSpeculation() {
 // next Update undoes the kept ones too.
 //
 // Errors: len(cs) other than the subgroup count (nothing is kept then:
-// every speculated subgroup is undone).
+// every speculated subgroup is undone); ErrBroken when an undo could not
+// copy the old working copy back to the device (restore from a
+// checkpoint).
 func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 	if e.specN == 0 {
 		return 0, nil
@@ -486,6 +503,9 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 		e.restoreSpec(i)
 	}
 	e.syncRecopies()
+	if e.broken {
+		err = errors.Join(err, fmt.Errorf("%w: an undone speculative update's old working copy could not be copied back to the device", ErrBroken))
+	}
 	return kept, err
 }
 
@@ -512,13 +532,13 @@ func (e *Engine) restoreSpec(i int) {
 	if e.held[i] {
 		e.round16(e.heldWork(e.hoff[i], n), old)
 	}
-	if e.specCopied[i] {
+	if e.specDirty[i] {
 		// Its caller waits for the copies once (syncRecopies).
 		e.round16(e.specOut[slot:slot+n], old)
 		if e.specCopy(i, slot, from) != nil {
 			e.broken = true // the device's copy is neither: restore from a checkpoint
 		}
-		e.specCopied[i], e.specRecopied = false, true
+		e.specCopied[i], e.specDirty[i], e.specRecopied = false, false, true
 	}
 	if len(e.specUndo) < cap(e.specUndo) { // for Trace: never allocates
 		e.specUndo = append(e.specUndo, specUndo{sub: i, spec: e.specT[i], restore: [2]time.Time{t, time.Now()}})
@@ -622,6 +642,7 @@ func (e *Engine) endSpec() {
 		}
 	}
 	clear(e.specCopied)
+	clear(e.specDirty)
 }
 
 // specSource returns where kept CPU subgroup i's new working copy is for

@@ -86,7 +86,8 @@ func (e *Engine) upload(working bool) error {
 
 // Download moves the resident subgroups' state D2H into the host state and
 // waits: afterwards HostState is current for every subgroup (for a
-// checkpoint or a comparison).
+// checkpoint or a comparison) but those whose state a kept speculative
+// update left in a slot (DropSpeculation brings them home).
 //
 // Errors: a failed copy (the device's copy stays the one that counts).
 func (e *Engine) Download() error {
