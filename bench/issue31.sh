@@ -5,8 +5,8 @@
 #
 #   PART=tests OUT=$OUT bash bench/issue31.sh   # trainer.test -test.run TestGPU, DOS_REQUIRE_GPU=1; adam.test's StepSave bench (step, save, step-to)
 #   PART=xl    ...                              # gpt2-xl under 24 GiB: dos (old defaults, --resident-first, and both with --speculate 12), torchao, FSDP2 without clipping
-#   PART=b40   ...                              # 4.24B (36 x 3072) under 40 GiB: dos --replan, --resident-first --speculate 12 and 16, torchao, FSDP2
-#   PART=b24   ...                              # 4.24B under 24 GiB, blocks streamed: dos --replan, --resident-first --speculate 16 and 24, FSDP2 (torchao peaks at 29 GiB)
+#   PART=b40   ...                              # 4.24B (36 x 3072) under 40 GiB: dos --replan, --resident-first --speculate 16 and 24 (auto's), torchao, FSDP2
+#   PART=b24   ...                              # 4.24B under 24 GiB, blocks streamed: dos --replan, --resident-first --speculate 24 and 32, FSDP2 (torchao peaks at 29 GiB)
 #   PART=clip  ...                              # gpt2-xl under 24 GiB with --clip 1 from step 1: the speculation must cost nothing
 #   PART=soak  ...                              # 300 iterations of gpt2-xl under 24 GiB with the speculation: drift and memory
 #
@@ -14,7 +14,8 @@
 # (CLIP overrides it), T = 1024, B = 8, STEPS iterations (default 6). dos train's defaults now include
 # --resident-first and --speculate auto; the strategies name their flags, so "dos-model" here is
 # `--replan --resident-first=false --speculate 0` (the defaults before 2026-12-07). Results and logs go to OUT
-# (default /tmp/issue31), the tables last; BENCHMARKS.md "Session of 2026-12-07 (fourth)" has the last figures.
+# (default /tmp/issue31), the tables last; BENCHMARKS.md "Session of 2026-12-07 (fifth)" has the last figures
+# (with --speculate 12 and 16 at 40 GiB, 16 and 24 at 24 GiB: --speculate auto took 16 GiB then, 24 now).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export DOS_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -34,8 +35,8 @@ tests)
 	(cd adam && ../bin/test/adam.test -test.run XXX -test.bench StepSave -test.benchtime 10x -test.count 2) 2>&1 | tee "$out/adam-bench.log" | grep Benchmark
 	;;
 xl) e2e xl "gpt2-xl,24,8" "dos-model dos-first dos-first-spec-12" "torchao fsdp2-noclip" ;;
-b40) e2e b40 "36:3072:24,40,8" "dos-model dos-first-spec-12 dos-first-spec-16" "torchao fsdp2-noclip" ;;
-b24) e2e b24 "36:3072:24,24,8" "dos-model dos-first-spec-16 dos-first-spec-24" "fsdp2-noclip" ;;
+b40) e2e b40 "36:3072:24,40,8" "dos-model dos-first-spec-16 dos-first-spec-24" "torchao fsdp2-noclip" ;;
+b24) e2e b24 "36:3072:24,24,8" "dos-model dos-first-spec-24 dos-first-spec-32" "fsdp2-noclip" ;;
 clip) CLIP=1 STEPS=10 e2e clip "gpt2-xl,24,8" "dos-model dos-first dos-first-spec-12" "" ;;
 soak)
 	OUT="$out/soak" DOS_BIN=bin/dos bash bench/soak.sh --device cuda --model gpt2-xl --tokenizer gpt2 --batch 8 --gpu-memory 24 \
