@@ -56,27 +56,62 @@ func newBkPairGD(t *testing.T, gd adam.DType, sizes []int, s perfmodel.Schedule,
 	bp.h.AMSGrad = ams
 	bp.groupLR = [2]float64{1e-3, 3e-3}
 	bp.da, bp.dr = NewSim(SimOptions{}), NewSim(SimOptions{})
-	mk := func(d *Sim, spec int64) *Engine {
+	bp.engines(budget, Options{Sizes: sizes, GradDType: gd, WorkingDType: adam.BF16, AMSGrad: ams, Mirror: mirror, Prefetch: true}, func() *Plan {
 		plan, err := NewPlan(len(sizes), s)
 		if err != nil {
 			t.Fatal(err)
 		}
-		e, err := New(Options{Device: d, Sizes: sizes, GradDType: gd, WorkingDType: adam.BF16, AMSGrad: ams, Plan: plan,
-			Mirror: mirror, Prefetch: true, Speculate: spec})
-		if err != nil {
-			t.Fatal(err)
+		return plan
+	})
+	return bp
+}
+
+// sameState fails t unless got is want bit for bit, array by array.
+func sameState(t testing.TB, what string, got, want adam.State) {
+	t.Helper()
+	for a, x := range [][2][]float32{{got.Param, want.Param}, {got.ExpAvg, want.ExpAvg}, {got.ExpAvgSq, want.ExpAvgSq}, {got.MaxExpAvgSq, want.MaxExpAvgSq}} {
+		for i := range x[1] {
+			if math.Float32bits(x[0][i]) != math.Float32bits(x[1][i]) {
+				t.Fatalf("%s array %d element %d: %g, serial %g", what, a, i, x[0][i], x[1][i])
+			}
 		}
-		loadProblem(t, e, bp.p)
+	}
+}
+
+// skip ends a skipped step on both engines: EndSpeculation keeps
+// nothing, the prefetches are dropped.
+func (bp *bkPair) skip() {
+	bp.t.Helper()
+	if _, err := bp.a.EndSpeculation(nil); err != nil {
+		bp.t.Fatal(err)
+	}
+	if err := firstErr(bp.a.DropPrefetch(), bp.r.DropPrefetch()); err != nil {
+		bp.t.Fatal(err)
+	}
+}
+
+// engines makes bp's two engines on bp.da and bp.dr from o, each with a
+// plan of its own, the first with budget bytes of Options.Speculate and
+// the second without, loads bp.p into both, makes the backward streams
+// and closes the engines when the test ends.
+func (bp *bkPair) engines(budget int64, o Options, plan func() *Plan) {
+	mk := func(d *Sim, spec int64) *Engine {
+		o := o
+		o.Device, o.Plan, o.Speculate = d, plan(), spec
+		e, err := New(o)
+		if err != nil {
+			bp.t.Fatal(err)
+		}
+		loadProblem(bp.t, e, bp.p)
 		return e
 	}
 	bp.a, bp.r = mk(bp.da, budget), mk(bp.dr, 0)
 	bp.bwdA, _ = bp.da.NewStream()
 	bp.bwdR, _ = bp.dr.NewStream()
-	t.Cleanup(func() {
+	bp.t.Cleanup(func() {
 		bp.a.Close()
 		bp.r.Close()
 	})
-	return bp
 }
 
 func (bp *bkPair) coeffs(step int64, unscale, clip float32, lr [2]float64) []adam.Coeffs {
@@ -144,12 +179,7 @@ func (bp *bkPair) run(steps []bkStep) {
 			t.Fatalf("step %d: stats differ", k)
 		}
 		if st.skip {
-			if _, err := bp.a.EndSpeculation(nil); err != nil {
-				t.Fatal(err)
-			}
-			if err := firstErr(bp.a.DropPrefetch(), bp.r.DropPrefetch()); err != nil {
-				t.Fatal(err)
-			}
+			bp.skip()
 			bp.compare(k)
 			continue
 		}
@@ -211,14 +241,7 @@ func (bp *bkPair) compare(k int) {
 	if err := firstErr(bp.a.Download(), bp.r.Download()); err != nil {
 		t.Fatal(err)
 	}
-	sa, sr := bp.a.current(), bp.r.current()
-	for a, x := range [][2][]float32{{sa.Param, sr.Param}, {sa.ExpAvg, sr.ExpAvg}, {sa.ExpAvgSq, sr.ExpAvgSq}, {sa.MaxExpAvgSq, sr.MaxExpAvgSq}} {
-		for i := range x[1] {
-			if math.Float32bits(x[0][i]) != math.Float32bits(x[1][i]) {
-				t.Fatalf("step %d: state array %d element %d: %g, serial %g", k, a, i, x[0][i], x[1][i])
-			}
-		}
-	}
+	sameState(t, fmt.Sprintf("step %d: state", k), bp.a.current(), bp.r.current())
 	wa, wr := make([]uint16, bp.a.total), make([]uint16, bp.r.total)
 	if err := firstErr(bp.a.GetWorking(wa), bp.r.GetWorking(wr)); err != nil {
 		t.Fatal(err)

@@ -131,22 +131,8 @@ func newFuzzHeld(t *testing.T, ams bool, budget int64, held []bool) *fuzzPair {
 		}
 		return p
 	}
-	mk := func(d *Sim, spec int64) *Engine {
-		e, err := New(Options{Device: d, Sizes: heldSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, AMSGrad: ams, Plan: fp.plan(perfmodel.Schedule{CPU: nd}),
-			HostHeld: held, Prefetch: true, Speculate: spec})
-		if err != nil {
-			t.Fatal(err)
-		}
-		loadProblem(t, e, bp.p)
-		return e
-	}
-	bp.a, bp.r = mk(bp.da, budget), mk(bp.dr, 0)
-	bp.bwdA, _ = bp.da.NewStream()
-	bp.bwdR, _ = bp.dr.NewStream()
-	t.Cleanup(func() {
-		bp.a.Close()
-		bp.r.Close()
-	})
+	bp.engines(budget, Options{Sizes: heldSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, AMSGrad: ams, HostHeld: held, Prefetch: true},
+		func() *Plan { return fp.plan(perfmodel.Schedule{CPU: nd}) })
 	fp.putG = func(k int) {
 		g := bp.p.gradBytes(k)
 		putHeld(t, bp.da, bp.a, g)
@@ -176,14 +162,7 @@ func (fp *fuzzPair) replanTo(s perfmodel.Schedule) {
 // TestSpeculateRandomHeld is TestSpeculateRandom with host-held
 // subgroups, over heldPatterns.
 func TestSpeculateRandomHeld(t *testing.T) {
-	seeds := 6
-	if raceEnabled {
-		seeds = 2
-	}
-	if v, err := strconv.Atoi(os.Getenv("DOS_SPECULATE_SEEDS")); err == nil {
-		seeds = v
-	}
-	for seed := range seeds {
+	for seed := range randomSeeds(6, 2) {
 		ams := seed%2 == 1
 		held := heldPatterns[1+seed%5]
 		budgets := []int64{1 << 24, SpeculateBytes(50000, ams), SpeculateBytes(90000, ams), SpeculateBytes(150000, ams)}
@@ -205,14 +184,7 @@ func TestSpeculateRandomHeld(t *testing.T) {
 // host state before its Hold gate. DOS_SPECULATE_SEEDS sets the number of
 // sequences (8; 3 under the race detector).
 func TestSpeculateRandom(t *testing.T) {
-	seeds := 8
-	if raceEnabled {
-		seeds = 3
-	}
-	if v, err := strconv.Atoi(os.Getenv("DOS_SPECULATE_SEEDS")); err == nil {
-		seeds = v
-	}
-	for seed := range seeds {
+	for seed := range randomSeeds(8, 3) {
 		ams := seed%2 == 1
 		budgets := []int64{1 << 20, SpeculateBytes(1100, ams), SpeculateBytes(2100, ams), SpeculateBytes(4000, ams)}
 		budget := budgets[seed%len(budgets)]
@@ -220,6 +192,18 @@ func TestSpeculateRandom(t *testing.T) {
 			fuzzRun(t, seed, newFuzzPlain(t, ams, budget))
 		})
 	}
+}
+
+// randomSeeds is a random test's number of sequences: n, or race under
+// the race detector, or DOS_SPECULATE_SEEDS where set.
+func randomSeeds(n, race int) int {
+	if raceEnabled {
+		n = race
+	}
+	if v, err := strconv.Atoi(os.Getenv("DOS_SPECULATE_SEEDS")); err == nil {
+		n = v
+	}
+	return n
 }
 
 func fuzzRun(t *testing.T, seed int, bp *fuzzPair) {
@@ -313,12 +297,7 @@ func fuzzRun(t *testing.T, seed int, bp *fuzzPair) {
 		}
 		if r.IntN(10) == 0 {
 			log = append(log, "skip")
-			if _, err := bp.a.EndSpeculation(nil); err != nil {
-				t.Fatal(err)
-			}
-			if err := firstErr(bp.a.DropPrefetch(), bp.r.DropPrefetch()); err != nil {
-				t.Fatal(err)
-			}
+			bp.skip()
 			bp.check(k)
 			continue
 		}
@@ -423,14 +402,7 @@ func fuzzRun(t *testing.T, seed int, bp *fuzzPair) {
 	if err := firstErr(bp.a.Download(), bp.r.Download()); err != nil {
 		t.Fatal(err)
 	}
-	sa, sr := bp.a.HostState(), bp.r.HostState()
-	for a, x := range [][2][]float32{{sa.Param, sr.Param}, {sa.ExpAvg, sr.ExpAvg}, {sa.ExpAvgSq, sr.ExpAvgSq}, {sa.MaxExpAvgSq, sr.MaxExpAvgSq}} {
-		for i := range x[1] {
-			if math.Float32bits(x[0][i]) != math.Float32bits(x[1][i]) {
-				t.Fatalf("after DropSpeculation: HostState array %d element %d: %g, serial %g", a, i, x[0][i], x[1][i])
-			}
-		}
-	}
+	sameState(t, "after DropSpeculation: HostState", bp.a.HostState(), bp.r.HostState())
 	if err := bp.da.OrderErr(); err != nil {
 		t.Fatal(err)
 	}
