@@ -799,7 +799,11 @@ func (t *Trainer) Run() (Summary, error) {
 		logNow := cfg.LogEvery > 0 && (it%cfg.LogEvery == 0 || it == cfg.Steps)
 		var line string
 		if t.tty || logNow { // only then: the GPU's memory is a driver call
-			line = fmt.Sprintf("iter %5d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", it, cfg.Steps, loss, cfg.LRAt(it), res.GradNorm, rate)
+			norm := "-" // --clip 0: the norm is not computed (the log's grad_norm is 0)
+			if cfg.MaxGradNorm > 0 {
+				norm = fmt.Sprintf("%.3f", res.GradNorm)
+			}
+			line = fmt.Sprintf("iter %5d/%d  loss %.4f  lr %.2e  grad_norm %s  %.0f tok/s", it, cfg.Steps, loss, cfg.LRAt(it), norm, rate)
 			if t.w.gpus > 0 {
 				used, _ := t.w.memory()
 				line += fmt.Sprintf("  MFU %.1f%%  update %.0f ms (%s)  GPU %.1f GiB", 100*rate*flops/peak, 1e3*res.Elapsed.Seconds(), sched, float64(used)/(1<<30))
