@@ -540,7 +540,10 @@ type stepRecord struct {
 	Seconds  float64 `json:"seconds"`   // the iteration's wall time
 	UpdateS  float64 `json:"update_s"`  // the optimizer step's wall time
 	// With --replan: the plan's predicted update phase and the measured
-	// one (seconds), and whether the schedule was re-planned after it.
+	// one (seconds: the phase's span from its first operation to its
+	// last, scheduler.Busy.Makespan, within UpdateS's wall time, which
+	// adds the global checks, the speculation's validation and the
+	// waits), and whether the schedule was re-planned after it.
 	PredictedS float64 `json:"predicted_s,omitempty"`
 	MeasuredS  float64 `json:"measured_s,omitempty"`
 	Replanned  bool    `json:"replanned,omitempty"`
