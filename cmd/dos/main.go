@@ -36,11 +36,11 @@ type command struct {
 
 var commands = []command{
 	{"train", "train a GPT-2 with the offloaded optimizer: by default byte-level on Newton's Opticks (the main job)", runTrain},
-	{"tokenize", "tokenize a text with GPT-2's BPE into an llm.c token file for dos train --data", runTokenize},
+	{"tokenize", "tokenize a text (GPT-2's BPE, or --tokenizer byte) into an llm.c token file for dos train --data", runTokenize},
 	{"selftest", "run the PyTorch AdamW reference cases on every optimizer backend of this machine", runSelftest},
 	{"calibrate", "measure the rates of the performance model (--cpu-only: the CPU update rate) and print the schedule it picks", runCalibrate},
 	{"bench", "measure the update phase on GPU 0 under each strategy (CPU-only, static split, the model's interleaved schedule, a k sweep)", runBench},
-	{"plan", "predict the update phase of a model size on a machine from a profile: the strategies, a k sweep, the model's k", runPlan},
+	{"plan", "predict the update phase of a model size on a machine from a profile (the strategies, a k sweep, the model's k); with --gpu-memory a model's device memory (the blocks streamed, the largest batch), and with --forward-ms the whole iteration", runPlan},
 	{"ckpt", "list checkpoints (ls ROOT), verify one (verify DIR), describe it (inspect DIR), repair a root (recover ROOT) or cut a job's checkpoint for another number of ranks (reshard --gpus N SRC DST)", runCkpt},
 	{"export", "export a dos train checkpoint as a Hugging Face GPT-2 model (--hf DIR)", runExport},
 	{"eval", "run a dos train checkpoint on a text and print its loss; --logits saves the logits", runEval},
