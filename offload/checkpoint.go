@@ -47,6 +47,27 @@ type optimizerObject struct {
 	Params  []Param    `json:"params"`
 }
 
+// groupState returns subgroup g's state arrays in stateSlices' order:
+// with Options.Device where its engine keeps them (scheduler.Engine.
+// StateOf: the host state, or a speculation's slot), else its part of
+// the host state.
+func (o *Optimizer) groupState(g int) [][]float32 {
+	if o.eng != nil {
+		s := o.eng.StateOf(g)
+		a := [][]float32{s.Param, s.ExpAvg, s.ExpAvgSq}
+		if o.opts.Hyper.AMSGrad {
+			a = append(a, s.MaxExpAvgSq)
+		}
+		return a
+	}
+	sg := o.subgroups[g]
+	a := o.stateSlices()
+	for k := range a {
+		a[k] = a[k][sg.Offset : sg.Offset+sg.Len]
+	}
+	return a
+}
+
 func (o *Optimizer) stateSlices() [][]float32 {
 	s := [][]float32{o.state.Param, o.state.ExpAvg, o.state.ExpAvgSq}
 	if o.opts.Hyper.AMSGrad {
@@ -114,19 +135,19 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 	// lazy engine captures subgroup 0's state first, then subgroup 1's...
 	// Each tensor's data is cut at subgroup boundaries, the pieces tagged
 	// with their subgroup (checkpoint.Tensor.Groups).
-	state := o.stateSlices()
 	for _, i := range o.layout {
 		p := o.params[i]
 		shape := make([]int64, len(p.Shape))
 		for i, d := range p.Shape {
 			shape[i] = int64(d)
 		}
-		for k, buf := range state {
+		for k := range o.stateSlices() {
 			t := checkpoint.Tensor{Name: p.Name + stateSuffixes[k], DType: safetensors.F32, Shape: shape}
 			for lo := p.Offset; lo < p.Offset+p.Len; {
 				g := o.subgroupOf(lo)
-				hi := min(p.Offset+p.Len, o.subgroups[g].Offset+o.subgroups[g].Len)
-				t.Data = append(t.Data, safetensors.Float32View(buf[lo:hi]))
+				sg := o.subgroups[g]
+				hi := min(p.Offset+p.Len, sg.Offset+sg.Len)
+				t.Data = append(t.Data, safetensors.Float32View(o.groupState(g)[k][lo-sg.Offset:hi-sg.Offset]))
 				t.Groups = append(t.Groups, g)
 				lo = hi
 			}
@@ -232,8 +253,10 @@ func (o *Optimizer) SaveAsync(e *checkpoint.Engine, step int64, objects map[stri
 	}
 	if o.eng != nil && o.dev != devBroken {
 		// The state of the last step, not what Options.Speculate wrote
-		// since.
-		o.eng.DropSpeculation()
+		// since; each subgroup's read where it is (the snapshot's views
+		// of a state a kept speculative update left in a slot are the
+		// slot's: scheduler.Engine.StateOf), not copied home first.
+		o.eng.UndoSpeculation()
 	}
 	snap, err := o.snapshot(objects)
 	if err != nil {

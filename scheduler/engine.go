@@ -427,10 +427,11 @@ func (e *Engine) slotState(slot, i int) State {
 // after a fault and for a speculated subgroup that was restored (its
 // update runs twice), and must not call the engine; nil removes it. It
 // may be called at any time, also while a speculative update runs (that
-// update keeps the gate it read). A speculative update that writes into a
-// slot, not the host state, and a CPU update of a state in a slot, do not
-// call it. Download, DownloadAsync and Replan write host state without
-// it: their caller waits for the capture first.
+// update keeps the gate it read). Subgroup i's state is wherever StateOf
+// says: a CPU update of it in place in a slot calls the gate too, and a
+// speculative update into a free slot (nothing is captured there) does
+// not. Download, DownloadAsync and Replan write host state without it:
+// their caller waits for the capture first.
 func (e *Engine) Hold(gate func(i int)) {
 	if gate == nil {
 		e.gate.Store(nil)

@@ -249,12 +249,9 @@ func (e *Engine) cpu(i, slot int) {
 		cs := e.cst.Bytes()
 		out = adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}
 	}
-	where := e.where(i) // the host state, or a slot where a kept speculative update left it
-	if where == homeLoc {
-		e.waitGate(i) // the update writes subgroup i's host state in place
-	}
+	e.waitGate(i) // the update writes subgroup i's state in place (in the host state, or its slot: StateOf)
 	e.cpuT[i][0] = time.Since(e.t0)
-	e.pool.Step(e.coeffs(i), e.stateAt(i, where), g, out)
+	e.pool.Step(e.coeffs(i), e.stateAt(i, e.where(i)), g, out)
 	e.cpuT[i][1] = time.Since(e.t0)
 }
 

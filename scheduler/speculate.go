@@ -602,6 +602,29 @@ func (e *Engine) DropSpeculation() {
 	e.home()
 }
 
+// UndoSpeculation undoes every speculated subgroup, kept ones too, and
+// leaves every state where it is: a lazy checkpoint reads each subgroup's
+// from StateOf, without DropSpeculation's copies home. The prefetched
+// copies stay. Without a speculation it does nothing.
+func (e *Engine) UndoSpeculation() { e.dropSpec() }
+
+// StateOf returns subgroup i's master state (i in [0, subgroups)): its
+// part of HostState, or the slot a kept speculative update left it in.
+// After UndoSpeculation or DropSpeculation, and with no Speculate or
+// Update since, it holds the last step's state (for a resident subgroup,
+// once Download or DownloadAsync is done). A caller that reads it in the
+// background makes Hold's gate wait for its reading of subgroup i: every
+// later write of subgroup i's state calls the gate first (its update in
+// place, a speculative update or a move into the host state), and a slot
+// is reused only after its subgroup's state has left it, past the gate.
+// Panics on i out of range.
+func (e *Engine) StateOf(i int) adam.State {
+	if e.specN == 0 {
+		return e.stateAt(i, homeLoc)
+	}
+	return e.stateAt(i, e.loc[i])
+}
+
 // settleSpec, at an Update's start, stops the worker and undoes what was
 // speculated but not kept (a Speculate after EndSpeculation), so that only
 // the kept subgroups carry their done bit into the phase.

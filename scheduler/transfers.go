@@ -31,8 +31,11 @@ func (e *Engine) Load() error {
 	if err := e.DropPrefetch(); err != nil {
 		return err
 	}
-	for i := range e.loc { // nil without Options.Speculate
-		e.loc[i] = homeLoc
+	for i, l := range e.loc { // nil without Options.Speculate
+		if l != homeLoc {
+			e.waitGate(i) // a lazy capture may read the slot (StateOf), which is free from here
+			e.loc[i] = homeLoc
+		}
 	}
 	return e.upload(true)
 }
