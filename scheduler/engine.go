@@ -287,8 +287,10 @@ func New(o Options) (*Engine, error) {
 	return e, nil
 }
 
-// Close stops the engine's goroutines and frees its memory. Views from
-// HostState must not be used afterwards.
+// Close stops the engine's goroutines and frees its memory, the slots of
+// Options.Speculate too, without Hold's gate: a caller with a lazy
+// capture in flight waits for it first (offload.Optimizer.Close does).
+// Views from HostState and StateOf must not be used afterwards.
 //
 // Errors: the device's, for what it could not free (the rest is freed).
 func (e *Engine) Close() error {
