@@ -154,18 +154,22 @@ type Options struct {
 	// a CPU subgroup's are (their D2H then starts at once; not under a
 	// schedule that upcasts them on the GPU), the CPU
 	// workers update it during the backward, with clip factor 1 and the
-	// last step's loss scale, saving what the update overwrites
-	// (scheduler.SpeculateBytes: 14 bytes a parameter, 18 with amsgrad)
-	// while this memory lasts and until the Step begins (what is left is
-	// the phase's: a speculative update moves about 1.4 times the
-	// memory, for its saves); the Step keeps each one whose
-	// scalars turn out to be those, bit for bit, and restores the others
-	// (a skipped step, clipping that binds, another rate) before its
-	// phase updates them as before (DeepSpeed's SuperOffload:
-	// speculation-then-validation). Every read of the state before the
-	// Step (Master, Snapshot, SaveAsync, SaveCheckpoint, Working of a stale
-	// copy, Close) restores them first, and so does every write (SetParam,
-	// ZeroGrad, LoadCheckpoint, a Step without GradOnDevice). So the
+	// last step's loss scale, out of place: the new state goes into a
+	// free slot of this memory (scheduler.SpeculateBytes: 14 bytes a
+	// parameter, 18 with amsgrad), or home from the slot an earlier kept
+	// update left it in, while slots are free and until the Step begins
+	// (what is left is the phase's, at the same 28 bytes of memory
+	// traffic a parameter); the Step keeps each one whose scalars turn
+	// out to be those, bit for bit, and undoes the others (a skipped
+	// step, clipping that binds, another rate: the new state is
+	// forgotten) before its phase updates them as before (DeepSpeed's
+	// SuperOffload: speculation-then-validation). Every read of the state
+	// before the Step (Master, Snapshot, SaveAsync, SaveCheckpoint,
+	// Working of a stale copy, Close) undoes them first, and so does every
+	// write (SetParam, ZeroGrad, LoadCheckpoint, a Step without
+	// GradOnDevice); a synchronous read or write also moves every state
+	// home (scheduler.Engine.DropSpeculation), and SaveAsync reads each
+	// where it is (scheduler.Engine.StateOf). So the
 	// update is the same, bit for bit, provided HostGrad is written by the
 	// time GradsFinal's stream work is done (see HostGrad). The first
 	// backward does not speculate, nor does one after a step that clipped
