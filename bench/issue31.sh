@@ -8,6 +8,9 @@
 #   PART=b40   ...                              # 4.24B (36 x 3072) under 40 GiB: dos --replan, --resident-first --speculate 16 and 24 (auto's), torchao, FSDP2
 #   PART=b24   ...                              # 4.24B under 24 GiB, blocks streamed: dos --replan, --resident-first --speculate 24 and 32, FSDP2 (torchao peaks at 29 GiB)
 #   PART=clip  ...                              # gpt2-xl under 24 GiB with --clip 1 from step 1: the speculation must cost nothing
+#   PART=b16   ...                              # issue 30: 4.24B under 16 GiB (most blocks streamed): dos --replan and the defaults' flags, FSDP2 without clipping
+#   PART=b56   ...                              # issue 30: 5.60B (48 x 3072) under 24 GiB, the largest run on this host: dos with the defaults' flags, FSDP2 without clipping
+#   PART=fsdp2clip ...                          # FSDP2 with clip_grad_norm_ at gpt2-xl and 4.24B under 24 GiB (each alone: about 0.8 s more an iteration)
 #   PART=soak  ...                              # 300 iterations of gpt2-xl under 24 GiB with the speculation: drift and memory
 #
 # Every e2e part shares one `dos calibrate --json` profile (OUT/P.json) and runs every dos strategy with --clip 0
@@ -28,7 +31,7 @@ e2e() { # SUBDIR RUNS STRATS MODES
 	OUT="$out/$1" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-6} RUNS="$2" STRATS="$3" MODES="$4" RUN_TIMEOUT=${RUN_TIMEOUT:-300} \
 		DOS_FLAGS="--profile $out/P.json --clip ${CLIP:-0} --resident-first=false --speculate 0" bash bench/e2e_offload.sh 2>&1 | tail -n 12
 }
-case ${PART:?PART: tests, xl, b40, b24, clip or soak} in
+case ${PART:?PART: tests, xl, b40, b24, clip, soak, b16, b56 or fsdp2clip} in
 tests)
 	(cd trainer && ../bin/test/trainer.test -test.run TestGPU -test.v) >"$out/trainer-gpu.log" 2>&1
 	echo "trainer.test TestGPU: $(grep -c '^--- PASS' "$out/trainer-gpu.log") pass, $(grep -c '^--- FAIL' "$out/trainer-gpu.log") fail, $(grep -c '^--- SKIP' "$out/trainer-gpu.log") skip"
@@ -38,12 +41,15 @@ xl) e2e xl "gpt2-xl,24,8" "dos-model dos-first dos-first-spec-12" "torchao fsdp2
 b40) e2e b40 "36:3072:24,40,8" "dos-model dos-first-spec-16 dos-first-spec-24" "torchao fsdp2-noclip" ;;
 b24) e2e b24 "36:3072:24,24,8" "dos-model dos-first-spec-24 dos-first-spec-32" "fsdp2-noclip" ;;
 clip) CLIP=1 STEPS=10 e2e clip "gpt2-xl,24,8" "dos-model dos-first dos-first-spec-12" "" ;;
+b16) e2e b16 "36:3072:24,16,8" "dos-model dos-first-spec-24" "fsdp2-noclip" ;;
+b56) e2e b56 "48:3072:24,24,8" "dos-first-spec-24" "fsdp2-noclip" ;;
+fsdp2clip) e2e fsdp2clip "gpt2-xl,24,8 36:3072:24,24,8" "" "fsdp2" ;;
 soak)
 	OUT="$out/soak" DOS_BIN=bin/dos bash bench/soak.sh --device cuda --model gpt2-xl --tokenizer gpt2 --batch 8 --gpu-memory 24 \
 		--recompute --replan --speculate 12 --clip 0 --steps 300 --sample 0 --eval-every 0 2>&1 | tail -n 8
 	;;
 *)
-	echo "issue31.sh: PART $PART: want tests, xl, b40, b24, clip or soak" >&2
+	echo "issue31.sh: PART $PART: want tests, xl, b40, b24, clip, soak, b16, b56 or fsdp2clip" >&2
 	exit 2
 	;;
 esac
