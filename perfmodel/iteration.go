@@ -34,7 +34,8 @@ type IterationWork struct {
 	// on during the backward, measured (offload: the last phase's kept
 	// speculative updates over their span; the backward's compute and
 	// gradient copies share the host with them); 0: the CPU's fitted
-	// rate at the workload's Threads, as if they had the host alone.
+	// rate at the workload's Threads, slowed by the profile's contention
+	// (Contention.CPU: the backward's copies run beside it).
 	SpeculateRate float64
 	// ResidentFirst: the resident subgroups lead the flat space
 	// (scheduler.Layout.ResidentFirst), so the speculation may start with
@@ -131,7 +132,15 @@ func (p *Profile) iteration(w Workload, ph Prediction, it IterationWork) (Iterat
 			if err != nil {
 				return IterationPrediction{}, err
 			}
+			// The backward's gradient copies (and a streamed block's
+			// weights) run beside the speculation: the CPU's rate as
+			// the calibration's contention slows it (on an H100 host
+			// 6.49/1.28 = 5.07 Gparam/s, where dos train measured 4.67
+			// at 4.24B under 40 GiB).
 			rate = cf.Fit.Rate
+			if p.GPU != nil {
+				rate /= max(1, p.GPU.Contention.CPU)
+			}
 		}
 		hidden := min(float64(it.SpeculateParams), m, rate*it.Backward*(1-after))
 		r.Speculated = hidden / all * ph.Busy[ResCPU]
