@@ -55,6 +55,10 @@ type IterationPrediction struct {
 	// updates in the backward after the resident share
 	// (IterationWork.ResidentFirst).
 	Speculated float64
+	// SpeculateRate is the parameters a second Speculated was predicted
+	// at (IterationWork.SpeculateRate, or the CPU's contended rate); 0
+	// without speculation.
+	SpeculateRate float64
 	// After is the phase once the backward ends: with the CPU the
 	// phase's bottleneck, the phase less Speculated, no less than its
 	// other resources' busy time (and the CPU's fill and drain); else the
@@ -143,7 +147,7 @@ func (p *Profile) iteration(w Workload, ph Prediction, it IterationWork) (Iterat
 			}
 		}
 		hidden := min(float64(it.SpeculateParams), m, rate*it.Backward*(1-after))
-		r.Speculated = hidden / all * ph.Busy[ResCPU]
+		r.Speculated, r.SpeculateRate = hidden/all*ph.Busy[ResCPU], rate
 		if ph.Bottleneck == ResCPU { // else less CPU work shortens nothing
 			rest := ph.Fill + ph.Drain // what the CPU's work never hid
 			for _, res := range Resources {

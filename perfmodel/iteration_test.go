@@ -119,6 +119,9 @@ func TestPredictIteration(t *testing.T) {
 				tc.name, r.Phase.Makespan, r.Speculated, r.After, r.Seconds, r.Serial,
 				ph.Makespan, tc.spec, after, want, tc.it.Forward+tc.it.Backward+ph.Makespan)
 		}
+		if wantRate := map[bool]float64{true: specRate, false: tc.it.SpeculateRate}[tc.it.SpeculateRate == 0]; tc.spec > 0 && r.SpeculateRate != wantRate {
+			t.Errorf("%s: speculated at %v parameters a second, want %v", tc.name, r.SpeculateRate, wantRate)
+		}
 		if tc.spec > 0 && !(r.Seconds < r.Serial) {
 			t.Errorf("%s: iteration %.4f s not under the serial %.4f s", tc.name, r.Seconds, r.Serial)
 		}

@@ -1053,7 +1053,7 @@ func (t *Trainer) iterationModel(sum *Summary, forwards, backwards time.Duration
 			how = "the next forward beside the update phase"
 		}
 		if p.Speculated > 0 {
-			how += fmt.Sprintf(", %.1f ms of the CPU's updates speculated in the backward", 1e3*p.Speculated)
+			how += fmt.Sprintf(", %.1f ms of the CPU's updates speculated in the backward at %.2f Gparam/s, the last phase's", 1e3*p.Speculated, p.SpeculateRate/1e9)
 		}
 		line += fmt.Sprintf(", %.1f ms predicted (%s; %+.1f%% measured over it; serial %.1f ms)", 1e3*p.Seconds, how, 100*(measured/p.Seconds-1), 1e3*p.Serial)
 	}
