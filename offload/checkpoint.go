@@ -47,25 +47,20 @@ type optimizerObject struct {
 	Params  []Param    `json:"params"`
 }
 
-// groupState returns subgroup g's state arrays in stateSlices' order:
-// with Options.Device where its engine keeps them (scheduler.Engine.
-// StateOf: the host state, or a speculation's slot), else its part of
-// the host state.
-func (o *Optimizer) groupState(g int) [][]float32 {
+// groupState returns subgroup g's state array k (stateSlices' order:
+// master weights, exp_avg, exp_avg_sq, max_exp_avg_sq): with
+// Options.Device where its engine keeps it (scheduler.Engine.StateOf: the
+// host state, or a speculation's slot), else its part of the host state.
+// It allocates nothing.
+func (o *Optimizer) groupState(g, k int) []float32 {
+	s := o.state
 	if o.eng != nil {
-		s := o.eng.StateOf(g)
-		a := [][]float32{s.Param, s.ExpAvg, s.ExpAvgSq}
-		if o.opts.Hyper.AMSGrad {
-			a = append(a, s.MaxExpAvgSq)
-		}
-		return a
+		s = o.eng.StateOf(g)
+	} else {
+		sg := o.subgroups[g]
+		s = s.Slice(sg.Offset, sg.Offset+sg.Len)
 	}
-	sg := o.subgroups[g]
-	a := o.stateSlices()
-	for k := range a {
-		a[k] = a[k][sg.Offset : sg.Offset+sg.Len]
-	}
-	return a
+	return [...][]float32{s.Param, s.ExpAvg, s.ExpAvgSq, s.MaxExpAvgSq}[k]
 }
 
 func (o *Optimizer) stateSlices() [][]float32 {
@@ -147,7 +142,7 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 				g := o.subgroupOf(lo)
 				sg := o.subgroups[g]
 				hi := min(p.Offset+p.Len, sg.Offset+sg.Len)
-				t.Data = append(t.Data, safetensors.Float32View(o.groupState(g)[k][lo-sg.Offset:hi-sg.Offset]))
+				t.Data = append(t.Data, safetensors.Float32View(o.groupState(g, k)[lo-sg.Offset:hi-sg.Offset]))
 				t.Groups = append(t.Groups, g)
 				lo = hi
 			}

@@ -95,7 +95,7 @@ func (e *Engine) complete() error {
 			if e.plan.Roles[i] == Resident {
 				m = e.resState(i).Param
 			}
-			if err := e.copyMirror(i, s, m, e.where(i)); err != nil {
+			if err := e.copyMirror(i, s, m); err != nil {
 				e.broken = true
 				return fmt.Errorf("%w: the fp32 mirror: %v (after %v)", ErrBroken, err, e.first)
 			}

@@ -118,7 +118,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.coeffs(i), x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.doff[i], N: n})); err != nil {
 			return err
 		}
-		e.fail(i, int(st.op), e.copyMirror(i, s, x.Param, homeLoc))
+		e.fail(i, int(st.op), e.copyMirror(i, s, x.Param))
 		return e.dev.Record(e.endEv[k], s)
 	case opUpcast:
 		s := e.s[sUpcast]
@@ -158,7 +158,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.H2D(s, e.work, 2*e.doff[i], src, srcOff, 2*n)); err != nil {
 			return err
 		}
-		e.fail(i, int(st.op), e.copyMirror(i, s, Vec{}, e.where(i)))
+		e.fail(i, int(st.op), e.copyMirror(i, s, Vec{}))
 		return e.dev.Record(e.endEv[k], s)
 	}
 	panic("scheduler: unknown operation")
@@ -167,13 +167,13 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 // copyMirror enqueues on s the copies of subgroup i's updated master
 // weights into the mirror (Options.Mirror): device to device from master
 // (its N elements, on the device), or H2D from the host when master.Mem is
-// nil, from where (stateAt: the host state, or a slot of the
-// speculation's). It stops at the first copy that fails. In the lanes
+// nil, from where its state is (Engine.where: the host state, or a slot
+// of the speculation's). It stops at the first copy that fails. In the lanes
 // the subgroup's operation has been applied and must not run again, so
 // they record that error as the phase's fault (fail) without failing the
 // step, and complete refreshes the whole mirror.
-func (e *Engine) copyMirror(i int, s Stream, master Vec, where int64) error {
-	h, hOff := e.paramHost(i, where)
+func (e *Engine) copyMirror(i int, s Stream, master Vec) error {
+	h, hOff := e.paramHost(i, e.where(i))
 	for _, p := range e.mpieces[i] {
 		var err error
 		if master.Mem != nil {

@@ -382,7 +382,7 @@ func (e *Engine) specWorker(reqs <-chan specReq) {
 				// copy that failed may have changed the device's copies
 				// all the same: an undo copies the old ones back.
 				e.specDirty[i] = true
-				if e.specCopy(i, slot, to) != nil {
+				if e.specCopy(i, slot) != nil {
 					e.specStop.Store(true) // the phase copies it (specSource), or restoreSpec
 					continue
 				}
@@ -394,14 +394,15 @@ func (e *Engine) specWorker(reqs <-chan specReq) {
 
 // specCopy enqueues speculated CPU subgroup i's working copy (the slots'
 // 16-bit part from element slot) H2D into the device working copy, and
-// its mirror part from its master weights at where (stateAt), on the H2D
+// its mirror part from its master weights where they are (Engine.where:
+// the speculation's new ones, or after an undo the old ones), on the H2D
 // lane between the copy step's start and end events, as Prefetch issues a
 // step: its gradient's copy is done, which the trainer ordered after its
 // block's backward, so nothing of this iteration reads those weights
 // again. A phase that keeps the update skips its copy (EndSpeculation
 // sets the step's done bit; WaitReady waits for the end event recorded
 // here); an undo copies the old working copy back (restoreSpec).
-func (e *Engine) specCopy(i int, slot, where int64) error {
+func (e *Engine) specCopy(i int, slot int64) error {
 	k := e.core.opSteps[i][opCopyH2D]
 	s := e.s[sH2D]
 	e.laneMu[sH2D].Lock()
@@ -412,7 +413,7 @@ func (e *Engine) specCopy(i int, slot, where int64) error {
 	if err := e.dev.H2D(s, e.work, 2*e.doff[i], e.specOutH, 2*slot, 2*e.sizes[i]); err != nil {
 		return err
 	}
-	if err := e.copyMirror(i, s, Vec{}, where); err != nil {
+	if err := e.copyMirror(i, s, Vec{}); err != nil {
 		return err
 	}
 	return e.dev.Record(e.endEv[k[1]], s)
@@ -525,17 +526,17 @@ func sameCoeffs(a, b *adam.Coeffs) bool {
 // rounded from the old master weights, as the phase or the last Load
 // wrote it.
 func (e *Engine) restoreSpec(i int) {
-	n, from := e.sizes[i], e.loc[i]
-	slot := max(from, e.specTo[i])
+	n, slot := e.sizes[i], e.specSlot(i)
+	e.specTo[i] = noSpec // forgotten: where(i) is the old state's place again
 	t := time.Now()
-	old := e.stateAt(i, from).Param
+	old := e.stateAt(i, e.loc[i]).Param
 	if e.held[i] {
 		e.round16(e.heldWork(e.hoff[i], n), old)
 	}
 	if e.specDirty[i] {
 		// Its caller waits for the copies once (syncRecopies).
 		e.round16(e.specOut[slot:slot+n], old)
-		if e.specCopy(i, slot, from) != nil {
+		if e.specCopy(i, slot) != nil {
 			e.broken = true // the device's copy is neither: restore from a checkpoint
 		}
 		e.specCopied[i], e.specDirty[i], e.specRecopied = false, false, true
@@ -543,7 +544,6 @@ func (e *Engine) restoreSpec(i int) {
 	if len(e.specUndo) < cap(e.specUndo) { // for Trace: never allocates
 		e.specUndo = append(e.specUndo, specUndo{sub: i, spec: e.specT[i], restore: [2]time.Time{t, time.Now()}})
 	}
-	e.specTo[i] = noSpec
 	e.pre[i] &^= 1<<opCPU | 1<<opCopyH2D
 }
 
@@ -618,12 +618,7 @@ func (e *Engine) UndoSpeculation() { e.dropSpec() }
 // place, a speculative update or a move into the host state), and a slot
 // is reused only after its subgroup's state has left it, past the gate.
 // Panics on i out of range.
-func (e *Engine) StateOf(i int) adam.State {
-	if e.specN == 0 {
-		return e.stateAt(i, homeLoc)
-	}
-	return e.stateAt(i, e.loc[i])
-}
+func (e *Engine) StateOf(i int) adam.State { return e.stateAt(i, e.where(i)) }
 
 // settleSpec, at an Update's start, stops the worker and undoes what was
 // speculated but not kept (a Speculate after EndSpeculation), so that only
@@ -675,8 +670,13 @@ func (e *Engine) specSource(i int) (Host, int64, bool) {
 	if e.specN == 0 || e.held[i] || e.specTo[i] == noSpec || e.pre[i]&(1<<opCPU) == 0 {
 		return nil, 0, false
 	}
-	return e.specOutH, 2 * max(e.loc[i], e.specTo[i]), true
+	return e.specOutH, 2 * e.specSlot(i), true
 }
+
+// specSlot returns the slot speculated subgroup i's update involves, the
+// one it wrote or the one it read (its specOut part holds a CPU
+// subgroup's new working copy).
+func (e *Engine) specSlot(i int) int64 { return max(e.loc[i], e.specTo[i]) }
 
 // prefault writes a zero into every 4 KiB page of b (fresh, all-zero
 // memory) on threads goroutines added to wg: the kernel maps the pages

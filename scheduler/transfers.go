@@ -63,7 +63,7 @@ func (e *Engine) upload(working bool) error {
 	}
 	// The mirror, from the host master weights (pinned).
 	for i := range e.mpieces {
-		if err := e.copyMirror(i, s, Vec{}, homeLoc); err != nil {
+		if err := e.copyMirror(i, s, Vec{}); err != nil {
 			_ = e.drainAfterFailure(s, e.tail[sH2D])
 			return err
 		}
