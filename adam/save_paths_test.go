@@ -86,16 +86,8 @@ func TestStepSaveEveryPath(t *testing.T) {
 							c := h.Coeffs(4, 0.5, 1)
 							ref.Step(&c, want, g, outRef)
 							pool.StepSave(&c, s, g, out, save, saveOut)
-							sameBits(t, name+": param", want.Param, s.Param)
-							sameBits(t, name+": exp_avg", want.ExpAvg, s.ExpAvg)
-							sameBits(t, name+": exp_avg_sq", want.ExpAvgSq, s.ExpAvgSq)
-							sameBits(t, name+": saved param", base.Param, save.Param)
-							sameBits(t, name+": saved exp_avg", base.ExpAvg, save.ExpAvg)
-							sameBits(t, name+": saved exp_avg_sq", base.ExpAvgSq, save.ExpAvgSq)
-							if amsgrad {
-								sameBits(t, name+": max_exp_avg_sq", want.MaxExpAvgSq, s.MaxExpAvgSq)
-								sameBits(t, name+": saved max_exp_avg_sq", base.MaxExpAvgSq, save.MaxExpAvgSq)
-							}
+							sameStateBits(t, name+": ", want, s, amsgrad)
+							sameStateBits(t, name+": saved ", base, save, amsgrad)
 							for i := range n {
 								if out.Data[i] != outRef.Data[i] || saved && saveOut[i] != old[i] {
 									t.Fatalf("%s: copy[%d] %#x (want %#x)", name, i, out.Data[i], outRef.Data[i])
@@ -105,12 +97,7 @@ func TestStepSaveEveryPath(t *testing.T) {
 								t.Fatalf("%s: a write outside the arrays", name)
 							}
 							pool.Restore(s, out.Data, save, saveOut)
-							sameBits(t, name+": restored param", base.Param, s.Param)
-							sameBits(t, name+": restored exp_avg", base.ExpAvg, s.ExpAvg)
-							sameBits(t, name+": restored exp_avg_sq", base.ExpAvgSq, s.ExpAvgSq)
-							if amsgrad {
-								sameBits(t, name+": restored max_exp_avg_sq", base.MaxExpAvgSq, s.MaxExpAvgSq)
-							}
+							sameStateBits(t, name+": restored ", base, s, amsgrad)
 							for i := range n {
 								if saved && out.Data[i] != old[i] {
 									t.Fatalf("%s: restored copy[%d] %#x, want %#x", name, i, out.Data[i], old[i])

@@ -39,16 +39,8 @@ func TestStepSaveRestore(t *testing.T) {
 					c := hh.Coeffs(4, 0.5, 1)
 					pool.Step(&c, ref, g, oref)
 					pool.StepSave(&c, s, g, o, save, saveOut)
-					sameBits(t, "param", ref.Param, s.Param)
-					sameBits(t, "exp_avg", ref.ExpAvg, s.ExpAvg)
-					sameBits(t, "exp_avg_sq", ref.ExpAvgSq, s.ExpAvgSq)
-					sameBits(t, "saved param", before.Param, save.Param)
-					sameBits(t, "saved exp_avg", before.ExpAvg, save.ExpAvg)
-					sameBits(t, "saved exp_avg_sq", before.ExpAvgSq, save.ExpAvgSq)
-					if amsgrad {
-						sameBits(t, "max_exp_avg_sq", ref.MaxExpAvgSq, s.MaxExpAvgSq)
-						sameBits(t, "saved max_exp_avg_sq", before.MaxExpAvgSq, save.MaxExpAvgSq)
-					}
+					sameStateBits(t, "", ref, s, amsgrad)
+					sameStateBits(t, "saved ", before, save, amsgrad)
 					for i := range o.Data {
 						if o.Data[i] != oref.Data[i] || saveOut[i] != uint16(i*7) {
 							t.Fatalf("copy[%d] = %#x (want %#x), saved %#x (want %#x)", i, o.Data[i], oref.Data[i], saveOut[i], uint16(i*7))
@@ -58,12 +50,7 @@ func TestStepSaveRestore(t *testing.T) {
 						t.Fatal("the step changed nothing: the test proves nothing")
 					}
 					pool.Restore(s, o.Data, save, saveOut)
-					sameBits(t, "restored param", before.Param, s.Param)
-					sameBits(t, "restored exp_avg", before.ExpAvg, s.ExpAvg)
-					sameBits(t, "restored exp_avg_sq", before.ExpAvgSq, s.ExpAvgSq)
-					if amsgrad {
-						sameBits(t, "restored max_exp_avg_sq", before.MaxExpAvgSq, s.MaxExpAvgSq)
-					}
+					sameStateBits(t, "restored ", before, s, amsgrad)
 					for i := range o.Data {
 						if o.Data[i] != uint16(i*7) {
 							t.Fatalf("restored copy[%d] = %#x, want %#x", i, o.Data[i], uint16(i*7))
@@ -183,16 +170,8 @@ func TestStepTo(t *testing.T) {
 							pool.Step(&c, ref, g, oref)
 							pool.StepTo(&c, s, g, o, to)
 							what := fmt.Sprintf("%s/clip=%v", name, clip)
-							sameBits(t, what+" param", ref.Param, to.Param)
-							sameBits(t, what+" exp_avg", ref.ExpAvg, to.ExpAvg)
-							sameBits(t, what+" exp_avg_sq", ref.ExpAvgSq, to.ExpAvgSq)
-							sameBits(t, what+" s's param", before.Param, s.Param)
-							sameBits(t, what+" s's exp_avg", before.ExpAvg, s.ExpAvg)
-							sameBits(t, what+" s's exp_avg_sq", before.ExpAvgSq, s.ExpAvgSq)
-							if amsgrad {
-								sameBits(t, what+" max_exp_avg_sq", ref.MaxExpAvgSq, to.MaxExpAvgSq)
-								sameBits(t, what+" s's max_exp_avg_sq", before.MaxExpAvgSq, s.MaxExpAvgSq)
-							}
+							sameStateBits(t, what+" ", ref, to, amsgrad)
+							sameStateBits(t, what+" s's ", before, s, amsgrad)
 							for i := range o.Data {
 								if o.Data[i] != oref.Data[i] {
 									t.Fatalf("%s: copy[%d] = %#x, want %#x", what, i, o.Data[i], oref.Data[i])
@@ -237,9 +216,7 @@ func TestStepToAlignment(t *testing.T) {
 			to := State{Param: buf(0, offs[0]), ExpAvg: buf(1, offs[1]), ExpAvgSq: buf(2, offs[2])}
 			path.StepTo(&c, s, g, out, to)
 			what := fmt.Sprintf("%s/offsets=%v", path, offs)
-			sameBits(t, what+" param", ref.Param, to.Param)
-			sameBits(t, what+" exp_avg", ref.ExpAvg, to.ExpAvg)
-			sameBits(t, what+" exp_avg_sq", ref.ExpAvgSq, to.ExpAvgSq)
+			sameStateBits(t, what+" ", ref, to, false)
 			for i := range out.Data {
 				if out.Data[i] != oref.Data[i] {
 					t.Fatalf("%s: copy[%d] = %#x, want %#x", what, i, out.Data[i], oref.Data[i])

@@ -42,6 +42,18 @@ func randomProblem(n int, gd DType, amsgrad bool, seed uint64) (State, Grad) {
 	return s, GradF32(g32)
 }
 
+// sameStateBits fails t unless got is want bit for bit: the master
+// weights, exp_avg and exp_avg_sq, and max_exp_avg_sq with amsgrad.
+func sameStateBits(t *testing.T, what string, want, got State, amsgrad bool) {
+	t.Helper()
+	sameBits(t, what+"param", want.Param, got.Param)
+	sameBits(t, what+"exp_avg", want.ExpAvg, got.ExpAvg)
+	sameBits(t, what+"exp_avg_sq", want.ExpAvgSq, got.ExpAvgSq)
+	if amsgrad {
+		sameBits(t, what+"max_exp_avg_sq", want.MaxExpAvgSq, got.MaxExpAvgSq)
+	}
+}
+
 func sameBits(t *testing.T, what string, a, b []float32) {
 	t.Helper()
 	for i := range a {
