@@ -38,7 +38,7 @@ tests)
 	(cd adam && ../bin/test/adam.test -test.run XXX -test.bench StepSave -test.benchtime 10x -test.count 2) 2>&1 | tee "$out/adam-bench.log" | grep Benchmark
 	;;
 xl) e2e xl "gpt2-xl,24,8" "dos-model dos-first dos-first-spec-12" "torchao fsdp2-noclip" ;;
-b40) e2e b40 "36:3072:24,40,8" "dos-model dos-first-spec-16 dos-first-spec-24" "torchao fsdp2-noclip" ;;
+b40) e2e b40 "36:3072:24,40,8" "dos-first-spec-16 dos-first-spec-24 dos-first-spec-32" "torchao fsdp2-noclip" ;;
 b24) e2e b24 "36:3072:24,24,8" "dos-model dos-first-spec-24 dos-first-spec-32" "fsdp2-noclip" ;;
 clip) CLIP=1 STEPS=10 e2e clip "gpt2-xl,24,8" "dos-model dos-first dos-first-spec-12" "" ;;
 b16) e2e b16 "36:3072:24,16,8" "dos-model dos-first-spec-24" "fsdp2-noclip" ;;

@@ -179,6 +179,45 @@ func (o *Optimizer) HostGrad(i int) (HostTensor, error) {
 	return o.hostTensor(i, "HostGrad", true)
 }
 
+// HostGradOnDevice tells the optimizer that the gradient of
+// Options.OffloadParam parameter i, which the caller copies into HostGrad
+// (i) on s after this call (or copied before it), is also in device memory
+// at mem's elements [off, off+Len) of Options.GradDType, complete once the
+// work enqueued on s so far is done, and unchanged until the copy is: the
+// GPU takes the global gradient checks' partial sums there, on s, beside
+// the backward, and the next Step reads them instead of passing over
+// HostGrad on the CPU workers after the backward
+// (scheduler.Engine.HeldPartials; the same sums bit for bit). A GPU
+// trainer that streams a block's weights calls it for each of the block's
+// streamed tensors as its backward ends, before its gradients' D2H. The
+// sums are taken with the last Step's loss scale; a Step with another
+// passes over HostGrad as before. ZeroGrad and a Step that does not take
+// them (one without StepArgs.GradOnDevice) forget them. It waits for
+// nothing. mem is memory of Options.Device (a *cuda.Buffer on a CUDA
+// device). Panics if i is out of range.
+//
+// Errors: those of HostGrad; off or Len outside mem; a device error
+// (scheduler.ErrBroken after it).
+func (o *Optimizer) HostGradOnDevice(s Stream, i int, mem scheduler.Mem, off int64) error {
+	lo, hi := o.span(i)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if err := o.deviceViews(); err != nil {
+		return err
+	}
+	if !o.offloaded[i] {
+		return fmt.Errorf("offload: HostGradOnDevice(%q): the parameter is not in Options.OffloadParam (its gradient is the device's, DeviceGrad)", o.params[i].Name)
+	}
+	n := int64(hi - lo)
+	if es := int64(o.opts.GradDType.Size()); mem == nil || off < 0 || es*(off+n) > mem.Len() {
+		return fmt.Errorf("offload: HostGradOnDevice(%q): elements [%d, %d) of %d bytes each outside the device buffer", o.params[i].Name, off, off+n, es)
+	}
+	if err := o.eng.HeldPartials(s, int64(lo), scheduler.Vec{Mem: mem, Off: off, N: n}, o.lastUnscale); err != nil {
+		return o.engineErr(err)
+	}
+	return nil
+}
+
 // HostWorking returns the pinned host 16-bit working copy of
 // Options.OffloadParam parameter i (in New's order), of
 // Options.WorkingDType: what a trainer that streams it copies to the

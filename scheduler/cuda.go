@@ -137,6 +137,10 @@ func (c *cudaDevice) GradPartials(s Stream, gd adam.DType, g Vec, unscale float3
 	return c.k.GradPartials(s.(cudaStream).s, kernels.Grad{DType: gd, Vec: kvec(g)}, unscale, dst)
 }
 
+func (c *cudaDevice) GradPartialsTo(s Stream, gd adam.DType, g Vec, unscale float32, dst, flag Vec) error {
+	return c.k.GradPartialsTo(s.(cudaStream).s, kernels.Grad{DType: gd, Vec: kvec(g)}, unscale, kvec(dst), kvec(flag))
+}
+
 func (c *cudaDevice) GradStats(s Stream, gd adam.DType, g Vec, unscale float32) (bool, float64, error) {
 	return c.k.GradStats(s.(cudaStream).s, kernels.Grad{DType: gd, Vec: kvec(g)}, unscale)
 }

@@ -95,4 +95,10 @@ type Device interface {
 	// blocks), the CPU's bits, so that the partials of gradients held
 	// partly on the host add up to those of one device gradient.
 	GradPartials(s Stream, gd adam.DType, g Vec, unscale float32, dst []float64) (finite bool, err error)
+	// GradPartialsTo is GradPartials enqueued on s without a wait: the
+	// partial sums go to dst's float64 elements in device memory (dst.N
+	// at least g's blocks, the CPU's bits) and an element of g that is
+	// not finite sets flag's int32 element (flag.N 1) to 1; nothing
+	// clears it (Zero does). The caller orders its read of them after s.
+	GradPartialsTo(s Stream, gd adam.DType, g Vec, unscale float32, dst, flag Vec) error
 }

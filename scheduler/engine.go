@@ -122,6 +122,7 @@ type Engine struct {
 	segs       []segment     // the flat space cut where the gradients' place changes (Stats)
 	part       []float64     // Stats' partial sums, one per adam.MinChunk block, with HostHeld
 	mix        Host          // Stats' gather of one block that lies in both places
+	hp         heldParts     // HeldPartials' sums on the device, for Stats
 	state      adam.State    // views of host
 	grad       Mem           // device gradients
 	work       Mem           // device working copy

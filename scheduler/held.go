@@ -201,7 +201,15 @@ func (e *Engine) heldWork(at, n int64) []uint16 {
 // MinChunk block where its gradient is, added in block order.
 func (e *Engine) heldStats(unscale float32) (finite bool, sum float64, err error) {
 	const mc = adam.MinChunk
-	finite = true
+	dev, finite, err := e.takeHeldParts(unscale)
+	if err != nil {
+		return false, 0, err
+	}
+	defer func() {
+		if derr := e.dropHeldParts(); err == nil {
+			err = derr
+		}
+	}()
 	// The blocks inside one segment.
 	for _, sg := range e.segs {
 		lo, hi := (sg.off+mc-1)/mc*mc, (sg.off+sg.n)/mc*mc
@@ -214,10 +222,16 @@ func (e *Engine) heldStats(unscale float32) (finite bool, sum float64, err error
 		dst := e.part[lo/mc : (hi+mc-1)/mc]
 		at := sg.at + lo - sg.off
 		var ok bool
-		if sg.held {
+		switch {
+		case sg.held && dev:
+			ok = e.heldRuns(sg, lo, hi, unscale)
+		case sg.held:
 			ok = e.pool.GradPartials(e.heldGrad(at, hi-lo), unscale, dst)
-		} else if ok, err = e.dev.GradPartials(e.s[sKernel], e.o.GradDType, Vec{Mem: e.grad, Off: at, N: hi - lo}, unscale, dst); err != nil {
-			return false, 0, err
+		default:
+			ok, err = e.dev.GradPartials(e.s[sKernel], e.o.GradDType, Vec{Mem: e.grad, Off: at, N: hi - lo}, unscale, dst)
+			if err != nil {
+				return false, 0, err
+			}
 		}
 		finite = finite && ok
 	}

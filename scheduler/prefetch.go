@@ -125,18 +125,19 @@ func (e *Engine) prefetch(s Stream, ready int64) error {
 // next Update does that work itself. It first undoes what Speculate
 // updated (DropSpeculation), whether or not anything was prefetched. A
 // skipped step (non-finite gradients) calls it; so do ZeroGrad, SetGrad,
-// Load, Replan and Close. Without a prefetch or a speculation it does
-// nothing.
+// Load, Replan and Close. It forgets HeldPartials' sums too. Without a
+// prefetch, a speculation or such sums it does nothing.
 //
 // Errors: a failed wait (the engine is then broken).
 func (e *Engine) DropPrefetch() error {
 	e.dropSpec() // its kept subgroups are marked in pre
+	herr := e.dropHeldParts()
 	if !e.preOn {
-		return nil
+		return herr
 	}
 	e.preOn = false
 	clear(e.pre)
-	var err error
+	err := herr
 	for _, l := range []int{sH2D, sD2H} {
 		e.laneMu[l].Lock()
 		if werr := firstErr(e.dev.Record(e.tail[l], e.s[l]), e.dev.Sync(e.tail[l])); werr != nil {

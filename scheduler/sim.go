@@ -556,6 +556,45 @@ func (s *Sim) GradPartials(st Stream, gd adam.DType, g Vec, unscale float32, dst
 	return adam.DefaultPath.GradPartials(ag, unscale, dst), nil
 }
 
+// GradPartialsTo runs adam.DefaultPath.GradPartials into dst's float64
+// elements and sets flag's int32 element for a non-finite gradient, as a
+// launch on st's compute lane (counted among SimOptions.FailAt's), timed
+// as an update of g's elements.
+func (s *Sim) GradPartialsTo(st Stream, gd adam.DType, g Vec, unscale float32, dst, flag Vec) error {
+	blocks := (g.N + adam.MinChunk - 1) / adam.MinChunk
+	if dst.N < blocks {
+		return fmt.Errorf("scheduler: sim GradPartialsTo: %d partials for %d blocks", dst.N, blocks)
+	}
+	if flag.N != 1 {
+		return fmt.Errorf("scheduler: sim GradPartialsTo: a flag of %d elements, want 1", flag.N)
+	}
+	ag, err := simGrad(gd, g)
+	if err != nil {
+		return err
+	}
+	d, f := dst.Mem.(*simMem), flag.Mem.(*simMem)
+	if err := firstErr(span("GradPartialsTo", d.b, 8*dst.Off, 8*blocks), span("GradPartialsTo", f.b, 4*flag.Off, 4)); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var us uses
+	us.add(vecUse(g, elemBytes(gd), true, false))
+	us.add(memUse(d, 8*dst.Off, 8*blocks, false, true))
+	us.add(memUse(f, 4*flag.Off, 4, true, true))
+	if err := s.op(st, laneGPU, s.dur(s.gpu().Update, g.N), simStats, &us); err != nil {
+		return err
+	}
+	if blocks == 0 {
+		return nil
+	}
+	out := unsafe.Slice((*float64)(unsafe.Pointer(&d.b[8*dst.Off])), blocks)
+	if !adam.DefaultPath.GradPartials(ag, unscale, out) {
+		*(*int32)(unsafe.Pointer(&f.b[4*flag.Off])) = 1
+	}
+	return nil
+}
+
 // statsOrder orders a read of g on st, waited for by the host, and returns
 // g's elements.
 func (s *Sim) statsOrder(st Stream, gd adam.DType, g Vec) (adam.Grad, error) {

@@ -26,10 +26,11 @@ import (
 //   - before block l's backward (and recomputation), the same with block
 //     l-1 next; the last two streamed blocks of the forward are still in
 //     their slots;
-//   - as block l's backward ends (OnBlockBackward), its gradients go D2H
-//     from slot l mod 2 into the optimizer's host gradients
-//     (offload.Optimizer.HostGrad); block l-2's backward, which writes
-//     the same slot, waits for that copy;
+//   - as block l's backward ends (OnBlockBackward), the GPU takes the
+//     global gradient checks' partial sums of its gradients in slot l mod 2
+//     (offload.Optimizer.HostGradOnDevice), then they go D2H into the
+//     optimizer's host gradients (offload.Optimizer.HostGrad); block
+//     l-2's backward, which writes the same slot, waits for both;
 //   - when the backward ends, the model's stream waits for the last
 //     gradient copy, so the gradients are on the host when Loss returns.
 //
@@ -285,7 +286,8 @@ type blockStream struct {
 	at              int64        // the optimizer's step count when holds was last valid
 	hw, hg          [][]hostSpan // per streamed block, per streamedOffsets: its host working copy and gradient
 	opt             *offload.Optimizer
-	model           *cuda.Stream // the model's stream
+	d2hStream       offload.Stream // d2h as the optimizer names it
+	model           *cuda.Stream   // the model's stream
 	// weightsReady waits for block l's weights of a StepAsync phase under way
 	// (Optimizer.WaitParams, the h2d stream's device waits and the host
 	// wait for the CPU's updates of its host working copy) before issue
@@ -338,7 +340,7 @@ func (b *blockStream) events() []**cuda.Event {
 // (w, g: gpt.Config.Tensors order) at their slots and takes their host
 // buffers from opt.
 func (b *blockStream) bind(opt *offload.Optimizer, w, g []uint64) error {
-	b.opt = opt
+	b.opt, b.d2hStream = opt, offload.CUDAStream(b.d2h)
 	b.hw, b.hg = make([][]hostSpan, b.n), make([][]hostSpan, b.n)
 	for l := range b.n {
 		for j, o := range streamedOffsets {
@@ -463,6 +465,14 @@ func (b *blockStream) after(l int) error {
 	}
 	if err := b.d2h.Wait(b.ready); err != nil {
 		return err
+	}
+	// The global checks' sums of these gradients, taken in the slot on
+	// the d2h stream before it copies them out (the slot's next writer
+	// waits for drained, after both).
+	for j, o := range streamedOffsets {
+		if err := b.opt.HostGradOnDevice(b.d2hStream, gpt.LayerBase(l)+o, b.grad, (int64(s)*b.slot+b.off[j])/2); err != nil {
+			return err
+		}
 	}
 	for j, h := range b.hg[l] {
 		if err := b.d2h.CopyDtoH(h.buf, h.off, b.grad, int64(s)*b.slot+b.off[j], h.bytes); err != nil {

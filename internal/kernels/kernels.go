@@ -447,6 +447,46 @@ func (k *Kernels) GradPartials(s *cuda.Stream, g Grad, unscale float32, dst []fl
 	return finite, nil
 }
 
+// GradPartialsTo is GradPartials without the wait: it enqueues on s the
+// kernel that writes the sum of squares of g's StatsChunk block b
+// (float64, the CPU's bits, as GradPartials) to dst's elements Off+b, and
+// sets flag's int32 element Off to 1 if any element of g is not finite
+// (it never clears it: zero it first, Memset, to start a count over). dst
+// holds at least g's blocks; flag one element. Nothing is read back: the
+// caller orders its read of dst and flag after s (an event). It waits for
+// nothing and allocates nothing.
+//
+// Errors: a dtype other than F32, BF16 or F16; g, dst or flag outside its
+// buffer; the driver's.
+func (k *Kernels) GradPartialsTo(s *cuda.Stream, g Grad, unscale float32, dst, flag Vec) error {
+	gi, ok := dtypeIndex(g.DType)
+	if !ok || g.DType == 0 {
+		return fmt.Errorf("kernels: GradPartialsTo: gradient dtype %v", g.DType)
+	}
+	if err := g.check("gradient", elemSize(g.DType), g.N); err != nil {
+		return err
+	}
+	if g.N == 0 {
+		return nil
+	}
+	blocks := (g.N + StatsChunk - 1) / StatsChunk
+	if dst.N < blocks {
+		return fmt.Errorf("kernels: GradPartialsTo: %d partials for %d blocks", dst.N, blocks)
+	}
+	if err := dst.check("partials", 8, dst.N); err != nil {
+		return err
+	}
+	if err := flag.check("non-finite flag", 4, 1); err != nil {
+		return err
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	a := k.args
+	a.Reset()
+	a.Ptr(g.Buf, elemSize(g.DType)*g.Off).U64(uint64(g.N)).F32(unscale).U64(StatsChunk).Ptr(dst.Buf, 8*dst.Off).Ptr(flag.Buf, 4*flag.Off)
+	return k.stats[gi].Launch(s, cuda.Dim3{X: uint32((blocks + 15) / 16), Y: 1, Z: 1}, cuda.Dim3{X: 256, Y: 1, Z: 1}, 0, a)
+}
+
 // partials runs the stats kernel over g and brings its partial sums to
 // k.host (blocks of them, float64 each); k.mu is held.
 func (k *Kernels) partials(s *cuda.Stream, g Grad, unscale float32) (blocks int64, finite bool, err error) {

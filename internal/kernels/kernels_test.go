@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"sync"
 	"testing"
+	"unsafe"
 
 	dos "github.com/deepstates/dos"
 	"github.com/deepstates/dos/adam"
@@ -432,6 +433,89 @@ func TestGradStats(t *testing.T) {
 				t.Fatalf("%v: %g at %d not found (%v)", gd, bad, at, err)
 			}
 		}
+	}
+}
+
+// TestGradPartialsTo: the enqueued partial sums land in device memory at
+// the offset asked, the CPU's bits; the non-finite flag is set by a
+// gradient with a NaN and is never cleared by a finite one after it; a
+// short destination is refused.
+func TestGradPartialsTo(t *testing.T) {
+	e := gpu(t)
+	for _, gd := range dtypes {
+		n := 5*StatsChunk + 11
+		_, g := problem(n, gd, false, 9)
+		want := make([]float64, (n+StatsChunk-1)/StatsChunk)
+		okCPU := adam.Generic.GradPartials(g, 0.5, want)
+		dg, free, err := e.b.upload16or32(g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		const at = 3 // partials from element 3 of dst, the flag at element 1 of flag
+		dst, err := e.d.Alloc(8 * int64(len(want)+at))
+		if err != nil {
+			t.Fatal(err)
+		}
+		flag, err := e.d.Alloc(8)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.s.Memset(flag, 0, 8, 0); err != nil {
+			t.Fatal(err)
+		}
+		dv, fv := Vec{Buf: dst, Off: at, N: int64(len(want))}, Vec{Buf: flag, Off: 1, N: 1}
+		if err := e.k.GradPartialsTo(e.s, dg, 0.5, dv, fv); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]float64, len(want)+at)
+		if err := e.b.get(unsafe.Slice((*byte)(unsafe.Pointer(&got[0])), 8*len(got)), dst); err != nil {
+			t.Fatal(err)
+		}
+		fl := make([]int32, 2)
+		if err := e.b.get(unsafe.Slice((*byte)(unsafe.Pointer(&fl[0])), 8), flag); err != nil {
+			t.Fatal(err)
+		}
+		if !okCPU || fl[0] != 0 || fl[1] != 0 {
+			t.Fatalf("%v: finite gradient: CPU finite %v, flags %v", gd, okCPU, fl)
+		}
+		for b := range want {
+			if math.Float64bits(got[at+b]) != math.Float64bits(want[b]) {
+				t.Fatalf("%v: partial %d: GPU %v, CPU %v", gd, b, got[at+b], want[b])
+			}
+		}
+		if err := e.k.GradPartialsTo(e.s, dg, 0.5, Vec{Buf: dst, Off: at, N: int64(len(want)) - 1}, fv); err == nil {
+			t.Fatalf("%v: %d partials for %d blocks: no error", gd, len(want)-1, len(want))
+		}
+		free()
+		// A NaN sets the flag; a finite gradient after it leaves it set.
+		_, bad := problem(100, gd, false, 10)
+		if gd == adam.F32 {
+			bad.F32[57] = float32(math.NaN())
+		} else {
+			bad.U16[57] = 0x7fc0 // a NaN in both 16-bit formats
+		}
+		db, freeBad, err := e.b.upload16or32(bad)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, fine := problem(100, gd, false, 11)
+		df, freeFine, err := e.b.upload16or32(fine)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := errors.Join(e.k.GradPartialsTo(e.s, db, 1, dv, fv), e.k.GradPartialsTo(e.s, df, 1, dv, fv)); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.b.get(unsafe.Slice((*byte)(unsafe.Pointer(&fl[0])), 8), flag); err != nil {
+			t.Fatal(err)
+		}
+		if fl[0] != 0 || fl[1] != 1 {
+			t.Fatalf("%v: flags after a NaN then a finite gradient: %v, want [0 1]", gd, fl)
+		}
+		freeBad()
+		freeFine()
+		dst.Free()
+		flag.Free()
 	}
 }
 

@@ -1,0 +1,161 @@
+package scheduler
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/perfmodel"
+)
+
+// TestEngineHeldPartials (heldPatterns 1, 3 and 5 have blocks wholly
+// inside a held range, 2 and 4 none): the global checks' sums of host-held gradients
+// taken on the device (HeldPartials, the ranges cut where a trainer's
+// tensors would be) give Stats the bits it computes on the host alone, on
+// every pattern of held subgroups; with a device copy that differs from
+// HostGrad (zeros, a NaN) Stats shows that it took each block wholly inside
+// a range from the device and every other block from the host; sums of
+// another unscale are not used; ZeroGrad forgets them; a range that leaves
+// a held run, and a second unscale, are refused.
+func TestEngineHeldPartials(t *testing.T) { forDevices(t, testEngineHeldPartials) }
+
+func testEngineHeldPartials(t *testing.T, newDev func() Device) {
+	const mc = adam.MinChunk
+	for pi, held := range heldPatterns {
+		if countHeld(held) == 0 {
+			continue
+		}
+		d := newDev()
+		p := heldProblem(adam.BF16, 1, uint64(pi)+5, -1)
+		e := setupHeld(t, d, p, held, perfmodel.Schedule{CPU: len(held) - countHeld(held)}, nil, false)
+		n := e.total
+		r := rand.New(rand.NewPCG(uint64(pi), 9))
+		g := make([]uint16, n)
+		for i := range g {
+			g[i] = adam.F32ToBF16(float32(r.NormFloat64()))
+		}
+		if err := e.SetGrad(adam.Grad16(adam.BF16, g)); err != nil {
+			t.Fatal(err)
+		}
+		okRef, ref := adam.Generic.GradStats(adam.Grad16(adam.BF16, g), 1)
+		if ok, sum, err := e.Stats(1); err != nil || ok != okRef || sum != ref {
+			t.Fatalf("pattern %d: Stats on the host %v %v %v, the flat sum %v %v", pi, ok, sum, err, okRef, ref)
+		}
+		dg, err := d.Alloc(2 * n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := d.NewStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		// ranges cuts each held run in two at an odd element, as a
+		// trainer's tensors would, and calls HeldPartials on each piece;
+		// inside[b] marks the blocks wholly inside a piece.
+		inside := make([]bool, (n+mc-1)/mc)
+		ranges := func(unscale float32) {
+			t.Helper()
+			for _, sg := range e.segs {
+				if !sg.held {
+					continue
+				}
+				cut := sg.off + sg.n/2 + 1
+				for _, pc := range [][2]int64{{sg.off, cut}, {cut, sg.off + sg.n}} {
+					if err := e.HeldPartials(s, pc[0], Vec{Mem: dg, Off: pc[0], N: pc[1] - pc[0]}, unscale); err != nil {
+						t.Fatal(err)
+					}
+					lo, hi := (pc[0]+mc-1)/mc*mc, pc[1]/mc*mc
+					if pc[1] == n {
+						hi = n
+					}
+					for b := lo / mc; b*mc < hi; b++ {
+						inside[b] = true
+					}
+				}
+			}
+		}
+		// The device copy is HostGrad's: the same bits.
+		gb := unsafe.Slice((*byte)(unsafe.Pointer(&g[0])), 2*n)
+		put(t, d, dg, 0, gb)
+		ranges(1)
+		if ok, sum, err := e.Stats(1); err != nil || ok != okRef || sum != ref {
+			t.Fatalf("pattern %d: Stats with the device's sums %v %v (%x) %v, want %v %v (%x)", pi, ok, sum, math.Float64bits(sum), err, okRef, ref, math.Float64bits(ref))
+		}
+		// A zero device copy: the blocks inside a range count zero, the
+		// others what HostGrad holds.
+		put(t, d, dg, 0, make([]byte, 2*n))
+		clear(inside)
+		ranges(1)
+		want := append([]uint16(nil), g...)
+		used := 0
+		for b, in := range inside {
+			if in {
+				clear(want[int64(b)*mc : min(int64(b+1)*mc, n)])
+				used++
+			}
+		}
+		_, wantSum := adam.Generic.GradStats(adam.Grad16(adam.BF16, want), 1)
+		if ok, sum, err := e.Stats(1); err != nil || !ok || sum != wantSum || (used > 0) == (sum == ref) {
+			t.Fatalf("pattern %d: zero device copy over %d blocks: Stats %v %v %v, want true %v (not %v)", pi, used, ok, sum, err, wantSum, ref)
+		}
+		// Sums of another unscale are not used.
+		ranges(1)
+		okHalf, refHalf := adam.Generic.GradStats(adam.Grad16(adam.BF16, g), 0.5)
+		if ok, sum, err := e.Stats(0.5); err != nil || ok != okHalf || sum != refHalf {
+			t.Fatalf("pattern %d: sums of unscale 1, Stats(0.5) %v %v %v, want %v %v", pi, ok, sum, err, okHalf, refHalf)
+		}
+		// A NaN in the device copy inside a range is seen; the same NaN
+		// outside every range is not (HostGrad is finite).
+		for b, in := range inside {
+			nan := make([]byte, 2)
+			*(*uint16)(unsafe.Pointer(&nan[0])) = 0x7fc0
+			put(t, d, dg, 0, gb)
+			put(t, d, dg, 2*int64(b)*mc, nan)
+			ranges(1)
+			if ok, _, err := e.Stats(1); err != nil || ok == in {
+				t.Fatalf("pattern %d: a NaN in the device copy at block %d (inside a range: %v): finite %v, %v", pi, b, in, ok, err)
+			}
+		}
+		// ZeroGrad forgets the sums.
+		ranges(1)
+		if err := e.ZeroGrad(); err != nil {
+			t.Fatal(err)
+		}
+		if ok, sum, err := e.Stats(1); err != nil || !ok || sum != 0 {
+			t.Fatalf("pattern %d: after ZeroGrad, Stats %v %v %v; want true 0", pi, ok, sum, err)
+		}
+		// Refusals.
+		for _, sg := range e.segs {
+			if sg.held && sg.off+sg.n < n {
+				if err := e.HeldPartials(s, sg.off, Vec{Mem: dg, Off: sg.off, N: sg.n + 1}, 1); err == nil {
+					t.Errorf("pattern %d: a range one past its held run: no error", pi)
+				}
+			}
+			if !sg.held {
+				if err := e.HeldPartials(s, sg.off, Vec{Mem: dg, Off: sg.off, N: 1}, 1); err == nil {
+					t.Errorf("pattern %d: a range on the device's gradients: no error", pi)
+				}
+			}
+		}
+		for _, sg := range e.segs {
+			if !sg.held || (sg.off+mc-1)/mc*mc+mc > sg.off+sg.n {
+				continue // no sum to take: nothing to differ from
+			}
+			if err := e.HeldPartials(s, sg.off, Vec{Mem: dg, Off: sg.off, N: sg.n}, 1); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.HeldPartials(s, sg.off, Vec{Mem: dg, Off: sg.off, N: sg.n}, 2); err == nil {
+				t.Errorf("pattern %d: a second unscale before Stats: no error", pi)
+			}
+			break
+		}
+		if err := e.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := firstErr(d.FreeStream(s), d.FreeMem(dg)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
