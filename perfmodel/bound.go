@@ -19,7 +19,8 @@ type Bound struct {
 	Bottleneck Resource
 	// Busy is each resource's time at that split, in seconds: the CPU
 	// workers' updates, each PCIe direction's bytes, both directions'
-	// bytes together (ResPCIe), the GPU's kernels.
+	// bytes together (ResPCIe), the GPU's kernels, the host memory's bytes
+	// (ResHostMem; 0 where the profile has no HostMem).
 	Busy map[Resource]float64
 	// CPU, GPU and Resident are the split, in subgroups (CPU and GPU may
 	// be fractional), and UpcastOnGPU whether its CPU gradients widen on
@@ -33,13 +34,21 @@ type Bound struct {
 // both at once.
 const ResPCIe Resource = "pcie"
 
+// ResHostMem is Bound's resource for the host memory, which the CPU
+// workers' updates and both PCIe directions' copies share: their bytes at
+// its peak rate (GPUProfile.HostMem).
+const ResHostMem Resource = "host-memory"
+
 // Bound returns a lower bound on w's update phase under p. Each resource
 // does its work at the rate p measured for it alone, with no latency, no
 // fill or drain and no contention: the CPU workers' updates (w.Threads of
 // them; the host-held subgroups' too) at the CPU's fitted rate; the bytes
 // of each PCIe direction at that lane's rate alone; both directions' bytes
 // together at the fastest of the two alone and of the duplex pair's sum;
-// the fused kernels (and the upcast) at the GPU's rates. The work moved
+// the fused kernels (and the upcast) at the GPU's rates; and, where the
+// profile measured the host memory's peak (GPUProfile.HostMem), the bytes
+// that pass through it: each CPU update's (the state read and written, the
+// gradient read, the 16-bit copy written) and every PCIe copy's. The work moved
 // before the phase by Workload.Prefetch is left out as the model leaves it
 // out. The bound is the least, over every split (the CPU's share of the
 // non-resident subgroups a real number, the resident ones within the GPU
@@ -187,7 +196,7 @@ func (p *Profile) boundAt(w Workload, it Iteration, upcast bool, c, gp, r float6
 		}
 		tCPU += float64(w.HostHeld) / uh
 	}
-	b := Bound{Busy: map[Resource]float64{ResCPU: tCPU, ResH2D: 0, ResD2H: 0, ResPCIe: 0, ResGPU: it.Compute}, CPU: c, GPU: gp, Resident: r, UpcastOnGPU: upcast}
+	b := Bound{Busy: map[Resource]float64{ResCPU: tCPU, ResH2D: 0, ResD2H: 0, ResPCIe: 0, ResGPU: it.Compute, ResHostMem: 0}, CPU: c, GPU: gp, Resident: r, UpcastOnGPU: upcast}
 	if g := p.GPU; g != nil {
 		preGrad := w.Prefetch && !(upcast && gb == 2)
 		preState := 0.0
@@ -201,12 +210,20 @@ func (p *Profile) boundAt(w Workload, it Iteration, upcast bool, c, gp, r float6
 		}
 		both := max(g.H2D.Rate, g.D2H.Rate, g.H2DBoth.Rate+g.D2HBoth.Rate)
 		b.Busy[ResH2D], b.Busy[ResD2H], b.Busy[ResPCIe] = up/g.H2D.Rate, dn/g.D2H.Rate, (up+dn)/both
+		if g.HostMem > 0 {
+			// The CPU's updates: the state read and written, the
+			// gradient (as the CPU reads it) and the copy.
+			cb, _ := gradBytes(cpuDType)
+			hb := c * sz * (2*w.stateBytes() + cb + float64(w.CopyBytes))
+			hb += float64(w.HostHeld) * (2*w.stateBytes() + gb + float64(w.CopyBytes))
+			b.Busy[ResHostMem] = (hb + up + dn) / g.HostMem
+		}
 		b.Busy[ResGPU] += (gp + r) * sz / g.Update.Rate
 		if upcast && gb == 2 {
 			b.Busy[ResGPU] += c * sz / g.Convert.Rate
 		}
 	}
-	for _, res := range []Resource{ResCPU, ResH2D, ResD2H, ResPCIe, ResGPU} {
+	for _, res := range []Resource{ResCPU, ResH2D, ResD2H, ResPCIe, ResGPU, ResHostMem} {
 		if b.Busy[res] > b.Seconds {
 			b.Seconds, b.Bottleneck = b.Busy[res], res
 		}

@@ -2,6 +2,7 @@ package perfmodel
 
 import (
 	"fmt"
+	"math"
 	"testing"
 
 	"github.com/deepstates/dos/adam"
@@ -151,5 +152,64 @@ func TestBoundOneDType(t *testing.T) {
 	}
 	if r, err := q.ChooseIteration(w, IterationWork{Forward: 0.1, Backward: 0.3, Blocks: 48, SpeculateParams: 1e9}); err != nil || r.Phase.UpcastOnGPU {
 		t.Errorf("ChooseIteration: %+v, %v; want a schedule without the upcast", r.Phase.Schedule, err)
+	}
+}
+
+// TestBoundHostMem: with the host memory's peak (GPUProfile.HostMem) the
+// bound counts the bytes the updates and copies pass through it: a slow
+// host memory binds, at between 24 bytes a parameter (the GPU lane's
+// state in and out, the least any split moves) and 32 (a CPU update's 28
+// and its gradient's and copy's 4 over PCIe) at its rate, and the bound is
+// never below the one without the term, which a profile without HostMem
+// keeps; Validate refuses a negative or infinite rate.
+func TestBoundHostMem(t *testing.T) {
+	p, err := Read("../testdata/profiles/h200.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.GPU.HostMem != 0 {
+		t.Fatalf("the H200 profile has HostMem %v: the test wants one without", p.GPU.HostMem)
+	}
+	for _, budget := range []int64{0, 16 << 30} {
+		w := Workload{Params: 4_236_000_000, SubgroupSize: 100_000_000, GradDType: adam.BF16, CopyBytes: 2, Threads: 16, GPUBudget: budget}
+		without, err := p.Bound(w)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if without.Busy[ResHostMem] != 0 {
+			t.Fatalf("no HostMem: host memory busy %v s", without.Busy[ResHostMem])
+		}
+		q := *p
+		g := *p.GPU
+		q.GPU = &g
+		for _, rate := range []float64{1e9, 150e9, 1e15} {
+			g.HostMem = rate
+			b, err := q.Bound(w)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if b.Seconds < without.Seconds*(1-1e-12) {
+				t.Errorf("budget %d, host memory %g B/s: bound %v s under the one without the term, %v s", budget, rate, b.Seconds, without.Seconds)
+			}
+			if rate == 1e15 && b.Seconds != without.Seconds {
+				t.Errorf("budget %d: a host memory that never binds changed the bound: %v s, want %v s", budget, b.Seconds, without.Seconds)
+			}
+			if rate == 1e9 {
+				nonRes := float64(w.Params) - b.Resident*float64(w.SubgroupSize)
+				lo, hi := 24*nonRes/rate, 32*nonRes/rate
+				if b.Bottleneck != ResHostMem || b.Seconds < lo*(1-1e-9) || b.Seconds > hi*(1+1e-9) {
+					t.Errorf("budget %d, 1 GB/s host memory: bound %v s (%s, %.1f resident), want host-memory in [%v, %v] s", budget, b.Seconds, b.Bottleneck, b.Resident, lo, hi)
+				}
+			}
+		}
+	}
+	q := *p
+	g := *p.GPU
+	q.GPU = &g
+	for _, bad := range []float64{-1, math.Inf(1), math.NaN()} {
+		g.HostMem = bad
+		if err := q.Validate(); err == nil {
+			t.Errorf("HostMem %v: Validate says nothing", bad)
+		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/deepstates/dos/adam"
@@ -276,7 +277,7 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 	g := &GPUProfile{}
 	last := func(p []Point) float64 { return p[len(p)-1].Size / p[len(p)-1].Seconds }
 	duplex := (last(h2dBoth) + last(d2hBoth)) / 2
-	if g.Contention, err = contention(opts, s1, s2, ev[0], ev[1], ev[2], ev[3], h1, h2, d1, d2, maxCopy, duplex); err != nil {
+	if g.Contention, g.HostMem, err = contention(opts, s1, s2, ev[0], ev[1], ev[2], ev[3], h1, h2, d1, d2, maxCopy, duplex); err != nil {
 		return nil, err
 	}
 	tick()
@@ -302,8 +303,13 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 // again while both directions copy maxCopy-byte pieces for about
 // opts.HostMemSeconds. The copies are timed by events on s1 (H2D, e1 at
 // the end, a at the start) and s2 (D2H, e2, b), against duplex, the
-// per-direction rate with no CPU work.
-func contention(opts GPUOptions, s1, s2 *cuda.Stream, a, e1, b, e2 *cuda.Event, h1, h2 *cuda.HostBuffer, d1, d2 *cuda.Buffer, maxCopy int64, duplex float64) (Contention, error) {
+// per-direction rate with no CPU work. It also returns the host memory's
+// peak rate (GPUProfile.HostMem), bytes/s: the most of the update alone
+// (28 bytes a parameter: the state read and written, the bf16 gradient
+// read, the bf16 copy written), the update and both copies together, and
+// opts.Threads goroutines copying 128 MiB arrays (each byte read and
+// written).
+func contention(opts GPUOptions, s1, s2 *cuda.Stream, a, e1, b, e2 *cuda.Event, h1, h2 *cuda.HostBuffer, d1, d2 *cuda.Buffer, maxCopy int64, duplex float64) (Contention, float64, error) {
 	const n = 32 << 20
 	s := adam.State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
 	g := make([]uint16, n)
@@ -326,15 +332,15 @@ func contention(opts GPUOptions, s1, s2 *cuda.Stream, a, e1, b, e2 *cuda.Event, 
 	// Enough pieces for HostMemSeconds at the duplex rate.
 	reps := int(max(2, opts.HostMemSeconds*duplex/float64(maxCopy)))
 	if err := firstErr(a.Record(s1), b.Record(s2)); err != nil {
-		return Contention{}, err
+		return Contention{}, 0, err
 	}
 	for range reps {
 		if err := firstErr(s1.CopyHtoD(d1, 0, h1, 0, maxCopy), s2.CopyDtoH(h2, 0, d2, 0, maxCopy)); err != nil {
-			return Contention{}, fmt.Errorf("perfmodel: contention: %w", err)
+			return Contention{}, 0, fmt.Errorf("perfmodel: contention: %w", err)
 		}
 	}
 	if err := firstErr(e1.Record(s1), e2.Record(s2)); err != nil {
-		return Contention{}, err
+		return Contention{}, 0, err
 	}
 	// The steps that end while both directions still copy.
 	t0, steps = time.Now(), 0
@@ -344,7 +350,7 @@ func contention(opts GPUOptions, s1, s2 *cuda.Stream, a, e1, b, e2 *cuda.Event, 
 		d1done, err1 := e1.Done()
 		d2done, err2 := e2.Done()
 		if err := firstErr(err1, err2); err != nil {
-			return Contention{}, err
+			return Contention{}, 0, err
 		}
 		if d1done || d2done {
 			break
@@ -353,18 +359,41 @@ func contention(opts GPUOptions, s1, s2 *cuda.Stream, a, e1, b, e2 *cuda.Event, 
 		busy = time.Since(t0).Seconds()
 	}
 	if err := firstErr(e1.Sync(), e2.Sync()); err != nil {
-		return Contention{}, err
+		return Contention{}, 0, err
 	}
 	up, err1 := cuda.Elapsed(a, e1)
 	down, err2 := cuda.Elapsed(b, e2)
 	if err := firstErr(err1, err2); err != nil {
-		return Contention{}, err
+		return Contention{}, 0, err
 	}
 	if steps < 3 {
-		return Contention{}, fmt.Errorf("perfmodel: contention: only %d CPU updates ran while the copies did; raise HostMemSeconds", steps)
+		return Contention{}, 0, fmt.Errorf("perfmodel: contention: only %d CPU updates ran while the copies did; raise HostMemSeconds", steps)
 	}
 	loaded := float64(reps) * float64(maxCopy) / max(up.Seconds(), down.Seconds())
-	return Contention{CPU: max(1, busy/float64(steps)/alone), PCIe: max(1, duplex/loaded)}, nil
+	const perParam = 28 // bytes of host memory an update of a parameter moves
+	hostMem := max(perParam*n/alone, perParam*n*float64(steps)/busy+float64(reps)*float64(maxCopy)*(1/up.Seconds()+1/down.Seconds()),
+		copyRate(opts.Threads, s.Param, s.ExpAvgSq))
+	return Contention{CPU: max(1, busy/float64(steps)/alone), PCIe: max(1, duplex/loaded)}, hostMem, nil
+}
+
+// copyRate returns the host memory's rate, bytes read and written a
+// second, of threads goroutines copying src into dst (equal lengths), each
+// its own part, three times after one warm-up, the fastest kept.
+func copyRate(threads int, src, dst []float32) float64 {
+	best := 0.0
+	for rep := range 4 {
+		t0 := time.Now()
+		var wg sync.WaitGroup
+		for w := range threads {
+			lo, hi := len(src)*w/threads, len(src)*(w+1)/threads
+			wg.Go(func() { copy(dst[lo:hi], src[lo:hi]) })
+		}
+		wg.Wait()
+		if el := time.Since(t0).Seconds(); rep > 0 && el > 0 {
+			best = max(best, 8*float64(len(src))/el)
+		}
+	}
+	return best
 }
 
 func firstErr(errs ...error) error {

@@ -9,7 +9,8 @@ import (
 )
 
 // TestCalibrateGPU: on a GPU (DOS_REQUIRE_GPU=1 makes its absence a
-// failure), a quick calibration gives fits in plausible ranges.
+// failure), a quick calibration gives fits in plausible ranges, and a
+// host memory peak (GPUProfile.HostMem) above the duplex copies'.
 func TestCalibrateGPU(t *testing.T) {
 	d, k, release, err := kernels.Open(0)
 	if err != nil {
@@ -33,5 +34,11 @@ func TestCalibrateGPU(t *testing.T) {
 		if x.f.Rate < x.lo || x.f.Rate > x.hi {
 			t.Errorf("%s: rate %g outside [%g, %g]", x.name, x.f.Rate, x.lo, x.hi)
 		}
+	}
+	// The host memory's peak: at least what the copies moved at once, at
+	// most what any DRAM does.
+	t.Logf("host memory %.1f GB/s", g.HostMem/1e9)
+	if both := g.H2DBoth.Rate + g.D2HBoth.Rate; g.HostMem < both || g.HostMem > 5e12 {
+		t.Errorf("host memory %g B/s: want at least both copy directions' %g and at most 5e12", g.HostMem, both)
 	}
 }

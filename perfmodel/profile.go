@@ -56,6 +56,14 @@ type GPUProfile struct {
 	// other down through the host memory they share. Zero in profiles
 	// measured before it: no contention modelled.
 	Contention Contention `json:"contention,omitzero"`
+	// HostMem is the host memory's peak rate, bytes/s: the most bytes a
+	// second that the calibration saw pass through it (CalibrateGPU: the
+	// CPU workers' AdamW alone, counted at 28 bytes a parameter; the same
+	// while both PCIe directions copy, their bytes added; all workers
+	// copying memory, each byte read and written), which the update and
+	// the PCIe copies share. Bound's host-memory term. Zero in profiles
+	// measured before it: no such term.
+	HostMem float64 `json:"host_mem_rate,omitempty"`
 }
 
 // Contention is the slow-down of the CPU workers and of the PCIe copies
@@ -146,6 +154,9 @@ func (p *Profile) Validate() error {
 			if !x.f.Valid() {
 				return fmt.Errorf("perfmodel: GPU %s: invalid fit (rate %g, latency %g s, residual %g)", x.name, x.f.Rate, x.f.LatencyS, x.f.Residual)
 			}
+		}
+		if !(g.HostMem >= 0 && g.HostMem < math.Inf(1)) {
+			return fmt.Errorf("perfmodel: GPU profile host_mem_rate %v: want a rate >= 0 (bytes/s)", g.HostMem)
 		}
 		if c := g.Contention; c != (Contention{}) && !(c.CPU >= 1 && c.CPU <= 100 && c.PCIe >= 1 && c.PCIe <= 100) {
 			return fmt.Errorf("perfmodel: GPU contention %+v: want slow-downs from 1 to 100", c)

@@ -112,6 +112,9 @@ func runCalibrate(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stdout, "  %-15s %9.2f %-8s latency %8.1f µs  residual %5.1f%%\n", x.name, x.f.Rate/1e9, x.unit, x.f.LatencyS*1e6, 100*x.f.Residual)
 		}
 		fmt.Fprintf(stdout, "  contention: the CPU update %.2fx slower while both directions copy, a copy %.2fx slower while the CPU updates\n", g.Contention.CPU, g.Contention.PCIe)
+		if g.HostMem > 0 {
+			fmt.Fprintf(stdout, "  host memory: %.1f GB/s at its peak (the CPU update and the copies share it: the lower bound's host-memory term)\n", g.HostMem/1e9)
+		}
 	}
 	where := "all on the CPU (no GPU measured)"
 	if p.GPU != nil {
