@@ -10,6 +10,7 @@ package scheduler
 // device (Device.GradPartialsTo), so the sum is the same bit for bit.
 
 import (
+	"errors"
 	"fmt"
 	"unsafe"
 
@@ -23,6 +24,7 @@ type heldParts struct {
 	ev      Event   // after each kernel, on its caller's stream; Stats' copy
 	done    []bool  // per block: its sum is being written to dev
 	on      bool    // a sum was enqueued since the last Stats or drop
+	failed  bool    // their memory could not be allocated: never taken
 	unscale float32 // the unscale of the sums
 }
 
@@ -37,7 +39,8 @@ type heldParts struct {
 // and passes over the rest on the CPU workers (Stats' order and bits are
 // unchanged). g must not change before that Stats; ZeroGrad, SetGrad,
 // DropPrefetch and Close forget the sums. It waits for nothing; its first
-// call allocates the sums' device and pinned memory (8 bytes a block). Not
+// call allocates the sums' device and pinned memory (8 bytes a block; where
+// that fails, no sums are ever taken and Stats sums on the host). Not
 // concurrently with Stats, Update or DropPrefetch.
 //
 // Errors: ErrBroken; a range that is not inside one run of host-held
@@ -66,8 +69,8 @@ func (e *Engine) HeldPartials(s Stream, off int64, g Vec, unscale float32) error
 	if lo >= hi {
 		return nil // no block lies wholly inside: Stats sums it on the host
 	}
-	if err := e.allocHeldParts(); err != nil {
-		return err
+	if !e.allocHeldParts() {
+		return nil // no memory for the sums: Stats sums on the host, as before
 	}
 	nb := (hi - lo + mc - 1) / mc
 	flag := Vec{Mem: e.hp.dev, Off: 2 * int64(len(e.part)), N: 1} // int32 elements
@@ -94,25 +97,44 @@ func (e *Engine) HeldPartials(s Stream, off int64, g Vec, unscale float32) error
 	return nil
 }
 
-// allocHeldParts allocates HeldPartials' memory once.
-func (e *Engine) allocHeldParts() error {
-	if e.hp.dev != nil {
-		return nil
+// allocHeldParts allocates HeldPartials' memory once and reports whether
+// it has it. A failure is not an error: the sums are an optimization, and a
+// run under a device memory cap must not stop for their 8 bytes a block
+// (the memory plan does not count them); the engine then never tries
+// again and Stats sums on the host.
+func (e *Engine) allocHeldParts() bool {
+	if e.hp.done != nil || e.hp.failed {
+		return !e.hp.failed
 	}
 	bytes := 8*int64(len(e.part)) + 8
-	var err error
-	if e.hp.dev, err = e.devAlloc(&e.allocs, bytes); err != nil {
-		return err
+	var list []any
+	ok := func() bool {
+		dev, err := e.devAlloc(&list, bytes)
+		if err != nil {
+			return false
+		}
+		host, err := e.hostAlloc(&list, bytes)
+		if err != nil {
+			return false
+		}
+		ev, err := e.dev.NewEvent()
+		if err != nil {
+			return false
+		}
+		list = append(list, ev)
+		e.hp.dev, e.hp.host, e.hp.ev = dev, host, ev
+		return true
+	}()
+	if !ok {
+		e.hp.failed = true
+		if err := e.free(list); err != nil {
+			e.leaked = errors.Join(e.leaked, err)
+		}
+		return false
 	}
-	if e.hp.host, err = e.hostAlloc(&e.allocs, bytes); err != nil {
-		return err
-	}
-	if e.hp.ev, err = e.dev.NewEvent(); err != nil {
-		return err
-	}
-	e.allocs = append(e.allocs, e.hp.ev)
+	e.allocs = append(e.allocs, list...)
 	e.hp.done = make([]bool, len(e.part))
-	return nil
+	return true
 }
 
 // takeHeldParts brings HeldPartials' sums to the host for a Stats with

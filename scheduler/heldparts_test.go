@@ -159,3 +159,50 @@ func testEngineHeldPartials(t *testing.T, newDev func() Device) {
 		}
 	}
 }
+
+// TestEngineHeldPartialsNoMemory: a device with no memory left for the
+// sums when HeldPartials first needs it (a run at its cap) is no error:
+// no sums are taken, then or later, Stats sums on the host with the same
+// bits, and nothing leaks.
+func TestEngineHeldPartialsNoMemory(t *testing.T) {
+	d := NewSim(SimOptions{Capacity: 64 << 20})
+	held := heldPatterns[5] // every subgroup held: one run over all blocks
+	p := heldProblem(adam.BF16, 1, 3, -1)
+	e := setupHeld(t, d, p, held, perfmodel.Schedule{}, nil, false)
+	n := e.total
+	dg, err := d.Alloc(2 * n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill, err := d.Alloc(64<<20 - d.Used()) // the device is full
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := make([]uint16, n)
+	for i := range g {
+		g[i] = adam.F32ToBF16(float32(i%97) - 48)
+	}
+	if err := e.SetGrad(adam.Grad16(adam.BF16, g)); err != nil {
+		t.Fatal(err)
+	}
+	put(t, d, dg, 0, make([]byte, 2*n)) // zeros: a sum taken from them would show
+	okRef, ref := adam.Generic.GradStats(adam.Grad16(adam.BF16, g), 1)
+	for range 2 {
+		if err := e.HeldPartials(s, 0, Vec{Mem: dg, N: n}, 1); err != nil {
+			t.Fatalf("HeldPartials with the device full: %v", err)
+		}
+		if ok, sum, err := e.Stats(1); err != nil || ok != okRef || sum != ref {
+			t.Fatalf("Stats %v %v %v, want the host's %v %v", ok, sum, err, okRef, ref)
+		}
+	}
+	if err := firstErr(d.FreeMem(fill), e.Close(), d.FreeMem(dg), d.FreeStream(s)); err != nil {
+		t.Fatal(err)
+	}
+	if u := d.Used(); u != 0 {
+		t.Errorf("%d bytes of device memory in use after Close", u)
+	}
+}
