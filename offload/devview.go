@@ -183,7 +183,9 @@ func (o *Optimizer) HostGrad(i int) (HostTensor, error) {
 // Options.OffloadParam parameter i, which the caller copies into HostGrad
 // (i) on s after this call (or copied before it), is also in device memory
 // at mem's elements [off, off+Len) of Options.GradDType, complete once the
-// work enqueued on s so far is done, and unchanged until the copy is: the
+// work enqueued on s so far is done, and unchanged until the work this
+// call enqueues on s is (work enqueued on s after it, such as the copy,
+// comes after that): the
 // GPU takes the global gradient checks' partial sums there, on s, beside
 // the backward, and the next Step reads them instead of passing over
 // HostGrad on the CPU workers after the backward

@@ -456,9 +456,11 @@ func (e *Engine) waitGate(i int) {
 // gradient is: on the device one pass over them all (Device.GradStats);
 // with host-held subgroups each adam.MinChunk block's partial sum where its
 // gradient is (Device.GradPartials, the CPU workers' Pool.GradPartials, a
-// block that lies in both places gathered on the host), the partials added
-// in block order, which is the same sum bit for bit. Nothing changes; it
-// allocates nothing.
+// block that lies in both places gathered on the host, and the sums
+// HeldPartials took on the device where it took them), the partials added
+// in block order, which is the same sum bit for bit. The gradients and the
+// state do not change; it forgets HeldPartials' sums and allocates
+// nothing.
 //
 // Errors: ErrBroken; the device's.
 func (e *Engine) Stats(unscale float32) (finite bool, sumSquares float64, err error) {
@@ -605,6 +607,9 @@ func (e *Engine) beginPhase(c *adam.Coeffs, cs []adam.Coeffs) error {
 	}
 	if e.inPhase {
 		return errors.New("scheduler: an update phase is under way (FinishUpdate first)")
+	}
+	if err := e.dropHeldParts(); err != nil { // a phase without Stats: the next gradients' are not these
+		return err
 	}
 	e.c, e.cs = c, cs
 	for i := range e.sizes {

@@ -37,19 +37,27 @@ type heldParts struct {
 // HostGrad. The next Stats with the same unscale takes the sum of each
 // adam.MinChunk block that lies wholly inside the range from the device
 // and passes over the rest on the CPU workers (Stats' order and bits are
-// unchanged). g must not change before that Stats; ZeroGrad, SetGrad,
-// DropPrefetch and Close forget the sums. It waits for nothing; its first
+// unchanged). g must not change until the work this call enqueues on s is
+// done (the caller's later work on s, or an event recorded there after
+// it, orders a rewrite). Calls may come on several streams: each waits for
+// the one before. Stats, Update (a phase without Stats: the next
+// gradients' sums are not these), ZeroGrad, SetGrad and DropPrefetch (and
+// so Load, Replan and Close) forget the sums. It waits for nothing; its first
 // call allocates the sums' device and pinned memory (8 bytes a block; where
 // that fails, no sums are ever taken and Stats sums on the host). Not
 // concurrently with Stats, Update or DropPrefetch.
 //
-// Errors: ErrBroken; a range that is not inside one run of host-held
+// Errors: ErrBroken; ErrEngineClosed after Close; a range that is not
+// inside one run of host-held
 // subgroups; an unscale other than the one of the sums since the last
 // Stats; the device's (an event that could not be recorded breaks the
 // engine: the kernel may still write).
 func (e *Engine) HeldPartials(s Stream, off int64, g Vec, unscale float32) error {
 	if e.broken {
 		return ErrBroken
+	}
+	if !e.running {
+		return ErrEngineClosed
 	}
 	if g.N <= 0 {
 		return nil
@@ -79,6 +87,10 @@ func (e *Engine) HeldPartials(s Stream, off int64, g Vec, unscale float32) error
 			return err
 		}
 		e.hp.on, e.hp.unscale = true, unscale
+	} else if err := e.dev.Wait(s, e.hp.ev); err != nil {
+		// After the flag's zero and the last call's kernel, which
+		// another stream may have run.
+		return err
 	}
 	if err := e.dev.GradPartialsTo(s, e.o.GradDType, Vec{Mem: g.Mem, Off: g.Off + lo - off, N: hi - lo}, unscale, Vec{Mem: e.hp.dev, Off: lo / mc, N: nb}, flag); err != nil {
 		return err
@@ -186,9 +198,8 @@ func (e *Engine) dropHeldParts() error {
 	return nil
 }
 
-// heldRuns writes the partial sums of the host-held blocks from block
-// b0 to b1 (elements [lo, hi) of the flat space, in segment sg) into
-// e.part: HeldPartials' where it took them, the CPU workers' for each run
+// heldRuns writes the partial sums of the host-held blocks that cover
+// elements [lo, hi) of the flat space, in segment sg, into e.part: HeldPartials' where it took them, the CPU workers' for each run
 // of the others.
 func (e *Engine) heldRuns(sg segment, lo, hi int64, unscale float32) bool {
 	const mc = adam.MinChunk

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"errors"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -204,5 +205,73 @@ func TestEngineHeldPartialsNoMemory(t *testing.T) {
 	}
 	if u := d.Used(); u != 0 {
 		t.Errorf("%d bytes of device memory in use after Close", u)
+	}
+}
+
+// TestEngineHeldPartialsOrder: calls on two streams before one Stats are
+// ordered (the Sim's check passes) and give the host's bits; an Update
+// without Stats forgets the sums, so the next gradients, written into
+// HostGrad, are summed as they are; after Close HeldPartials says
+// ErrEngineClosed.
+func TestEngineHeldPartialsOrder(t *testing.T) {
+	d := NewSim(SimOptions{})
+	p := heldProblem(adam.BF16, 1, 4, -1)
+	e := setupHeld(t, d, p, heldPatterns[5], perfmodel.Schedule{}, nil, false) // all held: HostGrad is the flat gradient
+	n := e.total
+	dg, err := d.Alloc(2 * n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st [2]Stream
+	for i := range st {
+		if st[i], err = d.NewStream(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g := make([]uint16, n)
+	for i := range g {
+		g[i] = adam.F32ToBF16(float32(i%101) - 50)
+	}
+	gb := unsafe.Slice((*byte)(unsafe.Pointer(&g[0])), 2*n)
+	if err := e.SetGrad(adam.Grad16(adam.BF16, g)); err != nil {
+		t.Fatal(err)
+	}
+	put(t, d, dg, 0, gb)
+	half := n / 2
+	if err := firstErr(e.HeldPartials(st[0], 0, Vec{Mem: dg, N: half}, 1), e.HeldPartials(st[1], half, Vec{Mem: dg, Off: half, N: n - half}, 1)); err != nil {
+		t.Fatal(err)
+	}
+	okRef, ref := adam.Generic.GradStats(adam.Grad16(adam.BF16, g), 1)
+	if ok, sum, err := e.Stats(1); err != nil || ok != okRef || sum != ref {
+		t.Fatalf("two streams: Stats %v %v %v, want %v %v", ok, sum, err, okRef, ref)
+	}
+	if err := d.OrderErr(); err != nil {
+		t.Fatalf("two streams: %v", err)
+	}
+	// Sums of zeros, then an Update without Stats, then new gradients.
+	put(t, d, dg, 0, make([]byte, 2*n))
+	if err := e.HeldPartials(st[0], 0, Vec{Mem: dg, N: n}, 1); err != nil {
+		t.Fatal(err)
+	}
+	c := adam.DefaultHyper().Coeffs(1, 1, 1)
+	if err := e.Update(&c); err != nil {
+		t.Fatal(err)
+	}
+	for i := range g {
+		g[i] = adam.F32ToBF16(float32(i%13) - 6)
+	}
+	copy(e.HostGrad().Bytes(), gb)
+	okRef, ref = adam.Generic.GradStats(adam.Grad16(adam.BF16, g), 1)
+	if ok, sum, err := e.Stats(1); err != nil || ok != okRef || sum != ref {
+		t.Fatalf("after an Update without Stats: Stats %v %v %v, want the new gradients' %v %v", ok, sum, err, okRef, ref)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.HeldPartials(st[0], 0, Vec{Mem: dg, N: n}, 1); !errors.Is(err, ErrEngineClosed) {
+		t.Errorf("after Close: %v, want ErrEngineClosed", err)
+	}
+	if err := firstErr(d.FreeMem(dg), d.FreeStream(st[0]), d.FreeStream(st[1])); err != nil {
+		t.Fatal(err)
 	}
 }
