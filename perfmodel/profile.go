@@ -223,10 +223,22 @@ func Load(path string, here Machine) (*Profile, error) {
 		return nil, err
 	}
 	if p.Machine.CPU != here.CPU || (here.GPU != "" && p.Machine.GPU != here.GPU) || (here.Cores != 0 && p.Machine.Cores != here.Cores) {
-		return nil, fmt.Errorf("perfmodel: %s was measured on another machine (CPU %q, %d logical CPUs, GPU %q; here CPU %q, %d, GPU %q): run dos calibrate here",
-			path, p.Machine.CPU, p.Machine.Cores, p.Machine.GPU, here.CPU, here.Cores, here.GPU)
+		return nil, fmt.Errorf("perfmodel: %s was measured on another machine (%s; here %s): run dos calibrate here", path, p.Machine.describe(), here.describe())
 	}
 	return p, nil
+}
+
+// describe names m for a message: its CPU, its logical CPUs where known,
+// its GPU or that it has none.
+func (m Machine) describe() string {
+	s := fmt.Sprintf("CPU %q", m.CPU)
+	if m.Cores > 0 {
+		s += fmt.Sprintf(", %d logical CPUs", m.Cores)
+	}
+	if m.GPU == "" {
+		return s + ", no GPU"
+	}
+	return s + fmt.Sprintf(", GPU %q", m.GPU)
 }
 
 // maxProfile bounds a profile file's size in bytes (a real one has a few

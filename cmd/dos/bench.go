@@ -159,7 +159,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "%s\n", limitLine(lim, results))
 	}
 	if b, err := prof.Bound(w); err == nil {
-		fmt.Fprintf(stdout, "%s\n", boundLine(b, results))
+		fmt.Fprintf(stdout, "%s\n", boundLine(prof, b, results))
 	}
 	if *out.trace != "" && modelOps != nil {
 		if err := writeTrace(*out.trace, modelOps); err != nil {
@@ -203,10 +203,10 @@ func limitLine(lim perfmodel.Prediction, rs []benchResult) string {
 // boundLine says the lower bound of the update phase
 // (perfmodel.Profile.Bound: every resource at its rate alone, no latency
 // or contention) and, when the model's schedule was measured, how far
-// above it that ran.
-func boundLine(b perfmodel.Bound, rs []benchResult) string {
-	s := fmt.Sprintf("lower bound: %.3f s, %s-bound (perfmodel.Profile.Bound: every resource at its measured rate alone, no latency, fill, drain or contention, at about %.0f CPU, %.0f streamed, %.0f resident; a phase under it means the profile's rates are off)",
-		b.Seconds, b.Bottleneck, b.CPU, b.GPU, b.Resident)
+// above it that ran; p is the profile it came from.
+func boundLine(p *perfmodel.Profile, b perfmodel.Bound, rs []benchResult) string {
+	s := fmt.Sprintf("lower bound: %.3f s, %s-bound (perfmodel.Profile.Bound: every resource at its measured rate alone, no latency, fill, drain or contention, at about %.0f CPU, %.0f streamed, %.0f resident; a phase under it means the profile's rates are off%s)",
+		b.Seconds, b.Bottleneck, b.CPU, b.GPU, b.Resident, noHostMem(p))
 	for _, r := range rs {
 		if r.Name == "model" && b.Seconds > 0 {
 			s += fmt.Sprintf("; the model's schedule ran %.2fx it", r.Seconds/b.Seconds)

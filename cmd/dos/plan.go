@@ -289,7 +289,7 @@ func runPlan(args []string, stdout, stderr io.Writer) int {
 	}
 	bound, boundErr := p.Bound(w)
 	if boundErr == nil {
-		fmt.Fprintf(stdout, "%s\n", boundLine(bound, nil))
+		fmt.Fprintf(stdout, "%s\n", boundLine(&p, bound, nil))
 	}
 	meta := map[string]any{"params": params, "ranks": *ranks, "rank_params": rankParams, "subgroups": n,
 		"subgroup_size": sgSize, "threads_per_rank": perRank, "gpu_budget_gib": *budget, "grad_dtype": gradDType, "profile": *profPath}
@@ -537,11 +537,21 @@ func iterationPlan(cfg trainer.TrainConfig, p *perfmodel.Profile, w perfmodel.Wo
 		return err
 	}
 	meta["iteration_bound_s"] = b.Seconds
-	fmt.Fprintf(stdout, "  %-86s %8.1f ms  %9.0f tokens/s  (%s-bound: each resource's work at its rate alone, every overlap reached)\n", "its lower bound", 1e3*b.Seconds, tokens/b.Seconds, b.Bottleneck)
+	fmt.Fprintf(stdout, "  %-86s %8.1f ms  %9.0f tokens/s  (%s-bound: each resource's work at its rate alone, every overlap reached%s)\n", "its lower bound", 1e3*b.Seconds, tokens/b.Seconds, b.Bottleneck, noHostMem(p))
 	if speculate == 0 {
 		fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels)\n")
 		return nil
 	}
-	fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels. The speculation's rows are dos train --speculate's once a step kept its updates, at the profile's CPU rate slowed by its contention here, as the backward's copies run beside it (dos train measures the speculation's own: 4.67 Gparam/s at 4.24B under 40 GiB on an H100 host, against the profile's 6.49 alone and 5.07 with contention); a step that clips (dos train's default --clip 1 binds while the gradients are large, early in training) or is skipped keeps none; the CPU's speculated work is in its phase's CPU ms, not wall time. Speculation shortens only a CPU-bound phase: the rows without a gain are copy-bound, and the schedule chosen for the iteration, which dos train --speculate moves to, gives the CPU more)\n")
+	fmt.Fprintf(stdout, "  (not modelled: the overlapped forward's contention with the phase's copies and kernels. The speculation's rows are dos train --speculate's once a step kept its updates, at the profile's CPU rate slowed by its contention here, as the backward's copies run beside it (dos train measures the speculation's own: on one H100 host 4.67 Gparam/s at 4.24B under 40 GiB, where that host's profile said 6.49 alone and 5.07 with contention); a step that clips (dos train's default --clip 1 binds while the gradients are large, early in training) or is skipped keeps none; the CPU's speculated work is in its phase's CPU ms, not wall time. Speculation shortens only a CPU-bound phase: the rows without a gain are copy-bound, and the schedule chosen for the iteration, which dos train --speculate moves to, gives the CPU more)\n")
 	return nil
+}
+
+// noHostMem is what a bound's line adds where the profile has a GPU but
+// not the host memory's peak (one measured before dos calibrate did): the
+// bound then leaves that resource out.
+func noHostMem(p *perfmodel.Profile) string {
+	if p.GPU == nil || p.GPU.HostMem > 0 {
+		return ""
+	}
+	return "; this profile has no host memory rate (host_mem_rate), so the host memory's term is left out: a dos calibrate on the GPU machine measures it"
 }
