@@ -44,14 +44,7 @@ func testEngineHeldPartials(t *testing.T, newDev func() Device) {
 		if ok, sum, err := e.Stats(1); err != nil || ok != okRef || sum != ref {
 			t.Fatalf("pattern %d: Stats on the host %v %v %v, the flat sum %v %v", pi, ok, sum, err, okRef, ref)
 		}
-		dg, err := d.Alloc(2 * n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		s, err := d.NewStream()
-		if err != nil {
-			t.Fatal(err)
-		}
+		dg, s := deviceCopy(t, d, n)
 		// ranges cuts each held run in two at an odd element, as a
 		// trainer's tensors would, and calls HeldPartials on each piece;
 		// inside[b] marks the blocks wholly inside a piece.
@@ -171,14 +164,7 @@ func TestEngineHeldPartialsNoMemory(t *testing.T) {
 	p := heldProblem(adam.BF16, 1, 3, -1)
 	e := setupHeld(t, d, p, held, perfmodel.Schedule{}, nil, false)
 	n := e.total
-	dg, err := d.Alloc(2 * n)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := d.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
+	dg, s := deviceCopy(t, d, n)
 	fill, err := d.Alloc(64<<20 - d.Used()) // the device is full
 	if err != nil {
 		t.Fatal(err)
@@ -218,16 +204,12 @@ func TestEngineHeldPartialsOrder(t *testing.T) {
 	p := heldProblem(adam.BF16, 1, 4, -1)
 	e := setupHeld(t, d, p, heldPatterns[5], perfmodel.Schedule{}, nil, false) // all held: HostGrad is the flat gradient
 	n := e.total
-	dg, err := d.Alloc(2 * n)
+	dg, s0 := deviceCopy(t, d, n)
+	s1, err := d.NewStream()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var st [2]Stream
-	for i := range st {
-		if st[i], err = d.NewStream(); err != nil {
-			t.Fatal(err)
-		}
-	}
+	st := [2]Stream{s0, s1}
 	g := make([]uint16, n)
 	for i := range g {
 		g[i] = adam.F32ToBF16(float32(i%101) - 50)
@@ -274,4 +256,20 @@ func TestEngineHeldPartialsOrder(t *testing.T) {
 	if err := firstErr(d.FreeMem(dg), d.FreeStream(st[0]), d.FreeStream(st[1])); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// deviceCopy allocates room for n bf16 gradients on d, where a trainer's
+// slot would hold them, and a stream for HeldPartials; the caller frees
+// both.
+func deviceCopy(t *testing.T, d Device, n int64) (Mem, Stream) {
+	t.Helper()
+	dg, err := d.Alloc(2 * n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dg, s
 }
