@@ -12,6 +12,10 @@
 #   PART=b56   ...                              # issue 30: 5.60B (48 x 3072) under 24 GiB, the largest run on this host: dos with the defaults' flags, FSDP2 without clipping
 #   PART=fsdp2clip ...                          # FSDP2 with clip_grad_norm_ at gpt2-xl and 4.24B under 24 GiB (each alone: about 0.8 s more an iteration)
 #   PART=soak  ...                              # 300 iterations of gpt2-xl under 24 GiB with the speculation: drift and memory
+#   PART=verify ...                             # the GPU tests of the held gradients' sums and the host memory's peak, then 4.24B under 24 GiB
+#                                               # streamed with bin/dos and, where DOS_OLD names one, an older binary (the same profile)
+#   PART=b24sweep ...                           # 4.24B under 24 GiB with --speculate 24 and --stream-blocks 15, 17, 19, 21 (dos plan's model
+#                                               # predicts more blocks faster; StreamSweep's auto weighs the update phase alone)
 #
 # Every e2e part shares one `dos calibrate --json` profile (OUT/P.json) and runs every dos strategy with --clip 0
 # (CLIP overrides it), T = 1024, B = 8, STEPS iterations (default 6). dos train's defaults now include
@@ -31,7 +35,7 @@ e2e() { # SUBDIR RUNS STRATS MODES
 	OUT="$out/$1" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-6} RUNS="$2" STRATS="$3" MODES="$4" RUN_TIMEOUT=${RUN_TIMEOUT:-300} \
 		DOS_FLAGS="--profile $out/P.json --clip ${CLIP:-0} --resident-first=false --speculate 0" bash bench/e2e_offload.sh 2>&1 | tail -n 12
 }
-case ${PART:?PART: tests, xl, b40, b24, clip, soak, b16, b56 or fsdp2clip} in
+case ${PART:?PART: tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify or b24sweep} in
 tests)
 	(cd trainer && ../bin/test/trainer.test -test.run TestGPU -test.v) >"$out/trainer-gpu.log" 2>&1
 	echo "trainer.test TestGPU: $(grep -c '^--- PASS' "$out/trainer-gpu.log") pass, $(grep -c '^--- FAIL' "$out/trainer-gpu.log") fail, $(grep -c '^--- SKIP' "$out/trainer-gpu.log") skip"
@@ -44,12 +48,32 @@ clip) CLIP=1 STEPS=10 e2e clip "gpt2-xl,24,8" "dos-model dos-first dos-first-spe
 b16) e2e b16 "36:3072:24,16,8" "dos-model dos-first-spec-24" "fsdp2-noclip" ;;
 b56) e2e b56 "48:3072:24,24,8" "dos-first-spec-24" "fsdp2-noclip" ;;
 fsdp2clip) e2e fsdp2clip "gpt2-xl,24,8 36:3072:24,24,8" "" "fsdp2" ;;
+verify)
+	for t in "internal/kernels internal_kernels TestGradPartialsTo|TestGradStats" "scheduler scheduler TestEngineHeldPartials|TestEngineHostHeld" \
+		"offload offload TestHostGradOnDevice|TestOffloadParam" "perfmodel perfmodel TestCalibrateGPU|TestBound" "trainer trainer TestGPUStreamBitwise"; do
+		read -r dir bin run <<<"$t"
+		(cd "$dir" && "$OLDPWD/bin/test/$bin.test" -test.run "$run" -test.v) >"$out/$bin.log" 2>&1
+		echo "$bin.test $run: rc=$? $(grep -c -- '--- PASS' "$out/$bin.log") pass, $(grep -c -- '--- FAIL' "$out/$bin.log") fail"
+	done
+	profile
+	grep -h "host memory\|contention" "$out/calibrate.log"
+	e2e verify-new "36:3072:24,24,8" "dos-first-spec-24" ""
+	if [ -n "${DOS_OLD:-}" ]; then (export DOS_BIN=$DOS_OLD && e2e verify-old "36:3072:24,24,8" "dos-first-spec-24" ""); fi
+	grep -h "iteration:" "$out"/verify-*/*.log
+	;;
+b24sweep)
+	for n in 15 17 19 21; do
+		profile
+		OUT="$out/b24sweep-$n" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-6} RUNS="36:3072:24,24,8" STRATS="dos-first-spec-24" MODES="" RUN_TIMEOUT=${RUN_TIMEOUT:-150} \
+			DOS_FLAGS="--profile $out/P.json --clip 0 --resident-first=false --speculate 0 --stream-blocks $n" bash bench/e2e_offload.sh 2>&1 | tail -n 1
+	done
+	;;
 soak)
 	OUT="$out/soak" DOS_BIN=bin/dos bash bench/soak.sh --device cuda --model gpt2-xl --tokenizer gpt2 --batch 8 --gpu-memory 24 \
 		--recompute --replan --speculate 12 --clip 0 --steps 300 --sample 0 --eval-every 0 2>&1 | tail -n 8
 	;;
 *)
-	echo "issue31.sh: PART $PART: want tests, xl, b40, b24, clip, soak, b16, b56 or fsdp2clip" >&2
+	echo "issue31.sh: PART $PART: want tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify or b24sweep" >&2
 	exit 2
 	;;
 esac
