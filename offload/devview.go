@@ -180,23 +180,22 @@ func (o *Optimizer) HostGrad(i int) (HostTensor, error) {
 }
 
 // HostGradOnDevice tells the optimizer that the gradient of
-// Options.OffloadParam parameter i, which the caller copies into HostGrad
-// (i) on s after this call (or copied before it), is also in device memory
-// at mem's elements [off, off+Len) of Options.GradDType, complete once the
-// work enqueued on s so far is done, and unchanged until the work this
-// call enqueues on s is (work enqueued on s after it, such as the copy,
-// comes after that): the
-// GPU takes the global gradient checks' partial sums there, on s, beside
-// the backward, and the next Step reads them instead of passing over
+// Options.OffloadParam parameter i, which the caller copies into HostGrad(i)
+// on s after this call (or copied before it), is also in device memory at
+// mem's elements [off, off+Len) of Options.GradDType, complete once the work
+// enqueued on s so far is done, and unchanged until the work this call
+// enqueues on s is (work enqueued on s after it, such as the copy, comes after
+// that): the GPU takes the global gradient checks' partial sums there, on s,
+// beside the backward, and the next Step reads them instead of passing over
 // HostGrad on the CPU workers after the backward
-// (scheduler.Engine.HeldPartials; the same sums bit for bit). A GPU
-// trainer that streams a block's weights calls it for each of the block's
-// streamed tensors as its backward ends, before its gradients' D2H. The
-// sums are taken with the last Step's loss scale; a Step with another
-// passes over HostGrad as before. ZeroGrad and a Step that does not take
-// them (one without StepArgs.GradOnDevice) forget them. It waits for
-// nothing. mem is memory of Options.Device (a *cuda.Buffer on a CUDA
-// device). Panics if i is out of range.
+// (scheduler.Engine.HeldPartials; the same sums bit for bit). A GPU trainer
+// that streams a block's weights calls it for each of the block's streamed
+// tensors as its backward ends, before its gradients' D2H. The sums are taken
+// with the last Step's loss scale; a Step with another passes over HostGrad as
+// before. ZeroGrad and a Step that does not take them (one without
+// StepArgs.GradOnDevice) forget them. It waits for nothing. mem is memory of
+// Options.Device (a *cuda.Buffer on a CUDA device). Panics if i is out of
+// range.
 //
 // Errors: those of HostGrad; off or Len outside mem; a device error
 // (scheduler.ErrBroken after it).

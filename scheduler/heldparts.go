@@ -31,27 +31,25 @@ type heldParts struct {
 // HeldPartials enqueues on s, after the work enqueued there so far, the
 // partial sums of the global checks (Stats) over the host-held gradients of
 // flat elements [off, off+g.N), which g holds in device memory too
-// (Options.GradDType elements, the same bits that are or will be in
-// HostGrad): a GPU trainer that streams a block's weights calls it as that
-// block's backward ends, on the stream that then copies its gradients to
-// HostGrad. The next Stats with the same unscale takes the sum of each
-// adam.MinChunk block that lies wholly inside the range from the device
-// and passes over the rest on the CPU workers (Stats' order and bits are
-// unchanged). g must not change until the work this call enqueues on s is
-// done (the caller's later work on s, or an event recorded there after
-// it, orders a rewrite). Calls may come on several streams: each waits for
-// the one before. Stats, Update (a phase without Stats: the next
-// gradients' sums are not these), ZeroGrad, SetGrad and DropPrefetch (and
-// so Load, Replan and Close) forget the sums. It waits for nothing; its first
-// call allocates the sums' device and pinned memory (8 bytes a block; where
-// that fails, no sums are ever taken and Stats sums on the host). Not
-// concurrently with Stats, Update or DropPrefetch.
+// (Options.GradDType elements, the same bits that are or will be in HostGrad):
+// a GPU trainer that streams a block's weights calls it as that block's
+// backward ends, on the stream that then copies its gradients to HostGrad. The
+// next Stats with the same unscale takes the sum of each adam.MinChunk block
+// that lies wholly inside the range from the device and passes over the rest
+// on the CPU workers (Stats' order and bits are unchanged). g must not change
+// until the work this call enqueues on s is done (the caller's later work on
+// s, or an event recorded there after it, orders a rewrite). Calls may come on
+// several streams: each waits for the one before. Stats, Update (a phase
+// without Stats: the next gradients' sums are not these), ZeroGrad, SetGrad
+// and DropPrefetch (and so Load, Replan and Close) forget the sums. It waits
+// for nothing; its first call allocates the sums' device and pinned memory (8
+// bytes a block; where that fails, no sums are ever taken and Stats sums on
+// the host). Not concurrently with Stats, Update or DropPrefetch.
 //
-// Errors: ErrBroken; ErrEngineClosed after Close; a range that is not
-// inside one run of host-held
-// subgroups; an unscale other than the one of the sums since the last
-// Stats; the device's (an event that could not be recorded breaks the
-// engine: the kernel may still write).
+// Errors: ErrBroken; ErrEngineClosed after Close; a range that is not inside
+// one run of host-held subgroups; an unscale other than the one of the sums
+// since the last Stats; the device's (an event that could not be recorded
+// breaks the engine: the kernel may still write).
 func (e *Engine) HeldPartials(s Stream, off int64, g Vec, unscale float32) error {
 	if e.broken {
 		return ErrBroken
@@ -198,9 +196,9 @@ func (e *Engine) dropHeldParts() error {
 	return nil
 }
 
-// heldRuns writes the partial sums of the host-held blocks that cover
-// elements [lo, hi) of the flat space, in segment sg, into e.part: HeldPartials' where it took them, the CPU workers' for each run
-// of the others.
+// heldRuns writes the partial sums of the host-held blocks that cover elements
+// [lo, hi) of the flat space, in segment sg, into e.part: HeldPartials' where
+// it took them, the CPU workers' for each run of the others.
 func (e *Engine) heldRuns(sg segment, lo, hi int64, unscale float32) bool {
 	const mc = adam.MinChunk
 	finite := true
