@@ -202,7 +202,7 @@ func streamSweep(cfg trainer.TrainConfig, p *perfmodel.Profile, threads int, out
 			best = i
 		}
 	}
-	fmt.Fprintf(out, "the update phase by blocks from host memory (the performance model's choice for each; the fwd+bwd is not modelled):\n")
+	fmt.Fprintf(out, "the update phase by blocks from host memory (the performance model's choice for each; the fwd+bwd is not modelled; cpu/gpu/res count the subgroups dos train's optimizer would cut for that count, at --subgroup-size %s, cut again where host-held and other tensors meet, not the schedule table's even cut):\n", subgroupSizeOf(cfg))
 	fmt.Fprintf(out, "  %6s %10s %12s %10s %14s  %s\n", "blocks", "budget GiB", "host-held", "update s", "cpu/gpu/res", "")
 	// Every count would be a long table for deep models: the first and
 	// last that fit, auto's, the best, and about ten between.
@@ -228,4 +228,13 @@ func streamSweep(cfg trainer.TrainConfig, p *perfmodel.Profile, threads int, out
 		return -1, nil
 	}
 	return rows[pick].Blocks, nil
+}
+
+// subgroupSizeOf says the subgroup size cfg's optimizer cuts at: its
+// --subgroup-size, or the default where that is 0.
+func subgroupSizeOf(cfg trainer.TrainConfig) string {
+	if cfg.SubgroupSize == 0 {
+		return "0 (the default, 1e9)"
+	}
+	return formatSize(int64(cfg.SubgroupSize))
 }

@@ -187,7 +187,7 @@ func TestTrainGPT2Resume(t *testing.T) {
 	path := filepath.Join(dir, "resumed.json")
 	rc, out, errs := runCLI("train", "--eval-batches", "1", "--eval-every", "0", "--sample", "30", "--log-every", "0", "--decay-steps", "8", "--warmup", "2",
 		"--steps", "8", "--ckpt-dir", ck, "--resume", "--summary-json", path)
-	want := "resume: from " + filepath.Join(ck, "step-000000004") + ": --layers 1 --heads 2 --embd 16 --ctx 16 --batch 2 --grad-dtype float32 --working-dtype none --subgroup-size 0 --tokenizer gpt2\n"
+	want := "resume: from " + filepath.Join(ck, "step-000000004") + ": --layers 1 --heads 2 --embd 16 --ctx 16 --batch 2 --grad-dtype float32 --working-dtype none --subgroup-size 0 (the default, 1e9) --tokenizer gpt2\n"
 	if rc != 0 || !strings.Contains(out, want) {
 		t.Fatalf("resume: rc %d, want %q\n%s%s", rc, want, out, errs)
 	}

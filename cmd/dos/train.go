@@ -113,7 +113,7 @@ var resumeFlags = []struct {
 	{"batch", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.Batch = o.Batch }, func(c trainer.TrainConfig) string { return fmt.Sprint(c.Batch) }},
 	{"grad-dtype", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.GradDType = o.GradDType }, func(c trainer.TrainConfig) string { return c.GradDType.String() }},
 	{"working-dtype", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.WorkingDType = o.WorkingDType }, func(c trainer.TrainConfig) string { return c.WorkingDType.String() }},
-	{"subgroup-size", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.SubgroupSize = o.SubgroupSize }, func(c trainer.TrainConfig) string { return formatSize(int64(c.SubgroupSize)) }},
+	{"subgroup-size", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.SubgroupSize = o.SubgroupSize }, subgroupSizeOf},
 	{"gpus", func(c *trainer.TrainConfig, o trainer.TrainConfig) { c.GPUs = o.GPUs }, func(c trainer.TrainConfig) string { return fmt.Sprint(max(c.GPUs, 1)) }},
 }
 
