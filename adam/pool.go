@@ -35,6 +35,7 @@ const (
 	taskStepSave // taskStep, each chunk's state and copy saved first
 	taskCopy     // save and saveOut copied into s and out
 	taskStepTo   // taskStep with the new state written to save, s left as it is
+	taskRound16  // s.Param rounded into out (Round16)
 )
 
 // job is one call's work, shared by the goroutines that take its chunks.
@@ -152,6 +153,8 @@ func (p *Pool) run(sl int) {
 			copyState(t.s.Slice(lo, hi), t.save.Slice(lo, hi), t.out.Data, t.saveOut, lo, hi)
 		case taskStepTo:
 			p.path.StepTo(&t.c, t.s.Slice(lo, hi), t.g.Slice(lo, hi), t.out.Slice(lo, hi), t.save.Slice(lo, hi))
+		case taskRound16:
+			p.path.Round16(t.out.DType, t.out.Data[lo:hi], t.s.Param[lo:hi])
 		case taskStats:
 			for b := lo; b < hi; b += MinChunk {
 				var f bool
@@ -265,6 +268,23 @@ func (p *Pool) Restore(s State, out []uint16, save State, saveOut []uint16) {
 	t.kind, t.s, t.out, t.save, t.saveOut = taskCopy, s, Copy16{Data: out}, save, saveOut
 	p.dispatch(len(s.Param))
 	t.s, t.out, t.save, t.saveOut = State{}, Copy16{}, State{}, nil
+}
+
+// Round16 is the parallel form of Path.Round16 (dst = src rounded to the
+// 16-bit dtype d, BF16 or F16, round to nearest even), bitwise identical
+// to it: an undone speculative update's working copy, rounded again from
+// the master weights. It allocates nothing. Panics on lengths that differ
+// or another dtype (as Path.Round16).
+func (p *Pool) Round16(d DType, dst []uint16, src []float32) {
+	if len(dst) != len(src) {
+		panic(fmt.Sprintf("adam: Round16 of %d elements into %d", len(src), len(dst)))
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	t := &p.job
+	t.kind, t.s, t.out = taskRound16, State{Param: src}, Copy16{DType: d, Data: dst}
+	p.dispatch(len(src))
+	t.s, t.out = State{}, Copy16{}
 }
 
 // checkSave panics unless save has s's lengths (MaxExpAvgSq where s has

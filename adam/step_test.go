@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -321,4 +322,34 @@ func TestPoolSplit(t *testing.T) {
 		}
 		p.Close()
 	}
+}
+
+// TestPoolRound16: the pool's Round16 gives Round16's bits for both 16-bit
+// dtypes, at sizes below one chunk, across chunks and with a tail that is
+// not a multiple of 16 (NaNs, infinities and ties included), and panics
+// on lengths that differ.
+func TestPoolRound16(t *testing.T) {
+	p := NewPool(4)
+	defer p.Close()
+	r := rand.New(rand.NewPCG(5, 6))
+	for _, n := range []int{0, 7, MinChunk - 1, 5*MinChunk + 13} {
+		src := make([]float32, n)
+		for i := range src {
+			src[i] = math.Float32frombits(r.Uint32())
+		}
+		for _, d := range []DType{BF16, F16} {
+			want, got := make([]uint16, n), make([]uint16, n)
+			Generic.Round16(d, want, src)
+			p.Round16(d, got, src)
+			if !slices.Equal(got, want) {
+				t.Fatalf("%v n=%d: the pool's Round16 differs from Round16", d, n)
+			}
+		}
+	}
+	defer func() {
+		if recover() == nil {
+			t.Error("Round16 into a shorter destination: no panic")
+		}
+	}()
+	p.Round16(BF16, make([]uint16, 3), make([]float32, 4))
 }

@@ -220,24 +220,6 @@ func (e *Engine) home() {
 	}
 }
 
-// round16 rounds src into dst (adam.Round16) on as many goroutines as the
-// pool has threads: an undo's working copies, on the caller's goroutine
-// while the pool's workers idle.
-func (e *Engine) round16(dst []uint16, src []float32) {
-	const chunk = 1 << 18
-	if len(src) <= chunk {
-		adam.Round16(e.o.WorkingDType, dst, src)
-		return
-	}
-	var wg sync.WaitGroup
-	per := max(chunk, (len(src)+e.pool.Threads()-1)/e.pool.Threads())
-	for lo := 0; lo < len(src); lo += per {
-		hi := min(lo+per, len(src))
-		wg.Go(func() { adam.Round16(e.o.WorkingDType, dst[lo:hi], src[lo:hi]) })
-	}
-	wg.Wait()
-}
-
 // specCPU reports whether subgroup i, not host-held, may be speculated on:
 // a CPU subgroup of the plan whose gradient Prefetch moves to the host
 // (Options.Prefetch, no upcast on the GPU).
@@ -531,11 +513,11 @@ func (e *Engine) restoreSpec(i int) {
 	t := time.Now()
 	old := e.stateAt(i, e.loc[i]).Param
 	if e.held[i] {
-		e.round16(e.heldWork(e.hoff[i], n), old)
+		e.pool.Round16(e.o.WorkingDType, e.heldWork(e.hoff[i], n), old)
 	}
 	if e.specDirty[i] {
 		// Its caller waits for the copies once (syncRecopies).
-		e.round16(e.specOut[slot:slot+n], old)
+		e.pool.Round16(e.o.WorkingDType, e.specOut[slot:slot+n], old)
 		if e.specCopy(i, slot) != nil {
 			e.broken = true // the device's copy is neither: restore from a checkpoint
 		}
