@@ -205,11 +205,7 @@ func (e *Engine) heldStats(unscale float32) (finite bool, sum float64, err error
 	if err != nil {
 		return false, 0, err
 	}
-	defer func() {
-		if derr := e.dropHeldParts(); err == nil {
-			err = derr
-		}
-	}()
+	defer e.forgetHeldParts() // their kernels are done (takeHeldParts)
 	// The blocks inside one segment.
 	for _, sg := range e.segs {
 		lo, hi := (sg.off+mc-1)/mc*mc, (sg.off+sg.n)/mc*mc

@@ -150,8 +150,9 @@ func (e *Engine) allocHeldParts() bool {
 // takeHeldParts brings HeldPartials' sums to the host for a Stats with
 // unscale and reports whether it may use them (use) and whether every
 // element they cover is finite; with sums of another unscale it only
-// waits for their kernels. Either way they are forgotten after the
-// Stats (dropHeldParts).
+// waits for their kernels. Either way the Stats forgets them after
+// (forgetHeldParts); on an error, the engine is broken and they are
+// forgotten now.
 func (e *Engine) takeHeldParts(unscale float32) (use, finite bool, err error) {
 	if !e.hp.on {
 		return false, true, nil
@@ -161,12 +162,9 @@ func (e *Engine) takeHeldParts(unscale float32) (use, finite bool, err error) {
 	if use {
 		err = e.dev.D2H(s, e.hp.host, 0, e.hp.dev, 0, 8*int64(len(e.part))+8)
 	}
-	if err = firstErr(err, e.dev.Record(e.hp.ev, s)); err != nil {
+	if err = firstErr(err, e.dev.Record(e.hp.ev, s), e.dev.Sync(e.hp.ev)); err != nil {
 		e.broken = true // the kernels may still write
-		return false, false, err
-	}
-	if err := e.dev.Sync(e.hp.ev); err != nil {
-		e.broken = true
+		e.forgetHeldParts()
 		return false, false, err
 	}
 	flag := *(*int32)(unsafe.Pointer(&e.hp.host.Bytes()[8*len(e.part)]))
@@ -179,13 +177,12 @@ func (e *Engine) heldPart(b int64) float64 {
 }
 
 // dropHeldParts forgets HeldPartials' sums once their kernels are done
-// (Stats, DropPrefetch, Close).
+// (an update phase, DropPrefetch, Close).
 func (e *Engine) dropHeldParts() error {
 	if !e.hp.on {
 		return nil
 	}
-	e.hp.on = false
-	clear(e.hp.done)
+	defer e.forgetHeldParts()
 	if e.broken {
 		return nil
 	}
@@ -194,6 +191,13 @@ func (e *Engine) dropHeldParts() error {
 		return err
 	}
 	return nil
+}
+
+// forgetHeldParts forgets HeldPartials' sums, whose kernels are known done
+// (takeHeldParts waited for them).
+func (e *Engine) forgetHeldParts() {
+	e.hp.on = false
+	clear(e.hp.done)
 }
 
 // heldRuns writes the partial sums of the host-held blocks that cover elements
