@@ -130,13 +130,14 @@ func (o *Optimizer) snapshot(objects map[string]any) (*checkpoint.Snapshot, erro
 	// lazy engine captures subgroup 0's state first, then subgroup 1's...
 	// Each tensor's data is cut at subgroup boundaries, the pieces tagged
 	// with their subgroup (checkpoint.Tensor.Groups).
+	arrays := len(o.stateSlices())
 	for _, i := range o.layout {
 		p := o.params[i]
 		shape := make([]int64, len(p.Shape))
 		for i, d := range p.Shape {
 			shape[i] = int64(d)
 		}
-		for k := range o.stateSlices() {
+		for k := range arrays {
 			t := checkpoint.Tensor{Name: p.Name + stateSuffixes[k], DType: safetensors.F32, Shape: shape}
 			for lo := p.Offset; lo < p.Offset+p.Len; {
 				g := o.subgroupOf(lo)
