@@ -13,6 +13,8 @@
 #               with backward gains
 #   dos-first, dos-first-spec-G  dos-model, dos-spec-G with --resident-first (the resident subgroups are the first
 #               blocks: the speculation starts with the backward)
+#   dos-first-spec-G-noleave  dos-first-spec-G with --no-speculate-leave (the speculation takes every CPU update it
+#               reaches, none left to the phase beside the next forward): what leaving some gains
 #   dos-nofwd   dos-model with --no-overlap-forward (each forward after the update phase): what running the next
 #               forward over the update's tail gains
 #   dos-cpu     the same with --schedule cpu (every subgroup on the CPU: ZeRO-Offload's placement)
@@ -89,6 +91,7 @@ for run in $runs; do
 		dos-stream-*) flags+=(--replan --stream-blocks "${strat#dos-stream-}") ;;
 		dos-spec-*) flags+=(--replan --speculate "${strat#dos-spec-}") ;;
 		dos-first) flags+=(--replan --resident-first) ;;
+		dos-first-spec-*-noleave) g=${strat#dos-first-spec-} && flags+=(--replan --resident-first --speculate "${g%-noleave}" --no-speculate-leave) ;;
 		dos-first-spec-*) flags+=(--replan --resident-first --speculate "${strat#dos-first-spec-}") ;;
 		esac
 		rm -f "$base.jsonl"

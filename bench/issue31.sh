@@ -12,11 +12,13 @@
 #   PART=b56   ...                              # issue 30: 5.60B (48 x 3072) under 24 GiB, the largest run on this host: dos with the defaults' flags, FSDP2 without clipping
 #   PART=fsdp2clip ...                          # FSDP2 with clip_grad_norm_ at gpt2-xl and 4.24B under 24 GiB (each alone: about 0.8 s more an iteration)
 #   PART=soak  ...                              # 300 iterations of gpt2-xl under 24 GiB with the speculation: drift and memory
-#   PART=verify ...                             # the GPU tests of the held gradients' sums and the host memory's peak, then 4.24B under 24 GiB
-#                                               # streamed with bin/dos and, where DOS_OLD names one, an older binary (the same profile)
+#   PART=verify ...                             # the GPU tests of the held gradients' sums and the host memory's peak, then 4.24B under CAP GiB
+#                                               # (default 24, streamed) with bin/dos and with each older binary DOS_OLD names (NAME=PATH ...,
+#                                               # or one PATH), the same profile; VERIFY_TESTS=0 skips the tests
 #   PART=b24sweep ...                           # 4.24B under 24 GiB with --speculate 24 and --stream-blocks 15, 17, 19, 21 (dos plan's model
 #                                               # predicts more blocks faster; StreamSweep's auto weighs the update phase alone)
 #
+# EXTRA_FLAGS adds dos train flags to every dos run (e.g. --timeline-at 5, to draw the next forward beside a phase).
 # Every e2e part shares one `dos calibrate --json` profile (OUT/P.json) and runs every dos strategy with --clip 0
 # (CLIP overrides it), T = 1024, B = 8, STEPS iterations (default 6). dos train's defaults now include
 # --resident-first and --speculate auto; the strategies name their flags, so "dos-model" here is
@@ -33,7 +35,7 @@ profile() { [ -s "$out/P.json" ] || bin/dos calibrate --json "$out/P.json" >"$ou
 e2e() { # SUBDIR RUNS STRATS MODES
 	profile
 	OUT="$out/$1" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-6} RUNS="$2" STRATS="$3" MODES="$4" RUN_TIMEOUT=${RUN_TIMEOUT:-300} \
-		DOS_FLAGS="--profile $out/P.json --clip ${CLIP:-0} --resident-first=false --speculate 0" bash bench/e2e_offload.sh 2>&1 | tail -n 12
+		DOS_FLAGS="--profile $out/P.json --clip ${CLIP:-0} --resident-first=false --speculate 0 ${EXTRA_FLAGS:-}" bash bench/e2e_offload.sh 2>&1 | tail -n 12
 }
 case ${PART:?PART: tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify or b24sweep} in
 tests)
@@ -49,7 +51,7 @@ b16) e2e b16 "36:3072:24,16,8" "dos-model dos-first-spec-24" "fsdp2-noclip" ;;
 b56) e2e b56 "48:3072:24,24,8" "dos-first-spec-24" "fsdp2-noclip" ;;
 fsdp2clip) e2e fsdp2clip "gpt2-xl,24,8 36:3072:24,24,8" "" "fsdp2" ;;
 verify)
-	for t in "internal/kernels internal_kernels TestGradPartialsTo|TestGradStats" "scheduler scheduler TestEngineHeldPartials|TestEngineHostHeld" \
+	[ "${VERIFY_TESTS:-1}" = 0 ] || for t in "internal/kernels internal_kernels TestGradPartialsTo|TestGradStats" "scheduler scheduler TestEngineHeldPartials|TestEngineHostHeld|TestSpeculateLeave" \
 		"offload offload TestHostGradOnDevice|TestOffloadParam" "perfmodel perfmodel TestCalibrateGPU|TestBound" "trainer trainer TestGPUStreamBitwise"; do
 		read -r dir bin run <<<"$t"
 		(cd "$dir" && "$OLDPWD/bin/test/$bin.test" -test.run "$run" -test.v) >"$out/$bin.log" 2>&1
@@ -57,9 +59,12 @@ verify)
 	done
 	profile
 	grep -h "host memory\|contention" "$out/calibrate.log"
-	e2e verify-new "36:3072:24,24,8" "dos-first-spec-24" ""
-	if [ -n "${DOS_OLD:-}" ]; then (export DOS_BIN=$DOS_OLD && e2e verify-old "36:3072:24,24,8" "dos-first-spec-24" ""); fi
-	grep -h "iteration:" "$out"/verify-*/*.log
+	e2e verify-new "36:3072:24,${CAP:-24},8" "dos-first-spec-24" ""
+	for o in ${DOS_OLD:-}; do # NAME=BINARY ..., or one BINARY (named old)
+		n=${o%%=*}; [ "$n" = "$o" ] && n=old
+		(export DOS_BIN=${o#*=} && e2e "verify-$n" "36:3072:24,${CAP:-24},8" "dos-first-spec-24" "")
+	done
+	grep -h "iteration:\|leaves" "$out"/verify-*/*.log
 	;;
 b24sweep)
 	for n in 15 17 19 21; do

@@ -89,6 +89,15 @@ func TestPlanIteration(t *testing.T) {
 	if kept == 0 {
 		t.Error("no speculative update kept after the move")
 	}
+	// What the speculation leaves to the phase (every other CPU
+	// subgroup from the last up) changes no bit (step compares), and the
+	// last one is still speculated on.
+	r.b.eng.SetSpeculateLeave(1 << 40)
+	for k := int64(7); k <= 9; k++ {
+		if res := step(k, 0.01); res.Speculated == 0 {
+			t.Errorf("step %d, every other CPU subgroup left to the phase: nothing kept", k)
+		}
+	}
 	if err := r.sim.OrderErr(); err != nil {
 		t.Fatal(err)
 	}

@@ -157,12 +157,15 @@ func (o *Optimizer) moveTo(s perfmodel.Schedule) (bool, error) {
 // phase has kept some of its updates, at the rate they ran (specRate):
 // before that, and in a run whose every step clips, the iteration's best
 // schedule is the phase's. It needs Options.Device and a profile, and
-// does nothing with a forced Options.Schedule, nor while the host state is
+// moves nothing under a forced Options.Schedule (it sets the leave below
+// only), nor while the host state is
 // ahead of the device's (after SetParam or a load: the next Step uploads
 // it). Call it after a Step or WaitStep and before the next backward (it
 // waits for a phase StepAsync began; between GradsFinal and Step it would
 // throw that step's speculation away). It returns whether the schedule
-// changed.
+// changed. With speculation it also sets, from it's forward, what the
+// speculation leaves to the phase (SpeculateLeave), whether or not the
+// schedule changed.
 //
 // Errors: a closed optimizer, a device fault before (the state must be
 // loaded again), the model's, the device's while it moves the resident
@@ -173,7 +176,7 @@ func (o *Optimizer) PlanIteration(it IterationWork) (changed bool, err error) {
 	switch {
 	case o.pool == nil:
 		return false, ErrClosed
-	case o.eng == nil || o.opts.Profile == nil || o.plan == nil || o.opts.Schedule != nil:
+	case o.eng == nil || o.opts.Profile == nil || o.plan == nil:
 		return false, nil
 	case o.dev == devBroken:
 		return false, errors.New("offload: PlanIteration: a device fault left the state inconsistent; LoadCheckpoint restores it")
@@ -184,6 +187,11 @@ func (o *Optimizer) PlanIteration(it IterationWork) (changed bool, err error) {
 		return false, nil
 	}
 	it = o.iterationWork(it)
+	o.specLeave = o.speculateLeave(it)
+	o.eng.SetSpeculateLeave(o.specLeave)
+	if o.opts.Schedule != nil {
+		return false, nil // forced: the leave only
+	}
 	prof := o.opts.Profile
 	if o.opts.Replan {
 		prof = o.re.base.Scaled(o.re.f)

@@ -175,6 +175,8 @@ type Engine struct {
 	specReady              int64          // the lowest ready of this phase's Speculate calls
 	specCovered            int            // the first subgroup inside [specReady, total)
 	specCan                []bool         // per subgroup: may be speculated on in this phase (decided by Speculate)
+	specLeave              []bool         // per subgroup: left to the phase (SetSpeculateLeave; marked by Speculate's first call of a phase)
+	specLeaveN             int64          // SetSpeculateLeave's parameters
 	specCopied             []bool         // per subgroup: specCopy put its speculative working copy on the device
 	specDirty              []bool         // per subgroup: specCopy was tried (an undo copies the old working copy back, even after a failed one)
 	specRecopied           bool           // restoreSpec put old working copies back on the device: syncRecopies waits for them

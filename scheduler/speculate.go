@@ -106,7 +106,7 @@ func (e *Engine) allocSpec() error {
 	}
 	e.specC, e.specT = make([]adam.Coeffs, n0), make([][2]time.Time, n0)
 	e.specUndo, e.specUndoLast = make([]specUndo, 0, n0), make([]specUndo, 0, n0)
-	e.specCan, e.specCopied, e.specDirty = make([]bool, n0), make([]bool, n0), make([]bool, n0)
+	e.specCan, e.specCopied, e.specDirty, e.specLeave = make([]bool, n0), make([]bool, n0), make([]bool, n0), make([]bool, n0)
 	e.loc, e.specTo = make([]int64, n0), make([]int64, n0)
 	for i := range e.loc {
 		e.loc[i], e.specTo[i] = homeLoc, noSpec
@@ -274,6 +274,7 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 	if !e.specOn {
 		copy(e.specC, cs)
 		e.specOn = true
+		e.markLeave()
 	}
 	e.specReady = ready
 	// A request only for a suffix with a qualifying subgroup not asked for
@@ -286,7 +287,7 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 	for e.specCovered > 0 && e.off[e.specCovered-1] >= ready {
 		e.specCovered--
 		c := e.specCovered
-		e.specCan[c] = e.held[c] || (e.specCPU(c) && e.pre[c]&(1<<opGradD2H) != 0)
+		e.specCan[c] = !e.specLeave[c] && (e.held[c] || (e.specCPU(c) && e.pre[c]&(1<<opGradD2H) != 0))
 		news = news || e.specCan[c]
 	}
 	if !news {
@@ -300,6 +301,43 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 	e.specIdle = false
 	e.specNext = (e.specNext + 1) % len(e.specEv)
 	return nil
+}
+
+// SetSpeculateLeave has the speculation leave about n parameters of the
+// model's last subgroups to the phase, from the next phase's first
+// Speculate on: of the subgroups the CPU workers update (host-held, and
+// the plan's CPU subgroups), every other one from the last up (the last
+// itself stays speculable, so the workers have work as soon as the
+// backward's first gradients are final), until those left hold n
+// parameters (Speculate's first call of a phase marks them, under the
+// plan of that phase). The phase then updates them last (the CPU lane's
+// order, after the host-held subgroups), while the next forward runs
+// beside it through the blocks before them: the CPU works during what
+// would otherwise be the forward's tail after the phase, with nothing
+// left for it but the backward's first gradients (issue 31, item 2; the
+// forward waits for each block's weights). Which subgroups are updated
+// when changes no bit: a subgroup left to the phase is updated there as
+// if it had never been speculated on. n <= 0 (the default) leaves none.
+// Without Options.Speculate it does nothing.
+func (e *Engine) SetSpeculateLeave(n int64) {
+	e.specLeaveN = max(n, 0)
+}
+
+// markLeave marks the subgroups SetSpeculateLeave leaves to the phase
+// under the current plan (specLeave). It allocates nothing.
+func (e *Engine) markLeave() {
+	clear(e.specLeave)
+	left, k := int64(0), 0
+	for i := len(e.sizes) - 1; i >= 0 && left < e.specLeaveN; i-- {
+		if !e.held[i] && !e.specCPU(i) {
+			continue
+		}
+		if k%2 == 1 {
+			e.specLeave[i] = true
+			left += e.sizes[i]
+		}
+		k++
+	}
 }
 
 // specWorker runs the requests of Speculate on reqs until Close closes

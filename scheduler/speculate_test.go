@@ -134,9 +134,10 @@ func runSpeculate(t *testing.T, d Device, e *Engine, p *problem, h adam.Hyper, c
 		}
 		// What may be speculated on: the host-held subgroups and the CPU
 		// subgroups whose gradients Prefetch moved (not with the upcast).
+		// Less what SetSpeculateLeave left to the phase.
 		heldN := int64(0)
 		for i, n := range e.sizes {
-			if e.held[i] || e.specCPU(i) {
+			if (e.held[i] || e.specCPU(i)) && !e.specLeave[i] {
 				heldN += n
 			}
 		}
@@ -199,6 +200,56 @@ func runSpeculate(t *testing.T, d Device, e *Engine, p *problem, h adam.Hyper, c
 			}
 			if n == 0 {
 				t.Fatalf("step %d: %d parameters kept, but the phase updated every subgroup", k, kept)
+			}
+		}
+	}
+}
+
+// TestSpeculateLeave: with SetSpeculateLeave, the speculation leaves
+// every other subgroup the CPU workers update, from the last one up (the
+// last stays speculable), until those left hold the parameters asked
+// for; the phase updates them; and every step's state and working copy
+// are still the serial steps' bit for bit (runSpeculate checks that what
+// was not left was kept).
+func TestSpeculateLeave(t *testing.T) { forDevices(t, testSpeculateLeave) }
+
+func testSpeculateLeave(t *testing.T, newDev func() Device) {
+	h := adam.DefaultHyper()
+	cases := []specCase{{}, {}, {maxNorm: 1e-3}, {}, {maxNorm: 1e30}}
+	for _, held := range [][]bool{make([]bool, len(heldSizes)), heldPatterns[1], heldPatterns[5]} {
+		p := heldProblem(adam.BF16, len(cases), 43, -1)
+		want, wantCopy := specReference(p, h, cases)
+		for _, s := range heldSchedules(len(heldSizes) - countHeld(held)) {
+			for _, leave := range []int64{1, int64(heldSizes[len(heldSizes)-1]) + 1, 1 << 40} {
+				t.Run(fmt.Sprintf("held=%v/%+v/leave=%d", held, s, leave), func(t *testing.T) {
+					d := newDev()
+					e := specEngine(t, d, p, held, s, SpeculateBytes(1<<20, false))
+					defer e.Close()
+					e.SetSpeculateLeave(leave)
+					runSpeculate(t, d, e, p, h, cases)
+					checkHeldRun(t, d, e, want, wantCopy)
+					// The marks of the last phase: every other qualifying
+					// subgroup from the last up, the last one not left.
+					var q []int // the qualifying subgroups, last first
+					for i := len(e.sizes) - 1; i >= 0; i-- {
+						if e.held[i] || e.specCPU(i) {
+							q = append(q, i)
+						}
+					}
+					var left int64
+					for k, i := range q {
+						wantLeft := k%2 == 1 && left < leave
+						if e.specLeave[i] != wantLeft {
+							t.Fatalf("qualifying subgroups %v (last first): subgroup %d left %v, want %v", q, i, e.specLeave[i], wantLeft)
+						}
+						if wantLeft {
+							left += e.sizes[i]
+						}
+					}
+					if len(q) >= 2 && left == 0 {
+						t.Fatalf("qualifying subgroups %v: none left for %d parameters", q, leave)
+					}
+				})
 			}
 		}
 	}

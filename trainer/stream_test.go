@@ -159,8 +159,12 @@ func TestGPUStreamBitwise(t *testing.T) {
 		nc.StreamBlocks = 0
 		nc.LogJSON = filepath.Join(t.TempDir(), "steps.jsonl")
 		same(fmt.Sprintf("recompute %v, nothing streamed, speculating, no clipping", recompute), refNoClip, run(nc))
-		if kept := speculatedSteps(t, nc.LogJSON); kept != nc.Steps-1 {
-			t.Errorf("recompute %v, nothing streamed, no clipping: %d of %d steps kept a speculative update, want all but the first", recompute, kept, nc.Steps)
+		// A CPU subgroup is taken only once its gradient's copy is done,
+		// and the step stops the workers where they are: on a backward
+		// this small (a few ms) whether they took one before it ended
+		// is timing (one H100 run of 2026-12-07 kept 4 of the 5).
+		if kept := speculatedSteps(t, nc.LogJSON); kept < 1 {
+			t.Errorf("recompute %v, nothing streamed, no clipping: %d of %d steps kept a speculative update, want some", recompute, kept, nc.Steps)
 		}
 		c.Speculate = 0
 		if recompute {

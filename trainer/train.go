@@ -140,6 +140,11 @@ type Trainer struct {
 	resumed   bool               // New loaded a checkpoint
 	resumedAt int                // its iteration
 	timeline  *IterationTimeline // cfg.TimelineAt's, once traced
+	leaveSaid bool               // planIteration said what the speculation leaves to the phase
+	// planWork, when set (tests), replaces the work planIteration's n-th
+	// call (from 0) plans for: a test forces its moves with it.
+	planWork func(n int, w offload.IterationWork) offload.IterationWork
+	planN    int
 }
 
 // New builds a trainer over text with cfg: the optimizer with GPT-2's
@@ -1077,9 +1082,20 @@ func (t *Trainer) planIteration(it int, fwd, bwd time.Duration, sched *string) (
 		return false, nil
 	}
 	work := t.iterationWork(fwd, bwd)
+	if t.planWork != nil {
+		work = t.planWork(t.planN, work)
+		t.planN++
+	}
 	before, _ := t.opt.PredictIteration(work)
-	if moved, err = t.opt.PlanIteration(work); err != nil || !moved {
+	if moved, err = t.opt.PlanIteration(work); err != nil {
 		return false, err
+	}
+	if n := t.opt.SpeculateLeave(); n > 0 && !t.leaveSaid {
+		t.leaveSaid = true
+		t.logf("iter %5d  the speculation leaves %.2fB parameters' CPU updates to the phase, every other subgroup of the last ones, so that the CPU works while the next forward runs the blocks before them (forward %.1f ms alone)\n", it, float64(n)/1e9, 1e3*fwd.Seconds())
+	}
+	if !moved {
+		return false, nil
 	}
 	s, _ := t.opt.Schedule()
 	*sched = fmt.Sprintf("%d/%d/%d", s.CPU, s.GPU, s.Resident)

@@ -1,0 +1,113 @@
+package trainer
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/deepstates/dos/offload"
+)
+
+// TestGPUPlanIterationBitwise: a run on the GPU whose schedule moves
+// after a step that kept speculative updates (planIteration, forced here:
+// first to the schedule of a very long backward, then, with --replan, back
+// to that of none), while the next forward runs beside the update phase
+// and the speculation leaves every other CPU subgroup of the model's end
+// to the phase, with blocks resident and streamed, has every step's loss
+// and the final master weights of the serial run (no speculation, no
+// overlapped forward, a fixed schedule) bit for bit.
+func TestGPUPlanIterationBitwise(t *testing.T) {
+	cfg, text := smallGPURun(t, 9)
+	cfg.Recompute, cfg.DecaySteps, cfg.MaxGradNorm = true, 9, 0
+	type result struct {
+		losses  []float64
+		masters map[string][]float32
+		log     string
+	}
+	run := func(c TrainConfig, work func(int, offload.IterationWork) offload.IterationWork) result {
+		t.Helper()
+		c.LogJSON = filepath.Join(t.TempDir(), "steps.jsonl")
+		var log strings.Builder
+		tr, err := New(c, text, &log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tr.Close()
+		tr.planWork = work
+		if _, err := tr.Run(); err != nil {
+			t.Fatalf("%v\n%s", err, log.String())
+		}
+		r := result{masters: map[string][]float32{}, log: log.String()}
+		for _, p := range tr.opt.Params() {
+			if r.masters[p.Name], err = tr.opt.MasterOf(p.Name); err != nil {
+				t.Fatal(err)
+			}
+		}
+		b, err := os.ReadFile(c.LogJSON)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+			var rec struct {
+				Step int      `json:"step"`
+				Loss *float64 `json:"loss"`
+			}
+			if err := json.Unmarshal([]byte(line), &rec); err != nil {
+				t.Fatal(err)
+			}
+			if rec.Loss != nil && rec.Step > 0 {
+				r.losses = append(r.losses, *rec.Loss)
+			}
+		}
+		return r
+	}
+	for _, streamed := range []int{0, 2} {
+		ref := cfg
+		ref.StreamBlocks, ref.NoOverlapForward = streamed, true
+		n := ref.subgroups()
+		ref.Schedule = fmt.Sprintf("%d,%d,%d", n-2*(n/3), n/3, n/3)
+		want := run(ref, nil)
+		for _, leave := range []bool{true, false} {
+			c := cfg
+			c.StreamBlocks, c.Speculate, c.Replan, c.ResidentFirst = streamed, 1, true, true
+			got := run(c, func(k int, w offload.IterationWork) offload.IterationWork {
+				if k == 0 {
+					w.Backward *= 1000 // every CPU update hidden: the CPU takes more
+				} else {
+					w.Backward = 0 // nothing hidden: the phase's own schedule again
+				}
+				if !leave {
+					w.Forward = 0 // nothing left to the phase (offload's speculateLeave)
+				}
+				return w
+			})
+			streamed := fmt.Sprintf("%d (leaving some to the phase: %v)", streamed, leave)
+			if moves := strings.Count(got.log, "planned the update phase for the iteration"); moves == 0 {
+				t.Errorf("%s blocks streamed: the schedule never moved:\n%s", streamed, got.log)
+			}
+			if leave && !strings.Contains(got.log, "the speculation leaves") {
+				t.Errorf("%s blocks streamed: nothing left to the phase:\n%s", streamed, got.log)
+			}
+			if len(got.losses) != cfg.Steps || len(want.losses) != cfg.Steps {
+				t.Fatalf("%s blocks streamed: %d and %d losses, want %d", streamed, len(got.losses), len(want.losses), cfg.Steps)
+			}
+			for i := range want.losses {
+				if math.Float64bits(got.losses[i]) != math.Float64bits(want.losses[i]) {
+					t.Fatalf("%s blocks streamed: step %d's loss %v, the serial run's %v\n%s", streamed, i+1, got.losses[i], want.losses[i], got.log)
+				}
+			}
+			for name, x := range want.masters {
+				for i := range x {
+					if math.Float32bits(x[i]) != math.Float32bits(got.masters[name][i]) {
+						t.Fatalf("%s blocks streamed: %s[%d] %v, the serial run's %v\n%s", streamed, name, i, got.masters[name][i], x[i], got.log)
+					}
+				}
+			}
+			t.Logf("%s blocks streamed: %d moves, losses %v", streamed, strings.Count(got.log, "planned the update phase for the iteration"), got.losses)
+		}
+	}
+}
