@@ -987,18 +987,20 @@ func (o *Optimizer) SpeculateLeave() int64 {
 // speculation fields set by iterationWork) whose forward overlaps the
 // phase (none with Options.NoSpeculateLeave): what the CPU updates, at the
 // speculation's rate, in the time the next forward takes over the
-// blocks the last speculation kept (their share of the parameters), at
-// most half of those: without it the forward would run those blocks after
-// the phase's last CPU update with the CPU idle (BENCHMARKS.md, 4.24B on
-// an H100: 50 ms of a 720 ms iteration under 40 GiB, 104 ms of 1,078
-// streamed under 24 GiB). 0 before a phase kept speculative updates. The
-// caller holds o.mu.
+// parameters after the last phase's own CPU work
+// (scheduler.Engine.PhaseCPUEnd: the blocks the speculation, the GPU
+// and the resident subgroups updated, their share of the forward), at
+// most half of what that phase kept: without it the forward runs those
+// blocks after the phase's last CPU update with the CPU idle (on an H100,
+// 4.24B: 50 ms of a 720 ms iteration under 40 GiB, 104 to 132 ms of
+// 1,078 to 1,143 streamed under 24 GiB; BENCHMARKS.md). 0 before a phase
+// kept speculative updates. The caller holds o.mu.
 func (o *Optimizer) speculateLeave(it IterationWork) int64 {
 	if o.opts.NoSpeculateLeave || !it.OverlapForward || it.SpeculateRate <= 0 || o.specKeptSeen <= 0 || o.total == 0 || !(it.Forward > 0) {
 		return 0
 	}
-	share := float64(o.specKeptSeen) / float64(o.total)
-	return min(int64(it.SpeculateRate*it.Forward*share), o.specKeptSeen/2)
+	tail := 1 - float64(o.eng.PhaseCPUEnd())/float64(o.total)
+	return min(int64(it.SpeculateRate*it.Forward*tail), o.specKeptSeen/2)
 }
 
 // Trace returns the last update phase's operations (scheduler.Engine.Trace:

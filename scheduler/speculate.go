@@ -323,6 +323,25 @@ func (e *Engine) SetSpeculateLeave(n int64) {
 	e.specLeaveN = max(n, 0)
 }
 
+// PhaseCPUEnd returns the element of the flat space where the last update
+// phase's own CPU work ended: the end of the last subgroup the CPU workers
+// updated in that phase (a host-held or a CPU subgroup), leaving out those
+// a kept speculative update had done before it and those
+// SetSpeculateLeave left to it. The next forward, which waits for each
+// block's weights, runs the blocks after it once that work is done. 0
+// when that phase updated none so, or when none ran since New or Replan.
+func (e *Engine) PhaseCPUEnd() int64 {
+	if !e.updated {
+		return 0
+	}
+	for i := len(e.sizes) - 1; i >= 0; i-- {
+		if (e.held[i] || e.plan.Roles[i] == OnCPU) && e.preLast[i]&(1<<opCPU) == 0 && (e.specLeave == nil || !e.specLeave[i]) {
+			return e.off[i] + e.sizes[i]
+		}
+	}
+	return 0
+}
+
 // markLeave marks the subgroups SetSpeculateLeave leaves to the phase
 // under the current plan (specLeave). It allocates nothing.
 func (e *Engine) markLeave() {

@@ -225,8 +225,25 @@ func testSpeculateLeave(t *testing.T, newDev func() Device) {
 					d := newDev()
 					e := specEngine(t, d, p, held, s, SpeculateBytes(1<<20, false))
 					defer e.Close()
+					if end := e.PhaseCPUEnd(); end != 0 {
+						t.Fatalf("PhaseCPUEnd %d before any phase", end)
+					}
 					e.SetSpeculateLeave(leave)
 					runSpeculate(t, d, e, p, h, cases)
+					// The last phase (kept, no clipping): after PhaseCPUEnd
+					// no CPU update ran in it but those left to it, and the
+					// subgroup ending there was updated in it.
+					end := e.PhaseCPUEnd()
+					for i := range e.sizes {
+						cpu := e.held[i] || e.plan.Roles[i] == OnCPU
+						inPhase := cpu && e.cpuT[i][1] > 0
+						switch {
+						case e.off[i] >= end && inPhase && !e.specLeave[i]:
+							t.Fatalf("subgroup %d (at %d) updated in the phase, after PhaseCPUEnd %d", i, e.off[i], end)
+						case e.off[i]+e.sizes[i] == end && !inPhase:
+							t.Fatalf("PhaseCPUEnd %d ends subgroup %d, not updated in the phase", end, i)
+						}
+					}
 					checkHeldRun(t, d, e, want, wantCopy)
 					// The marks of the last phase: every other qualifying
 					// subgroup from the last up, the last one not left.
