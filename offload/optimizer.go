@@ -994,13 +994,18 @@ func (o *Optimizer) SpeculateLeave() int64 {
 // blocks after the phase's last CPU update with the CPU idle (on an H100,
 // 4.24B: 50 ms of a 720 ms iteration under 40 GiB, 104 to 132 ms of
 // 1,078 to 1,143 streamed under 24 GiB; BENCHMARKS.md). 0 before a phase
-// kept speculative updates. The caller holds o.mu.
+// kept speculative updates; the last leave where no phase ran on the
+// plan since a move. The caller holds o.mu.
 func (o *Optimizer) speculateLeave(it IterationWork) int64 {
 	if o.opts.NoSpeculateLeave || !it.OverlapForward || it.SpeculateRate <= 0 || o.specKeptSeen <= 0 || o.total == 0 || !(it.Forward > 0) {
 		return 0
 	}
-	tail := 1 - float64(o.eng.PhaseCPUEnd())/float64(o.total)
-	return min(int64(it.SpeculateRate*it.Forward*tail), o.specKeptSeen/2)
+	end, ok := o.eng.PhaseCPUEnd()
+	if !ok {
+		return o.specLeave // no phase on this plan yet: the last one's
+	}
+	tail := 1 - float64(end)/float64(o.total)
+	return int64(min(it.SpeculateRate*it.Forward*tail, float64(o.specKeptSeen/2)))
 }
 
 // Trace returns the last update phase's operations (scheduler.Engine.Trace:

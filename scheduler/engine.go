@@ -177,6 +177,8 @@ type Engine struct {
 	specCan                []bool         // per subgroup: may be speculated on in this phase (decided by Speculate)
 	specLeave              []bool         // per subgroup: left to the phase (SetSpeculateLeave; marked by Speculate's first call of a phase)
 	specLeaveN             int64          // SetSpeculateLeave's parameters
+	specMarked             bool           // markLeave ran since the last phase began
+	leftLast               []bool         // per subgroup: left to the last phase (PhaseCPUEnd)
 	specCopied             []bool         // per subgroup: specCopy put its speculative working copy on the device
 	specDirty              []bool         // per subgroup: specCopy was tried (an undo copies the old working copy back, even after a failed one)
 	specRecopied           bool           // restoreSpec put old working copies back on the device: syncRecopies waits for them
@@ -631,6 +633,13 @@ func (e *Engine) beginPhase(c *adam.Coeffs, cs []adam.Coeffs) error {
 	e.t0 = time.Now() // after the settling: its restores are before the phase
 	copy(e.done, e.pre)
 	copy(e.preLast, e.pre)
+	if e.leftLast != nil { // Options.Speculate's: what this phase's Speculate left to it
+		clear(e.leftLast)
+		if e.specMarked {
+			copy(e.leftLast, e.specLeave)
+		}
+		e.specMarked = false
+	}
 	e.first = nil
 	e.abort.Store(false)
 	e.deviceFault.Store(false)

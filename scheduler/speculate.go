@@ -106,7 +106,7 @@ func (e *Engine) allocSpec() error {
 	}
 	e.specC, e.specT = make([]adam.Coeffs, n0), make([][2]time.Time, n0)
 	e.specUndo, e.specUndoLast = make([]specUndo, 0, n0), make([]specUndo, 0, n0)
-	e.specCan, e.specCopied, e.specDirty, e.specLeave = make([]bool, n0), make([]bool, n0), make([]bool, n0), make([]bool, n0)
+	e.specCan, e.specCopied, e.specDirty, e.specLeave, e.leftLast = make([]bool, n0), make([]bool, n0), make([]bool, n0), make([]bool, n0), make([]bool, n0)
 	e.loc, e.specTo = make([]int64, n0), make([]int64, n0)
 	for i := range e.loc {
 		e.loc[i], e.specTo[i] = homeLoc, noSpec
@@ -304,21 +304,23 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 }
 
 // SetSpeculateLeave has the speculation leave about n parameters of the
-// model's last subgroups to the phase, from the next phase's first
-// Speculate on: of the subgroups the CPU workers update (host-held, and
-// the plan's CPU subgroups), every other one from the last up (the last
-// itself stays speculable, so the workers have work as soon as the
-// backward's first gradients are final), until those left hold n
-// parameters (Speculate's first call of a phase marks them, under the
-// plan of that phase). The phase then updates them last (the CPU lane's
-// order, after the host-held subgroups), while the next forward runs
-// beside it through the blocks before them: the CPU works during what
-// would otherwise be the forward's tail after the phase, with nothing
-// left for it but the backward's first gradients (issue 31, item 2; the
-// forward waits for each block's weights). Which subgroups are updated
-// when changes no bit: a subgroup left to the phase is updated there as
-// if it had never been speculated on. n <= 0 (the default) leaves none.
-// Without Options.Speculate it does nothing.
+// model's last subgroups to the phase: of the subgroups the CPU workers
+// update (host-held, and the plan's CPU subgroups), every other one from
+// the last up (the last itself stays speculable, so the workers have work
+// as soon as the backward's first gradients are final), until those left
+// hold n parameters. The first Speculate after an Update or a drop marks
+// them, under the plan of that moment. The phase updates them as it
+// updates any subgroup the speculation did not reach: the CPU subgroups
+// in the CPU lane's order (after the host-held ones, so a left CPU
+// subgroup of the last blocks is among the phase's last CPU work), the
+// host-held ones first. The next forward, which waits for each block's
+// weights, then runs through the blocks before them while the CPU works,
+// where it would otherwise run the blocks after the phase's last CPU
+// update with the CPU idle until the next backward's first gradients
+// (issue 31, item 2). Which subgroups are updated when changes no bit: a
+// subgroup left to the phase is updated there as if it had never been
+// speculated on. n <= 0 (the default) leaves none. Without
+// Options.Speculate it does nothing.
 func (e *Engine) SetSpeculateLeave(n int64) {
 	e.specLeaveN = max(n, 0)
 }
@@ -327,25 +329,26 @@ func (e *Engine) SetSpeculateLeave(n int64) {
 // phase's own CPU work ended: the end of the last subgroup the CPU workers
 // updated in that phase (a host-held or a CPU subgroup), leaving out those
 // a kept speculative update had done before it and those
-// SetSpeculateLeave left to it. The next forward, which waits for each
-// block's weights, runs the blocks after it once that work is done. 0
-// when that phase updated none so, or when none ran since New or Replan.
-func (e *Engine) PhaseCPUEnd() int64 {
+// SetSpeculateLeave left to it; 0 when it updated none so. The next
+// forward runs the blocks after it once that work is done. ok is false
+// when no phase ran since New or the last Replan.
+func (e *Engine) PhaseCPUEnd() (end int64, ok bool) {
 	if !e.updated {
-		return 0
+		return 0, false
 	}
 	for i := len(e.sizes) - 1; i >= 0; i-- {
-		if (e.held[i] || e.plan.Roles[i] == OnCPU) && e.preLast[i]&(1<<opCPU) == 0 && (e.specLeave == nil || !e.specLeave[i]) {
-			return e.off[i] + e.sizes[i]
+		if (e.held[i] || e.plan.Roles[i] == OnCPU) && e.preLast[i]&(1<<opCPU) == 0 && (e.leftLast == nil || !e.leftLast[i]) {
+			return e.off[i] + e.sizes[i], true
 		}
 	}
-	return 0
+	return 0, true
 }
 
 // markLeave marks the subgroups SetSpeculateLeave leaves to the phase
 // under the current plan (specLeave). It allocates nothing.
 func (e *Engine) markLeave() {
 	clear(e.specLeave)
+	e.specMarked = true
 	left, k := int64(0), 0
 	for i := len(e.sizes) - 1; i >= 0 && left < e.specLeaveN; i-- {
 		if !e.held[i] && !e.specCPU(i) {

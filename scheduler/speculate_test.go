@@ -225,15 +225,18 @@ func testSpeculateLeave(t *testing.T, newDev func() Device) {
 					d := newDev()
 					e := specEngine(t, d, p, held, s, SpeculateBytes(1<<20, false))
 					defer e.Close()
-					if end := e.PhaseCPUEnd(); end != 0 {
-						t.Fatalf("PhaseCPUEnd %d before any phase", end)
+					if end, ok := e.PhaseCPUEnd(); ok || end != 0 {
+						t.Fatalf("PhaseCPUEnd %d, %v before any phase", end, ok)
 					}
 					e.SetSpeculateLeave(leave)
 					runSpeculate(t, d, e, p, h, cases)
 					// The last phase (kept, no clipping): after PhaseCPUEnd
 					// no CPU update ran in it but those left to it, and the
 					// subgroup ending there was updated in it.
-					end := e.PhaseCPUEnd()
+					end, ok := e.PhaseCPUEnd()
+					if !ok {
+						t.Fatal("PhaseCPUEnd: no phase after runSpeculate's")
+					}
 					for i := range e.sizes {
 						cpu := e.held[i] || e.plan.Roles[i] == OnCPU
 						inPhase := cpu && e.cpuT[i][1] > 0

@@ -23,6 +23,7 @@ import (
 func TestGPUPlanIterationBitwise(t *testing.T) {
 	cfg, text := smallGPURun(t, 9)
 	cfg.Recompute, cfg.DecaySteps, cfg.MaxGradNorm = true, 9, 0
+	cfg.GPUBudget = 0.004 // a few of the 14 subgroups resident: the CPU has some to update
 	type result struct {
 		losses  []float64
 		masters map[string][]float32
