@@ -445,6 +445,15 @@ func TestGradPartialsTo(t *testing.T) {
 	for _, gd := range dtypes {
 		n := 5*StatsChunk + 11
 		_, g := problem(n, gd, false, 9)
+		if gd == adam.F16 {
+			// problem's rare 3e38 is Inf in float16: 1 instead, so that
+			// the gradient is finite (the NaN case is below).
+			for i, u := range g.U16 {
+				if u&0x7c00 == 0x7c00 {
+					g.U16[i] = 0x3c00
+				}
+			}
+		}
 		want := make([]float64, (n+StatsChunk-1)/StatsChunk)
 		okCPU := adam.Generic.GradPartials(g, 0.5, want)
 		dg, free, err := e.b.upload16or32(g)
