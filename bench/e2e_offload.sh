@@ -13,9 +13,9 @@
 #               with backward gains
 #   dos-first, dos-first-spec-G  dos-model, dos-spec-G with --resident-first (the resident subgroups are the first
 #               blocks: the speculation starts with the backward)
-#   dos-first-spec-G-noleave  dos-first-spec-G with --no-speculate-leave (the speculation takes every CPU update it
-#               reaches, none left to the phase beside the next forward): what leaving some gains
-#   dos-fixed-spec-G, dos-fixed-spec-G-noleave  the same without --replan, under --schedule SCHEDULE (CPU,GPU,RESIDENT
+#   dos-first-spec-G-leave  dos-first-spec-G with --speculate-leave (every other CPU update of the last blocks left to
+#               the phase, beside the next forward): what leaving some gains
+#   dos-fixed-spec-G, dos-fixed-spec-G-leave  the same without --replan, under --schedule SCHEDULE (CPU,GPU,RESIDENT
 #               counts): the leave compared on one plan (a --replan run's plan varies with its first steps' rates)
 #   dos-nofwd   dos-model with --no-overlap-forward (each forward after the update phase): what running the next
 #               forward over the update's tail gains
@@ -93,9 +93,9 @@ for run in $runs; do
 		dos-stream-*) flags+=(--replan --stream-blocks "${strat#dos-stream-}") ;;
 		dos-spec-*) flags+=(--replan --speculate "${strat#dos-spec-}") ;;
 		dos-first) flags+=(--replan --resident-first) ;;
-		dos-fixed-spec-*-noleave) g=${strat#dos-fixed-spec-} && flags+=(--resident-first --speculate "${g%-noleave}" --no-speculate-leave --schedule "${SCHEDULE:?dos-fixed-*: SCHEDULE=CPU,GPU,RESIDENT}") ;;
+		dos-fixed-spec-*-leave) g=${strat#dos-fixed-spec-} && flags+=(--resident-first --speculate "${g%-leave}" --speculate-leave --schedule "${SCHEDULE:?dos-fixed-*: SCHEDULE=CPU,GPU,RESIDENT}") ;;
 		dos-fixed-spec-*) flags+=(--resident-first --speculate "${strat#dos-fixed-spec-}" --schedule "${SCHEDULE:?dos-fixed-*: SCHEDULE=CPU,GPU,RESIDENT}") ;;
-		dos-first-spec-*-noleave) g=${strat#dos-first-spec-} && flags+=(--replan --resident-first --speculate "${g%-noleave}" --no-speculate-leave) ;;
+		dos-first-spec-*-leave) g=${strat#dos-first-spec-} && flags+=(--replan --resident-first --speculate "${g%-leave}" --speculate-leave) ;;
 		dos-first-spec-*) flags+=(--replan --resident-first --speculate "${strat#dos-first-spec-}") ;;
 		esac
 		rm -f "$base.jsonl"

@@ -974,7 +974,7 @@ func (o *Optimizer) specRate() float64 {
 // SpeculateLeave returns the parameters whose CPU updates the
 // speculation leaves to the phase (scheduler.Engine.SetSpeculateLeave),
 // as the last PlanIteration set them: 0 before it, without speculation,
-// with Options.NoSpeculateLeave, or where the forward does not overlap the
+// without Options.SpeculateLeave, or where the forward does not overlap the
 // phase.
 func (o *Optimizer) SpeculateLeave() int64 {
 	o.mu.Lock()
@@ -985,7 +985,7 @@ func (o *Optimizer) SpeculateLeave() int64 {
 // speculateLeave returns the parameters the speculation leaves to the
 // phase (scheduler.Engine.SetSpeculateLeave) for an iteration it (its
 // speculation fields set by iterationWork) whose forward overlaps the
-// phase (none with Options.NoSpeculateLeave): what the CPU updates, at the
+// phase (none without Options.SpeculateLeave): what the CPU updates, at the
 // speculation's rate, in the time the next forward takes over the
 // parameters after the last phase's own CPU work
 // (scheduler.Engine.PhaseCPUEnd: the blocks the speculation, the GPU
@@ -997,7 +997,7 @@ func (o *Optimizer) SpeculateLeave() int64 {
 // kept speculative updates; the last leave where no phase ran on the
 // plan since a move. The caller holds o.mu.
 func (o *Optimizer) speculateLeave(it IterationWork) int64 {
-	if o.opts.NoSpeculateLeave || !it.OverlapForward || it.SpeculateRate <= 0 || o.specKeptSeen <= 0 || o.total == 0 || !(it.Forward > 0) {
+	if !o.opts.SpeculateLeave || !it.OverlapForward || it.SpeculateRate <= 0 || o.specKeptSeen <= 0 || o.total == 0 || !(it.Forward > 0) {
 		return 0
 	}
 	end, ok := o.eng.PhaseCPUEnd()

@@ -181,17 +181,17 @@ type Options struct {
 	// with the speculation's rate measured in the last phase (and with
 	// Replan, the corrected rates). 0: none. Not saved in checkpoints.
 	Speculate int64 `json:"-"`
-	// NoSpeculateLeave, with Speculate, has the speculation take every
-	// CPU update it can reach in the backward. By default, once
+	// SpeculateLeave, with Speculate, has the speculation leave every
+	// other CPU subgroup of the model's last blocks to the phase, once
 	// PlanIteration knows the forward's time and the forward overlaps the
-	// phase (IterationWork.OverlapForward), the speculation leaves every
-	// other CPU subgroup of the model's last blocks to the phase, about
-	// what the CPU updates while the next forward runs the blocks the
-	// speculation did (Optimizer.SpeculateLeave), so that the CPU works
-	// beside that forward instead of waiting for the next backward. For
-	// comparison; the trajectory is the same, bit for bit. Not saved in
+	// phase (IterationWork.OverlapForward): about what the CPU updates
+	// while the next forward runs the blocks after the phase's own CPU
+	// work (Optimizer.SpeculateLeave), so that the CPU works beside that
+	// forward instead of waiting for the next backward. Off by default:
+	// its gain is not yet measured on one plan (BENCHMARKS.md, 2026-12-07,
+	// seventh). The trajectory is the same, bit for bit. Not saved in
 	// checkpoints.
-	NoSpeculateLeave bool `json:"-"`
+	SpeculateLeave bool `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,
 	// ceil(parameters / SubgroupSize) without Groups, the sum of each

@@ -113,3 +113,52 @@ func TestPlanIteration(t *testing.T) {
 		t.Errorf("closed: %v, want ErrClosed", err)
 	}
 }
+
+// TestSpeculateLeaveOption: PlanIteration sets what the speculation
+// leaves to the phase only with Options.SpeculateLeave and a forward that
+// overlaps the phase, once a step kept speculative updates: more than
+// none, at most half of what that step kept; the steps after it keep the
+// serial step's bits.
+func TestSpeculateLeaveOption(t *testing.T) {
+	for _, on := range []bool{false, true} {
+		base := specBase()
+		base.Profile, base.GPUBudget, base.SpeculateLeave = iterProfile(), 1<<20, on
+		r := newRig(t, testParams, base, nil, perfmodel.Schedule{}, scheduler.SpeculateBytes(1<<20, false))
+		r.b.specPaused = false
+		step := func(k int64) StepResult {
+			t.Helper()
+			r.backward(t, k, 0.01, false, true)
+			if _, err := r.ref.Step(StepArgs{}); err != nil {
+				t.Fatal(err)
+			}
+			rb, err := r.b.Step(StepArgs{GradOnDevice: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			sameState(t, synced(t, r.ref), synced(t, r.b.workingNow(t)))
+			return rb
+		}
+		kept := step(1).Speculated
+		if kept == 0 {
+			t.Fatal("no speculation kept")
+		}
+		work := IterationWork{Forward: 1, Backward: 1e-4, Blocks: 1}
+		if _, err := r.b.PlanIteration(work); err != nil || r.b.SpeculateLeave() != 0 {
+			t.Fatalf("SpeculateLeave %v, a forward that does not overlap the phase: leave %d, %v", on, r.b.SpeculateLeave(), err)
+		}
+		work.OverlapForward = true
+		if _, err := r.b.PlanIteration(work); err != nil {
+			t.Fatal(err)
+		}
+		leave := r.b.SpeculateLeave()
+		if on != (leave > 0) || leave > kept/2 {
+			t.Fatalf("SpeculateLeave %v: leave %d parameters, the step kept %d", on, leave, kept)
+		}
+		for k := int64(2); k <= 4; k++ {
+			step(k)
+		}
+		if err := r.b.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

@@ -16,10 +16,11 @@ import (
 // after a step that kept speculative updates (planIteration, forced here:
 // first to the schedule of a very long backward, then, with --replan, back
 // to that of none), while the next forward runs beside the update phase
-// and the speculation leaves every other CPU subgroup of the model's end
-// to the phase, with blocks resident and streamed, has every step's loss
-// and the final master weights of the serial run (no speculation, no
-// overlapped forward, a fixed schedule) bit for bit.
+// and, with --speculate-leave, the speculation leaves every other CPU
+// subgroup of the model's end to the phase, with blocks resident and
+// streamed, has every step's loss and the final master weights of the
+// serial run (no speculation, no overlapped forward, a fixed schedule)
+// bit for bit.
 func TestGPUPlanIterationBitwise(t *testing.T) {
 	cfg, text := smallGPURun(t, 9)
 	cfg.Recompute, cfg.DecaySteps, cfg.MaxGradNorm = true, 9, 0
@@ -74,15 +75,12 @@ func TestGPUPlanIterationBitwise(t *testing.T) {
 		want := run(ref, nil)
 		for _, leave := range []bool{true, false} {
 			c := cfg
-			c.StreamBlocks, c.Speculate, c.Replan, c.ResidentFirst = streamed, 1, true, true
+			c.StreamBlocks, c.Speculate, c.Replan, c.ResidentFirst, c.SpeculateLeave = streamed, 1, true, true, leave
 			got := run(c, func(k int, w offload.IterationWork) offload.IterationWork {
 				if k == 0 {
 					w.Backward *= 1000 // every CPU update hidden: the CPU takes more
 				} else {
 					w.Backward = 0 // nothing hidden: the phase's own schedule again
-				}
-				if !leave {
-					w.Forward = 0 // nothing left to the phase (offload's speculateLeave)
 				}
 				return w
 			})

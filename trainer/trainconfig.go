@@ -173,15 +173,14 @@ type TrainConfig struct {
 	// not speculate). The trajectory is the same, bit for bit. Not saved
 	// in checkpoints.
 	Speculate float64 `json:"-"`
-	// NoSpeculateLeave has the speculation take every CPU update it can
-	// reach in the backward (offload.Options.NoSpeculateLeave). By
-	// default, once the iteration is planned, it leaves every other CPU
-	// subgroup of the model's last blocks to the update phase, about
-	// what the CPU updates while the next forward runs the blocks it
-	// speculated on, so that the CPU works beside that forward: for
-	// comparison; the trajectory is the same, bit for bit. Not saved in
-	// checkpoints.
-	NoSpeculateLeave bool `json:"-"`
+	// SpeculateLeave, with Speculate, has the speculation leave every
+	// other CPU subgroup of the model's last blocks to the update phase
+	// once the iteration is planned (offload.Options.SpeculateLeave):
+	// about what the CPU updates while the next forward runs the blocks
+	// after the phase's own CPU work, so that the CPU works beside that
+	// forward. Off by default until measured on one plan; the trajectory
+	// is the same, bit for bit. Not saved in checkpoints.
+	SpeculateLeave bool `json:"-"`
 	// specAuto is SpeculateAuto's bytes (resolveSpeculate).
 	specAuto int64
 	// Replan, with a Device and the performance model's schedule

@@ -241,7 +241,7 @@ func newWorld(cfg *TrainConfig, out io.Writer) (*world, error) {
 			oo.OffloadParam = streamedNames(cfg.Model, gpus[rk.r].streamed())
 			oo.OverlapBackward = !cfg.NoOverlap
 			oo.Speculate = cfg.speculateBytes()
-			oo.NoSpeculateLeave = cfg.NoSpeculateLeave
+			oo.SpeculateLeave = cfg.SpeculateLeave
 		}
 		oo.Replan = cfg.Replan
 		oo.ResidentFirst = cfg.ResidentFirst && oo.Device != nil
