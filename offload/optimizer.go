@@ -183,7 +183,8 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // Step, ZeroGrad, SetParam, SetLR, Master, Options, Schedule,
 // Snapshot, SaveAsync, SaveCheckpoint, LoadCheckpoint, SyncDevice,
 // SyncHost, DeviceGrad, DeviceWorking, DeviceMaster, Plan, Bound,
-// IterationBound, PredictIteration, PlanIteration and Close. Each may be
+// IterationBound, PredictIteration, PlanIteration, SpeculateLeave and
+// Close. Each may be
 // called from any goroutine at any time: two calls run one after the other,
 // never interleaved (Step with Step, Step with SaveCheckpoint, ...), in an
 // unspecified order. Close waits for the call in flight (a Step, a
