@@ -184,10 +184,9 @@ var ErrClosed = errors.New("offload: optimizer is closed")
 // Snapshot, SaveAsync, SaveCheckpoint, LoadCheckpoint, SyncDevice,
 // SyncHost, DeviceGrad, DeviceWorking, DeviceMaster, Plan, Bound,
 // IterationBound, PredictIteration, PlanIteration, SpeculateLeave and
-// Close. Each may be
-// called from any goroutine at any time: two calls run one after the other,
-// never interleaved (Step with Step, Step with SaveCheckpoint, ...), in an
-// unspecified order. Close waits for the call in flight (a Step, a
+// Close. Each may be called from any goroutine at any time: two calls run
+// one after the other, never interleaved (Step with Step, Step with
+// SaveCheckpoint, ...), in an unspecified order. Close waits for the call in flight (a Step, a
 // synchronous save, a load; and the capture of a SaveAsync's state), and
 // the calls after it return ErrClosed: Step, SetParam, SetLR, Snapshot,
 // SaveAsync, SaveCheckpoint, LoadCheckpoint. ZeroGrad, StepCount, Options

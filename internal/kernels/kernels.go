@@ -459,15 +459,9 @@ func (k *Kernels) GradPartials(s *cuda.Stream, g Grad, unscale float32, dst []fl
 // Errors: a dtype other than F32, BF16 or F16; g, dst or flag outside its
 // buffer; the driver's.
 func (k *Kernels) GradPartialsTo(s *cuda.Stream, g Grad, unscale float32, dst, flag Vec) error {
-	gi, ok := dtypeIndex(g.DType)
-	if !ok || g.DType == 0 {
-		return fmt.Errorf("kernels: GradPartialsTo: gradient dtype %v", g.DType)
-	}
-	if err := g.check("gradient", elemSize(g.DType), g.N); err != nil {
+	gi, err := statsGrad("GradPartialsTo", g)
+	if err != nil || g.N == 0 {
 		return err
-	}
-	if g.N == 0 {
-		return nil
 	}
 	blocks := (g.N + StatsChunk - 1) / StatsChunk
 	if dst.N < blocks {
@@ -481,20 +475,36 @@ func (k *Kernels) GradPartialsTo(s *cuda.Stream, g Grad, unscale float32, dst, f
 	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
+	return k.launchStats(s, gi, g, unscale, blocks, dst.Buf, 8*dst.Off, flag.Buf, 4*flag.Off)
+}
+
+// statsGrad checks g for the stats kernel and returns its dtype's index;
+// fn names the caller in the error.
+func statsGrad(fn string, g Grad) (int, error) {
+	gi, ok := dtypeIndex(g.DType)
+	if !ok || g.DType == 0 {
+		return 0, fmt.Errorf("kernels: %s: gradient dtype %v", fn, g.DType)
+	}
+	return gi, g.check("gradient", elemSize(g.DType), g.N)
+}
+
+// launchStats enqueues the stats kernel over g (of dtype index gi, blocks
+// StatsChunk blocks): block b's partial sum to dst's byte dstOff+8b, a
+// non-finite element setting the int32 at flag's byte flagOff. k.mu is
+// held.
+func (k *Kernels) launchStats(s *cuda.Stream, gi int, g Grad, unscale float32, blocks int64, dst *cuda.Buffer, dstOff int64, flag *cuda.Buffer, flagOff int64) error {
 	a := k.args
 	a.Reset()
-	a.Ptr(g.Buf, elemSize(g.DType)*g.Off).U64(uint64(g.N)).F32(unscale).U64(StatsChunk).Ptr(dst.Buf, 8*dst.Off).Ptr(flag.Buf, 4*flag.Off)
+	a.Ptr(g.Buf, elemSize(g.DType)*g.Off).U64(uint64(g.N)).F32(unscale).U64(StatsChunk).Ptr(dst, dstOff).Ptr(flag, flagOff)
+	// 16 blocks of StatsChunk per thread block of 256 (16 lanes each).
 	return k.stats[gi].Launch(s, cuda.Dim3{X: uint32((blocks + 15) / 16), Y: 1, Z: 1}, cuda.Dim3{X: 256, Y: 1, Z: 1}, 0, a)
 }
 
 // partials runs the stats kernel over g and brings its partial sums to
 // k.host (blocks of them, float64 each); k.mu is held.
 func (k *Kernels) partials(s *cuda.Stream, g Grad, unscale float32) (blocks int64, finite bool, err error) {
-	gi, ok := dtypeIndex(g.DType)
-	if !ok || g.DType == 0 {
-		return 0, false, fmt.Errorf("kernels: GradStats: gradient dtype %v", g.DType)
-	}
-	if err := g.check("gradient", elemSize(g.DType), g.N); err != nil {
+	gi, err := statsGrad("GradStats", g)
+	if err != nil {
 		return 0, false, err
 	}
 	if g.N == 0 {
@@ -511,11 +521,7 @@ func (k *Kernels) partials(s *cuda.Stream, g Grad, unscale float32) (blocks int6
 	if err := s.Memset(k.partial, flagOff, 4, 0); err != nil {
 		return 0, false, err
 	}
-	a := k.args
-	a.Reset()
-	a.Ptr(g.Buf, elemSize(g.DType)*g.Off).U64(uint64(g.N)).F32(unscale).U64(StatsChunk).Ptr(k.partial, 0).Ptr(k.partial, flagOff)
-	// 16 blocks of StatsChunk per thread block of 256 (16 lanes each).
-	if err := k.stats[gi].Launch(s, cuda.Dim3{X: uint32((blocks + 15) / 16), Y: 1, Z: 1}, cuda.Dim3{X: 256, Y: 1, Z: 1}, 0, a); err != nil {
+	if err := k.launchStats(s, gi, g, unscale, blocks, k.partial, 0, k.partial, flagOff); err != nil {
 		return 0, false, err
 	}
 	if err := s.CopyDtoH(k.host, 0, k.partial, 0, need); err != nil {
