@@ -430,7 +430,7 @@ func (c *TrainConfig) Validate() error {
 			return fmt.Errorf("trainer: --schedule: %w (or cpu, or static)", err)
 		}
 		if n := c.subgroups(); s.CPU+s.GPU+s.Resident != n {
-			return fmt.Errorf("trainer: --schedule %s: %d subgroups, but the model's %d parameters in subgroups of %d make %d", c.Schedule, s.CPU+s.GPU+s.Resident, c.paramCount(), c.optimizerOptions().SubgroupSize, n)
+			return fmt.Errorf("trainer: --schedule %s: %d subgroups, but the model's %d parameters in subgroups of %d make %d (forced counts take --subgroup-size as given, not the performance model's choice of it)", c.Schedule, s.CPU+s.GPU+s.Resident, c.paramCount(), c.optimizerOptions().SubgroupSize, n)
 		}
 	}
 	if err := c.optimizerOptions().Validate(); err != nil { // passes after the checks above
