@@ -152,15 +152,20 @@ type shape struct {
 
 // core is the steps of one update phase over a plan.
 type core struct {
-	plan      *Plan
-	shape     shape
-	upcast    bool  // CPU subgroups' 16-bit gradients widen on the device first
-	cpuGradB  int64 // bytes per element of a CPU subgroup's gradient D2H
-	steps     []step
-	lanes     [numIssuers][]int32 // each issuer's steps, in order
-	opSteps   [][numOps][2]int32  // per subgroup and operation: first and last step, -1 for none
-	numHeads  int                 // operations (steps with first set)
-	throttled [numQueues][]int32  // state pieces per copy lane, for the throttle
+	plan     *Plan
+	shape    shape
+	upcast   bool  // CPU subgroups' 16-bit gradients widen on the device first
+	cpuGradB int64 // bytes per element of a CPU subgroup's gradient D2H
+	steps    []step
+	lanes    [numIssuers][]int32 // each issuer's steps, in order
+	opSteps  [][numOps][2]int32  // per subgroup and operation: first and last step, -1 for none
+	numHeads int                 // operations (steps with first set)
+	// copyPrev is, per CPU subgroup's copy H2D step (indexed by step), the
+	// copy H2D before it from the same copy staging slot (-1: none):
+	// what the slot waits for when a kept speculative update skips that
+	// copy in the phase (Engine.slotCopy).
+	copyPrev  map[int32]int32
+	throttled [numQueues][]int32 // state pieces per copy lane, for the throttle
 }
 
 // CopyChunk is the size in bytes of the pieces a state copy is cut into.
@@ -186,8 +191,10 @@ const CopyChunk = 64 << 20
 //     without one, its gradient D2H) waits until the update of subgroup c-2
 //     has read the slot (host); the gradient D2H after the upcast (host and
 //     stream); the update after the gradient D2H (host), after the copy H2D
-//     of subgroup c-2 left the copy slot (host), after the update before
-//     it (the workers run one at a time); the copy H2D after the update;
+//     of subgroup c-2 left the copy slot (host; when a kept speculative
+//     update skips that copy in the phase, the last copy from the slot
+//     before it: Engine.slotCopy), after the update before it (the workers
+//     run one at a time); the copy H2D after the update;
 //   - a host-held subgroup (not in p's orders) is updated by the CPU
 //     workers before the CPU lane's first, in subgroup order.
 //
@@ -239,6 +246,7 @@ func newCore(p *Plan, sh shape) *core {
 		}
 	}
 	var updates, copies []int32
+	c.copyPrev = make(map[int32]int32, len(p.CPUOrder))
 	for ci, i := range p.CPUOrder {
 		n := sh.sizes[i]
 		slot := int8(ci % 2)
@@ -257,6 +265,7 @@ func newCore(p *Plan, sh shape) *core {
 		prevCPU = c.add(step{op: opCPU, queue: qCPU, issuer: issWork, slot: slot, array: -1, sub: sub, amount: n},
 			dep{gd, waitHost}, dep{slotFree, waitHost}, dep{prevCPU, waitOrder})
 		cp := c.add(step{op: opCopyH2D, queue: sH2D, issuer: issWork, slot: slot, array: -1, sub: sub, amount: 2 * n}, dep{prevCPU, waitOrder})
+		c.copyPrev[cp] = slotFree
 		updates, copies = append(updates, prevCPU), append(copies, cp)
 	}
 	c.throttled = [numQueues][]int32{} // only for building

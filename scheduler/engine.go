@@ -97,19 +97,28 @@ var ErrEngineClosed = errors.New("scheduler: the engine is closed")
 // in device memory, the resident state, two device staging slots, two
 // host staging slots per lane, and the fp32 mirror (Options.Mirror). Its methods must not be called
 // concurrently.
+// hostChecker is a device that checks the host's own accesses to its
+// pinned memory against the device's operations (Sim.HostAccess).
+type hostChecker interface {
+	HostAccess(h Host, off, n int64, write bool) error
+}
+
 type Engine struct {
-	o     Options
-	dev   Device
-	pool  *adam.Pool
-	own   bool // the pool is ours
-	plan  *Plan
-	core  *core   // the plan's steps
-	sizes []int64 // Options.Sizes
-	off   []int64 // first element of each subgroup
-	total int64
-	maxN  int64
-	nArr  int // state arrays: 3, or 4 with amsgrad
-	gb    int64
+	o   Options
+	dev Device
+	// hostCheck is dev when it checks the host's own accesses to pinned
+	// memory (the simulated device's HostAccess), else nil.
+	hostCheck hostChecker
+	pool      *adam.Pool
+	own       bool // the pool is ours
+	plan      *Plan
+	core      *core   // the plan's steps
+	sizes     []int64 // Options.Sizes
+	off       []int64 // first element of each subgroup
+	total     int64
+	maxN      int64
+	nArr      int // state arrays: 3, or 4 with amsgrad
+	gb        int64
 
 	host       [4]Host       // p, m, v, vmax in pinned host memory
 	held       []bool        // Options.HostHeld, one per subgroup (all false without it)
@@ -239,6 +248,7 @@ func New(o Options) (*Engine, error) {
 		return nil, fmt.Errorf("scheduler: Options.Plan must place the %d subgroups", len(o.Sizes))
 	}
 	e := &Engine{o: o, dev: o.Device, pool: o.Pool, nArr: 3}
+	e.hostCheck, _ = o.Device.(hostChecker)
 	if o.AMSGrad {
 		e.nArr = 4
 	}

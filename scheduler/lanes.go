@@ -77,8 +77,10 @@ func (e *Engine) step(k int32) bool {
 			return false // its issuer stopped: the fault is recorded
 		}
 		// A CPU update is done once issued.
-		if d.how.host() && ds.queue != qCPU && e.fail(i, op, e.wait(e.endEv[d.step])) {
-			return false
+		if d.how.host() && ds.queue != qCPU {
+			if w := e.slotCopy(d.step); w >= 0 && e.fail(i, op, e.wait(e.endEv[w])) {
+				return false
+			}
 		}
 	}
 	if e.fail(i, op, e.exec(k, int(st.slot), true)) {
@@ -88,6 +90,29 @@ func (e *Engine) step(k int32) bool {
 		e.done[i] |= 1 << op
 	}
 	return true
+}
+
+// slotCopy returns the step whose end event a host wait for step k waits
+// on: k itself, but for a CPU subgroup's copy H2D that a kept speculative
+// update skips in this phase (its copy ran in the backward, from the
+// slots' 16-bit part: specCopy), the last copy before it from the same
+// copy staging slot that the phase enqueues (-1: none). A CPU update
+// writes its new working copy into that slot once the copy two before it
+// left it: with that copy skipped, its end event is the backward's, and
+// the copy before it, which the workers enqueued in this phase and the
+// H2D lane may not have run yet (it queues behind the state copies),
+// would read the slot as the update overwrites it, moving another
+// subgroup's weights into its working copy on the device. It allocates
+// nothing.
+func (e *Engine) slotCopy(k int32) int32 {
+	for k >= 0 {
+		st := &e.core.steps[k]
+		if st.op != opCopyH2D || e.pre[st.sub]&(1<<opCopyH2D) == 0 {
+			return k
+		}
+		k = e.core.copyPrev[k]
+	}
+	return -1
 }
 
 // exec enqueues step k with staging slot slot (runs it, for a CPU update):
@@ -246,6 +271,10 @@ func (e *Engine) cpu(i, slot int) {
 	} else {
 		h, off := e.gradHost(i, slot)
 		g = hostGrad(h, e.cpuGD, off/elemBytes(e.cpuGD), n)
+		if e.hostCheck != nil { // the simulated device's ordering check
+			e.hostCheck.HostAccess(h, off, elemBytes(e.cpuGD)*n, false)
+			e.hostCheck.HostAccess(e.cst, 2*int64(slot)*e.maxN, 2*n, true)
+		}
 		cs := e.cst.Bytes()
 		out = adam.Copy16{DType: e.o.WorkingDType, Data: unsafe.Slice((*uint16)(unsafe.Pointer(&cs[2*int64(slot)*e.maxN])), n)}
 	}

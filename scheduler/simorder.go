@@ -22,7 +22,9 @@ import (
 // happens-before relation of the race detector: a wait missing in the
 // engine fails the operation with ErrOrder (no effect, as any failed
 // call) whenever, in that run, nothing else ordered the two operations.
-// Host code's own reads and writes of pinned memory are not seen.
+// Host code's own reads and writes of pinned memory are seen where the
+// engine says them (HostAccess: a CPU update's reads and writes of the
+// lanes' host staging slots).
 
 // ErrOrder is the error of an operation the simulated device refused
 // because it would read data before the operation writing them is known
@@ -204,6 +206,43 @@ func (s *Sim) order(ss *simStream, kind uint8, us *uses) error {
 				g.wid, g.w, g.r = id, now, [maxSimStreams]access{}
 			} else {
 				g.r[id] = now
+			}
+		}
+	}
+	return nil
+}
+
+// HostAccess checks the host's own access to pinned bytes [off,
+// off+n) of h, about to happen: a read only once the device operation
+// that last wrote them is known complete to the host (a Sync saw it), a
+// write also once every device operation that read them since is. Out of
+// order, it records and returns ErrOrder (OrderErr), as a device
+// operation's check does; the access itself is the caller's. The engine
+// calls it through hostChecker before a CPU update reads its gradient
+// from a host staging slot and writes its new working copy into the copy
+// staging slot that the last copy H2D from that slot may still read.
+func (s *Sim) HostAccess(h Host, off, n int64, write bool) error {
+	hb := h.(*simHost)
+	if err := span("HostAccess", hb.b, off, n); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	known := func(wid int, a access) bool { return a.pos == 0 || s.host[wid] >= a.pos }
+	a, b := hb.sh.cover(off, off+n)
+	for j := a; j < b; j++ {
+		g := &hb.sh.segs[j]
+		if !known(int(g.wid), g.w) {
+			return s.disorder(fmt.Errorf("%w: the host %s bytes [%d,%d) of a %d-byte pinned host buffer before the %s on stream %d that writes them is known complete (a missing wait?)",
+				ErrOrder, map[bool]string{false: "reads", true: "overwrites"}[write], g.lo, g.hi, len(hb.b), simKinds[g.w.kind], g.wid))
+		}
+		if !write {
+			continue
+		}
+		for rid := range s.maxID {
+			if r := g.r[rid]; !known(rid, r) {
+				return s.disorder(fmt.Errorf("%w: the host overwrites bytes [%d,%d) of a %d-byte pinned host buffer before the %s on stream %d that reads them is known complete (a missing wait?)",
+					ErrOrder, g.lo, g.hi, len(hb.b), simKinds[r.kind], rid))
 			}
 		}
 	}
