@@ -160,11 +160,11 @@ type core struct {
 	lanes    [numIssuers][]int32 // each issuer's steps, in order
 	opSteps  [][numOps][2]int32  // per subgroup and operation: first and last step, -1 for none
 	numHeads int                 // operations (steps with first set)
-	// copyPrev is, per CPU subgroup's copy H2D step (indexed by step), the
+	// copyPrev is, per step, for a CPU subgroup's copy H2D the
 	// copy H2D before it from the same copy staging slot (-1: none):
 	// what the slot waits for when a kept speculative update skips that
 	// copy in the phase (Engine.slotCopy).
-	copyPrev  map[int32]int32
+	copyPrev  []int32
 	throttled [numQueues][]int32 // state pieces per copy lane, for the throttle
 }
 
@@ -246,7 +246,6 @@ func newCore(p *Plan, sh shape) *core {
 		}
 	}
 	var updates, copies []int32
-	c.copyPrev = make(map[int32]int32, len(p.CPUOrder))
 	for ci, i := range p.CPUOrder {
 		n := sh.sizes[i]
 		slot := int8(ci % 2)
@@ -265,8 +264,14 @@ func newCore(p *Plan, sh shape) *core {
 		prevCPU = c.add(step{op: opCPU, queue: qCPU, issuer: issWork, slot: slot, array: -1, sub: sub, amount: n},
 			dep{gd, waitHost}, dep{slotFree, waitHost}, dep{prevCPU, waitOrder})
 		cp := c.add(step{op: opCopyH2D, queue: sH2D, issuer: issWork, slot: slot, array: -1, sub: sub, amount: 2 * n}, dep{prevCPU, waitOrder})
-		c.copyPrev[cp] = slotFree
 		updates, copies = append(updates, prevCPU), append(copies, cp)
+	}
+	c.copyPrev = make([]int32, len(c.steps))
+	for k := range c.copyPrev {
+		c.copyPrev[k] = -1
+	}
+	for ci := 2; ci < len(copies); ci++ {
+		c.copyPrev[copies[ci]] = copies[ci-2]
 	}
 	c.throttled = [numQueues][]int32{} // only for building
 	return c

@@ -86,6 +86,12 @@ const maxElems = 1 << 40
 // ErrEngineClosed is Update's error after Close.
 var ErrEngineClosed = errors.New("scheduler: the engine is closed")
 
+// hostChecker is a device that checks the host's own accesses to its
+// pinned memory against the device's operations (Sim.HostAccess).
+type hostChecker interface {
+	HostAccess(h Host, off, n int64, write bool) error
+}
+
 // Engine runs the update phase of one rank over Options.Plan: the CPU
 // workers on the CPU subgroups while the device streams the GPU subgroups'
 // state through staging slots and updates the resident ones (Deep
@@ -97,12 +103,6 @@ var ErrEngineClosed = errors.New("scheduler: the engine is closed")
 // in device memory, the resident state, two device staging slots, two
 // host staging slots per lane, and the fp32 mirror (Options.Mirror). Its methods must not be called
 // concurrently.
-// hostChecker is a device that checks the host's own accesses to its
-// pinned memory against the device's operations (Sim.HostAccess).
-type hostChecker interface {
-	HostAccess(h Host, off, n int64, write bool) error
-}
-
 type Engine struct {
 	o   Options
 	dev Device

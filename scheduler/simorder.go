@@ -223,11 +223,11 @@ func (s *Sim) order(ss *simStream, kind uint8, us *uses) error {
 // staging slot that the last copy H2D from that slot may still read.
 func (s *Sim) HostAccess(h Host, off, n int64, write bool) error {
 	hb := h.(*simHost)
-	if err := span("HostAccess", hb.b, off, n); err != nil {
-		return err
-	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if err := span("HostAccess", hb.b, off, n); err != nil {
+		return s.disorder(err) // a range the engine got wrong: as loud as a disorder
+	}
 	known := func(wid int, a access) bool { return a.pos == 0 || s.host[wid] >= a.pos }
 	a, b := hb.sh.cover(off, off+n)
 	for j := a; j < b; j++ {
