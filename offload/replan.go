@@ -163,7 +163,7 @@ func (o *Optimizer) moveTo(s perfmodel.Schedule) (bool, error) {
 // it). Call it after a Step or WaitStep and before the next backward (it
 // waits for a phase StepAsync began; between GradsFinal and Step it would
 // throw that step's speculation away). It returns whether the schedule
-// changed. With speculation it also sets, from it's forward, what the
+// changed. With speculation it also sets, from its forward, what the
 // speculation leaves to the phase (SpeculateLeave), whether or not the
 // schedule changed.
 //

@@ -171,28 +171,10 @@ func hostUse(h *simHost, lo, n int64, read, write bool) use {
 func (s *Sim) order(ss *simStream, kind uint8, us *uses) error {
 	id := ss.id
 	pos := s.pos[id] + 1
-	known := func(wid uint8, a access) bool { return a.pos == 0 || wid == id || ss.vc[wid] >= a.pos }
+	known := func(wid int, a access) bool { return a.pos == 0 || wid == int(id) || ss.vc[wid] >= a.pos }
 	for _, u := range us.u[:us.n] {
-		a, b := u.sh.cover(u.lo, u.hi)
-		for j := a; j < b; j++ {
-			g := &u.sh.segs[j]
-			if !known(g.wid, g.w) {
-				verb := "reads"
-				if !u.read {
-					verb = "overwrites"
-				}
-				return s.disorder(fmt.Errorf("%w: %s on stream %d %s bytes [%d,%d) of a %d-byte %s buffer before the %s on stream %d that writes them is known complete (a missing wait?)",
-					ErrOrder, simKinds[kind], id, verb, g.lo, g.hi, u.size, u.buf, simKinds[g.w.kind], g.wid))
-			}
-			if !u.write {
-				continue
-			}
-			for rid := range s.maxID {
-				if r := g.r[rid]; !known(uint8(rid), r) {
-					return s.disorder(fmt.Errorf("%w: %s on stream %d overwrites bytes [%d,%d) of a %d-byte %s buffer before the %s on stream %d that reads them is known complete (a missing wait?)",
-						ErrOrder, simKinds[kind], id, g.lo, g.hi, u.size, u.buf, simKinds[r.kind], rid))
-				}
-			}
+		if err := s.check(u, kind, int(id), known); err != nil {
+			return err
 		}
 	}
 	s.pos[id] = pos
@@ -229,20 +211,39 @@ func (s *Sim) HostAccess(h Host, off, n int64, write bool) error {
 		return s.disorder(err) // a range the engine got wrong: as loud as a disorder
 	}
 	known := func(wid int, a access) bool { return a.pos == 0 || s.host[wid] >= a.pos }
-	a, b := hb.sh.cover(off, off+n)
-	for j := a; j < b; j++ {
-		g := &hb.sh.segs[j]
-		if !known(int(g.wid), g.w) {
-			return s.disorder(fmt.Errorf("%w: the host %s bytes [%d,%d) of a %d-byte pinned host buffer before the %s on stream %d that writes them is known complete (a missing wait?)",
-				ErrOrder, map[bool]string{false: "reads", true: "overwrites"}[write], g.lo, g.hi, len(hb.b), simKinds[g.w.kind], g.wid))
+	return s.check(hostUse(hb, off, n, !write, write), 0, -1, known)
+}
+
+// check checks use u of an operation of kind on stream id (-1: the
+// host's own access) against what it knows complete (known: whether the
+// access a of stream wid is): the last writer of every byte it reads or
+// writes, and for a write every reader since. Out of order, it records
+// and returns ErrOrder. s.mu is held; it allocates nothing when in order.
+func (s *Sim) check(u use, kind uint8, id int, known func(wid int, a access) bool) error {
+	who := func() string {
+		if id < 0 {
+			return "the host"
 		}
-		if !write {
+		return fmt.Sprintf("%s on stream %d", simKinds[kind], id)
+	}
+	a, b := u.sh.cover(u.lo, u.hi)
+	for j := a; j < b; j++ {
+		g := &u.sh.segs[j]
+		if !known(int(g.wid), g.w) {
+			verb := "reads"
+			if !u.read {
+				verb = "overwrites"
+			}
+			return s.disorder(fmt.Errorf("%w: %s %s bytes [%d,%d) of a %d-byte %s buffer before the %s on stream %d that writes them is known complete (a missing wait?)",
+				ErrOrder, who(), verb, g.lo, g.hi, u.size, u.buf, simKinds[g.w.kind], g.wid))
+		}
+		if !u.write {
 			continue
 		}
 		for rid := range s.maxID {
 			if r := g.r[rid]; !known(rid, r) {
-				return s.disorder(fmt.Errorf("%w: the host overwrites bytes [%d,%d) of a %d-byte pinned host buffer before the %s on stream %d that reads them is known complete (a missing wait?)",
-					ErrOrder, g.lo, g.hi, len(hb.b), simKinds[r.kind], rid))
+				return s.disorder(fmt.Errorf("%w: %s overwrites bytes [%d,%d) of a %d-byte %s buffer before the %s on stream %d that reads them is known complete (a missing wait?)",
+					ErrOrder, who(), g.lo, g.hi, u.size, u.buf, simKinds[r.kind], rid))
 			}
 		}
 	}
