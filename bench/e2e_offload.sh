@@ -17,6 +17,8 @@
 #               the phase, beside the next forward): what leaving some gains
 #   dos-fixed-spec-G, dos-fixed-spec-G-leave  the same without --replan, under --schedule SCHEDULE (CPU,GPU,RESIDENT
 #               counts): the leave compared on one plan (a --replan run's plan varies with its first steps' rates)
+#   dos-fixed-spec-G-gpu, dos-first-spec-G-gpu  dos-fixed-spec-G and dos-first-spec-G with --speculate-gpu (the
+#               streamed subgroups speculated on too, on the GPU during the backward)
 #   dos-nofwd   dos-model with --no-overlap-forward (each forward after the update phase): what running the next
 #               forward over the update's tail gains
 #   dos-cpu     the same with --schedule cpu (every subgroup on the CPU: ZeRO-Offload's placement)
@@ -93,6 +95,8 @@ for run in $runs; do
 		dos-stream-*) flags+=(--replan --stream-blocks "${strat#dos-stream-}") ;;
 		dos-spec-*) flags+=(--replan --speculate "${strat#dos-spec-}") ;;
 		dos-first) flags+=(--replan --resident-first) ;;
+		dos-fixed-spec-*-gpu) g=${strat#dos-fixed-spec-} && flags+=(--resident-first --speculate "${g%-gpu}" --speculate-gpu --schedule "${SCHEDULE:?dos-fixed-*: SCHEDULE=CPU,GPU,RESIDENT}") ;;
+		dos-first-spec-*-gpu) g=${strat#dos-first-spec-} && flags+=(--replan --resident-first --speculate "${g%-gpu}" --speculate-gpu) ;;
 		dos-fixed-spec-*-leave) g=${strat#dos-fixed-spec-} && flags+=(--resident-first --speculate "${g%-leave}" --speculate-leave --schedule "${SCHEDULE:?dos-fixed-*: SCHEDULE=CPU,GPU,RESIDENT}") ;;
 		dos-fixed-spec-*) flags+=(--resident-first --speculate "${strat#dos-fixed-spec-}" --schedule "${SCHEDULE:?dos-fixed-*: SCHEDULE=CPU,GPU,RESIDENT}") ;;
 		dos-first-spec-*-leave) g=${strat#dos-first-spec-} && flags+=(--replan --resident-first --speculate "${g%-leave}" --speculate-leave) ;;

@@ -18,6 +18,9 @@
 #   PART=leave ...                              # TestGPUPlanIterationBitwise, then the leave on one plan: 4.24B under 24 GiB, 18 blocks
 #                                               # streamed, --subgroup-size 25000000 (forced counts take the size as given), --schedule
 #                                               # SCHEDULE (default 46,59,19: an H100's --replan plan of 2026-12-07), with and without it
+#   PART=specgpu ...                            # TestGPUSpeculateGPUBitwise, then --speculate-gpu on one plan: 4.24B under 24 GiB, 18 blocks
+#                                               # streamed, --subgroup-size 25000000, --schedule SCHEDULE (default 46,59,19), --speculate SPEC
+#                                               # (default 24), with and without it
 #   PART=b24sweep ...                           # 4.24B under 24 GiB with --speculate 24 and --stream-blocks 15, 17, 19, 21 (dos plan's model
 #                                               # predicts more blocks faster; StreamSweep's auto weighs the update phase alone)
 #
@@ -40,7 +43,7 @@ e2e() { # SUBDIR RUNS STRATS MODES
 	OUT="$out/$1" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-6} RUNS="$2" STRATS="$3" MODES="$4" RUN_TIMEOUT=${RUN_TIMEOUT:-300} \
 		DOS_FLAGS="--profile $out/P.json --clip ${CLIP:-0} --resident-first=false --speculate 0 ${EXTRA_FLAGS:-}" bash bench/e2e_offload.sh 2>&1 | tail -n 12
 }
-case ${PART:?PART: tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify, leave or b24sweep} in
+case ${PART:?PART: tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify, leave, specgpu or b24sweep} in
 tests)
 	(cd trainer && ../bin/test/trainer.test -test.run TestGPU -test.v) >"$out/trainer-gpu.log" 2>&1
 	echo "trainer.test TestGPU: $(grep -c '^--- PASS' "$out/trainer-gpu.log") pass, $(grep -c '^--- FAIL' "$out/trainer-gpu.log") fail, $(grep -c '^--- SKIP' "$out/trainer-gpu.log") skip"
@@ -69,6 +72,16 @@ verify)
 	done
 	grep -h "iteration:\|leaves" "$out"/verify-*/*.log
 	;;
+specgpu)
+	(cd trainer && ../bin/test/trainer.test -test.run TestGPUSpeculateGPUBitwise -test.v) >"$out/trainer-specgpu.log" 2>&1
+	echo "trainer.test TestGPUSpeculateGPUBitwise: rc=$? $(grep -c -- '--- PASS' "$out/trainer-specgpu.log") pass, $(grep -c -- '--- FAIL' "$out/trainer-specgpu.log") fail"
+	profile
+	OUT="$out/specgpu" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-8} RUNS="36:3072:24,24,8" STRATS="dos-fixed-spec-${SPEC:-24} dos-fixed-spec-${SPEC:-24}-gpu" \
+		SCHEDULE=${SCHEDULE:-46,59,19} MODES="" RUN_TIMEOUT=${RUN_TIMEOUT:-150} \
+		DOS_FLAGS="--profile $out/P.json --clip 0 --resident-first=false --speculate 0 --stream-blocks 18 --subgroup-size 25000000 ${EXTRA_FLAGS:-}" \
+		bash bench/e2e_offload.sh 2>&1 | tail -n 3
+	grep -h "iteration:\|speculat" "$out"/specgpu/*.log | head -20
+	;;
 b24sweep)
 	for n in 15 17 19 21; do
 		profile
@@ -91,7 +104,7 @@ soak)
 		--recompute --replan --speculate 12 --clip 0 --steps 300 --sample 0 --eval-every 0 2>&1 | tail -n 8
 	;;
 *)
-	echo "issue31.sh: PART $PART: want tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify, leave or b24sweep" >&2
+	echo "issue31.sh: PART $PART: want tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify, leave, specgpu or b24sweep" >&2
 	exit 2
 	;;
 esac

@@ -153,9 +153,11 @@ type StepResult struct {
 	// faulted.
 	Predicted, Measured time.Duration
 	Replanned           bool
-	// Speculated is how many parameters (Options.Speculate) were updated
-	// during the backward and kept, their scalars being the step's.
-	Speculated int64
+	// Speculated is how many parameters (Options.Speculate) the CPU
+	// workers updated during the backward and kept, their scalars being
+	// the step's; SpeculatedGPU how many of the streamed subgroups the GPU
+	// updated so (Options.SpeculateGPU).
+	Speculated, SpeculatedGPU int64
 }
 
 // String describes the step for a log line: "step 12 grad_norm 1.234
@@ -803,7 +805,7 @@ func (o *Optimizer) buildEngine() (*scheduler.Engine, *perfmodel.Prediction, err
 	}
 	eng, err := scheduler.New(scheduler.Options{Device: opts.Device, Sizes: sizes, GradDType: opts.GradDType, WorkingDType: opts.WorkingDType,
 		AMSGrad: opts.Hyper.AMSGrad, Pool: o.pool, Plan: plan, Mirror: o.mirror, Prefetch: opts.OverlapBackward, HostHeld: o.held(),
-		Speculate: opts.Speculate})
+		Speculate: opts.Speculate, SpeculateGPU: opts.SpeculateGPU})
 	if err != nil {
 		return nil, nil, fmt.Errorf("offload: %w", err)
 	}
@@ -1802,6 +1804,7 @@ func (o *Optimizer) beginDevice(start time.Time, unscale float32, res StepResult
 	if res.Speculated, err = o.eng.EndSpeculation(o.sgcoeffs); err != nil {
 		return res, false, o.engineErr(err)
 	}
+	res.SpeculatedGPU = o.eng.SpeculatedGPU()
 	if err = o.eng.StartUpdatePer(o.sgcoeffs); err != nil {
 		if o.eng.Broken() {
 			o.dev = devBroken

@@ -192,6 +192,15 @@ type Options struct {
 	// seventh). The trajectory is the same, bit for bit. Not saved in
 	// checkpoints.
 	SpeculateLeave bool `json:"-"`
+	// SpeculateGPU, with Speculate, speculates on the streamed GPU
+	// subgroups too, during the backward, on the copy engines the
+	// backward leaves idle (scheduler.Options.SpeculateGPU): their state
+	// H2D, the fused kernel with the same speculative scalars, the new
+	// state D2H into a slot of Speculate's memory, which is then pinned
+	// whole (14 bytes a parameter, not 6). Kept or undone as the CPU's
+	// (StepResult.SpeculatedGPU), the same bits. Off by default: its gain
+	// is not yet measured. Not saved in checkpoints.
+	SpeculateGPU bool `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,
 	// ceil(parameters / SubgroupSize) without Groups, the sum of each

@@ -96,7 +96,7 @@ func (o *Optimizer) refit(res *StepResult, held, shared bool) error {
 	if held {
 		return nil // a capture's waits: not the phase the model predicts
 	}
-	if res.Speculated > 0 {
+	if res.Speculated > 0 || res.SpeculatedGPU > 0 {
 		// Updates done before the phase (Options.Speculate), which the
 		// plan counts in it: not the phase the model predicts, but its
 		// CPU lane ran the rest of the CPU's work (observeCPU).

@@ -160,11 +160,13 @@ type core struct {
 	lanes    [numIssuers][]int32 // each issuer's steps, in order
 	opSteps  [][numOps][2]int32  // per subgroup and operation: first and last step, -1 for none
 	numHeads int                 // operations (steps with first set)
-	// copyPrev is, per step, for a CPU subgroup's copy H2D the
-	// copy H2D before it from the same copy staging slot (-1: none):
-	// what the slot waits for when a kept speculative update skips that
-	// copy in the phase (Engine.slotCopy).
-	copyPrev  []int32
+	// slotPrev is, per step, for a CPU subgroup's copy H2D the copy H2D
+	// before it from the same copy staging slot, and for the last piece
+	// of a streamed subgroup's state D2H the last piece of the state D2H
+	// before it from the same device staging slot (-1: none, and for
+	// every other step): what the slot waits for when a kept speculative
+	// update skips that copy in the phase (Engine.slotStep).
+	slotPrev  []int32
 	throttled [numQueues][]int32 // state pieces per copy lane, for the throttle
 }
 
@@ -182,7 +184,9 @@ const CopyChunk = 64 << 20
 // The rules, each a dependency (waitMode says how the engine keeps it):
 //   - a streamed subgroup's state moves H2D into staging slot j%2 (j: its
 //     rank among the streamed ones) after the slot's previous state moved
-//     D2H (host and stream); its kernel after the state H2D (stream); its
+//     D2H (host and stream; when a kept speculative update on the GPU
+//     skips that copy in the phase, the last one from the slot before it:
+//     Engine.slotStep); its kernel after the state H2D (stream); its
 //     state D2H after the kernel (host and stream); kernels run in the GPU
 //     lane's order (one stream);
 //   - state copies move in pieces of chunk bytes, each after the piece two
@@ -193,7 +197,7 @@ const CopyChunk = 64 << 20
 //     stream); the update after the gradient D2H (host), after the copy H2D
 //     of subgroup c-2 left the copy slot (host; when a kept speculative
 //     update skips that copy in the phase, the last copy from the slot
-//     before it: Engine.slotCopy), after the update before it (the workers
+//     before it: Engine.slotStep), after the update before it (the workers
 //     run one at a time); the copy H2D after the update;
 //   - a host-held subgroup (not in p's orders) is updated by the CPU
 //     workers before the CPU lane's first, in subgroup order.
@@ -222,6 +226,7 @@ func newCore(p *Plan, sh shape) *core {
 	lastOnSlot := [2]int32{-1, -1}
 	prevKernel := int32(-1)
 	streamed := 0
+	var drains [][2]int32 // each streamed subgroup's last state D2H piece, and the one before it on its slot
 	for _, i := range p.GPUOrder {
 		n := sh.sizes[i]
 		if p.Roles[i] == Resident {
@@ -234,7 +239,9 @@ func newCore(p *Plan, sh shape) *core {
 		h2d := c.stateCopy(opH2D, sH2D, issGPU, i, slot, dep{lastOnSlot[slot], waitBoth})
 		prevKernel = c.add(step{op: opKernel, queue: sKernel, issuer: issGPU, slot: slot, array: -1, sub: int32(i), amount: n},
 			dep{h2d, waitStream}, dep{prevKernel, waitOrder})
-		lastOnSlot[slot] = c.stateCopy(opD2H, sD2H, issDrain, i, slot, dep{prevKernel, waitBoth})
+		d2h := c.stateCopy(opD2H, sD2H, issDrain, i, slot, dep{prevKernel, waitBoth})
+		drains = append(drains, [2]int32{d2h, lastOnSlot[slot]})
+		lastOnSlot[slot] = d2h
 	}
 	// The CPU lane: the host-held subgroups first, in order (their
 	// gradients and working copy are on the host: nothing to wait for).
@@ -266,12 +273,15 @@ func newCore(p *Plan, sh shape) *core {
 		cp := c.add(step{op: opCopyH2D, queue: sH2D, issuer: issWork, slot: slot, array: -1, sub: sub, amount: 2 * n}, dep{prevCPU, waitOrder})
 		updates, copies = append(updates, prevCPU), append(copies, cp)
 	}
-	c.copyPrev = make([]int32, len(c.steps))
-	for k := range c.copyPrev {
-		c.copyPrev[k] = -1
+	c.slotPrev = make([]int32, len(c.steps))
+	for k := range c.slotPrev {
+		c.slotPrev[k] = -1
 	}
 	for ci := 2; ci < len(copies); ci++ {
-		c.copyPrev[copies[ci]] = copies[ci-2]
+		c.slotPrev[copies[ci]] = copies[ci-2]
+	}
+	for _, d := range drains {
+		c.slotPrev[d[0]] = d[1]
 	}
 	c.throttled = [numQueues][]int32{} // only for building
 	return c

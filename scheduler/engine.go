@@ -65,6 +65,17 @@ type Options struct {
 	// Ignored when nothing qualifies at New: no host-held subgroups, and
 	// no Prefetch (or a plan that upcasts CPU gradients on the GPU).
 	Speculate int64
+	// SpeculateGPU speculates on the streamed GPU subgroups too (OnGPU,
+	// not host-held), during the backward on the copy engines the
+	// backward leaves idle: their state H2D into the device staging, the
+	// kernel with the speculative scalars (its new working copy in place,
+	// which an undo copies back), the new state D2H into a slot, on
+	// streams of their own (speculate_gpu.go). Every slot array is then
+	// pinned (SpeculateBytes' 14 bytes a parameter, not 6), and Prefetch
+	// leaves the staging to the speculation (it moves no state). Ignored
+	// without Speculate; the device staging is the phase's, so it takes
+	// no device memory of its own.
+	SpeculateGPU bool
 
 	// copyChunk, when > 0, replaces CopyChunk (tests cut small states
 	// into pieces with it).
@@ -169,8 +180,8 @@ type Engine struct {
 	gpOff   []int64 // per CPU subgroup: its gradient's byte offset in gpre
 
 	// Speculate's (speculate.go), for the next Update.
-	slots                  adam.State     // the slots: specN elements per array, a subgroup's state where a kept speculative update moved it (Param pinned: slotsH)
-	slotsH                 Host           // slots.Param's pinned memory (the mirror's H2D reads it)
+	slots                  adam.State     // the slots: specN elements per array, a subgroup's state where a kept speculative update moved it (Param pinned: slotsH[0])
+	slotsH                 [4]Host        // the slots' pinned memory per array: Param's always (the mirror's H2D reads it), all with Options.SpeculateGPU (nil otherwise)
 	specOut                []uint16       // per slot element: a speculated CPU subgroup's new working copy, for its H2D
 	specOutH               Host           // specOut's pinned memory
 	specN                  int64          // elements the slots hold (0: no speculation)
@@ -195,8 +206,18 @@ type Engine struct {
 	specIdle               bool           // the worker has had no request since it last stopped (true before any)
 	specOn                 bool           // a Speculate since the last Update or drop (specC set)
 	specStop               atomic.Bool    // the worker takes no more subgroups
-	specReq                chan specReq   // to the worker
-	specAck                chan struct{}  // from the worker, for a stop request
+	specReq                chan specReq   // to the CPU workers' speculation
+	specAck                chan struct{}  // from either worker, for a stop request
+	specMu                 sync.Mutex     // the slots' allocation and specTo's reservations (reserve), shared by the two workers
+
+	// The GPU speculation's (speculate_gpu.go, Options.SpeculateGPU).
+	specReqG      chan specReq // to its worker (nil without it)
+	specS         [2]Stream    // its H2D and D2H streams
+	specTail      [3]Event     // drainGPUSpec's, on specS and the kernel stream
+	specStage     [2]int32     // per device staging slot: the last state D2H step it enqueued from it, -1 none
+	specNextStage int          // the staging slot its next subgroup takes
+	specBad       []bool       // per subgroup: its speculative update failed on the device (never kept)
+	keptGPU       int64        // parameters the last EndSpeculation kept of its updates
 
 	// Per Update.
 	c           *adam.Coeffs  // the phase's scalars (Update), or

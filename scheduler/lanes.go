@@ -78,7 +78,7 @@ func (e *Engine) step(k int32) bool {
 		}
 		// A CPU update is done once issued.
 		if d.how.host() && ds.queue != qCPU {
-			if w := e.slotCopy(d.step); w >= 0 && e.fail(i, op, e.wait(e.endEv[w])) {
+			if w := e.slotStep(d.step); w >= 0 && e.fail(i, op, e.wait(e.endEv[w])) {
 				return false
 			}
 		}
@@ -92,25 +92,31 @@ func (e *Engine) step(k int32) bool {
 	return true
 }
 
-// slotCopy returns the step whose end event a host wait for step k waits
-// on: k itself, but for a CPU subgroup's copy H2D that a kept speculative
-// update skips in this phase (its copy ran in the backward, from the
-// slots' 16-bit part: specCopy), the last copy before it from the same
-// copy staging slot that the phase enqueues (-1: none). A CPU update
-// writes its new working copy into that slot once the copy two before it
-// left it: with that copy skipped, its end event is the backward's, and
-// the copy before it, which the workers enqueued in this phase and the
-// H2D lane may not have run yet (it queues behind the state copies),
-// would read the slot as the update overwrites it, moving another
-// subgroup's weights into its working copy on the device. It allocates
-// nothing.
-func (e *Engine) slotCopy(k int32) int32 {
+// slotStep returns the step whose end event a wait for step k waits on:
+// k itself, but for a copy that a kept speculative update skips in this
+// phase, the last copy before it from the same staging slot that the
+// phase enqueues (-1: none). Two copies are skipped so:
+//
+//   - a CPU subgroup's copy H2D, which ran in the backward from the
+//     slots' 16-bit part (specCopy): a CPU update writes its new working
+//     copy into the copy staging slot once the copy two before it left
+//     it;
+//   - a streamed subgroup's state D2H, which ran in the backward
+//     (specGPU): a streamed subgroup's state moves H2D into the device
+//     staging slot once the state D2H two before it left it.
+//
+// With that copy skipped, its end event is the backward's, and the copy
+// before it from the same slot, which this phase enqueued and its lane may
+// not have run yet, would read the slot as it is overwritten (another
+// subgroup's weights moved into a working copy on the device, or another
+// subgroup's state into the host state). It allocates nothing.
+func (e *Engine) slotStep(k int32) int32 {
 	for k >= 0 {
 		st := &e.core.steps[k]
-		if st.op != opCopyH2D || e.pre[st.sub]&(1<<opCopyH2D) == 0 {
+		if (st.op != opCopyH2D && st.op != opD2H) || e.pre[st.sub]&(1<<st.op) == 0 {
 			return k
 		}
-		k = e.core.copyPrev[k]
+		k = e.core.slotPrev[k]
 	}
 	return -1
 }
@@ -130,21 +136,11 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 		}
 		return e.statePiece(k, st, slot, waits)
 	case opKernel:
-		s := e.s[sKernel]
-		x := e.resState(i)
-		if e.plan.Roles[i] == OnGPU {
-			x = e.slotState(slot, i)
+		merr, err := e.kernel(k, slot, e.coeffs(i), waits)
+		if err == nil {
+			e.fail(i, int(st.op), merr)
 		}
-		if waits {
-			if err := e.streamWaits(s, st); err != nil {
-				return err
-			}
-		}
-		if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, e.coeffs(i), x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.doff[i], N: n})); err != nil {
-			return err
-		}
-		e.fail(i, int(st.op), e.copyMirror(i, s, x.Param))
-		return e.dev.Record(e.endEv[k], s)
+		return err
 	case opUpcast:
 		s := e.s[sUpcast]
 		return firstErr(e.dev.Record(e.startEv[k], s), e.dev.Widen16(s, e.o.GradDType, Vec{Mem: e.scr, Off: int64(slot) * e.maxN, N: n}, grad), e.dev.Record(e.endEv[k], s))
@@ -189,6 +185,36 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 	panic("scheduler: unknown operation")
 }
 
+// kernel enqueues kernel step k with scalars c on the kernel stream: its
+// subgroup's fused AdamW on the state in staging slot slot (a streamed
+// subgroup) or the resident state, reading its device gradient and
+// writing its working copy in place, after the step's stream waits when
+// waits is set, between its start and end events, with its part of the
+// mirror after the kernel. mirror is the mirror copy's error: the update
+// was enqueued all the same (the lanes record it as the phase's fault,
+// fail; the GPU speculation undoes the update).
+func (e *Engine) kernel(k int32, slot int, c *adam.Coeffs, waits bool) (mirror, err error) {
+	st := &e.core.steps[k]
+	i := int(st.sub)
+	n := e.sizes[i]
+	s := e.s[sKernel]
+	x := e.resState(i)
+	if e.plan.Roles[i] == OnGPU {
+		x = e.slotState(slot, i)
+	}
+	if waits {
+		if err := e.streamWaits(s, st); err != nil {
+			return nil, err
+		}
+	}
+	grad := Vec{Mem: e.grad, Off: e.doff[i], N: n}
+	if err := firstErr(e.dev.Record(e.startEv[k], s), e.dev.AdamW(s, c, x, e.o.GradDType, grad, e.o.WorkingDType, Vec{Mem: e.work, Off: e.doff[i], N: n})); err != nil {
+		return nil, err
+	}
+	mirror = e.copyMirror(i, s, x.Param)
+	return mirror, e.dev.Record(e.endEv[k], s)
+}
+
 // copyMirror enqueues on s the copies of subgroup i's updated master
 // weights into the mirror (Options.Mirror): device to device from master
 // (its N elements, on the device), or H2D from the host when master.Mem is
@@ -218,8 +244,10 @@ func (e *Engine) copyMirror(i int, s Stream, master Vec) error {
 func (e *Engine) streamWaits(s Stream, st *step) error {
 	for _, d := range st.waits() {
 		if d.how.stream() {
-			if err := e.dev.Wait(s, e.endEv[d.step]); err != nil {
-				return err
+			if w := e.slotStep(d.step); w >= 0 {
+				if err := e.dev.Wait(s, e.endEv[w]); err != nil {
+					return err
+				}
 			}
 		}
 	}
@@ -233,10 +261,6 @@ func (e *Engine) streamWaits(s Stream, st *step) error {
 func (e *Engine) statePiece(k int32, st *step, slot int, waits bool) error {
 	l := int(st.queue)
 	s := e.s[l]
-	a := int(st.array)
-	h, off, _ := e.hostVec(a, int(st.sub))
-	off += st.off
-	dev := 4*int64(slot)*e.maxN + st.off
 	e.laneMu[l].Lock()
 	defer e.laneMu[l].Unlock()
 	if waits {
@@ -244,13 +268,31 @@ func (e *Engine) statePiece(k int32, st *step, slot int, waits bool) error {
 			return err
 		}
 	}
+	return e.pieceOn(s, k, st, slot)
+}
+
+// pieceOn enqueues state copy step k on s with staging slot slot, after
+// the operation's start event when first, then its end event. The host
+// side is where the subgroup's state is (Engine.loc) for an H2D, and
+// where its update writes it (Engine.where) for a D2H: the same place in
+// the phase, which updates a streamed subgroup in place; a speculative
+// update's new place in the GPU speculation (specGPU).
+func (e *Engine) pieceOn(s Stream, k int32, st *step, slot int) error {
+	a, i := int(st.array), int(st.sub)
+	at := e.where(i)
+	if st.op == opH2D && e.loc != nil {
+		at = e.loc[i]
+	}
+	h, off := e.arrayHost(a, i, at)
+	off += st.off
+	dev := 4*int64(slot)*e.maxN + st.off
 	if st.first {
 		if err := e.dev.Record(e.startEv[k], s); err != nil {
 			return err
 		}
 	}
 	var err error
-	if l == sH2D {
+	if st.op == opH2D {
 		err = e.dev.H2D(s, e.stage[a], dev, h, off, st.amount)
 	} else {
 		err = e.dev.D2H(s, h, off, e.stage[a], dev, st.amount)

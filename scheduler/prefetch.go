@@ -75,7 +75,9 @@ func (e *Engine) prefetch(s Stream, ready int64) error {
 		}
 		e.preOn = true
 	}
-	if first && e.plan.Schedule.GPU > 0 {
+	// With the GPU speculation the staging is its own until the phase
+	// (specGPU): no state moves early.
+	if first && e.plan.Schedule.GPU > 0 && !e.specGPUOn() {
 		streamed := 0
 		for _, i := range e.plan.GPUOrder {
 			if e.plan.Roles[i] != OnGPU {

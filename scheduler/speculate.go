@@ -85,8 +85,8 @@ func (e *Engine) allocSpec() error {
 	if e.o.Speculate < 0 {
 		return fmt.Errorf("scheduler: Options.Speculate %d: want bytes >= 0", e.o.Speculate)
 	}
-	if e.o.Speculate == 0 || (e.heldN == 0 && e.gpre == nil) {
-		return nil // nothing would qualify: no held subgroup, no CPU gradient moved by Prefetch
+	if e.o.Speculate == 0 || (e.heldN == 0 && e.gpre == nil && !e.o.SpeculateGPU) {
+		return nil // nothing would qualify: no held subgroup, no CPU gradient moved by Prefetch, no GPU speculation
 	}
 	n := min(e.o.Speculate/SpeculateBytes(1, e.nArr == 4), e.total+slotAlign*int64(len(e.sizes)))
 	if n < slotAlign {
@@ -106,25 +106,31 @@ func (e *Engine) allocSpec() error {
 	}
 	e.specC, e.specT = make([]adam.Coeffs, n0), make([][2]time.Time, n0)
 	e.specUndo, e.specUndoLast = make([]specUndo, 0, n0), make([]specUndo, 0, n0)
-	e.specCan, e.specCopied, e.specDirty, e.specLeave, e.leftLast = make([]bool, n0), make([]bool, n0), make([]bool, n0), make([]bool, n0), make([]bool, n0)
+	e.specCan, e.specCopied, e.specDirty, e.specLeave, e.leftLast, e.specBad = make([]bool, n0), make([]bool, n0), make([]bool, n0), make([]bool, n0), make([]bool, n0), make([]bool, n0)
 	e.loc, e.specTo = make([]int64, n0), make([]int64, n0)
 	for i := range e.loc {
 		e.loc[i], e.specTo[i] = homeLoc, noSpec
 	}
 	// The slots' master weights and 16-bit part in pinned memory: the
 	// mirror's H2D reads the one, a CPU subgroup's new working copy moves
-	// H2D from the other.
-	h, err := e.dev.AllocHost(4 * n)
+	// H2D from the other; with Options.SpeculateGPU every array, which the
+	// GPU lane's copies read and write.
+	arrays := []*[]float32{&e.slots.Param, &e.slots.ExpAvg, &e.slots.ExpAvgSq, &e.slots.MaxExpAvgSq}[:e.nArr]
+	for a, v := range arrays {
+		if a > 0 && !e.o.SpeculateGPU {
+			*v = make([]float32, n)
+			continue
+		}
+		h, err := e.dev.AllocHost(4 * n)
+		if err != nil {
+			return fmt.Errorf("scheduler: Options.Speculate's %d bytes of pinned memory: %w", 4*n, err)
+		}
+		e.allocs = append(e.allocs, h)
+		e.slotsH[a] = h
+		*v = unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(h.Bytes()))), n)
+	}
+	h, err := e.dev.AllocHost(2 * n)
 	if err != nil {
-		return fmt.Errorf("scheduler: Options.Speculate's %d bytes of pinned memory: %w", 4*n, err)
-	}
-	e.allocs = append(e.allocs, h)
-	e.slotsH = h
-	e.slots = adam.State{Param: unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(h.Bytes()))), n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
-	if e.nArr == 4 {
-		e.slots.MaxExpAvgSq = make([]float32, n)
-	}
-	if h, err = e.dev.AllocHost(2 * n); err != nil {
 		return fmt.Errorf("scheduler: Options.Speculate's %d bytes of pinned memory: %w", 2*n, err)
 	}
 	e.allocs = append(e.allocs, h)
@@ -141,7 +147,14 @@ func (e *Engine) allocSpec() error {
 	e.specReq = make(chan specReq, n0+2)
 	e.specReady, e.specCovered = e.total, len(e.sizes)
 	e.specAck = make(chan struct{})
-	go e.specWorker(e.specReq)
+	if e.o.SpeculateGPU {
+		if err := e.allocSpecGPU(); err != nil {
+			return err
+		}
+		e.specReqG = make(chan specReq, n0+2)
+		go e.specWorker(e.specReqG, e.specAck, true)
+	}
+	go e.specWorker(e.specReq, e.specAck, false)
 	e.specIdle = true
 	e.specN = n // last: speculation is on once the worker runs
 	return nil
@@ -160,10 +173,17 @@ func (e *Engine) stateAt(i int, where int64) adam.State {
 // paramHost returns the pinned memory and byte offset of subgroup i's
 // master weights at where (stateAt), for an H2D.
 func (e *Engine) paramHost(i int, where int64) (Host, int64) {
+	return e.arrayHost(0, i, where)
+}
+
+// arrayHost returns the pinned memory and byte offset of state array a
+// (p, m, v, vmax) of subgroup i at where (stateAt): the host state's, or a
+// slot's (pinned with Options.SpeculateGPU; Param's always).
+func (e *Engine) arrayHost(a, i int, where int64) (Host, int64) {
 	if where == homeLoc {
-		return e.host[0], 4 * e.off[i]
+		return e.host[a], 4 * e.off[i]
 	}
-	return e.slotsH, 4 * where
+	return e.slotsH[a], 4 * where
 }
 
 // where returns where subgroup i's state is for the phase: where a kept
@@ -287,7 +307,7 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 	for e.specCovered > 0 && e.off[e.specCovered-1] >= ready {
 		e.specCovered--
 		c := e.specCovered
-		e.specCan[c] = !e.specLeave[c] && (e.held[c] || (e.specCPU(c) && e.pre[c]&(1<<opGradD2H) != 0))
+		e.specCan[c] = !e.specLeave[c] && (e.held[c] || (e.specCPU(c) && e.pre[c]&(1<<opGradD2H) != 0) || e.specGPUOK(c))
 		news = news || e.specCan[c]
 	}
 	if !news {
@@ -298,6 +318,9 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 		return err
 	}
 	e.specReq <- specReq{ready: ready, ev: e.specNext}
+	if e.specReqG != nil {
+		e.specReqG <- specReq{ready: ready, ev: e.specNext}
+	}
 	e.specIdle = false
 	e.specNext = (e.specNext + 1) % len(e.specEv)
 	return nil
@@ -363,11 +386,17 @@ func (e *Engine) markLeave() {
 }
 
 // specWorker runs the requests of Speculate on reqs until Close closes
-// it (a parameter: Close sets the field to nil).
-func (e *Engine) specWorker(reqs <-chan specReq) {
+// it (a parameter: Close sets the field to nil), answering a stop request
+// on ack: the CPU workers' subgroups, or with gpu the GPU speculation's
+// (specOnGPU), each worker its own, the last first. The two share the
+// slots (reserve).
+func (e *Engine) specWorker(reqs <-chan specReq, ack chan<- struct{}, gpu bool) {
 	for r := range reqs {
 		if r.stop {
-			e.specAck <- struct{}{}
+			if gpu {
+				e.drainGPUSpec()
+			}
+			ack <- struct{}{}
 			continue
 		}
 		if e.specStop.Load() {
@@ -383,54 +412,88 @@ func (e *Engine) specWorker(reqs <-chan specReq) {
 			if e.specStop.Load() {
 				break
 			}
-			if e.specTo[i] != noSpec || !e.specCan[i] {
+			if !e.specCan[i] || e.specOnGPU(i) != gpu || e.specTo[i] != noSpec {
 				continue
 			}
-			n, from, to := e.sizes[i], e.loc[i], homeLoc
-			if from == homeLoc {
-				at, ok := e.allocSlot(n)
-				if !ok {
-					continue // the slots are full: the phase's
-				}
-				to = at
+			from, to, ok := e.reserve(i)
+			if !ok {
+				continue // the slots are full: the phase's
 			}
-			slot := max(from, to) // its specOut part: a CPU subgroup's new working copy
-			var g adam.Grad
-			out := adam.Copy16{DType: e.o.WorkingDType, Data: e.specOut[slot : slot+n]}
-			if e.held[i] {
-				// The new working copy over the old, which an undo
-				// rounds again from the old master weights.
-				g, out.Data = e.heldGrad(e.hoff[i], n), e.heldWork(e.hoff[i], n)
-			} else { // a CPU subgroup whose gradient's copy Prefetch issued
-				// From the gradient Prefetch moved into the subgroup's own
-				// place, once that copy is done; the new working copy into
-				// the slots' pinned 16-bit part, which moves H2D at once.
-				if e.dev.Sync(e.endEv[e.core.opSteps[i][opGradD2H][1]]) != nil {
-					e.specStop.Store(true)
-					continue
-				}
-				g = hostGrad(e.gpre, e.cpuGD, e.gpOff[i]/elemBytes(e.cpuGD), n)
-			}
-			if to == homeLoc {
-				e.waitGate(i) // the update writes subgroup i's host state
-			}
-			e.specT[i][0] = time.Now()
-			e.pool.StepTo(&e.specC[i], e.stateAt(i, from), g, out, e.stateAt(i, to))
-			e.specT[i][1] = time.Now()
-			e.specTo[i] = to
-			if !e.held[i] {
-				// Its working copy H2D now, during the backward: the
-				// phase then skips the copy if it keeps the update. A
-				// copy that failed may have changed the device's copies
-				// all the same: an undo copies the old ones back.
-				e.specDirty[i] = true
-				if e.specCopy(i, slot) != nil {
-					e.specStop.Store(true) // the phase copies it (specSource), or restoreSpec
-					continue
-				}
-				e.specCopied[i] = true
+			if gpu {
+				e.specGPU(i, from, to)
+			} else {
+				e.specStep(i, from, to)
 			}
 		}
+	}
+}
+
+// reserve takes subgroup i's speculative update's destination: a free
+// slot when its state is at home, home when it is in a slot (ok false
+// when no slot is free). specTo[i] holds it from here on, under specMu
+// with the slots' allocation, which both workers use.
+func (e *Engine) reserve(i int) (from, to int64, ok bool) {
+	e.specMu.Lock()
+	defer e.specMu.Unlock()
+	from, to = e.loc[i], homeLoc
+	if from == homeLoc {
+		if to, ok = e.allocSlot(e.sizes[i]); !ok {
+			return 0, 0, false
+		}
+	}
+	e.specTo[i] = to
+	return from, to, true
+}
+
+// unreserve gives subgroup i's reserved destination back: its update was
+// not made.
+func (e *Engine) unreserve(i int) {
+	e.specMu.Lock()
+	e.specTo[i] = noSpec
+	e.specMu.Unlock()
+}
+
+// specStep is the CPU workers' speculative update of subgroup i, from its
+// state at from into to (reserve): a host-held one from its own gradient
+// into its own working copy, a CPU one from the gradient Prefetch moved
+// into the slots' 16-bit part, which then moves H2D (specCopy).
+func (e *Engine) specStep(i int, from, to int64) {
+	n := e.sizes[i]
+	slot := max(from, to) // its specOut part: a CPU subgroup's new working copy
+	var g adam.Grad
+	out := adam.Copy16{DType: e.o.WorkingDType, Data: e.specOut[slot : slot+n]}
+	if e.held[i] {
+		// The new working copy over the old, which an undo
+		// rounds again from the old master weights.
+		g, out.Data = e.heldGrad(e.hoff[i], n), e.heldWork(e.hoff[i], n)
+	} else { // a CPU subgroup whose gradient's copy Prefetch issued
+		// From the gradient Prefetch moved into the subgroup's own
+		// place, once that copy is done; the new working copy into
+		// the slots' pinned 16-bit part, which moves H2D at once.
+		if e.dev.Sync(e.endEv[e.core.opSteps[i][opGradD2H][1]]) != nil {
+			e.unreserve(i)
+			e.specStop.Store(true)
+			return
+		}
+		g = hostGrad(e.gpre, e.cpuGD, e.gpOff[i]/elemBytes(e.cpuGD), n)
+	}
+	if to == homeLoc {
+		e.waitGate(i) // the update writes subgroup i's host state
+	}
+	e.specT[i][0] = time.Now()
+	e.pool.StepTo(&e.specC[i], e.stateAt(i, from), g, out, e.stateAt(i, to))
+	e.specT[i][1] = time.Now()
+	if !e.held[i] {
+		// Its working copy H2D now, during the backward: the
+		// phase then skips the copy if it keeps the update. A
+		// copy that failed may have changed the device's copies
+		// all the same: an undo copies the old ones back.
+		e.specDirty[i] = true
+		if e.specCopy(i, slot) != nil {
+			e.specStop.Store(true) // the phase copies it (specSource), or restoreSpec
+			return
+		}
+		e.specCopied[i] = true
 	}
 }
 
@@ -445,18 +508,23 @@ func (e *Engine) specWorker(reqs <-chan specReq) {
 // sets the step's done bit; WaitReady waits for the end event recorded
 // here); an undo copies the old working copy back (restoreSpec).
 func (e *Engine) specCopy(i int, slot int64) error {
-	k := e.core.opSteps[i][opCopyH2D]
+	k := e.core.opSteps[i][opCopyH2D] // none for a streamed subgroup (an undo of specGPU's kernel)
 	s := e.s[sH2D]
 	e.laneMu[sH2D].Lock()
 	defer e.laneMu[sH2D].Unlock()
-	if err := e.dev.Record(e.startEv[k[0]], s); err != nil {
-		return err
+	if k[0] >= 0 {
+		if err := e.dev.Record(e.startEv[k[0]], s); err != nil {
+			return err
+		}
 	}
 	if err := e.dev.H2D(s, e.work, 2*e.doff[i], e.specOutH, 2*slot, 2*e.sizes[i]); err != nil {
 		return err
 	}
 	if err := e.copyMirror(i, s, Vec{}); err != nil {
 		return err
+	}
+	if k[1] < 0 {
+		return nil
 	}
 	return e.dev.Record(e.endEv[k[1]], s)
 }
@@ -467,8 +535,7 @@ func (e *Engine) specCopy(i int, slot int64) error {
 // (tests). Without Options.Speculate it does nothing.
 func (e *Engine) WaitSpeculation() {
 	if e.specN > 0 && e.specReq != nil && !e.specIdle {
-		e.specReq <- specReq{stop: true}
-		<-e.specAck
+		e.stopWorkers()
 	}
 }
 
@@ -489,8 +556,7 @@ func (e *Engine) haltSpec() {
 		return
 	}
 	e.specStop.Store(true)
-	e.specReq <- specReq{stop: true}
-	<-e.specAck
+	e.stopWorkers()
 	e.specStop.Store(false)
 	e.specIdle = true
 }
@@ -531,11 +597,17 @@ func (e *Engine) EndSpeculation(cs []adam.Coeffs) (kept int64, err error) {
 		err = fmt.Errorf("scheduler: EndSpeculation with %d coefficients for %d subgroups", len(cs), len(e.sizes))
 		cs = nil
 	}
+	e.keptGPU = 0
 	for i, to := range e.specTo {
-		if to == noSpec || e.pre[i]&(1<<opCPU) != 0 {
+		if to == noSpec || e.specKept(i) {
 			continue
 		}
-		if cs != nil && sameCoeffs(&cs[i], &e.specC[i]) {
+		if cs != nil && !e.specBad[i] && sameCoeffs(&cs[i], &e.specC[i]) {
+			if e.specOnGPU(i) {
+				e.pre[i] |= gpuSpecBits // its copies and kernel are done: the phase skips them
+				e.keptGPU += e.sizes[i]
+				continue
+			}
 			e.pre[i] |= 1 << opCPU // done: the phase skips it (a drop undoes it: dropSpec)
 			if e.specCopied[i] {
 				e.pre[i] |= 1 << opCopyH2D // and its copy, enqueued during the backward
@@ -584,9 +656,14 @@ func (e *Engine) restoreSpec(i int) {
 		e.specCopied[i], e.specDirty[i], e.specRecopied = false, false, true
 	}
 	if len(e.specUndo) < cap(e.specUndo) { // for Trace: never allocates
-		e.specUndo = append(e.specUndo, specUndo{sub: i, spec: e.specT[i], restore: [2]time.Time{t, time.Now()}})
+		e.specUndo = append(e.specUndo, specUndo{sub: i, gpu: e.specOnGPU(i), spec: e.specT[i], restore: [2]time.Time{t, time.Now()}})
 	}
-	e.pre[i] &^= 1<<opCPU | 1<<opCopyH2D
+	if e.specOnGPU(i) {
+		e.pre[i] &^= gpuSpecBits
+		e.specBad[i] = false
+	} else {
+		e.pre[i] &^= 1<<opCPU | 1<<opCopyH2D
+	}
 }
 
 // syncRecopies waits for the old working copies restoreSpec put back on
@@ -608,6 +685,7 @@ func (e *Engine) syncRecopies() {
 // its update ran and when it was restored.
 type specUndo struct {
 	sub           int
+	gpu           bool // the GPU speculation's (specGPU)
 	spec, restore [2]time.Time
 }
 
@@ -626,7 +704,7 @@ func (e *Engine) dropSpec() {
 // did not keep, or, with kept, those too.
 func (e *Engine) restoreSpecs(kept bool) {
 	for i, to := range e.specTo {
-		if to != noSpec && (kept || e.pre[i]&(1<<opCPU) == 0) {
+		if to != noSpec && (kept || !e.specKept(i)) {
 			e.restoreSpec(i)
 		}
 	}
@@ -703,6 +781,7 @@ func (e *Engine) endSpec() {
 	}
 	clear(e.specCopied)
 	clear(e.specDirty)
+	clear(e.specBad)
 }
 
 // specSource returns where kept CPU subgroup i's new working copy is for
@@ -737,10 +816,26 @@ func prefault(wg *sync.WaitGroup, b []byte, threads int) {
 	}
 }
 
-// closeSpec stops the worker for good.
+// stopWorkers sends each worker a stop request and waits for their
+// answers: each has run what it was asked before it (the GPU
+// speculation's copies done, drainGPUSpec).
+func (e *Engine) stopWorkers() {
+	e.specReq <- specReq{stop: true}
+	<-e.specAck
+	if e.specReqG != nil {
+		e.specReqG <- specReq{stop: true}
+		<-e.specAck
+	}
+}
+
+// closeSpec stops the workers for good.
 func (e *Engine) closeSpec() {
 	if e.specReq != nil {
 		close(e.specReq)
 		e.specReq = nil
+	}
+	if e.specReqG != nil {
+		close(e.specReqG)
+		e.specReqG = nil
 	}
 }

@@ -48,6 +48,13 @@ func newBkPair(t *testing.T, sizes []int, s perfmodel.Schedule, ams bool, mirror
 
 func newBkPairGD(t *testing.T, gd adam.DType, sizes []int, s perfmodel.Schedule, ams bool, mirror []Span, budget int64) *bkPair {
 	t.Helper()
+	return newBkPairSpec(t, gd, sizes, s, ams, mirror, budget, false)
+}
+
+// newBkPairSpec is newBkPairGD with Options.SpeculateGPU gpu for the
+// speculating engine.
+func newBkPairSpec(t *testing.T, gd adam.DType, sizes []int, s perfmodel.Schedule, ams bool, mirror []Span, budget int64, gpu bool) *bkPair {
+	t.Helper()
 	n := 0
 	for _, x := range sizes {
 		n += x
@@ -56,7 +63,7 @@ func newBkPairGD(t *testing.T, gd adam.DType, sizes []int, s perfmodel.Schedule,
 	bp.h.AMSGrad = ams
 	bp.groupLR = [2]float64{1e-3, 3e-3}
 	bp.da, bp.dr = NewSim(SimOptions{}), NewSim(SimOptions{})
-	bp.engines(budget, Options{Sizes: sizes, GradDType: gd, WorkingDType: adam.BF16, AMSGrad: ams, Mirror: mirror, Prefetch: true}, func() *Plan {
+	bp.engines(budget, Options{Sizes: sizes, GradDType: gd, WorkingDType: adam.BF16, AMSGrad: ams, Mirror: mirror, Prefetch: true, SpeculateGPU: gpu}, func() *Plan {
 		plan, err := NewPlan(len(sizes), s)
 		if err != nil {
 			t.Fatal(err)

@@ -92,10 +92,10 @@ type fuzzPair struct {
 	check func(k int)
 }
 
-func newFuzzPlain(t *testing.T, ams bool, budget int64) *fuzzPair {
+func newFuzzPlain(t *testing.T, ams bool, budget int64, gpu bool) *fuzzPair {
 	n := len(testSizes)
 	mirror := []Span{{Off: 3, N: 2000}, {Off: 2500, N: int64(testTotal()) - 2600}}
-	bp := newBkPair(t, testSizes, perfmodel.Schedule{CPU: n}, ams, mirror, budget)
+	bp := newBkPairSpec(t, adam.BF16, testSizes, perfmodel.Schedule{CPU: n}, ams, mirror, budget, gpu)
 	fp := &fuzzPair{bkPair: bp, nDev: n}
 	fp.plan = func(s perfmodel.Schedule) *Plan {
 		p, err := NewPlan(n, s)
@@ -113,7 +113,7 @@ func newFuzzPlain(t *testing.T, ams bool, budget int64) *fuzzPair {
 	return fp
 }
 
-func newFuzzHeld(t *testing.T, ams bool, budget int64, held []bool) *fuzzPair {
+func newFuzzHeld(t *testing.T, ams bool, budget int64, held []bool, gpu bool) *fuzzPair {
 	nd := len(heldSizes) - countHeld(held)
 	total := 0
 	for _, x := range heldSizes {
@@ -131,7 +131,7 @@ func newFuzzHeld(t *testing.T, ams bool, budget int64, held []bool) *fuzzPair {
 		}
 		return p
 	}
-	bp.engines(budget, Options{Sizes: heldSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, AMSGrad: ams, HostHeld: held, Prefetch: true},
+	bp.engines(budget, Options{Sizes: heldSizes, GradDType: adam.BF16, WorkingDType: adam.BF16, AMSGrad: ams, HostHeld: held, Prefetch: true, SpeculateGPU: gpu},
 		func() *Plan { return fp.plan(perfmodel.Schedule{CPU: nd}) })
 	fp.putG = func(k int) {
 		g := bp.p.gradBytes(k)
@@ -167,9 +167,11 @@ func TestSpeculateRandomHeld(t *testing.T) {
 		held := heldPatterns[1+seed%5]
 		budgets := []int64{1 << 24, SpeculateBytes(50000, ams), SpeculateBytes(90000, ams), SpeculateBytes(150000, ams)}
 		budget := budgets[(seed/5)%len(budgets)]
-		t.Run(fmt.Sprintf("seed=%d/ams=%v/held=%v/budget=%d", seed, ams, held, budget), func(t *testing.T) {
-			fuzzRun(t, seed, newFuzzHeld(t, ams, budget, held))
-		})
+		for _, gpu := range []bool{false, true} {
+			t.Run(fmt.Sprintf("seed=%d/ams=%v/held=%v/budget=%d/gpu=%v", seed, ams, held, budget, gpu), func(t *testing.T) {
+				fuzzRun(t, seed, newFuzzHeld(t, ams, budget, held, gpu))
+			})
+		}
 	}
 }
 
@@ -188,9 +190,11 @@ func TestSpeculateRandom(t *testing.T) {
 		ams := seed%2 == 1
 		budgets := []int64{1 << 20, SpeculateBytes(1100, ams), SpeculateBytes(2100, ams), SpeculateBytes(4000, ams)}
 		budget := budgets[seed%len(budgets)]
-		t.Run(fmt.Sprintf("seed=%d/ams=%v/budget=%d", seed, ams, budget), func(t *testing.T) {
-			fuzzRun(t, seed, newFuzzPlain(t, ams, budget))
-		})
+		for _, gpu := range []bool{false, true} {
+			t.Run(fmt.Sprintf("seed=%d/ams=%v/budget=%d/gpu=%v", seed, ams, budget, gpu), func(t *testing.T) {
+				fuzzRun(t, seed, newFuzzPlain(t, ams, budget, gpu))
+			})
+		}
 	}
 }
 

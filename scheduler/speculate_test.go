@@ -57,15 +57,30 @@ func testEngineSpeculate(t *testing.T, newDev func() Device) {
 		p := heldProblem(adam.BF16, len(cases), 41, 30000)
 		want, wantCopy := specReference(p, h, cases)
 		scheds := heldSchedules(len(heldSizes) - countHeld(held))
-		for _, budget := range []int64{SpeculateBytes(1<<20, false), SpeculateBytes(40000, false)} {
+		// 80,000 parameters of slots: the GPU speculation alone keeps the
+		// streamed subgroups 7, 6, 5, 3 and 2 but not 4 (no slot left
+		// for it), so that the phase's state H2D of subgroup 4 into
+		// staging slot 0 steps over the kept 2's skipped state D2H to
+		// subgroup 0's (Engine.slotStep).
+		for _, budget := range []int64{SpeculateBytes(1<<20, false), SpeculateBytes(40000, false), SpeculateBytes(80000, false)} {
 			for _, s := range scheds {
-				t.Run(fmt.Sprintf("held=%v/%+v/budget=%d", held, s, budget), func(t *testing.T) {
-					d := newDev()
-					e := specEngine(t, d, p, held, s, budget)
-					defer e.Close()
-					runSpeculate(t, d, e, p, h, cases)
-					checkHeldRun(t, d, e, want, wantCopy)
-				})
+				for _, gpu := range []bool{false, true} {
+					if (gpu && s.GPU == 0) || (!gpu && budget == SpeculateBytes(80000, false)) {
+						continue
+					}
+					t.Run(fmt.Sprintf("held=%v/%+v/budget=%d/gpu=%v", held, s, budget, gpu), func(t *testing.T) {
+						d := newDev()
+						e := newHeld(t, d, p, held, s, Options{Prefetch: true, Speculate: budget, SpeculateGPU: gpu})
+						defer e.Close()
+						runSpeculate(t, d, e, p, h, cases)
+						checkHeldRun(t, d, e, want, wantCopy)
+						if sim, ok := d.(*Sim); ok {
+							if err := sim.OrderErr(); err != nil {
+								t.Fatal(err)
+							}
+						}
+					})
+				}
 			}
 		}
 	}
@@ -135,15 +150,29 @@ func runSpeculate(t *testing.T, d Device, e *Engine, p *problem, h adam.Hyper, c
 		// What may be speculated on: the host-held subgroups and the CPU
 		// subgroups whose gradients Prefetch moved (not with the upcast).
 		// Less what SetSpeculateLeave left to the phase.
-		heldN := int64(0)
+		// With Options.SpeculateGPU, the streamed subgroups too.
+		heldN, gpuN := int64(0), int64(0)
 		for i, n := range e.sizes {
 			if (e.held[i] || e.specCPU(i)) && !e.specLeave[i] {
 				heldN += n
 			}
+			if e.specGPUOn() && e.specOnGPU(i) {
+				gpuN += n
+			}
 		}
+		keptGPU := e.SpeculatedGPU()
 		switch {
-		case c.Clip != 1 && kept != 0:
-			t.Fatalf("step %d: clipping binds (%g) but %d parameters were kept", k, c.Clip, kept)
+		case c.Clip != 1 && kept+keptGPU != 0:
+			t.Fatalf("step %d: clipping binds (%g) but %d+%d parameters were kept", k, c.Clip, kept, keptGPU)
+		case gpuN > 0 && heldN == 0 && c.Clip == 1 && !sc.late && e.specN >= gpuN && keptGPU != gpuN:
+			// The GPU speculation alone (no other worker takes slots).
+			t.Fatalf("step %d: %d of the streamed subgroups' %d parameters kept with saves for %d", k, keptGPU, gpuN, e.specN)
+		case gpuN > 0 && c.Clip == 1 && !sc.late && kept+keptGPU == 0:
+			t.Fatalf("step %d: nothing kept (saves for %d)", k, e.specN)
+		case gpuN > 0:
+			// The two workers take the slots in either order: how many
+			// parameters each keeps depends on timing (the slots may be
+			// cut into pieces too small for what is left).
 		case c.Clip == 1 && !sc.late && e.specN >= heldN && kept != heldN:
 			t.Fatalf("step %d: %d of %d parameters kept with saves for %d", k, kept, heldN, e.specN)
 		case c.Clip == 1 && kept == 0 && heldN > 0 && !sc.late:
@@ -173,11 +202,11 @@ func runSpeculate(t *testing.T, d Device, e *Engine, p *problem, h adam.Hyper, c
 		if err := e.UpdatePer(cs); err != nil {
 			t.Fatal(err)
 		}
-		traced := kept
+		traced, tracedGPU := kept, keptGPU
 		if sc.drop {
-			traced = 0 // undone by the drop
+			traced, tracedGPU = 0, 0 // undone by the drop
 		}
-		checkSpecTrace(t, e, k, traced, c.Clip != 1)
+		checkSpecTrace(t, e, k, traced, tracedGPU, c.Clip != 1)
 		for i := range e.sizes {
 			if e.held[i] && e.preLast[i]&(1<<opCPU) != 0 && (sc.drop || c.Clip != 1) {
 				t.Fatalf("step %d: subgroup %d counted as kept after a drop or with clipping", k, i)
@@ -312,32 +341,36 @@ func TestSpeculateNoHeld(t *testing.T) {
 // checkSpecTrace: the phase's Trace shows the kept speculative updates
 // (before the phase: negative times), and after a step that clipped the
 // undone ones, each with its restore after it.
-func checkSpecTrace(t *testing.T, e *Engine, k int, kept int64, undone bool) {
+func checkSpecTrace(t *testing.T, e *Engine, k int, kept, keptGPU int64, undone bool) {
 	t.Helper()
 	ops, err := e.Trace()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var keptN, undoneN, restores int64
+	var keptN, keptGPUN, undoneN, restores int64
 	for _, o := range ops {
 		switch o.What {
-		case SpeculativeKept:
-			keptN += o.Bytes
-			if o.Start >= 0 || o.End > 0 {
-				t.Errorf("step %d: kept speculative update of subgroup %d at [%v, %v], not before the phase", k, o.Subgroup, o.Start, o.End)
+		case SpeculativeKept, SpeculativeKeptGPU:
+			if o.What == SpeculativeKept {
+				keptN += o.Bytes
+			} else {
+				keptGPUN += o.Bytes
 			}
-		case SpeculativeUndone:
+			if o.Start >= 0 || o.End > 0 {
+				t.Errorf("step %d: kept speculative update (%s) of subgroup %d at [%v, %v], not before the phase", k, o.What, o.Subgroup, o.Start, o.End)
+			}
+		case SpeculativeUndone, SpeculativeUndoneGPU:
 			undoneN++
 		case SpeculativeRestore:
 			restores++
 		}
 	}
-	if keptN != kept {
-		t.Errorf("step %d: Trace shows %d kept speculative parameters, EndSpeculation kept %d", k, keptN, kept)
+	if keptN != kept || keptGPUN != keptGPU {
+		t.Errorf("step %d: Trace shows %d+%d kept speculative parameters, EndSpeculation kept %d+%d", k, keptN, keptGPUN, kept, keptGPU)
 	}
 	some := false // anything to speculate on
 	for i := range e.sizes {
-		some = some || e.held[i] || e.specCPU(i)
+		some = some || e.held[i] || e.specCPU(i) || (e.specGPUOn() && e.specOnGPU(i))
 	}
 	if undoneN != restores || (undone && e.specN > 0 && some && undoneN == 0) {
 		t.Errorf("step %d: Trace shows %d undone speculative updates and %d restores (clipping: %v)", k, undoneN, restores, undone)

@@ -13,7 +13,7 @@ import (
 // Op is one traced operation of the last Update.
 type Op struct {
 	Resource perfmodel.Resource // where it ran
-	What     string             // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"; SpeculativeKept, SpeculativeUndone, SpeculativeRestore
+	What     string             // "state H2D", "AdamW", "state D2H", "upcast", "grad D2H", "CPU AdamW", "copy H2D"; SpeculativeKept, SpeculativeUndone, SpeculativeKeptGPU, SpeculativeUndoneGPU, SpeculativeRestore
 	Subgroup int                // its index
 	Start    time.Duration      // from the start of the update phase
 	End      time.Duration
@@ -21,11 +21,15 @@ type Op struct {
 }
 
 // Op.What of a speculative update (Speculate) the last Update kept, of one
-// undone before it (its scalars were not the step's), and of that undoing.
+// undone before it (its scalars were not the step's), and of that undoing:
+// the CPU workers', and the GPU speculation's kernel (Options.SpeculateGPU:
+// its state copies keep their names, in the backward).
 const (
-	SpeculativeKept    = "CPU AdamW, speculative"
-	SpeculativeUndone  = "CPU AdamW, speculative, undone"
-	SpeculativeRestore = "restore"
+	SpeculativeKept      = "CPU AdamW, speculative"
+	SpeculativeUndone    = "CPU AdamW, speculative, undone"
+	SpeculativeKeptGPU   = "AdamW, speculative"
+	SpeculativeUndoneGPU = "AdamW, speculative, undone"
+	SpeculativeRestore   = "restore"
 )
 
 // Trace returns the operations of the last Update with their times: the
@@ -57,15 +61,22 @@ func (e *Engine) Trace() ([]Op, error) {
 			if o.Start, o.End, err = e.opSpan(i, op); err != nil {
 				return nil, err
 			}
-			if op == opCPU && e.preLast[i]&(1<<opCPU) != 0 {
+			switch {
+			case op == opCPU && e.preLast[i]&(1<<opCPU) != 0:
 				o.What = SpeculativeKept
+			case op == opKernel && e.preLast[i]&(1<<opKernel) != 0:
+				o.What = SpeculativeKeptGPU
 			}
 			ops = append(ops, o)
 		}
 	}
 	for _, u := range e.specUndoLast {
+		res, what := perfmodel.ResCPU, SpeculativeUndone
+		if u.gpu {
+			res, what = perfmodel.ResGPU, SpeculativeUndoneGPU // when the worker enqueued it
+		}
 		ops = append(ops,
-			Op{Resource: perfmodel.ResCPU, What: SpeculativeUndone, Subgroup: u.sub, Start: u.spec[0].Sub(e.t0), End: u.spec[1].Sub(e.t0), Bytes: e.sizes[u.sub]},
+			Op{Resource: res, What: what, Subgroup: u.sub, Start: u.spec[0].Sub(e.t0), End: u.spec[1].Sub(e.t0), Bytes: e.sizes[u.sub]},
 			Op{Resource: perfmodel.ResCPU, What: SpeculativeRestore, Subgroup: u.sub, Start: u.restore[0].Sub(e.t0), End: u.restore[1].Sub(e.t0), Bytes: e.sizes[u.sub]})
 	}
 	slices.SortStableFunc(ops, func(a, b Op) int { return int(a.Start - b.Start) })

@@ -553,8 +553,10 @@ type stepRecord struct {
 	MeasuredS  float64 `json:"measured_s,omitempty"`
 	Replanned  bool    `json:"replanned,omitempty"`
 	// With --speculate: the parameters updated during the backward and
-	// kept (offload.StepResult.Speculated).
-	Speculated int64 `json:"speculated,omitempty"`
+	// kept (offload.StepResult.Speculated), and with --speculate-gpu those
+	// of the streamed subgroups (offload.StepResult.SpeculatedGPU).
+	Speculated    int64 `json:"speculated,omitempty"`
+	SpeculatedGPU int64 `json:"speculated_gpu,omitempty"`
 }
 
 // Run trains from the current iteration to cfg.Steps and returns the
@@ -653,10 +655,10 @@ func (t *Trainer) Run() (Summary, error) {
 	var steady time.Duration
 	steadyN := 0
 	overlap := t.forwardOverlaps()
-	planned := false     // planIteration has run
-	keptSince := 0       // with --replan, the steps that kept speculative updates since planIteration ran, until it runs again
-	var speculated int64 // parameters kept from speculative updates, this run
-	specSteps := 0       // the steps that kept some
+	planned := false                    // planIteration has run
+	keptSince := 0                      // with --replan, the steps that kept speculative updates since planIteration ran, until it runs again
+	var speculated, speculatedGPU int64 // parameters kept from the CPU's and the GPU's speculative updates, this run
+	specSteps := 0                      // the steps that kept some
 	// ahead: the next iteration's forward ran during this one's update
 	// phase (overlapForward), on the batch from aheadPos with that scale.
 	ahead, aheadPos, aheadScale := false, int64(0), float32(1)
@@ -763,7 +765,8 @@ func (t *Trainer) Run() (Summary, error) {
 			}
 		}
 		speculated += res.Speculated
-		if res.Speculated > 0 {
+		speculatedGPU += res.SpeculatedGPU
+		if res.Speculated > 0 || res.SpeculatedGPU > 0 {
 			specSteps++
 		}
 		if res.Skipped {
@@ -793,7 +796,7 @@ func (t *Trainer) Run() (Summary, error) {
 		if t.logJSON != nil {
 			rec := stepRecord{Step: it, Loss: loss, LR: cfg.LRAt(it), GradNorm: res.GradNorm, Skipped: res.Skipped, Pos: pos,
 				Seconds: now.Sub(t0).Seconds(), UpdateS: res.Elapsed.Seconds(),
-				PredictedS: res.Predicted.Seconds(), MeasuredS: res.Measured.Seconds(), Replanned: res.Replanned, Speculated: res.Speculated}
+				PredictedS: res.Predicted.Seconds(), MeasuredS: res.Measured.Seconds(), Replanned: res.Replanned, Speculated: res.Speculated, SpeculatedGPU: res.SpeculatedGPU}
 			if err := writeRecord(t.logJSON, rec); err != nil {
 				return sum, fmt.Errorf("trainer: --log-json: %w", err)
 			}
@@ -852,15 +855,15 @@ func (t *Trainer) Run() (Summary, error) {
 			sum.UpdatePredictedS = plan.Makespan
 			limit := ""
 			if lim, ok := t.opt.Limit(); ok && lim.Makespan > 0 {
-				if speculated == 0 {
+				if speculated+speculatedGPU == 0 {
 					sum.UpdateLimitS = lim.Makespan
 					limit = fmt.Sprintf("; the machine's limit %.3f ms (the model's fluid limit), %+.1f%% of it", 1e3*lim.Makespan, 100*(sum.UpdateS/lim.Makespan-1))
 				} else {
 					// (nor is the limit: it covers the whole phase)
-					limit = fmt.Sprintf("; %.0f parameters' CPU updates a step were done in the backward (the mean of the %d steps that kept speculative updates), outside the phase and its limit", float64(speculated)/float64(specSteps), specSteps)
+					limit = fmt.Sprintf("; %.0f parameters' CPU updates and %.0f of the GPU's a step were done in the backward (the mean of the %d steps that kept speculative updates), outside the phase and its limit", float64(speculated)/float64(specSteps), float64(speculatedGPU)/float64(specSteps), specSteps)
 				}
 			}
-			if b, ok := t.opt.Bound(); ok && b.Seconds > 0 && speculated == 0 {
+			if b, ok := t.opt.Bound(); ok && b.Seconds > 0 && speculated+speculatedGPU == 0 {
 				// (a phase that kept speculative updates did part of its
 				// work in the backward: the bound is not its)
 				sum.UpdateBoundS = b.Seconds

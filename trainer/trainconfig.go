@@ -181,6 +181,9 @@ type TrainConfig struct {
 	// forward. Off by default until measured on one plan; the trajectory
 	// is the same, bit for bit. Not saved in checkpoints.
 	SpeculateLeave bool `json:"-"`
+	// SpeculateGPU, with Speculate, speculates on the streamed GPU
+	// subgroups too (offload.Options.SpeculateGPU). Off by default.
+	SpeculateGPU bool `json:"-"`
 	// specAuto is SpeculateAuto's bytes (resolveSpeculate).
 	specAuto int64
 	// Replan, with a Device and the performance model's schedule

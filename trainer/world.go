@@ -242,6 +242,7 @@ func newWorld(cfg *TrainConfig, out io.Writer) (*world, error) {
 			oo.OverlapBackward = !cfg.NoOverlap
 			oo.Speculate = cfg.speculateBytes()
 			oo.SpeculateLeave = cfg.SpeculateLeave
+			oo.SpeculateGPU = cfg.SpeculateGPU
 		}
 		oo.Replan = cfg.Replan
 		oo.ResidentFirst = cfg.ResidentFirst && oo.Device != nil
