@@ -61,7 +61,7 @@ type Options struct {
 	// CPU subgroups, updated out of place during the trainer's backward,
 	// kept or undone when the step's scalars are known):
 	// SpeculateBytes(n, AMSGrad) holds n parameters' state, 6 bytes of
-	// each pinned. 0: none.
+	// each pinned (all of it with SpeculateGPU). 0: none.
 	// Ignored when nothing qualifies at New: no host-held subgroups, and
 	// no Prefetch (or a plan that upcasts CPU gradients on the GPU).
 	Speculate int64

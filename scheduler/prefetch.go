@@ -16,7 +16,9 @@ import (
 //     phase's two host staging slots could hold only two), so that the
 //     CPU workers start the phase with their gradients on the host;
 //   - the state H2D of the first two streamed subgroups (one per staging
-//     slot): state does not depend on the gradients at all.
+//     slot): state does not depend on the gradients at all (not with
+//     Options.SpeculateGPU, whose speculation uses the staging during the
+//     backward).
 //
 // What cannot move: every AdamW update (CPU, streamed or resident), since
 // no parameter may change before the non-finite check and the global norm
@@ -37,7 +39,8 @@ import (
 // so far (the trainer's backward) is done: the gradient D2H of every CPU
 // subgroup inside [ready, total) not yet issued (Options.Prefetch), after
 // an event recorded on s, and at the first call the state H2D of the first
-// two streamed subgroups (which need nothing of s). It blocks on nothing
+// two streamed subgroups (which need nothing of s; not with
+// Options.SpeculateGPU). It blocks on nothing
 // unless a copy cannot be enqueued (the drop waits for what was). A
 // trainer calls it as its backward finishes each block, with ready
 // decreasing; a call with a larger ready than before issues nothing new.

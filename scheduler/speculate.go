@@ -262,7 +262,9 @@ func SpeculateBytes(n int64, amsgrad bool) int64 {
 // the host-held subgroups, and of the CPU subgroups whose gradient copy an
 // earlier Prefetch issued (each once that copy is done; call Prefetch
 // first: a CPU subgroup this call covers without it is left to the
-// phase), that lie inside [ready, total) and are not started yet, given
+// phase), and with Options.SpeculateGPU on the GPU those of the streamed
+// subgroups (speculate_gpu.go), that lie inside [ready, total) and are
+// not started yet, given
 // that their gradients are final once the work
 // enqueued on s so far is done, with cs[i] as subgroup i's scalars (the
 // scalars the caller expects the step to have: clip factor 1, the last
@@ -580,7 +582,8 @@ func (e *Engine) StopSpeculation() {
 // Update, which skips it (its update is done), and every other one is
 // undone (its state never moved; its working copy gets the old one back).
 // cs nil keeps none (a skipped step). It returns how many parameters were
-// kept. Without a speculation it does nothing. A drop (DropPrefetch,
+// kept by the CPU workers (SpeculatedGPU: by the GPU speculation). Without
+// a speculation it does nothing. A drop (DropPrefetch,
 // ZeroGrad, SetGrad, Load, Replan, DropSpeculation, Close) before the
 // next Update undoes the kept ones too.
 //

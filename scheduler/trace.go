@@ -37,8 +37,11 @@ const (
 // by the host clock from the same start, sorted by start. What Prefetch
 // issued for it comes first, at negative times (during the backward), and
 // so do the speculative updates (Speculate): those kept, as
-// SpeculativeKept, those undone before the phase, as SpeculativeUndone,
-// each followed by its SpeculativeRestore. Read
+// SpeculativeKept (the GPU speculation's kernel as SpeculativeKeptGPU,
+// after its state H2D and before its state D2H, by their events), those
+// undone before the phase, as SpeculativeUndone (SpeculativeUndoneGPU:
+// when its worker enqueued it, by the host clock), each followed by its
+// SpeculativeRestore. Read
 // it before the next Prefetch or Update, which record those events again.
 // Errors: ErrNoPhase before the first Update or after a Replan; the
 // device's (Elapsed).
