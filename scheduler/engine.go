@@ -209,10 +209,11 @@ type Engine struct {
 	specReq                chan specReq   // to the CPU workers' speculation
 	specAck                chan struct{}  // from either worker, for a stop request
 	specMu                 sync.Mutex     // the slots' allocation and specTo's reservations (reserve), shared by the two workers
+	cpuNeed                int64          // on specMu: the slots the CPU workers' subgroups still need this phase, which the GPU speculation leaves them (reserve)
 
 	// The GPU speculation's (speculate_gpu.go, Options.SpeculateGPU).
 	specReqG      chan specReq // to its worker (nil without it)
-	specS         [2]Stream    // its H2D and D2H streams
+	specS         [3]Stream    // its H2D, kernel and D2H streams (the engine's kernel stream waits for the trainer's backward: HeldPartials)
 	specTail      [3]Event     // drainGPUSpec's, on specS and the kernel stream
 	specStage     [2]int32     // per device staging slot: the last state D2H step it enqueued from it, -1 none
 	specNextStage int          // the staging slot its next subgroup takes
@@ -686,6 +687,14 @@ func (e *Engine) beginPhase(c *adam.Coeffs, cs []adam.Coeffs) error {
 		if k != sKernel {
 			if err := e.dev.Wait(e.s[sKernel], e.tail[k]); err != nil {
 				return err // nothing was done (a prefetch stays pending: DropPrefetch or the next Update)
+			}
+		}
+	}
+	if e.specGPUOn() {
+		// and after the GPU speculation's last drain (done, as above)
+		for _, ev := range e.specTail {
+			if err := e.dev.Wait(e.s[sKernel], ev); err != nil {
+				return err // nothing was done (a prefetch stays pending)
 			}
 		}
 	}

@@ -136,7 +136,7 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 		}
 		return e.statePiece(k, st, slot, waits)
 	case opKernel:
-		merr, err := e.kernel(k, slot, e.coeffs(i), waits)
+		merr, err := e.kernel(e.s[sKernel], k, slot, e.coeffs(i), waits)
 		if err == nil {
 			e.fail(i, int(st.op), merr)
 		}
@@ -185,7 +185,8 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 	panic("scheduler: unknown operation")
 }
 
-// kernel enqueues kernel step k with scalars c on the kernel stream: its
+// kernel enqueues kernel step k with scalars c on s (the kernel stream, or
+// the GPU speculation's): its
 // subgroup's fused AdamW on the state in staging slot slot (a streamed
 // subgroup) or the resident state, reading its device gradient and
 // writing its working copy in place, after the step's stream waits when
@@ -193,11 +194,10 @@ func (e *Engine) exec(k int32, slot int, waits bool) error {
 // mirror after the kernel. mirror is the mirror copy's error: the update
 // was enqueued all the same (the lanes record it as the phase's fault,
 // fail; the GPU speculation undoes the update).
-func (e *Engine) kernel(k int32, slot int, c *adam.Coeffs, waits bool) (mirror, err error) {
+func (e *Engine) kernel(s Stream, k int32, slot int, c *adam.Coeffs, waits bool) (mirror, err error) {
 	st := &e.core.steps[k]
 	i := int(st.sub)
 	n := e.sizes[i]
-	s := e.s[sKernel]
 	x := e.resState(i)
 	if e.plan.Roles[i] == OnGPU {
 		x = e.slotState(slot, i)

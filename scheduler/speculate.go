@@ -293,10 +293,19 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 	case e.specN == 0 || e.specHalted || ready >= e.specReady:
 		return nil
 	}
+	if e.specGPUOn() && !e.preOn {
+		// The GPU speculation's steps are timed from preBase (Trace), as
+		// Prefetch's: a caller may speculate without prefetching.
+		if err := e.dev.Record(e.preBase, s); err != nil {
+			return err
+		}
+		e.preOn = true
+	}
 	if !e.specOn {
 		copy(e.specC, cs)
 		e.specOn = true
 		e.markLeave()
+		e.markCPUNeed()
 	}
 	e.specReady = ready
 	// A request only for a suffix with a qualifying subgroup not asked for
@@ -422,7 +431,7 @@ func (e *Engine) specWorker(reqs <-chan specReq, ack chan<- struct{}, gpu bool) 
 				continue // the slots are full: the phase's
 			}
 			if gpu {
-				e.specGPU(i, from, to)
+				e.specGPU(i, from, to, e.specEv[r.ev])
 			} else {
 				e.specStep(i, from, to)
 			}
@@ -433,18 +442,61 @@ func (e *Engine) specWorker(reqs <-chan specReq, ack chan<- struct{}, gpu bool) 
 // reserve takes subgroup i's speculative update's destination: a free
 // slot when its state is at home, home when it is in a slot (ok false
 // when no slot is free). specTo[i] holds it from here on, under specMu
-// with the slots' allocation, which both workers use.
+// with the slots' allocation, which both workers use. The CPU workers'
+// subgroups come first: a streamed subgroup of the GPU speculation takes
+// a slot only where what stays free holds every CPU subgroup still to be
+// speculated on (cpuNeed), since the CPU, not the copy engines, bounds
+// the update phase where both speculate.
 func (e *Engine) reserve(i int) (from, to int64, ok bool) {
 	e.specMu.Lock()
 	defer e.specMu.Unlock()
+	n := e.sizes[i]
 	from, to = e.loc[i], homeLoc
 	if from == homeLoc {
-		if to, ok = e.allocSlot(e.sizes[i]); !ok {
+		gpu := e.specOnGPU(i)
+		if gpu && e.slotsFree() < roundSlot(n)+e.cpuNeed {
 			return 0, 0, false
+		}
+		if to, ok = e.allocSlot(n); !ok {
+			return 0, 0, false
+		}
+		if !gpu {
+			e.cpuNeed = max(0, e.cpuNeed-roundSlot(n))
 		}
 	}
 	e.specTo[i] = to
 	return from, to, true
+}
+
+// roundSlot is n elements rounded up to the slots' alignment.
+func roundSlot(n int64) int64 { return (n + slotAlign - 1) / slotAlign * slotAlign }
+
+// slotsFree returns the slots' elements in no subgroup's use (the sum of
+// the gaps, which may be too small for one subgroup). specMu is held.
+func (e *Engine) slotsFree() int64 {
+	used := int64(0)
+	for i, l := range e.loc {
+		for _, u := range [2]int64{l, e.specTo[i]} {
+			if u >= 0 {
+				used += roundSlot(e.sizes[i])
+			}
+		}
+	}
+	return e.specN - used
+}
+
+// markCPUNeed sets cpuNeed, at a phase's first Speculate: the slots the
+// CPU workers' subgroups at home would take (host-held ones, and CPU ones
+// whose gradient Prefetch may move), not left to the phase.
+func (e *Engine) markCPUNeed() {
+	e.specMu.Lock()
+	defer e.specMu.Unlock()
+	e.cpuNeed = 0
+	for i := range e.sizes {
+		if (e.held[i] || e.specCPU(i)) && !e.specLeave[i] && e.loc[i] == homeLoc {
+			e.cpuNeed += roundSlot(e.sizes[i])
+		}
+	}
 }
 
 // unreserve gives subgroup i's reserved destination back: its update was
@@ -564,7 +616,9 @@ func (e *Engine) haltSpec() {
 }
 
 // StopSpeculation stops the CPU workers' speculation after the subgroup
-// they are updating, if any, and keeps what they did for EndSpeculation:
+// they are updating, if any (and the GPU speculation after what it
+// enqueued, which it waits for on the host), and keeps what they did for
+// EndSpeculation:
 // a caller whose backward has ended calls it, so that what is left is the
 // phase's; Speculate then starts nothing more until EndSpeculation, a drop
 // or the Update (it would fix other scalars for what was already
@@ -701,6 +755,7 @@ func (e *Engine) dropSpec() {
 	e.stopSpec()
 	e.restoreSpecs(true)
 	e.specUndo = e.specUndo[:0] // dropped, not validated: no phase of theirs to trace
+	e.keptGPU = 0
 }
 
 // restoreSpecs undoes every speculated subgroup: only those EndSpeculation

@@ -12,7 +12,8 @@ import "time"
 // updates it there and writes the new working copy in place (its block's
 // backward is over: nothing of this iteration reads those weights again),
 // and the new state moves D2H into the destination reserve gave it (a
-// free slot, or home). The copies run on two streams of their own, not on
+// free slot, or home; the CPU workers' subgroups have the slots first).
+// The copies and the kernel run on three streams of their own, not on
 // the phase's lanes, so that a CPU subgroup's gradient D2H, which the CPU
 // workers wait for, never queues behind 12 bytes a parameter of state.
 //
@@ -29,8 +30,8 @@ import "time"
 // The staging is the phase's: Prefetch moves no state with the GPU
 // speculation (the worker owns the two slots from the first Speculate to
 // the stop), and every stop waits for all the worker enqueued
-// (drainGPUSpec), so the phase finds the staging, the kernel stream and
-// the slots' copies done.
+// (drainGPUSpec), so the phase finds the staging and the slots' copies
+// done.
 
 // gpuSpecBits are a kept speculated streamed subgroup's operations in
 // pre: the phase skips them.
@@ -90,11 +91,14 @@ func (e *Engine) allocSpecGPU() error {
 
 // specGPU is the GPU speculation's update of streamed subgroup i from its
 // state at from into to (reserve), on the next device staging slot, once
-// that slot's last state D2H is done. It waits for nothing else: the
+// that slot's last state D2H is done, after final (the trainer's event
+// after which i's gradients are final, which the worker waited for on the
+// host: on a GPU the device wait is a no-op; it tells the simulated
+// device's clocks). It waits for nothing else: the
 // copies and the kernel are enqueued, and a stop waits for them
 // (drainGPUSpec). A failure marks the subgroup bad (EndSpeculation undoes
 // it) and stops the speculation.
-func (e *Engine) specGPU(i int, from, to int64) {
+func (e *Engine) specGPU(i int, from, to int64, final Event) {
 	slot := e.specNextStage
 	e.specNextStage ^= 1
 	if k := e.specStage[slot]; k >= 0 {
@@ -111,7 +115,7 @@ func (e *Engine) specGPU(i int, from, to int64) {
 	}
 	e.specDirty[i] = true // the kernel writes the working copy: an undo copies the old one back
 	e.specT[i][0] = time.Now()
-	err := e.specGPUEnqueue(i, slot)
+	err := e.specGPUEnqueue(i, slot, final)
 	e.specT[i][1] = time.Now()
 	if err != nil {
 		e.specBad[i] = true
@@ -123,27 +127,32 @@ func (e *Engine) specGPU(i int, from, to int64) {
 
 // specGPUEnqueue enqueues subgroup i's speculative update on staging slot
 // slot: the state H2D pieces on specS[0], the kernel with its speculative
-// scalars after them, the state D2H pieces on specS[1] after the kernel,
-// each step between its own events.
-func (e *Engine) specGPUEnqueue(i, slot int) error {
+// scalars on specS[1] after them (not on the engine's kernel stream,
+// which HeldPartials makes wait for the trainer's backward: on an H100 a
+// kernel waited 183 ms there), the state D2H pieces on specS[2] after the
+// kernel, each step between its own events.
+func (e *Engine) specGPUEnqueue(i, slot int, final Event) error {
 	r := e.core.opSteps[i]
+	if err := e.dev.Wait(e.specS[0], final); err != nil {
+		return err
+	}
 	for k := r[opH2D][0]; k <= r[opH2D][1]; k++ {
 		if err := e.pieceOn(e.specS[0], k, &e.core.steps[k], slot); err != nil {
 			return err
 		}
 	}
-	if err := e.dev.Wait(e.s[sKernel], e.endEv[r[opH2D][1]]); err != nil {
+	if err := e.dev.Wait(e.specS[1], e.endEv[r[opH2D][1]]); err != nil {
 		return err
 	}
-	mirror, err := e.kernel(r[opKernel][0], slot, &e.specC[i], false)
+	mirror, err := e.kernel(e.specS[1], r[opKernel][0], slot, &e.specC[i], false)
 	if err = firstErr(err, mirror); err != nil {
 		return err
 	}
-	if err := e.dev.Wait(e.specS[1], e.endEv[r[opKernel][1]]); err != nil {
+	if err := e.dev.Wait(e.specS[2], e.endEv[r[opKernel][1]]); err != nil {
 		return err
 	}
 	for k := r[opD2H][0]; k <= r[opD2H][1]; k++ {
-		if err := e.pieceOn(e.specS[1], k, &e.core.steps[k], slot); err != nil {
+		if err := e.pieceOn(e.specS[2], k, &e.core.steps[k], slot); err != nil {
 			return err
 		}
 	}
@@ -151,13 +160,14 @@ func (e *Engine) specGPUEnqueue(i, slot int) error {
 }
 
 // drainGPUSpec waits for everything the GPU speculation enqueued (at a
-// stop request, on its worker): its copies' streams and the kernel stream.
+// stop request, on its worker): its three streams.
 // A failure marks every subgroup it reserved bad (its new state is not
-// known to be written) and stops the speculation.
+// known to be written), stops the speculation and breaks the engine: what
+// it enqueued may still run, under the undo's copies and the phase's.
 func (e *Engine) drainGPUSpec() {
 	e.specStage = [2]int32{-1, -1}
 	ok := true
-	for k, s := range []Stream{e.specS[0], e.s[sKernel], e.specS[1]} {
+	for k, s := range e.specS {
 		if firstErr(e.dev.Record(e.specTail[k], s), e.dev.Sync(e.specTail[k])) != nil {
 			ok = false
 		}
@@ -166,6 +176,7 @@ func (e *Engine) drainGPUSpec() {
 		return
 	}
 	e.specStop.Store(true)
+	e.broken = true // read by the caller after the stop's answer
 	for i, to := range e.specTo {
 		if to != noSpec && e.specOnGPU(i) {
 			e.specBad[i] = true

@@ -390,6 +390,8 @@ func (c *TrainConfig) Validate() error {
 		return fmt.Errorf("trainer: --speculate %v: want GiB from 0 to %d, or auto", c.Speculate, MaxMemoryBytes>>30)
 	case c.Speculate > 0 && !c.maySpeculate():
 		return errors.New("trainer: --speculate updates the CPU's subgroups during the backward: it needs --device cuda on one GPU, and not --no-overlap")
+	case c.SpeculateGPU && (c.Speculate == 0 || !c.maySpeculate()):
+		return errors.New("trainer: --speculate-gpu speculates on the GPU's streamed subgroups with --speculate's slots: it needs --speculate (GiB or auto) with --device cuda on one GPU, and not --no-overlap")
 	case c.Replan && (c.Device == "" || c.Schedule != ""):
 		return errors.New("trainer: --replan corrects the performance model's schedule: it needs --device, and no --schedule")
 	case c.Replan && c.Device == "sim" && c.Profile == "":
