@@ -210,6 +210,7 @@ type Engine struct {
 	specAck                chan struct{}  // from either worker, for a stop request
 	specMu                 sync.Mutex     // the slots' allocation and specTo's reservations (reserve), shared by the two workers
 	cpuNeed                int64          // on specMu: the slots the CPU workers' subgroups still need this phase, which the GPU speculation leaves them (reserve)
+	cpuSpecN               int64          // on specMu: the parameters the CPU workers took since the last markCPUNeed
 
 	// The GPU speculation's (speculate_gpu.go, Options.SpeculateGPU).
 	specReqG      chan specReq // to its worker (nil without it)
