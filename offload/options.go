@@ -198,8 +198,10 @@ type Options struct {
 	// H2D, the fused kernel with the same speculative scalars, the new
 	// state D2H into a slot of Speculate's memory, which is then pinned
 	// whole (14 bytes a parameter, not 6). Kept or undone as the CPU's
-	// (StepResult.SpeculatedGPU), the same bits. Off by default: its gain
-	// is not yet measured. Not saved in checkpoints.
+	// (StepResult.SpeculatedGPU), the same bits. Off by default: on an
+	// H100 at 4.24B under 24 GiB it lost 1 to 2 % (its copies share the
+	// host memory the CPU's speculation needs; BENCHMARKS.md, 2026-12-08).
+	// Not saved in checkpoints.
 	SpeculateGPU bool `json:"-"`
 	// Schedule, with Device, forces the split of the subgroups instead of
 	// the model's choice: its counts must add up to the subgroups,

@@ -101,6 +101,40 @@ var ErrEngineClosed = errors.New("scheduler: the engine is closed")
 // pinned memory against the device's operations (Sim.HostAccess).
 type hostChecker interface {
 	HostAccess(h Host, off, n int64, write bool) error
+	// HostPublish and HostAcquire tell it of a Go synchronization between
+	// goroutines (a channel, the lanes' issued counts): what the
+	// publishing goroutine knew complete under key, the acquiring one
+	// knows too (Sim.HostPublish).
+	HostPublish(key handoff)
+	HostAcquire(key handoff)
+}
+
+// handoff is a key of hostChecker's publications: an engine's step
+// (issued), or one of its channels (a negative step).
+type handoff struct {
+	e    *Engine
+	step int32
+}
+
+// Keys of the engine's channels' handoffs.
+const (
+	handPhase = -1 - iota // beginPhase to the issuers
+	handSpec              // Speculate to the workers
+	handAck               // a worker's stop answer to its caller
+	handEnd               // endPhase's drain to WaitReady after the phase
+)
+
+// publish and acquire are hostChecker's, when the device is one.
+func (e *Engine) publish(step int32) {
+	if e.hostCheck != nil {
+		e.hostCheck.HostPublish(handoff{e, step})
+	}
+}
+
+func (e *Engine) acquire(step int32) {
+	if e.hostCheck != nil {
+		e.hostCheck.HostAcquire(handoff{e, step})
+	}
 }
 
 // Engine runs the update phase of one rank over Options.Plan: the CPU
@@ -604,11 +638,14 @@ func (e *Engine) WaitReady(s Stream, i int) error {
 	on := e.phaseOn
 	e.progMu.Unlock()
 	if !on {
+		e.acquire(handEnd)
 		return nil
 	}
 	k := e.core.readyStep(i)
 	st := &e.core.steps[k]
-	if !e.issuedYet(st) || e.abort.Load() {
+	ok := e.issuedYet(st)
+	e.acquire(k)
+	if !ok || e.abort.Load() {
 		// (a fault is recorded before the lanes stop: a step issued
 		// after it, or one whose mirror copy failed, is not complete)
 		return fmt.Errorf("scheduler: WaitReady: the update phase faulted before subgroup %d's %s was complete", i, opNames[st.op])
@@ -721,6 +758,7 @@ func (e *Engine) beginPhase(c *adam.Coeffs, cs []adam.Coeffs) error {
 	e.progMu.Lock()
 	e.phaseOn = true
 	e.progMu.Unlock()
+	e.publish(handPhase)
 	for l := issDrain; l < numIssuers; l++ {
 		e.start[l] <- struct{}{}
 	}
@@ -736,6 +774,7 @@ func (e *Engine) endPhase() error {
 		e.preOn = false
 		e.endSpec()
 		e.inPhase = false
+		e.publish(handEnd)
 		e.progMu.Lock()
 		e.phaseOn = false
 		e.progMu.Unlock()

@@ -34,10 +34,12 @@ func (e *Engine) runIssuer(l issuer) {
 // issue runs issuer l's steps of this Update in order, until the lanes are
 // stopped, then says it ended.
 func (e *Engine) issue(l issuer) {
+	e.acquire(handPhase)
 	for _, k := range e.core.lanes[l] {
 		if e.abort.Load() || !e.step(k) {
 			break
 		}
+		e.publish(k)
 		e.progMu.Lock()
 		e.issued[l]++
 		e.progMu.Unlock()
@@ -73,8 +75,11 @@ func (e *Engine) step(k int32) bool {
 	}
 	for _, d := range st.waits() {
 		ds := &e.core.steps[d.step]
-		if ds.issuer != st.issuer && !e.issuedYet(ds) {
-			return false // its issuer stopped: the fault is recorded
+		if ds.issuer != st.issuer {
+			if !e.issuedYet(ds) {
+				return false // its issuer stopped: the fault is recorded
+			}
+			e.acquire(d.step)
 		}
 		// A CPU update is done once issued.
 		if d.how.host() && ds.queue != qCPU {

@@ -55,7 +55,10 @@ type Sim struct {
 	lanes    [3]time.Duration // H2D, D2H, compute: when each is free
 
 	// The ordering check (simorder.go).
-	host     vclock                // what the host knows complete (Sync)
+	host     map[uint64]*vclock    // per goroutine: what it knows complete (its Syncs; hostClock)
+	global   vclock                // the host clock without simGoroutineClocks
+	pub      map[handoff]*vclock   // HostPublish's
+	stack    [64]byte              // hostClock's scratch
 	pos      [maxSimStreams]uint32 // operations enqueued per stream id
 	live     [maxSimStreams]bool   // stream ids in use
 	maxID    int                   // stream ids used so far: [0, maxID)
@@ -236,7 +239,7 @@ func (s *Sim) op(st Stream, lane int, d time.Duration, kind uint8, us *uses) err
 		return fmt.Errorf("%w (operation %d)", ErrInjected, s.ops)
 	}
 	ss := st.(*simStream)
-	ss.vc.join(&s.host)
+	ss.vc.join(s.hostClock())
 	if err := s.order(ss, kind, us); err != nil {
 		return err
 	}
@@ -328,7 +331,7 @@ func (s *Sim) Record(e Event, st Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ev, ss := e.(*simEvent), st.(*simStream)
-	ss.vc.join(&s.host)
+	ss.vc.join(s.hostClock())
 	ev.t, ev.stream, ev.vc = ss.t, ss, ss.vc
 	s.logCall(simCall{kind: simRecord, stream: ss.id, ev: ev})
 	return nil
@@ -355,7 +358,7 @@ func (s *Sim) Sync(e Event) error {
 		return fmt.Errorf("%w (a fault on the device, seen at wait %d)", ErrInjected, s.syncs)
 	}
 	ev := e.(*simEvent)
-	s.host.join(&ev.vc)
+	s.hostClock().join(&ev.vc)
 	s.logCall(simCall{kind: simSync, ev: ev})
 	return nil
 }
@@ -605,13 +608,13 @@ func (s *Sim) statsOrder(st Stream, gd adam.DType, g Vec) (adam.Grad, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ss := st.(*simStream)
-	ss.vc.join(&s.host)
+	ss.vc.join(s.hostClock())
 	var us uses
 	us.add(vecUse(g, elemBytes(gd), true, false))
 	if err := s.order(ss, simStats, &us); err != nil {
 		return adam.Grad{}, err
 	}
-	s.host.join(&ss.vc) // the host waits for it
+	s.hostClock().join(&ss.vc) // the host waits for it
 	return ag, nil
 }
 

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"errors"
 	"fmt"
+	"runtime"
 )
 
 // The simulated device's ordering check. The simulated device runs each
@@ -210,7 +211,8 @@ func (s *Sim) HostAccess(h Host, off, n int64, write bool) error {
 	if err := span("HostAccess", hb.b, off, n); err != nil {
 		return s.disorder(err) // a range the engine got wrong: as loud as a disorder
 	}
-	known := func(wid int, a access) bool { return a.pos == 0 || s.host[wid] >= a.pos }
+	hc := s.hostClock()
+	known := func(wid int, a access) bool { return a.pos == 0 || hc[wid] >= a.pos }
 	return s.check(hostUse(hb, off, n, !write, write), 0, -1, known)
 }
 
@@ -283,5 +285,78 @@ type simCall struct {
 func (s *Sim) logCall(c simCall) {
 	if s.logging {
 		s.log = append(s.log, c)
+	}
+}
+
+// simGoroutineClocks gives each goroutine its own host clock (hostClock).
+// This package's tests set it (the engine tells the simulated device of
+// its goroutines' handoffs: HostPublish); other users of the simulated
+// device (offload's and the trainer's tests, dos train --device sim) hand
+// work between goroutines the engine does not describe, and keep one host
+// clock for all.
+var simGoroutineClocks = false
+
+// hostClock returns what the calling goroutine knows complete: the work
+// its own Syncs (and GradStats) waited for, and what HostAcquire added. A
+// goroutine knows nothing of another's waits, so a missing wait on one
+// goroutine is not hidden by a wait that another happened to make first
+// (a Go channel or lock between them orders their code, not the device's
+// work). Without simGoroutineClocks, one clock for all. s.mu is held.
+func (s *Sim) hostClock() *vclock {
+	if !simGoroutineClocks {
+		return &s.global
+	}
+	id := goid(&s.stack)
+	v := s.host[id]
+	if v == nil {
+		if s.host == nil {
+			s.host = map[uint64]*vclock{}
+		}
+		v = new(vclock)
+		s.host[id] = v
+	}
+	return v
+}
+
+// goid returns the calling goroutine's id, from its stack's header
+// ("goroutine 17 [running]:") written into b: the simulated device's
+// per-goroutine host clocks (hostClock), a test device's need only.
+func goid(b *[64]byte) uint64 {
+	n := runtime.Stack(b[:], false)
+	var id uint64
+	for _, c := range b[len("goroutine "):n] {
+		if c < '0' || c > '9' {
+			break
+		}
+		id = 10*id + uint64(c-'0')
+	}
+	return id
+}
+
+// HostPublish records what the calling goroutine knows complete under key,
+// joined with what was published there before; HostAcquire adds what was
+// published under key to the calling goroutine's knowledge. An engine
+// calls them where a Go synchronization orders two goroutines (a lane
+// waiting for another's step to be issued, a channel to its workers), so
+// that a wait one made counts for the other, as it does on a GPU.
+func (s *Sim) HostPublish(key handoff) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pub == nil {
+		s.pub = map[handoff]*vclock{}
+	}
+	v := s.pub[key]
+	if v == nil {
+		v = new(vclock)
+		s.pub[key] = v
+	}
+	v.join(s.hostClock())
+}
+
+func (s *Sim) HostAcquire(key handoff) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if v := s.pub[key]; v != nil {
+		s.hostClock().join(v)
 	}
 }

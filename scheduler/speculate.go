@@ -328,6 +328,7 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 	if err := e.dev.Record(ev, s); err != nil {
 		return err
 	}
+	e.publish(handSpec)
 	e.specReq <- specReq{ready: ready, ev: e.specNext}
 	if e.specReqG != nil {
 		e.specReqG <- specReq{ready: ready, ev: e.specNext}
@@ -403,10 +404,12 @@ func (e *Engine) markLeave() {
 // slots (reserve).
 func (e *Engine) specWorker(reqs <-chan specReq, ack chan<- struct{}, gpu bool) {
 	for r := range reqs {
+		e.acquire(handSpec)
 		if r.stop {
 			if gpu {
 				e.drainGPUSpec()
 			}
+			e.publish(handAck)
 			ack <- struct{}{}
 			continue
 		}
@@ -889,11 +892,14 @@ func prefault(wg *sync.WaitGroup, b []byte, threads int) {
 // answers: each has run what it was asked before it (the GPU
 // speculation's copies done, drainGPUSpec).
 func (e *Engine) stopWorkers() {
+	e.publish(handSpec)
 	e.specReq <- specReq{stop: true}
 	<-e.specAck
+	e.acquire(handAck)
 	if e.specReqG != nil {
 		e.specReqG <- specReq{stop: true}
 		<-e.specAck
+		e.acquire(handAck)
 	}
 }
 

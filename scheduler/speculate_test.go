@@ -57,15 +57,16 @@ func testEngineSpeculate(t *testing.T, newDev func() Device) {
 		p := heldProblem(adam.BF16, len(cases), 41, 30000)
 		want, wantCopy := specReference(p, h, cases)
 		scheds := heldSchedules(len(heldSizes) - countHeld(held))
-		// 80,000 parameters of slots: the GPU speculation alone keeps the
-		// streamed subgroups 7, 6, 5, 3 and 2 but not 4 (no slot left
-		// for it), so that the phase's state H2D of subgroup 4 into
-		// staging slot 0 steps over the kept 2's skipped state D2H to
-		// subgroup 0's (Engine.slotStep).
-		for _, budget := range []int64{SpeculateBytes(1<<20, false), SpeculateBytes(40000, false), SpeculateBytes(80000, false)} {
+		// 100,000 parameters of slots: the GPU speculation alone keeps
+		// the streamed subgroups 7, 6, 5, 3, 2 and 1 but not 4 and 0 (no
+		// slot left for them), so that the phase's state H2D of subgroup
+		// 4 into staging slot 0 steps over the kept 2's skipped state D2H
+		// to subgroup 0's (Engine.slotStep), with no state D2H between
+		// them whose throttle would wait for it.
+		for _, budget := range []int64{SpeculateBytes(1<<20, false), SpeculateBytes(40000, false), SpeculateBytes(100000, false)} {
 			for _, s := range scheds {
 				for _, gpu := range []bool{false, true} {
-					if (gpu && s.GPU == 0) || (!gpu && budget == SpeculateBytes(80000, false)) {
+					if (gpu && s.GPU == 0) || (!gpu && budget == SpeculateBytes(100000, false)) {
 						continue
 					}
 					t.Run(fmt.Sprintf("held=%v/%+v/budget=%d/gpu=%v", held, s, budget, gpu), func(t *testing.T) {
