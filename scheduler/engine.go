@@ -124,6 +124,9 @@ const (
 	handEnd               // endPhase's drain to WaitReady after the phase
 )
 
+// specKey is the handoff key of a Speculate request with event ev.
+func specKey(ev int) int32 { return -100 - int32(ev) }
+
 // publish and acquire are hostChecker's, when the device is one.
 func (e *Engine) publish(step int32) {
 	if e.hostCheck != nil {
@@ -244,7 +247,8 @@ type Engine struct {
 	specAck                chan struct{}  // from either worker, for a stop request
 	specMu                 sync.Mutex     // the slots' allocation and specTo's reservations (reserve), shared by the two workers
 	cpuNeed                int64          // on specMu: the slots the CPU workers' subgroups still need this phase, which the GPU speculation leaves them (reserve)
-	cpuSpecN               int64          // on specMu: the parameters the CPU workers took since the last markCPUNeed
+	cpuSpecN               int64          // on specMu: the slots' elements the CPU workers took since the last markCPUNeed
+	cpuMarked              bool           // on specMu: markCPUNeed ran before
 
 	// The GPU speculation's (speculate_gpu.go, Options.SpeculateGPU).
 	specReqG      chan specReq // to its worker (nil without it)

@@ -328,7 +328,9 @@ func (e *Engine) Speculate(s Stream, ready int64, cs []adam.Coeffs) error {
 	if err := e.dev.Record(ev, s); err != nil {
 		return err
 	}
-	e.publish(handSpec)
+	// Each request its own key: what the caller learns after sending it
+	// (a Sync of the backward) is not the worker's when it takes it.
+	e.publish(specKey(e.specNext))
 	e.specReq <- specReq{ready: ready, ev: e.specNext}
 	if e.specReqG != nil {
 		e.specReqG <- specReq{ready: ready, ev: e.specNext}
@@ -404,7 +406,11 @@ func (e *Engine) markLeave() {
 // slots (reserve).
 func (e *Engine) specWorker(reqs <-chan specReq, ack chan<- struct{}, gpu bool) {
 	for r := range reqs {
-		e.acquire(handSpec)
+		if r.stop {
+			e.acquire(handSpec)
+		} else {
+			e.acquire(specKey(r.ev))
+		}
 		if r.stop {
 			if gpu {
 				e.drainGPUSpec()
@@ -467,8 +473,8 @@ func (e *Engine) reserve(i int) (from, to int64, ok bool) {
 			e.cpuNeed = max(0, e.cpuNeed-roundSlot(n))
 		}
 	}
-	if !e.specOnGPU(i) {
-		e.cpuSpecN += n
+	if !e.specOnGPU(i) && from == homeLoc {
+		e.cpuSpecN += roundSlot(n) // a slot taken (a move home takes none)
 	}
 	e.specTo[i] = to
 	return from, to, true
@@ -493,24 +499,29 @@ func (e *Engine) slotsFree() int64 {
 
 // markCPUNeed sets cpuNeed, at a phase's first Speculate: the slots the
 // CPU workers' subgroups at home would take (host-held ones, and CPU ones
-// whose gradient Prefetch may move), not left to the phase, but no more
-// than an eighth over what they speculated on since the last mark (the
-// backward's length and the CPU's rate bound it: on an H100 at 4.24B the
-// CPU took 1.39B parameters of 3.19B speculable in a 415 ms backward; the
-// eighth lets a CPU that found no slot grow back).
+// whose gradient Prefetch may move), not left to the phase, but after the
+// first mark no more than an eighth over what they speculated on since
+// the last one, plus their largest subgroup (the backward's length and
+// the CPU's rate bound what they take: on an H100 at 4.24B the CPU took
+// 1.39B parameters of 3.19B speculable in a 415 ms backward; the eighth
+// and the subgroup let a CPU that found no slot, or took none, grow back,
+// and a CPU with nothing it can take leaves the slots to the GPU).
 func (e *Engine) markCPUNeed() {
 	e.specMu.Lock()
 	defer e.specMu.Unlock()
-	e.cpuNeed = 0
+	need, largest := int64(0), int64(0)
 	for i := range e.sizes {
-		if (e.held[i] || e.specCPU(i)) && !e.specLeave[i] && e.loc[i] == homeLoc {
-			e.cpuNeed += roundSlot(e.sizes[i])
+		if (e.held[i] || e.specCPU(i)) && !e.specLeave[i] {
+			largest = max(largest, roundSlot(e.sizes[i]))
+			if e.loc[i] == homeLoc {
+				need += roundSlot(e.sizes[i])
+			}
 		}
 	}
-	if e.cpuSpecN > 0 {
-		e.cpuNeed = min(e.cpuNeed, e.cpuSpecN+e.cpuSpecN/8)
+	if e.cpuMarked {
+		need = min(need, e.cpuSpecN+e.cpuSpecN/8+largest)
 	}
-	e.cpuSpecN = 0
+	e.cpuNeed, e.cpuSpecN, e.cpuMarked = need, 0, true
 }
 
 // unreserve gives subgroup i's reserved destination back: its update was

@@ -500,3 +500,54 @@ func (e *Engine) current() adam.State {
 	}
 	return s
 }
+
+// TestSpeculateGPUShare: with the GPU speculation, CPU subgroups that
+// never qualify (no Prefetch moved their gradients) do not keep the slots
+// from the streamed subgroups step after step (markCPUNeed's claim
+// follows what the CPU workers took), and every step is the serial one's
+// (the engine against its own serial reference: checkHeldRun).
+func TestSpeculateGPUShare(t *testing.T) {
+	h := adam.DefaultHyper()
+	cases := []specCase{{}, {}, {}, {}}
+	p := heldProblem(adam.BF16, len(cases), 5, -1)
+	want, wantCopy := specReference(p, h, cases)
+	d := NewSim(SimOptions{})
+	e := newHeld(t, d, p, nil, perfmodel.Schedule{CPU: 4, GPU: 4}, Options{Prefetch: true, Speculate: SpeculateBytes(100000, false), SpeculateGPU: true})
+	defer e.Close()
+	bwd, ev, host := backwardIO(t, d, 2*e.total)
+	cs := make([]adam.Coeffs, len(e.sizes))
+	for k := range cases {
+		b := p.gradBytes(k)
+		copy(host.Bytes(), b)
+		for i := range cs {
+			cs[i] = h.Coeffs(int64(k+1), 1, 1)
+		}
+		for i := len(e.sizes) - 1; i >= 0; i-- {
+			putGrad(t, d, e, bwd, host, b, i)
+			if err := e.Speculate(bwd, e.off[i], cs); err != nil { // no Prefetch: no CPU subgroup qualifies
+				t.Fatal(err)
+			}
+		}
+		if err := firstErr(d.Record(ev, bwd), d.Sync(ev)); err != nil {
+			t.Fatal(err)
+		}
+		e.WaitSpeculation()
+		kept, err := e.EndSpeculation(cs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if kept != 0 {
+			t.Fatalf("step %d: the CPU workers kept %d parameters without a Prefetch", k, kept)
+		}
+		if k > 0 && e.SpeculatedGPU() == 0 {
+			t.Errorf("step %d: the GPU speculation kept nothing, with %d elements of slots and cpuNeed %d", k, e.specN, e.cpuNeed)
+		}
+		if err := e.UpdatePer(cs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	checkHeldRun(t, d, e, want, wantCopy)
+	if err := d.OrderErr(); err != nil {
+		t.Fatal(err)
+	}
+}
