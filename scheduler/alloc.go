@@ -30,6 +30,26 @@ func (e *Engine) hostAlloc(list *[]any, bytes int64) (Host, error) {
 	return h, nil
 }
 
+// eventAlloc and streamAlloc return a new event and stream of the device,
+// added to list (freed with it), as devAlloc and hostAlloc do memory.
+func (e *Engine) eventAlloc(list *[]any) (Event, error) {
+	ev, err := e.dev.NewEvent()
+	if err != nil {
+		return nil, err
+	}
+	*list = append(*list, ev)
+	return ev, nil
+}
+
+func (e *Engine) streamAlloc(list *[]any) (Stream, error) {
+	s, err := e.dev.NewStream()
+	if err != nil {
+		return nil, err
+	}
+	*list = append(*list, s)
+	return s, nil
+}
+
 // planHost returns pinned host memory of at least bytes for the plan being
 // allocated (added to e.planAllocs): the smallest of the previous plan's
 // buffers that Replan kept (e.spare) that is large enough and at most
@@ -110,18 +130,11 @@ func (e *Engine) allocBase() error {
 		}
 	}
 	for i := range e.s {
-		if e.s[i], err = e.dev.NewStream(); err != nil {
+		if e.s[i], err = e.streamAlloc(&e.allocs); err != nil {
 			return err
 		}
-		e.allocs = append(e.allocs, e.s[i])
 	}
-	event := func() (Event, error) {
-		ev, err := e.dev.NewEvent()
-		if err == nil {
-			e.allocs = append(e.allocs, ev)
-		}
-		return ev, err
-	}
+	event := func() (Event, error) { return e.eventAlloc(&e.allocs) }
 	if e.xfer, err = e.hostAlloc(&e.allocs, 4*min(e.maxN, xferElems)); err != nil {
 		return err
 	}
@@ -217,9 +230,7 @@ func (e *Engine) allocPlan(p *Plan) error {
 	e.startEv, e.endEv = make([]Event, len(steps)), make([]Event, len(steps))
 	event := func(ev *Event) error {
 		var err error
-		if *ev, err = e.dev.NewEvent(); err == nil {
-			*l = append(*l, *ev)
-		}
+		*ev, err = e.eventAlloc(l)
 		return err
 	}
 	for k := range steps {

@@ -127,11 +127,10 @@ func (e *Engine) allocHeldParts() bool {
 		if err != nil {
 			return false
 		}
-		ev, err := e.dev.NewEvent()
+		ev, err := e.eventAlloc(&list)
 		if err != nil {
 			return false
 		}
-		list = append(list, ev)
 		e.hp.dev, e.hp.host, e.hp.ev = dev, host, ev
 		return true
 	}()

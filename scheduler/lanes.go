@@ -229,7 +229,7 @@ func (e *Engine) kernel(s Stream, k int32, slot int, c *adam.Coeffs, waits bool)
 // they record that error as the phase's fault (fail) without failing the
 // step, and complete refreshes the whole mirror.
 func (e *Engine) copyMirror(i int, s Stream, master Vec) error {
-	h, hOff := e.paramHost(i, e.where(i))
+	h, hOff := e.arrayHost(0, i, e.where(i)) // the master weights
 	for _, p := range e.mpieces[i] {
 		var err error
 		if master.Mem != nil {

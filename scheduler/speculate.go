@@ -97,12 +97,10 @@ func (e *Engine) allocSpec() error {
 	// barrier.
 	e.specEv = make([]Event, n0+1)
 	for k := range e.specEv {
-		ev, err := e.dev.NewEvent()
-		if err != nil {
+		var err error
+		if e.specEv[k], err = e.eventAlloc(&e.allocs); err != nil {
 			return err
 		}
-		e.specEv[k] = ev
-		e.allocs = append(e.allocs, ev)
 	}
 	e.specC, e.specT = make([]adam.Coeffs, n0), make([][2]time.Time, n0)
 	e.specUndo, e.specUndoLast = make([]specUndo, 0, n0), make([]specUndo, 0, n0)
@@ -168,12 +166,6 @@ func (e *Engine) stateAt(i int, where int64) adam.State {
 		return e.state.Slice(int(e.off[i]), int(e.off[i]+n))
 	}
 	return e.slots.Slice(int(where), int(where+n))
-}
-
-// paramHost returns the pinned memory and byte offset of subgroup i's
-// master weights at where (stateAt), for an H2D.
-func (e *Engine) paramHost(i int, where int64) (Host, int64) {
-	return e.arrayHost(0, i, where)
 }
 
 // arrayHost returns the pinned memory and byte offset of state array a
@@ -408,10 +400,6 @@ func (e *Engine) specWorker(reqs <-chan specReq, ack chan<- struct{}, gpu bool) 
 	for r := range reqs {
 		if r.stop {
 			e.acquire(handSpec)
-		} else {
-			e.acquire(specKey(r.ev))
-		}
-		if r.stop {
 			if gpu {
 				e.drainGPUSpec()
 			}
@@ -419,6 +407,7 @@ func (e *Engine) specWorker(reqs <-chan specReq, ack chan<- struct{}, gpu bool) 
 			ack <- struct{}{}
 			continue
 		}
+		e.acquire(specKey(r.ev))
 		if e.specStop.Load() {
 			continue
 		}
@@ -440,7 +429,7 @@ func (e *Engine) specWorker(reqs <-chan specReq, ack chan<- struct{}, gpu bool) 
 				continue // the slots are full: the phase's
 			}
 			if gpu {
-				e.specGPU(i, from, to, e.specEv[r.ev])
+				e.specGPU(i, from, to)
 			} else {
 				e.specStep(i, from, to)
 			}
@@ -461,7 +450,7 @@ func (e *Engine) reserve(i int) (from, to int64, ok bool) {
 	defer e.specMu.Unlock()
 	n := e.sizes[i]
 	from, to = e.loc[i], homeLoc
-	if from == homeLoc {
+	if from == homeLoc { // a slot taken (a move home takes none)
 		gpu := e.specOnGPU(i)
 		if gpu && e.slotsFree() < roundSlot(n)+e.cpuNeed {
 			return 0, 0, false
@@ -471,10 +460,8 @@ func (e *Engine) reserve(i int) (from, to int64, ok bool) {
 		}
 		if !gpu {
 			e.cpuNeed = max(0, e.cpuNeed-roundSlot(n))
+			e.cpuSpecN += roundSlot(n)
 		}
-	}
-	if !e.specOnGPU(i) && from == homeLoc {
-		e.cpuSpecN += roundSlot(n) // a slot taken (a move home takes none)
 	}
 	e.specTo[i] = to
 	return from, to, true

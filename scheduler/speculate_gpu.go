@@ -70,20 +70,13 @@ func (e *Engine) SpeculatedGPU() int64 { return e.keptGPU }
 // allocSpecGPU makes the GPU speculation's streams and events.
 func (e *Engine) allocSpecGPU() error {
 	for k := range e.specS {
-		s, err := e.dev.NewStream()
-		if err != nil {
+		var err error
+		if e.specS[k], err = e.streamAlloc(&e.allocs); err != nil {
 			return err
 		}
-		e.allocs = append(e.allocs, s)
-		e.specS[k] = s
-	}
-	for k := range e.specTail {
-		ev, err := e.dev.NewEvent()
-		if err != nil {
+		if e.specTail[k], err = e.eventAlloc(&e.allocs); err != nil {
 			return err
 		}
-		e.allocs = append(e.allocs, ev)
-		e.specTail[k] = ev
 	}
 	e.specStage = [2]int32{-1, -1}
 	return nil
@@ -91,14 +84,12 @@ func (e *Engine) allocSpecGPU() error {
 
 // specGPU is the GPU speculation's update of streamed subgroup i from its
 // state at from into to (reserve), on the next device staging slot, once
-// that slot's last state D2H is done, after final (the trainer's event
-// after which i's gradients are final, which the worker waited for on the
-// host: on a GPU the device wait is a no-op; it tells the simulated
-// device's clocks). It waits for nothing else: the
+// that slot's last state D2H is done (its worker waited for the request's
+// event, after which i's gradients are final). It waits for nothing else: the
 // copies and the kernel are enqueued, and a stop waits for them
 // (drainGPUSpec). A failure marks the subgroup bad (EndSpeculation undoes
 // it) and stops the speculation.
-func (e *Engine) specGPU(i int, from, to int64, final Event) {
+func (e *Engine) specGPU(i int, from, to int64) {
 	slot := e.specNextStage
 	e.specNextStage ^= 1
 	if k := e.specStage[slot]; k >= 0 {
@@ -115,7 +106,7 @@ func (e *Engine) specGPU(i int, from, to int64, final Event) {
 	}
 	e.specDirty[i] = true // the kernel writes the working copy: an undo copies the old one back
 	e.specT[i][0] = time.Now()
-	err := e.specGPUEnqueue(i, slot, final)
+	err := e.specGPUEnqueue(i, slot)
 	e.specT[i][1] = time.Now()
 	if err != nil {
 		e.specBad[i] = true
@@ -131,11 +122,8 @@ func (e *Engine) specGPU(i int, from, to int64, final Event) {
 // which HeldPartials makes wait for the trainer's backward: on an H100 a
 // kernel waited 183 ms there), the state D2H pieces on specS[2] after the
 // kernel, each step between its own events.
-func (e *Engine) specGPUEnqueue(i, slot int, final Event) error {
+func (e *Engine) specGPUEnqueue(i, slot int) error {
 	r := e.core.opSteps[i]
-	if err := e.dev.Wait(e.specS[0], final); err != nil {
-		return err
-	}
 	for k := r[opH2D][0]; k <= r[opH2D][1]; k++ {
 		if err := e.pieceOn(e.specS[0], k, &e.core.steps[k], slot); err != nil {
 			return err

@@ -65,20 +65,10 @@ func TestSpeculateSlots(t *testing.T) {
 	cs := make([]adam.Coeffs, len(e.sizes))
 	for k := range steps {
 		clear(gated)
-		b := p.gradBytes(k)
-		copy(host.Bytes(), b)
 		for i := range cs {
 			cs[i] = h.Coeffs(int64(k+1), 1, 1)
 		}
-		for i := len(e.sizes) - 1; i >= 0; i-- {
-			putGrad(t, d, e, bwd, host, b, i)
-			if err := firstErr(e.Prefetch(bwd, e.off[i]), e.Speculate(bwd, e.off[i], cs)); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if err := firstErr(d.Record(ev, bwd), d.Sync(ev)); err != nil {
-			t.Fatal(err)
-		}
+		speculateBackward(t, d, e, bwd, ev, host, p.gradBytes(k), cs, true)
 		e.WaitSpeculation()
 		wasOut := e.loc[0] != homeLoc
 		kept, err := e.EndSpeculation(cs) // clip 1, as speculated: every one kept

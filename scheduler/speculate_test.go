@@ -466,6 +466,28 @@ func TestStopThenSpeculate(t *testing.T) {
 // host, pinned, at the same offsets) where a trainer's backward would: a
 // host-held subgroup's into HostGrad, another's H2D on bwd into the device
 // gradients.
+// speculateBackward is a backward with speculation over the flat
+// gradient bytes b: each subgroup's gradient written, the last first, then
+// Prefetch (with prefetch) and Speculate with cs; then it waits for bwd's
+// work (ev).
+func speculateBackward(t testing.TB, d Device, e *Engine, bwd Stream, ev Event, host Host, b []byte, cs []adam.Coeffs, prefetch bool) {
+	t.Helper()
+	copy(host.Bytes(), b)
+	for i := len(e.sizes) - 1; i >= 0; i-- {
+		putGrad(t, d, e, bwd, host, b, i)
+		var err error
+		if prefetch {
+			err = e.Prefetch(bwd, e.off[i])
+		}
+		if err = firstErr(err, e.Speculate(bwd, e.off[i], cs)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := firstErr(d.Record(ev, bwd), d.Sync(ev)); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func putGrad(t testing.TB, d Device, e *Engine, bwd Stream, host Host, b []byte, i int) {
 	t.Helper()
 	off, n := e.off[i], e.sizes[i]
@@ -517,20 +539,10 @@ func TestSpeculateGPUShare(t *testing.T) {
 	bwd, ev, host := backwardIO(t, d, 2*e.total)
 	cs := make([]adam.Coeffs, len(e.sizes))
 	for k := range cases {
-		b := p.gradBytes(k)
-		copy(host.Bytes(), b)
 		for i := range cs {
 			cs[i] = h.Coeffs(int64(k+1), 1, 1)
 		}
-		for i := len(e.sizes) - 1; i >= 0; i-- {
-			putGrad(t, d, e, bwd, host, b, i)
-			if err := e.Speculate(bwd, e.off[i], cs); err != nil { // no Prefetch: no CPU subgroup qualifies
-				t.Fatal(err)
-			}
-		}
-		if err := firstErr(d.Record(ev, bwd), d.Sync(ev)); err != nil {
-			t.Fatal(err)
-		}
+		speculateBackward(t, d, e, bwd, ev, host, p.gradBytes(k), cs, false) // no Prefetch: no CPU subgroup qualifies
 		e.WaitSpeculation()
 		kept, err := e.EndSpeculation(cs)
 		if err != nil {
