@@ -23,6 +23,11 @@
 #                                               # (default 24), with and without it (SPECGPU_STRATS: other strategies; SPECGPU_TESTS=0: no test)
 #   PART=b24sweep ...                           # 4.24B under 24 GiB with --speculate 24 and --stream-blocks 15, 17, 19, 21 (dos plan's model
 #                                               # predicts more blocks faster; StreamSweep's auto weighs the update phase alone)
+#   PART=wait  ...                              # internal/cuda's TestHostWait, then the host's wait for the device, spin against sleep
+#                                               # (DOS_CUDA_WAIT), on one plan a cap: 4.24B under 24 GiB (18 blocks streamed, --schedule
+#                                               # SCHEDULE, default 46,59,19, 25M subgroups) and under 40 GiB (--schedule SCHEDULE40, default
+#                                               # 45,15,25, 50M subgroups), --speculate 24, --timeline-at 6; WAIT_CAPS (default "24 40") and
+#                                               # WAIT_MODES (default "spin sleep sleep spin") choose the runs, WAIT_STRAT the strategy
 #
 # EXTRA_FLAGS adds dos train flags to every dos run (e.g. --timeline-at 5, to draw the next forward beside a phase).
 # Every e2e part shares one `dos calibrate --json` profile (OUT/P.json) and runs every dos strategy with --clip 0
@@ -43,7 +48,7 @@ e2e() { # SUBDIR RUNS STRATS MODES
 	OUT="$out/$1" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-6} RUNS="$2" STRATS="$3" MODES="$4" RUN_TIMEOUT=${RUN_TIMEOUT:-300} \
 		DOS_FLAGS="--profile $out/P.json --clip ${CLIP:-0} --resident-first=false --speculate 0 ${EXTRA_FLAGS:-}" bash bench/e2e_offload.sh 2>&1 | tail -n 12
 }
-case ${PART:?PART: tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify, leave, specgpu or b24sweep} in
+case ${PART:?PART: tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify, leave, specgpu, b24sweep or wait} in
 tests)
 	(cd trainer && ../bin/test/trainer.test -test.run TestGPU -test.v) >"$out/trainer-gpu.log" 2>&1
 	echo "trainer.test TestGPU: $(grep -c '^--- PASS' "$out/trainer-gpu.log") pass, $(grep -c '^--- FAIL' "$out/trainer-gpu.log") fail, $(grep -c '^--- SKIP' "$out/trainer-gpu.log") skip"
@@ -103,12 +108,34 @@ leave)
 		bash bench/e2e_offload.sh 2>&1 | tail -n 3
 	grep -h "iteration:\|leaves\|^iter  *[78]/" "$out"/leave/*.log
 	;;
+wait)
+	(cd internal/cuda && ../../bin/test/internal_cuda.test -test.run TestHostWait -test.v) >"$out/cuda-wait.log" 2>&1
+	echo "internal_cuda.test TestHostWait: rc=$? $(grep -c -- '--- PASS' "$out/cuda-wait.log") pass, $(grep -c -- '--- FAIL' "$out/cuda-wait.log") fail"
+	grep -h "CPU (" "$out/cuda-wait.log"
+	profile
+	k=0
+	for cap in ${WAIT_CAPS:-24 40}; do
+		for w in ${WAIT_MODES:-spin sleep sleep spin}; do
+			k=$((k + 1))
+			if [ "$cap" = 24 ]; then
+				sched=${SCHEDULE:-46,59,19} more="--stream-blocks 18 --subgroup-size 25000000"
+			else
+				sched=${SCHEDULE40:-45,15,25} more="--subgroup-size 50000000"
+			fi
+			DOS_CUDA_WAIT=$w OUT="$out/wait-$cap-$k-$w" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-8} RUNS="36:3072:24,$cap,8" \
+				STRATS="${WAIT_STRAT:-dos-fixed-spec-24}" SCHEDULE=$sched MODES="" RUN_TIMEOUT=${RUN_TIMEOUT:-150} \
+				DOS_FLAGS="--profile $out/P.json --clip 0 --resident-first=false --speculate 0 $more --timeline-at 6 ${EXTRA_FLAGS:-}" \
+				bash bench/e2e_offload.sh 2>&1 | tail -n 1
+			grep -h "iteration:\|speculated in the backward" "$out/wait-$cap-$k-$w"/*.log | head -4
+		done
+	done
+	;;
 soak)
 	OUT="$out/soak" DOS_BIN=bin/dos bash bench/soak.sh --device cuda --model gpt2-xl --tokenizer gpt2 --batch 8 --gpu-memory 24 \
 		--recompute --replan --speculate 12 --clip 0 --steps 300 --sample 0 --eval-every 0 2>&1 | tail -n 8
 	;;
 *)
-	echo "issue31.sh: PART $PART: want tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify, leave, specgpu or b24sweep" >&2
+	echo "issue31.sh: PART $PART: want tests, xl, b40, b24, clip, soak, b16, b56, fsdp2clip, verify, leave, specgpu, b24sweep or wait" >&2
 	exit 2
 	;;
 esac

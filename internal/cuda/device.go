@@ -24,6 +24,11 @@ type Device struct {
 	// AsyncEngines is the number of copy engines (1: copies in one
 	// direction at a time; 2: H2D and D2H overlap).
 	AsyncEngines int
+	// Sleeps reports whether the primary context sleeps in
+	// cuStreamSynchronize and cuCtxSynchronize
+	// (CU_CTX_SCHED_BLOCKING_SYNC): set by Open under WaitSleep when it
+	// found the context inactive, or by whoever made it active.
+	Sleeps bool
 
 	dev    uintptr // CUdevice
 	ctx    uintptr // CUcontext, the primary context
@@ -79,6 +84,9 @@ func Open(ordinal int) (*Device, error) {
 		*p = int(v)
 	}
 	d.PCIBusID = fmt.Sprintf("%04x:%02x:%02x.0", dom, bus, slot)
+	if d.Sleeps, err = schedFlags(d.dev); err != nil {
+		return nil, err
+	}
 	ctx, err := outU64("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain, d.dev)
 	if err != nil {
 		return nil, err
@@ -164,8 +172,9 @@ func (d *Device) MemInfo() (free, total int64, err error) {
 	return int64(scratchU64()), int64(scratchU64At(8)), nil
 }
 
-// Sync waits for all work on the device (cuCtxSynchronize). Not for the hot
-// path: synchronize on events or streams instead.
+// Sync waits for all work on the device (cuCtxSynchronize), as the
+// context's scheduling flags say (Sleeps). Not for the hot path:
+// synchronize on events or streams instead.
 func (d *Device) Sync() error {
 	if err := d.enter(); err != nil {
 		return err

@@ -56,6 +56,7 @@ var driver struct {
 	cuInit, cuDriverGetVersion, cuGetErrorName, cuGetErrorString                           uintptr
 	cuDeviceGetCount, cuDeviceGet, cuDeviceGetName, cuDeviceTotalMem, cuDeviceGetAttribute uintptr
 	cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRelease, cuCtxSetCurrent, cuCtxSynchronize uintptr
+	cuDevicePrimaryCtxGetState, cuDevicePrimaryCtxSetFlags                                 uintptr
 	cuMemGetInfo, cuMemAlloc, cuMemFree, cuMemHostAlloc, cuMemFreeHost                     uintptr
 	cuMemHostRegister, cuMemHostUnregister                                                 uintptr
 	cuMemcpyHtoDAsync, cuMemcpyDtoHAsync, cuMemcpyDtoDAsync, cuMemsetD8Async               uintptr
@@ -103,6 +104,8 @@ func loadDriver() error {
 		{&d.cuDeviceGetAttribute, []string{"cuDeviceGetAttribute"}},
 		{&d.cuDevicePrimaryCtxRetain, []string{"cuDevicePrimaryCtxRetain"}},
 		{&d.cuDevicePrimaryCtxRelease, []string{"cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"}},
+		{&d.cuDevicePrimaryCtxGetState, []string{"cuDevicePrimaryCtxGetState"}},
+		{&d.cuDevicePrimaryCtxSetFlags, []string{"cuDevicePrimaryCtxSetFlags_v2", "cuDevicePrimaryCtxSetFlags"}},
 		{&d.cuCtxSetCurrent, []string{"cuCtxSetCurrent"}},
 		{&d.cuCtxSynchronize, []string{"cuCtxSynchronize"}},
 		{&d.cuMemGetInfo, []string{"cuMemGetInfo_v2"}},
@@ -145,6 +148,11 @@ func loadDriver() error {
 			return fmt.Errorf("cuda: the driver library lacks %s: driver too old", s.names[0])
 		}
 	}
+	w, err := hostWaitFromEnv()
+	if err != nil {
+		return err
+	}
+	hostWait.Store(int32(w))
 	if d.scratch, err = unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE); err != nil {
 		return fmt.Errorf("cuda: scratch page: %w", err)
 	}

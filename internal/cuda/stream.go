@@ -55,13 +55,16 @@ func (s *Stream) Device() *Device { return s.d }
 func (s *Stream) Lock() error { return s.enter() }
 
 // Sync waits until all work on the stream is done (cuStreamSynchronize);
-// an asynchronous error of that work surfaces here.
+// an asynchronous error of that work surfaces here. Under WaitSleep it
+// polls (cuStreamQuery) for SpinBeforeSleep first; the wait after that
+// sleeps where the context does (Device.Sleeps) and spins where it does
+// not.
 func (s *Stream) Sync() error {
 	if err := s.enter(); err != nil {
 		return err
 	}
 	defer exit()
-	return check("cuStreamSynchronize", driver.cuStreamSynchronize, s.h)
+	return pollThen("cuStreamQuery", driver.cuStreamQuery, "cuStreamSynchronize", driver.cuStreamSynchronize, s.h)
 }
 
 // Wait makes later work on s wait for e's last Record (cuStreamWaitEvent),
@@ -172,7 +175,8 @@ const (
 )
 
 // NewEvent creates an event; timing enables Elapsed (and costs a little on
-// every Record).
+// every Record). Under WaitSleep (SetHostWait) the event is made with
+// CU_EVENT_BLOCKING_SYNC: Sync sleeps on it.
 func (d *Device) NewEvent(timing bool) (*Event, error) {
 	if err := d.enter(); err != nil {
 		return nil, err
@@ -181,6 +185,9 @@ func (d *Device) NewEvent(timing bool) (*Event, error) {
 	flags := uintptr(eventDisableTiming)
 	if timing {
 		flags = eventDefault
+	}
+	if CurrentHostWait() == WaitSleep {
+		flags |= eventBlockingSync
 	}
 	h, err := outU64("cuEventCreate", driver.cuEventCreate, flags)
 	if err != nil {
@@ -211,7 +218,9 @@ func (e *Event) Record(s *Stream) error {
 }
 
 // Sync blocks until the work the event captured is done
-// (cuEventSynchronize).
+// (cuEventSynchronize): under WaitSleep it polls (cuEventQuery) for
+// SpinBeforeSleep, then sleeps on an event made under WaitSleep; else the
+// driver spins.
 func (e *Event) Sync() error {
 	if e.freed.Load() {
 		return ErrFreed
@@ -220,7 +229,7 @@ func (e *Event) Sync() error {
 		return err
 	}
 	defer exit()
-	return check("cuEventSynchronize", driver.cuEventSynchronize, e.h)
+	return pollThen("cuEventQuery", driver.cuEventQuery, "cuEventSynchronize", driver.cuEventSynchronize, e.h)
 }
 
 // Done reports whether the captured work is done, without blocking

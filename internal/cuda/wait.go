@@ -1,0 +1,142 @@
+package cuda
+
+import (
+	"fmt"
+	"os"
+	"sync/atomic"
+	"time"
+)
+
+// HostWait is how a host thread waits for the device in Stream.Sync,
+// Event.Sync and Device.Sync.
+type HostWait int32
+
+const (
+	// WaitSpin leaves the waiting to the driver's default for a process
+	// of one context on a host of more cores than contexts
+	// (CU_CTX_SCHED_AUTO): the waiting thread polls the device on a core
+	// of its own until the work is done. The lowest latency; but a wait
+	// of a whole backward (the trainer's Loss) holds a core the CPU
+	// workers' speculative updates run on at the same time.
+	WaitSpin HostWait = iota
+	// WaitSleep polls for SpinBeforeSleep, then sleeps in the driver until
+	// the device's interrupt wakes the thread: the primary context is
+	// made with CU_CTX_SCHED_BLOCKING_SYNC (when Open finds it inactive)
+	// and events with CU_EVENT_BLOCKING_SYNC, as CUDA's
+	// cudaDeviceScheduleBlockingSync and cudaEventBlockingSync do. A wait
+	// longer than the poll costs the wake-up's latency (tens of
+	// microseconds) and leaves its core to other threads.
+	WaitSleep
+)
+
+// SpinBeforeSleep is how long a WaitSleep wait polls before it sleeps: a
+// wait for work that is nearly done returns without the wake-up's latency.
+const SpinBeforeSleep = 20 * time.Microsecond
+
+// WaitEnv is the environment variable that sets the host wait when the
+// driver is first loaded: "spin" (WaitSpin, the default) or "sleep"
+// (WaitSleep).
+const WaitEnv = "DOS_CUDA_WAIT"
+
+// CUDA's scheduling flags (CUctx_flags) and the event's blocking flag.
+const (
+	ctxSchedMask         = 0x07
+	ctxSchedBlockingSync = 0x04
+	eventBlockingSync    = 0x01
+)
+
+// hostWait is the current HostWait.
+var hostWait atomic.Int32
+
+func (w HostWait) String() string {
+	switch w {
+	case WaitSpin:
+		return "spin"
+	case WaitSleep:
+		return "sleep"
+	}
+	return fmt.Sprintf("HostWait(%d)", int32(w))
+}
+
+// hostWaitFromEnv parses WaitEnv: unset or empty is WaitSpin.
+func hostWaitFromEnv() (HostWait, error) {
+	switch v := os.Getenv(WaitEnv); v {
+	case "", "spin":
+		return WaitSpin, nil
+	case "sleep":
+		return WaitSleep, nil
+	default:
+		return 0, fmt.Errorf("cuda: %s=%q: want spin or sleep", WaitEnv, v)
+	}
+}
+
+// SetHostWait sets how the host waits for the device from now on: every
+// Sync, the events made after it, and the primary context of the next Open
+// that finds it inactive (no other Device, and no other library of the
+// process, holds it); an active context keeps its scheduling flags.
+// WaitEnv sets it when the driver loads. Errors: load's (no driver); a
+// HostWait other than WaitSpin and WaitSleep.
+func SetHostWait(w HostWait) error {
+	if w != WaitSpin && w != WaitSleep {
+		return fmt.Errorf("cuda: SetHostWait(%v): want WaitSpin or WaitSleep", w)
+	}
+	if err := load(); err != nil {
+		return err
+	}
+	hostWait.Store(int32(w))
+	return nil
+}
+
+// CurrentHostWait returns the host wait in force (SetHostWait, WaitEnv).
+func CurrentHostWait() HostWait { return HostWait(hostWait.Load()) }
+
+// schedFlags sets the primary context's scheduling flags of CUdevice dev
+// for the host wait in force, when the context is inactive (Open calls it
+// before cuDevicePrimaryCtxRetain); an active one (another Device, or
+// PyTorch in the process) keeps its own. It reports whether the context
+// sleeps in cuStreamSynchronize and cuCtxSynchronize.
+func schedFlags(dev uintptr) (sleeps bool, err error) {
+	driver.mu.Lock()
+	defer driver.mu.Unlock()
+	a := scratchAddr()
+	clear(driver.scratch[:16])
+	if r := call(driver.cuDevicePrimaryCtxGetState, dev, a, a+8); r != 0 {
+		return false, newErrorLocked("cuDevicePrimaryCtxGetState", r)
+	}
+	flags, active := uint32(scratchU64()), int32(uint32(scratchU64At(8)))
+	if active != 0 {
+		return flags&ctxSchedMask == ctxSchedBlockingSync, nil
+	}
+	want := flags &^ ctxSchedMask
+	if CurrentHostWait() == WaitSleep {
+		want |= ctxSchedBlockingSync
+	}
+	if want != flags {
+		if r := call(driver.cuDevicePrimaryCtxSetFlags, dev, uintptr(want)); r != 0 {
+			return false, newErrorLocked("cuDevicePrimaryCtxSetFlags", r)
+		}
+	}
+	return want&ctxSchedMask == ctxSchedBlockingSync, nil
+}
+
+// pollThen waits for a query (cuEventQuery, cuStreamQuery on h) to say
+// done, polling it for SpinBeforeSleep under WaitSleep, then calls the
+// blocking wait (cuEventSynchronize, cuStreamSynchronize). The caller has
+// entered the context.
+func pollThen(queryName string, query uintptr, syncName string, sync, h uintptr) error {
+	if CurrentHostWait() == WaitSleep {
+		for t0 := time.Now(); ; {
+			switch r := call(query, h); r {
+			case 0:
+				return nil
+			case errNotReady:
+			default:
+				return newError(queryName, r)
+			}
+			if time.Since(t0) >= SpinBeforeSleep {
+				break
+			}
+		}
+	}
+	return check(syncName, sync, h)
+}
