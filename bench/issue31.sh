@@ -126,7 +126,7 @@ wait)
 				STRATS="${WAIT_STRAT:-dos-fixed-spec-24}" SCHEDULE=$sched MODES="" RUN_TIMEOUT=${RUN_TIMEOUT:-150} \
 				DOS_FLAGS="--profile $out/P.json --clip 0 --resident-first=false --speculate 0 $more --timeline-at 6 ${EXTRA_FLAGS:-}" \
 				bash bench/e2e_offload.sh 2>&1 | tail -n 1
-			grep -h "iteration:\|speculated in the backward" "$out/wait-$cap-$k-$w"/*.log | head -4
+			grep -h "iteration:\|speculated in the backward\|host waits" "$out/wait-$cap-$k-$w"/*.log | head -5
 		done
 	done
 	;;
