@@ -23,7 +23,8 @@
 #                                               # (default 24), with and without it (SPECGPU_STRATS: other strategies; SPECGPU_TESTS=0: no test)
 #   PART=b24sweep ...                           # 4.24B under 24 GiB with --speculate 24 and --stream-blocks 15, 17, 19, 21 (dos plan's model
 #                                               # predicts more blocks faster; StreamSweep's auto weighs the update phase alone)
-#   PART=wait  ...                              # internal/cuda's TestHostWait, then the host's wait for the device, spin against sleep
+#   PART=wait  ...                              # internal/cuda's TestHostWait, perfmodel's BenchmarkHostUpdate under each wait, then the
+#                                               # host's wait for the device, spin against sleep
 #                                               # (DOS_CUDA_WAIT), on one plan a cap: 4.24B under 24 GiB (18 blocks streamed, --schedule
 #                                               # SCHEDULE, default 46,59,19, 25M subgroups) and under 40 GiB (--schedule SCHEDULE40, default
 #                                               # 45,15,25, 50M subgroups), --speculate 24, --timeline-at 6; WAIT_CAPS (default "24 40") and
@@ -113,6 +114,10 @@ wait)
 	(cd internal/cuda && ../../bin/test/internal_cuda.test -test.run TestHostWait -test.v) >"$out/cuda-wait.log" 2>&1
 	echo "internal_cuda.test TestHostWait: rc=$? $(grep -c -- '--- PASS' "$out/cuda-wait.log") pass, $(grep -c -- '--- FAIL' "$out/cuda-wait.log") fail"
 	grep -h "CPU (" "$out/cuda-wait.log"
+	for w in spin sleep; do # the speculation's update beside a waiting thread and beside copies (perfmodel's BenchmarkHostUpdate)
+		(cd perfmodel && DOS_CUDA_WAIT=$w ../bin/test/perfmodel.test -test.run XXX -test.bench HostUpdate -test.benchtime 20x) >"$out/hostupdate-$w.log" 2>&1
+		grep -h "host wait\|Gparam/s" "$out/hostupdate-$w.log" | sed 's/^/'"$w"': /'
+	done
 	profile
 	k=0
 	for cap in ${WAIT_CAPS:-24 40}; do

@@ -1,0 +1,175 @@
+package perfmodel
+
+import (
+	"fmt"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/internal/cuda"
+)
+
+// BenchmarkHostUpdate measures the CPU workers' out-of-place update
+// (adam.Pool.StepTo, the speculation's: bf16 gradient and working copy,
+// the new state into another pinned array, the two alternating as the
+// speculation's home and slots do) over 96M parameters in pinned memory,
+// one dispatch a subgroup of 6.25M, 25M or 50M parameters, and reports
+// Gparam/s:
+//
+//   - alone: nothing else runs;
+//   - waiter: beside a thread that waits for the device in Stream.Sync on
+//     device-to-device copies (no host memory), as the trainer's Loss
+//     waits for its backward while the speculation runs; under
+//     DOS_CUDA_WAIT=spin (the driver's default) that thread holds a core;
+//   - waiter-t1: the same with a worker fewer (a core left to the waiter);
+//   - dma: beside both PCIe directions copying 128 MiB pieces, waited for
+//     by polling (the host memory the streamed lane and the blocks'
+//     copies share with the CPU).
+//
+// Run it on the GPU machine under each DOS_CUDA_WAIT (bench/issue31.sh
+// PART=wait does): what waiter loses to alone under spin and not under
+// sleep is what the trainer's spinning wait costs the speculation.
+func BenchmarkHostUpdate(b *testing.B) {
+	d, err := cuda.Open(0)
+	if err != nil {
+		if cuda.Available() == nil || os.Getenv("DOS_REQUIRE_GPU") == "1" {
+			b.Fatalf("GPU 0: %v", err)
+		}
+		b.Skipf("no GPU: %v", err)
+	}
+	defer d.Close()
+	const n = 96 << 20
+	var frees []func() error
+	defer func() {
+		for _, f := range frees {
+			f()
+		}
+	}()
+	pinned := func(bytes int64) []byte {
+		h, err := d.HostAlloc(bytes)
+		if err != nil {
+			b.Fatal(err)
+		}
+		frees = append(frees, h.Free)
+		return h.Bytes()
+	}
+	f32 := func() []float32 { return unsafe.Slice((*float32)(unsafe.Pointer(&pinned(4 * n)[0])), n) }
+	u16 := func() []uint16 { return unsafe.Slice((*uint16)(unsafe.Pointer(&pinned(2 * n)[0])), n) }
+	st := [2]adam.State{{Param: f32(), ExpAvg: f32(), ExpAvgSq: f32()}, {Param: f32(), ExpAvg: f32(), ExpAvgSq: f32()}}
+	g, out := u16(), u16()
+	for i := range n {
+		st[0].Param[i] = float32(i%1000) * 1e-3
+		g[i] = adam.F32ToBF16(float32(i%777) * 1e-5)
+	}
+	c := adam.DefaultHyper().Coeffs(1, 1, 0.9)
+	threads := runtime.GOMAXPROCS(0)
+	b.Logf("%s, %d threads, host wait %v (%s), context sleeps: %v", d.Name, threads, cuda.CurrentHostWait(), cuda.WaitEnv, d.Sleeps)
+	for _, sub := range []int{6_250_000, 25_000_000, 50_000_000} {
+		for _, with := range []string{"alone", "waiter", "waiter-t1", "dma"} {
+			b.Run(fmt.Sprintf("sub=%.2fM/%s", float64(sub)/1e6, with), func(b *testing.B) {
+				w := threads
+				if with == "waiter-t1" {
+					w = max(1, threads-1)
+				}
+				pool := adam.NewPool(w)
+				defer pool.Close()
+				from := 0
+				pass := func() {
+					for lo := 0; lo < n; lo += sub {
+						hi := min(lo+sub, n)
+						pool.StepTo(&c, st[from].Slice(lo, hi), adam.Grad16(adam.BF16, g[lo:hi]), adam.Copy16{DType: adam.BF16, Data: out[lo:hi]}, st[1-from].Slice(lo, hi))
+					}
+					from = 1 - from
+				}
+				pass() // the pages warm
+				stop := background(b, d, with)
+				b.ResetTimer()
+				for range b.N {
+					pass()
+				}
+				b.StopTimer()
+				stop()
+				b.ReportMetric(float64(b.N)*n/b.Elapsed().Seconds()/1e9, "Gparam/s")
+			})
+		}
+	}
+}
+
+// background starts what BenchmarkHostUpdate's variant with runs beside
+// the update, and returns what stops it and waits for it.
+func background(b *testing.B, d *cuda.Device, with string) (stop func()) {
+	if with == "alone" {
+		return func() {}
+	}
+	const piece = 128 << 20
+	s1, err := d.NewStream()
+	if err != nil {
+		b.Fatal(err)
+	}
+	s2, err := d.NewStream()
+	if err != nil {
+		b.Fatal(err)
+	}
+	x, err := d.Alloc(piece)
+	if err != nil {
+		b.Fatal(err)
+	}
+	y, err := d.Alloc(piece)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var h1, h2 *cuda.HostBuffer
+	if with == "dma" {
+		if h1, err = d.HostAlloc(piece); err != nil {
+			b.Fatal(err)
+		}
+		if h2, err = d.HostAlloc(piece); err != nil {
+			b.Fatal(err)
+		}
+	}
+	ev, err := d.NewEvent(false)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var quit atomic.Bool
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for !quit.Load() {
+			if with == "dma" {
+				// Both directions for about 50 ms, waited for by polling.
+				for range 20 {
+					s1.CopyHtoD(x, 0, h1, 0, piece)
+					s2.CopyDtoH(h2, 0, y, 0, piece)
+				}
+				ev.Record(s2)
+				for done, err := ev.Done(); !done && err == nil; done, err = ev.Done() {
+					time.Sleep(time.Millisecond)
+				}
+				s1.Sync()
+				continue
+			}
+			// About 50 ms of copies on the device, and a wait for them
+			// as the trainer waits for its backward.
+			for range 200 {
+				s1.CopyDtoD(y, 0, x, 0, piece)
+			}
+			s1.Sync()
+		}
+	})
+	return func() {
+		quit.Store(true)
+		wg.Wait()
+		for _, f := range []func() error{ev.Free, s1.Free, s2.Free, x.Free, y.Free} {
+			f()
+		}
+		if h1 != nil {
+			h1.Free()
+			h2.Free()
+		}
+	}
+}
