@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/deepstates/dos/checkpoint"
-	"github.com/deepstates/dos/internal/cuda"
 	"github.com/deepstates/dos/offload"
 )
 
@@ -626,12 +625,8 @@ func (t *Trainer) Run() (Summary, error) {
 			if cfg.Speculate == SpeculateAuto {
 				auto = " (--speculate auto)"
 			}
-			wait := ""
-			if cfg.Device == "cuda" {
-				wait = fmt.Sprintf("; the host waits for the device by %s (%s)", map[cuda.HostWait]string{cuda.WaitSpin: "spinning", cuda.WaitSleep: "sleeping"}[cuda.CurrentHostWait()], cuda.WaitEnv)
-			}
-			fmt.Fprintf(t.out, "speculative updates in the backward: %.2f GiB of host memory%s for the slots of up to %.3gB parameters' new state a step, kept when the step neither clips nor is skipped%s\n",
-				float64(b)/(1<<30), auto, float64(b/offload.SpeculateBytes(1, false))/1e9, wait)
+			fmt.Fprintf(t.out, "speculative updates in the backward: %.2f GiB of host memory%s for the slots of up to %.3gB parameters' new state a step, kept when the step neither clips nor is skipped\n",
+				float64(b)/(1<<30), auto, float64(b/offload.SpeculateBytes(1, false))/1e9)
 		} else if cfg.Speculate == SpeculateAuto && cfg.maySpeculate() {
 			fmt.Fprintf(t.out, "speculative updates in the backward: none (--speculate auto: under 512 MiB of host memory left, of which it takes half)\n")
 		}

@@ -347,7 +347,8 @@ func TestEvents(t *testing.T) {
 	t.Logf("4 MiB H2D + kernel: %v", el)
 }
 
-// TestHotPathNoAllocs: copies, launches, event records and waits allocate
+// TestHotPathNoAllocs: copies, launches, event records and waits, and the
+// host's waits (Event.Sync, Stream.Sync) under each HostWait, allocate
 // nothing.
 func TestHotPathNoAllocs(t *testing.T) {
 	if raceEnabled {
@@ -372,6 +373,20 @@ func TestHotPathNoAllocs(t *testing.T) {
 		t.Errorf("hot path allocates %v times", a)
 	}
 	must(t, k.s.Sync())
+	was := CurrentHostWait()
+	defer SetHostWait(was)
+	for _, w := range []HostWait{WaitSpin, WaitSleep} {
+		must(t, SetHostWait(w))
+		sync := func() {
+			f()
+			ev.Sync()
+			f()
+			k.s.Sync()
+		}
+		if a := testing.AllocsPerRun(20, sync); a != 0 {
+			t.Errorf("%v: the host's waits allocate %v times", w, a)
+		}
+	}
 }
 
 func must(t testing.TB, err error) {

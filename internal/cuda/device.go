@@ -50,12 +50,15 @@ const (
 
 // Open returns device ordinal (0 for the first) with its primary context.
 //
-// Errors: no usable driver (see Available), an ordinal out of range, or a
-// failed driver call.
+// Errors: no usable driver (see Available), a WaitEnv value other than
+// spin and sleep, an ordinal out of range, or a failed driver call.
 func Open(ordinal int) (*Device, error) {
 	n, err := DeviceCount()
 	if err != nil {
 		return nil, err
+	}
+	if envErr != nil {
+		return nil, envErr
 	}
 	if ordinal < 0 || ordinal >= n {
 		return nil, fmt.Errorf("cuda: device %d does not exist (%d devices)", ordinal, n)

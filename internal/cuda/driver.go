@@ -149,10 +149,8 @@ func loadDriver() error {
 		}
 	}
 	w, err := hostWaitFromEnv()
-	if err != nil {
-		return err
-	}
 	hostWait.Store(int32(w))
+	envErr = err
 	if d.scratch, err = unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE); err != nil {
 		return fmt.Errorf("cuda: scratch page: %w", err)
 	}

@@ -12,12 +12,13 @@ import (
 type HostWait int32
 
 const (
-	// WaitSpin leaves the waiting to the driver's default for a process
-	// of one context on a host of more cores than contexts
-	// (CU_CTX_SCHED_AUTO): the waiting thread polls the device on a core
-	// of its own until the work is done. The lowest latency; but a wait
-	// of a whole backward (the trainer's Loss) holds a core the CPU
-	// workers' speculative updates run on at the same time.
+	// WaitSpin leaves the waiting to the primary context's scheduling
+	// flags as they are: the driver's default, CU_CTX_SCHED_AUTO, spins
+	// while the process has no more contexts than the host has cores, so
+	// the waiting thread polls the device on a core of its own until the
+	// work is done. The lowest latency; but a wait of a whole backward
+	// (the trainer's Loss) holds a core the CPU workers' speculative
+	// updates run on at the same time.
 	WaitSpin HostWait = iota
 	// WaitSleep polls for SpinBeforeSleep, then sleeps in the driver until
 	// the device's interrupt wakes the thread: the primary context is
@@ -35,7 +36,7 @@ const SpinBeforeSleep = 20 * time.Microsecond
 
 // WaitEnv is the environment variable that sets the host wait when the
 // driver is first loaded: "spin" (WaitSpin, the default) or "sleep"
-// (WaitSleep).
+// (WaitSleep). Any other value makes Open fail, naming it.
 const WaitEnv = "DOS_CUDA_WAIT"
 
 // CUDA's scheduling flags (CUctx_flags) and the event's blocking flag.
@@ -45,8 +46,12 @@ const (
 	eventBlockingSync    = 0x01
 )
 
-// hostWait is the current HostWait.
-var hostWait atomic.Int32
+// hostWait is the current HostWait; envErr is WaitEnv's bad value, which
+// Open returns (the driver is usable: Available says so).
+var (
+	hostWait atomic.Int32
+	envErr   error
+)
 
 func (w HostWait) String() string {
 	switch w {
@@ -87,14 +92,23 @@ func SetHostWait(w HostWait) error {
 	return nil
 }
 
-// CurrentHostWait returns the host wait in force (SetHostWait, WaitEnv).
-func CurrentHostWait() HostWait { return HostWait(hostWait.Load()) }
+// CurrentHostWait returns the host wait in force (SetHostWait, WaitEnv;
+// WaitSpin where the driver cannot load, or WaitEnv's value is bad).
+func CurrentHostWait() HostWait {
+	load()
+	return HostWait(hostWait.Load())
+}
 
-// schedFlags sets the primary context's scheduling flags of CUdevice dev
-// for the host wait in force, when the context is inactive (Open calls it
-// before cuDevicePrimaryCtxRetain); an active one (another Device, or
-// PyTorch in the process) keeps its own. It reports whether the context
-// sleeps in cuStreamSynchronize and cuCtxSynchronize.
+// schedFlags sets CU_CTX_SCHED_BLOCKING_SYNC on the primary context of
+// CUdevice dev under WaitSleep, when the context is inactive (Open calls
+// it before cuDevicePrimaryCtxRetain); an active one (another Device, or
+// PyTorch in the process) keeps its own flags, and WaitSpin changes none.
+// The check and the change are one step for this package (driver.mu), not
+// for another library of the process that may make the context active
+// between them. It reports whether the context sleeps in
+// cuStreamSynchronize and cuCtxSynchronize. Under WaitSleep, a process
+// whose dos opens the device first has PyTorch's synchronizations sleep
+// too (dos.torch, before torch touches the GPU).
 func schedFlags(dev uintptr) (sleeps bool, err error) {
 	driver.mu.Lock()
 	defer driver.mu.Unlock()
@@ -104,13 +118,10 @@ func schedFlags(dev uintptr) (sleeps bool, err error) {
 		return false, newErrorLocked("cuDevicePrimaryCtxGetState", r)
 	}
 	flags, active := uint32(scratchU64()), int32(uint32(scratchU64At(8)))
-	if active != 0 {
+	if active != 0 || HostWait(hostWait.Load()) != WaitSleep {
 		return flags&ctxSchedMask == ctxSchedBlockingSync, nil
 	}
-	want := flags &^ ctxSchedMask
-	if CurrentHostWait() == WaitSleep {
-		want |= ctxSchedBlockingSync
-	}
+	want := flags&^ctxSchedMask | ctxSchedBlockingSync
 	if want != flags {
 		if r := call(driver.cuDevicePrimaryCtxSetFlags, dev, uintptr(want)); r != 0 {
 			return false, newErrorLocked("cuDevicePrimaryCtxSetFlags", r)
@@ -124,7 +135,7 @@ func schedFlags(dev uintptr) (sleeps bool, err error) {
 // blocking wait (cuEventSynchronize, cuStreamSynchronize). The caller has
 // entered the context.
 func pollThen(queryName string, query uintptr, syncName string, sync, h uintptr) error {
-	if CurrentHostWait() == WaitSleep {
+	if HostWait(hostWait.Load()) == WaitSleep {
 		for t0 := time.Now(); ; {
 			switch r := call(query, h); r {
 			case 0:
