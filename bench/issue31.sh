@@ -28,8 +28,8 @@
 #                                               # (DOS_CUDA_WAIT), on one plan a cap: 4.24B under 24 GiB (18 blocks streamed, --schedule
 #                                               # SCHEDULE, default 46,59,19, 25M subgroups) and under 40 GiB (--schedule SCHEDULE40, default
 #                                               # 45,15,25, 50M subgroups), --speculate 24, --timeline-at 6; WAIT_CAPS (default "24 40") and
-#                                               # WAIT_MODES (default "spin sleep sleep spin"; spin-t15: spin with --threads 15) choose the
-#                                               # runs, WAIT_STRAT the strategies
+#                                               # WAIT_MODES (default "spin sleep sleep spin"; spin-t15: spin with --threads 15; a -small
+#                                               # suffix: DOS_HUGE_PAGES=off, 4 KiB pages) choose the runs, WAIT_STRAT the strategies
 #
 # EXTRA_FLAGS adds dos train flags to every dos run (e.g. --timeline-at 5, to draw the next forward beside a phase).
 # Every e2e part shares one `dos calibrate --json` profile (OUT/P.json) and runs every dos strategy with --clip 0
@@ -114,8 +114,9 @@ wait)
 	(cd internal/cuda && ../../bin/test/internal_cuda.test -test.run TestHostWait -test.v) >"$out/cuda-wait.log" 2>&1
 	echo "internal_cuda.test TestHostWait: rc=$? $(grep -c -- '--- PASS' "$out/cuda-wait.log") pass, $(grep -c -- '--- FAIL' "$out/cuda-wait.log") fail"
 	grep -h "CPU (" "$out/cuda-wait.log"
-	for w in spin sleep; do # the speculation's update beside a waiting thread and beside copies (perfmodel's BenchmarkHostUpdate)
-		(cd perfmodel && DOS_CUDA_WAIT=$w ../bin/test/perfmodel.test -test.run XXX -test.bench HostUpdate -test.benchtime 20x) >"$out/hostupdate-$w.log" 2>&1
+	for w in spin sleep spin-small; do # the speculation's update beside a waiting thread and beside copies (perfmodel's BenchmarkHostUpdate); spin-small: on 4 KiB pages
+		hp=on; [ "$w" = spin-small ] && hp=off
+		(cd perfmodel && DOS_HUGE_PAGES=$hp DOS_CUDA_WAIT=${w%-small} ../bin/test/perfmodel.test -test.run XXX -test.bench HostUpdate -test.benchtime 20x) >"$out/hostupdate-$w.log" 2>&1
 		grep -h "host wait\|Gparam/s" "$out/hostupdate-$w.log" | sed 's/^/'"$w"': /'
 	done
 	profile
@@ -128,13 +129,15 @@ wait)
 			else
 				sched=${SCHEDULE40:-45,15,25} more="--subgroup-size 50000000"
 			fi
-			thr="" # a mode spin-t15 also runs --threads 15 (a core left to the trainer's thread)
-			[ "${w#*-t}" != "$w" ] && thr="--threads ${w#*-t}"
-			DOS_CUDA_WAIT=${w%-t*} OUT="$out/wait-$cap-$k-$w" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-8} RUNS="36:3072:24,$cap,8" \
+			m=$w thr="" hp=on # spin-t15: --threads 15 too (a core left to the trainer's thread); sleep-small: DOS_HUGE_PAGES=off
+			[ "${m%-small}" != "$m" ] && m=${m%-small} hp=off
+			[ "${m#*-t}" != "$m" ] && thr="--threads ${m#*-t}" m=${m%-t*}
+			DOS_HUGE_PAGES=$hp DOS_CUDA_WAIT=$m OUT="$out/wait-$cap-$k-$w" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-8} RUNS="36:3072:24,$cap,8" \
 				STRATS="${WAIT_STRAT:-dos-fixed-spec-24}" SCHEDULE=$sched MODES="" RUN_TIMEOUT=${RUN_TIMEOUT:-150} \
 				DOS_FLAGS="--profile $out/P.json --clip 0 --resident-first=false --speculate 0 $more --timeline-at 6 $thr ${EXTRA_FLAGS:-}" \
 				bash bench/e2e_offload.sh 2>&1 | tail -n 1
 			grep -h "iteration:\|speculated in the backward\|host waits" "$out/wait-$cap-$k-$w"/*.log | head -5
+			grep -h "^iter " "$out/wait-$cap-$k-$w"/*.log | tail -2
 		done
 	done
 	;;

@@ -88,17 +88,21 @@ func CalibrateCPU(opts CPUOptions, progress func(done, total int)) ([]CPUFit, er
 		}
 	}
 	maxN := slices.Max(opts.Sizes)
-	s := adam.State{Param: make([]float32, maxN), ExpAvg: make([]float32, maxN), ExpAvgSq: make([]float32, maxN)}
+	var mem hostArrays // the memory the engine's CPU workers update is mapped so
+	defer mem.free()
+	s := adam.State{Param: mem.f32(maxN), ExpAvg: mem.f32(maxN), ExpAvgSq: mem.f32(maxN)}
+	g32, g16 := mem.f32(maxN), mem.u16(maxN)
+	out := adam.Copy16{DType: adam.BF16, Data: mem.u16(maxN)}
+	if mem.err != nil {
+		return nil, fmt.Errorf("perfmodel: CPU calibration: %w", mem.err)
+	}
 	for i := range s.Param {
 		s.Param[i] = float32(i%1000) * 1e-3
 	}
-	g32 := make([]float32, maxN)
-	g16 := make([]uint16, maxN)
 	for i := range g32 {
 		g32[i] = float32(i%777) * 1e-5
 		g16[i] = adam.F32ToBF16(g32[i])
 	}
-	out := adam.Copy16{DType: adam.BF16, Data: make([]uint16, maxN)}
 	// A clip factor below 1 takes the staged path (gradient scaled per
 	// block), the usual one in training with clipping or loss scaling and
 	// the slower one for fp32 gradients.

@@ -311,13 +311,18 @@ func CalibrateGPU(d *cuda.Device, k *kernels.Kernels, opts GPUOptions, progress 
 // written).
 func contention(opts GPUOptions, s1, s2 *cuda.Stream, a, e1, b, e2 *cuda.Event, h1, h2 *cuda.HostBuffer, d1, d2 *cuda.Buffer, maxCopy int64, duplex float64) (Contention, float64, error) {
 	const n = 32 << 20
-	s := adam.State{Param: make([]float32, n), ExpAvg: make([]float32, n), ExpAvgSq: make([]float32, n)}
-	g := make([]uint16, n)
+	var mem hostArrays // as the engine's host state (cuda.MapHost)
+	defer mem.free()
+	s := adam.State{Param: mem.f32(n), ExpAvg: mem.f32(n), ExpAvgSq: mem.f32(n)}
+	g := mem.u16(n)
+	out := adam.Copy16{DType: adam.BF16, Data: mem.u16(n)}
+	if mem.err != nil {
+		return Contention{}, 0, fmt.Errorf("perfmodel: contention: %w", mem.err)
+	}
 	for i := range g {
 		s.Param[i] = float32(i%1000) * 1e-3
 		g[i] = adam.F32ToBF16(float32(i%777) * 1e-5)
 	}
-	out := adam.Copy16{DType: adam.BF16, Data: make([]uint16, n)}
 	pool := adam.NewPool(opts.Threads)
 	defer pool.Close()
 	c := adam.DefaultHyper().Coeffs(1, 1, 0.9)

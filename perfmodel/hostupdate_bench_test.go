@@ -17,7 +17,8 @@ import (
 // BenchmarkHostUpdate measures the CPU workers' out-of-place update
 // (adam.Pool.StepTo, the speculation's: bf16 gradient and working copy,
 // the new state into another pinned array, the two alternating as the
-// speculation's home and slots do) over 96M parameters in pinned memory,
+// speculation's home and slots do) over 96M parameters in pinned memory
+// mapped as the engine's host state is (cuda.Device.HostRegister),
 // one dispatch a subgroup of 6.25M, 25M or 50M parameters, and reports
 // Gparam/s:
 //
@@ -51,7 +52,7 @@ func BenchmarkHostUpdate(b *testing.B) {
 		}
 	}()
 	pinned := func(bytes int64) []byte {
-		h, err := d.HostAlloc(bytes)
+		h, err := d.HostRegister(bytes) // the engine's host state's kind (huge pages unless DOS_HUGE_PAGES=off)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -68,7 +69,7 @@ func BenchmarkHostUpdate(b *testing.B) {
 	}
 	c := adam.DefaultHyper().Coeffs(1, 1, 0.9)
 	threads := runtime.GOMAXPROCS(0)
-	b.Logf("%s, %d threads, host wait %v (%s), context sleeps: %v", d.Name, threads, cuda.CurrentHostWait(), cuda.WaitEnv, d.Sleeps)
+	b.Logf("%s, %d threads, host wait %v (%s), context sleeps: %v; host memory: %s", d.Name, threads, cuda.CurrentHostWait(), cuda.WaitEnv, d.Sleeps, cuda.HugePages())
 	for _, sub := range []int{6_250_000, 25_000_000, 50_000_000} {
 		for _, with := range []string{"alone", "waiter", "waiter-t1", "dma"} {
 			b.Run(fmt.Sprintf("sub=%.2fM/%s", float64(sub)/1e6, with), func(b *testing.B) {

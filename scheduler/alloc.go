@@ -339,6 +339,8 @@ func (e *Engine) free(list []any) error {
 	for i := len(list) - 1; i >= 0; i-- {
 		var err error
 		switch x := list[i].(type) {
+		case mapped:
+			err = e.dev.UnmapHost(x.h)
 		case Stream:
 			err = e.dev.FreeStream(x)
 		case Event:
@@ -362,4 +364,18 @@ func elemBytes(d adam.DType) int64 {
 		return 4
 	}
 	return 2
+}
+
+// mapped is MapHost's memory in an allocation list, which free unmaps.
+type mapped struct{ h Host }
+
+// mapAlloc maps bytes of host memory that only the CPU uses (Device.MapHost)
+// and adds it to list, for free.
+func (e *Engine) mapAlloc(list *[]any, bytes int64) (Host, error) {
+	h, err := e.dev.MapHost(bytes)
+	if err != nil {
+		return nil, err
+	}
+	*list = append(*list, mapped{h})
+	return h, nil
 }

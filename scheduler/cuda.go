@@ -49,6 +49,30 @@ func (c *cudaDevice) Alloc(bytes int64) (Mem, error) { return c.d.Alloc(bytes) }
 // and page-aligned.
 func (c *cudaDevice) AllocHost(bytes int64) (Host, error) { return c.d.HostRegister(bytes) }
 
+// mappedHost is MapHost's memory on a CUDA device: cuda.MapHost's, not
+// pinned.
+type mappedHost struct{ b []byte }
+
+func (m *mappedHost) Bytes() []byte { return m.b }
+
+func (c *cudaDevice) MapHost(bytes int64) (Host, error) {
+	b, err := cuda.MapHost(bytes)
+	if err != nil {
+		return nil, err
+	}
+	return &mappedHost{b}, nil
+}
+
+func (c *cudaDevice) UnmapHost(h Host) error {
+	m, ok := h.(*mappedHost)
+	if !ok {
+		return fmt.Errorf("scheduler: UnmapHost of a %T, not from MapHost", h)
+	}
+	b := m.b
+	m.b = nil
+	return cuda.UnmapHost(b)
+}
+
 func (c *cudaDevice) NewStream() (Stream, error) {
 	s, err := c.d.NewStream()
 	if err != nil {

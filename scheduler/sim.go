@@ -72,8 +72,9 @@ type simMem struct {
 	sh shadow
 }
 type simHost struct {
-	b  []byte
-	sh shadow
+	b      []byte
+	sh     shadow
+	mapped bool // MapHost's: no copy may touch it
 }
 type simStream struct {
 	id uint8
@@ -148,6 +149,26 @@ func (s *Sim) AllocHost(bytes int64) (Host, error) {
 	return &simHost{b: alignedBytes(bytes)}, nil
 }
 
+// MapHost returns bytes of zeroed host memory that no copy may touch:
+// H2D and D2H refuse it. Errors: bytes <= 0.
+func (s *Sim) MapHost(bytes int64) (Host, error) {
+	if bytes <= 0 {
+		return nil, fmt.Errorf("scheduler: sim MapHost(%d): want > 0 bytes", bytes)
+	}
+	return &simHost{b: alignedBytes(bytes), mapped: true}, nil
+}
+
+// UnmapHost releases MapHost's memory. Errors: memory AllocHost returned,
+// or another device's.
+func (s *Sim) UnmapHost(h Host) error {
+	x, ok := h.(*simHost)
+	if !ok || !x.mapped {
+		return fmt.Errorf("scheduler: sim UnmapHost of a %T not from MapHost", h)
+	}
+	x.b = nil
+	return nil
+}
+
 // alignedBytes returns n zeroed bytes, 64-byte aligned (float32 and
 // uint16 views need 4).
 func alignedBytes(n int64) []byte {
@@ -196,8 +217,8 @@ func (s *Sim) FreeMem(m Mem) error {
 // device.
 func (s *Sim) FreeHost(h Host) error {
 	x, ok := h.(*simHost)
-	if !ok {
-		return fmt.Errorf("scheduler: FreeHost of a %T, not from the simulated device", h)
+	if !ok || x.mapped {
+		return fmt.Errorf("scheduler: FreeHost of a %T, not from the simulated device's AllocHost", h)
 	}
 	x.b = nil
 	return nil
@@ -275,7 +296,7 @@ func span(what string, b []byte, off, n int64) error {
 
 func (s *Sim) H2D(st Stream, dst Mem, dstOff int64, src Host, srcOff, n int64) error {
 	d, h := dst.(*simMem), src.(*simHost)
-	if err := firstErr(span("H2D", d.b, dstOff, n), span("H2D", h.b, srcOff, n)); err != nil {
+	if err := firstErr(span("H2D", d.b, dstOff, n), span("H2D", h.b, srcOff, n), pinnedHost("H2D", h)); err != nil {
 		return err
 	}
 	s.mu.Lock()
@@ -288,6 +309,15 @@ func (s *Sim) H2D(st Stream, dst Mem, dstOff int64, src Host, srcOff, n int64) e
 	}
 	s.logCall(simCall{kind: simH2D, stream: st.(*simStream).id, dst: d, src: h, dstOff: dstOff, srcOff: srcOff, n: n})
 	copy(d.b[dstOff:dstOff+n], h.b[srcOff:srcOff+n])
+	return nil
+}
+
+// pinnedHost refuses a copy of op on MapHost's memory, which a CUDA
+// device could not copy at PCIe speed (it is not pinned).
+func pinnedHost(op string, h *simHost) error {
+	if h.mapped {
+		return fmt.Errorf("scheduler: sim %s on host memory from MapHost, which is not pinned", op)
+	}
 	return nil
 }
 
@@ -311,7 +341,7 @@ func (s *Sim) D2D(st Stream, dst Mem, dstOff int64, src Mem, srcOff, n int64) er
 
 func (s *Sim) D2H(st Stream, dst Host, dstOff int64, src Mem, srcOff, n int64) error {
 	h, d := dst.(*simHost), src.(*simMem)
-	if err := firstErr(span("D2H", h.b, dstOff, n), span("D2H", d.b, srcOff, n)); err != nil {
+	if err := firstErr(span("D2H", h.b, dstOff, n), span("D2H", d.b, srcOff, n), pinnedHost("D2H", h)); err != nil {
 		return err
 	}
 	s.mu.Lock()

@@ -112,11 +112,17 @@ func (e *Engine) allocSpec() error {
 	// The slots' master weights and 16-bit part in pinned memory: the
 	// mirror's H2D reads the one, a CPU subgroup's new working copy moves
 	// H2D from the other; with Options.SpeculateGPU every array, which the
-	// GPU lane's copies read and write.
+	// GPU lane's copies read and write. The others are the CPU's alone
+	// (Device.MapHost: huge pages where the host gives them, as the host
+	// state's).
 	arrays := []*[]float32{&e.slots.Param, &e.slots.ExpAvg, &e.slots.ExpAvgSq, &e.slots.MaxExpAvgSq}[:e.nArr]
 	for a, v := range arrays {
 		if a > 0 && !e.o.SpeculateGPU {
-			*v = make([]float32, n)
+			h, err := e.mapAlloc(&e.allocs, 4*n)
+			if err != nil {
+				return fmt.Errorf("scheduler: Options.Speculate's %d bytes of host memory: %w", 4*n, err)
+			}
+			*v = unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(h.Bytes()))), n)
 			continue
 		}
 		h, err := e.dev.AllocHost(4 * n)

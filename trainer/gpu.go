@@ -439,8 +439,8 @@ func (g *gpuReplica) describe(cfg *TrainConfig) string {
 	} else if cuda.CurrentHostWait() == cuda.WaitSleep {
 		wait = "sleep on dos's events, spin on its streams (the context was made before dos's)"
 	}
-	return line + fmt.Sprintf("GPU memory: %.1f of %.1f GiB in use (model activations %.1f GiB%s)\nhost waits for the device: %s (%s=%v)\n",
-		float64(used)/(1<<30), float64(total)/(1<<30), float64(g.activations)/(1<<30), note, wait, cuda.WaitEnv, cuda.CurrentHostWait())
+	return line + fmt.Sprintf("GPU memory: %.1f of %.1f GiB in use (model activations %.1f GiB%s)\nhost waits for the device: %s (%s=%v); host memory of the CPU workers: %s\n",
+		float64(used)/(1<<30), float64(total)/(1<<30), float64(g.activations)/(1<<30), note, wait, cuda.WaitEnv, cuda.CurrentHostWait(), cuda.HugePages())
 }
 
 // close frees the weight source's buffers (after their streams' work),

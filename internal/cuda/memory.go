@@ -4,8 +4,6 @@ import (
 	"fmt"
 	"sync/atomic"
 	"unsafe"
-
-	"golang.org/x/sys/unix"
 )
 
 // Buffer is device memory from cuMemAlloc: Len bytes at device address
@@ -199,25 +197,25 @@ func (d *Device) HostAlloc(bytes int64) (*HostBuffer, error) {
 	return &HostBuffer{d: d, mem: unsafe.Slice((*byte)(scratchPtr()), bytes)}, nil
 }
 
-// HostRegister maps bytes (> 0, rounded up to whole pages) of anonymous
-// memory with mmap and pins it with cuMemHostRegister (portable). Free
-// unregisters and unmaps it.
+// HostRegister maps bytes (> 0) of anonymous memory with MapHost (whole
+// pages; from 16 MiB up, 2 MiB-aligned and advised for transparent huge
+// pages) and pins it with cuMemHostRegister (portable), which faults every
+// page in. Free unregisters and unmaps it.
 //
 // Errors: bytes <= 0, mmap failing, the driver refusing to pin.
 func (d *Device) HostRegister(bytes int64) (*HostBuffer, error) {
 	if bytes <= 0 {
 		return nil, fmt.Errorf("cuda: HostRegister(%d): size must be > 0", bytes)
 	}
-	page := int64(unix.Getpagesize())
-	mem, err := unix.Mmap(-1, 0, int((bytes+page-1)/page*page), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	mem, err := MapHost(bytes)
 	if err != nil {
-		return nil, fmt.Errorf("cuda: HostRegister(%d B): mmap: %w", bytes, err)
+		return nil, fmt.Errorf("cuda: HostRegister(%d B): %w", bytes, err)
 	}
-	if err := d.RegisterHost(mem); err != nil {
-		unix.Munmap(mem)
+	if err := d.RegisterHost(mem[:cap(mem)]); err != nil {
+		UnmapHost(mem)
 		return nil, err
 	}
-	return &HostBuffer{d: d, mem: mem[:bytes], registered: true}, nil
+	return &HostBuffer{d: d, mem: mem, registered: true}, nil
 }
 
 // RegisterHost pins mem, which must not be Go heap memory (mmap'd memory,
@@ -260,9 +258,9 @@ func (h *HostBuffer) Free() error {
 		return nil
 	}
 	if h.registered {
-		err := h.d.UnregisterHost(h.mem)
-		if uerr := unix.Munmap(h.mem[:cap(h.mem)]); err == nil && uerr != nil {
-			err = fmt.Errorf("cuda: munmap: %w", uerr)
+		err := h.d.UnregisterHost(h.mem[:cap(h.mem)])
+		if uerr := UnmapHost(h.mem); err == nil {
+			err = uerr
 		}
 		return err
 	}

@@ -5,18 +5,18 @@
 // With a CUDA device the memory is mmap'd and pinned with
 // cuMemHostRegister (cuda.Device.HostRegister), so copies run at full PCIe
 // speed; without one (d == nil) it is plain page-aligned, populated mmap
-// memory with the same API, so CPU-only code and tests run the same paths.
-// Either way the memory is mapped once, up front: the resident set grows by
-// the arena's size (rounded up to a page) and no more, and a pinning
-// failure is an error, never a silent fallback.
+// memory with the same API (cuda.MapHost), so CPU-only code and tests run
+// the same paths. Either way the memory is mapped once, up front, from
+// 16 MiB on aligned and advised for transparent huge pages (cuda.MapHost):
+// the resident set grows by the arena's size (rounded up to a page, or to
+// 2 MiB) and no more, and a pinning failure is an error, never a silent
+// fallback.
 package pinned
 
 import (
 	"errors"
 	"fmt"
 	"sync"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/deepstates/dos/internal/cuda"
 )
@@ -55,14 +55,12 @@ func New(d *cuda.Device, bytes int64) (*Arena, error) {
 		}
 		return &Arena{mem: h.Bytes(), host: h}, nil
 	}
-	page := int64(unix.Getpagesize())
-	size := (bytes + page - 1) / page * page
-	mem, err := unix.Mmap(-1, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE|mapPopulate)
+	mem, err := cuda.MapHost(bytes)
 	if err != nil {
-		return nil, fmt.Errorf("pinned: mapping %d bytes: %w", bytes, err)
+		return nil, fmt.Errorf("pinned: %w", err)
 	}
-	touch(mem)
-	return &Arena{mem: mem[:bytes]}, nil
+	touch(mem[:cap(mem)])
+	return &Arena{mem: mem}, nil
 }
 
 // Pinned reports whether the memory is page-locked for a device.
@@ -128,7 +126,7 @@ func (a *Arena) Free() error {
 	if a.host != nil {
 		return a.host.Free()
 	}
-	return unix.Munmap(a.mem[:cap(a.mem)])
+	return cuda.UnmapHost(a.mem)
 }
 
 // Bytes returns the buffer's memory.
@@ -145,4 +143,12 @@ func (b Buf) Slice(lo, hi int64) Buf {
 		panic(fmt.Sprintf("pinned: Slice(%d, %d) of a %d-byte buffer", lo, hi, b.Len))
 	}
 	return Buf{a: b.a, Off: b.Off + lo, Len: hi - lo}
+}
+
+// touch faults every page of mem in (fresh, all-zero memory), as pinning
+// does for a pinned arena: the resident set grows now, not on the hot path.
+func touch(mem []byte) {
+	for i := 0; i < len(mem); i += 4096 {
+		mem[i] = 0
+	}
 }
