@@ -174,3 +174,56 @@ func background(b *testing.B, d *cuda.Device, with string) (stop func()) {
 		}
 	}
 }
+
+// BenchmarkHostPages measures the CPU workers' update in place
+// (adam.Pool.Step, the phase's) and out of place (StepTo, the
+// speculation's), bf16 gradient and working copy, over 64M parameters of
+// memory mapped as the engine's (cuda.MapHost), on 2 MiB pages (advised)
+// and on 4 KiB pages (DOS_HUGE_PAGES=off), one dispatch a subgroup of 8M
+// parameters, and reports Gparam/s. It needs no GPU. The kernel gives
+// huge pages only where its THP mode is madvise or always
+// (cuda.HugePages says).
+func BenchmarkHostPages(b *testing.B) {
+	const n, sub = 64 << 20, 8 << 20
+	b.Logf("host memory: %s; %d threads", cuda.HugePages(), runtime.GOMAXPROCS(0))
+	for _, pages := range []string{"huge", "small"} {
+		for _, op := range []string{"step", "step-to"} {
+			b.Run(pages+"/"+op, func(b *testing.B) {
+				if pages == "small" {
+					b.Setenv(cuda.HugePagesEnv, "off")
+				}
+				var mem hostArrays
+				defer mem.free()
+				st := [2]adam.State{{Param: mem.f32(n), ExpAvg: mem.f32(n), ExpAvgSq: mem.f32(n)}, {Param: mem.f32(n), ExpAvg: mem.f32(n), ExpAvgSq: mem.f32(n)}}
+				g, out := mem.u16(n), mem.u16(n)
+				if mem.err != nil {
+					b.Fatal(mem.err)
+				}
+				pool := adam.NewPool(runtime.GOMAXPROCS(0))
+				defer pool.Close()
+				c := adam.DefaultHyper().Coeffs(1, 1, 0.9)
+				from := 0
+				pass := func() {
+					for lo := 0; lo < n; lo += sub {
+						s, gr, o := st[from].Slice(lo, lo+sub), adam.Grad16(adam.BF16, g[lo:lo+sub]), adam.Copy16{DType: adam.BF16, Data: out[lo : lo+sub]}
+						if op == "step" {
+							pool.Step(&c, s, gr, o)
+						} else {
+							pool.StepTo(&c, s, gr, o, st[1-from].Slice(lo, lo+sub))
+						}
+					}
+					if op == "step-to" {
+						from = 1 - from
+					}
+				}
+				pass()
+				pass() // both states' pages in
+				b.ResetTimer()
+				for range b.N {
+					pass()
+				}
+				b.ReportMetric(float64(b.N)*n/b.Elapsed().Seconds()/1e9, "Gparam/s")
+			})
+		}
+	}
+}
