@@ -23,13 +23,13 @@
 #                                               # (default 24), with and without it (SPECGPU_STRATS: other strategies; SPECGPU_TESTS=0: no test)
 #   PART=b24sweep ...                           # 4.24B under 24 GiB with --speculate 24 and --stream-blocks 15, 17, 19, 21 (dos plan's model
 #                                               # predicts more blocks faster; StreamSweep's auto weighs the update phase alone)
-#   PART=wait  ...                              # internal/cuda's TestHostWait, perfmodel's BenchmarkHostUpdate under each wait, then the
-#                                               # host's wait for the device, spin against sleep
-#                                               # (DOS_CUDA_WAIT), on one plan a cap: 4.24B under 24 GiB (18 blocks streamed, --schedule
-#                                               # SCHEDULE, default 46,59,19, 25M subgroups) and under 40 GiB (--schedule SCHEDULE40, default
-#                                               # 45,15,25, 50M subgroups), --speculate 24, --timeline-at 6; WAIT_CAPS (default "24 40") and
-#                                               # WAIT_MODES (default "spin sleep sleep spin"; spin-t15: spin with --threads 15; a -small
-#                                               # suffix: DOS_HUGE_PAGES=off, 4 KiB pages) choose the runs, WAIT_STRAT the strategies
+#   PART=wait  ...                              # internal/cuda's TestHostWait, perfmodel's BenchmarkHostPages (huge against small pages) and
+#                                               # BenchmarkHostUpdate under each wait and on small pages (WAIT_BENCH=0 skips these), then
+#                                               # 4.24B runs on one plan a cap: under 24 GiB (18 blocks streamed, --schedule SCHEDULE, default
+#                                               # 46,59,19, 25M subgroups) and under 40 GiB (--schedule SCHEDULE40, default 45,15,25, 50M
+#                                               # subgroups), --speculate 24, --timeline-at 6; WAIT_CAPS (default 24) and WAIT_MODES (default
+#                                               # "spin-small spin sleep sleep": DOS_CUDA_WAIT's value, a -t15 suffix for --threads 15, a
+#                                               # -small suffix for DOS_HUGE_PAGES=off) choose the runs, WAIT_STRAT the strategies
 #
 # EXTRA_FLAGS adds dos train flags to every dos run (e.g. --timeline-at 5, to draw the next forward beside a phase).
 # Every e2e part shares one `dos calibrate --json` profile (OUT/P.json) and runs every dos strategy with --clip 0
@@ -111,18 +111,22 @@ leave)
 	grep -h "iteration:\|leaves\|^iter  *[78]/" "$out"/leave/*.log
 	;;
 wait)
+	[ "${WAIT_BENCH:-1}" = 0 ] || {
 	(cd internal/cuda && ../../bin/test/internal_cuda.test -test.run TestHostWait -test.v) >"$out/cuda-wait.log" 2>&1
 	echo "internal_cuda.test TestHostWait: rc=$? $(grep -c -- '--- PASS' "$out/cuda-wait.log") pass, $(grep -c -- '--- FAIL' "$out/cuda-wait.log") fail"
 	grep -h "CPU (" "$out/cuda-wait.log"
+	(cd perfmodel && ../bin/test/perfmodel.test -test.run XXX -test.bench HostPages -test.benchtime 10x -test.count 2) >"$out/hostpages.log" 2>&1
+	grep -h "host memory\|Gparam/s" "$out/hostpages.log"
 	for w in spin sleep spin-small; do # the speculation's update beside a waiting thread and beside copies (perfmodel's BenchmarkHostUpdate); spin-small: on 4 KiB pages
 		hp=on; [ "$w" = spin-small ] && hp=off
 		(cd perfmodel && DOS_HUGE_PAGES=$hp DOS_CUDA_WAIT=${w%-small} ../bin/test/perfmodel.test -test.run XXX -test.bench HostUpdate -test.benchtime 20x) >"$out/hostupdate-$w.log" 2>&1
 		grep -h "host wait\|Gparam/s" "$out/hostupdate-$w.log" | sed 's/^/'"$w"': /'
 	done
+	}
 	profile
 	k=0
-	for cap in ${WAIT_CAPS:-24 40}; do
-		for w in ${WAIT_MODES:-spin sleep sleep spin}; do
+	for cap in ${WAIT_CAPS:-24}; do
+		for w in ${WAIT_MODES:-spin-small spin sleep sleep}; do
 			k=$((k + 1))
 			if [ "$cap" = 24 ]; then
 				sched=${SCHEDULE:-46,59,19} more="--stream-blocks 18 --subgroup-size 25000000"
