@@ -200,7 +200,7 @@ func Calibrate(dev scheduler.Device, threads int, gd adam.DType, ranks int, devi
 		wg.Go(func() { fits[r], errs[r] = perfmodel.CalibrateCPU(co, nil) })
 	}
 	wg.Wait()
-	debug.FreeOSMemory() // the calibrations' subgroups, before the caller allocates its state
+	debug.FreeOSMemory() // what the calibrations left on the Go heap (their arrays are cuda.MapHost's, unmapped as each ends)
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("offload: calibrating the CPU: %w", err)
 	}

@@ -176,6 +176,22 @@ func TestLoad(t *testing.T) {
 	if _, err := Load(write(&other), here); err == nil || !strings.Contains(err.Error(), "another machine") {
 		t.Errorf("another machine: %v", err)
 	}
+	// The host memory's pages: another kind is refused; a profile from
+	// before they were recorded ("") is not.
+	pages := *p
+	pages.Machine.HostPages = "small"
+	hugeHere := here
+	hugeHere.HostPages = "huge"
+	if _, err := Load(write(&pages), hugeHere); err == nil || !strings.Contains(err.Error(), "small pages") || !strings.Contains(err.Error(), "DOS_HUGE_PAGES") {
+		t.Errorf("small pages measured, huge here: %v", err)
+	}
+	if _, err := Load(write(p), hugeHere); err != nil {
+		t.Errorf("a profile without host_pages: %v", err)
+	}
+	pages.Machine.HostPages = "huge"
+	if _, err := Load(write(&pages), hugeHere); err != nil {
+		t.Errorf("the same pages: %v", err)
+	}
 	old := *p
 	old.Version = 0
 	if _, err := Load(write(&old), here); err == nil || !strings.Contains(err.Error(), "version") {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/deepstates/dos/adam"
+	"github.com/deepstates/dos/internal/cuda"
 	"github.com/klauspost/cpuid/v2"
 )
 
@@ -29,6 +30,11 @@ type Machine struct {
 	GPU          string `json:"gpu,omitempty"` // "" without a GPU
 	GPUMemBytes  int64  `json:"gpu_mem_bytes,omitempty"`
 	Driver       string `json:"driver,omitempty"` // CUDA driver API version, e.g. "13.0"
+	// HostPages is the pages of the host memory the CPU workers update,
+	// "huge" or "small" (cuda.HostPages: DOS_HUGE_PAGES and the kernel's
+	// transparent huge pages), on which the CPU's rates depend; "" in
+	// profiles from before it was recorded.
+	HostPages string `json:"host_pages,omitempty"`
 }
 
 // CPUFit is the CPU pool's AdamW update rate at Threads goroutines for
@@ -225,6 +231,9 @@ func Load(path string, here Machine) (*Profile, error) {
 	if p.Machine.CPU != here.CPU || (here.GPU != "" && p.Machine.GPU != here.GPU) || (here.Cores != 0 && p.Machine.Cores != here.Cores) {
 		return nil, fmt.Errorf("perfmodel: %s was measured on another machine (%s; here %s): run dos calibrate here", path, p.Machine.describe(), here.describe())
 	}
+	if p.Machine.HostPages != "" && here.HostPages != "" && p.Machine.HostPages != here.HostPages {
+		return nil, fmt.Errorf("perfmodel: %s was measured on %s pages of host memory, and the CPU workers update %s ones here (DOS_HUGE_PAGES, the kernel's transparent huge pages): run dos calibrate again", path, p.Machine.HostPages, here.HostPages)
+	}
 	return p, nil
 }
 
@@ -246,10 +255,11 @@ func (m Machine) describe() string {
 const maxProfile = 16 << 20
 
 // Here describes this machine's CPU for a Profile or for Load: the model
-// name (klauspost/cpuid) and the logical CPUs. The caller adds the GPU's
-// name, memory and driver when there is one.
+// name (klauspost/cpuid), the logical CPUs and the host memory's pages
+// (cuda.HostPages). The caller adds the GPU's name, memory and driver
+// when there is one.
 func Here() Machine {
-	return Machine{CPU: cpuid.CPU.BrandName, Cores: runtime.NumCPU()}
+	return Machine{CPU: cpuid.CPU.BrandName, Cores: runtime.NumCPU(), HostPages: cuda.HostPages()}
 }
 
 // Scaled returns a copy of p in which resource r takes f[r] times the time

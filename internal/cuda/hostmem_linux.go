@@ -2,6 +2,13 @@ package cuda
 
 import "golang.org/x/sys/unix"
 
-// adviseHuge asks for transparent huge pages for b (madvise MADV_HUGEPAGE):
-// advice, whose failure (a kernel without THP) leaves small pages.
-func adviseHuge(b []byte) { unix.Madvise(b, unix.MADV_HUGEPAGE) }
+// advise asks for transparent huge pages for b (madvise MADV_HUGEPAGE), or
+// with huge false for none (MADV_NOHUGEPAGE): advice, whose failure (a
+// kernel without THP) leaves small pages.
+func advise(b []byte, huge bool) {
+	if huge {
+		unix.Madvise(b, unix.MADV_HUGEPAGE)
+	} else {
+		unix.Madvise(b, unix.MADV_NOHUGEPAGE)
+	}
+}

@@ -2,5 +2,5 @@
 
 package cuda
 
-// adviseHuge does nothing where madvise has no MADV_HUGEPAGE.
-func adviseHuge(b []byte) {}
+// advise does nothing where madvise has no transparent huge pages.
+func advise(b []byte, huge bool) {}

@@ -38,9 +38,10 @@ type Arena struct {
 	closed bool
 }
 
-// New maps bytes (> 0) of host memory and pins it on d, or leaves it
-// unpinned when d is nil. The mapping is rounded up to whole pages; the
-// arena's Len, and what Alloc hands out, is exactly bytes.
+// New maps bytes (> 0) of host memory (cuda.MapHost) and pins it on d, or
+// leaves it unpinned when d is nil. The mapping is rounded up to whole
+// pages (from 16 MiB on, to whole 2 MiB); the arena's Len, and what Alloc
+// hands out, is exactly bytes.
 //
 // Errors: bytes <= 0, mmap failing, the driver refusing to pin (for
 // example over the locked-memory limit); the error says which.
