@@ -136,9 +136,14 @@ wait)
 			m=$w thr="" hp=on # spin-t15: --threads 15 too (a core left to the trainer's thread); sleep-small: DOS_HUGE_PAGES=off
 			[ "${m%-small}" != "$m" ] && m=${m%-small} hp=off
 			[ "${m#*-t}" != "$m" ] && thr="--threads ${m#*-t}" m=${m%-t*}
+			prof=$out/P.json # a profile records the host memory's pages, and a run on the other kind refuses it
+			if [ $hp = off ]; then
+				prof=$out/P-small.json
+				[ -s "$prof" ] || DOS_HUGE_PAGES=off bin/dos calibrate --json "$prof" >"$out/calibrate-small.log" 2>&1
+			fi
 			DOS_HUGE_PAGES=$hp DOS_CUDA_WAIT=$m OUT="$out/wait-$cap-$k-$w" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-8} RUNS="36:3072:24,$cap,8" \
 				STRATS="${WAIT_STRAT:-dos-fixed-spec-24}" SCHEDULE=$sched MODES="" RUN_TIMEOUT=${RUN_TIMEOUT:-150} \
-				DOS_FLAGS="--profile $out/P.json --clip 0 --resident-first=false --speculate 0 $more --timeline-at 6 $thr ${EXTRA_FLAGS:-}" \
+				DOS_FLAGS="--profile $prof --clip 0 --resident-first=false --speculate 0 $more --timeline-at 6 $thr ${EXTRA_FLAGS:-}" \
 				bash bench/e2e_offload.sh 2>&1 | tail -n 1
 			grep -h "iteration:\|speculated in the backward\|host waits" "$out/wait-$cap-$k-$w"/*.log | head -5
 			grep -h "^iter " "$out/wait-$cap-$k-$w"/*.log | tail -2
