@@ -53,9 +53,10 @@ type Device interface {
 	AllocHost(bytes int64) (Host, error)
 	// MapHost returns bytes (> 0) of zeroed host memory that only the CPU
 	// reads and writes, never a copy: pageable, 64-byte aligned (on CUDA,
-	// cuda.MapHost's: outside the Go heap, and from 16 MiB on 2 MiB-aligned
-	// and advised for transparent huge pages). UnmapHost releases it. Errors: bytes <=
-	// 0, mmap's; UnmapHost of memory MapHost did not return.
+	// cuda.MapHost's: outside the Go heap, and from 16 MiB on 2
+	// MiB-aligned and advised for transparent huge pages). UnmapHost
+	// releases it. Errors: bytes <= 0, mmap's; UnmapHost of memory
+	// MapHost did not return.
 	MapHost(bytes int64) (Host, error)
 	UnmapHost(h Host) error
 	// NewStream and NewEvent create a stream and an event (events can be
