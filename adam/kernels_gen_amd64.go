@@ -14,7 +14,7 @@ func updateAVX512(p *float32, m *float32, v *float32, vmax *float32, grad *float
 
 // updateToAVX512 is updateAVX512 with the new p, m, v (and vmax) written to dp, dm, dv (and dvmax)
 // with non-temporal stores, aligned to 64 bytes, and the new p to pc through the cache; p, m, v
-// and vmax are only read. n is a multiple of the lanes.
+// and vmax are only read. n is a multiple of the lanes. The stores are not fenced: call fenceNT after.
 //
 //go:noescape
 func updateToAVX512(p *float32, m *float32, v *float32, vmax *float32, grad *float32, dp *float32, dm *float32, dv *float32, dvmax *float32, pc *float32, n int, k *[9]float32, flags int)
@@ -69,7 +69,7 @@ func updateAVX2(p *float32, m *float32, v *float32, vmax *float32, grad *float32
 
 // updateToAVX2 is updateAVX2 with the new p, m, v (and vmax) written to dp, dm, dv (and dvmax)
 // with non-temporal stores, aligned to 32 bytes, and the new p to pc through the cache; p, m, v
-// and vmax are only read. n is a multiple of the lanes.
+// and vmax are only read. n is a multiple of the lanes. The stores are not fenced: call fenceNT after.
 //
 //go:noescape
 func updateToAVX2(p *float32, m *float32, v *float32, vmax *float32, grad *float32, dp *float32, dm *float32, dv *float32, dvmax *float32, pc *float32, n int, k *[9]float32, flags int)
@@ -113,3 +113,7 @@ func statsAVX2(acc *[16]float64, x *float32, n int, unscale float32) bool
 //
 //go:noescape
 func copyNTAVX2(dst *float32, src *float32, n int)
+
+// fenceNT orders the non-temporal stores made before it before any later store (SFENCE): updateTo's
+// callers call it once after their calls.
+func fenceNT()

@@ -173,7 +173,6 @@ noams:
 	JMP      loop
 
 done:
-	SFENCE
 	VZEROUPPER
 	RET
 
@@ -554,7 +553,6 @@ noams:
 	JMP      loop
 
 done:
-	SFENCE
 	VZEROUPPER
 	RET
 
@@ -785,4 +783,10 @@ loop:
 done:
 	SFENCE
 	VZEROUPPER
+	RET
+
+// func fenceNT()
+// Requires: MMX+
+TEXT ·fenceNT(SB), NOSPLIT, $0
+	SFENCE
 	RET

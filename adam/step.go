@@ -163,7 +163,8 @@ func (path Path) Step(c *Coeffs, s State, g Grad, out Copy16) {
 // that a rollback undoes by keeping s (Pool.StepTo). On a SIMD path the
 // new state goes to memory with non-temporal stores (none of to's lines
 // is read first: 28 bytes of memory traffic a parameter for a bf16
-// gradient and copy, as Step's), in blocks that start on to.Param's
+// gradient and copy, as Step's), fenced once when the range is done (a
+// fence each block cost a third of the rate), in blocks that start on to.Param's
 // vector alignment; the results are Step's bit for bit, but for a NaN
 // result's sign and payload (the elements the kernel and the Go reference
 // take may differ from Step's, and which NaN an operation on NaNs returns
@@ -201,6 +202,11 @@ func (path Path) StepTo(c *Coeffs, s State, g Grad, out Copy16, to State) {
 			path.Round16(out.DType, out.Data[lo:hi], pc[:hi-lo])
 		}
 		lo = hi
+	}
+	if path.lanes > 1 {
+		// The kernel's non-temporal stores, fenced once for the whole
+		// range (not each block) before the caller says it is done.
+		simdFenceNT()
 	}
 }
 

@@ -36,6 +36,10 @@ func simdKernelTo(lanes int, p, m, v, vmax, g, dp, dm, dv, dvmax, pc *float32, n
 	}
 }
 
+// simdFenceNT fences the non-temporal stores of the simdKernelTo calls
+// before it.
+func simdFenceNT() { fenceNT() }
+
 // simdCopyNT copies n fp32 values (a multiple of 4 lanes; dst aligned to
 // the vector width) with the path's non-temporal kernel.
 func simdCopyNT(lanes int, dst, src *float32, n int) {

@@ -27,3 +27,5 @@ func simdStats(lanes int, acc *[statLanes]float64, x *float32, n int, unscale fl
 func simdCopyNT(lanes int, dst, src *float32, n int) {
 	panic("adam: no SIMD kernel in this build")
 }
+
+func simdFenceNT() {}

@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/mmcloughlin/avo/attr"
 	"github.com/mmcloughlin/avo/build"
 	"github.com/mmcloughlin/avo/buildtags"
 	"github.com/mmcloughlin/avo/ir"
@@ -77,6 +78,7 @@ func generate() (map[string][]byte, error) {
 		k.stats()
 		k.copyNT()
 	}
+	fenceNT(ctx)
 	f, err := ctx.Result()
 	if err != nil {
 		return nil, err
@@ -99,6 +101,19 @@ func generate() (map[string][]byte, error) {
 		files[name] = b
 	}
 	return files, nil
+}
+
+// fenceNT emits fenceNT, SFENCE alone (any amd64 CPU has it): the fence
+// after a run of updateTo calls, so that their non-temporal stores are
+// visible before whatever the caller stores next (the pool's completion).
+func fenceNT(ctx *build.Context) {
+	ctx.Function("fenceNT")
+	ctx.Attributes(attr.NOSPLIT)
+	ctx.SignatureExpr("func()")
+	ctx.Doc("fenceNT orders the non-temporal stores made before it before any later store (SFENCE): updateTo's",
+		"callers call it once after their calls.")
+	ctx.SFENCE()
+	ctx.RET()
 }
 
 // checkVEX fails if an AVX2 kernel was given a register that only an EVEX
