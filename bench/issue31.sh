@@ -29,7 +29,8 @@
 #                                               # 46,59,19, 25M subgroups) and under 40 GiB (--schedule SCHEDULE40, default 45,15,25, 50M
 #                                               # subgroups), --speculate 24, --timeline-at 6; WAIT_CAPS (default 24) and WAIT_MODES (default
 #                                               # "spin-small spin sleep sleep": DOS_CUDA_WAIT's value, a -t15 suffix for --threads 15, a
-#                                               # -small suffix for DOS_HUGE_PAGES=off) choose the runs, WAIT_STRAT the strategies
+#                                               # -small suffix for DOS_HUGE_PAGES=off; old: DOS_OLD_BIN, default bin/dos-old, e.g. built at
+#                                               # 655f309, before the tenth session) choose the runs, WAIT_STRAT the strategies
 #
 # EXTRA_FLAGS adds dos train flags to every dos run (e.g. --timeline-at 5, to draw the next forward beside a phase).
 # Every e2e part shares one `dos calibrate --json` profile (OUT/P.json) and runs every dos strategy with --clip 0
@@ -133,7 +134,8 @@ wait)
 			else
 				sched=${SCHEDULE40:-45,15,25} more="--subgroup-size 50000000"
 			fi
-			m=$w thr="" hp=on # spin-t15: --threads 15 too (a core left to the trainer's thread); sleep-small: DOS_HUGE_PAGES=off
+			m=$w thr="" hp=on bin=bin/dos # spin-t15: --threads 15 too (a core left to the trainer's thread); sleep-small: DOS_HUGE_PAGES=off
+			[ "$m" = old ] && m=spin bin=${DOS_OLD_BIN:-bin/dos-old} # another binary, in its own defaults
 			[ "${m%-small}" != "$m" ] && m=${m%-small} hp=off
 			[ "${m#*-t}" != "$m" ] && thr="--threads ${m#*-t}" m=${m%-t*}
 			prof=$out/P.json # a profile records the host memory's pages, and a run on the other kind refuses it
@@ -141,7 +143,7 @@ wait)
 				prof=$out/P-small.json
 				[ -s "$prof" ] || DOS_HUGE_PAGES=off bin/dos calibrate --json "$prof" >"$out/calibrate-small.log" 2>&1
 			fi
-			DOS_HUGE_PAGES=$hp DOS_CUDA_WAIT=$m OUT="$out/wait-$cap-$k-$w" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-8} RUNS="36:3072:24,$cap,8" \
+			DOS_BIN=$bin DOS_HUGE_PAGES=$hp DOS_CUDA_WAIT=$m OUT="$out/wait-$cap-$k-$w" TOKENIZER=gpt2 GPU_NOCAP=0 STEPS=${STEPS:-8} RUNS="36:3072:24,$cap,8" \
 				STRATS="${WAIT_STRAT:-dos-fixed-spec-24}" SCHEDULE=$sched MODES="" RUN_TIMEOUT=${RUN_TIMEOUT:-150} \
 				DOS_FLAGS="--profile $prof --clip 0 --resident-first=false --speculate 0 $more --timeline-at 6 $thr ${EXTRA_FLAGS:-}" \
 				bash bench/e2e_offload.sh 2>&1 | tail -n 1
