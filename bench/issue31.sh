@@ -28,7 +28,7 @@
 #                                               # 4.24B runs on one plan a cap: under 24 GiB (18 blocks streamed, --schedule SCHEDULE, default
 #                                               # 46,59,19, 25M subgroups) and under 40 GiB (--schedule SCHEDULE40, default 45,15,25, 50M
 #                                               # subgroups), --speculate 24, --timeline-at 6; WAIT_CAPS (default 24) and WAIT_MODES (default
-#                                               # "spin-small spin sleep sleep": DOS_CUDA_WAIT's value, a -t15 suffix for --threads 15, a
+#                                               # "old spin-small spin sleep": DOS_CUDA_WAIT's value, a -t15 suffix for --threads 15, a
 #                                               # -small suffix for DOS_HUGE_PAGES=off; old: DOS_OLD_BIN, default bin/dos-old, e.g. built at
 #                                               # 655f309, before the tenth session) choose the runs, WAIT_STRAT the strategies
 #
@@ -127,7 +127,7 @@ wait)
 	profile
 	k=0
 	for cap in ${WAIT_CAPS:-24}; do
-		for w in ${WAIT_MODES:-spin-small spin sleep sleep}; do
+		for w in ${WAIT_MODES:-old spin-small spin sleep}; do
 			k=$((k + 1))
 			if [ "$cap" = 24 ]; then
 				sched=${SCHEDULE:-46,59,19} more="--stream-blocks 18 --subgroup-size 25000000"
