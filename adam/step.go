@@ -205,7 +205,10 @@ func (path Path) StepTo(c *Coeffs, s State, g Grad, out Copy16, to State) {
 	}
 	if path.lanes > 1 {
 		// The kernel's non-temporal stores, fenced once for the whole
-		// range (not each block) before the caller says it is done.
+		// range (not each block) before the caller says it is done. A
+		// goroutine moved to another core between a block and the fence
+		// left no store behind: the interrupt and the kernel's locked
+		// instructions of the move drain the write-combining buffers.
 		simdFenceNT()
 	}
 }
