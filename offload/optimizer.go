@@ -237,7 +237,11 @@ type Optimizer struct {
 
 	step  int64
 	state adam.State // flat, total elements each
-	grad  adam.Grad  // flat gradient, total elements
+	grad  adam.Grad  // flat gradient, total elements; with Options.Device made on first use (hostGrad)
+	// gradOnce makes grad with Options.Device, where a trainer whose
+	// gradients stay on the device (StepArgs.GradOnDevice) never uses it:
+	// 2 or 4 bytes a parameter of host memory it need not hold.
+	gradOnce sync.Once
 	work  adam.Copy16
 	pool  *adam.Pool
 
@@ -370,10 +374,9 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 			o.state.MaxExpAvgSq = make([]float32, o.total)
 		}
 	}
-	if opts.GradDType == adam.F32 {
-		o.grad = adam.GradF32(make([]float32, o.total))
-	} else {
-		o.grad = adam.Grad16(opts.GradDType, make([]uint16, o.total))
+	o.grad = adam.Grad{DType: opts.GradDType}
+	if opts.Device == nil {
+		o.hostGrad()
 	}
 	if opts.WorkingDType != 0 {
 		o.work = adam.Copy16{DType: opts.WorkingDType, Data: make([]uint16, o.total)}
@@ -384,8 +387,6 @@ func New(params []Param, opts Options) (*Optimizer, error) {
 	for _, s := range o.stateSlices() {
 		prefault32(s)
 	}
-	prefault32(o.grad.F32)
-	prefault16(o.grad.U16)
 	prefault16(o.work.Data)
 	o.pool = adam.NewPool(opts.Threads)
 	if opts.Profile == nil && opts.Calibrate && opts.Schedule == nil && opts.Placement == "" {
@@ -1164,13 +1165,30 @@ func (o *Optimizer) span(i int) (lo, hi int) {
 // Panics if i is out of range.
 func (o *Optimizer) Grad(i int) Tensor {
 	lo, hi := o.span(i)
-	t := Tensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: o.grad.DType}
+	g := o.hostGrad()
+	t := Tensor{Name: o.params[i].Name, Shape: o.params[i].Shape, DType: g.DType}
 	if t.DType == adam.F32 {
-		t.f32 = o.grad.F32[lo:hi:hi]
+		t.f32 = g.F32[lo:hi:hi]
 	} else {
-		t.u16 = o.grad.U16[lo:hi:hi]
+		t.u16 = g.U16[lo:hi:hi]
 	}
 	return t
+}
+
+// hostGrad returns the host gradient buffers (Grad's), made and faulted in
+// at the first call: New's without Options.Device, the first Grad, ZeroGrad
+// or Step without StepArgs.GradOnDevice's with one, zeros until written.
+func (o *Optimizer) hostGrad() adam.Grad {
+	o.gradOnce.Do(func() {
+		if o.grad.DType == adam.F32 {
+			o.grad.F32 = make([]float32, o.total)
+			prefault32(o.grad.F32)
+		} else {
+			o.grad.U16 = make([]uint16, o.total)
+			prefault16(o.grad.U16)
+		}
+	})
+	return o.grad
 }
 
 // GradOf is Grad of the parameter named name.
@@ -1337,8 +1355,9 @@ func (o *Optimizer) refreshWorking(lo, hi int) {
 func (o *Optimizer) ZeroGrad() error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	clear(o.grad.F32)
-	clear(o.grad.U16)
+	g := o.hostGrad()
+	clear(g.F32)
+	clear(g.U16)
 	o.resetFinal() // the engine's ZeroGrad drops what was prefetched
 	switch {
 	case o.opts.Device == nil || o.pool == nil:
@@ -1771,7 +1790,7 @@ func (o *Optimizer) beginDevice(start time.Time, unscale float32, res StepResult
 		return res, false, err
 	}
 	if !onDevice {
-		if err := o.eng.SetGrad(o.grad); err != nil {
+		if err := o.eng.SetGrad(o.hostGrad()); err != nil {
 			return res, false, o.engineErr(err)
 		}
 	}
