@@ -1161,7 +1161,10 @@ func (o *Optimizer) span(i int) (lo, hi int) {
 
 // Grad returns the gradient buffer of parameter i (in New's order), of
 // Options.GradDType. The trainer writes the gradient there before Step,
-// never while Step or ZeroGrad runs (see Optimizer's Concurrency).
+// never while Step or ZeroGrad runs (see Optimizer's Concurrency). With
+// Options.Device the buffers (every parameter's) are made, zeroed, at the
+// first Grad, ZeroGrad or Step without StepArgs.GradOnDevice: a trainer
+// whose gradients stay on the device never holds them.
 // Panics if i is out of range.
 func (o *Optimizer) Grad(i int) Tensor {
 	lo, hi := o.span(i)
