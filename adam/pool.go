@@ -51,7 +51,31 @@ type job struct {
 	saveOut []uint16     // the same for out.Data
 	n       int          // elements in all
 	size    int          // elements per chunk, a multiple of MinChunk (or n)
+	workers int          // the goroutines the call runs on
 	next    atomic.Int64 // the first element of the next chunk to take
+}
+
+// take claims the next chunk [lo, hi) (ok false: none is left): size
+// elements while more than two per goroutine are left, then smaller ones,
+// half of what is left per goroutine, down to MinChunk, so that the
+// goroutines finish together: a last chunk of size elements would leave
+// the others waiting up to its whole time (guided self-scheduling). Every
+// chunk but the last is a multiple of MinChunk, so that GradStats' blocks
+// stay whole.
+func (t *job) take() (lo, hi int, ok bool) {
+	for {
+		at := t.next.Load()
+		if at >= int64(t.n) {
+			return 0, 0, false
+		}
+		size := int64(t.size)
+		if rem, w := int64(t.n)-at, int64(t.workers); t.size < t.n && rem < 2*w*size {
+			size = min(size, max(MinChunk, (rem/(2*w)+MinChunk-1)/MinChunk*MinChunk))
+		}
+		if t.next.CompareAndSwap(at, at+size) {
+			return int(at), int(min(at+size, int64(t.n))), true
+		}
+	}
 }
 
 // slot holds one goroutine's reduction result, padded to its own cache
@@ -141,11 +165,10 @@ func (p *Pool) run(sl int) {
 		if !first && t.next.Load() < int64(t.n) {
 			runtime.Gosched()
 		}
-		lo := int(t.next.Add(int64(t.size))) - t.size
-		if lo >= t.n {
+		lo, hi, more := t.take()
+		if !more {
 			break
 		}
-		hi := min(lo+t.size, t.n)
 		switch t.kind {
 		case taskStep:
 			p.path.Step(&t.c, t.s.Slice(lo, hi), t.g.Slice(lo, hi), t.out.Slice(lo, hi))
@@ -202,7 +225,7 @@ func (p *Pool) dispatch(n int) int {
 		panic("adam: Pool used after Close")
 	}
 	goroutines, size := p.split(n)
-	p.job.n, p.job.size = n, size
+	p.job.n, p.job.size, p.job.workers = n, size, goroutines
 	p.job.next.Store(0)
 	p.wg.Add(goroutines - 1)
 	for sl := 1; sl < goroutines; sl++ {
