@@ -31,8 +31,11 @@ func TestHostGradOnFirstUse(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	if err := o.ZeroGrad(); err != nil {
+		t.Fatal(err)
+	}
 	if o.grad.U16 != nil {
-		t.Fatal("Step with GradOnDevice made the host gradients")
+		t.Fatal("Step with GradOnDevice, or ZeroGrad, made the host gradients")
 	}
 	g := o.Grad(0).Uint16()
 	if len(g) != o.Params()[0].Len {

@@ -242,6 +242,7 @@ type Optimizer struct {
 	// gradients stay on the device (StepArgs.GradOnDevice) never uses it:
 	// 2 or 4 bytes a parameter of host memory it need not hold.
 	gradOnce sync.Once
+	gradMade atomic.Bool // gradOnce ran: ZeroGrad need not make the buffers to clear them
 	work  adam.Copy16
 	pool  *adam.Pool
 
@@ -1163,8 +1164,8 @@ func (o *Optimizer) span(i int) (lo, hi int) {
 // Options.GradDType. The trainer writes the gradient there before Step,
 // never while Step or ZeroGrad runs (see Optimizer's Concurrency). With
 // Options.Device the buffers (every parameter's) are made, zeroed, at the
-// first Grad, ZeroGrad or Step without StepArgs.GradOnDevice: a trainer
-// whose gradients stay on the device never holds them.
+// first Grad or Step without StepArgs.GradOnDevice: a trainer whose
+// gradients stay on the device never holds them.
 // Panics if i is out of range.
 func (o *Optimizer) Grad(i int) Tensor {
 	lo, hi := o.span(i)
@@ -1179,8 +1180,9 @@ func (o *Optimizer) Grad(i int) Tensor {
 }
 
 // hostGrad returns the host gradient buffers (Grad's), made and faulted in
-// at the first call: New's without Options.Device, the first Grad, ZeroGrad
-// or Step without StepArgs.GradOnDevice's with one, zeros until written.
+// at the first call: New's without Options.Device, with one the first
+// Grad's or Step's without StepArgs.GradOnDevice (ZeroGrad clears them
+// only once made), zeros until written.
 func (o *Optimizer) hostGrad() adam.Grad {
 	o.gradOnce.Do(func() {
 		if o.grad.DType == adam.F32 {
@@ -1190,6 +1192,7 @@ func (o *Optimizer) hostGrad() adam.Grad {
 			o.grad.U16 = make([]uint16, o.total)
 			prefault16(o.grad.U16)
 		}
+		o.gradMade.Store(true)
 	})
 	return o.grad
 }
@@ -1358,9 +1361,11 @@ func (o *Optimizer) refreshWorking(lo, hi int) {
 func (o *Optimizer) ZeroGrad() error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	g := o.hostGrad()
-	clear(g.F32)
-	clear(g.U16)
+	if o.gradMade.Load() { // else there is nothing to clear: the first use makes zeros
+		g := o.hostGrad()
+		clear(g.F32)
+		clear(g.U16)
+	}
 	o.resetFinal() // the engine's ZeroGrad drops what was prefetched
 	switch {
 	case o.opts.Device == nil || o.pool == nil:

@@ -535,9 +535,12 @@ const MaxMemoryBytes = 1 << 40
 // evaluate too), and rank 0's sampler of one row when the run samples.
 //
 // With Device "cuda" the activations are on the GPU and there are no fp32
-// copies: 16 B per parameter (18 with the overlap with backward: the CPU
-// subgroups' gradients in pinned memory of their own, counted for every
-// parameter), the initial weights' buffers and the ring.
+// copies: 14 B per parameter (the state and the working copy's host
+// mirror; the gradients stay on the device, and the optimizer makes no
+// host buffers for them: offload.Optimizer.Grad), 16 with the overlap
+// with backward (the CPU subgroups' gradients in pinned memory of their
+// own, counted for every parameter), the initial weights' buffers and the
+// ring.
 //
 // What New allocates (runtime.MemStats.TotalAlloc) is within 1 % of it
 // (TestMemoryBytesMeasured); the peak RSS of `dos train` on the 2-core
@@ -581,8 +584,9 @@ func (c *TrainConfig) MemoryBytes() float64 {
 	}
 	if c.Device == "cuda" {
 		// The GPU holds the activations and reads the 16-bit copies
-		// itself: no fp32 copies on the host.
-		perParam, floats = 12+2+2, 0
+		// itself: no fp32 copies on the host, and the gradients stay on
+		// the device (GradOnDevice: no host gradient buffers).
+		perParam, floats = 12+2, 0
 		if !c.NoOverlap {
 			perParam += 2
 		}
