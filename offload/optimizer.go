@@ -243,8 +243,8 @@ type Optimizer struct {
 	// 2 or 4 bytes a parameter of host memory it need not hold.
 	gradOnce sync.Once
 	gradMade atomic.Bool // gradOnce ran: ZeroGrad need not make the buffers to clear them
-	work  adam.Copy16
-	pool  *adam.Pool
+	work     adam.Copy16
+	pool     *adam.Pool
 
 	pending  lazySave              // the lazy save whose capture may still read the state
 	gcoeffs  []adam.Coeffs         // per parameter group: groupCoeffs's last (a step's, or a speculation's)
