@@ -3,7 +3,6 @@ package offload
 import (
 	"errors"
 	"fmt"
-	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -164,7 +163,8 @@ type Resource = perfmodel.Resource
 // rates are kept; beyond two ranks each one's subgroups are 2/ranks of
 // one calibration's (at least 1M parameters), so that the memory stays
 // two calibrations'. The host memory the calibrations held is returned to
-// the system before Calibrate returns.
+// the system before Calibrate returns (their arrays, outside the Go heap,
+// are unmapped as each ends).
 //
 // Errors: deviceBytes (on a CUDA device) below MinCalibrationBytes, the
 // GPU's or the CPU's measurement (named), for instance out of device
@@ -200,7 +200,6 @@ func Calibrate(dev scheduler.Device, threads int, gd adam.DType, ranks int, devi
 		wg.Go(func() { fits[r], errs[r] = perfmodel.CalibrateCPU(co, nil) })
 	}
 	wg.Wait()
-	debug.FreeOSMemory() // what the calibrations left on the Go heap (their arrays are cuda.MapHost's, unmapped as each ends)
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("offload: calibrating the CPU: %w", err)
 	}

@@ -1362,9 +1362,8 @@ func (o *Optimizer) ZeroGrad() error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.gradMade.Load() { // else there is nothing to clear: the first use makes zeros
-		g := o.hostGrad()
-		clear(g.F32)
-		clear(g.U16)
+		clear(o.grad.F32)
+		clear(o.grad.U16)
 	}
 	o.resetFinal() // the engine's ZeroGrad drops what was prefetched
 	switch {

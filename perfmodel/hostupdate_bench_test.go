@@ -80,13 +80,7 @@ func BenchmarkHostUpdate(b *testing.B) {
 				pool := adam.NewPool(w)
 				defer pool.Close()
 				from := 0
-				pass := func() {
-					for lo := 0; lo < n; lo += sub {
-						hi := min(lo+sub, n)
-						pool.StepTo(&c, st[from].Slice(lo, hi), adam.Grad16(adam.BF16, g[lo:hi]), adam.Copy16{DType: adam.BF16, Data: out[lo:hi]}, st[1-from].Slice(lo, hi))
-					}
-					from = 1 - from
-				}
+				pass := func() { updatePass(pool, &c, &st, g, out, sub, true, &from) }
 				pass() // the pages warm
 				stop := background(b, d, with)
 				b.ResetTimer()
@@ -203,19 +197,7 @@ func BenchmarkHostPages(b *testing.B) {
 				defer pool.Close()
 				c := adam.DefaultHyper().Coeffs(1, 1, 0.9)
 				from := 0
-				pass := func() {
-					for lo := 0; lo < n; lo += sub {
-						s, gr, o := st[from].Slice(lo, lo+sub), adam.Grad16(adam.BF16, g[lo:lo+sub]), adam.Copy16{DType: adam.BF16, Data: out[lo : lo+sub]}
-						if op == "step" {
-							pool.Step(&c, s, gr, o)
-						} else {
-							pool.StepTo(&c, s, gr, o, st[1-from].Slice(lo, lo+sub))
-						}
-					}
-					if op == "step-to" {
-						from = 1 - from
-					}
-				}
+				pass := func() { updatePass(pool, &c, &st, g, out, sub, op == "step-to", &from) }
 				pass()
 				pass() // both states' pages in
 				b.ResetTimer()
@@ -225,5 +207,25 @@ func BenchmarkHostPages(b *testing.B) {
 				b.ReportMetric(float64(b.N)*n/b.Elapsed().Seconds()/1e9, "Gparam/s")
 			})
 		}
+	}
+}
+
+// updatePass steps st[*from] over all its elements with gradient g and
+// working copy out, one pool call a subgroup of sub elements: in place
+// (Step), or with to out of place into the other state (StepTo), which
+// then becomes *from, as the speculation's home and slots alternate.
+func updatePass(pool *adam.Pool, c *adam.Coeffs, st *[2]adam.State, g, out []uint16, sub int, to bool, from *int) {
+	n := len(g)
+	for lo := 0; lo < n; lo += sub {
+		hi := min(lo+sub, n)
+		s, gr, o := st[*from].Slice(lo, hi), adam.Grad16(adam.BF16, g[lo:hi]), adam.Copy16{DType: adam.BF16, Data: out[lo:hi]}
+		if to {
+			pool.StepTo(c, s, gr, o, st[1-*from].Slice(lo, hi))
+		} else {
+			pool.Step(c, s, gr, o)
+		}
+	}
+	if to {
+		*from = 1 - *from
 	}
 }

@@ -374,7 +374,7 @@ type mapped struct{ h Host }
 func (e *Engine) mapAlloc(list *[]any, bytes int64) (Host, error) {
 	h, err := e.dev.MapHost(bytes)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("scheduler: %d bytes of host memory: %w", bytes, err)
 	}
 	*list = append(*list, mapped{h})
 	return h, nil

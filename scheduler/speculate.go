@@ -117,27 +117,24 @@ func (e *Engine) allocSpec() error {
 	// state's).
 	arrays := []*[]float32{&e.slots.Param, &e.slots.ExpAvg, &e.slots.ExpAvgSq, &e.slots.MaxExpAvgSq}[:e.nArr]
 	for a, v := range arrays {
-		if a > 0 && !e.o.SpeculateGPU {
-			h, err := e.mapAlloc(&e.allocs, 4*n)
-			if err != nil {
-				return fmt.Errorf("scheduler: Options.Speculate's %d bytes of host memory: %w", 4*n, err)
-			}
-			*v = unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(h.Bytes()))), n)
-			continue
+		pinned := a == 0 || e.o.SpeculateGPU
+		alloc := e.hostAlloc
+		if !pinned {
+			alloc = e.mapAlloc
 		}
-		h, err := e.dev.AllocHost(4 * n)
+		h, err := alloc(&e.allocs, 4*n)
 		if err != nil {
-			return fmt.Errorf("scheduler: Options.Speculate's %d bytes of pinned memory: %w", 4*n, err)
+			return fmt.Errorf("scheduler: Options.Speculate's slots: %w", err)
 		}
-		e.allocs = append(e.allocs, h)
-		e.slotsH[a] = h
+		if pinned {
+			e.slotsH[a] = h
+		}
 		*v = unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(h.Bytes()))), n)
 	}
-	h, err := e.dev.AllocHost(2 * n)
+	h, err := e.hostAlloc(&e.allocs, 2*n)
 	if err != nil {
-		return fmt.Errorf("scheduler: Options.Speculate's %d bytes of pinned memory: %w", 2*n, err)
+		return fmt.Errorf("scheduler: Options.Speculate's slots: %w", err)
 	}
-	e.allocs = append(e.allocs, h)
 	e.specOutH = h
 	e.specOut = unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(h.Bytes()))), n)
 	// Mapped now, on every core, not by the first speculative updates
